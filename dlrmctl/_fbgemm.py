@@ -1,0 +1,83 @@
+"""Loading FBGEMM-GPU against the installed torch.
+
+FBGEMM's wheels are compiled against one torch release; loading a wheel built
+for another torch fails with an ``undefined symbol`` error (or, worse, loads and
+misses operators).  This is the most common install failure of TorchRec-style
+stacks, so we check it once at import and turn it into a message that names
+both versions and the pair that works.
+
+Known-good pairs (from the FBGEMM release notes): torch 2.13.x with
+fbgemm-gpu(-cpu) 1.8.0.  fbgemm-gpu 1.9 is built for a newer torch and does not
+load against 2.13.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.util
+
+#: torch minor release -> fbgemm-gpu release known to load against it.
+KNOWN_GOOD_PAIRS: dict[str, str] = {"2.13": "1.8.0"}
+
+HAS_FBGEMM: bool = False
+FBGEMM_IMPORT_ERROR: str | None = None
+
+
+class FbgemmTorchMismatchError(ImportError):
+    """Raised when ``fbgemm_gpu`` is installed but cannot load against ``torch``."""
+
+
+def _installed_version(*dists: str) -> str | None:
+    for d in dists:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_torch_fbgemm_pair() -> bool:
+    """Import ``fbgemm_gpu`` if installed and verify its operators are registered.
+
+    Returns:
+        True if FBGEMM is usable, False if it is not installed (the ``dense``
+        kernel will be used).
+
+    Raises:
+        FbgemmTorchMismatchError: fbgemm_gpu is installed but fails to load or
+            lacks the table-batched-embedding operators; the message names the
+            torch and fbgemm versions and the pair to install.
+    """
+    global HAS_FBGEMM, FBGEMM_IMPORT_ERROR
+    import torch
+
+    if importlib.util.find_spec("fbgemm_gpu") is None:
+        HAS_FBGEMM = False
+        FBGEMM_IMPORT_ERROR = "fbgemm_gpu is not installed"
+        return False
+    torch_v = torch.__version__.split("+")[0]
+    fb_v = _installed_version("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm_gpu_cpu", "fbgemm_gpu")
+    minor = ".".join(torch_v.split(".")[:2])
+    want = KNOWN_GOOD_PAIRS.get(minor)
+    hint = (
+        f"install the matching pair: pip install torch=={minor}.0 fbgemm-gpu-cpu=={want} "
+        f"(CPU) or fbgemm-gpu=={want} (CUDA)"
+        if want
+        else "install torch==2.13.0 with fbgemm-gpu(-cpu)==1.8.0"
+    )
+    try:
+        import fbgemm_gpu  # noqa: F401
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: F401
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        torch.ops.fbgemm.asynchronous_complete_cumsum  # noqa: B018  (operator registered?)
+    except Exception as e:  # ImportError, OSError (undefined symbol), AttributeError
+        FBGEMM_IMPORT_ERROR = str(e)
+        raise FbgemmTorchMismatchError(
+            f"fbgemm_gpu {fb_v} does not load against torch {torch.__version__}: "
+            f"{type(e).__name__}: {str(e)[:300]}. {hint}. "
+            "Or uninstall fbgemm_gpu to fall back to the dense (torch.nn.EmbeddingBag) kernel."
+        ) from e
+    HAS_FBGEMM = True
+    return True
