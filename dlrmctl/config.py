@@ -1,0 +1,502 @@
+"""Experiment configuration: one YAML per experiment mapped onto typed dataclasses.
+
+Loading is strict (in the spirit of nanoGPT / torchtune overrides): an unknown
+key, a missing required key or a value of the wrong type is a
+:class:`ConfigError` naming the full key path, e.g.
+``configs/x.yaml: model.tables[3].embedding_dim: expected int, got 'abc'``.
+``--set a.b=value`` overrides are parsed as YAML scalars and type-checked the
+same way.
+
+Top-level sections: ``name``, ``data``, ``model``, ``optimizer``, ``train``,
+``sharding``.  See ``README.md`` ("Configuration") for every key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the file and the key path."""
+
+
+# --------------------------------------------------------------------- schema
+@dataclass
+class TableConfig:
+    """One embedding table (``model.tables[i]``).
+
+    ``num_embeddings: null`` takes the cardinality from the data's meta.json;
+    ``embedding_dim: null`` takes ``model.embedding_dim``; ``feature_names``
+    defaults to ``[name]``.
+    """
+
+    name: str
+    num_embeddings: Optional[int] = None
+    embedding_dim: Optional[int] = None
+    feature_names: list[str] = field(default_factory=list)
+    pooling: Literal["sum", "mean"] = "sum"
+
+
+@dataclass
+class DataConfig:
+    """``data``: where the preprocessed columnar data lives and how it is batched.
+
+    ``batch_size`` is the GLOBAL batch (split over ranks).  ``num_samples`` caps
+    rows per epoch (null: all).  ``multi_hot_sizes`` (one int per sparse
+    feature) expands 1-hot ids into MLPerf-DLRMv2-style multi-hot bags on the fly.
+    """
+
+    path: str = "data/demo"
+    train_split: str = "train"
+    val_split: str = "val"
+    batch_size: int = 1024
+    eval_batch_size: int = 8192
+    shuffle: bool = True
+    num_samples: Optional[int] = None
+    prefetch: int = 2
+    multi_hot_sizes: Optional[list[int]] = None
+    multi_hot_distribution: Literal["uniform", "pareto"] = "uniform"
+
+
+@dataclass
+class ModelConfig:
+    """``model``: DLRM architecture.
+
+    ``tables`` empty -> one table per sparse feature of the data, named
+    ``t_<feature>``, with ``embedding_dim`` columns and meta.json's cardinality.
+    ``dense_arch_layer_sizes[-1]`` must equal the embedding dim for the dot
+    interaction (DLRM, Naumov et al. 2019).
+    """
+
+    arch: Literal["dlrm"] = "dlrm"
+    embedding_dim: int = 16
+    tables: list[TableConfig] = field(default_factory=list)
+    dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
+    over_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 1])
+    interaction: Literal["dot", "dcn", "projection"] = "dot"
+    dcn_num_layers: int = 3
+    dcn_low_rank_dim: int = 512
+    interaction_branch1_layer_sizes: list[int] = field(default_factory=lambda: [128, 128])
+    interaction_branch2_layer_sizes: list[int] = field(default_factory=lambda: [128, 128])
+    compute_kernel: Literal["fused", "dense"] = "fused"
+
+
+@dataclass
+class EmbeddingOptimizerConfig:
+    """``optimizer.embedding``: fused into the TBE backward (FBGEMM names).
+
+    row-wise Adagrad keeps one float of state per row; Adagrad one per weight.
+    """
+
+    type: Literal["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"] = "exact_rowwise_adagrad"
+    lr: float = 0.1
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+@dataclass
+class DenseOptimizerConfig:
+    """``optimizer.dense``: a torch optimizer for the MLPs (and dense-kernel tables)."""
+
+    type: Literal["adagrad", "adam", "sgd"] = "adagrad"
+    lr: float = 0.1
+    eps: float = 1e-8
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class LRScheduleConfig:
+    """``optimizer.lr_schedule``: linear warmup then polynomial decay.
+
+    As in the DLRM reference's ``LRPolicyScheduler`` (facebookresearch/dlrm,
+    ``dlrm_s_pytorch.py``): for ``step < warmup_steps`` the factor is
+    ``(step + 1) / warmup_steps`` (DLRM: ``1 - (warmup - step)/warmup``);
+    between warmup and ``decay_start_step`` it is 1; from ``decay_start_step``
+    for ``decay_steps`` steps it is ``((decay_steps - s) / decay_steps) ** decay_power``
+    (s = steps since decay start), floored at ``end_lr_factor``.  ``decay_steps: 0``
+    disables decay.  The factor multiplies both the dense and the embedding lr.
+    """
+
+    warmup_steps: int = 0
+    decay_start_step: int = 0
+    decay_steps: int = 0
+    decay_power: float = 2.0
+    end_lr_factor: float = 0.0
+
+
+@dataclass
+class OptimizerConfig:
+    embedding: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
+    dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+
+
+@dataclass
+class TrainConfig:
+    """``train``: the loop.
+
+    ``max_steps`` (null: no cap) stops early; ``eval_every`` / ``checkpoint_every``
+    are in steps (0: only at the end of each epoch); ``log_every`` in steps.
+    """
+
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    keep_last_checkpoints: int = 2
+    log_every: int = 50
+    seed: int = 0
+    run_dir: str = "runs"
+    pipeline: Literal["none", "base", "sparse_dist"] = "sparse_dist"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+
+
+@dataclass
+class TableShardingConfig:
+    """``sharding.tables.<name>``: a hand-given sharding for one table.
+
+    ``ranks``: for table_wise one rank; for column kinds one per column shard;
+    for row kinds the ranks sharing rows (default: all ranks, or one host for
+    table_row_wise).  ``column_sizes``: widths of column shards.
+    """
+
+    sharding_type: Literal[
+        "data_parallel", "table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"
+    ] = "table_wise"
+    compute_kernel: Literal["fused", "dense"] = "fused"
+    ranks: Optional[list[int]] = None
+    column_sizes: Optional[list[int]] = None
+
+
+@dataclass
+class TableConstraintsConfig:
+    """``sharding.constraints.<table>``: what the planner may choose for a table."""
+
+    sharding_types: Optional[list[str]] = None
+    compute_kernels: Optional[list[str]] = None
+    ranks: Optional[list[int]] = None
+    min_column_shard_dim: Optional[int] = None
+
+
+@dataclass
+class ShardingConfig:
+    """``sharding``: how tables are placed when training with several ranks.
+
+    ``tables`` gives an explicit plan per table (tables not listed are planned
+    by the planner); ``plan_file`` points at a plan written by ``dlrmctl plan``;
+    ``local_world_size`` (null: all ranks on one host) lets one machine pretend
+    to be several hosts (4 ranks = 2 hosts x 2) for table_row_wise /
+    table_column_wise; ``constraints`` restrict the planner per table.
+    """
+
+    plan_file: Optional[str] = None
+    local_world_size: Optional[int] = None
+    tables: dict[str, TableShardingConfig] = field(default_factory=dict)
+    constraints: dict[str, TableConstraintsConfig] = field(default_factory=dict)
+    device: str = "cpu"
+    hbm_gb: Optional[float] = None
+    ddr_gb: Optional[float] = None
+
+
+@dataclass
+class ExperimentConfig:
+    """The whole YAML file."""
+
+    name: str = "experiment"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+
+
+# ------------------------------------------------------------------ conversion
+_MISSING = object()
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if origin is dict:
+        return f"mapping of {_type_name(typing.get_args(tp)[1])}"
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, path: str) -> Any:
+    """Convert a YAML value to ``tp``, raising ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _convert(value, a, path)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: expected one of {list(allowed)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        (et,) = typing.get_args(tp)
+        return [_convert(v, et, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        _, vt = typing.get_args(tp)
+        return {str(k): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return _build_dataclass(tp, value, path)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool (true/false), got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            # YAML 1.1 reads "1e-8" as a string; accept numeric strings for floats.
+            if isinstance(value, str):
+                try:
+                    return float(value)
+                except ValueError:
+                    pass
+            raise ConfigError(f"{path}: expected float, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {value!r}")
+        return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(f"{path}: expected one of {[e.value for e in tp]}, got {value!r}") from None
+    raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover
+
+
+def _build_dataclass(cls: Any, value: Any, path: str) -> Any:
+    where = path or "<root>"
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in value if k not in fields]
+    if unknown:
+        k = unknown[0]
+        raise ConfigError(
+            f"{path + '.' if path else ''}{k}: unknown key; expected one of {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        p = f"{path}.{name}" if path else name
+        if name in value:
+            kwargs[name] = _convert(value[name], hints[name], p)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+            raise ConfigError(f"{p}: required key is missing")
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> Any:
+    """Dataclass tree -> plain dicts/lists (for YAML dumps of the resolved config)."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list):
+        return [to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    return cfg
+
+
+_PATH_TOKEN = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _split_path(key: str) -> list[str | int]:
+    parts: list[str | int] = []
+    pos = 0
+    for m in _PATH_TOKEN.finditer(key):
+        parts.append(m.group(1) if m.group(1) is not None else int(m.group(2)))
+        pos = m.end()
+    if not parts or pos != len(key.rstrip(".")):
+        raise ConfigError(f"--set {key}: cannot parse key path")
+    return parts
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one ``a.b[2].c=value`` override to the raw YAML dict in place.
+
+    The value is parsed as YAML (``32`` -> int, ``[1, 2]`` -> list,
+    ``true`` -> bool).  Type checking happens when the dataclasses are built.
+
+    Raises:
+        ConfigError: no ``=``, bad path, or a list index out of range.
+    """
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. model.embedding_dim=32")
+    key, _, text = assignment.partition("=")
+    key = key.strip()
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {key}: cannot parse value {text!r}: {e}") from e
+    parts = _split_path(key)
+    node: Any = raw
+    for i, p in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(p, int):
+            if not isinstance(node, list) or p >= len(node):
+                raise ConfigError(f"--set {key}: index [{p}] out of range")
+            node = node[p]
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: '{p}' is not inside a mapping")
+            if p not in node or node[p] is None:
+                node[p] = [] if isinstance(nxt, int) else {}
+            node = node[p]
+    last = parts[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last >= len(node):
+            raise ConfigError(f"--set {key}: index [{last}] out of range")
+        node[last] = value
+    else:
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {key}: '{last}' is not inside a mapping")
+        node[last] = value
+
+
+def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str = "<dict>") -> ExperimentConfig:
+    """Build and validate an :class:`ExperimentConfig` from a raw mapping.
+
+    Raises:
+        ConfigError: with ``source: key.path: problem``.
+    """
+    raw = copy.deepcopy(raw) if raw is not None else {}
+    for ov in overrides or []:
+        try:
+            apply_override(raw, ov)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    try:
+        cfg = _build_dataclass(ExperimentConfig, raw, "")
+        validate(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    return cfg
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a YAML experiment file, apply ``--set`` overrides, validate.
+
+    Relative ``data.path`` / ``train.run_dir`` / ``sharding.plan_file`` are
+    kept as written (relative to the working directory, like the CLI's paths).
+
+    Raises:
+        ConfigError: unreadable file, invalid YAML (with line), unknown key,
+            wrong type, or inconsistent values.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config: {e}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else path
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return config_from_dict(raw or {}, overrides, source=path)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Cross-field checks that types alone cannot express.
+
+    Raises:
+        ConfigError: naming the key path.
+    """
+    def pos(v: Any, p: str, allow_zero: bool = False) -> None:
+        if v is not None and (v < 0 or (v == 0 and not allow_zero)):
+            raise ConfigError(f"{p}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
+
+    pos(cfg.data.batch_size, "data.batch_size")
+    pos(cfg.data.eval_batch_size, "data.eval_batch_size")
+    pos(cfg.data.num_samples, "data.num_samples")
+    pos(cfg.model.embedding_dim, "model.embedding_dim")
+    pos(cfg.train.epochs, "train.epochs")
+    pos(cfg.train.max_steps, "train.max_steps")
+    pos(cfg.train.eval_every, "train.eval_every", allow_zero=True)
+    pos(cfg.train.checkpoint_every, "train.checkpoint_every", allow_zero=True)
+    pos(cfg.train.keep_last_checkpoints, "train.keep_last_checkpoints")
+    pos(cfg.optimizer.embedding.lr, "optimizer.embedding.lr", allow_zero=True)
+    pos(cfg.optimizer.dense.lr, "optimizer.dense.lr", allow_zero=True)
+    for i, n in enumerate(cfg.model.dense_arch_layer_sizes):
+        pos(n, f"model.dense_arch_layer_sizes[{i}]")
+    for i, n in enumerate(cfg.model.over_arch_layer_sizes):
+        pos(n, f"model.over_arch_layer_sizes[{i}]")
+    if not cfg.model.over_arch_layer_sizes or cfg.model.over_arch_layer_sizes[-1] != 1:
+        raise ConfigError("model.over_arch_layer_sizes: the last layer must have size 1 (one logit)")
+    if not cfg.model.dense_arch_layer_sizes:
+        raise ConfigError("model.dense_arch_layer_sizes: needs at least one layer")
+    if len(cfg.optimizer.dense.betas) != 2:
+        raise ConfigError(f"optimizer.dense.betas: expected two floats, got {cfg.optimizer.dense.betas}")
+    names = set()
+    for i, t in enumerate(cfg.model.tables):
+        p = f"model.tables[{i}]"
+        if t.name in names:
+            raise ConfigError(f"{p}.name: duplicate table name '{t.name}'")
+        names.add(t.name)
+        pos(t.num_embeddings, f"{p}.num_embeddings")
+        pos(t.embedding_dim, f"{p}.embedding_dim")
+    if cfg.model.interaction == "dot":
+        dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
+        if len(dims) != 1:
+            raise ConfigError(f"model.tables: the dot interaction needs one embedding dim for all tables, got {sorted(dims)}")
+        (d,) = dims
+        if cfg.model.dense_arch_layer_sizes[-1] != d:
+            raise ConfigError(
+                f"model.dense_arch_layer_sizes: the last layer ({cfg.model.dense_arch_layer_sizes[-1]}) must equal "
+                f"the embedding dim ({d}) for the dot interaction"
+            )
+    if cfg.model.tables:
+        for tname in cfg.sharding.tables:
+            if tname not in names:
+                raise ConfigError(f"sharding.tables.{tname}: no such table in model.tables ({sorted(names)})")
+    if cfg.data.multi_hot_sizes is not None and any(s <= 0 for s in cfg.data.multi_hot_sizes):
+        raise ConfigError(f"data.multi_hot_sizes: every size must be > 0, got {cfg.data.multi_hot_sizes}")
