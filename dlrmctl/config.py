@@ -500,3 +500,67 @@ def validate(cfg: ExperimentConfig) -> None:
                 raise ConfigError(f"sharding.tables.{tname}: no such table in model.tables ({sorted(names)})")
     if cfg.data.multi_hot_sizes is not None and any(s <= 0 for s in cfg.data.multi_hot_sizes):
         raise ConfigError(f"data.multi_hot_sizes: every size must be > 0, got {cfg.data.multi_hot_sizes}")
+
+
+def read_data_meta(cfg: ExperimentConfig) -> dict | None:
+    """The preprocessed data's ``meta.json`` at ``data.path``, or None if there is none.
+
+    Raises:
+        ConfigError: meta.json exists but is not valid JSON.
+    """
+    import json
+
+    p = os.path.join(cfg.data.path, "meta.json")
+    if not os.path.exists(p):
+        return None
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read data meta: {e}") from e
+
+
+def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
+    """Turn ``model.tables`` (+ the data's meta.json) into EmbeddingBagConfigs.
+
+    * ``model.tables`` empty: one table ``t_<feature>`` per sparse feature of
+      meta.json, ``model.embedding_dim`` wide, rows = the feature's ``num_embeddings``.
+    * a table with ``num_embeddings: null``: the largest cardinality among its
+      features in meta.json.
+
+    Args:
+        meta: parsed meta.json (``sparse_features: [{name, num_embeddings, ...}]``).
+
+    Returns:
+        list of :class:`dlrmctl.modules.embedding_configs.EmbeddingBagConfig`.
+
+    Raises:
+        ConfigError: tables must come from data but there is no meta.json, or a
+            feature/table cannot be sized.
+    """
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+
+    feats = {f["name"]: f for f in (meta or {}).get("sparse_features", [])}
+    out = []
+    if not cfg.model.tables:
+        if meta is None:
+            raise ConfigError(
+                f"model.tables is empty, so tables are derived from the data, but {cfg.data.path}/meta.json "
+                "does not exist: run `dlrmctl preprocess` first or list model.tables"
+            )
+        for f in meta["sparse_features"]:
+            out.append(EmbeddingBagConfig(f"t_{f['name']}", int(f["num_embeddings"]), cfg.model.embedding_dim, [f["name"]]))
+        return out
+    for i, t in enumerate(cfg.model.tables):
+        fnames = t.feature_names or [t.name]
+        rows = t.num_embeddings
+        if rows is None:
+            missing = [n for n in fnames if n not in feats]
+            if meta is None or missing:
+                raise ConfigError(
+                    f"model.tables[{i}].num_embeddings: null means 'from the data', but "
+                    f"{'there is no meta.json at ' + cfg.data.path if meta is None else 'features ' + str(missing) + ' are not in meta.json'}"
+                )
+            rows = max(int(feats[n]["num_embeddings"]) for n in fnames)
+        out.append(EmbeddingBagConfig(t.name, rows, t.embedding_dim or cfg.model.embedding_dim, list(fnames), t.pooling))
+    return out
