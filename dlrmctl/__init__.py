@@ -9,8 +9,8 @@ with both versions and the pair to install.
 
 __version__ = "0.1.0"
 
-from dlrmctl._fbgemm import HAS_FBGEMM, check_torch_fbgemm_pair  # noqa: E402
+from dlrmctl._fbgemm import check_torch_fbgemm_pair  # noqa: E402
 
-check_torch_fbgemm_pair()
+HAS_FBGEMM: bool = check_torch_fbgemm_pair()
 
 __all__ = ["HAS_FBGEMM", "__version__"]

@@ -1,0 +1,152 @@
+"""DLRM (Naumov et al., "Deep Learning Recommendation Model for Personalization
+and Recommendation Systems", 2019) with TorchRec's module names.
+
+    dense [B, D_in] --DenseArch (MLP, ReLU)--> [B, d]
+    sparse KJT --EmbeddingBagCollection--> KeyedTensor [B, F*d]
+    InteractionArch: [dense, F pooled] -> [dense | upper-triangle pairwise dots]
+    OverArch (MLP, ReLU, last layer linear) -> logits [B, 1]
+
+The interaction is pluggable (``dot``; ``dcn`` and ``projection`` live in
+:mod:`dlrmctl.modules.interactions`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+class MLP(nn.Module):
+    """Linear + ReLU stack.
+
+    Args:
+        in_features: input width.
+        layer_sizes: output width of each layer.
+        final_activation: apply ReLU after the last layer too (DenseArch: yes;
+            OverArch: no, its last layer emits logits).
+
+    Forward: ``[B, in_features]`` float32 -> ``[B, layer_sizes[-1]]``.
+    """
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], final_activation: bool = True) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        prev = in_features
+        for i, n in enumerate(layer_sizes):
+            lin = nn.Linear(prev, n)
+            # DLRM reference init (dlrm_s_pytorch.py create_mlp): W ~ N(0, sqrt(2/(fan_in+fan_out))),
+            # b ~ N(0, sqrt(1/fan_out)).
+            nn.init.normal_(lin.weight, 0.0, (2.0 / (prev + n)) ** 0.5)
+            nn.init.normal_(lin.bias, 0.0, (1.0 / n) ** 0.5)
+            layers.append(lin)
+            if i < len(layer_sizes) - 1 or final_activation:
+                layers.append(nn.ReLU())
+            prev = n
+        self.model = nn.Sequential(*layers)
+        self.out_features = prev
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class DenseArch(nn.Module):
+    """MLP over the dense features: ``[B, D_in] -> [B, layer_sizes[-1]]``."""
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.model = MLP(in_features, layer_sizes, final_activation=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class InteractionArch(nn.Module):
+    """DLRM dot interaction.
+
+    Stacks ``T = [dense, e_1..e_F]`` as ``[B, F+1, d]``, computes ``T T^T``
+    ``[B, F+1, F+1]`` and keeps the strict upper triangle (``(F+1)F/2``
+    pairwise dots, no self-dots), concatenated after the dense vector.
+
+    Args:
+        num_sparse_features: ``F``.
+
+    Forward: ``dense [B, d]``, ``sparse`` KeyedTensor ``[B, F*d]`` ->
+    ``[B, d + F(F+1)/2]``.
+    """
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        self.F = num_sparse_features
+        idx = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
+        self.register_buffer("triu_indices", idx, persistent=False)
+
+    def output_dim(self, d: int) -> int:
+        return d + self.F * (self.F + 1) // 2
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedTensor) -> torch.Tensor:
+        if self.F == 0:
+            return dense_features
+        B, d = dense_features.shape
+        combined = torch.cat([dense_features, sparse_features.values()], dim=1).view(B, self.F + 1, d)
+        inter = torch.bmm(combined, combined.transpose(1, 2))
+        pairs = inter[:, self.triu_indices[0], self.triu_indices[1]]
+        return torch.cat([dense_features, pairs], dim=1)
+
+
+class OverArch(nn.Module):
+    """MLP on the interaction output; last layer linear: ``[B, in] -> [B, layer_sizes[-1]]``."""
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+        super().__init__()
+        self.model = MLP(in_features, layer_sizes, final_activation=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class DLRM(nn.Module):
+    """DLRM: sparse part (``sparse_arch``, an EmbeddingBagCollection or its
+    sharded replacement) + dense part (dense arch, interaction, over arch).
+
+    Args:
+        embedding_bag_collection: EBC (or ShardedEmbeddingBagCollection) with
+            a ``forward(KeyedJaggedTensor) -> KeyedTensor``.
+        dense_in_features: ``D_in`` (13 for Criteo).
+        dense_arch_layer_sizes: e.g. ``[512, 256, 64, 16]``; last = embedding dim for ``dot``.
+        over_arch_layer_sizes: e.g. ``[512, 256, 1]``; last must be 1.
+        num_sparse_features: ``F`` (pooled embeddings entering the interaction).
+        embedding_dim: ``d``.
+        interaction: ``dot`` | a module with ``forward(dense, KeyedTensor) -> [B, out]``
+            and ``output_dim(d)``.
+
+    Forward: ``dense_features [B, D_in]`` float32, ``sparse_features`` KJT ->
+    logits ``[B, 1]`` float32.
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: nn.Module,
+        dense_in_features: int,
+        dense_arch_layer_sizes: Sequence[int],
+        over_arch_layer_sizes: Sequence[int],
+        num_sparse_features: int,
+        embedding_dim: int,
+        interaction: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.sparse_arch = embedding_bag_collection
+        self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes)
+        self.inter_arch = interaction if interaction is not None else InteractionArch(num_sparse_features)
+        self.over_arch = OverArch(self.inter_arch.output_dim(dense_arch_layer_sizes[-1]), over_arch_layer_sizes)
+
+    def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
+        """Everything after the embedding lookup: ``-> logits [B, 1]``."""
+        d = self.dense_arch(dense_features)
+        return self.over_arch(self.inter_arch(d, embedded))
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        return self.dense_forward(dense_features, self.sparse_arch(sparse_features))

@@ -1,0 +1,515 @@
+"""EmbeddingBagCollection on FBGEMM table-batched embeddings (TBE) or torch.
+
+Two compute kernels (TorchRec's names):
+
+* ``fused``: one FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` per pooling
+  mode holds all tables; the embedding optimizer runs inside the TBE backward
+  (no gradient tensor for the tables is ever materialised).  TBE needs
+  ``embedding_dim % 4 == 0``; a table whose dim is not a multiple of 4 is served
+  by the ``dense`` kernel instead (logged once), with identical math.
+* ``dense``: one ``torch.nn.EmbeddingBag(mode="sum", sparse=True)`` per table;
+  gradients are sparse and go to a regular optimizer
+  (:func:`dlrmctl.train.optim.embedding_optimizer_for_dense`), which implements
+  the same update rules as FBGEMM's fused optimizers.  This is also what runs
+  when ``fbgemm_gpu`` is not installed.
+
+Pooling: ``sum`` is ``sum_i w_i e_{id_i}``; ``mean`` is that sum divided by the
+bag length (number of ids, not the sum of weights) — FBGEMM's ``PoolingMode.MEAN``
+semantics.  An empty bag pools to zeros for both.
+
+Weight initialisation is ``U(-sqrt(1/rows), sqrt(1/rows))`` as in the DLRM
+reference (``dlrm_s_pytorch.py: create_emb``), drawn in fixed blocks of
+:data:`INIT_BLOCK_ROWS` rows from a generator seeded by ``(seed, table name,
+block)``, so any shard of a table can be initialised on its own rank, without
+materialising the whole table, and gets exactly the values the unsharded
+table would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from dlrmctl import _fbgemm
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+
+log = logging.getLogger(__name__)
+
+INIT_BLOCK_ROWS = 65536
+
+
+class EmbeddingIdError(ValueError):
+    """An id is outside ``[0, num_embeddings)`` of its table."""
+
+
+@dataclass
+class EmbeddingOptimizerSpec:
+    """Embedding optimizer hyper-parameters (FBGEMM ``EmbOptimType`` names).
+
+    Attributes:
+        type: ``exact_rowwise_adagrad`` | ``exact_adagrad`` | ``exact_sgd``.
+        lr: learning rate.
+        eps: Adagrad epsilon (added to ``sqrt(G)``).
+        weight_decay: L2 coefficient added to the gradient (0: none).
+    """
+
+    type: str = "exact_rowwise_adagrad"
+    lr: float = 0.1
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+
+def _stable_seed(seed: int, name: str, block: int) -> int:
+    h = hashlib.sha256(f"{seed}:{name}:{block}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@torch.no_grad()
+def init_table_rows(
+    out: torch.Tensor,
+    table_name: str,
+    num_rows: int,
+    row_offset: int,
+    col_offset: int,
+    full_dim: int,
+    seed: int = 0,
+) -> None:
+    """Fill ``out [rows, cols]`` with rows ``row_offset..`` / cols ``col_offset..`` of
+    the table's deterministic initial weights ``U(-1/sqrt(num_rows), 1/sqrt(num_rows))``.
+
+    The values depend only on ``(seed, table_name, num_rows, full_dim)``, never
+    on how the table is sharded.  Work and memory are proportional to the shard
+    (plus at most two partial blocks of ``INIT_BLOCK_ROWS x full_dim``).
+    """
+    rows, cols = out.shape
+    if rows == 0 or cols == 0:
+        return
+    bound = math.sqrt(1.0 / num_rows)
+    r = row_offset
+    end = row_offset + rows
+    while r < end:
+        block = r // INIT_BLOCK_ROWS
+        b0 = block * INIT_BLOCK_ROWS
+        b1 = min(b0 + INIT_BLOCK_ROWS, num_rows)
+        g = torch.Generator(device="cpu")
+        g.manual_seed(_stable_seed(seed, table_name, block))
+        vals = torch.empty(b1 - b0, full_dim).uniform_(-bound, bound, generator=g)
+        lo, hi = r, min(end, b1)
+        out[lo - row_offset : hi - row_offset].copy_(vals[lo - b0 : hi - b0, col_offset : col_offset + cols])
+        r = hi
+
+
+def check_ids(
+    kjt: KeyedJaggedTensor, feature_rows: dict[str, int], feature_table: dict[str, str]
+) -> None:
+    """Raise if any id of a feature is outside its table.
+
+    Args:
+        kjt: input ids (int64 values).
+        feature_rows: feature -> rows of the table it looks up.
+        feature_table: feature -> table name (for the message).
+
+    Raises:
+        EmbeddingIdError: naming the table, the feature, the offending id and
+            the valid range; ids are never silently clamped to row 0.
+    """
+    values = kjt.values()
+    if values.numel() == 0:
+        return
+    opk = kjt.offset_per_key()
+    for i, key in enumerate(kjt.keys()):
+        s, e = opk[i], opk[i + 1]
+        if s == e:
+            continue
+        v = values[s:e]
+        lo, hi = int(v.min()), int(v.max())
+        n = feature_rows[key]
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise EmbeddingIdError(
+                f"table '{feature_table[key]}', feature '{key}': id {bad} is out of range; "
+                f"expected 0 <= id < num_embeddings = {n}"
+            )
+
+
+class _DenseTable(nn.Module):
+    """One table on ``torch.nn.EmbeddingBag(mode='sum', sparse=True)`` (sum pooling)."""
+
+    def __init__(self, rows: int, dim: int, device: torch.device | None) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device, include_last_offset=True)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.bag.weight
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        return self.bag(values, offsets, per_sample_weights=weights)
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled lookups of several tables: ``KeyedJaggedTensor -> KeyedTensor``.
+
+    Args:
+        tables: table configs; each table's ``feature_names`` are the KJT keys it serves.
+        is_weighted: inputs carry per-id weights (``kjt.weights()``).
+        device: where tables live (``cpu`` / ``cuda``).
+        compute_kernel: ``fused`` (FBGEMM TBE, optimizer in backward) or ``dense``.
+        optimizer: hyper-parameters of the fused optimizer (``fused`` kernel);
+            ignored by dense tables (their optimizer is built by the trainer).
+        seed: weight initialisation seed (see :func:`init_table_rows`).
+        check_ids: validate id ranges on every forward (cheap: one min/max per feature).
+
+    Forward:
+        ``features``: KJT with (at least) every feature of every table, int64
+        ids, batch size ``B``.  Returns a KeyedTensor with keys = feature names
+        in table order, values ``[B, sum over features of their table's dim]`` float32.
+
+    Raises:
+        EmbeddingIdError: an id outside its table.
+        KeyError: a feature missing from the input.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        compute_kernel: str = "fused",
+        optimizer: EmbeddingOptimizerSpec | None = None,
+        seed: int = 0,
+        check_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        self._tables = list(tables)
+        names = [t.name for t in self._tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EmbeddingBagCollection: duplicate table names {names}")
+        self._is_weighted = is_weighted
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._optimizer = optimizer or EmbeddingOptimizerSpec()
+        self._check_ids = check_ids
+        self._feature_names: list[str] = [f for t in self._tables for f in t.feature_names]
+        self._feature_rows = {f: t.num_embeddings for t in self._tables for f in t.feature_names}
+        self._feature_table = {f: t.name for t in self._tables for f in t.feature_names}
+        self._length_per_key = [t.embedding_dim for t in self._tables for _ in t.feature_names]
+        if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+            log.warning("fbgemm_gpu is not installed: using the dense (torch.nn.EmbeddingBag) kernel")
+            compute_kernel = "dense"
+        if compute_kernel not in ("fused", "dense"):
+            raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
+        self.compute_kernel = compute_kernel
+        self.lookup = GroupedEmbeddingLookup(
+            [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._tables],
+            compute_kernel=compute_kernel,
+            device=self._device,
+            optimizer=self._optimizer,
+            is_weighted=is_weighted,
+            seed=seed,
+        )
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def feature_names(self) -> list[str]:
+        return self._feature_names
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if features.keys() != self._feature_names:
+            features = features.select_keys(self._feature_names)
+        if self._check_ids:
+            check_ids(features, self._feature_rows, self._feature_table)
+        out = self.lookup(features)
+        return KeyedTensor(self._feature_names, self._length_per_key, out)
+
+    # ------------------------------------------------------- weights / state
+    def embedding_weights(self) -> dict[str, torch.Tensor]:
+        """Table name -> ``[rows, dim]`` weight (a view into the TBE for fused tables)."""
+        return self.lookup.table_weights()
+
+    def fused_optimizer(self) -> "FusedOptimizer":
+        """The embedding optimizer that runs inside the TBE backward (lr, state)."""
+        return self.lookup.fused_optimizer()
+
+
+class FusedOptimizer:
+    """Handle on the optimizers fused into TBE backward passes.
+
+    Exposes what a training loop needs from a torch optimizer — learning rate
+    get/set (for LR schedules) and state save/load — though ``step()`` is a
+    no-op because the update already happened in backward.
+    """
+
+    def __init__(self, tbes: list[tuple[nn.Module, list[str]]], spec: EmbeddingOptimizerSpec) -> None:
+        self._tbes = tbes
+        self.spec = spec
+        self._lr = spec.lr
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        self._lr = lr
+        for tbe, _ in self._tbes:
+            tbe.set_learning_rate(lr)
+
+    def step(self) -> None:
+        """No-op: FBGEMM applies the update inside backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """No-op: fused tables have no .grad."""
+
+    def state_dict(self) -> dict:
+        """``{"hyper": {type, lr, eps, weight_decay}, "state": {table: [momentum tensors]}}``.
+
+        Momentum shapes: row-wise Adagrad ``[rows]``, Adagrad ``[rows, dim]``, SGD none.
+        """
+        state = {}
+        for tbe, names in self._tbes:
+            for name, states in zip(names, tbe.split_optimizer_states()):
+                state[name] = [s.detach().clone() for s in states]
+        return {
+            "hyper": {"type": self.spec.type, "lr": self._lr, "eps": self.spec.eps, "weight_decay": self.spec.weight_decay},
+            "state": state,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.set_lr(float(sd["hyper"]["lr"]))
+        for tbe, names in self._tbes:
+            for name, states in zip(names, tbe.split_optimizer_states()):
+                for dst, src in zip(states, sd["state"][name]):
+                    dst.copy_(src)
+
+    def momentum(self) -> dict[str, list[torch.Tensor]]:
+        """Table name -> live views of its optimizer state tensors."""
+        out = {}
+        for tbe, names in self._tbes:
+            for name, states in zip(names, tbe.split_optimizer_states()):
+                out[name] = list(states)
+        return out
+
+
+_OPT_TYPES = {
+    "exact_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+    "exact_adagrad": "EXACT_ADAGRAD",
+    "exact_sgd": "EXACT_SGD",
+}
+
+
+class GroupedEmbeddingLookup(nn.Module):
+    """Local lookups over a list of (possibly sharded) tables.
+
+    The building block used both by the unsharded EmbeddingBagCollection and by
+    each rank's part of a sharded one.
+
+    Args:
+        shards: per shard ``(config, rows, cols, row_offset, col_offset)``: the
+            local block of table ``config`` to hold; features looked up are
+            ``config.feature_names``; ids given to :meth:`forward` are already
+            local (``0 <= id < rows``).
+        compute_kernel: ``fused`` or ``dense`` (dims not divisible by 4 -> dense).
+        pooling_override: force ``sum`` pooling (row-wise sharding pools sums
+            per shard and divides by the full bag length after the reduce).
+
+    Forward:
+        ``features``: KJT whose keys are exactly the shards' features in shard
+        order (one key per (shard, feature)), local ids.  Returns ``[B, sum of
+        cols over (shard, feature)]`` in that order.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]],
+        compute_kernel: str,
+        device: torch.device,
+        optimizer: EmbeddingOptimizerSpec,
+        is_weighted: bool,
+        seed: int = 0,
+        pooling_override: PoolingType | None = None,
+    ) -> None:
+        super().__init__()
+        self._shards = list(shards)
+        self._device = device
+        self._spec = optimizer
+        self._is_weighted = is_weighted
+        # shard key: table name (unique per rank: one shard of a table per lookup)
+        self._names = [cfg.name for cfg, *_ in self._shards]
+        if len(set(self._names)) != len(self._names):
+            raise ValueError(f"a lookup holds at most one shard per table, got {self._names}")
+        if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+            compute_kernel = "dense"
+        self._pooling = [pooling_override or cfg.pooling for cfg, *_ in self._shards]
+        # All fused shards (dim % 4 == 0) share one TBE in SUM mode; the others are dense
+        # tables.  Mean pooling is applied after the lookup for both kernels (divide by
+        # the bag length), which keeps one TBE per lookup and the backward exact
+        # (FBGEMM's MEAN mode with per-sample weights has a backward that does not match
+        # its forward).
+        fused_idx: list[int] = []
+        dense_idx: list[int] = []
+        for i, (cfg, rows, cols, _, _) in enumerate(self._shards):
+            if compute_kernel == "fused" and cols % 4 == 0 and rows > 0:
+                fused_idx.append(i)
+            else:
+                if compute_kernel == "fused" and rows > 0:
+                    log.info("table '%s': dim %d is not a multiple of 4; using the dense kernel", cfg.name, cols)
+                dense_idx.append(i)
+        self.tbes = nn.ModuleList()
+        self.dense_tables = nn.ModuleDict()
+        self._tbe_members: list[list[int]] = []
+        if fused_idx:
+            self.tbes.append(self._make_tbe(fused_idx))
+            self._tbe_members.append(fused_idx)
+        for i in dense_idx:
+            cfg, rows, cols, _, _ = self._shards[i]
+            self.dense_tables[cfg.name] = _DenseTable(rows, cols, device)
+        self._dense_members = dense_idx
+        self.reset_parameters(seed)
+        # output column layout: per (shard, feature) in shard order
+        self._feat_keys = [f for cfg, *_ in self._shards for f in cfg.feature_names]
+        self._feat_cols = [cols for cfg, _, cols, _, _ in self._shards for _ in cfg.feature_names]
+        self._feat_mean = [self._pooling[i] == PoolingType.MEAN for i, (cfg, *_) in enumerate(self._shards) for _ in cfg.feature_names]
+        self._any_mean = any(self._feat_mean)
+        self.register_buffer("_mean_mask", torch.tensor(self._feat_mean, dtype=torch.bool, device=device), persistent=False)
+        self.register_buffer("_feat_cols_t", torch.tensor(self._feat_cols, dtype=torch.int64, device=device), persistent=False)
+        key_start, k = [], 0
+        for cfg, *_ in self._shards:
+            key_start.append(k)
+            k += len(cfg.feature_names)
+        self._key_start = key_start
+        fused_sel = [key_start[i] + j for i in fused_idx for j in range(len(self._shards[i][0].feature_names))]
+        self._fused_sel = None if fused_sel == list(range(len(self._feat_keys))) else fused_sel
+
+    def _make_tbe(self, idxs: list[int]) -> nn.Module:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            EmbeddingLocation,
+            PoolingMode,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+        on_cuda = self._device.type == "cuda"
+        specs = []
+        ftm = []
+        for j, i in enumerate(idxs):
+            cfg, rows, cols, _, _ = self._shards[i]
+            specs.append(
+                (
+                    rows,
+                    cols,
+                    EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
+                    ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU,
+                )
+            )
+            ftm.extend([j] * len(cfg.feature_names))
+        if self._spec.type not in _OPT_TYPES:
+            raise ValueError(f"embedding optimizer must be one of {list(_OPT_TYPES)}, got {self._spec.type!r}")
+        return SplitTableBatchedEmbeddingBagsCodegen(
+            specs,
+            feature_table_map=ftm,
+            optimizer=getattr(EmbOptimType, _OPT_TYPES[self._spec.type]),
+            learning_rate=self._spec.lr,
+            eps=self._spec.eps,
+            weight_decay=self._spec.weight_decay,
+            weight_decay_mode=WeightDecayMode.L2 if self._spec.weight_decay else WeightDecayMode.NONE,
+            pooling_mode=PoolingMode.SUM,
+            device=self._device,
+            stochastic_rounding=False,
+        )
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Deterministic, sharding-independent init of every local shard (see :func:`init_table_rows`)."""
+        for name, w in self.table_weights().items():
+            cfg, rows, cols, r0, c0 = self._shards[self._names.index(name)]
+            if w.device.type == "cpu":
+                init_table_rows(w, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed)
+            else:
+                tmp = torch.empty(w.shape)
+                init_table_rows(tmp, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed)
+                w.copy_(tmp)
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """Table name -> local shard weight ``[rows, cols]`` (live view)."""
+        out: dict[str, torch.Tensor] = {}
+        for tbe, idxs in zip(self.tbes, self._tbe_members):
+            for i, w in zip(idxs, tbe.split_embedding_weights()):
+                out[self._names[i]] = w
+        for i in self._dense_members:
+            out[self._names[i]] = self.dense_tables[self._names[i]].weight
+        return out
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Weights of dense-kernel tables (they need a torch optimizer)."""
+        return [t.weight for t in self.dense_tables.values()]
+
+    def fused_optimizer(self) -> FusedOptimizer:
+        return FusedOptimizer(
+            [(tbe, [self._names[i] for i in idxs]) for tbe, idxs in zip(self.tbes, self._tbe_members)], self._spec
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        B = features.stride()
+        keys = features.keys()
+        if keys != self._feat_keys:
+            raise KeyError(f"lookup expects features {self._feat_keys}, got {keys}")
+        weights = features.weights_or_none() if self._is_weighted else None
+        parts: dict[int, torch.Tensor] = {}
+        if self._tbe_members:
+            sub = features if self._fused_sel is None else features.permute(self._fused_sel)
+            out = self.tbes[0](
+                sub.values(), sub.offsets(), per_sample_weights=sub.weights_or_none() if self._is_weighted else None
+            )
+            if self._fused_sel is None and not self._dense_members:
+                return self._apply_mean(out, features)
+            col = 0
+            for i in self._tbe_members[0]:
+                cfg, _, cols, _, _ = self._shards[i]
+                w = cols * len(cfg.feature_names)
+                parts[i] = out[:, col : col + w]
+                col += w
+        if self._dense_members:
+            offsets = features.offsets()
+            values = features.values()
+            lens_per_key = features.length_per_key()
+            opk = features.offset_per_key()
+            for i in self._dense_members:
+                cfg, rows, cols, _, _ = self._shards[i]
+                outs = []
+                for j in range(len(cfg.feature_names)):
+                    k = self._key_start[i] + j
+                    if rows == 0 or lens_per_key[k] == 0:
+                        outs.append(torch.zeros(B, cols, device=values.device))
+                        continue
+                    s0, s1 = opk[k], opk[k + 1]
+                    offs = offsets[k * B : (k + 1) * B + 1] - s0
+                    outs.append(
+                        self.dense_tables[cfg.name](
+                            values[s0:s1], offs, None if weights is None else weights[s0:s1]
+                        )
+                    )
+                parts[i] = torch.cat(outs, dim=1)
+        if not parts:
+            return torch.zeros(B, 0, device=features.values().device)
+        out = torch.cat([parts[i] for i in range(len(self._shards))], dim=1)
+        return self._apply_mean(out, features)
+
+    def _apply_mean(self, pooled: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
+        """Divide the columns of mean-pooled features by their bag lengths (empty bag -> 0)."""
+        if not self._any_mean:
+            return pooled
+        lengths = features.lengths_2d().t().to(pooled.dtype)  # [B, F]
+        div = torch.where(self._mean_mask, lengths.clamp(min=1), torch.ones_like(lengths))
+        return pooled / torch.repeat_interleave(div, self._feat_cols_t, dim=1)

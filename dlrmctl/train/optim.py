@@ -1,0 +1,141 @@
+"""Optimizers and the learning-rate schedule.
+
+* :class:`RowWiseAdagrad`: FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` as a torch
+  optimizer for dense-kernel tables (sparse or dense gradients), so that the
+  ``dense`` and ``fused`` kernels train identically.  Update per touched row
+  ``r`` with (duplicate-summed) gradient ``g_r [D]`` (FBGEMM
+  ``embedding_backward_split_template``, rowwise_adagrad)::
+
+      g_r += weight_decay * w_r                  (L2 mode, if weight_decay > 0)
+      G_r += sum(g_r ** 2) / D
+      w_r -= lr * g_r / (sqrt(G_r) + eps)
+
+* ``exact_adagrad`` -> ``torch.optim.Adagrad`` (same formula per element,
+  ``initial_accumulator_value=0``); ``exact_sgd`` -> ``torch.optim.SGD``.
+* :class:`WarmupPolyDecay`: the DLRM reference's ``LRPolicyScheduler``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dlrmctl.config import DenseOptimizerConfig, LRScheduleConfig
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad (one accumulator per row) for ``[rows, dim]`` parameters.
+
+    Args:
+        params: 2-D parameters (embedding tables).
+        lr, eps, weight_decay: as in FBGEMM's ``EXACT_ROWWISE_ADAGRAD``.
+
+    State per parameter: ``momentum1 [rows]`` float32 (sum of mean squared grads).
+    """
+
+    def __init__(self, params, lr: float = 0.1, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "momentum1" not in st:
+                    st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+                m = st["momentum1"]
+                g = p.grad
+                D = p.shape[1]
+                if g.is_sparse:
+                    g = g.coalesce()
+                    rows = g.indices()[0]
+                    gv = g.values()
+                    if rows.numel() == 0:
+                        continue
+                    if wd:
+                        gv = gv + wd * p[rows]
+                    m.index_add_(0, rows, gv.pow(2).sum(1) / D)
+                    p.index_add_(0, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
+                else:
+                    touched = (g != 0).any(dim=1)  # rows not looked up are not updated (as in TBE)
+                    if wd:
+                        g = g + wd * p * touched.unsqueeze(1)
+                    m.add_(g.pow(2).sum(1) / D)
+                    upd = g / (m.sqrt() + eps).unsqueeze(1)
+                    p.sub_(lr * upd * touched.unsqueeze(1))
+
+
+def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float):
+    """A torch optimizer implementing a fused embedding optimizer for dense-kernel tables.
+
+    Raises:
+        ValueError: unknown ``type``.
+    """
+    if type == "exact_rowwise_adagrad":
+        return RowWiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
+    if type == "exact_adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=0.0)
+    if type == "exact_sgd":
+        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown embedding optimizer {type!r}; expected exact_rowwise_adagrad | exact_adagrad | exact_sgd")
+
+
+def dense_optimizer(params: list[nn.Parameter], cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
+    """The optimizer of the MLPs (``optimizer.dense``).
+
+    Raises:
+        ValueError: unknown ``cfg.type``.
+    """
+    if cfg.type == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.type == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    if cfg.type == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown dense optimizer {cfg.type!r}; expected adagrad | adam | sgd")
+
+
+class WarmupPolyDecay:
+    """LR factor schedule of the DLRM reference (``LRPolicyScheduler``).
+
+    ``factor(step)``:
+
+    * ``step < warmup_steps``: ``(step + 1) / warmup_steps`` (linear warmup);
+    * ``decay_start_step <= step < decay_start_step + decay_steps``:
+      ``max(end_lr_factor, ((decay_steps - (step - decay_start_step)) / decay_steps) ** decay_power)``;
+    * after the decay window: ``end_lr_factor``;
+    * otherwise 1.
+
+    The factor multiplies each optimizer's base lr; :meth:`apply` sets them.
+    """
+
+    def __init__(self, cfg: LRScheduleConfig) -> None:
+        self.cfg = cfg
+
+    def factor(self, step: int) -> float:
+        c = self.cfg
+        if c.warmup_steps and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.decay_steps and step >= c.decay_start_step:
+            s = step - c.decay_start_step
+            if s >= c.decay_steps:
+                return c.end_lr_factor
+            return max(c.end_lr_factor, ((c.decay_steps - s) / c.decay_steps) ** c.decay_power)
+        return 1.0
+
+    def apply(self, step: int, optimizers: list[tuple[object, float]]) -> float:
+        """Set lr = base * factor(step) on each ``(optimizer, base_lr)``; returns the factor.
+
+        ``optimizer`` is a torch optimizer (its param groups) or anything with ``set_lr``.
+        """
+        f = self.factor(step)
+        for opt, base in optimizers:
+            if hasattr(opt, "set_lr"):
+                opt.set_lr(base * f)  # type: ignore[attr-defined]
+            else:
+                for g in opt.param_groups:  # type: ignore[attr-defined]
+                    g["lr"] = base * f
+        return f
