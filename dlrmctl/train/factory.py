@@ -1,0 +1,80 @@
+"""Build the model described by an :class:`~dlrmctl.config.ExperimentConfig`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from dlrmctl.config import ExperimentConfig
+from dlrmctl.modules.dlrm import DLRM, InteractionArch
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
+
+
+def embedding_optimizer_spec(cfg: ExperimentConfig) -> EmbeddingOptimizerSpec:
+    """``optimizer.embedding`` as the spec the embedding modules take."""
+    e = cfg.optimizer.embedding
+    return EmbeddingOptimizerSpec(e.type, e.lr, e.eps, e.weight_decay)
+
+
+def build_interaction(cfg: ExperimentConfig, num_sparse_features: int, embedding_dim: int) -> torch.nn.Module:
+    """``model.interaction`` -> module with ``forward(dense, KeyedTensor)`` and ``output_dim(d)``."""
+    if cfg.model.interaction == "dot":
+        return InteractionArch(num_sparse_features)
+    from dlrmctl.modules import interactions  # DCN-v2 / projection
+
+    return interactions.build_interaction(cfg.model, num_sparse_features, embedding_dim)
+
+
+def build_model(
+    cfg: ExperimentConfig,
+    tables: Sequence[EmbeddingBagConfig],
+    num_dense_features: int,
+    device: torch.device | str = "cpu",
+    compute_kernel: str | None = None,
+    is_weighted: bool = False,
+) -> DLRM:
+    """A DLRM with an (unsharded) EmbeddingBagCollection over ``tables``.
+
+    Args:
+        tables: resolved tables (:func:`dlrmctl.config.resolve_tables`).
+        num_dense_features: ``D_in`` of the dense arch (13 for Criteo).
+        compute_kernel: overrides ``model.compute_kernel``.
+
+    Initialisation is deterministic in ``train.seed`` (MLPs via
+    ``torch.manual_seed``; tables via :func:`~dlrmctl.modules.embedding_modules.init_table_rows`).
+
+    Raises:
+        ValueError: the dot interaction with tables of different dims.
+    """
+    dims = {t.embedding_dim for t in tables}
+    d = cfg.model.dense_arch_layer_sizes[-1]
+    if cfg.model.interaction == "dot" and dims != {d}:
+        raise ValueError(
+            f"dot interaction needs every table's embedding_dim == dense_arch_layer_sizes[-1] ({d}); got {sorted(dims)}"
+        )
+    ebc = EmbeddingBagCollection(
+        tables,
+        is_weighted=is_weighted,
+        device=device,
+        compute_kernel=compute_kernel or cfg.model.compute_kernel,
+        optimizer=embedding_optimizer_spec(cfg),
+        seed=cfg.train.seed,
+    )
+    num_features = len(ebc.feature_names())
+    torch.manual_seed(cfg.train.seed)
+    model = DLRM(
+        ebc,
+        dense_in_features=num_dense_features,
+        dense_arch_layer_sizes=cfg.model.dense_arch_layer_sizes,
+        over_arch_layer_sizes=cfg.model.over_arch_layer_sizes,
+        num_sparse_features=num_features,
+        embedding_dim=d,
+        interaction=build_interaction(cfg, num_features, d),
+    )
+    # MLPs live on `device`; the EBC already does.
+    model.dense_arch.to(device)
+    model.inter_arch.to(device)
+    model.over_arch.to(device)
+    return model

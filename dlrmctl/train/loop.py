@@ -1,0 +1,560 @@
+"""The training loop (single process or one rank of a sharded job).
+
+Reads top to bottom like torchtitan's ``Trainer.train()``: build the model,
+shard it (world size > 1), restore the last checkpoint if resuming, then loop
+``train_step`` -> evaluate if due -> checkpoint if due, and finish with a
+final evaluation and checkpoint.
+
+Loss semantics (exact parity between world sizes): on each rank
+``loss = sum over local samples of BCEWithLogits / global batch size``; sharded
+embedding gradients are summed by the backward all-to-all and dense gradients
+are all-reduced with SUM, so every update equals the single-process update on
+the same global batch.  The logged loss is the global-batch mean.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict
+from dlrmctl.modules.dlrm import DLRM
+from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.factory import build_model
+from dlrmctl.train.metrics import compute_metrics
+from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
+
+log = logging.getLogger("dlrmctl.train")
+
+
+class TrainError(RuntimeError):
+    """A run cannot start (bad run directory, missing data, ...)."""
+
+
+@dataclass
+class RunEnv:
+    """Where this process runs: rank, world, device and (world > 1) the sharding env."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    sharding_env: Any = None  # dlrmctl.distributed.env.ShardingEnv when world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            torch.distributed.all_reduce(x)
+        return x
+
+
+def resolve_device(cfg: ExperimentConfig) -> torch.device:
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+class Trainer:
+    """One rank of a training run.
+
+    Args:
+        cfg: the experiment.
+        env: rank / world / device (:class:`RunEnv`).
+        run_dir: ``runs/<name>``; created by rank 0.
+        resume: restore the newest checkpoint in ``run_dir``.
+        plan: sharding plan for world size > 1 (None: from config / planner).
+
+    Raises:
+        TrainError: missing data (names the path and the command to create it).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, env: RunEnv, run_dir: str, resume: bool = False, plan: Any = None):
+        from dlrmctl.data.loader import BatchLoader
+
+        self.cfg = cfg
+        self.env = env
+        self.run_dir = run_dir
+        self.device = env.device
+        self.meta = read_data_meta(cfg)
+        if self.meta is None:
+            raise TrainError(
+                f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first"
+            )
+        self.tables = resolve_tables(cfg, self.meta)
+        self.num_dense = len(self.meta["dense_features"])
+        self.model: DLRM = build_model(cfg, self.tables, self.num_dense, device=self.device)
+        self.plan = None
+        if env.world_size > 1:
+            self._shard(plan)
+        self._build_optimizers()
+        self.schedule = WarmupPolyDecay(cfg.optimizer.lr_schedule)
+        feats = [f for t in self.tables for f in t.feature_names]
+        self.train_loader = BatchLoader(
+            cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
+            shuffle=cfg.data.shuffle, seed=cfg.train.seed, prefetch=cfg.data.prefetch,
+            num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
+        )
+        self.feature_names = feats
+        self.step = 0
+        self.epoch = 0
+        self.best: dict[str, float] | None = None
+        self._metrics_f = None
+        if resume:
+            self._restore()
+
+    # ------------------------------------------------------------- set-up
+    def _shard(self, plan: Any) -> None:
+        from dlrmctl.distributed.model_parallel import DistributedModelParallel, describe_plan
+        from dlrmctl.train.factory import embedding_optimizer_spec
+
+        if plan is None:
+            plan = resolve_plan(self.cfg, self.tables, self.env, self.meta)
+        plan.validate(self.tables, self.env.world_size, where="sharding plan")
+        self.plan = plan
+        self.model = DistributedModelParallel(
+            self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed
+        )
+        if self.env.is_main:
+            text = describe_plan(plan, self.tables)
+            log.info("sharding plan:\n%s", text)
+            os.makedirs(self.run_dir, exist_ok=True)
+            plan.save(os.path.join(self.run_dir, "plan.yaml"))
+            with open(os.path.join(self.run_dir, "plan.txt"), "w") as f:
+                f.write(text + "\n")
+
+    def _build_optimizers(self) -> None:
+        m = self.model
+        if self.env.world_size > 1:
+            self.fused_opt = m.fused_optimizer()
+            dense_params = m.dense_parameters()
+            emb_dense = m.embedding_dense_parameters()
+        else:
+            self.fused_opt = m.sparse_arch.fused_optimizer()
+            emb_dense = m.sparse_arch.lookup.dense_parameters()
+            dense_params = [p for n, p in m.named_parameters() if not n.startswith("sparse_arch.")]
+        self.dense_opt = dense_optimizer(dense_params, self.cfg.optimizer.dense)
+        e = self.cfg.optimizer.embedding
+        self.emb_dense_opt = embedding_optimizer_for_dense(emb_dense, e.type, e.lr, e.eps, e.weight_decay) if emb_dense else None
+        self._lr_targets: list[tuple[Any, float]] = [(self.fused_opt, e.lr), (self.dense_opt, self.cfg.optimizer.dense.lr)]
+        if self.emb_dense_opt is not None:
+            self._lr_targets.append((self.emb_dense_opt, e.lr))
+
+    # --------------------------------------------------------------- step
+    def _global_batch_size(self, local: int) -> int:
+        if self.env.world_size == 1:
+            return local
+        t = torch.tensor([local], dtype=torch.int64)
+        self.env.all_reduce_sum(t)
+        return int(t.item())
+
+    def train_step(self, batch: Any) -> float:
+        """Forward, backward, optimizer steps on one batch; returns the global-batch mean loss."""
+        self.schedule.apply(self.step, self._lr_targets)
+        batch = batch.to(self.device, non_blocking=True)
+        gbs = self._global_batch_size(batch.labels.numel())
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
+        loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        loss = loss_sum / gbs
+        self.dense_opt.zero_grad(set_to_none=True)
+        if self.emb_dense_opt is not None:
+            self.emb_dense_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.env.world_size > 1:
+            self.model.sync_dense_grads()
+        self.dense_opt.step()
+        if self.emb_dense_opt is not None:
+            self.emb_dense_opt.step()
+        self.step += 1
+        out = loss.detach()
+        if self.env.world_size > 1:
+            out = out.clone()
+            self.env.all_reduce_sum(out)
+        return float(out)
+
+    # ---------------------------------------------------------- evaluate
+    @torch.no_grad()
+    def evaluate(self, split: str | None = None, data_dir: str | None = None) -> dict[str, float]:
+        """Metrics over the WHOLE split (all ranks' predictions gathered).
+
+        Returns:
+            ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+        """
+        from dlrmctl.data.loader import BatchLoader
+
+        split = split or self.cfg.data.val_split
+        loader = BatchLoader(
+            data_dir or self.cfg.data.path, split, self.cfg.data.eval_batch_size, rank=self.env.rank,
+            world_size=self.env.world_size, shuffle=False, prefetch=self.cfg.data.prefetch, features=self.feature_names,
+        )
+        self.model.eval()
+        probs, labels = [], []
+        n_batches = self._agreed_num_batches(len(loader))
+        it = iter(loader)
+        for _ in range(n_batches):
+            batch = next(it, None)
+            if batch is None:
+                batch = _empty_batch_like(self.num_dense, self.feature_names)
+            batch = batch.to(self.device)
+            p = torch.sigmoid(self.model(batch.dense_features, batch.sparse_features).squeeze(1))
+            probs.append(p.float().cpu().numpy())
+            labels.append(batch.labels.cpu().numpy())
+        self.model.train()
+        pr = np.concatenate(probs) if probs else np.zeros(0)
+        lb = np.concatenate(labels) if labels else np.zeros(0)
+        if self.env.world_size > 1:
+            gathered: list[Any] = [None] * self.env.world_size
+            torch.distributed.all_gather_object(gathered, (pr, lb))
+            pr = np.concatenate([g[0] for g in gathered])
+            lb = np.concatenate([g[1] for g in gathered])
+        return compute_metrics(pr, lb)
+
+    def _agreed_num_batches(self, n: int) -> int:
+        """All ranks run the same number of steps (collectives must match): the max."""
+        if self.env.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t.item())
+
+    # -------------------------------------------------------- checkpoint
+    def _rank_state(self) -> dict[str, Any]:
+        if self.env.world_size > 1:
+            emb = self.model.checkpoint_shards()
+            dense_state = self.model.dense_state_dict()
+        else:
+            emb = unsharded_embedding_state(self.model)
+            dense_state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.")}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "embeddings": emb,
+            "fused_optimizer_hyper": self.fused_opt.state_dict()["hyper"],
+            "dense": dense_state,
+            "dense_optimizer": self.dense_opt.state_dict(),
+            "embedding_dense_optimizer": None if self.emb_dense_opt is None else self.emb_dense_opt.state_dict(),
+            "data": self.train_loader.state_dict(),
+            "rng": ckpt.rng_state(),
+            "best": self.best,
+        }
+
+    def save(self) -> str:
+        return ckpt.save_checkpoint(
+            self.run_dir, self.step, self._rank_state(), rank=self.env.rank, world_size=self.env.world_size,
+            barrier=self.env.barrier if self.env.world_size > 1 else None,
+            keep_last=self.cfg.train.keep_last_checkpoints,
+            extra_meta={"tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.tables},
+                        "plan": None if self.plan is None else self.plan.to_dict()},
+        )
+
+    def _restore(self) -> None:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            log.info("no checkpoint in %s: starting from scratch", self.run_dir)
+            return
+        meta = ckpt.load_checkpoint_meta(path)
+        if meta["world_size"] != self.env.world_size:
+            raise ckpt.CheckpointError(
+                f"{path}: saved with world_size {meta['world_size']}, resuming with {self.env.world_size}; "
+                "reshard it first (dlrmctl checkpoint reshard) or resume with the same --nproc"
+            )
+        st = ckpt.load_rank_file(path, self.env.rank)
+        all_states = [ckpt.load_rank_file(path, r) for r in range(meta["world_size"])] if meta["world_size"] > 1 else [st]
+        load_embedding_state(self.model, all_states, self.env.world_size)
+        if self.env.world_size > 1:
+            self.model.load_dense_state_dict(st["dense"])
+        else:
+            missing, unexpected = self.model.load_state_dict(st["dense"], strict=False)
+            bad = [k for k in missing if not k.startswith("sparse_arch.")]
+            if bad or unexpected:
+                raise ckpt.CheckpointError(f"{path}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
+        self.fused_opt.set_lr(st["fused_optimizer_hyper"]["lr"])
+        self.dense_opt.load_state_dict(st["dense_optimizer"])
+        if self.emb_dense_opt is not None and st["embedding_dense_optimizer"] is not None:
+            self.emb_dense_opt.load_state_dict(st["embedding_dense_optimizer"])
+        self.train_loader.load_state_dict(st["data"])
+        ckpt.set_rng_state(st["rng"])
+        self.step, self.epoch, self.best = st["step"], st["epoch"], st["best"]
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    # ---------------------------------------------------------------- run
+    def _log_metrics(self, record: dict[str, Any]) -> None:
+        if not self.env.is_main:
+            return
+        if self._metrics_f is None:
+            self._metrics_f = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+        self._metrics_f.write(json.dumps(_jsonable(record)) + "\n")
+        self._metrics_f.flush()
+
+    def _eval_and_log(self, tag: str) -> dict[str, float]:
+        m = self.evaluate()
+        if self.best is None or (not math.isnan(m["auc"]) and m["auc"] > self.best.get("auc", -1)):
+            self.best = dict(m, step=self.step)
+        self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step, "epoch": self.epoch, **m})
+        if self.env.is_main:
+            print(
+                f"[{tag}] step {self.step} {self.cfg.data.val_split}: AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
+                f"NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  accuracy {m['accuracy']:.4f}  (n={m['num_samples']})",
+                flush=True,
+            )
+        return m
+
+    def train(self) -> dict[str, Any]:
+        """Run the configured epochs / steps; returns ``{"final": metrics, "best": metrics, "steps": int}``."""
+        cfg = self.cfg.train
+        if self.env.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+        last_eval_step = -1
+        final = None
+        t_start = time.perf_counter()
+        while self.epoch < cfg.epochs and (cfg.max_steps is None or self.step < cfg.max_steps):
+            self.train_loader.set_epoch(self.epoch)
+            n = self._agreed_num_batches(len(self.train_loader))
+            done_in_epoch = self.train_loader.state_dict().get("batches", 0)
+            progress = _Progress(n, done_in_epoch, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
+            it = iter(self.train_loader)
+            t0 = time.perf_counter()
+            samples = 0
+            for _ in range(done_in_epoch, n):
+                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+                    break
+                batch = next(it, None)
+                if batch is None:  # this rank ran out: join with an empty batch so collectives match
+                    batch = _empty_batch_like(self.num_dense, self.feature_names)
+                loss = self.train_step(batch)
+                samples += batch.labels.numel() * self.env.world_size
+                if not math.isfinite(loss):
+                    raise TrainError(f"loss became {loss} at step {self.step}; lower the learning rate")
+                progress.update(loss, samples / max(time.perf_counter() - t0, 1e-9))
+                if cfg.log_every and self.step % cfg.log_every == 0:
+                    self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
+                                       "samples_per_s": samples / max(time.perf_counter() - t0, 1e-9),
+                                       "lr_factor": self.schedule.factor(self.step - 1)})
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    final = self._eval_and_log("eval")
+                    last_eval_step = self.step
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save()
+            progress.close()
+            if cfg.max_steps is None or self.step < cfg.max_steps:
+                self.epoch += 1
+                self.train_loader.set_epoch(self.epoch)
+            else:
+                break
+            if self.step != last_eval_step:
+                final = self._eval_and_log(f"epoch {self.epoch}")
+                last_eval_step = self.step
+        if self.step != last_eval_step or final is None:
+            final = self._eval_and_log("final")
+        self.save()
+        elapsed = time.perf_counter() - t_start
+        summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed}
+        if self.env.is_main:
+            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+                json.dump({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, f, indent=1)
+            print(f"best {self.cfg.data.val_split} AUC {self.best['auc']:.4f} at step {self.best['step']}; "
+                  f"run directory {self.run_dir}", flush=True)
+        if self._metrics_f is not None:
+            self._metrics_f.close()
+        return summary
+
+
+class _Progress:
+    """Rank-0 progress line with samples/s and loss (tqdm when installed, else a plain line)."""
+
+    def __init__(self, total: int, initial: int, enabled: bool, epoch: int) -> None:
+        self.enabled = enabled
+        self.bar = None
+        self.n = initial
+        self.total = total
+        self._last = 0.0
+        if not enabled:
+            return
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True,
+                            file=sys.stderr, mininterval=1.0, disable=not sys.stderr.isatty())
+        except ImportError:
+            self.bar = None
+
+    def update(self, loss: float, sps: float) -> None:
+        if not self.enabled:
+            return
+        self.n += 1
+        if self.bar is not None and not self.bar.disable:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{sps:,.0f}", refresh=False)
+        elif time.perf_counter() - self._last > 10 or self.n == self.total:
+            self._last = time.perf_counter()
+            print(f"  step {self.n}/{self.total}  loss {loss:.4f}  {sps:,.0f} samples/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _empty_batch_like(num_dense: int, feature_names: list[str]) -> Any:
+    from dlrmctl.data.batch import Batch
+    from dlrmctl.sparse import KeyedJaggedTensor
+
+    z = torch.zeros(0, dtype=torch.int64)
+    return Batch(
+        dense_features=torch.zeros(0, num_dense),
+        sparse_features=KeyedJaggedTensor(feature_names, z, lengths=z.clone(), stride=0),
+        labels=torch.zeros(0),
+    )
+
+
+# --------------------------------------------------------------- helpers
+def unsharded_embedding_state(model: DLRM) -> dict[str, list[dict[str, Any]]]:
+    """Table -> one full "shard" (offsets [0,0]) with weight and optimizer state, for world size 1."""
+    ebc = model.sparse_arch
+    fused_state = ebc.fused_optimizer().momentum()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for t in ebc.embedding_bag_configs():
+        w = ebc.embedding_weights()[t.name]
+        out[t.name] = [{
+            "offsets": [0, 0], "sizes": [t.num_embeddings, t.embedding_dim],
+            "weight": w.detach().cpu().clone(),
+            "momentum": [m.detach().cpu().clone() for m in fused_state.get(t.name, [])],
+        }]
+    return out
+
+
+@torch.no_grad()
+def load_embedding_state(model: Any, rank_states: list[dict[str, Any]], world_size: int) -> None:
+    """Copy saved shards into the model's (possibly differently sharded) tables.
+
+    Raises:
+        CheckpointError: a table is missing or its shape differs.
+    """
+    if world_size > 1 and hasattr(model, "load_checkpoint_shards"):
+        model.load_checkpoint_shards(rank_states)
+        return
+    ebc = model.sparse_arch
+    fused = ebc.fused_optimizer().momentum()
+    for t in ebc.embedding_bag_configs():
+        w = ebc.embedding_weights()[t.name]
+        w.copy_(ckpt.read_table_slice(rank_states, t.name, (0, t.num_embeddings), (0, t.embedding_dim)))
+        for i, m in enumerate(fused.get(t.name, [])):
+            m.copy_(ckpt.read_table_slice(rank_states, t.name, (0, t.num_embeddings), (0, t.embedding_dim), key=f"momentum{i}").view_as(m))
+
+
+def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | None) -> Any:
+    """The sharding plan for this job: ``sharding.plan_file``, else the planner on rank 0, broadcast."""
+    from dlrmctl.distributed.types import ShardingPlan
+
+    if cfg.sharding.plan_file:
+        return ShardingPlan.load(cfg.sharding.plan_file)
+    obj: list[Any] = [None]
+    if env.is_main:
+        from dlrmctl.planner.planner import plan_for_config
+
+        obj[0] = plan_for_config(cfg, env.world_size, env.local_world_size, meta).to_dict()
+    torch.distributed.broadcast_object_list(obj, src=0)
+    return ShardingPlan.from_dict(obj[0])
+
+
+def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config_path: str | None = None) -> str:
+    """``train.run_dir/<name>``; refuses to clobber an existing run unless resuming or overwriting.
+
+    Raises:
+        TrainError: the run directory holds checkpoints and neither flag was given.
+    """
+    run_dir = os.path.join(cfg.train.run_dir, cfg.name)
+    if os.path.exists(run_dir) and not resume:
+        if os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)) and not overwrite:
+            raise TrainError(
+                f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
+                "or --set name=<other>"
+            )
+        if overwrite:
+            shutil.rmtree(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    meta = read_data_meta(cfg)
+    if meta is not None:
+        with open(os.path.join(run_dir, "data_meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+    return run_dir
+
+
+def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | None = "dense"):
+    """Rebuild a trained model (unsharded) from a run directory's newest checkpoint.
+
+    Returns:
+        ``(cfg, model, meta)``: the resolved config, a DLRM with all tables
+        assembled from the saved shards, and the training data's meta.json.
+
+    Raises:
+        CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``.
+    """
+    from dlrmctl.config import config_from_dict
+
+    cpath = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(cpath):
+        raise TrainError(f"{run_dir}: no config.yaml; not a dlrmctl run directory")
+    with open(cpath) as f:
+        cfg = config_from_dict(yaml.safe_load(f), source=cpath)
+    mpath = os.path.join(run_dir, "data_meta.json")
+    if not os.path.exists(mpath):
+        raise TrainError(f"{mpath}: missing; the run directory is incomplete")
+    with open(mpath) as f:
+        meta = json.load(f)
+    path = ckpt.latest_checkpoint(run_dir)
+    if path is None:
+        raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/LATEST is missing)")
+    cmeta = ckpt.load_checkpoint_meta(path)
+    states = [ckpt.load_rank_file(path, r) for r in range(cmeta["world_size"])]
+    tables = resolve_tables(cfg, meta)
+    model = build_model(cfg, tables, len(meta["dense_features"]), device=device, compute_kernel=compute_kernel)
+    load_embedding_state(model, states, 1)
+    missing, unexpected = model.load_state_dict(states[0]["dense"], strict=False)
+    bad = [k for k in missing if not k.startswith("sparse_arch.")]
+    if bad or unexpected:
+        raise ckpt.CheckpointError(f"{path}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
+    model.eval()
+    return cfg, model, meta
+
+
+@torch.no_grad()
+def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None) -> dict[str, float]:
+    """Metrics of a run's newest checkpoint on ``split`` of its data (or ``data_dir``).
+
+    Returns:
+        ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+    """
+    from dlrmctl.data.loader import BatchLoader
+
+    cfg, model, meta = load_trained_model(run_dir)
+    feats = [f for t in model.sparse_arch.embedding_bag_configs() for f in t.feature_names]
+    loader = BatchLoader(data_dir or cfg.data.path, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
+                         features=feats)
+    probs, labels = [], []
+    for batch in loader:
+        probs.append(torch.sigmoid(model(batch.dense_features, batch.sparse_features).squeeze(1)).numpy())
+        labels.append(batch.labels.numpy())
+    return compute_metrics(np.concatenate(probs), np.concatenate(labels))

@@ -1,0 +1,82 @@
+"""Entry point of one training process (``python -m dlrmctl.train.worker``).
+
+``dlrmctl train`` calls :func:`run_training` in-process for one rank; for
+``--nproc N`` torchx / torchrun start N copies of this module, each reading its
+rank from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+from dlrmctl.config import ConfigError, load_config
+from dlrmctl.distributed.types import PlanError
+from dlrmctl.train.checkpoint import CheckpointError
+from dlrmctl.train.loop import RunEnv, Trainer, TrainError, prepare_run_dir, resolve_device
+
+#: errors that are the user's input, reported as one line without a traceback
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError)
+try:  # optional modules add their own user-facing errors
+    from dlrmctl.data.columnar import DataError
+
+    USER_ERRORS += (DataError,)
+except ImportError:  # pragma: no cover
+    pass
+try:
+    from dlrmctl.planner.types import PlannerError
+
+    USER_ERRORS += (PlannerError,)
+except ImportError:  # pragma: no cover
+    pass
+
+
+def _make_env(cfg) -> RunEnv:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return RunEnv(device=resolve_device(cfg))
+    from dlrmctl.distributed.env import init_distributed
+
+    lws = cfg.sharding.local_world_size
+    senv = init_distributed(local_world_size=lws)
+    return RunEnv(senv.rank, senv.world_size, senv.local_world_size, senv.device, senv)
+
+
+def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False) -> dict:
+    """Load the config, set up this rank, train; returns the trainer's summary."""
+    cfg = load_config(config, overrides)
+    env = _make_env(cfg)
+    try:
+        if env.is_main:
+            run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+        env.barrier()
+        run_dir = os.path.join(cfg.train.run_dir, cfg.name)
+        torch.manual_seed(cfg.train.seed)
+        return Trainer(cfg, env, run_dir, resume=resume).train()
+    finally:
+        if env.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dlrmctl.train.worker")
+    p.add_argument("config")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

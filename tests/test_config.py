@@ -1,0 +1,64 @@
+"""Config schema: every shipped YAML loads; errors name the key path."""
+
+import pathlib
+
+import pytest
+
+from dlrmctl.config import ConfigError, config_from_dict, load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_configs_directory_is_not_empty():
+    names = {p.name for p in CONFIGS}
+    assert {"demo.yaml", "criteo_sample.yaml", "criteo_kaggle.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.name
+
+
+def test_criteo_kaggle_is_the_standard_dlrm():
+    cfg = load_config(REPO / "configs" / "criteo_kaggle.yaml")
+    assert len(cfg.model.tables) == 26
+    assert cfg.model.dense_arch_layer_sizes == [512, 256, 64, 16]
+    assert cfg.model.over_arch_layer_sizes == [512, 256, 1]
+
+
+@pytest.mark.parametrize(
+    "raw,overrides,match",
+    [
+        ({"model": {"embeding_dim": 8}}, [], r"x.yaml: model.embeding_dim: unknown key"),
+        ({"model": {"tables": [{"name": "a"}, {"name": "b", "embedding_dim": "abc"}]}}, [],
+         r"model.tables\[1\].embedding_dim: expected int \| null, got 'abc'"),
+        ({}, ["model.embedding_dim=abc"], r"model.embedding_dim: expected int, got 'abc'"),
+        ({}, ["train.nosuch=1"], r"train.nosuch: unknown key"),
+        ({}, ["optimizer.embedding.type=adam"], r"optimizer.embedding.type: expected one of"),
+        ({}, ["data.batch_size=0"], r"data.batch_size: must be > 0"),
+        ({"model": {"tables": [{"name": "a"}, {"name": "a"}]}}, [], r"model.tables\[1\].name: duplicate"),
+        ({}, ["model.over_arch_layer_sizes=[8, 2]"], r"last layer must have size 1"),
+        ({}, ["model.embedding_dim=32"], r"dense_arch_layer_sizes: the last layer \(16\) must equal the embedding dim \(32\)"),
+        ({}, ["model.embedding_dim"], r"expected KEY=VALUE"),
+        ({"train": {"progress": "yes"}}, [], r"train.progress: expected bool"),
+    ],
+)
+def test_config_errors_name_the_key_path(raw, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict(raw, overrides, source="x.yaml")
+
+
+def test_set_overrides_are_type_checked_and_applied():
+    cfg = config_from_dict({}, ["model.embedding_dim=32", "model.dense_arch_layer_sizes=[64, 32]", "train.max_steps=5",
+                               "optimizer.embedding.eps=1e-6"])
+    assert cfg.model.embedding_dim == 32 and cfg.model.dense_arch_layer_sizes == [64, 32]
+    assert cfg.train.max_steps == 5 and cfg.optimizer.embedding.eps == pytest.approx(1e-6)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\nmodel:\n  embedding_dim: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
+        load_config(p)
