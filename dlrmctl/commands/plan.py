@@ -1,0 +1,102 @@
+"""``dlrmctl plan``: compute a sharding plan for a config on a (possibly imaginary) cluster.
+
+Planning is arithmetic only (no GPU, no tensors of table size): it prints the
+report, writes ``plan.yaml`` (:meth:`ShardingPlan.save`) and the report next to
+it (``plan_report.txt``).  The lead's ``dlrmctl/cli.py`` calls :func:`register`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dlrmctl.planner.types import DEVICE_PRESETS
+
+
+def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws: Optional[int]) -> Optional[int]:
+    """Ranks per host from ``--hosts`` / ``--gpus-per-host`` / ``sharding.local_world_size`` (None: preset default)."""
+    if hosts is not None and gpus_per_host is not None:
+        if hosts * gpus_per_host != gpus:
+            raise ValueError(f"--hosts {hosts} x --gpus-per-host {gpus_per_host} != --gpus {gpus}")
+        return gpus_per_host
+    if hosts is not None:
+        if hosts <= 0 or gpus % hosts:
+            raise ValueError(f"--hosts {hosts} must divide --gpus {gpus}")
+        return gpus // hosts
+    if gpus_per_host is not None:
+        if gpus_per_host <= 0 or gpus % gpus_per_host:
+            raise ValueError(f"--gpus-per-host {gpus_per_host} must divide --gpus {gpus}")
+        return gpus_per_host
+    return cfg_lws
+
+
+def plan_command(
+    config: Path = typer.Argument(..., help="experiment YAML (configs/*.yaml)"),
+    gpus: int = typer.Option(..., "--gpus", help="ranks in the job (GPUs, or processes with --device cpu)"),
+    hosts: Optional[int] = typer.Option(None, "--hosts", help="hosts (ranks per host = gpus / hosts)"),
+    gpus_per_host: Optional[int] = typer.Option(None, "--gpus-per-host", help="ranks per host"),
+    device: Optional[str] = typer.Option(
+        None, "--device", help=f"hardware preset: {' | '.join(sorted(DEVICE_PRESETS))} (default: sharding.device)"
+    ),
+    hbm_gb: Optional[float] = typer.Option(None, "--hbm-gb", help="device memory per rank, GB (overrides the preset)"),
+    ddr_gb: Optional[float] = typer.Option(None, "--ddr-gb", help="host memory per rank, GB (overrides the preset)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="GLOBAL batch (default: data.batch_size)"),
+    weights_precision: str = typer.Option("fp32", "--weights-precision", help="fp32 | fp16"),
+    out: Path = typer.Option(Path("plan.yaml"), "--out", help="where to write the plan"),
+    report: Optional[Path] = typer.Option(None, "--report", help="report file (default: plan_report.txt next to --out)"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="config override KEY=VALUE (repeatable)"),
+) -> None:
+    """Plan how the config's embedding tables are sharded over GPUS ranks; print the report and write the plan."""
+    from dlrmctl.config import ConfigError, load_config, read_data_meta
+    from dlrmctl.distributed.types import PlanError
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.planner.planner import plan_config
+    from dlrmctl.planner.types import PlannerError, Topology
+
+    try:
+        if gpus <= 0:
+            raise ValueError(f"--gpus must be > 0, got {gpus}")
+        if weights_precision not in ("fp32", "fp16"):
+            raise ValueError(f"--weights-precision must be fp32 or fp16, got {weights_precision!r}")
+        if batch_size is not None and batch_size <= 0:
+            raise ValueError(f"--batch-size must be > 0, got {batch_size}")
+        cfg = load_config(config, set_ or [])
+        meta = read_data_meta(cfg)
+        lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
+        topo = Topology.from_preset(
+            device or cfg.sharding.device,
+            gpus,
+            lws,
+            hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
+            ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
+        )
+        res = plan_config(cfg, topo, meta, batch_size, 2 if weights_precision == "fp16" else 4)
+        # the plan must be what train --nproc will accept
+        res.plan.validate(
+            [EmbeddingBagConfig(t.name, t.num_embeddings, t.embedding_dim) for t in res.tables], topo.world_size
+        )
+    except (ConfigError, PlannerError, PlanError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1)
+    text = res.report()
+    typer.echo(text, nl=False)
+    res.plan.save(out)
+    rpath = report or Path(os.path.dirname(os.path.abspath(out))) / "plan_report.txt"
+    rpath.write_text(text)
+    typer.echo(f"wrote {out} and {rpath}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``plan`` command to the main ``dlrmctl`` app."""
+    app.command("plan")(plan_command)
+
+
+#: a one-command app for tests (``CliRunner().invoke(app, [...])``) and ``python -m dlrmctl.commands.plan``
+app = typer.Typer(add_completion=False, help="Plan embedding sharding")
+register(app)
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,269 @@
+"""Enumerator: every allowed (sharding type x compute kernel x column split) of each table.
+
+Reference: TorchRec ``planner/enumerators.py`` (``EmbeddingEnumerator``) and
+``planner/utils`` (``calculate_shard_sizes_and_offsets``).  Rules:
+
+* ``data_parallel`` only with the ``dense`` kernel, and only when the table may
+  use every rank.
+* ``table_row_wise`` / ``table_column_wise`` are skipped on a single host unless
+  a constraint asks for them (there they equal row_wise / column_wise).
+* ``row_wise`` splits rows over all ranks (or the table's pinned ranks) in
+  blocks of ``ceil(rows / n)`` (:func:`dlrmctl.distributed.types.row_wise_shard_sizes`);
+  ``table_row_wise`` over the ranks of one host (the partitioner picks the host).
+* column splits: ``k`` equal shards of width ``w = dim / k`` for every ``k >= 2``
+  with ``dim % k == 0``, ``w >= min_column_shard_dim`` (default 32, or 4 when
+  dim < 64), ``w % 4 == 0`` for the fused kernel when ``dim % 4 == 0`` (FBGEMM
+  TBE needs dims that are multiples of 4), and ``k <= `` ranks available
+  (``world_size`` for column_wise, ``local_world_size`` for table_column_wise);
+  every column shard goes to a different rank.
+* an option whose any shard exceeds the usable memory of one rank is dropped;
+  the smallest dropped option per table is kept for the error message.
+* an option dominated by another of the same type and shard shapes (no faster
+  and no smaller on any shard: typically ``dense`` next to ``fused``) is dropped
+  (:func:`prune_dominated`).
+
+The enumerator only does arithmetic on sizes: nothing of table size is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlrmctl.distributed.types import (
+    ComputeKernel,
+    PlanError,
+    ShardingType,
+    construct_parameter_sharding,
+    row_wise_shard_sizes,
+)
+from dlrmctl.planner.perf import estimate_shard
+from dlrmctl.planner.storage import shard_bytes, to_storage
+from dlrmctl.planner.types import PlannerError, Shard, ShardingOption, TableSpec, Topology
+
+ALL_TYPES = list(ShardingType)
+ALL_KERNELS = [ComputeKernel.FUSED, ComputeKernel.DENSE]
+HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+def default_min_column_shard_dim(dim: int) -> int:
+    """32 columns, or 4 for tables narrower than 64 (so a dim-16 table can still be split)."""
+    return 32 if dim >= 64 else 4
+
+
+def column_splits(dim: int, min_dim: int, max_shards: int, multiple_of_4: bool) -> list[list[int]]:
+    """Equal column splits of ``dim`` into ``k >= 2`` shards (rules in the module docstring).
+
+    Example: ``column_splits(128, 32, 8, True) == [[64, 64], [32, 32, 32, 32]]``.
+    """
+    out = []
+    for k in range(2, max_shards + 1):
+        if dim % k:
+            continue
+        w = dim // k
+        if w < min_dim or (multiple_of_4 and w % 4):
+            continue
+        out.append([w] * k)
+    return out
+
+
+@dataclass
+class Rejected:
+    """The smallest option of a table that did not fit one rank (for error messages)."""
+
+    option: ShardingOption
+    usable: int
+
+
+def _make_option(
+    topology: Topology,
+    table: TableSpec,
+    st: ShardingType,
+    kernel: ComputeKernel,
+    sizes: list[list[int]],
+    offsets: list[list[int]],
+    ranks: list[int | None],
+    batch_size: int,
+    host_bound: bool = False,
+) -> ShardingOption:
+    """Estimate perf and storage of each shard (cached per distinct shard shape)."""
+    n_row = len(sizes) if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
+    cache: dict[tuple[int, int], tuple] = {}
+    shards = []
+    for size, off, r in zip(sizes, offsets, ranks):
+        key = (size[0], size[1])
+        c = cache.get(key)
+        if c is None:
+            perf, ids, inp, out = estimate_shard(topology, table, st, kernel, size[0], size[1], n_row, batch_size)
+            b = shard_bytes(st, kernel, size[0], size[1], table.weight_bytes, table.optimizer, ids, inp, out)
+            storage = to_storage(topology, b)
+            c = cache[key] = (storage, perf, inp, out, b.weights, b.optimizer, perf.total, b.total)
+        shards.append(Shard(list(size), list(off), *c[:6], r, c[6], c[7]))
+    return ShardingOption(table, st, kernel, shards, host_bound)
+
+
+def build_option(
+    topology: Topology,
+    table: TableSpec,
+    st: ShardingType,
+    kernel: ComputeKernel,
+    batch_size: int,
+    ranks: list[int] | None = None,
+    column_sizes: list[int] | None = None,
+) -> ShardingOption:
+    """One option with its shards.
+
+    Args:
+        ranks: row_wise: the ranks sharing rows (default all / pinned);
+            table_row_wise: the ranks of one host (default: partitioner picks the host);
+            table_wise / column kinds: fixed placement (default: partitioner places);
+            data_parallel: ignored (every rank).
+        column_sizes: widths of column shards (column kinds only).
+    """
+    R, D = table.num_embeddings, table.embedding_dim
+    W, L = topology.world_size, topology.local_world_size
+    if st == ShardingType.DATA_PARALLEL:
+        return _make_option(topology, table, st, kernel, [[R, D]] * W, [[0, 0]] * W, list(range(W)), batch_size)
+    if st == ShardingType.TABLE_WISE:
+        return _make_option(topology, table, st, kernel, [[R, D]], [[0, 0]], [ranks[0] if ranks else None], batch_size)
+    if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        if st == ShardingType.ROW_WISE:
+            rk: list[int | None] = list(ranks) if ranks else list(range(W))
+        else:
+            rk = list(ranks) if ranks else [None] * L
+        rows = row_wise_shard_sizes(R, len(rk))
+        offs, o = [], 0
+        for n in rows:
+            offs.append([o, 0])
+            o += n
+        return _make_option(
+            topology, table, st, kernel, [[n, D] for n in rows], offs, rk, batch_size,
+            host_bound=(st == ShardingType.TABLE_ROW_WISE),
+        )
+    cols = list(column_sizes) if column_sizes else [D]
+    offs, o = [], 0
+    for c in cols:
+        offs.append([0, o])
+        o += c
+    rk = list(ranks) if ranks else [None] * len(cols)
+    return _make_option(
+        topology, table, st, kernel, [[R, c] for c in cols], offs, rk, batch_size,
+        host_bound=(st == ShardingType.TABLE_COLUMN_WISE),
+    )
+
+
+def prune_dominated(options: list[ShardingOption]) -> list[ShardingOption]:
+    """Drop an option when another of the same type and shard shapes is no slower and no larger on every shard.
+
+    Such a pair differs only in the kernel (e.g. ``dense`` vs ``fused`` row_wise on
+    cuda): the dominated one can never give a shorter critical path or fit
+    where the other does not, so the search result is unchanged.
+    """
+    keep: list[ShardingOption] = []
+    groups: dict[tuple, list[ShardingOption]] = {}
+    for o in options:
+        groups.setdefault((o.sharding_type, tuple(tuple(s.size) for s in o.shards)), []).append(o)
+    for o in options:
+        g = groups[(o.sharding_type, tuple(tuple(s.size) for s in o.shards))]
+        dominated = any(
+            q is not o
+            and all(a.time <= b.time and a.mem <= b.mem for a, b in zip(q.shards, o.shards))
+            and (any(a.time < b.time or a.mem < b.mem for a, b in zip(q.shards, o.shards)) or g.index(q) < g.index(o))
+            for q in g
+        )
+        if not dominated:
+            keep.append(o)
+    return keep
+
+
+def _fits(opt: ShardingOption, usable: int) -> bool:
+    return all(max(s.storage.hbm, s.storage.ddr) <= usable for s in opt.shards)
+
+
+def enumerate_options(
+    table: TableSpec, topology: Topology, batch_size: int, usable: int
+) -> tuple[list[ShardingOption], Rejected | None]:
+    """All options of ``table`` whose every shard fits ``usable`` bytes, plus the smallest that did not.
+
+    Args:
+        usable: bytes per rank available to table shards (after the reservation).
+
+    Raises:
+        PlannerError: the table's constraints or fixed sharding are inconsistent
+            with the topology (rank out of range, nothing allowed).
+    """
+    W, L = topology.world_size, topology.local_world_size
+    pinned = sorted(set(table.ranks)) if table.ranks is not None else None
+    if pinned is not None:
+        bad = [r for r in pinned if not 0 <= r < W]
+        if bad or not pinned:
+            raise PlannerError(
+                f"sharding.constraints.{table.name}.ranks: {table.ranks} must be non-empty ranks in [0, {W})"
+            )
+    candidates: list[ShardingOption] = []
+    if table.fixed is not None:
+        st, kernel, franks, fcols = table.fixed
+        w = f"sharding.tables.{table.name}"
+        if franks is not None and any(not 0 <= r < W for r in franks):
+            raise PlannerError(f"{w}.ranks: {franks} out of range for {W} ranks")
+        if st == ShardingType.DATA_PARALLEL and kernel != ComputeKernel.DENSE:
+            raise PlannerError(f"{w}: data_parallel tables use the dense kernel, got {kernel.value}")
+        try:  # check the shape arithmetic the same way the plan will be built
+            if franks is not None or st in (ShardingType.DATA_PARALLEL, ShardingType.ROW_WISE):
+                construct_parameter_sharding(st, table.num_embeddings, table.embedding_dim,
+                                             franks or list(range(W)), kernel, fcols)
+        except PlanError as e:
+            raise PlannerError(f"{w}: {e}") from None
+        if st == ShardingType.TABLE_ROW_WISE and franks is not None and len({r // L for r in franks}) != 1:
+            raise PlannerError(f"{w}.ranks: table_row_wise ranks {franks} must lie on one host ({L} ranks per host)")
+        if st in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) and not fcols:
+            k = len(franks) if franks else 2
+            if table.embedding_dim < k:
+                raise PlannerError(f"{w}: cannot split dim {table.embedding_dim} into {k} column shards")
+            base, rem = divmod(table.embedding_dim, k)
+            fcols = [base + (1 if i < rem else 0) for i in range(k)]
+        if st == ShardingType.TABLE_WISE and franks is not None and len(franks) != 1:
+            raise PlannerError(f"{w}.ranks: table_wise takes exactly one rank, got {franks}")
+        candidates.append(build_option(topology, table, st, kernel, batch_size, franks, fcols))
+    else:
+        types = list(table.sharding_types) if table.sharding_types is not None else list(ALL_TYPES)
+        if table.sharding_types is None and topology.num_hosts == 1:
+            types = [t for t in types if t not in HOST_TYPES]
+        kernels = list(table.compute_kernels) if table.compute_kernels is not None else list(ALL_KERNELS)
+        for st in types:
+            for k in kernels:
+                if st == ShardingType.DATA_PARALLEL and k != ComputeKernel.DENSE:
+                    continue
+                if st == ShardingType.DATA_PARALLEL:
+                    if pinned is None or len(pinned) == W:
+                        candidates.append(build_option(topology, table, st, k, batch_size))
+                elif st == ShardingType.TABLE_WISE:
+                    candidates.append(build_option(topology, table, st, k, batch_size))
+                elif st == ShardingType.ROW_WISE:
+                    if W > 1 or pinned is not None:
+                        candidates.append(build_option(topology, table, st, k, batch_size, pinned))
+                    elif table.sharding_types is not None:  # one rank: row_wise is one full shard
+                        candidates.append(build_option(topology, table, st, k, batch_size, [0]))
+                elif st == ShardingType.TABLE_ROW_WISE:
+                    if pinned is None or any(set(topology.host_ranks(h)) <= set(pinned) for h in range(topology.num_hosts)):
+                        candidates.append(build_option(topology, table, st, k, batch_size))
+                else:
+                    avail = len(pinned) if pinned is not None else W
+                    if st == ShardingType.TABLE_COLUMN_WISE:
+                        avail = min(avail, L)
+                    d = table.embedding_dim
+                    min_dim = table.min_column_shard_dim or default_min_column_shard_dim(d)
+                    m4 = k == ComputeKernel.FUSED and d % 4 == 0
+                    for cols in column_splits(d, min_dim, avail, m4):
+                        candidates.append(build_option(topology, table, st, k, batch_size, None, cols))
+        if not candidates:
+            raise PlannerError(
+                f"table '{table.name}': no sharding is allowed by its constraints on {W} rank(s) "
+                f"(sharding_types {[t.value for t in types]}, compute_kernels {[k.value for k in kernels]}"
+                f"{', ranks ' + str(pinned) if pinned is not None else ''})"
+            )
+    fitting = prune_dominated([o for o in candidates if _fits(o, usable)])
+    rejected = None
+    if not fitting:
+        smallest = min(candidates, key=lambda o: o.max_shard_storage)
+        rejected = Rejected(smallest, usable)
+    return fitting, rejected

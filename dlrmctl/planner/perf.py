@@ -1,0 +1,159 @@
+"""Perf estimator: seconds each shard adds to its rank per training step.
+
+Reference: TorchRec ``planner/shard_estimators.py``, ``EmbeddingPerfEstimator``
+(``_get_tw_sharding_perf``, ``_get_rw_sharding_perf``, ``_get_twrw_sharding_perf``,
+``_get_dp_sharding_perf``) and ``planner/constants.py`` (``kernel_bw_lookup``,
+``BWD_COMPUTE_MULTIPLIER``, ``BATCHED_COPY_PERF_FACTOR``,
+``DP_ELEMENTWISE_KERNELS_PERF_FACTOR``).  The model is *bytes moved / bandwidth*:
+time depends on how many ids a shard looks up and how many bytes it reads,
+writes and sends, never on how many rows it holds (except data_parallel, whose
+gradient all-reduce and optimizer sweep are table-sized).
+
+Notation (one table, one step): ``B`` global batch, ``P`` ids per sample (sum
+of the features' pooling factors), ``F`` pooled outputs per sample (features),
+``d`` table dim, ``c`` shard columns, ``W`` world size, ``L`` ranks per host,
+``H = W / L`` hosts, ``n`` row shards, ``bpw`` bytes per weight, ``I = 8`` bytes
+per id (int64), ``O = 4`` bytes per output element (fp32),
+``m`` = smallest row read (128 B on cuda: TorchRec's ``max(emb_dim, 32)`` fp32
+elements; 64 B on cpu: a cache line).  ``bw_k = mem_bw * efficiency(device,
+kernel)``, ``a2a = (W-1)/W`` (the part of an all-to-all that leaves the rank;
+TorchRec omits it, which makes W=1 cost communication), ``net`` = inter-host
+bandwidth when H > 1 else intra-host (TorchRec's ``comms_bw``).
+
+table_wise / column_wise / table_column_wise shard (``c`` columns)::
+
+    ids = B*P;  in = ids*I;  out = B*F*c*O;  lookup = ids*max(c*bpw, m)
+    fwd_compute = (in + lookup + out) / bw_k
+    fwd_comms   = a2a*(in + out) / net        # input_dist ids + output_dist pooled rows
+    bwd_compute = 2 * fwd_compute             # BWD_COMPUTE_MULTIPLIER
+    bwd_comms   = a2a*out / net               # gradients of the pooled rows
+
+row_wise shard (one of ``n``; ids spread evenly over the row blocks)::
+
+    ids = B*P/n;  in = ids*I;  out = B*F*d*O (partial sums for every sample)
+    fwd_compute = (in + ids*max(d*bpw, m) + out) / bw_k
+    fwd_comms   = a2a*in/net + (n-1)/n*out/net            # reduce-scatter of partial sums
+    bwd_compute = 2*fwd_compute + 2.455*out/bw_k          # BATCHED_COPY_PERF_FACTOR
+    bwd_comms   = (n-1)/n*out/net                         # all-gather of output grads
+
+table_row_wise shard (``n`` = ranks of one host): as row_wise, but the partial
+sums are reduce-scattered inside the host and only the reduced ``out/n`` crosses
+hosts::
+
+    fwd_comms = a2a*in/net + (n-1)/n*out/intra + (H-1)/H*out/n/inter
+    bwd_comms = (n-1)/n*out/intra + (H-1)/H*out/n/inter
+
+data_parallel (dense kernel, a full replica per rank, local batch ``B/W``)::
+
+    ids = B*P/W;  fwd_compute = (ids*I + ids*max(d*bpw, m) + B/W*F*d*O) / bw_k
+    fwd_comms   = 0
+    bwd_compute = 2*fwd_compute + 9.22*rows*d*bpw/bw_k    # DP_ELEMENTWISE_KERNELS_PERF_FACTOR
+    bwd_comms   = 2*(W-1)/W * rows*d*4 / net              # ring all-reduce (NCCL busbw formula)
+
+dense kernel (``torch.nn.EmbeddingBag(sparse=True)`` + a separate optimizer,
+any type but data_parallel) adds an unfused optimizer pass to the backward:
+``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read + write
+the rows) — our estimate; TorchRec only halves the kernel bandwidth.
+"""
+
+from __future__ import annotations
+
+from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from dlrmctl.planner.types import Perf, TableSpec, Topology
+
+BWD_COMPUTE_MULTIPLIER = 2.0  #: TorchRec constants.py
+BATCHED_COPY_PERF_FACTOR = 2.455  #: TorchRec constants.py (row-wise backward copy)
+DP_ELEMENTWISE_KERNELS_PERF_FACTOR = 9.22  #: TorchRec constants.py (DP optimizer sweep)
+INPUT_ID_BYTES = 8  #: int64 ids in the KJT
+OUTPUT_ELEM_BYTES = 4  #: fp32 pooled embeddings / their gradients
+MIN_ROW_READ_BYTES = {"cuda": 128, "cpu": 64}
+
+#: Fraction of the memory bandwidth a kernel reaches on a device.  cuda:
+#: TorchRec ``kernel_bw_lookup`` (fused 1.0, dense 0.5).  cpu: measured on the
+#: dev VM, 1M x 128 fp32 random rows, 20 ids per bag, 1 thread: FBGEMM TBE
+#: forward 2.8 GB/s and ``F.embedding_bag`` 3.6 GB/s against an 18.8 GB/s copy.
+KERNEL_EFFICIENCY: dict[tuple[str, ComputeKernel], float] = {
+    ("cuda", ComputeKernel.FUSED): 1.0,
+    ("cuda", ComputeKernel.DENSE): 0.5,
+    ("cpu", ComputeKernel.FUSED): 0.15,
+    ("cpu", ComputeKernel.DENSE): 0.19,
+}
+
+
+def kernel_bandwidth(topology: Topology, kernel: ComputeKernel) -> float:
+    """Effective lookup bandwidth, bytes/s = table memory bandwidth * kernel efficiency."""
+    return topology.mem_bw * KERNEL_EFFICIENCY[(topology.compute_device, kernel)]
+
+
+def estimate_shard(
+    topology: Topology,
+    table: TableSpec,
+    sharding_type: ShardingType,
+    compute_kernel: ComputeKernel,
+    rows: int,
+    cols: int,
+    num_row_shards: int,
+    batch_size: int,
+) -> tuple[Perf, float, int, int]:
+    """Estimate one shard (formulas in the module docstring).
+
+    Args:
+        rows, cols: shard shape (a row shard with 0 rows costs nothing).
+        num_row_shards: ``n`` for row_wise / table_row_wise, else 1.
+        batch_size: global batch ``B`` (samples per step over all ranks).
+
+    Returns:
+        ``(perf seconds, ids looked up per step, input_bytes, output_bytes)``; the
+        two byte counts are the shard's input_dist / output_dist buffers per step.
+    """
+    W, L = topology.world_size, topology.local_world_size
+    H = W // L
+    B = float(batch_size)
+    P = table.ids_per_sample
+    F = table.num_poolings
+    d = table.embedding_dim
+    bpw = table.weight_bytes
+    m = MIN_ROW_READ_BYTES[topology.compute_device]
+    I, O = INPUT_ID_BYTES, OUTPUT_ELEM_BYTES
+    bw = kernel_bandwidth(topology, compute_kernel)
+    net = topology.comm_bw
+    a2a = (W - 1) / W
+    st = sharding_type
+    dense_extra = 0.0
+
+    if rows == 0:
+        return Perf(), 0.0, 0, 0
+    if st == ShardingType.DATA_PARALLEL:
+        ids = B * P / W
+        inp, out = ids * I, B / W * F * d * O
+        fwd = (inp + ids * max(d * bpw, m) + out) / bw
+        bwd = BWD_COMPUTE_MULTIPLIER * fwd + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * rows * d * bpw / bw
+        allreduce = 2 * (W - 1) / W * rows * d * 4 / net
+        return Perf(fwd, 0.0, bwd, allreduce), ids, int(inp), int(out)
+
+    if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        n = max(1, num_row_shards)
+        ids = B * P / n
+        inp, out = ids * I, B * F * d * O
+        fwd = (inp + ids * max(d * bpw, m) + out) / bw
+        bwd = BWD_COMPUTE_MULTIPLIER * fwd + BATCHED_COPY_PERF_FACTOR * out / bw
+        if st == ShardingType.ROW_WISE:
+            out_comm = (n - 1) / n * out / net
+        else:
+            out_comm = (n - 1) / n * out / topology.intra_host_bw
+            if H > 1:
+                out_comm += (H - 1) / H * out / n / topology.inter_host_bw
+        fwd_comms = a2a * inp / net + out_comm
+        bwd_comms = out_comm
+        c = d
+    else:  # table_wise, column_wise, table_column_wise
+        c = cols
+        ids = B * P
+        inp, out = ids * I, B * F * c * O
+        fwd = (inp + ids * max(c * bpw, m) + out) / bw
+        bwd = BWD_COMPUTE_MULTIPLIER * fwd
+        fwd_comms = a2a * (inp + out) / net
+        bwd_comms = a2a * out / net
+    if compute_kernel == ComputeKernel.DENSE:
+        dense_extra = ids * c * (2 * 4 + 2 * bpw) / bw
+    return Perf(fwd, fwd_comms, bwd + dense_extra, bwd_comms), ids, int(inp), int(out)

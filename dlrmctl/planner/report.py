@@ -1,0 +1,145 @@
+"""The plan report: per rank, per table, step time, proposals, runner-up (printed and saved).
+
+Columns follow TorchRec's ``EmbeddingStats`` report.  Units: GB = 1e9 bytes,
+MB = 1e6 bytes, ms = milliseconds of estimated time per training step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from dlrmctl.planner.partitioner import Partition
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dlrmctl.planner.planner import PlanResult
+
+_ABBR = {
+    "data_parallel": "DP",
+    "table_wise": "TW",
+    "row_wise": "RW",
+    "table_row_wise": "TWRW",
+    "column_wise": "CW",
+    "table_column_wise": "TWCW",
+}
+RANK_COLUMNS = ["Rank", "HBM (GB)", "DDR (GB)", "Perf (ms)", "Input (MB)", "Output (MB)", "Shards"]
+TABLE_COLUMNS = ["Table", "Sharding", "Kernel", "Ranks", "Shard sizes", "Storage", "Pooling factor", "Dim", "Rows", "Perf (ms)"]
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = lambda cells: " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([fmt(header), sep] + [fmt(r) for r in rows])
+
+
+def compact_ranks(ranks: list[int]) -> str:
+    """``[0,1,2,3,5]`` -> ``0-3,5`` (order kept; runs of consecutive ranks collapse)."""
+    out, i = [], 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if j == i else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def compact_sizes(sizes: list[list[int]]) -> str:
+    """Shard shapes with runs collapsed: ``7x[4,16] + [2,16]``."""
+    out, i = [], 0
+    while i < len(sizes):
+        j = i
+        while j + 1 < len(sizes) and sizes[j + 1] == sizes[i]:
+            j += 1
+        n = j - i + 1
+        s = f"[{sizes[i][0]},{sizes[i][1]}]"
+        out.append(s if n == 1 else f"{n}x{s}")
+        i = j + 1
+    return " + ".join(out)
+
+
+def why_slower(p: Partition, limit: int = 3) -> str:
+    """What loads the slowest rank of ``p``: ``rank 3 holds t_a (table_wise, 5.10 ms), ...``."""
+    a = max(range(len(p.loads)), key=lambda r: p.loads[r])
+    contrib = []
+    for opt, ranks in zip(p.options, p.ranks):
+        x = sum(s.time for s, r in zip(opt.shards, ranks) if r == a)
+        if x > 0:
+            contrib.append((x, opt))
+    contrib.sort(key=lambda c: -c[0])
+    parts = [f"{o.table.name} ({o.sharding_type.value}, {x * 1e3:.2f} ms)" for x, o in contrib[:limit]]
+    more = f" and {len(contrib) - limit} more" if len(contrib) > limit else ""
+    return f"its slowest rank {a} holds {len(contrib)} table(s): " + ", ".join(parts) + more
+
+
+def format_report(res: "PlanResult") -> str:
+    """The full report as text (see module docstring for units)."""
+    p, topo = res.partition, res.topology
+    W = topo.world_size
+    hbm, ddr = [0] * W, [0] * W
+    inp, outp = [0] * W, [0] * W
+    kinds: list[Counter] = [Counter() for _ in range(W)]
+    for opt, ranks in zip(p.options, p.ranks):
+        for s, r in zip(opt.shards, ranks):
+            hbm[r] += s.storage.hbm
+            ddr[r] += s.storage.ddr
+            inp[r] += s.input_bytes
+            outp[r] += s.output_bytes
+            kinds[r][_ABBR[opt.sharding_type.value]] += 1
+    rank_rows = [
+        [
+            str(r),
+            f"{hbm[r] / 1e9:.3f}",
+            f"{ddr[r] / 1e9:.3f}",
+            f"{p.loads[r] * 1e3:.3f}",
+            f"{inp[r] / 1e6:.2f}",
+            f"{outp[r] / 1e6:.2f}",
+            ", ".join(f"{k}: {n}" for k, n in sorted(kinds[r].items())) or "-",
+        ]
+        for r in range(W)
+    ]
+    table_rows = []
+    for opt, ranks in zip(p.options, p.ranks):
+        t = opt.table
+        table_rows.append(
+            [
+                t.name,
+                opt.sharding_type.value,
+                opt.compute_kernel.value,
+                compact_ranks(list(ranks)),  # type: ignore[arg-type]
+                compact_sizes([s.size for s in opt.shards]),
+                f"{opt.total_storage / 1e9:.3f} GB",
+                "+".join(f"{x:g}" for x in t.pooling_factors),
+                str(t.embedding_dim),
+                str(t.num_embeddings),
+                f"{opt.total_perf * 1e3:.3f}",
+            ]
+        )
+    mean = sum(p.loads) / W
+    lines = [
+        f"Sharding plan: {len(p.options)} table(s) on {topo.describe()}",
+        f"global batch {res.batch_size}; usable table memory per rank {res.reservation.usable(topo) / 1e9:.2f} GB "
+        f"({res.reservation.percentage:.0%} + {res.reservation.dense_bytes / 1e9:.3f} GB dense model reserved)",
+        "",
+        "Per rank:",
+        _table(RANK_COLUMNS, rank_rows),
+        "",
+        "Per table:",
+        _table(TABLE_COLUMNS, table_rows),
+        "",
+        f"Estimated embedding step time (critical path = slowest rank): {p.critical_path * 1e3:.3f} ms "
+        f"(mean rank {mean * 1e3:.3f} ms, balance max/mean {p.critical_path / mean if mean else 1.0:.3f})",
+        f"Proposals evaluated: {res.proposals_evaluated}; chosen: {res.label}",
+    ]
+    if res.runner_up is None:
+        lines.append("Runner-up: none (only one feasible proposal)")
+    else:
+        label, q = res.runner_up
+        if q.critical_path > p.critical_path * (1 + 1e-9):
+            why = why_slower(q)
+        else:
+            why = f"same critical path, more total work ({sum(q.loads) * 1e3:.3f} ms vs {sum(p.loads) * 1e3:.3f} ms over all ranks)"
+        lines.append(f"Runner-up: {label}, {q.critical_path * 1e3:.3f} ms vs {p.critical_path * 1e3:.3f} ms: {why}")
+    lines.append("Units: GB = 1e9 bytes, MB = 1e6 bytes; Perf = estimated forward + backward compute and communication per step.")
+    return "\n".join(lines) + "\n"

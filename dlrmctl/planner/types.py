@@ -1,0 +1,453 @@
+"""Planner vocabulary: the machine (:class:`Topology`), the problem (:class:`TableSpec`)
+and the candidate answers (:class:`ShardingOption` made of :class:`Shard`).
+
+Names follow ``torchrec.distributed.planner.types`` (Topology, ShardingOption,
+Shard, Storage, Perf).  Units are explicit in every attribute name or docstring:
+bytes for memory, bytes/s for bandwidths, seconds for :class:`Perf` (the report
+prints milliseconds).
+
+Device presets (:data:`DEVICE_PRESETS`) and where each number comes from:
+
+* ``h100``: NVIDIA H100 SXM5 80GB datasheet — 80 GB HBM3 at 3.35 TB/s; NVLink 4
+  through NVSwitch, 900 GB/s bidirectional per GPU = 450 GB/s per direction;
+  inter-host one ConnectX-7 400 Gb/s NIC per GPU (DGX H100 user guide) = 50 GB/s;
+  host memory 2 TB per 8-GPU DGX H100 = 256 GB per rank, DDR5-4800 x 8 channels x
+  2 sockets = 614 GB/s per node = 76.8 GB/s per rank.
+* ``a100``: NVIDIA A100 80GB SXM datasheet — 80 GB HBM2e at 2.039 TB/s; NVLink 3,
+  600 GB/s bidirectional = 300 GB/s per direction; inter-host one ConnectX-6
+  HDR 200 Gb/s NIC per GPU (DGX A100 user guide) = 25 GB/s; host memory 2 TB per
+  DGX A100 = 256 GB per rank, DDR4-3200 x 8 channels x 2 sockets = 409.6 GB/s per
+  node = 51.2 GB/s per rank.
+* ``h200``: NVIDIA H200 SXM datasheet — 141 GB HBM3e at 4.8 TB/s; NVLink 4,
+  450 GB/s per direction; ConnectX-7 400 Gb/s per GPU (DGX H200) = 50 GB/s; host
+  memory 2 TB per node = 256 GB per rank, 76.8 GB/s per rank (as DGX H100).
+* ``cpu``: what ``dlrmctl train --nproc N`` runs on (gloo, no accelerator): no
+  HBM; every byte lives in DDR.  Memory bandwidth 18.8 GB/s per rank, measured on
+  the 2-core development VM with a 256 MiB ``numpy.copyto`` (read + write bytes /
+  time); FBGEMM TBE CPU forward reached 2.8 GB/s of looked-up rows and
+  ``torch.nn.functional.embedding_bag`` 3.6 GB/s on 1M x 128 fp32 random rows,
+  single thread, hence the kernel efficiencies in :mod:`dlrmctl.planner.perf`.
+  Intra-host bandwidth 2 GB/s: an estimate (not measured) for gloo collectives
+  over loopback TCP.  DDR capacity: physical memory of this machine
+  (``os.sysconf``) divided by the ranks per host, unless ``--ddr-gb`` is given.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from dlrmctl.distributed.types import ComputeKernel, ShardingType
+
+GB = 1e9  #: bytes in a (decimal, datasheet) gigabyte
+GiB = float(1 << 30)  #: bytes in a gibibyte
+MiB = float(1 << 20)
+
+
+class PlannerError(ValueError):
+    """No plan satisfies the memory and the constraints.
+
+    The message names the table(s) that cannot be placed, the bytes needed and
+    available per rank, and what would make the problem fit.
+    """
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """Per-rank hardware numbers of one device kind (see the module docstring for sources).
+
+    Attributes:
+        compute_device: ``cuda`` or ``cpu``.
+        hbm_gb: device memory per rank (GB = 1e9 bytes); 0 for cpu.
+        ddr_gb: host memory per rank (GB); ``None`` = detect this machine's.
+        hbm_bw_gbps: device memory bandwidth (GB/s).
+        ddr_bw_gbps: host memory bandwidth per rank (GB/s).
+        intra_host_bw_gbps: per-rank bandwidth to ranks of the same host, one direction (GB/s).
+        inter_host_bw_gbps: per-rank bandwidth to other hosts, one direction (GB/s).
+        default_gpus_per_host: ranks per host when neither ``--hosts`` nor ``--gpus-per-host`` is given.
+        source: one-line citation.
+    """
+
+    compute_device: str
+    hbm_gb: float
+    ddr_gb: float | None
+    hbm_bw_gbps: float
+    ddr_bw_gbps: float
+    intra_host_bw_gbps: float
+    inter_host_bw_gbps: float
+    default_gpus_per_host: int | None
+    source: str
+
+
+DEVICE_PRESETS: dict[str, DevicePreset] = {
+    "h100": DevicePreset("cuda", 80.0, 256.0, 3350.0, 76.8, 450.0, 50.0, 8,
+                         "H100 SXM5 80GB datasheet; DGX H100 user guide (NVLink4 900 GB/s bidir, CX-7 400 Gb/s)"),
+    "a100": DevicePreset("cuda", 80.0, 256.0, 2039.0, 51.2, 300.0, 25.0, 8,
+                         "A100 80GB SXM datasheet; DGX A100 user guide (NVLink3 600 GB/s bidir, CX-6 200 Gb/s)"),
+    "h200": DevicePreset("cuda", 141.0, 256.0, 4800.0, 76.8, 450.0, 50.0, 8,
+                         "H200 SXM datasheet; DGX H200 (NVLink4 900 GB/s bidir, CX-7 400 Gb/s)"),
+    "cpu": DevicePreset("cpu", 0.0, None, 0.0, 18.8, 2.0, 1.0, None,
+                        "measured numpy copy 18.8 GB/s on the dev VM; gloo loopback ~2 GB/s (estimate)"),
+}
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine in bytes (``SC_PAGE_SIZE * SC_PHYS_PAGES``); 16 GB if unknown."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return int(16 * GB)
+
+
+@dataclass
+class Topology:
+    """The machine a plan is for (TorchRec ``Topology``), all numbers per rank.
+
+    Attributes:
+        world_size: ranks in the job.
+        local_world_size: ranks per host (must divide ``world_size``).
+        compute_device: ``cuda`` (tables in HBM) or ``cpu`` (tables in DDR).
+        hbm_cap: device memory per rank, bytes (0 on cpu).
+        ddr_cap: host memory per rank, bytes.
+        hbm_mem_bw, ddr_mem_bw: memory bandwidths, bytes/s.
+        intra_host_bw: one-direction bandwidth between ranks of one host, bytes/s.
+        inter_host_bw: one-direction bandwidth of a rank to other hosts, bytes/s.
+        device: preset name (``h100`` ...), for the report.
+    """
+
+    world_size: int
+    local_world_size: int
+    compute_device: str
+    hbm_cap: int
+    ddr_cap: int
+    hbm_mem_bw: float
+    ddr_mem_bw: float
+    intra_host_bw: float
+    inter_host_bw: float
+    device: str = "custom"
+
+    def __post_init__(self) -> None:
+        if self.world_size <= 0:
+            raise PlannerError(f"world size must be > 0, got {self.world_size}")
+        if self.local_world_size <= 0 or self.world_size % self.local_world_size:
+            raise PlannerError(
+                f"ranks per host ({self.local_world_size}) must divide the world size ({self.world_size})"
+            )
+        if self.compute_device not in ("cuda", "cpu"):
+            raise PlannerError(f"compute device must be cuda or cpu, got {self.compute_device!r}")
+
+    @property
+    def num_hosts(self) -> int:
+        """Number of hosts = world_size / local_world_size."""
+        return self.world_size // self.local_world_size
+
+    def host_ranks(self, host: int) -> list[int]:
+        """Global ranks of ``host`` (contiguous blocks of ``local_world_size``, as torchrun numbers them)."""
+        return list(range(host * self.local_world_size, (host + 1) * self.local_world_size))
+
+    @property
+    def mem_bw(self) -> float:
+        """Bandwidth of the memory the tables live in, bytes/s (HBM on cuda, DDR on cpu)."""
+        return self.hbm_mem_bw if self.compute_device == "cuda" else self.ddr_mem_bw
+
+    @property
+    def table_mem_cap(self) -> int:
+        """Capacity of the memory the tables live in, bytes per rank."""
+        return self.hbm_cap if self.compute_device == "cuda" else self.ddr_cap
+
+    @property
+    def table_mem_name(self) -> str:
+        """``HBM`` or ``DDR``: where the tables live."""
+        return "HBM" if self.compute_device == "cuda" else "DDR"
+
+    @property
+    def comm_bw(self) -> float:
+        """Bandwidth of an all-to-all over all ranks, bytes/s: inter-host once there is more than one host.
+
+        As TorchRec's ``EmbeddingPerfEstimator``: ``inter_host_bw if world_size >
+        local_world_size else intra_host_bw`` (the slowest link bounds the collective).
+        """
+        return self.inter_host_bw if self.num_hosts > 1 else self.intra_host_bw
+
+    def describe(self) -> str:
+        """One line: ranks, hosts, device, memory and bandwidths (GB, GB/s)."""
+        mem = (
+            f"HBM {self.hbm_cap / GB:.0f} GB @ {self.hbm_mem_bw / GB:.0f} GB/s"
+            if self.compute_device == "cuda"
+            else f"DDR {self.ddr_cap / GB:.1f} GB @ {self.ddr_mem_bw / GB:.1f} GB/s"
+        )
+        return (
+            f"{self.world_size} ranks = {self.num_hosts} host(s) x {self.local_world_size}, device {self.device} "
+            f"({self.compute_device}); per rank {mem}; intra-host {self.intra_host_bw / GB:.0f} GB/s, "
+            f"inter-host {self.inter_host_bw / GB:.0f} GB/s"
+        )
+
+    @staticmethod
+    def from_preset(
+        device: str,
+        world_size: int,
+        local_world_size: int | None = None,
+        hbm_gb: float | None = None,
+        ddr_gb: float | None = None,
+    ) -> "Topology":
+        """Build a topology from a :data:`DEVICE_PRESETS` entry.
+
+        Args:
+            device: ``h100`` | ``a100`` | ``h200`` | ``cpu``.
+            world_size: ranks.
+            local_world_size: ranks per host; default ``min(world_size, 8)`` for GPU
+                presets (one 8-GPU node), ``world_size`` for cpu (one machine).
+            hbm_gb, ddr_gb: per-rank capacity overrides in GB (1e9 bytes).
+
+        Raises:
+            PlannerError: unknown device or inconsistent sizes.
+        """
+        try:
+            p = DEVICE_PRESETS[device]
+        except KeyError:
+            raise PlannerError(f"unknown device {device!r}; expected one of {sorted(DEVICE_PRESETS)}") from None
+        if local_world_size is None:
+            local_world_size = world_size if p.default_gpus_per_host is None else min(world_size, p.default_gpus_per_host)
+            if world_size % local_world_size:
+                local_world_size = math.gcd(world_size, local_world_size)
+        if ddr_gb is None:
+            ddr = int(p.ddr_gb * GB) if p.ddr_gb is not None else host_memory_bytes() // max(1, local_world_size)
+        else:
+            ddr = int(ddr_gb * GB)
+        hbm = int((p.hbm_gb if hbm_gb is None else hbm_gb) * GB)
+        if p.compute_device == "cpu":
+            hbm = 0
+        return Topology(
+            world_size=world_size,
+            local_world_size=local_world_size,
+            compute_device=p.compute_device,
+            hbm_cap=hbm,
+            ddr_cap=ddr,
+            hbm_mem_bw=p.hbm_bw_gbps * GB,
+            ddr_mem_bw=p.ddr_bw_gbps * GB,
+            intra_host_bw=p.intra_host_bw_gbps * GB,
+            inter_host_bw=p.inter_host_bw_gbps * GB,
+            device=device,
+        )
+
+
+@dataclass
+class TableSpec:
+    """One table as the planner sees it (the problem, not the answer).
+
+    Attributes:
+        name: table name.
+        num_embeddings: rows.
+        embedding_dim: columns.
+        pooling_factors: mean ids per sample of each feature looked up in this
+            table (TorchRec ``ParameterConstraints.pooling_factors``); their sum
+            is the ids per sample, their count the pooled outputs per sample.
+        optimizer: embedding optimizer: ``exact_rowwise_adagrad`` | ``exact_adagrad``
+            | ``adam`` | ``exact_sgd`` (short names ``rowwise_adagrad``, ``adagrad``,
+            ``sgd`` accepted).
+        weight_bytes: bytes per weight (4 fp32, 2 fp16).
+        sharding_types: allowed sharding types (None: all).
+        compute_kernels: allowed kernels (None: all).
+        ranks: ranks the table's shards may be placed on (None: any).
+        min_column_shard_dim: narrowest column shard (None: 32, or 4 when dim < 64).
+        fixed: a hand-given sharding (``sharding.tables.<name>``) the planner must
+            keep: ``(sharding_type, compute_kernel, ranks or None, column_sizes or None)``.
+    """
+
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    pooling_factors: list[float] = field(default_factory=lambda: [1.0])
+    optimizer: str = "exact_rowwise_adagrad"
+    weight_bytes: int = 4
+    sharding_types: list[ShardingType] | None = None
+    compute_kernels: list[ComputeKernel] | None = None
+    ranks: list[int] | None = None
+    min_column_shard_dim: int | None = None
+    fixed: tuple[ShardingType, ComputeKernel, list[int] | None, list[int] | None] | None = None
+
+    @property
+    def ids_per_sample(self) -> float:
+        """Sum of the features' pooling factors: ids looked up per sample."""
+        return float(sum(self.pooling_factors))
+
+    @property
+    def num_poolings(self) -> int:
+        """Pooled embeddings per sample (one per feature)."""
+        return len(self.pooling_factors)
+
+    @property
+    def weight_bytes_total(self) -> int:
+        """Bytes of the full weight matrix: rows * dim * weight_bytes."""
+        return self.num_embeddings * self.embedding_dim * self.weight_bytes
+
+
+@dataclass
+class Storage:
+    """Bytes of one shard (or one rank) in device memory (``hbm``) and host memory (``ddr``)."""
+
+    hbm: int = 0
+    ddr: int = 0
+
+    def __add__(self, o: "Storage") -> "Storage":
+        return Storage(self.hbm + o.hbm, self.ddr + o.ddr)
+
+
+@dataclass
+class Perf:
+    """Estimated time of one shard per training step, seconds (TorchRec ``Perf``).
+
+    ``total = fwd_compute + fwd_comms + bwd_compute + bwd_comms``.
+    """
+
+    fwd_compute: float = 0.0
+    fwd_comms: float = 0.0
+    bwd_compute: float = 0.0
+    bwd_comms: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Sum of the four parts, seconds."""
+        return self.fwd_compute + self.fwd_comms + self.bwd_compute + self.bwd_comms
+
+
+@dataclass(slots=True)
+class Shard:
+    """One block of a table in a candidate plan.
+
+    Attributes:
+        size: ``[rows, cols]``.
+        offset: ``[row, col]`` in the full table.
+        storage: bytes it occupies on its rank (weights + optimizer state + dist buffers).
+        perf: estimated time it adds to its rank per step (seconds).
+        input_bytes: bytes of ids it receives per step (input_dist).
+        output_bytes: bytes of pooled embeddings it sends per step (output_dist).
+        weights_bytes, optimizer_bytes: parts of ``storage`` (for error messages).
+        rank: where it is placed; ``None`` until partitioned (fixed types set it).
+        time: ``perf.total`` (seconds), filled in by the enumerator.
+        mem: ``storage.hbm + storage.ddr`` (bytes), filled in by the enumerator.
+    """
+
+    size: list[int]
+    offset: list[int]
+    storage: Storage
+    perf: Perf
+    input_bytes: int
+    output_bytes: int
+    weights_bytes: int
+    optimizer_bytes: int
+    rank: int | None = None
+    time: float = 0.0
+    mem: int = 0
+
+
+@dataclass
+class ShardingOption:
+    """One way to shard one table (TorchRec ``ShardingOption``).
+
+    Attributes:
+        table: the table.
+        sharding_type, compute_kernel: the choice.
+        shards: its shards (ranks set for placement-free types: row_wise and
+            data_parallel; set by the partitioner for the others).
+        host_bound: TWRW / TWCW — every shard on one host (the partitioner picks it).
+
+    Shards are not modified after construction, so the aggregates below are
+    computed once: ``total_perf`` (sum of shard times, seconds: the work this
+    option adds to the job), ``max_shard_perf`` (slowest shard, seconds: a lower
+    bound on the critical path with this option), ``max_shard_storage`` (bytes of
+    the largest shard), ``total_storage`` (bytes of all shards).
+    """
+
+    table: TableSpec
+    sharding_type: ShardingType
+    compute_kernel: ComputeKernel
+    shards: list[Shard]
+    host_bound: bool = False
+    total_perf: float = field(init=False, default=0.0)
+    max_shard_perf: float = field(init=False, default=0.0)
+    max_shard_storage: int = field(init=False, default=0)
+    total_storage: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        times = [s.time for s in self.shards]
+        mems = [s.mem for s in self.shards]
+        self.total_perf = sum(times)
+        self.max_shard_perf = max(times)
+        self.max_shard_storage = max(mems)
+        self.total_storage = sum(mems)
+        self._placed_vecs = None
+
+    def placed_vectors(self, world_size: int):
+        """For an option whose shard ranks are all known: per-rank (time seconds, memory bytes) as numpy arrays, cached."""
+        if self._placed_vecs is None:
+            import numpy as np
+
+            t, m = np.zeros(world_size), np.zeros(world_size, dtype=np.int64)
+            for s in self.shards:
+                t[s.rank] += s.time
+                m[s.rank] += s.mem
+            self._placed_vecs = (t, m)
+        return self._placed_vecs
+
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks of the shards in shard order (after partitioning)."""
+        return [s.rank for s in self.shards]  # type: ignore[misc]
+
+    def label(self) -> str:
+        """Short name, e.g. ``column_wise/fused x4``."""
+        n = len(self.shards)
+        return f"{self.sharding_type.value}/{self.compute_kernel.value}" + (f" x{n}" if n > 1 else "")
+
+
+def fmt_bytes(n: float) -> str:
+    """Human bytes in GiB / MiB / KiB (binary units, as memory is allocated)."""
+    if n >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def optimizer_name(name: str) -> str:
+    """Canonical optimizer name (``rowwise_adagrad`` -> ``exact_rowwise_adagrad`` ...).
+
+    Raises:
+        PlannerError: unknown optimizer.
+    """
+    aliases = {
+        "exact_rowwise_adagrad": "exact_rowwise_adagrad",
+        "rowwise_adagrad": "exact_rowwise_adagrad",
+        "exact_adagrad": "exact_adagrad",
+        "adagrad": "exact_adagrad",
+        "adam": "adam",
+        "exact_sgd": "exact_sgd",
+        "sgd": "exact_sgd",
+    }
+    try:
+        return aliases[name]
+    except KeyError:
+        raise PlannerError(f"unknown embedding optimizer {name!r}; expected one of {sorted(aliases)}") from None
+
+
+def sharding_types_of(names: Sequence[str] | None) -> list[ShardingType] | None:
+    """Parse sharding type names (None stays None).  Raises PlannerError on an unknown name."""
+    if names is None:
+        return None
+    try:
+        return [ShardingType(n) for n in names]
+    except ValueError:
+        raise PlannerError(f"unknown sharding type in {list(names)}; expected {[t.value for t in ShardingType]}") from None
+
+
+def compute_kernels_of(names: Sequence[str] | None) -> list[ComputeKernel] | None:
+    """Parse compute kernel names (None stays None).  Raises PlannerError on an unknown name."""
+    if names is None:
+        return None
+    try:
+        return [ComputeKernel(n) for n in names]
+    except ValueError:
+        raise PlannerError(f"unknown compute kernel in {list(names)}; expected {[k.value for k in ComputeKernel]}") from None
