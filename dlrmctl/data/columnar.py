@@ -1,0 +1,460 @@
+"""Columnar on-disk format shared by every dataset: Arrow IPC shards + ``meta.json``.
+
+Layout of a preprocessed directory::
+
+    DIR/meta.json                        description of everything below (see FORMAT below)
+    DIR/parts/<part>/<split>.arrow       Arrow IPC *file* format shards, uncompressed, memory-mappable
+    DIR/vocab/<feature>.arrow            optional vocabularies (criteo ``--frequency-threshold``)
+
+Every shard holds one column per feature, no nulls:
+
+* ``label``: float32 ``[rows]`` (0.0 / 1.0); absent for unlabelled data.
+* one float32 ``[rows]`` column per dense feature (already transformed, e.g. log(x+1)).
+* one int64 ``[rows]`` column per one-hot sparse feature (ids in ``[0, num_embeddings)``).
+* one ``list<int64>`` column per multi-hot sparse feature (bags of ids).
+
+A shard may hold several record batches (written while streaming).  Readers map the whole
+file once and address every column of every record batch inside that one mapping
+(:class:`MappedShard`), so a batch gather over many record batches is a handful of numpy
+fancy-index operations, not a Python loop over chunks.
+
+FORMAT (``meta.json``, ``format_version`` 1)::
+
+    {
+      "format_version": 1,
+      "dataset": "criteo" | "synthetic" | ...,
+      "dense_features": ["I1", ...],
+      "sparse_features": [{"name": "C1", "num_embeddings": N, "multi_hot": false,
+                           "mean_pooling_factor": 1.0, "max_pooling_factor": 1, ...}, ...],
+      "label": "label" | null,
+      "splits": {"train": {"rows": n, "files": ["parts/x/train.arrow", ...]}, "val": ..., "test": ...},
+      "ctr": {"train": 0.25, ...},            # mean label per split (null when no rows / no label)
+      "transforms": {...},                    # every transform applied, with its source
+      "vocab_files": {"C1": "vocab/C1.arrow", ...},   # may be empty
+      ...dataset-specific keys (e.g. "bayes_auc" for synthetic)
+    }
+
+File paths inside meta are relative to DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+LABEL_COLUMN = "label"
+SPLITS = ("train", "val", "test")
+
+__all__ = [
+    "DataError",
+    "FORMAT_VERSION",
+    "MappedShard",
+    "SplitData",
+    "open_split",
+    "read_meta",
+    "shard_schema",
+    "write_meta",
+    "write_split_shard",
+]
+
+
+class DataError(ValueError):
+    """Bad input data or a bad preprocessed directory.
+
+    The message always names the file, and the line and field when known, in the form
+    ``path:line: field X: what was wrong``.
+
+    Attributes:
+        path: offending file (str) or None.
+        line: 1-based physical line number or None.
+        field: field / column name or None.
+    """
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None,
+                 line: int | None = None, field: str | None = None) -> None:
+        prefix = ""
+        if path is not None:
+            prefix = f"{path}:{line}: " if line is not None else f"{path}: "
+        if field is not None:
+            prefix += f"field {field}: "
+        super().__init__(prefix + message)
+        self.path = None if path is None else str(path)
+        self.line = line
+        self.field = field
+
+
+# ---------------------------------------------------------------------------- writing
+def shard_schema(dense_features: Sequence[str], sparse_features: Sequence[str],
+                 multi_hot: Sequence[bool] | None = None, labelled: bool = True) -> pa.Schema:
+    """Arrow schema of a shard.
+
+    Args:
+        dense_features: names of the float32 columns, in order.
+        sparse_features: names of the id columns, in order.
+        multi_hot: per sparse feature, True for a ``list<int64>`` column (bag), False for int64.
+        labelled: include the float32 ``label`` column first.
+
+    Returns:
+        ``pa.Schema`` with columns ``[label], dense..., sparse...``.
+    """
+    mh = list(multi_hot) if multi_hot is not None else [False] * len(sparse_features)
+    fields = [pa.field(LABEL_COLUMN, pa.float32(), nullable=False)] if labelled else []
+    fields += [pa.field(n, pa.float32(), nullable=False) for n in dense_features]
+    fields += [pa.field(n, pa.list_(pa.int64()) if m else pa.int64(), nullable=False)
+               for n, m in zip(sparse_features, mh)]
+    return pa.schema(fields)
+
+
+class ShardWriter:
+    """Streams record batches into one Arrow IPC file, atomically (temp file + rename).
+
+    Args:
+        path: final ``.arrow`` path; written as ``path + '.tmp'`` until :meth:`close`.
+        schema: from :func:`shard_schema`.
+
+    The file appears at ``path`` only after :meth:`close`; :meth:`abort` removes the temp file.
+    """
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema) -> None:
+        self.path = Path(path)
+        self.schema = schema
+        self.rows = 0
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._tmp.parent.mkdir(parents=True, exist_ok=True)
+        self._sink = pa.OSFile(str(self._tmp), "wb")
+        self._writer = ipc.new_file(self._sink, schema)
+
+    def write(self, columns: Mapping[str, Any]) -> None:
+        """Append rows.
+
+        Args:
+            columns: column name -> numpy array ``[n]`` (float32 / int64) or ``pa.Array``
+                (``list<int64>`` for multi-hot); every schema column must be present, all of
+                length ``n``.  ``n == 0`` is a no-op.
+
+        Raises:
+            DataError: a column is missing or lengths differ.
+        """
+        arrays = []
+        n = None
+        for f in self.schema:
+            if f.name not in columns:
+                raise DataError(f"column '{f.name}' missing from write (have {sorted(columns)})",
+                                path=self.path)
+            a = columns[f.name]
+            if not isinstance(a, pa.Array):
+                a = pa.array(np.ascontiguousarray(a), type=f.type)
+            elif a.type != f.type:
+                a = a.cast(f.type)
+            if n is None:
+                n = len(a)
+            elif len(a) != n:
+                raise DataError(f"column '{f.name}' has {len(a)} rows, expected {n}", path=self.path)
+            arrays.append(a)
+        if not n:
+            return
+        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        self.rows += n
+
+    def close(self) -> Path:
+        """Finish the file and rename it into place; returns the final path."""
+        self._writer.close()
+        self._sink.close()
+        os.replace(self._tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the partial file."""
+        try:
+            self._writer.close()
+            self._sink.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+
+def write_split_shard(path: str | os.PathLike, columns: Mapping[str, Any], schema: pa.Schema) -> Path:
+    """Write one complete shard (all rows at once) atomically.
+
+    Args:
+        path: destination ``.arrow`` file (parents created).
+        columns: column name -> ``[rows]`` numpy array or ``pa.Array`` (see :meth:`ShardWriter.write`).
+        schema: from :func:`shard_schema`.
+
+    Returns:
+        The written path.
+
+    Raises:
+        DataError: missing column / inconsistent lengths.
+    """
+    w = ShardWriter(path, schema)
+    try:
+        w.write(columns)
+    except BaseException:
+        w.abort()
+        raise
+    return w.close()
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` via a temp file + rename (never half-written)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_meta(data_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
+    """Validate and write ``DIR/meta.json`` atomically; returns its path.
+
+    Raises:
+        DataError: ``meta`` lacks a required key (see :func:`read_meta`).
+    """
+    path = Path(data_dir) / META_FILE
+    _validate_meta(dict(meta), path)
+    write_json_atomic(path, meta)
+    return path
+
+
+# ---------------------------------------------------------------------------- reading
+_REQUIRED_META = ("format_version", "dataset", "dense_features", "sparse_features", "label", "splits")
+
+
+def _validate_meta(meta: dict, path: Path) -> None:
+    for k in _REQUIRED_META:
+        if k not in meta:
+            raise DataError(f"meta is missing the key '{k}' (required: {list(_REQUIRED_META)})", path=path)
+    if meta["format_version"] != FORMAT_VERSION:
+        raise DataError(f"format_version {meta['format_version']!r} is not supported "
+                        f"(this dlrmctl reads {FORMAT_VERSION}); re-run preprocessing", path=path)
+    for i, sf in enumerate(meta["sparse_features"]):
+        for k in ("name", "num_embeddings", "multi_hot"):
+            if k not in sf:
+                raise DataError(f"sparse_features[{i}] is missing '{k}'", path=path)
+    for name, s in meta["splits"].items():
+        if "rows" not in s or "files" not in s:
+            raise DataError(f"splits.{name} needs 'rows' and 'files'", path=path)
+
+
+def read_meta(data_dir: str | os.PathLike) -> dict:
+    """Read and validate ``DIR/meta.json``.
+
+    Returns:
+        The meta dict (schema in the module docstring).
+
+    Raises:
+        DataError: naming the file, when it is missing, not JSON, of another format version,
+            or lacks a required key.
+    """
+    path = Path(data_dir) / META_FILE
+    if not path.is_file():
+        hint = " (the directory does not exist)" if not Path(data_dir).exists() else ""
+        raise DataError(f"not found{hint}; preprocess the data first "
+                        "(`dlrmctl preprocess criteo|synthetic --out DIR`)", path=path)
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"corrupt meta.json: {e}", path=path) from None
+    if not isinstance(meta, dict):
+        raise DataError("corrupt meta.json: top level is not an object", path=path)
+    _validate_meta(meta, path)
+    return meta
+
+
+class MappedShard:
+    """One memory-mapped Arrow IPC shard, with vectorised row gathers across record batches.
+
+    The file is mapped once (``pyarrow.memory_map``); every column of every record batch is
+    located by its byte offset inside that mapping, so ``take`` over rows of many record
+    batches is ``view[base[chunk] + local_row]`` — no copy of the file, no per-chunk loop.
+
+    Args:
+        path: ``.arrow`` file written by :class:`ShardWriter`.
+
+    Attributes:
+        rows: number of rows.
+        schema: the Arrow schema.
+
+    Raises:
+        DataError: the file is missing, not Arrow IPC, compressed, has nulls, or a column of an
+            unsupported type (only float32, int64 and list<int64> are read).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError("shard file not found (was the directory moved or partly deleted?)",
+                            path=self.path)
+        try:
+            self._mm = pa.memory_map(str(self.path), "r")
+            self._buf = self._mm.read_buffer()
+            reader = ipc.open_file(self._buf)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"not a readable Arrow IPC file: {e}", path=self.path) from None
+        self.schema = reader.schema
+        nb = reader.num_record_batches
+        size = self._buf.size
+        base_addr = self._buf.address
+        # file-wide typed views (the mapping is page aligned)
+        self._views = {
+            4: (np.frombuffer(self._buf, dtype=np.float32, count=size // 4),
+                np.frombuffer(self._buf, dtype=np.int32, count=size // 4)),
+            8: np.frombuffer(self._buf, dtype=np.int64, count=size // 8),
+        }
+        counts = np.zeros(nb, dtype=np.int64)
+        self._base: dict[str, np.ndarray] = {}
+        self._vbase: dict[str, np.ndarray] = {}
+        self._kind: dict[str, str] = {}
+        for f in self.schema:
+            if f.type == pa.float32():
+                self._kind[f.name] = "f32"
+            elif f.type == pa.int64():
+                self._kind[f.name] = "i64"
+            elif f.type == pa.list_(pa.int64()):
+                self._kind[f.name] = "list"
+            else:
+                raise DataError(f"column '{f.name}' has type {f.type}; expected float32, int64 or "
+                                "list<int64>", path=self.path)
+            self._base[f.name] = np.zeros(nb, dtype=np.int64)
+            if self._kind[f.name] == "list":
+                self._vbase[f.name] = np.zeros(nb, dtype=np.int64)
+        for b in range(nb):
+            rb = reader.get_batch(b)
+            counts[b] = rb.num_rows
+            for f, col in zip(self.schema, rb.columns):
+                if col.null_count:
+                    raise DataError(f"column '{f.name}' has {col.null_count} nulls", path=self.path)
+                kind = self._kind[f.name]
+                bufs = col.buffers()
+                if kind == "list":
+                    off_b, val_b = bufs[1], bufs[3]
+                    self._base[f.name][b] = self._elem(off_b, base_addr, 4) + col.offset
+                    self._vbase[f.name][b] = (self._elem(val_b, base_addr, 8) + col.values.offset
+                                              if val_b is not None else 0)
+                else:
+                    self._base[f.name][b] = self._elem(bufs[1], base_addr, 4 if kind == "f32" else 8) \
+                        + col.offset if bufs[1] is not None else 0
+        self._starts = np.zeros(nb + 1, dtype=np.int64)
+        np.cumsum(counts, out=self._starts[1:])
+        self.rows = int(self._starts[-1])
+
+    def _elem(self, buf: pa.Buffer, base_addr: int, itemsize: int) -> int:
+        off = buf.address - base_addr
+        if off < 0 or off + buf.size > self._buf.size or off % itemsize:
+            raise DataError(f"buffer at byte {off} is outside the mapping or not {itemsize}-byte "
+                            "aligned (compressed or foreign IPC file?)", path=self.path)
+        return off // itemsize
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.schema.names)
+
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Map shard row ids ``[n] int64`` -> (record batch index ``[n]``, row within it ``[n]``)."""
+        if len(self._starts) == 2:
+            return np.zeros(len(rows), dtype=np.int64), rows
+        chunk = np.searchsorted(self._starts, rows, side="right") - 1
+        return chunk, rows - self._starts[chunk]
+
+    def take(self, name: str, loc: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        """Gather a float32 / int64 column at ``loc`` (from :meth:`locate`) -> ``[n]`` copy."""
+        chunk, local = loc
+        kind = self._kind[name]
+        view = self._views[4][0] if kind == "f32" else self._views[8]
+        return view[self._base[name][chunk] + local]
+
+    def take_list(self, name: str, loc: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Gather a ``list<int64>`` column at ``loc`` -> (values ``[sum(lengths)]`` int64, lengths ``[n]`` int64)."""
+        chunk, local = loc
+        off32 = self._views[4][1]
+        oi = self._base[name][chunk] + local
+        start = off32[oi].astype(np.int64)
+        lengths = off32[oi + 1].astype(np.int64) - start
+        vstart = self._vbase[name][chunk] + start
+        return _jagged_gather(self._views[8], vstart, lengths), lengths
+
+    def read_column(self, name: str) -> np.ndarray:
+        """Whole float32 / int64 column ``[rows]`` (a copy)."""
+        rows = np.arange(self.rows, dtype=np.int64)
+        return self.take(name, self.locate(rows))
+
+
+def _jagged_gather(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ``src[starts[i] : starts[i] + lengths[i]]`` for all i, vectorised -> ``[sum(lengths)]``."""
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=src.dtype)
+    excl = np.cumsum(lengths) - lengths
+    idx = np.repeat(starts - excl, lengths) + np.arange(total, dtype=np.int64)
+    return src[idx]
+
+
+class SplitData:
+    """All shards of one split, addressed by a global row id ``[0, rows)``.
+
+    Args:
+        data_dir: preprocessed directory.
+        split: a key of ``meta["splits"]``.
+        meta: the meta dict (read when None).
+
+    Attributes:
+        rows: total rows of the split.
+        shards: list of :class:`MappedShard`, in meta order; global rows are their concatenation.
+        meta: the meta dict.
+
+    Raises:
+        DataError: unknown split (names the available ones), a shard missing, or a row count
+            that disagrees with meta.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, meta: dict | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.meta = meta if meta is not None else read_meta(data_dir)
+        if split not in self.meta["splits"]:
+            raise DataError(f"unknown split '{split}'; this directory has "
+                            f"{sorted(self.meta['splits'])}", path=self.data_dir / META_FILE)
+        self.split = split
+        info = self.meta["splits"][split]
+        self.shards = [MappedShard(self.data_dir / f) for f in info["files"]]
+        self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
+        np.cumsum([s.rows for s in self.shards], out=self.starts[1:])
+        self.rows = int(self.starts[-1])
+        if self.rows != int(info["rows"]):
+            raise DataError(f"split '{split}' has {self.rows} rows in its shards but meta says "
+                            f"{info['rows']}; the directory is inconsistent, re-run preprocessing",
+                            path=self.data_dir / META_FILE)
+
+    def group(self, rows: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """Split global row ids ``[n]`` by shard -> ``[(shard index, positions in rows, local rows)]``."""
+        if len(self.shards) == 1:
+            return [(0, slice(None), rows)]
+        sid = np.searchsorted(self.starts, rows, side="right") - 1
+        order = np.argsort(sid, kind="stable")
+        sorted_sid = sid[order]
+        bounds = np.flatnonzero(np.diff(sorted_sid)) + 1
+        out = []
+        for pos in np.split(order, bounds):
+            if len(pos):
+                s = int(sid[pos[0]])
+                out.append((s, pos, rows[pos] - self.starts[s]))
+        return out
+
+
+def open_split(data_dir: str | os.PathLike, split: str) -> SplitData:
+    """Open one split of a preprocessed directory, memory-mapped (see :class:`SplitData`)."""
+    return SplitData(data_dir, split)
