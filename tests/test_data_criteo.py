@@ -1,0 +1,300 @@
+"""Criteo preprocessing: transforms, inputs, vocab, splits, bad lines, resume, multi-hot."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from dlrmctl.data.columnar import DataError, MappedShard, read_meta
+from dlrmctl.data.criteo import (
+    CriteoOptions,
+    _decode_hex8,
+    dense_log1p,
+    hex_to_uint32,
+    multi_hot_expand,
+    preprocess_criteo,
+)
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo"
+HASH = CriteoOptions(num_embeddings=[1000] * 26)
+
+
+def line(label="0", dense=None, cats=None) -> str:
+    dense = dense if dense is not None else [""] * 13
+    cats = cats if cats is not None else ["00000001"] * 26
+    return "\t".join([label, *dense, *cats]) + "\n"
+
+
+def read_split(out: Path, split: str) -> dict[str, np.ndarray]:
+    meta = read_meta(out)
+    cols: dict[str, list] = {}
+    for f in meta["splits"][split]["files"]:
+        t = ipc.open_file(pa.memory_map(str(out / f))).read_all()
+        for name in t.column_names:
+            cols.setdefault(name, []).append(t.column(name).to_numpy() if not pa.types.is_list(t.schema.field(name).type)
+                                             else np.array(t.column(name).to_pylist(), dtype=object))
+    return {k: np.concatenate(v) if v else np.array([]) for k, v in cols.items()}
+
+
+# ------------------------------------------------------------------ kernels
+def test_hex_decode_matches_int_base16_for_random_values_and_every_single_byte_corruption():
+    rng = np.random.default_rng(0)
+    vals = rng.integers(0, 2**32, 5000)
+    strs = [b"%08x" % v for v in vals] + [b"%08X" % v for v in vals[:100]]
+    h, present, bad = hex_to_uint32(pa.array(strs + [b""], pa.binary()))
+    assert bad is None and present[:-1].all() and not present[-1]
+    assert [int(x) for x in h[:-1]] == [int(s, 16) for s in strs]
+    valid = set(b"0123456789abcdefABCDEF")
+    for pos in range(8):
+        for c in range(256):
+            b = bytearray(b"0a1B2c3D")
+            b[pos] = c
+            x, badm = _decode_hex8(np.frombuffer(bytes(b), np.uint8).copy())
+            assert bool(badm[0]) == (c not in valid), (pos, c)
+            if c in valid:
+                assert int(x[0]) == int(bytes(b), 16)
+
+
+def test_dense_transform_clamps_negatives_and_is_log_x_plus_1():
+    out = dense_log1p(np.array([-3, 0, 9, -1, 2**40], dtype=np.int64))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, [0.0, 0.0, math.log(10), 0.0, math.log(2**40 + 1)], rtol=1e-6)
+    assert np.isfinite(out).all()
+
+
+def test_multi_hot_expand_gives_exact_sizes_in_range_and_is_deterministic():
+    ids = np.array([0, 5, 999, 5, 123], dtype=np.int64)
+    for dist in ("uniform", "pareto"):
+        v, ln = multi_hot_expand(ids, 1000, 7, dist, seed=3)
+        assert ln.tolist() == [7] * 5 and v.shape == (35,) and v.dtype == np.int64
+        assert v.min() >= 0 and v.max() < 1000
+        bags = v.reshape(5, 7)
+        assert (bags[:, 0] == ids).all()  # the one-hot id leads its bag
+        assert (bags[1] == bags[3]).all()  # same id -> same bag
+        v2, _ = multi_hot_expand(ids, 1000, 7, dist, seed=3)
+        assert (v == v2).all()
+    v3, _ = multi_hot_expand(ids, 1000, 7, "uniform", seed=4)
+    assert not (v3 == multi_hot_expand(ids, 1000, 7, "uniform", seed=3)[0]).all()
+    v1, l1 = multi_hot_expand(ids, 1000, 1)
+    assert (v1 == ids).all() and (l1 == 1).all()
+    with pytest.raises(ValueError, match="ids must be in"):
+        multi_hot_expand(np.array([1000]), 1000, 3)
+
+
+# ------------------------------------------------------------------ preprocessing
+def test_hand_written_tsv_empty_fields_negatives_hex_mod_n_and_missing_id(tmp_path):
+    dense = ["-3", "9"] + [""] * 11
+    cats = ["05db9164", ""] + ["ffffffff"] * 24
+    f = tmp_path / "train.txt"
+    f.write_text(line("1", dense, cats) + line("0"))
+    out = tmp_path / "out"
+    rep = preprocess_criteo(f, out, HASH, progress=False)
+    assert rep.rows == {"train": 2, "val": 0, "test": 0}
+    cols = read_split(out, "train")
+    assert cols["label"].tolist() == [1.0, 0.0]
+    assert cols["I1"][0] == 0.0  # -3 -> 0
+    assert cols["I2"][0] == pytest.approx(2.302585, abs=1e-6)  # log(10)
+    assert cols["I3"].tolist() == [0.0, 0.0]  # empty -> 0
+    assert cols["C1"][0] == 0x05DB9164 % 1000 == 684
+    assert cols["C2"][0] == 1000  # missing id = N (last row)
+    assert cols["C3"][0] == 4294967295 % 1000 == 295
+    assert cols["C1"][1] == 1
+    meta = read_meta(out)
+    assert [s["num_embeddings"] for s in meta["sparse_features"]] == [1001] * 26
+    assert meta["sparse_features"][1]["missing_fraction"] == 0.5
+    assert meta["ctr"]["train"] == 0.5
+    assert meta["transforms"]["dense"]["transform"] == "log(x+1)"
+
+
+def test_gz_input_gives_the_same_shards_as_plain(tmp_path):
+    text = "".join(line(str(i % 2), [str(i)] * 13, ["%08x" % (i * 7919)] * 26) for i in range(50))
+    (tmp_path / "a.txt").write_text(text)
+    with gzip.open(tmp_path / "b.txt.gz", "wt") as g:
+        g.write(text)
+    preprocess_criteo(tmp_path / "a.txt", tmp_path / "o1", HASH, progress=False)
+    preprocess_criteo(tmp_path / "b.txt.gz", tmp_path / "o2", HASH, progress=False)
+    a, b = read_split(tmp_path / "o1", "train"), read_split(tmp_path / "o2", "train")
+    assert len(a["label"]) == 50
+    for k in a:
+        assert (a[k] == b[k]).all(), k
+
+
+def test_directory_and_glob_inputs_take_every_file(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    for j in range(3):
+        (d / f"part{j}.tsv").write_text("".join(line(dense=[str(j)] * 13) for _ in range(4 + j)))
+    (d / ".hidden").write_text("junk")
+    r1 = preprocess_criteo(d, tmp_path / "o1", HASH, progress=False)
+    r2 = preprocess_criteo(str(d / "part*.tsv"), tmp_path / "o2", HASH, progress=False)
+    assert r1.rows["train"] == r2.rows["train"] == 4 + 5 + 6
+    assert len(read_meta(tmp_path / "o1")["splits"]["train"]["files"]) == 3
+    with pytest.raises(DataError, match="no such file"):
+        preprocess_criteo(str(d / "nothing*.tsv"), tmp_path / "o3", HASH, progress=False)
+
+
+def test_vocabulary_with_frequency_threshold_shares_rare_ids_and_is_saved(tmp_path):
+    vals = ["0000000a"] * 3 + ["0000000b"] * 2 + ["0000000c"] + [""]
+    f = tmp_path / "t.tsv"
+    f.write_text("".join(line(cats=[v] + ["00000001"] * 25) for v in vals))
+    out = tmp_path / "out"
+    preprocess_criteo(f, out, CriteoOptions(frequency_threshold=2), progress=False)
+    meta = read_meta(out)
+    c1 = meta["sparse_features"][0]
+    assert c1["num_embeddings"] == 4 and c1["oov_id"] == 2 and c1["missing_id"] == 3
+    assert read_split(out, "train")["C1"].tolist() == [0, 0, 0, 1, 1, 2, 3]
+    vocab = ipc.open_file(pa.memory_map(str(out / meta["vocab_files"]["C1"]))).read_all()
+    assert vocab.column("value").to_pylist() == [10, 11] and vocab.column("count").to_pylist() == [3, 2]
+
+
+def _many_lines(n: int, seed: int = 0) -> str:
+    rng = np.random.default_rng(seed)
+    return "".join(line(str(int(rng.integers(2))), [str(int(x)) for x in rng.integers(-2, 100, 13)],
+                        ["%08x" % int(x) for x in rng.integers(0, 2**32, 26)]) for _ in range(n))
+
+
+def test_ratio_split_is_deterministic_per_row_and_independent_of_block_size(tmp_path):
+    f = tmp_path / "train.txt"
+    f.write_text(_many_lines(3000))
+    opts = dict(num_embeddings=[1000] * 26, val_ratio=0.2, test_ratio=0.1, seed=7)
+    preprocess_criteo(f, tmp_path / "a", CriteoOptions(**opts), progress=False)
+    preprocess_criteo(f, tmp_path / "b", CriteoOptions(**opts, block_size=20_000), progress=False)
+    preprocess_criteo(f, tmp_path / "c", CriteoOptions(**{**opts, "seed": 8}), progress=False)
+    a, b, c = (read_split(tmp_path / x, "val") for x in "abc")
+    assert (a["C1"] == b["C1"]).all() and (a["I1"] == b["I1"]).all()
+    assert not np.array_equal(a["C1"], c["C1"])
+    rows = read_meta(tmp_path / "a")["splits"]
+    assert sum(rows[s]["rows"] for s in rows) == 3000
+    assert abs(rows["val"]["rows"] - 600) < 90 and abs(rows["test"]["rows"] - 300) < 70
+
+
+def test_split_by_day_last_day_halves_go_to_val_then_test(tmp_path):
+    for d, n in ((0, 4), (1, 3), (2, 5)):
+        (tmp_path / f"day_{d}").write_text("".join(line(dense=[str(d * 10 + i)] * 13) for i in range(n)))
+    out = tmp_path / "out"
+    preprocess_criteo(str(tmp_path / "day_*"), out, CriteoOptions(num_embeddings=[10] * 26, split_by_day=True),
+                      progress=False)
+    meta = read_meta(out)
+    assert {s: meta["splits"][s]["rows"] for s in meta["splits"]} == {"train": 7, "val": 3, "test": 2}
+    assert np.allclose(read_split(out, "val")["I1"], np.log1p([20, 21, 22]))
+    assert np.allclose(read_split(out, "test")["I1"], np.log1p([23, 24]))
+
+
+def test_bad_line_errors_name_file_line_and_field(tmp_path):
+    good = line()
+    cases = [
+        (good + line(cats=["05db9164", "00000001", "xyz"] + ["00000001"] * 23),
+         "bad.tsv:2: field C3: expected 8 hex digits, got 'xyz'"),
+        (good + good + "1\t2\t3\n", "bad.tsv:3: expected 40 tab-separated fields, got 3"),
+        (good + line(dense=["1", "2", "3", "abc"] + [""] * 9), "bad.tsv:2: field I4: expected an integer, got 'abc'"),
+        (line(label="2"), "bad.tsv:1: field label: expected 0 or 1, got '2'"),
+        (good + line(cats=["0000000g"] + ["00000001"] * 25), "bad.tsv:2: field C1: expected 8 hex digits, got '0000000g'"),
+    ]
+    for i, (text, msg) in enumerate(cases):
+        f = tmp_path / f"case{i}" / "bad.tsv"
+        f.parent.mkdir()
+        f.write_text(text)
+        with pytest.raises(DataError) as ei:
+            preprocess_criteo(f, tmp_path / f"out{i}", HASH, progress=False)
+        assert str(ei.value).endswith(msg), str(ei.value)
+        assert str(f) in str(ei.value)
+
+
+def test_on_bad_line_skip_counts_and_keeps_good_rows_with_their_line_numbers(tmp_path):
+    f = tmp_path / "t.tsv"
+    rows = [line(dense=["1"] * 13), "1\t2\n", line(dense=["x"] + ["2"] * 12), line(dense=["3"] * 13),
+            line(cats=["zz"] + ["00000001"] * 25), line(dense=["4"] * 13)]
+    f.write_text("".join(rows))
+    rep = preprocess_criteo(f, tmp_path / "o", CriteoOptions(num_embeddings=[10] * 26, on_bad_line="skip"),
+                            progress=False)
+    assert rep.bad_lines == 3
+    assert rep.rows["train"] == 3
+    assert np.allclose(read_split(tmp_path / "o", "train")["I1"], np.log1p([1, 3, 4]))
+    assert read_meta(tmp_path / "o")["bad_lines_skipped"] == 3
+
+
+def test_resume_skips_finished_files_after_a_crash(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.tsv").write_text(_many_lines(20, 1))
+    (d / "b.tsv").write_text(_many_lines(5, 2) + "broken\n")
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match="b.tsv:6"):
+        preprocess_criteo(d, out, HASH, progress=False)
+    done_a = out / "parts" / "a.tsv" / "done.json"
+    assert done_a.is_file() and not (out / "parts" / "b.tsv").exists()
+    assert not list((out / "parts").glob("*.tmp"))  # the crashed part left nothing behind
+    mtime = done_a.stat().st_mtime_ns
+    (d / "b.tsv").write_text(_many_lines(5, 2))
+    rep = preprocess_criteo(d, out, HASH, progress=False)
+    assert (rep.files_processed, rep.files_skipped) == (1, 1)
+    assert done_a.stat().st_mtime_ns == mtime
+    assert rep.rows["train"] == 25
+    # different options invalidate the finished part
+    rep2 = preprocess_criteo(d, out, CriteoOptions(num_embeddings=[7] * 26), progress=False)
+    assert rep2.files_skipped == 0 and read_split(out, "train")["C1"].max() <= 7
+
+
+def test_parallel_workers_give_the_same_output_as_one(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    for j in range(2):
+        (d / f"p{j}.tsv").write_text(_many_lines(300, j))
+    opts = dict(num_embeddings=[100] * 26, val_ratio=0.3)
+    preprocess_criteo(d, tmp_path / "one", CriteoOptions(**opts), progress=False)
+    preprocess_criteo(d, tmp_path / "two", CriteoOptions(**opts, workers=2), progress=False)
+    for split in ("train", "val"):
+        a, b = read_split(tmp_path / "one", split), read_split(tmp_path / "two", split)
+        assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_multi_hot_sizes_materialise_list_columns_with_exact_bag_sizes(tmp_path):
+    f = tmp_path / "t.tsv"
+    f.write_text(_many_lines(40))
+    sizes = [3, 2] + [1] * 24
+    out = tmp_path / "o"
+    preprocess_criteo(f, out, CriteoOptions(num_embeddings=[50] * 26, multi_hot_sizes=sizes), progress=False)
+    meta = read_meta(out)
+    assert meta["sparse_features"][0]["multi_hot"] and meta["sparse_features"][0]["mean_pooling_factor"] == 3.0
+    assert not meta["sparse_features"][2]["multi_hot"]
+    shard = MappedShard(out / meta["splits"]["train"]["files"][0])
+    rows = np.arange(shard.rows)
+    vals, lens = shard.take_list("C1", shard.locate(rows))
+    assert (lens == 3).all() and vals.max() <= 50
+    one_hot = np.array([int(l.split("\t")[14], 16) % 50 for l in f.read_text().splitlines()])
+    assert (vals.reshape(-1, 3)[:, 0] == one_hot).all()
+
+
+def test_real_kaggle_sample_preprocesses_with_val_ratio_via_the_cli(tmp_path):
+    sample = SHARED / "criteo_kaggle_sample_10k.tsv"
+    if not sample.is_file():
+        pytest.skip(f"real Criteo sample not present at {sample} (../shared/data is outside the repo)")
+    import typer
+    from typer.testing import CliRunner
+
+    from dlrmctl.commands import preprocess
+
+    root = typer.Typer()
+    root.add_typer(preprocess.app, name="preprocess")
+    out = tmp_path / "criteo_sample"
+    res = CliRunner().invoke(root, ["preprocess", "criteo", "--input", str(sample), "--out", str(out),
+                                    "--val-ratio", "0.2", "--quiet"])
+    assert res.exit_code == 0, res.output
+    meta = read_meta(out)
+    rows = {s: meta["splits"][s]["rows"] for s in ("train", "val", "test")}
+    assert sum(rows.values()) == 10000 and abs(rows["val"] - 2000) < 150 and rows["test"] == 0
+    assert 0.22 < meta["ctr"]["train"] < 0.28
+    # 25,570 of 130,000 integer cells are empty (PROVENANCE.md): dense is finite and >= 0
+    dense = np.stack([read_split(out, "train")[f"I{i}"] for i in range(1, 14)])
+    assert np.isfinite(dense).all() and dense.min() == 0.0
+    res = CliRunner().invoke(root, ["preprocess", "criteo", "--input", str(sample), "--out", str(out),
+                                    "--num-embeddings", "1,2"])
+    assert res.exit_code != 0 and "26" in res.output
