@@ -1,0 +1,223 @@
+"""Synthetic Criteo-schema click data with a planted, learnable logistic signal.
+
+Schema: 13 dense features ``I1..I13`` (stored as ``log(x+1)`` of non-negative counts, like the
+Criteo transform), 26 one-hot categorical features ``C1..C26`` with power-law (Zipf) id
+frequencies, a binary label.  Output is the same columnar format as ``dlrmctl preprocess criteo``
+(:mod:`dlrmctl.data.columnar`), so everything downstream is identical.
+
+Generative model (all parameters drawn from ``seed``):
+
+* categorical: table ``t`` has ``N_t`` rows; rank ``k`` has probability ``∝ (k+1)^-alpha``
+  (truncated Zipf, default ``alpha=1.05``); ranks map to ids through a fixed random permutation.
+* dense: raw count ``x_j = floor(exp(Normal(mu_j, 1)))`` and the stored value ``d_j = log(x_j+1)``.
+* logit ``= b + sum_{j in I1..I6} w_j (d_j - mu_j) + sum_{t in C1..C8} e_t[id_t]`` with
+  ``w_j ~ ±U(0.3, 0.6)`` and per-id random effects ``e_t[i] ~ Normal(0, 0.5)``; the other
+  features are pure noise.  The signal lives on the dense features and on the first 8 tables
+  (the default gives them 20..1000 rows), a first-order structure a DLRM learns from a few
+  hundred thousand rows.
+* ``label ~ Bernoulli(sigmoid(logit))``; ``b`` is set so the CTR is about 25 % (Criteo-like).
+
+``meta.json`` carries ``bayes_auc``: the ROC AUC of the true probabilities on the validation
+split (test split if there is no validation split), the best AUC any model can reach there.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from dlrmctl.data.columnar import FORMAT_VERSION, LABEL_COLUMN, SPLITS, ShardWriter, shard_schema, write_meta
+from dlrmctl.data.criteo import DENSE_FEATURES, SPARSE_FEATURES, PreprocessReport, row_split_codes
+
+# default table sizes: modest signal tables first (C1..C8), larger noise tables after
+DEFAULT_SYNTHETIC_CARDINALITIES = [
+    100, 500, 1000, 200, 50, 1000, 300, 20,
+    2000, 5000, 10000, 1000, 3000, 100, 8000, 500, 10, 4000, 10000, 700, 2500, 30, 6000, 400, 1200, 90,
+]
+SIGNAL_TABLES = 8
+SIGNAL_DENSE = 6
+EFFECT_STD = 0.5
+BLOCK_ROWS = 1 << 18
+
+__all__ = ["DEFAULT_SYNTHETIC_CARDINALITIES", "generate_synthetic", "roc_auc"]
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """ROC AUC by the Mann-Whitney rank statistic, ties get average ranks.
+
+    Args:
+        scores: ``[n]`` float predictions.
+        labels: ``[n]`` 0/1.
+
+    Returns:
+        ``P(score_pos > score_neg) + 0.5 P(tie)``; NaN if one class is absent.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels).astype(bool)
+    npos = int(labels.sum())
+    nneg = len(labels) - npos
+    if npos == 0 or nneg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    s = scores[order]
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    first = np.cumsum(counts) - counts  # 0-based start rank of each tie group
+    avg_rank = first + (counts + 1) / 2.0  # 1-based average rank
+    ranks = avg_rank[inv]
+    rank_pos = ranks[labels[order]].sum()
+    return float((rank_pos - npos * (npos + 1) / 2.0) / (npos * nneg))
+
+
+class _Model:
+    """The planted generative model (parameters only; rows are drawn per block)."""
+
+    def __init__(self, seed: int, cards: Sequence[int], alpha: float) -> None:
+        rng = np.random.default_rng([seed, 0x5EED])
+        self.cards = list(cards)
+        self.cdfs = []
+        self.perms = []
+        for n in self.cards:
+            p = (np.arange(1, n + 1, dtype=np.float64)) ** -alpha
+            cdf = np.cumsum(p)
+            self.cdfs.append(cdf / cdf[-1])
+            self.perms.append(rng.permutation(n).astype(np.int64))
+        self.mu = rng.uniform(0.5, 3.0, size=13)
+        sign = rng.choice([-1.0, 1.0], size=SIGNAL_DENSE)
+        self.w = np.zeros(13)
+        self.w[:SIGNAL_DENSE] = sign * rng.uniform(0.3, 0.6, size=SIGNAL_DENSE)
+        self.effects = [rng.normal(0.0, EFFECT_STD, size=n) if t < SIGNAL_TABLES else None
+                        for t, n in enumerate(self.cards)]
+        # bias: CTR ~ 25 % given the logit spread (probit approximation of E[sigmoid])
+        var = float((self.w ** 2).sum()) + sum(EFFECT_STD ** 2 for e in self.effects if e is not None)
+        self.bias = float(np.log(0.25 / 0.75) * np.sqrt(1.0 + np.pi * var / 8.0))
+
+    def block(self, seed: int, b: int, n: int):
+        """Rows of block ``b``: (label f32 [n], dense 13x[n] f32, ids 26x[n] i64, prob f64 [n])."""
+        rng = np.random.default_rng([seed, b])
+        dense, logit = [], np.full(n, self.bias)
+        for j in range(13):
+            raw = np.floor(np.exp(rng.normal(self.mu[j], 1.0, size=n)))
+            d = np.log1p(raw)
+            dense.append(d.astype(np.float32))
+            if self.w[j]:
+                logit += self.w[j] * (d - self.mu[j])
+        ids = []
+        for t, cdf in enumerate(self.cdfs):
+            rank = np.searchsorted(cdf, rng.random(n), side="right")
+            rank = np.minimum(rank, len(cdf) - 1)
+            i = self.perms[t][rank]
+            ids.append(i)
+            if self.effects[t] is not None:
+                logit += self.effects[t][i]
+        prob = 1.0 / (1.0 + np.exp(-logit))
+        label = (rng.random(n) < prob).astype(np.float32)
+        return label, dense, ids, prob
+
+
+def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, val_ratio: float = 0.1,
+                       test_ratio: float = 0.1, num_embeddings: Sequence[int] | int | None = None,
+                       zipf_alpha: float = 1.05) -> PreprocessReport:
+    """Generate the synthetic dataset into ``out_dir`` (columnar shards + ``meta.json``).
+
+    Args:
+        out_dir: output directory (created; an existing synthetic part is overwritten).
+        rows: total rows over all splits.
+        seed: seeds every parameter and row; same seed -> byte-identical output.
+        val_ratio, test_ratio: split fractions (per-row hash of the row index, as in criteo).
+        num_embeddings: one int (all tables) or 26 ints; default
+            :data:`DEFAULT_SYNTHETIC_CARDINALITIES`.
+        zipf_alpha: Zipf exponent of the id frequencies (> 0).
+
+    Returns:
+        :class:`~dlrmctl.data.criteo.PreprocessReport`.
+
+    Raises:
+        ValueError: ``rows < 1``, bad ratios, wrong number of table sizes, ``zipf_alpha <= 0``.
+    """
+    t0 = time.perf_counter()
+    if rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {rows}")
+    if not (0 <= val_ratio < 1 and 0 <= test_ratio < 1 and val_ratio + test_ratio < 1):
+        raise ValueError(f"--val-ratio/--test-ratio must be in [0, 1) with sum < 1, got {val_ratio}, {test_ratio}")
+    if zipf_alpha <= 0:
+        raise ValueError(f"--zipf-alpha must be > 0, got {zipf_alpha}")
+    if num_embeddings is None:
+        cards = list(DEFAULT_SYNTHETIC_CARDINALITIES)
+    elif isinstance(num_embeddings, int):
+        cards = [num_embeddings] * 26
+    else:
+        cards = [int(x) for x in num_embeddings]
+        if len(cards) == 1:
+            cards = cards * 26
+    if len(cards) != 26 or min(cards) < 1:
+        raise ValueError(f"--num-embeddings: expected 1 or 26 integers >= 1, got {cards}")
+    model = _Model(seed, cards, zipf_alpha)
+    out = Path(out_dir)
+    part = out / "parts" / "synthetic"
+    schema = shard_schema(DENSE_FEATURES, SPARSE_FEATURES)
+    writers = {s: ShardWriter(part / f"{s}.arrow", schema) for s in SPLITS}
+    counts = {s: 0 for s in SPLITS}
+    pos = {s: 0 for s in SPLITS}
+    eval_split = "val" if val_ratio > 0 else ("test" if test_ratio > 0 else "train")
+    eval_p, eval_y = [], []
+    try:
+        for b, start in enumerate(range(0, rows, BLOCK_ROWS)):
+            n = min(BLOCK_ROWS, rows - start)
+            label, dense, ids, prob = model.block(seed, b, n)
+            codes = row_split_codes(np.arange(start + 1, start + n + 1, dtype=np.int64), "synthetic",
+                                    seed, val_ratio, test_ratio)
+            for si, s in enumerate(SPLITS):
+                sel = codes == si
+                k = int(sel.sum())
+                if not k:
+                    continue
+                cols = {LABEL_COLUMN: label[sel]}
+                cols.update({nm: d[sel] for nm, d in zip(DENSE_FEATURES, dense)})
+                cols.update({nm: i[sel] for nm, i in zip(SPARSE_FEATURES, ids)})
+                writers[s].write(cols)
+                counts[s] += k
+                pos[s] += int(label[sel].sum())
+                if s == eval_split:
+                    eval_p.append(prob[sel])
+                    eval_y.append(label[sel])
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    bayes = roc_auc(np.concatenate(eval_p), np.concatenate(eval_y)) if eval_p else float("nan")
+    sparse_meta = [{"name": nm, "num_embeddings": int(c), "multi_hot": False, "mean_pooling_factor": 1.0,
+                    "max_pooling_factor": 1, "signal": t < SIGNAL_TABLES}
+                   for t, (nm, c) in enumerate(zip(SPARSE_FEATURES, cards))]
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "dataset": "synthetic",
+        "dense_features": DENSE_FEATURES,
+        "sparse_features": sparse_meta,
+        "label": LABEL_COLUMN,
+        "splits": {s: {"rows": counts[s], "files": [f"parts/synthetic/{s}.arrow"]} for s in SPLITS},
+        "ctr": {s: (pos[s] / counts[s] if counts[s] else None) for s in SPLITS},
+        "bayes_auc": bayes,
+        "bayes_auc_split": eval_split,
+        "transforms": {
+            "dense": {"raw": "floor(exp(Normal(mu_j, 1)))", "transform": "log(x+1)", "dtype": "float32"},
+            "sparse": {"mode": "synthetic", "distribution": f"truncated Zipf, alpha={zipf_alpha}, "
+                       "ranks permuted to ids"},
+            "label": {"model": "Bernoulli(sigmoid(b + sum_j w_j (d_j - mu_j) + sum_t e_t[id_t]))",
+                      "signal_dense": DENSE_FEATURES[:SIGNAL_DENSE],
+                      "signal_sparse": SPARSE_FEATURES[:SIGNAL_TABLES], "effect_std": EFFECT_STD,
+                      "bias": model.bias, "dense_weights": model.w.tolist()},
+            "split": {"mode": "ratio", "val_ratio": val_ratio, "test_ratio": test_ratio, "seed": seed,
+                      "rule": "row_split_codes(row index + 1, 'synthetic', seed, ...)"},
+        },
+        "vocab_files": {},
+        "seed": seed,
+        "rows": rows,
+    }
+    write_meta(out, meta)
+    elapsed = time.perf_counter() - t0
+    return PreprocessReport(out, counts, 0, 1, 0, elapsed, rows / elapsed if elapsed > 0 else 0.0)
