@@ -94,8 +94,7 @@ def main() -> None:
             inner = sum(d["seconds"] for d in done)
             rows = sum(rep.rows.values())
             print(f"{name:>22}: {rows:,} rows in {wall:.2f} s -> {rows / wall:,.0f} rows/s end to end; "
-                  f"{rows / inner:,.0f} rows/s per worker inside the transform pass "
-                  f"({rows / inner / 1:,.0f} per core)")
+                  f"{rows / inner:,.0f} rows/s per worker process (rows / seconds spent inside workers)")
 
 
 if __name__ == "__main__":

@@ -298,3 +298,22 @@ def test_real_kaggle_sample_preprocesses_with_val_ratio_via_the_cli(tmp_path):
     res = CliRunner().invoke(root, ["preprocess", "criteo", "--input", str(sample), "--out", str(out),
                                     "--num-embeddings", "1,2"])
     assert res.exit_code != 0 and "26" in res.output
+
+
+@pytest.mark.parametrize("vocab", [False, True])
+def test_transform_raw_file_reproduces_the_preprocessed_rows(tmp_path, vocab):
+    from dlrmctl.data.criteo import transform_raw_file
+
+    f = tmp_path / "t.tsv"
+    f.write_text(_many_lines(200, 5))
+    out = tmp_path / "o"
+    opts = CriteoOptions(frequency_threshold=1) if vocab else HASH
+    preprocess_criteo(f, out, opts, progress=False)
+    meta = read_meta(out)
+    chunks = list(transform_raw_file(f, meta, out, batch_rows=64))
+    assert [len(c[0]) for c in chunks] == [64, 64, 64, 8]
+    dense = np.concatenate([c[0] for c in chunks])
+    ids = np.concatenate([c[1] for c in chunks])
+    cols = read_split(out, "train")
+    assert np.array_equal(dense[:, 0], cols["I1"]) and np.array_equal(ids[:, 25], cols["C26"])
+    assert np.array_equal(np.concatenate([c[2] for c in chunks]), cols["label"])
