@@ -129,11 +129,11 @@ def partition(options: list[ShardingOption], topology: Topology, usable: int) ->
     free_order = []
     placed = []
     for i, o in enumerate(options):
-        if all(s.rank is not None for s in o.shards):
+        if o.placed:
             placed.append(o.placed_vectors(W))
         else:
             free_order.append(i)
-        ranks.append([s.rank for s in o.shards])
+        ranks.append(list(o.initial_ranks))
     if placed:
         st.loads = [float(x) for x in np.sum([v[0] for v in placed], axis=0)]
         st.mem = [int(x) for x in np.sum([v[1] for v in placed], axis=0)]

@@ -336,7 +336,7 @@ class EmbeddingShardingPlanner:
             f"the tables together need at least {fmt_bytes(need)} (each in its smallest sharding) but the "
             f"{self.topology.world_size} rank(s) have {fmt_bytes(have)} usable; "
             f"{self._capacity_line()}.\n  largest tables: {top}.\n"
-            f"  what would make it fit: >= {n} ranks of this kind, fp16 weights, exact_rowwise_adagrad, "
+            f"  what would make it fit: at least {n} ranks of this kind (a lower bound: total bytes / usable per rank), fp16 weights, exact_rowwise_adagrad, "
             f"smaller embedding dims, or UVM/DDR offload (no fused_uvm kernel in dlrmctl yet)"
         )
 

@@ -108,14 +108,15 @@ def grid_proposals(options: list[list[ShardingOption]], limit: int) -> Iterator[
 
 
 def neighbour_proposals(
-    options: list[list[ShardingOption]], choice: tuple[int, ...], part: Partition, max_tables: int = 4, max_alts: int = 6
+    options: list[list[ShardingOption]], choice: tuple[int, ...], part: Partition, max_tables: int = 4, max_alts: int = 8
 ) -> list[Proposal]:
     """Proposals that change one table loading the slowest rank of ``part``.
 
     Tables are taken by how much time they put on the slowest rank (largest
-    first, at most ``max_tables``); each is offered its alternatives whose
-    slowest shard is smaller than what it puts on that rank, least work first
-    (at most ``max_alts``).
+    first, at most ``max_tables``); each is offered its other options, first
+    those whose slowest shard is smaller than what the table puts on that rank
+    (least work first), then the rest (they can still help by moving work to
+    other ranks), at most ``max_alts``.
     """
     W = len(part.loads)
     a = max(range(W), key=lambda r: part.loads[r])
@@ -128,8 +129,8 @@ def neighbour_proposals(
     out = []
     for x, t in contrib[:max_tables]:
         alts = sorted(
-            (k for k in range(len(options[t])) if k != choice[t] and options[t][k].max_shard_perf < x),
-            key=lambda k: options[t][k].total_perf,
+            (k for k in range(len(options[t])) if k != choice[t]),
+            key=lambda k: (options[t][k].max_shard_perf >= x, options[t][k].total_perf),
         )
         for k in alts[:max_alts]:
             ch = list(choice)

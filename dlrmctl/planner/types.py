@@ -358,7 +358,8 @@ class ShardingOption:
     computed once: ``total_perf`` (sum of shard times, seconds: the work this
     option adds to the job), ``max_shard_perf`` (slowest shard, seconds: a lower
     bound on the critical path with this option), ``max_shard_storage`` (bytes of
-    the largest shard), ``total_storage`` (bytes of all shards).
+    the largest shard), ``total_storage`` (bytes of all shards), ``placed``
+    (every shard's rank is already known: row_wise, data_parallel, pinned).
     """
 
     table: TableSpec
@@ -378,6 +379,8 @@ class ShardingOption:
         self.max_shard_perf = max(times)
         self.max_shard_storage = max(mems)
         self.total_storage = sum(mems)
+        self.initial_ranks = [s.rank for s in self.shards]
+        self.placed = all(r is not None for r in self.initial_ranks)
         self._placed_vecs = None
 
     def placed_vectors(self, world_size: int):
@@ -412,25 +415,29 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
+_OPTIMIZER_ALIASES = {
+    "exact_rowwise_adagrad": "exact_rowwise_adagrad",
+    "rowwise_adagrad": "exact_rowwise_adagrad",
+    "exact_adagrad": "exact_adagrad",
+    "adagrad": "exact_adagrad",
+    "adam": "adam",
+    "exact_sgd": "exact_sgd",
+    "sgd": "exact_sgd",
+}
+
+
 def optimizer_name(name: str) -> str:
     """Canonical optimizer name (``rowwise_adagrad`` -> ``exact_rowwise_adagrad`` ...).
 
     Raises:
         PlannerError: unknown optimizer.
     """
-    aliases = {
-        "exact_rowwise_adagrad": "exact_rowwise_adagrad",
-        "rowwise_adagrad": "exact_rowwise_adagrad",
-        "exact_adagrad": "exact_adagrad",
-        "adagrad": "exact_adagrad",
-        "adam": "adam",
-        "exact_sgd": "exact_sgd",
-        "sgd": "exact_sgd",
-    }
     try:
-        return aliases[name]
+        return _OPTIMIZER_ALIASES[name]
     except KeyError:
-        raise PlannerError(f"unknown embedding optimizer {name!r}; expected one of {sorted(aliases)}") from None
+        raise PlannerError(
+            f"unknown embedding optimizer {name!r}; expected one of {sorted(_OPTIMIZER_ALIASES)}"
+        ) from None
 
 
 def sharding_types_of(names: Sequence[str] | None) -> list[ShardingType] | None:

@@ -1,0 +1,107 @@
+"""``dlrmctl plan`` end to end through typer's CliRunner: plan.yaml + report written and loadable."""
+
+from __future__ import annotations
+
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from dlrmctl.commands import plan as plan_cmd
+from dlrmctl.config import load_config, resolve_tables
+from dlrmctl.distributed.types import ShardingPlan
+
+CONFIG = {
+    "name": "plan-cli",
+    "data": {"path": "/nonexistent/data", "batch_size": 4096},
+    "model": {
+        "embedding_dim": 16,
+        "dense_arch_layer_sizes": [64, 16],
+        "tables": [
+            {"name": "user", "num_embeddings": 3_000_000},
+            {"name": "item", "num_embeddings": 200_000},
+            {"name": "cat", "num_embeddings": 40},
+            {"name": "pinned", "num_embeddings": 5_000},
+        ],
+    },
+    "sharding": {"constraints": {"pinned": {"ranks": [1], "sharding_types": ["table_wise"]}}},
+}
+
+
+def write_config(tmp_path, cfg=CONFIG):
+    p = tmp_path / "exp.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_plan_command_writes_a_plan_that_loads_and_validates(tmp_path):
+    cfg_path = write_config(tmp_path)
+    out = tmp_path / "out" / "plan.yaml"
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--hosts", "2", "--device", "cpu",
+                                          "--ddr-gb", "8", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Rank | HBM (GB) | DDR (GB) | Perf (ms) | Input (MB) | Output (MB) | Shards" in r.output
+    plan = ShardingPlan.load(out)
+    assert (plan.world_size, plan.local_world_size) == (4, 2)
+    cfg = load_config(cfg_path)
+    plan.validate(resolve_tables(cfg, None), 4)
+    assert {s.rank for s in plan.plan["pinned"].shards} == {1}
+    report = (out.parent / "plan_report.txt").read_text()
+    assert "Estimated embedding step time" in report and "Runner-up" in report
+
+
+def test_plan_command_applies_set_overrides_batch_size_and_gpu_presets(tmp_path):
+    cfg_path = write_config(tmp_path)
+    out = tmp_path / "plan.yaml"
+    r = CliRunner().invoke(
+        plan_cmd.app,
+        [str(cfg_path), "--gpus", "8", "--device", "h100", "--batch-size", "65536", "--out", str(out),
+         "--set", "model.embedding_dim=32", "--set", "model.dense_arch_layer_sizes=[64,32]"],
+    )
+    assert r.exit_code == 0, r.output
+    assert "global batch 65536" in r.output and "device h100" in r.output
+    plan = ShardingPlan.load(out)
+    assert plan.world_size == 8
+    user = plan.plan["user"]
+    assert user.shards is None or sum(s.sizes[1] for s in user.shards if s.offsets[0] == 0) == 32
+
+
+def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
+    cfg = {**CONFIG, "model": {**CONFIG["model"], "tables": CONFIG["model"]["tables"] + [
+        {"name": "huge", "num_embeddings": 274_352_000, "embedding_dim": 16}]}}
+    cfg["model"]["embedding_dim"] = 16
+    cfg_path = write_config(tmp_path, cfg)
+    out = tmp_path / "plan.yaml"
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "4",
+                                          "--out", str(out)])
+    assert r.exit_code == 1
+    assert "table 'huge'" in r.output and "what would make it fit" in r.output
+    assert not out.exists()
+
+
+def test_plan_command_says_to_preprocess_when_tables_come_from_missing_data(tmp_path):
+    cfg_path = write_config(tmp_path, {"data": {"path": str(tmp_path / "nodata")}})
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 1
+    assert "dlrmctl preprocess" in r.output
+
+
+def test_plan_command_rejects_inconsistent_host_counts(tmp_path):
+    cfg_path = write_config(tmp_path)
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--hosts", "3"])
+    assert r.exit_code == 1 and "--hosts 3 must divide --gpus 4" in r.output
+
+
+def test_register_adds_plan_to_the_main_app(tmp_path):
+    main = typer.Typer()
+
+    @main.command()
+    def version() -> None:
+        """(another verb, so that `plan` is a subcommand)"""
+
+    plan_cmd.register(main)
+    cfg_path = write_config(tmp_path)
+    out = tmp_path / "plan.yaml"
+    r = CliRunner().invoke(main, ["plan", str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "8",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert ShardingPlan.load(out).world_size == 2
