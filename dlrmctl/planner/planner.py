@@ -63,6 +63,8 @@ class PlanResult:
         partition: the chosen placement (loads in seconds, memory in bytes per rank).
         label: which proposer produced it.
         runner_up: the best other proposal ``(label, partition)``, or None.
+        best_uniform: the best "every table one sharding type" proposal
+            ``(label, partition)`` other than the chosen one, or None (a familiar baseline).
         proposals_evaluated: partitions computed.
         topology, tables, batch_size, reservation: the problem.
     """
@@ -76,6 +78,7 @@ class PlanResult:
     tables: list[TableSpec]
     batch_size: int
     reservation: HeuristicStorageReservation
+    best_uniform: tuple[str, Partition] | None = None
 
     @property
     def step_time_ms(self) -> float:
@@ -105,6 +108,37 @@ def partition_to_plan(p: Partition, topology: Topology) -> ShardingPlan:
             ps = construct_parameter_sharding(st, t.num_embeddings, t.embedding_dim, ranks, opt.compute_kernel)
         out.plan[t.name] = ps
     return out
+
+
+def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topology, batch_size: int,
+                  usable: int | None = None) -> Partition:
+    """The cost model applied to a given plan (e.g. a hand-written one, or one from ``dlrmctl plan``).
+
+    Returns:
+        a :class:`Partition` with per-rank loads (seconds) and memory (bytes);
+        ``failed`` names tables whose ranks exceed ``usable`` bytes (default: no limit).
+    """
+    options, ranks = [], []
+    for t in tables:
+        ps = plan.plan[t.name]
+        st = ps.sharding_type
+        if st == ShardingType.DATA_PARALLEL:
+            opt = build_option(topology, t, st, ComputeKernel.DENSE, batch_size)
+        else:
+            cols = [s.sizes[1] for s in ps.shards or []] if st in (
+                ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else None
+            opt = build_option(topology, t, st, ps.compute_kernel, batch_size, [s.rank for s in ps.shards or []], cols)
+        options.append(opt)
+        ranks.append([s.rank for s in opt.shards])
+    W = topology.world_size
+    loads, mem = [0.0] * W, [0] * W
+    for o, rk in zip(options, ranks):
+        for s, r in zip(o.shards, rk):
+            loads[r] += s.time
+            mem[r] += s.mem
+    cap = usable if usable is not None else max(mem) + 1
+    failed = [o.table.name for o, rk in zip(options, ranks) if any(mem[r] > cap for r in rk)]
+    return Partition(options, ranks, loads, mem, cap, failed)
 
 
 class EmbeddingShardingPlanner:
@@ -228,13 +262,11 @@ class EmbeddingShardingPlanner:
         ok = sorted((p.key, ch) for ch, (_, p) in evaluated.items() if p.ok)
         best_ch = ok[0][1]
         label, best = evaluated[best_ch]
-        runner = None
-        if len(ok) > 1:
-            r_ch = ok[1][1]
-            runner = evaluated[r_ch]
+        runner = evaluated[ok[1][1]] if len(ok) > 1 else None
+        uniform = next((evaluated[ch] for _, ch in ok[1:] if evaluated[ch][0].startswith("all ")), None)
         return PlanResult(
             partition_to_plan(best, topo), best, label, runner, len(evaluated), topo, list(tables),
-            self.batch_size, self.reservation,
+            self.batch_size, self.reservation, uniform,
         )
 
     # ---------------------------------------------------------------- errors

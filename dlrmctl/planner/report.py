@@ -26,6 +26,12 @@ RANK_COLUMNS = ["Rank", "HBM (GB)", "DDR (GB)", "Perf (ms)", "Input (MB)", "Outp
 TABLE_COLUMNS = ["Table", "Sharding", "Kernel", "Ranks", "Shard sizes", "Storage", "Pooling factor", "Dim", "Rows", "Perf (ms)"]
 
 
+def fmt_ms(seconds: float) -> str:
+    """Seconds -> milliseconds text: 3 decimals from 0.1 ms up, else 3 significant digits (0.00312)."""
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms >= 0.1 or ms == 0 else f"{ms:.3g}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     fmt = lambda cells: " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
@@ -68,9 +74,20 @@ def why_slower(p: Partition, limit: int = 3) -> str:
         if x > 0:
             contrib.append((x, opt))
     contrib.sort(key=lambda c: -c[0])
-    parts = [f"{o.table.name} ({o.sharding_type.value}, {x * 1e3:.2f} ms)" for x, o in contrib[:limit]]
+    parts = [f"{o.table.name} ({o.sharding_type.value}, {fmt_ms(x)} ms)" for x, o in contrib[:limit]]
     more = f" and {len(contrib) - limit} more" if len(contrib) > limit else ""
     return f"its slowest rank {a} holds {len(contrib)} table(s): " + ", ".join(parts) + more
+
+
+def _lost(entry: tuple[str, Partition], chosen: Partition) -> str:
+    """``<label>, X ms vs Y ms: <why>`` for a proposal that lost to ``chosen``."""
+    label, q = entry
+    if q.critical_path > chosen.critical_path * (1 + 1e-9):
+        why = why_slower(q)
+    else:
+        why = (f"same critical path, more total work ({fmt_ms(sum(q.loads))} ms vs "
+               f"{fmt_ms(sum(chosen.loads))} ms over all ranks)")
+    return f"{label}, {fmt_ms(q.critical_path)} ms vs {fmt_ms(chosen.critical_path)} ms: {why}"
 
 
 def format_report(res: "PlanResult") -> str:
@@ -92,7 +109,7 @@ def format_report(res: "PlanResult") -> str:
             str(r),
             f"{hbm[r] / 1e9:.3f}",
             f"{ddr[r] / 1e9:.3f}",
-            f"{p.loads[r] * 1e3:.3f}",
+            fmt_ms(p.loads[r]),
             f"{inp[r] / 1e6:.2f}",
             f"{outp[r] / 1e6:.2f}",
             ", ".join(f"{k}: {n}" for k, n in sorted(kinds[r].items())) or "-",
@@ -113,7 +130,7 @@ def format_report(res: "PlanResult") -> str:
                 "+".join(f"{x:g}" for x in t.pooling_factors),
                 str(t.embedding_dim),
                 str(t.num_embeddings),
-                f"{opt.total_perf * 1e3:.3f}",
+                fmt_ms(opt.total_perf),
             ]
         )
     mean = sum(p.loads) / W
@@ -128,18 +145,15 @@ def format_report(res: "PlanResult") -> str:
         "Per table:",
         _table(TABLE_COLUMNS, table_rows),
         "",
-        f"Estimated embedding step time (critical path = slowest rank): {p.critical_path * 1e3:.3f} ms "
-        f"(mean rank {mean * 1e3:.3f} ms, balance max/mean {p.critical_path / mean if mean else 1.0:.3f})",
+        f"Estimated embedding step time (critical path = slowest rank): {fmt_ms(p.critical_path)} ms "
+        f"(mean rank {fmt_ms(mean)} ms, balance max/mean {p.critical_path / mean if mean else 1.0:.3f})",
         f"Proposals evaluated: {res.proposals_evaluated}; chosen: {res.label}",
     ]
     if res.runner_up is None:
         lines.append("Runner-up: none (only one feasible proposal)")
     else:
-        label, q = res.runner_up
-        if q.critical_path > p.critical_path * (1 + 1e-9):
-            why = why_slower(q)
-        else:
-            why = f"same critical path, more total work ({sum(q.loads) * 1e3:.3f} ms vs {sum(p.loads) * 1e3:.3f} ms over all ranks)"
-        lines.append(f"Runner-up: {label}, {q.critical_path * 1e3:.3f} ms vs {p.critical_path * 1e3:.3f} ms: {why}")
+        lines.append("Runner-up: " + _lost(res.runner_up, p))
+    if res.best_uniform is not None and res.best_uniform is not res.runner_up:
+        lines.append("Best single-type plan: " + _lost(res.best_uniform, p))
     lines.append("Units: GB = 1e9 bytes, MB = 1e6 bytes; Perf = estimated forward + backward compute and communication per step.")
     return "\n".join(lines) + "\n"
