@@ -1,0 +1,613 @@
+"""Export a trained DLRM as a self-contained inference artifact (TorchScript + manifest).
+
+Artifact layout (``model_dir``)::
+
+    model_dir/model.pt         TorchScript module (torch.jit.save); loads in Python or C++ libtorch
+                               once FBGEMM's operator libraries are loaded (fbgemm_gpu_py.so & co.)
+    model_dir/manifest.json    everything needed to turn raw logs into inputs and to trust the scores
+    model_dir/vocab/<f>.arrow  vocabularies of vocabulary-mapped features (copied from the data dir)
+
+The scripted module's ``forward(dense, values, lengths) -> scores``:
+
+* ``dense``  ``[B, D_in]`` float32 (already transformed, e.g. log(x+1));
+* ``values`` ``[N]`` int64 ids of all bags, key-major in ``manifest["sparse_features"]`` order;
+* ``lengths`` ``[F*B]`` int64 bag lengths, key-major (``[f0_b0..f0_b{B-1}, f1_b0, ...]``);
+* returns ``[B]`` float32 click probabilities ``sigmoid(logit)``.
+
+It raises (``RuntimeError`` from TorchScript, message naming the feature and sample) on a wrong
+dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)`` or an id outside its table.
+
+Embeddings live in one FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` in the requested
+storage (fp32 / fp16 / int8 / int4 row-wise, see :mod:`dlrmctl.inference.quantize`); the dense
+part (dense arch, interaction, over arch) is fp32, traced with ``torch.jit.trace`` (works for the
+dot, DCN and projection interactions), or dynamic-int8 on its ``nn.Linear`` layers
+(``torch.ao.quantization.quantize_dynamic``) with ``quantize_dense=True``.
+
+There is no pure-torch fallback: without fbgemm_gpu, export and loading fail with a message
+saying so (:func:`dlrmctl.inference.quantize.require_fbgemm`).
+
+The artifact directory is written to a temporary sibling and renamed into place, so a crash
+never leaves a half-written ``model_dir``.
+
+MANIFEST (``manifest.json``, ``format_version`` 1)::
+
+    {"format_version": 1, "model_file": "model.pt", "model_bytes": n, "model_sha256": "...",
+     "inputs": {...shapes/dtypes as above...}, "output": {...},
+     "dense_features": ["I1", ...], "sparse_features": ["C1", ...],     # input order
+     "tables": [{"name", "features", "num_embeddings", "embedding_dim", "pooling", "dtype",
+                 "row_bytes", "bytes"}, ...],
+     "quantization": {"embeddings": "int8", "dense": "fp32" | "dynamic_int8", "scale_bias": "fp16",
+                      "formula": "...", "source": "..."},
+     "embedding_bytes": {"stored": n, "fp32": m, "ratio": n/m},
+     "preprocessing": {"dataset", "dense_features", "sparse_features", "label", "transforms",
+                       "sparse": [{"name", "num_embeddings", ...}], "vocab_files": {"C1": "vocab/C1.arrow"}},
+     "source": {"run_dir", "name", "checkpoint", "metrics"},
+     "versions": {"dlrmctl", "torch", "fbgemm_gpu"}, "created": "ISO-8601"}
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from dlrmctl.inference.quantize import (
+    EMBEDDING_DTYPES,
+    QuantizationError,
+    build_intnbit_tbe,
+    quantize_table,
+    require_fbgemm,
+    tbe_storage_bytes,
+)
+from dlrmctl.modules.embedding_configs import PoolingType
+from dlrmctl.sparse import KeyedTensor
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+MODEL_FILE = "model.pt"
+
+__all__ = [
+    "ExportError",
+    "ExportResult",
+    "ExportedModel",
+    "MANIFEST_FILE",
+    "MODEL_FILE",
+    "evaluate_exported",
+    "export_model",
+    "export_run",
+    "load_exported",
+]
+
+
+class ExportError(RuntimeError):
+    """Export or artifact loading failed for a reason the user can fix (message says how)."""
+
+
+# ----------------------------------------------------------------------------- modules
+class _DensePart(nn.Module):
+    """Everything after the embedding lookup, over plain tensors (traceable).
+
+    Forward: ``dense [B, D_in]`` float32, ``pooled [B, sum of feature dims]`` float32 (feature
+    order of the EBC) -> logits ``[B, 1]`` float32.
+    """
+
+    def __init__(self, model: nn.Module, keys: Sequence[str], dims: Sequence[int]) -> None:
+        super().__init__()
+        self.dense_arch = model.dense_arch
+        self.inter_arch = model.inter_arch
+        self.over_arch = model.over_arch
+        self._keys = list(keys)
+        self._dims = list(dims)
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        d = self.dense_arch(dense)
+        return self.over_arch(self.inter_arch(d, KeyedTensor(self._keys, self._dims, pooled)))
+
+
+class ExportedDLRM(nn.Module):
+    """The scripted inference module: ``(dense, values, lengths) -> scores [B]`` (see module doc).
+
+    Args:
+        tbe: FBGEMM IntNBit TBE, one feature per input key (``feature_table_map`` applied).
+        dense_part: traced :class:`_DensePart` (fp32 or dynamic-int8).
+        feature_names: sparse features in input order (``F``).
+        feature_rows: rows of each feature's table ``[F]``.
+        feature_dims: dims of each feature's table ``[F]``.
+        feature_mean: per feature, mean pooling (divide by bag length; empty bag -> 0).
+        num_dense: ``D_in``.
+    """
+
+    def __init__(
+        self,
+        tbe: nn.Module,
+        dense_part: nn.Module,
+        feature_names: Sequence[str],
+        feature_rows: Sequence[int],
+        feature_dims: Sequence[int],
+        feature_mean: Sequence[bool],
+        num_dense: int,
+    ) -> None:
+        super().__init__()
+        self.tbe = tbe
+        self.dense_part = dense_part
+        self.feature_names = list(feature_names)
+        self.num_features = len(self.feature_names)
+        self.num_dense = num_dense
+        self.any_mean = any(feature_mean)
+        self.register_buffer("feature_rows", torch.tensor(list(feature_rows), dtype=torch.int64))
+        self.register_buffer("feature_dims", torch.tensor(list(feature_dims), dtype=torch.int64))
+        self.register_buffer("feature_mean", torch.tensor(list(feature_mean), dtype=torch.bool))
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.logits(dense, values, lengths))
+
+    @torch.jit.export
+    def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Same inputs as ``forward``; returns the logits ``[B]`` float32."""
+        if dense.dim() != 2 or dense.size(1) != self.num_dense:
+            raise ValueError(
+                "dense must be [B, " + str(self.num_dense) + "] float32, got shape " + str(list(dense.shape))
+            )
+        if dense.dtype != torch.float32:
+            raise ValueError("dense must be float32, got " + str(dense.dtype))
+        if values.dtype != torch.int64 or lengths.dtype != torch.int64:
+            raise ValueError("values and lengths must be int64")
+        B = dense.size(0)
+        if lengths.numel() != self.num_features * B:
+            raise ValueError(
+                "lengths must have num_features * B = " + str(self.num_features) + " * " + str(B)
+                + " entries (key-major), got " + str(lengths.numel())
+            )
+        if values.numel() != int(lengths.sum()):
+            raise ValueError(
+                "sum(lengths) = " + str(int(lengths.sum())) + " != len(values) = " + str(values.numel())
+            )
+        if bool((lengths < 0).any()):
+            raise ValueError("lengths must be >= 0")
+        if values.numel() > 0:
+            limit = torch.repeat_interleave(torch.repeat_interleave(self.feature_rows, B), lengths)
+            bad = (values < 0) | (values >= limit)
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0])
+                ends = torch.cumsum(lengths, 0)
+                bag = int(torch.searchsorted(ends, torch.tensor([i], dtype=ends.dtype), right=True)[0])
+                f = bag // B
+                raise ValueError(
+                    "feature '" + self.feature_names[f] + "', sample " + str(bag % B) + ": id "
+                    + str(int(values[i])) + " is out of range; expected 0 <= id < " + str(int(self.feature_rows[f]))
+                )
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+        pooled = self.tbe(values, offsets)
+        if self.any_mean:
+            lens = lengths.view(self.num_features, B).t().to(pooled.dtype)
+            div = torch.where(self.feature_mean, lens.clamp(min=1.0), torch.ones_like(lens))
+            pooled = pooled / torch.repeat_interleave(div, self.feature_dims, dim=1)
+        return self.dense_part(dense, pooled).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- export
+@dataclass
+class ExportResult:
+    """What :func:`export_model` wrote.
+
+    Attributes:
+        model_dir: the artifact directory.
+        manifest: the manifest dict written to ``manifest.json``.
+        embedding_bytes: bytes of embedding storage in the TBE (FBGEMM padding included).
+        embedding_bytes_fp32: ``sum(rows * dim * 4)`` over tables.
+    """
+
+    model_dir: Path
+    manifest: dict
+    embedding_bytes: int
+    embedding_bytes_fp32: int
+
+
+def _versions() -> dict[str, str | None]:
+    import importlib.metadata as md
+
+    import dlrmctl
+
+    fb = None
+    for d in ("fbgemm-gpu-cpu", "fbgemm-gpu"):
+        try:
+            fb = md.version(d)
+            break
+        except md.PackageNotFoundError:
+            continue
+    return {"dlrmctl": dlrmctl.__version__, "torch": torch.__version__, "fbgemm_gpu": fb}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for blk in iter(lambda: f.read(1 << 22), b""):
+            h.update(blk)
+    return h.hexdigest()
+
+
+@contextmanager
+def _atomic_dir(out: Path, force: bool) -> Iterator[Path]:
+    """Yield a temporary sibling of ``out``; on success rename it to ``out`` (replacing an
+    existing ``out`` only when ``force``); on failure remove it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            if not force:
+                raise ExportError(f"{out} already exists; pass --force to replace it or --out another directory")
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "x")
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def _quiet_jit() -> Iterator[None]:
+    """Silence torch 2.13's DeprecationWarnings on torch.jit.script / trace / load.
+
+    TorchScript stays the artifact format on purpose: it is what C++ libtorch loads without
+    Python and without a compiler (torch.export + AOTInductor would compile a .so per model and
+    needs FBGEMM's TBE ops as registered custom ops in the C++ build as well).
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield
+
+
+def _trace_dense(part: _DensePart, num_dense: int, pooled_width: int) -> torch.jit.ScriptModule:
+    """Trace the dense part at B=4 and verify it at B=3 (catches batch-size-specialised traces)."""
+    g = torch.Generator().manual_seed(0)
+    ex = (torch.randn(4, num_dense, generator=g), torch.randn(4, pooled_width, generator=g))
+    with torch.no_grad(), warnings.catch_warnings():
+        # KeyedTensor's width check compares python ints: harmless constant in the trace
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)  # see _quiet_jit
+        traced = torch.jit.trace(part, ex, check_trace=False)
+        chk = (torch.randn(3, num_dense, generator=g), torch.randn(3, pooled_width, generator=g))
+        want, got = part(*chk), traced(*chk)
+    if want.shape != got.shape or not torch.allclose(want, got, rtol=1e-5, atol=1e-6):
+        raise ExportError(
+            "the traced dense part does not reproduce the model at another batch size; the interaction "
+            f"({type(part.inter_arch).__name__}) is not traceable"
+        )
+    return traced
+
+
+def export_model(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    embedding_dtype: str = "int8",
+    *,
+    data_meta: dict | None = None,
+    data_dir: str | os.PathLike | None = None,
+    source: dict | None = None,
+    quantize_dense: bool = False,
+    force: bool = False,
+) -> ExportResult:
+    """Write the inference artifact of ``model`` to ``out_dir`` (atomically).
+
+    Args:
+        model: a :class:`~dlrmctl.modules.dlrm.DLRM` whose ``sparse_arch`` is an unsharded
+            EmbeddingBagCollection (``embedding_weights()``, ``embedding_bag_configs()``).
+        out_dir: artifact directory (must not exist unless ``force``).
+        embedding_dtype: ``fp32`` | ``fp16`` | ``int8`` | ``int4``.
+        data_meta: the training data's meta.json (transforms, features, vocabularies), recorded
+            in the manifest; without it the manifest has no preprocessing and ``predict`` on
+            raw lines is refused (the tensor interface still works).
+        data_dir: where ``data_meta["vocab_files"]`` live (copied into ``out_dir/vocab``).
+        source: recorded as ``manifest["source"]`` (run dir, checkpoint, metrics).
+        quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part.
+        force: replace an existing ``out_dir``.
+
+    Returns:
+        :class:`ExportResult`.
+
+    Raises:
+        RuntimeError: fbgemm_gpu is not installed (no fallback).
+        QuantizationError: NaN/inf weights (table and row named), fp16 overflow, dims not
+            multiple of 4.
+        ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part.
+    """
+    require_fbgemm("dlrmctl export")
+    if embedding_dtype not in EMBEDDING_DTYPES:
+        raise ExportError(f"embedding dtype must be one of {list(EMBEDDING_DTYPES)}, got {embedding_dtype!r}")
+    out = Path(out_dir)
+    if out.exists() and not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it or --out another directory")
+    ebc = model.sparse_arch
+    if not hasattr(ebc, "embedding_bag_configs"):
+        raise ExportError(f"model.sparse_arch is a {type(ebc).__name__}; export needs an unsharded EmbeddingBagCollection")
+    tables = list(ebc.embedding_bag_configs())
+    weights = ebc.embedding_weights()
+    feature_names = [f for t in tables for f in t.feature_names]
+    q_tables = []
+    for t in tables:
+        w = weights[t.name]
+        if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
+            raise ExportError(f"table '{t.name}': weight shape {tuple(w.shape)} != ({t.num_embeddings}, {t.embedding_dim})")
+        q_tables.append(quantize_table(w.detach().cpu(), embedding_dtype, t.name))
+    ftm = [i for i, t in enumerate(tables) for _ in t.feature_names]
+    tbe = build_intnbit_tbe(q_tables, ftm, "cpu")
+
+    dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+    num_dense = model.dense_arch.model.model[0].in_features
+    part = _DensePart(copy.deepcopy(model).cpu().eval(), feature_names, dims)
+    dense_mode = "fp32"
+    if quantize_dense:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
+            part = torch.ao.quantization.quantize_dynamic(part, {nn.Linear}, dtype=torch.qint8)
+        dense_mode = "dynamic_int8"
+    traced = _trace_dense(part, num_dense, sum(dims))
+    module = ExportedDLRM(
+        tbe,
+        traced,
+        feature_names,
+        [t.num_embeddings for t in tables for _ in t.feature_names],
+        dims,
+        [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
+        num_dense,
+    ).eval()
+    with _quiet_jit():
+        scripted = torch.jit.script(module)
+
+    stored = tbe_storage_bytes(tbe)
+    fp32_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
+    table_entries = []
+    for t, q in zip(tables, q_tables):
+        rb = q.row_bytes(tbe.row_alignment)
+        table_entries.append({
+            "name": t.name, "features": list(t.feature_names), "num_embeddings": t.num_embeddings,
+            "embedding_dim": t.embedding_dim, "pooling": t.pooling.value, "dtype": embedding_dtype,
+            "row_bytes": rb, "bytes": rb * t.num_embeddings,
+        })
+    meta = data_meta or {}
+    dense_names = list(meta.get("dense_features") or [f"dense_{i}" for i in range(num_dense)])
+    if len(dense_names) != num_dense:
+        raise ExportError(f"data meta lists {len(dense_names)} dense features but the model takes {num_dense}")
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "model_file": MODEL_FILE,
+        "inputs": {
+            "dense": {"shape": ["B", num_dense], "dtype": "float32", "features": dense_names},
+            "values": {"shape": ["N"], "dtype": "int64", "layout": "key-major ids of all bags"},
+            "lengths": {"shape": ["F*B"], "dtype": "int64", "layout": "key-major: [f0_b0..f0_b(B-1), f1_b0, ...]"},
+        },
+        "output": {"shape": ["B"], "dtype": "float32", "meaning": "sigmoid(logit): click probability"},
+        "dense_features": dense_names,
+        "sparse_features": feature_names,
+        "tables": table_entries,
+        "quantization": {
+            "embeddings": embedding_dtype,
+            "dense": dense_mode,
+            "scale_bias": "fp16 per row (int8/int4), stored in front of the row codes",
+            "formula": "bias = fp16_down(min(row)); scale = fp16_up((max(row) - bias) / (2^bits - 1)); "
+                       "q = clamp(round((x - bias) / scale), 0, 2^bits - 1) (q = 0 if scale == 0); x' = q*scale + bias",
+            "source": "FBGEMM FloatToFusedNBitRowwiseQuantizedSBHalf / IntNBitTableBatchedEmbeddingBagsCodegen row layout",
+            "kernel": "fbgemm IntNBitTableBatchedEmbeddingBagsCodegen (SUM pooling, fp32 output)",
+        },
+        "embedding_bytes": {"stored": stored, "fp32": fp32_bytes, "ratio": stored / fp32_bytes if fp32_bytes else None},
+        "preprocessing": None,
+        "source": source or {},
+        "versions": _versions(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    with _atomic_dir(out, force) as tmp:
+        if meta:
+            vocab_files = {}
+            for feat, rel in (meta.get("vocab_files") or {}).items():
+                src = Path(data_dir) / rel if data_dir is not None else Path(rel)
+                if not src.is_file():
+                    raise ExportError(
+                        f"vocabulary of feature '{feat}' not found at {src}; the artifact must carry it. "
+                        "Pass --data DIR (the preprocessed data directory the run was trained on)"
+                    )
+                dst = tmp / "vocab" / Path(rel).name
+                dst.parent.mkdir(exist_ok=True)
+                shutil.copyfile(src, dst)
+                vocab_files[feat] = f"vocab/{dst.name}"
+            manifest["preprocessing"] = {
+                "dataset": meta.get("dataset"),
+                "dense_features": meta.get("dense_features"),
+                "sparse_features": [sf["name"] for sf in meta.get("sparse_features", [])],
+                "sparse": meta.get("sparse_features"),
+                "label": meta.get("label"),
+                "transforms": meta.get("transforms"),
+                "vocab_files": vocab_files,
+                "meta": {k: v for k, v in meta.items() if k not in ("splits", "vocab_files")},
+            }
+        with _quiet_jit():
+            scripted.save(str(tmp / MODEL_FILE))
+        manifest["model_bytes"] = (tmp / MODEL_FILE).stat().st_size
+        manifest["model_sha256"] = _sha256(tmp / MODEL_FILE)
+        with open(tmp / MANIFEST_FILE, "w") as f:
+            json.dump(manifest, f, indent=2, default=str)
+            f.write("\n")
+    return ExportResult(out, manifest, stored, fp32_bytes)
+
+
+def _last_eval_metrics(run_dir: Path) -> dict | None:
+    p = run_dir / "metrics.jsonl"
+    if not p.is_file():
+        return None
+    last = None
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") == "eval":
+            last = rec
+    return last
+
+
+def export_run(
+    run_dir: str | os.PathLike,
+    embedding_dtype: str = "int8",
+    out_dir: str | os.PathLike | None = None,
+    *,
+    data_dir: str | os.PathLike | None = None,
+    quantize_dense: bool = False,
+    force: bool = False,
+) -> ExportResult:
+    """Export the newest checkpoint of a training run (``dlrmctl export``).
+
+    Args:
+        run_dir: ``runs/<name>`` (config.yaml, data_meta.json, checkpoints/).
+        embedding_dtype: ``fp32`` | ``fp16`` | ``int8`` | ``int4``.
+        out_dir: default ``<run_dir>/export-<dtype>`` (``-dq`` appended with ``quantize_dense``).
+        data_dir: preprocessed data dir holding the vocabularies (default: the run's ``data.path``).
+        quantize_dense, force: see :func:`export_model`.
+
+    Raises:
+        TrainError / CheckpointError: not a run directory, no checkpoint.
+        plus everything :func:`export_model` raises.
+    """
+    require_fbgemm("dlrmctl export")
+    from dlrmctl.train.checkpoint import latest_checkpoint
+    from dlrmctl.train.loop import load_trained_model
+
+    run = Path(run_dir)
+    cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense")
+    out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
+    source = {
+        "run_dir": str(run.resolve()),
+        "name": cfg.name,
+        "checkpoint": latest_checkpoint(str(run)),
+        "metrics": _last_eval_metrics(run),
+        "data_path": cfg.data.path,
+    }
+    return export_model(
+        model, out, embedding_dtype, data_meta=meta, data_dir=data_dir or cfg.data.path, source=source,
+        quantize_dense=quantize_dense, force=force,
+    )
+
+
+# ----------------------------------------------------------------------------- loading
+class ExportedModel:
+    """A loaded artifact: the scripted module plus its manifest.
+
+    Attributes:
+        model_dir: the artifact directory.
+        manifest: the parsed manifest.
+        module: the ``torch.jit.ScriptModule``.
+        feature_names: sparse features in input order.
+        num_dense: ``D_in``.
+    """
+
+    def __init__(self, model_dir: Path, manifest: dict, module: torch.jit.ScriptModule) -> None:
+        self.model_dir = model_dir
+        self.manifest = manifest
+        self.module = module
+        self.feature_names: list[str] = list(manifest["sparse_features"])
+        self.num_dense = int(manifest["inputs"]["dense"]["shape"][1])
+
+    @torch.no_grad()
+    def score(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """``dense [B, D_in]`` float32, ``values [N]`` int64, ``lengths [F*B]`` int64 (key-major,
+        manifest feature order) -> scores ``[B]`` float32.
+
+        Raises:
+            ExportError: inputs rejected by the module (message from the module).
+        """
+        try:
+            return self.module(dense, values, lengths)
+        except (RuntimeError, torch.jit.Error) as e:
+            lines = str(e).strip().splitlines()
+            msg = lines[-1] if lines else str(e)
+            for prefix in ("builtins.ValueError: ", "RuntimeError: "):
+                msg = msg.removeprefix(prefix)
+            raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
+
+    def score_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        """Scores ``[B]`` of a batch given as ``dense [B, D_in]`` + a KeyedJaggedTensor (any key
+        order; reordered to the manifest's)."""
+        if kjt.keys() != self.feature_names:
+            kjt = kjt.select_keys(self.feature_names)
+        return self.score(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64))
+
+
+def load_exported(model_dir: str | os.PathLike) -> ExportedModel:
+    """Load ``model_dir/manifest.json`` and ``model.pt``.
+
+    Raises:
+        ExportError: no manifest (not an exported model), unknown format version, model file
+            missing or of another size than recorded (truncated copy).
+        RuntimeError: fbgemm_gpu missing (its operators are needed to run the module).
+    """
+    d = Path(model_dir)
+    mpath = d / MANIFEST_FILE
+    if not mpath.is_file():
+        raise ExportError(f"{mpath}: not found; {d} is not an exported model (create one with `dlrmctl export RUN_DIR`)")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{mpath}: corrupt manifest: {e}") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ExportError(f"{mpath}: format_version {manifest.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
+    model_path = d / manifest.get("model_file", MODEL_FILE)
+    if not model_path.is_file():
+        raise ExportError(f"{model_path}: missing")
+    if "model_bytes" in manifest and model_path.stat().st_size != manifest["model_bytes"]:
+        raise ExportError(
+            f"{model_path}: {model_path.stat().st_size} bytes but the manifest records {manifest['model_bytes']}; truncated copy?"
+        )
+    require_fbgemm(f"loading {model_path}")
+    with _quiet_jit():
+        module = torch.jit.load(str(model_path), map_location="cpu")
+    module.eval()
+    return ExportedModel(d, manifest, module)
+
+
+# ----------------------------------------------------------------------------- evaluate
+@torch.no_grad()
+def evaluate_exported(
+    model_dir: str | os.PathLike, data_dir: str | os.PathLike, split: str = "val", batch_size: int = 8192
+) -> dict[str, float]:
+    """Metrics of an exported model on a split of preprocessed data (``dlrmctl evaluate MODEL_DIR``).
+
+    The data must be preprocessed with the same transforms as the training data (the ids are
+    checked against each table's rows by the module).
+
+    Returns:
+        ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``
+        (:func:`dlrmctl.train.metrics.compute_metrics`).
+
+    Raises:
+        ExportError: not an exported model, data without labels, ids out of range.
+        DataError: unknown split / bad data directory.
+    """
+    from dlrmctl.data.loader import BatchLoader
+    from dlrmctl.train.metrics import compute_metrics
+
+    m = load_exported(model_dir)
+    loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names)
+    probs, labels = [], []
+    for batch in loader:
+        if bool(torch.isnan(batch.labels).any()):
+            raise ExportError(f"{data_dir}: split '{split}' has no labels; cannot compute metrics")
+        probs.append(m.score_kjt(batch.dense_features.float(), batch.sparse_features).numpy())
+        labels.append(batch.labels.numpy())
+    if not probs:
+        raise ExportError(f"{data_dir}: split '{split}' is empty")
+    return compute_metrics(np.concatenate(probs), np.concatenate(labels))

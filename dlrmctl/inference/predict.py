@@ -1,0 +1,218 @@
+"""Score raw logs with an exported model (``dlrmctl predict MODEL_DIR --input raw.tsv``).
+
+Raw lines go through the *training* preprocessing, recorded in the artifact's manifest
+(``preprocessing``: the training data's meta.json transforms + vocabularies copied into
+``MODEL_DIR/vocab``), using the preprocessing module's own transform function
+(:data:`RAW_TRANSFORMS`: dataset name -> ``module:function``) so the two can never drift apart.
+
+Also the small binary format shared with the C++ example (``scripts/cpp_inference``):
+:func:`write_cpp_input` / :func:`read_cpp_output`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+import sys
+from pathlib import Path
+from typing import Iterator, TextIO
+
+import numpy as np
+import torch
+
+from dlrmctl.inference.export import ExportError, ExportedModel, load_exported
+
+__all__ = [
+    "RAW_TRANSFORMS",
+    "PredictReport",
+    "predict_file",
+    "read_cpp_output",
+    "to_model_inputs",
+    "write_cpp_input",
+]
+
+#: dataset (``meta["dataset"]``) -> ``"module:function"`` transforming raw lines with a data meta.
+#: Signature: ``fn(path, meta, data_dir, batch_rows) -> iterator of (dense [n, 13] float32,
+#: ids [n, 26] int64, labels [n] float32 or None)``.
+RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo:transform_raw_file"}
+
+_IN_MAGIC = b"DLRMIN01"
+_OUT_MAGIC = b"DLRMOUT1"
+
+
+# ----------------------------------------------------------------------------- tensors
+def to_model_inputs(
+    dense: np.ndarray, ids: np.ndarray, feature_order: list[str], data_features: list[str]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One-hot rows -> the scripted module's inputs.
+
+    Args:
+        dense: ``[n, D]`` float32 (transformed).
+        ids: ``[n, F_data]`` int64, one id per sparse feature in ``data_features`` order.
+        feature_order: the model's sparse features (``manifest["sparse_features"]``).
+        data_features: column names of ``ids``.
+
+    Returns:
+        ``dense [n, D]`` float32, ``values [F*n]`` int64 key-major, ``lengths [F*n]`` int64 (all 1).
+
+    Raises:
+        ExportError: a model feature missing from the data.
+    """
+    missing = [f for f in feature_order if f not in data_features]
+    if missing:
+        raise ExportError(f"the model needs sparse features {missing}, absent from the input (has {data_features})")
+    cols = [data_features.index(f) for f in feature_order]
+    n = ids.shape[0]
+    values = torch.from_numpy(np.ascontiguousarray(ids[:, cols].T).reshape(-1).astype(np.int64, copy=False))
+    lengths = torch.ones(len(feature_order) * n, dtype=torch.int64)
+    return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), values, lengths
+
+
+def write_cpp_input(path: str | os.PathLike, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Write the C++ example's input: ``"DLRMIN01"``, int64 ``B, D, N, FB``, float32 ``dense[B*D]``,
+    int64 ``values[N]``, int64 ``lengths[FB]`` (little-endian)."""
+    d = dense.detach().to(torch.float32).contiguous().numpy()
+    v = values.detach().to(torch.int64).contiguous().numpy()
+    ln = lengths.detach().to(torch.int64).contiguous().numpy()
+    with open(path, "wb") as f:
+        f.write(_IN_MAGIC)
+        f.write(struct.pack("<4q", d.shape[0], d.shape[1], v.size, ln.size))
+        f.write(d.astype("<f4").tobytes())
+        f.write(v.astype("<i8").tobytes())
+        f.write(ln.astype("<i8").tobytes())
+
+
+def read_cpp_output(path: str | os.PathLike) -> np.ndarray:
+    """Read the C++ example's output -> scores ``[B]`` float32.
+
+    Raises:
+        ValueError: wrong magic or truncated file.
+    """
+    raw = Path(path).read_bytes()
+    if raw[:8] != _OUT_MAGIC or len(raw) < 16:
+        raise ValueError(f"{path}: not a DLRMOUT1 file")
+    (n,) = struct.unpack("<q", raw[8:16])
+    if len(raw) != 16 + 4 * n:
+        raise ValueError(f"{path}: truncated ({len(raw)} bytes for {n} scores)")
+    return np.frombuffer(raw, dtype="<f4", offset=16, count=n).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- raw logs
+class PredictReport:
+    """Summary of :func:`predict_file`.
+
+    Attributes:
+        rows: lines scored.
+        labelled: the input had a label column (then ``metrics`` holds AUC/logloss/NE).
+        metrics: :func:`dlrmctl.train.metrics.compute_metrics` output or None.
+        output: where scores went (path or ``"-"``).
+    """
+
+    def __init__(self, rows: int, labelled: bool, metrics: dict | None, output: str) -> None:
+        self.rows, self.labelled, self.metrics, self.output = rows, labelled, metrics, output
+
+
+def _raw_transform(model: ExportedModel):
+    pre = model.manifest.get("preprocessing")
+    if not pre:
+        raise ExportError(
+            f"{model.model_dir}: the manifest has no preprocessing (exported without the data meta); "
+            "raw lines cannot be scored, only preprocessed tensors"
+        )
+    dataset = pre.get("dataset")
+    target = RAW_TRANSFORMS.get(dataset)
+    if target is None:
+        raise ExportError(f"predict on raw lines supports datasets {sorted(RAW_TRANSFORMS)}, this model was trained on {dataset!r}")
+    mod_name, fn_name = target.split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name, None)
+    if fn is None:
+        raise ExportError(f"{mod_name}.{fn_name} is not available in this dlrmctl; cannot preprocess raw {dataset} lines")
+    meta = dict(pre.get("meta") or {})
+    meta.update({
+        "dataset": dataset,
+        "dense_features": pre.get("dense_features"),
+        "sparse_features": pre.get("sparse"),
+        "label": pre.get("label"),
+        "transforms": pre.get("transforms"),
+        "vocab_files": pre.get("vocab_files") or {},
+    })
+    return fn, meta, [sf["name"] for sf in pre.get("sparse") or []]
+
+
+@torch.no_grad()
+def iter_scores(
+    model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536
+) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """Scores of raw lines in file order: yields ``(scores [n] float32, labels [n] float32 | None)``.
+
+    Raises:
+        ExportError: no preprocessing in the manifest, unsupported dataset.
+        DataError: a malformed line (the preprocessing's message: file, line, field).
+    """
+    fn, meta, data_features = _raw_transform(model)
+    for dense, ids, labels in fn(Path(input_path), meta, model.model_dir, batch_rows):
+        d, v, ln = to_model_inputs(dense, ids, model.feature_names, data_features)
+        yield model.score(d, v, ln).numpy(), labels
+
+
+def predict_file(
+    model_dir: str | os.PathLike,
+    input_path: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    batch_rows: int = 65536,
+) -> PredictReport:
+    """Score a raw log file (39 fields, or 40 with the label first) and write ``score`` CSV.
+
+    Output: a CSV with header ``score`` (``label,score`` when the input is labelled), one line per
+    input line in order, scores with 8 significant digits; to stdout when ``output`` is None or
+    ``"-"``; a file output is written to a temp file and renamed.
+
+    Returns:
+        :class:`PredictReport` (with AUC/logloss/NE when labelled).
+
+    Raises:
+        ExportError, DataError: see :func:`iter_scores`; FileNotFoundError: no input.
+    """
+    from dlrmctl.train.metrics import compute_metrics
+
+    if not Path(input_path).exists():
+        raise FileNotFoundError(f"{input_path}: no such file")
+    model = load_exported(model_dir)
+    to_stdout = output is None or str(output) == "-"
+    tmp = None
+    f: TextIO
+    if to_stdout:
+        f = sys.stdout
+    else:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        f = open(tmp, "w")
+    rows = 0
+    all_s, all_l = [], []
+    labelled = None
+    try:
+        for scores, labels in iter_scores(model, input_path, batch_rows):
+            if labelled is None:
+                labelled = labels is not None
+                f.write("label,score\n" if labelled else "score\n")
+            if labelled:
+                f.writelines(f"{int(y)},{s:.8g}\n" for y, s in zip(labels, scores))
+                all_s.append(scores)
+                all_l.append(labels)
+            else:
+                f.writelines(f"{s:.8g}\n" for s in scores)
+            rows += len(scores)
+        if labelled is None:
+            f.write("score\n")
+        if tmp is not None:
+            f.close()
+            os.replace(tmp, Path(output))
+    except BaseException:
+        if tmp is not None:
+            f.close()
+            tmp.unlink(missing_ok=True)
+        raise
+    metrics = compute_metrics(np.concatenate(all_s), np.concatenate(all_l)) if labelled and rows else None
+    return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output))
