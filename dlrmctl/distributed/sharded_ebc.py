@@ -1,0 +1,390 @@
+"""ShardedEmbeddingBagCollection: an EmbeddingBagCollection whose tables are
+spread over ranks by a :class:`~dlrmctl.distributed.types.ShardingPlan`.
+
+Same contract as the unsharded module for the *local* batch:
+``forward(kjt [B_local]) -> KeyedTensor [B_local, sum(dims)]`` with keys in
+table order.  Ranks may have different local batch sizes (the last, smaller
+batch; a global batch not divisible by the world size).
+
+One step, whatever the mix of sharding types (one group per type):
+
+1. ``input_dist`` — each type routes ids per destination rank
+   (``sharding/*.py``); all types share **one** all-to-all of the sizes
+   (local batch size + ids per feature, tiny) and **one** all-to-all of the
+   data (lengths, ids, weights as int64).  The second runs asynchronously:
+   :meth:`input_dist` returns an :class:`Awaitable`.
+2. lookup — each type's local :class:`GroupedEmbeddingLookup` (FBGEMM TBE with
+   the optimizer fused in backward, or torch EmbeddingBag).
+3. ``output_dist`` — **one** differentiable all-to-all of the pooled blocks of
+   all types (on NCCL row-wise uses ``reduce_scatter`` instead); each type
+   combines its blocks (concatenate / sum, then mean), one column permutation
+   puts the result in table order.
+
+data_parallel tables take no part in 1-3; their gradients are summed over ranks
+by :meth:`sync_replicated_grads` (called by DistributedModelParallel after
+backward).
+
+Gradients: backward of the output all-to-all routes each source's gradient
+rows back to the shard owners, so a shard's gradient is the sum over all
+sources' samples — with the trainer's loss ``sum_local / global_batch`` that is
+exactly the single-process gradient of the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, all_to_all_single
+from dlrmctl.distributed.comm import reduce_scatter_v, sync_sparse_grads
+from dlrmctl.distributed.env import ShardingEnv
+from dlrmctl.distributed.sharding.common import EmbeddingSharding
+from dlrmctl.distributed.sharding.cw_sharding import CwSharding
+from dlrmctl.distributed.sharding.dp_sharding import DpSharding
+from dlrmctl.distributed.sharding.rw_sharding import RwSharding
+from dlrmctl.distributed.sharding.tw_sharding import TwSharding
+from dlrmctl.distributed.sharding.twcw_sharding import TwCwSharding
+from dlrmctl.distributed.sharding.twrw_sharding import TwRwSharding
+from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, check_ids
+from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+
+#: sharding type -> implementation (one file per type).
+SHARDING_CLASSES: dict[ShardingType, type[EmbeddingSharding]] = {
+    ShardingType.DATA_PARALLEL: DpSharding,
+    ShardingType.TABLE_WISE: TwSharding,
+    ShardingType.ROW_WISE: RwSharding,
+    ShardingType.TABLE_ROW_WISE: TwRwSharding,
+    ShardingType.COLUMN_WISE: CwSharding,
+    ShardingType.TABLE_COLUMN_WISE: TwCwSharding,
+}
+
+
+@dataclass
+class ShardedEBCContext:
+    """What the lookups and the output dist of one batch need.
+
+    Attributes:
+        batch_sizes: local batch size of every rank.
+        local_kjts: per group, this rank's input (group features, local batch).
+        lookup_kjts: per group, the lookup input received from all ranks
+            (``None`` for data_parallel).
+    """
+
+    batch_sizes: list[int]
+    local_kjts: list[KeyedJaggedTensor]
+    lookup_kjts: list[KeyedJaggedTensor | None]
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """This rank's part of an EmbeddingBagCollection sharded by ``plan``.
+
+    Args:
+        tables: all tables of the model (as given to the unsharded EBC).
+        plan: a plan for these tables and ``env.world_size`` (validated here);
+            its ``local_world_size`` defines hosts for the ``table_*`` kinds.
+        env: this rank.
+        is_weighted: inputs carry per-id weights.
+        optimizer: fused optimizer hyper-parameters.
+        seed: initial weights are those of an unsharded EBC with this seed
+            (drawn per shard, see ``init_table_rows``).
+        check_ids: check id ranges of the local input on every forward.
+        reduce_scatter: row-wise output dist by the ``reduce_scatter`` collective
+            (default: on NCCL) instead of all-to-all + local sum (gloo default).
+            Only for row-wise groups whose every rank holds a shard of every table.
+
+    Forward:
+        ``features``: KJT with every feature of every table, int64 global ids,
+        local batch ``B`` (may differ between ranks).  Returns a KeyedTensor
+        with keys = feature names in table order, values ``[B, sum dims]`` float32.
+
+    Raises:
+        PlanError: the plan does not fit the tables / world size.
+        EmbeddingIdError: an id outside its table (with ``check_ids``).
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        plan: ShardingPlan,
+        env: ShardingEnv,
+        is_weighted: bool = False,
+        optimizer: EmbeddingOptimizerSpec | None = None,
+        seed: int = 0,
+        check_ids: bool = True,
+        reduce_scatter: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self._tables = list(tables)
+        plan.validate(self._tables, env.world_size)
+        if plan.local_world_size != env.local_world_size:
+            env = ShardingEnv(env.rank, env.world_size, plan.local_world_size, env.pg, env.device)
+        self.env = env
+        self.plan = plan
+        self._is_weighted = is_weighted
+        self._spec = optimizer or EmbeddingOptimizerSpec()
+        self._check_ids = check_ids
+        self._feature_names = [f for t in self._tables for f in t.feature_names]
+        self._length_per_key = [t.embedding_dim for t in self._tables for _ in t.feature_names]
+        self._feature_rows = {f: t.num_embeddings for t in self._tables for f in t.feature_names}
+        self._feature_table = {f: t.name for t in self._tables for f in t.feature_names}
+        ebc_feat_off = [0]
+        for d in self._length_per_key:
+            ebc_feat_off.append(ebc_feat_off[-1] + d)
+        fidx = {f: i for i, f in enumerate(self._feature_names)}
+
+        groups: list[EmbeddingSharding] = []
+        for st, cls in SHARDING_CLASSES.items():
+            ts = [t for t in self._tables if plan.plan[t.name].sharding_type == st]
+            if ts:
+                groups.append(cls(ts, plan.plan, env, is_weighted, self._spec, seed))
+        if reduce_scatter is not None:
+            for g in groups:
+                if g.row_wise:
+                    g.use_reduce_scatter = bool(reduce_scatter and g._same_layout)  # type: ignore[attr-defined]
+        self.groups = nn.ModuleList(groups)
+        self._comm = [i for i, g in enumerate(groups) if g.needs_comm]
+        self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)]
+        self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
+        self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._feature_names)))
+        # column permutation from concatenated group outputs to table order
+        labels: list[int] = []
+        for g, gf in zip(groups, self._group_feat_idx):
+            col_feat = [f for f in range(len(g.features)) for _ in range(g.feature_offsets[f + 1] - g.feature_offsets[f])]
+            for c in g.output_cols():
+                f = col_feat[c]
+                labels.append(ebc_feat_off[gf[f]] + c - g.feature_offsets[f])
+        total = ebc_feat_off[-1]
+        if sorted(labels) != list(range(total)):
+            raise AssertionError(f"sharded output columns do not cover the table columns: {labels}")
+        if labels == list(range(total)):
+            self._inv_perm = None
+        else:
+            inv = [0] * total
+            for pos, lab in enumerate(labels):
+                inv[lab] = pos
+            self.register_buffer("_inv_perm", torch.tensor(inv, dtype=torch.int64, device=env.device), persistent=False)
+
+    # ---------------------------------------------------------------- info
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def feature_names(self) -> list[str]:
+        return self._feature_names
+
+    # ---------------------------------------------------------- input dist
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
+        """Start redistributing the local batch's ids; ``.wait()`` gives the lookup inputs.
+
+        The small all-to-all of sizes runs synchronously; the data all-to-all
+        runs asynchronously (``async_op=True``) until ``wait()``.
+        """
+        if features.keys() != self._feature_names:
+            features = features.select_keys(self._feature_names)
+        if self._check_ids:
+            check_ids(features, self._feature_rows, self._feature_table)
+        groups = self.groups
+        local = [
+            features if self._single_identity else features.permute(idx) for idx in self._group_feat_idx
+        ]
+        B = features.stride()
+        W, me = self.env.world_size, self.env.rank
+        if not self._comm:
+            return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups)))
+        sends = {i: groups[i].input_dist_send(local[i]) for i in self._comm}
+        dev = features.values().device
+        # 1) sizes: [B, ids per received feature of each comm group] for every destination
+        meta_send = []
+        meta_in = []
+        for d in range(W):
+            row = [B]
+            for i in self._comm:
+                row.extend(sends[i][1][d])
+            meta_send.extend(row)
+            meta_in.append(len(row))
+        n_recv_feat = [len(groups[i].layouts[me].features) for i in self._comm]
+        meta_out = [1 + sum(n_recv_feat)] * W
+        meta_t = torch.tensor(meta_send, dtype=torch.int64, device=dev)
+        meta_r, _ = all_to_all_ints(meta_t, meta_in, meta_out, self.env.pg)
+        meta = meta_r.view(W, meta_out[0]).tolist()
+        batch_sizes = [row[0] for row in meta]
+        counts: dict[int, list[list[int]]] = {}
+        off = 1
+        for i, nf in zip(self._comm, n_recv_feat):
+            counts[i] = [row[off : off + nf] for row in meta]
+            off += nf
+        # 2) data: lengths, ids, weights of every comm group, in one all-to-all
+        mult = 2 if self._is_weighted else 1
+        pieces: list[torch.Tensor] = []
+        in_splits = []
+        for d in range(W):
+            n = 0
+            for i in self._comm:
+                for t in sends[i][0][d]:
+                    pieces.append(t)
+                    n += t.numel()
+            in_splits.append(n)
+        recv_sizes = {
+            i: [nf * batch_sizes[s] + mult * sum(counts[i][s]) for s in range(W)] for i, nf in zip(self._comm, n_recv_feat)
+        }
+        out_splits = [sum(recv_sizes[i][s] for i in self._comm) for s in range(W)]
+        send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=dev)
+        recv, work = all_to_all_ints(send, in_splits, out_splits, self.env.pg, async_op=True)
+
+        def finish() -> ShardedEBCContext:
+            per_src = torch.split(recv, out_splits)
+            chunks: dict[int, list[torch.Tensor]] = {i: [] for i in self._comm}
+            for s in range(W):
+                parts = torch.split(per_src[s], [recv_sizes[i][s] for i in self._comm])
+                for i, p in zip(self._comm, parts):
+                    chunks[i].append(p)
+            lookup_kjts: list[KeyedJaggedTensor | None] = [None] * len(groups)
+            for i in self._comm:
+                lookup_kjts[i] = groups[i].input_dist_recv(batch_sizes, counts[i], chunks[i])
+            return ShardedEBCContext(batch_sizes, local, lookup_kjts)
+
+        return LazyAwaitable([work], finish)
+
+    # ------------------------------------------------ lookup + output dist
+    def compute_and_output_dist(self, ctx: ShardedEBCContext) -> KeyedTensor:
+        """Local lookups, then pooled embeddings back to their sources: ``KeyedTensor [B_local, sum dims]``."""
+        groups = self.groups
+        W, me = self.env.world_size, self.env.rank
+        bs = ctx.batch_sizes
+        results: list[torch.Tensor | None] = [None] * len(groups)
+        looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}
+        if self._a2a_out:
+            widths = {i: [groups[i].layouts[d].width for d in range(W)] for i in self._a2a_out}
+            if len(self._a2a_out) == 1:
+                i = self._a2a_out[0]
+                send = looked[i].reshape(-1)
+            else:
+                row_off = [0]
+                for b in bs:
+                    row_off.append(row_off[-1] + b)
+                parts = []
+                for s in range(W):
+                    for i in self._a2a_out:
+                        parts.append(looked[i][row_off[s] : row_off[s + 1]].reshape(-1))
+                send = torch.cat(parts)
+            in_splits = [bs[s] * sum(widths[i][me] for i in self._a2a_out) for s in range(W)]
+            out_splits = [bs[me] * sum(widths[i][d] for i in self._a2a_out) for d in range(W)]
+            recv = all_to_all_single(send, in_splits, out_splits, self.env.pg)
+            per_owner = torch.split(recv, out_splits)
+            pieces: dict[int, list[torch.Tensor]] = {i: [] for i in self._a2a_out}
+            for d in range(W):
+                ps = torch.split(per_owner[d], [bs[me] * widths[i][d] for i in self._a2a_out])
+                for i, p in zip(self._a2a_out, ps):
+                    pieces[i].append(p.view(bs[me], widths[i][d]))
+            for i in self._a2a_out:
+                results[i], _ = groups[i].output_dist_recv(pieces[i], ctx.local_kjts[i])
+        for i in self._comm:
+            if i in self._a2a_out:
+                continue
+            g = groups[i]
+            out = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True)
+            results[i] = g.apply_mean(out, g.output_cols(), ctx.local_kjts[i])  # type: ignore[attr-defined]
+        for i, g in enumerate(groups):
+            if not g.needs_comm:
+                results[i] = g.compute(ctx.local_kjts[i])
+        vals = results[0] if len(results) == 1 else torch.cat(results, dim=1)  # type: ignore[arg-type]
+        if self._inv_perm is not None:
+            vals = vals.index_select(1, self._inv_perm)
+        return KeyedTensor(self._feature_names, self._length_per_key, vals)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return self.compute_and_output_dist(self.input_dist(features).wait())
+
+    # -------------------------------------------------------- parameters
+    def fused_optimizer(self) -> FusedOptimizer:
+        """One view of the optimizers fused into every local TBE: ``set_lr``,
+        ``state_dict`` / ``load_state_dict`` (keys: table name, or
+        ``"<table>@<shard index>"`` when this rank holds several shards of a table)."""
+        tbes = []
+        for g in self.groups:
+            counts: dict[str, int] = {}
+            for s, *_ in g.local_shards():
+                counts[s.table.name] = counts.get(s.table.name, 0) + 1
+            for lk, lay in zip(g.lookups, g.layouts[self.env.rank].lookups):
+                key = {s.table.name: (s.table.name if counts[s.table.name] == 1 else f"{s.table.name}@{s.shard_index}") for s in lay.shards}
+                for tbe, names in lk.fused_optimizer()._tbes:
+                    tbes.append((tbe, [key[n] for n in names]))
+        return FusedOptimizer(tbes, self._spec)
+
+    def embedding_dense_parameters(self) -> list[nn.Parameter]:
+        """Weights of dense-kernel shards (incl. data_parallel replicas and tables
+        whose dim is not a multiple of 4): they need a torch optimizer
+        (``dlrmctl.train.optim.embedding_optimizer_for_dense``)."""
+        return [p for g in self.groups for lk in g.lookups for p in lk.dense_parameters()]
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """data_parallel replicas (their gradients are summed over ranks)."""
+        return [p for g in self.groups if isinstance(g, DpSharding) for p in g.replicated_parameters()]
+
+    def sync_replicated_grads(self) -> None:
+        """SUM the data_parallel tables' sparse gradients over ranks (after backward)."""
+        if self.env.is_distributed:
+            sync_sparse_grads(self.replicated_parameters(), self.env.pg)
+
+    def local_shards(
+        self, dense_optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, list[tuple[ShardMetadata, torch.Tensor, list[torch.Tensor]]]]:
+        """Table -> this rank's shards as ``(metadata, live weight view, optimizer state views)``.
+
+        Fused shards give their TBE momentum (row-wise Adagrad ``[rows]``,
+        Adagrad ``[rows, cols]``, SGD none); dense-kernel shards give the
+        per-row / per-element tensors of ``dense_optimizer``'s state for their
+        weight (empty before its first step, or without ``dense_optimizer``).
+        data_parallel tables appear on every rank as one full shard with this
+        rank's number (identical replicas).
+        """
+        out: dict[str, list[tuple[ShardMetadata, torch.Tensor, list[torch.Tensor]]]] = {}
+        for g in self.groups:
+            for s, w, states, _ in g.local_shards():
+                if not states and dense_optimizer is not None and isinstance(w, nn.Parameter):
+                    st = dense_optimizer.state.get(w, {})
+                    states = [v for _, v in sorted(st.items()) if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == w.shape[0]]
+                out.setdefault(s.table.name, []).append((s.meta, w, states))
+        return out
+
+    @torch.no_grad()
+    def gather_full_weights(self) -> dict[str, torch.Tensor]:
+        """Table -> full ``[rows, dim]`` weights assembled from all ranks' shards.
+
+        For tests and small tables only: materialises every table on every rank
+        (one all-reduce); never used in training.  Collective: all ranks must call it.
+        """
+        full = {t.name: torch.zeros(t.num_embeddings, t.embedding_dim, device=self.env.device) for t in self._tables}
+        for g in self.groups:
+            replicated = isinstance(g, DpSharding)
+            for s, w, _, _ in g.local_shards():
+                if replicated and self.env.rank != 0:
+                    continue
+                r0, c0 = s.meta.offsets
+                full[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols] = w.detach().to(self.env.device)
+        if self.env.is_distributed:
+            flat = torch.cat([v.reshape(-1) for v in full.values()])
+            dist.all_reduce(flat, group=self.env.pg)
+            off = 0
+            for k, v in full.items():
+                v.copy_(flat[off : off + v.numel()].view_as(v))
+                off += v.numel()
+        return full
+
+    @torch.no_grad()
+    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy each local shard's block out of full ``[rows, dim]`` tables (e.g. a reference model's)."""
+        for g in self.groups:
+            for s, w, _, _ in g.local_shards():
+                if s.table.name not in weights:
+                    continue
+                r0, c0 = s.meta.offsets
+                w.copy_(weights[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols])

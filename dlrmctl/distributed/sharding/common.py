@@ -1,0 +1,520 @@
+"""What every sharding type shares: the interface and the per-rank bookkeeping.
+
+One :class:`EmbeddingSharding` holds the tables of one sharding type of one
+:class:`~dlrmctl.distributed.sharded_ebc.ShardedEmbeddingBagCollection` on this
+rank.  It answers four questions (TorchRec's interface):
+
+* **shard metadata** — :meth:`shard_table` (a classmethod per type file) builds
+  a table's :class:`ParameterSharding`; :attr:`layouts` says which shards each
+  rank holds.
+* **input_dist** — :meth:`input_dist_send` turns this rank's local-batch KJT
+  into one int64 chunk per destination rank (lengths, then ids already local to
+  the destination's shard, then weights bit-cast to int64) plus per-feature
+  id counts; :meth:`input_dist_recv` turns the chunks received from every
+  source into the lookup's KJT (key-major, batch = all sources' samples in rank
+  order).  The collectives themselves are issued once for all sharding types by
+  the sharded EBC (one all-to-all for the counts, one for the data).
+* **lookup** — :meth:`compute`: one :class:`GroupedEmbeddingLookup` per
+  (shard slot, compute kernel) over this rank's shards.
+* **output_dist** — :meth:`output_dist_recv` turns the pooled blocks received
+  from every owner rank into this rank's ``[B_local, cols]`` output (a
+  concatenation for table/column-wise kinds, a sum for row-wise kinds), with
+  the EBC column of each output column.
+
+Data layout conventions (all on ``env.device``):
+
+* group features: the features of this type's tables in EBC order; column
+  ``c`` of feature ``i`` in the group output is ``feature_offsets[i] + c``.
+* rows of a lookup output are sources' samples in rank order
+  (``sum(batch_sizes)`` rows).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import ClassVar, Sequence
+
+import torch
+from torch import nn
+
+from dlrmctl.distributed.env import ShardingEnv
+from dlrmctl.distributed.types import ComputeKernel, ParameterSharding, PlanError, ShardingType, ShardMetadata
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, GroupedEmbeddingLookup
+from dlrmctl.sparse import KeyedJaggedTensor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalShard:
+    """One shard held by a rank: ``table`` rows ``[r0, r0+rows)`` x cols ``[c0, c0+cols)``."""
+
+    table: EmbeddingBagConfig
+    shard_index: int
+    meta: ShardMetadata
+    kernel: ComputeKernel
+
+    @property
+    def rows(self) -> int:
+        return self.meta.sizes[0]
+
+    @property
+    def cols(self) -> int:
+        return self.meta.sizes[1]
+
+
+@dataclass
+class LookupLayout:
+    """One GroupedEmbeddingLookup of a rank: its shards (at most one per table),
+    the positions of its features in the rank's received KJT, and the group
+    output column of each of its output columns."""
+
+    kernel: ComputeKernel
+    shards: list[LocalShard]
+    feature_pos: list[int]
+    out_cols: list[int]
+
+
+@dataclass
+class RankLayout:
+    """What rank ``d`` holds of a group: received features and lookups."""
+
+    features: list[int]  # group feature indices received (sorted, unique)
+    lookups: list[LookupLayout]
+
+    @property
+    def out_cols(self) -> list[int]:
+        return [c for lk in self.lookups for c in lk.out_cols]
+
+    @property
+    def width(self) -> int:
+        return sum(len(lk.out_cols) for lk in self.lookups)
+
+
+def weights_to_int64(w: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N]`` -> int64 ``[N]`` holding the same bits (so weights travel with the ids)."""
+    return w.contiguous().view(torch.int32).to(torch.int64)
+
+
+def int64_to_weights(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.int32).view(torch.float32)
+
+
+class EmbeddingSharding(nn.Module):
+    """Tables of one sharding type on this rank (see the module docstring).
+
+    Args:
+        tables: this type's tables, in EBC order.
+        shardings: table name -> its ParameterSharding (already validated).
+        env: this rank.
+        is_weighted: inputs carry per-id weights.
+        optimizer: fused optimizer hyper-parameters.
+        seed: deterministic init seed (sharding-independent).
+    """
+
+    sharding_type: ClassVar[ShardingType]
+    #: row-wise kinds: ids are bucketized by row range, partial sums are reduced.
+    row_wise: ClassVar[bool] = False
+    #: data_parallel: no communication at all.
+    needs_comm: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        shardings: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        is_weighted: bool,
+        optimizer: EmbeddingOptimizerSpec,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.shardings = {t.name: shardings[t.name] for t in self.tables}
+        self.env = env
+        self.is_weighted = is_weighted
+        self.device = env.device
+        self.features: list[str] = [f for t in self.tables for f in t.feature_names]
+        self.feature_table: list[int] = [i for i, t in enumerate(self.tables) for _ in t.feature_names]
+        dims = [self.tables[i].embedding_dim for i in self.feature_table]
+        self.feature_offsets = [0]
+        for d in dims:
+            self.feature_offsets.append(self.feature_offsets[-1] + d)
+        self.width = self.feature_offsets[-1]
+        self.feature_is_mean = [self.tables[i].pooling == PoolingType.MEAN for i in self.feature_table]
+        for t in self.tables:
+            self.validate_sharding(t, self.shardings[t.name])
+        self.layouts: list[RankLayout] = [self._rank_layout(d) for d in range(env.world_size)]
+        me = self.layouts[env.rank]
+        pooling = PoolingType.SUM if self.row_wise else None
+        self.lookups = nn.ModuleList(
+            GroupedEmbeddingLookup(
+                [(s.table, s.rows, s.cols, s.meta.offsets[0], s.meta.offsets[1]) for s in lk.shards],
+                compute_kernel=lk.kernel.value,
+                device=env.device,
+                optimizer=optimizer,
+                is_weighted=is_weighted,
+                seed=seed,
+                pooling_override=pooling,
+            )
+            for lk in me.lookups
+        )
+        self._lookup_identity = [lk.feature_pos == list(range(len(me.features))) for lk in me.lookups]
+
+    # ------------------------------------------------------------ metadata
+    @classmethod
+    def validate_sharding(cls, table: EmbeddingBagConfig, ps: ParameterSharding) -> None:
+        """Type-specific checks beyond :meth:`ShardingPlan.validate` (override)."""
+        if ps.sharding_type != cls.sharding_type:
+            raise PlanError(f"table '{table.name}': {ps.sharding_type.value} given to {cls.__name__}")
+
+    def _shards_on(self, d: int) -> list[LocalShard]:
+        out = []
+        for t in self.tables:
+            ps = self.shardings[t.name]
+            for i, m in enumerate(ps.shards or []):
+                if m.rank == d:
+                    out.append(LocalShard(t, i, m, ps.compute_kernel))
+        return out
+
+    def _rank_layout(self, d: int) -> RankLayout:
+        shards = self._shards_on(d)
+        tidx = {t.name: i for i, t in enumerate(self.tables)}
+        feats = sorted({fi for s in shards for fi, ti in enumerate(self.feature_table) if ti == tidx[s.table.name]})
+        pos_of = {f: p for p, f in enumerate(feats)}
+        # slot k = k-th shard of a table on this rank (a lookup holds one shard per table)
+        seen: dict[str, int] = {}
+        slots: dict[tuple[int, str], list[LocalShard]] = {}
+        for s in shards:
+            k = seen.get(s.table.name, 0)
+            seen[s.table.name] = k + 1
+            slots.setdefault((k, s.kernel.value), []).append(s)
+        lookups = []
+        for (k, kernel), group in sorted(slots.items(), key=lambda kv: (kv[0][0], kv[0][1] != "fused")):
+            fpos, cols = [], []
+            for s in group:
+                for fi, ti in enumerate(self.feature_table):
+                    if ti == tidx[s.table.name]:
+                        fpos.append(pos_of[fi])
+                        base = self.feature_offsets[fi] + s.meta.offsets[1]
+                        cols.extend(range(base, base + s.cols))
+            lookups.append(LookupLayout(ComputeKernel(kernel), group, fpos, cols))
+        return RankLayout(feats, lookups)
+
+    # ----------------------------------------------------------- input dist
+    def input_dist_send(self, kjt: KeyedJaggedTensor) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+        """Split this rank's local batch by destination.
+
+        Args:
+            kjt: ``self.features`` (in order), local batch ``B``, global ids.
+
+        Returns:
+            ``(chunks, counts)``: for each destination rank ``d``,
+            ``chunks[d]`` are int64 tensors to send in order (lengths
+            ``[len(layouts[d].features) * B]`` key-major, ids local to d's
+            shards, weights as int64 bits when weighted) and ``counts[d]`` the
+            number of ids of each of d's received features.
+        """
+        raise NotImplementedError
+
+    def input_dist_recv(
+        self, batch_sizes: Sequence[int], counts: Sequence[Sequence[int]], chunks: Sequence[torch.Tensor]
+    ) -> KeyedJaggedTensor:
+        """Assemble the lookup input from what every source sent.
+
+        Args:
+            batch_sizes: local batch size of every rank.
+            counts: per source, ids per received feature (``layouts[rank].features``).
+            chunks: per source, the int64 data (lengths, ids, weights).
+
+        Returns:
+            KJT over ``layouts[rank].features``, stride ``sum(batch_sizes)``,
+            samples of source 0 first.
+        """
+        me = self.layouts[self.env.rank]
+        F = len(me.features)
+        keys = [self.features[f] for f in me.features]
+        W = len(chunks)
+        lens_parts, val_parts, w_parts = [], [[] for _ in range(F)], [[] for _ in range(F)]
+        for s in range(W):
+            B, c, ch = batch_sizes[s], counts[s], chunks[s]
+            n = sum(c)
+            lens_parts.append(ch[: F * B].view(F, B))
+            vals = ch[F * B : F * B + n]
+            for f, v in enumerate(torch.split(vals, list(c))):
+                val_parts[f].append(v)
+            if self.is_weighted:
+                ws = ch[F * B + n : F * B + 2 * n]
+                for f, w in enumerate(torch.split(ws, list(c))):
+                    w_parts[f].append(w)
+        stride = int(sum(batch_sizes))
+        lengths = torch.cat(lens_parts, dim=1).reshape(-1) if W > 1 else lens_parts[0].reshape(-1)
+        values = torch.cat([v for vs in val_parts for v in vs]) if F else chunks[0][:0]
+        weights = int64_to_weights(torch.cat([w for ws in w_parts for w in ws])) if self.is_weighted and F else None
+        if self.is_weighted and weights is None:
+            weights = torch.zeros(0, dtype=torch.float32, device=self.device)
+        return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False)
+
+    # --------------------------------------------------------------- lookup
+    def compute(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Local lookups: ``[sum(batch_sizes), layouts[rank].width]`` float32 (columns in
+        ``layouts[rank].out_cols`` order).  Always part of the autograd graph when
+        grad is enabled, so that every rank takes part in the backward collective."""
+        outs = []
+        for lk, ident, lay in zip(self.lookups, self._lookup_identity, self.layouts[self.env.rank].lookups):
+            inp = kjt if ident else kjt.permute(lay.feature_pos)
+            outs.append(lk(inp))
+        if not outs:
+            out = torch.zeros(kjt.stride(), 0, device=self.device)
+        else:
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if torch.is_grad_enabled() and not out.requires_grad:
+            out = out.detach().requires_grad_()
+        return out
+
+    # ---------------------------------------------------------- output dist
+    def output_dist_recv(
+        self, pieces: Sequence[torch.Tensor], local_kjt: KeyedJaggedTensor
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Combine the pooled blocks of every owner rank.
+
+        Args:
+            pieces: per owner rank ``d``, ``[B_local, layouts[d].width]``.
+            local_kjt: this rank's input for the group (for mean pooling).
+
+        Returns:
+            ``(out [B_local, X], cols)``: ``cols[i]`` is the group column of ``out[:, i]``.
+        """
+        raise NotImplementedError
+
+    def output_cols(self) -> list[int]:
+        """Group column of each column of this rank's output (static)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------- weights
+    def local_shards(self) -> list[tuple[LocalShard, torch.Tensor, list[torch.Tensor], nn.Module]]:
+        """``(shard, live weight view, fused optimizer state views, lookup)`` for every local shard."""
+        out = []
+        for lk, lay in zip(self.lookups, self.layouts[self.env.rank].lookups):
+            weights = lk.table_weights()
+            mom = lk.fused_optimizer().momentum()
+            for s in lay.shards:
+                out.append((s, weights[s.table.name], list(mom.get(s.table.name, [])), lk))
+        return out
+
+
+class TableWiseLikeSharding(EmbeddingSharding):
+    """Shared input/output dist of table_wise, column_wise and table_column_wise:
+    every id of a feature goes (unchanged) to each rank holding a shard of its
+    table; pooled blocks come back and are concatenated."""
+
+    def input_dist_send(self, kjt):
+        lpk = kjt.length_per_key()
+        opk = kjt.offset_per_key()
+        lens2d = kjt.lengths_2d()
+        values = kjt.values()
+        weights = kjt.weights_or_none() if self.is_weighted else None
+        wbits = weights_to_int64(weights) if weights is not None else None
+        chunks, counts = [], []
+        nf = len(self.features)
+        for lay in self.layouts:
+            fs = lay.features
+            if fs == list(range(nf)):
+                ch = [kjt.lengths(), values]
+                if wbits is not None:
+                    ch.append(wbits)
+            else:
+                ch = [lens2d[fs].reshape(-1) if fs else kjt.lengths()[:0]]
+                ch.extend(values[opk[f] : opk[f + 1]] for f in fs)
+                if wbits is not None:
+                    ch.extend(wbits[opk[f] : opk[f + 1]] for f in fs)
+            chunks.append(ch)
+            counts.append([lpk[f] for f in fs])
+        return chunks, counts
+
+    def output_cols(self) -> list[int]:
+        return [c for lay in self.layouts for c in lay.out_cols]
+
+    def output_dist_recv(self, pieces, local_kjt):
+        cols = self.output_cols()
+        out = torch.cat(list(pieces), dim=1) if len(pieces) > 1 else pieces[0]
+        return out, cols
+
+
+class RowWiseLikeSharding(EmbeddingSharding):
+    """Shared input/output dist of row_wise and table_row_wise: ids are
+    bucketized by row range to the rank holding the row (and made local to
+    its shard), partial sums come back and are added; mean pooling divides the
+    sum by the whole bag length afterwards."""
+
+    row_wise = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Virtual concatenation of all features' tables: feature f's id i is key
+        # feat_base[f] + i; shard k of that feature covers keys [starts[k], starts[k]+rows).
+        starts, ranks, base = [], [], []
+        acc = 0
+        for fi, ti in enumerate(self.feature_table):
+            t = self.tables[ti]
+            base.append(acc)
+            for m in self.shardings[t.name].shards or []:
+                starts.append(acc + m.offsets[0])
+                ranks.append(m.rank)
+            acc += t.num_embeddings
+        dev = self.device
+        self.register_buffer("_feat_base", torch.tensor(base, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_shard_starts", torch.tensor(starts, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_shard_ranks", torch.tensor(ranks, dtype=torch.int64, device=dev), persistent=False)
+        ws = self.env.world_size
+        # all-ranks block split (TorchRec's row_wise) -> FBGEMM block_bucketize fast path
+        self._block_sizes: list[int] | None = []
+        for ti in self.feature_table:
+            t = self.tables[ti]
+            ms = self.shardings[t.name].shards or []
+            blk = -(-t.num_embeddings // ws)
+            if [m.rank for m in ms] != list(range(ws)) or any(m.offsets[0] != r * blk for r, m in enumerate(ms)):
+                self._block_sizes = None
+                break
+            self._block_sizes.append(blk)
+        if self._block_sizes is not None:
+            self.register_buffer(
+                "_block_sizes_t", torch.tensor(self._block_sizes, dtype=torch.int64, device=dev), persistent=False
+            )
+        self._same_layout = all(lay.out_cols == self.layouts[0].out_cols for lay in self.layouts)
+        mean_cols = [self.feature_is_mean[f] for f in range(len(self.features)) for _ in range(self.feature_offsets[f + 1] - self.feature_offsets[f])]
+        self._any_mean = any(mean_cols)
+        col_feat = [f for f in range(len(self.features)) for _ in range(self.feature_offsets[f + 1] - self.feature_offsets[f])]
+        self.register_buffer("_col_feat", torch.tensor(col_feat, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_col_mean", torch.tensor(mean_cols, dtype=torch.bool, device=dev), persistent=False)
+        #: use the real reduce-scatter collective for the output (NCCL); gloo uses the fused all-to-all
+        self.use_reduce_scatter = bool(
+            self._same_layout and env_backend(self.env) == "nccl" and self.sharding_type == ShardingType.ROW_WISE
+        )
+
+    def bucketize(
+        self, kjt: KeyedJaggedTensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Route every id to the rank holding its row.
+
+        Returns:
+            ``(lengths [W, F, B], local ids [N], weights [N] or None)`` with ids
+            (and weights) ordered by destination rank, then feature, then sample.
+        """
+        W = self.env.world_size
+        F, B = len(self.features), kjt.stride()
+        values, lengths = kjt.values(), kjt.lengths()
+        weights = kjt.weights_or_none() if self.is_weighted else None
+        if self._block_sizes is not None and HAS_BLOCK_BUCKETIZE and values.numel():
+            # FBGEMM reads raw memory: views (e.g. a loader's column slice) must be made contiguous
+            new_lengths, new_values, new_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+                lengths.contiguous(), values.contiguous(), False, False, self._block_sizes_t, W,
+                None if weights is None else weights.contiguous(),
+            )
+            return new_lengths.view(W, F, B), new_values, new_weights
+        return bucketize_torch(
+            values, lengths, weights, F, B, W, self._feat_base, self._shard_starts, self._shard_ranks
+        )
+
+    def input_dist_send(self, kjt):
+        W = self.env.world_size
+        new_lengths, new_values, new_weights = self.bucketize(kjt)
+        per_feat = new_lengths.sum(dim=2)  # [W, F]
+        per_feat_l = per_feat.tolist()
+        wbits = weights_to_int64(new_weights) if new_weights is not None else None
+        chunks, counts = [], []
+        off = 0
+        nf = len(self.features)
+        for d in range(W):
+            fs = self.layouts[d].features
+            c = [per_feat_l[d][f] for f in fs]
+            n = sum(per_feat_l[d])
+            lens = new_lengths[d].reshape(-1) if fs == list(range(nf)) else new_lengths[d][fs].reshape(-1)
+            ch = [lens, new_values[off : off + n]]
+            if wbits is not None:
+                ch.append(wbits[off : off + n])
+            off += n
+            chunks.append(ch)
+            counts.append(c)
+        return chunks, counts
+
+    def output_cols(self) -> list[int]:
+        return self.layouts[0].out_cols if self._same_layout else list(range(self.width))
+
+    def output_dist_recv(self, pieces, local_kjt):
+        if self._same_layout:
+            out = pieces[0]
+            for p in pieces[1:]:
+                out = out + p
+            cols = self.layouts[0].out_cols
+        else:
+            B = local_kjt.stride()
+            out = torch.zeros(B, self.width, device=self.device, dtype=pieces[0].dtype if pieces else torch.float32)
+            idx = torch.tensor([c for lay in self.layouts for c in lay.out_cols], dtype=torch.int64, device=self.device)
+            if idx.numel():
+                out = out.index_add(1, idx, torch.cat(list(pieces), dim=1))
+            cols = list(range(self.width))
+        return self.apply_mean(out, cols, local_kjt), cols
+
+    def apply_mean(self, out: torch.Tensor, cols: list[int], local_kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Divide mean-pooled columns by the full bag length (empty bag -> 0)."""
+        if not self._any_mean:
+            return out
+        if cols != list(range(self.width)):
+            colt = torch.tensor(cols, dtype=torch.int64, device=self.device)
+            col_feat, col_mean = self._col_feat[colt], self._col_mean[colt]
+        else:
+            col_feat, col_mean = self._col_feat, self._col_mean
+        lens = local_kjt.lengths_2d().t().to(out.dtype).clamp(min=1)  # [B, F]
+        div = torch.where(col_mean, lens[:, col_feat], torch.ones((), dtype=out.dtype, device=out.device))
+        return out / div
+
+
+def env_backend(env: ShardingEnv) -> str | None:
+    return env.backend
+
+
+try:  # FBGEMM's bucketizer, when fbgemm_gpu is importable (the GPU box may lack it)
+    import fbgemm_gpu  # noqa: F401
+
+    HAS_BLOCK_BUCKETIZE = hasattr(torch.ops.fbgemm, "block_bucketize_sparse_features")
+except Exception:  # pragma: no cover - depends on the install
+    HAS_BLOCK_BUCKETIZE = False
+
+
+def bucketize_torch(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    weights: torch.Tensor | None,
+    F: int,
+    B: int,
+    W: int,
+    feat_base: torch.Tensor,
+    shard_starts: torch.Tensor,
+    shard_ranks: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pure-torch equivalent of ``fbgemm.block_bucketize_sparse_features`` for any row split.
+
+    Args:
+        values: ``[N]`` global ids, key-major.
+        lengths: ``[F * B]``.
+        feat_base: ``[F]`` offset of each feature's table in a virtual
+            concatenation of all tables.
+        shard_starts: ``[S]`` start of every shard in that concatenation
+            (non-decreasing); ``shard_ranks [S]`` the rank holding it.
+
+    Returns:
+        ``(lengths [W, F, B], local ids [N], weights [N] | None)``, ids grouped by
+        destination rank (stable: feature, sample order kept).
+    """
+    N = values.numel()
+    dev = values.device
+    bag = torch.repeat_interleave(torch.arange(F * B, device=dev), lengths, output_size=N)
+    key = feat_base[torch.div(bag, B, rounding_mode="floor")] + values if B else values
+    shard = torch.searchsorted(shard_starts, key, right=True) - 1
+    dest = shard_ranks[shard]
+    local = key - shard_starts[shard]
+    order = torch.argsort(dest, stable=True)
+    new_lengths = torch.bincount(dest * (F * B) + bag, minlength=W * F * B).view(W, F, B)
+    return new_lengths, local[order], None if weights is None else weights[order]

@@ -1,0 +1,49 @@
+"""column_wise: a table is split into column blocks placed on (any) ranks.
+
+input_dist: each feature's bags go, unchanged, to every rank holding a column
+block of its table (one copy per rank, even if the rank holds several blocks);
+output_dist: each owner returns its ``[B, block cols]`` pooled blocks
+(all-to-all), the source concatenates them in column order.  Mean pooling is
+exact per block (each block sees the whole bag).
+
+Row-wise Adagrad keeps one accumulator per row *and shard*, so a column-wise
+table under ``exact_rowwise_adagrad`` is not bit-identical to the unsharded
+table (as in TorchRec); ``exact_adagrad`` / ``exact_sgd`` are.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from dlrmctl.distributed.sharding.common import TableWiseLikeSharding
+from dlrmctl.distributed.types import (
+    ComputeKernel,
+    ParameterSharding,
+    ShardingType,
+    construct_parameter_sharding,
+)
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+
+
+class CwSharding(TableWiseLikeSharding):
+    """Tables sharded column-wise on this rank."""
+
+    sharding_type = ShardingType.COLUMN_WISE
+
+    @classmethod
+    def shard_table(
+        cls,
+        table: EmbeddingBagConfig,
+        ranks: Sequence[int],
+        compute_kernel: ComputeKernel | str = ComputeKernel.FUSED,
+        column_sizes: Sequence[int] | None = None,
+    ) -> ParameterSharding:
+        """One column block per entry of ``ranks`` (widths ``column_sizes``, default an even split)."""
+        return construct_parameter_sharding(
+            cls.sharding_type, table.num_embeddings, table.embedding_dim, ranks, compute_kernel, column_sizes
+        )
+
+    @staticmethod
+    def default_ranks(table_index: int, world_size: int, local_world_size: int) -> list[int]:
+        """Column blocks on every rank, rotated per table to spread the first (widest) block."""
+        return [(table_index + i) % world_size for i in range(world_size)]
