@@ -36,7 +36,7 @@ from dlrmctl.distributed.types import (
     construct_parameter_sharding,
     row_wise_shard_sizes,
 )
-from dlrmctl.planner.perf import estimate_shard
+from dlrmctl.planner.perf import KERNEL_EFFICIENCY, estimate_shard
 from dlrmctl.planner.storage import shard_bytes, to_storage
 from dlrmctl.planner.types import PlannerError, Shard, ShardingOption, TableSpec, Topology
 
@@ -97,7 +97,7 @@ def _make_option(
             b = shard_bytes(st, kernel, size[0], size[1], table.weight_bytes, table.optimizer, ids, inp, out)
             storage = to_storage(topology, b)
             c = cache[key] = (storage, perf, inp, out, b.weights, b.optimizer, perf.total, b.total)
-        shards.append(Shard(list(size), list(off), *c[:6], r, c[6], c[7]))
+        shards.append(Shard(size, off, *c[:6], r, c[6], c[7]))  # size/off lists are never mutated
     return ShardingOption(table, st, kernel, shards, host_bound)
 
 
@@ -229,9 +229,16 @@ def enumerate_options(
         if table.sharding_types is None and topology.num_hosts == 1:
             types = [t for t in types if t not in HOST_TYPES]
         kernels = list(table.compute_kernels) if table.compute_kernels is not None else list(ALL_KERNELS)
+        eff = KERNEL_EFFICIENCY
+        dev = topology.compute_device
+        # dense next to fused is dominated (slower, plus a sparse gradient) wherever its kernel
+        # efficiency is not higher: skip building it (prune_dominated would drop it anyway)
+        dense_dominated = ComputeKernel.FUSED in kernels and eff[(dev, ComputeKernel.DENSE)] <= eff[(dev, ComputeKernel.FUSED)]
         for st in types:
             for k in kernels:
                 if st == ShardingType.DATA_PARALLEL and k != ComputeKernel.DENSE:
+                    continue
+                if st != ShardingType.DATA_PARALLEL and k == ComputeKernel.DENSE and dense_dominated:
                     continue
                 if st == ShardingType.DATA_PARALLEL:
                     if pinned is None or len(pinned) == W:
