@@ -37,12 +37,32 @@ from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptim
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 
 
+class TableConfigs(nn.Module):
+    """Placeholder ``sparse_arch`` holding only table configs (no weights): lets a
+    DLRM be built and sharded without ever allocating the full tables."""
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False) -> None:
+        super().__init__()
+        self._tables = list(tables)
+        self._is_weighted = is_weighted
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        raise RuntimeError("TableConfigs is a placeholder: shard it with DistributedModelParallel")
+
+
 class DistributedModelParallel(nn.Module):
     """Shard ``module.sparse_arch`` by ``plan``; keep the rest replicated.
 
     Args:
-        module: a DLRM (anything with ``.sparse_arch`` — an EmbeddingBagCollection —
-            and ``dense_forward(dense, KeyedTensor)``).  Modified in place:
+        module: a DLRM (anything with ``.sparse_arch`` — an EmbeddingBagCollection,
+            or a :class:`TableConfigs` placeholder so the full tables are never
+            allocated — and ``dense_forward(dense, KeyedTensor)``).  Modified in place:
             ``sparse_arch`` becomes a :class:`ShardedEmbeddingBagCollection`.
         env: this rank.
         plan: the sharding plan; ``None`` runs unsharded (world size 1 only: no

@@ -81,6 +81,62 @@ class ShardedEBCContext:
     lookup_kjts: list[KeyedJaggedTensor | None]
 
 
+class _ColumnAssembly:
+    """Puts the columns of several ``[B, w_k]`` tensors into table order in one copy.
+
+    Args:
+        labels: per tensor, the output column of each of its columns; together
+            a permutation of ``range(total)``.
+    """
+
+    def __init__(self, labels: list[list[int]], total: int) -> None:
+        where = {}
+        for k, labs in enumerate(labels):
+            for src, e in enumerate(labs):
+                where[e] = (k, src)
+        if sorted(where) != list(range(total)) or sum(map(len, labels)) != total:
+            raise AssertionError(f"sharded output columns do not tile the table columns: {labels}")
+        blocks: list[list[int]] = []  # [tensor, src_start, length, out_start]
+        for e in range(total):
+            k, src = where[e]
+            if blocks and blocks[-1][0] == k and blocks[-1][1] + blocks[-1][2] == src:
+                blocks[-1][2] += 1
+            else:
+                blocks.append([k, src, 1, e])
+        self.blocks = [tuple(b) for b in blocks]
+        self.n = len(labels)
+        self.widths = [len(x) for x in labels]
+        self.back = [sorted((b for b in self.blocks if b[0] == k), key=lambda b: b[1]) for k in range(self.n)]
+        self.identity = self.n == 1 and len(self.blocks) == 1
+
+    def __call__(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        if self.identity:
+            return tensors[0]
+        return _AssembleColumns.apply(self, *tensors)
+
+
+class _AssembleColumns(torch.autograd.Function):
+    """Forward: one ``cat`` of column slices; backward: one ``cat`` per input
+    (cheaper than ``index_select`` + its ``index_add`` backward)."""
+
+    @staticmethod
+    def forward(ctx, plan: _ColumnAssembly, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        return torch.cat([tensors[k][:, s : s + n] for k, s, n, _ in plan.blocks], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        plan = ctx.plan
+        grads = []
+        for k in range(plan.n):
+            parts = [grad[:, o : o + n] for _, _, n, o in plan.back[k]]
+            if not parts:  # a zero-width block (a rank holding nothing of a group)
+                grads.append(grad.new_zeros(grad.shape[0], 0))
+            else:
+                grads.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1))
+        return (None, *grads)
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """This rank's part of an EmbeddingBagCollection sharded by ``plan``.
 
@@ -152,23 +208,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)]
         self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
         self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._feature_names)))
-        # column permutation from concatenated group outputs to table order
-        labels: list[int] = []
+        # where each column of each group output tensor goes in the table-ordered output
+        labels: list[list[int]] = []
         for g, gf in zip(groups, self._group_feat_idx):
             col_feat = [f for f in range(len(g.features)) for _ in range(g.feature_offsets[f + 1] - g.feature_offsets[f])]
-            for c in g.output_cols():
-                f = col_feat[c]
-                labels.append(ebc_feat_off[gf[f]] + c - g.feature_offsets[f])
-        total = ebc_feat_off[-1]
-        if sorted(labels) != list(range(total)):
-            raise AssertionError(f"sharded output columns do not cover the table columns: {labels}")
-        if labels == list(range(total)):
-            self._inv_perm = None
-        else:
-            inv = [0] * total
-            for pos, lab in enumerate(labels):
-                inv[lab] = pos
-            self.register_buffer("_inv_perm", torch.tensor(inv, dtype=torch.int64, device=env.device), persistent=False)
+            for cols in g.output_cols():
+                labels.append([ebc_feat_off[gf[col_feat[c]]] + c - g.feature_offsets[col_feat[c]] for c in cols])
+        self._assembly = _ColumnAssembly(labels, ebc_feat_off[-1])
 
     # ---------------------------------------------------------------- info
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -259,7 +305,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         groups = self.groups
         W, me = self.env.world_size, self.env.rank
         bs = ctx.batch_sizes
-        results: list[torch.Tensor | None] = [None] * len(groups)
+        results: list[list[torch.Tensor] | None] = [None] * len(groups)
         looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}
         if self._a2a_out:
             widths = {i: [groups[i].layouts[d].width for d in range(W)] for i in self._a2a_out}
@@ -285,19 +331,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 for i, p in zip(self._a2a_out, ps):
                     pieces[i].append(p.view(bs[me], widths[i][d]))
             for i in self._a2a_out:
-                results[i], _ = groups[i].output_dist_recv(pieces[i], ctx.local_kjts[i])
+                results[i] = groups[i].output_dist_recv(pieces[i], ctx.local_kjts[i])
         for i in self._comm:
             if i in self._a2a_out:
                 continue
             g = groups[i]
             out = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True)
-            results[i] = g.apply_mean(out, g.output_cols(), ctx.local_kjts[i])  # type: ignore[attr-defined]
+            results[i] = [g.apply_mean(out, ctx.local_kjts[i])]  # type: ignore[attr-defined]
         for i, g in enumerate(groups):
             if not g.needs_comm:
-                results[i] = g.compute(ctx.local_kjts[i])
-        vals = results[0] if len(results) == 1 else torch.cat(results, dim=1)  # type: ignore[arg-type]
-        if self._inv_perm is not None:
-            vals = vals.index_select(1, self._inv_perm)
+                results[i] = [g.compute(ctx.local_kjts[i])]
+        vals = self._assembly([t for r in results for t in r])  # type: ignore[union-attr]
         return KeyedTensor(self._feature_names, self._length_per_key, vals)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

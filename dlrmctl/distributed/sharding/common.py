@@ -276,7 +276,7 @@ class EmbeddingSharding(nn.Module):
     # ---------------------------------------------------------- output dist
     def output_dist_recv(
         self, pieces: Sequence[torch.Tensor], local_kjt: KeyedJaggedTensor
-    ) -> tuple[torch.Tensor, list[int]]:
+    ) -> list[torch.Tensor]:
         """Combine the pooled blocks of every owner rank.
 
         Args:
@@ -284,12 +284,13 @@ class EmbeddingSharding(nn.Module):
             local_kjt: this rank's input for the group (for mean pooling).
 
         Returns:
-            ``(out [B_local, X], cols)``: ``cols[i]`` is the group column of ``out[:, i]``.
+            ``[B_local, len(cols)]`` tensors, one per entry of :meth:`output_cols`
+            (the sharded EBC puts their columns in table order in one pass).
         """
         raise NotImplementedError
 
-    def output_cols(self) -> list[int]:
-        """Group column of each column of this rank's output (static)."""
+    def output_cols(self) -> list[list[int]]:
+        """Static: for each tensor :meth:`output_dist_recv` returns, the group column of each of its columns."""
         raise NotImplementedError
 
     # ------------------------------------------------------------- weights
@@ -333,13 +334,11 @@ class TableWiseLikeSharding(EmbeddingSharding):
             counts.append([lpk[f] for f in fs])
         return chunks, counts
 
-    def output_cols(self) -> list[int]:
-        return [c for lay in self.layouts for c in lay.out_cols]
+    def output_cols(self) -> list[list[int]]:
+        return [lay.out_cols for lay in self.layouts]
 
     def output_dist_recv(self, pieces, local_kjt):
-        cols = self.output_cols()
-        out = torch.cat(list(pieces), dim=1) if len(pieces) > 1 else pieces[0]
-        return out, cols
+        return list(pieces)
 
 
 class RowWiseLikeSharding(EmbeddingSharding):
@@ -386,8 +385,14 @@ class RowWiseLikeSharding(EmbeddingSharding):
         mean_cols = [self.feature_is_mean[f] for f in range(len(self.features)) for _ in range(self.feature_offsets[f + 1] - self.feature_offsets[f])]
         self._any_mean = any(mean_cols)
         col_feat = [f for f in range(len(self.features)) for _ in range(self.feature_offsets[f + 1] - self.feature_offsets[f])]
-        self.register_buffer("_col_feat", torch.tensor(col_feat, dtype=torch.int64, device=dev), persistent=False)
-        self.register_buffer("_col_mean", torch.tensor(mean_cols, dtype=torch.bool, device=dev), persistent=False)
+        out_cols = self.output_cols()[0]
+        self.register_buffer("_out_col_feat", torch.tensor([col_feat[c] for c in out_cols], dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("_out_col_mean", torch.tensor([mean_cols[c] for c in out_cols], dtype=torch.bool, device=dev), persistent=False)
+        self.register_buffer(
+            "_scatter_idx",
+            torch.tensor([c for lay in self.layouts for c in lay.out_cols], dtype=torch.int64, device=dev),
+            persistent=False,
+        )
         #: use the real reduce-scatter collective for the output (NCCL); gloo uses the fused all-to-all
         self.use_reduce_scatter = bool(
             self._same_layout and env_backend(self.env) == "nccl" and self.sharding_type == ShardingType.ROW_WISE
@@ -439,35 +444,28 @@ class RowWiseLikeSharding(EmbeddingSharding):
             counts.append(c)
         return chunks, counts
 
-    def output_cols(self) -> list[int]:
-        return self.layouts[0].out_cols if self._same_layout else list(range(self.width))
+    def output_cols(self) -> list[list[int]]:
+        return [self.layouts[0].out_cols if self._same_layout else list(range(self.width))]
 
     def output_dist_recv(self, pieces, local_kjt):
         if self._same_layout:
             out = pieces[0]
             for p in pieces[1:]:
                 out = out + p
-            cols = self.layouts[0].out_cols
         else:
             B = local_kjt.stride()
             out = torch.zeros(B, self.width, device=self.device, dtype=pieces[0].dtype if pieces else torch.float32)
-            idx = torch.tensor([c for lay in self.layouts for c in lay.out_cols], dtype=torch.int64, device=self.device)
-            if idx.numel():
-                out = out.index_add(1, idx, torch.cat(list(pieces), dim=1))
-            cols = list(range(self.width))
-        return self.apply_mean(out, cols, local_kjt), cols
+            if self._scatter_idx.numel():
+                out = out.index_add(1, self._scatter_idx, torch.cat(list(pieces), dim=1))
+        return [self.apply_mean(out, local_kjt)]
 
-    def apply_mean(self, out: torch.Tensor, cols: list[int], local_kjt: KeyedJaggedTensor) -> torch.Tensor:
-        """Divide mean-pooled columns by the full bag length (empty bag -> 0)."""
+    def apply_mean(self, out: torch.Tensor, local_kjt: KeyedJaggedTensor) -> torch.Tensor:
+        """Divide the mean-pooled columns of ``out [B, output_cols()[0]]`` by the full
+        bag length (empty bag -> 0)."""
         if not self._any_mean:
             return out
-        if cols != list(range(self.width)):
-            colt = torch.tensor(cols, dtype=torch.int64, device=self.device)
-            col_feat, col_mean = self._col_feat[colt], self._col_mean[colt]
-        else:
-            col_feat, col_mean = self._col_feat, self._col_mean
         lens = local_kjt.lengths_2d().t().to(out.dtype).clamp(min=1)  # [B, F]
-        div = torch.where(col_mean, lens[:, col_feat], torch.ones((), dtype=out.dtype, device=out.device))
+        div = torch.where(self._out_col_mean, lens[:, self._out_col_feat], torch.ones((), dtype=out.dtype, device=out.device))
         return out / div
 
 

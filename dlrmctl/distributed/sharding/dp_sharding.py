@@ -53,5 +53,5 @@ class DpSharding(EmbeddingSharding):
         """The replicas' weights, whose gradients are summed over ranks."""
         return [p for lk in self.lookups for p in lk.dense_parameters()]
 
-    def output_cols(self) -> list[int]:
-        return self.layouts[self.env.rank].out_cols
+    def output_cols(self) -> list[list[int]]:
+        return [self.layouts[self.env.rank].out_cols]
