@@ -33,6 +33,13 @@ try:
     USER_ERRORS += (PlannerError,)
 except ImportError:  # pragma: no cover
     pass
+try:
+    from dlrmctl.inference.export import ExportError
+    from dlrmctl.inference.quantize import QuantizationError
+
+    USER_ERRORS += (ExportError, QuantizationError)
+except ImportError:  # pragma: no cover
+    pass
 
 
 def _make_env(cfg) -> RunEnv:

@@ -1,0 +1,106 @@
+"""``dlrmctl report RUN_DIR``: summary table and PNG plots of a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import typer
+
+
+def read_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(train_records, eval_records)`` from ``run_dir/metrics.jsonl``.
+
+    Raises:
+        FileNotFoundError: no metrics.jsonl.
+        ValueError: a line is not JSON (names file and line).
+    """
+    path = os.path.join(run_dir, "metrics.jsonl")
+    train, evals = [], []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+            (evals if r.get("kind") == "eval" else train).append(r)
+    return train, evals
+
+
+def summary_table(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
+    """Markdown table: one row per evaluation, plus the training throughput."""
+    lines = ["| step | epoch | AUC | logloss | NE | calibration |", "|---:|---:|---:|---:|---:|---:|"]
+
+    def f(v: Any, nd: int = 4) -> str:
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{nd}f}"
+
+    for r in evals:
+        lines.append(f"| {r['step']} | {r.get('epoch', '')} | {f(r.get('auc'))} | {f(r.get('logloss'))} | "
+                     f"{f(r.get('ne'))} | {f(r.get('calibration'), 3)} |")
+    if train:
+        sps = [r["samples_per_s"] for r in train if "samples_per_s" in r]
+        if sps:
+            lines.append("")
+            lines.append(f"training: {len(train)} logged steps, last loss {train[-1]['loss']:.4f}, "
+                         f"median {sorted(sps)[len(sps) // 2]:,.0f} samples/s")
+    if evals:
+        best = max((r for r in evals if r.get("auc") is not None), key=lambda r: r["auc"], default=None)
+        if best:
+            lines.append(f"best AUC {best['auc']:.4f} at step {best['step']}")
+    return "\n".join(lines)
+
+
+def write_plots(run_dir: str, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> list[str]:
+    """PNG plots of loss, AUC and throughput over steps; returns the paths written.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install dlrmctl[report]``).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = []
+    series = [
+        ("loss.png", "training loss", [(r["step"], r["loss"]) for r in train if "loss" in r]),
+        ("auc.png", "validation AUC", [(r["step"], r["auc"]) for r in evals if r.get("auc") is not None]),
+        ("throughput.png", "samples/s", [(r["step"], r["samples_per_s"]) for r in train if "samples_per_s" in r]),
+    ]
+    for name, label, pts in series:
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if len(pts) < 30 else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = os.path.join(run_dir, name)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def report(run_dir: str = typer.Argument(..., help="runs/<name>"),
+               plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)")) -> None:
+        """Summary table and PNG plots (loss, AUC, throughput) of a run."""
+        try:
+            train, evals = read_metrics(run_dir)
+        except (FileNotFoundError, ValueError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        typer.echo(summary_table(train, evals))
+        if plots:
+            try:
+                for p in write_plots(run_dir, train, evals):
+                    typer.echo(f"wrote {p}")
+            except ImportError:
+                typer.echo("matplotlib is not installed: pip install 'dlrmctl[report]' for plots", err=True)
