@@ -119,3 +119,25 @@ def test_build_interaction_plugs_into_dlrm_and_backpropagates(kind, cls, out_dim
     assert logits.shape == (B, 1)
     logits.sum().backward()
     assert model.sparse_arch.w.grad is not None and model.sparse_arch.w.grad.abs().sum() > 0
+
+
+def test_criteo_1tb_dlrmv2_config_is_the_mlperf_setup():
+    import pathlib
+
+    from dlrmctl.config import load_config
+
+    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "criteo_1tb_dlrmv2.yaml")
+    m = cfg.model
+    assert [t.num_embeddings for t in m.tables] == [
+        40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938,
+        155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]
+    assert [t.feature_names for t in m.tables] == [[f"C{i}"] for i in range(1, 27)]
+    assert (m.embedding_dim, m.dense_arch_layer_sizes, m.over_arch_layer_sizes) == (
+        128, [512, 256, 128], [1024, 1024, 512, 256, 1])
+    assert (m.interaction, m.dcn_num_layers, m.dcn_low_rank_dim) == ("dcn", 3, 512)
+    assert cfg.data.batch_size == 65536
+    assert cfg.data.multi_hot_sizes == [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+    assert cfg.optimizer.embedding.type == "exact_rowwise_adagrad" and cfg.optimizer.dense.type == "adagrad"
+    assert cfg.train.eval_every == 4195197692 // (65536 * 20)
+    # the over arch sees (F+1)*d = 27*128 cross-net features
+    assert InteractionDCNArch(26, 128, 1, 1).output_dim(128) == 3456

@@ -373,3 +373,16 @@ def test_end_to_end_on_ml_latest_small(tmp_path):
     val = _read_split(out, "val")
     assert val["label"].dtype == np.float32 and set(np.unique(val["label"]).tolist()) == {0.0, 1.0}
     assert json.loads((out / "meta.json").read_text())["dataset"] == "movielens"
+
+
+def test_movielens_config_trains_end_to_end_on_a_preprocessed_fixture(tmp_path):
+    from dlrmctl.cli import app
+
+    out = tmp_path / "ml"
+    preprocess_movielens(make_ml100k(tmp_path / "in"), out, MovieLensOptions(val_ratio=0.2, test_ratio=0.2))
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "movielens.yaml"
+    r = CliRunner().invoke(app, ["train", str(cfg), "--set", f"data.path={out}", "--set",
+                                 f"train.run_dir={tmp_path / 'runs'}", "--set", "data.batch_size=4"])
+    assert r.exit_code == 0, r.output
+    assert "val" in r.output and "AUC" in r.output
+    assert (tmp_path / "runs" / "movielens").is_dir()
