@@ -10,16 +10,22 @@ import numpy as np
 import pytest
 
 from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
-from test_movielens import make_ml100k
-
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("movielens_baselines", REPO / "scripts" / "movielens_baselines.py")
+def _load(path: pathlib.Path, name: str):
+    """Import a file by path (works whether or not tests/ is a package)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+make_ml100k = _load(REPO / "tests" / "test_movielens.py", "_movielens_fixtures").make_ml100k
+
+
+def _script():
+    return _load(REPO / "scripts" / "movielens_baselines.py", "movielens_baselines")
 
 
 def test_auc_matches_pairwise_count_with_ties():
