@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from dist_utils import run_multiprocess
+try:  # tests/ as a package or as a plain directory on sys.path
+    from tests.dist_utils import run_multiprocess
+except ImportError:  # pragma: no cover
+    from dist_utils import run_multiprocess
 from dlrmctl import HAS_FBGEMM
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 

@@ -133,6 +133,72 @@ def all_to_all_single(
     return _AllToAllSingle.apply(inp, [int(x) for x in in_splits], [int(x) for x in out_splits], pg)
 
 
+class _PooledAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, meta, *inputs: torch.Tensor):  # type: ignore[override]
+        bs, widths, me, pg = meta
+        ctx.meta = meta
+        W, G = len(bs), len(inputs)
+        if G == 1:
+            send = inputs[0].contiguous().view(-1)
+        else:
+            row_off = [0]
+            for b in bs:
+                row_off.append(row_off[-1] + b)
+            send = torch.cat([inputs[g][row_off[s] : row_off[s + 1]].reshape(-1) for s in range(W) for g in range(G)])
+        ctx.in_splits = [bs[s] * sum(widths[me]) for s in range(W)]
+        ctx.out_splits = [bs[me] * sum(widths[d]) for d in range(W)]
+        recv = send.new_empty(sum(ctx.out_splits))
+        dist.all_to_all_single(recv, send, ctx.out_splits, ctx.in_splits, group=pg)
+        outs, off = [], 0
+        for d in range(W):
+            for g in range(G):
+                n = bs[me] * widths[d][g]
+                outs.append(recv[off : off + n].view(bs[me], widths[d][g]))
+                off += n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        bs, widths, me, pg = ctx.meta
+        W, G = len(bs), len(widths[me])
+        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+        back = flat.new_empty(sum(ctx.in_splits))
+        dist.all_to_all_single(back, flat, ctx.in_splits, ctx.out_splits, group=pg)
+        if G == 1:
+            return (None, back.view(sum(bs), widths[me][0]))
+        segs, off = {}, 0
+        for s in range(W):
+            for g in range(G):
+                n = bs[s] * widths[me][g]
+                segs[s, g] = back[off : off + n].view(bs[s], widths[me][g])
+                off += n
+        return (None, *[torch.cat([segs[s, g] for s in range(W)]) for g in range(G)])
+
+
+def pooled_all_to_all(
+    inputs: Sequence[torch.Tensor], batch_sizes: Sequence[int], widths: Sequence[Sequence[int]], pg: dist.ProcessGroup
+) -> list[list[torch.Tensor]]:
+    """Differentiable output dist of pooled embeddings for several groups at once.
+
+    Args:
+        inputs: per group ``g``, this rank's lookup output ``[sum(batch_sizes), widths[rank][g]]``
+            (rows: every source rank's samples, in rank order).
+        batch_sizes: every rank's local batch size.
+        widths: ``widths[d][g]``: columns rank ``d`` holds for group ``g``.
+
+    Returns:
+        ``out[d][g]``: ``[batch_sizes[rank], widths[d][g]]``, rank ``d``'s pooled
+        columns of group ``g`` for this rank's samples.  One all-to-all forward,
+        one backward (gradients go back to the owners, one flat copy each way).
+    """
+    me = dist.get_rank(pg)
+    meta = ([int(b) for b in batch_sizes], [list(map(int, w)) for w in widths], me, pg)
+    flat = _PooledAllToAll.apply(meta, *inputs)
+    G = len(inputs)
+    return [list(flat[d * G : (d + 1) * G]) for d in range(len(batch_sizes))]
+
+
 class _ReduceScatterV(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp: torch.Tensor, batch_sizes: list[int], pg, use_collective: bool) -> torch.Tensor:  # type: ignore[override]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, all_to_all_single
+from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, pooled_all_to_all
 from dlrmctl.distributed.comm import reduce_scatter_v, sync_sparse_grads
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharding.common import EmbeddingSharding
@@ -308,36 +308,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
         results: list[list[torch.Tensor] | None] = [None] * len(groups)
         looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}
         if self._a2a_out:
-            widths = {i: [groups[i].layouts[d].width for d in range(W)] for i in self._a2a_out}
-            if len(self._a2a_out) == 1:
-                i = self._a2a_out[0]
-                send = looked[i].reshape(-1)
+            widths = [[groups[i].layouts[d].width for i in self._a2a_out] for d in range(W)]
+            if self.env.is_distributed:
+                out = pooled_all_to_all([looked[i] for i in self._a2a_out], bs, widths, self.env.pg)
             else:
-                row_off = [0]
-                for b in bs:
-                    row_off.append(row_off[-1] + b)
-                parts = []
-                for s in range(W):
-                    for i in self._a2a_out:
-                        parts.append(looked[i][row_off[s] : row_off[s + 1]].reshape(-1))
-                send = torch.cat(parts)
-            in_splits = [bs[s] * sum(widths[i][me] for i in self._a2a_out) for s in range(W)]
-            out_splits = [bs[me] * sum(widths[i][d] for i in self._a2a_out) for d in range(W)]
-            recv = all_to_all_single(send, in_splits, out_splits, self.env.pg)
-            per_owner = torch.split(recv, out_splits)
-            pieces: dict[int, list[torch.Tensor]] = {i: [] for i in self._a2a_out}
-            for d in range(W):
-                ps = torch.split(per_owner[d], [bs[me] * widths[i][d] for i in self._a2a_out])
-                for i, p in zip(self._a2a_out, ps):
-                    pieces[i].append(p.view(bs[me], widths[i][d]))
+                out = [[looked[i] for i in self._a2a_out]]
+            pieces = {i: [out[d][k] for d in range(W)] for k, i in enumerate(self._a2a_out)}
             for i in self._a2a_out:
                 results[i] = groups[i].output_dist_recv(pieces[i], ctx.local_kjts[i])
         for i in self._comm:
             if i in self._a2a_out:
                 continue
             g = groups[i]
-            out = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True)
-            results[i] = [g.apply_mean(out, ctx.local_kjts[i])]  # type: ignore[attr-defined]
+            reduced = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True)
+            results[i] = [g.apply_mean(reduced, ctx.local_kjts[i])]  # type: ignore[attr-defined]
         for i, g in enumerate(groups):
             if not g.needs_comm:
                 results[i] = [g.compute(ctx.local_kjts[i])]
