@@ -484,16 +484,25 @@ def validate(cfg: ExperimentConfig) -> None:
         names.add(t.name)
         pos(t.num_embeddings, f"{p}.num_embeddings")
         pos(t.embedding_dim, f"{p}.embedding_dim")
-    if cfg.model.interaction == "dot":
-        dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
-        if len(dims) != 1:
-            raise ConfigError(f"model.tables: the dot interaction needs one embedding dim for all tables, got {sorted(dims)}")
-        (d,) = dims
-        if cfg.model.dense_arch_layer_sizes[-1] != d:
-            raise ConfigError(
-                f"model.dense_arch_layer_sizes: the last layer ({cfg.model.dense_arch_layer_sizes[-1]}) must equal "
-                f"the embedding dim ({d}) for the dot interaction"
-            )
+    # every interaction stacks [dense, e_1..e_F] as F+1 vectors of one width d
+    it = cfg.model.interaction
+    dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
+    if len(dims) != 1:
+        raise ConfigError(f"model.tables: the {it} interaction needs one embedding dim for all tables, got {sorted(dims)}")
+    (d,) = dims
+    if cfg.model.dense_arch_layer_sizes[-1] != d:
+        raise ConfigError(
+            f"model.dense_arch_layer_sizes: the last layer ({cfg.model.dense_arch_layer_sizes[-1]}) must equal "
+            f"the embedding dim ({d}) for the {it} interaction"
+        )
+    if it == "projection":
+        for key in ("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"):
+            sizes = getattr(cfg.model, key)
+            if not sizes or sizes[-1] % d:
+                raise ConfigError(f"model.{key}: the last layer must be a multiple of the embedding dim {d}, got {sizes}")
+    if it == "dcn":
+        pos(cfg.model.dcn_num_layers, "model.dcn_num_layers")
+        pos(cfg.model.dcn_low_rank_dim, "model.dcn_low_rank_dim")
     if cfg.model.tables:
         for tname in cfg.sharding.tables:
             if tname not in names:

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dlrmctl import HAS_FBGEMM
 
-from conftest import SHARED_DATA, require_shared
+from tests.conftest import SHARED_DATA, require_shared
 
 pytestmark = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 

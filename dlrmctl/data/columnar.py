@@ -354,6 +354,8 @@ class MappedShard:
         self.rows = int(self._starts[-1])
 
     def _elem(self, buf: pa.Buffer, base_addr: int, itemsize: int) -> int:
+        if buf.size == 0:  # e.g. the values of a list column whose bags are all empty
+            return 0
         off = buf.address - base_addr
         if off < 0 or off + buf.size > self._buf.size or off % itemsize:
             raise DataError(f"buffer at byte {off} is outside the mapping or not {itemsize}-byte "

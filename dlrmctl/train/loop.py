@@ -329,9 +329,10 @@ class Trainer:
         final = None
         t_start = time.perf_counter()
         while self.epoch < cfg.epochs and (cfg.max_steps is None or self.step < cfg.max_steps):
-            self.train_loader.set_epoch(self.epoch)
+            if self.train_loader.epoch != self.epoch:
+                self.train_loader.set_epoch(self.epoch)
             n = self._agreed_num_batches(len(self.train_loader))
-            done_in_epoch = self.train_loader.state_dict().get("batches", 0)
+            done_in_epoch = self.train_loader.state_dict()["batches_yielded"]  # > 0 when resuming mid-epoch
             progress = _Progress(n, done_in_epoch, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
             it = iter(self.train_loader)
             t0 = time.perf_counter()
