@@ -34,6 +34,7 @@ def build_model(
     device: torch.device | str = "cpu",
     compute_kernel: str | None = None,
     is_weighted: bool = False,
+    sparse_placeholder: bool = False,
 ) -> DLRM:
     """A DLRM with an (unsharded) EmbeddingBagCollection over ``tables``.
 
@@ -41,6 +42,9 @@ def build_model(
         tables: resolved tables (:func:`dlrmctl.config.resolve_tables`).
         num_dense_features: ``D_in`` of the dense arch (13 for Criteo).
         compute_kernel: overrides ``model.compute_kernel``.
+        sparse_placeholder: build ``sparse_arch`` as a weightless
+            :class:`~dlrmctl.distributed.model_parallel.TableConfigs` (to be sharded by
+            DistributedModelParallel), so no rank ever allocates a whole table.
 
     Initialisation is deterministic in ``train.seed`` (MLPs via
     ``torch.manual_seed``; tables via :func:`~dlrmctl.modules.embedding_modules.init_table_rows`).
@@ -54,15 +58,21 @@ def build_model(
         raise ValueError(
             f"dot interaction needs every table's embedding_dim == dense_arch_layer_sizes[-1] ({d}); got {sorted(dims)}"
         )
-    ebc = EmbeddingBagCollection(
-        tables,
-        is_weighted=is_weighted,
-        device=device,
-        compute_kernel=compute_kernel or cfg.model.compute_kernel,
-        optimizer=embedding_optimizer_spec(cfg),
-        seed=cfg.train.seed,
-    )
-    num_features = len(ebc.feature_names())
+    if sparse_placeholder:
+        from dlrmctl.distributed.model_parallel import TableConfigs
+
+        ebc: torch.nn.Module = TableConfigs(tables, is_weighted)
+        num_features = sum(len(t.feature_names) for t in tables)
+    else:
+        ebc = EmbeddingBagCollection(
+            tables,
+            is_weighted=is_weighted,
+            device=device,
+            compute_kernel=compute_kernel or cfg.model.compute_kernel,
+            optimizer=embedding_optimizer_spec(cfg),
+            seed=cfg.train.seed,
+        )
+        num_features = len(ebc.feature_names())
     torch.manual_seed(cfg.train.seed)
     model = DLRM(
         ebc,

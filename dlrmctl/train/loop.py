@@ -104,7 +104,8 @@ class Trainer:
             )
         self.tables = resolve_tables(cfg, self.meta)
         self.num_dense = len(self.meta["dense_features"])
-        self.model: DLRM = build_model(cfg, self.tables, self.num_dense, device=self.device)
+        self.model: Any = build_model(cfg, self.tables, self.num_dense, device=self.device,
+                                      sparse_placeholder=env.world_size > 1)
         self.plan = None
         if env.world_size > 1:
             self._shard(plan)
@@ -180,9 +181,7 @@ class Trainer:
         self.dense_opt.zero_grad(set_to_none=True)
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.env.world_size > 1:
-            self.model.sync_dense_grads()
+        loss.backward()  # sharded: dense / data_parallel grads are SUM-all-reduced at the end of backward
         self.dense_opt.step()
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.step()
@@ -240,18 +239,12 @@ class Trainer:
 
     # -------------------------------------------------------- checkpoint
     def _rank_state(self) -> dict[str, Any]:
-        if self.env.world_size > 1:
-            emb = self.model.checkpoint_shards()
-            dense_state = self.model.dense_state_dict()
-        else:
-            emb = unsharded_embedding_state(self.model)
-            dense_state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.")}
         return {
             "step": self.step,
             "epoch": self.epoch,
-            "embeddings": emb,
+            "embeddings": embedding_state(self.model, self.emb_dense_opt),
             "fused_optimizer_hyper": self.fused_opt.state_dict()["hyper"],
-            "dense": dense_state,
+            "dense": dense_state_dict(self.model),
             "dense_optimizer": self.dense_opt.state_dict(),
             "embedding_dense_optimizer": None if self.emb_dense_opt is None else self.emb_dense_opt.state_dict(),
             "data": self.train_loader.state_dict(),
@@ -279,16 +272,10 @@ class Trainer:
                 f"{path}: saved with world_size {meta['world_size']}, resuming with {self.env.world_size}; "
                 "reshard it first (dlrmctl checkpoint reshard) or resume with the same --nproc"
             )
-        st = ckpt.load_rank_file(path, self.env.rank)
-        all_states = [ckpt.load_rank_file(path, r) for r in range(meta["world_size"])] if meta["world_size"] > 1 else [st]
-        load_embedding_state(self.model, all_states, self.env.world_size)
-        if self.env.world_size > 1:
-            self.model.load_dense_state_dict(st["dense"])
-        else:
-            missing, unexpected = self.model.load_state_dict(st["dense"], strict=False)
-            bad = [k for k in missing if not k.startswith("sparse_arch.")]
-            if bad or unexpected:
-                raise ckpt.CheckpointError(f"{path}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
+        all_states = [ckpt.load_rank_file(path, r) for r in range(meta["world_size"])]
+        st = all_states[self.env.rank]
+        load_embedding_state(self.model, all_states)
+        load_dense_state_dict(self.model, st["dense"], path)
         self.fused_opt.set_lr(st["fused_optimizer_hyper"]["lr"])
         self.dense_opt.load_state_dict(st["dense_optimizer"])
         if self.emb_dense_opt is not None and st["embedding_dense_optimizer"] is not None:
@@ -429,38 +416,87 @@ def _empty_batch_like(num_dense: int, feature_names: list[str]) -> Any:
 
 
 # --------------------------------------------------------------- helpers
-def unsharded_embedding_state(model: DLRM) -> dict[str, list[dict[str, Any]]]:
-    """Table -> one full "shard" (offsets [0,0]) with weight and optimizer state, for world size 1."""
-    ebc = model.sparse_arch
-    fused_state = ebc.fused_optimizer().momentum()
+def _dlrm(model: Any) -> DLRM:
+    """The DLRM inside a DistributedModelParallel (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def local_embedding_shards(model: Any, emb_dense_opt: torch.optim.Optimizer | None = None):
+    """This rank's embedding shards as ``(table, ShardMetadata-like offsets, sizes, weight, [state tensors])``.
+
+    Sharded models use :meth:`ShardedEmbeddingBagCollection.local_shards`; an
+    unsharded EBC gives each table as one full shard.  State tensors: the fused
+    optimizer's momentum, or the torch optimizer's per-row / per-element state
+    for dense-kernel tables (empty before their first step).
+    """
+    sa = _dlrm(model).sparse_arch
+    out = []
+    if hasattr(sa, "local_shards"):
+        for name, shards in sa.local_shards(emb_dense_opt).items():
+            for meta, w, states in shards:
+                out.append((name, list(meta.offsets), list(meta.sizes), w, list(states)))
+        return out
+    fused = sa.fused_optimizer().momentum()
+    weights = sa.embedding_weights()
+    for t in sa.embedding_bag_configs():
+        w = weights[t.name]
+        states = fused.get(t.name)
+        if states is None:
+            st = emb_dense_opt.state.get(w, {}) if emb_dense_opt is not None else {}
+            states = [v for _, v in sorted(st.items()) if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == w.shape[0]]
+        out.append((t.name, [0, 0], [t.num_embeddings, t.embedding_dim], w, list(states)))
+    return out
+
+
+def embedding_state(model: Any, emb_dense_opt: torch.optim.Optimizer | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Table -> this rank's shards ``[{"offsets", "sizes", "weight", "momentum": [...]}]`` (CPU copies)."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for t in ebc.embedding_bag_configs():
-        w = ebc.embedding_weights()[t.name]
-        out[t.name] = [{
-            "offsets": [0, 0], "sizes": [t.num_embeddings, t.embedding_dim],
-            "weight": w.detach().cpu().clone(),
-            "momentum": [m.detach().cpu().clone() for m in fused_state.get(t.name, [])],
-        }]
+    for name, offsets, sizes, w, states in local_embedding_shards(model, emb_dense_opt):
+        out.setdefault(name, []).append({
+            "offsets": offsets, "sizes": sizes, "weight": w.detach().cpu().clone(),
+            "momentum": [m.detach().cpu().clone() for m in states],
+        })
     return out
 
 
 @torch.no_grad()
-def load_embedding_state(model: Any, rank_states: list[dict[str, Any]], world_size: int) -> None:
-    """Copy saved shards into the model's (possibly differently sharded) tables.
+def load_embedding_state(model: Any, rank_states: list[dict[str, Any]], emb_dense_opt: Any = None) -> None:
+    """Copy saved shards into the model's (possibly differently sharded) local shards.
+
+    Each local shard reads exactly its block from the saved shards that overlap
+    it (:func:`~dlrmctl.train.checkpoint.read_table_slice`); fused-optimizer
+    momentum is restored the same way.
 
     Raises:
-        CheckpointError: a table is missing or its shape differs.
+        CheckpointError: a table is missing or the saved shards do not cover a local shard.
     """
-    if world_size > 1 and hasattr(model, "load_checkpoint_shards"):
-        model.load_checkpoint_shards(rank_states)
-        return
-    ebc = model.sparse_arch
-    fused = ebc.fused_optimizer().momentum()
-    for t in ebc.embedding_bag_configs():
-        w = ebc.embedding_weights()[t.name]
-        w.copy_(ckpt.read_table_slice(rank_states, t.name, (0, t.num_embeddings), (0, t.embedding_dim)))
-        for i, m in enumerate(fused.get(t.name, [])):
-            m.copy_(ckpt.read_table_slice(rank_states, t.name, (0, t.num_embeddings), (0, t.embedding_dim), key=f"momentum{i}").view_as(m))
+    for name, (r0, c0), (nr, nc), w, states in local_embedding_shards(model, emb_dense_opt):
+        if nr == 0 or nc == 0:
+            continue
+        w.copy_(ckpt.read_table_slice(rank_states, name, (r0, r0 + nr), (c0, c0 + nc)).to(w.device))
+        for i, m in enumerate(states):
+            m.copy_(ckpt.read_table_slice(rank_states, name, (r0, r0 + nr), (c0, c0 + nc), key=f"momentum{i}").view_as(m).to(m.device))
+
+
+def dense_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """State of everything but the embeddings (MLPs, interaction): identical on every rank."""
+    return {k: v for k, v in _dlrm(model).state_dict().items() if not k.startswith("sparse_arch.")}
+
+
+def load_dense_state_dict(model: Any, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load :func:`dense_state_dict` output.
+
+    Raises:
+        CheckpointError: keys or shapes do not match the model.
+    """
+    m = _dlrm(model)
+    try:
+        missing, unexpected = m.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch
+        raise ckpt.CheckpointError(f"{where}: dense state does not match the model: {e}") from e
+    bad = [k for k in missing if not k.startswith("sparse_arch.")]
+    if bad or unexpected:
+        raise ckpt.CheckpointError(f"{where}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
 
 
 def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | None) -> Any:
@@ -532,11 +568,8 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     states = [ckpt.load_rank_file(path, r) for r in range(cmeta["world_size"])]
     tables = resolve_tables(cfg, meta)
     model = build_model(cfg, tables, len(meta["dense_features"]), device=device, compute_kernel=compute_kernel)
-    load_embedding_state(model, states, 1)
-    missing, unexpected = model.load_state_dict(states[0]["dense"], strict=False)
-    bad = [k for k in missing if not k.startswith("sparse_arch.")]
-    if bad or unexpected:
-        raise ckpt.CheckpointError(f"{path}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
+    load_embedding_state(model, states)
+    load_dense_state_dict(model, states[0]["dense"], path)
     model.eval()
     return cfg, model, meta
 
