@@ -89,6 +89,8 @@ def _global_batch(gen: torch.Generator, B: int, weighted: bool):
     lengths = torch.randint(0, 4, (len(keys), B), generator=gen)
     if B:
         lengths[keys.index("f_c"), 0] = 3  # a mean-pooled bag spanning every row shard
+        lengths[keys.index("f_d"), B - 1] = 0  # an empty mean-pooled bag
+        lengths[keys.index("f_a"), B // 2] = 0  # an empty sum-pooled bag
     vals = []
     for i, n in enumerate(rows):
         v = torch.randint(0, n, (int(lengths[i].sum()),), generator=gen)

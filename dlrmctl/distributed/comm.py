@@ -308,10 +308,11 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
             continue
         if not g.is_sparse:
             g = g.to_sparse(1)
-        g = g.coalesce()
-        idx_parts.append(g.indices()[0])
-        val_parts.append(g.values().reshape(-1))
-        counts.append(g.indices().shape[1])
+        # uncoalesced is fine (duplicates are summed by the one coalesce after the gather)
+        rows = g._indices()[0]
+        idx_parts.append(rows)
+        val_parts.append(g._values().reshape(-1))
+        counts.append(rows.numel())
     cnt = torch.tensor(counts, dtype=torch.int64, device=dev)
     all_cnt = cnt.new_empty(ws * len(params))
     _all_gather_flat(all_cnt, cnt, group=pg)

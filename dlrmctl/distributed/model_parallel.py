@@ -142,10 +142,14 @@ class DistributedModelParallel(nn.Module):
     def is_sharded(self) -> bool:
         return isinstance(self.module.sparse_arch, ShardedEmbeddingBagCollection)
 
-    def sparse_input_dist(self, features: KeyedJaggedTensor) -> Awaitable:
-        """Start the ids' all-to-all (async); ``.wait()`` gives the lookup context."""
+    def sparse_input_dist(self, features: KeyedJaggedTensor, stream: "torch.cuda.Stream | None" = None) -> Awaitable:
+        """Start the ids' all-to-all (async); ``.wait()`` gives the lookup context.
+
+        ``stream`` (CUDA): run the input dist on this side stream (see
+        :meth:`ShardedEmbeddingBagCollection.input_dist`).
+        """
         if self.is_sharded:
-            return self.module.sparse_arch.input_dist(features)
+            return self.module.sparse_arch.input_dist(features, stream)
         return DoneAwaitable(features)
 
     def compute_and_output_dist(self, ctx) -> KeyedTensor:
@@ -157,6 +161,7 @@ class DistributedModelParallel(nn.Module):
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
         """Dense part: ``dense [B, D_in]``, pooled ``KeyedTensor`` -> logits ``[B, 1]``."""
         logits = self.module.dense_forward(dense_features, embedded)
+        self._sync_queued = False  # one gradient sync per backward, however many forwards fed it
         if self._sync_in_backward and self.env.is_distributed and logits.requires_grad:
             logits.register_hook(self._queue_sync)
         return logits

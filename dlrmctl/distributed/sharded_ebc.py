@@ -81,6 +81,23 @@ class ShardedEBCContext:
     lookup_kjts: list[KeyedJaggedTensor | None]
 
 
+class _StreamAwaitable(Awaitable[ShardedEBCContext]):
+    """CUDA: finishes an input dist issued on a side stream, then hands its
+    tensors to the stream calling ``wait()``."""
+
+    def __init__(self, inner: Awaitable[ShardedEBCContext], stream: "torch.cuda.Stream") -> None:
+        self._inner, self._stream = inner, stream
+
+    def wait(self) -> ShardedEBCContext:
+        with torch.cuda.stream(self._stream):
+            ctx = self._inner.wait()
+        cur = torch.cuda.current_stream()
+        cur.wait_stream(self._stream)
+        for kjt in list(ctx.local_kjts) + [k for k in ctx.lookup_kjts if k is not None]:
+            kjt.record_stream(cur)
+        return ctx
+
+
 class _ColumnAssembly:
     """Puts the columns of several ``[B, w_k]`` tensors into table order in one copy.
 
@@ -227,12 +244,27 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._feature_names
 
     # ---------------------------------------------------------- input dist
-    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
+    def input_dist(
+        self, features: KeyedJaggedTensor, stream: "torch.cuda.Stream | None" = None
+    ) -> Awaitable[ShardedEBCContext]:
         """Start redistributing the local batch's ids; ``.wait()`` gives the lookup inputs.
 
         The small all-to-all of sizes runs synchronously; the data all-to-all
         runs asynchronously (``async_op=True``) until ``wait()``.
+
+        Args:
+            stream: CUDA only — run the routing and collectives on this side
+                stream (the pipelined trainer's data-dist stream); ``wait()``
+                then makes the calling stream wait for it and records the
+                results' memory on the calling stream.
         """
+        if stream is not None and features.values().is_cuda:
+            with torch.cuda.stream(stream):
+                aw = self._input_dist(features)
+            return _StreamAwaitable(aw, stream)
+        return self._input_dist(features)
+
+    def _input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
         if features.keys() != self._feature_names:
             features = features.select_keys(self._feature_names)
         if self._check_ids:
