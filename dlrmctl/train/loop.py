@@ -33,6 +33,7 @@ from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
 from dlrmctl.train.metrics import compute_metrics
+from dlrmctl.train.pipeline import make_pipeline
 from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
 
 log = logging.getLogger("dlrmctl.train")
@@ -120,6 +121,7 @@ class Trainer:
         self.feature_names = feats
         self.step = 0
         self.epoch = 0
+        self._batches_done = 0
         self.best: dict[str, float] | None = None
         self._metrics_f = None
         if resume:
@@ -172,10 +174,17 @@ class Trainer:
 
     def train_step(self, batch: Any) -> float:
         """Forward, backward, optimizer steps on one batch; returns the global-batch mean loss."""
+        return self._run_step(batch.to(self.device, non_blocking=True), None)
+
+    def _run_step(self, batch: Any, sparse_ctx: Any) -> float:
+        """One step on a device-resident batch; ``sparse_ctx``: its finished input_dist (pipelined) or None."""
         self.schedule.apply(self.step, self._lr_targets)
-        batch = batch.to(self.device, non_blocking=True)
         gbs = self._global_batch_size(batch.labels.numel())
-        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
+        if sparse_ctx is None:
+            logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
+        else:
+            embedded = self.model.compute_and_output_dist(sparse_ctx)
+            logits = self.model.dense_forward(batch.dense_features, embedded).squeeze(1)
         loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / gbs
         self.dense_opt.zero_grad(set_to_none=True)
@@ -247,7 +256,8 @@ class Trainer:
             "dense": dense_state_dict(self.model),
             "dense_optimizer": self.dense_opt.state_dict(),
             "embedding_dense_optimizer": None if self.emb_dense_opt is None else self.emb_dense_opt.state_dict(),
-            "data": self.train_loader.state_dict(),
+            # batches trained this epoch (the loader may have prefetched further)
+            "data": {"epoch": self.epoch, "batches_yielded": self._batches_done},
             "rng": ckpt.rng_state(),
             "best": self.best,
         }
@@ -315,29 +325,33 @@ class Trainer:
         last_eval_step = -1
         final = None
         t_start = time.perf_counter()
+        sparse_dist = self.model.sparse_input_dist if self.env.world_size > 1 else None
+        pipe = make_pipeline(cfg.pipeline, self.device, self._run_step, sparse_dist)
         while self.epoch < cfg.epochs and (cfg.max_steps is None or self.step < cfg.max_steps):
             if self.train_loader.epoch != self.epoch:
                 self.train_loader.set_epoch(self.epoch)
             n = self._agreed_num_batches(len(self.train_loader))
-            done_in_epoch = self.train_loader.state_dict()["batches_yielded"]  # > 0 when resuming mid-epoch
-            progress = _Progress(n, done_in_epoch, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
-            it = iter(self.train_loader)
-            t0 = time.perf_counter()
-            samples = 0
-            for _ in range(done_in_epoch, n):
-                if cfg.max_steps is not None and self.step >= cfg.max_steps:
+            self._batches_done = self.train_loader.state_dict()["batches_yielded"]  # > 0 when resuming mid-epoch
+            todo = n - self._batches_done
+            if cfg.max_steps is not None:
+                todo = min(todo, cfg.max_steps - self.step)
+            progress = _Progress(n, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
+            pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names)))
+            pipe.reset_stats()
+            while True:
+                loss = pipe.progress()
+                if loss is None:
                     break
-                batch = next(it, None)
-                if batch is None:  # this rank ran out: join with an empty batch so collectives match
-                    batch = _empty_batch_like(self.num_dense, self.feature_names)
-                loss = self.train_step(batch)
-                samples += batch.labels.numel() * self.env.world_size
+                self._batches_done += 1
                 if not math.isfinite(loss):
                     raise TrainError(f"loss became {loss} at step {self.step}; lower the learning rate")
-                progress.update(loss, samples / max(time.perf_counter() - t0, 1e-9))
+                sh = pipe.stats.shares()
+                sps = sh["samples_per_s"] * self.env.world_size
+                progress.update(loss, sps)
                 if cfg.log_every and self.step % cfg.log_every == 0:
                     self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
-                                       "samples_per_s": samples / max(time.perf_counter() - t0, 1e-9),
+                                       "samples_per_s": sps, "data_wait_share": sh["data_wait_share"],
+                                       "comm_wait_share": sh["comm_wait_share"],
                                        "lr_factor": self.schedule.factor(self.step - 1)})
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     final = self._eval_and_log("eval")
@@ -345,11 +359,16 @@ class Trainer:
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save()
             progress.close()
-            if cfg.max_steps is None or self.step < cfg.max_steps:
-                self.epoch += 1
-                self.train_loader.set_epoch(self.epoch)
-            else:
+            sh = pipe.stats.shares()
+            if self.env.is_main and pipe.stats.steps:
+                print(f"epoch {self.epoch}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
+                      f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
+                      f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time", flush=True)
+            if self._batches_done < n:  # stopped by max_steps mid-epoch
                 break
+            self.epoch += 1
+            self._batches_done = 0
+            self.train_loader.set_epoch(self.epoch)
             if self.step != last_eval_step:
                 final = self._eval_and_log(f"epoch {self.epoch}")
                 last_eval_step = self.step
@@ -401,6 +420,17 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _exactly(it: Any, n: int, empty: Any) -> Any:
+    """Yield exactly ``n`` items of ``it``, padding with ``empty()`` if it runs out first.
+
+    A rank whose data slice has fewer batches keeps stepping with empty
+    batches, so every rank issues the same collectives and nobody waits forever.
+    """
+    for _ in range(max(n, 0)):
+        b = next(it, None)
+        yield empty() if b is None else b
 
 
 def _empty_batch_like(num_dense: int, feature_names: list[str]) -> Any:
