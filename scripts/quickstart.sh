@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh cpu,test
 . "${DLRMCTL_VENV:-.venv}/bin/activate"
-ROWS="${ROWS:-300000}"
+ROWS="${ROWS:-600000}"
 dlrmctl preprocess synthetic --out data/demo --rows "$ROWS" --seed 0
 dlrmctl train configs/demo.yaml --overwrite
 dlrmctl evaluate runs/demo --split val
