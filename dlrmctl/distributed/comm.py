@@ -162,7 +162,13 @@ class _PooledAllToAll(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         bs, widths, me, pg = ctx.meta
         W, G = len(bs), len(widths[me])
-        flat = torch.cat([g.reshape(-1) for g in grads]) if grads else None
+        # one copy of each (often strided: a slice of the next layer's grad) block into the send buffer
+        flat = grads[0].new_empty(sum(ctx.out_splits))
+        off = 0
+        for g in grads:
+            n = g.numel()
+            flat[off : off + n].view(g.shape).copy_(g)
+            off += n
         back = flat.new_empty(sum(ctx.in_splits))
         dist.all_to_all_single(back, flat, ctx.in_splits, ctx.out_splits, group=pg)
         if G == 1:
