@@ -1,0 +1,53 @@
+"""DLRM pieces against explicit formulas; the torch/fbgemm pair check."""
+
+import pytest
+import torch
+
+from dlrmctl.modules.dlrm import DLRM, InteractionArch
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
+from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+
+
+def test_dot_interaction_matches_an_explicit_loop():
+    torch.manual_seed(0)
+    B, F, d = 3, 4, 5
+    dense = torch.randn(B, d)
+    sparse = torch.randn(B, F * d)
+    out = InteractionArch(F)(dense, KeyedTensor([f"f{i}" for i in range(F)], [d] * F, sparse))
+    for b in range(B):
+        vecs = [dense[b]] + [sparse[b, i * d : (i + 1) * d] for i in range(F)]
+        pairs = [torch.dot(vecs[i], vecs[j]) for i in range(F + 1) for j in range(i + 1, F + 1)]
+        torch.testing.assert_close(out[b], torch.cat([dense[b], torch.stack(pairs)]))
+    assert out.shape == (B, d + F * (F + 1) // 2)
+
+
+def test_dlrm_forward_shapes_and_backward_reaches_every_part():
+    tables = [EmbeddingBagConfig(f"t{i}", 10, 4, [f"f{i}"]) for i in range(3)]
+    m = DLRM(EmbeddingBagCollection(tables, compute_kernel="dense"), 13, [8, 4], [8, 1], 3, 4)
+    B = 5
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.randint(0, 10, (15,)), lengths=torch.ones(15, dtype=torch.int64))
+    logits = m(torch.randn(B, 13), kjt)
+    assert logits.shape == (B, 1) and logits.dtype == torch.float32
+    logits.sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_broken_fbgemm_install_names_both_versions_and_the_pair(monkeypatch):
+    import builtins
+
+    from dlrmctl import _fbgemm
+
+    real_import = builtins.__import__
+
+    def fake_import(name, *a, **kw):
+        if name.startswith("fbgemm_gpu"):
+            raise OSError("fbgemm_gpu_py.so: undefined symbol: _ZN3c104impl")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", fake_import)
+    monkeypatch.setattr(_fbgemm.importlib.util, "find_spec", lambda n: object())
+    with pytest.raises(_fbgemm.FbgemmTorchMismatchError, match=r"does not load against torch 2\.13.*fbgemm-gpu-cpu==1\.8\.0"):
+        _fbgemm.check_torch_fbgemm_pair()
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    _fbgemm.check_torch_fbgemm_pair()  # restore the module's state
