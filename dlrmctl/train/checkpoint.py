@@ -1,24 +1,46 @@
-"""Run-directory checkpoints: written to a temp path, made visible by rename.
+"""Run-directory checkpoints in the ``torch.distributed.checkpoint`` (DCP) format.
 
 Layout::
 
     runs/<name>/checkpoints/step_00000100/
-        rank_00000.pt     one file per rank: its own embedding shards (with their
-                          ShardMetadata), fused-optimizer state and hyper-parameters,
-                          dense model + optimizer state, scheduler step, data
-                          position, RNG states
-        meta.json         step, world_size, table shapes, files (written last)
+        __0_0.distcp ...  DCP data files: each rank writes its own embedding shards
+                          (no rank ever gathers a table) and a share of the
+                          replicated tensors (DCP de-duplicates them)
+        .metadata         DCP metadata: every key's global shape and saved chunks
+        meta.json         step, world_size, table shapes, plan, and the byte size
+                          + CRC-32 of every file above (written last)
     runs/<name>/checkpoints/LATEST   name of the newest complete checkpoint
 
-A save goes to ``.step_XXXXXXXX.tmp/``; after every rank has written its file
-(barrier) rank 0 writes ``meta.json``, renames the directory, then rewrites
-``LATEST`` via temp file + ``os.replace``.  A crash (even SIGKILL) at any point
-leaves the previous checkpoint and ``LATEST`` intact; ``keep_last`` older
-checkpoints are pruned only after the new one is visible.
+Keys of the DCP state dict (the format; see ``dlrmctl.train.loop.checkpoint_state``)::
 
-No rank ever gathers a whole sharded table: each rank writes its shards.
-Loading into a different plan / world size reads, for each local shard, the
-overlapping parts of the saved shards (:func:`read_table_slice`).
+    emb/<table>/weight              [rows, dim]  chunks = the shards of the plan that saved it
+    emb/<table>/state<i>            i-th embedding-optimizer moment: [rows] (row-wise
+                                    Adagrad) or [rows, dim] (Adagrad), sharded like the rows
+    emb/<table>/state<i>@cols<a>-<b> [rows]  column-wise tables only: the row-wise moment
+                                    of the column shard [a, b) (each column shard has its own)
+    dense/<name>                    MLP / interaction parameters and buffers (replicated)
+    dense_opt/<param>/<key>         dense-optimizer state tensors (replicated)
+    meta/<name>                     pickled objects: trainer (step, epoch, best, data
+                                    position), fused optimizer hyper-parameters (type,
+                                    lr, eps, weight_decay, step), dense and embedding-dense
+                                    optimizer param_groups (lr, betas, eps, ...), LR schedule
+    rank/<r>                        pickled per-rank objects: RNG states (torch, numpy,
+                                    python, cuda), per-shard scalar optimizer state
+
+A tensor that is sharded is given to DCP as :class:`Blocks` (global shape +
+this rank's blocks with their offsets); DCP records every chunk in
+``.metadata`` and, on load, reads for each requested block exactly the
+overlapping parts of the saved chunks — so a checkpoint loads into any world
+size or plan, including a single process (``no_dist``).
+
+Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; after every rank has written
+(DCP's final barrier) each rank checksums its own file, rank 0 writes
+``meta.json``, renames the directory and rewrites ``LATEST`` via temp file +
+``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
+checkpoint and ``LATEST`` intact; ``keep_last`` older checkpoints are pruned
+only after the new one is visible.  On load every file a rank reads is checked
+against its recorded size and CRC first, so a truncated or corrupted file is
+refused with its name.
 """
 
 from __future__ import annotations
@@ -26,20 +48,25 @@ from __future__ import annotations
 import glob
 import json
 import os
+import pickle
 import random
 import shutil
-from typing import Any, Callable
+import warnings
+import zlib
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 CKPT_DIR = "checkpoints"
+FORMAT = "dcp-v1"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated or does not match the model."""
 
 
+# ------------------------------------------------------------------ RNG
 def rng_state() -> dict[str, Any]:
     st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -55,6 +82,108 @@ def set_rng_state(st: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+# --------------------------------------------------------------- blocks
+class Blocks:
+    """A tensor of global shape ``size`` of which this process holds some blocks.
+
+    Args:
+        size: global shape, e.g. ``[rows, dim]`` of a table or ``[rows]`` of a row-wise moment.
+        blocks: ``(offsets, tensor)`` pairs; ``tensor`` is the block at ``offsets`` (same
+            number of dims as ``size``).  On save they are read; on load they are filled in
+            place (live views of the model's weights load directly into the model).
+
+    Empty blocks are dropped.  DCP uses :meth:`__create_write_items__` /
+    :meth:`__create_chunk_list__` (its ``_Checkpointable`` hooks) and the planners below.
+    """
+
+    def __init__(self, size: Sequence[int], blocks: Sequence[tuple[Sequence[int], torch.Tensor]]) -> None:
+        self._size = torch.Size(size)
+        self.blocks = [(torch.Size(o), t) for o, t in blocks if t.numel() > 0]
+        for o, t in self.blocks:
+            if len(o) != len(self._size) or t.dim() != len(self._size) or any(
+                a + b > s for a, b, s in zip(o, t.shape, self._size)
+            ):
+                raise ValueError(f"block {tuple(t.shape)} at {tuple(o)} does not fit in {tuple(self._size)}")
+
+    def size(self) -> torch.Size:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"Blocks({list(self._size)}, {[(list(o), list(t.shape)) for o, t in self.blocks]})"
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=o, sizes=t.size()) for o, t in self.blocks]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, o),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
+                    properties=TensorProperties.create_from_tensor(t.detach()),
+                    size=self._size,
+                ),
+            )
+            for o, t in self.blocks
+        ]
+
+    def block_at(self, offsets: Sequence[int]) -> torch.Tensor:
+        o = torch.Size(offsets)
+        for bo, t in self.blocks:
+            if bo == o:
+                return t.detach()
+        raise KeyError(f"no block at {list(o)}")
+
+
+def _find(state: dict[str, Any], index: Any) -> Any:
+    obj = state[index.fqn]
+    if isinstance(obj, Blocks):
+        return obj.block_at(index.offset)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    return obj
+
+
+def _planners():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+
+    class SavePlanner(DefaultSavePlanner):
+        """DefaultSavePlanner over a flat state dict that may hold :class:`Blocks`."""
+
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def lookup_object(self, index):  # type: ignore[override]
+            return _find(self.state_dict, index)
+
+    class LoadPlanner(DefaultLoadPlanner):
+        """DefaultLoadPlanner filling :class:`Blocks` in place."""
+
+        def __init__(self) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def lookup_tensor(self, index):  # type: ignore[override]
+            return _find(self.state_dict, index)
+
+    return SavePlanner, LoadPlanner
+
+
+def pack(obj: Any) -> bytes:
+    """A non-tensor entry (stored by DCP as one opaque object)."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(b: Any) -> Any:
+    return pickle.loads(b)
+
+
+# ------------------------------------------------------------ run dirs
 def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, CKPT_DIR)
 
@@ -81,57 +210,127 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def file_digest(path: str) -> dict[str, int]:
+    """``{"bytes", "crc32"}`` of a file (streamed, 8 MiB at a time)."""
+    crc, n = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(8 << 20)
+            if not b:
+                break
+            crc = zlib.crc32(b, crc)
+            n += len(b)
+    return {"bytes": n, "crc32": crc}
+
+
+def _quiet():
+    """Silence DCP's notices about single-process use (expected here)."""
+    cm = warnings.catch_warnings()
+    cm.__enter__()
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+    return cm
+
+
+def _raise_from_dcp(e: BaseException, where: str) -> None:
+    """Re-raise the first CheckpointError inside a DCP exception (they wrap per-rank failures)."""
+    failures = getattr(e, "failures", None) or {}
+    for f in failures.values():
+        inner = getattr(f, "exc", f)
+        if isinstance(inner, CheckpointError):
+            raise CheckpointError(str(inner)) from e
+    if isinstance(e, CheckpointError):
+        raise e
+    msgs = []
+    for r, f in sorted(failures.items()):
+        inner = getattr(f, "exc", f)
+        msgs.append(f"rank {r}: {type(inner).__name__}: {inner}")
+    raise CheckpointError(f"{where}: {'; '.join(msgs) or f'{type(e).__name__}: {e}'}") from e
+
+
 def save_checkpoint(
     run_dir: str,
     step: int,
-    rank_state: dict[str, Any],
+    state: dict[str, Any],
     rank: int = 0,
     world_size: int = 1,
-    barrier: Callable[[], None] | None = None,
+    process_group: Any = None,
     keep_last: int = 2,
     extra_meta: dict[str, Any] | None = None,
+    name: str | None = None,
 ) -> str:
-    """Write this rank's state; rank 0 publishes the checkpoint atomically.
+    """Write this rank's part of a DCP checkpoint; rank 0 publishes it atomically.  Collective.
 
     Args:
-        rank_state: everything this rank must restore (tensors, dicts); saved with
-            ``torch.save`` to ``rank_{rank:05d}.pt``.
-        barrier: called between "all ranks wrote" and "rank 0 publishes" (None
-            for a single process).
-        keep_last: number of complete checkpoints to keep.
+        state: flat ``key -> Tensor | Blocks | bytes`` (see the module docstring); plain
+            tensors with the same key on several ranks are replicated (written once).
+        world_size: ranks taking part; > 1 needs an initialised process group.
+        keep_last: number of complete checkpoints to keep (0: all).
+        name: directory name (default ``step_XXXXXXXX``).
 
     Returns:
         the final checkpoint directory.
     """
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist_on = world_size > 1
     root = checkpoint_root(run_dir)
-    name = f"step_{step:08d}"
+    name = name or f"step_{step:08d}"
     tmp = os.path.join(root, f".{name}.tmp")
     final = os.path.join(root, name)
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+        for stale in glob.glob(os.path.join(root, ".step_*.tmp")):  # left by a killed save
+            shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
-    if barrier:
-        barrier()
-    fpath = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    torch.save(rank_state, fpath + ".part")
-    os.replace(fpath + ".part", fpath)
-    if barrier:
-        barrier()
+    if dist_on:
+        dist.barrier(group=process_group)
+    SavePlanner, _ = _planners()
+    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    cm = _quiet()
+    try:
+        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group, no_dist=not dist_on)
+    finally:
+        cm.__exit__(None, None, None)
+    # each rank checksums its own data file (DCP names them __<rank>_<i>.distcp)
+    mine = {os.path.basename(p): file_digest(p) for p in sorted(glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")))}
+    if dist_on:
+        allf: list[Any] = [None] * world_size
+        dist.all_gather_object(allf, mine, group=process_group)
+    else:
+        allf = [mine]
     if rank == 0:
-        meta = {"step": step, "world_size": world_size, "files": [f"rank_{r:05d}.pt" for r in range(world_size)]}
+        files = {k: v for d in allf for k, v in d.items()}
+        files[".metadata"] = file_digest(os.path.join(tmp, ".metadata"))
+        meta = {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
         meta.update(extra_meta or {})
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)
         _atomic_write_text(os.path.join(root, "LATEST"), name + "\n")
         complete = sorted(d for d in glob.glob(os.path.join(root, "step_*")) if os.path.isdir(d))
         for old in complete[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    if barrier:
-        barrier()
+            if os.path.abspath(old) != os.path.abspath(final):
+                shutil.rmtree(old, ignore_errors=True)
+    if dist_on:
+        dist.barrier(group=process_group)
     return final
 
 
@@ -139,67 +338,128 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
     p = os.path.join(ckpt_dir, "meta.json")
     try:
         with open(p) as f:
-            return json.load(f)
+            meta = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{p}: missing; {ckpt_dir} is not a complete checkpoint") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{p}: corrupted ({e})") from e
-
-
-def load_rank_file(ckpt_dir: str, rank: int) -> dict[str, Any]:
-    """Load one rank's state file.
-
-    Raises:
-        CheckpointError: file missing or unreadable (truncated / corrupted),
-            naming the file.
-    """
-    p = os.path.join(ckpt_dir, f"rank_{rank:05d}.pt")
-    if not os.path.exists(p):
-        raise CheckpointError(f"{p}: missing (checkpoint written by a different world size?)")
-    try:
-        return torch.load(p, map_location="cpu", weights_only=False)
-    except Exception as e:  # zip/pickle errors on truncated files
-        raise CheckpointError(f"{p}: cannot be read, the file is truncated or corrupted ({type(e).__name__}: {e})") from e
-
-
-def read_table_slice(
-    rank_states: list[dict[str, Any]], table: str, rows: tuple[int, int], cols: tuple[int, int], key: str = "weight"
-) -> torch.Tensor:
-    """Assemble rows ``[r0, r1)`` x cols ``[c0, c1)`` of a saved table (or its state) from the saved shards.
-
-    Each rank state has ``embeddings[table] = [{"offsets", "sizes", "weight", "momentum": [...]}]``.
-    ``key``: ``weight`` or ``momentum{i}`` (i-th optimizer state tensor; row-wise states are ``[rows]``).
-
-    Raises:
-        CheckpointError: the saved shards do not cover the requested block.
-    """
-    r0, r1 = rows
-    c0, c1 = cols
-    first = None
-    covered = 0
-    for st in rank_states:
-        for sh in st.get("embeddings", {}).get(table, []):
-            (so_r, so_c), (sz_r, sz_c) = sh["offsets"], sh["sizes"]
-            ir0, ir1 = max(r0, so_r), min(r1, so_r + sz_r)
-            ic0, ic1 = max(c0, so_c), min(c1, so_c + sz_c)
-            if ir0 >= ir1:
-                continue
-            src = sh["weight"] if key == "weight" else sh["momentum"][int(key[len("momentum"):])]
-            if src.dim() == 1:  # row-wise state: one value per row, columns irrelevant
-                if first is None:
-                    first = torch.zeros(r1 - r0, dtype=src.dtype)
-                first[ir0 - r0 : ir1 - r0] = src[ir0 - so_r : ir1 - so_r]
-                covered += (ir1 - ir0) * (c1 - c0)
-                continue
-            if ic0 >= ic1:
-                continue
-            if first is None:
-                first = torch.zeros(r1 - r0, c1 - c0, dtype=src.dtype)
-            first[ir0 - r0 : ir1 - r0, ic0 - c0 : ic1 - c0] = src[ir0 - so_r : ir1 - so_r, ic0 - so_c : ic1 - so_c]
-            covered += (ir1 - ir0) * (ic1 - ic0)
-    if first is None or covered < (r1 - r0) * (c1 - c0):
+    if meta.get("format") != FORMAT:
         raise CheckpointError(
-            f"table '{table}' {key}: saved shards do not cover rows [{r0},{r1}) x cols [{c0},{c1}) "
-            "(checkpoint from a different model?)"
+            f"{p}: format {meta.get('format', 'per-rank torch.save (pre-DCP)')!r} is not {FORMAT!r}; "
+            "this checkpoint was written by an older dlrmctl"
         )
-    return first
+    return meta
+
+
+def verify_file(ckpt_dir: str, fname: str, meta: dict[str, Any]) -> None:
+    """Check one file of a checkpoint against the size and CRC-32 recorded in meta.json.
+
+    Raises:
+        CheckpointError: naming the file and what did not match.
+    """
+    p = os.path.join(ckpt_dir, fname)
+    exp = meta["files"].get(fname)
+    if exp is None:
+        raise CheckpointError(f"{p}: not listed in {os.path.join(ckpt_dir, 'meta.json')}")
+    if not os.path.exists(p):
+        raise CheckpointError(f"{p}: missing (meta.json lists it with {exp['bytes']} bytes)")
+    size = os.path.getsize(p)
+    if size != exp["bytes"]:
+        raise CheckpointError(f"{p}: {size} bytes, expected {exp['bytes']}: the file is truncated or corrupted")
+    got = file_digest(p)["crc32"]
+    if got != exp["crc32"]:
+        raise CheckpointError(f"{p}: CRC-32 {got:#010x}, expected {exp['crc32']:#010x}: the file is corrupted")
+
+
+def _reader(ckpt_dir: str, meta: dict[str, Any]):
+    import torch.distributed.checkpoint as dcp
+
+    class VerifyingReader(dcp.FileSystemReader):
+        """FileSystemReader that checks every file against meta.json before reading it."""
+
+        _checked: set[str] = set()
+
+        def read_metadata(self):  # type: ignore[override]
+            verify_file(ckpt_dir, ".metadata", meta)
+            try:
+                return super().read_metadata()
+            except Exception as e:
+                raise CheckpointError(f"{os.path.join(ckpt_dir, '.metadata')}: cannot be read ({e})") from e
+
+        def read_data(self, plan, planner):  # type: ignore[override]
+            for item in plan.items:
+                rel = self.storage_data[item.storage_index].relative_path
+                if rel not in self._checked:
+                    verify_file(ckpt_dir, rel, meta)
+                    self._checked.add(rel)
+            try:
+                return super().read_data(plan, planner)
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{ckpt_dir}: reading the data files failed ({type(e).__name__}: {e})") from e
+
+    r = VerifyingReader(ckpt_dir)
+    r._checked = set()
+    return r
+
+
+def read_metadata(ckpt_dir: str, meta: dict[str, Any] | None = None) -> Any:
+    """The DCP ``Metadata`` of a checkpoint (``state_dict_metadata``: key -> storage metadata)."""
+    meta = meta or load_checkpoint_meta(ckpt_dir)
+    return _reader(ckpt_dir, meta).read_metadata()
+
+
+def saved_size(md: Any, key: str) -> torch.Size | None:
+    """Global shape of a saved tensor key (None: absent or not a tensor)."""
+    m = md.state_dict_metadata.get(key)
+    return getattr(m, "size", None)
+
+
+def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = None, world_size: int = 1,
+                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Fill ``state`` (``key -> Tensor | Blocks | placeholder``) from a checkpoint.  Collective.
+
+    Tensors and :class:`Blocks` are filled in place (each rank reads only the
+    saved chunks overlapping its blocks); other values are replaced by the
+    saved objects (use :func:`unpack` on ``meta/`` and ``rank/`` entries).
+
+    Raises:
+        CheckpointError: a file is missing, truncated or corrupted (named), a key
+            is missing, or a saved shape differs from the requested one.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    meta = meta or load_checkpoint_meta(ckpt_dir)
+    reader = _reader(ckpt_dir, meta)
+    md = reader.read_metadata()
+    for k, v in state.items():
+        sm = md.state_dict_metadata.get(k)
+        if sm is None:
+            raise CheckpointError(f"{ckpt_dir}: has no entry '{k}' (saved by a different model or dlrmctl version?)")
+        if hasattr(v, "size") and callable(v.size) and getattr(sm, "size", None) is not None and tuple(sm.size) != tuple(v.size()):
+            raise CheckpointError(
+                f"{ckpt_dir}: '{k}' was saved with shape {list(sm.size)}, the model has {list(v.size())}"
+            )
+    _, LoadPlanner = _planners()
+    cm = _quiet()
+    try:
+        dcp.load(state, storage_reader=reader, planner=LoadPlanner(), process_group=process_group,
+                 no_dist=world_size <= 1)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        _raise_from_dcp(e, ckpt_dir)
+    finally:
+        cm.__exit__(None, None, None)
+    return state
+
+
+def copy_run_files(src_run: str, dst_run: str, names: Sequence[str] = ("config.yaml", "data_meta.json")) -> None:
+    """Copy a run's small descriptive files (for a resharded copy of a run)."""
+    os.makedirs(dst_run, exist_ok=True)
+    for n in names:
+        p = os.path.join(src_run, n)
+        if os.path.exists(p) and os.path.abspath(p) != os.path.abspath(os.path.join(dst_run, n)):
+            shutil.copy2(p, os.path.join(dst_run, n))
+

@@ -248,52 +248,39 @@ class Trainer:
 
     # -------------------------------------------------------- checkpoint
     def _rank_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "epoch": self.epoch,
-            "embeddings": embedding_state(self.model, self.emb_dense_opt),
-            "fused_optimizer_hyper": self.fused_opt.state_dict()["hyper"],
-            "dense": dense_state_dict(self.model),
-            "dense_optimizer": self.dense_opt.state_dict(),
-            "embedding_dense_optimizer": None if self.emb_dense_opt is None else self.emb_dense_opt.state_dict(),
+        """This rank's part of the DCP checkpoint (see :func:`checkpoint_state`)."""
+        return checkpoint_state(
+            self.model, self.dense_opt, self.emb_dense_opt, self.fused_opt, self.env.rank,
             # batches trained this epoch (the loader may have prefetched further)
-            "data": {"epoch": self.epoch, "batches_yielded": self._batches_done},
-            "rng": ckpt.rng_state(),
-            "best": self.best,
-        }
+            trainer={"step": self.step, "epoch": self.epoch, "best": self.best,
+                     "data": {"epoch": self.epoch, "batches_yielded": self._batches_done}},
+            lr_schedule=to_dict(self.cfg.optimizer.lr_schedule),
+        )
 
     def save(self) -> str:
+        """Write a checkpoint of this step (collective: every rank writes its own shards)."""
         return ckpt.save_checkpoint(
             self.run_dir, self.step, self._rank_state(), rank=self.env.rank, world_size=self.env.world_size,
-            barrier=self.env.barrier if self.env.world_size > 1 else None,
+            process_group=getattr(self.env.sharding_env, "pg", None),
             keep_last=self.cfg.train.keep_last_checkpoints,
-            extra_meta={"tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in self.tables},
-                        "plan": None if self.plan is None else self.plan.to_dict()},
+            extra_meta=checkpoint_meta(self.model, self.plan, self.fused_opt),
         )
 
     def _restore(self) -> None:
+        """Load the newest checkpoint: any world size / plan (DCP reads only this rank's slices)."""
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             log.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return
-        meta = ckpt.load_checkpoint_meta(path)
-        if meta["world_size"] != self.env.world_size:
-            raise ckpt.CheckpointError(
-                f"{path}: saved with world_size {meta['world_size']}, resuming with {self.env.world_size}; "
-                "reshard it first (dlrmctl checkpoint reshard) or resume with the same --nproc"
-            )
-        all_states = [ckpt.load_rank_file(path, r) for r in range(meta["world_size"])]
-        st = all_states[self.env.rank]
-        load_embedding_state(self.model, all_states)
-        load_dense_state_dict(self.model, st["dense"], path)
-        self.fused_opt.set_lr(st["fused_optimizer_hyper"]["lr"])
-        self.dense_opt.load_state_dict(st["dense_optimizer"])
-        if self.emb_dense_opt is not None and st["embedding_dense_optimizer"] is not None:
-            self.emb_dense_opt.load_state_dict(st["embedding_dense_optimizer"])
-        self.train_loader.load_state_dict(st["data"])
-        ckpt.set_rng_state(st["rng"])
-        self.step, self.epoch, self.best = st["step"], st["epoch"], st["best"]
-        log.info("resumed from %s (step %d)", path, self.step)
+        saved = restore_checkpoint(
+            path, self.model, self.dense_opt, self.emb_dense_opt, self.fused_opt, self.env.rank,
+            self.env.world_size, getattr(self.env.sharding_env, "pg", None), plan=self.plan,
+        )
+        tr = saved["trainer"]
+        self.train_loader.load_state_dict(tr["data"])
+        self.step, self.epoch, self.best = tr["step"], tr["epoch"], tr["best"]
+        self._batches_done = int(tr["data"]["batches_yielded"])
+        log.info("resumed from %s (step %d, saved by %d rank(s))", path, self.step, saved["world_size"])
 
     # ---------------------------------------------------------------- run
     def _log_metrics(self, record: dict[str, Any]) -> None:
@@ -451,14 +438,31 @@ def _dlrm(model: Any) -> DLRM:
     return getattr(model, "module", model)
 
 
+def _ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
+    """Create the lazily-made per-row state of :class:`~dlrmctl.train.optim.RowWiseAdagrad`
+    (zeros: identical to absent), so every dense-kernel shard has its moment tensor to save / load into."""
+    if opt is None:
+        return
+    from dlrmctl.train.optim import RowWiseAdagrad
+
+    if isinstance(opt, RowWiseAdagrad):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                st = opt.state[p]
+                if "momentum1" not in st:
+                    st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+
+
 def local_embedding_shards(model: Any, emb_dense_opt: torch.optim.Optimizer | None = None):
-    """This rank's embedding shards as ``(table, ShardMetadata-like offsets, sizes, weight, [state tensors])``.
+    """This rank's embedding shards as ``(table, offsets [r0, c0], sizes [rows, cols], weight, [state tensors])``.
 
     Sharded models use :meth:`ShardedEmbeddingBagCollection.local_shards`; an
-    unsharded EBC gives each table as one full shard.  State tensors: the fused
-    optimizer's momentum, or the torch optimizer's per-row / per-element state
-    for dense-kernel tables (empty before their first step).
+    unsharded EBC gives each table as one full shard.  Weights and states are
+    live views.  State tensors: the fused optimizer's moments, or the torch
+    optimizer's per-row / per-element state for dense-kernel tables (created
+    here if the optimizer has not stepped yet) — the same layout for both kernels.
     """
+    _ensure_optimizer_state(emb_dense_opt)
     sa = _dlrm(model).sparse_arch
     out = []
     if hasattr(sa, "local_shards"):
@@ -478,38 +482,159 @@ def local_embedding_shards(model: Any, emb_dense_opt: torch.optim.Optimizer | No
     return out
 
 
-def embedding_state(model: Any, emb_dense_opt: torch.optim.Optimizer | None = None) -> dict[str, list[dict[str, Any]]]:
-    """Table -> this rank's shards ``[{"offsets", "sizes", "weight", "momentum": [...]}]`` (CPU copies)."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for name, offsets, sizes, w, states in local_embedding_shards(model, emb_dense_opt):
-        out.setdefault(name, []).append({
-            "offsets": offsets, "sizes": sizes, "weight": w.detach().cpu().clone(),
-            "momentum": [m.detach().cpu().clone() for m in states],
-        })
+def _replicated_tables(model: Any) -> set[str]:
+    """Tables every rank holds whole (data_parallel, or all tables of an unsharded model)."""
+    from dlrmctl.distributed.types import ShardingType
+
+    sa = _dlrm(model).sparse_arch
+    plan = getattr(sa, "plan", None) if hasattr(sa, "local_shards") else None
+    if plan is None:
+        return {t.name for t in sa.embedding_bag_configs()}
+    return {n for n, ps in plan.plan.items() if ps.sharding_type == ShardingType.DATA_PARALLEL}
+
+
+def embedding_state(model: Any, emb_dense_opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """This rank's embedding entries of a checkpoint: ``key -> Tensor | Blocks`` (live views, no copies).
+
+    * ``emb/<t>/weight [rows, dim]``: sharded tables as :class:`~dlrmctl.train.checkpoint.Blocks`
+      (this rank's shards at their offsets); replicated tables (data_parallel, unsharded)
+      as plain tensors, which DCP writes once.
+    * ``emb/<t>/state<i>``: the i-th optimizer moment, per element (``[rows, dim]``,
+      sharded like the weight) or per row (``[rows]``).  A row-wise moment is one value
+      per row for the whole row; under column-wise sharding each column shard keeps its
+      own, so those are saved twice: the column shard at column 0 gives ``state<i>``
+      and every column shard ``[a, b)`` gives ``state<i>@cols<a>-<b>``.
+    """
+    from collections import defaultdict
+
+    sa = _dlrm(model).sparse_arch
+    dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in sa.embedding_bag_configs()}
+    repl = _replicated_tables(model)
+    out: dict[str, Any] = {}
+    blocks: dict[tuple[str, tuple[int, ...]], list] = defaultdict(list)
+    for name, (r0, c0), (nr, nc), w, states in local_embedding_shards(model, emb_dense_opt):
+        R, D = dims[name]
+        if name in repl:
+            out[f"emb/{name}/weight"] = w.detach()
+            for i, m in enumerate(states):
+                out[f"emb/{name}/state{i}"] = m.detach()
+            continue
+        blocks[(f"emb/{name}/weight", (R, D))].append(((r0, c0), w.detach()))
+        for i, m in enumerate(states):
+            key = f"emb/{name}/state{i}"
+            if m.dim() == 2:
+                blocks[(key, (R, D))].append(((r0, c0), m.detach()))
+                continue
+            if c0 == 0:
+                blocks[(key, (R,))].append(((r0,), m.detach()))
+            if nc != D:
+                blocks[(f"{key}@cols{c0}-{c0 + nc}", (R,))].append(((r0,), m.detach()))
+    for (key, size), bl in blocks.items():
+        out[key] = ckpt.Blocks(size, bl)
     return out
 
 
-@torch.no_grad()
-def load_embedding_state(model: Any, rank_states: list[dict[str, Any]], emb_dense_opt: Any = None) -> None:
-    """Copy saved shards into the model's (possibly differently sharded) local shards.
+def embedding_load_request(model: Any, md: Any, emb_dense_opt: Any = None) -> tuple[dict[str, Any], Any]:
+    """What this rank reads to fill its embedding shards from a checkpoint (metadata ``md``).
 
-    Each local shard reads exactly its block from the saved shards that overlap
-    it (:func:`~dlrmctl.train.checkpoint.read_table_slice`); fused-optimizer
-    momentum is restored the same way.
+    Returns ``(request, finish)``: ``request`` maps keys to live views of the
+    weights / moments (:class:`Blocks` or full tensors), filled in place by
+    :func:`~dlrmctl.train.checkpoint.load_checkpoint`; call ``finish()`` afterwards.
 
-    Raises:
-        CheckpointError: a table is missing or the saved shards do not cover a local shard.
+    Moment mapping across plans: weights, per-element moments and row-wise moments of
+    row-wise / table-wise / table_row_wise / data_parallel tables are exact under any
+    resharding.  A column shard ``[a, b)`` takes ``state<i>@cols<a>-<b>`` when the
+    checkpoint has it (same column split: exact, e.g. resuming with the same plan),
+    else the table's row-wise moment ``state<i>`` copied into each column shard
+    (exact at save time if the source was not column-wise; from a column-wise source
+    ``state<i>`` is the column-0 shard's moment).
     """
+    from collections import defaultdict
+
+    sa = _dlrm(model).sparse_arch
+    dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in sa.embedding_bag_configs()}
+    repl = _replicated_tables(model)
+    saved = md.state_dict_metadata
+    req: dict[str, Any] = {}
+    blocks: dict[tuple[str, tuple[int, ...]], list] = defaultdict(list)
+    first: dict[tuple[str, int, int], torch.Tensor] = {}
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, (r0, c0), (nr, nc), w, states in local_embedding_shards(model, emb_dense_opt):
         if nr == 0 or nc == 0:
             continue
-        w.copy_(ckpt.read_table_slice(rank_states, name, (r0, r0 + nr), (c0, c0 + nc)).to(w.device))
+        R, D = dims[name]
+        if name in repl:
+            req[f"emb/{name}/weight"] = w.detach()
+            for i, m in enumerate(states):
+                req[f"emb/{name}/state{i}"] = m.detach()
+            continue
+        blocks[(f"emb/{name}/weight", (R, D))].append(((r0, c0), w.detach()))
         for i, m in enumerate(states):
-            m.copy_(ckpt.read_table_slice(rank_states, name, (r0, r0 + nr), (c0, c0 + nc), key=f"momentum{i}").view_as(m).to(m.device))
+            key = f"emb/{name}/state{i}"
+            if m.dim() == 2:
+                blocks[(key, (R, D))].append(((r0, c0), m.detach()))
+                continue
+            exact = f"{key}@cols{c0}-{c0 + nc}"
+            if nc != D and exact in saved:
+                blocks[(exact, (R,))].append(((r0,), m.detach()))
+                continue
+            prev = first.get((key, r0, nr))
+            if prev is not None:  # another column shard of the same rows on this rank
+                copies.append((prev, m))
+                continue
+            first[(key, r0, nr)] = m.detach()
+            blocks[(key, (R,))].append(((r0,), m.detach()))
+    for (key, size), bl in blocks.items():
+        req[key] = ckpt.Blocks(size, bl)
+
+    @torch.no_grad()
+    def finish() -> None:
+        for src, dst in copies:
+            dst.copy_(src)
+
+    return req, finish
+
+
+@torch.no_grad()
+def load_embedding_state(model: Any, ckpt_dir: str, emb_dense_opt: Any = None, process_group: Any = None,
+                         world_size: int = 1) -> None:
+    """Fill the model's (possibly differently sharded) local shards from a checkpoint.  Collective.
+
+    Raises:
+        CheckpointError: a table is missing, a shape differs, or a file is damaged.
+    """
+    meta = ckpt.load_checkpoint_meta(ckpt_dir)
+    check_tables(meta, _dlrm(model).sparse_arch.embedding_bag_configs(), ckpt_dir)
+    md = ckpt.read_metadata(ckpt_dir, meta)
+    req, finish = embedding_load_request(model, md, emb_dense_opt)
+    ckpt.load_checkpoint(ckpt_dir, req, process_group, world_size, meta)
+    finish()
+
+
+def check_tables(meta: dict[str, Any], tables: list, ckpt_dir: str) -> None:
+    """Refuse a checkpoint whose tables differ from the model's (names the table and both shapes).
+
+    Raises:
+        CheckpointError
+    """
+    where = os.path.join(ckpt_dir, "meta.json")
+    saved = meta.get("tables") or {}
+    have = {t.name: [t.num_embeddings, t.embedding_dim] for t in tables}
+    for n, shape in have.items():
+        if n not in saved:
+            raise ckpt.CheckpointError(f"{where}: has no table '{n}' (saved tables: {sorted(saved)[:8]}...)")
+        if list(saved[n]) != shape:
+            raise ckpt.CheckpointError(
+                f"{where}: table '{n}' was saved as {saved[n][0]} x {saved[n][1]} (rows x dim), "
+                f"the model's is {shape[0]} x {shape[1]}"
+            )
+    extra = sorted(set(saved) - set(have))
+    if extra:
+        raise ckpt.CheckpointError(f"{where}: holds table(s) {extra} that the model does not have")
 
 
 def dense_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """State of everything but the embeddings (MLPs, interaction): identical on every rank."""
+    """State of everything but the embeddings (MLPs, interaction): identical on every rank (live views)."""
     return {k: v for k, v in _dlrm(model).state_dict().items() if not k.startswith("sparse_arch.")}
 
 
@@ -527,6 +652,156 @@ def load_dense_state_dict(model: Any, state: dict[str, torch.Tensor], where: str
     bad = [k for k in missing if not k.startswith("sparse_arch.")]
     if bad or unexpected:
         raise ckpt.CheckpointError(f"{where}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
+
+
+def _param_names(model: Any, opt: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): n for n, p in _dlrm(model).named_parameters()}
+    return [names.get(id(p), f"param{i}") for i, p in enumerate(p for g in opt.param_groups for p in g["params"])]
+
+
+def _optimizer_entries(model: Any, opt: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Replicated torch optimizer -> (``prefix/<param>/<key>`` tensors, pickled param_groups + scalars)."""
+    names = _param_names(model, opt)
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"{prefix}/{names[idx]}/{k}"] = v
+            else:
+                scalars.setdefault(names[idx], {})[k] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def checkpoint_state(model: Any, dense_opt: torch.optim.Optimizer, emb_dense_opt: torch.optim.Optimizer | None,
+                     fused_opt: Any, rank: int, trainer: dict[str, Any], lr_schedule: Any = None) -> dict[str, Any]:
+    """Everything one rank contributes to a checkpoint, as a flat DCP state dict (format:
+    :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made."""
+    state: dict[str, Any] = embedding_state(model, emb_dense_opt)
+    state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
+    opt_t, opt_o = _optimizer_entries(model, dense_opt, "dense_opt")
+    state.update(opt_t)
+    tbes = getattr(fused_opt, "_tbes", [])
+    it = tbes[0][0].iter if tbes and hasattr(tbes[0][0], "iter") else None
+    spec = fused_opt.spec
+    fused = {"type": spec.type, "lr": fused_opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
+             "step": int(it.reshape(-1)[0]) if it is not None else trainer["step"]}
+    emb_groups = None
+    scalars: dict[str, Any] = {}
+    if emb_dense_opt is not None:
+        emb_groups = [{k: v for k, v in g.items() if k != "params"} for g in emb_dense_opt.param_groups]
+        names = {id(p): n for n, p in _dlrm(model).named_parameters()}
+        for p, st in emb_dense_opt.state.items():
+            sc = {k: (v.item() if torch.is_tensor(v) else v) for k, v in st.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+            if sc:
+                scalars[names.get(id(p), "?")] = sc
+    state.update({
+        "meta/trainer": ckpt.pack(trainer),
+        "meta/fused_optimizer": ckpt.pack(fused),
+        "meta/dense_optimizer": ckpt.pack(opt_o),
+        "meta/embedding_dense_optimizer": ckpt.pack(emb_groups),
+        "meta/lr_schedule": ckpt.pack({"step": trainer["step"], "config": lr_schedule}),
+        f"rank/{rank}": ckpt.pack({"rng": ckpt.rng_state(), "embedding_dense_scalars": scalars}),
+    })
+    return state
+
+
+def checkpoint_meta(model: Any, plan: Any, fused_opt: Any) -> dict[str, Any]:
+    """Descriptive fields of meta.json: table shapes, plan, embedding optimizer type."""
+    tables = _dlrm(model).sparse_arch.embedding_bag_configs()
+    return {"tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in tables},
+            "plan": None if plan is None else plan.to_dict(),
+            "embedding_optimizer": fused_opt.spec.type}
+
+
+def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer | None,
+                       emb_dense_opt: torch.optim.Optimizer | None, fused_opt: Any, rank: int = 0,
+                       world_size: int = 1, process_group: Any = None, plan: Any = None) -> dict[str, Any]:
+    """Load a checkpoint (saved by any world size / plan) into this rank's model and optimizers.  Collective.
+
+    Restores weights and moments (see :func:`embedding_load_request` for the
+    column-wise moment rule), dense layers, the dense optimizer, the fused
+    optimizer's lr and step, the embedding-dense optimizer's hyper-parameters and
+    this rank's RNG states (rank ``r`` of the saving job; rank 0's when the job
+    had fewer ranks).
+
+    Returns:
+        ``{"trainer": {step, epoch, best, data}, "world_size": saving job's ranks}``.
+
+    Raises:
+        CheckpointError: damaged files (named), different tables / shapes / optimizer type.
+    """
+    meta = ckpt.load_checkpoint_meta(path)
+    check_tables(meta, _dlrm(model).sparse_arch.embedding_bag_configs(), path)
+    saved_type = meta.get("embedding_optimizer")
+    if fused_opt is not None and saved_type and saved_type != fused_opt.spec.type:
+        raise ckpt.CheckpointError(
+            f"{os.path.join(path, 'meta.json')}: saved with embedding optimizer {saved_type}, the model uses "
+            f"{fused_opt.spec.type}; their moments are not interchangeable"
+        )
+    md = ckpt.read_metadata(path, meta)
+    req, finish = embedding_load_request(model, md, emb_dense_opt)
+    dense = dense_state_dict(model)
+    saved_dense = {k[len("dense/"):] for k in md.state_dict_metadata if k.startswith("dense/")}
+    if saved_dense != set(dense):
+        raise ckpt.CheckpointError(
+            f"{path}: dense layers do not match the model: missing {sorted(set(dense) - saved_dense)}, "
+            f"unexpected {sorted(saved_dense - set(dense))}"
+        )
+    req.update({f"dense/{k}": v for k, v in dense.items()})
+    opt_state: dict[str, dict[str, torch.Tensor]] = {}
+    if dense_opt is not None:
+        for k, m in md.state_dict_metadata.items():
+            if k.startswith("dense_opt/"):
+                pname, skey = k[len("dense_opt/"):].rsplit("/", 1)
+                t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                opt_state.setdefault(pname, {})[skey] = t
+                req[k] = t
+    src_rank = rank if rank < int(meta["world_size"]) else 0
+    objs = ["meta/trainer", "meta/fused_optimizer", "meta/dense_optimizer", "meta/embedding_dense_optimizer", f"rank/{src_rank}"]
+    req.update({k: None for k in objs})
+    ckpt.load_checkpoint(path, req, process_group, world_size, meta)
+    finish()
+    fused = ckpt.unpack(req["meta/fused_optimizer"])
+    if fused_opt is not None:
+        fused_opt.set_lr(float(fused["lr"]))
+        for tbe, _ in getattr(fused_opt, "_tbes", []):
+            if hasattr(tbe, "set_optimizer_step"):
+                tbe.set_optimizer_step(int(fused["step"]))
+        if (fused["eps"], fused["weight_decay"]) != (fused_opt.spec.eps, fused_opt.spec.weight_decay):
+            log.warning("checkpoint's embedding optimizer eps / weight_decay %s differ from the config's %s; using the config's",
+                        (fused["eps"], fused["weight_decay"]), (fused_opt.spec.eps, fused_opt.spec.weight_decay))
+    if dense_opt is not None:
+        o = ckpt.unpack(req["meta/dense_optimizer"])
+        names = _param_names(model, dense_opt)
+        idx = {n: i for i, n in enumerate(names)}
+        unknown = sorted(set(opt_state) - set(idx))
+        if unknown:
+            raise ckpt.CheckpointError(f"{path}: dense optimizer state for parameters the model lacks: {unknown}")
+        st = {idx[n]: dict(v) for n, v in opt_state.items()}
+        for n, sc in o["scalars"].items():
+            if n in idx:
+                st.setdefault(idx[n], {}).update(sc)
+        try:
+            dense_opt.load_state_dict({"state": st, "param_groups": o["param_groups"]})
+        except (ValueError, KeyError) as e:
+            raise ckpt.CheckpointError(f"{path}: dense optimizer state does not match the model: {e}") from e
+    groups = ckpt.unpack(req["meta/embedding_dense_optimizer"])
+    per_rank = ckpt.unpack(req[f"rank/{src_rank}"])
+    if emb_dense_opt is not None:
+        for g, sg in zip(emb_dense_opt.param_groups, groups or []):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())
+        if same_layout:
+            names = {id(p): n for n, p in _dlrm(model).named_parameters()}
+            for p, st in emb_dense_opt.state.items():
+                for k, v in per_rank["embedding_dense_scalars"].get(names.get(id(p), "?"), {}).items():
+                    if torch.is_tensor(st.get(k)):
+                        st[k].fill_(v)
+                    else:
+                        st[k] = v
+    ckpt.set_rng_state(per_rank["rng"])
+    return {"trainer": ckpt.unpack(req["meta/trainer"]), "world_size": int(meta["world_size"])}
 
 
 def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | None) -> Any:
@@ -594,12 +869,16 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     path = ckpt.latest_checkpoint(run_dir)
     if path is None:
         raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/LATEST is missing)")
-    cmeta = ckpt.load_checkpoint_meta(path)
-    states = [ckpt.load_rank_file(path, r) for r in range(cmeta["world_size"])]
     tables = resolve_tables(cfg, meta)
     model = build_model(cfg, tables, len(meta["dense_features"]), device=device, compute_kernel=compute_kernel)
-    load_embedding_state(model, states)
-    load_dense_state_dict(model, states[0]["dense"], path)
+    cmeta = ckpt.load_checkpoint_meta(path)
+    check_tables(cmeta, tables, path)
+    md = ckpt.read_metadata(path, cmeta)
+    req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard
+    dense = dense_state_dict(model)
+    req.update({f"dense/{k}": v for k, v in dense.items()})
+    ckpt.load_checkpoint(path, req, meta=cmeta)
+    finish()
     model.eval()
     return cfg, model, meta
 
