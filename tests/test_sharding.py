@@ -173,10 +173,18 @@ def _run_case(env, case: Case) -> str | None:
                 opt.step()
                 opt.zero_grad()
     full = sebc.gather_full_weights()
-    for name, w in ref.embedding_weights().items():
+    ref_w = ref.embedding_weights()
+    for name, w in ref_w.items():
         err = (full[name].cpu() - w.detach()).abs().max().item()
         if err > ATOL:
             return f"after {len(batch_sizes)} steps: table {name} weights differ by {err:.3g}"
+    # every rank's own shards too (data_parallel replicas must all stay equal to the reference)
+    for name, shards in sebc.local_shards(s_opt).items():
+        for m, w, _ in shards:
+            (r0, c0), (nr, nc) = m.offsets, m.sizes
+            err = (w.detach().cpu() - ref_w[name].detach()[r0 : r0 + nr, c0 : c0 + nc]).abs().max().item() if w.numel() else 0.0
+            if err > ATOL:
+                return f"after {len(batch_sizes)} steps: rank {rank}'s shard {m.to_dict()} of {name} differs by {err:.3g}"
     return None
 
 
