@@ -168,6 +168,13 @@ def _planners():
         def __init__(self) -> None:
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):  # type: ignore[override]
+            # the default one first runs _init_state_dict, which replaces unknown objects (Blocks) by None;
+            # nothing here lives on the meta device, so it has nothing to do
+            self.original_state_dict = self.state_dict = state_dict
+            self.metadata = metadata
+            self.is_coordinator = is_coordinator
+
         def lookup_tensor(self, index):  # type: ignore[override]
             return _find(self.state_dict, index)
 
@@ -248,15 +255,18 @@ def _quiet():
 def _raise_from_dcp(e: BaseException, where: str) -> None:
     """Re-raise the first CheckpointError inside a DCP exception (they wrap per-rank failures)."""
     failures = getattr(e, "failures", None) or {}
+    def inner_of(f: Any) -> Any:
+        return f[0] if isinstance(f, tuple) else f
+
     for f in failures.values():
-        inner = getattr(f, "exc", f)
+        inner = inner_of(f)
         if isinstance(inner, CheckpointError):
             raise CheckpointError(str(inner)) from e
     if isinstance(e, CheckpointError):
         raise e
     msgs = []
     for r, f in sorted(failures.items()):
-        inner = getattr(f, "exc", f)
+        inner = inner_of(f)
         msgs.append(f"rank {r}: {type(inner).__name__}: {inner}")
     raise CheckpointError(f"{where}: {'; '.join(msgs) or f'{type(e).__name__}: {e}'}") from e
 
@@ -429,6 +439,7 @@ def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = N
             is missing, or a saved shape differs from the requested one.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     meta = meta or load_checkpoint_meta(ckpt_dir)
     reader = _reader(ckpt_dir, meta)
@@ -448,7 +459,7 @@ def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = N
                  no_dist=world_size <= 1)
     except CheckpointError:
         raise
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         _raise_from_dcp(e, ckpt_dir)
     finally:
         cm.__exit__(None, None, None)
@@ -463,3 +474,103 @@ def copy_run_files(src_run: str, dst_run: str, names: Sequence[str] = ("config.y
         if os.path.exists(p) and os.path.abspath(p) != os.path.abspath(os.path.join(dst_run, n)):
             shutil.copy2(p, os.path.join(dst_run, n))
 
+
+
+# -------------------------------------------------------------- reshard
+def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: Any = None,
+                 process_group: Any = None, name: str | None = None) -> str:
+    """One rank of an offline reshard: read this rank's slices of ``src_ckpt`` under ``plan``
+    and write them as a checkpoint of ``world_size`` ranks in ``out_run``.  Collective.
+
+    No model is built: the keys come from the checkpoint.  Each rank allocates
+    only its target shards (data_parallel tables and the dense / object entries:
+    rank 0 only).  Moments follow :func:`dlrmctl.train.loop.embedding_load_request`'s
+    rule (exact per row / element; column shards get their own moment when the
+    column split is unchanged, else the row's).  Rank ``r`` keeps the saving job's
+    rank-``r`` RNG states (rank 0's for new ranks).
+
+    Args:
+        plan: :class:`~dlrmctl.distributed.types.ShardingPlan` for ``world_size`` ranks;
+            None: unsharded (every table whole, world size 1).
+
+    Returns:
+        the new checkpoint directory.
+    """
+    from collections import defaultdict
+
+    from dlrmctl.distributed.types import ShardingType
+
+    meta = load_checkpoint_meta(src_ckpt)
+    md = read_metadata(src_ckpt, meta)
+    saved = md.state_dict_metadata
+    tables: dict[str, list[int]] = meta["tables"]
+
+    def alloc(key: str, shape: Sequence[int] | None = None) -> torch.Tensor:
+        m = saved[key]
+        return torch.empty(tuple(m.size) if shape is None else tuple(shape), dtype=m.properties.dtype)
+
+    load: dict[str, Any] = {}
+    save: dict[str, Any] = {}
+    lblocks: dict[tuple[str, tuple[int, ...]], list] = defaultdict(list)
+    sblocks: dict[tuple[str, tuple[int, ...]], list] = defaultdict(list)
+    for t, (R, D) in tables.items():
+        ps = None if plan is None else plan.plan[t]
+        wkey = f"emb/{t}/weight"
+        skeys = sorted(k for k in saved if k.startswith(f"emb/{t}/state") and "@" not in k)
+        if ps is None or ps.sharding_type == ShardingType.DATA_PARALLEL:
+            if rank == 0:
+                for k in [wkey, *skeys]:
+                    load[k] = save[k] = alloc(k)
+            continue
+        rows_of: dict[tuple[str, int, int], torch.Tensor] = {}
+        for sh in ps.shards or []:
+            (r0, c0), (nr, nc) = sh.offsets, sh.sizes
+            if sh.rank != rank or nr == 0 or nc == 0:
+                continue
+            w = alloc(wkey, (nr, nc))
+            lblocks[(wkey, (R, D))].append(((r0, c0), w))
+            sblocks[(wkey, (R, D))].append(((r0, c0), w))
+            for k in skeys:
+                if len(saved[k].size) == 2:
+                    x = alloc(k, (nr, nc))
+                    lblocks[(k, (R, D))].append(((r0, c0), x))
+                    sblocks[(k, (R, D))].append(((r0, c0), x))
+                    continue
+                exact = f"{k}@cols{c0}-{c0 + nc}"
+
+                def rows() -> torch.Tensor:
+                    if (k, r0, nr) not in rows_of:
+                        rows_of[(k, r0, nr)] = alloc(k, (nr,))
+                        lblocks[(k, (R,))].append(((r0,), rows_of[(k, r0, nr)]))
+                    return rows_of[(k, r0, nr)]
+
+                if c0 == 0:
+                    sblocks[(k, (R,))].append(((r0,), rows()))
+                if nc != D:
+                    if exact in saved:
+                        x = alloc(k, (nr,))
+                        lblocks[(exact, (R,))].append(((r0,), x))
+                    else:
+                        x = rows()
+                    sblocks[(exact, (R,))].append(((r0,), x))
+    for (k, size), bl in lblocks.items():
+        load[k] = Blocks(size, bl)
+    for (k, size), bl in sblocks.items():
+        save[k] = Blocks(size, bl)
+    if rank == 0:
+        for k, m in saved.items():
+            if k.startswith(("emb/", "rank/")):
+                continue
+            load[k] = save[k] = alloc(k) if getattr(m, "size", None) is not None else None
+    src_rank = rank if rank < int(meta["world_size"]) else 0
+    load[f"rank/{src_rank}"] = None
+    load_checkpoint(src_ckpt, load, process_group, world_size, meta)
+    for k in list(save):
+        if save[k] is None:
+            save[k] = load[k]
+    save[f"rank/{rank}"] = load[f"rank/{src_rank}"]
+    extra = {k: v for k, v in meta.items() if k not in ("format", "step", "world_size", "files")}
+    extra.update(plan=None if plan is None else plan.to_dict(),
+                 resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"]})
+    return save_checkpoint(out_run, int(meta["step"]), save, rank, world_size, process_group, keep_last=0,
+                           extra_meta=extra, name=name)

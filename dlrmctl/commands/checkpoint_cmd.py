@@ -1,0 +1,163 @@
+"""``dlrmctl checkpoint``: inspect and reshard run-directory checkpoints.
+
+``dlrmctl checkpoint reshard RUN --nproc N [--plan plan.yaml] [--out DIR]``
+rewrites RUN's newest checkpoint for N ranks: N gloo processes on this machine
+each read only their target shards' slices (DCP reads the overlapping parts of
+the saved chunks) and write them, so no process ever holds more than its share
+(``--nproc 1``: one process, every table whole — that is what 1 process needs).
+
+The target plan is ``--plan`` (written by ``dlrmctl plan``), else the planner's
+plan for RUN's config on N ranks (none for N = 1).  Output: ``--out DIR`` (a new
+run directory: config, data meta, plan.yaml and the checkpoint), else a new
+checkpoint ``step_XXXXXXXX_wsN`` in RUN that becomes its ``LATEST``.
+
+Every checkpoint already loads into any world size or plan (``dlrmctl train
+--resume --nproc N`` works directly); resharding offline makes the files match
+the new layout, so each rank of the resumed job reads one file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from types import SimpleNamespace
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="inspect and reshard checkpoints", no_args_is_help=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_dict: dict | None, name: str,
+            q) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    from dlrmctl.distributed.types import ShardingPlan
+    from dlrmctl.train.checkpoint import reshard_rank
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        plan = None if plan_dict is None else ShardingPlan.from_dict(plan_dict)
+        path = reshard_rank(src, out_run, rank, world_size, plan, name=name)
+        q.put((rank, True, path))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        q.put((rank, False, f"{type(e).__name__}: {e}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | None = None) -> str:
+    """Reshard ``run_dir``'s newest checkpoint for ``nproc`` ranks; returns the new checkpoint directory.
+
+    Raises:
+        CheckpointError / PlanError: no checkpoint, or a plan that does not fit the tables.
+    """
+    import queue
+    import socket
+
+    import torch.multiprocessing as mp
+    import yaml
+
+    from dlrmctl.distributed.types import ShardingPlan
+    from dlrmctl.train import checkpoint as ckpt
+
+    src = ckpt.latest_checkpoint(run_dir)
+    if src is None:
+        raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/LATEST is missing)")
+    meta = ckpt.load_checkpoint_meta(src)
+    tables = [SimpleNamespace(name=n, num_embeddings=r, embedding_dim=d) for n, (r, d) in meta["tables"].items()]
+    plan = None
+    if plan_path:
+        plan = ShardingPlan.load(plan_path)
+    elif nproc > 1:
+        from dlrmctl.config import config_from_dict
+        from dlrmctl.planner.planner import plan_for_config
+
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            cfg = config_from_dict(yaml.safe_load(f), source=os.path.join(run_dir, "config.yaml"))
+        with open(os.path.join(run_dir, "data_meta.json")) as f:
+            dmeta = json.load(f)
+        plan = plan_for_config(cfg, nproc, None, dmeta)
+    if plan is not None:
+        plan.validate(tables, nproc, where=plan_path or "plan")
+    step = int(meta["step"])
+    if out:
+        out_run, name = out, f"step_{step:08d}"
+        ckpt.copy_run_files(run_dir, out_run)
+        if plan is not None:
+            plan.save(os.path.join(out_run, "plan.yaml"))
+    else:
+        out_run, name = run_dir, f"step_{step:08d}_ws{nproc}"
+    if nproc == 1:
+        return ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pd = None if plan is None else plan.to_dict()
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, src, out_run, pd, name, q), daemon=True)
+             for r in range(nproc)]
+    for p in procs:
+        p.start()
+    results: dict[int, str] = {}
+    try:
+        while len(results) < nproc:
+            try:
+                r, ok, val = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise ckpt.CheckpointError(f"reshard: rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                continue
+            if not ok:
+                raise ckpt.CheckpointError(f"reshard: rank {r}: {val}")
+            results[r] = val
+    finally:
+        for p in procs:
+            if p.is_alive() and len(results) < nproc:
+                p.kill()
+            p.join(timeout=30)
+    return results[0]
+
+
+@app.command("reshard")
+def reshard_command(
+    run_dir: str = typer.Argument(..., help="training run directory (runs/<name>)"),
+    nproc: int = typer.Option(..., "--nproc", help="ranks of the target job"),
+    plan: Optional[str] = typer.Option(None, "--plan", help="target sharding plan (dlrmctl plan); default: the planner's"),
+    out: Optional[str] = typer.Option(None, "--out", help="new run directory (default: a new checkpoint in RUN_DIR)"),
+) -> None:
+    """Rewrite RUN_DIR's newest checkpoint for NPROC ranks (and PLAN); weights and moments are copied exactly."""
+    from dlrmctl.distributed.types import PlanError
+    from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta
+
+    if nproc < 1:
+        _fail("--nproc must be >= 1")
+    try:
+        path = reshard(run_dir, nproc, plan, out)
+    except (CheckpointError, PlanError, FileNotFoundError) as e:
+        _fail(str(e))
+    except Exception as e:  # planner errors
+        if type(e).__name__ == "PlannerError":
+            _fail(str(e))
+        raise
+    m = load_checkpoint_meta(path)
+    src = m.get("resharded_from", {})
+    nbytes = sum(f["bytes"] for f in m["files"].values())
+    typer.echo(f"resharded step {m['step']} from {src.get('world_size')} to {m['world_size']} rank(s): {path} "
+               f"({len(m['tables'])} tables, {nbytes:,} bytes)")
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="checkpoint")

@@ -1,0 +1,331 @@
+"""Sharded checkpoints (torch.distributed.checkpoint): resume parity on 1 and 2 ranks, loading a
+2-rank checkpoint (table-wise + row-wise + data-parallel + column-wise tables) into 3 ranks with a
+row-wise / column-wise plan and into 1 process (directly and through ``dlrmctl checkpoint
+reshard``) with every weight and optimizer moment exact, SIGKILL during saves, damaged files and
+mismatched models refused with a message naming the file / table.
+
+Each world size is spawned once: one 2-rank job (straight run, interrupted run, resumed run) and
+one 3-rank job (direct load + load of the offline-resharded copy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+try:
+    from tests.dist_utils import run_multiprocess
+except ImportError:  # pragma: no cover - tests run as a plain directory
+    from dist_utils import run_multiprocess
+from dlrmctl import HAS_FBGEMM
+from dlrmctl.cli import app
+from dlrmctl.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not installed")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+runner = CliRunner()
+STRAIGHT, INTERRUPTED_AT, RESUMED_TO = 14, 4, 14  # 10 steps after the resume
+
+
+def invoke(*args):
+    r = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _cfg(data, runs, name, max_steps, *extra):
+    from dlrmctl.config import load_config
+
+    return load_config(os.path.join(REPO, "configs/demo.yaml"), [
+        f"data.path={data}", f"train.run_dir={runs}", f"name={name}", "train.progress=false",
+        "data.batch_size=256", "data.eval_batch_size=4096", "train.log_every=1", "train.checkpoint_every=3",
+        f"train.max_steps={max_steps}", "train.keep_last_checkpoints=2", "train.epochs=3", *extra])
+
+
+def _snapshot(trainer):
+    """This rank's shards (weight + moments), dense state and dense-optimizer state as numpy."""
+    from dlrmctl.train.loop import dense_state_dict, local_embedding_shards
+
+    shards = [(n, tuple(o), tuple(s), w.detach().cpu().numpy().copy(), [m.detach().cpu().numpy().copy() for m in st])
+              for n, o, s, w, st in local_embedding_shards(trainer.model, trainer.emb_dense_opt)]
+    dense = {k: v.cpu().numpy().copy() for k, v in dense_state_dict(trainer.model).items()}
+    opt = {i: {k: (v.cpu().numpy().copy() if torch.is_tensor(v) else v) for k, v in st.items()}
+           for i, st in trainer.dense_opt.state_dict()["state"].items()}
+    return {"shards": shards, "dense": dense, "dense_opt": opt, "step": trainer.step}
+
+
+def _train(env, cfg, run_dir, resume, plan):
+    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+
+    renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    if renv.is_main:
+        prepare_run_dir(cfg, resume=resume, overwrite=False)
+    renv.barrier()
+    torch.manual_seed(cfg.train.seed)
+    t = Trainer(cfg, renv, run_dir, resume=resume, plan=plan)
+    return t
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl"))) if r["kind"] == "train"}
+
+
+# ---------------------------------------------------------------- jobs
+def _two_rank_job(env, data, runs, plan_dict):
+    from dlrmctl.distributed.types import ShardingPlan
+
+    plan = ShardingPlan.from_dict(plan_dict)
+    _train(env, _cfg(data, runs, "straight", STRAIGHT), os.path.join(runs, "straight"), False, plan).train()
+    _train(env, _cfg(data, runs, "resumed", INTERRUPTED_AT), os.path.join(runs, "resumed"), False, plan).train()
+    t = _train(env, _cfg(data, runs, "resumed", RESUMED_TO), os.path.join(runs, "resumed"), True, plan)
+    assert t.step == INTERRUPTED_AT
+    t.train()
+    return _snapshot(t)
+
+
+def _three_rank_job(env, data, runs, plan_dict, resharded_runs):
+    from dlrmctl.distributed.types import ShardingPlan
+
+    plan = ShardingPlan.from_dict(plan_dict)
+    direct = _train(env, _cfg(data, runs, "resumed", RESUMED_TO), os.path.join(runs, "resumed"), True, plan)
+    offline = _train(env, _cfg(data, resharded_runs, "r3", RESUMED_TO), os.path.join(resharded_runs, "r3"), True, plan)
+    return _snapshot(direct), _snapshot(offline)
+
+
+# ------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt_data")
+    invoke("preprocess", "synthetic", "--out", d, "--rows", 3000, "--seed", 3, "--num-embeddings", 40)
+    return str(d)
+
+
+def _tables(data):
+    from dlrmctl.config import read_data_meta, resolve_tables
+
+    cfg = _cfg(data, "/nonexistent", "x", 1)
+    return resolve_tables(cfg, read_data_meta(cfg))
+
+
+SOURCE_TYPES = ["table_wise", "row_wise", "data_parallel", "column_wise"]  # by table index mod 4
+TARGET_TYPES = ["row_wise", "column_wise"]
+
+
+@pytest.fixture(scope="module")
+def two_rank(data, tmp_path_factory):
+    from dlrmctl.distributed.model_parallel import plan_from_types
+
+    tables = _tables(data)
+    plan = plan_from_types(tables, {t.name: SOURCE_TYPES[i % 4] for i, t in enumerate(tables)}, 2)
+    runs = str(tmp_path_factory.mktemp("runs2"))
+    t0 = time.perf_counter()
+    snaps = run_multiprocess(_two_rank_job, 2, data, runs, plan.to_dict(), timeout_s=300)
+    print(f"2-rank job: {time.perf_counter() - t0:.1f}s")
+    return {"runs": runs, "snaps": snaps, "plan": plan, "tables": tables}
+
+
+def _reference(snaps, tables, plan):
+    """Full weights, row-wise moments (non-CW tables), per-column-shard moments (CW tables) of the 2-rank run."""
+    full = {t.name: np.full((t.num_embeddings, t.embedding_dim), np.nan, dtype=np.float32) for t in tables}
+    rowm = {t.name: np.full(t.num_embeddings, np.nan, dtype=np.float32) for t in tables}
+    colm: dict[str, dict[int, np.ndarray]] = {}
+    for s in snaps:
+        for name, (r0, c0), (nr, nc), w, st in s["shards"]:
+            full[name][r0:r0 + nr, c0:c0 + nc] = w
+            if plan.plan[name].sharding_type.value == "column_wise":
+                colm.setdefault(name, {})[c0] = st[0]
+            else:
+                rowm[name][r0:r0 + nr] = st[0]
+    for name, cm in colm.items():
+        rowm[name] = cm[0]  # the rule: column-wise sources give the column-0 shard's moment
+    for name in full:
+        assert not np.isnan(full[name]).any() and not np.isnan(rowm[name]).any(), name
+    return full, rowm
+
+
+def _assert_exact(snap, full, rowm, where):
+    n = 0
+    for name, (r0, c0), (nr, nc), w, st in snap["shards"]:
+        np.testing.assert_array_equal(w, full[name][r0:r0 + nr, c0:c0 + nc], err_msg=f"{where}: {name} weight")
+        assert len(st) == 1, (where, name)
+        np.testing.assert_array_equal(st[0], rowm[name][r0:r0 + nr], err_msg=f"{where}: {name} moment")
+        n += 1
+    assert n > 0
+
+
+# ---------------------------------------------------------------- tests
+def test_resume_gives_the_same_per_step_losses_on_2_ranks_with_tw_rw_dp_cw_tables(two_rank):
+    runs = two_rank["runs"]
+    straight, resumed = _losses(os.path.join(runs, "straight")), _losses(os.path.join(runs, "resumed"))
+    assert sorted(straight) == list(range(1, STRAIGHT + 1))
+    after = list(range(INTERRUPTED_AT + 1, RESUMED_TO + 1))
+    assert len(after) == 10
+    for step in after:
+        assert resumed[step] == straight[step], step
+    # keep_last_checkpoints: 2 (saves at 3, 6, 9, 12 and the final 14)
+    names = sorted(d for d in os.listdir(os.path.join(runs, "straight", "checkpoints")) if d.startswith("step_"))
+    assert names == ["step_00000012", "step_00000014"]
+    meta = ckpt.load_checkpoint_meta(ckpt.latest_checkpoint(os.path.join(runs, "straight")))
+    assert meta["world_size"] == 2 and set(meta["files"]) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
+
+
+def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path):
+    runs = str(tmp_path)
+    _train(None, _cfg(data, runs, "s", STRAIGHT), os.path.join(runs, "s"), False, None).train()
+    _train(None, _cfg(data, runs, "r", INTERRUPTED_AT), os.path.join(runs, "r"), False, None).train()
+    t = _train(None, _cfg(data, runs, "r", RESUMED_TO), os.path.join(runs, "r"), True, None)
+    assert t.step == INTERRUPTED_AT
+    t.train()
+    straight, resumed = _losses(os.path.join(runs, "s")), _losses(os.path.join(runs, "r"))
+    for step in range(INTERRUPTED_AT + 1, RESUMED_TO + 1):
+        assert resumed[step] == straight[step], step
+
+
+def test_2_rank_checkpoint_loads_exactly_into_3_ranks_rw_cw_directly_and_after_offline_reshard(data, two_rank, tmp_path):
+    from dlrmctl.distributed.model_parallel import plan_from_types
+
+    tables, runs = two_rank["tables"], two_rank["runs"]
+    full, rowm = _reference(two_rank["snaps"], tables, two_rank["plan"])
+    plan3 = plan_from_types(tables, {t.name: TARGET_TYPES[i % 2] for i, t in enumerate(tables)}, 3)
+    plan3.save(tmp_path / "plan3.yaml")
+    out = invoke("checkpoint", "reshard", os.path.join(runs, "resumed"), "--nproc", 3, "--plan", tmp_path / "plan3.yaml",
+                 "--out", tmp_path / "r3")
+    assert "from 2 to 3 rank(s)" in out
+    meta = ckpt.load_checkpoint_meta(ckpt.latest_checkpoint(str(tmp_path / "r3")))
+    assert meta["world_size"] == 3 and {f"__{r}_0.distcp" for r in range(3)} <= set(meta["files"])
+    snaps = run_multiprocess(_three_rank_job, 3, data, runs, plan3.to_dict(),
+                             str(tmp_path), timeout_s=300)
+    for r, (direct, offline) in enumerate(snaps):
+        _assert_exact(direct, full, rowm, f"3 ranks (direct), rank {r}")
+        _assert_exact(offline, full, rowm, f"3 ranks (resharded), rank {r}")
+        assert direct["step"] == offline["step"] == RESUMED_TO
+    ref = two_rank["snaps"][0]
+    for k, v in snaps[0][0]["dense"].items():
+        np.testing.assert_array_equal(v, ref["dense"][k], err_msg=k)
+    for i, st in ref["dense_opt"].items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(snaps[0][0]["dense_opt"][i][k], v, err_msg=f"dense optimizer {i}.{k}")
+
+
+def test_2_rank_checkpoint_loads_exactly_into_1_process_directly_offline_and_for_export(data, two_rank, tmp_path):
+    from dlrmctl.train.loop import load_trained_model
+
+    tables, runs = two_rank["tables"], two_rank["runs"]
+    full, rowm = _reference(two_rank["snaps"], tables, two_rank["plan"])
+    t = _train(None, _cfg(data, runs, "resumed", RESUMED_TO), os.path.join(runs, "resumed"), True, None)
+    snap = _snapshot(t)
+    _assert_exact(snap, full, rowm, "1 process (direct)")
+    assert len(snap["shards"]) == len(tables)
+    invoke("checkpoint", "reshard", os.path.join(runs, "resumed"), "--nproc", 1, "--out", tmp_path / "r1")
+    _, model, _ = load_trained_model(str(tmp_path / "r1"), compute_kernel="fused")
+    w = model.sparse_arch.embedding_weights()
+    mom = model.sparse_arch.fused_optimizer().momentum()
+    for tb in tables:
+        np.testing.assert_array_equal(w[tb.name].detach().numpy(), full[tb.name], err_msg=tb.name)
+        np.testing.assert_array_equal(mom[tb.name][0].numpy(), rowm[tb.name], err_msg=tb.name)
+    # evaluate / export path: full tables assembled from the 2-rank checkpoint in one process
+    _, model, _ = load_trained_model(os.path.join(runs, "resumed"))
+    for tb in tables:
+        np.testing.assert_array_equal(model.sparse_arch.embedding_weights()[tb.name].detach().numpy(), full[tb.name])
+
+
+# ------------------------------------------------------------- safety
+SAVER = r"""
+import sys, torch
+from dlrmctl.train import checkpoint as ckpt
+run = sys.argv[1]
+p = ckpt.latest_checkpoint(run)
+i = 0 if p is None else ckpt.load_checkpoint_meta(p)["step"]
+while True:
+    i += 1
+    st = {"emb/t/weight": torch.full((512, 1024), float(i)), "dense/x": torch.full((64,), float(i)),
+          "meta/trainer": ckpt.pack({"step": i})}
+    ckpt.save_checkpoint(run, i, st, keep_last=2)
+    if i == 1 or p is not None:
+        print("saved", i, flush=True)
+        p = None
+"""
+
+
+def test_sigkill_during_saves_leaves_the_latest_checkpoint_loadable(tmp_path):
+    run = str(tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    rng = random.Random(0)
+    last = 0
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-c", SAVER, run], stdout=subprocess.PIPE, text=True, env=env)
+        assert p.stdout.readline().startswith("saved")  # at least one new save completed
+        time.sleep(rng.uniform(0.05, 0.6))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        path = ckpt.latest_checkpoint(run)
+        st = {"emb/t/weight": torch.zeros(512, 1024), "dense/x": torch.zeros(64), "meta/trainer": None}
+        ckpt.load_checkpoint(path, st)
+        step = ckpt.unpack(st["meta/trainer"])["step"]
+        assert step > last and ckpt.load_checkpoint_meta(path)["step"] == step
+        assert torch.all(st["emb/t/weight"] == step) and torch.all(st["dense/x"] == step)
+        last = step
+    complete = [d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_")]
+    assert 1 <= len(complete) <= 3
+
+
+@pytest.fixture(scope="module")
+def small_run(data, tmp_path_factory):
+    runs = str(tmp_path_factory.mktemp("small"))
+    _train(None, _cfg(data, runs, "s", 2), os.path.join(runs, "s"), False, None).train()
+    return runs
+
+
+def _resume_error(data, runs, *extra):
+    with pytest.raises(ckpt.CheckpointError) as e:
+        _train(None, _cfg(data, runs, "s", 4, *extra), os.path.join(runs, "s"), True, None)
+    return str(e.value)
+
+
+def test_truncated_or_corrupted_files_are_refused_naming_the_file(data, small_run):
+    path = ckpt.latest_checkpoint(os.path.join(small_run, "s"))
+    f = os.path.join(path, "__0_0.distcp")
+    orig = open(f, "rb").read()
+    try:
+        with open(f, "wb") as h:
+            h.write(orig[: len(orig) // 2])
+        msg = _resume_error(data, small_run)
+        assert f in msg and f"{len(orig) // 2} bytes, expected {len(orig)}" in msg and "truncated" in msg
+        bad = bytearray(orig)
+        bad[len(bad) // 2] ^= 0xFF
+        with open(f, "wb") as h:
+            h.write(bytes(bad))
+        msg = _resume_error(data, small_run)
+        assert f in msg and "CRC-32" in msg and "corrupted" in msg
+        r = runner.invoke(app, ["evaluate", os.path.join(small_run, "s")])
+        assert r.exit_code == 2 and "corrupted" in r.output
+    finally:
+        with open(f, "wb") as h:
+            h.write(orig)
+    m = os.path.join(path, ".metadata")
+    orig_m = open(m, "rb").read()
+    try:
+        with open(m, "wb") as h:
+            h.write(orig_m[:10])
+        msg = _resume_error(data, small_run)
+        assert m in msg and "truncated" in msg
+    finally:
+        with open(m, "wb") as h:
+            h.write(orig_m)
+
+
+def test_checkpoint_of_a_different_model_is_refused_naming_the_table_and_shapes(data, small_run):
+    msg = _resume_error(data, small_run, "model.embedding_dim=8", "model.dense_arch_layer_sizes=[64,32,8]")
+    assert "meta.json" in msg and "x 16 (rows x dim), the model's is" in msg and "x 8" in msg
+    msg = _resume_error(data, small_run, "optimizer.embedding.type=exact_adagrad")
+    assert "exact_rowwise_adagrad" in msg and "exact_adagrad" in msg
