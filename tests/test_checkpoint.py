@@ -329,3 +329,15 @@ def test_checkpoint_of_a_different_model_is_refused_naming_the_table_and_shapes(
     assert "meta.json" in msg and "x 16 (rows x dim), the model's is" in msg and "x 8" in msg
     msg = _resume_error(data, small_run, "optimizer.embedding.type=exact_adagrad")
     assert "exact_rowwise_adagrad" in msg and "exact_adagrad" in msg
+
+
+def test_saving_a_step_twice_publishes_a_new_directory_and_prunes_to_keep_last(tmp_path):
+    run = str(tmp_path)
+    for i, step in enumerate([1, 2, 2, 3]):
+        ckpt.save_checkpoint(run, step, {"w": torch.full((4,), float(i))}, keep_last=2)
+    names = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_"))
+    assert names == ["step_00000002.1", "step_00000003"]
+    st = {"w": torch.zeros(4)}
+    ckpt.load_checkpoint(os.path.join(run, "checkpoints", "step_00000002.1"), st)
+    assert torch.all(st["w"] == 2)
+    assert ckpt.latest_checkpoint(run).endswith("step_00000003")

@@ -31,14 +31,25 @@ A tensor that is sharded is given to DCP as :class:`Blocks` (global shape +
 this rank's blocks with their offsets); DCP records every chunk in
 ``.metadata`` and, on load, reads for each requested block exactly the
 overlapping parts of the saved chunks — so a checkpoint loads into any world
-size or plan, including a single process (``no_dist``).
+size or plan, including a single process (``no_dist``); ``dlrmctl checkpoint
+reshard`` (:func:`reshard_rank`) rewrites one for a new layout offline.
+
+Optimizer moments across plans: per-element moments and the per-row moments of
+row-wise / table-wise / table_row_wise / data_parallel tables are exact under
+any resharding.  Row-wise Adagrad keeps one value per row for the whole row,
+but each column shard of a column-wise table keeps its own (over its columns):
+a column shard loads its own ``@cols`` entry when the column split is unchanged
+(exact: resuming with the same plan), else the table's per-row moment (exact at
+save time when the source was not column-wise; from a column-wise source it is
+the column-0 shard's moment).
 
 Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; after every rank has written
 (DCP's final barrier) each rank checksums its own file, rank 0 writes
 ``meta.json``, renames the directory and rewrites ``LATEST`` via temp file +
 ``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
 checkpoint and ``LATEST`` intact; ``keep_last`` older checkpoints are pruned
-only after the new one is visible.  On load every file a rank reads is checked
+only after the new one is visible, and a published directory is never
+rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).  On load every file a rank reads is checked
 against its recorded size and CRC first, so a truncated or corrupted file is
 refused with its name.
 """
@@ -300,6 +311,16 @@ def save_checkpoint(
     dist_on = world_size > 1
     root = checkpoint_root(run_dir)
     name = name or f"step_{step:08d}"
+    # never replace a published checkpoint in place (LATEST may point at it): a second save
+    # of the same step gets the next free name step_X.1, step_X.2, ... (sorted after step_X)
+    base, k = name, 0
+    while os.path.exists(os.path.join(root, name)):
+        k += 1
+        name = f"{base}.{k}"
+    if dist_on:  # rank 0's view decides
+        obj = [name]
+        dist.broadcast_object_list(obj, src=0, group=process_group)
+        name = obj[0]
     tmp = os.path.join(root, f".{name}.tmp")
     final = os.path.join(root, name)
     if rank == 0:
@@ -330,8 +351,6 @@ def save_checkpoint(
         meta.update(extra_meta or {})
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         _fsync_dir(tmp)
-        if os.path.exists(final):
-            shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(root)
         _atomic_write_text(os.path.join(root, "LATEST"), name + "\n")
