@@ -10,7 +10,7 @@ from dlrmctl.config import config_from_dict, resolve_tables
 from dlrmctl.distributed.types import ShardingPlan
 from dlrmctl.planner.planner import plan_for_config
 
-from dist_utils import run_multiprocess
+from tests.dist_utils import run_multiprocess
 
 pytestmark = pytest.mark.multiprocess
 
