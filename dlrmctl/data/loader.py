@@ -30,6 +30,7 @@ import torch
 
 from dlrmctl.data.batch import Batch
 from dlrmctl.data.columnar import DataError, SplitData, read_meta
+from dlrmctl.data.criteo import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = ["BatchLoader", "rank_slice"]
@@ -58,6 +59,10 @@ class BatchLoader:
         features: subset (and order) of sparse feature names; default all, in meta order.
         pin_memory: pin batches (page-locked) for fast async host-to-device copies; ignored with a
             warning when CUDA is unavailable.
+        multi_hot_sizes: feature -> bag size; one-hot ids of those features are expanded on the
+            fly into MLPerf-DLRMv2 multi-hot bags (:func:`dlrmctl.data.criteo.multi_hot_expand`,
+            seed ``multi_hot_seed + feature index``); size 1 leaves a feature unchanged.
+        multi_hot_distribution: ``"uniform"`` or ``"pareto"`` offsets.
 
     Yields (``__iter__``):
         :class:`Batch` with ``dense_features [B, D] f32``, ``sparse_features`` KJT (keys =
@@ -71,7 +76,8 @@ class BatchLoader:
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, prefetch: int = 2,
                  num_samples: int | None = None, features: Sequence[str] | None = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, multi_hot_sizes: dict[str, int] | None = None,
+                 multi_hot_distribution: str = "uniform", multi_hot_seed: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -97,6 +103,21 @@ class BatchLoader:
                             path=Path(data_dir) / "meta.json")
         self.features = list(features)
         self.multi_hot = {f["name"]: bool(f["multi_hot"]) for f in self.meta["sparse_features"]}
+        # on-the-fly MLPerf-DLRMv2 multi-hot expansion of one-hot features (criteo.multi_hot_expand)
+        self.expand: dict[str, tuple[int, int, int]] = {}
+        rows_of = {f["name"]: int(f["num_embeddings"]) for f in self.meta["sparse_features"]}
+        for j, (name, size) in enumerate((multi_hot_sizes or {}).items()):
+            if name not in rows_of:
+                raise DataError(f"multi_hot_sizes names unknown feature '{name}'; available: {all_sparse}",
+                                path=Path(data_dir) / "meta.json")
+            if self.multi_hot[name] and size != 1:
+                raise DataError(f"feature '{name}' is already multi-hot; multi_hot_sizes must be 1 for it",
+                                path=Path(data_dir) / "meta.json")
+            if size > 1:
+                self.expand[name] = (rows_of[name], int(size), multi_hot_seed + all_sparse.index(name))
+        if multi_hot_distribution not in ("uniform", "pareto"):
+            raise ValueError(f"multi_hot_distribution must be 'uniform' or 'pareto', got {multi_hot_distribution!r}")
+        self.multi_hot_distribution = multi_hot_distribution
         self.dense_names = list(self.meta["dense_features"])
         self.label_name = self.meta["label"]
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -186,7 +207,12 @@ class BatchLoader:
             labels[:] = np.nan
         values, lengths = [], []
         for f in self.features:
-            if not self.multi_hot[f]:
+            if f in self.expand:
+                n_rows, size, seed = self.expand[f]
+                v, ln = multi_hot_expand(oh_vals[f], n_rows, size, self.multi_hot_distribution, seed)
+                values.append(v)
+                lengths.append(ln)
+            elif not self.multi_hot[f]:
                 values.append(oh_vals[f])
                 lengths.append(np.ones(B, dtype=np.int64))
             else:

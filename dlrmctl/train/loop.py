@@ -117,6 +117,7 @@ class Trainer:
             cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
             shuffle=cfg.data.shuffle, seed=cfg.train.seed, prefetch=cfg.data.prefetch,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
+            **multi_hot_kwargs(cfg, self.meta),
         )
         self.feature_names = feats
         self.step = 0
@@ -215,6 +216,7 @@ class Trainer:
         loader = BatchLoader(
             data_dir or self.cfg.data.path, split, self.cfg.data.eval_batch_size, rank=self.env.rank,
             world_size=self.env.world_size, shuffle=False, prefetch=self.cfg.data.prefetch, features=self.feature_names,
+            **multi_hot_kwargs(self.cfg, self.meta),
         )
         self.model.eval()
         probs, labels = [], []
@@ -407,6 +409,25 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def multi_hot_kwargs(cfg: ExperimentConfig, meta: dict) -> dict[str, Any]:
+    """BatchLoader arguments for ``data.multi_hot_sizes`` (one size per sparse feature of meta.json).
+
+    Raises:
+        TrainError: the list length does not match the data's sparse features.
+    """
+    sizes = cfg.data.multi_hot_sizes
+    if not sizes:
+        return {}
+    names = [f["name"] for f in meta["sparse_features"]]
+    if len(sizes) != len(names):
+        raise TrainError(
+            f"data.multi_hot_sizes has {len(sizes)} sizes but {cfg.data.path}/meta.json has {len(names)} sparse "
+            f"features ({names[:4]}...); give one size per feature"
+        )
+    return {"multi_hot_sizes": dict(zip(names, sizes)), "multi_hot_distribution": cfg.data.multi_hot_distribution,
+            "multi_hot_seed": cfg.train.seed}
 
 
 def _exactly(it: Any, n: int, empty: Any) -> Any:
@@ -895,7 +916,7 @@ def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, 
     cfg, model, meta = load_trained_model(run_dir)
     feats = [f for t in model.sparse_arch.embedding_bag_configs() for f in t.feature_names]
     loader = BatchLoader(data_dir or cfg.data.path, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
-                         features=feats)
+                         features=feats, **multi_hot_kwargs(cfg, meta))
     probs, labels = [], []
     for batch in loader:
         probs.append(torch.sigmoid(model(batch.dense_features, batch.sparse_features).squeeze(1)).numpy())
