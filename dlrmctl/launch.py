@@ -80,6 +80,7 @@ def launch_train(
     scheduler: str = "local_cwd",
     scheduler_cfg: dict[str, Any] | None = None,
     image: str | None = None,
+    gpus_per_proc: int = 0,
 ) -> int:
     """Run (or, with ``dry_run``, print) a training job through torchx.
 
@@ -89,7 +90,7 @@ def launch_train(
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
-    app = build_appdef(config, overrides, nproc, nnodes, resume, overwrite, image=image)
+    app = build_appdef(config, overrides, nproc, nnodes, resume, overwrite, image=image, gpu_per_proc=gpus_per_proc)
     runner = get_runner()
     if dry_run:
         print(format_appdef(app))

@@ -1,0 +1,47 @@
+"""``dlrmctl launch``: submit (or print) a training job on a cluster scheduler through torchx."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+
+def _parse_scheduler_cfg(items: list[str]) -> dict[str, str]:
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise typer.BadParameter(f"--scheduler-arg {it!r}: expected KEY=VALUE, e.g. queue=default")
+        k, _, v = it.partition("=")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def launch(
+        config: str = typer.Argument(..., help="experiment YAML (path as seen by the job)"),
+        scheduler: str = typer.Option("local_cwd", "--scheduler", "-s",
+                                      help="torchx scheduler: local_cwd | slurm | kubernetes | aws_batch | ..."),
+        nproc: int = typer.Option(1, "--nproc", help="processes per node"),
+        nnodes: int = typer.Option(1, "--nnodes", help="nodes"),
+        gpus_per_proc: int = typer.Option(0, "--gpus-per-proc", help="GPUs per process (1 on GPU clusters)"),
+        image: Optional[str] = typer.Option(None, "--image", help="container image (kubernetes / aws_batch)"),
+        scheduler_arg: List[str] = typer.Option([], "--scheduler-arg", help="scheduler run option KEY=VALUE, e.g. queue=default"),
+        set_: List[str] = typer.Option([], "--set", help="config override passed to every rank"),
+        resume: bool = typer.Option(False, "--resume"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="print the AppDef and the scheduler's request; submit nothing"),
+    ) -> None:
+        """Run `dlrmctl train` as a torchx dist.ddp job on SCHEDULER (prints the job spec with --dry-run)."""
+        from dlrmctl.launch import launch_train
+
+        cfg = _parse_scheduler_cfg(scheduler_arg)
+        if scheduler == "kubernetes":
+            cfg.setdefault("queue", "default")
+        try:
+            rc = launch_train(config, set_, nproc=nproc, nnodes=nnodes, resume=resume, dry_run=dry_run,
+                              scheduler=scheduler, scheduler_cfg=cfg, image=image, gpus_per_proc=gpus_per_proc)
+        except (ValueError, ImportError) as e:
+            typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
+            raise typer.Exit(2)
+        raise typer.Exit(rc)
