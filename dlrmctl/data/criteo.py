@@ -884,7 +884,7 @@ class _Progress:
 
 def _run_tasks(fn: Callable[[_FileTask], Any], tasks: list[_FileTask], workers: int,
                progress: _Progress) -> list[Any]:
-    """Run ``fn`` over tasks, in-process (1 worker) or in a spawn process pool, with progress."""
+    """Run ``fn`` over tasks, in-process (1 worker) or in a process pool, with progress."""
     if not tasks:
         return []
     if workers == 1 or len(tasks) == 1:
@@ -905,7 +905,10 @@ def _run_tasks(fn: Callable[[_FileTask], Any], tasks: list[_FileTask], workers: 
             _PROGRESS_Q = None
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    # fork where available: workers start in milliseconds with everything already imported
+    # (spawn re-imports torch in every worker, seconds each); the parent runs no torch/OpenMP
+    # work before this point, so forking is safe.  Elsewhere: spawn.
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() and sys.platform == "linux" else "spawn")
     q = ctx.Queue()
     results: dict[int, Any] = {}
     with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx,

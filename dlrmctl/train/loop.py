@@ -125,6 +125,7 @@ class Trainer:
         self._batches_done = 0
         self.best: dict[str, float] | None = None
         self._metrics_f = None
+        self._tb = None
         if resume:
             self._restore()
 
@@ -290,8 +291,14 @@ class Trainer:
             return
         if self._metrics_f is None:
             self._metrics_f = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+            self._tb = _tensorboard_writer(self.run_dir)
         self._metrics_f.write(json.dumps(_jsonable(record)) + "\n")
         self._metrics_f.flush()
+        if self._tb is not None:
+            prefix = "train" if record.get("kind") == "train" else f"eval_{record.get('split', 'val')}"
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "epoch"):
+                    self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
 
     def _eval_and_log(self, tag: str) -> dict[str, float]:
         m = self.evaluate()
@@ -373,6 +380,8 @@ class Trainer:
                   f"run directory {self.run_dir}", flush=True)
         if self._metrics_f is not None:
             self._metrics_f.close()
+            if self._tb is not None:
+                self._tb.close()
         return summary
 
 
@@ -409,6 +418,15 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _tensorboard_writer(run_dir: str) -> Any:
+    """A TensorBoard SummaryWriter on ``run_dir/tensorboard`` when tensorboard is installed, else None."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
 
 def multi_hot_kwargs(cfg: ExperimentConfig, meta: dict) -> dict[str, Any]:
