@@ -82,7 +82,10 @@ class InteractionArch(nn.Module):
         super().__init__()
         self.F = num_sparse_features
         idx = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
-        self.register_buffer("triu_indices", idx, persistent=False)
+        # flat positions of the strict upper triangle in a row-major [F+1, F+1] matrix:
+        # index_select on the flattened products has a cheap backward (index_add), unlike
+        # advanced indexing with two index tensors (index_put with accumulate)
+        self.register_buffer("triu_flat", idx[0] * (self.F + 1) + idx[1], persistent=False)
 
     def output_dim(self, d: int) -> int:
         return d + self.F * (self.F + 1) // 2
@@ -93,7 +96,7 @@ class InteractionArch(nn.Module):
         B, d = dense_features.shape
         combined = torch.cat([dense_features, sparse_features.values()], dim=1).view(B, self.F + 1, d)
         inter = torch.bmm(combined, combined.transpose(1, 2))
-        pairs = inter[:, self.triu_indices[0], self.triu_indices[1]]
+        pairs = inter.flatten(1).index_select(1, self.triu_flat)
         return torch.cat([dense_features, pairs], dim=1)
 
 
