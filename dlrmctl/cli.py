@@ -62,7 +62,10 @@ def train(
         _fail(str(e))
     if plan:
         set_ = list(set_) + [f"sharding.plan_file={plan}"]
+        cfg.sharding.plan_file = plan
     world = nproc * nnodes
+    if cfg.sharding.plan_file and world > 1 and not dry_run:
+        _check_plan_before_launch(cfg, world)
     if world > 1 or dry_run:
         from dlrmctl.launch import launch_train
 
@@ -78,6 +81,18 @@ def train(
         if isinstance(e, USER_ERRORS):
             _fail(str(e))
         raise
+
+
+def _check_plan_before_launch(cfg, world: int) -> None:
+    """Fail fast, before any process starts, when a stored plan does not fit the model or world size."""
+    from dlrmctl.config import ConfigError, read_data_meta, resolve_tables
+    from dlrmctl.distributed.types import PlanError, ShardingPlan
+
+    try:
+        plan = ShardingPlan.load(cfg.sharding.plan_file)
+        plan.validate(resolve_tables(cfg, read_data_meta(cfg)), world, where=cfg.sharding.plan_file)
+    except (PlanError, ConfigError) as e:
+        _fail(str(e))
 
 
 # --------------------------------------------------------------- evaluate

@@ -108,7 +108,7 @@ def launch_train(
     status = runner.wait(handle, wait_interval=1)
     if status is None or status.state != AppState.SUCCEEDED:
         print(f"error: training job {handle} ended {status.state if status else 'UNKNOWN'}", file=sys.stderr)
-        if status is not None and status.msg:
+        if status is not None and status.msg and status.msg.strip() not in ("<NONE>", ""):
             print(status.msg, file=sys.stderr)
         return 1
     return 0

@@ -37,3 +37,23 @@ def test_kubernetes_dry_run_prints_a_volcano_job():
                             "--nproc", "8", "--image", "registry/dlrmctl:0.1"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "batch.volcano.sh" in r.output and "registry/dlrmctl:0.1" in r.output
+
+
+def test_a_stored_plan_that_does_not_match_fails_before_any_process_starts(tmp_path):
+    import yaml
+
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=500, seed=0, num_embeddings=[20] * 26)
+    common = ["--set", f"data.path={data}", "--set", f"train.run_dir={tmp_path}"]
+    plan = tmp_path / "plan.yaml"
+    r = runner.invoke(app, ["plan", "configs/demo.yaml", "--gpus", "2", "--device", "cpu", "--out", str(plan), *common])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["train", "configs/demo.yaml", "--nproc", "3", "--plan", str(plan), *common])
+    assert r.exit_code == 2 and "plan is for world_size 2 but the job has 3 ranks" in r.output
+    d = yaml.safe_load(plan.read_text())
+    del d["tables"]["t_C5"]
+    plan.write_text(yaml.safe_dump(d))
+    r = runner.invoke(app, ["train", "configs/demo.yaml", "--nproc", "2", "--plan", str(plan), *common])
+    assert r.exit_code == 2 and "no sharding for table(s) ['t_C5']" in r.output
