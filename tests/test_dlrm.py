@@ -51,3 +51,23 @@ def test_broken_fbgemm_install_names_both_versions_and_the_pair(monkeypatch):
         _fbgemm.check_torch_fbgemm_pair()
     monkeypatch.setattr(builtins, "__import__", real_import)
     _fbgemm.check_torch_fbgemm_pair()  # restore the module's state
+
+
+def test_dot_interaction_gradient_matches_autograd_of_the_explicit_formula():
+    torch.manual_seed(1)
+    B, F, d = 4, 5, 3
+    dense = torch.randn(B, d, dtype=torch.float64, requires_grad=True)
+    sparse = torch.randn(B, F * d, dtype=torch.float64, requires_grad=True)
+    arch = InteractionArch(F)
+    out = arch(dense, KeyedTensor([f"f{i}" for i in range(F)], [d] * F, sparse))
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    got = dense.grad.clone(), sparse.grad.clone()
+    dense.grad, sparse.grad = None, None
+    x = torch.cat([dense, sparse], 1).view(B, F + 1, d)
+    z = torch.bmm(x, x.transpose(1, 2))
+    iu = torch.triu_indices(F + 1, F + 1, 1)
+    ref = torch.cat([dense, z[:, iu[0], iu[1]]], 1)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(got[0], dense.grad)
+    torch.testing.assert_close(got[1], sparse.grad)

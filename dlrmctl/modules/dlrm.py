@@ -64,6 +64,31 @@ class DenseArch(nn.Module):
         return self.model(x)
 
 
+class _UpperTriangleDots(torch.autograd.Function):
+    """Strict-upper-triangle pairwise dots of ``x [B, N, d]`` -> ``[B, N(N-1)/2]``.
+
+    Forward: ``Z = X X^T`` (one bmm), then the upper-triangle entries.  Backward
+    uses the symmetry of ``Z``: with ``G [B, N, N]`` the output gradient scattered
+    to its (i, j) positions, ``dX = (G + G^T) X`` — one bmm on contiguous
+    operands instead of autograd's two bmms on transposed views plus a sum
+    (about a quarter of a CPU training step of the Criteo-shaped DLRM).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flat_idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, flat_idx)
+        return torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, flat_idx)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        x, flat_idx = ctx.saved_tensors
+        B, N, _ = x.shape
+        g = torch.zeros(B, N * N, dtype=grad.dtype, device=grad.device)
+        g.index_copy_(1, flat_idx, grad.contiguous())
+        g = g.view(B, N, N)
+        return torch.bmm(g + g.transpose(1, 2), x), None
+
+
 class InteractionArch(nn.Module):
     """DLRM dot interaction.
 
@@ -82,9 +107,7 @@ class InteractionArch(nn.Module):
         super().__init__()
         self.F = num_sparse_features
         idx = torch.triu_indices(self.F + 1, self.F + 1, offset=1)
-        # flat positions of the strict upper triangle in a row-major [F+1, F+1] matrix:
-        # index_select on the flattened products has a cheap backward (index_add), unlike
-        # advanced indexing with two index tensors (index_put with accumulate)
+        # flat positions of the strict upper triangle in a row-major [F+1, F+1] matrix
         self.register_buffer("triu_flat", idx[0] * (self.F + 1) + idx[1], persistent=False)
 
     def output_dim(self, d: int) -> int:
@@ -95,8 +118,7 @@ class InteractionArch(nn.Module):
             return dense_features
         B, d = dense_features.shape
         combined = torch.cat([dense_features, sparse_features.values()], dim=1).view(B, self.F + 1, d)
-        inter = torch.bmm(combined, combined.transpose(1, 2))
-        pairs = inter.flatten(1).index_select(1, self.triu_flat)
+        pairs = _UpperTriangleDots.apply(combined, self.triu_flat)
         return torch.cat([dense_features, pairs], dim=1)
 
 
