@@ -149,6 +149,7 @@ _register_optional()
 
 
 def main() -> None:
+    """Console-script entry point (``dlrmctl``)."""
     app()
 
 

@@ -138,6 +138,8 @@ class LRScheduleConfig:
 
 @dataclass
 class OptimizerConfig:
+    """``optimizer``: ``embedding`` (fused), ``dense`` (MLPs) and the shared ``lr_schedule``."""
+
     embedding: EmbeddingOptimizerConfig = field(default_factory=EmbeddingOptimizerConfig)
     dense: DenseOptimizerConfig = field(default_factory=DenseOptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)

@@ -68,6 +68,7 @@ class RunEnv:
 
 
 def resolve_device(cfg: ExperimentConfig) -> torch.device:
+    """``train.device``: ``cuda`` (current device) when asked or when ``auto`` finds CUDA, else ``cpu``."""
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
     return torch.device("cpu")

@@ -70,6 +70,7 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m dlrmctl.train.worker CONFIG [--set k=v ...] [--resume] [--overwrite]``; exit code 2 on user errors."""
     p = argparse.ArgumentParser(prog="python -m dlrmctl.train.worker")
     p.add_argument("config")
     p.add_argument("--set", dest="overrides", action="append", default=[])
