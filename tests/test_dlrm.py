@@ -71,3 +71,21 @@ def test_dot_interaction_gradient_matches_autograd_of_the_explicit_formula():
     (ref * w).sum().backward()
     torch.testing.assert_close(got[0], dense.grad)
     torch.testing.assert_close(got[1], sparse.grad)
+
+
+def test_dot_interaction_traces_for_export_and_matches_eager():
+    torch.manual_seed(2)
+    arch = InteractionArch(3)
+    dense, sparse = torch.randn(4, 2), torch.randn(4, 6)
+    kt = KeyedTensor(["a", "b", "c"], [2, 2, 2], sparse)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.arch = arch
+
+        def forward(self, d, s):
+            return self.arch(d, KeyedTensor(["a", "b", "c"], [2, 2, 2], s))
+
+    traced = torch.jit.trace(Wrap(), (dense, sparse))
+    torch.testing.assert_close(traced(dense, sparse), arch(dense, kt))

@@ -118,7 +118,10 @@ class InteractionArch(nn.Module):
             return dense_features
         B, d = dense_features.shape
         combined = torch.cat([dense_features, sparse_features.values()], dim=1).view(B, self.F + 1, d)
-        pairs = _UpperTriangleDots.apply(combined, self.triu_flat)
+        if combined.requires_grad and not torch.jit.is_tracing() and not torch.jit.is_scripting():
+            pairs = _UpperTriangleDots.apply(combined, self.triu_flat)
+        else:  # inference / TorchScript export: the same values, plain ops
+            pairs = torch.bmm(combined, combined.transpose(1, 2)).flatten(1).index_select(1, self.triu_flat)
         return torch.cat([dense_features, pairs], dim=1)
 
 
