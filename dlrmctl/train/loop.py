@@ -545,33 +545,51 @@ def embedding_state(model: Any, emb_dense_opt: torch.optim.Optimizer | None = No
       own, so those are saved twice: the column shard at column 0 gives ``state<i>``
       and every column shard ``[a, b)`` gives ``state<i>@cols<a>-<b>``.
     """
+    out, blocks, row_states = _embedding_entries(model, emb_dense_opt, skip_empty=False)
+    for key, (r0, c0), (nr, nc), (R, D), m in row_states:
+        if c0 == 0:
+            blocks[(key, (R,))].append(((r0,), m))
+        if nc != D:
+            blocks[(f"{key}@cols{c0}-{c0 + nc}", (R,))].append(((r0,), m))
+    for (key, size), bl in blocks.items():
+        out[key] = ckpt.Blocks(size, bl)
+    return out
+
+
+def _embedding_entries(model: Any, emb_dense_opt: Any, skip_empty: bool):
+    """Checkpoint keys shared by save and load: ``(plain, blocks, row_states)``.
+
+    ``plain``: replicated tables' weights / moments as whole tensors; ``blocks``:
+    ``(key, global shape) -> [(offsets, view)]`` for sharded weights and per-element
+    moments; ``row_states``: the per-row moments of sharded tables as
+    ``(key, (r0, c0), (rows, cols), (R, D), view)``, whose mapping differs between
+    save and load (column-wise shards, see :func:`embedding_load_request`).
+    """
     from collections import defaultdict
 
     sa = _dlrm(model).sparse_arch
     dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in sa.embedding_bag_configs()}
     repl = _replicated_tables(model)
-    out: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
     blocks: dict[tuple[str, tuple[int, ...]], list] = defaultdict(list)
+    row_states = []
     for name, (r0, c0), (nr, nc), w, states in local_embedding_shards(model, emb_dense_opt):
+        if skip_empty and (nr == 0 or nc == 0):
+            continue
         R, D = dims[name]
         if name in repl:
-            out[f"emb/{name}/weight"] = w.detach()
+            plain[f"emb/{name}/weight"] = w.detach()
             for i, m in enumerate(states):
-                out[f"emb/{name}/state{i}"] = m.detach()
+                plain[f"emb/{name}/state{i}"] = m.detach()
             continue
         blocks[(f"emb/{name}/weight", (R, D))].append(((r0, c0), w.detach()))
         for i, m in enumerate(states):
             key = f"emb/{name}/state{i}"
             if m.dim() == 2:
                 blocks[(key, (R, D))].append(((r0, c0), m.detach()))
-                continue
-            if c0 == 0:
-                blocks[(key, (R,))].append(((r0,), m.detach()))
-            if nc != D:
-                blocks[(f"{key}@cols{c0}-{c0 + nc}", (R,))].append(((r0,), m.detach()))
-    for (key, size), bl in blocks.items():
-        out[key] = ckpt.Blocks(size, bl)
-    return out
+            else:
+                row_states.append((key, (r0, c0), (nr, nc), (R, D), m.detach()))
+    return plain, blocks, row_states
 
 
 def embedding_load_request(model: Any, md: Any, emb_dense_opt: Any = None) -> tuple[dict[str, Any], Any]:
@@ -589,41 +607,21 @@ def embedding_load_request(model: Any, md: Any, emb_dense_opt: Any = None) -> tu
     (exact at save time if the source was not column-wise; from a column-wise source
     ``state<i>`` is the column-0 shard's moment).
     """
-    from collections import defaultdict
-
-    sa = _dlrm(model).sparse_arch
-    dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in sa.embedding_bag_configs()}
-    repl = _replicated_tables(model)
     saved = md.state_dict_metadata
-    req: dict[str, Any] = {}
-    blocks: dict[tuple[str, tuple[int, ...]], list] = defaultdict(list)
+    req, blocks, row_states = _embedding_entries(model, emb_dense_opt, skip_empty=True)
     first: dict[tuple[str, int, int], torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name, (r0, c0), (nr, nc), w, states in local_embedding_shards(model, emb_dense_opt):
-        if nr == 0 or nc == 0:
+    for key, (r0, c0), (nr, nc), (R, D), m in row_states:
+        exact = f"{key}@cols{c0}-{c0 + nc}"
+        if nc != D and exact in saved:
+            blocks[(exact, (R,))].append(((r0,), m))
             continue
-        R, D = dims[name]
-        if name in repl:
-            req[f"emb/{name}/weight"] = w.detach()
-            for i, m in enumerate(states):
-                req[f"emb/{name}/state{i}"] = m.detach()
+        prev = first.get((key, r0, nr))
+        if prev is not None:  # another column shard of the same rows on this rank
+            copies.append((prev, m))
             continue
-        blocks[(f"emb/{name}/weight", (R, D))].append(((r0, c0), w.detach()))
-        for i, m in enumerate(states):
-            key = f"emb/{name}/state{i}"
-            if m.dim() == 2:
-                blocks[(key, (R, D))].append(((r0, c0), m.detach()))
-                continue
-            exact = f"{key}@cols{c0}-{c0 + nc}"
-            if nc != D and exact in saved:
-                blocks[(exact, (R,))].append(((r0,), m.detach()))
-                continue
-            prev = first.get((key, r0, nr))
-            if prev is not None:  # another column shard of the same rows on this rank
-                copies.append((prev, m))
-                continue
-            first[(key, r0, nr)] = m.detach()
-            blocks[(key, (R,))].append(((r0,), m.detach()))
+        first[(key, r0, nr)] = m
+        blocks[(key, (R,))].append(((r0,), m))
     for (key, size), bl in blocks.items():
         req[key] = ckpt.Blocks(size, bl)
 
