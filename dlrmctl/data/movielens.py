@@ -290,6 +290,33 @@ def _split_dat3(line: str, path: Path, lineno: int, what: str) -> tuple[str, str
     return a, mid, c
 
 
+def _csv_data_rows(path: Path) -> tuple[Iterator[tuple[int, list[str]]], str]:
+    """``(iterator of (line number, fields) of the data rows, encoding)`` of a UTF-8 CSV release file.
+
+    Quoted fields may span lines (line numbers are those of the row's first line);
+    the header (line 1) is checked, blank lines are skipped.
+
+    Raises:
+        DataError: undecodable file or a header that does not match the file name.
+    """
+    text, enc = _decode(path, "utf-8")
+
+    def rows() -> Iterator[tuple[int, list[str]]]:
+        reader = csv.reader(io.StringIO(text, newline=""))
+        prev = 0
+        for row in reader:
+            lineno = prev + 1
+            prev = reader.line_num
+            if not row or (len(row) == 1 and not row[0].strip()):
+                continue
+            if lineno == 1:
+                _check_csv_header(path, row, lineno)
+                continue
+            yield lineno, row
+
+    return rows(), enc
+
+
 def _check_csv_header(path: Path, row: list[str], lineno: int) -> None:
     expect = _CSV_HEADERS[path.name]
     got = [c.strip() for c in row]
@@ -396,17 +423,8 @@ def _read_movies(path: Path, release: str, genre_names: list[str] | None) -> tup
     movies: dict[int, tuple[str, list[str], int | None]] = {}
     first: dict[int, int] = {}
     if release == "ml-latest":
-        text, enc = _decode(path, "utf-8")
-        reader = csv.reader(io.StringIO(text, newline=""))
-        prev = 0
-        for row in reader:
-            lineno = prev + 1
-            prev = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if lineno == 1:
-                _check_csv_header(path, row, lineno)
-                continue
+        rows, enc = _csv_data_rows(path)
+        for lineno, row in rows:
             if len(row) != 3:
                 raise DataError(f"expected 3 comma-separated fields (movieId, title, genres), got {len(row)}: "
                                 f"{','.join(row)[:100]!r}", path=path, line=lineno)
@@ -503,17 +521,8 @@ def _read_tags(path: Path, release: str) -> tuple[tuple[np.ndarray, np.ndarray, 
     """
     us, its, tags, tss = [], [], [], []
     if release == "ml-latest":
-        text, enc = _decode(path, "utf-8")
-        reader = csv.reader(io.StringIO(text, newline=""))
-        prev = 0
-        for row in reader:
-            lineno = prev + 1
-            prev = reader.line_num
-            if not row or (len(row) == 1 and not row[0].strip()):
-                continue
-            if lineno == 1:
-                _check_csv_header(path, row, lineno)
-                continue
+        rows, enc = _csv_data_rows(path)
+        for lineno, row in rows:
             if len(row) != 4:
                 raise DataError(f"expected 4 comma-separated fields (userId, movieId, tag, timestamp), got "
                                 f"{len(row)}: {','.join(row)[:100]!r}", path=path, line=lineno)
