@@ -67,7 +67,8 @@ def write_plots(run_dir: str, train: list[dict[str, Any]], evals: list[dict[str,
 
     out = []
     series = [
-        ("loss.png", "training loss", [(r["step"], r["loss"]) for r in train if "loss" in r]),
+        ("loss.png", "training loss (mean since previous point)",
+         [(r["step"], r.get("loss_avg", r["loss"])) for r in train if "loss" in r]),
         ("auc.png", "validation AUC", [(r["step"], r["auc"]) for r in evals if r.get("auc") is not None]),
         ("throughput.png", "samples/s", [(r["step"], r["samples_per_s"]) for r in train if "samples_per_s" in r]),
     ]

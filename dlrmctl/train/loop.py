@@ -335,6 +335,7 @@ class Trainer:
             progress = _Progress(n, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
             pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names)))
             pipe.reset_stats()
+            window: list[float] = []
             while True:
                 loss = pipe.progress()
                 if loss is None:
@@ -345,11 +346,15 @@ class Trainer:
                 sh = pipe.stats.shares()
                 sps = sh["samples_per_s"] * self.env.world_size
                 progress.update(loss, sps)
+                window.append(loss)
                 if cfg.log_every and self.step % cfg.log_every == 0:
+                    # "loss": this step's; "loss_avg": mean over the steps since the last record
                     self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
+                                       "loss_avg": sum(window) / len(window),
                                        "samples_per_s": sps, "data_wait_share": sh["data_wait_share"],
                                        "comm_wait_share": sh["comm_wait_share"],
                                        "lr_factor": self.schedule.factor(self.step - 1)})
+                    window.clear()
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     final = self._eval_and_log("eval")
                     last_eval_step = self.step
