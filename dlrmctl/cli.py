@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import sys
 from typing import List, Optional
 
 import typer
@@ -67,9 +66,9 @@ def train(
     if cfg.sharding.plan_file and world > 1 and not dry_run:
         _check_plan_before_launch(cfg, world)
     if world > 1 or dry_run:
-        from dlrmctl.launch import launch_train
+        from dlrmctl.launch import build_appdef, launch
 
-        rc = launch_train(config, set_, nproc=nproc, nnodes=nnodes, resume=resume, overwrite=overwrite, dry_run=dry_run)
+        rc = launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite), dry_run=dry_run)
         raise typer.Exit(rc)
     from dlrmctl.train.worker import run_training
 

@@ -69,28 +69,16 @@ def build_appdef(
     return ddp(*args, **kw)
 
 
-def launch_train(
-    config: str,
-    overrides: list[str],
-    nproc: int,
-    nnodes: int = 1,
-    resume: bool = False,
-    overwrite: bool = False,
-    dry_run: bool = False,
-    scheduler: str = "local_cwd",
-    scheduler_cfg: dict[str, Any] | None = None,
-    image: str | None = None,
-    gpus_per_proc: int = 0,
-) -> int:
-    """Run (or, with ``dry_run``, print) a training job through torchx.
+def launch(app: Any, scheduler: str = "local_cwd", scheduler_cfg: dict[str, Any] | None = None,
+           dry_run: bool = False) -> int:
+    """Run (or, with ``dry_run``, print) the AppDef from :func:`build_appdef` on a torchx scheduler.
 
     Returns:
-        process exit code: 0 when the app SUCCEEDED, 1 otherwise.
+        process exit code: 0 when the app SUCCEEDED (or was only printed), 1 otherwise.
     """
     from torchx.runner import get_runner
     from torchx.specs import AppState
 
-    app = build_appdef(config, overrides, nproc, nnodes, resume, overwrite, image=image, gpu_per_proc=gpus_per_proc)
     runner = get_runner()
     if dry_run:
         print(format_appdef(app))

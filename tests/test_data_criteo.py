@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import gzip
-import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np

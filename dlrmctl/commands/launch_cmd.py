@@ -33,14 +33,14 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="print the AppDef and the scheduler's request; submit nothing"),
     ) -> None:
         """Run `dlrmctl train` as a torchx dist.ddp job on SCHEDULER (prints the job spec with --dry-run)."""
-        from dlrmctl.launch import launch_train
+        from dlrmctl.launch import build_appdef, launch
 
         cfg = _parse_scheduler_cfg(scheduler_arg)
         if scheduler == "kubernetes":
             cfg.setdefault("queue", "default")
         try:
-            rc = launch_train(config, set_, nproc=nproc, nnodes=nnodes, resume=resume, dry_run=dry_run,
-                              scheduler=scheduler, scheduler_cfg=cfg, image=image, gpus_per_proc=gpus_per_proc)
+            app = build_appdef(config, set_, nproc, nnodes, resume=resume, image=image, gpu_per_proc=gpus_per_proc)
+            rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run)
         except (ValueError, ImportError) as e:
             typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
             raise typer.Exit(2)

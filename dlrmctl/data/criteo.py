@@ -39,13 +39,11 @@ import glob
 import gzip
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
 import sys
 import time
-import zlib
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence

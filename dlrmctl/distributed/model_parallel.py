@@ -33,24 +33,13 @@ from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharded_ebc import SHARDING_CLASSES, ShardedEmbeddingBagCollection
 from dlrmctl.distributed.types import ComputeKernel, PlanError, ShardingPlan, ShardingType
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
-from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 
 
-class TableConfigs(nn.Module):
+class TableConfigs(TableFeatures):
     """Placeholder ``sparse_arch`` holding only table configs (no weights): lets a
     DLRM be built and sharded without ever allocating the full tables."""
-
-    def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False) -> None:
-        super().__init__()
-        self._tables = list(tables)
-        self._is_weighted = is_weighted
-
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._tables
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         raise RuntimeError("TableConfigs is a placeholder: shard it with DistributedModelParallel")

@@ -51,7 +51,7 @@ from dlrmctl.distributed.sharding.twcw_sharding import TwCwSharding
 from dlrmctl.distributed.sharding.twrw_sharding import TwRwSharding
 from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
-from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, check_ids
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 
 #: sharding type -> implementation (one file per type).
@@ -154,7 +154,7 @@ class _AssembleColumns(torch.autograd.Function):
         return (None, *grads)
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(TableFeatures):
     """This rank's part of an EmbeddingBagCollection sharded by ``plan``.
 
     Args:
@@ -192,20 +192,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         check_ids: bool = True,
         reduce_scatter: bool | None = None,
     ) -> None:
-        super().__init__()
-        self._tables = list(tables)
+        super().__init__(tables, is_weighted, check_ids)
         plan.validate(self._tables, env.world_size)
         if plan.local_world_size != env.local_world_size:
             env = ShardingEnv(env.rank, env.world_size, plan.local_world_size, env.pg, env.device)
         self.env = env
         self.plan = plan
-        self._is_weighted = is_weighted
         self._spec = optimizer or EmbeddingOptimizerSpec()
-        self._check_ids = check_ids
-        self._feature_names = [f for t in self._tables for f in t.feature_names]
-        self._length_per_key = [t.embedding_dim for t in self._tables for _ in t.feature_names]
-        self._feature_rows = {f: t.num_embeddings for t in self._tables for f in t.feature_names}
-        self._feature_table = {f: t.name for t in self._tables for f in t.feature_names}
         ebc_feat_off = [0]
         for d in self._length_per_key:
             ebc_feat_off.append(ebc_feat_off[-1] + d)
@@ -233,16 +226,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 labels.append([ebc_feat_off[gf[col_feat[c]]] + c - g.feature_offsets[col_feat[c]] for c in cols])
         self._assembly = _ColumnAssembly(labels, ebc_feat_off[-1])
 
-    # ---------------------------------------------------------------- info
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._tables
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
-    def feature_names(self) -> list[str]:
-        return self._feature_names
-
     # ---------------------------------------------------------- input dist
     def input_dist(
         self, features: KeyedJaggedTensor, stream: "torch.cuda.Stream | None" = None
@@ -265,10 +248,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return self._input_dist(features)
 
     def _input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
-        if features.keys() != self._feature_names:
-            features = features.select_keys(self._feature_names)
-        if self._check_ids:
-            check_ids(features, self._feature_rows, self._feature_table)
+        features = self.prepare_features(features)
         groups = self.groups
         local = [
             features if self._single_identity else features.permute(idx) for idx in self._group_feat_idx
@@ -335,7 +315,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def compute_and_output_dist(self, ctx: ShardedEBCContext) -> KeyedTensor:
         """Local lookups, then pooled embeddings back to their sources: ``KeyedTensor [B_local, sum dims]``."""
         groups = self.groups
-        W, me = self.env.world_size, self.env.rank
+        W = self.env.world_size
         bs = ctx.batch_sizes
         results: list[list[torch.Tensor] | None] = [None] * len(groups)
         looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}

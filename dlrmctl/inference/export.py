@@ -66,7 +66,6 @@ from torch import nn
 
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
-    QuantizationError,
     build_intnbit_tbe,
     quantize_table,
     require_fbgemm,

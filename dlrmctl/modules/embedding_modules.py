@@ -154,7 +154,57 @@ class _DenseTable(nn.Module):
         return self.bag(values, offsets, per_sample_weights=weights)
 
 
-class EmbeddingBagCollection(nn.Module):
+class TableFeatures(nn.Module):
+    """What every embedding-bag collection (unsharded, sharded, placeholder) knows
+    about its tables: the table configs, the KJT keys they serve in table order,
+    each feature's width and id range.
+
+    Args:
+        tables: table configs (unique names).
+        is_weighted: inputs carry per-id weights.
+        check_ids: :meth:`prepare_features` validates id ranges.
+
+    Raises:
+        ValueError: duplicate table names.
+    """
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False, check_ids: bool = True) -> None:
+        super().__init__()
+        self._tables = list(tables)
+        names = [t.name for t in self._tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{type(self).__name__}: duplicate table names {names}")
+        self._is_weighted = is_weighted
+        self._check_ids = check_ids
+        self._feature_names: list[str] = [f for t in self._tables for f in t.feature_names]
+        self._feature_rows = {f: t.num_embeddings for t in self._tables for f in t.feature_names}
+        self._feature_table = {f: t.name for t in self._tables for f in t.feature_names}
+        self._length_per_key = [t.embedding_dim for t in self._tables for _ in t.feature_names]
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._tables
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def feature_names(self) -> list[str]:
+        """KJT keys served, in table order (the order of the output KeyedTensor)."""
+        return self._feature_names
+
+    def prepare_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` with exactly this collection's keys in table order, ids range-checked.
+
+        Raises:
+            KeyError: a feature is missing.  EmbeddingIdError: an id outside its table.
+        """
+        if features.keys() != self._feature_names:
+            features = features.select_keys(self._feature_names)
+        if self._check_ids:
+            check_ids(features, self._feature_rows, self._feature_table)
+        return features
+
+
+class EmbeddingBagCollection(TableFeatures):
     """Pooled lookups of several tables: ``KeyedJaggedTensor -> KeyedTensor``.
 
     Args:
@@ -187,19 +237,9 @@ class EmbeddingBagCollection(nn.Module):
         seed: int = 0,
         check_ids: bool = True,
     ) -> None:
-        super().__init__()
-        self._tables = list(tables)
-        names = [t.name for t in self._tables]
-        if len(set(names)) != len(names):
-            raise ValueError(f"EmbeddingBagCollection: duplicate table names {names}")
-        self._is_weighted = is_weighted
+        super().__init__(tables, is_weighted, check_ids)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._optimizer = optimizer or EmbeddingOptimizerSpec()
-        self._check_ids = check_ids
-        self._feature_names: list[str] = [f for t in self._tables for f in t.feature_names]
-        self._feature_rows = {f: t.num_embeddings for t in self._tables for f in t.feature_names}
-        self._feature_table = {f: t.name for t in self._tables for f in t.feature_names}
-        self._length_per_key = [t.embedding_dim for t in self._tables for _ in t.feature_names]
         if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
             log.warning("fbgemm_gpu is not installed: using the dense (torch.nn.EmbeddingBag) kernel")
             compute_kernel = "dense"
@@ -215,21 +255,8 @@ class EmbeddingBagCollection(nn.Module):
             seed=seed,
         )
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._tables
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
-    def feature_names(self) -> list[str]:
-        return self._feature_names
-
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if features.keys() != self._feature_names:
-            features = features.select_keys(self._feature_names)
-        if self._check_ids:
-            check_ids(features, self._feature_rows, self._feature_table)
-        out = self.lookup(features)
+        out = self.lookup(self.prepare_features(features))
         return KeyedTensor(self._feature_names, self._length_per_key, out)
 
     # ------------------------------------------------------- weights / state

@@ -62,7 +62,6 @@ def build_model(
         from dlrmctl.distributed.model_parallel import TableConfigs
 
         ebc: torch.nn.Module = TableConfigs(tables, is_weighted)
-        num_features = sum(len(t.feature_names) for t in tables)
     else:
         ebc = EmbeddingBagCollection(
             tables,
@@ -72,7 +71,7 @@ def build_model(
             optimizer=embedding_optimizer_spec(cfg),
             seed=cfg.train.seed,
         )
-        num_features = len(ebc.feature_names())
+    num_features = len(ebc.feature_names())
     torch.manual_seed(cfg.train.seed)
     model = DLRM(
         ebc,

@@ -39,7 +39,14 @@ import torch
 from torch import nn
 
 from dlrmctl.distributed.env import ShardingEnv
-from dlrmctl.distributed.types import ComputeKernel, ParameterSharding, PlanError, ShardingType, ShardMetadata
+from dlrmctl.distributed.types import (
+    ComputeKernel,
+    ParameterSharding,
+    PlanError,
+    ShardingType,
+    ShardMetadata,
+    construct_parameter_sharding,
+)
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, GroupedEmbeddingLookup
 from dlrmctl.sparse import KeyedJaggedTensor
@@ -163,6 +170,22 @@ class EmbeddingSharding(nn.Module):
         self._lookup_identity = [lk.feature_pos == list(range(len(me.features))) for lk in me.lookups]
 
     # ------------------------------------------------------------ metadata
+    @classmethod
+    def shard_table(
+        cls,
+        table: EmbeddingBagConfig,
+        ranks: Sequence[int],
+        compute_kernel: ComputeKernel | str = ComputeKernel.FUSED,
+        column_sizes: Sequence[int] | None = None,
+    ) -> ParameterSharding:
+        """The ParameterSharding of ``table`` for this type on ``ranks``
+        (:func:`~dlrmctl.distributed.types.construct_parameter_sharding`: table-wise one rank,
+        row kinds ``ceil(rows / len(ranks))`` blocks, column kinds ``column_sizes`` or an even split).
+        """
+        return construct_parameter_sharding(
+            cls.sharding_type, table.num_embeddings, table.embedding_dim, ranks, compute_kernel, column_sizes
+        )
+
     @classmethod
     def validate_sharding(cls, table: EmbeddingBagConfig, ps: ParameterSharding) -> None:
         """Type-specific checks beyond :meth:`ShardingPlan.validate` (override)."""

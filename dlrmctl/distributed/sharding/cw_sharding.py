@@ -13,16 +13,11 @@ table (as in TorchRec); ``exact_adagrad`` / ``exact_sgd`` are.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from dlrmctl.distributed.sharding.common import TableWiseLikeSharding
 from dlrmctl.distributed.types import (
-    ComputeKernel,
-    ParameterSharding,
     ShardingType,
-    construct_parameter_sharding,
 )
-from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 
 
 class CwSharding(TableWiseLikeSharding):
@@ -30,18 +25,6 @@ class CwSharding(TableWiseLikeSharding):
 
     sharding_type = ShardingType.COLUMN_WISE
 
-    @classmethod
-    def shard_table(
-        cls,
-        table: EmbeddingBagConfig,
-        ranks: Sequence[int],
-        compute_kernel: ComputeKernel | str = ComputeKernel.FUSED,
-        column_sizes: Sequence[int] | None = None,
-    ) -> ParameterSharding:
-        """One column block per entry of ``ranks`` (widths ``column_sizes``, default an even split)."""
-        return construct_parameter_sharding(
-            cls.sharding_type, table.num_embeddings, table.embedding_dim, ranks, compute_kernel, column_sizes
-        )
 
     @staticmethod
     def default_ranks(table_index: int, world_size: int, local_world_size: int) -> list[int]:

@@ -15,17 +15,12 @@ the last ones smaller or empty (10 rows on 3 ranks -> 4, 4, 2).
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from dlrmctl.distributed.sharding.common import RowWiseLikeSharding
 from dlrmctl.distributed.types import (
-    ComputeKernel,
-    ParameterSharding,
     PlanError,
     ShardingType,
-    construct_parameter_sharding,
 )
-from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 
 
 class RwSharding(RowWiseLikeSharding):
@@ -33,18 +28,6 @@ class RwSharding(RowWiseLikeSharding):
 
     sharding_type = ShardingType.ROW_WISE
 
-    @classmethod
-    def shard_table(
-        cls,
-        table: EmbeddingBagConfig,
-        ranks: Sequence[int],
-        compute_kernel: ComputeKernel | str = ComputeKernel.FUSED,
-        column_sizes: Sequence[int] | None = None,
-    ) -> ParameterSharding:
-        """Row blocks of ``ceil(rows / len(ranks))`` on ``ranks`` in order."""
-        return construct_parameter_sharding(
-            cls.sharding_type, table.num_embeddings, table.embedding_dim, ranks, compute_kernel
-        )
 
     @staticmethod
     def default_ranks(table_index: int, world_size: int, local_world_size: int) -> list[int]:

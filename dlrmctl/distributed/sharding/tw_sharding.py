@@ -7,17 +7,12 @@ back (all-to-all) and the source concatenates the blocks.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 from dlrmctl.distributed.sharding.common import TableWiseLikeSharding
 from dlrmctl.distributed.types import (
-    ComputeKernel,
-    ParameterSharding,
     PlanError,
     ShardingType,
-    construct_parameter_sharding,
 )
-from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 
 
 class TwSharding(TableWiseLikeSharding):
@@ -25,17 +20,6 @@ class TwSharding(TableWiseLikeSharding):
 
     sharding_type = ShardingType.TABLE_WISE
 
-    @staticmethod
-    def shard_table(
-        table: EmbeddingBagConfig,
-        ranks: Sequence[int],
-        compute_kernel: ComputeKernel | str = ComputeKernel.FUSED,
-        column_sizes: Sequence[int] | None = None,
-    ) -> ParameterSharding:
-        """The whole table on ``ranks[0]`` (one rank)."""
-        return construct_parameter_sharding(
-            ShardingType.TABLE_WISE, table.num_embeddings, table.embedding_dim, ranks, compute_kernel
-        )
 
     @staticmethod
     def default_ranks(table_index: int, world_size: int, local_world_size: int) -> list[int]:
