@@ -202,9 +202,14 @@ class ShardingConfig:
     ``local_world_size`` (null: all ranks on one host) lets one machine pretend
     to be several hosts (4 ranks = 2 hosts x 2) for table_row_wise /
     table_column_wise; ``constraints`` restrict the planner per table.
+    ``force: true`` runs the sharded path (DistributedModelParallel, every
+    collective, the sparse_dist pipeline) even with ONE process, on a one-rank
+    process group (gloo on CPU, nccl on CUDA): one GPU then exercises all the
+    code a multi-GPU job uses.
     """
 
     plan_file: Optional[str] = None
+    force: bool = False
     local_world_size: Optional[int] = None
     tables: dict[str, TableShardingConfig] = field(default_factory=dict)
     constraints: dict[str, TableConstraintsConfig] = field(default_factory=dict)

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from dlrmctl.config import config_from_dict
 from dlrmctl.train.loop import RunEnv, Trainer
@@ -157,3 +158,143 @@ def test_torchx_launch_writes_the_same_metrics_as_the_in_process_two_rank_run(ti
     r = CliRunner().invoke(app, ["train", str(cfg_path), "--nproc", "2"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert _losses(tmp_path / "torchx", "p_sparse_dist") == inproc
+
+
+# ----------------------------------------------------- stream choreography
+class _RecordingStreams:
+    """A StreamProvider that logs every stream/event operation (for the order test)."""
+
+    def __init__(self, log):
+        self.log = log
+        self._active = ["default"]
+        self._n = 0
+
+    def new_stream(self, name):
+        return name
+
+    def current_stream(self):
+        return "default"
+
+    def use(self, stream):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            self._active.append(stream)
+            try:
+                yield
+            finally:
+                self._active.pop()
+        return cm()
+
+    def record_event(self, stream):
+        self._n += 1
+        ev = f"ev{self._n}@{stream}"
+        self.log.append(("record_event", stream, ev))
+        return ev
+
+    def wait_event(self, stream, event):
+        self.log.append(("wait_event", stream, event))
+
+    def record_stream(self, obj, stream):
+        self.log.append(("record_stream", getattr(obj, "name", type(obj).__name__), stream))
+
+    def on(self):
+        return self._active[-1]
+
+
+class _FakeKJT:
+    def __init__(self, name):
+        self.name = name
+
+
+class _FakeBatch:
+    def __init__(self, i, streams=None, log=None, on_device=False):
+        self.i, self.streams, self.log, self.on_device = i, streams, log, on_device
+        self.name = f"b{i}" if on_device else f"host{i}"
+        self.sparse_features = _FakeKJT(f"kjt{i}")
+        self.labels = torch.zeros(3)
+
+    def to(self, device, non_blocking=False):
+        self.log.append(("copy", f"b{self.i}", self.streams.on(), non_blocking))
+        return _FakeBatch(self.i, self.streams, self.log, on_device=True)
+
+
+def test_sparse_dist_stream_order_copy_i_plus_2_dist_i_plus_1_compute_i():
+
+    from dlrmctl.train.pipeline import make_pipeline
+
+    log = []
+    streams = _RecordingStreams(log)
+
+    class Aw:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            log.append(("dist_wait", self.name, streams.on()))
+            return _FakeKJT(f"ctx_{self.name}")
+
+    def start(kjt):
+        log.append(("dist_start", kjt.name, streams.on()))
+        return Aw(kjt.name)
+
+    def run_step(batch, ctx):
+        log.append(("compute", batch.name, ctx.name, streams.on()))
+        return 0.0
+
+    pipe = make_pipeline("sparse_dist", torch.device("cpu"), run_step, start, streams=streams)
+    pipe.reset(iter([_FakeBatch(i, streams, log) for i in range(5)]))
+    steps = []
+    for _ in range(3):
+        log.clear()
+        assert pipe.progress() is not None
+        steps.append(list(log))
+    # priming (step 0 only): b0 copied, b0's input_dist started after its copy event, b1 copied
+    assert steps[0][:7] == [
+        ("copy", "b0", "memcpy", True), ("record_event", "memcpy", "ev1@memcpy"),
+        ("wait_event", "data_dist", "ev1@memcpy"), ("record_stream", "kjt0", "data_dist"),
+        ("dist_start", "kjt0", "data_dist"),
+        ("copy", "b1", "memcpy", True), ("record_event", "memcpy", "ev2@memcpy"),
+    ]
+    flat = [e for st in steps for e in st]
+    copy_event = {e[1]: flat[k + 1][2] for k, e in enumerate(flat) if e[0] == "copy"}  # batch -> its copy event
+    steady = [steps[0][7:], steps[1], steps[2]]
+    for i, s in enumerate(steady):
+        ev_copy_next, ev_copy_cur = copy_event[f"b{i + 1}"], copy_event[f"b{i}"]
+        names = [e[0] for e in s]
+        assert names == ["copy", "record_event",  # 1. batch i+2 host->device on memcpy
+                         "wait_event", "record_stream", "dist_start",  # 2. batch i+1 input_dist on data_dist
+                         "dist_wait", "record_event", "wait_event", "record_stream",  # 3. default waits for i's dist
+                         "wait_event", "record_stream", "compute"], s  # ... and i's copy, then computes
+        assert s[0] == ("copy", f"b{i + 2}", "memcpy", True)
+        assert s[2] == ("wait_event", "data_dist", ev_copy_next)
+        assert s[3] == ("record_stream", f"kjt{i + 1}", "data_dist") and s[4] == ("dist_start", f"kjt{i + 1}", "data_dist")
+        assert s[5] == ("dist_wait", f"kjt{i}", "data_dist")
+        assert s[6][:2] == ("record_event", "data_dist") and s[7] == ("wait_event", "default", s[6][2])
+        assert s[8] == ("record_stream", f"ctx_kjt{i}", "default")
+        assert s[9] == ("wait_event", "default", ev_copy_cur) and s[10] == ("record_stream", f"b{i}", "default")
+        assert s[11] == ("compute", f"b{i}", f"ctx_kjt{i}", "default")
+
+
+def test_sparse_dist_pipeline_drains_short_epochs_without_losing_batches():
+    from dlrmctl.train.pipeline import make_pipeline
+
+    for n in range(0, 5):
+        log = []
+        streams = _RecordingStreams(log)
+
+        class Aw:
+            def __init__(self, name):
+                self.name = name
+
+            def wait(self):
+                return _FakeKJT(f"ctx_{self.name}")
+
+        done = []
+        pipe = make_pipeline("sparse_dist", torch.device("cpu"), lambda b, c: done.append((b.name, c.name)) or 0.0,
+                             lambda k: Aw(k.name), streams=streams)
+        pipe.reset(iter([_FakeBatch(i, streams, log) for i in range(n)]))
+        while pipe.progress() is not None:
+            pass
+        assert done == [(f"b{i}", f"ctx_kjt{i}") for i in range(n)]

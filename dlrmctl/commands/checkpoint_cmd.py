@@ -18,7 +18,6 @@ the new layout, so each rank of the resumed job reads one file.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from types import SimpleNamespace
@@ -38,14 +37,13 @@ def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_
             q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
-    import torch.distributed as dist
 
+    from dlrmctl.distributed.env import destroy_distributed, init_process_group_tcp
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.train.checkpoint import reshard_rank
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=600))
+    init_process_group_tcp(rank, world_size, port, "gloo", timeout_s=600)
     try:
         plan = None if plan_dict is None else ShardingPlan.from_dict(plan_dict)
         path = reshard_rank(src, out_run, rank, world_size, plan, name=name)
@@ -53,7 +51,7 @@ def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         q.put((rank, False, f"{type(e).__name__}: {e}"))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | None = None) -> str:

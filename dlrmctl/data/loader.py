@@ -32,6 +32,7 @@ from dlrmctl.data.batch import Batch
 from dlrmctl.data.columnar import DataError, SplitData, read_meta
 from dlrmctl.data.criteo import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+from dlrmctl.sparse.validation import check_ids
 
 __all__ = ["BatchLoader", "rank_slice"]
 
@@ -71,13 +72,16 @@ class BatchLoader:
     Raises:
         DataError: missing/corrupt meta, unknown split or feature (names the alternatives).
         ValueError: bad batch_size / rank / world_size / num_samples.
+        EmbeddingIdError: (while iterating, with ``id_bounds``) an id outside its table, naming
+            the split, the batch, the table and the feature.
     """
 
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
                  shuffle: bool = False, seed: int = 0, drop_last: bool = False, prefetch: int = 2,
                  num_samples: int | None = None, features: Sequence[str] | None = None,
                  pin_memory: bool = False, multi_hot_sizes: dict[str, int] | None = None,
-                 multi_hot_distribution: str = "uniform", multi_hot_seed: int = 0) -> None:
+                 multi_hot_distribution: str = "uniform", multi_hot_seed: int = 0,
+                 id_bounds: dict[str, tuple[str, int]] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -123,6 +127,7 @@ class BatchLoader:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn("BatchLoader(pin_memory=True) ignored: CUDA is not available", stacklevel=2)
+        self.id_bounds = dict(id_bounds or {})
         self.epoch = 0
         self._start_batch = 0  # batches of `epoch` already consumed (resume point)
         self._yielded = 0
@@ -181,7 +186,7 @@ class BatchLoader:
             return np.arange(g0 + lo, g0 + hi, dtype=np.int64)
         return order[g0 + lo:g0 + hi]
 
-    def _assemble(self, rows: np.ndarray) -> Batch:
+    def _assemble(self, rows: np.ndarray, index: int = 0) -> Batch:
         """Gather ``rows [B]`` (global split row ids) into a Batch, vectorised per shard and column."""
         B = len(rows)
         D = len(self.dense_names)
@@ -225,14 +230,19 @@ class BatchLoader:
             lengths=torch.from_numpy(np.concatenate(lengths) if lengths else np.zeros(0, np.int64)),
             stride=B,
             validate=False,
+            length_per_key=[len(v) for v in values],
         )
         del F
+        if self.id_bounds:
+            check_ids(kjt, {f: n for f, (_, n) in self.id_bounds.items()},
+                      {f: t for f, (t, _) in self.id_bounds.items()},
+                      where=f"{self.split} split, epoch {self.epoch}, batch {index}: ")
         batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
         return batch.pin_memory() if self.pin_memory else batch
 
     def _produce(self, start: int, order: np.ndarray | None) -> Iterator[Batch]:
         for i in range(start, self.num_global_batches()):
-            yield self._assemble(self._rows_of(order, i))
+            yield self._assemble(self._rows_of(order, i), i)
 
     def __iter__(self) -> Iterator[Batch]:
         start = self._start_batch

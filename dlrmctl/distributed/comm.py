@@ -1,21 +1,41 @@
-"""Collectives used by the sharded embeddings, with autograd where gradients flow.
+"""Every ``torch.distributed`` collective dlrmctl issues, with autograd where gradients flow.
+
+Rule (checked by ``tests/test_comm_rule.py``, an AST scan of the package): no
+other module calls ``torch.distributed`` collectives; process-group creation and
+teardown live in :mod:`dlrmctl.distributed.env`, and the checkpoint's DCP
+save/load calls are DCP's own.
+
+Devices: **every tensor handed to a collective is on the device its process
+group serves** — ``env.device``: CPU tensors on a ``gloo`` group, CUDA tensors
+(of the rank's ``cuda:<local_rank>``) on an ``nccl`` group.  The groups are
+single-backend on purpose (no ``cpu:gloo,cuda:nccl`` fallback that would hide a
+CPU tensor on the GPU path as a slow host round trip).  Callers pass
+``device=`` (``env.device``) where they build tensors.  Pickled-object
+collectives (:func:`broadcast_object`, :func:`all_gather_object`: the plan, the
+checkpoint's file lists) use torch's object collectives, which put their byte
+buffers on the current CUDA device for NCCL and on the CPU for gloo.
 
 * :func:`all_to_all_single` — flat ``all_to_all_single`` with explicit split
   sizes whose backward is the reverse all-to-all (pooled embeddings out,
-  gradients back).
+  gradients back); :func:`pooled_all_to_all` does several groups in one.
 * :func:`reduce_scatter_v` — sum rows over ranks and keep each rank's own rows
   (row-wise output dist).  On NCCL the real ``reduce_scatter``; elsewhere (gloo)
   an all-to-all of the row blocks followed by a local sum.  Backward is the
   matching all-gather.
 * :func:`all_to_all_ints` — the (non-differentiable) exchange of ids / lengths,
-  optionally asynchronous (:class:`Awaitable`).
-* :func:`sync_dense_grads` / :func:`sync_sparse_grads` — SUM all-reduce of
-  replicated parameters' gradients (one bucket for dense grads; sparse
-  embedding grads are all-gathered as (rows, values) and summed, never
-  densified).
+  optionally asynchronous.
+* :class:`GradBucketReducer` — DDP-style bucketed SUM all-reduce of replicated
+  dense gradients, each bucket launched asynchronously as soon as backward has
+  produced all of its gradients (overlapping the rest of backward);
+  :func:`sync_dense_grads` is the one-bucket, after-backward variant.
+* :func:`sync_sparse_grads` — SUM of replicated tables' sparse (row) gradients,
+  all-gathered as (rows, values), never densified.
+* small helpers: :func:`all_reduce`, :func:`broadcast`, :func:`barrier`,
+  :func:`broadcast_object`, :func:`all_gather_object`, :func:`gather_to_rank0`.
 
 Every function takes the process group explicitly and is a no-op (identity)
-when it is ``None`` or has one rank.
+when it is ``None``.  A group of ONE rank runs the real collectives (so one GPU
+exercises every collective of the multi-GPU path: ``sharding.enabled: true``).
 """
 
 from __future__ import annotations
@@ -69,7 +89,8 @@ class LazyAwaitable(Awaitable[T]):
 
 
 def _world(pg: dist.ProcessGroup | None) -> int:
-    return 1 if pg is None else dist.get_world_size(pg)
+    """0 without a group (every helper is then a no-op), else the group's size (1 runs the real collectives)."""
+    return 0 if pg is None else dist.get_world_size(pg)
 
 
 # --------------------------------------------------------------- all-to-all
@@ -91,7 +112,7 @@ def all_to_all_ints(
         ``(recv [sum(out_splits)], work or None)``; with ``async_op`` the
         receive buffer is valid only after ``work.wait()``.
     """
-    if _world(pg) == 1:
+    if pg is None:
         return send, None
     recv = send.new_empty(int(sum(out_splits)))
     work = dist.all_to_all_single(
@@ -128,7 +149,7 @@ def all_to_all_single(
         ``[sum(out_splits)]``; chunk ``i`` came from rank ``i``.  Backward sends
         the gradient chunks back the way they came.
     """
-    if _world(pg) == 1:
+    if pg is None:
         return inp
     return _AllToAllSingle.apply(inp, [int(x) for x in in_splits], [int(x) for x in out_splits], pg)
 
@@ -260,7 +281,7 @@ def reduce_scatter_v(
     Returns:
         ``[batch_sizes[rank], D]``: the sum over ranks of this rank's block.
     """
-    if _world(pg) == 1:
+    if pg is None:
         return inp
     if use_collective is None:
         use_collective = dist.get_backend(pg) == "nccl"
@@ -275,7 +296,7 @@ def sync_dense_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup
     A missing gradient counts as zeros (and becomes a zeros tensor), so every
     rank takes part in the same collective.
     """
-    if _world(pg) == 1 or not params:
+    if pg is None or not params:
         return
     grads = []
     for p in params:
@@ -291,18 +312,47 @@ def sync_dense_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup
         off += n
 
 
+#: replicated tables up to this size (bytes of fp32 weights) have their gradients
+#: densified and all-reduced (no host sync); larger ones are all-gathered as rows
+DENSE_GRAD_MAX_BYTES = 8 << 20
+
+
 @torch.no_grad()
-def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup | None) -> None:
+def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup | None,
+                      dense_max_bytes: int = DENSE_GRAD_MAX_BYTES) -> None:
     """SUM the sparse (row) gradients of replicated 2-D ``params`` over ranks.
 
-    Each rank contributes its coalesced ``(rows, values)``; they are
-    all-gathered (three collectives for all ``params`` together: counts, rows,
-    values) and summed into a coalesced sparse gradient — the table is never
-    densified.  A missing gradient counts as empty.
+    * Tables of at most ``dense_max_bytes`` (the small tables the planner makes
+      data_parallel): the gradient is densified and SUM-all-reduced in one flat
+      bucket, as DDP does for TorchRec's data_parallel tables; no host sync.  Rows
+      nobody looked up stay exactly zero, and the embedding optimizers update only
+      rows with a non-zero gradient (:class:`dlrmctl.train.optim.RowWiseAdagrad`).
+    * Larger tables: each rank contributes its coalesced ``(rows, values)``; they are
+      all-gathered (three collectives for all of them together: counts, rows, values;
+      reading the counts is one host sync) and summed into a coalesced sparse
+      gradient — the table is never densified.
+
+    A missing gradient counts as empty.
     """
-    ws = _world(pg)
-    if ws == 1 or not params:
+    if pg is None or not params:
         return
+    small = [p for p in params if p.numel() * 4 <= dense_max_bytes]
+    if small:
+        grads = []
+        for p in small:
+            g = p.grad
+            grads.append(torch.zeros_like(p) if g is None else (g.to_dense() if g.is_sparse else g))
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        off = 0
+        for p in small:
+            n = p.numel()
+            p.grad = flat[off : off + n].view_as(p)
+            off += n
+    params = [p for p in params if p.numel() * 4 > dense_max_bytes]
+    if not params:
+        return
+    ws = _world(pg)
     dev = params[0].device
     idx_parts, val_parts, counts = [], [], []
     for p in params:
@@ -352,3 +402,178 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
         rows = torch.cat(per_param_idx[j])
         vals = torch.cat(per_param_val[j])
         p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), vals, p.shape, check_invariants=False).coalesce()
+
+
+class GradBucketReducer:
+    """DDP-style SUM all-reduce of replicated gradients, overlapped with backward.
+
+    Parameters are put into buckets of at most ``bucket_cap_mb`` MiB, in reverse
+    registration order (the order backward produces their gradients, as in
+    ``torch.nn.parallel.DistributedDataParallel``).  A hook on each parameter
+    (``register_post_accumulate_grad_hook``) marks it ready; when every gradient
+    of bucket ``k`` is ready and buckets ``0..k-1`` are launched, bucket ``k`` is
+    flattened and its ``all_reduce`` launched asynchronously, while backward goes
+    on.  :meth:`finish` (queued by the caller at the end of backward) launches the
+    buckets still pending — a parameter that got no gradient counts as zeros, so
+    every rank issues the same collectives in the same order — waits for all of
+    them and copies the sums back into ``p.grad``.
+
+    The result equals :func:`sync_dense_grads` (each element is the same sum over
+    ranks); only the moment of the communication differs.
+
+    Args:
+        params: replicated parameters (dense layers), identical on every rank.
+        pg: the process group (``None``: everything is a no-op).
+        bucket_cap_mb: bucket size in MiB (DDP's default: 25).
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup | None,
+                 bucket_cap_mb: float = 25.0) -> None:
+        self.pg = pg
+        ps = [p for p in params if p.requires_grad]
+        cap = int(bucket_cap_mb * 2**20)
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        cur: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(ps):
+            nbytes = p.numel() * p.element_size()
+            if cur and (size + nbytes > cap or p.dtype != cur[0].dtype or p.device != cur[0].device):
+                self.buckets.append(cur)
+                cur, size = [], 0
+            cur.append(p)
+            size += nbytes
+        if cur:
+            self.buckets.append(cur)
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._handles = []
+        self._reset()
+        if pg is not None:
+            for p in ps:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def arm(self) -> None:
+        """Let the hooks launch buckets during the backward that has just started (the
+        caller queues :meth:`finish` for its end); unarmed, gradients are only counted."""
+        self._armed = True
+
+    def _reset(self) -> None:
+        self._armed = False
+        self._pending = [len(b) for b in self.buckets]
+        self._ready: set[int] = set()
+        self._next = 0
+        self._works: list[tuple[object, torch.Tensor, int]] = []
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if id(p) in self._ready:  # accumulated twice in one backward: still one contribution
+            return
+        self._ready.add(id(p))
+        self._pending[self._bucket_of[id(p)]] -= 1
+        if self._armed:
+            self._launch_ready()
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self.buckets) and (force or self._pending[self._next] == 0):
+            k = self._next
+            grads = []
+            for p in self.buckets[k]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad.reshape(-1))
+            flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+            self._works.append((work, flat, k))
+            self._next += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch what is pending, wait for every bucket and write the sums into ``p.grad``."""
+        if self.pg is None:
+            return
+        self._launch_ready(force=True)
+        for work, flat, k in self._works:
+            work.wait()  # type: ignore[attr-defined]
+            off = 0
+            for p in self.buckets[k]:
+                n = p.numel()
+                p.grad.copy_(flat[off : off + n].view_as(p.grad))
+                off += n
+        self._reset()
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+# --------------------------------------------------------- small collectives
+def default_group() -> dist.ProcessGroup | None:
+    """The default (world) group when one is initialised, else ``None``."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def all_reduce(t: torch.Tensor, pg: dist.ProcessGroup | None, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce of ``t`` (on the group's device); ``op``: ``sum`` | ``max`` | ``min``.
+
+    Returns the work handle with ``async_op`` (else ``None``)."""
+    if pg is None:
+        return None
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    return dist.all_reduce(t, op=ops[op], group=pg, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, pg: dist.ProcessGroup | None) -> torch.Tensor:
+    """In-place broadcast of ``t`` from global rank ``src``; returns ``t``."""
+    if pg is not None:
+        dist.broadcast(t, src=src, group=pg)
+    return t
+
+
+def barrier(pg: dist.ProcessGroup | None) -> None:
+    """Wait for every rank of ``pg`` (no-op without a group)."""
+    if pg is not None:
+        dist.barrier(group=pg)
+
+
+def broadcast_object(obj: T, src: int, pg: dist.ProcessGroup | None) -> T:
+    """A picklable object from rank ``src`` to every rank (only ``src``'s ``obj`` is read)."""
+    if pg is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=pg)
+    return box[0]
+
+
+def all_gather_object(obj: T, pg: dist.ProcessGroup | None) -> list[T]:
+    """Every rank's picklable ``obj``, in rank order (small objects only: file lists, ...)."""
+    if pg is None:
+        return [obj]
+    out: list = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def gather_to_rank0(t: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """Concatenate every rank's ``t [n_r, ...]`` (``n_r`` may differ) on rank 0.
+
+    One all-gather of the row counts, then one ``gather`` of the (padded) rows,
+    so only rank 0 holds all of them.
+
+    Returns:
+        rank 0: ``[sum_r n_r, ...]`` (rank order); other ranks: ``None``.
+        Without a group: ``t``.
+    """
+    if pg is None:
+        return t
+    ws, me = dist.get_world_size(pg), dist.get_rank(pg)
+    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+    counts_t = n.new_empty(ws)
+    _all_gather_flat(counts_t, n, group=pg)
+    counts = counts_t.tolist()
+    m = max(counts)
+    pad = t.new_zeros((m, *t.shape[1:]))
+    pad[: t.shape[0]] = t
+    bufs = [torch.empty_like(pad) for _ in range(ws)] if me == 0 else None
+    dist.gather(pad, gather_list=bufs, group_dst=0, group=pg)
+    if me != 0:
+        return None
+    return torch.cat([b[:c] for b, c in zip(bufs, counts)])  # type: ignore[arg-type]

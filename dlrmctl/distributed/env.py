@@ -6,7 +6,15 @@ launch``) set — ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``
 
 * CPU: backend ``gloo``, device ``cpu``;
 * CUDA: backend ``nccl``, ``torch.cuda.set_device(local_rank)``, device ``cuda:<local_rank>``;
-* ``WORLD_SIZE`` unset: a single-process env (``pg=None``, no collectives).
+* ``WORLD_SIZE`` unset: a single-process env (``pg=None``, no collectives), or
+  with ``single_rank_group=True`` a real process group of ONE rank (gloo on CPU,
+  nccl on CUDA) so that the whole sharded path — DistributedModelParallel,
+  every collective, the sparse-dist pipeline — runs on one process / one GPU.
+
+This module and :mod:`dlrmctl.distributed.comm` are the only places that call
+``torch.distributed`` (creation / teardown here, collectives there).  Each
+group serves one device type: gloo <-> CPU tensors, nccl <-> this rank's CUDA
+device (see comm's docstring).
 
 ``local_world_size`` (ranks per host) groups ranks into hosts for
 ``table_row_wise`` / ``table_column_wise``; it may be smaller than the real one
@@ -70,7 +78,13 @@ class ShardingEnv:
 
     @property
     def is_distributed(self) -> bool:
-        return self.pg is not None and self.world_size > 1
+        """A process group exists: collectives run (also with one rank)."""
+        return self.pg is not None
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """TorchRec's name for :attr:`pg`."""
+        return self.pg
 
     @staticmethod
     def single(device: torch.device | str = "cpu") -> "ShardingEnv":
@@ -91,10 +105,41 @@ class ShardingEnv:
         return ShardingEnv(rank, ws, local_world_size or ws, pg, torch.device(device))
 
 
+def default_backend(device: torch.device | str | None = None) -> str:
+    """``nccl`` for a CUDA device (or, with no device given, when CUDA is available), else ``gloo``."""
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_process_group_tcp(rank: int, world_size: int, port: int, backend: str = "gloo",
+                           device: torch.device | str | None = None, timeout_s: float = 600.0,
+                           local_world_size: int | None = None) -> ShardingEnv:
+    """Join a group rendezvousing on ``tcp://127.0.0.1:<port>`` (helper processes of one
+    host, e.g. ``dlrmctl checkpoint reshard``); returns the rank's env."""
+    device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **({"device_id": device} if backend == "nccl" else {}),
+    )
+    return ShardingEnv(rank, world_size, local_world_size or world_size, dist.group.WORLD, device)
+
+
+def destroy_distributed() -> None:
+    """Tear down the default process group if one exists (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(
     backend: str | None = None,
     local_world_size: int | None = None,
     timeout_s: float = 1800.0,
+    single_rank_group: bool = False,
+    device: torch.device | str | None = None,
 ) -> ShardingEnv:
     """Initialise ``torch.distributed`` from torchrun's environment variables.
 
@@ -104,25 +149,41 @@ def init_distributed(
             ``world_size``).  A smaller value makes one machine act as several
             hosts for the ``table_*_wise`` sharding types.
         timeout_s: collective timeout.
+        single_rank_group: with ``WORLD_SIZE`` unset or 1, still create a group
+            (of one rank, in-process store, no ports) so every collective runs.
+        device: the rank's device (default: ``cuda:<LOCAL_RANK>`` for nccl, else cpu).
 
     Returns:
         The env; a single-process one (no process group) when ``WORLD_SIZE`` is
-        unset or 1 and no process group exists yet.
+        unset or 1, no process group exists yet and ``single_rank_group`` is off.
 
     Raises:
         ValueError: ``nccl`` without CUDA, or an inconsistent local world size.
     """
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend(device)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device is None:
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if (backend == "nccl") != (device.type == "cuda"):
+        raise ValueError(f"backend {backend!r} does not serve device {device}: use nccl for CUDA, gloo for CPU")
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(device)
     if ws == 1 and not dist.is_initialized():
-        return ShardingEnv(0, 1, 1, None, device)
+        if not single_rank_group:
+            return ShardingEnv(0, 1, 1, None, device)
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **({"device_id": device} if backend == "nccl" else {}),
+        )
+        return ShardingEnv(0, 1, 1, dist.group.WORLD, device)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,

@@ -10,10 +10,13 @@ on the same global batch):
   its fused optimizer update) is already the global-batch gradient.
 * Dense layers (MLPs) and data_parallel tables are replicated: their gradients
   are all-reduced with **SUM** (not averaged) — sum over ranks of
-  ``d(sum_local / global_B)`` is the global-batch gradient.  This happens
-  automatically at the end of ``backward()`` (a callback queued on the autograd
-  engine, as DDP does), or by calling :meth:`sync_dense_gradients` yourself
-  with ``sync_grads_in_backward=False``.
+  ``d(sum_local / global_B)`` is the global-batch gradient.  Dense gradients go
+  through :class:`~dlrmctl.distributed.comm.GradBucketReducer`: DDP's buckets,
+  each all-reduced asynchronously as soon as backward has produced it, so the
+  communication overlaps the rest of backward; a callback queued on the
+  autograd engine waits for them (and sums the data_parallel tables' sparse
+  gradients) at the end of ``backward()``.  With
+  ``sync_grads_in_backward=False`` call :meth:`sync_dense_gradients` yourself.
 
 After ``backward``, step the dense optimizer over :meth:`dense_parameters` and
 a torch embedding optimizer over :meth:`embedding_dense_parameters`
@@ -28,7 +31,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, sync_dense_grads
+from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, GradBucketReducer, broadcast, sync_dense_grads
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharded_ebc import SHARDING_CLASSES, ShardedEmbeddingBagCollection
 from dlrmctl.distributed.types import ComputeKernel, PlanError, ShardingPlan, ShardingType
@@ -61,8 +64,9 @@ class DistributedModelParallel(nn.Module):
             unsharded EBC built with this seed (the original EBC's weights are
             not copied; use ``sparse_arch.load_full_weights`` to start from given ones).
         check_ids: validate id ranges of every local batch.
-        sync_grads_in_backward: SUM-all-reduce the replicated gradients at the
-            end of every backward (else call :meth:`sync_dense_gradients`).
+        sync_grads_in_backward: SUM-all-reduce the replicated gradients during /
+            at the end of every backward (else call :meth:`sync_dense_gradients`).
+        bucket_cap_mb: size of the dense-gradient all-reduce buckets (MiB).
 
     Forward: ``dense [B, D_in]`` float32, ``sparse`` KJT (local batch ``B``, may
     differ between ranks) -> logits ``[B, 1]``.
@@ -80,6 +84,7 @@ class DistributedModelParallel(nn.Module):
         seed: int = 0,
         check_ids: bool = True,
         sync_grads_in_backward: bool = True,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         super().__init__()
         self.env = env
@@ -103,20 +108,21 @@ class DistributedModelParallel(nn.Module):
             if name != "sparse_arch":
                 child.to(env.device)
         self.module = module
+        self._reducer: GradBucketReducer | None = None
         if env.is_distributed:
             self._broadcast_dense()
+            if sync_grads_in_backward:
+                self._reducer = GradBucketReducer(self.dense_parameters(), env.pg, bucket_cap_mb)
 
     @torch.no_grad()
     def _broadcast_dense(self) -> None:
         """Make the replicas identical: rank 0's dense parameters and buffers everywhere."""
-        import torch.distributed as dist
-
         ts = [p.data for p in self.dense_parameters()]
         ts += [b for n, b in self.module.named_buffers() if not n.startswith("sparse_arch.") and b.is_floating_point()]
         if not ts:
             return
         flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.broadcast(flat, src=0, group=self.env.pg)
+        broadcast(flat, 0, self.env.pg)
         off = 0
         for t in ts:
             t.copy_(flat[off : off + t.numel()].view_as(t))
@@ -131,14 +137,10 @@ class DistributedModelParallel(nn.Module):
     def is_sharded(self) -> bool:
         return isinstance(self.module.sparse_arch, ShardedEmbeddingBagCollection)
 
-    def sparse_input_dist(self, features: KeyedJaggedTensor, stream: "torch.cuda.Stream | None" = None) -> Awaitable:
-        """Start the ids' all-to-all (async); ``.wait()`` gives the lookup context.
-
-        ``stream`` (CUDA): run the input dist on this side stream (see
-        :meth:`ShardedEmbeddingBagCollection.input_dist`).
-        """
+    def sparse_input_dist(self, features: KeyedJaggedTensor) -> Awaitable:
+        """Start the ids' all-to-all (async, on the current stream); ``.wait()`` gives the lookup context."""
         if self.is_sharded:
-            return self.module.sparse_arch.input_dist(features, stream)
+            return self.module.sparse_arch.input_dist(features)
         return DoneAwaitable(features)
 
     def compute_and_output_dist(self, ctx) -> KeyedTensor:
@@ -163,13 +165,24 @@ class DistributedModelParallel(nn.Module):
     def _queue_sync(self, grad: torch.Tensor) -> torch.Tensor:
         if not self._sync_queued:
             self._sync_queued = True
+            if self._reducer is not None:
+                self._reducer.arm()
 
             def run() -> None:
                 self._sync_queued = False
-                self.sync_dense_gradients()
+                self._finish_grad_sync()
 
             torch.autograd.Variable._execution_engine.queue_callback(run)
         return grad
+
+    @torch.no_grad()
+    def _finish_grad_sync(self) -> None:
+        if self._reducer is not None:
+            self._reducer.finish()
+        else:
+            sync_dense_grads(self.dense_parameters(), self.env.pg)
+        if self.is_sharded:
+            self.module.sparse_arch.sync_replicated_grads()
 
     # ------------------------------------------------------- parameters
     def dense_parameters(self) -> list[nn.Parameter]:

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, pooled_all_to_all
-from dlrmctl.distributed.comm import reduce_scatter_v, sync_sparse_grads
+from dlrmctl.distributed.comm import all_reduce, reduce_scatter_v, sync_sparse_grads
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharding.common import EmbeddingSharding
 from dlrmctl.distributed.sharding.cw_sharding import CwSharding
@@ -80,22 +79,10 @@ class ShardedEBCContext:
     local_kjts: list[KeyedJaggedTensor]
     lookup_kjts: list[KeyedJaggedTensor | None]
 
-
-class _StreamAwaitable(Awaitable[ShardedEBCContext]):
-    """CUDA: finishes an input dist issued on a side stream, then hands its
-    tensors to the stream calling ``wait()``."""
-
-    def __init__(self, inner: Awaitable[ShardedEBCContext], stream: "torch.cuda.Stream") -> None:
-        self._inner, self._stream = inner, stream
-
-    def wait(self) -> ShardedEBCContext:
-        with torch.cuda.stream(self._stream):
-            ctx = self._inner.wait()
-        cur = torch.cuda.current_stream()
-        cur.wait_stream(self._stream)
-        for kjt in list(ctx.local_kjts) + [k for k in ctx.lookup_kjts if k is not None]:
-            kjt.record_stream(cur)
-        return ctx
+    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+        """Mark every tensor as used on ``stream`` (the context was made on the data-dist stream)."""
+        for kjt in list(self.local_kjts) + [k for k in self.lookup_kjts if k is not None]:
+            kjt.record_stream(stream)
 
 
 class _ColumnAssembly:
@@ -170,6 +157,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         reduce_scatter: row-wise output dist by the ``reduce_scatter`` collective
             (default: on NCCL) instead of all-to-all + local sum (gloo default).
             Only for row-wise groups whose every rank holds a shard of every table.
+        input_dist_dtype: element type of the id all-to-all: ``None`` (default) picks
+            int32 when every table that is communicated has fewer than 2^31 rows,
+            else int64 (for the whole buffer: lengths, ids and weight bits).
 
     Forward:
         ``features``: KJT with every feature of every table, int64 global ids,
@@ -191,6 +181,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         seed: int = 0,
         check_ids: bool = True,
         reduce_scatter: bool | None = None,
+        input_dist_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(tables, is_weighted, check_ids)
         plan.validate(self._tables, env.world_size)
@@ -225,26 +216,27 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             for cols in g.output_cols():
                 labels.append([ebc_feat_off[gf[col_feat[c]]] + c - g.feature_offsets[col_feat[c]] for c in cols])
         self._assembly = _ColumnAssembly(labels, ebc_feat_off[-1])
+        # wire format of the id all-to-all: int32 when every communicated table has < 2^31 rows
+        # (lengths, local ids and float32 weight bits then all fit), else int64
+        big = any(t.num_embeddings >= 2**31 for i in self._comm for t in groups[i].tables)
+        auto = torch.int64 if big else torch.int32
+        if input_dist_dtype not in (None, torch.int32, torch.int64):
+            raise ValueError(f"input_dist_dtype must be torch.int32, torch.int64 or None, got {input_dist_dtype}")
+        if input_dist_dtype == torch.int32 and big:
+            raise ValueError("input_dist_dtype=torch.int32 with a table of >= 2^31 rows: its ids do not fit")
+        self._wire_dtype = input_dist_dtype or auto
+        #: bytes this rank sent in its last input_dist: (size exchange, data)
+        self.input_dist_bytes: tuple[int, int] = (0, 0)
 
     # ---------------------------------------------------------- input dist
-    def input_dist(
-        self, features: KeyedJaggedTensor, stream: "torch.cuda.Stream | None" = None
-    ) -> Awaitable[ShardedEBCContext]:
+    def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
         """Start redistributing the local batch's ids; ``.wait()`` gives the lookup inputs.
 
-        The small all-to-all of sizes runs synchronously; the data all-to-all
-        runs asynchronously (``async_op=True``) until ``wait()``.
-
-        Args:
-            stream: CUDA only — run the routing and collectives on this side
-                stream (the pipelined trainer's data-dist stream); ``wait()``
-                then makes the calling stream wait for it and records the
-                results' memory on the calling stream.
+        The small all-to-all of sizes runs synchronously and is read back in one
+        host sync; the data all-to-all runs asynchronously (``async_op=True``) until
+        ``wait()``.  Issued on the current stream (the pipeline puts it on its
+        data-dist stream, see :class:`dlrmctl.train.pipeline.PipelineStreams`).
         """
-        if stream is not None and features.values().is_cuda:
-            with torch.cuda.stream(stream):
-                aw = self._input_dist(features)
-            return _StreamAwaitable(aw, stream)
         return self._input_dist(features)
 
     def _input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
@@ -257,22 +249,43 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         W, me = self.env.world_size, self.env.rank
         if not self._comm:
             return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups)))
-        sends = {i: groups[i].input_dist_send(local[i]) for i in self._comm}
         dev = features.values().device
-        # 1) sizes: [B, ids per received feature of each comm group] for every destination
-        meta_send = []
+        prep = {i: groups[i].input_dist_counts(local[i]) for i in self._comm}
+        # 1) sizes: row d = [B, ids per d-received feature of each comm group]; host counts
+        #    are written directly, device counts (row-wise bucketizing) are scattered in
+        meta_send: list[int] = []
         meta_in = []
+        dev_pos: list[int] = []
+        dev_vals: list[torch.Tensor] = []
+        where: dict[int, list[tuple[int, int, int]]] = {}  # group -> (dest, feature, position in meta_send)
         for d in range(W):
-            row = [B]
+            row_start = len(meta_send)
+            meta_send.append(B)
             for i in self._comm:
-                row.extend(sends[i][1][d])
-            meta_send.extend(row)
-            meta_in.append(len(row))
+                fs = groups[i].layouts[d].features
+                c = prep[i][1]
+                if torch.is_tensor(c):
+                    if fs:
+                        where.setdefault(i, []).extend((d, f, len(meta_send) + k) for k, f in enumerate(fs))
+                        dev_pos.extend(range(len(meta_send), len(meta_send) + len(fs)))
+                        dev_vals.append(c[d] if fs == list(range(c.shape[1])) else c[d, fs])
+                    meta_send.extend([0] * len(fs))
+                else:
+                    meta_send.extend(c[d])
+            meta_in.append(len(meta_send) - row_start)
         n_recv_feat = [len(groups[i].layouts[me].features) for i in self._comm]
         meta_out = [1 + sum(n_recv_feat)] * W
         meta_t = torch.tensor(meta_send, dtype=torch.int64, device=dev)
+        if dev_vals:
+            meta_t[torch.tensor(dev_pos, dtype=torch.int64, device=dev)] = torch.cat(dev_vals).to(torch.int64)
         meta_r, _ = all_to_all_ints(meta_t, meta_in, meta_out, self.env.pg)
-        meta = meta_r.view(W, meta_out[0]).tolist()
+        # the one host sync of the step: what we receive (and, for row-wise kinds, what we send)
+        if dev_vals:
+            both = torch.cat([meta_r, meta_t]).tolist()
+            meta_flat, sent = both[: meta_r.numel()], both[meta_r.numel():]
+        else:
+            meta_flat, sent = meta_r.tolist(), meta_send
+        meta = [meta_flat[s * meta_out[0] : (s + 1) * meta_out[0]] for s in range(W)]
         batch_sizes = [row[0] for row in meta]
         counts: dict[int, list[list[int]]] = {}
         off = 1
@@ -280,13 +293,22 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             counts[i] = [row[off : off + nf] for row in meta]
             off += nf
         # 2) data: lengths, ids, weights of every comm group, in one all-to-all
+        sends: dict[int, list[list[torch.Tensor]]] = {}
+        for i in self._comm:
+            state, c = prep[i]
+            if torch.is_tensor(c):  # [W][F] host counts, read back from what we sent
+                full = [[0] * c.shape[1] for _ in range(W)]
+                for d, f, pos in where.get(i, []):
+                    full[d][f] = sent[pos]
+                c = full
+            sends[i] = groups[i].input_dist_chunks(state, c)
         mult = 2 if self._is_weighted else 1
         pieces: list[torch.Tensor] = []
         in_splits = []
         for d in range(W):
             n = 0
             for i in self._comm:
-                for t in sends[i][0][d]:
+                for t in sends[i][d]:
                     pieces.append(t)
                     n += t.numel()
             in_splits.append(n)
@@ -295,10 +317,14 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         }
         out_splits = [sum(recv_sizes[i][s] for i in self._comm) for s in range(W)]
         send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=dev)
+        if self._wire_dtype != torch.int64:
+            send = send.to(self._wire_dtype)  # ids, lengths and weight bits all fit in 32 bits
+        self.input_dist_bytes = (meta_t.numel() * meta_t.element_size(), send.numel() * send.element_size())
         recv, work = all_to_all_ints(send, in_splits, out_splits, self.env.pg, async_op=True)
 
         def finish() -> ShardedEBCContext:
-            per_src = torch.split(recv, out_splits)
+            data = recv if recv.dtype == torch.int64 else recv.to(torch.int64)
+            per_src = torch.split(data, out_splits)
             chunks: dict[int, list[torch.Tensor]] = {i: [] for i in self._comm}
             for s in range(W):
                 parts = torch.split(per_src[s], [recv_sizes[i][s] for i in self._comm])
@@ -321,7 +347,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}
         if self._a2a_out:
             widths = [[groups[i].layouts[d].width for i in self._a2a_out] for d in range(W)]
-            if self.env.is_distributed:
+            if self.env.pg is not None:
                 out = pooled_all_to_all([looked[i] for i in self._a2a_out], bs, widths, self.env.pg)
             else:
                 out = [[looked[i] for i in self._a2a_out]]
@@ -412,7 +438,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
                 full[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols] = w.detach().to(self.env.device)
         if self.env.is_distributed:
             flat = torch.cat([v.reshape(-1) for v in full.values()])
-            dist.all_reduce(flat, group=self.env.pg)
+            all_reduce(flat, self.env.pg)
             off = 0
             for k, v in full.items():
                 v.copy_(flat[off : off + v.numel()].view_as(v))

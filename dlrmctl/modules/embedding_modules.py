@@ -39,14 +39,11 @@ from torch import nn
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+from dlrmctl.sparse.validation import EmbeddingIdError, check_ids  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 INIT_BLOCK_ROWS = 65536
-
-
-class EmbeddingIdError(ValueError):
-    """An id is outside ``[0, num_embeddings)`` of its table."""
 
 
 @dataclass
@@ -104,39 +101,6 @@ def init_table_rows(
         lo, hi = r, min(end, b1)
         out[lo - row_offset : hi - row_offset].copy_(vals[lo - b0 : hi - b0, col_offset : col_offset + cols])
         r = hi
-
-
-def check_ids(
-    kjt: KeyedJaggedTensor, feature_rows: dict[str, int], feature_table: dict[str, str]
-) -> None:
-    """Raise if any id of a feature is outside its table.
-
-    Args:
-        kjt: input ids (int64 values).
-        feature_rows: feature -> rows of the table it looks up.
-        feature_table: feature -> table name (for the message).
-
-    Raises:
-        EmbeddingIdError: naming the table, the feature, the offending id and
-            the valid range; ids are never silently clamped to row 0.
-    """
-    values = kjt.values()
-    if values.numel() == 0:
-        return
-    opk = kjt.offset_per_key()
-    for i, key in enumerate(kjt.keys()):
-        s, e = opk[i], opk[i + 1]
-        if s == e:
-            continue
-        v = values[s:e]
-        lo, hi = int(v.min()), int(v.max())
-        n = feature_rows[key]
-        if lo < 0 or hi >= n:
-            bad = lo if lo < 0 else hi
-            raise EmbeddingIdError(
-                f"table '{feature_table[key]}', feature '{key}': id {bad} is out of range; "
-                f"expected 0 <= id < num_embeddings = {n}"
-            )
 
 
 class _DenseTable(nn.Module):

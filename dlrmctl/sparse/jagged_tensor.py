@@ -112,6 +112,10 @@ class KeyedJaggedTensor:
         offsets: ``[F * B + 1]`` exclusive cumsum of lengths.
         weights: optional ``[N]`` float32 per-id weights (weighted features).
         stride: batch size ``B``; inferred as ``len(lengths) // F``.
+        validate: check the invariants below (reads lengths on the host: a device sync on CUDA).
+        length_per_key: ``[F]`` host ints, ids per key, when already known (the loader, an
+            input_dist size exchange): :meth:`length_per_key` then never reads the device.
+            Checked against the lengths when ``validate``.
 
     Raises:
         SparseInputError: if ``len(lengths)`` is not a multiple of ``len(keys)``,
@@ -128,6 +132,7 @@ class KeyedJaggedTensor:
         weights: torch.Tensor | None = None,
         stride: int | None = None,
         validate: bool = True,
+        length_per_key: list[int] | None = None,
     ) -> None:
         self._keys = list(keys)
         if lengths is None and offsets is None:
@@ -142,7 +147,9 @@ class KeyedJaggedTensor:
         if stride is None:
             stride = lengths.numel() // nk if nk else 0
         self._stride = stride
-        self._length_per_key: list[int] | None = None
+        # host ints; when given (e.g. by the loader, or from an input_dist size exchange)
+        # length_per_key() / offset_per_key() never read the device
+        self._length_per_key: list[int] | None = None if length_per_key is None else list(length_per_key)
         if validate:
             self.validate()
 
@@ -175,6 +182,13 @@ class KeyedJaggedTensor:
             raise SparseInputError(
                 f"KeyedJaggedTensor: sum(lengths)={total} != len(values)={self._values.numel()}"
             )
+        if self._length_per_key is not None:
+            actual = self.lengths_2d().sum(dim=1).tolist() if n_len else [0] * nk
+            if list(self._length_per_key) != actual:
+                raise SparseInputError(
+                    f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not match the lengths "
+                    f"(ids per key {actual})"
+                )
         if self._weights is not None and self._weights.numel() != self._values.numel():
             raise SparseInputError(
                 f"KeyedJaggedTensor: len(weights)={self._weights.numel()} != "
@@ -298,6 +312,7 @@ class KeyedJaggedTensor:
     def permute(self, indices: Sequence[int]) -> "KeyedJaggedTensor":
         """Reorder (or select / repeat) keys: new key ``j`` is old key ``indices[j]``."""
         opk = self.offset_per_key()
+        lpk = self.length_per_key()
         B = self._stride
         vals, lens, ws = [], [], []
         for i in indices:
@@ -313,6 +328,7 @@ class KeyedJaggedTensor:
             weights=(torch.cat(ws) if ws else self._weights[:0]) if self._weights is not None else None,
             stride=B,
             validate=False,
+            length_per_key=[lpk[i] for i in indices],
         )
 
     def select_keys(self, keys: Sequence[str]) -> "KeyedJaggedTensor":
@@ -350,6 +366,7 @@ class KeyedJaggedTensor:
             weights=None if self._weights is None else self._weights.to(device, non_blocking=non_blocking),
             stride=self._stride,
             validate=False,
+            length_per_key=self._length_per_key,
         )
 
     def pin_memory(self) -> "KeyedJaggedTensor":
@@ -361,6 +378,7 @@ class KeyedJaggedTensor:
             weights=None if self._weights is None else self._weights.pin_memory(),
             stride=self._stride,
             validate=False,
+            length_per_key=self._length_per_key,
         )
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:

@@ -305,10 +305,13 @@ def save_checkpoint(
     Returns:
         the final checkpoint directory.
     """
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from dlrmctl.distributed import comm
+
     dist_on = world_size > 1
+    if dist_on and process_group is None:
+        process_group = comm.default_group()
     root = checkpoint_root(run_dir)
     name = name or f"step_{step:08d}"
     # never replace a published checkpoint in place (LATEST may point at it): a second save
@@ -318,9 +321,7 @@ def save_checkpoint(
         k += 1
         name = f"{base}.{k}"
     if dist_on:  # rank 0's view decides
-        obj = [name]
-        dist.broadcast_object_list(obj, src=0, group=process_group)
-        name = obj[0]
+        name = comm.broadcast_object(name, 0, process_group)
     tmp = os.path.join(root, f".{name}.tmp")
     final = os.path.join(root, name)
     if rank == 0:
@@ -329,7 +330,7 @@ def save_checkpoint(
             shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(tmp)
     if dist_on:
-        dist.barrier(group=process_group)
+        comm.barrier(process_group)
     SavePlanner, _ = _planners()
     writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
     cm = _quiet()
@@ -340,8 +341,7 @@ def save_checkpoint(
     # each rank checksums its own data file (DCP names them __<rank>_<i>.distcp)
     mine = {os.path.basename(p): file_digest(p) for p in sorted(glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")))}
     if dist_on:
-        allf: list[Any] = [None] * world_size
-        dist.all_gather_object(allf, mine, group=process_group)
+        allf: list[Any] = comm.all_gather_object(mine, process_group)
     else:
         allf = [mine]
     if rank == 0:
@@ -359,7 +359,7 @@ def save_checkpoint(
             if os.path.abspath(old) != os.path.abspath(final):
                 shutil.rmtree(old, ignore_errors=True)
     if dist_on:
-        dist.barrier(group=process_group)
+        comm.barrier(process_group)
     return final
 
 

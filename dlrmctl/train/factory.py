@@ -35,6 +35,7 @@ def build_model(
     compute_kernel: str | None = None,
     is_weighted: bool = False,
     sparse_placeholder: bool = False,
+    check_ids: bool = True,
 ) -> DLRM:
     """A DLRM with an (unsharded) EmbeddingBagCollection over ``tables``.
 
@@ -42,6 +43,8 @@ def build_model(
         tables: resolved tables (:func:`dlrmctl.config.resolve_tables`).
         num_dense_features: ``D_in`` of the dense arch (13 for Criteo).
         compute_kernel: overrides ``model.compute_kernel``.
+        check_ids: the EBC range-checks ids on every forward (a host read per feature;
+            the trainer turns it off because its loaders check the CPU batches).
         sparse_placeholder: build ``sparse_arch`` as a weightless
             :class:`~dlrmctl.distributed.model_parallel.TableConfigs` (to be sharded by
             DistributedModelParallel), so no rank ever allocates a whole table.
@@ -70,6 +73,7 @@ def build_model(
             compute_kernel=compute_kernel or cfg.model.compute_kernel,
             optimizer=embedding_optimizer_spec(cfg),
             seed=cfg.train.seed,
+            check_ids=check_ids,
         )
     num_features = len(ebc.feature_names())
     torch.manual_seed(cfg.train.seed)

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict
+from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
@@ -51,19 +52,28 @@ class RunEnv:
     world_size: int = 1
     local_world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    sharding_env: Any = None  # dlrmctl.distributed.env.ShardingEnv when world_size > 1
+    #: dlrmctl.distributed.env.ShardingEnv: with world_size > 1, or a one-rank group (sharding.force)
+    sharding_env: Any = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def pg(self) -> Any:
+        """The process group (``None`` for a plain single process)."""
+        return getattr(self.sharding_env, "pg", None)
+
+    @property
+    def sharded(self) -> bool:
+        """The model runs through DistributedModelParallel (several ranks, or one rank with a group)."""
+        return self.world_size > 1 or self.pg is not None
+
     def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
+        comm.barrier(self.pg)
 
     def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
-            torch.distributed.all_reduce(x)
+        comm.all_reduce(x, self.pg)
         return x
 
 
@@ -106,10 +116,11 @@ class Trainer:
             )
         self.tables = resolve_tables(cfg, self.meta)
         self.num_dense = len(self.meta["dense_features"])
+        # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: Any = build_model(cfg, self.tables, self.num_dense, device=self.device,
-                                      sparse_placeholder=env.world_size > 1)
+                                      sparse_placeholder=env.sharded, check_ids=False)
         self.plan = None
-        if env.world_size > 1:
+        if env.sharded:
             self._shard(plan)
         self._build_optimizers()
         self.schedule = WarmupPolyDecay(cfg.optimizer.lr_schedule)
@@ -118,9 +129,12 @@ class Trainer:
             cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
             shuffle=cfg.data.shuffle, seed=cfg.train.seed, prefetch=cfg.data.prefetch,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
-            **multi_hot_kwargs(cfg, self.meta),
+            id_bounds=self._id_bounds(), **multi_hot_kwargs(cfg, self.meta),
         )
         self.feature_names = feats
+        self._loss_window: torch.Tensor | None = None  # [2]: last step's local loss, window sum
+        self._window_steps = 0
+        self.last_loss: float | None = None
         self.step = 0
         self.epoch = 0
         self._batches_done = 0
@@ -131,6 +145,10 @@ class Trainer:
             self._restore()
 
     # ------------------------------------------------------------- set-up
+    def _id_bounds(self) -> dict[str, tuple[str, int]]:
+        """feature -> (table, rows): what the loaders check every batch against."""
+        return {f: (t.name, t.num_embeddings) for t in self.tables for f in t.feature_names}
+
     def _shard(self, plan: Any) -> None:
         from dlrmctl.distributed.model_parallel import DistributedModelParallel, describe_plan
         from dlrmctl.train.factory import embedding_optimizer_spec
@@ -140,7 +158,8 @@ class Trainer:
         plan.validate(self.tables, self.env.world_size, where="sharding plan")
         self.plan = plan
         self.model = DistributedModelParallel(
-            self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed
+            self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed,
+            check_ids=False,
         )
         if self.env.is_main:
             text = describe_plan(plan, self.tables)
@@ -152,7 +171,7 @@ class Trainer:
 
     def _build_optimizers(self) -> None:
         m = self.model
-        if self.env.world_size > 1:
+        if self.env.sharded:
             self.fused_opt = m.fused_optimizer()
             dense_params = m.dense_parameters()
             emb_dense = m.embedding_dense_parameters()
@@ -168,21 +187,35 @@ class Trainer:
             self._lr_targets.append((self.emb_dense_opt, e.lr))
 
     # --------------------------------------------------------------- step
-    def _global_batch_size(self, local: int) -> int:
-        if self.env.world_size == 1:
+    def _global_batch_size(self, local: int, sparse_ctx: Any) -> int | torch.Tensor:
+        """Samples in this step over all ranks: host ints from the input_dist size exchange
+        when it saw every rank, else one all-reduce on the device (no host read)."""
+        if not self.env.sharded:
             return local
-        t = torch.tensor([local], dtype=torch.int64)
+        sizes = getattr(sparse_ctx, "batch_sizes", None)
+        if sizes is not None and len(sizes) == self.env.world_size:
+            return int(sum(sizes))
+        t = torch.tensor([local], dtype=torch.float32, device=self.device)
         self.env.all_reduce_sum(t)
-        return int(t.item())
+        return t
 
-    def train_step(self, batch: Any) -> float:
-        """Forward, backward, optimizer steps on one batch; returns the global-batch mean loss."""
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """Forward, backward, optimizer steps on one batch.
+
+        Returns:
+            this rank's share of the global-batch mean loss, a detached 0-d tensor on the
+            device (summed over ranks it is the global loss; read it with :meth:`read_loss`).
+        """
         return self._run_step(batch.to(self.device, non_blocking=True), None)
 
-    def _run_step(self, batch: Any, sparse_ctx: Any) -> float:
-        """One step on a device-resident batch; ``sparse_ctx``: its finished input_dist (pipelined) or None."""
+    def _run_step(self, batch: Any, sparse_ctx: Any) -> torch.Tensor:
+        """One step on a device-resident batch; ``sparse_ctx``: its finished input_dist (pipelined) or None.
+
+        No host reads: the loss stays on the device (see :meth:`read_loss`)."""
         self.schedule.apply(self.step, self._lr_targets)
-        gbs = self._global_batch_size(batch.labels.numel())
+        if sparse_ctx is None and self.env.sharded:
+            sparse_ctx = self.model.sparse_input_dist(batch.sparse_features).wait()
+        gbs = self._global_batch_size(batch.labels.numel(), sparse_ctx)
         if sparse_ctx is None:
             logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
         else:
@@ -193,16 +226,42 @@ class Trainer:
         self.dense_opt.zero_grad(set_to_none=True)
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.zero_grad(set_to_none=True)
-        loss.backward()  # sharded: dense / data_parallel grads are SUM-all-reduced at the end of backward
+        loss.backward()  # sharded: dense grads are all-reduced in buckets during backward
         self.dense_opt.step()
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.step()
         self.step += 1
         out = loss.detach()
-        if self.env.world_size > 1:
-            out = out.clone()
-            self.env.all_reduce_sum(out)
-        return float(out)
+        self._accumulate_loss(out)
+        return out
+
+    def _accumulate_loss(self, local: torch.Tensor) -> None:
+        if self._loss_window is None:
+            self._loss_window = torch.zeros(2, dtype=torch.float64, device=local.device)
+        self._loss_window[0] = local
+        self._loss_window[1] += local
+        self._window_steps += 1
+
+    def read_loss(self) -> tuple[float, float]:
+        """``(last step's global loss, mean global loss since the previous read)``; resets the
+        window.  Collective (one 16-byte all-reduce) and one host sync: the trainer calls it
+        every ``train.log_every`` steps and at the end of an epoch, on every rank.
+
+        Raises:
+            TrainError: the loss is not finite (names the step range).
+        """
+        if self._loss_window is None or self._window_steps == 0:
+            return (float("nan"), float("nan")) if self.last_loss is None else (self.last_loss, self.last_loss)
+        w = self._loss_window.clone()
+        self.env.all_reduce_sum(w)
+        last, total = w.tolist()
+        n = self._window_steps
+        self._loss_window.zero_()
+        self._window_steps = 0
+        if not (math.isfinite(last) and math.isfinite(total)):
+            raise TrainError(f"loss became {total / n} in steps {self.step - n + 1}..{self.step}; lower the learning rate")
+        self.last_loss = last
+        return last, total / n
 
     # ---------------------------------------------------------- evaluate
     @torch.no_grad()
@@ -221,7 +280,7 @@ class Trainer:
             **multi_hot_kwargs(self.cfg, self.meta),
         )
         self.model.eval()
-        probs, labels = [], []
+        rows: list[torch.Tensor] = []  # [b, 2]: probability, label (on the device)
         n_batches = self._agreed_num_batches(len(loader))
         it = iter(loader)
         for _ in range(n_batches):
@@ -230,24 +289,23 @@ class Trainer:
                 batch = _empty_batch_like(self.num_dense, self.feature_names)
             batch = batch.to(self.device)
             p = torch.sigmoid(self.model(batch.dense_features, batch.sparse_features).squeeze(1))
-            probs.append(p.float().cpu().numpy())
-            labels.append(batch.labels.cpu().numpy())
+            rows.append(torch.stack([p.float(), batch.labels.float()], dim=1))
         self.model.train()
-        pr = np.concatenate(probs) if probs else np.zeros(0)
-        lb = np.concatenate(labels) if labels else np.zeros(0)
-        if self.env.world_size > 1:
-            gathered: list[Any] = [None] * self.env.world_size
-            torch.distributed.all_gather_object(gathered, (pr, lb))
-            pr = np.concatenate([g[0] for g in gathered])
-            lb = np.concatenate([g[1] for g in gathered])
-        return compute_metrics(pr, lb)
+        local = torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)
+        # every rank's predictions to rank 0 (tensors on the group's device, not pickles)
+        allrows = comm.gather_to_rank0(local, self.env.pg)
+        m = None
+        if allrows is not None:
+            a = allrows.double().cpu().numpy()
+            m = compute_metrics(a[:, 0], a[:, 1])
+        return comm.broadcast_object(m, 0, self.env.pg)
 
     def _agreed_num_batches(self, n: int) -> int:
         """All ranks run the same number of steps (collectives must match): the max."""
-        if self.env.world_size == 1:
+        if not self.env.sharded:
             return n
-        t = torch.tensor([n], dtype=torch.int64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        comm.all_reduce(t, self.env.pg, op="max")
         return int(t.item())
 
     # -------------------------------------------------------- checkpoint
@@ -322,7 +380,7 @@ class Trainer:
         last_eval_step = -1
         final = None
         t_start = time.perf_counter()
-        sparse_dist = self.model.sparse_input_dist if self.env.world_size > 1 else None
+        sparse_dist = self.model.sparse_input_dist if self.env.sharded else None
         pipe = make_pipeline(cfg.pipeline, self.device, self._run_step, sparse_dist)
         while self.epoch < cfg.epochs and (cfg.max_steps is None or self.step < cfg.max_steps):
             if self.train_loader.epoch != self.epoch:
@@ -335,31 +393,30 @@ class Trainer:
             progress = _Progress(n, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
             pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names)))
             pipe.reset_stats()
-            window: list[float] = []
             while True:
-                loss = pipe.progress()
-                if loss is None:
+                # the loss stays on the device; it is read (one all-reduce + one host sync)
+                # every log_every steps and at the end of the epoch
+                if pipe.progress() is None:
                     break
                 self._batches_done += 1
-                if not math.isfinite(loss):
-                    raise TrainError(f"loss became {loss} at step {self.step}; lower the learning rate")
                 sh = pipe.stats.shares()
                 sps = sh["samples_per_s"] * self.env.world_size
-                progress.update(loss, sps)
-                window.append(loss)
                 if cfg.log_every and self.step % cfg.log_every == 0:
+                    loss, loss_avg = self.read_loss()
                     # "loss": this step's; "loss_avg": mean over the steps since the last record
                     self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
-                                       "loss_avg": sum(window) / len(window),
+                                       "loss_avg": loss_avg,
                                        "samples_per_s": sps, "data_wait_share": sh["data_wait_share"],
                                        "comm_wait_share": sh["comm_wait_share"],
                                        "lr_factor": self.schedule.factor(self.step - 1)})
-                    window.clear()
+                progress.update(self.last_loss, sps)
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
                     final = self._eval_and_log("eval")
                     last_eval_step = self.step
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save()
+            if self._window_steps:
+                self.read_loss()  # non-finite losses surface at the latest here
             progress.close()
             sh = pipe.stats.shares()
             if self.env.is_main and pipe.stats.steps:
@@ -410,16 +467,18 @@ class _Progress:
         except ImportError:
             self.bar = None
 
-    def update(self, loss: float, sps: float) -> None:
+    def update(self, loss: float | None, sps: float) -> None:
+        """One step done; ``loss``: the latest loss read (every ``log_every`` steps), or None."""
         if not self.enabled:
             return
         self.n += 1
+        ls = "-" if loss is None else f"{loss:.4f}"
         if self.bar is not None and not self.bar.disable:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", samples_per_s=f"{sps:,.0f}", refresh=False)
+            self.bar.set_postfix(loss=ls, samples_per_s=f"{sps:,.0f}", refresh=False)
         elif time.perf_counter() - self._last > 10 or self.n == self.total:
             self._last = time.perf_counter()
-            print(f"  step {self.n}/{self.total}  loss {loss:.4f}  {sps:,.0f} samples/s", file=sys.stderr, flush=True)
+            print(f"  step {self.n}/{self.total}  loss {ls}  {sps:,.0f} samples/s", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -853,13 +912,35 @@ def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | 
 
     if cfg.sharding.plan_file:
         return ShardingPlan.load(cfg.sharding.plan_file)
-    obj: list[Any] = [None]
+    obj: Any = None
     if env.is_main:
         from dlrmctl.planner.planner import plan_for_config
 
-        obj[0] = plan_for_config(cfg, env.world_size, env.local_world_size, meta).to_dict()
-    torch.distributed.broadcast_object_list(obj, src=0)
-    return ShardingPlan.from_dict(obj[0])
+        obj = plan_for_config(cfg, env.world_size, env.local_world_size, meta).to_dict()
+    return ShardingPlan.from_dict(comm.broadcast_object(obj, 0, env.pg))
+
+
+def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
+    """The run directory ``train.run_dir/<name>``, checked (nothing is written) for use by a new run.
+
+    Args:
+        cfg: the experiment config.
+        resume: the run continues the directory's newest checkpoint.
+        overwrite: the run replaces whatever the directory holds.
+
+    Returns:
+        The run directory's path (it may not exist yet).
+
+    Raises:
+        TrainError: the run directory holds checkpoints and neither flag was given.
+    """
+    run_dir = os.path.join(cfg.train.run_dir, cfg.name)
+    if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
+        raise TrainError(
+            f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
+            "or --set name=<other>"
+        )
+    return run_dir
 
 
 def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config_path: str | None = None) -> str:
@@ -868,15 +949,9 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     Raises:
         TrainError: the run directory holds checkpoints and neither flag was given.
     """
-    run_dir = os.path.join(cfg.train.run_dir, cfg.name)
-    if os.path.exists(run_dir) and not resume:
-        if os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)) and not overwrite:
-            raise TrainError(
-                f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
-                "or --set name=<other>"
-            )
-        if overwrite:
-            shutil.rmtree(run_dir)
+    run_dir = check_run_dir(cfg, resume, overwrite)
+    if overwrite and not resume and os.path.exists(run_dir):
+        shutil.rmtree(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -60,12 +60,13 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     m.index_add_(0, rows, gv.pow(2).sum(1) / D)
                     p.index_add_(0, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
                 else:
-                    touched = (g != 0).any(dim=1)  # rows not looked up are not updated (as in TBE)
+                    # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
+                    # same arithmetic per row as the sparse branch (bit-identical updates)
                     if wd:
+                        touched = (g != 0).any(dim=1)
                         g = g + wd * p * touched.unsqueeze(1)
                     m.add_(g.pow(2).sum(1) / D)
-                    upd = g / (m.sqrt() + eps).unsqueeze(1)
-                    p.sub_(lr * upd * touched.unsqueeze(1))
+                    p.add_(-lr * g / (m.sqrt() + eps).unsqueeze(1))
 
 
 def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float):

@@ -1,19 +1,31 @@
 """Train pipelines: overlap data loading, host-to-device copy and the sparse
-input_dist of the next batch with the forward/backward of the current one.
+input_dist of later batches with the forward/backward of the current one.
 
 Names and structure follow TorchRec's ``torchrec.distributed.train_pipeline``:
 
 * :class:`TrainPipelinePlain` (``train.pipeline: none``): load, copy, step —
   nothing overlapped (the reference the others must match bit for bit).
-* :class:`TrainPipelineBase` (``base``): batch ``i+1`` is fetched from the
-  loader (whose own background thread assembles it from the memory-mapped
-  shards) and copied to the device on a side CUDA stream from pinned memory
-  while batch ``i`` computes.
-* :class:`TrainPipelineSparseDist` (``sparse_dist``): additionally starts batch
-  ``i+1``'s input_dist (the id all-to-all, ``async_op=True``) before batch ``i``'s
-  forward/backward, and waits on it only when batch ``i+1`` is computed.  No fx
-  tracing is needed: the sharded model exposes ``sparse_input_dist`` and
-  ``compute_and_output_dist`` explicitly.
+* :class:`TrainPipelineBase` (``base``): batch ``i+1`` is copied to the device on
+  the memcpy stream (from pinned memory, ``non_blocking``) while batch ``i``
+  computes.
+* :class:`TrainPipelineSparseDist` (``sparse_dist``), TorchRec's three-stage
+  ordering.  In step ``i``:
+
+  1. batch ``i+2`` is fetched from the loader (whose own thread assembled it) and
+     copied host->device on the **memcpy** stream;
+  2. batch ``i+1``'s input_dist (the id all-to-all) starts on the **data-dist**
+     stream, which first waits for batch ``i+1``'s copy (an event);
+  3. batch ``i`` computes on the **default** stream, which waits for the
+     data-dist stream (batch ``i``'s input_dist) only when its embeddings are
+     needed, and for batch ``i``'s copy.
+
+  Tensors that cross streams are ``record_stream``-ed on the stream that uses
+  them.  No fx tracing is needed: the sharded model exposes ``sparse_input_dist``
+  and ``compute_and_output_dist`` explicitly.
+
+All stream and event work goes through :class:`PipelineStreams`, whose
+:class:`StreamProvider` can be injected (a recording fake in the tests; CUDA
+streams on a GPU; no-ops on the CPU).
 
 Every pipeline computes exactly the same thing in the same order as the plain
 loop (the input_dist of a batch does not read any weights), so per-step losses
@@ -25,14 +37,15 @@ next epoch's iterator.  Equal step counts across ranks are the trainer's job
 
 Timing: ``stats`` accumulates seconds spent waiting for the loader
 (``data_wait_s``), waiting for the input_dist all-to-all (``comm_wait_s``) and
-in whole steps (``step_s``).
+in whole steps (``step_s``), as seen by the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 
@@ -57,27 +70,146 @@ class PipelineStats:
         }
 
 
+# ------------------------------------------------------------------ streams
+class StreamProvider:
+    """The stream / event operations the pipeline needs (no-ops: the CPU provider).
+
+    Streams and events are opaque handles.  Subclass to run on real streams
+    (:class:`CudaStreamProvider`) or to record the choreography (tests).
+    """
+
+    def new_stream(self, name: str) -> Any:
+        """A side stream (``name``: ``"memcpy"`` or ``"data_dist"``)."""
+        return name
+
+    def current_stream(self) -> Any:
+        """The stream compute runs on (the default stream)."""
+        return "default"
+
+    def use(self, stream: Any) -> ContextManager:
+        """Context in which work is issued on ``stream``."""
+        return contextlib.nullcontext()
+
+    def record_event(self, stream: Any) -> Any:
+        """An event marking the work issued so far on ``stream``."""
+        return None
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait (on the device, not the host) until ``event`` has happened."""
+
+    def record_stream(self, obj: Any, stream: Any) -> None:
+        """Tell the allocator that ``obj``'s tensors (``obj.record_stream``) are used on ``stream``."""
+
+
+class CudaStreamProvider(StreamProvider):
+    """Real CUDA streams and events on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self, name: str) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    def current_stream(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def use(self, stream: Any) -> ContextManager:
+        return torch.cuda.stream(stream)
+
+    def record_event(self, stream: Any) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def record_stream(self, obj: Any, stream: Any) -> None:
+        if obj is not None and hasattr(obj, "record_stream"):
+            obj.record_stream(stream)
+
+
+def default_stream_provider(device: torch.device) -> StreamProvider:
+    """CUDA streams for a CUDA device, no-ops otherwise."""
+    return CudaStreamProvider(device) if device.type == "cuda" else StreamProvider()
+
+
+class PipelineStreams:
+    """The pipeline's stream and event choreography, in one place.
+
+    Three streams: ``memcpy`` (host->device copies), ``data_dist`` (input_dist
+    all-to-alls and their routing), ``default`` (forward/backward).
+
+    Args:
+        device: where batches go.
+        provider: stream/event implementation (default: :func:`default_stream_provider`).
+    """
+
+    def __init__(self, device: torch.device, provider: StreamProvider | None = None) -> None:
+        self.device = device
+        self.p = provider or default_stream_provider(device)
+        self.memcpy = self.p.new_stream("memcpy")
+        self.data_dist = self.p.new_stream("data_dist")
+        self.default = self.p.current_stream()
+
+    def copy(self, batch: Any) -> tuple[Any, Any]:
+        """Issue ``batch``'s host->device copy on the memcpy stream (non-blocking: the
+        loader pins host memory on CUDA).  Returns ``(device batch, copy event)``."""
+        with self.p.use(self.memcpy):
+            b = batch.to(self.device, non_blocking=True)
+            ev = self.p.record_event(self.memcpy)
+        return b, ev
+
+    def start_input_dist(self, batch: Any, copy_event: Any, start: Callable[[Any], Any]) -> Any:
+        """Start ``batch``'s input_dist on the data-dist stream after its copy; returns the awaitable."""
+        with self.p.use(self.data_dist):
+            self.p.wait_event(self.data_dist, copy_event)
+            self.p.record_stream(batch.sparse_features, self.data_dist)
+            return start(batch.sparse_features)
+
+    def wait_input_dist(self, awaitable: Any) -> Any:
+        """Finish an input_dist (on the data-dist stream) and hand its result to the
+        default stream, which waits for it from here on.  Returns the context."""
+        with self.p.use(self.data_dist):
+            ctx = awaitable.wait()
+            ev = self.p.record_event(self.data_dist)
+        self.p.wait_event(self.default, ev)
+        self.p.record_stream(ctx, self.default)
+        return ctx
+
+    def ready_for_compute(self, batch: Any, copy_event: Any) -> Any:
+        """The default stream waits for ``batch``'s copy; ``batch`` is recorded on it."""
+        self.p.wait_event(self.default, copy_event)
+        self.p.record_stream(batch, self.default)
+        return batch
+
+
+# ---------------------------------------------------------------- pipelines
 class TrainPipelinePlain:
     """No overlap: fetch, copy, run.
 
     Args:
         device: where batches go.
-        run_step: ``run_step(batch, sparse_ctx) -> float`` (loss); ``sparse_ctx`` is
-            ``None`` here (the model runs its own input_dist).
+        run_step: ``run_step(batch, sparse_ctx) -> loss`` (any value; the trainer's is a
+            device tensor); ``sparse_ctx`` is ``None`` here (the model runs its own input_dist).
         start_sparse_dist: ``start_sparse_dist(kjt) -> Awaitable`` (sparse_dist only).
+        streams: stream provider (tests inject a recording one); default per device.
     """
 
     def __init__(
         self,
         device: torch.device,
-        run_step: Callable[[Any, Any], float],
+        run_step: Callable[[Any, Any], Any],
         start_sparse_dist: Optional[Callable[[Any], Any]] = None,
+        streams: StreamProvider | None = None,
     ) -> None:
         self.device = device
         self.run_step = run_step
         self.start_sparse_dist = start_sparse_dist
         self.stats = PipelineStats()
         self._it: Iterator[Any] | None = None
+        self.streams = PipelineStreams(device, streams)
 
     def reset(self, it: Iterator[Any]) -> None:
         """Start a new epoch from iterator ``it`` (anything left of the previous one is dropped)."""
@@ -92,14 +224,14 @@ class TrainPipelinePlain:
         self.stats.data_wait_s += time.perf_counter() - t0
         return b
 
-    def _timed_step(self, batch: Any, ctx: Any) -> float:
+    def _timed_step(self, batch: Any, ctx: Any) -> Any:
         loss = self.run_step(batch, ctx)
         self.stats.steps += 1
         self.stats.samples += batch.labels.numel()
         return loss
 
-    def progress(self) -> float | None:
-        """Train one batch; ``None`` when the epoch is done."""
+    def progress(self) -> Any:
+        """Train one batch; returns its loss, or ``None`` when the epoch is done."""
         t0 = time.perf_counter()
         b = self._fetch()
         if b is None:
@@ -109,91 +241,84 @@ class TrainPipelinePlain:
         return loss
 
 
+@dataclass
+class _InFlight:
+    """A batch inside the pipeline: device copy, its copy event, its input_dist (if started)."""
+
+    batch: Any
+    copy_event: Any
+    dist: Any = None
+
+
 class TrainPipelineBase(TrainPipelinePlain):
-    """Batch ``i+1`` is loaded and copied to the device while batch ``i`` computes."""
+    """Batch ``i+1`` is copied to the device (memcpy stream) while batch ``i`` computes."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
-        self._cuda = self.device.type == "cuda"
-        self._copy_stream = torch.cuda.Stream() if self._cuda else None
-        self._cur: Any = None
+        self._queue: list[_InFlight] = []
         self._primed = False
 
     def reset(self, it: Iterator[Any]) -> None:
         super().reset(it)
-        self._cur = None
+        self._queue = []
         self._primed = False
 
-    def _load(self) -> Any:
-        """Fetch the next batch and start its host-to-device copy (side stream on CUDA)."""
+    def _enqueue(self) -> bool:
+        """Fetch the next batch and start its copy; False when the iterator is exhausted."""
         b = self._fetch()
         if b is None:
-            return None
-        if self._cuda:
-            with torch.cuda.stream(self._copy_stream):
-                b = b.to(self.device, non_blocking=True)
-        else:
-            b = b.to(self.device)
-        return b
+            return False
+        dev_b, ev = self.streams.copy(b)
+        self._queue.append(_InFlight(dev_b, ev))
+        return True
 
-    def _ready(self, b: Any) -> Any:
-        """Make the compute stream wait for ``b``'s copy and keep its memory alive there."""
-        if self._cuda:
-            cur = torch.cuda.current_stream()
-            cur.wait_stream(self._copy_stream)
-            b.record_stream(cur)
-        return b
-
-    def progress(self) -> float | None:
+    def progress(self) -> Any:
         t0 = time.perf_counter()
         if not self._primed:
-            self._cur = self._load()
+            self._enqueue()
             self._primed = True
-        if self._cur is None:
+        if not self._queue:
             return None
-        cur = self._ready(self._cur)
-        self._cur = self._load()  # overlaps with cur's compute (async copy on CUDA)
-        loss = self._timed_step(cur, None)
+        self._enqueue()  # batch i+1: its copy overlaps batch i's compute
+        cur = self._queue.pop(0)
+        loss = self._timed_step(self.streams.ready_for_compute(cur.batch, cur.copy_event), None)
         self.stats.step_s += time.perf_counter() - t0
         return loss
 
 
 class TrainPipelineSparseDist(TrainPipelineBase):
-    """Base pipeline + batch ``i+1``'s input_dist runs during batch ``i``'s forward/backward."""
+    """Copy of batch ``i+2``, input_dist of batch ``i+1`` and compute of batch ``i``
+    overlap (see the module docstring for the stream ordering)."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         if self.start_sparse_dist is None:
             raise ValueError("TrainPipelineSparseDist needs start_sparse_dist (a sharded model)")
-        self._cur_dist: Any = None
 
-    def reset(self, it: Iterator[Any]) -> None:
-        super().reset(it)
-        self._cur_dist = None
+    def _start_dist(self, f: _InFlight) -> None:
+        if f.dist is None:
+            f.dist = self.streams.start_input_dist(f.batch, f.copy_event, self.start_sparse_dist)  # type: ignore[arg-type]
 
-    def progress(self) -> float | None:
+    def progress(self) -> Any:
         t0 = time.perf_counter()
         if not self._primed:
-            self._cur = self._load()
-            if self._cur is not None:
-                self._cur = self._ready(self._cur)
-                self._cur_dist = self.start_sparse_dist(self._cur.sparse_features)  # type: ignore[misc]
+            # fill: batch 0 copied and its input_dist started, batch 1 copying
+            if self._enqueue():
+                self._start_dist(self._queue[0])
+                self._enqueue()
             self._primed = True
-        if self._cur is None:
+        if not self._queue:
             return None
-        cur, cur_dist = self._cur, self._cur_dist
+        self._enqueue()  # 1. batch i+2: host->device on the memcpy stream
+        if len(self._queue) > 1:
+            self._start_dist(self._queue[1])  # 2. batch i+1: input_dist on the data-dist stream
+        cur = self._queue.pop(0)
         tw = time.perf_counter()
-        ctx = cur_dist.wait()
+        self._start_dist(cur)  # (already started, except for a one-batch epoch start)
+        ctx = self.streams.wait_input_dist(cur.dist)  # 3. batch i: default waits for its input_dist
         self.stats.comm_wait_s += time.perf_counter() - tw
-        # next batch: fetch, copy, and start its id all-to-all before cur's forward/backward
-        nxt = self._load()
-        if nxt is not None:
-            nxt = self._ready(nxt)
-            self._cur_dist = self.start_sparse_dist(nxt.sparse_features)  # type: ignore[misc]
-        else:
-            self._cur_dist = None
-        self._cur = nxt
-        loss = self._timed_step(cur, ctx)
+        batch = self.streams.ready_for_compute(cur.batch, cur.copy_event)
+        loss = self._timed_step(batch, ctx)
         self.stats.step_s += time.perf_counter() - t0
         return loss
 
@@ -204,8 +329,9 @@ PIPELINES = {"none": TrainPipelinePlain, "base": TrainPipelineBase, "sparse_dist
 def make_pipeline(
     kind: str,
     device: torch.device,
-    run_step: Callable[[Any, Any], float],
+    run_step: Callable[[Any, Any], Any],
     start_sparse_dist: Optional[Callable[[Any], Any]] = None,
+    streams: StreamProvider | None = None,
 ) -> TrainPipelinePlain:
     """Pipeline for ``train.pipeline``; ``sparse_dist`` without a sharded model falls back to ``base``.
 
@@ -216,4 +342,4 @@ def make_pipeline(
         raise ValueError(f"train.pipeline must be one of {list(PIPELINES)}, got {kind!r}")
     if kind == "sparse_dist" and start_sparse_dist is None:
         kind = "base"
-    return PIPELINES[kind](device, run_step, start_sparse_dist)
+    return PIPELINES[kind](device, run_step, start_sparse_dist, streams)

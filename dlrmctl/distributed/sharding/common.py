@@ -7,10 +7,12 @@ rank.  It answers four questions (TorchRec's interface):
 * **shard metadata** — :meth:`shard_table` (a classmethod per type file) builds
   a table's :class:`ParameterSharding`; :attr:`layouts` says which shards each
   rank holds.
-* **input_dist** — :meth:`input_dist_send` turns this rank's local-batch KJT
-  into one int64 chunk per destination rank (lengths, then ids already local to
-  the destination's shard, then weights bit-cast to int64) plus per-feature
-  id counts; :meth:`input_dist_recv` turns the chunks received from every
+* **input_dist** — :meth:`input_dist_counts` says how many ids of each feature
+  go to each destination (host ints, or a device tensor for row-wise kinds that
+  is read back together with the size exchange, in one host sync), then
+  :meth:`input_dist_chunks` turns this rank's local-batch KJT into int64 chunks
+  per destination rank (lengths, then ids already local to the destination's
+  shard, then weights bit-cast to int64); :meth:`input_dist_recv` turns the chunks received from every
   source into the lookup's KJT (key-major, batch = all sources' samples in rank
   order).  The collectives themselves are issued once for all sharding types by
   the sharded EBC (one all-to-all for the counts, one for the data).
@@ -226,20 +228,43 @@ class EmbeddingSharding(nn.Module):
         return RankLayout(feats, lookups)
 
     # ----------------------------------------------------------- input dist
-    def input_dist_send(self, kjt: KeyedJaggedTensor) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-        """Split this rank's local batch by destination.
+    def input_dist_counts(self, kjt: KeyedJaggedTensor) -> tuple[object, list[list[int]] | torch.Tensor]:
+        """First half of the send side: how many ids go to each destination.
 
         Args:
             kjt: ``self.features`` (in order), local batch ``B``, global ids.
 
         Returns:
-            ``(chunks, counts)``: for each destination rank ``d``,
-            ``chunks[d]`` are int64 tensors to send in order (lengths
-            ``[len(layouts[d].features) * B]`` key-major, ids local to d's
-            shards, weights as int64 bits when weighted) and ``counts[d]`` the
-            number of ids of each of d's received features.
+            ``(state, counts)``: ``counts`` is either host ints, ``counts[d][j]`` =
+            ids of d's ``j``-th received feature (``layouts[d].features``), known
+            without reading the device (table-wise kinds: the KJT's
+            ``length_per_key``); or a device tensor ``[W, F]`` over all group features
+            (row-wise kinds: ids per destination after bucketizing), which the
+            sharded EBC ships in the size all-to-all and reads back in the same one
+            host sync as the sizes it receives.
         """
         raise NotImplementedError
+
+    def input_dist_chunks(self, state: object, counts: list[list[int]]) -> list[list[torch.Tensor]]:
+        """Second half: per destination ``d``, int64 tensors to send in order (lengths
+        ``[len(layouts[d].features) * B]`` key-major, ids local to d's shards, weights
+        as int64 bits when weighted).
+
+        Args:
+            state: from :meth:`input_dist_counts`.
+            counts: host ints in the layout of :meth:`input_dist_counts`'s ``counts``
+                (``[W][F]`` for row-wise kinds).
+        """
+        raise NotImplementedError
+
+    def input_dist_send(self, kjt: KeyedJaggedTensor) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+        """Both halves at once (reads device counts back itself): ``(chunks, counts per d)``."""
+        state, counts = self.input_dist_counts(kjt)
+        host = counts.tolist() if torch.is_tensor(counts) else counts
+        chunks = self.input_dist_chunks(state, host)
+        if torch.is_tensor(counts):
+            host = [[host[d][f] for f in self.layouts[d].features] for d in range(self.env.world_size)]
+        return chunks, host
 
     def input_dist_recv(
         self, batch_sizes: Sequence[int], counts: Sequence[Sequence[int]], chunks: Sequence[torch.Tensor]
@@ -277,7 +302,9 @@ class EmbeddingSharding(nn.Module):
         weights = int64_to_weights(torch.cat([w for ws in w_parts for w in ws])) if self.is_weighted and F else None
         if self.is_weighted and weights is None:
             weights = torch.zeros(0, dtype=torch.float32, device=self.device)
-        return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False)
+        lpk = [sum(int(counts[s][f]) for s in range(W)) for f in range(F)]
+        return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False,
+                                 length_per_key=lpk)
 
     # --------------------------------------------------------------- lookup
     def compute(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
@@ -333,14 +360,17 @@ class TableWiseLikeSharding(EmbeddingSharding):
     every id of a feature goes (unchanged) to each rank holding a shard of its
     table; pooled blocks come back and are concatenated."""
 
-    def input_dist_send(self, kjt):
+    def input_dist_counts(self, kjt):
         lpk = kjt.length_per_key()
+        return kjt, [[lpk[f] for f in lay.features] for lay in self.layouts]
+
+    def input_dist_chunks(self, kjt, counts):
         opk = kjt.offset_per_key()
         lens2d = kjt.lengths_2d()
         values = kjt.values()
         weights = kjt.weights_or_none() if self.is_weighted else None
         wbits = weights_to_int64(weights) if weights is not None else None
-        chunks, counts = [], []
+        chunks = []
         nf = len(self.features)
         for lay in self.layouts:
             fs = lay.features
@@ -354,8 +384,7 @@ class TableWiseLikeSharding(EmbeddingSharding):
                 if wbits is not None:
                     ch.extend(wbits[opk[f] : opk[f + 1]] for f in fs)
             chunks.append(ch)
-            counts.append([lpk[f] for f in fs])
-        return chunks, counts
+        return chunks
 
     def output_cols(self) -> list[list[int]]:
         return [lay.out_cols for lay in self.layouts]
@@ -445,18 +474,19 @@ class RowWiseLikeSharding(EmbeddingSharding):
             values, lengths, weights, F, B, W, self._feat_base, self._shard_starts, self._shard_ranks
         )
 
-    def input_dist_send(self, kjt):
-        W = self.env.world_size
+    def input_dist_counts(self, kjt):
         new_lengths, new_values, new_weights = self.bucketize(kjt)
-        per_feat = new_lengths.sum(dim=2)  # [W, F]
-        per_feat_l = per_feat.tolist()
+        return (new_lengths, new_values, new_weights), new_lengths.sum(dim=2)  # [W, F] on the device
+
+    def input_dist_chunks(self, state, per_feat_l):
+        W = self.env.world_size
+        new_lengths, new_values, new_weights = state
         wbits = weights_to_int64(new_weights) if new_weights is not None else None
-        chunks, counts = [], []
+        chunks = []
         off = 0
         nf = len(self.features)
         for d in range(W):
             fs = self.layouts[d].features
-            c = [per_feat_l[d][f] for f in fs]
             n = sum(per_feat_l[d])
             lens = new_lengths[d].reshape(-1) if fs == list(range(nf)) else new_lengths[d][fs].reshape(-1)
             ch = [lens, new_values[off : off + n]]
@@ -464,8 +494,7 @@ class RowWiseLikeSharding(EmbeddingSharding):
                 ch.append(wbits[off : off + n])
             off += n
             chunks.append(ch)
-            counts.append(c)
-        return chunks, counts
+        return chunks
 
     def output_cols(self) -> list[list[int]]:
         return [self.layouts[0].out_cols if self._same_layout else list(range(self.width))]

@@ -1,0 +1,121 @@
+"""Host-sync budget of the training step: at most ``SYNC_BUDGET_PER_STEP`` calls that
+read a tensor's value on the host (``.item()``, ``.tolist()``, ``int()``,
+``float()``, ``bool()``) per step, counted in the training thread over 20
+steps of 2-rank sharded training (evaluation and checkpointing excluded).
+
+On CUDA each of these calls blocks the host until the device catches up, so the
+pipeline can no longer run ahead.  The budget: the input_dist size exchange
+(one ``tolist`` of the sizes every rank sends; it decides buffer sizes) and the
+sparse-gradient count exchange of data_parallel tables (one ``tolist``); the
+loss is read every ``train.log_every`` steps only.
+"""
+
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.dist_utils import run_multiprocess
+
+#: budget named in the README ("Host syncs per step")
+SYNC_BUDGET_PER_STEP = 2
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp("sync")
+    generate_synthetic(d, rows=6000, seed=1, num_embeddings=[60] * 26)
+    return str(d)
+
+
+class SyncCounter:
+    """Counts host reads of tensor values made by dlrmctl's code in one thread while
+    ``active`` (torch's own, e.g. an optimizer reading its CPU step counter, and the
+    loader thread's work on CPU batches are not device syncs)."""
+
+    METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.active = False
+        self._thread = threading.get_ident()
+        self._orig = {}
+
+    def __enter__(self):
+        for m in self.METHODS:
+            orig = getattr(torch.Tensor, m)
+            self._orig[m] = orig
+
+            def wrap(t, *a, _m=m, _o=orig, **kw):
+                if self.active and threading.get_ident() == self._thread:
+                    caller = sys._getframe(1)
+                    if os.sep + "dlrmctl" + os.sep in caller.f_code.co_filename:
+                        key = f"{_m} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+                        self.calls[key] = self.calls.get(key, 0) + 1
+                return _o(t, *a, **kw)
+
+            setattr(torch.Tensor, m, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        for m, o in self._orig.items():
+            setattr(torch.Tensor, m, o)
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+
+def _count_syncs(env, data, run_root, plan_types, log_every):
+    from dlrmctl.config import config_from_dict
+    from dlrmctl.train.loop import RunEnv, Trainer
+
+    raw = {
+        "name": "sync",
+        "data": {"path": data, "batch_size": 128, "eval_batch_size": 4096},
+        "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]},
+        "train": {"epochs": 1, "max_steps": STEPS, "log_every": log_every, "seed": 0, "run_dir": run_root,
+                  "pipeline": "sparse_dist", "progress": False, "eval_every": 0, "checkpoint_every": 0},
+        "sharding": {"tables": {t: {"sharding_type": st, **({"compute_kernel": "dense"} if st == "data_parallel" else {})}
+                                for t, st in plan_types.items()}},
+    }
+    cfg = config_from_dict(raw)
+    run = os.path.join(run_root, cfg.name)
+    os.makedirs(run, exist_ok=True)
+    tr = Trainer(cfg, RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env), run)
+    counter = SyncCounter()
+    orig_eval, orig_save = tr._eval_and_log, tr.save
+
+    def paused(fn):
+        def run_paused(*a, **kw):
+            counter.active = False
+            try:
+                return fn(*a, **kw)
+            finally:
+                counter.active = True
+        return run_paused
+
+    tr._eval_and_log, tr.save = paused(orig_eval), paused(orig_save)
+    with counter:
+        counter.active = True
+        tr.train()
+        counter.active = False
+    return tr.step, counter.total, counter.calls
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plan", ["table_row_mix", "with_data_parallel"])
+def test_training_step_stays_within_the_host_sync_budget(tiny_data, tmp_path, plan):
+    kinds = ["row_wise", "table_wise", "column_wise", "table_row_wise", "table_column_wise"]
+    if plan == "with_data_parallel":
+        kinds.append("data_parallel")
+    types = {f"t_C{i + 1}": kinds[i % len(kinds)] for i in range(26)}
+    res = run_multiprocess(_count_syncs, 2, tiny_data, str(tmp_path), types, 10, timeout_s=240)
+    for steps, total, calls in res:
+        assert steps == STEPS
+        assert total <= SYNC_BUDGET_PER_STEP * STEPS, f"{total} host syncs in {STEPS} steps: {calls}"
