@@ -63,13 +63,19 @@ def train(
         set_ = list(set_) + [f"sharding.plan_file={plan}"]
         cfg.sharding.plan_file = plan
     world = nproc * nnodes
-    if cfg.sharding.plan_file and world > 1 and not dry_run:
-        _check_plan_before_launch(cfg, world)
-    if world > 1 or dry_run:
+    if dry_run:
         from dlrmctl.launch import build_appdef, launch
 
-        rc = launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite), dry_run=dry_run)
-        raise typer.Exit(rc)
+        raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite), dry_run=True))
+    if world > 1:
+        from dlrmctl.launch import build_appdef, launch
+        from dlrmctl.train.loop import prepare_run_dir
+
+        _check_before_launch(cfg, world, resume, overwrite)
+        # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
+        run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+        app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False)
+        raise typer.Exit(launch(app, log_dir=os.path.join(run_dir, "logs")))
     from dlrmctl.train.worker import run_training
 
     try:
@@ -80,6 +86,27 @@ def train(
         if isinstance(e, USER_ERRORS):
             _fail(str(e))
         raise
+
+
+def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool) -> None:
+    """Checks of a ``--nproc``/``--nnodes`` launch, run before any rank starts.
+
+    Each failure prints one ``error: ...`` line and exits with code 2 (``typer.Exit``): the run
+    directory already holds a run (without ``--resume``/``--overwrite``), ``data.path`` has no
+    (valid) meta.json, or the stored sharding plan does not fit the model or the world size.
+    """
+    from dlrmctl.config import ConfigError, read_data_meta
+    from dlrmctl.train.loop import TrainError, check_run_dir
+
+    try:
+        check_run_dir(cfg, resume, overwrite)
+        meta = read_data_meta(cfg)
+    except (TrainError, ConfigError) as e:
+        _fail(str(e))
+    if meta is None:  # the message the Trainer gives
+        _fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
+    if cfg.sharding.plan_file:
+        _check_plan_before_launch(cfg, world)
 
 
 def _check_plan_before_launch(cfg, world: int) -> None:

@@ -6,15 +6,33 @@ would, and runs it on torchx's ``local_cwd`` scheduler (torchrun underneath,
 c10d rendezvous).  ``dlrmctl launch --scheduler slurm|kubernetes --dry-run``
 prints the request those schedulers would receive, so the same job runs on a
 cluster through an existing engine.
+
+On ``local_cwd`` torchrun is started as ``sys.executable -m torch.distributed.run``
+(so no ``torchrun`` on PATH is needed), every rank's stdout and stderr go to log
+files, and only local rank 0's output is copied to the console.  A failing rank
+records its error (:func:`record_rank_failure`) in the error file torchrun gives
+it; after the job, :func:`first_failure` reads those records back and the
+launcher prints one line naming the rank that failed first.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import re
+import shlex
 import sys
-from typing import Any
+import threading
+import time
+from typing import Any, TextIO
 
 WORKER_MODULE = "dlrmctl.train.worker"
+LOCAL_SCHEDULER = "local_cwd"
+#: torchrun's prefix of the console lines it tees from local rank 0 (role "")
+_RANK0_PREFIX = "[0]:"
+#: key of dlrmctl's fields inside a torchelastic error file's ``extraInfo``
+_RECORD_KEY = "dlrmctl"
 
 
 def build_appdef(
@@ -29,6 +47,7 @@ def build_appdef(
     gpu_per_proc: int = 0,
     mem_mb_per_proc: int = 4096,
     name: str = "dlrmctl-train",
+    scheduler: str = LOCAL_SCHEDULER,
 ) -> Any:
     """The torchx AppDef of a training job (``torchx.components.dist.ddp``).
 
@@ -36,9 +55,15 @@ def build_appdef(
         config: path of the experiment YAML (as seen from the job's working dir).
         overrides: ``--set`` assignments passed through to every rank.
         nproc: processes per node; nnodes: nodes.
+        resume, overwrite: passed through to every rank as ``--resume`` / ``--overwrite``.
         image: container image for cluster schedulers (ignored by local_cwd).
         cpu_per_proc, gpu_per_proc, mem_mb_per_proc: resources per process
             (the role asks for ``nproc`` times these, in CPUs / GPUs / MB).
+        name: job name.
+        scheduler: the torchx scheduler the AppDef is for.  On ``local_cwd`` the role
+            runs ``sys.executable -m torch.distributed.run`` directly (no ``torchrun``
+            on PATH needed), writes every rank's output to log files and tees local
+            rank 0's to the console; elsewhere it is ddp's ``bash -c "torchrun ..."``.
 
     Returns:
         ``torchx.specs.AppDef`` with one role running torchrun -m dlrmctl.train.worker.
@@ -66,12 +91,47 @@ def build_appdef(
     )
     if image:
         kw["image"] = image
-    return ddp(*args, **kw)
+    app = ddp(*args, **kw)
+    if scheduler == LOCAL_SCHEDULER:
+        _run_torchrun_through_this_interpreter(app.roles[0], nnodes)
+    return app
 
 
-def launch(app: Any, scheduler: str = "local_cwd", scheduler_cfg: dict[str, Any] | None = None,
-           dry_run: bool = False) -> int:
+def _run_torchrun_through_this_interpreter(role: Any, nnodes: int) -> None:
+    """Rewrite ddp's ``bash -c "torchrun OPTIONS -m MODULE ARGS"`` into ``sys.executable -m torch.distributed.run ...``.
+
+    Also: every rank's stdout/stderr are redirected to torchrun's log dir (``--redirects 3``)
+    and local rank 0's are teed to the console (``--tee 0:3``); with several (local) nodes
+    the rendezvous endpoint is ``localhost:<c10d port>`` (ddp's is a bash expansion).
+    """
+    argv = shlex.split(role.args[-1])
+    if role.entrypoint != "bash" or argv[0] != "torchrun":
+        raise ValueError(f"unexpected dist.ddp command: {role.entrypoint} {role.args}")
+    opts = argv[1:]
+    opts[opts.index("--tee") + 1] = "0:3"
+    opts[opts.index("--tee"):opts.index("--tee")] = ["--redirects", "3"]
+    if nnodes > 1:
+        opts[opts.index("--rdzv_endpoint") + 1] = f"localhost:{role.port_map['c10d']}"
+    role.entrypoint = sys.executable
+    role.args = ["-m", "torch.distributed.run", *opts]
+
+
+def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, Any] | None = None,
+           dry_run: bool = False, log_dir: str | None = None) -> int:
     """Run (or, with ``dry_run``, print) the AppDef from :func:`build_appdef` on a torchx scheduler.
+
+    On ``local_cwd`` local rank 0's output is copied to this process's stdout / stderr
+    while the job runs, and a failed job is reported as one line on stderr naming the
+    rank that failed first (see :func:`first_failure`) and where its log is.
+
+    Args:
+        app: the AppDef (built for ``scheduler``).
+        scheduler: torchx scheduler name.
+        scheduler_cfg: the scheduler's run options.
+        dry_run: print the AppDef and the scheduler's request instead of running.
+        log_dir: ``local_cwd`` only: directory that keeps every rank's and torchrun's logs
+            (torchx's ``log_dir``: ``LOG_DIR/<session>/<app id>/...``); default: a
+            temporary directory torchx deletes when this process exits.
 
     Returns:
         process exit code: 0 when the app SUCCEEDED (or was only printed), 1 otherwise.
@@ -80,26 +140,152 @@ def launch(app: Any, scheduler: str = "local_cwd", scheduler_cfg: dict[str, Any]
     from torchx.specs import AppState
 
     runner = get_runner()
+    cfg = dict(scheduler_cfg or {})
+    if log_dir and scheduler == LOCAL_SCHEDULER:
+        cfg["log_dir"] = os.path.abspath(log_dir)
     if dry_run:
         print(format_appdef(app))
-        info = runner.dryrun(app, scheduler, cfg=scheduler_cfg or {})
+        info = runner.dryrun(app, scheduler, cfg=cfg)
         print(f"\n# {scheduler} request:\n{info}")
         return 0
-    handle = runner.run(app, scheduler=scheduler, cfg=scheduler_cfg or {})
+    handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
-    try:
-        for line in runner.log_lines(handle, role, k=0, should_tail=True):
-            sys.stdout.write(line if line.endswith("\n") else line + "\n")
-            sys.stdout.flush()
-    except Exception:  # log streaming is best-effort; the status below decides
-        pass
+    if scheduler == LOCAL_SCHEDULER:
+        _echo_rank0(runner, handle, role)
+    else:
+        _echo(runner, handle, role, None, sys.stdout, prefix="")
     status = runner.wait(handle, wait_interval=1)
-    if status is None or status.state != AppState.SUCCEEDED:
-        print(f"error: training job {handle} ended {status.state if status else 'UNKNOWN'}", file=sys.stderr)
-        if status is not None and status.msg and status.msg.strip() not in ("<NONE>", ""):
-            print(status.msg, file=sys.stderr)
+    if status is not None and status.state == AppState.SUCCEEDED:
+        return 0
+    if scheduler == LOCAL_SCHEDULER and status is not None and status.ui_url.startswith("file://"):
+        app_log_dir = status.ui_url[len("file://"):]
+        failure = first_failure(app_log_dir, role)
+        where = _show_path(failure[1] if failure and failure[1] else app_log_dir) if log_dir else None
+        what = failure[0] if failure else f"training job {handle} ended {status.state}"
+        print(f"error: {what}" + (f" (logs: {where})" if where else ""), file=sys.stderr)
         return 1
-    return 0
+    print(f"error: training job {handle} ended {status.state if status else 'UNKNOWN'}", file=sys.stderr)
+    if status is not None and status.msg and status.msg.strip() not in ("<NONE>", ""):
+        print(status.msg, file=sys.stderr)
+    return 1
+
+
+def _echo_rank0(runner: Any, handle: str, role: str) -> None:
+    """Copy local rank 0's teed stdout / stderr lines (torchrun's ``[0]:`` prefix removed) to ours until the job ends.
+
+    torchrun's own messages (no prefix) stay in the logs only, and so does a failing rank 0's
+    report (from its first ``Traceback`` / ``error:`` line on): the launcher summarizes it.
+    """
+    from torchx.schedulers.api import Stream
+
+    err = threading.Thread(target=_echo, args=(runner, handle, role, Stream.STDERR, sys.stderr), daemon=True)
+    err.start()
+    _echo(runner, handle, role, Stream.STDOUT, sys.stdout)
+    err.join()
+
+
+def _echo(runner: Any, handle: str, role: str, stream: Any, out: TextIO, prefix: str = _RANK0_PREFIX) -> None:
+    """Copy node 0's log ``stream`` of the job to ``out``: lines starting with ``prefix``, the prefix removed."""
+    try:
+        for line in runner.log_lines(handle, role, k=0, should_tail=True, streams=stream):
+            if not line.startswith(prefix):
+                continue
+            line = line[len(prefix):]
+            if prefix and line.startswith(("Traceback (most recent call last)", "error: ")):
+                return  # the rank is failing: the rest is in its log, the launcher prints a summary
+            out.write(line if line.endswith("\n") else line + "\n")
+            out.flush()
+    except Exception:  # log streaming is best-effort; the job's status decides
+        pass
+
+
+def _show_path(path: str) -> str:
+    """``path`` relative to the working directory when it is below it, else absolute."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+# ------------------------------------------------------------- failure records
+def record_rank_failure(error: BaseException, user_error: bool) -> None:
+    """Record this rank's failure in the error file torchrun gave it, for :func:`first_failure`.
+
+    Writes torchelastic's error-file format (``{"message": {"message", "extraInfo":
+    {"py_callstack", "timestamp"}}}``, so torchrun's own report still works) with dlrmctl's
+    fields added under ``extraInfo.dlrmctl``: global rank, time, whether it is a user error
+    (one-line message), whether it is a communication error caused by another rank going away,
+    and this rank's stderr log.  Does nothing outside torchrun (no ``TORCHELASTIC_ERROR_FILE``).
+
+    Args:
+        error: the exception that ends this rank (call from inside its ``except`` block).
+        user_error: the error is the user's input; its message is shown without the type.
+    """
+    import traceback
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = str(error) if user_error else f"{type(error).__name__}: {error}"
+    info = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "time": time.time(),
+        "user_error": user_error,
+        "peer": _is_peer_failure(error),
+        "log": os.path.join(os.path.dirname(path), "stderr.log"),
+    }
+    data = {"message": {"message": message, "extraInfo": {
+        "py_callstack": traceback.format_exc(), "timestamp": str(int(info["time"])), _RECORD_KEY: info}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def _is_peer_failure(error: BaseException) -> bool:
+    """A collective / store operation failed, typically because another rank died first."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
+
+
+def first_failure(app_log_dir: str, role: str) -> tuple[str, str | None] | None:
+    """The root failure of a finished local job, from the logs under ``app_log_dir``.
+
+    Among the ranks' records (:func:`record_rank_failure`) the earliest that is not a
+    communication error wins (else the earliest); without records (e.g. a rank killed by a
+    signal), the root cause torchrun reported in its own output.
+
+    Args:
+        app_log_dir: torchx's log directory of the app (``LOG_DIR/<session>/<app id>``).
+        role: the AppDef's role name.
+
+    Returns:
+        ``(description, log)``: e.g. ``("rank 1 failed: ValueError: ...", ".../1/stderr.log")``
+        (user errors: ``"rank 1: <message>"``); ``log`` is that rank's stderr log or None.
+        None when nothing in the logs names a failed rank.
+    """
+    records = []
+    for path in glob.glob(os.path.join(app_log_dir, "**", "error.json"), recursive=True):
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            info = data["message"]["extraInfo"][_RECORD_KEY]
+            message = data["message"]["message"]
+            records.append((bool(info["peer"]), float(info["time"]), int(info["rank"]), info, message))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if records:
+        _, _, rank, info, message = min(records, key=lambda r: r[:3])
+        first_line = (message.strip().splitlines() or [""])[0]
+        what = f"rank {rank}: {first_line}" if info["user_error"] else f"rank {rank} failed: {first_line}"
+        return what, info.get("log")
+    for path in glob.glob(os.path.join(app_log_dir, role, "*", "stderr.log")):  # torchrun's ChildFailedError report
+        with open(path, errors="replace") as f:
+            m = re.search(r"Root Cause \(first observed failure\):.*?\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)"
+                          r"[^\n]*?(?:\((SIG\w+)\))?\s*$", f.read(), re.S | re.M)
+        if m:
+            how = f"killed by {m.group(3)}" if m.group(3) else f"exit code {m.group(2)}"
+            return f"rank {m.group(1)} failed: {how}", None
+    return None
 
 
 def format_appdef(app: Any) -> str:
@@ -109,7 +295,7 @@ def format_appdef(app: Any) -> str:
         out += [
             f"  role {r.name}: replicas={r.num_replicas} image={r.image}",
             f"    entrypoint: {r.entrypoint}",
-            f"    args: {' '.join(r.args)}",
+            "    args: " + " ".join(a or "''" for a in r.args),
             f"    env: {r.env}",
             f"    resources: cpu={r.resource.cpu} gpu={r.resource.gpu} memMB={r.resource.memMB}",
             f"    ports: {r.port_map}",

@@ -149,3 +149,20 @@ def test_read_meta_errors_name_the_file(tmp_path):
     make_dataset(tmp_path)
     with pytest.raises(DataError, match=r"unknown split 'val'.*\['train'\]"):
         BatchLoader(tmp_path, "val", 4)
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_id_bounds_are_checked_on_the_cpu_batch_and_length_per_key_is_known(tmp_path, prefetch):
+    from dlrmctl.sparse.validation import EmbeddingIdError
+
+    make_dataset(tmp_path, n=10)
+    # C1 ids are 0, 10, ..., 90; M1 ids are < 10
+    ok = BatchLoader(tmp_path, "train", 4, prefetch=prefetch, id_bounds={"C1": ("t_C1", 100), "M1": ("t_M1", 10)})
+    batches = list(ok)
+    # the loader hands over ids per key as host ints: the step never reads them from the device
+    assert batches[0].sparse_features._length_per_key == [4, 3]
+    assert batches[0].sparse_features.to("cpu").length_per_key() == [4, 3]
+    bad = BatchLoader(tmp_path, "train", 4, prefetch=prefetch, id_bounds={"C1": ("t_C1", 45)})
+    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 0, batch 1: table 't_C1', feature 'C1': "
+                                               r"id 70 is out of range; expected 0 <= id < num_embeddings = 45"):
+        list(bad)

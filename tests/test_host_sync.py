@@ -109,13 +109,16 @@ def _count_syncs(env, data, run_root, plan_types, log_every):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("plan", ["table_row_mix", "with_data_parallel"])
+@pytest.mark.parametrize("plan", ["table_row_mix", "with_data_parallel", "only_data_parallel"])
 def test_training_step_stays_within_the_host_sync_budget(tiny_data, tmp_path, plan):
     kinds = ["row_wise", "table_wise", "column_wise", "table_row_wise", "table_column_wise"]
     if plan == "with_data_parallel":
         kinds.append("data_parallel")
+    if plan == "only_data_parallel":  # no input_dist: the global batch size is all-reduced on the device
+        kinds = ["data_parallel"]
     types = {f"t_C{i + 1}": kinds[i % len(kinds)] for i in range(26)}
     res = run_multiprocess(_count_syncs, 2, tiny_data, str(tmp_path), types, 10, timeout_s=240)
     for steps, total, calls in res:
+        print(f"{plan}: {total} host syncs in {steps} steps: {calls}")
         assert steps == STEPS
         assert total <= SYNC_BUDGET_PER_STEP * STEPS, f"{total} host syncs in {STEPS} steps: {calls}"

@@ -1,4 +1,10 @@
-"""torchx launch: the AppDef of `train --nproc --dry-run` and cluster job specs."""
+"""torchx launch: the AppDef of `train --nproc --dry-run`, cluster job specs, pre-launch checks and
+how a launched job reports a failing rank."""
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -7,15 +13,24 @@ from dlrmctl.cli import app
 from dlrmctl.launch import build_appdef
 
 runner = CliRunner()
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_appdef_runs_torchrun_with_the_worker_module_and_overrides():
+def test_local_appdef_runs_torchrun_through_this_interpreter_with_the_worker_module_and_overrides():
     a = build_appdef("configs/demo.yaml", ["train.seed=3"], nproc=4, nnodes=2, resume=True)
     (role,) = a.roles
+    assert role.entrypoint == sys.executable and role.args[:2] == ["-m", "torch.distributed.run"]
     cmd = " ".join(role.args)
-    assert "torchrun" in cmd and "--nnodes 2" in cmd and "--nproc_per_node 4" in cmd
-    assert "-m dlrmctl.train.worker configs/demo.yaml --set train.seed=3 --resume" in cmd
+    assert "torchrun" not in cmd and "--nnodes 2" in cmd and "--nproc_per_node 4" in cmd
+    assert "--redirects 3 --tee 0:3" in cmd and "--rdzv_endpoint localhost:29500" in cmd
+    assert cmd.endswith("-m dlrmctl.train.worker configs/demo.yaml --set train.seed=3 --resume")
     assert role.num_replicas == 2 and role.resource.cpu == 4
+
+
+def test_cluster_appdef_keeps_torchrun_from_the_image():
+    (role,) = build_appdef("configs/demo.yaml", [], nproc=8, nnodes=2, scheduler="slurm").roles
+    assert role.entrypoint == "bash" and role.args[1].startswith("torchrun ")
+    assert "--nproc_per_node 8" in role.args[1] and "-m dlrmctl.train.worker configs/demo.yaml" in role.args[1]
 
 
 def test_train_dry_run_prints_the_appdef():
@@ -57,3 +72,119 @@ def test_a_stored_plan_that_does_not_match_fails_before_any_process_starts(tmp_p
     plan.write_text(yaml.safe_dump(d))
     r = runner.invoke(app, ["train", "configs/demo.yaml", "--nproc", "2", "--plan", str(plan), *common])
     assert r.exit_code == 2 and "no sharding for table(s) ['t_C5']" in r.output
+
+
+@pytest.fixture
+def small_data(tmp_path):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path / "data", rows=3000, seed=0, num_embeddings=[50] * 26)
+    return tmp_path / "data"
+
+
+def _no_launch(*a, **k):
+    raise AssertionError("a failed pre-launch check must not start the job")
+
+
+@pytest.mark.parametrize("case", ["run_dir_in_use", "no_data"])
+def test_pre_launch_checks_fail_with_one_line_before_any_process_starts(case, small_data, tmp_path, monkeypatch):
+    import dlrmctl.launch
+
+    monkeypatch.setattr(dlrmctl.launch, "launch", _no_launch)
+    run_dir = tmp_path / "runs" / "demo"
+    data = small_data
+    if case == "run_dir_in_use":
+        (run_dir / "checkpoints").mkdir(parents=True)
+    else:
+        data = tmp_path / "nodata"
+    t0 = time.monotonic()
+    r = runner.invoke(app, ["train", "configs/demo.yaml", "--nproc", "2", "--set", f"data.path={data}",
+                            "--set", f"train.run_dir={tmp_path / 'runs'}"])
+    assert r.exit_code == 2, r.output
+    (line,) = r.output.strip().splitlines()
+    expected = f"{run_dir} already holds a run" if case == "run_dir_in_use" else "has no meta.json"
+    assert line.startswith("error: ") and expected in line
+    assert not (run_dir / "logs").exists() and time.monotonic() - t0 < 10
+    assert (case == "run_dir_in_use") == run_dir.exists()
+
+
+def _train(data, runs, *extra, timeout=180):
+    """``dlrmctl train configs/demo.yaml --nproc 2`` in a subprocess whose PATH has no torchrun."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
+           "--set", f"data.path={data}", "--set", f"train.run_dir={runs}", "--set", "data.batch_size=1024",
+           "--set", "data.shuffle=false", "--set", "train.max_steps=2", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.multiprocess
+def test_two_rank_run_without_torchrun_on_path_echoes_rank_0_and_keeps_every_rank_log(small_data, tmp_path):
+    r = _train(small_data, tmp_path / "runs")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "val: AUC" in r.stdout and "run directory" in r.stdout
+    assert "[0]:" not in r.stdout + r.stderr and "OMP_NUM_THREADS" not in r.stderr  # no torchrun noise
+    logs = tmp_path / "runs" / "demo" / "logs"
+    assert {p.parent.name for p in logs.rglob("stderr.log") if p.parent.parent.name == "attempt_0"} == {"0", "1"}
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_is_reported_in_one_line_naming_it_and_its_log(small_data, tmp_path):
+    """Rank 1 alone reads a corrupt id (row 700 of the first 1024-row global batch); rank 0 then
+    loses its peer.  The user sees one line about rank 1; every rank's log is kept."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    (shard,) = small_data.glob("parts/*/train.arrow")
+    t = ipc.open_file(pa.memory_map(str(shard))).read_all()
+    ids = t.column("C1").to_numpy().copy()
+    ids[700] = 10**6
+    t = t.set_column(t.schema.get_field_index("C1"), t.schema.field("C1"), pa.array(ids))
+    with pa.OSFile(str(shard) + ".tmp", "wb") as sink, ipc.new_file(sink, t.schema) as w:
+        w.write_table(t)
+    os.replace(str(shard) + ".tmp", shard)
+
+    r = _train(small_data, tmp_path / "runs")
+    assert r.returncode == 1
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith(("error: rank 1 failed: ", "error: rank 1: ")) and "1000000" in line, line
+    assert "runs/demo/logs/" in line and line.endswith("/1/stderr.log)")
+    assert len(r.stdout.strip().splitlines()) < 5
+    logs = tmp_path / "runs" / "demo" / "logs"
+    rank_logs = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log") if p.parent.parent.name == "attempt_0"}
+    assert set(rank_logs) == {"0", "1"} and "1000000" in rank_logs["1"]
+
+
+def test_first_failure_names_the_earliest_rank_that_did_not_just_lose_a_peer(tmp_path, monkeypatch):
+    from dlrmctl.launch import first_failure, record_rank_failure
+
+    def fail(rank, error, user_error=False):
+        d = tmp_path / "torchelastic" / "worker" / "run_x" / "attempt_0" / str(rank)
+        d.mkdir(parents=True)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(d / "error.json"))
+        monkeypatch.setenv("RANK", str(rank))
+        try:
+            raise error
+        except Exception as e:
+            record_rank_failure(e, user_error)
+
+    fail(0, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:3504"))
+    fail(2, ValueError("bad shard\nsecond line"))
+    fail(1, ValueError("later"))
+    what, log = first_failure(str(tmp_path), "worker")
+    assert what == "rank 2 failed: ValueError: bad shard" and log.endswith("attempt_0/2/stderr.log")
+    fail(3, FileNotFoundError("no such file: x"), user_error=True)
+    (tmp_path / "torchelastic" / "worker" / "run_x" / "attempt_0" / "2" / "error.json").unlink()
+    (tmp_path / "torchelastic" / "worker" / "run_x" / "attempt_0" / "1" / "error.json").unlink()
+    assert first_failure(str(tmp_path), "worker")[0] == "rank 3: no such file: x"
+
+
+def test_first_failure_falls_back_to_torchruns_root_cause_for_a_killed_rank(tmp_path):
+    from dlrmctl.launch import first_failure
+
+    (tmp_path / "worker" / "0").mkdir(parents=True)
+    (tmp_path / "worker" / "0" / "stderr.log").write_text(
+        "Failures:\n[1]:\n  rank      : 0 (local_rank: 0)\n  exitcode  : -15 (pid: 7)  (SIGTERM)\n"
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-01-01_00:00:00\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 8)  (SIGKILL)\n  error_file: <N/A>\n")
+    assert first_failure(str(tmp_path), "worker") == ("rank 1 failed: killed by SIGKILL", None)
+    assert first_failure(str(tmp_path / "nothing"), "worker") is None

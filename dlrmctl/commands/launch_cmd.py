@@ -39,7 +39,8 @@ def register(app: typer.Typer) -> None:
         if scheduler == "kubernetes":
             cfg.setdefault("queue", "default")
         try:
-            app = build_appdef(config, set_, nproc, nnodes, resume=resume, image=image, gpu_per_proc=gpus_per_proc)
+            app = build_appdef(config, set_, nproc, nnodes, resume=resume, image=image, gpu_per_proc=gpus_per_proc,
+                               scheduler=scheduler)
             rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run)
         except (ValueError, ImportError) as e:
             typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)

@@ -446,6 +446,8 @@ class GradBucketReducer:
             self.buckets.append(cur)
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
         self._handles = []
+        #: buckets the last backward launched from its hooks, i.e. before its end (overlapped)
+        self.launched_during_backward = 0
         self._reset()
         if pg is not None:
             for p in ps:
@@ -458,6 +460,7 @@ class GradBucketReducer:
 
     def _reset(self) -> None:
         self._armed = False
+        self._launched_early = 0
         self._pending = [len(b) for b in self.buckets]
         self._ready: set[int] = set()
         self._next = 0
@@ -470,6 +473,7 @@ class GradBucketReducer:
         self._pending[self._bucket_of[id(p)]] -= 1
         if self._armed:
             self._launch_ready()
+            self._launched_early = self._next
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.buckets) and (force or self._pending[self._next] == 0):
@@ -489,6 +493,7 @@ class GradBucketReducer:
         """Launch what is pending, wait for every bucket and write the sums into ``p.grad``."""
         if self.pg is None:
             return
+        self.launched_during_backward = self._launched_early
         self._launch_ready(force=True)
         for work, flat, k in self._works:
             work.wait()  # type: ignore[attr-defined]

@@ -218,17 +218,25 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         self._assembly = _ColumnAssembly(labels, ebc_feat_off[-1])
         # wire format of the id all-to-all: int32 when every communicated table has < 2^31 rows
         # (lengths, local ids and float32 weight bits then all fit), else int64
-        big = any(t.num_embeddings >= 2**31 for i in self._comm for t in groups[i].tables)
-        auto = torch.int64 if big else torch.int32
-        if input_dist_dtype not in (None, torch.int32, torch.int64):
-            raise ValueError(f"input_dist_dtype must be torch.int32, torch.int64 or None, got {input_dist_dtype}")
-        if input_dist_dtype == torch.int32 and big:
-            raise ValueError("input_dist_dtype=torch.int32 with a table of >= 2^31 rows: its ids do not fit")
-        self._wire_dtype = input_dist_dtype or auto
+        self.input_dist_dtype = input_dist_dtype
         #: bytes this rank sent in its last input_dist: (size exchange, data)
         self.input_dist_bytes: tuple[int, int] = (0, 0)
 
     # ---------------------------------------------------------- input dist
+    @property
+    def input_dist_dtype(self) -> torch.dtype:
+        """Element type of the id all-to-all (int32 or int64); settable (``None``: automatic)."""
+        return self._wire_dtype
+
+    @input_dist_dtype.setter
+    def input_dist_dtype(self, dtype: torch.dtype | None) -> None:
+        big = any(t.num_embeddings >= 2**31 for i in self._comm for t in self.groups[i].tables)
+        if dtype not in (None, torch.int32, torch.int64):
+            raise ValueError(f"input_dist_dtype must be torch.int32, torch.int64 or None, got {dtype}")
+        if dtype == torch.int32 and big:
+            raise ValueError("input_dist_dtype=torch.int32 with a table of >= 2^31 rows: its ids do not fit")
+        self._wire_dtype = dtype or (torch.int64 if big else torch.int32)
+
     def input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
         """Start redistributing the local batch's ids; ``.wait()`` gives the lookup inputs.
 

@@ -195,7 +195,7 @@ class Trainer:
         sizes = getattr(sparse_ctx, "batch_sizes", None)
         if sizes is not None and len(sizes) == self.env.world_size:
             return int(sum(sizes))
-        t = torch.tensor([local], dtype=torch.float32, device=self.device)
+        t = torch.tensor(float(local), dtype=torch.float32, device=self.device)  # 0-d: the loss stays 0-d
         self.env.all_reduce_sum(t)
         return t
 
@@ -531,7 +531,8 @@ def _empty_batch_like(num_dense: int, feature_names: list[str]) -> Any:
     z = torch.zeros(0, dtype=torch.int64)
     return Batch(
         dense_features=torch.zeros(0, num_dense),
-        sparse_features=KeyedJaggedTensor(feature_names, z, lengths=z.clone(), stride=0),
+        sparse_features=KeyedJaggedTensor(feature_names, z, lengths=z.clone(), stride=0,
+                                          length_per_key=[0] * len(feature_names)),
         labels=torch.zeros(0),
     )
 

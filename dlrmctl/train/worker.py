@@ -11,16 +11,19 @@ import argparse
 import logging
 import os
 import sys
+import traceback
 
 import torch
 
 from dlrmctl.config import ConfigError, load_config
 from dlrmctl.distributed.types import PlanError
+from dlrmctl.sparse.validation import EmbeddingIdError
 from dlrmctl.train.checkpoint import CheckpointError
 from dlrmctl.train.loop import RunEnv, Trainer, TrainError, prepare_run_dir, resolve_device
 
 #: errors that are the user's input, reported as one line without a traceback
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
+                                               EmbeddingIdError)
 try:  # optional modules add their own user-facing errors
     from dlrmctl.data.columnar import DataError
 
@@ -43,13 +46,16 @@ except ImportError:  # pragma: no cover
 
 
 def _make_env(cfg) -> RunEnv:
+    """This rank's RunEnv: a plain single process, or a process group (torchrun's ranks,
+    or one rank with ``sharding.force``) on the config's device (nccl on CUDA, gloo on CPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if world == 1 and not cfg.sharding.force:
         return RunEnv(device=resolve_device(cfg))
     from dlrmctl.distributed.env import init_distributed
 
-    lws = cfg.sharding.local_world_size
-    senv = init_distributed(local_world_size=lws)
+    dev = resolve_device(cfg)
+    senv = init_distributed(local_world_size=cfg.sharding.local_world_size, single_rank_group=True,
+                            device=dev if world == 1 else (None if dev.type == "cuda" else dev))
     return RunEnv(senv.rank, senv.world_size, senv.local_world_size, senv.device, senv)
 
 
@@ -65,12 +71,22 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
         torch.manual_seed(cfg.train.seed)
         return Trainer(cfg, env, run_dir, resume=resume).train()
     finally:
-        if env.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if env.sharded:
+            from dlrmctl.distributed.env import destroy_distributed
+
+            destroy_distributed()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dlrmctl.train.worker CONFIG [--set k=v ...] [--resume] [--overwrite]``; exit code 2 on user errors."""
+    """``python -m dlrmctl.train.worker CONFIG [--set k=v ...] [--resume] [--overwrite]``.
+
+    A failure is printed to stderr (user errors as one ``error: ...`` line, others as a
+    traceback) and, under torchrun, recorded in the rank's error file for the launcher
+    (:func:`dlrmctl.launch.record_rank_failure`).
+
+    Returns:
+        exit code: 0 on success, 2 on user errors (:data:`USER_ERRORS`), 1 on any other error.
+    """
     p = argparse.ArgumentParser(prog="python -m dlrmctl.train.worker")
     p.add_argument("config")
     p.add_argument("--set", dest="overrides", action="append", default=[])
@@ -80,9 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # reported here (and recorded for the launcher), not as an uncaught traceback
+        from dlrmctl.launch import record_rank_failure
+
+        user_error = isinstance(e, USER_ERRORS)
+        if user_error:
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        record_rank_failure(e, user_error)
+        return 2 if user_error else 1
     return 0
 
 

@@ -566,5 +566,8 @@ def bucketize_torch(
     dest = shard_ranks[shard]
     local = key - shard_starts[shard]
     order = torch.argsort(dest, stable=True)
-    new_lengths = torch.bincount(dest * (F * B) + bag, minlength=W * F * B).view(W, F, B)
+    # scatter-add into a buffer of known size (bincount would read the max id back to the host on CUDA)
+    new_lengths = torch.zeros(W * F * B, dtype=lengths.dtype, device=dev)
+    new_lengths.index_add_(0, dest * (F * B) + bag, torch.ones_like(bag, dtype=lengths.dtype))
+    new_lengths = new_lengths.view(W, F, B)
     return new_lengths, local[order], None if weights is None else weights[order]
