@@ -5,6 +5,14 @@ loads together (see :mod:`dlrmctl._fbgemm`).  A missing ``fbgemm_gpu`` is not an
 error: the ``dense`` embedding kernel (``torch.nn.EmbeddingBag``) is used instead.
 An installed but ABI-incompatible ``fbgemm_gpu`` *is* an error, raised at import
 with both versions and the pair to install.
+
+Coming from TorchRec, these names import from ``dlrmctl`` as from ``torchrec``
+(same signatures and argument order): ``JaggedTensor``, ``KeyedJaggedTensor``,
+``KeyedTensor``, ``EmbeddingBagCollection``, ``EmbeddingBagConfig``,
+``PoolingType``, ``DataType``; so do the modules
+``dlrmctl.sparse.jagged_tensor``, ``dlrmctl.modules.embedding_configs`` and
+``dlrmctl.modules.embedding_modules``.  They load on first access (``import
+dlrmctl`` stays light).
 """
 
 __version__ = "0.1.0"
@@ -13,4 +21,26 @@ from dlrmctl._fbgemm import check_torch_fbgemm_pair  # noqa: E402
 
 HAS_FBGEMM: bool = check_torch_fbgemm_pair()
 
-__all__ = ["HAS_FBGEMM", "__version__"]
+_TORCHREC_NAMES = {
+    "JaggedTensor": "dlrmctl.sparse.jagged_tensor",
+    "KeyedJaggedTensor": "dlrmctl.sparse.jagged_tensor",
+    "KeyedTensor": "dlrmctl.sparse.jagged_tensor",
+    "EmbeddingBagCollection": "dlrmctl.modules.embedding_modules",
+    "EmbeddingBagConfig": "dlrmctl.modules.embedding_configs",
+    "PoolingType": "dlrmctl.modules.embedding_configs",
+    "DataType": "dlrmctl.modules.embedding_configs",
+}
+
+
+def __getattr__(name: str):  # PEP 562: TorchRec-compatible names, imported on first use
+    mod = _TORCHREC_NAMES.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'dlrmctl' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["HAS_FBGEMM", "__version__", *_TORCHREC_NAMES]

@@ -565,7 +565,8 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
                 "does not exist: run `dlrmctl preprocess` first or list model.tables"
             )
         for f in meta["sparse_features"]:
-            out.append(EmbeddingBagConfig(f"t_{f['name']}", int(f["num_embeddings"]), cfg.model.embedding_dim, [f["name"]]))
+            out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=int(f["num_embeddings"]),
+                                          embedding_dim=cfg.model.embedding_dim, feature_names=[f["name"]]))
         return out
     for i, t in enumerate(cfg.model.tables):
         fnames = t.feature_names or [t.name]
@@ -578,5 +579,7 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
                     f"{'there is no meta.json at ' + cfg.data.path if meta is None else 'features ' + str(missing) + ' are not in meta.json'}"
                 )
             rows = max(int(feats[n]["num_embeddings"]) for n in fnames)
-        out.append(EmbeddingBagConfig(t.name, rows, t.embedding_dim or cfg.model.embedding_dim, list(fnames), t.pooling))
+        out.append(EmbeddingBagConfig(name=t.name, num_embeddings=rows,
+                                      embedding_dim=t.embedding_dim or cfg.model.embedding_dim,
+                                      feature_names=list(fnames), pooling=t.pooling))
     return out

@@ -49,7 +49,8 @@ def run(name: str, tables: list[TableSpec], topo: Topology, batch: int, repeat: 
         best = min(best, time.perf_counter() - t0)
     p = res.partition
     mean = sum(p.loads) / len(p.loads)
-    res.plan.validate([EmbeddingBagConfig(t.name, t.num_embeddings, t.embedding_dim) for t in tables], topo.world_size)
+    res.plan.validate([EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim)
+                       for t in tables], topo.world_size)
     kinds: dict[str, int] = {}
     for ps in res.plan.plan.values():
         kinds[ps.sharding_type.value] = kinds.get(ps.sharding_type.value, 0) + 1

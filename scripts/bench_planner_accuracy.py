@@ -36,7 +36,7 @@ DIM = 64
 def _tables():
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 
-    return [EmbeddingBagConfig(f"t{i}", n, DIM) for i, n in enumerate(ROWS)]
+    return [EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=DIM) for i, n in enumerate(ROWS)]
 
 
 def _worker(rank: int, ws: int, port: int, plans: dict, batch: int, steps: int, q) -> None:

@@ -167,7 +167,7 @@ from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 from dlrmctl.sparse import KeyedJaggedTensor
 dev = sys.argv[1]
-ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 10, 8, ["f"], "mean")], compute_kernel="fused", device=dev)
+ebc = EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=10, embedding_dim=8, name="t", feature_names=["f"], pooling="mean")], compute_kernel="fused", device=dev)
 assert ebc.compute_kernel == "dense", ebc.compute_kernel
 kjt = KeyedJaggedTensor(["f"], torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 0, 1])).to(dev)
 out = ebc(kjt).values()

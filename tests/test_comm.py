@@ -57,7 +57,7 @@ def _wire_worker(env):
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.sparse import KeyedJaggedTensor
 
-    tables = [EmbeddingBagConfig(f"t{i}", 50 + 7 * i, 8, [f"f{i}"]) for i in range(4)]
+    tables = [EmbeddingBagConfig(num_embeddings=50 + 7 * i, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(4)]
     types = {"t0": "table_wise", "t1": "row_wise", "t2": "column_wise", "t3": "table_row_wise"}
     plan = plan_from_types(tables, types, env.world_size)
     g = torch.Generator().manual_seed(env.rank)
@@ -87,7 +87,7 @@ def test_wire_dtype_validation():
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 
-    tables = [EmbeddingBagConfig("t0", 10, 4, ["f0"])]
+    tables = [EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name="t0", feature_names=["f0"])]
     env = ShardingEnv.single()
     plan = plan_from_types(tables, "table_wise", 1)
     with pytest.raises(ValueError, match="input_dist_dtype must be"):

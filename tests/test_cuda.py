@@ -110,10 +110,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = ATOL)
 
 # ------------------------------------------------------- dense-kernel EmbeddingBagCollection
 EBC_TABLES = [
-    EmbeddingBagConfig("t_sum", 13, 8, ["f_a", "f_b"], "sum"),  # two features share a table
-    EmbeddingBagConfig("t_mean", 7, 4, ["f_c"], "mean"),
-    EmbeddingBagConfig("t_odd", 5, 6, ["f_d"], "sum"),  # dim not a multiple of 4
-    EmbeddingBagConfig("t_quiet", 4, 4, ["f_e"], "mean"),  # its feature has no id in the batch
+    EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t_sum", feature_names=["f_a", "f_b"], pooling="sum"),  # two features share a table
+    EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="t_mean", feature_names=["f_c"], pooling="mean"),
+    EmbeddingBagConfig(num_embeddings=5, embedding_dim=6, name="t_odd", feature_names=["f_d"], pooling="sum"),  # dim not a multiple of 4
+    EmbeddingBagConfig(num_embeddings=4, embedding_dim=4, name="t_quiet", feature_names=["f_e"], pooling="mean"),  # its feature has no id in the batch
 ]
 
 
@@ -338,7 +338,7 @@ def test_fp16_export_scores_on_device(device, tmp_path):
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
-    tables = [EmbeddingBagConfig("t_a", 50, 8, ["a", "b"]), EmbeddingBagConfig("t_c", 30, 8, ["c"], "mean")]
+    tables = [EmbeddingBagConfig(num_embeddings=50, embedding_dim=8, name="t_a", feature_names=["a", "b"]), EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name="t_c", feature_names=["c"], pooling="mean")]
     torch.manual_seed(0)
     model = DLRM(EmbeddingBagCollection(tables, compute_kernel="dense", seed=1), 13, [16, 8], [16, 1], 3, 8)
     sparse = [p for n, p in model.named_parameters() if n.startswith("sparse_arch")]

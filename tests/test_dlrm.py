@@ -23,7 +23,8 @@ def test_dot_interaction_matches_an_explicit_loop():
 
 
 def test_dlrm_forward_shapes_and_backward_reaches_every_part():
-    tables = [EmbeddingBagConfig(f"t{i}", 10, 4, [f"f{i}"]) for i in range(3)]
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=10, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(3)]
     m = DLRM(EmbeddingBagCollection(tables, compute_kernel="dense"), 13, [8, 4], [8, 1], 3, 4)
     B = 5
     kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.randint(0, 10, (15,)), lengths=torch.ones(15, dtype=torch.int64))

@@ -34,7 +34,8 @@ def test_empty_bag_in_the_middle_pools_to_zeros_for_sum_and_mean(kernel, dim):
         ("mean", [[1] * dim, [0] * dim, [3] * dim, [0] * dim]),
         ("sum", [[1] * dim, [0] * dim, [6] * dim, [0] * dim]),
     ]:
-        ebc = EmbeddingBagCollection([EmbeddingBagConfig("t", 5, dim, ["f"], pooling)], compute_kernel=kernel)
+        cfg = EmbeddingBagConfig(name="t", num_embeddings=5, embedding_dim=dim, feature_names=["f"], pooling=pooling)
+        ebc = EmbeddingBagCollection([cfg], compute_kernel=kernel)
         with torch.no_grad():
             ebc.embedding_weights()["t"].copy_(torch.arange(5.0)[:, None].expand(5, dim))
         out = ebc(_kjt(["f"], [1, 0, 2, 0], [1, 2, 4])).values()
@@ -43,7 +44,8 @@ def test_empty_bag_in_the_middle_pools_to_zeros_for_sum_and_mean(kernel, dim):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_id_equal_to_num_embeddings_is_rejected_naming_table_and_feature(kernel):
-    ebc = EmbeddingBagCollection([EmbeddingBagConfig("t_small", 10, 4, ["f_small"])], compute_kernel=kernel)
+    cfg = EmbeddingBagConfig(name="t_small", num_embeddings=10, embedding_dim=4, feature_names=["f_small"])
+    ebc = EmbeddingBagCollection([cfg], compute_kernel=kernel)
     with pytest.raises(EmbeddingIdError, match=r"table 't_small', feature 'f_small': id 10 .*< num_embeddings = 10"):
         ebc(_kjt(["f_small"], [1, 1], [3, 10]))
     with pytest.raises(EmbeddingIdError, match="id -1"):
@@ -71,9 +73,9 @@ def _reference_bags(weights, kjt, tables, weighted):
 def test_ebc_forward_and_rowwise_adagrad_step_match_embeddingbag_and_textbook_update(kernel, weighted):
     torch.manual_seed(1)
     tables = [
-        EmbeddingBagConfig("t0", 20, 8, ["a", "b"], "sum"),
-        EmbeddingBagConfig("t1", 7, 4, ["c"], "mean"),
-        EmbeddingBagConfig("t2", 11, 12, ["d"], "sum"),
+        EmbeddingBagConfig(name="t0", num_embeddings=20, embedding_dim=8, feature_names=["a", "b"], pooling="sum"),
+        EmbeddingBagConfig(name="t1", num_embeddings=7, embedding_dim=4, feature_names=["c"], pooling="mean"),
+        EmbeddingBagConfig(name="t2", num_embeddings=11, embedding_dim=12, feature_names=["d"], pooling="sum"),
     ]
     lr, eps = 0.05, 1e-8
     ebc = EmbeddingBagCollection(tables, is_weighted=weighted, compute_kernel=kernel,

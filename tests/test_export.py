@@ -21,8 +21,9 @@ FEATS = ["a", "b", "c"]  # a, b share t_a; c is mean-pooled
 
 
 def _tables():
-    return [EmbeddingBagConfig("t_a", ROWS["t_a"], DIM, ["a", "b"]),
-            EmbeddingBagConfig("t_c", ROWS["t_c"], DIM, ["c"], pooling="mean")]
+    return [EmbeddingBagConfig(name="t_a", num_embeddings=ROWS["t_a"], embedding_dim=DIM, feature_names=["a", "b"]),
+            EmbeddingBagConfig(name="t_c", num_embeddings=ROWS["t_c"], embedding_dim=DIM, feature_names=["c"],
+                               pooling="mean")]
 
 
 def _batch(B, g):
@@ -33,7 +34,7 @@ def _batch(B, g):
     values = torch.cat([torch.randint(0, ROWS["t_a"], (n_ab,), generator=g),
                         torch.randint(0, ROWS["t_c"], (n_c,), generator=g)])
     dense = torch.rand(B, D_IN, generator=g) * 3
-    return dense, KeyedJaggedTensor(FEATS, values, lengths)
+    return dense, KeyedJaggedTensor(FEATS, values, lengths=lengths)
 
 
 def _label(dense, kjt):
@@ -246,7 +247,7 @@ def test_evaluate_exported_matches_eager_metrics_on_columnar_data(trained, tmp_p
     dense = torch.rand(n, D_IN, generator=g) * 3
     ids = {"a": torch.randint(0, 50, (n,), generator=g), "b": torch.randint(0, 50, (n,), generator=g),
            "c": torch.randint(0, 30, (n,), generator=g)}
-    kjt = KeyedJaggedTensor(FEATS, torch.cat([ids[f] for f in FEATS]), torch.ones(3 * n, dtype=torch.int64))
+    kjt = KeyedJaggedTensor(FEATS, torch.cat([ids[f] for f in FEATS]), lengths=torch.ones(3 * n, dtype=torch.int64))
     labels = _label(dense, kjt)
     dense_names = [f"I{i}" for i in range(1, 14)]
     cols = {"label": labels.numpy(), **{nm: dense[:, i].numpy() for i, nm in enumerate(dense_names)},

@@ -54,7 +54,8 @@ def _model():
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(0)
-    tables = [EmbeddingBagConfig("t0", 100, 16, ["f0", "f1"]), EmbeddingBagConfig("t1", 40, 16, ["f2"], pooling="mean")]
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=100, embedding_dim=16, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="t1", num_embeddings=40, embedding_dim=16, feature_names=["f2"], pooling="mean")]
     ebc = EmbeddingBagCollection(tables, compute_kernel="fused", seed=3)
     with torch.no_grad():  # spread the weights so scores differ visibly between samples
         for w in ebc.embedding_weights().values():

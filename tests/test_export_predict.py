@@ -116,7 +116,7 @@ def _one(kjt, i):
     lengths = kjt.lengths()[sel]
     offs = kjt.offsets()
     values = torch.cat([kjt.values()[offs[j]:offs[j + 1]] for j in sel.tolist()])
-    return KeyedJaggedTensor(kjt.keys(), values, lengths)
+    return KeyedJaggedTensor(kjt.keys(), values, lengths=lengths)
 
 
 def test_export_cli_errors(run, tmp_path):

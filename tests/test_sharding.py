@@ -33,10 +33,13 @@ pytestmark = pytest.mark.multiprocess
 ATOL = 1e-5
 
 TABLES = [
-    EmbeddingBagConfig("t_sum", 10, 8, ["f_a", "f_b"], "sum"),  # two features, 10 rows (not divisible by 3, 4)
-    EmbeddingBagConfig("t_mean", 23, 12, ["f_c"], "mean"),
-    EmbeddingBagConfig("t_tiny", 3, 4, ["f_d"], "mean"),  # fewer rows than ranks at 4 -> empty row shard
-    EmbeddingBagConfig("t_odd", 9, 6, ["f_e"], "sum"),  # dim 6: dense kernel inside TBE lookups
+    # two features, 10 rows (not divisible by 3, 4)
+    EmbeddingBagConfig(name="t_sum", num_embeddings=10, embedding_dim=8, feature_names=["f_a", "f_b"], pooling="sum"),
+    EmbeddingBagConfig(name="t_mean", num_embeddings=23, embedding_dim=12, feature_names=["f_c"], pooling="mean"),
+    # fewer rows than ranks at 4 -> empty row shard
+    EmbeddingBagConfig(name="t_tiny", num_embeddings=3, embedding_dim=4, feature_names=["f_d"], pooling="mean"),
+    # dim 6: dense kernel inside TBE lookups
+    EmbeddingBagConfig(name="t_odd", num_embeddings=9, embedding_dim=6, feature_names=["f_e"], pooling="sum"),
 ]
 
 ALL_TYPES = ["data_parallel", "table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"]
@@ -222,10 +225,10 @@ def test_sharded_ebc_matches_single_process_reference(ws, case):
 # ----------------------------------------------------------------- DLRM level
 def _dlrm_tables():
     return [
-        EmbeddingBagConfig("c0", 40, 8, ["s0"], "sum"),
-        EmbeddingBagConfig("c1", 17, 8, ["s1"], "mean"),
-        EmbeddingBagConfig("c2", 11, 8, ["s2"], "sum"),
-        EmbeddingBagConfig("c3", 25, 8, ["s3"], "sum"),
+        EmbeddingBagConfig(name="c0", num_embeddings=40, embedding_dim=8, feature_names=["s0"], pooling="sum"),
+        EmbeddingBagConfig(name="c1", num_embeddings=17, embedding_dim=8, feature_names=["s1"], pooling="mean"),
+        EmbeddingBagConfig(name="c2", num_embeddings=11, embedding_dim=8, feature_names=["s2"], pooling="sum"),
+        EmbeddingBagConfig(name="c3", num_embeddings=25, embedding_dim=8, feature_names=["s3"], pooling="sum"),
     ]
 
 

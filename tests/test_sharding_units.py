@@ -22,9 +22,9 @@ except ImportError:  # pragma: no cover
     from dist_utils import run_multiprocess
 
 TABLES = [
-    EmbeddingBagConfig("t0", 10, 8, ["a", "b"], "sum"),
-    EmbeddingBagConfig("t1", 7, 4, ["c"], "mean"),
-    EmbeddingBagConfig("t2", 3, 6, ["d"], "mean"),
+    EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=["a", "b"], pooling="sum"),
+    EmbeddingBagConfig(name="t1", num_embeddings=7, embedding_dim=4, feature_names=["c"], pooling="mean"),
+    EmbeddingBagConfig(name="t2", num_embeddings=3, embedding_dim=6, feature_names=["d"], pooling="mean"),
 ]
 TYPES = ["data_parallel", "table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"]
 
@@ -68,15 +68,15 @@ def test_torch_bucketizer_matches_fbgemm_block_bucketize(W):
 
 
 def test_row_wise_splits_10_rows_on_3_ranks_as_4_4_2_and_3_rows_on_4_ranks_with_an_empty_shard():
-    plan = plan_from_types([EmbeddingBagConfig("t", 10, 4)], "row_wise", 3)
+    plan = plan_from_types([EmbeddingBagConfig(name="t", num_embeddings=10, embedding_dim=4)], "row_wise", 3)
     assert [m.sizes for m in plan.plan["t"].shards] == [[4, 4], [4, 4], [2, 4]]
     assert [m.offsets for m in plan.plan["t"].shards] == [[0, 0], [4, 0], [8, 0]]
-    plan = plan_from_types([EmbeddingBagConfig("t", 3, 4)], "row_wise", 4)
+    plan = plan_from_types([EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=4)], "row_wise", 4)
     assert [m.sizes[0] for m in plan.plan["t"].shards] == [1, 1, 1, 0]
 
 
 def test_table_row_wise_and_table_column_wise_keep_each_table_on_one_host():
-    tables = [EmbeddingBagConfig(f"t{i}", 20, 8) for i in range(3)]
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=20, embedding_dim=8) for i in range(3)]
     for st in ("table_row_wise", "table_column_wise"):
         plan = plan_from_types(tables, st, 4, local_world_size=2)
         assert [plan.plan[t.name].ranks for t in tables] == [[0, 1], [2, 3], [0, 1]]
@@ -142,7 +142,8 @@ def _dlrm(seed=0):
     from dlrmctl.modules.dlrm import DLRM
 
     torch.manual_seed(seed)
-    tables = [EmbeddingBagConfig(f"t{i}", 12, 4, [f"f{i}"]) for i in range(3)]
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=12, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(3)]
     return DLRM(EmbeddingBagCollection(tables), 3, [8, 4], [8, 1], 3, 4)
 
 
@@ -169,8 +170,9 @@ def test_model_parallel_unsharded_on_one_process_is_the_plain_model():
 
 # ---------------------------------------------------------------- 2 ranks
 def _views_worker(env):
-    tables = [EmbeddingBagConfig("rw", 10, 8, ["a"]), EmbeddingBagConfig("cw", 6, 8, ["b"]),
-              EmbeddingBagConfig("dp", 5, 4, ["c"])]
+    tables = [EmbeddingBagConfig(name="rw", num_embeddings=10, embedding_dim=8, feature_names=["a"]),
+              EmbeddingBagConfig(name="cw", num_embeddings=6, embedding_dim=8, feature_names=["b"]),
+              EmbeddingBagConfig(name="dp", num_embeddings=5, embedding_dim=4, feature_names=["c"])]
     plan = plan_from_types(tables, {"rw": "row_wise", "cw": "column_wise", "dp": "data_parallel"}, 2,
                            column_sizes={"cw": [4, 4]}, ranks={"cw": [env.rank * 0, 0]})
     sebc = ShardedEmbeddingBagCollection(tables, plan, env, optimizer=EmbeddingOptimizerSpec("exact_adagrad"))

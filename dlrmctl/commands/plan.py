@@ -76,7 +76,9 @@ def plan_command(
         res = plan_config(cfg, topo, meta, batch_size, 2 if weights_precision == "fp16" else 4)
         # the plan must be what train --nproc will accept
         res.plan.validate(
-            [EmbeddingBagConfig(t.name, t.num_embeddings, t.embedding_dim) for t in res.tables], topo.world_size
+            [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim)
+             for t in res.tables],
+            topo.world_size,
         )
     except (ConfigError, PlannerError, PlanError, ValueError) as e:
         typer.echo(f"error: {e}", err=True)

@@ -18,11 +18,19 @@ bag length (number of ids, not the sum of weights) — FBGEMM's ``PoolingMode.ME
 semantics.  An empty bag pools to zeros for both.
 
 Weight initialisation is ``U(-sqrt(1/rows), sqrt(1/rows))`` as in the DLRM
-reference (``dlrm_s_pytorch.py: create_emb``), drawn in fixed blocks of
-:data:`INIT_BLOCK_ROWS` rows from a generator seeded by ``(seed, table name,
-block)``, so any shard of a table can be initialised on its own rank, without
-materialising the whole table, and gets exactly the values the unsharded
-table would have.
+reference (``dlrm_s_pytorch.py: create_emb``) and TorchRec (or
+``U(weight_init_min, weight_init_max)`` when the config sets them), drawn in
+fixed blocks of :data:`INIT_BLOCK_ROWS` rows from a generator seeded by
+``(seed, table name, block)``, so any shard of a table can be initialised on
+its own rank, without materialising the whole table, and gets exactly the
+values the unsharded table would have.  A config's ``init_fn`` then runs on
+the (local) weight, as in TorchRec.
+
+TorchRec compatibility: ``EmbeddingBagCollection(tables, is_weighted=False,
+device=None)`` is TorchRec's signature (dlrmctl's options are keyword-only
+after it); ``ebc.embedding_bags[name].weight`` is each table's ``[rows, dim]``
+weight for both kernels, and ``state_dict()`` holds exactly
+``embedding_bags.<table>.weight`` per table.
 """
 
 from __future__ import annotations
@@ -37,8 +45,8 @@ import torch
 from torch import nn
 
 from dlrmctl import _fbgemm
-from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor, SparseInputError
 from dlrmctl.sparse.validation import EmbeddingIdError, check_ids  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -77,18 +85,24 @@ def init_table_rows(
     col_offset: int,
     full_dim: int,
     seed: int = 0,
+    *,
+    low: float | None = None,
+    high: float | None = None,
 ) -> None:
     """Fill ``out [rows, cols]`` with rows ``row_offset..`` / cols ``col_offset..`` of
-    the table's deterministic initial weights ``U(-1/sqrt(num_rows), 1/sqrt(num_rows))``.
+    the table's deterministic initial weights ``U(low, high)``, by default
+    ``U(-1/sqrt(num_rows), 1/sqrt(num_rows))``.
 
-    The values depend only on ``(seed, table_name, num_rows, full_dim)``, never
-    on how the table is sharded.  Work and memory are proportional to the shard
-    (plus at most two partial blocks of ``INIT_BLOCK_ROWS x full_dim``).
+    The values depend only on ``(seed, table_name, num_rows, full_dim, low, high)``,
+    never on how the table is sharded.  Work and memory are proportional to the
+    shard (plus at most two partial blocks of ``INIT_BLOCK_ROWS x full_dim``).
     """
     rows, cols = out.shape
     if rows == 0 or cols == 0:
         return
     bound = math.sqrt(1.0 / num_rows)
+    lo_b = -bound if low is None else float(low)
+    hi_b = bound if high is None else float(high)
     r = row_offset
     end = row_offset + rows
     while r < end:
@@ -97,10 +111,26 @@ def init_table_rows(
         b1 = min(b0 + INIT_BLOCK_ROWS, num_rows)
         g = torch.Generator(device="cpu")
         g.manual_seed(_stable_seed(seed, table_name, block))
-        vals = torch.empty(b1 - b0, full_dim).uniform_(-bound, bound, generator=g)
+        vals = torch.empty(b1 - b0, full_dim).uniform_(lo_b, hi_b, generator=g)
         lo, hi = r, min(end, b1)
         out[lo - row_offset : hi - row_offset].copy_(vals[lo - b0 : hi - b0, col_offset : col_offset + cols])
         r = hi
+
+
+def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
+    """Refuse configs whose TorchRec meaning dlrmctl does not implement (rather than ignore them)."""
+    if not t.name:
+        raise ValueError(f"{who}: every table needs a name (EmbeddingBagConfig(name=...)); got {t}")
+    if t.pooling == PoolingType.NONE:
+        raise ValueError(f"{who}: table '{t.name}': pooling NONE (sequence embeddings) is not supported; use SUM or MEAN")
+    if t.data_type != DataType.FP32:
+        raise ValueError(
+            f"{who}: table '{t.name}': data_type {t.data_type} is not trainable; dlrmctl trains FP32 tables "
+            "(quantized tables come from `dlrmctl export --int8`)"
+        )
+    if t.num_embeddings_post_pruning is not None or t.pruning_indices_remapping is not None:
+        raise ValueError(f"{who}: table '{t.name}': row pruning (num_embeddings_post_pruning / "
+                         "pruning_indices_remapping) is not supported")
 
 
 class _DenseTable(nn.Module):
@@ -129,7 +159,8 @@ class TableFeatures(nn.Module):
         check_ids: :meth:`prepare_features` validates id ranges.
 
     Raises:
-        ValueError: duplicate table names.
+        ValueError: duplicate or empty table names; a config dlrmctl cannot
+            train (pooling ``NONE``, a data type other than FP32, pruning).
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False, check_ids: bool = True) -> None:
@@ -138,6 +169,8 @@ class TableFeatures(nn.Module):
         names = [t.name for t in self._tables]
         if len(set(names)) != len(names):
             raise ValueError(f"{type(self).__name__}: duplicate table names {names}")
+        for t in self._tables:
+            _check_trainable(t, type(self).__name__)
         self._is_weighted = is_weighted
         self._check_ids = check_ids
         self._feature_names: list[str] = [f for t in self._tables for f in t.feature_names]
@@ -160,7 +193,13 @@ class TableFeatures(nn.Module):
 
         Raises:
             KeyError: a feature is missing.  EmbeddingIdError: an id outside its table.
+            SparseInputError: values are not 1-D integer ids.
         """
+        v = features.values()
+        if v.dim() != 1 or v.is_floating_point() or v.is_complex():
+            raise SparseInputError(
+                f"{type(self).__name__}: KJT values must be 1-D integer ids, got shape {tuple(v.shape)} {v.dtype}"
+            )
         if features.keys() != self._feature_names:
             features = features.select_keys(self._feature_names)
         if self._check_ids:
@@ -168,27 +207,95 @@ class TableFeatures(nn.Module):
         return features
 
 
+class _TableWeight(nn.Module):
+    """``EmbeddingBagCollection.embedding_bags[name]``: exposes the table's live
+    ``[rows, dim]`` weight as ``.weight`` whatever the compute kernel.
+
+    dense kernel: the ``nn.EmbeddingBag`` parameter itself (gradients flow).
+    fused kernel: a view into the FBGEMM TBE's weight buffer (writes go to the
+    table; no autograd -- the optimizer is fused into the TBE backward).
+
+    It owns no parameters: in ``state_dict()`` it writes ``<prefix>weight`` and
+    ``load_state_dict()`` copies ``<prefix>weight`` into the table.
+    """
+
+    def __init__(self, lookup: "GroupedEmbeddingLookup", cfg: EmbeddingBagConfig) -> None:
+        super().__init__()
+        object.__setattr__(self, "_lookup", lookup)  # a plain reference, not a submodule
+        self.table_name = cfg.name
+        self.num_embeddings = cfg.num_embeddings
+        self.embedding_dim = cfg.embedding_dim
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._lookup.table_weight(self.table_name)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        w = self.weight
+        destination[prefix + "weight"] = w if keep_vars else w.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+        else:
+            src, w = state_dict[key], self.weight
+            if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(w.shape):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape "
+                    f"{tuple(getattr(src, 'shape', ()))} from checkpoint, the shape in current model is {tuple(w.shape)}."
+                )
+            else:
+                with torch.no_grad():
+                    w.copy_(src)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k != key)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
 class EmbeddingBagCollection(TableFeatures):
     """Pooled lookups of several tables: ``KeyedJaggedTensor -> KeyedTensor``.
+
+    Signature and argument order as ``torchrec.EmbeddingBagCollection(tables,
+    is_weighted=False, device=None)``; dlrmctl's options are keyword-only.
 
     Args:
         tables: table configs; each table's ``feature_names`` are the KJT keys it serves.
         is_weighted: inputs carry per-id weights (``kjt.weights()``).
-        device: where tables live (``cpu`` / ``cuda``).
-        compute_kernel: ``fused`` (FBGEMM TBE, optimizer in backward) or ``dense``.
-        optimizer: hyper-parameters of the fused optimizer (``fused`` kernel);
-            ignored by dense tables (their optimizer is built by the trainer).
-        seed: weight initialisation seed (see :func:`init_table_rows`).
-        check_ids: validate id ranges on every forward (cheap: one min/max per feature).
+        device: where tables live (``cpu`` / ``cuda``; default cpu).
+        compute_kernel: (keyword-only) ``fused`` (FBGEMM TBE, optimizer in
+            backward) or ``dense`` (``nn.EmbeddingBag``, sparse gradients).
+        optimizer: (keyword-only) hyper-parameters of the fused optimizer
+            (``fused`` kernel); ignored by dense tables (their optimizer is built
+            by the trainer).
+        seed: (keyword-only) weight initialisation seed (see :func:`init_table_rows`).
+        check_ids: (keyword-only) validate id ranges on every forward (cheap:
+            one min/max per feature).
+
+    Attributes:
+        embedding_bags: ``nn.ModuleDict`` table name -> module whose ``.weight``
+            is the table's live ``[num_embeddings, embedding_dim]`` float32
+            weight, for both kernels (as TorchRec's ``embedding_bags``).
+
+    ``state_dict()`` holds exactly ``embedding_bags.<table>.weight`` per table
+    (the fused optimizer's state is in ``fused_optimizer().state_dict()``);
+    ``load_state_dict()`` copies such weights in (shape-checked).
 
     Forward:
-        ``features``: KJT with (at least) every feature of every table, int64
-        ids, batch size ``B``.  Returns a KeyedTensor with keys = feature names
-        in table order, values ``[B, sum over features of their table's dim]`` float32.
+        ``features``: KJT with (at least) every feature of every table, 1-D
+        integer ids, batch size ``B``.  Returns a KeyedTensor with keys =
+        feature names in table order, values ``[B, sum over features of their
+        table's dim]`` float32.
 
     Raises:
-        EmbeddingIdError: an id outside its table.
-        KeyError: a feature missing from the input.
+        ValueError: (init) duplicate or empty table names, an unsupported config
+            (pooling NONE, non-FP32 data type, pruning), an unknown compute kernel.
+        EmbeddingIdError: (forward) an id outside its table.
+        KeyError: (forward) a feature missing from the input.
+        SparseInputError: (forward) values that are not 1-D integer ids.
     """
 
     def __init__(
@@ -196,6 +303,7 @@ class EmbeddingBagCollection(TableFeatures):
         tables: Sequence[EmbeddingBagConfig],
         is_weighted: bool = False,
         device: torch.device | str | None = None,
+        *,
         compute_kernel: str = "fused",
         optimizer: EmbeddingOptimizerSpec | None = None,
         seed: int = 0,
@@ -204,6 +312,7 @@ class EmbeddingBagCollection(TableFeatures):
         super().__init__(tables, is_weighted, check_ids)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._optimizer = optimizer or EmbeddingOptimizerSpec()
+        self._seed = seed
         if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
             log.warning("fbgemm_gpu is not installed: using the dense (torch.nn.EmbeddingBag) kernel")
             compute_kernel = "dense"
@@ -218,12 +327,23 @@ class EmbeddingBagCollection(TableFeatures):
             is_weighted=is_weighted,
             seed=seed,
         )
+        self.embedding_bags = nn.ModuleDict({t.name: _TableWeight(self.lookup, t) for t in self._tables})
+        self.register_state_dict_post_hook(_only_embedding_bags)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables live."""
+        return self._device
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         out = self.lookup(self.prepare_features(features))
         return KeyedTensor(self._feature_names, self._length_per_key, out)
 
     # ------------------------------------------------------- weights / state
+    def reset_parameters(self) -> None:
+        """Re-initialise every table (deterministic init, then the configs' ``init_fn``)."""
+        self.lookup.reset_parameters(self._seed)
+
     def embedding_weights(self) -> dict[str, torch.Tensor]:
         """Table name -> ``[rows, dim]`` weight (a view into the TBE for fused tables)."""
         return self.lookup.table_weights()
@@ -231,6 +351,22 @@ class EmbeddingBagCollection(TableFeatures):
     def fused_optimizer(self) -> "FusedOptimizer":
         """The embedding optimizer that runs inside the TBE backward (lr, state)."""
         return self.lookup.fused_optimizer()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        # The tables' storage (lookup.*) is not part of the state dict (embedding_bags.<t>.weight is):
+        # the lookup child "loads" its own current tensors (the same tensors: copy_ is a no-op), so
+        # it reports no missing keys.
+        for k, v in self.lookup.state_dict(prefix=prefix + "lookup.", keep_vars=True).items():
+            state_dict.setdefault(k, v)
+
+
+def _only_embedding_bags(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """state_dict post-hook of EmbeddingBagCollection: drop the kernel-specific ``lookup.*`` entries."""
+    for k in [k for k in state_dict if k.startswith(prefix + "lookup.")]:
+        del state_dict[k]
 
 
 class FusedOptimizer:
@@ -422,15 +558,37 @@ class GroupedEmbeddingLookup(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Deterministic, sharding-independent init of every local shard (see :func:`init_table_rows`)."""
+        """Deterministic, sharding-independent init of every local shard (see :func:`init_table_rows`),
+        bounds ``[cfg.get_weight_init_min(), cfg.get_weight_init_max()]``; then ``cfg.init_fn(weight)``
+        on the local shard when the config has one (TorchRec's hook; a returned tensor is copied in)."""
         for name, w in self.table_weights().items():
             cfg, rows, cols, r0, c0 = self._shards[self._names.index(name)]
+            bounds = dict(low=cfg.get_weight_init_min(), high=cfg.get_weight_init_max())
             if w.device.type == "cpu":
-                init_table_rows(w, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed)
+                init_table_rows(w, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed, **bounds)
             else:
                 tmp = torch.empty(w.shape)
-                init_table_rows(tmp, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed)
+                init_table_rows(tmp, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed, **bounds)
                 w.copy_(tmp)
+            if cfg.init_fn is not None and w.numel():
+                out = cfg.init_fn(w)
+                if isinstance(out, torch.Tensor) and out is not w:
+                    if tuple(out.shape) != tuple(w.shape):
+                        raise ValueError(
+                            f"table '{cfg.name}': init_fn returned shape {tuple(out.shape)}, expected {tuple(w.shape)}"
+                        )
+                    if out.data_ptr() != w.data_ptr():
+                        w.copy_(out)
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """Local weight ``[rows, cols]`` of table ``name`` (live: the dense parameter or a TBE view)."""
+        if name in self.dense_tables:
+            return self.dense_tables[name].weight
+        i = self._names.index(name)
+        for tbe, idxs in zip(self.tbes, self._tbe_members):
+            if i in idxs:
+                return tbe.split_embedding_weights()[idxs.index(i)]
+        raise KeyError(f"no table '{name}' in this lookup; tables are {self._names}")
 
     def table_weights(self) -> dict[str, torch.Tensor]:
         """Table name -> local shard weight ``[rows, cols]`` (live view)."""

@@ -1,5 +1,16 @@
-"""Sparse inputs: JaggedTensor, KeyedJaggedTensor (key-major), KeyedTensor."""
+"""Sparse inputs: JaggedTensor, KeyedJaggedTensor (key-major), KeyedTensor.
 
-from dlrmctl.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor, SparseInputError
+Same names, signatures and argument order as ``torchrec.sparse.jagged_tensor``
+(``from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor`` works as the
+TorchRec import does).
+"""
 
-__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "SparseInputError"]
+from dlrmctl.sparse.jagged_tensor import (
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+    SparseInputError,
+    VariableBatchNotSupportedError,
+)
+
+__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "SparseInputError", "VariableBatchNotSupportedError"]

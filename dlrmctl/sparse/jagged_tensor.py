@@ -1,28 +1,71 @@
 """Sparse input containers: JaggedTensor, KeyedJaggedTensor, KeyedTensor.
 
-Layouts follow TorchRec (``torchrec.sparse.jagged_tensor``) so that a TorchRec
-user recognises them:
+Signatures (argument names *and* positional order) and method semantics follow
+TorchRec's ``torchrec.sparse.jagged_tensor``, so TorchRec code runs unchanged,
+whether it passes arguments by keyword or by position::
+
+    JaggedTensor(values, weights=None, lengths=None, offsets=None)
+    KeyedJaggedTensor(keys, values, weights=None, lengths=None, offsets=None, stride=None, ...)
+    KeyedTensor(keys, length_per_key, values, key_dim=1, ...)
+
+dlrmctl-only arguments (``validate``) are keyword-only, after TorchRec's.
+
+Layouts:
 
 * ``KeyedJaggedTensor`` is *key-major*: for keys ``[f0, f1]`` and batch size
   ``B`` the lengths are ``[f0_b0 .. f0_b{B-1}, f1_b0 .. f1_b{B-1}]`` and the
   values of all bags of ``f0`` come before those of ``f1``.
   ``stride() == len(lengths) // len(keys) == B``.
+* ``values`` is ``[N]`` (ids) or ``[N, ...]`` (e.g. ``[N, D]`` dense sequence
+  values); lengths count rows of ``values`` (its first dimension).  ``weights``
+  has one entry per row: ``[N]`` (or the shape of ``values``), floating point.
 * ``KeyedTensor`` holds pooled embeddings of several keys side by side:
-  ``values() [B, sum(length_per_key)]``.
+  ``values() [B, sum(length_per_key)]`` (``key_dim=1``).
 
-All index tensors (lengths, offsets) are int64 unless given otherwise; values
-are int64 ids; weights are float32.
+Index tensors (lengths, offsets) may be any integer dtype; dlrmctl's own
+producers (the data loader) make int64.
+
+Validation -- where dlrmctl is stricter than TorchRec.  TorchRec validates
+nothing ("you should always pass in the valid lengths, offsets"), so an
+inconsistent input is silently accepted and fails later, or worse, computes
+garbage.  dlrmctl raises :class:`SparseInputError` naming the problem:
+
+* always (host metadata only, no device sync): lengths/offsets not integer
+  tensors (the usual symptom of arguments given in another order),
+  ``len(lengths)`` not ``len(keys) * stride``, ``len(offsets) != len(lengths) + 1``,
+  weights not floating point or not one per value row, ``length_per_key`` /
+  ``offset_per_key`` / ``index_per_key`` / ``stride_per_key`` /
+  ``lengths_offset_per_key`` inconsistent with the keys, stride or values;
+* unless ``validate=False`` (these read tensor contents: one host sync on
+  CUDA): negative lengths, ``sum(lengths) != len(values)``, offsets not
+  starting at 0 / decreasing / not ending at ``len(values)`` / disagreeing with
+  lengths, ``length_per_key`` disagreeing with the lengths.
+
+``validate=False`` is for producers that already guarantee the invariants (the
+loader, KJT transforms): construction then never synchronises with the device.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 
 class SparseInputError(ValueError):
-    """A sparse input (lengths / values / weights) is inconsistent."""
+    """A sparse input (keys / lengths / offsets / values / weights) is inconsistent."""
+
+
+class VariableBatchNotSupportedError(SparseInputError, NotImplementedError):
+    """Variable batch size per key (TorchRec's VBE: ``stride_per_key_per_rank``,
+    ``inverse_indices``, per-key strides that differ) is not supported yet."""
+
+
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+_ORDER_HINT = (
+    "; note the argument order is TorchRec's: KeyedJaggedTensor(keys, values, weights, lengths, offsets) / "
+    "JaggedTensor(values, weights, lengths, offsets) -- pass lengths= and weights= by keyword"
+)
 
 
 def _to_offsets(lengths: torch.Tensor) -> torch.Tensor:
@@ -36,57 +79,153 @@ def _to_lengths(offsets: torch.Tensor) -> torch.Tensor:
     return offsets[1:] - offsets[:-1]
 
 
+def _cumsum(xs: Sequence[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+def _check_values(values: torch.Tensor, who: str) -> None:
+    if not isinstance(values, torch.Tensor):
+        raise SparseInputError(f"{who}: values must be a torch.Tensor, got {type(values).__name__}")
+    if values.dim() == 0:
+        raise SparseInputError(f"{who}: values must be at least 1-D ([N] or [N, ...]), got a 0-d tensor")
+
+
+def _index_tensor(t: torch.Tensor | None, what: str, who: str) -> torch.Tensor | None:
+    """Check a lengths / offsets argument: a 1-D integer tensor (an empty one of any dtype is accepted,
+    as in TorchRec, and becomes int64)."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise SparseInputError(f"{who}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise SparseInputError(f"{who}: {what} must be 1-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _INT_DTYPES:
+        if t.numel() == 0:
+            return t.to(torch.int64)
+        raise SparseInputError(f"{who}: {what} must be an integer tensor, got {t.dtype}{_ORDER_HINT}")
+    return t
+
+
+def _check_weights(weights: torch.Tensor | None, values: torch.Tensor, who: str) -> None:
+    if weights is None:
+        return
+    if not isinstance(weights, torch.Tensor):
+        raise SparseInputError(f"{who}: weights must be a torch.Tensor, got {type(weights).__name__}")
+    if not weights.is_floating_point():
+        raise SparseInputError(
+            f"{who}: weights must be floating point (per-id weights), got {weights.dtype}{_ORDER_HINT}"
+        )
+    if weights.dim() == 0 or weights.size(0) != values.size(0):
+        n_w = weights.size(0) if weights.dim() else 0
+        raise SparseInputError(
+            f"{who}: len(weights)={n_w} != len(values)={values.size(0)}; weights are one per id"
+        )
+
+
+def _pad_jagged(x: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, n: int, pad: float) -> torch.Tensor:
+    """Jagged ``x [total, ...]`` -> ``[B, n, ...]``: bag ``b`` in row ``b``, truncated / padded to ``n``.
+
+    No host sync: rows past ``n`` are written to a scratch slot that is dropped.
+    """
+    b = lengths.numel()
+    rest = tuple(x.shape[1:])
+    flat = x.new_full((b * n + 1,) + rest, pad)
+    total = x.size(0)
+    if total and b and n:
+        dev = x.device
+        row = torch.repeat_interleave(torch.arange(b, device=dev), lengths.long(), output_size=total)
+        pos = torch.arange(total, device=dev) - offsets[:-1].long()[row]
+        idx = torch.where(pos < n, row * n + pos, torch.full_like(pos, b * n))
+        flat.index_copy_(0, idx, x)
+    return flat[: b * n].view((b, n) + rest)
+
+
 class JaggedTensor:
-    """One feature's bags: ``values [N]`` split by ``lengths [B]``.
+    """One feature's bags: ``values [N, ...]`` split into ``B`` bags by ``lengths [B]``.
+
+    Same signature and argument order as ``torchrec.JaggedTensor``.
 
     Args:
-        values: ``[N]`` ids (int64) or any 1-D tensor.
-        lengths: ``[B]`` non-negative int, ``sum(lengths) == N``.
-        weights: optional ``[N]`` float per-id weights.
+        values: ``[N]`` ids (any dtype) or ``[N, ...]`` rows, e.g. ``[N, D]``
+            dense sequence values; lengths count rows.
+        weights: optional ``[N]`` floating-point per-row weights.
+        lengths: ``[B]`` integer bag lengths, ``sum(lengths) == N``.
+        offsets: ``[B + 1]`` integer offsets (exclusive cumsum of lengths,
+            ``offsets[0] == 0``, ``offsets[-1] == N``).  Give lengths, offsets
+            or both (then they must agree).
+        validate: (keyword-only, dlrmctl) check tensor contents too (one host
+            sync on CUDA); shape / dtype checks always run.
 
     Raises:
-        SparseInputError: negative lengths, ``sum(lengths) != len(values)``,
-            or weights not matching values.
+        SparseInputError: neither lengths nor offsets; lengths/offsets not
+            integer; negative lengths; ``sum(lengths) != N``; offsets not
+            consistent with lengths / values; weights not floating point or
+            not one per row.  (TorchRec accepts all of these silently.)
     """
 
     def __init__(
         self,
         values: torch.Tensor,
+        weights: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
+        *,
+        validate: bool = True,
     ) -> None:
+        who = "JaggedTensor"
+        _check_values(values, who)
+        lengths = _index_tensor(lengths, "lengths", who)
+        offsets = _index_tensor(offsets, "offsets", who)
         if lengths is None and offsets is None:
-            raise SparseInputError("JaggedTensor needs lengths or offsets")
+            raise SparseInputError(f"{who} needs lengths or offsets{_ORDER_HINT if weights is not None else ''}")
+        if offsets is not None and offsets.numel() == 0:
+            # TorchRec's empty(): offsets=[] for zero bags
+            if lengths is not None and lengths.numel() != 0:
+                raise SparseInputError(f"{who}: offsets is empty but there are {lengths.numel()} lengths")
+            lengths = offsets if lengths is None else lengths
+            offsets = None
+        given_offsets = offsets is not None
+        given_lengths = lengths is not None
         if lengths is None:
             lengths = _to_lengths(offsets)
-        if (lengths < 0).any():
-            raise SparseInputError(f"JaggedTensor lengths must be >= 0, got {lengths.tolist()[:16]}")
-        if int(lengths.sum()) != values.numel():
+        elif offsets is not None and offsets.numel() != lengths.numel() + 1:
             raise SparseInputError(
-                f"JaggedTensor: sum(lengths)={int(lengths.sum())} != len(values)={values.numel()}"
+                f"{who}: len(offsets)={offsets.numel()} != len(lengths)+1={lengths.numel() + 1}"
             )
-        if weights is not None and weights.numel() != values.numel():
-            raise SparseInputError(
-                f"JaggedTensor: len(weights)={weights.numel()} != len(values)={values.numel()}"
-            )
+        _check_weights(weights, values, who)
         self._values = values
+        self._weights = weights
         self._lengths = lengths
         self._offsets = offsets
-        self._weights = weights
+        if validate:
+            _validate_contents(who, values.size(0), lengths, offsets if given_offsets else None, given_lengths)
 
+    # --------------------------------------------------------------- accessors
     def values(self) -> torch.Tensor:
+        """``[N, ...]`` values."""
         return self._values
 
     def lengths(self) -> torch.Tensor:
+        """``[B]`` bag lengths."""
+        return self._lengths
+
+    def lengths_or_none(self) -> torch.Tensor | None:
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
+        """``[B + 1]`` offsets (computed from lengths on first use, same dtype)."""
         if self._offsets is None:
             self._offsets = _to_offsets(self._lengths)
         return self._offsets
 
+    def offsets_or_none(self) -> torch.Tensor | None:
+        return self._offsets
+
     def weights(self) -> torch.Tensor:
+        """``[N]`` weights.  Raises SparseInputError if there are none."""
         if self._weights is None:
             raise SparseInputError("JaggedTensor has no weights")
         return self._weights
@@ -94,106 +233,425 @@ class JaggedTensor:
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
 
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def size_in_bytes(self) -> int:
+        """Bytes held by values, weights, lengths and (if materialised) offsets."""
+        return sum(t.element_size() * t.numel() for t in (self._values, self._weights, self._lengths, self._offsets)
+                   if t is not None)
+
+    # ------------------------------------------------------------ constructors
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> "JaggedTensor":
+        """A JaggedTensor with no bags (TorchRec defaults: values of the torch default
+        dtype when ``values_dtype`` is None, int32 lengths)."""
+        return JaggedTensor(
+            torch.empty(0, dtype=values_dtype, device=device),
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            validate=False,
+        )
+
+    @staticmethod
+    def empty_like(jt: "JaggedTensor", device: torch.device | str | None = None) -> "JaggedTensor":
+        """TorchRec semantics: with ``device=None`` a JaggedTensor with no bags and the
+        dtypes (and trailing value dims) of ``jt``; with a ``device``, uninitialised
+        tensors of ``jt``'s shapes there (to be filled with :meth:`copy_`)."""
+        if device is None:
+            dev = jt.device()
+            return JaggedTensor(
+                jt._values.new_empty((0,) + tuple(jt._values.shape[1:])),
+                weights=None if jt._weights is None else jt._weights.new_empty((0,) + tuple(jt._weights.shape[1:])),
+                lengths=torch.empty(0, dtype=jt._lengths.dtype, device=dev),
+                validate=False,
+            )
+        return JaggedTensor(
+            torch.empty_like(jt._values, device=device),
+            weights=None if jt._weights is None else torch.empty_like(jt._weights, device=device),
+            lengths=torch.empty_like(jt._lengths, device=device),
+            offsets=None if jt._offsets is None else torch.empty_like(jt._offsets, device=device),
+            validate=False,
+        )
+
+    def copy_(self, jt: "JaggedTensor", non_blocking: bool = False) -> "JaggedTensor":
+        """In-place copy of ``jt``'s tensors into this one's (same shapes); returns self."""
+        self._values.copy_(jt._values, non_blocking=non_blocking)
+        self._lengths.copy_(jt._lengths, non_blocking=non_blocking)
+        if self._weights is not None and jt._weights is not None:
+            self._weights.copy_(jt._weights, non_blocking=non_blocking)
+        if self._offsets is not None:
+            self._offsets.copy_(jt.offsets(), non_blocking=non_blocking)
+        return self
+
+    @staticmethod
+    def from_dense_lengths(
+        values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None = None
+    ) -> "JaggedTensor":
+        """Bag ``b`` is the first ``lengths[b]`` rows of ``values[b]``.
+
+        Args:
+            values: ``[B, N, ...]`` padded values.
+            lengths: ``[B]`` integer, ``0 <= lengths[b] <= N``.
+            weights: optional ``[B, N]`` weights, masked the same way.
+
+        Raises:
+            SparseInputError: shapes disagree, or a length is negative or larger
+                than ``N`` (TorchRec silently builds an inconsistent JaggedTensor).
+        """
+        who = "JaggedTensor.from_dense_lengths"
+        if values.dim() < 2:
+            raise SparseInputError(f"{who}: values must be [B, N, ...], got shape {tuple(values.shape)}")
+        lengths = _index_tensor(lengths, "lengths", who)
+        b, n = values.size(0), values.size(1)
+        if lengths.numel() != b:
+            raise SparseInputError(f"{who}: {lengths.numel()} lengths for {b} rows of values")
+        if weights is not None and tuple(weights.shape[:2]) != (b, n):
+            raise SparseInputError(f"{who}: weights shape {tuple(weights.shape)} does not start with [B, N]=[{b}, {n}]")
+        if b:
+            lo, hi = (int(x) for x in torch.stack([lengths.min(), lengths.max()]).tolist())
+            if lo < 0 or hi > n:
+                bad = lo if lo < 0 else hi
+                raise SparseInputError(f"{who}: length {bad} outside [0, N={n}]")
+        mask = torch.arange(n, device=values.device).expand(b, n) < lengths.unsqueeze(-1)
+        return JaggedTensor(values[mask], weights=None if weights is None else weights[mask], lengths=lengths,
+                            validate=False)
+
+    @staticmethod
+    def from_dense(values: Sequence[torch.Tensor], weights: Sequence[torch.Tensor] | None = None) -> "JaggedTensor":
+        """One bag per tensor of ``values`` (each ``[n_b, ...]``); lengths int32 as in TorchRec.
+
+        Raises:
+            SparseInputError: no tensors, or ``weights`` not one tensor per bag with one weight per row.
+        """
+        who = "JaggedTensor.from_dense"
+        values = list(values)
+        if not values:
+            raise SparseInputError(f"{who}: needs at least one tensor (the bags' dtype comes from them)")
+        vals = torch.cat(values, dim=0)
+        lengths = torch.tensor([v.size(0) for v in values], dtype=torch.int32, device=vals.device)
+        w = None
+        if weights is not None:
+            weights = list(weights)
+            if len(weights) != len(values) or any(wi.size(0) != vi.size(0) for wi, vi in zip(weights, values)):
+                raise SparseInputError(
+                    f"{who}: weights must be one tensor per bag with one weight per value, got lengths "
+                    f"{[int(wi.size(0)) for wi in weights]} for bags of {[int(vi.size(0)) for vi in values]}"
+                )
+            w = torch.cat(weights, dim=0)
+        return JaggedTensor(vals, weights=w, lengths=lengths, validate=False)
+
+    # ------------------------------------------------------------- conversions
     def to_dense(self) -> list[torch.Tensor]:
-        """List of ``B`` tensors, one per bag."""
+        """List of ``B`` tensors, one per bag (``[lengths[b], ...]``)."""
         return list(torch.split(self._values, self._lengths.tolist()))
+
+    def to_dense_weights(self) -> list[torch.Tensor] | None:
+        """List of ``B`` weight tensors, one per bag; None without weights."""
+        if self._weights is None:
+            return None
+        return list(torch.split(self._weights, self._lengths.tolist()))
+
+    def _padded_length(self, desired_length: int | None) -> int:
+        if desired_length is not None:
+            if desired_length < 0:
+                raise SparseInputError(f"desired_length must be >= 0, got {desired_length}")
+            return int(desired_length)
+        return int(self._lengths.max()) if self._lengths.numel() else 0
+
+    def to_padded_dense(self, desired_length: int | None = None, padding_value: float = 0.0) -> torch.Tensor:
+        """``[B, L, ...]``: bag ``b`` in row ``b``, padded with ``padding_value`` or truncated
+        to ``L = desired_length`` (default: the longest bag; one host sync on CUDA)."""
+        n = self._padded_length(desired_length)
+        return _pad_jagged(self._values, self._lengths, self.offsets(), n, padding_value)
+
+    def to_padded_dense_weights(
+        self, desired_length: int | None = None, padding_value: float = 0.0
+    ) -> torch.Tensor | None:
+        """Like :meth:`to_padded_dense` for the weights; None without weights."""
+        if self._weights is None:
+            return None
+        n = self._padded_length(desired_length)
+        return _pad_jagged(self._weights, self._lengths, self.offsets(), n, padding_value)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "JaggedTensor":
+        mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return JaggedTensor(mv(self._values), weights=mv(self._weights), lengths=mv(self._lengths),
+                            offsets=mv(self._offsets), validate=False)
+
+    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+        for t in (self._values, self._weights, self._lengths, self._offsets):
+            if t is not None:
+                t.record_stream(stream)
 
     def __repr__(self) -> str:
         return f"JaggedTensor(values={self._values}, lengths={self._lengths}, weights={self._weights})"
 
 
+def _validate_contents(
+    who: str,
+    n_values: int,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor | None,
+    lengths_given: bool,
+    nk: int = 0,
+    stride: int = 0,
+    keys: Sequence[str] = (),
+) -> list[int] | None:
+    """The checks that read tensor contents, with one host sync.
+
+    Returns the per-key lengths (``nk > 0``) so the caller can cache them.
+    """
+    parts = []
+    n_len = lengths.numel()
+    if n_len:
+        parts.append((lengths < 0).any().view(1).long())
+        if nk:
+            parts.append(lengths.view(nk, stride).sum(dim=1).long())
+        else:
+            parts.append(lengths.sum().view(1).long())
+    if offsets is not None:
+        parts.append(offsets[:1].long())
+        if lengths_given:
+            parts.append((_to_lengths(offsets) != lengths).any().view(1).long())
+    stats = torch.cat(parts).tolist() if parts else []
+    i = 0
+    per_key: list[int] = [0] * nk
+    total = 0
+    if n_len:
+        neg = stats[0]
+        sums = stats[1 : 1 + (nk or 1)]
+        i = 1 + (nk or 1)
+        if neg:
+            bad = int(torch.nonzero(lengths < 0)[0])
+            if offsets is not None and not lengths_given:
+                raise SparseInputError(
+                    f"{who}: offsets decrease at position {bad} ({int(offsets[bad])} -> {int(offsets[bad + 1])}); "
+                    "offsets must be non-decreasing"
+                )
+            if nk:
+                raise SparseInputError(
+                    f"{who}: negative length {int(lengths[bad])} for key '{keys[bad // max(stride, 1)]}', "
+                    f"sample {bad % max(stride, 1)}"
+                )
+            raise SparseInputError(f"{who}: lengths must be >= 0, got {int(lengths[bad])} at position {bad}")
+        total = sum(sums)
+        if nk:
+            per_key = sums
+    if offsets is not None:
+        first = stats[i]
+        if first != 0:
+            raise SparseInputError(f"{who}: offsets must start at 0, got {first}")
+        if lengths_given and stats[i + 1]:
+            raise SparseInputError(f"{who}: offsets and lengths disagree (offsets[1:] - offsets[:-1] != lengths)")
+    if total != n_values:
+        what = "offsets[-1]" if offsets is not None and not lengths_given else "sum(lengths)"
+        raise SparseInputError(f"{who}: {what}={total} != len(values)={n_values}")
+    return per_key if nk else None
+
+
 class KeyedJaggedTensor:
     """Several sparse features of one batch in one key-major jagged layout.
 
+    Same signature and argument order as ``torchrec.KeyedJaggedTensor``; the
+    arguments after ``stride`` are TorchRec's caches (``length_per_key`` ...),
+    accepted and checked against the rest.
+
     Args:
         keys: feature names, ``F`` of them.
-        values: ``[N]`` int64 ids of all bags, key-major.
-        lengths: ``[F * B]`` bag lengths, key-major (or give ``offsets``).
-        offsets: ``[F * B + 1]`` exclusive cumsum of lengths.
-        weights: optional ``[N]`` float32 per-id weights (weighted features).
-        stride: batch size ``B``; inferred as ``len(lengths) // F``.
-        validate: check the invariants below (reads lengths on the host: a device sync on CUDA).
-        length_per_key: ``[F]`` host ints, ids per key, when already known (the loader, an
-            input_dist size exchange): :meth:`length_per_key` then never reads the device.
-            Checked against the lengths when ``validate``.
+        values: ``[N]`` ids of all bags, key-major (or ``[N, ...]`` rows).
+        weights: optional ``[N]`` floating-point per-id weights (weighted features).
+        lengths: ``[F * B]`` integer bag lengths, key-major.
+        offsets: ``[F * B + 1]`` exclusive cumsum of lengths.  Give lengths,
+            offsets, both (they must agree), or neither: then every bag is
+            empty -- ``stride`` bags per key, ``stride`` defaulting to 0 as in
+            TorchRec -- and values must be empty.
+        stride: batch size ``B``; default as TorchRec: 0 without keys, else
+            ``(len(offsets) - 1) // F`` or ``len(lengths) // F``.
+        stride_per_key_per_rank: variable batch per key (VBE): not supported
+            yet, must be None.
+        stride_per_key: ``[B] * F`` if given (different strides are VBE).
+        length_per_key: number of values of each key (``F`` ints).
+        lengths_offset_per_key: ``[0, B, 2B, ..., F*B]`` if given.
+        offset_per_key: ``[0, cumsum(length_per_key)...]`` (``F + 1`` ints).
+        index_per_key: ``{key: position}``.
+        jt_dict: cached :meth:`to_dict` result (its keys must be ``keys``).
+        inverse_indices: VBE only: not supported yet, must be None.
+        validate: (keyword-only, dlrmctl) also check tensor contents (one host
+            sync on CUDA).  Pass False on hot paths whose producer guarantees
+            the invariants; construction then never syncs.
 
     Raises:
-        SparseInputError: if ``len(lengths)`` is not a multiple of ``len(keys)``,
-            a length is negative, ``sum(lengths) != len(values)``, or
-            ``len(weights) != len(values)``; each message names what was expected.
+        SparseInputError: ``len(lengths)`` is not ``len(keys) * stride``;
+            lengths/offsets not integer tensors; a negative length;
+            ``sum(lengths) != len(values)``; offsets inconsistent; weights not
+            floating point or ``len(weights) != len(values)``; a cache argument
+            inconsistent.  Each message names what was expected.  TorchRec
+            accepts all of these silently.
+        VariableBatchNotSupportedError: ``stride_per_key_per_rank``,
+            ``inverse_indices`` or unequal ``stride_per_key`` (variable batch
+            per key is not supported yet).
     """
 
     def __init__(
         self,
         keys: Sequence[str],
         values: torch.Tensor,
+        weights: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
         offsets: torch.Tensor | None = None,
-        weights: torch.Tensor | None = None,
         stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | torch.Tensor | None = None,
+        stride_per_key: Sequence[int] | None = None,
+        length_per_key: Sequence[int] | None = None,
+        lengths_offset_per_key: Sequence[int] | None = None,
+        offset_per_key: Sequence[int] | None = None,
+        index_per_key: Mapping[str, int] | None = None,
+        jt_dict: Mapping[str, JaggedTensor] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
+        *,
         validate: bool = True,
-        length_per_key: list[int] | None = None,
     ) -> None:
+        who = "KeyedJaggedTensor"
+        if stride_per_key_per_rank is not None or inverse_indices is not None:
+            raise VariableBatchNotSupportedError(
+                f"{who}: variable batch per key (stride_per_key_per_rank / inverse_indices, TorchRec's VBE) "
+                "is not supported yet; give one stride for all keys"
+            )
         self._keys = list(keys)
-        if lengths is None and offsets is None:
-            raise SparseInputError("KeyedJaggedTensor needs lengths or offsets")
-        if lengths is None:
+        nk = len(self._keys)
+        _check_values(values, who)
+        lengths = _index_tensor(lengths, "lengths", who)
+        offsets = _index_tensor(offsets, "offsets", who)
+        if offsets is not None and offsets.numel() == 0:
+            if lengths is not None and lengths.numel() != 0:
+                raise SparseInputError(f"{who}: offsets is empty but there are {lengths.numel()} lengths")
+            lengths = offsets if lengths is None else lengths
+            offsets = None
+        if stride_per_key is not None:
+            spk = [int(s) for s in stride_per_key]
+            if len(spk) != nk:
+                raise SparseInputError(f"{who}: {len(spk)} stride_per_key entries for {nk} keys")
+            if len(set(spk)) > 1:
+                raise VariableBatchNotSupportedError(
+                    f"{who}: stride_per_key {spk} differ (variable batch per key is not supported yet)"
+                )
+            if spk and stride is not None and int(stride) != spk[0]:
+                raise SparseInputError(f"{who}: stride {stride} != stride_per_key {spk}")
+            if spk and stride is None:
+                stride = spk[0]
+        if stride is None:
+            if nk == 0:
+                stride = 0
+            elif offsets is not None:
+                stride = (offsets.numel() - 1) // nk
+            elif lengths is not None:
+                stride = lengths.numel() // nk
+            else:
+                stride = 0
+        stride = int(stride)
+        if stride < 0:
+            raise SparseInputError(f"{who}: stride must be >= 0, got {stride}")
+        given_lengths = lengths is not None
+        given_offsets = offsets is not None
+        no_lengths = not given_lengths and not given_offsets
+        if no_lengths:
+            # TorchRec accepts keys + values alone (stride 0 unless given): every bag is empty.
+            lengths = torch.zeros(nk * stride, dtype=torch.int64, device=values.device)
+        elif lengths is None:
             lengths = _to_lengths(offsets)
+        elif offsets is not None and offsets.numel() != lengths.numel() + 1:
+            raise SparseInputError(
+                f"{who}: len(offsets)={offsets.numel()} != len(lengths)+1={lengths.numel() + 1}"
+            )
+        n_len = lengths.numel()
+        n_val = values.size(0)
+        if nk == 0:
+            if n_len != 0 or n_val != 0:
+                raise SparseInputError(f"{who} with no keys must have empty lengths and values")
+        else:
+            if n_len % nk != 0:
+                raise SparseInputError(
+                    f"{who}: number of lengths ({n_len}) is not a multiple of the number of "
+                    f"keys ({nk}: {self._keys}); expected len(lengths) == num_keys * batch_size"
+                )
+            if stride * nk != n_len:
+                raise SparseInputError(f"{who}: stride {stride} * {nk} keys != {n_len} lengths")
+        if no_lengths and n_val != 0:
+            raise SparseInputError(
+                f"{who}: {n_val} values but no lengths or offsets (every bag empty); pass lengths= or offsets="
+                f"{_ORDER_HINT if weights is not None else ''}"
+            )
+        _check_weights(weights, values, who)
+
+        # ---- TorchRec's host-side caches: checked against keys / stride / values (no sync)
+        lpk = None if length_per_key is None else [int(x) for x in length_per_key]
+        if lpk is not None:
+            if len(lpk) != nk:
+                raise SparseInputError(f"{who}: {len(lpk)} length_per_key entries for {nk} keys")
+            if any(x < 0 for x in lpk) or sum(lpk) != n_val:
+                raise SparseInputError(
+                    f"{who}: length_per_key {lpk} must be >= 0 and sum to len(values)={n_val}"
+                )
+        if offset_per_key is not None:
+            opk = [int(x) for x in offset_per_key]
+            if len(opk) != nk + 1 or opk[0] != 0 or opk[-1] != n_val or any(b < a for a, b in zip(opk, opk[1:])):
+                raise SparseInputError(
+                    f"{who}: offset_per_key {opk} must be {nk + 1} non-decreasing ints from 0 to len(values)={n_val}"
+                )
+            from_opk = [b - a for a, b in zip(opk, opk[1:])]
+            if lpk is not None and lpk != from_opk:
+                raise SparseInputError(f"{who}: offset_per_key {opk} disagrees with length_per_key {lpk}")
+            lpk = from_opk
+        if lengths_offset_per_key is not None:
+            lopk = [int(x) for x in lengths_offset_per_key]
+            want = [i * stride for i in range(nk + 1)]
+            if lopk != want:
+                raise SparseInputError(f"{who}: lengths_offset_per_key {lopk} != {want} (stride {stride})")
+        if index_per_key is not None:
+            want_idx = {k: i for i, k in enumerate(self._keys)}
+            if dict(index_per_key) != want_idx:
+                raise SparseInputError(f"{who}: index_per_key {dict(index_per_key)} != {want_idx}")
+        if jt_dict is not None and set(jt_dict) != set(self._keys):
+            raise SparseInputError(f"{who}: jt_dict keys {sorted(jt_dict)} != keys {sorted(self._keys)}")
+
         self._values = values
+        self._weights = weights
         self._lengths = lengths
         self._offsets = offsets
-        self._weights = weights
-        nk = len(self._keys)
-        if stride is None:
-            stride = lengths.numel() // nk if nk else 0
         self._stride = stride
-        # host ints; when given (e.g. by the loader, or from an input_dist size exchange)
-        # length_per_key() / offset_per_key() never read the device
-        self._length_per_key: list[int] | None = None if length_per_key is None else list(length_per_key)
+        self._length_per_key: list[int] | None = lpk
+        self._offset_per_key: list[int] | None = None
+        self._index_per_key: dict[str, int] | None = None
+        self._jt_dict: dict[str, JaggedTensor] | None = None if jt_dict is None else dict(jt_dict)
         if validate:
-            self.validate()
+            self._validate(given_lengths, offsets if given_offsets else None)
 
     # ------------------------------------------------------------------ checks
-    def validate(self) -> None:
-        """Check the invariants listed in the class docstring."""
+    def _validate(self, lengths_given: bool, offsets: torch.Tensor | None) -> None:
         nk = len(self._keys)
-        n_len = self._lengths.numel()
         if nk == 0:
-            if n_len != 0 or self._values.numel() != 0:
-                raise SparseInputError("KeyedJaggedTensor with no keys must have empty lengths and values")
             return
-        if n_len % nk != 0:
+        per_key = _validate_contents(
+            "KeyedJaggedTensor", self._values.size(0), self._lengths, offsets, lengths_given,
+            nk=nk, stride=self._stride, keys=self._keys,
+        )
+        if self._length_per_key is not None and self._length_per_key != per_key:
             raise SparseInputError(
-                f"KeyedJaggedTensor: number of lengths ({n_len}) is not a multiple of the number of "
-                f"keys ({nk}: {self._keys}); expected len(lengths) == num_keys * batch_size"
+                f"KeyedJaggedTensor: length_per_key {self._length_per_key} disagrees with the lengths "
+                f"(per-key sums {per_key})"
             )
-        if self._stride * nk != n_len:
-            raise SparseInputError(
-                f"KeyedJaggedTensor: stride {self._stride} * {nk} keys != {n_len} lengths"
-            )
-        if n_len and bool((self._lengths < 0).any()):
-            bad = int(torch.nonzero(self._lengths < 0)[0])
-            raise SparseInputError(
-                f"KeyedJaggedTensor: negative length {int(self._lengths[bad])} for key "
-                f"'{self._keys[bad // max(self._stride, 1)]}', sample {bad % max(self._stride, 1)}"
-            )
-        total = int(self._lengths.sum()) if n_len else 0
-        if total != self._values.numel():
-            raise SparseInputError(
-                f"KeyedJaggedTensor: sum(lengths)={total} != len(values)={self._values.numel()}"
-            )
-        if self._length_per_key is not None:
-            actual = self.lengths_2d().sum(dim=1).tolist() if n_len else [0] * nk
-            if list(self._length_per_key) != actual:
-                raise SparseInputError(
-                    f"KeyedJaggedTensor: length_per_key {self._length_per_key} does not match the lengths "
-                    f"(ids per key {actual})"
-                )
-        if self._weights is not None and self._weights.numel() != self._values.numel():
-            raise SparseInputError(
-                f"KeyedJaggedTensor: len(weights)={self._weights.numel()} != "
-                f"len(values)={self._values.numel()}; weights are one per id"
-            )
+        self._length_per_key = per_key
+
+    def validate(self) -> None:
+        """Check the invariants listed in the class docstring (reads tensor contents)."""
+        self._validate(True, self._offsets)
 
     # ------------------------------------------------------------ constructors
     @staticmethod
@@ -203,8 +661,13 @@ class KeyedJaggedTensor:
         lengths: torch.Tensor,
         weights: torch.Tensor | None = None,
         stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride)
+        """KJT from lengths, per-key lengths computed now (TorchRec's ``sync()``)."""
+        return KeyedJaggedTensor(keys, values, weights=weights, lengths=lengths, stride=stride,
+                                 stride_per_key_per_rank=stride_per_key_per_rank,
+                                 inverse_indices=inverse_indices).sync()
 
     from_lengths = from_lengths_sync
 
@@ -215,50 +678,164 @@ class KeyedJaggedTensor:
         offsets: torch.Tensor,
         weights: torch.Tensor | None = None,
         stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[list[str], torch.Tensor] | None = None,
     ) -> "KeyedJaggedTensor":
-        return KeyedJaggedTensor(keys, values, offsets=offsets, weights=weights, stride=stride)
+        """KJT from offsets, per-key lengths computed now (TorchRec's ``sync()``)."""
+        return KeyedJaggedTensor(keys, values, weights=weights, offsets=offsets, stride=stride,
+                                 stride_per_key_per_rank=stride_per_key_per_rank,
+                                 inverse_indices=inverse_indices).sync()
 
     @staticmethod
-    def from_jt_dict(jt_dict: dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
-        """Concatenate per-key JaggedTensors (all with the same batch size)."""
+    def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> "KeyedJaggedTensor":
+        """Concatenate per-key JaggedTensors (all with the same batch size) in dict order.
+
+        Raises:
+            VariableBatchNotSupportedError: keys with different batch sizes (TorchRec builds a VBE KJT).
+            SparseInputError: some keys weighted and others not (TorchRec would misalign the weights).
+        """
         keys = list(jt_dict)
         jts = [jt_dict[k] for k in keys]
         if not jts:
             return KeyedJaggedTensor.empty()
         strides = {jt.lengths().numel() for jt in jts}
         if len(strides) != 1:
-            raise SparseInputError(f"from_jt_dict: keys have different batch sizes {sorted(strides)}")
+            raise VariableBatchNotSupportedError(
+                f"from_jt_dict: keys have different batch sizes {sorted(strides)} (variable batch per key is "
+                "not supported yet)"
+            )
         has_w = [jt.weights_or_none() is not None for jt in jts]
         if any(has_w) and not all(has_w):
             raise SparseInputError("from_jt_dict: either all or none of the keys must have weights")
         return KeyedJaggedTensor(
             keys,
             torch.cat([jt.values() for jt in jts]),
-            lengths=torch.cat([jt.lengths() for jt in jts]),
             weights=torch.cat([jt.weights() for jt in jts]) if all(has_w) else None,
+            lengths=torch.cat([jt.lengths() for jt in jts]),
+            stride=strides.pop(),
+            length_per_key=[jt.values().size(0) for jt in jts],
+            validate=False,
         )
 
     @staticmethod
-    def empty(device: torch.device | str | None = None, stride: int = 0) -> "KeyedJaggedTensor":
-        z = torch.zeros(0, dtype=torch.int64, device=device)
-        return KeyedJaggedTensor([], z, lengths=z.clone(), stride=stride, validate=False)
+    def concat(kjt_list: Sequence["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """Keys of all KJTs side by side (same batch size), in list order.
+
+        Raises:
+            ValueError: empty list.  SparseInputError: weighted mixed with
+            unweighted, or a key in more than one KJT.  VariableBatchNotSupportedError:
+            different strides (TorchRec builds a VBE KJT).
+        """
+        kjts = list(kjt_list)
+        if not kjts:
+            raise ValueError("Can't concat empty KJT list")
+        weighted = kjts[0].weights_or_none() is not None
+        if any((k.weights_or_none() is not None) != weighted for k in kjts):
+            raise SparseInputError("KeyedJaggedTensor.concat: can't merge weighted KJT with unweighted KJT")
+        strides = [k.stride() for k in kjts if k.keys()]
+        if len(set(strides)) > 1:
+            raise VariableBatchNotSupportedError(
+                f"KeyedJaggedTensor.concat: strides {strides} differ (variable batch per key is not supported yet)"
+            )
+        keys = [key for k in kjts for key in k.keys()]
+        dup = sorted({key for key in keys if keys.count(key) > 1})
+        if dup:
+            raise SparseInputError(f"KeyedJaggedTensor.concat: keys {dup} appear in more than one KJT")
+        lpks = [k.length_per_key_or_none() for k in kjts]
+        return KeyedJaggedTensor(
+            keys,
+            torch.cat([k.values() for k in kjts], dim=0),
+            weights=torch.cat([k.weights() for k in kjts], dim=0) if weighted else None,
+            lengths=torch.cat([k.lengths() for k in kjts], dim=0),
+            stride=strides[0] if strides else kjts[0].stride(),
+            length_per_key=[x for lpk in lpks for x in lpk] if all(lpk is not None for lpk in lpks) else None,
+            validate=False,
+        )
+
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: torch.device | str | None = None,
+        values_dtype: torch.dtype | None = None,
+        weights_dtype: torch.dtype | None = None,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> "KeyedJaggedTensor":
+        """A KJT with no keys and stride 0 (TorchRec defaults: values of the torch
+        default dtype when ``values_dtype`` is None, int32 lengths)."""
+        return KeyedJaggedTensor(
+            [],
+            torch.empty(0, dtype=values_dtype, device=device),
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            stride=0,
+            validate=False,
+        )
+
+    @staticmethod
+    def empty_like(kjt: "KeyedJaggedTensor", device: torch.device | str | None = None) -> "KeyedJaggedTensor":
+        """TorchRec semantics: with ``device=None`` a KJT with no keys, ``kjt``'s stride
+        and ``kjt``'s dtypes and device; with a ``device``, ``kjt``'s keys and stride with
+        uninitialised tensors of its shapes there (to be filled with :meth:`copy_`)."""
+        if device is None:
+            dev = kjt.device()
+            return KeyedJaggedTensor(
+                [],
+                kjt._values.new_empty((0,) + tuple(kjt._values.shape[1:])),
+                weights=None if kjt._weights is None else torch.empty(0, dtype=kjt._weights.dtype, device=dev),
+                lengths=torch.empty(0, dtype=kjt._lengths.dtype, device=dev),
+                stride=kjt._stride,
+                validate=False,
+            )
+        return KeyedJaggedTensor(
+            kjt._keys,
+            torch.empty_like(kjt._values, device=device),
+            weights=None if kjt._weights is None else torch.empty_like(kjt._weights, device=device),
+            lengths=torch.empty_like(kjt._lengths, device=device),
+            offsets=None if kjt._offsets is None else torch.empty_like(kjt._offsets, device=device),
+            stride=kjt._stride,
+            length_per_key=kjt._length_per_key,
+            validate=False,
+        )
+
+    def copy_(self, kjt: "KeyedJaggedTensor", non_blocking: bool = False) -> "KeyedJaggedTensor":
+        """In-place copy of ``kjt``'s tensors (same keys and shapes) into this one's; returns self."""
+        self._values.copy_(kjt._values, non_blocking=non_blocking)
+        self._lengths.copy_(kjt._lengths, non_blocking=non_blocking)
+        if self._weights is not None and kjt._weights is not None:
+            self._weights.copy_(kjt._weights, non_blocking=non_blocking)
+        if self._offsets is not None:
+            self._offsets.copy_(kjt.offsets(), non_blocking=non_blocking)
+        self._length_per_key = kjt._length_per_key
+        self._offset_per_key = kjt._offset_per_key
+        self._jt_dict = None
+        return self
 
     # --------------------------------------------------------------- accessors
     def keys(self) -> list[str]:
         return self._keys
 
     def values(self) -> torch.Tensor:
+        """``[N]`` (or ``[N, ...]``) values, key-major."""
         return self._values
 
     def lengths(self) -> torch.Tensor:
+        """``[F * B]`` bag lengths, key-major."""
+        return self._lengths
+
+    def lengths_or_none(self) -> torch.Tensor | None:
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
+        """``[F * B + 1]`` offsets (computed from lengths on first use, same dtype)."""
         if self._offsets is None:
             self._offsets = _to_offsets(self._lengths)
         return self._offsets
 
+    def offsets_or_none(self) -> torch.Tensor | None:
+        return self._offsets
+
     def weights(self) -> torch.Tensor:
+        """``[N]`` weights.  Raises SparseInputError for an unweighted KJT."""
         if self._weights is None:
             raise SparseInputError("KeyedJaggedTensor has no weights (unweighted features)")
         return self._weights
@@ -270,49 +847,132 @@ class KeyedJaggedTensor:
         """Batch size ``B``."""
         return self._stride
 
+    def stride_per_key(self) -> list[int]:
+        """``[B] * F`` (one batch size for all keys)."""
+        return [self._stride] * len(self._keys)
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        """``[]``: no variable batch per key (as TorchRec for a non-VBE KJT)."""
+        return []
+
+    def variable_stride_per_key(self) -> bool:
+        """Always False: variable batch per key is not supported yet."""
+        return False
+
+    def inverse_indices(self) -> tuple[list[str], torch.Tensor]:
+        raise VariableBatchNotSupportedError("KeyedJaggedTensor has no inverse_indices (VBE is not supported yet)")
+
+    def inverse_indices_or_none(self) -> None:
+        return None
+
     def device(self) -> torch.device:
         return self._values.device
+
+    def size_in_bytes(self) -> int:
+        """Bytes held by values, weights, lengths and (if materialised) offsets."""
+        return sum(t.element_size() * t.numel() for t in (self._values, self._weights, self._lengths, self._offsets)
+                   if t is not None)
 
     def lengths_2d(self) -> torch.Tensor:
         """``[F, B]`` view of the lengths."""
         return self._lengths.view(len(self._keys), self._stride)
 
     def length_per_key(self) -> list[int]:
-        """Number of ids of each key in this batch (host ints; syncs on CUDA)."""
+        """Number of values of each key in this batch (host ints; syncs on CUDA unless cached)."""
         if self._length_per_key is None:
             if not self._keys:
                 self._length_per_key = []
             else:
-                self._length_per_key = self.lengths_2d().sum(dim=1).tolist()
+                self._length_per_key = [int(x) for x in self.lengths_2d().sum(dim=1).tolist()]
+        return self._length_per_key
+
+    def length_per_key_or_none(self) -> list[int] | None:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
-        out = [0]
-        for n in self.length_per_key():
-            out.append(out[-1] + n)
-        return out
+        """``[0, cumsum(length_per_key)...]`` (``F + 1`` host ints)."""
+        if self._offset_per_key is None:
+            self._offset_per_key = _cumsum(self.length_per_key())
+        return self._offset_per_key
+
+    def offset_per_key_or_none(self) -> list[int] | None:
+        return self._offset_per_key
+
+    def lengths_offset_per_key(self) -> list[int]:
+        """Start of each key's lengths: ``[0, B, 2B, ..., F*B]``."""
+        return [i * self._stride for i in range(len(self._keys) + 1)]
+
+    def index_per_key(self) -> dict[str, int]:
+        """``{key: position}``."""
+        if self._index_per_key is None:
+            self._index_per_key = {k: i for i, k in enumerate(self._keys)}
+        return self._index_per_key
+
+    _key_indices = index_per_key
+
+    def sync(self) -> "KeyedJaggedTensor":
+        """Compute and cache ``length_per_key`` / ``offset_per_key`` now; returns self."""
+        self.length_per_key()
+        self.offset_per_key()
+        return self
+
+    def unsync(self) -> "KeyedJaggedTensor":
+        """Drop the cached ``length_per_key`` / ``offset_per_key``; returns self."""
+        self._length_per_key = None
+        self._offset_per_key = None
+        return self
+
+    def _key_index(self, key: str) -> int:
+        try:
+            return self.index_per_key()[key]
+        except KeyError:
+            raise KeyError(f"KeyedJaggedTensor has no key '{key}'; keys are {self._keys}") from None
 
     def __getitem__(self, key: str) -> JaggedTensor:
-        try:
-            i = self._keys.index(key)
-        except ValueError:
-            raise KeyError(f"KeyedJaggedTensor has no key '{key}'; keys are {self._keys}") from None
+        i = self._key_index(key)
         opk = self.offset_per_key()
         s, e = opk[i], opk[i + 1]
         return JaggedTensor(
             self._values[s:e],
-            lengths=self._lengths[i * self._stride : (i + 1) * self._stride],
             weights=None if self._weights is None else self._weights[s:e],
+            lengths=self._lengths[i * self._stride : (i + 1) * self._stride],
+            validate=False,
         )
 
-    def to_dict(self) -> dict[str, JaggedTensor]:
-        return {k: self[k] for k in self._keys}
+    def to_dict(self, compute_offsets: bool = True) -> dict[str, JaggedTensor]:
+        """``{key: JaggedTensor}`` in key order (cached, as in TorchRec).
+
+        Args:
+            compute_offsets: also build each JaggedTensor's offsets now (one
+                batched cumsum); otherwise they are computed on first use.
+        """
+        if self._jt_dict is not None:
+            return self._jt_dict
+        if not self._keys:
+            return {}
+        lpk = self.length_per_key()
+        vals = torch.split(self._values, lpk)
+        ws = torch.split(self._weights, lpk) if self._weights is not None else [None] * len(lpk)
+        lens2d = self.lengths_2d()
+        offs = None
+        if compute_offsets:
+            offs = torch.zeros(len(self._keys), self._stride + 1, dtype=lens2d.dtype, device=lens2d.device)
+            torch.cumsum(lens2d, dim=1, out=offs[:, 1:])
+        self._jt_dict = {
+            k: JaggedTensor(vals[i], weights=ws[i], lengths=lens2d[i],
+                            offsets=None if offs is None else offs[i], validate=False)
+            for i, k in enumerate(self._keys)
+        }
+        return self._jt_dict
 
     # ------------------------------------------------------------- transforms
-    def permute(self, indices: Sequence[int]) -> "KeyedJaggedTensor":
-        """Reorder (or select / repeat) keys: new key ``j`` is old key ``indices[j]``."""
-        opk = self.offset_per_key()
+    def permute(self, indices: Sequence[int], indices_tensor: torch.Tensor | None = None) -> "KeyedJaggedTensor":
+        """Reorder (or select / repeat) keys: new key ``j`` is old key ``indices[j]``.
+
+        ``indices_tensor`` (TorchRec's device copy of ``indices``) is accepted and unused.
+        """
         lpk = self.length_per_key()
+        opk = self.offset_per_key()
         B = self._stride
         vals, lens, ws = [], [], []
         for i in indices:
@@ -320,28 +980,26 @@ class KeyedJaggedTensor:
             lens.append(self._lengths[i * B : (i + 1) * B])
             if self._weights is not None:
                 ws.append(self._weights[opk[i] : opk[i + 1]])
-        dev = self._values.device
         return KeyedJaggedTensor(
             [self._keys[i] for i in indices],
-            torch.cat(vals) if vals else torch.zeros(0, dtype=self._values.dtype, device=dev),
-            lengths=torch.cat(lens) if lens else torch.zeros(0, dtype=self._lengths.dtype, device=dev),
+            torch.cat(vals) if vals else self._values[:0],
             weights=(torch.cat(ws) if ws else self._weights[:0]) if self._weights is not None else None,
+            lengths=torch.cat(lens) if lens else self._lengths[:0],
             stride=B,
-            validate=False,
             length_per_key=[lpk[i] for i in indices],
+            validate=False,
         )
 
     def select_keys(self, keys: Sequence[str]) -> "KeyedJaggedTensor":
-        """Sub-KJT with only ``keys`` (in that order)."""
-        idx = []
-        for k in keys:
-            if k not in self._keys:
-                raise KeyError(f"KeyedJaggedTensor has no key '{k}'; keys are {self._keys}")
-            idx.append(self._keys.index(k))
-        return self.permute(idx)
+        """Sub-KJT with only ``keys`` (in that order).  Raises KeyError naming a missing key."""
+        return self.permute([self._key_index(k) for k in keys])
 
     def split(self, segments: Sequence[int]) -> list["KeyedJaggedTensor"]:
-        """Split keys into consecutive groups of ``segments[i]`` keys each."""
+        """Split keys into consecutive groups of ``segments[i]`` keys each.
+
+        Raises:
+            SparseInputError: the segments do not add up to the number of keys.
+        """
         if sum(segments) != len(self._keys):
             raise SparseInputError(
                 f"KeyedJaggedTensor.split: segments {list(segments)} sum to {sum(segments)}, "
@@ -350,35 +1008,38 @@ class KeyedJaggedTensor:
         out = []
         start = 0
         for n in segments:
-            out.append(self.permute(list(range(start, start + n))) if n else
-                       KeyedJaggedTensor([], self._values[:0], lengths=self._lengths[:0],
-                                         weights=None if self._weights is None else self._weights[:0],
-                                         stride=self._stride, validate=False))
+            if n:
+                out.append(self.permute(list(range(start, start + n))))
+            else:
+                out.append(KeyedJaggedTensor([], self._values[:0], lengths=self._lengths[:0],
+                                             weights=None if self._weights is None else self._weights[:0],
+                                             stride=self._stride, validate=False))
             start += n
         return out
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedJaggedTensor":
+    def flatten_lengths(self) -> "KeyedJaggedTensor":
+        """Same KJT with 1-D lengths (they always are here)."""
+        return KeyedJaggedTensor(self._keys, self._values, weights=self._weights, lengths=self._lengths.view(-1),
+                                 stride=self._stride, length_per_key=self._length_per_key, validate=False)
+
+    def to(
+        self, device: torch.device | str, non_blocking: bool = False, dtype: torch.dtype | None = None
+    ) -> "KeyedJaggedTensor":
+        """Copy to ``device``; ``dtype`` (as in TorchRec) converts the weights only."""
+        mv = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        w = self._weights
+        if w is not None:
+            w = w.to(device=device, dtype=dtype, non_blocking=non_blocking) if dtype is not None else mv(w)
         return KeyedJaggedTensor(
-            self._keys,
-            self._values.to(device, non_blocking=non_blocking),
-            lengths=self._lengths.to(device, non_blocking=non_blocking),
-            offsets=None if self._offsets is None else self._offsets.to(device, non_blocking=non_blocking),
-            weights=None if self._weights is None else self._weights.to(device, non_blocking=non_blocking),
-            stride=self._stride,
-            validate=False,
-            length_per_key=self._length_per_key,
+            self._keys, mv(self._values), weights=w, lengths=mv(self._lengths), offsets=mv(self._offsets),
+            stride=self._stride, length_per_key=self._length_per_key, validate=False,
         )
 
     def pin_memory(self) -> "KeyedJaggedTensor":
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
         return KeyedJaggedTensor(
-            self._keys,
-            self._values.pin_memory(),
-            lengths=self._lengths.pin_memory(),
-            offsets=None if self._offsets is None else self._offsets.pin_memory(),
-            weights=None if self._weights is None else self._weights.pin_memory(),
-            stride=self._stride,
-            validate=False,
-            length_per_key=self._length_per_key,
+            self._keys, pin(self._values), weights=pin(self._weights), lengths=pin(self._lengths),
+            offsets=pin(self._offsets), stride=self._stride, length_per_key=self._length_per_key, validate=False,
         )
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
@@ -396,14 +1057,30 @@ class KeyedJaggedTensor:
 class KeyedTensor:
     """Pooled embeddings of several keys, concatenated along ``key_dim``.
 
+    Same signature and argument order as ``torchrec.KeyedTensor``.
+
     Args:
         keys: names, one per block.
-        length_per_key: width (embedding dim) of each key's block.
-        values: ``[B, sum(length_per_key)]`` float tensor (``key_dim=1``).
+        length_per_key: width of each key's block along ``key_dim``.
+        values: e.g. ``[B, sum(length_per_key)]`` float (``key_dim=1``).
+        key_dim: the dimension the blocks are concatenated along.
+        offset_per_key: ``[0, cumsum(length_per_key)...]`` if given (TorchRec's cache).
+        index_per_key: ``{key: position}`` if given (TorchRec's cache).
+
+    Raises:
+        SparseInputError: keys and length_per_key differ in number,
+            ``values.size(key_dim) != sum(length_per_key)``, ``key_dim`` out of
+            range, or a cache argument inconsistent (TorchRec checks none).
     """
 
     def __init__(
-        self, keys: Sequence[str], length_per_key: Sequence[int], values: torch.Tensor, key_dim: int = 1
+        self,
+        keys: Sequence[str],
+        length_per_key: Sequence[int],
+        values: torch.Tensor,
+        key_dim: int = 1,
+        offset_per_key: Sequence[int] | None = None,
+        index_per_key: Mapping[str, int] | None = None,
     ) -> None:
         self._keys = list(keys)
         self._length_per_key = list(length_per_key)
@@ -411,18 +1088,37 @@ class KeyedTensor:
             raise SparseInputError(
                 f"KeyedTensor: {len(self._keys)} keys but {len(self._length_per_key)} lengths"
             )
+        if not -values.dim() <= key_dim < values.dim():
+            raise SparseInputError(f"KeyedTensor: key_dim {key_dim} out of range for values of shape {tuple(values.shape)}")
         if values.size(key_dim) != sum(self._length_per_key):
             raise SparseInputError(
                 f"KeyedTensor: values.size({key_dim})={values.size(key_dim)} != "
                 f"sum(length_per_key)={sum(self._length_per_key)}"
             )
+        self._offset_per_key: list[int] | None = None
+        if offset_per_key is not None:
+            opk = list(offset_per_key)
+            if opk != _cumsum(self._length_per_key):
+                raise SparseInputError(
+                    f"KeyedTensor: offset_per_key {opk} != cumsum of length_per_key {_cumsum(self._length_per_key)}"
+                )
+            self._offset_per_key = opk
+        self._index_per_key: dict[str, int] | None = None
+        if index_per_key is not None:
+            want = {k: i for i, k in enumerate(self._keys)}
+            if dict(index_per_key) != want:
+                raise SparseInputError(f"KeyedTensor: index_per_key {dict(index_per_key)} != {want}")
+            self._index_per_key = want
         self._values = values
         self._key_dim = key_dim
 
     @staticmethod
-    def from_tensor_list(keys: Sequence[str], tensors: Iterable[torch.Tensor], key_dim: int = 1) -> "KeyedTensor":
+    def from_tensor_list(
+        keys: Sequence[str], tensors: Iterable[torch.Tensor], key_dim: int = 1, cat_dim: int = 1
+    ) -> "KeyedTensor":
+        """Concatenate ``tensors`` along ``cat_dim``; key ``i``'s width is ``tensors[i].shape[key_dim]``."""
         ts = list(tensors)
-        return KeyedTensor(keys, [t.size(key_dim) for t in ts], torch.cat(ts, dim=key_dim), key_dim)
+        return KeyedTensor(keys, [t.shape[key_dim] for t in ts], torch.cat(ts, dim=cat_dim), key_dim)
 
     def keys(self) -> list[str]:
         return self._keys
@@ -434,21 +1130,106 @@ class KeyedTensor:
         return self._length_per_key
 
     def offset_per_key(self) -> list[int]:
-        out = [0]
-        for n in self._length_per_key:
-            out.append(out[-1] + n)
-        return out
+        if self._offset_per_key is None:
+            self._offset_per_key = _cumsum(self._length_per_key)
+        return self._offset_per_key
 
     def key_dim(self) -> int:
         return self._key_dim
 
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def size_in_bytes(self) -> int:
+        return self._values.element_size() * self._values.numel()
+
+    def _key_indices(self) -> dict[str, int]:
+        if self._index_per_key is None:
+            self._index_per_key = {k: i for i, k in enumerate(self._keys)}
+        return self._index_per_key
+
     def __getitem__(self, key: str) -> torch.Tensor:
-        i = self._keys.index(key)
+        try:
+            i = self._key_indices()[key]
+        except KeyError:
+            raise KeyError(f"KeyedTensor has no key '{key}'; keys are {self._keys}") from None
         o = self.offset_per_key()
         return self._values.narrow(self._key_dim, o[i], o[i + 1] - o[i])
 
     def to_dict(self) -> dict[str, torch.Tensor]:
-        return {k: self[k] for k in self._keys}
+        parts = self._values.split(self._length_per_key, dim=self._key_dim)
+        return {k: parts[i] for k, i in self._key_indices().items()}
+
+    @staticmethod
+    def regroup(keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]]) -> list[torch.Tensor]:
+        """One tensor per group: the named keys' blocks concatenated along ``key_dim``.
+
+        Args:
+            keyed_tensors: KeyedTensors with the same ``key_dim`` (and other dims).
+            groups: lists of keys; a key may appear in several groups.
+
+        Returns:
+            ``[B, sum of the group's widths]`` per group (``key_dim=1``).
+
+        Raises:
+            KeyError: a key in no KeyedTensor.  SparseInputError: a key in more
+            than one KeyedTensor (TorchRec silently takes the last), or
+            different ``key_dim``.
+        """
+        kts = list(keyed_tensors)
+        groups = [list(g) for g in groups]
+        if not groups:
+            return []
+        if not kts:
+            raise SparseInputError("KeyedTensor.regroup: no KeyedTensors")
+        key_dim = kts[0].key_dim()
+        if any(kt.key_dim() != key_dim for kt in kts):
+            raise SparseInputError(f"KeyedTensor.regroup: key_dims differ {[kt.key_dim() for kt in kts]}")
+        if len(kts) == len(groups) and all(kt.keys() == g for kt, g in zip(kts, groups)):
+            return [kt.values() for kt in kts]
+        where: dict[str, tuple[int, int]] = {}
+        for j, kt in enumerate(kts):
+            for i, k in enumerate(kt.keys()):
+                if k in where and where[k][0] != j:
+                    raise SparseInputError(f"KeyedTensor.regroup: key '{k}' is in more than one KeyedTensor")
+                where[k] = (j, i)
+        pieces: list[torch.Tensor] = []
+        widths: list[int] = []
+        for g in groups:
+            w = 0
+            for k in g:
+                if k not in where:
+                    raise KeyError(f"KeyedTensor.regroup: no KeyedTensor has key '{k}'")
+                j, i = where[k]
+                kt = kts[j]
+                o = kt.offset_per_key()
+                pieces.append(kt.values().narrow(key_dim, o[i], o[i + 1] - o[i]))
+                w += o[i + 1] - o[i]
+            widths.append(w)
+        if not pieces:
+            empty = kts[0].values().narrow(key_dim, 0, 0)
+            return [empty for _ in groups]
+        return list(torch.cat(pieces, dim=key_dim).split(widths, dim=key_dim))
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]], keys: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`regroup` with group ``i`` returned under ``keys[i]``.
+
+        Raises:
+            SparseInputError: ``len(groups) != len(keys)`` (TorchRec: AssertionError), or as :meth:`regroup`.
+        """
+        if len(groups) != len(keys):
+            raise SparseInputError(f"KeyedTensor.regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
+        return dict(zip(keys, KeyedTensor.regroup(keyed_tensors, groups)))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "KeyedTensor":
+        return KeyedTensor(self._keys, self._length_per_key, self._values.to(device, non_blocking=non_blocking),
+                           self._key_dim)
+
+    def record_stream(self, stream: "torch.cuda.Stream") -> None:
+        self._values.record_stream(stream)
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={tuple(self._values.shape)})"
