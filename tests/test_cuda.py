@@ -30,7 +30,6 @@ group a collective timeout, so a hang fails instead of blocking the run.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -110,10 +109,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = ATOL)
 
 # ------------------------------------------------------- dense-kernel EmbeddingBagCollection
 EBC_TABLES = [
-    EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t_sum", feature_names=["f_a", "f_b"], pooling="sum"),  # two features share a table
+    # two features share a table
+    EmbeddingBagConfig(num_embeddings=13, embedding_dim=8, name="t_sum", feature_names=["f_a", "f_b"], pooling="sum"),
     EmbeddingBagConfig(num_embeddings=7, embedding_dim=4, name="t_mean", feature_names=["f_c"], pooling="mean"),
-    EmbeddingBagConfig(num_embeddings=5, embedding_dim=6, name="t_odd", feature_names=["f_d"], pooling="sum"),  # dim not a multiple of 4
-    EmbeddingBagConfig(num_embeddings=4, embedding_dim=4, name="t_quiet", feature_names=["f_e"], pooling="mean"),  # its feature has no id in the batch
+    # dim not a multiple of 4
+    EmbeddingBagConfig(num_embeddings=5, embedding_dim=6, name="t_odd", feature_names=["f_d"], pooling="sum"),
+    # its feature has no id in the batch
+    EmbeddingBagConfig(num_embeddings=4, embedding_dim=4, name="t_quiet", feature_names=["f_e"], pooling="mean"),
 ]
 
 
@@ -315,30 +317,16 @@ def test_sharded_ebc_on_one_rank_group_handles_empty_batches(device, sharding_ty
 
 
 # ------------------------------------------------------------------------ fp16 export
-def _export_device_api() -> str | None:
-    """Why the export API cannot place an artifact on a device, or None if it can."""
-    from dlrmctl.inference import export
-
-    missing = [f.__name__ for f in (export.load_exported, export.export_model) if "device" not in inspect.signature(f).parameters]
-    if "load_exported" in missing:
-        return ("the export API has no device: load_exported(model_dir) maps the TorchScript module to cpu "
-                "and export_model builds the IntNBit TBE with build_intnbit_tbe(..., 'cpu') (HOST placement); "
-                "an artifact cannot be scored on CUDA without editing dlrmctl/inference/export.py")
-    return None
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_fp16_export_scores_on_device(device, tmp_path):
     if not HAS_FBGEMM:
         pytest.skip("export needs fbgemm_gpu (IntNBitTableBatchedEmbeddingBagsCodegen), which is not installed")
-    why = _export_device_api() if device != "cpu" else None
-    if why:
-        pytest.skip(why)
     from dlrmctl.inference.export import export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
-    tables = [EmbeddingBagConfig(num_embeddings=50, embedding_dim=8, name="t_a", feature_names=["a", "b"]), EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name="t_c", feature_names=["c"], pooling="mean")]
+    tables = [EmbeddingBagConfig(num_embeddings=50, embedding_dim=8, name="t_a", feature_names=["a", "b"]),
+              EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name="t_c", feature_names=["c"], pooling="mean")]
     torch.manual_seed(0)
     model = DLRM(EmbeddingBagCollection(tables, compute_kernel="dense", seed=1), 13, [16, 8], [16, 1], 3, 8)
     sparse = [p for n, p in model.named_parameters() if n.startswith("sparse_arch")]
@@ -362,12 +350,9 @@ def test_fp16_export_scores_on_device(device, tmp_path):
     dense = torch.rand(100, 13, generator=g) * 3
     with torch.no_grad():
         want = torch.sigmoid(model(dense, kjt).squeeze(1))
-    if device == "cpu":
-        m = load_exported(tmp_path / "fp16")
-        got = m.score(dense, kjt.values(), kjt.lengths())
-    else:  # an export API with a device (see _export_device_api)
-        m = load_exported(tmp_path / "fp16", device=device)
-        got = m.score(dense.to(device), kjt.values().to(device), kjt.lengths().to(device))
-        assert got.device.type == "cuda"
+    m = load_exported(tmp_path / "fp16", device=device)
+    got = m.score(dense, kjt.values(), kjt.lengths())  # inputs move to the model's device
+    assert got.device.type == torch.device(device).type
+    got = got.cpu()
     assert got.shape == (100,) and got.dtype == torch.float32
     _close(got, want, "fp16 artifact scores vs the fp32 eager model", atol=1e-3)

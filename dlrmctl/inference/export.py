@@ -514,21 +514,25 @@ class ExportedModel:
         num_dense: ``D_in``.
     """
 
-    def __init__(self, model_dir: Path, manifest: dict, module: torch.jit.ScriptModule) -> None:
+    def __init__(self, model_dir: Path, manifest: dict, module: torch.jit.ScriptModule,
+                 device: torch.device | str = "cpu") -> None:
         self.model_dir = model_dir
         self.manifest = manifest
         self.module = module
+        self.device = torch.device(device)
         self.feature_names: list[str] = list(manifest["sparse_features"])
         self.num_dense = int(manifest["inputs"]["dense"]["shape"][1])
 
     @torch.no_grad()
     def score(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """``dense [B, D_in]`` float32, ``values [N]`` int64, ``lengths [F*B]`` int64 (key-major,
-        manifest feature order) -> scores ``[B]`` float32.
+        manifest feature order), on any device -> scores ``[B]`` float32 on the model's device.
 
         Raises:
             ExportError: inputs rejected by the module (message from the module).
         """
+        dev = self.device
+        dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
         try:
             return self.module(dense, values, lengths)
         except (RuntimeError, torch.jit.Error) as e:
@@ -546,8 +550,10 @@ class ExportedModel:
         return self.score(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64))
 
 
-def load_exported(model_dir: str | os.PathLike) -> ExportedModel:
-    """Load ``model_dir/manifest.json`` and ``model.pt``.
+def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
+    """Load ``model_dir/manifest.json`` and ``model.pt`` onto ``device`` (``cpu``, or ``cuda[:i]``:
+    the quantized TBE's tables and the dense part are mapped to the GPU; needs fbgemm_gpu's
+    CUDA build; not run on a GPU yet).
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
@@ -572,16 +578,20 @@ def load_exported(model_dir: str | os.PathLike) -> ExportedModel:
             f"{model_path}: {model_path.stat().st_size} bytes but the manifest records {manifest['model_bytes']}; truncated copy?"
         )
     require_fbgemm(f"loading {model_path}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ExportError(f"{model_path}: device {device} requested but CUDA is not available")
     with _quiet_jit():
-        module = torch.jit.load(str(model_path), map_location="cpu")
+        module = torch.jit.load(str(model_path), map_location=device)
     module.eval()
-    return ExportedModel(d, manifest, module)
+    return ExportedModel(d, manifest, module, device)
 
 
 # ----------------------------------------------------------------------------- evaluate
 @torch.no_grad()
 def evaluate_exported(
-    model_dir: str | os.PathLike, data_dir: str | os.PathLike, split: str = "val", batch_size: int = 8192
+    model_dir: str | os.PathLike, data_dir: str | os.PathLike, split: str = "val", batch_size: int = 8192,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
     """Metrics of an exported model on a split of preprocessed data (``dlrmctl evaluate MODEL_DIR``).
 
@@ -599,13 +609,13 @@ def evaluate_exported(
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.train.metrics import compute_metrics
 
-    m = load_exported(model_dir)
+    m = load_exported(model_dir, device)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names)
     probs, labels = [], []
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):
             raise ExportError(f"{data_dir}: split '{split}' has no labels; cannot compute metrics")
-        probs.append(m.score_kjt(batch.dense_features.float(), batch.sparse_features).numpy())
+        probs.append(m.score_kjt(batch.dense_features.float(), batch.sparse_features).cpu().numpy())
         labels.append(batch.labels.numpy())
     if not probs:
         raise ExportError(f"{data_dir}: split '{split}' is empty")
