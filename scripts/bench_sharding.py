@@ -57,7 +57,7 @@ def _rank_main(rank: int, args: argparse.Namespace, st: str, port: int, q) -> No
     ws = 1 if st == "unsharded" else args.world_size
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
                             timeout=datetime.timedelta(seconds=600))
-    env = ShardingEnv(rank, ws, (args.local_world_size or ws) if ws > 1 else 1, dist.group.WORLD, torch.device("cpu"))
+    env = ShardingEnv(ws, rank, dist.group.WORLD, local_world_size=(args.local_world_size or ws) if ws > 1 else 1)
     tables = [EmbeddingBagConfig(name=f"t_cat_{i}", num_embeddings=args.rows, embedding_dim=args.dim,
                                  feature_names=[f"cat_{i}"]) for i in range(args.tables)]
     spec = EmbeddingOptimizerSpec("exact_rowwise_adagrad", lr=0.01)

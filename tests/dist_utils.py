@@ -60,7 +60,7 @@ def _worker(rank: int, world_size: int, local_world_size: int, port: int, timeou
             backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        env = ShardingEnv(rank, world_size, local_world_size, dist.group.WORLD, device)
+        env = ShardingEnv(world_size, rank, dist.group.WORLD, local_world_size=local_world_size, device=device)
         result = fn(env, *args)
         # plain pickle bytes: tensors travel by value, not as shared-memory handles that
         # die with this process

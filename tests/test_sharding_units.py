@@ -98,7 +98,7 @@ def test_plan_with_two_row_shards_on_one_rank_is_rejected():
     plan = ShardingPlan(2, 2, {"t0": ps, "t1": ParameterSharding("data_parallel", "dense", [0, 1]),
                                "t2": ParameterSharding("data_parallel", "dense", [0, 1])})
     with pytest.raises(PlanError, match="two row shards on one rank"):
-        ShardedEmbeddingBagCollection(TABLES, plan, ShardingEnv(0, 2, 2, None, torch.device("cpu")))
+        ShardedEmbeddingBagCollection(TABLES, plan, ShardingEnv(2, 0))
 
 
 def test_plan_for_another_world_size_is_rejected_with_the_replan_hint():
@@ -135,7 +135,7 @@ def test_init_distributed_without_world_size_is_a_single_process_env(monkeypatch
 
 def test_sharding_env_rejects_a_local_world_size_that_does_not_divide_the_world():
     with pytest.raises(ValueError, match="local_world_size 3 must be > 0 and divide world_size 4"):
-        ShardingEnv(0, 4, 3, None, torch.device("cpu"))
+        ShardingEnv(4, 0, local_world_size=3)
 
 
 def _dlrm(seed=0):
@@ -149,7 +149,7 @@ def _dlrm(seed=0):
 
 def test_model_parallel_without_plan_needs_world_size_1():
     with pytest.raises(PlanError, match="2 ranks need a sharding plan"):
-        DistributedModelParallel(_dlrm(), ShardingEnv(0, 2, 2, None, torch.device("cpu")), None,
+        DistributedModelParallel(_dlrm(), ShardingEnv(2, 0), None,
                                  EmbeddingOptimizerSpec())
 
 

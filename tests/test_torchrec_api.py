@@ -465,3 +465,16 @@ def test_weighted_auc_equals_auc_of_rows_repeated_by_integer_weights():
         auc([0.1, 0.2], [0, 1], [1.0, -1.0])
     with pytest.raises(ValueError, match="2 samples"):
         auc([0.1, 0.2], [0, 1], [1.0])
+
+
+def test_sharding_env_takes_torchrec_argument_order():
+    from dlrmctl.distributed.env import ShardingEnv
+
+    env = ShardingEnv(4, 1, None)  # TorchRec: ShardingEnv(world_size, rank, pg)
+    assert (env.world_size, env.rank, env.process_group, env.pg) == (4, 1, None, None)
+    assert env.local_world_size == 4 and env.device == torch.device("cpu") and not env.is_distributed
+    kw = ShardingEnv(world_size=2, rank=0, pg=None, local_world_size=1, device="cpu")
+    assert kw.num_hosts == 2 and kw.host == 0
+    assert ShardingEnv.from_local(8, 3).rank == 3
+    with pytest.raises(ValueError, match="rank 4 out of range for world_size 4"):
+        ShardingEnv(4, 4)

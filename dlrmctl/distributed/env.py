@@ -25,39 +25,50 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass
 class ShardingEnv:
-    """Where this process sits in the job.
+    """Where this process sits in the job (TorchRec's ``ShardingEnv``: same argument order).
 
-    Attributes:
-        rank: global rank.
+    Args:
         world_size: number of ranks.
-        local_world_size: ranks per host (hosts are ``rank // local_world_size``).
-        pg: the process group of all ranks (``None`` when ``world_size == 1``
-            and no group was created).
-        device: device of this rank's tables and activations.
+        rank: global rank.
+        pg: the process group of all ranks (``None``: a plain single process, no
+            collectives).  Also readable as :attr:`process_group` (TorchRec's name).
+        local_world_size: (keyword-only, dlrmctl) ranks per host (hosts are
+            ``rank // local_world_size``); default ``world_size`` (one host).
+        device: (keyword-only, dlrmctl) device of this rank's tables and activations;
+            default ``cpu``.
+
+    Raises:
+        ValueError: rank out of range, or a local world size that does not divide the world.
     """
 
-    rank: int
-    world_size: int
-    local_world_size: int
-    pg: dist.ProcessGroup | None
-    device: torch.device
-
-    def __post_init__(self) -> None:
-        self.device = torch.device(self.device)
+    def __init__(self, world_size: int, rank: int, pg: dist.ProcessGroup | None = None, *,
+                 local_world_size: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.pg = pg
+        self.local_world_size = int(local_world_size or world_size)
+        self.device = torch.device(device)
         if self.local_world_size <= 0 or self.world_size % self.local_world_size:
             raise ValueError(
                 f"local_world_size {self.local_world_size} must be > 0 and divide world_size {self.world_size}"
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} out of range for world_size {self.world_size}")
+
+    def __repr__(self) -> str:
+        return (f"ShardingEnv(world_size={self.world_size}, rank={self.rank}, pg={self.pg}, "
+                f"local_world_size={self.local_world_size}, device={self.device})")
+
+    @staticmethod
+    def from_local(world_size: int, rank: int) -> "ShardingEnv":
+        """TorchRec's constructor for an env without a process group (e.g. for planning)."""
+        return ShardingEnv(world_size, rank, None)
 
     @property
     def local_rank(self) -> int:
@@ -89,7 +100,7 @@ class ShardingEnv:
     @staticmethod
     def single(device: torch.device | str = "cpu") -> "ShardingEnv":
         """One process, no process group."""
-        return ShardingEnv(0, 1, 1, None, torch.device(device))
+        return ShardingEnv(1, 0, None, device=device)
 
     @staticmethod
     def from_process_group(
@@ -102,7 +113,7 @@ class ShardingEnv:
         rank, ws = dist.get_rank(pg), dist.get_world_size(pg)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else torch.device("cpu")
-        return ShardingEnv(rank, ws, local_world_size or ws, pg, torch.device(device))
+        return ShardingEnv(ws, rank, pg, local_world_size=local_world_size or ws, device=device)
 
 
 def default_backend(device: torch.device | str | None = None) -> str:
@@ -125,7 +136,8 @@ def init_process_group_tcp(rank: int, world_size: int, port: int, backend: str =
         timeout=datetime.timedelta(seconds=timeout_s),
         **({"device_id": device} if backend == "nccl" else {}),
     )
-    return ShardingEnv(rank, world_size, local_world_size or world_size, dist.group.WORLD, device)
+    return ShardingEnv(world_size, rank, dist.group.WORLD, local_world_size=local_world_size or world_size,
+                       device=device)
 
 
 def destroy_distributed() -> None:
@@ -177,13 +189,13 @@ def init_distributed(
         torch.cuda.set_device(device)
     if ws == 1 and not dist.is_initialized():
         if not single_rank_group:
-            return ShardingEnv(0, 1, 1, None, device)
+            return ShardingEnv(1, 0, None, device=device)
         dist.init_process_group(
             backend=backend, store=dist.HashStore(), rank=0, world_size=1,
             timeout=datetime.timedelta(seconds=timeout_s),
             **({"device_id": device} if backend == "nccl" else {}),
         )
-        return ShardingEnv(0, 1, 1, dist.group.WORLD, device)
+        return ShardingEnv(1, 0, dist.group.WORLD, device=device)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -193,4 +205,4 @@ def init_distributed(
             **({"device_id": device} if backend == "nccl" else {}),
         )
     lws = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
-    return ShardingEnv(dist.get_rank(), dist.get_world_size(), lws, dist.group.WORLD, device)
+    return ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.group.WORLD, local_world_size=lws, device=device)

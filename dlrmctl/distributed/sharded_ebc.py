@@ -186,7 +186,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         super().__init__(tables, is_weighted, check_ids)
         plan.validate(self._tables, env.world_size)
         if plan.local_world_size != env.local_world_size:
-            env = ShardingEnv(env.rank, env.world_size, plan.local_world_size, env.pg, env.device)
+            env = ShardingEnv(env.world_size, env.rank, env.pg, local_world_size=plan.local_world_size, device=env.device)
         self.env = env
         self.plan = plan
         self._spec = optimizer or EmbeddingOptimizerSpec()
