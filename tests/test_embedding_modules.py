@@ -129,3 +129,37 @@ def test_init_is_independent_of_sharding():
     init_table_rows(part, "t", 100, 60, 5, 8, seed=3)
     torch.testing.assert_close(part, full[60:90, 5:8])
     assert full.abs().max() <= math.sqrt(1 / 100)
+
+
+@pytest.mark.parametrize("kernel", ["dense", "fused"])
+@pytest.mark.parametrize("B", [0, 3])
+def test_all_empty_batches_stay_connected_to_the_weights(kernel, B):
+    """Zero-size batches and all-empty bags: backward runs (as torch.nn.EmbeddingBag) and no row changes."""
+    from dlrmctl.sparse import KeyedJaggedTensor
+    from dlrmctl.train.optim import embedding_optimizer_for_dense
+
+    tables = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name="T0", feature_names=["f0"]),
+              EmbeddingBagConfig(num_embeddings=6, embedding_dim=8, name="T1", feature_names=["f1"])]
+    ebc = EmbeddingBagCollection(tables, compute_kernel=kernel, optimizer=EmbeddingOptimizerSpec(lr=0.5))
+    before = {k: v.detach().clone() for k, v in ebc.embedding_weights().items()}
+    z = torch.zeros(0, dtype=torch.int64)
+    out = ebc(KeyedJaggedTensor(["f0", "f1"], z, lengths=torch.zeros(2 * B, dtype=torch.int64)))
+    assert out.values().shape == (B, 12) and out.values().requires_grad and not out.values().any()
+    out.values().sum().backward()
+    if ebc.lookup.dense_parameters():
+        opt = embedding_optimizer_for_dense(ebc.lookup.dense_parameters(), "exact_rowwise_adagrad", 0.5, 1e-8, 0.0)
+        opt.step()
+    for k, v in ebc.embedding_weights().items():
+        assert torch.equal(v.detach(), before[k]), k
+
+
+def test_rowwise_adagrad_dense_gradient_leaves_untouched_rows_exact_even_with_eps_0():
+    w = torch.nn.Parameter(torch.arange(12.0).view(4, 3))
+    opt = RowWiseAdagrad([w], lr=0.1, eps=0.0)
+    g = torch.zeros(4, 3)
+    g[1] = torch.tensor([1.0, -2.0, 0.5])
+    w.grad = g
+    before = w.detach().clone()
+    opt.step()
+    assert torch.isfinite(w).all()
+    assert torch.equal(w[[0, 2, 3]].detach(), before[[0, 2, 3]]) and not torch.equal(w[1].detach(), before[1])

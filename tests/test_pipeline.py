@@ -298,3 +298,28 @@ def test_sparse_dist_pipeline_drains_short_epochs_without_losing_batches():
         while pipe.progress() is not None:
             pass
         assert done == [(f"b{i}", f"ctx_kjt{i}") for i in range(n)]
+
+
+def test_a_non_finite_loss_stops_training_before_any_checkpoint_or_evaluation(tiny_data, tmp_path):
+    from dlrmctl.train.loop import TrainError
+
+    cfg = _cfg(tiny_data, str(tmp_path), "sparse_dist", optimizer={"dense": {"type": "sgd", "lr": 1e30}},
+               train={"log_every": 0, "checkpoint_every": 2, "eval_every": 2, "max_steps": 10})
+    cfg.optimizer.embedding.lr = 1e30
+    cfg.sharding.tables = {}
+    t = Trainer(cfg, RunEnv(), os.path.join(tmp_path, cfg.name))
+    with pytest.raises(TrainError, match=r"loss became nan in steps 1\.\.2.*no evaluation or checkpoint"):
+        t.train()
+    assert not os.path.exists(os.path.join(tmp_path, cfg.name, "checkpoints"))
+
+
+def test_evaluation_range_checks_ids_like_training(tiny_data, tmp_path):
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.sparse.validation import EmbeddingIdError
+
+    other = tmp_path / "wide"
+    generate_synthetic(other, rows=400, seed=1, num_embeddings=[5000] * 26)  # ids beyond the model's 50 rows
+    cfg = _cfg(tiny_data, str(tmp_path), "none")
+    t = Trainer(cfg, RunEnv(), os.path.join(tmp_path, cfg.name))
+    with pytest.raises(EmbeddingIdError, match=r"val split, epoch 0, batch 0: table 't_C\d+', feature 'C\d+': id \d+"):
+        t.evaluate(data_dir=str(other))

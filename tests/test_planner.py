@@ -366,3 +366,23 @@ def test_planning_dlrmv2_on_8_h100_is_feasible_and_balanced():
     # the critical path can never beat the heaviest single shard nor the average load
     lower = max(sum(p.loads) / 8, max(o.max_shard_perf for o in p.options))
     assert p.critical_path >= lower * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_column_kinds_without_ranks_fit_any_world_size(world):
+    """A hand-given column_wise / table_column_wise table without ranks or column_sizes: two
+    column shards on two ranks, or one full-width shard on a one-rank job (sharding.force)."""
+    cfg = config_from_dict(
+        {
+            "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
+                      "tables": [{"name": "a", "num_embeddings": 50}, {"name": "b", "num_embeddings": 50}]},
+            "data": {"path": "/nonexistent", "batch_size": 512},
+            "sharding": {"tables": {"a": {"sharding_type": "column_wise"}, "b": {"sharding_type": "table_column_wise"}}},
+        }
+    )
+    plan = plan_for_config(cfg, world, world, None)
+    for name in ("a", "b"):
+        shards = plan.plan[name].shards
+        assert len(shards) == min(2, world) and len({s.rank for s in shards}) == len(shards)
+        assert sum(s.sizes[1] for s in shards) == 16
+    plan.validate(resolve_tables(cfg, None), world)

@@ -127,17 +127,45 @@ def test_offsets_alone_are_checked():
         KeyedJaggedTensor(["a"], torch.arange(3), offsets=torch.tensor([0, 1, 2]))
 
 
-def test_variable_batch_per_key_is_refused_clearly():
-    vals, lens = torch.arange(3), torch.tensor([1, 1, 1])
-    for kwargs in (dict(stride_per_key_per_rank=[[1], [2]]), dict(inverse_indices=(["a", "b"], torch.zeros(2, 1))),
-                   dict(stride_per_key=[1, 2])):
-        with pytest.raises(VariableBatchNotSupportedError, match="not supported yet") as e:
-            KeyedJaggedTensor(["a", "b"], vals, lengths=lens, **kwargs)
-        assert isinstance(e.value, NotImplementedError) and isinstance(e.value, SparseInputError)
+def test_variable_batch_per_key_kjt_in_torchrec_style():
+    # full batch of 4 samples; key "a" deduplicated to 2 rows, key "b" to 3 rows
+    values = torch.tensor([10, 11, 12, 20, 21, 22, 23])
+    lengths = torch.tensor([1, 2, 2, 1, 1])  # a: [1, 2] | b: [2, 1, 1]
+    inv = torch.tensor([[0, 1, 0, 1], [0, 1, 2, 2]])
+    kjt = KeyedJaggedTensor(["a", "b"], values, None, lengths, stride_per_key_per_rank=[[2], [3]],
+                            inverse_indices=(["a", "b"], inv))
+    assert kjt.variable_stride_per_key() and kjt.stride() == 3 and kjt.stride_per_key() == [2, 3]
+    assert kjt.stride_per_key_per_rank() == [[2], [3]] and kjt.length_per_key() == [3, 4]
+    assert kjt.lengths_offset_per_key() == [0, 2, 5]
+    assert kjt["b"].lengths().tolist() == [2, 1, 1] and kjt["b"].values().tolist() == [20, 21, 22, 23]
+    assert {k: jt.lengths().tolist() for k, jt in kjt.to_dict().items()} == {"a": [1, 2], "b": [2, 1, 1]}
+    keys, ii = kjt.inverse_indices()
+    assert keys == ["a", "b"] and torch.equal(ii, inv)
+    # permute / select keep the per-key strides and the inverse indices, key by key
+    p = kjt.permute([1, 0])
+    assert p.stride_per_key() == [3, 2] and p.lengths().tolist() == [2, 1, 1, 1, 2]
+    assert p.inverse_indices()[0] == ["b", "a"] and torch.equal(p.inverse_indices()[1], inv[[1, 0]])
+    assert kjt.to("cpu").stride_per_key_per_rank() == [[2], [3]]
+    # padded to one stride: bag i of each key keeps its place, the rest are empty
+    u = kjt.to_uniform_stride()
+    assert not u.variable_stride_per_key() and u.stride() == 3 and u.lengths().tolist() == [1, 2, 0, 2, 1, 1]
+    # TorchRec's constructors and from_jt_dict with different batch sizes
+    assert KeyedJaggedTensor.from_lengths_sync(["a", "b"], values, lengths,
+                                               stride_per_key_per_rank=[[2], [3]]).stride_per_key() == [2, 3]
+    j = KeyedJaggedTensor.from_jt_dict({"a": kjt["a"], "b": kjt["b"]})
+    assert j.stride_per_key_per_rank() == [[2], [3]] and j.lengths().tolist() == lengths.tolist()
+    # inconsistent input is refused, naming what is wrong
+    with pytest.raises(SparseInputError, match="per-key batch sizes"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths[:4], stride_per_key_per_rank=[[2], [3]])
+    with pytest.raises(SparseInputError, match=r"inverse_indices of key 'a' must be in \[0, 2\)"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=lengths, stride_per_key_per_rank=[[2], [3]],
+                          inverse_indices=(["a", "b"], torch.tensor([[0, 2, 0, 1], [0, 1, 2, 2]])))
+    with pytest.raises(SparseInputError, match="need stride_per_key_per_rank"):
+        KeyedJaggedTensor(["a", "b"], values, lengths=torch.tensor([1, 2, 1, 1, 1, 1]), inverse_indices=(["a", "b"], inv))
     with pytest.raises(VariableBatchNotSupportedError):
-        KeyedJaggedTensor.from_lengths_sync(["a"], vals, lens, stride_per_key_per_rank=[[3]])
-    kjt = KeyedJaggedTensor(["a", "b"], vals, lengths=torch.tensor([1, 0, 1, 1]))
-    assert kjt.stride_per_key_per_rank() == [] and kjt.inverse_indices_or_none() is None
+        KeyedJaggedTensor.concat([kjt, kjt.select_keys(["a"])])
+    plain = KeyedJaggedTensor(["a", "b"], values[:3], lengths=torch.tensor([1, 0, 1, 1]))
+    assert plain.stride_per_key_per_rank() == [] and plain.inverse_indices_or_none() is None
 
 
 def test_kjt_from_keys_and_values_alone():

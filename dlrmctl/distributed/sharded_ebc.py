@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, pooled_all_to_all
-from dlrmctl.distributed.comm import all_reduce, reduce_scatter_v, sync_sparse_grads
+from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES, all_reduce, reduce_scatter_v, sync_sparse_grads
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharding.common import EmbeddingSharding
 from dlrmctl.distributed.sharding.cw_sharding import CwSharding
@@ -52,6 +52,7 @@ from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, split_variable_batch
 
 #: sharding type -> implementation (one file per type).
 SHARDING_CLASSES: dict[ShardingType, type[EmbeddingSharding]] = {
@@ -78,11 +79,15 @@ class ShardedEBCContext:
     batch_sizes: list[int]
     local_kjts: list[KeyedJaggedTensor]
     lookup_kjts: list[KeyedJaggedTensor | None]
+    #: variable batch per key: expands the pooled output back to the full local batch
+    inverse_indices: tuple[list[str], torch.Tensor] | None = None
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
         """Mark every tensor as used on ``stream`` (the context was made on the data-dist stream)."""
         for kjt in list(self.local_kjts) + [k for k in self.lookup_kjts if k is not None]:
             kjt.record_stream(stream)
+        if self.inverse_indices is not None:
+            self.inverse_indices[1].record_stream(stream)
 
 
 class _ColumnAssembly:
@@ -219,6 +224,10 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         # wire format of the id all-to-all: int32 when every communicated table has < 2^31 rows
         # (lengths, local ids and float32 weight bits then all fit), else int64
         self.input_dist_dtype = input_dist_dtype
+        #: data_parallel tables up to this many fp32 bytes get a dense gradient all-reduce (no host
+        #: sync); set 0 to keep sparse gradients (e.g. with embedding weight decay, which must only
+        #: touch the rows looked up)
+        self.dense_grad_max_bytes = DENSE_GRAD_MAX_BYTES
         #: bytes this rank sent in its last input_dist: (size exchange, data)
         self.input_dist_bytes: tuple[int, int] = (0, 0)
 
@@ -248,7 +257,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         return self._input_dist(features)
 
     def _input_dist(self, features: KeyedJaggedTensor) -> Awaitable[ShardedEBCContext]:
-        features = self.prepare_features(features)
+        # variable batch per key: each key padded with empty bags to its largest batch, the
+        # pooled output is expanded back with the inverse indices after the output dist
+        features, inv = split_variable_batch(self.prepare_features(features))
         groups = self.groups
         local = [
             features if self._single_identity else features.permute(idx) for idx in self._group_feat_idx
@@ -256,7 +267,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         B = features.stride()
         W, me = self.env.world_size, self.env.rank
         if not self._comm:
-            return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups)))
+            return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups), inv))
         dev = features.values().device
         prep = {i: groups[i].input_dist_counts(local[i]) for i in self._comm}
         # 1) sizes: row d = [B, ids per d-received feature of each comm group]; host counts
@@ -341,7 +352,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             lookup_kjts: list[KeyedJaggedTensor | None] = [None] * len(groups)
             for i in self._comm:
                 lookup_kjts[i] = groups[i].input_dist_recv(batch_sizes, counts[i], chunks[i])
-            return ShardedEBCContext(batch_sizes, local, lookup_kjts)
+            return ShardedEBCContext(batch_sizes, local, lookup_kjts, inv)
 
         return LazyAwaitable([work], finish)
 
@@ -372,7 +383,8 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             if not g.needs_comm:
                 results[i] = [g.compute(ctx.local_kjts[i])]
         vals = self._assembly([t for r in results for t in r])  # type: ignore[union-attr]
-        return KeyedTensor(self._feature_names, self._length_per_key, vals)
+        out = KeyedTensor(self._feature_names, self._length_per_key, vals)
+        return out if ctx.inverse_indices is None else expand_by_inverse_indices(out, ctx.inverse_indices)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.compute_and_output_dist(self.input_dist(features).wait())
@@ -404,9 +416,10 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         return [p for g in self.groups if isinstance(g, DpSharding) for p in g.replicated_parameters()]
 
     def sync_replicated_grads(self) -> None:
-        """SUM the data_parallel tables' sparse gradients over ranks (after backward)."""
+        """SUM the data_parallel tables' sparse gradients over ranks (after backward); tables up
+        to :attr:`dense_grad_max_bytes` are densified and all-reduced (see ``sync_sparse_grads``)."""
         if self.env.is_distributed:
-            sync_sparse_grads(self.replicated_parameters(), self.env.pg)
+            sync_sparse_grads(self.replicated_parameters(), self.env.pg, self.dense_grad_max_bytes)
 
     def local_shards(
         self, dense_optimizer: torch.optim.Optimizer | None = None

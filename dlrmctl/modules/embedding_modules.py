@@ -47,6 +47,7 @@ from torch import nn
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor, SparseInputError
+from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, split_variable_batch
 from dlrmctl.sparse.validation import EmbeddingIdError, check_ids  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -336,8 +337,18 @@ class EmbeddingBagCollection(TableFeatures):
         return self._device
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        out = self.lookup(self.prepare_features(features))
-        return KeyedTensor(self._feature_names, self._length_per_key, out)
+        """Pooled lookups: ``KeyedTensor [B, sum(dims)]`` (keys in table order).
+
+        A variable-batch KJT (TorchRec's VBE: ``stride_per_key_per_rank`` + ``inverse_indices``)
+        is looked up once per distinct bag (each key padded with empty bags to the largest
+        per-key batch) and expanded back to the full batch ``B = inverse_indices[1].shape[1]``.
+
+        Raises:
+            SparseInputError: a variable-batch KJT without inverse indices.
+        """
+        features, inv = split_variable_batch(self.prepare_features(features))
+        out = KeyedTensor(self._feature_names, self._length_per_key, self.lookup(features))
+        return out if inv is None else expand_by_inverse_indices(out, inv)
 
     # ------------------------------------------------------- weights / state
     def reset_parameters(self) -> None:
@@ -632,16 +643,17 @@ class GroupedEmbeddingLookup(nn.Module):
         if self._dense_members:
             offsets = features.offsets()
             values = features.values()
-            lens_per_key = features.length_per_key()
             opk = features.offset_per_key()
             for i in self._dense_members:
                 cfg, rows, cols, _, _ = self._shards[i]
                 outs = []
                 for j in range(len(cfg.feature_names)):
                     k = self._key_start[i] + j
-                    if rows == 0 or lens_per_key[k] == 0:
+                    if rows == 0:  # an empty row shard holds no weights
                         outs.append(torch.zeros(B, cols, device=values.device))
                         continue
+                    # also for a key with no ids (zero-size batch, all bags empty): zeros that stay
+                    # connected to the table, so backward runs and leaves every row unchanged
                     s0, s1 = opk[k], opk[k + 1]
                     offs = offsets[k * B : (k + 1) * B + 1] - s0
                     outs.append(
@@ -661,4 +673,5 @@ class GroupedEmbeddingLookup(nn.Module):
             return pooled
         lengths = features.lengths_2d().t().to(pooled.dtype)  # [B, F]
         div = torch.where(self._mean_mask, lengths.clamp(min=1), torch.ones_like(lengths))
-        return pooled / torch.repeat_interleave(div, self._feat_cols_t, dim=1)
+        # output_size: known on the host (no device read of the repeats on CUDA)
+        return pooled / torch.repeat_interleave(div, self._feat_cols_t, dim=1, output_size=pooled.shape[1])

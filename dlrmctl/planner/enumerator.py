@@ -216,7 +216,8 @@ def enumerate_options(
         if st == ShardingType.TABLE_ROW_WISE and franks is not None and len({r // L for r in franks}) != 1:
             raise PlannerError(f"{w}.ranks: table_row_wise ranks {franks} must lie on one host ({L} ranks per host)")
         if st in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) and not fcols:
-            k = len(franks) if franks else 2
+            # two column shards by default, each on its own rank: fewer when the job has fewer ranks
+            k = len(franks) if franks else max(1, min(2, W if st == ShardingType.COLUMN_WISE else L))
             if table.embedding_dim < k:
                 raise PlannerError(f"{w}: cannot split dim {table.embedding_dim} into {k} column shards")
             base, rem = divmod(table.embedding_dim, k)

@@ -57,8 +57,7 @@ class SparseInputError(ValueError):
 
 
 class VariableBatchNotSupportedError(SparseInputError, NotImplementedError):
-    """Variable batch size per key (TorchRec's VBE: ``stride_per_key_per_rank``,
-    ``inverse_indices``, per-key strides that differ) is not supported yet."""
+    """An operation not available for variable-batch-per-key KJTs (``concat``, ``empty_like``)."""
 
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -403,6 +402,7 @@ def _validate_contents(
     nk: int = 0,
     stride: int = 0,
     keys: Sequence[str] = (),
+    segments: Sequence[int] | None = None,
 ) -> list[int] | None:
     """The checks that read tensor contents, with one host sync.
 
@@ -412,7 +412,13 @@ def _validate_contents(
     n_len = lengths.numel()
     if n_len:
         parts.append((lengths < 0).any().view(1).long())
-        if nk:
+        if nk and segments is not None:  # variable batch per key: key k owns segments[k] bags
+            key_of_bag = torch.repeat_interleave(
+                torch.arange(nk, device=lengths.device), torch.tensor(list(segments), device=lengths.device),
+                output_size=n_len)
+            parts.append(torch.zeros(nk, dtype=torch.long, device=lengths.device)
+                         .index_add_(0, key_of_bag, lengths.long()))
+        elif nk:
             parts.append(lengths.view(nk, stride).sum(dim=1).long())
         else:
             parts.append(lengths.sum().view(1).long())
@@ -434,6 +440,12 @@ def _validate_contents(
                 raise SparseInputError(
                     f"{who}: offsets decrease at position {bad} ({int(offsets[bad])} -> {int(offsets[bad + 1])}); "
                     "offsets must be non-decreasing"
+                )
+            if nk and segments is not None:
+                k = next(i for i, e in enumerate(_cumsum(segments)[1:]) if bad < e)
+                raise SparseInputError(
+                    f"{who}: negative length {int(lengths[bad])} for key '{keys[k]}', "
+                    f"sample {bad - _cumsum(segments)[k]}"
                 )
             if nk:
                 raise SparseInputError(
@@ -474,15 +486,21 @@ class KeyedJaggedTensor:
             TorchRec -- and values must be empty.
         stride: batch size ``B``; default as TorchRec: 0 without keys, else
             ``(len(offsets) - 1) // F`` or ``len(lengths) // F``.
-        stride_per_key_per_rank: variable batch per key (VBE): not supported
-            yet, must be None.
-        stride_per_key: ``[B] * F`` if given (different strides are VBE).
+        stride_per_key_per_rank: variable batch per key (TorchRec's VBE): per
+            key, the number of bags coming from each rank (one entry on a single
+            process); key ``k`` then has ``sum(stride_per_key_per_rank[k])`` bags,
+            the lengths are the keys' bags one key after the other, and
+            ``stride`` is the largest per-key batch size.
+        stride_per_key: bags per key; all equal, or different (a VBE KJT on one rank).
         length_per_key: number of values of each key (``F`` ints).
         lengths_offset_per_key: ``[0, B, 2B, ..., F*B]`` if given.
         offset_per_key: ``[0, cumsum(length_per_key)...]`` (``F + 1`` ints).
         index_per_key: ``{key: position}``.
         jt_dict: cached :meth:`to_dict` result (its keys must be ``keys``).
-        inverse_indices: VBE only: not supported yet, must be None.
+        inverse_indices: VBE only: ``(keys, [F, B_full] int tensor)``: row of key
+            ``k`` (``< stride_per_key[k]``) holding sample ``b`` of the full batch;
+            :class:`~dlrmctl.modules.embedding_modules.EmbeddingBagCollection` and the
+            sharded EBC expand their pooled output back to ``B_full`` rows with it.
         validate: (keyword-only, dlrmctl) also check tensor contents (one host
             sync on CUDA).  Pass False on hot paths whose producer guarantees
             the invariants; construction then never syncs.
@@ -494,9 +512,9 @@ class KeyedJaggedTensor:
             floating point or ``len(weights) != len(values)``; a cache argument
             inconsistent.  Each message names what was expected.  TorchRec
             accepts all of these silently.
-        VariableBatchNotSupportedError: ``stride_per_key_per_rank``,
-            ``inverse_indices`` or unequal ``stride_per_key`` (variable batch
-            per key is not supported yet).
+        SparseInputError (VBE): lengths not adding up to the per-key batch sizes,
+            inverse indices of the wrong shape / keys / device or (``validate``) out of
+            a key's range.
     """
 
     def __init__(
@@ -519,13 +537,31 @@ class KeyedJaggedTensor:
         validate: bool = True,
     ) -> None:
         who = "KeyedJaggedTensor"
-        if stride_per_key_per_rank is not None or inverse_indices is not None:
-            raise VariableBatchNotSupportedError(
-                f"{who}: variable batch per key (stride_per_key_per_rank / inverse_indices, TorchRec's VBE) "
-                "is not supported yet; give one stride for all keys"
-            )
         self._keys = list(keys)
         nk = len(self._keys)
+        spkpr: list[list[int]] | None = None
+        if stride_per_key_per_rank is not None:
+            rows = stride_per_key_per_rank.tolist() if torch.is_tensor(stride_per_key_per_rank) \
+                else stride_per_key_per_rank
+            spkpr = [[int(x) for x in r] for r in rows]
+            if len(spkpr) != nk or any(x < 0 for r in spkpr for x in r):
+                raise SparseInputError(
+                    f"{who}: stride_per_key_per_rank needs one list of non-negative per-rank batch sizes per key "
+                    f"({nk} keys), got {spkpr}"
+                )
+        elif stride_per_key is not None and len({int(x) for x in stride_per_key}) > 1:
+            spkpr = [[int(x)] for x in stride_per_key]  # different strides per key: VBE on one rank
+        if inverse_indices is not None and spkpr is None:
+            raise SparseInputError(f"{who}: inverse_indices need stride_per_key_per_rank (variable batch per key)")
+        if spkpr is not None:
+            vspk = [sum(r) for r in spkpr]
+            if stride_per_key is not None and [int(x) for x in stride_per_key] != vspk:
+                raise SparseInputError(f"{who}: stride_per_key {list(stride_per_key)} != sums of "
+                                       f"stride_per_key_per_rank {vspk}")
+            if stride is not None and vspk and int(stride) != max(vspk):
+                raise SparseInputError(f"{who}: stride {stride} != the largest per-key batch size {max(vspk)} (VBE)")
+            stride = max(vspk) if vspk else 0
+            stride_per_key = None
         _check_values(values, who)
         lengths = _index_tensor(lengths, "lengths", who)
         offsets = _index_tensor(offsets, "offsets", who)
@@ -538,10 +574,6 @@ class KeyedJaggedTensor:
             spk = [int(s) for s in stride_per_key]
             if len(spk) != nk:
                 raise SparseInputError(f"{who}: {len(spk)} stride_per_key entries for {nk} keys")
-            if len(set(spk)) > 1:
-                raise VariableBatchNotSupportedError(
-                    f"{who}: stride_per_key {spk} differ (variable batch per key is not supported yet)"
-                )
             if spk and stride is not None and int(stride) != spk[0]:
                 raise SparseInputError(f"{who}: stride {stride} != stride_per_key {spk}")
             if spk and stride is None:
@@ -561,9 +593,11 @@ class KeyedJaggedTensor:
         given_lengths = lengths is not None
         given_offsets = offsets is not None
         no_lengths = not given_lengths and not given_offsets
+        per_key_stride = [sum(r) for r in spkpr] if spkpr is not None else [stride] * nk
+        n_bags = sum(per_key_stride)
         if no_lengths:
             # TorchRec accepts keys + values alone (stride 0 unless given): every bag is empty.
-            lengths = torch.zeros(nk * stride, dtype=torch.int64, device=values.device)
+            lengths = torch.zeros(n_bags, dtype=torch.int64, device=values.device)
         elif lengths is None:
             lengths = _to_lengths(offsets)
         elif offsets is not None and offsets.numel() != lengths.numel() + 1:
@@ -575,6 +609,10 @@ class KeyedJaggedTensor:
         if nk == 0:
             if n_len != 0 or n_val != 0:
                 raise SparseInputError(f"{who} with no keys must have empty lengths and values")
+        elif spkpr is not None:
+            if n_len != n_bags:
+                raise SparseInputError(f"{who}: {n_len} lengths but the per-key batch sizes {per_key_stride} "
+                                       f"add up to {n_bags} (variable batch per key: one length per bag)")
         else:
             if n_len % nk != 0:
                 raise SparseInputError(
@@ -609,9 +647,21 @@ class KeyedJaggedTensor:
             if lpk is not None and lpk != from_opk:
                 raise SparseInputError(f"{who}: offset_per_key {opk} disagrees with length_per_key {lpk}")
             lpk = from_opk
+        if inverse_indices is not None:
+            ikeys, inv = inverse_indices
+            if list(ikeys) != self._keys:
+                raise SparseInputError(f"{who}: inverse_indices keys {list(ikeys)} != keys {self._keys}")
+            if not torch.is_tensor(inv) or inv.dim() != 2 or inv.size(0) != nk or inv.is_floating_point():
+                raise SparseInputError(
+                    f"{who}: inverse_indices must be an integer tensor [num_keys={nk}, batch_size], got "
+                    f"{tuple(inv.shape) if torch.is_tensor(inv) else type(inv).__name__}"
+                )
+            if inv.device != values.device:
+                raise SparseInputError(f"{who}: inverse_indices on {inv.device}, values on {values.device}")
+            inverse_indices = (list(ikeys), inv)
         if lengths_offset_per_key is not None:
             lopk = [int(x) for x in lengths_offset_per_key]
-            want = [i * stride for i in range(nk + 1)]
+            want = _cumsum(per_key_stride)
             if lopk != want:
                 raise SparseInputError(f"{who}: lengths_offset_per_key {lopk} != {want} (stride {stride})")
         if index_per_key is not None:
@@ -626,6 +676,9 @@ class KeyedJaggedTensor:
         self._lengths = lengths
         self._offsets = offsets
         self._stride = stride
+        self._spkpr = spkpr
+        self._per_key_stride = per_key_stride
+        self._inverse_indices = inverse_indices
         self._length_per_key: list[int] | None = lpk
         self._offset_per_key: list[int] | None = None
         self._index_per_key: dict[str, int] | None = None
@@ -641,7 +694,18 @@ class KeyedJaggedTensor:
         per_key = _validate_contents(
             "KeyedJaggedTensor", self._values.size(0), self._lengths, offsets, lengths_given,
             nk=nk, stride=self._stride, keys=self._keys,
+            segments=self._per_key_stride if self._spkpr is not None else None,
         )
+        if self._inverse_indices is not None and self._inverse_indices[1].numel():
+            inv = self._inverse_indices[1]
+            lo = inv.min(dim=1).values.tolist()
+            hi = inv.max(dim=1).values.tolist()
+            for k, (a, b, n) in enumerate(zip(lo, hi, self._per_key_stride)):
+                if a < 0 or b >= n:
+                    raise SparseInputError(
+                        f"KeyedJaggedTensor: inverse_indices of key '{self._keys[k]}' must be in [0, {n}) "
+                        f"(its batch size), got [{a}, {b}]"
+                    )
         if self._length_per_key is not None and self._length_per_key != per_key:
             raise SparseInputError(
                 f"KeyedJaggedTensor: length_per_key {self._length_per_key} disagrees with the lengths "
@@ -688,22 +752,18 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> "KeyedJaggedTensor":
-        """Concatenate per-key JaggedTensors (all with the same batch size) in dict order.
+        """Concatenate per-key JaggedTensors in dict order; keys with different batch sizes give
+        a variable-batch KJT (``stride_per_key_per_rank = [[B_k]]``, no inverse indices), as in TorchRec.
 
         Raises:
-            VariableBatchNotSupportedError: keys with different batch sizes (TorchRec builds a VBE KJT).
             SparseInputError: some keys weighted and others not (TorchRec would misalign the weights).
         """
         keys = list(jt_dict)
         jts = [jt_dict[k] for k in keys]
         if not jts:
             return KeyedJaggedTensor.empty()
-        strides = {jt.lengths().numel() for jt in jts}
-        if len(strides) != 1:
-            raise VariableBatchNotSupportedError(
-                f"from_jt_dict: keys have different batch sizes {sorted(strides)} (variable batch per key is "
-                "not supported yet)"
-            )
+        per_key = [jt.lengths().numel() for jt in jts]
+        strides = set(per_key)
         has_w = [jt.weights_or_none() is not None for jt in jts]
         if any(has_w) and not all(has_w):
             raise SparseInputError("from_jt_dict: either all or none of the keys must have weights")
@@ -712,9 +772,9 @@ class KeyedJaggedTensor:
             torch.cat([jt.values() for jt in jts]),
             weights=torch.cat([jt.weights() for jt in jts]) if all(has_w) else None,
             lengths=torch.cat([jt.lengths() for jt in jts]),
-            stride=strides.pop(),
             length_per_key=[jt.values().size(0) for jt in jts],
             validate=False,
+            **({"stride": strides.pop()} if len(strides) == 1 else {"stride_per_key_per_rank": [[n] for n in per_key]}),
         )
 
     @staticmethod
@@ -732,6 +792,8 @@ class KeyedJaggedTensor:
         weighted = kjts[0].weights_or_none() is not None
         if any((k.weights_or_none() is not None) != weighted for k in kjts):
             raise SparseInputError("KeyedJaggedTensor.concat: can't merge weighted KJT with unweighted KJT")
+        if any(k.variable_stride_per_key() for k in kjts):
+            raise VariableBatchNotSupportedError("KeyedJaggedTensor.concat of variable-batch KJTs is not supported")
         strides = [k.stride() for k in kjts if k.keys()]
         if len(set(strides)) > 1:
             raise VariableBatchNotSupportedError(
@@ -775,7 +837,13 @@ class KeyedJaggedTensor:
     def empty_like(kjt: "KeyedJaggedTensor", device: torch.device | str | None = None) -> "KeyedJaggedTensor":
         """TorchRec semantics: with ``device=None`` a KJT with no keys, ``kjt``'s stride
         and ``kjt``'s dtypes and device; with a ``device``, ``kjt``'s keys and stride with
-        uninitialised tensors of its shapes there (to be filled with :meth:`copy_`)."""
+        uninitialised tensors of its shapes there (to be filled with :meth:`copy_`).
+
+        Raises:
+            VariableBatchNotSupportedError: a variable-batch KJT.
+        """
+        if kjt.variable_stride_per_key():
+            raise VariableBatchNotSupportedError("KeyedJaggedTensor.empty_like of a variable-batch KJT")
         if device is None:
             dev = kjt.device()
             return KeyedJaggedTensor(
@@ -844,44 +912,97 @@ class KeyedJaggedTensor:
         return self._weights
 
     def stride(self) -> int:
-        """Batch size ``B``."""
+        """Batch size ``B``; with variable batch per key, the largest per-key batch size (TorchRec)."""
         return self._stride
 
     def stride_per_key(self) -> list[int]:
-        """``[B] * F`` (one batch size for all keys)."""
-        return [self._stride] * len(self._keys)
+        """Bags of each key: ``[B] * F``, or each key's own batch size (variable batch per key)."""
+        return list(self._per_key_stride)
 
     def stride_per_key_per_rank(self) -> list[list[int]]:
-        """``[]``: no variable batch per key (as TorchRec for a non-VBE KJT)."""
-        return []
+        """Per key, the batch size coming from each rank (VBE); ``[]`` for a fixed-stride KJT (TorchRec)."""
+        return [] if self._spkpr is None else [list(r) for r in self._spkpr]
 
     def variable_stride_per_key(self) -> bool:
-        """Always False: variable batch per key is not supported yet."""
-        return False
+        """True for a variable-batch-per-key KJT (TorchRec's VBE: ``stride_per_key_per_rank`` given)."""
+        return self._spkpr is not None
 
     def inverse_indices(self) -> tuple[list[str], torch.Tensor]:
-        raise VariableBatchNotSupportedError("KeyedJaggedTensor has no inverse_indices (VBE is not supported yet)")
+        """``(keys, [F, B_full] int tensor)``: for each key and each sample of the full batch, the
+        row (bag) of that key holding it (TorchRec's VBE).
 
-    def inverse_indices_or_none(self) -> None:
-        return None
+        Raises:
+            SparseInputError: this KJT has none.
+        """
+        if self._inverse_indices is None:
+            raise SparseInputError("KeyedJaggedTensor has no inverse_indices (not a variable-batch KJT)")
+        return self._inverse_indices
+
+    def inverse_indices_or_none(self) -> tuple[list[str], torch.Tensor] | None:
+        return self._inverse_indices
+
+    def _vbe_kwargs(self, keys_idx: Sequence[int] | None = None, device: torch.device | str | None = None) -> dict:
+        """Constructor arguments that carry the variable-batch metadata (for keys ``keys_idx``)."""
+        if self._spkpr is None:
+            return {"stride": self._stride}
+        idx = list(range(len(self._keys))) if keys_idx is None else list(keys_idx)
+        out: dict = {"stride_per_key_per_rank": [list(self._spkpr[i]) for i in idx]}
+        if self._inverse_indices is not None:
+            inv = self._inverse_indices[1]
+            if keys_idx is not None:
+                inv = inv[torch.tensor(idx, dtype=torch.long, device=inv.device)] if idx else inv[:0]
+            if device is not None:
+                inv = inv.to(device)
+            out["inverse_indices"] = ([self._keys[i] for i in idx], inv)
+        return out
+
+    def to_uniform_stride(self) -> "KeyedJaggedTensor":
+        """A fixed-stride copy of a variable-batch KJT: each key padded with empty bags to
+        :meth:`stride` (the largest per-key batch size); values and weights are shared, the
+        inverse indices dropped.  Key ``k``'s bag ``i < stride_per_key()[k]`` keeps its row.
+        A fixed-stride KJT is returned as is.  No host sync."""
+        if self._spkpr is None:
+            return self
+        nk, B = len(self._keys), self._stride
+        pos = [k * B + i for k, n in enumerate(self._per_key_stride) for i in range(n)]
+        lengths = torch.zeros(nk * B, dtype=self._lengths.dtype, device=self._lengths.device)
+        lengths[torch.tensor(pos, dtype=torch.long, device=lengths.device)] = self._lengths
+        return KeyedJaggedTensor(self._keys, self._values, weights=self._weights, lengths=lengths, stride=B,
+                                 length_per_key=self._length_per_key, validate=False)
 
     def device(self) -> torch.device:
         return self._values.device
 
     def size_in_bytes(self) -> int:
-        """Bytes held by values, weights, lengths and (if materialised) offsets."""
-        return sum(t.element_size() * t.numel() for t in (self._values, self._weights, self._lengths, self._offsets)
-                   if t is not None)
+        """Bytes held by values, weights, lengths, (if materialised) offsets and inverse indices."""
+        inv = None if self._inverse_indices is None else self._inverse_indices[1]
+        return sum(t.element_size() * t.numel()
+                   for t in (self._values, self._weights, self._lengths, self._offsets, inv) if t is not None)
 
     def lengths_2d(self) -> torch.Tensor:
-        """``[F, B]`` view of the lengths."""
+        """``[F, B]`` view of the lengths.
+
+        Raises:
+            SparseInputError: a variable-batch KJT (use :meth:`to_uniform_stride` first).
+        """
+        if self._spkpr is not None:
+            raise SparseInputError("KeyedJaggedTensor.lengths_2d: keys have different batch sizes "
+                                   f"{self._per_key_stride}; call to_uniform_stride() first")
         return self._lengths.view(len(self._keys), self._stride)
+
+    def _key_lengths(self, i: int) -> torch.Tensor:
+        """Lengths of key ``i``'s bags."""
+        lo = sum(self._per_key_stride[:i])
+        return self._lengths[lo : lo + self._per_key_stride[i]]
 
     def length_per_key(self) -> list[int]:
         """Number of values of each key in this batch (host ints; syncs on CUDA unless cached)."""
         if self._length_per_key is None:
             if not self._keys:
                 self._length_per_key = []
+            elif self._spkpr is not None:
+                sums = [seg.sum() for seg in torch.split(self._lengths, self._per_key_stride)]
+                self._length_per_key = [int(x) for x in torch.stack(sums).tolist()]
             else:
                 self._length_per_key = [int(x) for x in self.lengths_2d().sum(dim=1).tolist()]
         return self._length_per_key
@@ -899,8 +1020,8 @@ class KeyedJaggedTensor:
         return self._offset_per_key
 
     def lengths_offset_per_key(self) -> list[int]:
-        """Start of each key's lengths: ``[0, B, 2B, ..., F*B]``."""
-        return [i * self._stride for i in range(len(self._keys) + 1)]
+        """Start of each key's lengths: ``[0, B, 2B, ..., F*B]`` (cumsum of :meth:`stride_per_key`)."""
+        return _cumsum(self._per_key_stride)
 
     def index_per_key(self) -> dict[str, int]:
         """``{key: position}``."""
@@ -935,7 +1056,7 @@ class KeyedJaggedTensor:
         return JaggedTensor(
             self._values[s:e],
             weights=None if self._weights is None else self._weights[s:e],
-            lengths=self._lengths[i * self._stride : (i + 1) * self._stride],
+            lengths=self._key_lengths(i),
             validate=False,
         )
 
@@ -950,6 +1071,12 @@ class KeyedJaggedTensor:
             return self._jt_dict
         if not self._keys:
             return {}
+        if self._spkpr is not None:
+            self._jt_dict = {k: self[k] for k in self._keys}
+            if compute_offsets:
+                for jt in self._jt_dict.values():
+                    jt.offsets()
+            return self._jt_dict
         lpk = self.length_per_key()
         vals = torch.split(self._values, lpk)
         ws = torch.split(self._weights, lpk) if self._weights is not None else [None] * len(lpk)
@@ -973,11 +1100,10 @@ class KeyedJaggedTensor:
         """
         lpk = self.length_per_key()
         opk = self.offset_per_key()
-        B = self._stride
         vals, lens, ws = [], [], []
         for i in indices:
             vals.append(self._values[opk[i] : opk[i + 1]])
-            lens.append(self._lengths[i * B : (i + 1) * B])
+            lens.append(self._key_lengths(i))
             if self._weights is not None:
                 ws.append(self._weights[opk[i] : opk[i + 1]])
         return KeyedJaggedTensor(
@@ -985,9 +1111,9 @@ class KeyedJaggedTensor:
             torch.cat(vals) if vals else self._values[:0],
             weights=(torch.cat(ws) if ws else self._weights[:0]) if self._weights is not None else None,
             lengths=torch.cat(lens) if lens else self._lengths[:0],
-            stride=B,
             length_per_key=[lpk[i] for i in indices],
             validate=False,
+            **self._vbe_kwargs(indices),
         )
 
     def select_keys(self, keys: Sequence[str]) -> "KeyedJaggedTensor":
@@ -1020,7 +1146,7 @@ class KeyedJaggedTensor:
     def flatten_lengths(self) -> "KeyedJaggedTensor":
         """Same KJT with 1-D lengths (they always are here)."""
         return KeyedJaggedTensor(self._keys, self._values, weights=self._weights, lengths=self._lengths.view(-1),
-                                 stride=self._stride, length_per_key=self._length_per_key, validate=False)
+                                 length_per_key=self._length_per_key, validate=False, **self._vbe_kwargs())
 
     def to(
         self, device: torch.device | str, non_blocking: bool = False, dtype: torch.dtype | None = None
@@ -1032,24 +1158,29 @@ class KeyedJaggedTensor:
             w = w.to(device=device, dtype=dtype, non_blocking=non_blocking) if dtype is not None else mv(w)
         return KeyedJaggedTensor(
             self._keys, mv(self._values), weights=w, lengths=mv(self._lengths), offsets=mv(self._offsets),
-            stride=self._stride, length_per_key=self._length_per_key, validate=False,
+            length_per_key=self._length_per_key, validate=False, **self._vbe_kwargs(device=device),
         )
 
     def pin_memory(self) -> "KeyedJaggedTensor":
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        vbe = self._vbe_kwargs()
+        if "inverse_indices" in vbe:
+            vbe["inverse_indices"] = (vbe["inverse_indices"][0], vbe["inverse_indices"][1].pin_memory())
         return KeyedJaggedTensor(
             self._keys, pin(self._values), weights=pin(self._weights), lengths=pin(self._lengths),
-            offsets=pin(self._offsets), stride=self._stride, length_per_key=self._length_per_key, validate=False,
+            offsets=pin(self._offsets), length_per_key=self._length_per_key, validate=False, **vbe,
         )
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
-        for t in (self._values, self._lengths, self._offsets, self._weights):
+        inv = None if self._inverse_indices is None else self._inverse_indices[1]
+        for t in (self._values, self._lengths, self._offsets, self._weights, inv):
             if t is not None:
                 t.record_stream(stream)
 
     def __repr__(self) -> str:
+        vbe = "" if self._spkpr is None else f", stride_per_key_per_rank={self._spkpr}"
         return (
-            f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}, values={self._values}, "
+            f"KeyedJaggedTensor(keys={self._keys}, stride={self._stride}{vbe}, values={self._values}, "
             f"lengths={self._lengths}, weights={self._weights})"
         )
 
@@ -1233,3 +1364,53 @@ class KeyedTensor:
 
     def __repr__(self) -> str:
         return f"KeyedTensor(keys={self._keys}, length_per_key={self._length_per_key}, values={tuple(self._values.shape)})"
+
+
+def expand_by_inverse_indices(kt: KeyedTensor, inverse_indices: tuple[Sequence[str], torch.Tensor]) -> KeyedTensor:
+    """Pooled embeddings of a variable-batch lookup back to the full batch (TorchRec's VBE).
+
+    Args:
+        kt: ``[B_max, sum(dims)]`` pooled rows; row ``i`` of key ``k`` is key ``k``'s bag ``i``
+            (``key_dim=1``).
+        inverse_indices: ``(keys, [F, B_full] int)``: for each key of ``kt`` (by name), the row
+            holding each sample of the full batch.
+
+    Returns:
+        ``KeyedTensor [B_full, sum(dims)]`` (same keys); one ``gather``, whose backward sums the
+        gradients of the samples that share a row.
+
+    Raises:
+        SparseInputError: a key of ``kt`` missing from the inverse indices.
+    """
+    ikeys, inv = inverse_indices
+    pos = {k: i for i, k in enumerate(ikeys)}
+    missing = [k for k in kt.keys() if k not in pos]
+    if missing:
+        raise SparseInputError(f"expand_by_inverse_indices: keys {missing} have no inverse indices (have {list(ikeys)})")
+    rows_of_key = torch.tensor([pos[k] for k in kt.keys()], dtype=torch.long, device=inv.device)
+    col_key = torch.repeat_interleave(rows_of_key, torch.tensor(kt.length_per_key(), device=inv.device),
+                                      output_size=sum(kt.length_per_key()))
+    idx = inv.long()[col_key].t()  # [B_full, sum(dims)]
+    values = kt.values()
+    return KeyedTensor(kt.keys(), kt.length_per_key(), values.gather(0, idx.to(values.device)))
+
+
+def split_variable_batch(
+    kjt: KeyedJaggedTensor,
+) -> tuple[KeyedJaggedTensor, tuple[list[str], torch.Tensor] | None]:
+    """``(fixed-stride KJT, inverse indices or None)``: a variable-batch KJT padded with
+    :meth:`KeyedJaggedTensor.to_uniform_stride`, with the inverse indices that expand its
+    pooled output back to the full batch; a fixed-stride KJT is returned as is with ``None``.
+
+    Raises:
+        SparseInputError: a variable-batch KJT without inverse indices (the full batch would be unknown).
+    """
+    if not kjt.variable_stride_per_key():
+        return kjt, None
+    inv = kjt.inverse_indices_or_none()
+    if inv is None:
+        raise SparseInputError(
+            "a variable-batch KeyedJaggedTensor (stride_per_key_per_rank) needs inverse_indices to map its "
+            "per-key rows back to the batch; pass inverse_indices=(keys, [num_keys, batch_size] tensor)"
+        )
+    return kjt.to_uniform_stride(), inv

@@ -161,6 +161,9 @@ class Trainer:
             self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed,
             check_ids=False,
         )
+        if self.cfg.optimizer.embedding.weight_decay and self.model.is_sharded:
+            # a densified data_parallel gradient would let weight decay reach rows not looked up
+            self.model.sparse_arch.dense_grad_max_bytes = 0
         if self.env.is_main:
             text = describe_plan(plan, self.tables)
             log.info("sharding plan:\n%s", text)
@@ -193,7 +196,7 @@ class Trainer:
         if not self.env.sharded:
             return local
         sizes = getattr(sparse_ctx, "batch_sizes", None)
-        if sizes is not None and len(sizes) == self.env.world_size:
+        if sizes is not None and len(sizes) == self.env.world_size and getattr(sparse_ctx, "inverse_indices", None) is None:
             return int(sum(sizes))
         t = torch.tensor(float(local), dtype=torch.float32, device=self.device)  # 0-d: the loss stays 0-d
         self.env.all_reduce_sum(t)
@@ -242,6 +245,23 @@ class Trainer:
         self._loss_window[1] += local
         self._window_steps += 1
 
+    def check_loss_finite(self) -> None:
+        """Raise if a loss since the last :meth:`read_loss` was not finite (collective, one host
+        sync; the window is kept).  Called before every evaluation and checkpoint.
+
+        Raises:
+            TrainError: naming the step range.
+        """
+        if self._loss_window is None or self._window_steps == 0:
+            return
+        w = self._loss_window[1:].clone()
+        self.env.all_reduce_sum(w)
+        total = w.tolist()[0]
+        if not math.isfinite(total):
+            n = self._window_steps
+            raise TrainError(f"loss became {total / n} in steps {self.step - n + 1}..{self.step}; lower the "
+                             "learning rate (no evaluation or checkpoint of this model was made)")
+
     def read_loss(self) -> tuple[float, float]:
         """``(last step's global loss, mean global loss since the previous read)``; resets the
         window.  Collective (one 16-byte all-reduce) and one host sync: the trainer calls it
@@ -277,7 +297,7 @@ class Trainer:
         loader = BatchLoader(
             data_dir or self.cfg.data.path, split, self.cfg.data.eval_batch_size, rank=self.env.rank,
             world_size=self.env.world_size, shuffle=False, prefetch=self.cfg.data.prefetch, features=self.feature_names,
-            **multi_hot_kwargs(self.cfg, self.meta),
+            id_bounds=self._id_bounds(), **multi_hot_kwargs(self.cfg, self.meta),
         )
         self.model.eval()
         rows: list[torch.Tensor] = []  # [b, 2]: probability, label (on the device)
@@ -390,7 +410,8 @@ class Trainer:
             todo = n - self._batches_done
             if cfg.max_steps is not None:
                 todo = min(todo, cfg.max_steps - self.step)
-            progress = _Progress(n, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
+            end = self._batches_done + max(todo, 0)  # this epoch stops after batch `end` (max_steps)
+            progress = _Progress(end, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
             pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names)))
             pipe.reset_stats()
             while True:
@@ -401,7 +422,10 @@ class Trainer:
                 self._batches_done += 1
                 sh = pipe.stats.shares()
                 sps = sh["samples_per_s"] * self.env.world_size
-                if cfg.log_every and self.step % cfg.log_every == 0:
+                log_due = bool(cfg.log_every and self.step % cfg.log_every == 0)
+                if self._batches_done == end and not log_due:
+                    self.read_loss()  # end of the epoch: non-finite losses surface here, the bar shows the loss
+                if log_due:
                     loss, loss_avg = self.read_loss()
                     # "loss": this step's; "loss_avg": mean over the steps since the last record
                     self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
@@ -410,13 +434,14 @@ class Trainer:
                                        "comm_wait_share": sh["comm_wait_share"],
                                        "lr_factor": self.schedule.factor(self.step - 1)})
                 progress.update(self.last_loss, sps)
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                eval_due = bool(cfg.eval_every and self.step % cfg.eval_every == 0)
+                if eval_due or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
+                    self.check_loss_finite()  # never evaluate or checkpoint a model that went non-finite
+                if eval_due:
                     final = self._eval_and_log("eval")
                     last_eval_step = self.step
                 if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                     self.save()
-            if self._window_steps:
-                self.read_loss()  # non-finite losses surface at the latest here
             progress.close()
             sh = pipe.stats.shares()
             if self.env.is_main and pipe.stats.steps:

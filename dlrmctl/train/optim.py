@@ -66,7 +66,9 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                         touched = (g != 0).any(dim=1)
                         g = g + wd * p * touched.unsqueeze(1)
                     m.add_(g.pow(2).sum(1) / D)
-                    p.add_(-lr * g / (m.sqrt() + eps).unsqueeze(1))
+                    den = (m.sqrt() + eps).unsqueeze(1)
+                    # untouched rows (g = 0) get exactly +0, also when eps = 0 and their m is 0
+                    p.add_(torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
 def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float):
