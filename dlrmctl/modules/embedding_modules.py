@@ -662,3 +662,11 @@ class GroupedEmbeddingLookup(nn.Module):
         lengths = features.lengths_2d().t().to(pooled.dtype)  # [B, F]
         div = torch.where(self._mean_mask, lengths.clamp(min=1), torch.ones_like(lengths))
         return pooled / torch.repeat_interleave(div, self._feat_cols_t, dim=1)
+
+
+def __getattr__(name: str):  # PEP 562: TorchRec's module also holds EmbeddingCollection (lives in sequence_embeddings)
+    if name == "EmbeddingCollection":
+        from dlrmctl.modules.sequence_embeddings import EmbeddingCollection
+
+        return EmbeddingCollection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
