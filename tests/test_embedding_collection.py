@@ -4,15 +4,26 @@
   updates over three steps, every embedding optimizer, duplicate ids and empty bags;
   rows == ``weight[ids]``; TorchRec's API (names, signature, ``embeddings.<t>.weight``,
   ``need_indices``); refusals.
+* sharded table_wise / row_wise / column_wise (and a mix) on 2 and 3 gloo ranks
+  against the single-process EmbeddingCollection: every rank's output at every
+  step and every table's weights after three fused optimizer steps; uneven local
+  batches, empty bags, duplicate ids, a last batch leaving a rank with no sample,
+  fewer rows than ranks, a column shard narrower than 4 (dense inside fused).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 
+try:  # tests/ as a package or as a plain directory on sys.path
+    from tests.dist_utils import run_multiprocess
+except ImportError:  # pragma: no cover
+    from dist_utils import run_multiprocess
 from dlrmctl import HAS_FBGEMM
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from dlrmctl.modules.embedding_modules import EmbeddingIdError, EmbeddingOptimizerSpec
@@ -172,3 +183,180 @@ def test_refusals_name_the_problem():
     ec = EmbeddingCollection([EmbeddingConfig(5, 8, "t0", feature_names=["f"])])
     with pytest.raises(EmbeddingIdError, match="table 't0', feature 'f': id 5"):
         ec(KeyedJaggedTensor(["f"], torch.tensor([1, 5]), lengths=torch.tensor([1, 1])))
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="compares against FBGEMM's bucketizer")
+def test_torch_sequence_bucketize_matches_fbgemm():
+    from dlrmctl.distributed.sharded_ec import sequence_bucketize_torch
+
+    gen = torch.Generator().manual_seed(3)
+    F, B, W, rows = 2, 5, 3, [10, 7]
+    lengths = torch.randint(0, 4, (F * B,), generator=gen)
+    vals = torch.cat([torch.randint(0, rows[f], (int(lengths[f * B:(f + 1) * B].sum()),), generator=gen) for f in range(F)])
+    blk = [-(-r // W) for r in rows]
+    fb = torch.ops.fbgemm.block_bucketize_sparse_features(lengths, vals, False, True, torch.tensor(blk), W, None)
+    base = torch.tensor([0, rows[0]])
+    starts = torch.tensor([b + r * blk[f] for f, b in enumerate([0, rows[0]]) for r in range(W)])
+    ranks = torch.tensor([r for _ in range(F) for r in range(W)])
+    # clamp the starts of empty trailing shards to the table end (as RowWiseLikeSharding builds them)
+    starts = torch.minimum(starts, torch.tensor([base[f] + rows[f] for f in range(F) for _ in range(W)]))
+    lens, local, unb = sequence_bucketize_torch(vals, lengths, F, B, W, base, starts, ranks)
+    assert torch.equal(lens.reshape(-1), fb[0]) and torch.equal(local, fb[1]) and torch.equal(unb, fb[4].long())
+
+
+def test_sharded_ec_refuses_other_sharding_types_naming_the_table():
+    from dlrmctl.distributed.env import ShardingEnv
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.distributed.sharded_ec import ShardedEmbeddingCollection
+    from dlrmctl.distributed.types import PlanError
+
+    tables = _tables()
+    for st in ("data_parallel", "table_row_wise", "table_column_wise"):
+        plan = plan_from_types(tables, {"t_a": "table_wise", "t_b": st, "t_tiny": "row_wise"}, 1)
+        with pytest.raises(PlanError, match=f"table 't_b': sharding type {st} is not supported.*"
+                                            "supported: table_wise, row_wise, column_wise"):
+            ShardedEmbeddingCollection(tables, plan, ShardingEnv.single())
+
+
+def test_sharded_ec_on_one_process_without_a_group_matches_the_module():
+    from dlrmctl.distributed.env import ShardingEnv
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.distributed.sharded_ec import ShardedEmbeddingCollection
+
+    tables = _tables()
+    plan = plan_from_types(tables, {"t_a": "table_wise", "t_b": "row_wise", "t_tiny": "column_wise"}, 1)
+    sec = ShardedEmbeddingCollection(tables, plan, ShardingEnv.single(), need_indices=True, seed=4)
+    ref = EmbeddingCollection(tables, need_indices=True, seed=4, compute_kernel=KERNELS[-1])
+    kjt = _global_batch(torch.Generator().manual_seed(2), 6, tables)
+    a, b = sec(kjt), ref(kjt)
+    for k in b:
+        torch.testing.assert_close(a[k].values(), b[k].values(), atol=0, rtol=0)
+        assert torch.equal(a[k].lengths(), b[k].lengths()) and torch.equal(a[k].weights(), b[k].weights())
+
+
+# --------------------------------------------------------------- multi-process
+@dataclass
+class Case:
+    name: str
+    types: str | dict
+    opt: str = "exact_rowwise_adagrad"
+    kernels: dict = field(default_factory=dict)
+    column_sizes: dict | None = None
+    ranks: dict | None = None
+    need_indices: bool = False
+
+
+def cases(ws: int) -> list[Case]:
+    return [
+        Case(f"table_wise_on_{ws}_ranks", "table_wise", kernels={"t_b": "dense"}, need_indices=True),
+        Case(f"row_wise_on_{ws}_ranks", "row_wise", kernels={"t_a": "dense"}),
+        Case(f"row_wise_ranks_reversed_torch_bucketizer_on_{ws}_ranks", "row_wise", "exact_sgd",
+             ranks={t.name: list(reversed(range(ws))) for t in _tables()}),
+        Case(f"column_wise_on_{ws}_ranks", "column_wise", "exact_adagrad", kernels={"t_tiny": "dense"}),
+        Case(f"mixed_tw_rw_cw_two_column_shards_on_one_rank_on_{ws}_ranks",
+             {"t_a": "column_wise", "t_b": "row_wise", "t_tiny": "table_wise"}, "exact_sgd",
+             column_sizes={"t_a": [4, 2, 2]}, ranks={"t_a": [0, 1, 0]}, need_indices=True),
+    ]
+
+
+def local_range(B: int, ws: int, rank: int) -> tuple[int, int]:
+    base, rem = divmod(B, ws)
+    start = rank * base + min(rank, rem)
+    return start, start + base + (1 if rank < rem else 0)
+
+
+def _slice(kjt: KeyedJaggedTensor, start: int, end: int) -> KeyedJaggedTensor:
+    F, B = len(kjt.keys()), kjt.stride()
+    offs = kjt.offsets()
+    vals = [kjt.values()[int(offs[f * B + start]):int(offs[f * B + end])] for f in range(F)]
+    return KeyedJaggedTensor(kjt.keys(), torch.cat(vals), lengths=kjt.lengths_2d()[:, start:end].reshape(-1),
+                             stride=end - start)
+
+
+def _run_case(env, case: Case) -> str | None:
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.distributed.sharded_ec import ShardedEmbeddingCollection
+
+    tables = _tables()
+    ws, rank = env.world_size, env.rank
+    spec = EmbeddingOptimizerSpec(case.opt, lr=0.1, eps=1e-8)
+    plan = plan_from_types(tables, case.types, ws, None, case.kernels, case.column_sizes, case.ranks)
+    sec = ShardedEmbeddingCollection(tables, plan, env, case.need_indices, spec, seed=3)
+    ref = EmbeddingCollection(tables, need_indices=case.need_indices, compute_kernel="fused", optimizer=spec, seed=3)
+    # each rank initialised its own shards: they must already be the unsharded table's values
+    for name, shards in sec.local_shards().items():
+        for m, w, _ in shards:
+            (r0, c0), (nr, nc) = m.offsets, m.sizes
+            if not torch.equal(w.detach().cpu(), ref.embedding_weights()[name].detach()[r0:r0 + nr, c0:c0 + nc]):
+                return f"rank {rank}'s initial shard {m.to_dict()} of {name} differs from the unsharded init"
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for w in ref.embedding_weights().values():
+            w.copy_(torch.rand(w.shape, generator=gen) - 0.5)
+    sec.load_full_weights({k: v.detach().clone() for k, v in ref.embedding_weights().items()})
+    s_dense = sec.embedding_dense_parameters()
+    s_opt = embedding_optimizer_for_dense(s_dense, case.opt, 0.1, 1e-8, 0.0) if s_dense else None
+    batch_sizes = [3 * ws + 1, 2 * ws, ws - 1]  # uneven slices; the last leaves rank ws-1 with no sample
+    for step, Bg in enumerate(batch_sizes):
+        kjt = _global_batch(gen, Bg, tables)
+        s, e = local_range(Bg, ws, rank)
+        out = sec(_slice(kjt, s, e))
+        ref_out = ref(kjt)
+        grads = _grads(gen, ref_out)
+        local_grads = {}
+        for f, jt in ref_out.items():
+            offs = kjt[f].offsets()
+            a, b = int(offs[s]), int(offs[e])
+            if out[f].values().shape != (b - a, 8):
+                return f"step {step}: feature {f}: shape {tuple(out[f].values().shape)}, expected {(b - a, 8)}"
+            err = (out[f].values().detach() - jt.values()[a:b].detach()).abs().max().item() if b > a else 0.0
+            if err > ATOL:
+                return f"step {step}: feature {f}: rows differ by {err:.3g} on rank {rank}"
+            if not torch.equal(out[f].lengths(), kjt[f].lengths()[s:e]):
+                return f"step {step}: feature {f}: lengths differ on rank {rank}"
+            if case.need_indices and not torch.equal(out[f].weights(), kjt[f].values()[a:b]):
+                return f"step {step}: feature {f}: need_indices ids differ on rank {rank}"
+            local_grads[f] = grads[f][a:b]
+        _loss(out, local_grads).backward()
+        _loss(ref_out, grads).backward()
+        if s_opt is not None:
+            s_opt.step()
+            s_opt.zero_grad()
+    full = sec.gather_full_weights()
+    for name, w in ref.embedding_weights().items():
+        err = (full[name].cpu() - w.detach()).abs().max().item()
+        if err > ATOL:
+            return f"after {len(batch_sizes)} steps: table {name} weights differ by {err:.3g}"
+    return None
+
+
+def _parity_worker(env, case_list: list[Case]) -> dict[str, str | None]:
+    import traceback
+
+    out = {}
+    for c in case_list:
+        try:
+            out[c.name] = _run_case(env, c)
+        except Exception:  # noqa: BLE001 - a failure leaves the group out of step: stop here
+            out[c.name] = traceback.format_exc()
+            break
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results(ws: int) -> dict[str, str | None]:
+    per_rank = run_multiprocess(_parity_worker, ws, cases(ws), timeout_s=180)
+    merged: dict[str, str | None] = {}
+    for c in cases(ws):
+        errs = [f"rank {r}: {res.get(c.name, 'not run (an earlier case failed)')}" for r, res in enumerate(per_rank)
+                if res.get(c.name, "missing") is not None]
+        merged[c.name] = "\n".join(errs) or None
+    return merged
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not HAS_FBGEMM, reason="reference uses the fused kernel")
+@pytest.mark.parametrize("ws,case", [(ws, c.name) for ws in (2, 3) for c in cases(ws)], ids=lambda x: str(x))
+def test_sharded_ec_matches_single_process_reference(ws, case):
+    err = _results(ws)[case]
+    assert err is None, err
