@@ -360,3 +360,63 @@ def _results(ws: int) -> dict[str, str | None]:
 def test_sharded_ec_matches_single_process_reference(ws, case):
     err = _results(ws)[case]
     assert err is None, err
+
+
+# --------------------------------------------------------------------- planner
+def _planner_topology():
+    from dlrmctl.planner.types import Topology
+
+    return Topology(world_size=4, local_world_size=4, compute_device="cuda", hbm_cap=int(10e9), ddr_cap=int(100e9),
+                    hbm_mem_bw=1e12, ddr_mem_bw=1e11, intra_host_bw=1e11, inter_host_bw=1e10)
+
+
+@pytest.mark.parametrize("st", ["table_wise", "row_wise", "column_wise"])
+def test_planner_counts_one_output_row_per_id_for_an_unpooled_table_not_for_a_pooled_one(st):
+    from dlrmctl.distributed.types import ComputeKernel, ShardingType
+    from dlrmctl.planner.enumerator import build_option
+    from dlrmctl.planner.types import TableSpec
+
+    st = ShardingType(st)
+    B, d, topo = 1024, 64, _planner_topology()
+    cols = [32, 32] if st == ShardingType.COLUMN_WISE else None
+    est = {}
+    for pooled in (True, False):
+        for pf in (1.0, 4.0, 16.0):
+            t = TableSpec("t", 1000, d, [pf, 2.0], is_pooled=pooled)
+            opt = build_option(topo, t, st, ComputeKernel.FUSED, B, None, cols)
+            assert opt.is_pooled == pooled
+            est[pooled, pf] = opt
+    for pf in (1.0, 4.0, 16.0):
+        ec, ebc = est[False, pf].shards[0], est[True, pf].shards[0]
+        c = ec.size[1]
+        n = 4 if st == ShardingType.ROW_WISE else 1
+        # EBC: one pooled row per (sample, feature), whatever the pooling factor
+        assert ebc.output_bytes == B * 2 * c * 4
+        # EC: one row per id, pooling factor x batch x dim x 4 (a row shard: its share of the ids)
+        assert ec.output_bytes == int(B * (pf + 2.0) / n * c * 4)
+    for pooled, grows in ((True, False), (False, True)):
+        outs = [est[pooled, pf].shards[0].output_bytes for pf in (1.0, 4.0, 16.0)]
+        mems = [est[pooled, pf].shards[0].mem for pf in (1.0, 4.0, 16.0)]
+        comms = [est[pooled, pf].shards[0].perf.fwd_comms for pf in (1.0, 4.0, 16.0)]
+        if grows:
+            assert outs[0] < outs[1] < outs[2] and mems[0] < mems[1] < mems[2] and comms[0] < comms[1] < comms[2]
+        else:
+            assert outs[0] == outs[1] == outs[2]
+
+
+def test_planner_enumerates_only_the_sharded_ec_types_for_an_unpooled_table():
+    from dlrmctl.distributed.sharded_ec import SEQUENCE_SHARDING_CLASSES
+    from dlrmctl.distributed.types import ComputeKernel, ShardingType
+    from dlrmctl.planner.enumerator import enumerate_options
+    from dlrmctl.planner.types import UNPOOLED_SHARDING_TYPES, PlannerError, TableSpec
+
+    assert set(UNPOOLED_SHARDING_TYPES) == set(SEQUENCE_SHARDING_CLASSES)
+    topo = _planner_topology()
+    opts, _ = enumerate_options(TableSpec("t", 1000, 64, [3.0], is_pooled=False), topo, 1024, int(9e9))
+    assert {o.sharding_type for o in opts} <= set(UNPOOLED_SHARDING_TYPES) and opts
+    pooled, _ = enumerate_options(TableSpec("t", 1000, 64, [3.0]), topo, 1024, int(9e9))
+    assert ShardingType.DATA_PARALLEL in {o.sharding_type for o in pooled}
+    fixed = TableSpec("t", 1000, 64, [3.0], is_pooled=False,
+                      fixed=(ShardingType.DATA_PARALLEL, ComputeKernel.DENSE, None, None))
+    with pytest.raises(PlannerError, match="data_parallel is not supported for an unpooled"):
+        enumerate_options(fixed, topo, 1024, int(9e9))
