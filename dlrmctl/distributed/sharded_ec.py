@@ -218,7 +218,8 @@ class ShardedEmbeddingCollection(SequenceTableFeatures):
         plan: a plan for these tables and ``env.world_size`` (validated here);
             every table ``table_wise``, ``row_wise`` or ``column_wise``.
         env: this rank.
-        need_indices: outputs carry the (local) ids in ``weights()``.
+        need_indices: each output JaggedTensor carries this rank's input ids (global,
+            ``[N_f]`` integer) in ``weights()``, as the unsharded module does.
         optimizer: fused optimizer hyper-parameters.
         seed: initial weights are those of an unsharded EmbeddingCollection with
             this seed (each rank draws only its own shards, see ``init_table_rows``).
