@@ -9,7 +9,7 @@ with both versions and the pair to install.
 Coming from TorchRec, these names import from ``dlrmctl`` as from ``torchrec``
 (same signatures and argument order): ``JaggedTensor``, ``KeyedJaggedTensor``,
 ``KeyedTensor``, ``EmbeddingBagCollection``, ``EmbeddingBagConfig``,
-``PoolingType``, ``DataType``; so do the modules
+``EmbeddingCollection``, ``EmbeddingConfig``, ``PoolingType``, ``DataType``; so do the modules
 ``dlrmctl.sparse.jagged_tensor``, ``dlrmctl.modules.embedding_configs`` and
 ``dlrmctl.modules.embedding_modules``.  They load on first access (``import
 dlrmctl`` stays light).
@@ -27,6 +27,8 @@ _TORCHREC_NAMES = {
     "KeyedTensor": "dlrmctl.sparse.jagged_tensor",
     "EmbeddingBagCollection": "dlrmctl.modules.embedding_modules",
     "EmbeddingBagConfig": "dlrmctl.modules.embedding_configs",
+    "EmbeddingCollection": "dlrmctl.modules.sequence_embeddings",
+    "EmbeddingConfig": "dlrmctl.modules.embedding_configs",
     "PoolingType": "dlrmctl.modules.embedding_configs",
     "DataType": "dlrmctl.modules.embedding_configs",
 }

@@ -1,9 +1,11 @@
-"""Model modules.  ``EmbeddingBagCollection``, ``EmbeddingBagConfig``, ``PoolingType`` and
-``DataType`` import from here as from ``torchrec.modules`` (loaded on first access)."""
+"""Model modules.  ``EmbeddingBagCollection``, ``EmbeddingBagConfig``, ``EmbeddingCollection``,
+``EmbeddingConfig``, ``PoolingType`` and ``DataType`` import from here as from ``torchrec.modules`` (loaded on first access)."""
 
 _NAMES = {
     "EmbeddingBagCollection": "dlrmctl.modules.embedding_modules",
     "EmbeddingBagConfig": "dlrmctl.modules.embedding_configs",
+    "EmbeddingCollection": "dlrmctl.modules.sequence_embeddings",
+    "EmbeddingConfig": "dlrmctl.modules.embedding_configs",
     "PoolingType": "dlrmctl.modules.embedding_configs",
     "DataType": "dlrmctl.modules.embedding_configs",
 }

@@ -1,6 +1,6 @@
 """Embedding table configuration, as ``torchrec.modules.embedding_configs``.
 
-``EmbeddingBagConfig`` has TorchRec's fields in TorchRec's order, so
+``EmbeddingBagConfig`` and ``EmbeddingConfig`` have TorchRec's fields in TorchRec's order, so
 ``EmbeddingBagConfig(num_embeddings, embedding_dim, name, ...)`` written
 positionally or by keyword means the same thing in both libraries.
 """
@@ -143,6 +143,81 @@ class EmbeddingBagConfig:
                 f"table '{label}': weight_init_min {self.get_weight_init_min()} > weight_init_max "
                 f"{self.get_weight_init_max()}"
             )
+
+    def get_weight_init_max(self) -> float:
+        """Upper init bound: ``weight_init_max`` or ``sqrt(1 / num_embeddings)``."""
+        return float(self.weight_init_max) if self.weight_init_max is not None else (1.0 / self.num_embeddings) ** 0.5
+
+    def get_weight_init_min(self) -> float:
+        """Lower init bound: ``weight_init_min`` or ``-sqrt(1 / num_embeddings)``."""
+        return float(self.weight_init_min) if self.weight_init_min is not None else -((1.0 / self.num_embeddings) ** 0.5)
+
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+
+@dataclass
+class EmbeddingConfig:
+    """One unpooled (sequence) embedding table; TorchRec's fields, in TorchRec's order.
+
+    Looked up by :class:`~dlrmctl.modules.sequence_embeddings.EmbeddingCollection`:
+    every id gets its own ``[embedding_dim]`` row (no pooling).
+
+    Attributes:
+        num_embeddings: rows (hash size), > 0.
+        embedding_dim: columns, > 0 (all tables of one EmbeddingCollection share it,
+            as in TorchRec).
+        name: table name, unique in a model; required by EmbeddingCollection.
+        data_type: weight data type; only ``DataType.FP32`` trains.
+        feature_names: sparse features (KJT keys) looked up in this table;
+            default ``[name]``.
+        weight_init_max / weight_init_min: bounds of the uniform initial
+            weights, default ``+-sqrt(1 / num_embeddings)``, drawn
+            deterministically per ``(seed, table, row block)`` as for
+            :class:`EmbeddingBagConfig`.
+        num_embeddings_post_pruning: TorchRec's inference-time row pruning; not
+            supported (EmbeddingCollection raises if set).
+        init_fn: optional ``fn(weight)`` run on the (local) ``[rows, dim]``
+            float32 weight after the default init (see :class:`EmbeddingBagConfig`).
+        need_pos: TorchRec's position-weighted flag; stored, not used.
+
+    ``pooling`` is a read-only property, always ``PoolingType.NONE`` (not a
+    field: TorchRec's EmbeddingConfig has none).
+
+    Raises:
+        ValueError: ``num_embeddings`` or ``embedding_dim`` not positive,
+            ``weight_init_min > weight_init_max``, an unknown data type.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: DataType = DataType.FP32
+    feature_names: list[str] = field(default_factory=list)
+    weight_init_max: Optional[float] = None
+    weight_init_min: Optional[float] = None
+    num_embeddings_post_pruning: Optional[int] = None
+    init_fn: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
+    need_pos: bool = False
+
+    def __post_init__(self) -> None:
+        self.data_type = DataType(self.data_type)
+        self.feature_names = list(self.feature_names)
+        if not self.feature_names and self.name:
+            self.feature_names = [self.name]
+        label = self.name or "<unnamed>"
+        self.num_embeddings = _positive_int(self.num_embeddings, "num_embeddings", label)
+        self.embedding_dim = _positive_int(self.embedding_dim, "embedding_dim", label)
+        if self.get_weight_init_min() > self.get_weight_init_max():
+            raise ValueError(
+                f"table '{label}': weight_init_min {self.get_weight_init_min()} > weight_init_max "
+                f"{self.get_weight_init_max()}"
+            )
+
+    @property
+    def pooling(self) -> PoolingType:
+        """Always ``PoolingType.NONE``: one embedding row per id."""
+        return PoolingType.NONE
 
     def get_weight_init_max(self) -> float:
         """Upper init bound: ``weight_init_max`` or ``sqrt(1 / num_embeddings)``."""

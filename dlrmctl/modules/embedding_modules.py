@@ -675,3 +675,11 @@ class GroupedEmbeddingLookup(nn.Module):
         div = torch.where(self._mean_mask, lengths.clamp(min=1), torch.ones_like(lengths))
         # output_size: known on the host (no device read of the repeats on CUDA)
         return pooled / torch.repeat_interleave(div, self._feat_cols_t, dim=1, output_size=pooled.shape[1])
+
+
+def __getattr__(name: str):  # PEP 562: TorchRec's module also holds EmbeddingCollection (lives in sequence_embeddings)
+    if name == "EmbeddingCollection":
+        from dlrmctl.modules.sequence_embeddings import EmbeddingCollection
+
+        return EmbeddingCollection
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

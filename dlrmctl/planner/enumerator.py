@@ -16,6 +16,8 @@ Reference: TorchRec ``planner/enumerators.py`` (``EmbeddingEnumerator``) and
   TBE needs dims that are multiples of 4), and ``k <= `` ranks available
   (``world_size`` for column_wise, ``local_world_size`` for table_column_wise);
   every column shard goes to a different rank.
+* unpooled (EmbeddingCollection) tables: only ``UNPOOLED_SHARDING_TYPES``
+  (table_wise, row_wise, column_wise: what the sharded EmbeddingCollection implements).
 * an option whose any shard exceeds the usable memory of one rank is dropped;
   the smallest dropped option per table is kept for the error message.
 * an option dominated by another of the same type and shard shapes (no faster
@@ -38,7 +40,14 @@ from dlrmctl.distributed.types import (
 )
 from dlrmctl.planner.perf import KERNEL_EFFICIENCY, estimate_shard
 from dlrmctl.planner.storage import shard_bytes, to_storage
-from dlrmctl.planner.types import PlannerError, Shard, ShardingOption, TableSpec, Topology
+from dlrmctl.planner.types import (
+    UNPOOLED_SHARDING_TYPES,
+    PlannerError,
+    Shard,
+    ShardingOption,
+    TableSpec,
+    Topology,
+)
 
 ALL_TYPES = list(ShardingType)
 ALL_KERNELS = [ComputeKernel.FUSED, ComputeKernel.DENSE]
@@ -207,6 +216,11 @@ def enumerate_options(
             raise PlannerError(f"{w}.ranks: {franks} out of range for {W} ranks")
         if st == ShardingType.DATA_PARALLEL and kernel != ComputeKernel.DENSE:
             raise PlannerError(f"{w}: data_parallel tables use the dense kernel, got {kernel.value}")
+        if not table.is_pooled and st not in UNPOOLED_SHARDING_TYPES:
+            raise PlannerError(
+                f"{w}: {st.value} is not supported for an unpooled (EmbeddingCollection) table; "
+                f"supported: {', '.join(t.value for t in UNPOOLED_SHARDING_TYPES)}"
+            )
         try:  # check the shape arithmetic the same way the plan will be built
             if franks is not None or st in (ShardingType.DATA_PARALLEL, ShardingType.ROW_WISE):
                 construct_parameter_sharding(st, table.num_embeddings, table.embedding_dim,
@@ -229,6 +243,8 @@ def enumerate_options(
         types = list(table.sharding_types) if table.sharding_types is not None else list(ALL_TYPES)
         if table.sharding_types is None and topology.num_hosts == 1:
             types = [t for t in types if t not in HOST_TYPES]
+        if not table.is_pooled:
+            types = [t for t in types if t in UNPOOLED_SHARDING_TYPES]
         kernels = list(table.compute_kernels) if table.compute_kernels is not None else list(ALL_KERNELS)
         eff = KERNEL_EFFICIENCY
         dev = topology.compute_device

@@ -50,6 +50,17 @@ data_parallel (dense kernel, a full replica per rank, local batch ``B/W``)::
     bwd_compute = 2*fwd_compute + 9.22*rows*d*bpw/bw_k    # DP_ELEMENTWISE_KERNELS_PERF_FACTOR
     bwd_comms   = 2*(W-1)/W * rows*d*4 / net              # ring all-reduce (NCCL busbw formula)
 
+Unpooled tables (EmbeddingCollection, ``TableSpec.is_pooled = False``): the
+lookups output one row per id, not one per feature and sample, so ``F`` above
+becomes ``P`` (``TableSpec.output_rows_per_sample``) and a row_wise shard sends
+the rows of its own ids back by all-to-all (no partial sums, no reduce-scatter)::
+
+    table_wise / column_wise:  out = B*P*c*O          (formulas as above)
+    row_wise:  ids = B*P/n;  in = ids*I;  out = ids*d*O
+               fwd_compute = (in + ids*max(d*bpw, m) + out) / bw_k
+               fwd_comms   = a2a*(in + out) / net;  bwd_compute = 2*fwd_compute
+               bwd_comms   = a2a*out / net
+
 dense kernel (``torch.nn.EmbeddingBag(sparse=True)`` + a separate optimizer,
 any type but data_parallel) adds an unfused optimizer pass to the backward:
 ``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read + write
@@ -110,7 +121,7 @@ def estimate_shard(
     H = W // L
     B = float(batch_size)
     P = table.ids_per_sample
-    F = table.num_poolings
+    F = table.output_rows_per_sample  # pooled: features per sample; unpooled: ids per sample
     d = table.embedding_dim
     bpw = table.weight_bytes
     m = MIN_ROW_READ_BYTES[topology.compute_device]
@@ -131,7 +142,16 @@ def estimate_shard(
         allreduce = 2 * (W - 1) / W * rows * d * 4 / net
         return Perf(fwd, 0.0, bwd, allreduce), ids, int(inp), int(out)
 
-    if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+    if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) and not table.is_pooled:
+        n = max(1, num_row_shards)
+        ids = B * P / n
+        inp, out = ids * I, ids * d * O  # each id's row comes back from the one shard holding it
+        fwd = (inp + ids * max(d * bpw, m) + out) / bw
+        bwd = BWD_COMPUTE_MULTIPLIER * fwd
+        fwd_comms = a2a * (inp + out) / net
+        bwd_comms = a2a * out / net
+        c = d
+    elif st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         n = max(1, num_row_shards)
         ids = B * P / n
         inp, out = ids * I, B * F * d * O

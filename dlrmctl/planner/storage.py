@@ -15,8 +15,9 @@ Per shard of ``r`` rows x ``c`` columns (all in bytes)::
                 dense kernel:   ids * (c * 4 + 8)          (sparse COO gradient of the looked-up rows:
                                                             nn.EmbeddingBag(sparse=True) values + int64 indices)
                 fused kernel:   0                          (optimizer runs inside the TBE backward)
-    buffers   = input_bytes + output_bytes                 (ids received by input_dist + pooled
-                                                            embeddings sent by output_dist, see perf.py)
+    buffers   = input_bytes + output_bytes                 (ids received by input_dist + embeddings
+                                                            sent by output_dist: pooled rows, or one
+                                                            row per id for unpooled tables; perf.py)
 
 Optimizer state is kept in fp32 whatever the weight precision (FBGEMM keeps
 momentum in fp32).  All of it lives in HBM when the compute device is ``cuda``

@@ -46,6 +46,15 @@ GiB = float(1 << 30)  #: bytes in a gibibyte
 MiB = float(1 << 20)
 
 
+#: sharding types of an unpooled (EmbeddingCollection) table: what
+#: ``dlrmctl.distributed.sharded_ec.SEQUENCE_SHARDING_CLASSES`` implements
+UNPOOLED_SHARDING_TYPES: tuple[ShardingType, ...] = (
+    ShardingType.TABLE_WISE,
+    ShardingType.ROW_WISE,
+    ShardingType.COLUMN_WISE,
+)
+
+
 class PlannerError(ValueError):
     """No plan satisfies the memory and the constraints.
 
@@ -254,6 +263,10 @@ class TableSpec:
         min_column_shard_dim: narrowest column shard (None: 32, or 4 when dim < 64).
         fixed: a hand-given sharding (``sharding.tables.<name>``) the planner must
             keep: ``(sharding_type, compute_kernel, ranks or None, column_sizes or None)``.
+        is_pooled: True for an EmbeddingBagCollection table (one pooled embedding
+            per feature and sample); False for an EmbeddingCollection table (one
+            embedding row per id: output / comm bytes scale with the pooling
+            factor; only :data:`UNPOOLED_SHARDING_TYPES` are enumerated).
     """
 
     name: str
@@ -267,6 +280,7 @@ class TableSpec:
     ranks: list[int] | None = None
     min_column_shard_dim: int | None = None
     fixed: tuple[ShardingType, ComputeKernel, list[int] | None, list[int] | None] | None = None
+    is_pooled: bool = True
 
     @property
     def ids_per_sample(self) -> float:
@@ -277,6 +291,12 @@ class TableSpec:
     def num_poolings(self) -> int:
         """Pooled embeddings per sample (one per feature)."""
         return len(self.pooling_factors)
+
+    @property
+    def output_rows_per_sample(self) -> float:
+        """Embedding rows the lookups output per sample: one per feature when pooled
+        (:attr:`num_poolings`), one per id when not (:attr:`ids_per_sample`)."""
+        return float(self.num_poolings) if self.is_pooled else self.ids_per_sample
 
     @property
     def weight_bytes_total(self) -> int:
@@ -399,6 +419,11 @@ class ShardingOption:
     def ranks(self) -> list[int]:
         """Ranks of the shards in shard order (after partitioning)."""
         return [s.rank for s in self.shards]  # type: ignore[misc]
+
+    @property
+    def is_pooled(self) -> bool:
+        """The table's lookups pool (EmbeddingBagCollection) or not (EmbeddingCollection)."""
+        return self.table.is_pooled
 
     def label(self) -> str:
         """Short name, e.g. ``column_wise/fused x4``."""

@@ -156,20 +156,21 @@ class EmbeddingSharding(nn.Module):
             self.validate_sharding(t, self.shardings[t.name])
         self.layouts: list[RankLayout] = [self._rank_layout(d) for d in range(env.world_size)]
         me = self.layouts[env.rank]
-        pooling = PoolingType.SUM if self.row_wise else None
-        self.lookups = nn.ModuleList(
-            GroupedEmbeddingLookup(
-                [(s.table, s.rows, s.cols, s.meta.offsets[0], s.meta.offsets[1]) for s in lk.shards],
-                compute_kernel=lk.kernel.value,
-                device=env.device,
-                optimizer=optimizer,
-                is_weighted=is_weighted,
-                seed=seed,
-                pooling_override=pooling,
-            )
-            for lk in me.lookups
-        )
+        self.lookups = nn.ModuleList(self.make_lookup(lk, optimizer, seed) for lk in me.lookups)
         self._lookup_identity = [lk.feature_pos == list(range(len(me.features))) for lk in me.lookups]
+
+    def make_lookup(self, lk: LookupLayout, optimizer: EmbeddingOptimizerSpec, seed: int) -> nn.Module:
+        """The local lookup over ``lk.shards``: a pooled :class:`GroupedEmbeddingLookup` (sum
+        pooling for row-wise kinds).  The sequence (EmbeddingCollection) shardings override it."""
+        return GroupedEmbeddingLookup(
+            [(s.table, s.rows, s.cols, s.meta.offsets[0], s.meta.offsets[1]) for s in lk.shards],
+            compute_kernel=lk.kernel.value,
+            device=self.env.device,
+            optimizer=optimizer,
+            is_weighted=self.is_weighted,
+            seed=seed,
+            pooling_override=PoolingType.SUM if self.row_wise else None,
+        )
 
     # ------------------------------------------------------------ metadata
     @classmethod
