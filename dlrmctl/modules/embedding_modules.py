@@ -134,6 +134,17 @@ def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
                          "pruning_indices_remapping) is not supported")
 
 
+def fused_supports_weight_decay(opt_type: str, device: torch.device | str) -> bool:
+    """Whether FBGEMM's fused TBE applies ``weight_decay`` (L2 mode) for ``opt_type`` on ``device``.
+
+    FBGEMM 1.8's CPU TBE ignores ``weight_decay`` for every optimizer (measured: the row after
+    one step is identical with weight_decay 0 and 10), and its SGD has no weight decay on any
+    device; its CUDA row-wise Adagrad and Adagrad apply L2 to the rows in the batch (not run on
+    a GPU here).  Where this is False, the lookup serves the table with the ``dense`` kernel.
+    """
+    return torch.device(device).type == "cuda" and opt_type in ("exact_rowwise_adagrad", "exact_adagrad")
+
+
 class _DenseTable(nn.Module):
     """One table on ``torch.nn.EmbeddingBag(mode='sum', sparse=True)`` (sum pooling)."""
 
@@ -486,6 +497,12 @@ class GroupedEmbeddingLookup(nn.Module):
         if len(set(self._names)) != len(self._names):
             raise ValueError(f"a lookup holds at most one shard per table, got {self._names}")
         if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+            compute_kernel = "dense"
+        if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
+            # FBGEMM's CPU TBE (and exact_sgd everywhere) ignores weight_decay: the dense kernel
+            # applies the same L2 rule to the rows looked up (dlrmctl.train.optim)
+            log.info("embedding weight_decay %g with %s on %s: FBGEMM's fused kernel would ignore it; "
+                     "using the dense kernel", optimizer.weight_decay, optimizer.type, torch.device(device).type)
             compute_kernel = "dense"
         self._pooling = [pooling_override or cfg.pooling for cfg, *_ in self._shards]
         # All fused shards (dim % 4 == 0) share one TBE in SUM mode; the others are dense

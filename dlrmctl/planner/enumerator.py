@@ -7,6 +7,8 @@ Reference: TorchRec ``planner/enumerators.py`` (``EmbeddingEnumerator``) and
   use every rank.
 * ``table_row_wise`` / ``table_column_wise`` are skipped on a single host unless
   a constraint asks for them (there they equal row_wise / column_wise).
+* ``column_wise`` / ``table_column_wise`` are skipped under row-wise Adagrad unless a
+  constraint asks for them (:func:`column_shards_change_training`).
 * ``row_wise`` splits rows over all ranks (or the table's pinned ranks) in
   blocks of ``ceil(rows / n)`` (:func:`dlrmctl.distributed.types.row_wise_shard_sizes`);
   ``table_row_wise`` over the ranks of one host (the partitioner picks the host).
@@ -52,6 +54,17 @@ from dlrmctl.planner.types import (
 ALL_TYPES = list(ShardingType)
 ALL_KERNELS = [ComputeKernel.FUSED, ComputeKernel.DENSE]
 HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
+
+
+def column_shards_change_training(optimizer: str) -> bool:
+    """True for optimizers with one state value per ROW (row-wise Adagrad): each column shard
+    keeps its own accumulator (as in TorchRec), so a column-sharded table no longer trains
+    like the unsharded one.  The planner then proposes column kinds only when a table's
+    ``sharding.constraints.<t>.sharding_types`` (or ``sharding.tables``) asks for them."""
+    return optimizer.replace("exact_", "") in ("rowwise_adagrad",)
 
 
 def default_min_column_shard_dim(dim: int) -> int:
@@ -243,6 +256,8 @@ def enumerate_options(
         types = list(table.sharding_types) if table.sharding_types is not None else list(ALL_TYPES)
         if table.sharding_types is None and topology.num_hosts == 1:
             types = [t for t in types if t not in HOST_TYPES]
+        if table.sharding_types is None and column_shards_change_training(table.optimizer):
+            types = [t for t in types if t not in COLUMN_TYPES]
         if not table.is_pooled:
             types = [t for t in types if t in UNPOOLED_SHARDING_TYPES]
         kernels = list(table.compute_kernels) if table.compute_kernels is not None else list(ALL_KERNELS)

@@ -461,7 +461,14 @@ def _validate_contents(
         if first != 0:
             raise SparseInputError(f"{who}: offsets must start at 0, got {first}")
         if lengths_given and stats[i + 1]:
-            raise SparseInputError(f"{who}: offsets and lengths disagree (offsets[1:] - offsets[:-1] != lengths)")
+            bad = int(torch.nonzero(_to_lengths(offsets) != lengths)[0])
+            where = f"position {bad}"
+            if nk and segments is None and stride:
+                where += f" (key '{keys[bad // stride]}', sample {bad % stride})"
+            raise SparseInputError(
+                f"{who}: offsets and lengths disagree first at {where}: lengths[{bad}] = {int(lengths[bad])} but "
+                f"offsets[{bad + 1}] - offsets[{bad}] = {int(offsets[bad + 1]) - int(offsets[bad])}"
+            )
     if total != n_values:
         what = "offsets[-1]" if offsets is not None and not lengths_given else "sum(lengths)"
         raise SparseInputError(f"{who}: {what}={total} != len(values)={n_values}")

@@ -165,6 +165,13 @@ class Trainer:
             # a densified data_parallel gradient would let weight decay reach rows not looked up
             self.model.sparse_arch.dense_grad_max_bytes = 0
         if self.env.is_main:
+            from dlrmctl.planner.enumerator import COLUMN_TYPES, column_shards_change_training
+
+            cw = [n for n, ps in plan.plan.items() if ps.sharding_type in COLUMN_TYPES and len(ps.shards or []) > 1]
+            if cw and column_shards_change_training(self.cfg.optimizer.embedding.type):
+                log.warning("tables %s are column-sharded under %s: each column shard keeps its own per-row "
+                            "accumulator, so training differs from one process (use exact_adagrad / exact_sgd, "
+                            "or another sharding type, for identical results)", cw, self.cfg.optimizer.embedding.type)
             text = describe_plan(plan, self.tables)
             log.info("sharding plan:\n%s", text)
             os.makedirs(self.run_dir, exist_ok=True)
@@ -569,18 +576,20 @@ def _dlrm(model: Any) -> DLRM:
 
 
 def _ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
-    """Create the lazily-made per-row state of :class:`~dlrmctl.train.optim.RowWiseAdagrad`
-    (zeros: identical to absent), so every dense-kernel shard has its moment tensor to save / load into."""
+    """Create the lazily-made state of :class:`~dlrmctl.train.optim.RowWiseAdagrad` (per row) and
+    :class:`~dlrmctl.train.optim.SparseAdagrad` (per element) (zeros: identical to absent), so every
+    dense-kernel shard has its moment tensor to save / load into."""
     if opt is None:
         return
-    from dlrmctl.train.optim import RowWiseAdagrad
+    from dlrmctl.train.optim import RowWiseAdagrad, SparseAdagrad
 
-    if isinstance(opt, RowWiseAdagrad):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                st = opt.state[p]
-                if "momentum1" not in st:
-                    st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state[p]
+            if isinstance(opt, RowWiseAdagrad) and "momentum1" not in st:
+                st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+            if isinstance(opt, SparseAdagrad) and "sum" not in st:
+                st["sum"] = torch.zeros_like(p, dtype=torch.float32)
 
 
 def local_embedding_shards(model: Any, emb_dense_opt: torch.optim.Optimizer | None = None):

@@ -10,8 +10,10 @@
       G_r += sum(g_r ** 2) / D
       w_r -= lr * g_r / (sqrt(G_r) + eps)
 
-* ``exact_adagrad`` -> ``torch.optim.Adagrad`` (same formula per element,
-  ``initial_accumulator_value=0``); ``exact_sgd`` -> ``torch.optim.SGD``.
+* :class:`SparseAdagrad` (``exact_adagrad``, per element) and :class:`SparseSGD`
+  (``exact_sgd``): the same formulas as FBGEMM; weight decay (L2) reaches only
+  the rows in the batch, with sparse gradients too (``torch.optim.Adagrad`` refuses
+  that combination and ``torch.optim.SGD`` would decay every row).
 * :class:`WarmupPolyDecay`: the DLRM reference's ``LRPolicyScheduler``.
 """
 
@@ -71,8 +73,91 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     p.add_(torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
+class SparseAdagrad(torch.optim.Optimizer):
+    """FBGEMM's ``EXACT_ADAGRAD`` for dense-kernel tables (per-element accumulator).
+
+    Per touched row ``r`` with (duplicate-summed) gradient ``g_r [D]`` (FBGEMM
+    ``embedding_backward_split_template``, adagrad; L2 weight decay on the rows in the batch)::
+
+        g_r += weight_decay * w_r                  (if weight_decay > 0)
+        G_r += g_r ** 2
+        w_r -= lr * g_r / (sqrt(G_r) + eps)
+
+    Unlike ``torch.optim.Adagrad``, weight decay works with sparse gradients and reaches only
+    the rows looked up.  State: ``sum [rows, dim]`` float32.  Dense gradients: rows whose
+    gradient is all zero count as not looked up.
+    """
+
+    def __init__(self, params, lr: float = 0.1, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "sum" not in st:
+                    st["sum"] = torch.zeros_like(p, dtype=torch.float32)
+                acc = st["sum"]
+                if not p.grad.is_sparse and not wd:  # untouched rows: +0 exactly, no row selection
+                    g = p.grad
+                    acc.add_(g * g)
+                    den = acc.sqrt() + eps
+                    p.add_(torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+                    continue
+                rows, g = _touched_rows(p.grad)
+                if rows is None:
+                    continue
+                if wd:
+                    g = g + wd * p[rows]
+                acc.index_add_(0, rows, g * g)
+                den = acc[rows].sqrt() + eps
+                p.index_add_(0, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+
+
+class SparseSGD(torch.optim.Optimizer):
+    """FBGEMM's ``EXACT_SGD`` for dense-kernel tables: ``w_r -= lr * (g_r + weight_decay * w_r)``
+    for each row ``r`` in the batch (duplicate ids summed first); other rows are untouched."""
+
+    def __init__(self, params, lr: float = 0.1, weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not p.grad.is_sparse and not wd:
+                    p.add_(-lr * p.grad)
+                    continue
+                rows, g = _touched_rows(p.grad)
+                if rows is None:
+                    continue
+                if wd:
+                    g = g + wd * p[rows]
+                p.index_add_(0, rows, -lr * g)
+
+
+def _touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(rows, summed gradient rows)`` of a sparse gradient (coalesced), or of a dense one
+    (rows with a non-zero gradient); ``(None, _)`` when no row is touched."""
+    if grad.is_sparse:
+        g = grad.coalesce()
+        rows = g.indices()[0]
+        return (rows if rows.numel() else None), g.values()
+    rows = torch.nonzero(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)).reshape(-1)
+    return (rows if rows.numel() else None), grad[rows]
+
+
 def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float):
-    """A torch optimizer implementing a fused embedding optimizer for dense-kernel tables.
+    """A torch optimizer implementing a fused embedding optimizer for dense-kernel tables, with
+    FBGEMM's update rule and L2 weight decay on the rows in the batch (:class:`RowWiseAdagrad`,
+    :class:`SparseAdagrad`, :class:`SparseSGD`).
 
     Raises:
         ValueError: unknown ``type``.
@@ -80,9 +165,9 @@ def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: flo
     if type == "exact_rowwise_adagrad":
         return RowWiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
     if type == "exact_adagrad":
-        return torch.optim.Adagrad(params, lr=lr, eps=eps, weight_decay=weight_decay, initial_accumulator_value=0.0)
+        return SparseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
     if type == "exact_sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
+        return SparseSGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"unknown embedding optimizer {type!r}; expected exact_rowwise_adagrad | exact_adagrad | exact_sgd")
 
 
