@@ -506,3 +506,19 @@ def test_sharding_env_takes_torchrec_argument_order():
     assert ShardingEnv.from_local(8, 3).rank == 3
     with pytest.raises(ValueError, match="rank 4 out of range for world_size 4"):
         ShardingEnv(4, 4)
+
+
+def test_a_directly_built_ebc_leaves_the_update_to_the_users_optimizer_like_torchrec():
+    tables = [EmbeddingBagConfig(10, 4, "t1", feature_names=["f1"])]
+    ebc = EmbeddingBagCollection(tables)
+    kjt = KeyedJaggedTensor(["f1"], torch.tensor([1, 2, 2]), None, torch.tensor([2, 1]))
+    before = ebc.embedding_bags["t1"].weight.detach().clone()
+    ebc(kjt).values().sum().backward()
+    w = ebc.embedding_bags["t1"].weight
+    assert torch.equal(w.detach(), before)  # backward does not train
+    assert w.grad is not None and w.grad.is_sparse
+    assert torch.equal(w.grad.to_dense()[2], 2 * torch.ones(4)) and torch.equal(w.grad.to_dense()[0], torch.zeros(4))
+    torch.optim.SGD(ebc.parameters(), lr=0.5).step()
+    assert torch.equal(w.detach()[2], before[2] - 1.0) and torch.equal(w.detach()[0], before[0])
+    with pytest.raises(TypeError, match="is_weighted must be a bool.*pass device= by keyword"):
+        EmbeddingBagCollection(tables, torch.device("cpu"))

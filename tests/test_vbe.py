@@ -148,3 +148,59 @@ def test_sharded_vbe_matches_the_expanded_batch_on_2_ranks_for_every_sharding_ty
     res = run_multiprocess(_sharded_vbe_worker, 2, ALL_TYPES, timeout_s=240)
     for r, d in enumerate(res):
         assert d == {st: None for st in ALL_TYPES}, f"rank {r}: {d}"
+
+
+def _ec_tables():
+    from dlrmctl.modules.embedding_configs import EmbeddingConfig
+
+    return [EmbeddingConfig(num_embeddings=n, embedding_dim=8, name=f"e{i}", feature_names=[f"s{i}"])
+            for i, n in enumerate([9, 23, 5])]
+
+
+def _check_ec_vbe(ec, vbe, full, inv):
+    """EC on a VBE KJT: each key keeps its own bags; expanded by the inverse indices it equals
+    the EC on the full batch."""
+    a, b = ec(vbe), ec(full)
+    for k, f in enumerate(vbe.keys()):
+        ja, jb = a[f], b[f]
+        assert ja.lengths().tolist() == vbe[f].lengths().tolist()
+        rows = torch.split(ja.values(), ja.lengths().tolist())
+        want = torch.cat([rows[i] for i in inv[k].tolist()]) if inv.shape[1] else ja.values()[:0]
+        assert torch.equal(want, jb.values()), f
+
+
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_embedding_collection_keeps_each_keys_own_bags_for_vbe(kernel):
+    from dlrmctl.modules.sequence_embeddings import EmbeddingCollection
+
+    tables = _ec_tables()
+    ec = EmbeddingCollection(tables, compute_kernel=kernel, seed=2)
+    gen = torch.Generator().manual_seed(9)
+    for B in (6, 1, 0):
+        vbe, full = vbe_batch(gen, B, False, tables)
+        _check_ec_vbe(ec, vbe, full, vbe.inverse_indices()[1])
+
+
+def _sharded_ec_vbe_worker(env):
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.distributed.sharded_ec import ShardedEmbeddingCollection
+
+    tables = _ec_tables()
+    out = {}
+    for st in ("table_wise", "row_wise", "column_wise"):
+        ec = ShardedEmbeddingCollection(tables, plan_from_types(tables, st, env.world_size), env, seed=2)
+        gen = torch.Generator().manual_seed(50 + env.rank)
+        try:
+            for B in (5 + env.rank, 0 if env.rank else 2):
+                vbe, full = vbe_batch(gen, B, False, tables)
+                _check_ec_vbe(ec, vbe, full, vbe.inverse_indices()[1])
+            out[st] = None
+        except AssertionError as e:
+            out[st] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.multiprocess
+def test_sharded_embedding_collection_handles_vbe_on_2_ranks():
+    for r, d in enumerate(run_multiprocess(_sharded_ec_vbe_worker, 2, timeout_s=180)):
+        assert d == {"table_wise": None, "row_wise": None, "column_wise": None}, f"rank {r}: {d}"

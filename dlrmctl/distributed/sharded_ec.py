@@ -296,9 +296,12 @@ class ShardedEmbeddingCollection(SequenceTableFeatures):
         host sync; the data all-to-all runs asynchronously until ``wait()``.
         """
         features = self.prepare_features(features)
+        # a variable-batch KJT is routed with one stride (empty bags appended add no ids); the
+        # outputs keep each key's own bags (``features``)
+        routed = features.to_uniform_stride()
         groups = self.groups
-        local = [features if self._identity else features.permute(idx) for idx in self._group_feat_idx]
-        B = features.stride()
+        local = [routed if self._identity else routed.permute(idx) for idx in self._group_feat_idx]
+        B = routed.stride()
         W, me = self.env.world_size, self.env.rank
         dev = features.values().device
         prep = [g.sequence_input_dist_counts(k) for g, k in zip(groups, local)]  # type: ignore[attr-defined]

@@ -28,7 +28,9 @@ the (local) weight, as in TorchRec.
 
 TorchRec compatibility: ``EmbeddingBagCollection(tables, is_weighted=False,
 device=None)`` is TorchRec's signature (dlrmctl's options are keyword-only
-after it); ``ebc.embedding_bags[name].weight`` is each table's ``[rows, dim]``
+after it); built directly it defaults to the ``dense`` kernel, whose backward
+fills ``.grad`` for the user's optimizer as TorchRec's unsharded module does
+(``compute_kernel="fused"`` moves the optimizer into backward); ``ebc.embedding_bags[name].weight`` is each table's ``[rows, dim]``
 weight for both kernels, and ``state_dict()`` holds exactly
 ``embedding_bags.<table>.weight`` per table.
 """
@@ -278,8 +280,12 @@ class EmbeddingBagCollection(TableFeatures):
         tables: table configs; each table's ``feature_names`` are the KJT keys it serves.
         is_weighted: inputs carry per-id weights (``kjt.weights()``).
         device: where tables live (``cpu`` / ``cuda``; default cpu).
-        compute_kernel: (keyword-only) ``fused`` (FBGEMM TBE, optimizer in
-            backward) or ``dense`` (``nn.EmbeddingBag``, sparse gradients).
+        compute_kernel: (keyword-only) ``dense`` (default: ``nn.EmbeddingBag``; backward
+            puts sparse gradients on ``embedding_bags.<t>.weight`` and your optimizer
+            updates them — TorchRec's unsharded semantics; use a sparse-capable optimizer
+            such as :func:`dlrmctl.train.optim.embedding_optimizer_for_dense`) or ``fused``
+            (FBGEMM TBE with the optimizer applied INSIDE backward, no ``.grad`` — what
+            TorchRec's sharded modules and dlrmctl's trainer use).
         optimizer: (keyword-only) hyper-parameters of the fused optimizer
             (``fused`` kernel); ignored by dense tables (their optimizer is built
             by the trainer).
@@ -316,11 +322,16 @@ class EmbeddingBagCollection(TableFeatures):
         is_weighted: bool = False,
         device: torch.device | str | None = None,
         *,
-        compute_kernel: str = "fused",
+        compute_kernel: str = "dense",
         optimizer: EmbeddingOptimizerSpec | None = None,
         seed: int = 0,
         check_ids: bool = True,
     ) -> None:
+        if not isinstance(is_weighted, bool):
+            raise TypeError(
+                f"EmbeddingBagCollection: is_weighted must be a bool, got {is_weighted!r}; the argument order is "
+                "TorchRec's (tables, is_weighted=False, device=None): pass device= by keyword"
+            )
         super().__init__(tables, is_weighted, check_ids)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._optimizer = optimizer or EmbeddingOptimizerSpec()

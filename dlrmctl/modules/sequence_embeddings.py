@@ -377,14 +377,14 @@ class SequenceTableFeatures(nn.Module):
 
     def _outputs(self, features: KeyedJaggedTensor, rows: Sequence[torch.Tensor]) -> dict[str, JaggedTensor]:
         """Feature -> JaggedTensor from the prepared input and one ``[N_f, D]`` tensor per feature."""
-        B = features.stride()
-        lengths = features.lengths()
+        # per-key lengths segments: also right for a variable-batch KJT (keys of different batch sizes)
+        lengths = torch.split(features.lengths(), features.stride_per_key())
         values = features.values() if self._need_indices else None
         opk = features.offset_per_key() if self._need_indices else None
         out: dict[str, JaggedTensor] = {}
         for k, f in enumerate(self._feature_names):
             ids = values[opk[k] : opk[k + 1]] if values is not None else None  # type: ignore[index]
-            out[f] = sequence_jagged_tensor(rows[k], lengths[k * B : (k + 1) * B], ids)
+            out[f] = sequence_jagged_tensor(rows[k], lengths[k], ids)
         return out
 
 
@@ -401,8 +401,9 @@ class EmbeddingCollection(SequenceTableFeatures):
         device: where tables live (``cpu`` / ``cuda``; default cpu).
         need_indices: put each feature's ids (``[N_f]``, the input's integer
             dtype) in its output JaggedTensor's ``weights()``, as TorchRec does.
-        compute_kernel: (keyword-only) ``fused`` (FBGEMM sequence TBE, optimizer
-            in backward) or ``dense`` (``nn.Embedding(sparse=True)``).
+        compute_kernel: (keyword-only) ``dense`` (default: ``nn.Embedding(sparse=True)``,
+            backward fills ``.grad`` for your optimizer, as TorchRec's unsharded module)
+            or ``fused`` (FBGEMM sequence TBE, optimizer applied inside backward).
         optimizer: (keyword-only) hyper-parameters of the fused optimizer.
         seed: (keyword-only) weight initialisation seed (see ``init_table_rows``).
         check_ids: (keyword-only) validate id ranges on every forward.
@@ -435,7 +436,7 @@ class EmbeddingCollection(SequenceTableFeatures):
         device: torch.device | str | None = None,
         need_indices: bool = False,
         *,
-        compute_kernel: str = "fused",
+        compute_kernel: str = "dense",
         optimizer: EmbeddingOptimizerSpec | None = None,
         seed: int = 0,
         check_ids: bool = True,
@@ -466,8 +467,11 @@ class EmbeddingCollection(SequenceTableFeatures):
         return self._device
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """Unpooled lookups (see the class docstring).  A variable-batch KJT (TorchRec's VBE) is
+        looked up once per id as given: each key's JaggedTensor keeps that key's own bags."""
         features = self.prepare_features(features)
-        return self._outputs(features, self.lookup(features))
+        # the lookup needs one stride (empty bags appended to shorter keys add no ids)
+        return self._outputs(features, self.lookup(features.to_uniform_stride()))
 
     # ------------------------------------------------------- weights / state
     def reset_parameters(self) -> None:
