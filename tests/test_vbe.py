@@ -204,3 +204,14 @@ def _sharded_ec_vbe_worker(env):
 def test_sharded_embedding_collection_handles_vbe_on_2_ranks():
     for r, d in enumerate(run_multiprocess(_sharded_ec_vbe_worker, 2, timeout_s=180)):
         assert d == {"table_wise": None, "row_wise": None, "column_wise": None}, f"rank {r}: {d}"
+
+
+def test_small_integer_lengths_and_bad_inverse_dtypes():
+    from dlrmctl.sparse import SparseInputError
+
+    # uint8 lengths: their offsets would overflow at 256 (the fused kernel then pooled wrong ids)
+    k = KeyedJaggedTensor(["a", "b"], torch.arange(303) % 7, lengths=torch.tensor([200, 100, 1, 2], dtype=torch.uint8))
+    assert k.offsets().tolist() == [0, 200, 300, 301, 303]
+    with pytest.raises(SparseInputError, match="inverse_indices must be an integer tensor"):
+        KeyedJaggedTensor(["a"], torch.tensor([1]), lengths=torch.tensor([1]), stride_per_key_per_rank=[[1]],
+                          inverse_indices=(["a"], torch.zeros(1, 2, dtype=torch.bool)))

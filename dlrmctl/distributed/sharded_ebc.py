@@ -52,7 +52,7 @@ from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
-from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, split_variable_batch
+from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, host_to_device, split_variable_batch
 
 #: sharding type -> implementation (one file per type).
 SHARDING_CLASSES: dict[ShardingType, type[EmbeddingSharding]] = {
@@ -81,6 +81,9 @@ class ShardedEBCContext:
     lookup_kjts: list[KeyedJaggedTensor | None]
     #: variable batch per key: expands the pooled output back to the full local batch
     inverse_indices: tuple[list[str], torch.Tensor] | None = None
+    #: every rank's full local batch (its samples; differs from ``batch_sizes`` for VBE batches,
+    #: whose lookups use the largest per-key batch); ``None`` without a size exchange
+    full_batch_sizes: list[int] | None = None
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
         """Mark every tensor as used on ``stream`` (the context was made on the data-dist stream)."""
@@ -267,19 +270,21 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         B = features.stride()
         W, me = self.env.world_size, self.env.rank
         if not self._comm:
-            return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups), inv))
+            B_full = B if inv is None else int(inv[1].shape[1])
+            return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups), inv, None if W > 1 else [B_full]))
         dev = features.values().device
         prep = {i: groups[i].input_dist_counts(local[i]) for i in self._comm}
-        # 1) sizes: row d = [B, ids per d-received feature of each comm group]; host counts
-        #    are written directly, device counts (row-wise bucketizing) are scattered in
+        # 1) sizes: row d = [B, full B, ids per d-received feature of each comm group]; host
+        #    counts are written directly, device counts (row-wise bucketizing) are scattered in
         meta_send: list[int] = []
         meta_in = []
         dev_pos: list[int] = []
         dev_vals: list[torch.Tensor] = []
         where: dict[int, list[tuple[int, int, int]]] = {}  # group -> (dest, feature, position in meta_send)
+        B_full = B if inv is None else int(inv[1].shape[1])
         for d in range(W):
             row_start = len(meta_send)
-            meta_send.append(B)
+            meta_send.extend([B, B_full])
             for i in self._comm:
                 fs = groups[i].layouts[d].features
                 c = prep[i][1]
@@ -293,10 +298,10 @@ class ShardedEmbeddingBagCollection(TableFeatures):
                     meta_send.extend(c[d])
             meta_in.append(len(meta_send) - row_start)
         n_recv_feat = [len(groups[i].layouts[me].features) for i in self._comm]
-        meta_out = [1 + sum(n_recv_feat)] * W
-        meta_t = torch.tensor(meta_send, dtype=torch.int64, device=dev)
+        meta_out = [2 + sum(n_recv_feat)] * W
+        meta_t = host_to_device(meta_send, torch.int64, dev)
         if dev_vals:
-            meta_t[torch.tensor(dev_pos, dtype=torch.int64, device=dev)] = torch.cat(dev_vals).to(torch.int64)
+            meta_t[host_to_device(dev_pos, torch.int64, dev)] = torch.cat(dev_vals).to(torch.int64)
         meta_r, _ = all_to_all_ints(meta_t, meta_in, meta_out, self.env.pg)
         # the one host sync of the step: what we receive (and, for row-wise kinds, what we send)
         if dev_vals:
@@ -306,8 +311,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             meta_flat, sent = meta_r.tolist(), meta_send
         meta = [meta_flat[s * meta_out[0] : (s + 1) * meta_out[0]] for s in range(W)]
         batch_sizes = [row[0] for row in meta]
+        full_batch_sizes = [row[1] for row in meta]
         counts: dict[int, list[list[int]]] = {}
-        off = 1
+        off = 2
         for i, nf in zip(self._comm, n_recv_feat):
             counts[i] = [row[off : off + nf] for row in meta]
             off += nf
@@ -352,7 +358,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             lookup_kjts: list[KeyedJaggedTensor | None] = [None] * len(groups)
             for i in self._comm:
                 lookup_kjts[i] = groups[i].input_dist_recv(batch_sizes, counts[i], chunks[i])
-            return ShardedEBCContext(batch_sizes, local, lookup_kjts, inv)
+            return ShardedEBCContext(batch_sizes, local, lookup_kjts, inv, full_batch_sizes)
 
         return LazyAwaitable([work], finish)
 

@@ -59,6 +59,7 @@ from dlrmctl.distributed.types import PlanError, ShardingPlan, ShardingType, Sha
 from dlrmctl.modules.embedding_configs import EmbeddingConfig
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer
 from dlrmctl.modules.sequence_embeddings import SequenceEmbeddingLookup, SequenceTableFeatures
+from dlrmctl.sparse.jagged_tensor import host_to_device
 from dlrmctl.sparse import JaggedTensor, KeyedJaggedTensor
 
 
@@ -129,7 +130,7 @@ class RwSequenceSharding(_SequenceLookups, RwSharding):
         values, lengths = kjt.values(), kjt.lengths()
         if self._block_sizes is not None and HAS_BLOCK_BUCKETIZE and values.numel():
             new_lengths, new_values, _, _, unbucketize = torch.ops.fbgemm.block_bucketize_sparse_features(
-                lengths.contiguous(), values.contiguous(), False, True, self._block_sizes_t, W, None
+                lengths.contiguous(), values.contiguous(), False, True, self._block_sizes_t.to(values.dtype), W, None
             )
             return new_lengths.view(W, F, B), new_values, unbucketize.to(torch.int64)
         return sequence_bucketize_torch(
@@ -306,24 +307,29 @@ class ShardedEmbeddingCollection(SequenceTableFeatures):
         dev = features.values().device
         prep = [g.sequence_input_dist_counts(k) for g, k in zip(groups, local)]  # type: ignore[attr-defined]
         # 1) sizes: row d = [B, then per group the ids of each of d's received features]
-        parts: list[torch.Tensor] = []
+        # host-known sizes go in one non-blocking copy; device counts (row-wise) are spliced in
+        host_meta: list[int] = []
+        dev_parts: list[tuple[int, torch.Tensor]] = []  # (position in the meta, device counts)
         meta_in = []
         for d in range(W):
             n = 1
-            parts.append(torch.tensor([B], dtype=torch.int64, device=dev))
+            host_meta.append(B)
             for g, (_, c, _) in zip(groups, prep):
                 fs = g.layouts[d].features
                 n += len(fs)
                 if not fs:
                     continue
                 if torch.is_tensor(c):
-                    parts.append(c[d, fs].to(torch.int64))
+                    dev_parts.append((len(host_meta), c[d, fs].to(torch.int64)))
+                    host_meta.extend([0] * len(fs))
                 else:
-                    parts.append(torch.tensor(c[d], dtype=torch.int64, device=dev))
+                    host_meta.extend(int(x) for x in c[d])
             meta_in.append(n)
         n_recv = [len(g.layouts[me].features) for g in groups]
         row = 1 + sum(n_recv)
-        meta_t = torch.cat(parts)
+        meta_t = host_to_device(host_meta, torch.int64, dev)
+        for p0, t in dev_parts:
+            meta_t[p0 : p0 + t.numel()] = t
         meta_r, _ = all_to_all_ints(meta_t, meta_in, [row] * W, self.env.pg)
         both = torch.cat([meta_r, meta_t]).tolist()  # the one host sync of the step
         recv_flat, sent_flat = both[: meta_r.numel()], both[meta_r.numel() :]

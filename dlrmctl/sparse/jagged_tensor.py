@@ -67,6 +67,17 @@ _ORDER_HINT = (
 )
 
 
+def host_to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
+                   device: torch.device | str) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without blocking the host: on CUDA it is
+    staged in pinned memory and copied with ``non_blocking`` (``torch.tensor(list, device=cuda)``
+    copies from pageable memory, which waits for the device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(list(values), dtype=dtype, device=device)
+    return torch.tensor(list(values), dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     """``[N]`` lengths -> ``[N+1]`` offsets (exclusive cumsum), same dtype."""
     out = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
@@ -105,6 +116,8 @@ def _index_tensor(t: torch.Tensor | None, what: str, who: str) -> torch.Tensor |
         if t.numel() == 0:
             return t.to(torch.int64)
         raise SparseInputError(f"{who}: {what} must be an integer tensor, got {t.dtype}{_ORDER_HINT}")
+    if t.dtype in (torch.int8, torch.uint8, torch.int16):
+        return t.to(torch.int32)  # their cumsum (offsets) would overflow
     return t
 
 
@@ -658,7 +671,8 @@ class KeyedJaggedTensor:
             ikeys, inv = inverse_indices
             if list(ikeys) != self._keys:
                 raise SparseInputError(f"{who}: inverse_indices keys {list(ikeys)} != keys {self._keys}")
-            if not torch.is_tensor(inv) or inv.dim() != 2 or inv.size(0) != nk or inv.is_floating_point():
+            if (not torch.is_tensor(inv) or inv.dim() != 2 or inv.size(0) != nk or inv.is_floating_point()
+                    or inv.dtype == torch.bool):
                 raise SparseInputError(
                     f"{who}: inverse_indices must be an integer tensor [num_keys={nk}, batch_size], got "
                     f"{tuple(inv.shape) if torch.is_tensor(inv) else type(inv).__name__}"
@@ -957,7 +971,7 @@ class KeyedJaggedTensor:
         if self._inverse_indices is not None:
             inv = self._inverse_indices[1]
             if keys_idx is not None:
-                inv = inv[torch.tensor(idx, dtype=torch.long, device=inv.device)] if idx else inv[:0]
+                inv = inv[host_to_device(idx, torch.long, inv.device)] if idx else inv[:0]
             if device is not None:
                 inv = inv.to(device)
             out["inverse_indices"] = ([self._keys[i] for i in idx], inv)
@@ -973,7 +987,7 @@ class KeyedJaggedTensor:
         nk, B = len(self._keys), self._stride
         pos = [k * B + i for k, n in enumerate(self._per_key_stride) for i in range(n)]
         lengths = torch.zeros(nk * B, dtype=self._lengths.dtype, device=self._lengths.device)
-        lengths[torch.tensor(pos, dtype=torch.long, device=lengths.device)] = self._lengths
+        lengths[host_to_device(pos, torch.long, lengths.device)] = self._lengths
         return KeyedJaggedTensor(self._keys, self._values, weights=self._weights, lengths=lengths, stride=B,
                                  length_per_key=self._length_per_key, validate=False)
 
@@ -1394,12 +1408,13 @@ def expand_by_inverse_indices(kt: KeyedTensor, inverse_indices: tuple[Sequence[s
     missing = [k for k in kt.keys() if k not in pos]
     if missing:
         raise SparseInputError(f"expand_by_inverse_indices: keys {missing} have no inverse indices (have {list(ikeys)})")
-    rows_of_key = torch.tensor([pos[k] for k in kt.keys()], dtype=torch.long, device=inv.device)
-    col_key = torch.repeat_interleave(rows_of_key, torch.tensor(kt.length_per_key(), device=inv.device),
-                                      output_size=sum(kt.length_per_key()))
-    idx = inv.long()[col_key].t()  # [B_full, sum(dims)]
     values = kt.values()
-    return KeyedTensor(kt.keys(), kt.length_per_key(), values.gather(0, idx.to(values.device)))
+    inv = inv.to(device=values.device, dtype=torch.long)
+    opk = kt.offset_per_key()
+    # one index_select per key (its backward is an index_add into that key's rows)
+    parts = [values[:, opk[j] : opk[j + 1]].index_select(0, inv[pos[k]]) for j, k in enumerate(kt.keys())]
+    out = torch.cat(parts, dim=1) if parts else values.new_zeros(inv.shape[1], 0)
+    return KeyedTensor(kt.keys(), kt.length_per_key(), out)
 
 
 def split_variable_batch(

@@ -202,8 +202,8 @@ class Trainer:
         when it saw every rank, else one all-reduce on the device (no host read)."""
         if not self.env.sharded:
             return local
-        sizes = getattr(sparse_ctx, "batch_sizes", None)
-        if sizes is not None and len(sizes) == self.env.world_size and getattr(sparse_ctx, "inverse_indices", None) is None:
+        sizes = getattr(sparse_ctx, "full_batch_sizes", None)
+        if sizes is not None and len(sizes) == self.env.world_size:
             return int(sum(sizes))
         t = torch.tensor(float(local), dtype=torch.float32, device=self.device)  # 0-d: the loss stays 0-d
         self.env.all_reduce_sum(t)

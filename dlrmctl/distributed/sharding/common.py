@@ -467,7 +467,7 @@ class RowWiseLikeSharding(EmbeddingSharding):
         if self._block_sizes is not None and HAS_BLOCK_BUCKETIZE and values.numel():
             # FBGEMM reads raw memory: views (e.g. a loader's column slice) must be made contiguous
             new_lengths, new_values, new_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-                lengths.contiguous(), values.contiguous(), False, False, self._block_sizes_t, W,
+                lengths.contiguous(), values.contiguous(), False, False, self._block_sizes_t.to(values.dtype), W,
                 None if weights is None else weights.contiguous(),
             )
             return new_lengths.view(W, F, B), new_values, new_weights
