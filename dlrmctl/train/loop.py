@@ -33,7 +33,7 @@ from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
-from dlrmctl.train.metrics import compute_metrics
+from dlrmctl.train.metrics import compute_metrics_from_logits
 from dlrmctl.train.pipeline import make_pipeline
 from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
 
@@ -286,10 +286,15 @@ class Trainer:
     # ---------------------------------------------------------- evaluate
     @torch.no_grad()
     def evaluate(self, split: str | None = None, data_dir: str | None = None) -> dict[str, float]:
-        """Metrics over the WHOLE split (all ranks' predictions gathered).
+        """Metrics over the WHOLE split (all ranks' logits gathered to rank 0).
+
+        Computed from the logits in float64 (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`):
+        AUC ranks logits (no float32-sigmoid saturation), log loss uses a stable log-sigmoid;
+        one class only gives AUC 0.5 and a logged warning.  Independent of the world size and
+        the eval batch size.
 
         Returns:
-            ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+            ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}`` (every rank).
         """
         from dlrmctl.data.loader import BatchLoader
 
@@ -300,7 +305,7 @@ class Trainer:
             id_bounds=self._id_bounds(), **multi_hot_kwargs(self.cfg, self.meta),
         )
         self.model.eval()
-        rows: list[torch.Tensor] = []  # [b, 2]: probability, label (on the device)
+        rows: list[torch.Tensor] = []  # [b, 2] float32: logit, label (on the device)
         n_batches = self._agreed_num_batches(len(loader))
         it = iter(loader)
         for _ in range(n_batches):
@@ -308,16 +313,16 @@ class Trainer:
             if batch is None:
                 batch = _empty_batch_like(self.num_dense, self.feature_names)
             batch = batch.to(self.device)
-            p = torch.sigmoid(self.model(batch.dense_features, batch.sparse_features).squeeze(1))
-            rows.append(torch.stack([p.float(), batch.labels.float()], dim=1))
+            z = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
+            rows.append(torch.stack([z.float(), batch.labels.float()], dim=1))
         self.model.train()
         local = torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)
-        # every rank's predictions to rank 0 (tensors on the group's device, not pickles)
+        # every rank's logits to rank 0 (tensors on the group's device, not pickles)
         allrows = comm.gather_to_rank0(local, self.env.pg)
         m = None
         if allrows is not None:
             a = allrows.double().cpu().numpy()
-            m = compute_metrics(a[:, 0], a[:, 1])
+            m = compute_metrics_from_logits(a[:, 0], a[:, 1])
         return comm.broadcast_object(m, 0, self.env.pg)
 
     def _agreed_num_batches(self, n: int) -> int:
@@ -1029,7 +1034,8 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
 
 @torch.no_grad()
 def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None) -> dict[str, float]:
-    """Metrics of a run's newest checkpoint on ``split`` of its data (or ``data_dir``).
+    """Metrics of a run's newest checkpoint on ``split`` of its data (or ``data_dir``), from the
+    logits (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`, as ``Trainer.evaluate``).
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
@@ -1040,8 +1046,8 @@ def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, 
     feats = [f for t in model.sparse_arch.embedding_bag_configs() for f in t.feature_names]
     loader = BatchLoader(data_dir or cfg.data.path, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
                          features=feats, **multi_hot_kwargs(cfg, meta))
-    probs, labels = [], []
+    logits, labels = [], []
     for batch in loader:
-        probs.append(torch.sigmoid(model(batch.dense_features, batch.sparse_features).squeeze(1)).numpy())
+        logits.append(model(batch.dense_features, batch.sparse_features).squeeze(1).float().numpy())
         labels.append(batch.labels.numpy())
-    return compute_metrics(np.concatenate(probs), np.concatenate(labels))
+    return compute_metrics_from_logits(np.concatenate(logits), np.concatenate(labels))
