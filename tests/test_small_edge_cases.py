@@ -1,0 +1,68 @@
+"""Edge cases users hit (issue 12 items 7 and 11): LR schedule validation, the KJT stride
+message, the exported model's out-of-range message, the checkpointed optimizer step and
+``data.drop_last``."""
+
+import os
+
+import pytest
+import torch
+
+from dlrmctl import HAS_FBGEMM
+from dlrmctl.config import ConfigError, config_from_dict
+from dlrmctl.train.optim import WarmupPolyDecay
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp("tiny_edges")
+    generate_synthetic(d, rows=2000, seed=3, num_embeddings=[50] * 26)  # train 1620, val 194 rows
+    return str(d)
+
+
+def _raw(data, run_dir, **over):
+    raw = {
+        "name": "edge",
+        "data": {"path": data, "batch_size": 192, "eval_batch_size": 64, "prefetch": 0},
+        "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]},
+        "optimizer": {"embedding": {"lr": 0.05}, "dense": {"lr": 0.05}},
+        "train": {"epochs": 1, "log_every": 0, "run_dir": run_dir, "progress": False, "pipeline": "none"},
+    }
+    for k, v in over.items():
+        raw[k].update(v)
+    return raw
+
+
+# ------------------------------------------------------------------ item 7: LR schedule
+@pytest.mark.parametrize("schedule,match", [
+    # the issue's input: the factor jumped from 1.0 to 0.25 at step 4 (the reference refuses it)
+    ({"warmup_steps": 4, "decay_start_step": 2, "decay_steps": 4},
+     r"optimizer\.lr_schedule\.decay_start_step: warmup must finish before decay starts: decay_start_step 2 < warmup_steps 4"),
+    ({"warmup_steps": 4, "decay_start_step": 2}, r"decay_start_step: warmup must finish before decay starts"),
+    ({"warmup_steps": 4, "decay_steps": 10}, r"decay_start_step: warmup must finish before decay starts: decay_start_step 0"),
+    ({"warmup_steps": -1}, r"optimizer\.lr_schedule\.warmup_steps: must be >= 0, got -1"),
+    ({"decay_start_step": -2, "decay_steps": 3}, r"optimizer\.lr_schedule\.decay_start_step: must be >= 0, got -2"),
+    ({"decay_steps": -3}, r"optimizer\.lr_schedule\.decay_steps: must be >= 0, got -3"),
+    ({"decay_steps": 4, "decay_power": 0.0}, r"optimizer\.lr_schedule\.decay_power: must be a finite number > 0"),
+    ({"decay_steps": 4, "decay_power": -1.0}, r"optimizer\.lr_schedule\.decay_power: .* got -1\.0"),
+    ({"decay_steps": 4, "end_lr_factor": 1.5}, r"optimizer\.lr_schedule\.end_lr_factor: must be in \[0, 1\]"),
+    ({"decay_steps": 4, "end_lr_factor": -0.1}, r"optimizer\.lr_schedule\.end_lr_factor: must be in \[0, 1\]"),
+    ({"decay_start_step": 5}, r"optimizer\.lr_schedule\.decay_start_step: 5 but decay_steps is 0 \(no decay\)"),
+])
+def test_lr_schedules_the_dlrm_reference_refuses_are_refused_at_load_naming_the_key(schedule, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"optimizer": {"lr_schedule": schedule}})
+    # the same through --set
+    sets = [f"optimizer.lr_schedule.{k}={v}" for k, v in schedule.items()]
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({}, overrides=sets)
+
+
+def test_valid_lr_schedules_load_and_have_no_jump():
+    for ok in ({}, {"warmup_steps": 4}, {"decay_steps": 5}, {"warmup_steps": 4, "decay_start_step": 4, "decay_steps": 4},
+               {"warmup_steps": 2, "decay_start_step": 6, "decay_steps": 4, "decay_power": 1.0, "end_lr_factor": 1.0}):
+        config_from_dict({"optimizer": {"lr_schedule": ok}})
+    s = WarmupPolyDecay(config_from_dict({"optimizer": {"lr_schedule": {
+        "warmup_steps": 4, "decay_start_step": 4, "decay_steps": 4}}}).optimizer.lr_schedule)
+    assert [s.factor(i) for i in range(9)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0]
