@@ -66,3 +66,14 @@ def test_valid_lr_schedules_load_and_have_no_jump():
     s = WarmupPolyDecay(config_from_dict({"optimizer": {"lr_schedule": {
         "warmup_steps": 4, "decay_start_step": 4, "decay_steps": 4}}}).optimizer.lr_schedule)
     assert [s.factor(i) for i in range(9)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0]
+
+
+# ------------------------------------------------------------------ item 11: small cases
+
+
+def test_kjt_with_the_wrong_number_of_lengths_names_the_stride_and_the_expected_count():
+    from dlrmctl.sparse import KeyedJaggedTensor, SparseInputError
+
+    for kw in ({"lengths": torch.ones(11, dtype=torch.int64)}, {"offsets": torch.arange(12)}):
+        with pytest.raises(SparseInputError, match=r"stride 4 \* 3 keys != 11 lengths; expected 12 lengths .*'f0', 'f1', 'f2'"):
+            KeyedJaggedTensor(["f0", "f1", "f2"], torch.arange(11), stride=4, **kw)
