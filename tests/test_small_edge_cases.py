@@ -69,11 +69,35 @@ def test_valid_lr_schedules_load_and_have_no_jump():
 
 
 # ------------------------------------------------------------------ item 11: small cases
-
-
 def test_kjt_with_the_wrong_number_of_lengths_names_the_stride_and_the_expected_count():
     from dlrmctl.sparse import KeyedJaggedTensor, SparseInputError
 
     for kw in ({"lengths": torch.ones(11, dtype=torch.int64)}, {"offsets": torch.arange(12)}):
         with pytest.raises(SparseInputError, match=r"stride 4 \* 3 keys != 11 lengths; expected 12 lengths .*'f0', 'f1', 'f2'"):
             KeyedJaggedTensor(["f0", "f1", "f2"], torch.arange(11), stride=4, **kw)
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
+def test_exported_out_of_range_id_error_names_the_table(tmp_path):
+    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.modules.dlrm import DLRM
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
+
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="t1", num_embeddings=20, embedding_dim=8, feature_names=["f2"])]
+    model = DLRM(EmbeddingBagCollection(tables, compute_kernel="fused", seed=0), 4, [8], [8, 1], 3, 8).eval()
+    export_model(model, tmp_path / "m", "fp32")
+    m = load_exported(tmp_path / "m")
+    B = 2
+    dense = torch.zeros(B, 4)
+    lengths = torch.ones(3 * B, dtype=torch.int64)
+    values = torch.tensor([10, 0, 1, 1, 2, 2])  # feature f0, sample 0: id 10 (t0 has 10 rows)
+    want = r"feature 'f0', sample 0: id 10 is out of range; expected 0 <= id < 10 \(rows of table 't0'\)"
+    with pytest.raises(ExportError, match=want):
+        m.score(dense, values, lengths)
+    with pytest.raises(ExportError, match=want):
+        m.logits(dense, values, lengths)
+    values = torch.tensor([0, 0, 1, 1, 2, 20])
+    with pytest.raises(ExportError, match=r"feature 'f2', sample 1: id 20 .*< 20 \(rows of table 't1'\)"):
+        m.score(dense, values, lengths)

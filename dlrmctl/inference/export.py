@@ -15,7 +15,8 @@ The scripted module's ``forward(dense, values, lengths) -> scores``:
 * returns ``[B]`` float32 click probabilities ``sigmoid(logit)``.
 
 It raises (``RuntimeError`` from TorchScript, message naming the feature and sample) on a wrong
-dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)`` or an id outside its table.
+dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)`` or an id outside its table
+(``feature 'f0', sample 0: id 10 is out of range; expected 0 <= id < 10 (rows of table 't0')``).
 ``logits(dense, values, lengths)`` (``@torch.jit.export``) returns the logits ``[B]`` float32.
 
 Embeddings live in one FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` in the requested
@@ -128,6 +129,8 @@ class ExportedDLRM(nn.Module):
         feature_dims: dims of each feature's table ``[F]``.
         feature_mean: per feature, mean pooling (divide by bag length; empty bag -> 0).
         num_dense: ``D_in``.
+        feature_tables: table of each feature ``[F]`` (named in the out-of-range id error);
+            default: the feature names.
     """
 
     def __init__(
@@ -139,12 +142,14 @@ class ExportedDLRM(nn.Module):
         feature_dims: Sequence[int],
         feature_mean: Sequence[bool],
         num_dense: int,
+        feature_tables: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.tbe = tbe
         self.dense_part = dense_part
         self.feature_names = list(feature_names)
         self.num_features = len(self.feature_names)
+        self.feature_tables = list(feature_tables) if feature_tables is not None else list(self.feature_names)
         self.num_dense = num_dense
         self.any_mean = any(feature_mean)
         self.register_buffer("feature_rows", torch.tensor(list(feature_rows), dtype=torch.int64))
@@ -188,6 +193,7 @@ class ExportedDLRM(nn.Module):
                 raise ValueError(
                     "feature '" + self.feature_names[f] + "', sample " + str(bag % B) + ": id "
                     + str(int(values[i])) + " is out of range; expected 0 <= id < " + str(int(self.feature_rows[f]))
+                    + " (rows of table '" + self.feature_tables[f] + "')"
                 )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
         pooled = self.tbe(values, offsets)
@@ -367,6 +373,7 @@ def export_model(
         dims,
         [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
         num_dense,
+        feature_tables=[t.name for t in tables for _ in t.feature_names],
     ).eval()
     with _quiet_jit():
         scripted = torch.jit.script(module)
