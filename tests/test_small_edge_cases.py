@@ -101,3 +101,26 @@ def test_exported_out_of_range_id_error_names_the_table(tmp_path):
     values = torch.tensor([0, 0, 1, 1, 2, 20])
     with pytest.raises(ExportError, match=r"feature 'f2', sample 1: id 20 .*< 20 \(rows of table 't1'\)"):
         m.score(dense, values, lengths)
+
+
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"])
+def test_checkpoint_stores_the_true_optimizer_step_for_every_embedding_optimizer(tiny_data, tmp_path, opt):
+    from dlrmctl.train import checkpoint as ckpt
+    from dlrmctl.train.loop import RunEnv, Trainer
+
+    N = 3
+    cfg = config_from_dict(_raw(tiny_data, str(tmp_path), optimizer={"embedding": {"type": opt, "lr": 0.05}},
+                                train={"max_steps": N}))
+    run = os.path.join(tmp_path, cfg.name)
+    os.makedirs(run)
+    Trainer(cfg, RunEnv(), run).train()
+    path = ckpt.latest_checkpoint(run)
+    st = {"meta/fused_optimizer": None, "meta/trainer": None}
+    ckpt.load_checkpoint(path, st)
+    fused = ckpt.unpack(st["meta/fused_optimizer"])
+    assert ckpt.unpack(st["meta/trainer"])["step"] == N
+    assert fused["type"] == opt and fused["step"] == N  # was TBE iter: 0 (adagrad, sgd); 7 (row-wise: + 4 eval batches)
+    # resuming puts the step into every TBE's counter
+    t = Trainer(cfg, RunEnv(), run, resume=True)
+    tbes = [tbe for tbe, _ in t.fused_opt._tbes]
+    assert tbes and all(int(tbe.iter[0]) == N for tbe in tbes)

@@ -809,16 +809,20 @@ def _optimizer_entries(model: Any, opt: torch.optim.Optimizer, prefix: str) -> t
 def checkpoint_state(model: Any, dense_opt: torch.optim.Optimizer, emb_dense_opt: torch.optim.Optimizer | None,
                      fused_opt: Any, rank: int, trainer: dict[str, Any], lr_schedule: Any = None) -> dict[str, Any]:
     """Everything one rank contributes to a checkpoint, as a flat DCP state dict (format:
-    :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made."""
+    :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made.
+
+    ``meta/fused_optimizer`` holds ``{type, lr, eps, weight_decay, step}``; ``step`` is the
+    trainer's step for every embedding optimizer (restored into each TBE's ``iter``)."""
     state: dict[str, Any] = embedding_state(model, emb_dense_opt)
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
     opt_t, opt_o = _optimizer_entries(model, dense_opt, "dense_opt")
     state.update(opt_t)
-    tbes = getattr(fused_opt, "_tbes", [])
-    it = tbes[0][0].iter if tbes and hasattr(tbes[0][0], "iter") else None
     spec = fused_opt.spec
+    # the trainer's step, for every optimizer: FBGEMM's own counter (TBE ``iter``) is not it
+    # (exact_adagrad / exact_sgd never advance it; exact_rowwise_adagrad counts every forward,
+    # evaluation batches included)
     fused = {"type": spec.type, "lr": fused_opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
-             "step": int(it.reshape(-1)[0]) if it is not None else trainer["step"]}
+             "step": int(trainer["step"])}
     emb_groups = None
     scalars: dict[str, Any] = {}
     if emb_dense_opt is not None:
