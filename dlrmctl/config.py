@@ -54,6 +54,8 @@ class DataConfig:
     ``batch_size`` is the GLOBAL batch (split over ranks).  ``num_samples`` caps
     rows per epoch (null: all).  ``multi_hot_sizes`` (one int per sparse
     feature) expands 1-hot ids into MLPerf-DLRMv2-style multi-hot bags on the fly.
+    ``drop_last`` drops the train split's final partial global batch each epoch
+    (evaluation never drops rows).
     """
 
     path: str = "data/demo"
@@ -62,6 +64,7 @@ class DataConfig:
     batch_size: int = 1024
     eval_batch_size: int = 8192
     shuffle: bool = True
+    drop_last: bool = False
     num_samples: Optional[int] = None
     prefetch: int = 2
     multi_hot_sizes: Optional[list[int]] = None

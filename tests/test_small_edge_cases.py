@@ -124,3 +124,22 @@ def test_checkpoint_stores_the_true_optimizer_step_for_every_embedding_optimizer
     t = Trainer(cfg, RunEnv(), run, resume=True)
     tbes = [tbe for tbe, _ in t.fused_opt._tbes]
     assert tbes and all(int(tbe.iter[0]) == N for tbe in tbes)
+
+
+def test_data_drop_last_drops_the_last_partial_train_batch_but_evaluation_keeps_every_row(tiny_data, tmp_path):
+    from dlrmctl.train.loop import RunEnv, Trainer
+
+    steps = {}
+    for drop in (False, True):
+        cfg = config_from_dict(_raw(tiny_data, str(tmp_path / str(drop))), overrides=[f"data.drop_last={str(drop).lower()}"])
+        assert cfg.data.drop_last is drop
+        run = os.path.join(tmp_path, str(drop), cfg.name)
+        os.makedirs(run)
+        t = Trainer(cfg, RunEnv(), run)
+        assert t.train_loader.drop_last is drop
+        res = t.train()
+        steps[drop] = res["steps"]
+        assert res["final"]["num_samples"] == 194  # 194 val rows, eval batch 64: nothing dropped
+    assert steps == {False: 9, True: 8}  # 1620 train rows, batch 192
+    with pytest.raises(ConfigError, match=r"data\.drop_last: expected bool"):
+        config_from_dict({}, overrides=["data.drop_last=3"])

@@ -127,7 +127,7 @@ class Trainer:
         feats = [f for t in self.tables for f in t.feature_names]
         self.train_loader = BatchLoader(
             cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
-            shuffle=cfg.data.shuffle, seed=cfg.train.seed, prefetch=cfg.data.prefetch,
+            shuffle=cfg.data.shuffle, seed=cfg.train.seed, drop_last=cfg.data.drop_last, prefetch=cfg.data.prefetch,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
             id_bounds=self._id_bounds(), **multi_hot_kwargs(cfg, self.meta),
         )
