@@ -54,6 +54,8 @@ class DataConfig:
     ``batch_size`` is the GLOBAL batch (split over ranks).  ``num_samples`` caps
     rows per epoch (null: all).  ``multi_hot_sizes`` (one int per sparse
     feature) expands 1-hot ids into MLPerf-DLRMv2-style multi-hot bags on the fly.
+    ``drop_last`` drops the train split's final partial global batch each epoch
+    (evaluation never drops rows).
     """
 
     path: str = "data/demo"
@@ -62,6 +64,7 @@ class DataConfig:
     batch_size: int = 1024
     eval_batch_size: int = 8192
     shuffle: bool = True
+    drop_last: bool = False
     num_samples: Optional[int] = None
     prefetch: int = 2
     multi_hot_sizes: Optional[list[int]] = None
@@ -127,6 +130,11 @@ class LRScheduleConfig:
     for ``decay_steps`` steps it is ``((decay_steps - s) / decay_steps) ** decay_power``
     (s = steps since decay start), floored at ``end_lr_factor``.  ``decay_steps: 0``
     disables decay.  The factor multiplies both the dense and the embedding lr.
+
+    Checked at load (errors name the key): steps >= 0, ``decay_power > 0``,
+    ``0 <= end_lr_factor <= 1``, ``decay_start_step >= warmup_steps`` when decay is on
+    ("warmup must finish before decay starts", as the reference), and no
+    ``decay_start_step`` without ``decay_steps``.
     """
 
     warmup_steps: int = 0
@@ -483,6 +491,7 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError("model.dense_arch_layer_sizes: needs at least one layer")
     if len(cfg.optimizer.dense.betas) != 2:
         raise ConfigError(f"optimizer.dense.betas: expected two floats, got {cfg.optimizer.dense.betas}")
+    _validate_lr_schedule(cfg.optimizer.lr_schedule, "optimizer.lr_schedule")
     names = set()
     for i, t in enumerate(cfg.model.tables):
         p = f"model.tables[{i}]"
@@ -516,6 +525,37 @@ def validate(cfg: ExperimentConfig) -> None:
                 raise ConfigError(f"sharding.tables.{tname}: no such table in model.tables ({sorted(names)})")
     if cfg.data.multi_hot_sizes is not None and any(s <= 0 for s in cfg.data.multi_hot_sizes):
         raise ConfigError(f"data.multi_hot_sizes: every size must be > 0, got {cfg.data.multi_hot_sizes}")
+
+
+def _validate_lr_schedule(s: LRScheduleConfig, p: str) -> None:
+    """What the DLRM reference's ``LRPolicyScheduler`` refuses, plus the values its formula
+    cannot take (see :class:`LRScheduleConfig`).
+
+    Raises:
+        ConfigError: naming the key: a negative step count; ``decay_power`` not > 0;
+            ``end_lr_factor`` outside [0, 1]; decay starting before warmup ends
+            ("warmup must finish before decay starts", the reference's rule: the factor
+            would jump from 1 to the middle of the decay curve); ``decay_start_step`` set
+            while ``decay_steps`` is 0 (decay disabled: the start would be ignored).
+    """
+    for key in ("warmup_steps", "decay_start_step", "decay_steps"):
+        v = getattr(s, key)
+        if v < 0:
+            raise ConfigError(f"{p}.{key}: must be >= 0, got {v}")
+    if not s.decay_power > 0 or s.decay_power == float("inf"):
+        raise ConfigError(f"{p}.decay_power: must be a finite number > 0 (the exponent of the decay), got {s.decay_power}")
+    if not 0 <= s.end_lr_factor <= 1:
+        raise ConfigError(f"{p}.end_lr_factor: must be in [0, 1] (the final fraction of the base lr), got {s.end_lr_factor}")
+    if (s.decay_steps > 0 or s.decay_start_step > 0) and s.decay_start_step < s.warmup_steps:
+        raise ConfigError(
+            f"{p}.decay_start_step: warmup must finish before decay starts: decay_start_step "
+            f"{s.decay_start_step} < warmup_steps {s.warmup_steps}"
+        )
+    if s.decay_steps == 0 and s.decay_start_step > 0:
+        raise ConfigError(
+            f"{p}.decay_start_step: {s.decay_start_step} but decay_steps is 0 (no decay); "
+            "set decay_steps > 0 or remove decay_start_step"
+        )
 
 
 def read_data_meta(cfg: ExperimentConfig) -> dict | None:

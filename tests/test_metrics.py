@@ -1,12 +1,13 @@
 """Metrics against brute-force definitions."""
 
 import itertools
+import logging
 import math
 
 import numpy as np
 import pytest
 
-from dlrmctl.train.metrics import auc, compute_metrics, entropy, logloss
+from dlrmctl.train.metrics import auc, compute_metrics, compute_metrics_from_logits, entropy, logloss
 
 
 def brute_force_auc(preds, labels):
@@ -31,8 +32,30 @@ def test_auc_matches_pair_counting_on_random_tied_scores():
         assert auc(p, y) == pytest.approx(brute_force_auc(p, y))
 
 
-def test_auc_single_class_is_nan():
-    assert math.isnan(auc(np.array([0.2, 0.3]), np.array([1, 1])))
+@pytest.mark.parametrize("label", [1, 0])
+def test_single_class_auc_is_half_with_a_one_line_warning_and_logloss_stays_defined(label, caplog):
+    # issue 12 item 5: preds [0.1, 0.4, 0.35, 0.8] with labels all 1 (or all 0) gave NaN silently
+    p = np.array([0.1, 0.4, 0.35, 0.8])
+    y = np.full(4, label)
+    z = np.log(p / (1 - p))
+    want_ll = float(np.mean(-np.log(p if label else 1 - p)))
+    for fn, x in ((compute_metrics_from_logits, z), (compute_metrics, p)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dlrmctl.metrics"):
+            m = fn(x, y)
+        assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
+        assert f"every label is {label}" in caplog.records[0].getMessage() and "0.5" in caplog.records[0].getMessage()
+        assert m["auc"] == 0.5
+        assert m["logloss"] == pytest.approx(want_ll, abs=1e-12)
+        assert math.isnan(m["ne"])  # H(CTR) = 0
+        assert m["ctr"] == label and m["num_samples"] == 4
+    if label:
+        assert want_ll == pytest.approx(1.1230, abs=1e-4)
+    # no rows at all stays nan (nothing to report), without a warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dlrmctl.metrics"):
+        assert math.isnan(compute_metrics_from_logits(np.zeros(0), np.zeros(0))["auc"])
+    assert not caplog.records
 
 
 def test_ne_of_base_rate_predictor_is_one_and_logloss_matches_formula():

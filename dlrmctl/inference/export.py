@@ -15,7 +15,9 @@ The scripted module's ``forward(dense, values, lengths) -> scores``:
 * returns ``[B]`` float32 click probabilities ``sigmoid(logit)``.
 
 It raises (``RuntimeError`` from TorchScript, message naming the feature and sample) on a wrong
-dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)`` or an id outside its table.
+dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)`` or an id outside its table
+(``feature 'f0', sample 0: id 10 is out of range; expected 0 <= id < 10 (rows of table 't0')``).
+``logits(dense, values, lengths)`` (``@torch.jit.export``) returns the logits ``[B]`` float32.
 
 Embeddings live in one FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` in the requested
 storage (fp32 / fp16 / int8 / int4 row-wise, see :mod:`dlrmctl.inference.quantize`); the dense
@@ -127,6 +129,8 @@ class ExportedDLRM(nn.Module):
         feature_dims: dims of each feature's table ``[F]``.
         feature_mean: per feature, mean pooling (divide by bag length; empty bag -> 0).
         num_dense: ``D_in``.
+        feature_tables: table of each feature ``[F]`` (named in the out-of-range id error);
+            default: the feature names.
     """
 
     def __init__(
@@ -138,12 +142,14 @@ class ExportedDLRM(nn.Module):
         feature_dims: Sequence[int],
         feature_mean: Sequence[bool],
         num_dense: int,
+        feature_tables: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.tbe = tbe
         self.dense_part = dense_part
         self.feature_names = list(feature_names)
         self.num_features = len(self.feature_names)
+        self.feature_tables = list(feature_tables) if feature_tables is not None else list(self.feature_names)
         self.num_dense = num_dense
         self.any_mean = any(feature_mean)
         self.register_buffer("feature_rows", torch.tensor(list(feature_rows), dtype=torch.int64))
@@ -187,6 +193,7 @@ class ExportedDLRM(nn.Module):
                 raise ValueError(
                     "feature '" + self.feature_names[f] + "', sample " + str(bag % B) + ": id "
                     + str(int(values[i])) + " is out of range; expected 0 <= id < " + str(int(self.feature_rows[f]))
+                    + " (rows of table '" + self.feature_tables[f] + "')"
                 )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
         pooled = self.tbe(values, offsets)
@@ -366,6 +373,7 @@ def export_model(
         dims,
         [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
         num_dense,
+        feature_tables=[t.name for t in tables for _ in t.feature_names],
     ).eval()
     with _quiet_jit():
         scripted = torch.jit.script(module)
@@ -549,6 +557,32 @@ class ExportedModel:
             kjt = kjt.select_keys(self.feature_names)
         return self.score(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64))
 
+    @torch.no_grad()
+    def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Same inputs as :meth:`score` -> logits ``[B]`` float32 on the model's device (the
+        module's ``logits``; ``score == sigmoid(logits)``).  Metrics use these: a float32
+        sigmoid rounds to 1.0 above a logit of ~16.6.
+
+        Raises:
+            ExportError: inputs rejected by the module (message from the module).
+        """
+        dev = self.device
+        dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
+        try:
+            return self.module.logits(dense, values, lengths)
+        except (RuntimeError, torch.jit.Error) as e:
+            lines = str(e).strip().splitlines()
+            msg = lines[-1] if lines else str(e)
+            for prefix in ("builtins.ValueError: ", "RuntimeError: "):
+                msg = msg.removeprefix(prefix)
+            raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
+
+    def logits_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
+        """Logits ``[B]`` float32 of ``dense [B, D_in]`` + a KeyedJaggedTensor (any key order)."""
+        if kjt.keys() != self.feature_names:
+            kjt = kjt.select_keys(self.feature_names)
+        return self.logits(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64))
+
 
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
     """Load ``model_dir/manifest.json`` and ``model.pt`` onto ``device`` (``cpu``, or ``cuda[:i]``:
@@ -598,25 +632,27 @@ def evaluate_exported(
     The data must be preprocessed with the same transforms as the training data (the ids are
     checked against each table's rows by the module).
 
+    Computed from the module's logits in float64, like training's evaluation.
+
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``
-        (:func:`dlrmctl.train.metrics.compute_metrics`).
+        (:func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
 
     Raises:
         ExportError: not an exported model, data without labels, ids out of range.
         DataError: unknown split / bad data directory.
     """
     from dlrmctl.data.loader import BatchLoader
-    from dlrmctl.train.metrics import compute_metrics
+    from dlrmctl.train.metrics import compute_metrics_from_logits
 
     m = load_exported(model_dir, device)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names)
-    probs, labels = [], []
+    logits, labels = [], []
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):
             raise ExportError(f"{data_dir}: split '{split}' has no labels; cannot compute metrics")
-        probs.append(m.score_kjt(batch.dense_features.float(), batch.sparse_features).cpu().numpy())
+        logits.append(m.logits_kjt(batch.dense_features.float(), batch.sparse_features).cpu().numpy())
         labels.append(batch.labels.numpy())
-    if not probs:
+    if not logits:
         raise ExportError(f"{data_dir}: split '{split}' is empty")
-    return compute_metrics(np.concatenate(probs), np.concatenate(labels))
+    return compute_metrics_from_logits(np.concatenate(logits), np.concatenate(labels))

@@ -105,7 +105,7 @@ class PredictReport:
     Attributes:
         rows: lines scored.
         labelled: the input had a label column (then ``metrics`` holds AUC/logloss/NE).
-        metrics: :func:`dlrmctl.train.metrics.compute_metrics` output or None.
+        metrics: :func:`dlrmctl.train.metrics.compute_metrics_from_logits` output or None.
         output: where scores went (path or ``"-"``).
     """
 
@@ -142,9 +142,10 @@ def _raw_transform(model: ExportedModel):
 
 @torch.no_grad()
 def iter_scores(
-    model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536
+    model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536, logits: bool = False
 ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-    """Scores of raw lines in file order: yields ``(scores [n] float32, labels [n] float32 | None)``.
+    """Scores of raw lines in file order: yields ``(scores [n] float32, labels [n] float32 | None)``;
+    with ``logits=True`` the logits ``[n]`` float32 instead of the scores (``sigmoid(logits)``).
 
     Raises:
         ExportError: no preprocessing in the manifest, unsupported dataset.
@@ -153,7 +154,7 @@ def iter_scores(
     fn, meta, data_features = _raw_transform(model)
     for dense, ids, labels in fn(Path(input_path), meta, model.model_dir, batch_rows):
         d, v, ln = to_model_inputs(dense, ids, model.feature_names, data_features)
-        yield model.score(d, v, ln).numpy(), labels
+        yield (model.logits(d, v, ln) if logits else model.score(d, v, ln)).numpy(), labels
 
 
 def predict_file(
@@ -169,12 +170,13 @@ def predict_file(
     ``"-"``; a file output is written to a temp file and renamed.
 
     Returns:
-        :class:`PredictReport` (with AUC/logloss/NE when labelled).
+        :class:`PredictReport` (with AUC/logloss/NE when labelled, computed from the logits as
+        :func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
 
     Raises:
         ExportError, DataError: see :func:`iter_scores`; FileNotFoundError: no input.
     """
-    from dlrmctl.train.metrics import compute_metrics
+    from dlrmctl.train.metrics import compute_metrics_from_logits
 
     if not Path(input_path).exists():
         raise FileNotFoundError(f"{input_path}: no such file")
@@ -193,13 +195,14 @@ def predict_file(
     all_s, all_l = [], []
     labelled = None
     try:
-        for scores, labels in iter_scores(model, input_path, batch_rows):
+        for z, labels in iter_scores(model, input_path, batch_rows, logits=True):
+            scores = torch.sigmoid(torch.from_numpy(z)).numpy()  # the module's forward: sigmoid(logits)
             if labelled is None:
                 labelled = labels is not None
                 f.write("label,score\n" if labelled else "score\n")
             if labelled:
                 f.writelines(f"{int(y)},{s:.8g}\n" for y, s in zip(labels, scores))
-                all_s.append(scores)
+                all_s.append(z)
                 all_l.append(labels)
             else:
                 f.writelines(f"{s:.8g}\n" for s in scores)
@@ -214,5 +217,5 @@ def predict_file(
             f.close()
             tmp.unlink(missing_ok=True)
         raise
-    metrics = compute_metrics(np.concatenate(all_s), np.concatenate(all_l)) if labelled and rows else None
+    metrics = compute_metrics_from_logits(np.concatenate(all_s), np.concatenate(all_l)) if labelled and rows else None
     return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output))

@@ -526,7 +526,8 @@ class KeyedJaggedTensor:
             the invariants; construction then never syncs.
 
     Raises:
-        SparseInputError: ``len(lengths)`` is not ``len(keys) * stride``;
+        SparseInputError: ``len(lengths)`` is not ``len(keys) * stride`` (the message
+            names the stride and the expected count when ``stride`` is given);
             lengths/offsets not integer tensors; a negative length;
             ``sum(lengths) != len(values)``; offsets inconsistent; weights not
             floating point or ``len(weights) != len(values)``; a cache argument
@@ -598,6 +599,7 @@ class KeyedJaggedTensor:
                 raise SparseInputError(f"{who}: stride {stride} != stride_per_key {spk}")
             if spk and stride is None:
                 stride = spk[0]
+        stride_given = stride is not None
         if stride is None:
             if nk == 0:
                 stride = 0
@@ -634,13 +636,16 @@ class KeyedJaggedTensor:
                 raise SparseInputError(f"{who}: {n_len} lengths but the per-key batch sizes {per_key_stride} "
                                        f"add up to {n_bags} (variable batch per key: one length per bag)")
         else:
-            if n_len % nk != 0:
+            if not stride_given and n_len % nk != 0:
                 raise SparseInputError(
                     f"{who}: number of lengths ({n_len}) is not a multiple of the number of "
                     f"keys ({nk}: {self._keys}); expected len(lengths) == num_keys * batch_size"
                 )
             if stride * nk != n_len:
-                raise SparseInputError(f"{who}: stride {stride} * {nk} keys != {n_len} lengths")
+                raise SparseInputError(
+                    f"{who}: stride {stride} * {nk} keys != {n_len} lengths; expected {stride * nk} lengths "
+                    f"(one per key and sample, key-major) for keys {self._keys}"
+                )
         if no_lengths and n_val != 0:
             raise SparseInputError(
                 f"{who}: {n_val} values but no lengths or offsets (every bag empty); pass lengths= or offsets="

@@ -33,7 +33,7 @@ from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
-from dlrmctl.train.metrics import compute_metrics
+from dlrmctl.train.metrics import compute_metrics_from_logits
 from dlrmctl.train.pipeline import make_pipeline
 from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
 
@@ -127,7 +127,7 @@ class Trainer:
         feats = [f for t in self.tables for f in t.feature_names]
         self.train_loader = BatchLoader(
             cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
-            shuffle=cfg.data.shuffle, seed=cfg.train.seed, prefetch=cfg.data.prefetch,
+            shuffle=cfg.data.shuffle, seed=cfg.train.seed, drop_last=cfg.data.drop_last, prefetch=cfg.data.prefetch,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
             id_bounds=self._id_bounds(), **multi_hot_kwargs(cfg, self.meta),
         )
@@ -293,10 +293,15 @@ class Trainer:
     # ---------------------------------------------------------- evaluate
     @torch.no_grad()
     def evaluate(self, split: str | None = None, data_dir: str | None = None) -> dict[str, float]:
-        """Metrics over the WHOLE split (all ranks' predictions gathered).
+        """Metrics over the WHOLE split (all ranks' logits gathered to rank 0).
+
+        Computed from the logits in float64 (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`):
+        AUC ranks logits (no float32-sigmoid saturation), log loss uses a stable log-sigmoid;
+        one class only gives AUC 0.5 and a logged warning.  Independent of the world size and
+        the eval batch size.
 
         Returns:
-            ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+            ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}`` (every rank).
         """
         from dlrmctl.data.loader import BatchLoader
 
@@ -307,7 +312,7 @@ class Trainer:
             id_bounds=self._id_bounds(), **multi_hot_kwargs(self.cfg, self.meta),
         )
         self.model.eval()
-        rows: list[torch.Tensor] = []  # [b, 2]: probability, label (on the device)
+        rows: list[torch.Tensor] = []  # [b, 2] float32: logit, label (on the device)
         n_batches = self._agreed_num_batches(len(loader))
         it = iter(loader)
         for _ in range(n_batches):
@@ -315,16 +320,16 @@ class Trainer:
             if batch is None:
                 batch = _empty_batch_like(self.num_dense, self.feature_names)
             batch = batch.to(self.device)
-            p = torch.sigmoid(self.model(batch.dense_features, batch.sparse_features).squeeze(1))
-            rows.append(torch.stack([p.float(), batch.labels.float()], dim=1))
+            z = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
+            rows.append(torch.stack([z.float(), batch.labels.float()], dim=1))
         self.model.train()
         local = torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)
-        # every rank's predictions to rank 0 (tensors on the group's device, not pickles)
+        # every rank's logits to rank 0 (tensors on the group's device, not pickles)
         allrows = comm.gather_to_rank0(local, self.env.pg)
         m = None
         if allrows is not None:
             a = allrows.double().cpu().numpy()
-            m = compute_metrics(a[:, 0], a[:, 1])
+            m = compute_metrics_from_logits(a[:, 0], a[:, 1])
         return comm.broadcast_object(m, 0, self.env.pg)
 
     def _agreed_num_batches(self, n: int) -> int:
@@ -813,16 +818,20 @@ def _optimizer_entries(model: Any, opt: torch.optim.Optimizer, prefix: str) -> t
 def checkpoint_state(model: Any, dense_opt: torch.optim.Optimizer, emb_dense_opt: torch.optim.Optimizer | None,
                      fused_opt: Any, rank: int, trainer: dict[str, Any], lr_schedule: Any = None) -> dict[str, Any]:
     """Everything one rank contributes to a checkpoint, as a flat DCP state dict (format:
-    :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made."""
+    :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made.
+
+    ``meta/fused_optimizer`` holds ``{type, lr, eps, weight_decay, step}``; ``step`` is the
+    trainer's step for every embedding optimizer (restored into each TBE's ``iter``)."""
     state: dict[str, Any] = embedding_state(model, emb_dense_opt)
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
     opt_t, opt_o = _optimizer_entries(model, dense_opt, "dense_opt")
     state.update(opt_t)
-    tbes = getattr(fused_opt, "_tbes", [])
-    it = tbes[0][0].iter if tbes and hasattr(tbes[0][0], "iter") else None
     spec = fused_opt.spec
+    # the trainer's step, for every optimizer: FBGEMM's own counter (TBE ``iter``) is not it
+    # (exact_adagrad / exact_sgd never advance it; exact_rowwise_adagrad counts every forward,
+    # evaluation batches included)
     fused = {"type": spec.type, "lr": fused_opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
-             "step": int(it.reshape(-1)[0]) if it is not None else trainer["step"]}
+             "step": int(trainer["step"])}
     emb_groups = None
     scalars: dict[str, Any] = {}
     if emb_dense_opt is not None:
@@ -1038,7 +1047,8 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
 
 @torch.no_grad()
 def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None) -> dict[str, float]:
-    """Metrics of a run's newest checkpoint on ``split`` of its data (or ``data_dir``).
+    """Metrics of a run's newest checkpoint on ``split`` of its data (or ``data_dir``), from the
+    logits (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`, as ``Trainer.evaluate``).
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
@@ -1049,8 +1059,8 @@ def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, 
     feats = [f for t in model.sparse_arch.embedding_bag_configs() for f in t.feature_names]
     loader = BatchLoader(data_dir or cfg.data.path, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
                          features=feats, **multi_hot_kwargs(cfg, meta))
-    probs, labels = [], []
+    logits, labels = [], []
     for batch in loader:
-        probs.append(torch.sigmoid(model(batch.dense_features, batch.sparse_features).squeeze(1)).numpy())
+        logits.append(model(batch.dense_features, batch.sparse_features).squeeze(1).float().numpy())
         labels.append(batch.labels.numpy())
-    return compute_metrics(np.concatenate(probs), np.concatenate(labels))
+    return compute_metrics_from_logits(np.concatenate(logits), np.concatenate(labels))
