@@ -37,7 +37,8 @@ class TableConfig:
 
     ``num_embeddings: null`` takes the cardinality from the data's meta.json;
     ``embedding_dim: null`` takes ``model.embedding_dim``; ``feature_names``
-    defaults to ``[name]``.
+    defaults to ``[name]``.  A feature may be listed under several tables: it
+    is read once and looked up in each (outputs ``feature@table``, TorchRec's naming).
     """
 
     name: str
@@ -78,7 +79,9 @@ class ModelConfig:
     ``tables`` empty -> one table per sparse feature of the data, named
     ``t_<feature>``, with ``embedding_dim`` columns and meta.json's cardinality.
     ``dense_arch_layer_sizes[-1]`` must equal the embedding dim for the dot
-    interaction (DLRM, Naumov et al. 2019).
+    interaction (DLRM, Naumov et al. 2019).  ``on_invalid_id``: what an id outside
+    its table does on every path (``error``: EmbeddingIdError; ``zero``: the id is
+    dropped from its bag, see :mod:`dlrmctl.sparse.validation`).
     """
 
     arch: Literal["dlrm"] = "dlrm"
@@ -92,6 +95,7 @@ class ModelConfig:
     interaction_branch1_layer_sizes: list[int] = field(default_factory=lambda: [128, 128])
     interaction_branch2_layer_sizes: list[int] = field(default_factory=lambda: [128, 128])
     compute_kernel: Literal["fused", "dense"] = "fused"
+    on_invalid_id: Literal["error", "zero"] = "error"
 
 
 @dataclass
@@ -498,6 +502,9 @@ def validate(cfg: ExperimentConfig) -> None:
         if t.name in names:
             raise ConfigError(f"{p}.name: duplicate table name '{t.name}'")
         names.add(t.name)
+        twice = sorted({f for f in t.feature_names if t.feature_names.count(f) > 1})
+        if twice:
+            raise ConfigError(f"{p}.feature_names: {twice} listed more than once in table '{t.name}'")
         pos(t.num_embeddings, f"{p}.num_embeddings")
         pos(t.embedding_dim, f"{p}.embedding_dim")
     # every interaction stacks [dense, e_1..e_F] as F+1 vectors of one width d

@@ -93,13 +93,13 @@ def test_exported_out_of_range_id_error_names_the_table(tmp_path):
     dense = torch.zeros(B, 4)
     lengths = torch.ones(3 * B, dtype=torch.int64)
     values = torch.tensor([10, 0, 1, 1, 2, 2])  # feature f0, sample 0: id 10 (t0 has 10 rows)
-    want = r"feature 'f0', sample 0: id 10 is out of range; expected 0 <= id < 10 \(rows of table 't0'\)"
+    want = r"table 't0', feature 'f0', sample 0: id 10 is out of range; expected 0 <= id < 10"
     with pytest.raises(ExportError, match=want):
         m.score(dense, values, lengths)
     with pytest.raises(ExportError, match=want):
         m.logits(dense, values, lengths)
     values = torch.tensor([0, 0, 1, 1, 2, 20])
-    with pytest.raises(ExportError, match=r"feature 'f2', sample 1: id 20 .*< 20 \(rows of table 't1'\)"):
+    with pytest.raises(ExportError, match=r"table 't1', feature 'f2', sample 1: id 20 .*< 20"):
         m.score(dense, values, lengths)
 
 

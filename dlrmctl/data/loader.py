@@ -32,7 +32,7 @@ from dlrmctl.data.batch import Batch
 from dlrmctl.data.columnar import DataError, SplitData, read_meta
 from dlrmctl.data.criteo import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
-from dlrmctl.sparse.validation import check_ids
+from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
 
 __all__ = ["BatchLoader", "rank_slice"]
 
@@ -64,6 +64,13 @@ class BatchLoader:
             fly into MLPerf-DLRMv2 multi-hot bags (:func:`dlrmctl.data.criteo.multi_hot_expand`,
             seed ``multi_hot_seed + feature index``); size 1 leaves a feature unchanged.
         multi_hot_distribution: ``"uniform"`` or ``"pareto"`` offsets.
+        id_bounds: feature -> the lookups it feeds, as a list of
+            :class:`~dlrmctl.sparse.validation.IdBound` (``table_id_bounds(tables)``) or one
+            ``(table, rows)``; every batch gets ``on_invalid_id`` applied on the CPU, before
+            it leaves the loader thread.
+        on_invalid_id: ``error`` (raise) or ``zero`` (drop invalid ids from their bags; a
+            feature feeding tables of different sizes then comes as one key per table,
+            ``feature@table``), see :mod:`dlrmctl.sparse.validation`.
 
     Yields (``__iter__``):
         :class:`Batch` with ``dense_features [B, D] f32``, ``sparse_features`` KJT (keys =
@@ -72,8 +79,8 @@ class BatchLoader:
     Raises:
         DataError: missing/corrupt meta, unknown split or feature (names the alternatives).
         ValueError: bad batch_size / rank / world_size / num_samples.
-        EmbeddingIdError: (while iterating, with ``id_bounds``) an id outside its table, naming
-            the split, the batch, the table and the feature.
+        EmbeddingIdError: (while iterating, with ``id_bounds`` and ``on_invalid_id="error"``) an id
+            outside its table, naming the split, the batch, the table and the feature.
     """
 
     def __init__(self, data_dir: str | Path, split: str, batch_size: int, rank: int = 0, world_size: int = 1,
@@ -81,7 +88,8 @@ class BatchLoader:
                  num_samples: int | None = None, features: Sequence[str] | None = None,
                  pin_memory: bool = False, multi_hot_sizes: dict[str, int] | None = None,
                  multi_hot_distribution: str = "uniform", multi_hot_seed: int = 0,
-                 id_bounds: dict[str, tuple[str, int]] | None = None) -> None:
+                 id_bounds: dict[str, tuple[str, int] | list[IdBound]] | None = None,
+                 on_invalid_id: str = "error") -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -105,7 +113,7 @@ class BatchLoader:
         if unknown:
             raise DataError(f"unknown sparse feature(s) {unknown}; available: {all_sparse}",
                             path=Path(data_dir) / "meta.json")
-        self.features = list(features)
+        self.features = list(dict.fromkeys(features))  # a feature looked up in several tables is read once
         self.multi_hot = {f["name"]: bool(f["multi_hot"]) for f in self.meta["sparse_features"]}
         # on-the-fly MLPerf-DLRMv2 multi-hot expansion of one-hot features (criteo.multi_hot_expand)
         self.expand: dict[str, tuple[int, int, int]] = {}
@@ -127,7 +135,10 @@ class BatchLoader:
         self.pin_memory = pin_memory and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn("BatchLoader(pin_memory=True) ignored: CUDA is not available", stacklevel=2)
-        self.id_bounds = dict(id_bounds or {})
+        if on_invalid_id not in ON_INVALID_ID:
+            raise ValueError(f"on_invalid_id must be one of {list(ON_INVALID_ID)}, got {on_invalid_id!r}")
+        self.id_bounds = normalize_id_bounds(id_bounds)
+        self.on_invalid_id = on_invalid_id
         self.epoch = 0
         self._start_batch = 0  # batches of `epoch` already consumed (resume point)
         self._yielded = 0
@@ -234,9 +245,8 @@ class BatchLoader:
         )
         del F
         if self.id_bounds:
-            check_ids(kjt, {f: n for f, (_, n) in self.id_bounds.items()},
-                      {f: t for f, (t, _) in self.id_bounds.items()},
-                      where=f"{self.split} split, epoch {self.epoch}, batch {index}: ")
+            kjt = apply_id_policy(kjt, self.id_bounds, self.on_invalid_id,
+                                  where=f"{self.split} split, epoch {self.epoch}, batch {index}: ")
         batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
         return batch.pin_memory() if self.pin_memory else batch
 

@@ -63,7 +63,8 @@ class DistributedModelParallel(nn.Module):
         seed: embedding init seed; sharded tables get exactly the weights of an
             unsharded EBC built with this seed (the original EBC's weights are
             not copied; use ``sparse_arch.load_full_weights`` to start from given ones).
-        check_ids: validate id ranges of every local batch.
+        check_ids: apply the EBC's ``on_invalid_id`` to every local batch (``False``: the
+            caller did, e.g. the trainer's loader on the CPU batch).
         sync_grads_in_backward: SUM-all-reduce the replicated gradients during /
             at the end of every backward (else call :meth:`sync_dense_gradients`).
         bucket_cap_mb: size of the dense-gradient all-reduce buckets (MiB).
@@ -101,7 +102,8 @@ class DistributedModelParallel(nn.Module):
                 )
         else:
             module.sparse_arch = ShardedEmbeddingBagCollection(
-                ebc.embedding_bag_configs(), plan, env, ebc.is_weighted(), optimizer, seed, check_ids
+                ebc.embedding_bag_configs(), plan, env, ebc.is_weighted(), optimizer, seed, check_ids,
+                on_invalid_id=getattr(ebc, "on_invalid_id", "error"),
             )
             del ebc
         for name, child in module.named_children():

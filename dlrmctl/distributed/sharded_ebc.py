@@ -161,7 +161,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         optimizer: fused optimizer hyper-parameters.
         seed: initial weights are those of an unsharded EBC with this seed
             (drawn per shard, see ``init_table_rows``).
-        check_ids: check id ranges of the local input on every forward.
+        check_ids: apply ``on_invalid_id`` to the local input on every forward, before
+            any bucketization (``False``: the caller did, e.g. the trainer's loader).
+        on_invalid_id: ``error`` | ``zero`` (see :mod:`dlrmctl.sparse.validation`).
         reduce_scatter: row-wise output dist by the ``reduce_scatter`` collective
             (default: on NCCL) instead of all-to-all + local sum (gloo default).
             Only for row-wise groups whose every rank holds a shard of every table.
@@ -172,7 +174,8 @@ class ShardedEmbeddingBagCollection(TableFeatures):
     Forward:
         ``features``: KJT with every feature of every table, int64 global ids,
         local batch ``B`` (may differ between ranks).  Returns a KeyedTensor
-        with keys = feature names in table order, values ``[B, sum dims]`` float32.
+        with the unsharded EBC's keys (one per (table, feature) lookup in table order,
+        ``feature@table`` for a shared feature), values ``[B, sum dims]`` float32.
 
     Raises:
         PlanError: the plan does not fit the tables / world size.
@@ -190,8 +193,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         check_ids: bool = True,
         reduce_scatter: bool | None = None,
         input_dist_dtype: torch.dtype | None = None,
+        on_invalid_id: str = "error",
     ) -> None:
-        super().__init__(tables, is_weighted, check_ids)
+        super().__init__(tables, is_weighted, check_ids, on_invalid_id)
         plan.validate(self._tables, env.world_size)
         if plan.local_world_size != env.local_world_size:
             env = ShardingEnv(env.world_size, env.rank, env.pg, local_world_size=plan.local_world_size, device=env.device)
@@ -201,11 +205,12 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         ebc_feat_off = [0]
         for d in self._length_per_key:
             ebc_feat_off.append(ebc_feat_off[-1] + d)
-        fidx = {f: i for i, f in enumerate(self._feature_names)}
+        # lookups are keyed by output key (a shared feature is one key per table)
+        fidx = {f: i for i, f in enumerate(self._embedding_names)}
 
         groups: list[EmbeddingSharding] = []
         for st, cls in SHARDING_CLASSES.items():
-            ts = [t for t in self._tables if plan.plan[t.name].sharding_type == st]
+            ts = [t for t in self._lookup_tables if plan.plan[t.name].sharding_type == st]
             if ts:
                 groups.append(cls(ts, plan.plan, env, is_weighted, self._spec, seed))
         if reduce_scatter is not None:
@@ -216,7 +221,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         self._comm = [i for i, g in enumerate(groups) if g.needs_comm]
         self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)]
         self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
-        self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._feature_names)))
+        self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._embedding_names)))
         # where each column of each group output tensor goes in the table-ordered output
         labels: list[list[int]] = []
         for g, gf in zip(groups, self._group_feat_idx):
@@ -389,7 +394,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
             if not g.needs_comm:
                 results[i] = [g.compute(ctx.local_kjts[i])]
         vals = self._assembly([t for r in results for t in r])  # type: ignore[union-attr]
-        out = KeyedTensor(self._feature_names, self._length_per_key, vals)
+        out = KeyedTensor(self._embedding_names, self._length_per_key, vals)
         return out if ctx.inverse_indices is None else expand_by_inverse_indices(out, ctx.inverse_indices)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:

@@ -15,8 +15,13 @@ The scripted module's ``forward(dense, values, lengths) -> scores``:
 * returns ``[B]`` float32 click probabilities ``sigmoid(logit)``.
 
 It raises (``RuntimeError`` from TorchScript, message naming the feature and sample) on a wrong
-dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)`` or an id outside its table
-(``feature 'f0', sample 0: id 10 is out of range; expected 0 <= id < 10 (rows of table 't0')``).
+dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)``, or -- under the model's
+``on_invalid_id: error`` -- an id outside its table (message naming the table too); under
+``on_invalid_id: zero`` such an id is dropped from its bag (the rule of
+:mod:`dlrmctl.sparse.validation`, the same as training and the eager model).
+
+A feature looked up in several tables (outputs ``feature@table``) is one input key: the module
+feeds its bags to each of its tables (checked against each table's own rows).
 ``logits(dense, values, lengths)`` (``@torch.jit.export``) returns the logits ``[B]`` float32.
 
 Embeddings live in one FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` in the requested
@@ -38,6 +43,8 @@ MANIFEST (``manifest.json``, ``format_version`` 1)::
      "dense_features": ["I1", ...], "sparse_features": ["C1", ...],     # input order
      "tables": [{"name", "features", "num_embeddings", "embedding_dim", "pooling", "dtype",
                  "row_bytes", "bytes"}, ...],
+     "lookups": [{"key": "C1" | "C1@t1", "feature", "table"}, ...],   # pooled outputs, in order
+     "on_invalid_id": "error" | "zero",
      "quantization": {"embeddings": "int8", "dense": "fp32" | "dynamic_int8", "scale_bias": "fp16",
                       "formula": "...", "source": "..."},
      "embedding_bytes": {"stored": n, "fp32": m, "ratio": n/m},
@@ -122,15 +129,16 @@ class ExportedDLRM(nn.Module):
     """The scripted inference module: ``(dense, values, lengths) -> scores [B]`` (see module doc).
 
     Args:
-        tbe: FBGEMM IntNBit TBE, one feature per input key (``feature_table_map`` applied).
+        tbe: FBGEMM IntNBit TBE, one feature per lookup (``feature_table_map`` applied).
         dense_part: traced :class:`_DensePart` (fp32 or dynamic-int8).
         feature_names: sparse features in input order (``F``).
-        feature_rows: rows of each feature's table ``[F]``.
-        feature_dims: dims of each feature's table ``[F]``.
-        feature_mean: per feature, mean pooling (divide by bag length; empty bag -> 0).
+        feature_rows: rows of each lookup's table ``[L]`` (a lookup = one (table, feature)).
+        feature_dims: dims of each lookup's table ``[L]``.
+        feature_mean: per lookup, mean pooling (divide by the bag's valid ids; empty bag -> 0).
         num_dense: ``D_in``.
-        feature_tables: table of each feature ``[F]`` (named in the out-of-range id error);
-            default: the feature names.
+        lookup_src: input feature index of each lookup (default: lookup ``i`` reads feature ``i``).
+        lookup_tables: table name of each lookup (for messages).
+        on_invalid_id: ``error`` | ``zero`` (see :mod:`dlrmctl.sparse.validation`).
     """
 
     def __init__(
@@ -142,16 +150,24 @@ class ExportedDLRM(nn.Module):
         feature_dims: Sequence[int],
         feature_mean: Sequence[bool],
         num_dense: int,
-        feature_tables: Sequence[str] | None = None,
+        lookup_src: Sequence[int] | None = None,
+        lookup_tables: Sequence[str] | None = None,
+        on_invalid_id: str = "error",
     ) -> None:
         super().__init__()
         self.tbe = tbe
         self.dense_part = dense_part
         self.feature_names = list(feature_names)
         self.num_features = len(self.feature_names)
-        self.feature_tables = list(feature_tables) if feature_tables is not None else list(self.feature_names)
+        src = list(range(len(feature_rows))) if lookup_src is None else list(lookup_src)
+        self.num_lookups = len(src)
+        self.expand = src != list(range(self.num_features))
+        self.lookup_features = [self.feature_names[i] for i in src]
+        self.lookup_tables = list(lookup_tables) if lookup_tables is not None else ["?"] * len(src)
+        self.zero_invalid = on_invalid_id == "zero"
         self.num_dense = num_dense
         self.any_mean = any(feature_mean)
+        self.register_buffer("lookup_src", torch.tensor(src, dtype=torch.int64))
         self.register_buffer("feature_rows", torch.tensor(list(feature_rows), dtype=torch.int64))
         self.register_buffer("feature_dims", torch.tensor(list(feature_dims), dtype=torch.int64))
         self.register_buffer("feature_mean", torch.tensor(list(feature_mean), dtype=torch.bool))
@@ -182,23 +198,39 @@ class ExportedDLRM(nn.Module):
             )
         if bool((lengths < 0).any()):
             raise ValueError("lengths must be >= 0")
+        if self.expand:  # one key per lookup: a feature feeding several tables is repeated
+            lengths2d = lengths.view(self.num_features, B)
+            key_len = lengths2d.sum(1)
+            key_start = torch.cumsum(key_len, 0) - key_len
+            seg_len = key_len[self.lookup_src]
+            seg_start = key_start[self.lookup_src]
+            out_start = torch.cumsum(seg_len, 0) - seg_len
+            n = int(seg_len.sum())
+            idx = torch.repeat_interleave(seg_start - out_start, seg_len) + torch.arange(n, dtype=torch.int64, device=values.device)
+            values = values[idx]
+            lengths = lengths2d[self.lookup_src].reshape(-1)
         if values.numel() > 0:
             limit = torch.repeat_interleave(torch.repeat_interleave(self.feature_rows, B), lengths)
             bad = (values < 0) | (values >= limit)
             if bool(bad.any()):
-                i = int(torch.nonzero(bad)[0])
-                ends = torch.cumsum(lengths, 0)
-                bag = int(torch.searchsorted(ends, torch.tensor([i], dtype=ends.dtype), right=True)[0])
-                f = bag // B
-                raise ValueError(
-                    "feature '" + self.feature_names[f] + "', sample " + str(bag % B) + ": id "
-                    + str(int(values[i])) + " is out of range; expected 0 <= id < " + str(int(self.feature_rows[f]))
-                    + " (rows of table '" + self.feature_tables[f] + "')"
-                )
+                if self.zero_invalid:  # drop the id from its bag (a mean counts the valid ids)
+                    bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64, device=lengths.device), lengths)
+                    lengths = lengths - torch.bincount(bag_of[bad], minlength=lengths.numel())
+                    values = values[~bad]
+                else:
+                    i = int(torch.nonzero(bad)[0])
+                    ends = torch.cumsum(lengths, 0)
+                    bag = int(torch.searchsorted(ends, torch.tensor([i], dtype=ends.dtype), right=True)[0])
+                    f = bag // B
+                    raise ValueError(
+                        "table '" + self.lookup_tables[f] + "', feature '" + self.lookup_features[f] + "', sample "
+                        + str(bag % B) + ": id " + str(int(values[i])) + " is out of range; expected 0 <= id < "
+                        + str(int(self.feature_rows[f]))
+                    )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
         pooled = self.tbe(values, offsets)
         if self.any_mean:
-            lens = lengths.view(self.num_features, B).t().to(pooled.dtype)
+            lens = lengths.view(self.num_lookups, B).t().to(pooled.dtype)
             div = torch.where(self.feature_mean, lens.clamp(min=1.0), torch.ones_like(lens))
             pooled = pooled / torch.repeat_interleave(div, self.feature_dims, dim=1)
         return self.dense_part(dense, pooled).reshape(-1)
@@ -309,6 +341,7 @@ def export_model(
     source: dict | None = None,
     quantize_dense: bool = False,
     force: bool = False,
+    on_invalid_id: str | None = None,
 ) -> ExportResult:
     """Write the inference artifact of ``model`` to ``out_dir`` (atomically).
 
@@ -324,6 +357,7 @@ def export_model(
         source: recorded as ``manifest["source"]`` (run dir, checkpoint, metrics).
         quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part.
         force: replace an existing ``out_dir``.
+        on_invalid_id: ``error`` | ``zero``; default the EBC's own (``model.on_invalid_id``).
 
     Returns:
         :class:`ExportResult`.
@@ -345,7 +379,14 @@ def export_model(
         raise ExportError(f"model.sparse_arch is a {type(ebc).__name__}; export needs an unsharded EmbeddingBagCollection")
     tables = list(ebc.embedding_bag_configs())
     weights = ebc.embedding_weights()
-    feature_names = [f for t in tables for f in t.feature_names]
+    # inputs: each feature once; lookups: one per (table, feature), keyed like the EBC's outputs
+    feature_names = list(dict.fromkeys(f for t in tables for f in t.feature_names))
+    lookup_keys = list(ebc.embedding_names()) if hasattr(ebc, "embedding_names") else \
+        [f for t in tables for f in t.feature_names]
+    lookup_src = [feature_names.index(f) for t in tables for f in t.feature_names]
+    policy = on_invalid_id or getattr(ebc, "on_invalid_id", "error")
+    if policy not in ("error", "zero"):
+        raise ExportError(f"on_invalid_id must be 'error' or 'zero', got {policy!r}")
     q_tables = []
     for t in tables:
         w = weights[t.name]
@@ -357,7 +398,7 @@ def export_model(
 
     dims = [t.embedding_dim for t in tables for _ in t.feature_names]
     num_dense = model.dense_arch.model.model[0].in_features
-    part = _DensePart(copy.deepcopy(model).cpu().eval(), feature_names, dims)
+    part = _DensePart(copy.deepcopy(model).cpu().eval(), lookup_keys, dims)
     dense_mode = "fp32"
     if quantize_dense:
         with warnings.catch_warnings():
@@ -373,7 +414,9 @@ def export_model(
         dims,
         [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
         num_dense,
-        feature_tables=[t.name for t in tables for _ in t.feature_names],
+        lookup_src,
+        [t.name for t in tables for _ in t.feature_names],
+        policy,
     ).eval()
     with _quiet_jit():
         scripted = torch.jit.script(module)
@@ -404,6 +447,9 @@ def export_model(
         "dense_features": dense_names,
         "sparse_features": feature_names,
         "tables": table_entries,
+        "lookups": [{"key": k, "feature": f, "table": t.name}
+                    for k, (t, f) in zip(lookup_keys, [(t, f) for t in tables for f in t.feature_names])],
+        "on_invalid_id": policy,
         "quantization": {
             "embeddings": embedding_dtype,
             "dense": dense_mode,

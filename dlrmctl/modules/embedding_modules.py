@@ -37,6 +37,7 @@ weight for both kernels, and ``state_dict()`` holds exactly
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -51,6 +52,7 @@ from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, Pool
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor, SparseInputError
 from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, split_variable_batch
 from dlrmctl.sparse.validation import EmbeddingIdError, check_ids  # noqa: F401 (re-exported)
+from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, with_keys
 
 log = logging.getLogger(__name__)
 
@@ -162,22 +164,52 @@ class _DenseTable(nn.Module):
         return self.bag(values, offsets, per_sample_weights=weights)
 
 
+def embedding_names_by_table(tables: Sequence[EmbeddingBagConfig]) -> list[list[str]]:
+    """Output keys of each table's lookups, TorchRec's rule (``get_embedding_names_by_table``):
+    a feature looked up in one table keeps its name; a feature listed under several
+    tables is ``"<feature>@<table>"`` in each of them."""
+    count: dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            count[f] = count.get(f, 0) + 1
+    return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]
+
+
+def table_id_bounds(tables: Sequence[EmbeddingBagConfig]) -> dict[str, list[IdBound]]:
+    """Input feature -> the lookups it feeds (output key, table, rows), in table order: what the
+    loaders apply ``on_invalid_id`` with (``BatchLoader(id_bounds=...)``)."""
+    out: dict[str, list[IdBound]] = {}
+    for t, names in zip(tables, embedding_names_by_table(tables)):
+        for f, e in zip(t.feature_names, names):
+            out.setdefault(f, []).append(IdBound(e, f, t.name, t.num_embeddings))
+    return out
+
+
 class TableFeatures(nn.Module):
     """What every embedding-bag collection (unsharded, sharded, placeholder) knows
-    about its tables: the table configs, the KJT keys they serve in table order,
-    each feature's width and id range.
+    about its tables: the table configs, the KJT keys they read, the output key of
+    each (feature, table) lookup in table order, each lookup's width and id range.
+
+    A feature may be listed under several tables: it is read once from the input
+    and looked up in each of them; the output keys follow TorchRec's rule
+    (:func:`embedding_names_by_table`: ``feature@table`` for a shared feature).
+    Internally every lookup is keyed by its output key, so lookups and sharding
+    never see a duplicate key.
 
     Args:
         tables: table configs (unique names).
         is_weighted: inputs carry per-id weights.
-        check_ids: :meth:`prepare_features` validates id ranges.
+        check_ids: :meth:`prepare_features` applies ``on_invalid_id``.
+        on_invalid_id: ``error`` | ``zero`` (:mod:`dlrmctl.sparse.validation`).
 
     Raises:
-        ValueError: duplicate or empty table names; a config dlrmctl cannot
-            train (pooling ``NONE``, a data type other than FP32, pruning).
+        ValueError: duplicate or empty table names; a feature listed twice in one
+            table; a config dlrmctl cannot train (pooling ``NONE``, a data type
+            other than FP32, pruning); an unknown ``on_invalid_id``.
     """
 
-    def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False, check_ids: bool = True) -> None:
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], is_weighted: bool = False, check_ids: bool = True,
+                 on_invalid_id: str = "error") -> None:
         super().__init__()
         self._tables = list(tables)
         names = [t.name for t in self._tables]
@@ -185,11 +217,28 @@ class TableFeatures(nn.Module):
             raise ValueError(f"{type(self).__name__}: duplicate table names {names}")
         for t in self._tables:
             _check_trainable(t, type(self).__name__)
+            dup = sorted({f for f in t.feature_names if t.feature_names.count(f) > 1})
+            if dup:
+                raise ValueError(f"{type(self).__name__}: table '{t.name}' lists feature(s) {dup} more than once")
+        if on_invalid_id not in ON_INVALID_ID:
+            raise ValueError(f"on_invalid_id must be one of {list(ON_INVALID_ID)}, got {on_invalid_id!r}")
         self._is_weighted = is_weighted
         self._check_ids = check_ids
-        self._feature_names: list[str] = [f for t in self._tables for f in t.feature_names]
-        self._feature_rows = {f: t.num_embeddings for t in self._tables for f in t.feature_names}
-        self._feature_table = {f: t.name for t in self._tables for f in t.feature_names}
+        self.on_invalid_id = on_invalid_id
+        by_table = embedding_names_by_table(self._tables)
+        #: output keys, one per (table, feature) lookup in table order
+        self._embedding_names: list[str] = [e for names in by_table for e in names]
+        #: the input feature each output key reads
+        self._embedding_source: list[str] = [f for t in self._tables for f in t.feature_names]
+        self._feature_names: list[str] = list(dict.fromkeys(self._embedding_source))
+        #: the configs the lookups and shardings are built from: feature_names = output keys
+        self._lookup_tables = self._tables if by_table == [t.feature_names for t in self._tables] else [
+            dataclasses.replace(t, feature_names=list(n)) for t, n in zip(self._tables, by_table)
+        ]
+        self._bounds = {
+            e: [IdBound(e, f, t.name, t.num_embeddings)]
+            for t, names in zip(self._tables, by_table) for f, e in zip(t.feature_names, names)
+        }
         self._length_per_key = [t.embedding_dim for t in self._tables for _ in t.feature_names]
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -199,25 +248,38 @@ class TableFeatures(nn.Module):
         return self._is_weighted
 
     def feature_names(self) -> list[str]:
-        """KJT keys served, in table order (the order of the output KeyedTensor)."""
+        """KJT keys read (each once, in table order of first use)."""
         return self._feature_names
 
+    def embedding_names(self) -> list[str]:
+        """Keys of the output KeyedTensor, one per (table, feature) lookup in table order:
+        the feature name, or ``feature@table`` for a feature shared by several tables."""
+        return self._embedding_names
+
     def prepare_features(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """``features`` with exactly this collection's keys in table order, ids range-checked.
+        """``features`` as one key per lookup (the output keys, in table order), with
+        ``on_invalid_id`` applied when ``check_ids``.
+
+        Lookup ``feature@table`` of a shared feature reads the input key
+        ``feature@table`` when there is one (a loader applying ``zero`` gives each
+        table its own filtered copy), else ``feature``.
 
         Raises:
-            KeyError: a feature is missing.  EmbeddingIdError: an id outside its table.
-            SparseInputError: values are not 1-D integer ids.
+            KeyError: a feature is missing.  EmbeddingIdError: an id outside its table
+            (``on_invalid_id: error``).  SparseInputError: values are not 1-D integer ids.
         """
         v = features.values()
         if v.dim() != 1 or v.is_floating_point() or v.is_complex():
             raise SparseInputError(
                 f"{type(self).__name__}: KJT values must be 1-D integer ids, got shape {tuple(v.shape)} {v.dtype}"
             )
-        if features.keys() != self._feature_names:
-            features = features.select_keys(self._feature_names)
+        keys = features.keys()
+        if keys != self._embedding_names:
+            idx = features.index_per_key()
+            src = [e if e in idx else f for e, f in zip(self._embedding_names, self._embedding_source)]
+            features = with_keys(features.select_keys(src), self._embedding_names)
         if self._check_ids:
-            check_ids(features, self._feature_rows, self._feature_table)
+            features = apply_id_policy(features, self._bounds, self.on_invalid_id)
         return features
 
 
@@ -290,8 +352,14 @@ class EmbeddingBagCollection(TableFeatures):
             (``fused`` kernel); ignored by dense tables (their optimizer is built
             by the trainer).
         seed: (keyword-only) weight initialisation seed (see :func:`init_table_rows`).
-        check_ids: (keyword-only) validate id ranges on every forward (cheap:
-            one min/max per feature).
+        check_ids: (keyword-only) apply ``on_invalid_id`` on every forward (cheap:
+            one min/max per feature, read on the host).  ``False``: the caller
+            has applied it (the trainer's loaders do, on the CPU batch); ids
+            outside their table are then not detected.
+        on_invalid_id: (keyword-only) ``error`` (default: raise
+            :class:`EmbeddingIdError`) or ``zero`` (an invalid id is dropped from
+            its bag: it adds a zero row, a mean counts only the valid ids); see
+            :mod:`dlrmctl.sparse.validation`.
 
     Attributes:
         embedding_bags: ``nn.ModuleDict`` table name -> module whose ``.weight``
@@ -304,14 +372,15 @@ class EmbeddingBagCollection(TableFeatures):
 
     Forward:
         ``features``: KJT with (at least) every feature of every table, 1-D
-        integer ids, batch size ``B``.  Returns a KeyedTensor with keys =
-        feature names in table order, values ``[B, sum over features of their
-        table's dim]`` float32.
+        integer ids, batch size ``B``.  Returns a KeyedTensor with one key per
+        (table, feature) lookup in table order -- the feature name, or
+        ``feature@table`` for a feature listed under several tables (TorchRec's
+        naming) -- values ``[B, sum over lookups of their table's dim]`` float32.
 
     Raises:
         ValueError: (init) duplicate or empty table names, an unsupported config
             (pooling NONE, non-FP32 data type, pruning), an unknown compute kernel.
-        EmbeddingIdError: (forward) an id outside its table.
+        EmbeddingIdError: (forward) an id outside its table (``check_ids`` and ``on_invalid_id: error``).
         KeyError: (forward) a feature missing from the input.
         SparseInputError: (forward) values that are not 1-D integer ids.
     """
@@ -326,13 +395,14 @@ class EmbeddingBagCollection(TableFeatures):
         optimizer: EmbeddingOptimizerSpec | None = None,
         seed: int = 0,
         check_ids: bool = True,
+        on_invalid_id: str = "error",
     ) -> None:
         if not isinstance(is_weighted, bool):
             raise TypeError(
                 f"EmbeddingBagCollection: is_weighted must be a bool, got {is_weighted!r}; the argument order is "
                 "TorchRec's (tables, is_weighted=False, device=None): pass device= by keyword"
             )
-        super().__init__(tables, is_weighted, check_ids)
+        super().__init__(tables, is_weighted, check_ids, on_invalid_id)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._optimizer = optimizer or EmbeddingOptimizerSpec()
         self._seed = seed
@@ -343,7 +413,7 @@ class EmbeddingBagCollection(TableFeatures):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
         self.compute_kernel = compute_kernel
         self.lookup = GroupedEmbeddingLookup(
-            [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._tables],
+            [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._lookup_tables],
             compute_kernel=compute_kernel,
             device=self._device,
             optimizer=self._optimizer,
@@ -359,7 +429,7 @@ class EmbeddingBagCollection(TableFeatures):
         return self._device
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        """Pooled lookups: ``KeyedTensor [B, sum(dims)]`` (keys in table order).
+        """Pooled lookups: ``KeyedTensor [B, sum(dims)]`` (keys: :meth:`embedding_names`).
 
         A variable-batch KJT (TorchRec's VBE: ``stride_per_key_per_rank`` + ``inverse_indices``)
         is looked up once per distinct bag (each key padded with empty bags to the largest
@@ -369,7 +439,7 @@ class EmbeddingBagCollection(TableFeatures):
             SparseInputError: a variable-batch KJT without inverse indices.
         """
         features, inv = split_variable_batch(self.prepare_features(features))
-        out = KeyedTensor(self._feature_names, self._length_per_key, self.lookup(features))
+        out = KeyedTensor(self._embedding_names, self._length_per_key, self.lookup(features))
         return out if inv is None else expand_by_inverse_indices(out, inv)
 
     # ------------------------------------------------------- weights / state

@@ -43,8 +43,8 @@ def build_model(
         tables: resolved tables (:func:`dlrmctl.config.resolve_tables`).
         num_dense_features: ``D_in`` of the dense arch (13 for Criteo).
         compute_kernel: overrides ``model.compute_kernel``.
-        check_ids: the EBC range-checks ids on every forward (a host read per feature;
-            the trainer turns it off because its loaders check the CPU batches).
+        check_ids: the EBC applies ``model.on_invalid_id`` on every forward (a host read per
+            feature; the trainer turns it off because its loaders apply it to the CPU batches).
         sparse_placeholder: build ``sparse_arch`` as a weightless
             :class:`~dlrmctl.distributed.model_parallel.TableConfigs` (to be sharded by
             DistributedModelParallel), so no rank ever allocates a whole table.
@@ -64,7 +64,7 @@ def build_model(
     if sparse_placeholder:
         from dlrmctl.distributed.model_parallel import TableConfigs
 
-        ebc: torch.nn.Module = TableConfigs(tables, is_weighted)
+        ebc: torch.nn.Module = TableConfigs(tables, is_weighted, on_invalid_id=cfg.model.on_invalid_id)
     else:
         ebc = EmbeddingBagCollection(
             tables,
@@ -74,8 +74,11 @@ def build_model(
             optimizer=embedding_optimizer_spec(cfg),
             seed=cfg.train.seed,
             check_ids=check_ids,
+            on_invalid_id=cfg.model.on_invalid_id,
         )
-    num_features = len(ebc.feature_names())
+    # one sparse feature of the interaction per (table, feature) lookup: a feature shared by
+    # two tables enters twice (feature@table)
+    num_features = len(ebc.embedding_names())
     torch.manual_seed(cfg.train.seed)
     model = DLRM(
         ebc,

@@ -124,12 +124,13 @@ class Trainer:
             self._shard(plan)
         self._build_optimizers()
         self.schedule = WarmupPolyDecay(cfg.optimizer.lr_schedule)
-        feats = [f for t in self.tables for f in t.feature_names]
+        # each input feature once, also when several tables look it up
+        feats = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
         self.train_loader = BatchLoader(
             cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
             shuffle=cfg.data.shuffle, seed=cfg.train.seed, drop_last=cfg.data.drop_last, prefetch=cfg.data.prefetch,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
-            id_bounds=self._id_bounds(), **multi_hot_kwargs(cfg, self.meta),
+            **self._id_policy(), **multi_hot_kwargs(cfg, self.meta),
         )
         self.feature_names = feats
         self._loss_window: torch.Tensor | None = None  # [2]: last step's local loss, window sum
@@ -145,9 +146,12 @@ class Trainer:
             self._restore()
 
     # ------------------------------------------------------------- set-up
-    def _id_bounds(self) -> dict[str, tuple[str, int]]:
-        """feature -> (table, rows): what the loaders check every batch against."""
-        return {f: (t.name, t.num_embeddings) for t in self.tables for f in t.feature_names}
+    def _id_policy(self) -> dict[str, Any]:
+        """BatchLoader arguments applying ``model.on_invalid_id`` to every CPU batch: feature ->
+        the (table, rows) of each lookup it feeds, and the policy."""
+        from dlrmctl.modules.embedding_modules import table_id_bounds
+
+        return {"id_bounds": table_id_bounds(self.tables), "on_invalid_id": self.cfg.model.on_invalid_id}
 
     def _shard(self, plan: Any) -> None:
         from dlrmctl.distributed.model_parallel import DistributedModelParallel, describe_plan
@@ -309,7 +313,7 @@ class Trainer:
         loader = BatchLoader(
             data_dir or self.cfg.data.path, split, self.cfg.data.eval_batch_size, rank=self.env.rank,
             world_size=self.env.world_size, shuffle=False, prefetch=self.cfg.data.prefetch, features=self.feature_names,
-            id_bounds=self._id_bounds(), **multi_hot_kwargs(self.cfg, self.meta),
+            **self._id_policy(), **multi_hot_kwargs(self.cfg, self.meta),
         )
         self.model.eval()
         rows: list[torch.Tensor] = []  # [b, 2] float32: logit, label (on the device)
@@ -1056,7 +1060,7 @@ def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, 
     from dlrmctl.data.loader import BatchLoader
 
     cfg, model, meta = load_trained_model(run_dir)
-    feats = [f for t in model.sparse_arch.embedding_bag_configs() for f in t.feature_names]
+    feats = model.sparse_arch.feature_names()  # each input feature once (the model applies on_invalid_id)
     loader = BatchLoader(data_dir or cfg.data.path, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
                          features=feats, **multi_hot_kwargs(cfg, meta))
     logits, labels = [], []
