@@ -37,7 +37,11 @@ class TableConfig:
 
     ``num_embeddings: null`` takes the cardinality from the data's meta.json;
     ``embedding_dim: null`` takes ``model.embedding_dim``; ``feature_names``
-    defaults to ``[name]``.
+    defaults to ``[name]``.  ``weighted: true``: each id of the table's features
+    carries a weight (the data's ``<feature>__weight`` column) and pooling is
+    ``sum_i w_i e_{id_i}`` (mean: divided by the bag length).  The model's
+    EmbeddingBagCollection is then weighted (one flag for the collection, as in
+    TorchRec) and the features of the other tables get weight 1.0 from the loader.
     """
 
     name: str
@@ -45,6 +49,7 @@ class TableConfig:
     embedding_dim: Optional[int] = None
     feature_names: list[str] = field(default_factory=list)
     pooling: Literal["sum", "mean"] = "sum"
+    weighted: bool = False
 
 
 @dataclass
@@ -484,6 +489,7 @@ def validate(cfg: ExperimentConfig) -> None:
     if len(cfg.optimizer.dense.betas) != 2:
         raise ConfigError(f"optimizer.dense.betas: expected two floats, got {cfg.optimizer.dense.betas}")
     names = set()
+    feature_weighted: dict[str, tuple[bool, str]] = {}
     for i, t in enumerate(cfg.model.tables):
         p = f"model.tables[{i}]"
         if t.name in names:
@@ -491,6 +497,14 @@ def validate(cfg: ExperimentConfig) -> None:
         names.add(t.name)
         pos(t.num_embeddings, f"{p}.num_embeddings")
         pos(t.embedding_dim, f"{p}.embedding_dim")
+        for f in t.feature_names or [t.name]:
+            other = feature_weighted.setdefault(f, (t.weighted, t.name))
+            if other[0] != t.weighted:
+                raise ConfigError(
+                    f"{p}.weighted: feature '{f}' feeds the weighted and the unweighted tables "
+                    f"{sorted([t.name, other[1]])}; one feature's ids carry one weight each, so set the same "
+                    "`weighted` on both tables"
+                )
     # every interaction stacks [dense, e_1..e_F] as F+1 vectors of one width d
     it = cfg.model.interaction
     dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
@@ -516,6 +530,16 @@ def validate(cfg: ExperimentConfig) -> None:
                 raise ConfigError(f"sharding.tables.{tname}: no such table in model.tables ({sorted(names)})")
     if cfg.data.multi_hot_sizes is not None and any(s <= 0 for s in cfg.data.multi_hot_sizes):
         raise ConfigError(f"data.multi_hot_sizes: every size must be > 0, got {cfg.data.multi_hot_sizes}")
+
+
+def weighted_features(cfg: ExperimentConfig) -> list[str]:
+    """Features of the ``weighted: true`` tables of ``model.tables``, in table order (empty:
+    the model is unweighted; tables derived from the data are never weighted)."""
+    out: list[str] = []
+    for t in cfg.model.tables:
+        if t.weighted:
+            out.extend(f for f in t.feature_names or [t.name] if f not in out)
+    return out
 
 
 def read_data_meta(cfg: ExperimentConfig) -> dict | None:

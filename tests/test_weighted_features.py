@@ -105,3 +105,262 @@ def test_sharded_ebc_on_2_gloo_ranks_carries_the_weights_for_every_sharding_type
             assert res["pooled"] == WANT * (1 + rank), (rank, st, res["pooled"])
             assert "is weighted" in res["missing"] and "ShardedEmbeddingBagCollection" in res["missing"]
             assert "is unweighted" in res["extra"] and "['T0']" in res["extra"]
+
+
+# ------------------------------------------------------------------ config
+def _cfg_dict(data: str, runs: str, name: str = "w", **train) -> dict:
+    return {
+        "name": name,
+        "data": {"path": data, "batch_size": 8, "eval_batch_size": 16, "shuffle": False, "prefetch": 0},
+        "model": {
+            "tables": [{"name": "T0", "num_embeddings": 4, "embedding_dim": 4, "feature_names": ["f0"], "weighted": True},
+                       {"name": "T1", "num_embeddings": 3, "embedding_dim": 4, "feature_names": ["f1"]}],
+            "dense_arch_layer_sizes": [8, 4], "over_arch_layer_sizes": [8, 1], "compute_kernel": "fused",
+        },
+        "optimizer": {"embedding": {"lr": 0.05}, "dense": {"lr": 0.05}},
+        "train": {"epochs": 2, "run_dir": runs, "progress": False, "pipeline": "none", "device": "cpu",
+                  "log_every": 1, "checkpoint_every": 3, **train},
+    }
+
+
+def test_yaml_weighted_key_feature_list_and_errors():
+    from dlrmctl.config import ConfigError, config_from_dict, weighted_features
+
+    cfg = config_from_dict(_cfg_dict("d", "r"))
+    assert [t.weighted for t in cfg.model.tables] == [True, False]
+    assert weighted_features(cfg) == ["f0"]
+    raw = _cfg_dict("d", "r")
+    raw["model"]["tables"][0]["weighted"] = "yes"
+    with pytest.raises(ConfigError, match=r"model.tables\[0\].weighted: expected bool"):
+        config_from_dict(raw)
+    raw = _cfg_dict("d", "r")
+    raw["model"]["tables"][1]["feature_names"] = ["f0"]  # one feature, a weighted and an unweighted table
+    with pytest.raises(ConfigError, match=r"feature 'f0' feeds the weighted and the unweighted tables \['T0', 'T1'\]"):
+        config_from_dict(raw)
+    raw = _cfg_dict("d", "r")
+    raw["model"]["tables"][0]["weighted"] = False
+    assert weighted_features(config_from_dict(raw)) == []
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_build_model_is_weighted_from_the_yaml(kernel):
+    from dlrmctl.config import config_from_dict, resolve_tables
+    from dlrmctl.train.factory import build_model
+
+    cfg = config_from_dict(_cfg_dict("d", "r"))
+    model = build_model(cfg, resolve_tables(cfg), 1, compute_kernel=kernel)
+    assert model.sparse_arch.is_weighted()
+    set_rows(model.sparse_arch.embedding_weights())
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 0]), lengths=torch.tensor([2, 1]),
+                            weights=torch.tensor([10.0, 100.0, 1.0]))
+    assert model.sparse_arch(kjt)["f0"].tolist() == WANT
+    cfg.model.tables[0].weighted = False
+    assert not build_model(cfg, resolve_tables(cfg), 1, compute_kernel=kernel).sparse_arch.is_weighted()
+
+
+# -------------------------------------------------------------------- data
+ROWS = 40
+
+
+def write_data(d, weights: bool = True):
+    """Hand-made columnar data: dense d0; multi-hot f0 (4 rows; row 0 of the data is the setup
+    bag [1, 2] with weights [10, 100]) with a f0__weight column; one-hot f1 (3 rows), no weights."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dlrmctl.data.columnar import FORMAT_VERSION, ShardWriter, shard_schema, weight_column, write_meta
+
+    rng = np.random.default_rng(0)
+    bags = [[1, 2]] + [list(rng.integers(0, 4, size=int(rng.integers(0, 4)))) for _ in range(ROWS - 1)]
+    wts = [[10.0, 100.0]] + [list(rng.uniform(0.5, 2.0, size=len(b)).astype(np.float32)) for b in bags[1:]]
+    f1 = rng.integers(0, 3, size=ROWS)
+    label = (rng.random(ROWS) < 0.4).astype(np.float32)
+    cols = {"label": label, "d0": rng.normal(size=ROWS).astype(np.float32),
+            "f0": pa.array(bags, type=pa.list_(pa.int64())), "f1": f1}
+    if weights:
+        cols[weight_column("f0")] = pa.array(wts, type=pa.list_(pa.float32()))
+    schema = shard_schema(["d0"], ["f0", "f1"], multi_hot=[True, False], weighted=[weights, False])
+    splits = {}
+    for split in ("train", "val"):
+        w = ShardWriter(d / "parts" / f"{split}.arrow", schema)
+        for lo, hi in ((0, 15), (15, ROWS)):  # two record batches
+            w.write({k: v[lo:hi] for k, v in cols.items()})
+        w.close()
+        splits[split] = {"rows": ROWS, "files": [f"parts/{split}.arrow"]}
+    write_meta(d, {
+        "format_version": FORMAT_VERSION, "dataset": "handmade", "dense_features": ["d0"],
+        "sparse_features": [{"name": "f0", "num_embeddings": 4, "multi_hot": True, **({"weighted": True} if weights else {})},
+                            {"name": "f1", "num_embeddings": 3, "multi_hot": False}],
+        "label": "label", "splits": splits, "vocab_files": {},
+    })
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_data(tmp_path_factory.mktemp("wdata"))
+
+
+def test_loader_reads_weights_of_weighted_features_and_1_for_the_others(data, tmp_path):
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.loader import BatchLoader
+
+    b = next(iter(BatchLoader(data, "train", 2, features=["f0", "f1"], weighted_features=["f0"], prefetch=0)))
+    kjt = b.sparse_features
+    n0 = int(kjt.lengths()[:2].sum())
+    assert kjt.values()[:2].tolist() == [1, 2] and kjt.weights()[:2].tolist() == [10.0, 100.0]
+    assert kjt.weights().dtype == torch.float32 and kjt.weights().numel() == kjt.values().numel()
+    assert kjt.weights()[n0:].tolist() == [1.0, 1.0]  # f1: unweighted table -> 1.0
+    # with shuffling and several record batches the weights stay with their ids
+    every = BatchLoader(data, "train", ROWS, features=["f0"], weighted_features=["f0"], prefetch=0)
+    ref = next(iter(every)).sparse_features.to_dict()["f0"]
+    pairs = {(tuple(v.tolist()), tuple(w.tolist())) for v, w in zip(ref.to_dense(), ref.to_dense_weights())}
+    assert len(pairs) > 20
+    for batch in BatchLoader(data, "train", 7, shuffle=True, seed=3, weighted_features=["f0"], prefetch=1):
+        jt = batch.sparse_features.to_dict()["f0"]
+        assert jt.weights().numel() == jt.values().numel()
+        for v, w in zip(jt.to_dense(), jt.to_dense_weights()):
+            assert (tuple(v.tolist()), tuple(w.tolist())) in pairs
+    # no weighted features: no weights (the unweighted model's input is unchanged)
+    assert next(iter(BatchLoader(data, "train", 2, prefetch=0))).sparse_features.weights_or_none() is None
+    with pytest.raises(DataError, match=r"feature 'f1' is weighted .*no 'f1__weight' column"):
+        BatchLoader(data, "train", 2, weighted_features=["f1"])
+    with pytest.raises(DataError, match=r"feature 'f0' is weighted"):
+        BatchLoader(write_data(tmp_path, weights=False), "train", 2, weighted_features=["f0"])
+
+
+def test_loader_repeats_a_one_hot_weight_over_its_multi_hot_expansion(tmp_path):
+    import numpy as np
+
+    from dlrmctl.data.loader import BatchLoader
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path, rows=50, seed=1, num_embeddings=30, weighted_features=["C2"])
+    ld = BatchLoader(tmp_path, "train", 5, features=["C1", "C2"], weighted_features=["C2"], prefetch=0,
+                     multi_hot_sizes={"C2": 3})
+    k = next(iter(ld)).sparse_features
+    plain = next(iter(BatchLoader(tmp_path, "train", 5, features=["C2"], weighted_features=["C2"], prefetch=0)))
+    w2 = k.to_dict()["C2"].weights()
+    assert k.lengths()[5:].tolist() == [3] * 5
+    np.testing.assert_array_equal(w2.numpy(), np.repeat(plain.sparse_features.weights().numpy(), 3))
+    assert k.to_dict()["C1"].weights().tolist() == [1.0] * 5
+
+
+def test_synthetic_weighted_features_flag_writes_weight_columns_and_leaves_the_rest(tmp_path):
+    import numpy as np
+
+    from dlrmctl.data.columnar import open_split, read_meta
+
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path / "w", rows=400, seed=2, num_embeddings=50, weighted_features=["C1", "C9"])
+    generate_synthetic(tmp_path / "p", rows=400, seed=2, num_embeddings=50)
+    mw, mp = read_meta(tmp_path / "w"), read_meta(tmp_path / "p")
+    assert [f["name"] for f in mw["sparse_features"] if f.get("weighted")] == ["C1", "C9"]
+    assert not any(f.get("weighted") for f in mp["sparse_features"]) and "weights" not in mp["transforms"]
+    w, p = open_split(tmp_path / "w", "train"), open_split(tmp_path / "p", "train")
+    assert w.shards[0].columns == p.shards[0].columns + ["C1__weight", "C9__weight"]
+    for c in ["I1", "C1", "C9", "C26"]:  # ids and dense values: the same rows
+        np.testing.assert_array_equal(w.shards[0].read_column(c), p.shards[0].read_column(c))
+    wc = w.shards[0].read_column("C1__weight")
+    assert wc.dtype == np.float32 and 0.5 <= wc.min() and wc.max() <= 2.0
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    r = CliRunner().invoke(app, ["preprocess", "synthetic", "--out", str(tmp_path / "c"), "--rows", "100",
+                                 "--num-embeddings", "20", "--weighted-features", "C3"])
+    assert r.exit_code == 0, r.output
+    assert [f["name"] for f in read_meta(tmp_path / "c")["sparse_features"] if f.get("weighted")] == ["C3"]
+
+
+# ------------------------------------------------------- training / resume
+def _trainer(env, cfg_dict, resume=False, plan=None):
+    from dlrmctl.config import config_from_dict
+    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+
+    cfg = config_from_dict(cfg_dict)
+    renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    if renv.is_main:
+        prepare_run_dir(cfg, resume=resume, overwrite=False)
+    renv.barrier()
+    torch.manual_seed(cfg.train.seed)
+    return Trainer(cfg, renv, f"{cfg.train.run_dir}/{cfg.name}", resume=resume, plan=plan)
+
+
+def _losses(run_dir):
+    import json
+
+    return {r["step"]: r["loss"] for r in map(json.loads, open(f"{run_dir}/metrics.jsonl")) if r["kind"] == "train"}
+
+
+def _setup_batch_output(trainer):
+    """The pooled f0 of data row 0 (the setup bag) in train and in eval mode, with T0's rows set to [i]*4."""
+    sa = trainer.model.sparse_arch
+    set_rows({"T0": sa.embedding_weights()["T0"]})
+    batch = next(iter(trainer.train_loader))
+    out = [sa(batch.sparse_features)["f0"][:1].tolist()]
+    trainer.model.eval()
+    with torch.no_grad():
+        out.append(sa(batch.sparse_features)["f0"][:1].tolist())
+    trainer.model.train()
+    return out
+
+
+def test_trainer_feeds_the_weights_in_training_and_eval(data, tmp_path):
+    t = _trainer(None, _cfg_dict(data, str(tmp_path)))
+    assert t.model.sparse_arch.is_weighted() and t.weighted
+    assert _setup_batch_output(t) == [WANT, WANT]
+    m = t.evaluate()  # the eval loader carries the weights too (a weighted EBC without them raises)
+    assert m["num_samples"] == ROWS
+
+
+def test_weighted_run_resumes_with_the_same_per_step_losses(data, tmp_path):
+    runs = str(tmp_path)
+    _trainer(None, _cfg_dict(data, runs, "s", max_steps=8)).train()
+    _trainer(None, _cfg_dict(data, runs, "r", max_steps=4)).train()
+    t = _trainer(None, _cfg_dict(data, runs, "r", max_steps=8), resume=True)
+    assert t.step == 4
+    t.train()
+    s, r = _losses(f"{runs}/s"), _losses(f"{runs}/r")
+    assert sorted(s) == list(range(1, 9))
+    for step in range(5, 9):
+        assert r[step] == s[step], step
+    # the weights matter: the same run on unweighted tables learns something else
+    raw = _cfg_dict(data, runs, "u", max_steps=8)
+    raw["model"]["tables"][0]["weighted"] = False
+    _trainer(None, raw).train()
+    assert _losses(f"{runs}/u")[8] != s[8]
+
+
+def _two_rank_cfg(data, runs, name):
+    raw = _cfg_dict(data, runs, name, max_steps=7)
+    raw["data"]["num_samples"] = 33  # the last global batch has 1 row: rank 1 steps on an empty batch
+    return raw
+
+
+def _two_rank_training(env, data, runs):
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name="T0", num_embeddings=4, embedding_dim=4, feature_names=["f0"]),
+              EmbeddingBagConfig(name="T1", num_embeddings=3, embedding_dim=4, feature_names=["f1"])]
+    out = {}
+    for st in ("row_wise", "table_wise"):
+        plan = plan_from_types(tables, {"T0": st, "T1": "data_parallel"}, env.world_size)
+        t = _trainer(env, _two_rank_cfg(data, runs, f"d_{st}"), plan=plan)
+        assert t.model.sparse_arch.is_weighted()
+        t.train()
+        out[st] = _losses(f"{runs}/d_{st}") if env.rank == 0 else None
+    return out
+
+
+def test_weighted_training_on_2_gloo_ranks_matches_one_process(data, tmp_path):
+    runs = str(tmp_path)
+    _trainer(None, _two_rank_cfg(data, runs, "one")).train()
+    one = _losses(f"{runs}/one")
+    res = run_multiprocess(_two_rank_training, 2, data, runs, timeout_s=240)
+    for st, two in res[0].items():
+        assert sorted(two) == sorted(one)
+        for step in one:
+            assert two[step] == pytest.approx(one[step], abs=1e-5), (st, step)
