@@ -364,3 +364,151 @@ def test_weighted_training_on_2_gloo_ranks_matches_one_process(data, tmp_path):
         assert sorted(two) == sorted(one)
         for step in one:
             assert two[step] == pytest.approx(one[step], abs=1e-5), (st, step)
+
+
+# ------------------------------------------------------------------ export
+LOGIT = 0.01 * 210.0  # setup_dlrm: logit = sum_j d_j * pooled_j with d = [0.001, 0.002, 0.003, 0.004]
+
+
+def setup_dlrm(weighted: bool = True, extra: bool = False, kernel: str = "dense"):
+    """A DLRM over the setup tables whose logit is ``sum_j d_j * pooled_f0_j`` (+ the same for f1
+    with ``extra``), d = [0.001 .. 0.004]: 2.1 for the setup sample (0.03 unweighted)."""
+    from dlrmctl.modules.dlrm import DLRM
+
+    ebc = EmbeddingBagCollection(setup_tables(extra), is_weighted=weighted, compute_kernel=kernel)
+    set_rows(ebc.embedding_weights())
+    F = len(ebc.feature_names())
+    model = DLRM(ebc, 1, [4], [1], F, 4)
+    with torch.no_grad():
+        lin = model.dense_arch.model.model[0]
+        lin.weight.zero_()
+        lin.bias.copy_(torch.tensor([0.001, 0.002, 0.003, 0.004]))
+        over = model.over_arch.model.model[0]
+        over.weight.zero_()
+        over.bias.zero_()
+        # interaction output: [d (4), d.e_1, .., d.e_F, then e_i.e_j pairs]
+        over.weight[0, 4:4 + F] = 1.0
+    return model.eval()
+
+
+def setup_inputs(extra: bool = False):
+    dense = torch.zeros(1, 1)
+    if not extra:
+        return dense, torch.tensor([1, 2]), torch.tensor([2]), torch.tensor([10.0, 100.0])
+    # f1: id 2 with weight 5.0, which the unweighted table T1 ignores
+    return dense, torch.tensor([1, 2, 2]), torch.tensor([2, 1]), torch.tensor([10.0, 100.0, 5.0])
+
+
+needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "int4"])
+def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype):
+    import math
+
+    from dlrmctl.inference.export import ExportError, export_model, load_exported
+
+    model = setup_dlrm()
+    dense, values, lengths, weights = setup_inputs()
+    with torch.no_grad():
+        eager = torch.sigmoid(model(dense, setup_kjt())).item()
+    assert eager == pytest.approx(1 / (1 + math.exp(-LOGIT)), abs=1e-6)
+    res = export_model(model, tmp_path / "m", dtype)
+    man = res.manifest
+    assert man["weighted_features"] == ["f0"] and man["tables"][0]["weighted"] is True
+    assert man["inputs"]["weights"]["features"] == ["f0"] and man["inputs"]["weights"]["dtype"] == "float32"
+    m = load_exported(tmp_path / "m")
+    assert m.weighted_features == ["f0"]
+    # rows [i]*4 are constant rows: exact in int8 / int4 (scale 0, bias = i)
+    assert m.module.embeddings(values, lengths, weights).tolist() == WANT
+    assert m.module.logits(dense, values, lengths, weights).tolist() == pytest.approx([LOGIT], abs=1e-6)
+    assert m.score(dense, values, lengths, weights).tolist() == pytest.approx([eager], abs=1e-6)
+    assert m.score_kjt(dense, setup_kjt()).tolist() == pytest.approx([eager], abs=1e-6)
+    with pytest.raises(ExportError, match=r"has weighted features \['f0'\]: pass weights \[N\] float32"):
+        m.score(dense, values, lengths)
+    with pytest.raises(ExportError, match=r"weights must be \[N\] float32 with N = len\(values\) = 2"):
+        m.score(dense, values, lengths, torch.tensor([10.0]))
+    with pytest.raises(ExportError, match=r"weights must be \[N\] float32"):
+        m.score(dense, values, lengths, torch.tensor([10, 100]))
+
+
+@needs_fbgemm
+def test_weighted_export_ignores_the_weights_of_unweighted_tables(tmp_path):
+    from dlrmctl.inference.export import export_model, load_exported
+
+    model = setup_dlrm(extra=True)
+    dense, values, lengths, weights = setup_inputs(extra=True)
+    export_model(model, tmp_path / "m", "int8", weighted_features=["f0"])
+    m = load_exported(tmp_path / "m")
+    assert m.manifest["weighted_features"] == ["f0"]
+    assert [t["weighted"] for t in m.manifest["tables"]] == [True, False]
+    assert m.module.embeddings(values, lengths, weights).tolist() == [[210.0] * 4 + [2.0] * 4]
+    # what the loader gives the weighted EBC: 1.0 for the unweighted table's ids
+    kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, weights=torch.tensor([10.0, 100.0, 1.0]))
+    with torch.no_grad():
+        assert model.sparse_arch(kjt).values().tolist() == [[210.0] * 4 + [2.0] * 4]
+        eager = torch.sigmoid(model(dense, kjt)).reshape(-1).tolist()
+    assert m.score(dense, values, lengths, weights).tolist() == pytest.approx(eager, abs=1e-6)
+
+
+@needs_fbgemm
+def test_unweighted_export_keeps_its_interface_and_refuses_weights(tmp_path):
+    from dlrmctl.inference.export import ExportError, export_model, load_exported
+
+    model = setup_dlrm(weighted=False)
+    dense, values, lengths, weights = setup_inputs()
+    res = export_model(model, tmp_path / "m", "int8")
+    assert res.manifest["weighted_features"] == [] and "weights" not in res.manifest["inputs"]
+    assert res.manifest["format_version"] == 1
+    m = load_exported(tmp_path / "m")
+    assert m.module.embeddings(values, lengths).tolist() == [[3.0] * 4]
+    assert m.module(dense, values, lengths).tolist() == pytest.approx(m.score(dense, values, lengths).tolist())
+    with pytest.raises(ExportError, match=r"no weighted features .* takes no weights"):
+        m.score(dense, values, lengths, weights)
+    with pytest.raises(ExportError, match=r"EmbeddingBagCollection is unweighted but weighted_features is \['f0'\]"):
+        export_model(model, tmp_path / "x", "int8", weighted_features=["f0"])
+    with pytest.raises(ExportError, match=r"weighted_features \['nope'\] are not features"):
+        export_model(setup_dlrm(), tmp_path / "y", "int8", weighted_features=["nope"])
+
+
+@needs_fbgemm
+def test_export_run_evaluate_and_predict_of_a_weighted_run(data, tmp_path):
+    from dlrmctl.inference.export import ExportError, evaluate_exported, export_run, load_exported
+    from dlrmctl.inference.predict import predict_file
+    from dlrmctl.train.loop import evaluate_run
+
+    runs = str(tmp_path)
+    _trainer(None, _cfg_dict(data, runs, "e", max_steps=6)).train()
+    res = export_run(f"{runs}/e", "fp32", tmp_path / "m")
+    assert res.manifest["weighted_features"] == ["f0"]
+    assert [t["weighted"] for t in res.manifest["tables"]] == [True, False]
+    want = evaluate_run(f"{runs}/e", "val")
+    got = evaluate_exported(tmp_path / "m", data, "val")
+    assert got["num_samples"] == want["num_samples"] == ROWS
+    for k in ("auc", "logloss"):
+        assert got[k] == pytest.approx(want[k], abs=1e-6), k
+    raw = tmp_path / "raw.tsv"
+    raw.write_text("0\t1\n")
+    with pytest.raises(ExportError, match=r"weighted features \['f0'\] and needs per-id weights"):
+        predict_file(tmp_path / "m", raw, tmp_path / "out.csv")
+    assert not (tmp_path / "out.csv").exists()
+    assert load_exported(tmp_path / "m").weighted_features == ["f0"]
+
+
+def test_cpp_input_file_carries_the_weights(tmp_path):
+    import struct
+
+    import numpy as np
+
+    from dlrmctl.inference.predict import write_cpp_input
+
+    dense, values, lengths, weights = setup_inputs()
+    write_cpp_input(tmp_path / "w.bin", dense, values, lengths, weights)
+    raw = (tmp_path / "w.bin").read_bytes()
+    assert raw[:8] == b"DLRMIN02" and struct.unpack("<4q", raw[8:40]) == (1, 1, 2, 1)
+    assert np.frombuffer(raw[-8:], dtype="<f4").tolist() == [10.0, 100.0]
+    write_cpp_input(tmp_path / "p.bin", dense, values, lengths)
+    assert (tmp_path / "p.bin").read_bytes()[:8] == b"DLRMIN01" and len(raw) == (tmp_path / "p.bin").stat().st_size + 8
+    with pytest.raises(ValueError, match="one entry per value"):
+        write_cpp_input(tmp_path / "x.bin", dense, values, lengths, weights[:1])
