@@ -39,6 +39,13 @@ class TableConfig:
     ``embedding_dim: null`` takes ``model.embedding_dim``; ``feature_names``
     defaults to ``[name]``.  A feature may be listed under several tables: it
     is read once and looked up in each (outputs ``feature@table``, TorchRec's naming).
+    ``weighted: true``: each id of the table's features
+    carries a weight (the data's ``<feature>__weight`` column) and pooling is
+    ``sum_i w_i e_{id_i}`` (mean: divided by the bag length).  The model's
+    EmbeddingBagCollection is then weighted (one flag for the collection, as in
+    TorchRec) and the features of the other tables get weight 1.0 from the loader.
+    A feature shared by several tables carries one weight per id, so those tables
+    must agree on ``weighted``.
     """
 
     name: str
@@ -46,6 +53,7 @@ class TableConfig:
     embedding_dim: Optional[int] = None
     feature_names: list[str] = field(default_factory=list)
     pooling: Literal["sum", "mean"] = "sum"
+    weighted: bool = False
 
 
 @dataclass
@@ -497,6 +505,7 @@ def validate(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"optimizer.dense.betas: expected two floats, got {cfg.optimizer.dense.betas}")
     _validate_lr_schedule(cfg.optimizer.lr_schedule, "optimizer.lr_schedule")
     names = set()
+    feature_weighted: dict[str, tuple[bool, str]] = {}
     for i, t in enumerate(cfg.model.tables):
         p = f"model.tables[{i}]"
         if t.name in names:
@@ -507,6 +516,14 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"{p}.feature_names: {twice} listed more than once in table '{t.name}'")
         pos(t.num_embeddings, f"{p}.num_embeddings")
         pos(t.embedding_dim, f"{p}.embedding_dim")
+        for f in t.feature_names or [t.name]:
+            other = feature_weighted.setdefault(f, (t.weighted, t.name))
+            if other[0] != t.weighted:
+                raise ConfigError(
+                    f"{p}.weighted: feature '{f}' feeds the weighted and the unweighted tables "
+                    f"{sorted([t.name, other[1]])}; one feature's ids carry one weight each, so set the same "
+                    "`weighted` on both tables"
+                )
     # every interaction stacks [dense, e_1..e_F] as F+1 vectors of one width d
     it = cfg.model.interaction
     dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
@@ -563,6 +580,16 @@ def _validate_lr_schedule(s: LRScheduleConfig, p: str) -> None:
             f"{p}.decay_start_step: {s.decay_start_step} but decay_steps is 0 (no decay); "
             "set decay_steps > 0 or remove decay_start_step"
         )
+
+
+def weighted_features(cfg: ExperimentConfig) -> list[str]:
+    """Features of the ``weighted: true`` tables of ``model.tables``, in table order (empty:
+    the model is unweighted; tables derived from the data are never weighted)."""
+    out: list[str] = []
+    for t in cfg.model.tables:
+        if t.weighted:
+            out.extend(f for f in t.feature_names or [t.name] if f not in out)
+    return out
 
 
 def read_data_meta(cfg: ExperimentConfig) -> dict | None:

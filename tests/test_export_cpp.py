@@ -108,3 +108,29 @@ def test_cpp_reports_bad_input_and_out_of_range_ids(cpp_binary, tmp_path):
     r = subprocess.run(run + [str(tmp_path / "bad.bin"), str(tmp_path / "o.bin"), _fbgemm_dir()], capture_output=True, text=True)
     assert r.returncode == 4 and "is out of range" in r.stderr
     assert "table 't0'" in r.stderr  # bad[0] is an id of f0 or f1, both in table t0
+
+
+def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
+    """The weighted-features setup (T0 row i = [i]*4, ids [1, 2], weights [10, 100]): pooled
+    [210]*4, logit 2.1, in Python and in C++ (DLRMIN02 input); without weights it is refused."""
+    import math
+
+    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
+
+    from tests.test_weighted_features import LOGIT, setup_dlrm, setup_inputs
+
+    export_model(setup_dlrm(), tmp_path / "m", "int8")
+    dense, values, lengths, weights = setup_inputs()
+    py = load_exported(tmp_path / "m").score(dense, values, lengths, weights).numpy()
+    np.testing.assert_allclose(py, [1 / (1 + math.exp(-LOGIT))], rtol=0, atol=1e-6)
+    write_cpp_input(tmp_path / "in.bin", dense, values, lengths, weights)
+    run = [str(cpp_binary), str(tmp_path / "m" / "model.pt")]
+    r = subprocess.run(run + [str(tmp_path / "in.bin"), str(tmp_path / "out.bin"), _fbgemm_dir()],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    np.testing.assert_allclose(read_cpp_output(tmp_path / "out.bin"), py, rtol=0, atol=1e-6)
+    write_cpp_input(tmp_path / "plain.bin", dense, values, lengths)
+    r = subprocess.run(run + [str(tmp_path / "plain.bin"), str(tmp_path / "o.bin"), _fbgemm_dir()],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 4 and "has weighted features ['f0']" in r.stderr, r.stderr

@@ -398,7 +398,9 @@ def _tables(**kw):
 def _kjt():
     lengths = torch.tensor([1, 2, 0, 1, 3, 1])
     values = torch.tensor([1, 19, 3, 5, 0, 2, 6, 4])
-    return KeyedJaggedTensor(["a", "b", "c"], values, torch.rand(8), lengths)
+    # TorchRec's positional order (keys, values, weights, lengths); no weights: these EBCs are
+    # unweighted, and an unweighted EBC given weights raises
+    return KeyedJaggedTensor(["a", "b", "c"], values, None, lengths)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

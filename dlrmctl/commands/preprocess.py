@@ -96,6 +96,9 @@ def synthetic(
     num_embeddings: Optional[str] = typer.Option(None, help="table sizes: one N or 26 comma-separated "
                                                  "(default: 10..10000, signal tables C1..C8 small)"),
     zipf_alpha: float = typer.Option(1.05, help="Zipf exponent of id frequencies"),
+    weighted_features: Optional[str] = typer.Option(
+        None, help="comma-separated features (e.g. C1,C2) that get per-id weights U(0.5, 2) in a <feature>__weight "
+        "column; their effect on the label is weight * effect (train them with `weighted: true` tables)"),
 ) -> None:
     """Criteo-schema synthetic data with a planted logistic signal; meta.json has its bayes_auc."""
     from dlrmctl.data.synthetic import generate_synthetic
@@ -103,7 +106,8 @@ def synthetic(
     try:
         rep = generate_synthetic(out, rows=rows, seed=seed, val_ratio=val_ratio, test_ratio=test_ratio,
                                  num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
-                                 zipf_alpha=zipf_alpha)
+                                 zipf_alpha=zipf_alpha,
+                                 weighted_features=[f.strip() for f in (weighted_features or "").split(",") if f.strip()])
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     _summary(rep, out)

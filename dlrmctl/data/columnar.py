@@ -12,6 +12,11 @@ Every shard holds one column per feature, no nulls:
 * one float32 ``[rows]`` column per dense feature (already transformed, e.g. log(x+1)).
 * one int64 ``[rows]`` column per one-hot sparse feature (ids in ``[0, num_embeddings)``).
 * one ``list<int64>`` column per multi-hot sparse feature (bags of ids).
+* optional per-id weights of a sparse feature ``F`` (weighted features, see ``model.tables[].weighted``):
+  a column ``F__weight`` (:func:`weight_column`), float32 ``[rows]`` for a one-hot feature,
+  ``list<float32>`` with the same bag lengths as ``F`` for a multi-hot one; meta.json marks the
+  feature ``"weighted": true``.  Criteo and MovieLens write none; ``dlrmctl preprocess synthetic
+  --weighted-features`` does.
 
 A shard may hold several record batches (written while streaming).  Readers map the whole
 file once and address every column of every record batch inside that one mapping
@@ -25,7 +30,8 @@ FORMAT (``meta.json``, ``format_version`` 1)::
       "dataset": "criteo" | "synthetic" | ...,
       "dense_features": ["I1", ...],
       "sparse_features": [{"name": "C1", "num_embeddings": N, "multi_hot": false,
-                           "mean_pooling_factor": 1.0, "max_pooling_factor": 1, ...}, ...],
+                           "mean_pooling_factor": 1.0, "max_pooling_factor": 1,
+                           "weighted": false (optional: true when the shards have C1__weight), ...}, ...],
       "label": "label" | null,
       "splits": {"train": {"rows": n, "files": ["parts/x/train.arrow", ...]}, "val": ..., "test": ...},
       "ctr": {"train": 0.25, ...},            # mean label per split (null when no rows / no label)
@@ -52,6 +58,8 @@ import pyarrow.ipc as ipc
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 LABEL_COLUMN = "label"
+#: suffix of a sparse feature's optional per-id weight column (``C1`` -> ``C1__weight``)
+WEIGHT_SUFFIX = "__weight"
 SPLITS = ("train", "val", "test")
 
 __all__ = [
@@ -62,6 +70,7 @@ __all__ = [
     "open_split",
     "read_meta",
     "shard_schema",
+    "weight_column",
     "write_meta",
     "write_split_shard",
 ]
@@ -93,8 +102,14 @@ class DataError(ValueError):
 
 
 # ---------------------------------------------------------------------------- writing
+def weight_column(feature: str) -> str:
+    """Name of the per-id weight column of sparse feature ``feature`` (``C1`` -> ``C1__weight``)."""
+    return feature + WEIGHT_SUFFIX
+
+
 def shard_schema(dense_features: Sequence[str], sparse_features: Sequence[str],
-                 multi_hot: Sequence[bool] | None = None, labelled: bool = True) -> pa.Schema:
+                 multi_hot: Sequence[bool] | None = None, labelled: bool = True,
+                 weighted: Sequence[bool] | None = None) -> pa.Schema:
     """Arrow schema of a shard.
 
     Args:
@@ -102,15 +117,20 @@ def shard_schema(dense_features: Sequence[str], sparse_features: Sequence[str],
         sparse_features: names of the id columns, in order.
         multi_hot: per sparse feature, True for a ``list<int64>`` column (bag), False for int64.
         labelled: include the float32 ``label`` column first.
+        weighted: per sparse feature, True to add its weight column :func:`weight_column`
+            (float32, or ``list<float32>`` for a multi-hot feature); default none.
 
     Returns:
-        ``pa.Schema`` with columns ``[label], dense..., sparse...``.
+        ``pa.Schema`` with columns ``[label], dense..., sparse..., weights of weighted sparse...``.
     """
     mh = list(multi_hot) if multi_hot is not None else [False] * len(sparse_features)
+    wt = list(weighted) if weighted is not None else [False] * len(sparse_features)
     fields = [pa.field(LABEL_COLUMN, pa.float32(), nullable=False)] if labelled else []
     fields += [pa.field(n, pa.float32(), nullable=False) for n in dense_features]
     fields += [pa.field(n, pa.list_(pa.int64()) if m else pa.int64(), nullable=False)
                for n, m in zip(sparse_features, mh)]
+    fields += [pa.field(weight_column(n), pa.list_(pa.float32()) if m else pa.float32(), nullable=False)
+               for n, m, w in zip(sparse_features, mh, wt) if w]
     return pa.schema(fields)
 
 
@@ -292,7 +312,7 @@ class MappedShard:
 
     Raises:
         DataError: the file is missing, not Arrow IPC, compressed, has nulls, or a column of an
-            unsupported type (only float32, int64 and list<int64> are read).
+            unsupported type (only float32, int64, list<int64> and list<float32> are read).
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -327,11 +347,13 @@ class MappedShard:
                 self._kind[f.name] = "i64"
             elif f.type == pa.list_(pa.int64()):
                 self._kind[f.name] = "list"
+            elif f.type == pa.list_(pa.float32()):
+                self._kind[f.name] = "listf32"  # per-id weights of a multi-hot feature
             else:
-                raise DataError(f"column '{f.name}' has type {f.type}; expected float32, int64 or "
-                                "list<int64>", path=self.path)
+                raise DataError(f"column '{f.name}' has type {f.type}; expected float32, int64, "
+                                "list<int64> or list<float32>", path=self.path)
             self._base[f.name] = np.zeros(nb, dtype=np.int64)
-            if self._kind[f.name] == "list":
+            if self._kind[f.name] in ("list", "listf32"):
                 self._vbase[f.name] = np.zeros(nb, dtype=np.int64)
         for b in range(nb):
             rb = reader.get_batch(b)
@@ -341,11 +363,11 @@ class MappedShard:
                     raise DataError(f"column '{f.name}' has {col.null_count} nulls", path=self.path)
                 kind = self._kind[f.name]
                 bufs = col.buffers()
-                if kind == "list":
+                if kind in ("list", "listf32"):
                     off_b, val_b = bufs[1], bufs[3]
                     self._base[f.name][b] = self._elem(off_b, base_addr, 4) + col.offset
-                    self._vbase[f.name][b] = (self._elem(val_b, base_addr, 8) + col.values.offset
-                                              if val_b is not None else 0)
+                    self._vbase[f.name][b] = (self._elem(val_b, base_addr, 8 if kind == "list" else 4)
+                                              + col.values.offset if val_b is not None else 0)
                 else:
                     self._base[f.name][b] = self._elem(bufs[1], base_addr, 4 if kind == "f32" else 8) \
                         + col.offset if bufs[1] is not None else 0
@@ -381,14 +403,16 @@ class MappedShard:
         return view[self._base[name][chunk] + local]
 
     def take_list(self, name: str, loc: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Gather a ``list<int64>`` column at ``loc`` -> (values ``[sum(lengths)]`` int64, lengths ``[n]`` int64)."""
+        """Gather a ``list<int64>`` (or ``list<float32>``) column at ``loc`` -> (values ``[sum(lengths)]``
+        int64 (float32), lengths ``[n]`` int64)."""
         chunk, local = loc
         off32 = self._views[4][1]
         oi = self._base[name][chunk] + local
         start = off32[oi].astype(np.int64)
         lengths = off32[oi + 1].astype(np.int64) - start
         vstart = self._vbase[name][chunk] + start
-        return _jagged_gather(self._views[8], vstart, lengths), lengths
+        src = self._views[8] if self._kind[name] == "list" else self._views[4][0]
+        return _jagged_gather(src, vstart, lengths), lengths
 
     def read_column(self, name: str) -> np.ndarray:
         """Whole float32 / int64 column ``[rows]`` (a copy)."""

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dlrmctl.data.batch import Batch
-from dlrmctl.data.columnar import DataError, SplitData, read_meta
+from dlrmctl.data.columnar import DataError, SplitData, read_meta, weight_column
 from dlrmctl.data.criteo import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
@@ -71,13 +71,22 @@ class BatchLoader:
         on_invalid_id: ``error`` (raise) or ``zero`` (drop invalid ids from their bags; a
             feature feeding tables of different sizes then comes as one key per table,
             ``feature@table``), see :mod:`dlrmctl.sparse.validation`.
+        weighted_features: features whose per-id weights (the data's ``<feature>__weight``
+            column, see :mod:`dlrmctl.data.columnar`) are read into the KJT's ``weights()``; the
+            other features get weight 1.0 (ignoring any weight column they have).  Empty / None:
+            the KJTs carry no weights.  An id repeated into a multi-hot bag
+            (``multi_hot_sizes``) keeps its weight; ``on_invalid_id="zero"`` drops
+            an invalid id's weight with it (and a per-table ``feature@table`` copy carries the
+            feature's weights).
 
     Yields (``__iter__``):
         :class:`Batch` with ``dense_features [B, D] f32``, ``sparse_features`` KJT (keys =
-        features, key-major, int64 values), ``labels [B] f32`` (NaN when the data has no label).
+        features, key-major, int64 values, float32 weights with ``weighted_features``),
+        ``labels [B] f32`` (NaN when the data has no label).
 
     Raises:
-        DataError: missing/corrupt meta, unknown split or feature (names the alternatives).
+        DataError: missing/corrupt meta, unknown split or feature (names the alternatives), a
+            weighted feature without a weight column, weight bags whose lengths differ from the ids'.
         ValueError: bad batch_size / rank / world_size / num_samples.
         EmbeddingIdError: (while iterating, with ``id_bounds`` and ``on_invalid_id="error"``) an id
             outside its table, naming the split, the batch, the table and the feature.
@@ -89,7 +98,7 @@ class BatchLoader:
                  pin_memory: bool = False, multi_hot_sizes: dict[str, int] | None = None,
                  multi_hot_distribution: str = "uniform", multi_hot_seed: int = 0,
                  id_bounds: dict[str, tuple[str, int] | list[IdBound]] | None = None,
-                 on_invalid_id: str = "error") -> None:
+                 on_invalid_id: str = "error", weighted_features: Sequence[str] | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -115,6 +124,18 @@ class BatchLoader:
                             path=Path(data_dir) / "meta.json")
         self.features = list(dict.fromkeys(features))  # a feature looked up in several tables is read once
         self.multi_hot = {f["name"]: bool(f["multi_hot"]) for f in self.meta["sparse_features"]}
+        self.weighted = set(weighted_features or ())
+        has_w = {f["name"]: bool(f.get("weighted", False)) for f in self.meta["sparse_features"]}
+        for f in sorted(self.weighted):
+            if f not in self.features:
+                raise DataError(f"weighted feature '{f}' is not among the features read {self.features}",
+                                path=Path(data_dir) / "meta.json")
+            if not has_w[f]:
+                raise DataError(
+                    f"feature '{f}' is weighted (its table has `weighted: true`) but the data has no per-id "
+                    f"weights for it (no '{weight_column(f)}' column; meta.json sparse_features[].weighted is "
+                    "not true); preprocess data with weights (e.g. `dlrmctl preprocess synthetic "
+                    "--weighted-features ...`) or make the table unweighted", path=Path(data_dir) / "meta.json")
         # on-the-fly MLPerf-DLRMv2 multi-hot expansion of one-hot features (criteo.multi_hot_expand)
         self.expand: dict[str, tuple[int, int, int]] = {}
         rows_of = {f["name"]: int(f["num_embeddings"]) for f in self.meta["sparse_features"]}
@@ -206,7 +227,9 @@ class BatchLoader:
         F = len(self.features)
         onehot = [f for f in self.features if not self.multi_hot[f]]
         oh_vals = {f: np.empty(B, dtype=np.int64) for f in onehot}
+        oh_w = {f: np.empty(B, dtype=np.float32) for f in onehot if f in self.weighted}
         mh_parts: dict[str, list] = {f: [] for f in self.features if self.multi_hot[f]}
+        mh_w: dict[str, list] = {f: [] for f in mh_parts if f in self.weighted}
         groups = self.data.group(rows)
         for s, pos, local in groups:
             shard = self.data.shards[s]
@@ -217,28 +240,46 @@ class BatchLoader:
                 labels[pos] = shard.take(self.label_name, loc)
             for f in onehot:
                 oh_vals[f][pos] = shard.take(f, loc)
+            for f in oh_w:
+                oh_w[f][pos] = shard.take(weight_column(f), loc)
             for f in mh_parts:
                 mh_parts[f].append((pos, shard.take_list(f, loc)))
+            for f in mh_w:
+                w, wl = shard.take_list(weight_column(f), loc)
+                if not np.array_equal(wl, mh_parts[f][-1][1][1]):
+                    raise DataError(f"the weight bags of multi-hot feature '{f}' ({weight_column(f)}) have other "
+                                    "lengths than its id bags", path=shard.path)
+                mh_w[f].append((pos, (w, wl)))
         if self.label_name is None:
             labels[:] = np.nan
-        values, lengths = [], []
+        values, lengths, weights = [], [], []
         for f in self.features:
             if f in self.expand:
                 n_rows, size, seed = self.expand[f]
                 v, ln = multi_hot_expand(oh_vals[f], n_rows, size, self.multi_hot_distribution, seed)
                 values.append(v)
                 lengths.append(ln)
+                if f in oh_w:
+                    weights.append(np.repeat(oh_w[f], ln))
             elif not self.multi_hot[f]:
                 values.append(oh_vals[f])
                 lengths.append(np.ones(B, dtype=np.int64))
+                if f in oh_w:
+                    weights.append(oh_w[f])
             else:
                 v, ln = _merge_jagged(mh_parts[f], B)
                 values.append(v)
                 lengths.append(ln)
+                if f in mh_w:
+                    weights.append(_merge_jagged(mh_w[f], B, np.float32)[0])
+            if self.weighted and f not in self.weighted:
+                weights.append(np.ones(len(values[-1]), dtype=np.float32))
         kjt = KeyedJaggedTensor(
             self.features,
             torch.from_numpy(np.concatenate(values) if values else np.zeros(0, np.int64)),
             lengths=torch.from_numpy(np.concatenate(lengths) if lengths else np.zeros(0, np.int64)),
+            weights=(torch.from_numpy(np.concatenate(weights) if weights else np.zeros(0, np.float32))
+                     if self.weighted else None),
             stride=B,
             validate=False,
             length_per_key=[len(v) for v in values],
@@ -275,7 +316,7 @@ class BatchLoader:
         self._yielded = 0
 
 
-def _merge_jagged(parts: list, B: int) -> tuple[np.ndarray, np.ndarray]:
+def _merge_jagged(parts: list, B: int, dtype: type = np.int64) -> tuple[np.ndarray, np.ndarray]:
     """Per-shard (positions, (values, lengths)) of one multi-hot feature -> batch-ordered (values, lengths)."""
     if len(parts) == 1 and isinstance(parts[0][0], slice):
         return parts[0][1]
@@ -283,7 +324,7 @@ def _merge_jagged(parts: list, B: int) -> tuple[np.ndarray, np.ndarray]:
     for pos, (_, ln) in parts:
         lengths[pos] = ln
     offsets = np.cumsum(lengths) - lengths
-    values = np.empty(int(lengths.sum()), dtype=np.int64)
+    values = np.empty(int(lengths.sum()), dtype=dtype)
     for pos, (v, ln) in parts:
         if len(v):
             dst = np.repeat(offsets[pos] - (np.cumsum(ln) - ln), ln) + np.arange(len(v))

@@ -16,6 +16,11 @@ Generative model (all parameters drawn from ``seed``):
   (the default gives them 20..1000 rows), a first-order structure a DLRM learns from a few
   hundred thousand rows.
 * ``label ~ Bernoulli(sigmoid(logit))``; ``b`` is set so the CTR is about 25 % (Criteo-like).
+* optional weighted features (``weighted_features`` / ``--weighted-features C1,C2``): each id of
+  such a feature gets a weight ``w ~ U(0.5, 2.0)`` (stored in the ``<feature>__weight`` column,
+  meta ``"weighted": true``) and its random effect enters the logit as ``w * e_t[id]``, so a
+  model with ``weighted: true`` tables can use it.  The weights come from their own random
+  stream: without weighted features the output is unchanged.
 
 ``meta.json`` carries ``bayes_auc``: the ROC AUC of the true probabilities on the validation
 split (test split if there is no validation split), the best AUC any model can reach there.
@@ -29,7 +34,15 @@ from typing import Sequence
 
 import numpy as np
 
-from dlrmctl.data.columnar import FORMAT_VERSION, LABEL_COLUMN, SPLITS, ShardWriter, shard_schema, write_meta
+from dlrmctl.data.columnar import (
+    FORMAT_VERSION,
+    LABEL_COLUMN,
+    SPLITS,
+    ShardWriter,
+    shard_schema,
+    weight_column,
+    write_meta,
+)
 from dlrmctl.data.criteo import DENSE_FEATURES, SPARSE_FEATURES, PreprocessReport, row_split_codes
 
 # default table sizes: modest signal tables first (C1..C8), larger noise tables after
@@ -94,9 +107,12 @@ class _Model:
         var = float((self.w ** 2).sum()) + sum(EFFECT_STD ** 2 for e in self.effects if e is not None)
         self.bias = float(np.log(0.25 / 0.75) * np.sqrt(1.0 + np.pi * var / 8.0))
 
-    def block(self, seed: int, b: int, n: int):
-        """Rows of block ``b``: (label f32 [n], dense 13x[n] f32, ids 26x[n] i64, prob f64 [n])."""
+    def block(self, seed: int, b: int, n: int, weighted: Sequence[int] = ()):
+        """Rows of block ``b``: (label f32 [n], dense 13x[n] f32, ids 26x[n] i64, prob f64 [n],
+        weights {table index: f32 [n]} of the ``weighted`` tables)."""
         rng = np.random.default_rng([seed, b])
+        wrng = np.random.default_rng([seed, b, 0x3E16]) if weighted else None
+        weights: dict[int, np.ndarray] = {}
         dense, logit = [], np.full(n, self.bias)
         for j in range(13):
             raw = np.floor(np.exp(rng.normal(self.mu[j], 1.0, size=n)))
@@ -110,16 +126,21 @@ class _Model:
             rank = np.minimum(rank, len(cdf) - 1)
             i = self.perms[t][rank]
             ids.append(i)
+            if t in weighted:
+                weights[t] = wrng.uniform(0.5, 2.0, size=n).astype(np.float32)
             if self.effects[t] is not None:
-                logit += self.effects[t][i]
+                if t in weights:
+                    logit += weights[t] * self.effects[t][i]
+                else:
+                    logit += self.effects[t][i]
         prob = 1.0 / (1.0 + np.exp(-logit))
         label = (rng.random(n) < prob).astype(np.float32)
-        return label, dense, ids, prob
+        return label, dense, ids, prob, weights
 
 
 def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, val_ratio: float = 0.1,
                        test_ratio: float = 0.1, num_embeddings: Sequence[int] | int | None = None,
-                       zipf_alpha: float = 1.05) -> PreprocessReport:
+                       zipf_alpha: float = 1.05, weighted_features: Sequence[str] | None = None) -> PreprocessReport:
     """Generate the synthetic dataset into ``out_dir`` (columnar shards + ``meta.json``).
 
     Args:
@@ -130,12 +151,15 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
         num_embeddings: one int (all tables) or 26 ints; default
             :data:`DEFAULT_SYNTHETIC_CARDINALITIES`.
         zipf_alpha: Zipf exponent of the id frequencies (> 0).
+        weighted_features: sparse features (``C1``..``C26``) that get per-id weights
+            (``<feature>__weight`` columns; see the module docstring).
 
     Returns:
         :class:`~dlrmctl.data.criteo.PreprocessReport`.
 
     Raises:
-        ValueError: ``rows < 1``, bad ratios, wrong number of table sizes, ``zipf_alpha <= 0``.
+        ValueError: ``rows < 1``, bad ratios, wrong number of table sizes, ``zipf_alpha <= 0``,
+            an unknown weighted feature.
     """
     t0 = time.perf_counter()
     if rows < 1:
@@ -154,10 +178,15 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
             cards = cards * 26
     if len(cards) != 26 or min(cards) < 1:
         raise ValueError(f"--num-embeddings: expected 1 or 26 integers >= 1, got {cards}")
+    wfeats = list(dict.fromkeys(weighted_features or ()))
+    unknown = [f for f in wfeats if f not in SPARSE_FEATURES]
+    if unknown:
+        raise ValueError(f"--weighted-features: unknown feature(s) {unknown}; expected some of C1..C26")
+    wtables = sorted(SPARSE_FEATURES.index(f) for f in wfeats)
     model = _Model(seed, cards, zipf_alpha)
     out = Path(out_dir)
     part = out / "parts" / "synthetic"
-    schema = shard_schema(DENSE_FEATURES, SPARSE_FEATURES)
+    schema = shard_schema(DENSE_FEATURES, SPARSE_FEATURES, weighted=[f in wfeats for f in SPARSE_FEATURES])
     writers = {s: ShardWriter(part / f"{s}.arrow", schema) for s in SPLITS}
     counts = {s: 0 for s in SPLITS}
     pos = {s: 0 for s in SPLITS}
@@ -166,7 +195,7 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
     try:
         for b, start in enumerate(range(0, rows, BLOCK_ROWS)):
             n = min(BLOCK_ROWS, rows - start)
-            label, dense, ids, prob = model.block(seed, b, n)
+            label, dense, ids, prob, wts = model.block(seed, b, n, wtables)
             codes = row_split_codes(np.arange(start + 1, start + n + 1, dtype=np.int64), "synthetic",
                                     seed, val_ratio, test_ratio)
             for si, s in enumerate(SPLITS):
@@ -177,6 +206,7 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
                 cols = {LABEL_COLUMN: label[sel]}
                 cols.update({nm: d[sel] for nm, d in zip(DENSE_FEATURES, dense)})
                 cols.update({nm: i[sel] for nm, i in zip(SPARSE_FEATURES, ids)})
+                cols.update({weight_column(SPARSE_FEATURES[t]): w[sel] for t, w in wts.items()})
                 writers[s].write(cols)
                 counts[s] += k
                 pos[s] += int(label[sel].sum())
@@ -191,7 +221,7 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
         raise
     bayes = roc_auc(np.concatenate(eval_p), np.concatenate(eval_y)) if eval_p else float("nan")
     sparse_meta = [{"name": nm, "num_embeddings": int(c), "multi_hot": False, "mean_pooling_factor": 1.0,
-                    "max_pooling_factor": 1, "signal": t < SIGNAL_TABLES}
+                    "max_pooling_factor": 1, "signal": t < SIGNAL_TABLES, **({"weighted": True} if t in wtables else {})}
                    for t, (nm, c) in enumerate(zip(SPARSE_FEATURES, cards))]
     meta = {
         "format_version": FORMAT_VERSION,
@@ -211,6 +241,10 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
                       "signal_dense": DENSE_FEATURES[:SIGNAL_DENSE],
                       "signal_sparse": SPARSE_FEATURES[:SIGNAL_TABLES], "effect_std": EFFECT_STD,
                       "bias": model.bias, "dense_weights": model.w.tolist()},
+            **({"weights": {"features": [SPARSE_FEATURES[t] for t in wtables], "distribution": "U(0.5, 2.0)",
+                            "logit": "w * e_t[id_t] for a weighted signal feature",
+                            "columns": {SPARSE_FEATURES[t]: weight_column(SPARSE_FEATURES[t]) for t in wtables}}}
+               if wtables else {}),
             "split": {"mode": "ratio", "val_ratio": val_ratio, "test_ratio": test_ratio, "seed": seed,
                       "rule": "row_split_codes(row index + 1, 'synthetic', seed, ...)"},
         },

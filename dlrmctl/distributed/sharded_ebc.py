@@ -157,7 +157,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         plan: a plan for these tables and ``env.world_size`` (validated here);
             its ``local_world_size`` defines hosts for the ``table_*`` kinds.
         env: this rank.
-        is_weighted: inputs carry per-id weights.
+        is_weighted: inputs carry per-id weights (they travel with the ids in the input
+            all-to-all); as for the unsharded EBC, a KJT with weights given to an unweighted
+            collection, or without them to a weighted one, raises ``SparseInputError``.
         optimizer: fused optimizer hyper-parameters.
         seed: initial weights are those of an unsharded EBC with this seed
             (drawn per shard, see ``init_table_rows``).
@@ -180,6 +182,7 @@ class ShardedEmbeddingBagCollection(TableFeatures):
     Raises:
         PlanError: the plan does not fit the tables / world size.
         EmbeddingIdError: an id outside its table (with ``check_ids``).
+        SparseInputError: weights given to an unweighted collection, or missing for a weighted one.
     """
 
     def __init__(

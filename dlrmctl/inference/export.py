@@ -7,22 +7,34 @@ Artifact layout (``model_dir``)::
     model_dir/manifest.json    everything needed to turn raw logs into inputs and to trust the scores
     model_dir/vocab/<f>.arrow  vocabularies of vocabulary-mapped features (copied from the data dir)
 
-The scripted module's ``forward(dense, values, lengths) -> scores``:
+The scripted module's ``forward(dense, values, lengths, weights=None) -> scores``:
 
 * ``dense``  ``[B, D_in]`` float32 (already transformed, e.g. log(x+1));
 * ``values`` ``[N]`` int64 ids of all bags, key-major in ``manifest["sparse_features"]`` order;
 * ``lengths`` ``[F*B]`` int64 bag lengths, key-major (``[f0_b0..f0_b{B-1}, f1_b0, ...]``);
+* ``weights`` ``[N]`` float32 per-id weights, aligned with ``values`` -- only for a model with
+  weighted features (``manifest["weighted_features"]``, from ``model.tables[].weighted``): there
+  it is required, and the entries of features of unweighted tables are ignored (taken as 1.0).
+  A model without weighted features takes the same three inputs as before (``weights`` left out
+  or None) and refuses weights;
 * returns ``[B]`` float32 click probabilities ``sigmoid(logit)``.
 
+Pooling is ``sum_i w_i e_{id_i}`` (mean: divided by the bag length), the TBE's
+``per_sample_weights``, as in training.  ``logits(...)`` takes the same inputs and returns the
+logits; ``embeddings(values, lengths, weights=None)`` returns the pooled embeddings
+``[B, sum of lookup dims]`` (one per (table, feature) lookup, ``B = len(lengths) / F``).
+
 It raises (``RuntimeError`` from TorchScript, message naming the feature and sample) on a wrong
-dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)``, or -- under the model's
+dense width, ``len(lengths) != F*B``, ``sum(lengths) != len(values)``, weights missing for a
+weighted model, given to an unweighted one, or not ``[N]`` float32, or -- under the model's
 ``on_invalid_id: error`` -- an id outside its table (message naming the table too); under
-``on_invalid_id: zero`` such an id is dropped from its bag (the rule of
+``on_invalid_id: zero`` such an id is dropped from its bag, its weight with it (the rule of
 :mod:`dlrmctl.sparse.validation`, the same as training and the eager model).
 
 A feature looked up in several tables (outputs ``feature@table``) is one input key: the module
-feeds its bags to each of its tables (checked against each table's own rows).
-``logits(dense, values, lengths)`` (``@torch.jit.export``) returns the logits ``[B]`` float32.
+feeds its bags (and their weights) to each of its tables (checked against each table's own rows).
+``logits(dense, values, lengths, weights=None)`` (``@torch.jit.export``) returns the logits ``[B]``
+float32.
 
 Embeddings live in one FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` in the requested
 storage (fp32 / fp16 / int8 / int4 row-wise, see :mod:`dlrmctl.inference.quantize`); the dense
@@ -41,7 +53,8 @@ MANIFEST (``manifest.json``, ``format_version`` 1)::
     {"format_version": 1, "model_file": "model.pt", "model_bytes": n, "model_sha256": "...",
      "inputs": {...shapes/dtypes as above...}, "output": {...},
      "dense_features": ["I1", ...], "sparse_features": ["C1", ...],     # input order
-     "tables": [{"name", "features", "num_embeddings", "embedding_dim", "pooling", "dtype",
+     "weighted_features": ["C1", ...],    # features whose per-id weights are used ([]: no weights input)
+     "tables": [{"name", "features", "num_embeddings", "embedding_dim", "pooling", "weighted", "dtype",
                  "row_bytes", "bytes"}, ...],
      "lookups": [{"key": "C1" | "C1@t1", "feature", "table"}, ...],   # pooled outputs, in order
      "on_invalid_id": "error" | "zero",
@@ -67,7 +80,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -126,7 +139,7 @@ class _DensePart(nn.Module):
 
 
 class ExportedDLRM(nn.Module):
-    """The scripted inference module: ``(dense, values, lengths) -> scores [B]`` (see module doc).
+    """The scripted inference module: ``(dense, values, lengths[, weights]) -> scores [B]`` (see module doc).
 
     Args:
         tbe: FBGEMM IntNBit TBE, one feature per lookup (``feature_table_map`` applied).
@@ -139,6 +152,9 @@ class ExportedDLRM(nn.Module):
         lookup_src: input feature index of each lookup (default: lookup ``i`` reads feature ``i``).
         lookup_tables: table name of each lookup (for messages).
         on_invalid_id: ``error`` | ``zero`` (see :mod:`dlrmctl.sparse.validation`).
+        feature_weighted: per input feature (``F``), its per-id weights are used (default:
+            none; then the module takes no weights).  A feature feeding several tables is
+            weighted in all of them or in none (config validation).
     """
 
     def __init__(
@@ -153,6 +169,7 @@ class ExportedDLRM(nn.Module):
         lookup_src: Sequence[int] | None = None,
         lookup_tables: Sequence[str] | None = None,
         on_invalid_id: str = "error",
+        feature_weighted: Sequence[bool] | None = None,
     ) -> None:
         super().__init__()
         self.tbe = tbe
@@ -168,15 +185,24 @@ class ExportedDLRM(nn.Module):
         self.num_dense = num_dense
         self.any_mean = any(feature_mean)
         self.register_buffer("lookup_src", torch.tensor(src, dtype=torch.int64))
+        fw = [bool(x) for x in feature_weighted] if feature_weighted is not None else [False] * self.num_features
+        self.weighted_names = str([f for f, w in zip(self.feature_names, fw) if w])  # for messages
+        self.is_weighted = any(fw)
+        self.all_weighted = all(fw)
         self.register_buffer("feature_rows", torch.tensor(list(feature_rows), dtype=torch.int64))
         self.register_buffer("feature_dims", torch.tensor(list(feature_dims), dtype=torch.int64))
         self.register_buffer("feature_mean", torch.tensor(list(feature_mean), dtype=torch.bool))
+        self.register_buffer("feature_weighted", torch.tensor(fw, dtype=torch.bool))
 
-    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.logits(dense, values, lengths))
+    def forward(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return torch.sigmoid(self.logits(dense, values, lengths, weights))
 
     @torch.jit.export
-    def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def logits(
+        self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """Same inputs as ``forward``; returns the logits ``[B]`` float32."""
         if dense.dim() != 2 or dense.size(1) != self.num_dense:
             raise ValueError(
@@ -184,9 +210,23 @@ class ExportedDLRM(nn.Module):
             )
         if dense.dtype != torch.float32:
             raise ValueError("dense must be float32, got " + str(dense.dtype))
+        pooled = self._pool(values, lengths, weights, dense.size(0))
+        return self.dense_part(dense, pooled).reshape(-1)
+
+    @torch.jit.export
+    def embeddings(self, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Pooled embeddings ``[B, sum of lookup dims]`` (lookup order: one per (table, feature), as
+        the EBC's outputs), ``B = len(lengths) / F``; ``on_invalid_id`` applies."""
+        if self.num_features == 0 or lengths.numel() % self.num_features != 0:
+            raise ValueError(
+                "lengths must have num_features * B entries (num_features = " + str(self.num_features)
+                + "), got " + str(lengths.numel())
+            )
+        return self._pool(values, lengths, weights, lengths.numel() // self.num_features)
+
+    def _pool(self, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor], B: int) -> torch.Tensor:
         if values.dtype != torch.int64 or lengths.dtype != torch.int64:
             raise ValueError("values and lengths must be int64")
-        B = dense.size(0)
         if lengths.numel() != self.num_features * B:
             raise ValueError(
                 "lengths must have num_features * B = " + str(self.num_features) + " * " + str(B)
@@ -198,7 +238,29 @@ class ExportedDLRM(nn.Module):
             )
         if bool((lengths < 0).any()):
             raise ValueError("lengths must be >= 0")
-        if self.expand:  # one key per lookup: a feature feeding several tables is repeated
+        per_sample: Optional[torch.Tensor] = None
+        if weights is None:
+            if self.is_weighted:
+                raise ValueError(
+                    "this model has weighted features " + self.weighted_names + ": pass weights [N] float32, "
+                    "one per id aligned with values (entries of the other features are ignored)"
+                )
+        else:
+            if not self.is_weighted:
+                raise ValueError(
+                    "this model has no weighted features (it was trained without per-id weights); "
+                    "it takes no weights, they would be ignored"
+                )
+            if weights.dtype != torch.float32 or weights.dim() != 1 or weights.numel() != values.numel():
+                raise ValueError(
+                    "weights must be [N] float32 with N = len(values) = " + str(values.numel()) + ", got shape "
+                    + str(list(weights.shape)) + " " + str(weights.dtype)
+                )
+            per_sample = weights
+            if not self.all_weighted:  # features of unweighted tables: weight 1.0
+                mask = torch.repeat_interleave(torch.repeat_interleave(self.feature_weighted, B), lengths)
+                per_sample = torch.where(mask, weights, torch.ones_like(weights))
+        if self.expand:  # one key per lookup: a feature feeding several tables is repeated (its weights too)
             lengths2d = lengths.view(self.num_features, B)
             key_len = lengths2d.sum(1)
             key_start = torch.cumsum(key_len, 0) - key_len
@@ -208,15 +270,19 @@ class ExportedDLRM(nn.Module):
             n = int(seg_len.sum())
             idx = torch.repeat_interleave(seg_start - out_start, seg_len) + torch.arange(n, dtype=torch.int64, device=values.device)
             values = values[idx]
+            if per_sample is not None:
+                per_sample = per_sample[idx]
             lengths = lengths2d[self.lookup_src].reshape(-1)
         if values.numel() > 0:
             limit = torch.repeat_interleave(torch.repeat_interleave(self.feature_rows, B), lengths)
             bad = (values < 0) | (values >= limit)
             if bool(bad.any()):
-                if self.zero_invalid:  # drop the id from its bag (a mean counts the valid ids)
+                if self.zero_invalid:  # drop the id (and its weight) from its bag (a mean counts the valid ids)
                     bag_of = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int64, device=lengths.device), lengths)
                     lengths = lengths - torch.bincount(bag_of[bad], minlength=lengths.numel())
                     values = values[~bad]
+                    if per_sample is not None:
+                        per_sample = per_sample[~bad]
                 else:
                     i = int(torch.nonzero(bad)[0])
                     ends = torch.cumsum(lengths, 0)
@@ -228,12 +294,12 @@ class ExportedDLRM(nn.Module):
                         + str(int(self.feature_rows[f]))
                     )
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
-        pooled = self.tbe(values, offsets)
+        pooled = self.tbe(values, offsets, per_sample)
         if self.any_mean:
             lens = lengths.view(self.num_lookups, B).t().to(pooled.dtype)
             div = torch.where(self.feature_mean, lens.clamp(min=1.0), torch.ones_like(lens))
             pooled = pooled / torch.repeat_interleave(div, self.feature_dims, dim=1)
-        return self.dense_part(dense, pooled).reshape(-1)
+        return pooled
 
 
 # ----------------------------------------------------------------------------- export
@@ -342,6 +408,7 @@ def export_model(
     quantize_dense: bool = False,
     force: bool = False,
     on_invalid_id: str | None = None,
+    weighted_features: Sequence[str] | None = None,
 ) -> ExportResult:
     """Write the inference artifact of ``model`` to ``out_dir`` (atomically).
 
@@ -358,6 +425,11 @@ def export_model(
         quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part.
         force: replace an existing ``out_dir``.
         on_invalid_id: ``error`` | ``zero``; default the EBC's own (``model.on_invalid_id``).
+        weighted_features: features whose per-id weights the artifact uses (the features of
+            ``weighted: true`` tables); default: every feature when the EBC is weighted
+            (``is_weighted()``, TorchRec semantics), none otherwise.  The artifact then takes a
+            ``weights`` input (module docstring); a feature feeding several tables carries its
+            weights to each of them.
 
     Returns:
         :class:`ExportResult`.
@@ -366,7 +438,9 @@ def export_model(
         RuntimeError: fbgemm_gpu is not installed (no fallback).
         QuantizationError: NaN/inf weights (table and row named), fp16 overflow, dims not
             multiple of 4.
-        ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part.
+        ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part,
+            ``weighted_features`` that are not the model's features or disagree with its EBC
+            (weights given to an unweighted EBC, or none for a weighted one).
     """
     require_fbgemm("dlrmctl export")
     if embedding_dtype not in EMBEDDING_DTYPES:
@@ -387,6 +461,16 @@ def export_model(
     policy = on_invalid_id or getattr(ebc, "on_invalid_id", "error")
     if policy not in ("error", "zero"):
         raise ExportError(f"on_invalid_id must be 'error' or 'zero', got {policy!r}")
+    ebc_weighted = bool(ebc.is_weighted()) if hasattr(ebc, "is_weighted") else False
+    wf = list(feature_names if ebc_weighted else []) if weighted_features is None else list(weighted_features)
+    unknown = [f for f in wf if f not in feature_names]
+    if unknown:
+        raise ExportError(f"weighted_features {unknown} are not features of the model ({feature_names})")
+    if bool(wf) != ebc_weighted:
+        raise ExportError(
+            f"the model's EmbeddingBagCollection is {'weighted' if ebc_weighted else 'unweighted'} but "
+            f"weighted_features is {wf}; export the features of its weighted tables (model.tables[].weighted)"
+        )
     q_tables = []
     for t in tables:
         w = weights[t.name]
@@ -417,6 +501,7 @@ def export_model(
         lookup_src,
         [t.name for t in tables for _ in t.feature_names],
         policy,
+        [f in wf for f in feature_names],
     ).eval()
     with _quiet_jit():
         scripted = torch.jit.script(module)
@@ -428,7 +513,8 @@ def export_model(
         rb = q.row_bytes(tbe.row_alignment)
         table_entries.append({
             "name": t.name, "features": list(t.feature_names), "num_embeddings": t.num_embeddings,
-            "embedding_dim": t.embedding_dim, "pooling": t.pooling.value, "dtype": embedding_dtype,
+            "embedding_dim": t.embedding_dim, "pooling": t.pooling.value,
+            "weighted": any(f in wf for f in t.feature_names), "dtype": embedding_dtype,
             "row_bytes": rb, "bytes": rb * t.num_embeddings,
         })
     meta = data_meta or {}
@@ -442,10 +528,14 @@ def export_model(
             "dense": {"shape": ["B", num_dense], "dtype": "float32", "features": dense_names},
             "values": {"shape": ["N"], "dtype": "int64", "layout": "key-major ids of all bags"},
             "lengths": {"shape": ["F*B"], "dtype": "int64", "layout": "key-major: [f0_b0..f0_b(B-1), f1_b0, ...]"},
+            **({"weights": {"shape": ["N"], "dtype": "float32", "features": wf,
+                            "layout": "one per id, aligned with values; required; entries of features not in "
+                                      "'features' are ignored (1.0)"}} if wf else {}),
         },
         "output": {"shape": ["B"], "dtype": "float32", "meaning": "sigmoid(logit): click probability"},
         "dense_features": dense_names,
         "sparse_features": feature_names,
+        "weighted_features": wf,
         "tables": table_entries,
         "lookups": [{"key": k, "feature": f, "table": t.name}
                     for k, (t, f) in zip(lookup_keys, [(t, f) for t in tables for f in t.feature_names])],
@@ -537,6 +627,7 @@ def export_run(
         plus everything :func:`export_model` raises.
     """
     require_fbgemm("dlrmctl export")
+    from dlrmctl.config import weighted_features
     from dlrmctl.train.checkpoint import latest_checkpoint
     from dlrmctl.train.loop import load_trained_model
 
@@ -552,7 +643,7 @@ def export_run(
     }
     return export_model(
         model, out, embedding_dtype, data_meta=meta, data_dir=data_dir or cfg.data.path, source=source,
-        quantize_dense=quantize_dense, force=force,
+        quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
     )
 
 
@@ -565,6 +656,7 @@ class ExportedModel:
         manifest: the parsed manifest.
         module: the ``torch.jit.ScriptModule``.
         feature_names: sparse features in input order.
+        weighted_features: features whose per-id weights the model uses (empty: it takes none).
         num_dense: ``D_in``.
     """
 
@@ -575,12 +667,15 @@ class ExportedModel:
         self.module = module
         self.device = torch.device(device)
         self.feature_names: list[str] = list(manifest["sparse_features"])
+        self.weighted_features: list[str] = list(manifest.get("weighted_features") or [])
         self.num_dense = int(manifest["inputs"]["dense"]["shape"][1])
 
     @torch.no_grad()
-    def score(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def score(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+              weights: torch.Tensor | None = None) -> torch.Tensor:
         """``dense [B, D_in]`` float32, ``values [N]`` int64, ``lengths [F*B]`` int64 (key-major,
-        manifest feature order), on any device -> scores ``[B]`` float32 on the model's device.
+        manifest feature order), ``weights [N]`` float32 (required exactly when the model has
+        :attr:`weighted_features`), on any device -> scores ``[B]`` float32 on the model's device.
 
         Raises:
             ExportError: inputs rejected by the module (message from the module).
@@ -588,7 +683,9 @@ class ExportedModel:
         dev = self.device
         dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
         try:
-            return self.module(dense, values, lengths)
+            if weights is None:  # the 3-input call every artifact accepts
+                return self.module(dense, values, lengths)
+            return self.module(dense, values, lengths, weights.to(dev))
         except (RuntimeError, torch.jit.Error) as e:
             lines = str(e).strip().splitlines()
             msg = lines[-1] if lines else str(e)
@@ -598,16 +695,19 @@ class ExportedModel:
 
     def score_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         """Scores ``[B]`` of a batch given as ``dense [B, D_in]`` + a KeyedJaggedTensor (any key
-        order; reordered to the manifest's)."""
+        order; reordered to the manifest's; its ``weights()`` are the per-id weights)."""
         if kjt.keys() != self.feature_names:
             kjt = kjt.select_keys(self.feature_names)
-        return self.score(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64))
+        w = kjt.weights_or_none()
+        return self.score(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64),
+                          None if w is None else w.to(torch.float32))
 
     @torch.no_grad()
-    def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Same inputs as :meth:`score` -> logits ``[B]`` float32 on the model's device (the
-        module's ``logits``; ``score == sigmoid(logits)``).  Metrics use these: a float32
-        sigmoid rounds to 1.0 above a logit of ~16.6.
+    def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Same inputs as :meth:`score` (``weights`` included) -> logits ``[B]`` float32 on the
+        model's device (the module's ``logits``; ``score == sigmoid(logits)``).  Metrics use
+        these: a float32 sigmoid rounds to 1.0 above a logit of ~16.6.
 
         Raises:
             ExportError: inputs rejected by the module (message from the module).
@@ -615,7 +715,9 @@ class ExportedModel:
         dev = self.device
         dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
         try:
-            return self.module.logits(dense, values, lengths)
+            if weights is None:  # the 3-input call every artifact accepts
+                return self.module.logits(dense, values, lengths)
+            return self.module.logits(dense, values, lengths, weights.to(dev))
         except (RuntimeError, torch.jit.Error) as e:
             lines = str(e).strip().splitlines()
             msg = lines[-1] if lines else str(e)
@@ -624,10 +726,13 @@ class ExportedModel:
             raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
 
     def logits_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
-        """Logits ``[B]`` float32 of ``dense [B, D_in]`` + a KeyedJaggedTensor (any key order)."""
+        """Logits ``[B]`` float32 of ``dense [B, D_in]`` + a KeyedJaggedTensor (any key order;
+        its ``weights()`` are the per-id weights, as :meth:`score_kjt`)."""
         if kjt.keys() != self.feature_names:
             kjt = kjt.select_keys(self.feature_names)
-        return self.logits(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64))
+        w = kjt.weights_or_none()
+        return self.logits(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64),
+                           None if w is None else w.to(torch.float32))
 
 
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
@@ -692,7 +797,8 @@ def evaluate_exported(
     from dlrmctl.train.metrics import compute_metrics_from_logits
 
     m = load_exported(model_dir, device)
-    loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names)
+    loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names,
+                         weighted_features=m.weighted_features)
     logits, labels = [], []
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):

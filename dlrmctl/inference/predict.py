@@ -7,6 +7,12 @@ Raw lines go through the *training* preprocessing, recorded in the artifact's ma
 
 Also the small binary format shared with the C++ example (``scripts/cpp_inference``):
 :func:`write_cpp_input` / :func:`read_cpp_output`.
+
+A model with weighted features (``manifest["weighted_features"]``) needs per-id weights, which
+raw Criteo lines do not carry: :func:`predict_file` refuses it (naming the features); score such
+a model with tensors (:meth:`~dlrmctl.inference.export.ExportedModel.score` /
+``score_kjt`` with ``weights``), on preprocessed data (``dlrmctl evaluate MODEL_DIR --data DIR``,
+whose loader reads the weight columns) or from C++ with a ``DLRMIN02`` input.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = [
 RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo:transform_raw_file"}
 
 _IN_MAGIC = b"DLRMIN01"
+_IN_MAGIC_WEIGHTED = b"DLRMIN02"
 _OUT_MAGIC = b"DLRMOUT1"
 
 
@@ -69,18 +76,31 @@ def to_model_inputs(
     return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), values, lengths
 
 
-def write_cpp_input(path: str | os.PathLike, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> None:
-    """Write the C++ example's input: ``"DLRMIN01"``, int64 ``B, D, N, FB``, float32 ``dense[B*D]``,
-    int64 ``values[N]``, int64 ``lengths[FB]`` (little-endian)."""
+def write_cpp_input(path: str | os.PathLike, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                    weights: torch.Tensor | None = None) -> None:
+    """Write the C++ example's input (little-endian).
+
+    Without weights: ``"DLRMIN01"``, int64 ``B, D, N, FB``, float32 ``dense[B*D]``, int64
+    ``values[N]``, int64 ``lengths[FB]``.  With ``weights [N]`` (a model with weighted features):
+    ``"DLRMIN02"``, int64 ``B, D, N, FB``, the same three arrays, then float32 ``weights[N]``.
+
+    Raises:
+        ValueError: ``weights`` not of ``values``' length.
+    """
     d = dense.detach().to(torch.float32).contiguous().numpy()
     v = values.detach().to(torch.int64).contiguous().numpy()
     ln = lengths.detach().to(torch.int64).contiguous().numpy()
+    w = None if weights is None else weights.detach().to(torch.float32).contiguous().numpy()
+    if w is not None and w.shape != v.shape:
+        raise ValueError(f"weights must have one entry per value ({v.size}), got shape {tuple(w.shape)}")
     with open(path, "wb") as f:
-        f.write(_IN_MAGIC)
+        f.write(_IN_MAGIC if w is None else _IN_MAGIC_WEIGHTED)
         f.write(struct.pack("<4q", d.shape[0], d.shape[1], v.size, ln.size))
         f.write(d.astype("<f4").tobytes())
         f.write(v.astype("<i8").tobytes())
         f.write(ln.astype("<i8").tobytes())
+        if w is not None:
+            f.write(w.astype("<f4").tobytes())
 
 
 def read_cpp_output(path: str | os.PathLike) -> np.ndarray:
@@ -148,9 +168,16 @@ def iter_scores(
     with ``logits=True`` the logits ``[n]`` float32 instead of the scores (``sigmoid(logits)``).
 
     Raises:
-        ExportError: no preprocessing in the manifest, unsupported dataset.
+        ExportError: no preprocessing in the manifest, unsupported dataset, a model with weighted
+            features (raw lines carry no per-id weights).
         DataError: a malformed line (the preprocessing's message: file, line, field).
     """
+    if model.weighted_features:
+        raise ExportError(
+            f"{model.model_dir}: the model has weighted features {model.weighted_features} and needs per-id "
+            "weights, which raw log lines do not carry; score preprocessed data with weight columns "
+            "(`dlrmctl evaluate MODEL_DIR --data DIR`) or pass weights to ExportedModel.score / the C++ loader"
+        )
     fn, meta, data_features = _raw_transform(model)
     for dense, ids, labels in fn(Path(input_path), meta, model.model_dir, batch_rows):
         d, v, ln = to_model_inputs(dense, ids, model.feature_names, data_features)

@@ -266,12 +266,28 @@ class TableFeatures(nn.Module):
 
         Raises:
             KeyError: a feature is missing.  EmbeddingIdError: an id outside its table
-            (``on_invalid_id: error``).  SparseInputError: values are not 1-D integer ids.
+            (``on_invalid_id: error``).  SparseInputError: values are not 1-D integer ids;
+            per-id weights given to an unweighted collection (TorchRec silently ignores
+            them) or missing for a weighted one.
         """
         v = features.values()
         if v.dim() != 1 or v.is_floating_point() or v.is_complex():
             raise SparseInputError(
                 f"{type(self).__name__}: KJT values must be 1-D integer ids, got shape {tuple(v.shape)} {v.dtype}"
+            )
+        has_w = features.weights_or_none() is not None
+        if has_w != self._is_weighted:
+            who = (f"{type(self).__name__} (tables {[t.name for t in self._tables]}, "
+                   f"features {self._feature_names})")
+            if has_w:
+                raise SparseInputError(
+                    f"{who} is unweighted (is_weighted=False) but the KJT carries per-id weights; they would "
+                    "be ignored (TorchRec ignores them silently). Build it with is_weighted=True (YAML: "
+                    "model.tables[].weighted: true) or pass a KJT without weights"
+                )
+            raise SparseInputError(
+                f"{who} is weighted (is_weighted=True) but the KJT has no per-id weights; pass "
+                "KeyedJaggedTensor(..., weights=...) (1.0 for ids that carry no weight)"
             )
         keys = features.keys()
         if keys != self._embedding_names:
@@ -340,7 +356,11 @@ class EmbeddingBagCollection(TableFeatures):
 
     Args:
         tables: table configs; each table's ``feature_names`` are the KJT keys it serves.
-        is_weighted: inputs carry per-id weights (``kjt.weights()``).
+        is_weighted: inputs carry per-id weights (``kjt.weights()``), applied to every
+            feature of every table (one flag for the collection, as TorchRec's); a feature whose
+            ids carry no weight takes weight 1.0.  Unlike TorchRec, a KJT with weights given to
+            an unweighted collection (TorchRec ignores them silently) or without weights given
+            to a weighted one raises ``SparseInputError``.
         device: where tables live (``cpu`` / ``cuda``; default cpu).
         compute_kernel: (keyword-only) ``dense`` (default: ``nn.EmbeddingBag``; backward
             puts sparse gradients on ``embedding_bags.<t>.weight`` and your optimizer
@@ -382,7 +402,8 @@ class EmbeddingBagCollection(TableFeatures):
             (pooling NONE, non-FP32 data type, pruning), an unknown compute kernel.
         EmbeddingIdError: (forward) an id outside its table (``check_ids`` and ``on_invalid_id: error``).
         KeyError: (forward) a feature missing from the input.
-        SparseInputError: (forward) values that are not 1-D integer ids.
+        SparseInputError: (forward) values that are not 1-D integer ids; weights given to an
+            unweighted collection, or missing for a weighted one.
     """
 
     def __init__(

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from dlrmctl.config import ExperimentConfig
+from dlrmctl.config import ExperimentConfig, weighted_features
 from dlrmctl.modules.dlrm import DLRM, InteractionArch
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
@@ -33,7 +33,7 @@ def build_model(
     num_dense_features: int,
     device: torch.device | str = "cpu",
     compute_kernel: str | None = None,
-    is_weighted: bool = False,
+    is_weighted: bool | None = None,
     sparse_placeholder: bool = False,
     check_ids: bool = True,
 ) -> DLRM:
@@ -43,6 +43,8 @@ def build_model(
         tables: resolved tables (:func:`dlrmctl.config.resolve_tables`).
         num_dense_features: ``D_in`` of the dense arch (13 for Criteo).
         compute_kernel: overrides ``model.compute_kernel``.
+        is_weighted: the EBC takes per-id weights; None: when a table of ``model.tables`` has
+            ``weighted: true`` (:func:`dlrmctl.config.weighted_features`).
         check_ids: the EBC applies ``model.on_invalid_id`` on every forward (a host read per
             feature; the trainer turns it off because its loaders apply it to the CPU batches).
         sparse_placeholder: build ``sparse_arch`` as a weightless
@@ -61,6 +63,8 @@ def build_model(
         raise ValueError(
             f"dot interaction needs every table's embedding_dim == dense_arch_layer_sizes[-1] ({d}); got {sorted(dims)}"
         )
+    if is_weighted is None:
+        is_weighted = bool(weighted_features(cfg))
     if sparse_placeholder:
         from dlrmctl.distributed.model_parallel import TableConfigs
 

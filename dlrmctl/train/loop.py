@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import yaml
 
-from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict
+from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
@@ -133,6 +133,7 @@ class Trainer:
             **self._id_policy(), **multi_hot_kwargs(cfg, self.meta),
         )
         self.feature_names = feats
+        self.weighted = bool(weighted_features(cfg))  # the KJTs carry per-id weights
         self._loss_window: torch.Tensor | None = None  # [2]: last step's local loss, window sum
         self._window_steps = 0
         self.last_loss: float | None = None
@@ -322,7 +323,7 @@ class Trainer:
         for _ in range(n_batches):
             batch = next(it, None)
             if batch is None:
-                batch = _empty_batch_like(self.num_dense, self.feature_names)
+                batch = _empty_batch_like(self.num_dense, self.feature_names, self.weighted)
             batch = batch.to(self.device)
             z = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
             rows.append(torch.stack([z.float(), batch.labels.float()], dim=1))
@@ -428,7 +429,7 @@ class Trainer:
                 todo = min(todo, cfg.max_steps - self.step)
             end = self._batches_done + max(todo, 0)  # this epoch stops after batch `end` (max_steps)
             progress = _Progress(end, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
-            pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names)))
+            pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names, self.weighted)))
             pipe.reset_stats()
             while True:
                 # the loss stays on the device; it is read (one all-reduce + one host sync)
@@ -536,14 +537,17 @@ def _tensorboard_writer(run_dir: str) -> Any:
 
 
 def multi_hot_kwargs(cfg: ExperimentConfig, meta: dict) -> dict[str, Any]:
-    """BatchLoader arguments for ``data.multi_hot_sizes`` (one size per sparse feature of meta.json).
+    """BatchLoader arguments for ``data.multi_hot_sizes`` (one size per sparse feature of meta.json),
+    and ``weighted_features`` (the features of ``weighted: true`` tables) when there are any.
 
     Raises:
         TrainError: the list length does not match the data's sparse features.
     """
+    wf = weighted_features(cfg)
+    extra: dict[str, Any] = {"weighted_features": wf} if wf else {}
     sizes = cfg.data.multi_hot_sizes
     if not sizes:
-        return {}
+        return extra
     names = [f["name"] for f in meta["sparse_features"]]
     if len(sizes) != len(names):
         raise TrainError(
@@ -551,7 +555,7 @@ def multi_hot_kwargs(cfg: ExperimentConfig, meta: dict) -> dict[str, Any]:
             f"features ({names[:4]}...); give one size per feature"
         )
     return {"multi_hot_sizes": dict(zip(names, sizes)), "multi_hot_distribution": cfg.data.multi_hot_distribution,
-            "multi_hot_seed": cfg.train.seed}
+            "multi_hot_seed": cfg.train.seed, **extra}
 
 
 def _exactly(it: Any, n: int, empty: Any) -> Any:
@@ -565,7 +569,7 @@ def _exactly(it: Any, n: int, empty: Any) -> Any:
         yield empty() if b is None else b
 
 
-def _empty_batch_like(num_dense: int, feature_names: list[str]) -> Any:
+def _empty_batch_like(num_dense: int, feature_names: list[str], weighted: bool = False) -> Any:
     from dlrmctl.data.batch import Batch
     from dlrmctl.sparse import KeyedJaggedTensor
 
@@ -573,6 +577,7 @@ def _empty_batch_like(num_dense: int, feature_names: list[str]) -> Any:
     return Batch(
         dense_features=torch.zeros(0, num_dense),
         sparse_features=KeyedJaggedTensor(feature_names, z, lengths=z.clone(), stride=0,
+                                          weights=torch.zeros(0) if weighted else None,
                                           length_per_key=[0] * len(feature_names)),
         labels=torch.zeros(0),
     )

@@ -8,7 +8,9 @@
 //
 // INPUT.bin (little-endian, written by dlrmctl.inference.predict.write_cpp_input):
 //   8 bytes magic "DLRMIN01", int64 B, int64 D, int64 N, int64 FB,
-//   float32 dense[B*D] (row-major), int64 values[N], int64 lengths[FB] (key-major).
+//   float32 dense[B*D] (row-major), int64 values[N], int64 lengths[FB] (key-major);
+//   or magic "DLRMIN02" (a model with weighted features): the same, then float32 weights[N]
+//   (per-id weights aligned with values), passed as the module's 4th input.
 // OUTPUT.bin: 8 bytes magic "DLRMOUT1", int64 B, float32 scores[B].
 // Exit codes: 0 ok, 1 usage, 2 library load failure, 3 bad input file, 4 model error.
 #include <torch/script.h>
@@ -90,16 +92,18 @@ int main(int argc, char** argv) {
   std::ifstream f(in_path, std::ios::binary);
   char magic[8];
   int64_t hdr[4];
-  if (!f.read(magic, 8) || std::memcmp(magic, "DLRMIN01", 8) != 0 ||
+  if (!f.read(magic, 8) || (std::memcmp(magic, "DLRMIN01", 8) != 0 && std::memcmp(magic, "DLRMIN02", 8) != 0) ||
       !f.read(reinterpret_cast<char*>(hdr), sizeof(hdr))) {
-    std::cerr << "error: " << in_path << ": not a DLRMIN01 input file\n";
+    std::cerr << "error: " << in_path << ": not a DLRMIN01 / DLRMIN02 input file\n";
     return 3;
   }
+  const bool weighted = std::memcmp(magic, "DLRMIN02", 8) == 0;
   const int64_t B = hdr[0], D = hdr[1], N = hdr[2], FB = hdr[3];
   std::vector<float> dense;
+  std::vector<float> weights;
   std::vector<int64_t> values, lengths;
   if (B < 0 || D < 0 || N < 0 || FB < 0 || !read_vec(f, dense, B * D) || !read_vec(f, values, N) ||
-      !read_vec(f, lengths, FB)) {
+      !read_vec(f, lengths, FB) || (weighted && !read_vec(f, weights, N))) {
     std::cerr << "error: " << in_path << ": truncated (B=" << B << " D=" << D << " N=" << N << " FB=" << FB << ")\n";
     return 3;
   }
@@ -116,10 +120,12 @@ int main(int argc, char** argv) {
   auto t_dense = torch::from_blob(dense.data(), {B, D}, torch::kFloat32);
   auto t_values = torch::from_blob(values.data(), {N}, torch::kInt64);
   auto t_lengths = torch::from_blob(lengths.data(), {FB}, torch::kInt64);
+  std::vector<torch::jit::IValue> inputs{t_dense, t_values, t_lengths};
+  if (weighted) inputs.emplace_back(torch::from_blob(weights.data(), {N}, torch::kFloat32));
   torch::Tensor scores;
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    scores = module.forward({t_dense, t_values, t_lengths}).toTensor().contiguous().to(torch::kFloat32);
+    scores = module.forward(inputs).toTensor().contiguous().to(torch::kFloat32);
   } catch (const std::exception& e) {
     std::cerr << "error: model rejected the input: " << e.what() << "\n";
     return 4;
