@@ -51,7 +51,7 @@ from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor, SparseInputError
 from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, split_variable_batch
-from dlrmctl.sparse.validation import EmbeddingIdError, check_ids  # noqa: F401 (re-exported)
+from dlrmctl.sparse.validation import EmbeddingIdError  # noqa: F401 (re-exported)
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, with_keys
 
 log = logging.getLogger(__name__)
