@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import math
 import os
 import re
 import types
@@ -491,8 +492,15 @@ def validate(cfg: ExperimentConfig) -> None:
     pos(cfg.train.eval_every, "train.eval_every", allow_zero=True)
     pos(cfg.train.checkpoint_every, "train.checkpoint_every", allow_zero=True)
     pos(cfg.train.keep_last_checkpoints, "train.keep_last_checkpoints")
-    pos(cfg.optimizer.embedding.lr, "optimizer.embedding.lr", allow_zero=True)
-    pos(cfg.optimizer.dense.lr, "optimizer.dense.lr", allow_zero=True)
+    for o, name in ((cfg.optimizer.embedding, "embedding"), (cfg.optimizer.dense, "dense")):
+        for key in ("lr", "eps", "weight_decay"):
+            v = getattr(o, key)
+            if not math.isfinite(v):
+                raise ConfigError(f"optimizer.{name}.{key}: must be a finite number, got {v}")
+        pos(o.lr, f"optimizer.{name}.lr", allow_zero=True)
+        pos(o.weight_decay, f"optimizer.{name}.weight_decay", allow_zero=True)
+        # Adagrad-type updates divide by sqrt(G) + eps: eps 0 gives 0/0 = NaN for a zero gradient
+        pos(o.eps, f"optimizer.{name}.eps")
     for i, n in enumerate(cfg.model.dense_arch_layer_sizes):
         pos(n, f"model.dense_arch_layer_sizes[{i}]")
     for i, n in enumerate(cfg.model.over_arch_layer_sizes):

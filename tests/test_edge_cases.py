@@ -118,3 +118,55 @@ def test_the_planners_2_rank_plan_trains_like_one_process(tmp_path):
     assert not {"column_wise", "table_column_wise"} & set(plan.values()), plan
     assert len(sharded) == len(single) == 12
     assert sharded == pytest.approx(single, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("optimizer.embedding.eps", 0.0, "must be > 0"),
+    ("optimizer.embedding.weight_decay", -0.5, "must be >= 0"),
+    ("optimizer.embedding.lr", float("nan"), "must be a finite number"),
+    ("optimizer.dense.eps", -1.0, "must be > 0"),
+])
+def test_optimizer_values_the_kernels_cannot_take_are_config_errors(key, value, msg):
+    from dlrmctl.config import ConfigError, config_from_dict
+
+    section, opt, field = key.split(".")
+    with pytest.raises(ConfigError, match=f"{key}: {msg}"):
+        config_from_dict({section: {opt: {field: value}}})
+
+
+def test_feature_names_with_at_are_reserved_for_shared_feature_outputs():
+    with pytest.raises(ValueError, match="contain '@', which is reserved"):
+        EmbeddingBagCollection([EmbeddingBagConfig(num_embeddings=5, embedding_dim=4, name="T3", feature_names=["x@T2"])])
+
+
+def test_a_split_too_small_for_one_batch_with_drop_last_is_a_clear_error(tmp_path):
+    from dlrmctl.config import config_from_dict
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.loop import RunEnv, Trainer, TrainError
+
+    generate_synthetic(tmp_path / "d", rows=300, seed=0, num_embeddings=[20] * 26)
+    cfg = config_from_dict({"data": {"path": str(tmp_path / "d"), "batch_size": 1000, "drop_last": True},
+                            "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [8]},
+                            "train": {"run_dir": str(tmp_path / "runs"), "progress": False}})
+    with pytest.raises(TrainError, match=r"gives no training batch \(\d+ rows, data.batch_size 1000, data.drop_last True\)"):
+        Trainer(cfg, RunEnv(), str(tmp_path / "runs" / "x"))
+
+
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"])
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_embedding_collection_weight_decay_is_the_same_l2_rule(opt, kernel):
+    from dlrmctl.modules.embedding_configs import EmbeddingConfig
+    from dlrmctl.modules.sequence_embeddings import EmbeddingCollection
+
+    lr, eps, wd = 0.1, 1e-8, 0.5
+    ec = EmbeddingCollection([EmbeddingConfig(num_embeddings=6, embedding_dim=4, name="T0", feature_names=["f"])],
+                             compute_kernel=kernel, optimizer=EmbeddingOptimizerSpec(opt, lr, eps, wd), seed=1)
+    dense = ec.embedding_dense_parameters()
+    tor = embedding_optimizer_for_dense(dense, opt, lr, eps, wd) if dense else None
+    w0 = ec.embedding_weights()["T0"].detach().clone()
+    out = ec(KeyedJaggedTensor(["f"], torch.tensor([1, 2, 2, 4]), lengths=torch.tensor([3, 1])))
+    out["f"].values().sum().backward()
+    if tor is not None:
+        tor.step()
+    want = _expected_step(w0, {1: torch.ones(4), 2: 2 * torch.ones(4), 4: torch.ones(4)}, opt, lr, eps, wd)
+    assert torch.allclose(ec.embedding_weights()["T0"].detach(), want, atol=1e-6)

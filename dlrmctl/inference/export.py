@@ -629,7 +629,7 @@ def export_run(
     require_fbgemm("dlrmctl export")
     from dlrmctl.config import weighted_features
     from dlrmctl.train.checkpoint import latest_checkpoint
-    from dlrmctl.train.loop import load_trained_model
+    from dlrmctl.train.loop import load_trained_model, multi_hot_kwargs
 
     run = Path(run_dir)
     cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense")
@@ -640,6 +640,8 @@ def export_run(
         "checkpoint": latest_checkpoint(str(run)),
         "metrics": _last_eval_metrics(run),
         "data_path": cfg.data.path,
+        # the training loader's on-the-fly multi-hot expansion: evaluate_exported repeats it
+        "multi_hot": {k: v for k, v in multi_hot_kwargs(cfg, meta).items() if k.startswith("multi_hot")},
     }
     return export_model(
         model, out, embedding_dtype, data_meta=meta, data_dir=data_dir or cfg.data.path, source=source,
@@ -798,7 +800,8 @@ def evaluate_exported(
 
     m = load_exported(model_dir, device)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names,
-                         weighted_features=m.weighted_features)
+                         weighted_features=m.weighted_features,
+                         **(m.manifest.get("source") or {}).get("multi_hot", {}))
     logits, labels = [], []
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):

@@ -142,11 +142,11 @@ def fused_supports_weight_decay(opt_type: str, device: torch.device | str) -> bo
     """Whether FBGEMM's fused TBE applies ``weight_decay`` (L2 mode) for ``opt_type`` on ``device``.
 
     FBGEMM 1.8's CPU TBE ignores ``weight_decay`` for every optimizer (measured: the row after
-    one step is identical with weight_decay 0 and 10), and its SGD has no weight decay on any
-    device; its CUDA row-wise Adagrad and Adagrad apply L2 to the rows in the batch (not run on
+    one step is identical with weight_decay 0 and 10); on CUDA only row-wise Adagrad applies it
+    (FBGEMM's docstring: "EXACT_ADAGRAD, SGD, EXACT_SGD do not support weight decay"; not run on
     a GPU here).  Where this is False, the lookup serves the table with the ``dense`` kernel.
     """
-    return torch.device(device).type == "cuda" and opt_type in ("exact_rowwise_adagrad", "exact_adagrad")
+    return torch.device(device).type == "cuda" and opt_type == "exact_rowwise_adagrad"
 
 
 class _DenseTable(nn.Module):
@@ -220,6 +220,10 @@ class TableFeatures(nn.Module):
             dup = sorted({f for f in t.feature_names if t.feature_names.count(f) > 1})
             if dup:
                 raise ValueError(f"{type(self).__name__}: table '{t.name}' lists feature(s) {dup} more than once")
+            reserved = [f for f in t.feature_names if "@" in f]
+            if reserved:
+                raise ValueError(f"{type(self).__name__}: table '{t.name}': feature name(s) {reserved} contain '@', "
+                                 "which is reserved for the feature@table outputs of shared features")
         if on_invalid_id not in ON_INVALID_ID:
             raise ValueError(f"on_invalid_id must be one of {list(ON_INVALID_ID)}, got {on_invalid_id!r}")
         self._is_weighted = is_weighted
@@ -603,7 +607,7 @@ class GroupedEmbeddingLookup(nn.Module):
         if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
             # FBGEMM's CPU TBE (and exact_sgd everywhere) ignores weight_decay: the dense kernel
             # applies the same L2 rule to the rows looked up (dlrmctl.train.optim)
-            log.info("embedding weight_decay %g with %s on %s: FBGEMM's fused kernel would ignore it; "
+            log.warning("embedding weight_decay %g with %s on %s: FBGEMM's fused kernel would ignore it; "
                      "using the dense kernel", optimizer.weight_decay, optimizer.type, torch.device(device).type)
             compute_kernel = "dense"
         self._pooling = [pooling_override or cfg.pooling for cfg, *_ in self._shards]

@@ -37,6 +37,7 @@ from torch import nn
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 from dlrmctl.modules.embedding_modules import (
+    fused_supports_weight_decay,
     _OPT_TYPES,
     EmbeddingOptimizerSpec,
     FusedOptimizer,
@@ -184,6 +185,10 @@ class SequenceEmbeddingLookup(nn.Module):
         if compute_kernel not in ("fused", "dense"):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
         if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+            compute_kernel = "dense"
+        if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
+            log.warning("embedding weight_decay with %s: FBGEMM's fused kernel would ignore it; using the dense kernel",
+                     optimizer.type)
             compute_kernel = "dense"
         self._keys = [f for cfg, *_ in self._shards for f in cfg.feature_names]
         shard_keys: list[list[int]] = []

@@ -133,6 +133,12 @@ class Trainer:
             **self._id_policy(), **multi_hot_kwargs(cfg, self.meta),
         )
         self.feature_names = feats
+        if len(self.train_loader) == 0:
+            raise TrainError(
+                f"{cfg.data.path}: split '{cfg.data.train_split}' gives no training batch "
+                f"({self.train_loader.num_rows} rows, data.batch_size {cfg.data.batch_size}, "
+                f"data.drop_last {cfg.data.drop_last})"
+            )
         self.weighted = bool(weighted_features(cfg))  # the KJTs carry per-id weights
         self._loss_window: torch.Tensor | None = None  # [2]: last step's local loss, window sum
         self._window_steps = 0
@@ -945,7 +951,8 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
     per_rank = ckpt.unpack(req[f"rank/{src_rank}"])
     if emb_dense_opt is not None:
         for g, sg in zip(emb_dense_opt.param_groups, groups or []):
-            g.update({k: v for k, v in sg.items() if k != "params"})
+            # eps / weight_decay come from the config (as for the fused tables, see the warning above)
+            g.update({k: v for k, v in sg.items() if k not in ("params", "eps", "weight_decay")})
         same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())
         if same_layout:
             names = {id(p): n for n, p in _dlrm(model).named_parameters()}
