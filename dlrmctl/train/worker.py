@@ -8,13 +8,13 @@ rank from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import traceback
 
 import torch
 
+from dlrmctl._fbgemm import FbgemmTorchMismatchError, ensure_checked
 from dlrmctl.config import ConfigError, load_config
 from dlrmctl.distributed.types import PlanError
 from dlrmctl.sparse.validation import EmbeddingIdError
@@ -23,7 +23,7 @@ from dlrmctl.train.loop import RunEnv, Trainer, TrainError, prepare_run_dir, res
 
 #: errors that are the user's input, reported as one line without a traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
-                                               EmbeddingIdError)
+                                               EmbeddingIdError, FbgemmTorchMismatchError)
 try:  # optional modules add their own user-facing errors
     from dlrmctl.data.columnar import DataError
 
@@ -62,6 +62,7 @@ def _make_env(cfg) -> RunEnv:
 def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False) -> dict:
     """Load the config, set up this rank, train; returns the trainer's summary."""
     cfg = load_config(config, overrides)
+    ensure_checked()  # the torch / fbgemm_gpu pair loads (a mismatch is one error line)
     env = _make_env(cfg)
     try:
         if env.is_main:
@@ -93,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dlrmctl.console import setup_logging
+
+    setup_logging()
     try:
         run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite)
     except Exception as e:  # reported here (and recorded for the launcher), not as an uncaught traceback
