@@ -163,6 +163,8 @@ class TrainConfig:
 
     ``max_steps`` (null: no cap) stops early; ``eval_every`` / ``checkpoint_every``
     are in steps (0: only at the end of each epoch); ``log_every`` in steps.
+    ``progress``: rank 0 shows progress (a bar on a terminal; without one, a line every
+    ``progress_every_s`` seconds with step, samples/s and the latest loss read).
     """
 
     epochs: int = 1
@@ -176,6 +178,7 @@ class TrainConfig:
     pipeline: Literal["none", "base", "sparse_dist"] = "sparse_dist"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    progress_every_s: float = 10.0
 
 
 @dataclass
@@ -483,6 +486,7 @@ def validate(cfg: ExperimentConfig) -> None:
     pos(cfg.train.eval_every, "train.eval_every", allow_zero=True)
     pos(cfg.train.checkpoint_every, "train.checkpoint_every", allow_zero=True)
     pos(cfg.train.keep_last_checkpoints, "train.keep_last_checkpoints")
+    pos(cfg.train.progress_every_s, "train.progress_every_s", allow_zero=True)
     pos(cfg.optimizer.embedding.lr, "optimizer.embedding.lr", allow_zero=True)
     pos(cfg.optimizer.dense.lr, "optimizer.dense.lr", allow_zero=True)
     for i, n in enumerate(cfg.model.dense_arch_layer_sizes):

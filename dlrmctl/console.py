@@ -47,9 +47,10 @@ class ConsoleHandler(logging.Handler):
 
 
 def setup_logging(verbose: bool = False) -> None:
-    """Root logging for the CLI and the training ranks: ``LEVEL name: message`` on stderr via :func:`echo`.
+    """Logging for the CLI and the training ranks: ``LEVEL name: message`` on stderr via :func:`echo`.
 
-    torchx's and torch.distributed's INFO chatter is silenced (warnings still show)."""
+    dlrmctl's own loggers log from INFO (DEBUG with ``verbose``); every other library only
+    its warnings (FBGEMM logs every library it loads and every TBE it builds at INFO)."""
     root = logging.getLogger()
     if not any(isinstance(h, ConsoleHandler) for h in root.handlers):
         h = ConsoleHandler()
@@ -57,9 +58,8 @@ def setup_logging(verbose: bool = False) -> None:
         for old in [h for h in root.handlers if type(h) is logging.StreamHandler]:
             root.removeHandler(old)
         root.addHandler(h)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    for noisy in ("torchx", "torch.distributed"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    root.setLevel(logging.WARNING)
+    logging.getLogger("dlrmctl").setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
 def _duration(s: float) -> str:

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 import yaml
 
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict
+from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
@@ -136,6 +136,7 @@ class Trainer:
         self._loss_window: torch.Tensor | None = None  # [2]: last step's local loss, window sum
         self._window_steps = 0
         self.last_loss: float | None = None
+        self.last_loss_step = 0  # the step whose loss last_loss is
         self.step = 0
         self.epoch = 0
         self._batches_done = 0
@@ -291,7 +292,7 @@ class Trainer:
         self._window_steps = 0
         if not (math.isfinite(last) and math.isfinite(total)):
             raise TrainError(f"loss became {total / n} in steps {self.step - n + 1}..{self.step}; lower the learning rate")
-        self.last_loss = last
+        self.last_loss, self.last_loss_step = last, self.step
         return last, total / n
 
     # ---------------------------------------------------------- evaluate
@@ -319,6 +320,8 @@ class Trainer:
         rows: list[torch.Tensor] = []  # [b, 2] float32: logit, label (on the device)
         n_batches = self._agreed_num_batches(len(loader))
         it = iter(loader)
+        bar = Progress(n_batches, f"eval {split}", "batch", enabled=self.env.is_main and self.cfg.train.progress,
+                       every_s=self.cfg.train.progress_every_s, final_line=False, leave=False)
         for _ in range(n_batches):
             batch = next(it, None)
             if batch is None:
@@ -326,6 +329,8 @@ class Trainer:
             batch = batch.to(self.device)
             z = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
             rows.append(torch.stack([z.float(), batch.labels.float()], dim=1))
+            bar.update(1)
+        bar.close()
         self.model.train()
         local = torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)
         # every rank's logits to rank 0 (tensors on the group's device, not pickles)
@@ -399,14 +404,19 @@ class Trainer:
         m = self.evaluate()
         if self.best is None or (not math.isnan(m["auc"]) and m["auc"] > self.best.get("auc", -1)):
             self.best = dict(m, step=self.step)
-        self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step, "epoch": self.epoch, **m})
+        self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step,
+                           "epoch": self.epoch_number(), **m})
         if self.env.is_main:
-            print(
+            echo(
                 f"[{tag}] step {self.step} {self.cfg.data.val_split}: AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
-                f"NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  accuracy {m['accuracy']:.4f}  (n={m['num_samples']})",
-                flush=True,
+                f"NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  accuracy {m['accuracy']:.4f}  (n={m['num_samples']})"
             )
         return m
+
+    def epoch_number(self) -> int:
+        """The epoch the latest step belongs to, numbered from 1 as everywhere the user sees epochs
+        (console, metrics.jsonl, ``dlrmctl report``); ``self.epoch`` counts finished epochs."""
+        return self.epoch + 1 if self._batches_done > 0 or self.epoch == 0 else self.epoch
 
     def train(self) -> dict[str, Any]:
         """Run the configured epochs / steps; returns ``{"final": metrics, "best": metrics, "steps": int}``."""
@@ -427,7 +437,8 @@ class Trainer:
             if cfg.max_steps is not None:
                 todo = min(todo, cfg.max_steps - self.step)
             end = self._batches_done + max(todo, 0)  # this epoch stops after batch `end` (max_steps)
-            progress = _Progress(end, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
+            progress = _Progress(self.step + max(todo, 0), self.step, self.env.is_main and cfg.progress,
+                                 f"epoch {self.epoch + 1}/{cfg.epochs}", cfg.progress_every_s)
             pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names)))
             pipe.reset_stats()
             while True:
@@ -444,12 +455,12 @@ class Trainer:
                 if log_due:
                     loss, loss_avg = self.read_loss()
                     # "loss": this step's; "loss_avg": mean over the steps since the last record
-                    self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
+                    self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch + 1, "loss": loss,
                                        "loss_avg": loss_avg,
                                        "samples_per_s": sps, "data_wait_share": sh["data_wait_share"],
                                        "comm_wait_share": sh["comm_wait_share"],
                                        "lr_factor": self.schedule.factor(self.step - 1)})
-                progress.update(self.last_loss, sps)
+                progress.update(self.last_loss, self.last_loss_step, sps)
                 eval_due = bool(cfg.eval_every and self.step % cfg.eval_every == 0)
                 if eval_due or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
                     self.check_loss_finite()  # never evaluate or checkpoint a model that went non-finite
@@ -461,9 +472,9 @@ class Trainer:
             progress.close()
             sh = pipe.stats.shares()
             if self.env.is_main and pipe.stats.steps:
-                print(f"epoch {self.epoch}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
-                      f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
-                      f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time", flush=True)
+                echo(f"epoch {self.epoch + 1}/{cfg.epochs}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
+                     f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
+                     f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time")
             if self._batches_done < n:  # stopped by max_steps mid-epoch
                 break
             self.epoch += 1
@@ -480,8 +491,8 @@ class Trainer:
         if self.env.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, f, indent=1)
-            print(f"best {self.cfg.data.val_split} AUC {self.best['auc']:.4f} at step {self.best['step']}; "
-                  f"run directory {self.run_dir}", flush=True)
+            echo(f"best {self.cfg.data.val_split} AUC {self.best['auc']:.4f} at step {self.best['step']}; "
+                 f"run directory {self.run_dir}")
         if self._metrics_f is not None:
             self._metrics_f.close()
             if self._tb is not None:
@@ -490,40 +501,20 @@ class Trainer:
 
 
 class _Progress:
-    """Rank-0 progress line with samples/s and loss (tqdm when installed, else a plain line)."""
+    """Rank-0 progress of one epoch (:class:`dlrmctl.console.Progress`): a bar on a terminal, a line
+    every ``train.progress_every_s`` seconds otherwise.  Counts global steps; shows samples/s and the
+    latest loss read from the device (every ``train.log_every`` steps, see read_loss) with its step."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, epoch: int) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.n = initial
-        self.total = total
-        self._last = 0.0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str, every_s: float) -> None:
+        self.p = Progress(total, desc, "step", enabled=enabled, every_s=every_s, initial=initial)
 
-            self.bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=1.0, disable=not sys.stderr.isatty())
-        except ImportError:
-            self.bar = None
-
-    def update(self, loss: float | None, sps: float) -> None:
-        """One step done; ``loss``: the latest loss read (every ``log_every`` steps), or None."""
-        if not self.enabled:
-            return
-        self.n += 1
-        ls = "-" if loss is None else f"{loss:.4f}"
-        if self.bar is not None and not self.bar.disable:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=ls, samples_per_s=f"{sps:,.0f}", refresh=False)
-        elif time.perf_counter() - self._last > 10 or self.n == self.total:
-            self._last = time.perf_counter()
-            print(f"  step {self.n}/{self.total}  loss {ls}  {sps:,.0f} samples/s", file=sys.stderr, flush=True)
+    def update(self, loss: float | None, loss_step: int, sps: float) -> None:
+        """One step done; ``loss``: the latest loss read (at step ``loss_step``), or None."""
+        self.p.update(1, **{"samples/s": f"{sps:,.0f}",
+                            "loss": "-" if loss is None else f"{loss:.4f} (step {loss_step})"})
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.p.close()
 
 
 def _tensorboard_writer(run_dir: str) -> Any:
