@@ -65,7 +65,7 @@ def test_plan_command_applies_set_overrides_batch_size_and_gpu_presets(tmp_path)
     assert user.shards is None or sum(s.sizes[1] for s in user.shards if s.offsets[0] == 0) == 32
 
 
-def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
+def test_plan_command_reports_infeasible_tables_and_exits_2(tmp_path):
     cfg = {**CONFIG, "model": {**CONFIG["model"], "tables": CONFIG["model"]["tables"] + [
         {"name": "huge", "num_embeddings": 274_352_000, "embedding_dim": 16}]}}
     cfg["model"]["embedding_dim"] = 16
@@ -73,7 +73,7 @@ def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
     out = tmp_path / "plan.yaml"
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "4",
                                           "--out", str(out)])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "table 'huge'" in r.output and "what would make it fit" in r.output
     assert not out.exists()
 
@@ -81,14 +81,14 @@ def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
 def test_plan_command_says_to_preprocess_when_tables_come_from_missing_data(tmp_path):
     cfg_path = write_config(tmp_path, {"data": {"path": str(tmp_path / "nodata")}})
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "dlrmctl preprocess" in r.output
 
 
 def test_plan_command_rejects_inconsistent_host_counts(tmp_path):
     cfg_path = write_config(tmp_path)
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--hosts", "3"])
-    assert r.exit_code == 1 and "--hosts 3 must divide --gpus 4" in r.output
+    assert r.exit_code == 2 and "--hosts 3 must divide --gpus 4" in r.output
 
 
 def test_register_adds_plan_to_the_main_app(tmp_path):

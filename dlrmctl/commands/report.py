@@ -102,10 +102,18 @@ def register(app: typer.Typer) -> None:
     def report(run_dir: str = typer.Argument(..., help="runs/<name>"),
                plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)")) -> None:
         """Summary table and PNG plots (loss, AUC, throughput) of a run."""
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            typer.echo(f"error: {run_dir}: no metrics.jsonl; not a training run directory, or the run has not "
+                       "logged yet", err=True)
+            raise typer.Exit(2)
         try:
             train, evals = read_metrics(run_dir)
-        except (FileNotFoundError, ValueError) as e:
+        except (OSError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        if not train and not evals:
+            typer.echo(f"error: {path}: empty; the run has logged nothing yet", err=True)
             raise typer.Exit(2)
         typer.echo(summary_table(train, evals))
         if plots:

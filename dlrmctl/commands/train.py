@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from dlrmctl.commands._common import fail, setup_logging
+from dlrmctl.commands._common import echo, fail, setup_logging, show_path
 
 
 def train(
@@ -21,7 +21,10 @@ def train(
     nproc: int = typer.Option(1, "--nproc", help="processes (ranks) per node; > 1 shards the tables"),
     nnodes: int = typer.Option(1, "--nnodes", help="nodes (torchx dist.ddp -j NNODESxNPROC)"),
     plan: Optional[str] = typer.Option(None, "--plan", help="sharding plan file written by `dlrmctl plan`"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the run directory's newest checkpoint"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run from its newest checkpoint"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
+                                             help="with --resume: the checkpoint to continue from, best | last | "
+                                                  "<step> (default last)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the torchx AppDef instead of launching"),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
@@ -34,6 +37,8 @@ def train(
         cfg = load_config(config, set_)
     except ConfigError as e:
         fail(str(e))
+    if checkpoint is not None and not resume:
+        fail("--checkpoint selects the checkpoint to resume from: it needs --resume")
     if plan:
         set_ = list(set_) + [f"sharding.plan_file={plan}"]
         cfg.sharding.plan_file = plan
@@ -41,45 +46,63 @@ def train(
     if dry_run:
         from dlrmctl.launch import build_appdef, launch
 
-        raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite), dry_run=True))
+        raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint),
+                                dry_run=True))
     if world > 1:
-        from dlrmctl.launch import build_appdef, launch
-        from dlrmctl.train.loop import prepare_run_dir
+        from dlrmctl.launch import build_appdef, launch, omp_threads_per_rank
+        from dlrmctl.train.loop import clear_unsaved_attempt, prepare_run_dir
 
-        _check_before_launch(cfg, world, resume, overwrite)
+        _check_before_launch(cfg, world, resume, overwrite, checkpoint)
         # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
         run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
-        app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False)
-        raise typer.Exit(launch(app, log_dir=os.path.join(run_dir, "logs")))
+        app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False, checkpoint=checkpoint)
+        threads, why = omp_threads_per_rank(nproc)
+        echo(f"{world} ranks ({nnodes} x {nproc}), {threads} OpenMP thread(s) per rank ({why}; OMP_NUM_THREADS "
+             "overrides); rank 0's output follows, every rank's log is in " + show_path(os.path.join(run_dir, "logs")))
+        rc = launch(app, log_dir=os.path.join(run_dir, "logs"))
+        if rc != 0:
+            clear_unsaved_attempt(run_dir)  # failed before any checkpoint: a retry starts clean (logs/ stay)
+        raise typer.Exit(rc)
+    _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
     from dlrmctl.commands._common import user_errors
     from dlrmctl.train.worker import run_training
 
     try:
-        run_training(config, set_, resume=resume, overwrite=overwrite)
+        run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint)
     except Exception as e:  # user-facing errors: one clear line, no traceback
         if isinstance(e, user_errors()):
             fail(str(e))
         raise
 
 
-def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool) -> None:
-    """Checks of a ``--nproc``/``--nnodes`` launch, run before any rank starts.
+def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpoint: str | None = None) -> None:
+    """Checks of a training run before anything is written (before any rank of a ``--nproc`` /
+    ``--nnodes`` launch starts; before torch is imported in a single process).
 
     Each failure prints one ``error: ...`` line and exits with code 2 (``typer.Exit``): the run
-    directory already holds a run (without ``--resume``/``--overwrite``), ``data.path`` has no
-    (valid) meta.json, or the stored sharding plan does not fit the model or the world size.
+    directory already holds a run (without ``--resume``/``--overwrite``), resuming on other data
+    than the run's (fingerprint) or from a checkpoint it does not have, ``data.path`` has no
+    (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
+    plan does not fit the model or the world size.
     """
     from dlrmctl.config import ConfigError, read_data_meta
-    from dlrmctl.train.loop import TrainError, check_run_dir
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.fingerprint import DataMismatchError
+    from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
+    from dlrmctl.train.loop import TrainError, check_run_dir, check_train_splits
 
     try:
-        check_run_dir(cfg, resume, overwrite)
+        run_dir = check_run_dir(cfg, resume, overwrite)
+        if resume and checkpoint is not None:
+            resolve_checkpoint(run_dir, checkpoint)
         meta = read_data_meta(cfg)
-    except (TrainError, ConfigError) as e:
+        if meta is not None:
+            check_train_splits(cfg, meta)
+    except (TrainError, ConfigError, DataError, DataMismatchError, CheckpointError) as e:
         fail(str(e))
     if meta is None:  # the message the Trainer gives
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
-    if cfg.sharding.plan_file:
+    if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
         _check_plan_before_launch(cfg, world)
 
 
