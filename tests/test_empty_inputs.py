@@ -81,7 +81,8 @@ def test_empty_files(trained, tmp_path):
     _, _, run = trained
     (tmp_path / "empty.tsv").write_text("")
     one_error_line(["preprocess", "criteo", "--input", tmp_path / "empty.tsv", "--out", tmp_path / "o"],
-                   tmp_path / "empty.tsv", "empty")
+                   tmp_path / "empty.tsv", "empty file: no lines to preprocess")
+    assert not (tmp_path / "o").exists()
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "metrics.jsonl").write_text("")
     one_error_line(["report", tmp_path / "r"], tmp_path / "r" / "metrics.jsonl", "empty")
