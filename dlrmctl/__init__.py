@@ -1,9 +1,11 @@
 """dlrmctl: train, shard, plan and ship DLRM recommendation models.
 
-Importing the package checks that the installed ``torch`` / ``fbgemm_gpu`` pair
-loads together (see :mod:`dlrmctl._fbgemm`).  A missing ``fbgemm_gpu`` is not an
-error: the ``dense`` embedding kernel (``torch.nn.EmbeddingBag``) is used instead.
-An installed but ABI-incompatible ``fbgemm_gpu`` *is* an error, raised at import
+Importing the package is light (no torch: ``dlrmctl --help`` starts fast).  The
+first use of anything that needs torch checks that the installed ``torch`` /
+``fbgemm_gpu`` pair loads together (see :mod:`dlrmctl._fbgemm`; reading
+``dlrmctl.HAS_FBGEMM`` runs it).  A missing ``fbgemm_gpu`` is not an error: the
+``dense`` embedding kernel (``torch.nn.EmbeddingBag``) is used instead.  An
+installed but ABI-incompatible ``fbgemm_gpu`` *is* an error, raised by that check
 with both versions and the pair to install.
 
 Coming from TorchRec, these names import from ``dlrmctl`` as from ``torchrec``
@@ -16,10 +18,6 @@ dlrmctl`` stays light).
 """
 
 __version__ = "0.1.0"
-
-from dlrmctl._fbgemm import check_torch_fbgemm_pair  # noqa: E402
-
-HAS_FBGEMM: bool = check_torch_fbgemm_pair()
 
 _TORCHREC_NAMES = {
     "JaggedTensor": "dlrmctl.sparse.jagged_tensor",
@@ -35,6 +33,10 @@ _TORCHREC_NAMES = {
 
 
 def __getattr__(name: str):  # PEP 562: TorchRec-compatible names, imported on first use
+    if name == "HAS_FBGEMM":  # runs the torch / fbgemm_gpu check once (imports torch)
+        from dlrmctl import _fbgemm
+
+        return _fbgemm.HAS_FBGEMM
     mod = _TORCHREC_NAMES.get(name)
     if mod is None:
         raise AttributeError(f"module 'dlrmctl' has no attribute {name!r}")

@@ -9,6 +9,11 @@ both versions and the pair that works.
 Known-good pairs (from the FBGEMM release notes): torch 2.13.x with
 fbgemm-gpu(-cpu) 1.8.0.  fbgemm-gpu 1.9 is built for a newer torch and does not
 load against 2.13.
+
+The check is lazy: importing :mod:`dlrmctl` does not import torch (``dlrmctl --help``
+and configuration errors stay fast).  It runs once, on the first read of
+``HAS_FBGEMM`` / ``FBGEMM_IMPORT_ERROR`` here or in :mod:`dlrmctl`, or on a call of
+:func:`ensure_checked` (the modules that use FBGEMM's operators do one of these first).
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ import importlib.util
 #: torch minor release -> fbgemm-gpu release known to load against it.
 KNOWN_GOOD_PAIRS: dict[str, str] = {"2.13": "1.8.0"}
 
-HAS_FBGEMM: bool = False
-FBGEMM_IMPORT_ERROR: str | None = None
+# ``HAS_FBGEMM`` and ``FBGEMM_IMPORT_ERROR`` become module globals when the check has run
+# (module ``__getattr__`` below runs it on their first read).
+_CHECKED = False
 
 
 class FbgemmTorchMismatchError(ImportError):
@@ -48,12 +54,11 @@ def check_torch_fbgemm_pair() -> bool:
             lacks the table-batched-embedding operators; the message names the
             torch and fbgemm versions and the pair to install.
     """
-    global HAS_FBGEMM, FBGEMM_IMPORT_ERROR
+    global HAS_FBGEMM, FBGEMM_IMPORT_ERROR, _CHECKED
     import torch
 
     if importlib.util.find_spec("fbgemm_gpu") is None:
-        HAS_FBGEMM = False
-        FBGEMM_IMPORT_ERROR = "fbgemm_gpu is not installed"
+        HAS_FBGEMM, FBGEMM_IMPORT_ERROR, _CHECKED = False, "fbgemm_gpu is not installed", True
         return False
     torch_v = torch.__version__.split("+")[0]
     fb_v = _installed_version("fbgemm-gpu-cpu", "fbgemm-gpu", "fbgemm_gpu_cpu", "fbgemm_gpu")
@@ -73,11 +78,29 @@ def check_torch_fbgemm_pair() -> bool:
 
         torch.ops.fbgemm.asynchronous_complete_cumsum  # noqa: B018  (operator registered?)
     except Exception as e:  # ImportError, OSError (undefined symbol), AttributeError
-        FBGEMM_IMPORT_ERROR = str(e)
+        # not marked as checked: every later use raises this again (no silent fallback)
         raise FbgemmTorchMismatchError(
             f"fbgemm_gpu {fb_v} does not load against torch {torch.__version__}: "
             f"{type(e).__name__}: {str(e)[:300]}. {hint}. "
             "Or uninstall fbgemm_gpu to fall back to the dense (torch.nn.EmbeddingBag) kernel."
         ) from e
-    HAS_FBGEMM = True
+    HAS_FBGEMM, FBGEMM_IMPORT_ERROR, _CHECKED = True, None, True
     return True
+
+
+def ensure_checked() -> bool:
+    """Run :func:`check_torch_fbgemm_pair` once (imports torch); returns ``HAS_FBGEMM``.
+
+    Raises:
+        FbgemmTorchMismatchError: see :func:`check_torch_fbgemm_pair` (raised again on every call).
+    """
+    if not _CHECKED:
+        return check_torch_fbgemm_pair()
+    return bool(globals()["HAS_FBGEMM"])
+
+
+def __getattr__(name: str):  # PEP 562: the check runs on the first read of its results
+    if name in ("HAS_FBGEMM", "FBGEMM_IMPORT_ERROR"):
+        ensure_checked()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

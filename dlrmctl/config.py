@@ -172,6 +172,11 @@ class TrainConfig:
 
     ``max_steps`` (null: no cap) stops early; ``eval_every`` / ``checkpoint_every``
     are in steps (0: only at the end of each epoch); ``log_every`` in steps.
+    ``keep_best``: keep the checkpoint of the best validation ``auc`` (highest) or ``ne``
+    (lowest) as ``checkpoints/BEST`` (saved when an evaluation improves on it, never pruned);
+    ``none``: only the newest ``keep_last_checkpoints``.
+    ``progress``: rank 0 shows progress (a bar on a terminal; without one, a line every
+    ``progress_every_s`` seconds with step, samples/s and the latest loss read).
     """
 
     epochs: int = 1
@@ -179,12 +184,14 @@ class TrainConfig:
     eval_every: int = 0
     checkpoint_every: int = 0
     keep_last_checkpoints: int = 2
+    keep_best: Literal["auc", "ne", "none"] = "auc"
     log_every: int = 50
     seed: int = 0
     run_dir: str = "runs"
     pipeline: Literal["none", "base", "sparse_dist"] = "sparse_dist"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    progress_every_s: float = 10.0
 
 
 @dataclass
@@ -468,9 +475,11 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else path
         raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
-    if raw is not None and not isinstance(raw, dict):
+    if raw is None:  # an empty file (or comments only) is a mistake, not "all defaults"
+        raise ConfigError(f"{path}: empty config file (write `{{}}` for all defaults; see configs/demo.yaml)")
+    if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
-    return config_from_dict(raw or {}, overrides, source=path)
+    return config_from_dict(raw, overrides, source=path)
 
 
 def validate(cfg: ExperimentConfig) -> None:
@@ -492,6 +501,7 @@ def validate(cfg: ExperimentConfig) -> None:
     pos(cfg.train.eval_every, "train.eval_every", allow_zero=True)
     pos(cfg.train.checkpoint_every, "train.checkpoint_every", allow_zero=True)
     pos(cfg.train.keep_last_checkpoints, "train.keep_last_checkpoints")
+    pos(cfg.train.progress_every_s, "train.progress_every_s", allow_zero=True)
     for o, name in ((cfg.optimizer.embedding, "embedding"), (cfg.optimizer.dense, "dense")):
         for key in ("lr", "eps", "weight_decay"):
             v = getattr(o, key)
@@ -613,7 +623,10 @@ def read_data_meta(cfg: ExperimentConfig) -> dict | None:
         return None
     try:
         with open(p) as f:
-            return json.load(f)
+            text = f.read()
+        if not text.strip():
+            raise ConfigError(f"{p}: empty file; re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
+        return json.loads(text)
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{p}: cannot read data meta: {e}") from e
 

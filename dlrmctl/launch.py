@@ -48,6 +48,7 @@ def build_appdef(
     mem_mb_per_proc: int = 4096,
     name: str = "dlrmctl-train",
     scheduler: str = LOCAL_SCHEDULER,
+    checkpoint: str | None = None,
 ) -> Any:
     """The torchx AppDef of a training job (``torchx.components.dist.ddp``).
 
@@ -56,6 +57,7 @@ def build_appdef(
         overrides: ``--set`` assignments passed through to every rank.
         nproc: processes per node; nnodes: nodes.
         resume, overwrite: passed through to every rank as ``--resume`` / ``--overwrite``.
+        checkpoint: with ``resume``, passed as ``--checkpoint`` (best | last | step).
         image: container image for cluster schedulers (ignored by local_cwd).
         cpu_per_proc, gpu_per_proc, mem_mb_per_proc: resources per process
             (the role asks for ``nproc`` times these, in CPUs / GPUs / MB).
@@ -75,9 +77,11 @@ def build_appdef(
         args += ["--set", ov]
     if resume:
         args.append("--resume")
+        if checkpoint is not None:
+            args += ["--checkpoint", str(checkpoint)]
     if overwrite:
         args.append("--overwrite")
-    env = {"PYTHONUNBUFFERED": "1"}
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(omp_threads_per_rank(nproc, scheduler, cpu_per_proc)[0])}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     kw: dict[str, Any] = dict(
@@ -95,6 +99,26 @@ def build_appdef(
     if scheduler == LOCAL_SCHEDULER:
         _run_torchrun_through_this_interpreter(app.roles[0], nnodes)
     return app
+
+
+def omp_threads_per_rank(nproc: int, scheduler: str = LOCAL_SCHEDULER, cpu_per_proc: int = 1) -> tuple[int, str]:
+    """OpenMP threads of each rank (``OMP_NUM_THREADS`` in the job's environment), and why.
+
+    ``OMP_NUM_THREADS`` set in this environment wins; else on this machine the CPUs this
+    process may use divided among the ``nproc`` local ranks (at least 1), and on a cluster the
+    CPUs each process asks for (``cpu_per_proc``).  Set deliberately, torchrun does not print
+    its ``Setting OMP_NUM_THREADS ... to be 1`` banner.
+    """
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env), "OMP_NUM_THREADS is set"
+    if scheduler != LOCAL_SCHEDULER:
+        return max(1, cpu_per_proc), f"{cpu_per_proc} CPU(s) requested per process"
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(nproc, 1)), f"{cpus} CPUs / {nproc} ranks"
 
 
 def _run_torchrun_through_this_interpreter(role: Any, nnodes: int) -> None:

@@ -3,7 +3,8 @@
 
     python scripts/bench_export.py RUN_DIR DATA_DIR [--split val] [--batch-size 8192] [--quantize-dense]
 
-Exports RUN_DIR's newest checkpoint once per embedding dtype (into a temp dir), evaluates each
+Exports RUN_DIR's default checkpoint (the best when the run kept one, else the newest; the eager
+reference evaluates the same one) once per embedding dtype (into a temp dir), evaluates each
 artifact on DATA_DIR's split with :func:`dlrmctl.inference.export.evaluate_exported`, and prints:
 
 * per dtype: AUC, AUC - AUC(fp32 artifact), logloss, embedding bytes (as allocated by FBGEMM's

@@ -292,7 +292,7 @@ if summ:
     train["steps"] = s.get("steps")
     train["train_seconds"] = s.get("train_seconds")
 epoch_lines = re.findall(
-    r"epoch (\d+): (\d+) steps, ([\d,.]+) samples/s \((\w+) pipeline\), waiting on data ([\d.]+)% and on input_dist ([\d.]+)% of step time",
+    r"epoch (\d+)(?:/\d+)?: (\d+) steps, ([\d,.]+) samples/s \((\w+) pipeline\), waiting on data ([\d.]+)% and on input_dist ([\d.]+)% of step time",
     read(os.path.join(logs, "train.log"), "") or "")
 train["epoch_lines"] = [{"epoch": int(e), "steps": int(n), "samples_per_s": float(sps.replace(",", "")), "pipeline": p,
                          "data_wait_pct": float(d), "comm_wait_pct": float(c)} for e, n, sps, p, d, c in epoch_lines]

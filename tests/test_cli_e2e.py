@@ -83,7 +83,13 @@ def test_real_criteo_sample_preprocess_train_evaluate(tmp_path):
     invoke("train", "configs/criteo_sample.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={tmp_path}",
            "--set", "train.progress=false", "--set", "train.epochs=1")
     summary = json.load(open(tmp_path / "criteo_sample" / "summary.json"))
+    # evaluate uses the best checkpoint (train.keep_best: auc), --checkpoint last the end of the epoch
     m = json.loads(invoke("evaluate", tmp_path / "criteo_sample", "--split", "val", "--json").strip().splitlines()[-1])
-    assert m["auc"] == pytest.approx(summary["final"]["auc"], abs=1e-6)
+    assert m["auc"] == pytest.approx(summary["best"]["auc"], abs=1e-6)
+    assert m["checkpoint"] == f"best (step {summary['best']['step']})"
+    last = json.loads(invoke("evaluate", tmp_path / "criteo_sample", "--checkpoint", "last",
+                             "--json").strip().splitlines()[-1])
+    assert last["auc"] == pytest.approx(summary["final"]["auc"], abs=1e-6)
+    assert summary["best"]["auc"] >= summary["final"]["auc"]
     assert m["num_samples"] == json.load(open(data / "meta.json"))["splits"]["val"]["rows"]
     assert m["auc"] > 0.70

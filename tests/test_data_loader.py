@@ -163,6 +163,6 @@ def test_id_bounds_are_checked_on_the_cpu_batch_and_length_per_key_is_known(tmp_
     assert batches[0].sparse_features._length_per_key == [4, 3]
     assert batches[0].sparse_features.to("cpu").length_per_key() == [4, 3]
     bad = BatchLoader(tmp_path, "train", 4, prefetch=prefetch, id_bounds={"C1": ("t_C1", 45)})
-    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 0, batch 1: table 't_C1', feature 'C1': "
+    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 1, batch 2: table 't_C1', feature 'C1': "
                                                r"id 70 is out of range; expected 0 <= id < num_embeddings = 45"):
         list(bad)

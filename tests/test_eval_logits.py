@@ -71,9 +71,10 @@ def test_metrics_of_logits_shifted_by_40_match_the_logits_on_every_evaluation_pa
     assert want["auc"] == before["auc"]
     got = {"Trainer.evaluate": t.evaluate()}
     t.save()
-    got["evaluate_run"] = evaluate_run(run)
-    got["evaluate_run batch 7"] = evaluate_run(run, batch_size=7)
-    out = export_run(run, "fp32", tmp_path / "export").model_dir
+    # the checkpoint just saved (the shifted model) is the last one; "best" is the trained one
+    got["evaluate_run"] = evaluate_run(run, checkpoint="last")
+    got["evaluate_run batch 7"] = evaluate_run(run, batch_size=7, checkpoint="last")
+    out = export_run(run, "fp32", tmp_path / "export", checkpoint="last").model_dir
     got["evaluate_exported"] = evaluate_exported(out, tiny_data, "val", batch_size=100)
     for path, m in got.items():
         assert m["auc"] == pytest.approx(want["auc"], abs=2e-3), path

@@ -75,7 +75,10 @@ def test_export_predict_evaluate_through_the_cli(run, tmp_path):
         shutil.move(str(moved), str(data))
     with open(tmp_path / "scores.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 100 and set(rows[0]) == {"label", "score"}
+    # a row number (the input line's), the label (the input has one) and the score
+    assert len(rows) == 100 and list(rows[0]) == ["row", "label", "score"]
+    assert [int(x["row"]) for x in rows] == list(range(1, 101))
+    assert [x["label"] for x in rows] == [line.split("\t")[0] for line in RAW.read_text().splitlines()]
     pred = np.array([float(x["score"]) for x in rows], dtype=np.float32)
     assert ((pred > 0) & (pred < 1)).all()
 

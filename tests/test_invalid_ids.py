@@ -216,7 +216,7 @@ def test_the_loader_applies_the_policy_on_the_cpu_batch(wide_data, prefetch):
     assert kjt["C1@A"].values().tolist() == c1[c1 < 30].tolist()
     assert kjt["C1@A"].lengths().tolist() == (c1 < 30).long().tolist()
     assert kjt["C1@B"].values().tolist() == c1.tolist()
-    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 0, batch 0: table 'A', feature 'C1': id \d+ is "
+    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 1, batch 1: table 'A', feature 'C1': id \d+ is "
                                                r"out of range; expected 0 <= id < num_embeddings = 30"):
         next(iter(BatchLoader(wide_data, "train", 64, prefetch=prefetch, features=["C1", "C2"], id_bounds=bounds)))
 
@@ -237,7 +237,7 @@ def test_trainer_with_zero_trains_on_data_with_ids_beyond_the_tables(wide_data, 
     t = Trainer(cfg("zero"), RunEnv(), os.path.join(tmp_path, "zero"))
     t.train()
     assert np.isfinite(t.last_loss)
-    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 0, batch 0: table 't\d+', feature 'C\d+'"):
+    with pytest.raises(EmbeddingIdError, match=r"train split, epoch 1, batch 1: table 't\d+', feature 'C\d+'"):
         Trainer(cfg("error"), RunEnv(), os.path.join(tmp_path, "error")).train()
 
 

@@ -33,6 +33,36 @@ def test_cluster_appdef_keeps_torchrun_from_the_image():
     assert "--nproc_per_node 8" in role.args[1] and "-m dlrmctl.train.worker configs/demo.yaml" in role.args[1]
 
 
+def test_ranks_get_their_openmp_threads_deliberately(monkeypatch):
+    """OMP_NUM_THREADS is set for every rank (so torchrun prints no banner about it): this machine's
+    CPUs over the local ranks, the CPUs asked per process on a cluster, or the user's own value."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    (role,) = build_appdef("configs/demo.yaml", [], nproc=4).roles
+    assert role.env["OMP_NUM_THREADS"] == "2"
+    (role,) = build_appdef("configs/demo.yaml", [], nproc=16).roles
+    assert role.env["OMP_NUM_THREADS"] == "1"
+    (role,) = build_appdef("configs/demo.yaml", [], nproc=8, scheduler="slurm", cpu_per_proc=6).roles
+    assert role.env["OMP_NUM_THREADS"] == "6"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    (role,) = build_appdef("configs/demo.yaml", [], nproc=4).roles
+    assert role.env["OMP_NUM_THREADS"] == "3"
+
+
+def test_cluster_launch_asks_one_gpu_per_process_unless_the_config_trains_on_cpu():
+    args = ["launch", "configs/criteo_kaggle.yaml", "--scheduler", "slurm", "--dry-run", "--nproc", "8"]
+    r = runner.invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "GPUs per process: 1 (train.device is auto in configs/criteo_kaggle.yaml" in r.output
+    assert "--gpus-per-task=8" in r.output
+    r = runner.invoke(app, args + ["--set", "train.device=cuda"], catch_exceptions=False)
+    assert "GPUs per process: 1 (train.device is cuda" in r.output and "--gpus-per-task=8" in r.output
+    r = runner.invoke(app, args + ["--set", "train.device=cpu"], catch_exceptions=False)
+    assert "GPUs per process: 0 (train.device is cpu" in r.output and "--gpus-per-task" not in r.output
+    r = runner.invoke(app, args + ["--gpus-per-proc", "2"], catch_exceptions=False)
+    assert "GPUs per process" not in r.output and "--gpus-per-task=16" in r.output
+
+
 def test_train_dry_run_prints_the_appdef():
     r = runner.invoke(app, ["train", "configs/demo.yaml", "--nproc", "2", "--dry-run"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -123,6 +153,11 @@ def test_two_rank_run_without_torchrun_on_path_echoes_rank_0_and_keeps_every_ran
     assert r.returncode == 0, r.stdout + r.stderr
     assert "val: AUC" in r.stdout and "run directory" in r.stdout
     assert "[0]:" not in r.stdout + r.stderr and "OMP_NUM_THREADS" not in r.stderr  # no torchrun noise
+    # the threads per rank are said once, and the applied plan is shown per rank before training
+    assert r.stdout.count("OpenMP thread(s) per rank") == 1
+    assert "sharding plan from the planner" in r.stdout and "  rank 1: " in r.stdout
+    logs_text = "".join(p.read_text() for p in (tmp_path / "runs" / "demo" / "logs").rglob("*.log"))
+    assert "Setting OMP_NUM_THREADS" not in logs_text
     logs = tmp_path / "runs" / "demo" / "logs"
     assert {p.parent.name for p in logs.rglob("stderr.log") if p.parent.parent.name == "attempt_0"} == {"0", "1"}
 
@@ -152,6 +187,15 @@ def test_a_failing_rank_is_reported_in_one_line_naming_it_and_its_log(small_data
     logs = tmp_path / "runs" / "demo" / "logs"
     rank_logs = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log") if p.parent.parent.name == "attempt_0"}
     assert set(rank_logs) == {"0", "1"} and "1000000" in rank_logs["1"]
+    # issue 14 item 11: the run failed before any checkpoint, so nothing of it blocks or mixes into a
+    # retry: the run's files are gone, its logs (named in the error line) stay
+    run = tmp_path / "runs" / "demo"
+    assert sorted(p.name for p in run.iterdir()) == ["logs"]
+    from dlrmctl.config import load_config
+    from dlrmctl.train.loop import check_run_dir
+
+    cfg = load_config("configs/demo.yaml", [f"data.path={small_data}", f"train.run_dir={tmp_path / 'runs'}"])
+    assert check_run_dir(cfg, resume=False, overwrite=False) == str(run)
 
 
 def test_first_failure_names_the_earliest_rank_that_did_not_just_lose_a_peer(tmp_path, monkeypatch):

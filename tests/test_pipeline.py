@@ -321,5 +321,5 @@ def test_evaluation_range_checks_ids_like_training(tiny_data, tmp_path):
     generate_synthetic(other, rows=400, seed=1, num_embeddings=[5000] * 26)  # ids beyond the model's 50 rows
     cfg = _cfg(tiny_data, str(tmp_path), "none")
     t = Trainer(cfg, RunEnv(), os.path.join(tmp_path, cfg.name))
-    with pytest.raises(EmbeddingIdError, match=r"val split, epoch 0, batch 0: table 't_C\d+', feature 'C\d+': id \d+"):
+    with pytest.raises(EmbeddingIdError, match=r"val split, epoch 1, batch 1: table 't_C\d+', feature 'C\d+': id \d+"):
         t.evaluate(data_dir=str(other))

@@ -349,6 +349,7 @@ def test_report_has_required_columns_step_time_proposals_and_runner_up():
                 "Sharding", "Kernel", "Ranks", "Shard sizes", "Storage", "Pooling factor", "Dim", "Rows"):
         assert col in text
     assert f"critical path = slowest rank): {fmt_ms(res.partition.critical_path)} ms" in text
+    assert "latency" in text and "kernel launches" in text and "Why this plan: " in text
     assert f"Proposals evaluated: {res.proposals_evaluated}" in text and res.proposals_evaluated > 1
     assert "Runner-up: " in text and " vs " in text
     for t in tables:

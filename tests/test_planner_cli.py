@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
@@ -65,7 +66,7 @@ def test_plan_command_applies_set_overrides_batch_size_and_gpu_presets(tmp_path)
     assert user.shards is None or sum(s.sizes[1] for s in user.shards if s.offsets[0] == 0) == 32
 
 
-def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
+def test_plan_command_reports_infeasible_tables_and_exits_2(tmp_path):
     cfg = {**CONFIG, "model": {**CONFIG["model"], "tables": CONFIG["model"]["tables"] + [
         {"name": "huge", "num_embeddings": 274_352_000, "embedding_dim": 16}]}}
     cfg["model"]["embedding_dim"] = 16
@@ -73,7 +74,7 @@ def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
     out = tmp_path / "plan.yaml"
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "4",
                                           "--out", str(out)])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "table 'huge'" in r.output and "what would make it fit" in r.output
     assert not out.exists()
 
@@ -81,14 +82,14 @@ def test_plan_command_reports_infeasible_tables_and_exits_1(tmp_path):
 def test_plan_command_says_to_preprocess_when_tables_come_from_missing_data(tmp_path):
     cfg_path = write_config(tmp_path, {"data": {"path": str(tmp_path / "nodata")}})
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert "dlrmctl preprocess" in r.output
 
 
 def test_plan_command_rejects_inconsistent_host_counts(tmp_path):
     cfg_path = write_config(tmp_path)
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--hosts", "3"])
-    assert r.exit_code == 1 and "--hosts 3 must divide --gpus 4" in r.output
+    assert r.exit_code == 2 and "--hosts 3 must divide --gpus 4" in r.output
 
 
 def test_register_adds_plan_to_the_main_app(tmp_path):
@@ -105,3 +106,40 @@ def test_register_adds_plan_to_the_main_app(tmp_path):
                                   "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert ShardingPlan.load(out).world_size == 2
+
+
+def test_plan_does_not_overwrite_without_force_and_prints_paths_one_way(tmp_path, monkeypatch):
+    cfg_path = write_config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "8"]
+    r = CliRunner().invoke(plan_cmd.app, args)
+    assert r.exit_code == 0, r.output
+    assert r.output.strip().splitlines()[-1] == "wrote plan.yaml and plan_report.txt"  # both relative to the cwd
+    before = (tmp_path / "plan.yaml").read_text()
+    r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64"])
+    assert r.exit_code == 2 and "plan.yaml exists; pass --force" in r.output
+    assert (tmp_path / "plan.yaml").read_text() == before
+    (tmp_path / "plan.yaml").write_text("# old\n")
+    r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64", "--force"])
+    assert r.exit_code == 0 and (tmp_path / "plan.yaml").read_text() == before
+
+
+def test_plan_names_its_preset_loudly_and_reports_latency_and_why(tmp_path):
+    cfg_path = write_config(tmp_path)
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "8", "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 0, r.output
+    # --gpus without --device on a config whose sharding.device is cpu: said, loudly
+    assert "Preset: cpu (sharding.device in " in r.output
+    assert "warning: --gpus 8 without --device plans 8 CPU processes" in r.output and "--device a100" in r.output
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "8", "--device", "a100",
+                                          "--out", str(tmp_path / "q.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "Preset: a100 (--device)" in r.output and "warning" not in r.output
+    step = next(line for line in r.output.splitlines() if line.startswith("Estimated embedding step time"))
+    total, bw, lat = (float(x) for x in __import__("re").findall(r"([\d.]+) ms", step)[:1]
+                      + __import__("re").findall(r"slowest rank\): ([\d.e-]+) ms", step)
+                      + __import__("re").findall(r"latency ([\d.e-]+) ms", step))
+    assert lat > 0 and total == pytest.approx(bw + lat, rel=2e-2, abs=2e-3)
+    assert "kernel launches" in step and "collectives" in step
+    why = next(line for line in r.output.splitlines() if line.startswith("Why this plan: "))
+    assert "balance max/mean" in why and "headroom" in why and "runner-up" in why and " ms vs " in why

@@ -1,7 +1,7 @@
 """``dlrmctl checkpoint``: inspect and reshard run-directory checkpoints.
 
-``dlrmctl checkpoint reshard RUN --nproc N [--plan plan.yaml] [--out DIR]``
-rewrites RUN's newest checkpoint for N ranks: N gloo processes on this machine
+``dlrmctl checkpoint reshard RUN --nproc N [--plan plan.yaml] [--out DIR] [--checkpoint best|last|STEP]``
+rewrites RUN's newest (or the chosen) checkpoint for N ranks: N gloo processes on this machine
 each read only their target shards' slices (DCP reads the overlapping parts of
 the saved chunks) and write them, so no process ever holds more than its share
 (``--nproc 1``: one process, every table whole — that is what 1 process needs).
@@ -54,8 +54,10 @@ def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_
         destroy_distributed()
 
 
-def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | None = None) -> str:
-    """Reshard ``run_dir``'s newest checkpoint for ``nproc`` ranks; returns the new checkpoint directory.
+def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | None = None,
+            checkpoint: str | None = "last") -> str:
+    """Reshard a checkpoint of ``run_dir`` (``checkpoint``: ``last``, ``best`` or a step) for ``nproc``
+    ranks; returns the new checkpoint directory.
 
     Raises:
         CheckpointError / PlanError: no checkpoint, or a plan that does not fit the tables.
@@ -69,9 +71,7 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.train import checkpoint as ckpt
 
-    src = ckpt.latest_checkpoint(run_dir)
-    if src is None:
-        raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/LATEST is missing)")
+    src, _ = ckpt.resolve_checkpoint(run_dir, checkpoint or "last")
     meta = ckpt.load_checkpoint_meta(src)
     tables = [SimpleNamespace(name=n, num_embeddings=r, embedding_dim=d) for n, (r, d) in meta["tables"].items()]
     plan = None
@@ -135,15 +135,16 @@ def reshard_command(
     nproc: int = typer.Option(..., "--nproc", help="ranks of the target job"),
     plan: Optional[str] = typer.Option(None, "--plan", help="target sharding plan (dlrmctl plan); default: the planner's"),
     out: Optional[str] = typer.Option(None, "--out", help="new run directory (default: a new checkpoint in RUN_DIR)"),
+    checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step>"),
 ) -> None:
-    """Rewrite RUN_DIR's newest checkpoint for NPROC ranks (and PLAN); weights and moments are copied exactly."""
+    """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta
 
     if nproc < 1:
         _fail("--nproc must be >= 1")
     try:
-        path = reshard(run_dir, nproc, plan, out)
+        path = reshard(run_dir, nproc, plan, out, checkpoint)
     except (CheckpointError, PlanError, FileNotFoundError) as e:
         _fail(str(e))
     except Exception as e:  # planner errors

@@ -19,12 +19,13 @@ def _fail(msg: str, code: int = 2) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.fingerprint import DataMismatchError
     from dlrmctl.inference.export import ExportError
     from dlrmctl.inference.quantize import QuantizationError
     from dlrmctl.train.checkpoint import CheckpointError
     from dlrmctl.train.loop import TrainError
 
-    return (ExportError, QuantizationError, DataError, CheckpointError, TrainError, FileNotFoundError)
+    return (ExportError, QuantizationError, DataError, DataMismatchError, CheckpointError, TrainError, FileNotFoundError)
 
 
 def export_command(
@@ -37,21 +38,30 @@ def export_command(
     out: Optional[Path] = typer.Option(None, "--out", help="artifact directory (default: RUN_DIR/export-<dtype>)"),
     data: Optional[Path] = typer.Option(None, "--data", help="preprocessed data dir holding the vocabularies (default: the run's data.path)"),
     force: bool = typer.Option(False, "--force", help="replace an existing artifact directory"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> (default: best when "
+                                                                         "the run kept one, else last)"),
 ) -> None:
-    """Export RUN_DIR's newest checkpoint as TorchScript + manifest.json, embeddings on FBGEMM's IntNBit TBE."""
+    """Export a checkpoint of RUN_DIR (the best by default) as TorchScript + manifest.json, embeddings on FBGEMM's IntNBit TBE."""
     chosen = [n for n, f in (("int8", int8), ("int4", int4), ("fp16", fp16), ("fp32", fp32)) if f]
     if len(chosen) != 1:
         _fail("choose exactly one of --int8, --int4, --fp16, --fp32")
     from dlrmctl.inference.export import export_run
 
     try:
-        res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force)
+        res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force,
+                         checkpoint=checkpoint)
     except _user_errors() as e:
         _fail(str(e))
     except RuntimeError as e:  # fbgemm_gpu missing
         _fail(str(e))
+    from dlrmctl.commands._common import show_path
+
     m = res.manifest
-    typer.echo(f"exported {run_dir} -> {res.model_dir}")
+    src = m.get("source") or {}
+    ev = src.get("metrics") or {}
+    at = f", val AUC {ev['auc']:.4f}" if isinstance(ev.get("auc"), float) and ev.get("step") is not None else ""
+    typer.echo(f"exported {show_path(run_dir)}, checkpoint {src.get('checkpoint_choice', 'last')}{at} -> "
+               f"{show_path(res.model_dir)}")
     typer.echo(f"  embeddings   {m['quantization']['embeddings']} ({len(m['tables'])} tables, "
                f"{res.embedding_bytes:,} bytes = {res.embedding_bytes / max(res.embedding_bytes_fp32, 1):.3f}x fp32 "
                f"{res.embedding_bytes_fp32:,})")
@@ -65,7 +75,7 @@ def predict_command(
     output: Optional[Path] = typer.Option(None, "--output", help="scores CSV (default: stdout)"),
     batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch"),
 ) -> None:
-    """Score raw log lines with the same preprocessing as training; writes a 'score' CSV (and metrics if labelled)."""
+    """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""
     from dlrmctl.inference.predict import predict_file
 
     try:

@@ -17,6 +17,25 @@ def _parse_scheduler_cfg(items: list[str]) -> dict[str, str]:
     return out
 
 
+def default_gpus_per_proc(config: str, overrides: list[str]) -> tuple[int, str]:
+    """GPUs per process when ``--gpus-per-proc`` is not given: 1 unless the config trains on the CPU
+    (``train.device: cpu``); ``auto`` runs on CUDA wherever the node has it, so the job asks for it.
+
+    Returns:
+        ``(gpus, reason)``; a config that cannot be read here (a path only the job sees) gives 0.
+    """
+    from dlrmctl.config import ConfigError, load_config
+
+    try:
+        dev = load_config(config, overrides).train.device
+    except ConfigError as e:
+        return 0, f"the config cannot be read here ({e}); pass --gpus-per-proc"
+    if dev == "cpu":
+        return 0, f"train.device is cpu in {config}"
+    return 1, (f"train.device is {dev} in {config}" + (" (CUDA wherever the node has it)" if dev == "auto" else "")
+               + "; --gpus-per-proc 0 for CPU-only nodes")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def launch(
@@ -25,7 +44,8 @@ def register(app: typer.Typer) -> None:
                                       help="torchx scheduler: local_cwd | slurm | kubernetes | aws_batch | ..."),
         nproc: int = typer.Option(1, "--nproc", help="processes per node"),
         nnodes: int = typer.Option(1, "--nnodes", help="nodes"),
-        gpus_per_proc: int = typer.Option(0, "--gpus-per-proc", help="GPUs per process (1 on GPU clusters)"),
+        gpus_per_proc: Optional[int] = typer.Option(None, "--gpus-per-proc",
+                                                    help="GPUs per process (default: 1 unless train.device is cpu)"),
         image: Optional[str] = typer.Option(None, "--image", help="container image (kubernetes / aws_batch)"),
         scheduler_arg: List[str] = typer.Option([], "--scheduler-arg", help="scheduler run option KEY=VALUE, e.g. queue=default"),
         set_: List[str] = typer.Option([], "--set", help="config override passed to every rank"),
@@ -33,8 +53,12 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="print the AppDef and the scheduler's request; submit nothing"),
     ) -> None:
         """Run `dlrmctl train` as a torchx dist.ddp job on SCHEDULER (prints the job spec with --dry-run)."""
+        from dlrmctl.console import echo
         from dlrmctl.launch import build_appdef, launch
 
+        if gpus_per_proc is None:
+            gpus_per_proc, why = default_gpus_per_proc(config, set_)
+            echo(f"GPUs per process: {gpus_per_proc} ({why})", err=True)
         cfg = _parse_scheduler_cfg(scheduler_arg)
         if scheduler == "kubernetes":
             cfg.setdefault("queue", "default")

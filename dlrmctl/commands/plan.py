@@ -1,8 +1,11 @@
 """``dlrmctl plan``: compute a sharding plan for a config on a (possibly imaginary) cluster.
 
-Planning is arithmetic only (no GPU, no tensors of table size): it prints the
-report, writes ``plan.yaml`` (:meth:`ShardingPlan.save`) and the report next to
-it (``plan_report.txt``).  The lead's ``dlrmctl/cli.py`` calls :func:`register`.
+Planning is arithmetic only (no GPU, no tensors of table size): it prints which
+hardware preset it plans for (loudly when ``--gpus`` is given without
+``--device`` and the config's ``sharding.device`` is ``cpu``), the report, and
+writes ``plan.yaml`` (:meth:`ShardingPlan.save`) and the report next to it
+(``plan_report.txt``); an existing plan file is replaced only with ``--force``.
+Errors are one ``error: ...`` line, exit code 2.
 """
 
 from __future__ import annotations
@@ -47,15 +50,18 @@ def plan_command(
     weights_precision: str = typer.Option("fp32", "--weights-precision", help="fp32 | fp16"),
     out: Path = typer.Option(Path("plan.yaml"), "--out", help="where to write the plan"),
     report: Optional[Path] = typer.Option(None, "--report", help="report file (default: plan_report.txt next to --out)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing plan file"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="config override KEY=VALUE (repeatable)"),
 ) -> None:
     """Plan how the config's embedding tables are sharded over GPUS ranks; print the report and write the plan."""
+    from dlrmctl.commands._common import echo, show_path
     from dlrmctl.config import ConfigError, load_config, read_data_meta
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.planner.planner import plan_config
     from dlrmctl.planner.types import PlannerError, Topology
 
+    rpath = report or Path(os.path.dirname(os.path.abspath(out))) / "plan_report.txt"
     try:
         if gpus <= 0:
             raise ValueError(f"--gpus must be > 0, got {gpus}")
@@ -66,8 +72,11 @@ def plan_command(
         cfg = load_config(config, set_ or [])
         meta = read_data_meta(cfg)
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
+        if out.exists() and not force:
+            raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+        preset = device or cfg.sharding.device
         topo = Topology.from_preset(
-            device or cfg.sharding.device,
+            preset,
             gpus,
             lws,
             hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
@@ -81,14 +90,19 @@ def plan_command(
             topo.world_size,
         )
     except (ConfigError, PlannerError, PlanError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1)
+        echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    origin = "--device" if device else f"sharding.device in {show_path(config)}"
+    echo(f"Preset: {preset} ({origin}): {topo.describe()}")
+    if device is None and topo.compute_device == "cpu":
+        echo(f"warning: --gpus {gpus} without --device plans {gpus} CPU processes (the '{preset}' preset from "
+             f"sharding.device in {show_path(config)}: tables in host memory, no HBM). For GPUs pass --device "
+             f"{' | '.join(sorted(k for k, v in DEVICE_PRESETS.items() if v.compute_device == 'cuda'))}.", err=True)
     text = res.report()
-    typer.echo(text, nl=False)
+    echo(text.rstrip("\n"))
     res.plan.save(out)
-    rpath = report or Path(os.path.dirname(os.path.abspath(out))) / "plan_report.txt"
     rpath.write_text(text)
-    typer.echo(f"wrote {out} and {rpath}")
+    echo(f"wrote {show_path(out)} and {show_path(rpath)}")
 
 
 def register(app: typer.Typer) -> None:

@@ -11,8 +11,6 @@ from typing import List, Optional
 
 import typer
 
-from dlrmctl.data.columnar import DataError
-
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
 
@@ -65,6 +63,7 @@ def criteo(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
 ) -> None:
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
+    from dlrmctl.data.columnar import DataError
     from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
 
     opts = CriteoOptions(

@@ -37,8 +37,10 @@ def register(preprocess_app: typer.Typer) -> None:
         opts = MovieLensOptions(positive_threshold=positive_threshold, val_ratio=val_ratio, test_ratio=test_ratio,
                                 min_tag_count=min_tag_count, max_tags_per_item=max_tags_per_item,
                                 zip_prefix_len=zip_prefix_len)
+        from dlrmctl.console import echo
+
         try:
-            rep = preprocess_movielens(input, out, opts)
+            rep = preprocess_movielens(input, out, opts, progress=lambda msg: echo(msg, err=True))
         except (DataError, ValueError, OSError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)

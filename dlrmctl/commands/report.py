@@ -32,7 +32,10 @@ def read_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any
 
 
 def summary_table(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> str:
-    """Markdown table: one row per evaluation, plus the training throughput."""
+    """Markdown table: one row per evaluation (epochs numbered from 1, as training prints them),
+    then the training throughput and the last losses, each labelled for what it is: the last
+    logged step's own loss (one batch) and the mean over the steps since the previous record
+    (the quantity ``loss.png`` plots)."""
     lines = ["| step | epoch | AUC | logloss | NE | calibration |", "|---:|---:|---:|---:|---:|---:|"]
 
     def f(v: Any, nd: int = 4) -> str:
@@ -43,10 +46,16 @@ def summary_table(train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> s
                      f"{f(r.get('ne'))} | {f(r.get('calibration'), 3)} |")
     if train:
         sps = [r["samples_per_s"] for r in train if "samples_per_s" in r]
-        if sps:
-            lines.append("")
-            lines.append(f"training: {len(train)} logged steps, last loss {train[-1]['loss']:.4f}, "
-                         f"median {sorted(sps)[len(sps) // 2]:,.0f} samples/s")
+        lines.append("")
+        lines.append(f"training: {len(train)} logged steps (every train.log_every steps)"
+                     + (f", median {sorted(sps)[len(sps) // 2]:,.0f} samples/s" if sps else ""))
+        last = train[-1]
+        if last.get("loss") is not None:
+            lines.append(f"loss of step {last['step']} alone (one batch): {f(last['loss'])}")
+        if last.get("loss_avg") is not None:
+            first = train[-2]["step"] + 1 if len(train) > 1 else 1
+            span = f"step {first}" if first == last["step"] else f"steps {first}-{last['step']}"
+            lines.append(f"mean loss over {span} (what loss.png plots): {f(last['loss_avg'])}")
     if evals:
         best = max((r for r in evals if r.get("auc") is not None), key=lambda r: r["auc"], default=None)
         if best:
@@ -93,10 +102,18 @@ def register(app: typer.Typer) -> None:
     def report(run_dir: str = typer.Argument(..., help="runs/<name>"),
                plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)")) -> None:
         """Summary table and PNG plots (loss, AUC, throughput) of a run."""
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(path):
+            typer.echo(f"error: {run_dir}: no metrics.jsonl; not a training run directory, or the run has not "
+                       "logged yet", err=True)
+            raise typer.Exit(2)
         try:
             train, evals = read_metrics(run_dir)
-        except (FileNotFoundError, ValueError) as e:
+        except (OSError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        if not train and not evals:
+            typer.echo(f"error: {path}: empty; the run has logged nothing yet", err=True)
             raise typer.Exit(2)
         typer.echo(summary_table(train, evals))
         if plots:

@@ -991,12 +991,16 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     o = dataclasses.replace(options) if options is not None else CriteoOptions()
     o.validate()
     files = expand_inputs(inputs)
+    nf = {f: _num_fields(f) for f in files}
+    kinds = {n for n in nf.values() if n is not None}
+    if not kinds:  # nothing to read: say so before anything is written
+        raise DataError("empty file: no lines to preprocess" if len(files) == 1 else
+                        f"all {len(files)} input files are empty: no lines to preprocess",
+                        path=files[0] if len(files) == 1 else str(inputs))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "parts").mkdir(exist_ok=True)
 
-    nf = {f: _num_fields(f) for f in files}
-    kinds = {n for n in nf.values() if n is not None}
     if not kinds <= {39, 40}:
         bad = next(f for f, n in nf.items() if n not in (None, 39, 40))
         raise DataError(f"expected 40 (label, I1-I13, C1-C26) or 39 (no label) tab-separated fields, "

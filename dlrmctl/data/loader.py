@@ -287,7 +287,7 @@ class BatchLoader:
         del F
         if self.id_bounds:
             kjt = apply_id_policy(kjt, self.id_bounds, self.on_invalid_id,
-                                  where=f"{self.split} split, epoch {self.epoch}, batch {index}: ")
+                                  where=f"{self.split} split, epoch {self.epoch + 1}, batch {index + 1}: ")  # numbered from 1
         batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
         return batch.pin_memory() if self.pin_memory else batch
 

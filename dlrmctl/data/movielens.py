@@ -63,7 +63,7 @@ import io
 import re
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -709,8 +709,8 @@ def _tag_bags(data: MovieLensData, item_ids: dict[int, int], user_cutoff: dict[i
 
 
 # =============================================================================== main entry
-def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: MovieLensOptions | None = None
-                         ) -> MovieLensReport:
+def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: MovieLensOptions | None = None,
+                         progress: Callable[[str], None] | None = None) -> MovieLensReport:
     """Preprocess a MovieLens release into ``out_dir`` (columnar shards + meta.json).
 
     Writes ``OUT/parts/movielens/{train,val,test}.arrow``, ``OUT/vocab/{user_id,item_id}.arrow``
@@ -721,6 +721,7 @@ def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: Mo
         input_dir: unpacked release (ml-100k, ml-1m, ml-10m, ml-latest-small, ml-20m, ml-25m).
         out_dir: output directory (created; files of a previous run are replaced).
         options: :class:`MovieLensOptions` (defaults: threshold 4, val 0.1, test 0.1).
+        progress: called with one line per finished stage (read, features, shards written).
 
     Returns:
         :class:`MovieLensReport`.
@@ -732,7 +733,10 @@ def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: Mo
     t0 = time.perf_counter()
     o = dataclasses.replace(options) if options is not None else MovieLensOptions()
     o.validate()
+    say = progress or (lambda msg: None)
     data = read_movielens(input_dir)
+    say(f"movielens: read {data.release}: {len(data.rating):,} ratings of {len(data.movies):,} movies "
+        f"({time.perf_counter() - t0:.1f} s)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -829,6 +833,7 @@ def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: Mo
     sparse_names = list(sparse) + list(multi)
     schema = shard_schema(DENSE_FEATURES, sparse_names, [False] * len(sparse) + [True] * len(multi))
 
+    say(f"movielens: split and features done ({time.perf_counter() - t0:.1f} s); writing shards")
     # ---- write shards (rows of each split in (timestamp, user, item) order)
     splits_meta, rows, ctr = {}, {}, {}
     pooling: dict[str, dict[str, float]] = {}

@@ -63,7 +63,9 @@ MANIFEST (``manifest.json``, ``format_version`` 1)::
      "embedding_bytes": {"stored": n, "fp32": m, "ratio": n/m},
      "preprocessing": {"dataset", "dense_features", "sparse_features", "label", "transforms",
                        "sparse": [{"name", "num_embeddings", ...}], "vocab_files": {"C1": "vocab/C1.arrow"}},
-     "source": {"run_dir", "name", "checkpoint", "metrics"},
+     "data": {"meta": training data meta.json, "fingerprint": {"schema", "vocabulary", "split", "all"},
+              "source": "runs/<name>/data_meta.json", "vocab_sha256": {"vocab/C1.arrow": "..."}},
+     "source": {"run_dir", "name", "checkpoint", "checkpoint_choice", "metrics"},
      "versions": {"dlrmctl", "torch", "fbgemm_gpu"}, "created": "ISO-8601"}
 """
 
@@ -73,6 +75,7 @@ import copy
 import datetime
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -95,6 +98,8 @@ from dlrmctl.inference.quantize import (
 )
 from dlrmctl.modules.embedding_configs import PoolingType
 from dlrmctl.sparse import KeyedTensor
+
+log = logging.getLogger("dlrmctl.export")
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
@@ -349,6 +354,9 @@ def _atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     existing ``out`` only when ``force``); on failure remove it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # like a directory made with mkdir (0755 under umask 022), not mkdtemp's 0700
     try:
         yield tmp
         if out.exists():
@@ -409,6 +417,7 @@ def export_model(
     force: bool = False,
     on_invalid_id: str | None = None,
     weighted_features: Sequence[str] | None = None,
+    data_record: dict | None = None,
 ) -> ExportResult:
     """Write the inference artifact of ``model`` to ``out_dir`` (atomically).
 
@@ -430,6 +439,9 @@ def export_model(
             (``is_weighted()``, TorchRec semantics), none otherwise.  The artifact then takes a
             ``weights`` input (module docstring); a feature feeding several tables carries its
             weights to each of them.
+        data_record: the training data's record, ``manifest["data"]``: ``{"meta", "fingerprint",
+            "source"}`` (:mod:`dlrmctl.data.fingerprint`); the SHA-256 of every copied vocabulary
+            file is added as ``vocab_sha256`` (``predict`` checks them).
 
     Returns:
         :class:`ExportResult`.
@@ -551,6 +563,7 @@ def export_model(
         },
         "embedding_bytes": {"stored": stored, "fp32": fp32_bytes, "ratio": stored / fp32_bytes if fp32_bytes else None},
         "preprocessing": None,
+        "data": dict(data_record) if data_record else None,
         "source": source or {},
         "versions": _versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -569,6 +582,8 @@ def export_model(
                 dst.parent.mkdir(exist_ok=True)
                 shutil.copyfile(src, dst)
                 vocab_files[feat] = f"vocab/{dst.name}"
+                if manifest["data"] is not None:
+                    manifest["data"].setdefault("vocab_sha256", {})[f"vocab/{dst.name}"] = _sha256(dst)
             manifest["preprocessing"] = {
                 "dataset": meta.get("dataset"),
                 "dense_features": meta.get("dense_features"),
@@ -612,8 +627,14 @@ def export_run(
     data_dir: str | os.PathLike | None = None,
     quantize_dense: bool = False,
     force: bool = False,
+    checkpoint: str | None = None,
 ) -> ExportResult:
-    """Export the newest checkpoint of a training run (``dlrmctl export``).
+    """Export a checkpoint of a training run (``dlrmctl export``): ``checkpoint`` ``best``, ``last``,
+    a step, or None (best when the run kept one, else last).
+
+    The vocabularies are copied from ``data_dir`` (default the run's ``data.path``), whose schema
+    and vocabulary fingerprint must equal the one the run recorded (``data_meta.json``); the
+    manifest's ``data`` entry records that fingerprint for ``evaluate`` and ``predict``.
 
     Args:
         run_dir: ``runs/<name>`` (config.yaml, data_meta.json, checkpoints/).
@@ -623,29 +644,41 @@ def export_run(
         quantize_dense, force: see :func:`export_model`.
 
     Raises:
-        TrainError / CheckpointError: not a run directory, no checkpoint.
+        TrainError / CheckpointError: not a run directory, no such checkpoint.
+        DataMismatchError: ``data_dir`` holds other data than the run was trained on.
         plus everything :func:`export_model` raises.
     """
     require_fbgemm("dlrmctl export")
     from dlrmctl.config import weighted_features
-    from dlrmctl.train.checkpoint import latest_checkpoint
-    from dlrmctl.train.loop import load_trained_model, multi_hot_kwargs
+    from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
+    from dlrmctl.train.checkpoint import load_checkpoint_meta, resolve_checkpoint
+    from dlrmctl.train.loop import load_trained_model, multi_hot_kwargs, run_config
 
     run = Path(run_dir)
-    cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense")
+    vocab_dir = Path(data_dir or run_config(str(run)).data.path)
+    recorded = run / "data_meta.json"
+    if (vocab_dir / "meta.json").is_file():  # the vocabularies to copy are the run's
+        check_run_data(recorded, vocab_dir, ("schema", "vocabulary"),
+                       hint="Pass --data DIR with the data the run was trained on")
+    ckpt_path, which = resolve_checkpoint(str(run), checkpoint)
+    cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path)
     out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
+    ck_eval = load_checkpoint_meta(ckpt_path).get("eval")
     source = {
         "run_dir": str(run.resolve()),
         "name": cfg.name,
-        "checkpoint": latest_checkpoint(str(run)),
-        "metrics": _last_eval_metrics(run),
+        "checkpoint": ckpt_path,
+        "checkpoint_choice": which,
+        "metrics": ck_eval if ck_eval is not None else _last_eval_metrics(run),
         "data_path": cfg.data.path,
         # the training loader's on-the-fly multi-hot expansion: evaluate_exported repeats it
         "multi_hot": {k: v for k, v in multi_hot_kwargs(cfg, meta).items() if k.startswith("multi_hot")},
     }
+    data_record = {"meta": meta, "fingerprint": data_fingerprint(meta), "source": str(recorded)}
     return export_model(
-        model, out, embedding_dtype, data_meta=meta, data_dir=data_dir or cfg.data.path, source=source,
+        model, out, embedding_dtype, data_meta=meta, data_dir=vocab_dir, source=source,
         quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
+        data_record=data_record,
     )
 
 
@@ -778,7 +811,7 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
 @torch.no_grad()
 def evaluate_exported(
     model_dir: str | os.PathLike, data_dir: str | os.PathLike, split: str = "val", batch_size: int = 8192,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", any_split: bool = False, progress: bool = False,
 ) -> dict[str, float]:
     """Metrics of an exported model on a split of preprocessed data (``dlrmctl evaluate MODEL_DIR``).
 
@@ -786,6 +819,10 @@ def evaluate_exported(
     checked against each table's rows by the module).
 
     Computed from the module's logits in float64, like training's evaluation.
+
+    The data's fingerprint (schema, vocabularies and split; without the split with ``any_split``)
+    must equal the one the export recorded (``manifest["data"]``; artifacts without one are
+    evaluated with a warning).
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``
@@ -795,19 +832,37 @@ def evaluate_exported(
         ExportError: not an exported model, data without labels, ids out of range.
         DataError: unknown split / bad data directory.
     """
+    from dlrmctl.console import Progress
+    from dlrmctl.data.fingerprint import PARTS, check_same_data, read_meta_json, split_rows
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.train.metrics import compute_metrics_from_logits
 
     m = load_exported(model_dir, device)
+    mpath = os.path.join(str(data_dir), "meta.json")
+    dmeta = read_meta_json(mpath, "data")
+    rec = m.manifest.get("data") or {}
+    if rec.get("meta"):
+        check_same_data(rec["meta"], f"{Path(model_dir) / MANIFEST_FILE} (recorded from {rec.get('source', '?')})",
+                        dmeta, mpath, PARTS[:2] if any_split else PARTS,
+                        hint="Evaluate on the data the model was trained on"
+                             + ("" if any_split else "; --any-split accepts other rows with the same schema and "
+                                                     "vocabularies"))
+    else:
+        log.warning("%s records no training-data fingerprint (exported by an older dlrmctl): the data is not "
+                    "checked against it", Path(model_dir) / MANIFEST_FILE)
+    split_rows(dmeta, str(data_dir), split)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names,
                          weighted_features=m.weighted_features,
                          **(m.manifest.get("source") or {}).get("multi_hot", {}))
     logits, labels = [], []
+    bar = Progress(len(loader), f"eval {split}", "batch", enabled=progress, final_line=False, leave=False)
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):
             raise ExportError(f"{data_dir}: split '{split}' has no labels; cannot compute metrics")
         logits.append(m.logits_kjt(batch.dense_features.float(), batch.sparse_features).cpu().numpy())
         labels.append(batch.labels.numpy())
+        bar.update(1)
+    bar.close()
     if not logits:
         raise ExportError(f"{data_dir}: split '{split}' is empty")
     return compute_metrics_from_logits(np.concatenate(logits), np.concatenate(labels))

@@ -184,30 +184,71 @@ def iter_scores(
         yield (model.logits(d, v, ln) if logits else model.score(d, v, ln)).numpy(), labels
 
 
+def _is_empty(path: Path) -> bool:
+    """No non-blank line (a plain file, or .gz / .bz2 as the raw readers open them)."""
+    import bz2
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else bz2.open if path.suffix == ".bz2" else open
+    with opener(path, "rt", errors="replace") as f:
+        return all(not line.strip() for line in f)
+
+
+def check_vocabularies(model: ExportedModel) -> None:
+    """The artifact's vocabulary files are the ones exported (SHA-256 recorded in
+    ``manifest["data"]["vocab_sha256"]``; artifacts without the record are not checked).
+
+    Raises:
+        DataMismatchError: naming the file, both digests and where the record comes from.
+    """
+    from dlrmctl.data.fingerprint import DataMismatchError
+    from dlrmctl.inference.export import MANIFEST_FILE, _sha256
+
+    rec = model.manifest.get("data") or {}
+    for rel, want in (rec.get("vocab_sha256") or {}).items():
+        f = Path(model.model_dir) / rel
+        got = _sha256(f) if f.is_file() else "missing"
+        if got != want:
+            raise DataMismatchError(
+                f"{f}: vocabulary SHA-256 {got[:12]} differs from {want[:12]} recorded in "
+                f"{Path(model.model_dir) / MANIFEST_FILE} at export (from {rec.get('source', '?')}): the vocabulary "
+                "was changed after export; re-export the model")
+
+
 def predict_file(
     model_dir: str | os.PathLike,
     input_path: str | os.PathLike,
     output: str | os.PathLike | None = None,
     batch_rows: int = 65536,
 ) -> PredictReport:
-    """Score a raw log file (39 fields, or 40 with the label first) and write ``score`` CSV.
+    """Score a raw log file (39 fields, or 40 with the label first) and write a CSV of scores.
 
-    Output: a CSV with header ``score`` (``label,score`` when the input is labelled), one line per
-    input line in order, scores with 8 significant digits; to stdout when ``output`` is None or
-    ``"-"``; a file output is written to a temp file and renamed.
+    Output: a CSV with header ``row,score`` (``row,label,score`` when the input is labelled), one
+    line per input line in order: ``row`` is the input line's number (from 1), scores have 8
+    significant digits; to stdout when ``output`` is None or ``"-"``; a file output is written to
+    a temp file and renamed.  Before scoring, the artifact's vocabulary files are checked against
+    the SHA-256 the export recorded (:func:`check_vocabularies`).
 
     Returns:
         :class:`PredictReport` (with AUC/logloss/NE when labelled, computed from the logits as
         :func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
 
     Raises:
-        ExportError, DataError: see :func:`iter_scores`; FileNotFoundError: no input.
+        ExportError, DataError: see :func:`iter_scores`; an empty input file or a directory;
+        DataMismatchError: a vocabulary file differs from the one exported; FileNotFoundError: no input.
     """
+    from dlrmctl.data.columnar import DataError
     from dlrmctl.train.metrics import compute_metrics_from_logits
 
-    if not Path(input_path).exists():
+    p = Path(input_path)
+    if not p.exists():
         raise FileNotFoundError(f"{input_path}: no such file")
+    if p.is_dir():
+        raise DataError("is a directory; give one raw log file (--input FILE)", path=input_path)
+    if _is_empty(p):
+        raise DataError("empty file: no lines to score", path=input_path)
     model = load_exported(model_dir)
+    check_vocabularies(model)
     to_stdout = output is None or str(output) == "-"
     tmp = None
     f: TextIO
@@ -226,16 +267,16 @@ def predict_file(
             scores = torch.sigmoid(torch.from_numpy(z)).numpy()  # the module's forward: sigmoid(logits)
             if labelled is None:
                 labelled = labels is not None
-                f.write("label,score\n" if labelled else "score\n")
+                f.write("row,label,score\n" if labelled else "row,score\n")
             if labelled:
-                f.writelines(f"{int(y)},{s:.8g}\n" for y, s in zip(labels, scores))
+                f.writelines(f"{rows + i + 1},{int(y)},{s:.8g}\n" for i, (y, s) in enumerate(zip(labels, scores)))
                 all_s.append(z)
                 all_l.append(labels)
             else:
-                f.writelines(f"{s:.8g}\n" for s in scores)
+                f.writelines(f"{rows + i + 1},{s:.8g}\n" for i, s in enumerate(scores))
             rows += len(scores)
         if labelled is None:
-            f.write("score\n")
+            f.write("row,score\n")
         if tmp is not None:
             f.close()
             os.replace(tmp, Path(output))

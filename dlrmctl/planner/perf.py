@@ -177,3 +177,57 @@ def estimate_shard(
     if compute_kernel == ComputeKernel.DENSE:
         dense_extra = ids * c * (2 * 4 + 2 * bpw) / bw
     return Perf(fwd, fwd_comms, bwd + dense_extra, bwd_comms), ids, int(inp), int(out)
+
+
+# ----------------------------------------------------------------------------- fixed latencies
+#: Seconds of one kernel launch (CUDA: host-side launch + scheduling of a small kernel, ~5 us; CPU:
+#: PyTorch's per-op dispatch, ~10 us) and of one small-message collective (NCCL within an NVLink host
+#: ~20 us, across hosts ~40 us; gloo on the loopback ~100 us).  Orders of magnitude from vendor and
+#: NCCL-tests small-message figures, not measured here; they do not scale with bytes, so the
+#: bandwidth model above misses them.
+KERNEL_LAUNCH_S = {"cuda": 5e-6, "cpu": 10e-6}
+COLLECTIVE_S = {"cuda": (20e-6, 40e-6), "cpu": (100e-6, 100e-6)}  # (one host, several hosts)
+#: collectives one step issues per output-dist kind, forward + backward (dlrmctl's sharded EBC):
+#: pooled all-to-all there and back; row-wise reduce-scatter + all-gather; table_row_wise does both
+#: inside the host and an all-to-all across hosts
+_OUTPUT_COLLECTIVES = {
+    ShardingType.TABLE_WISE: ("a2a", 2), ShardingType.COLUMN_WISE: ("a2a", 2),
+    ShardingType.TABLE_COLUMN_WISE: ("a2a", 2), ShardingType.ROW_WISE: ("rw", 2),
+    ShardingType.TABLE_ROW_WISE: ("twrw", 4),
+}
+
+
+def step_latency(topology: Topology, options: list, ranks: list) -> tuple[float, int, int]:
+    """Fixed latency per training step that the bandwidth model does not contain.
+
+    Kernels (busiest rank): per compute kernel on the rank one forward and one backward
+    (fused: one TBE for all its tables; dense: one per table), plus one bucketize/permute per
+    sharding type there.  Collectives (every rank, W > 1): the size exchange, the input
+    all-to-all of lengths + ids, each output-dist kind's forward and backward collectives, and
+    one gradient all-reduce when data_parallel tables exist.
+
+    Args:
+        options, ranks: a placement (``Partition.options`` / ``Partition.ranks``).
+
+    Returns:
+        ``(seconds, kernel launches on the busiest rank, collectives per step)``.
+    """
+    W = topology.world_size
+    per_rank: list[set] = [set() for _ in range(W)]
+    dense_tables = [0] * W
+    for opt, rs in zip(options, ranks):
+        for r in set(x for x in rs if x is not None):
+            per_rank[r].add(("type", opt.sharding_type))
+            if opt.compute_kernel == ComputeKernel.DENSE:
+                dense_tables[r] += 1
+            else:
+                per_rank[r].add(("fused", None))
+    kernels = max((2 * (dense_tables[r] + (("fused", None) in per_rank[r]))
+                   + sum(1 for k in per_rank[r] if k[0] == "type") for r in range(W)), default=0)
+    collectives = 0
+    if W > 1:
+        types = {o.sharding_type for o in options}
+        kinds = {_OUTPUT_COLLECTIVES[t] for t in types if t in _OUTPUT_COLLECTIVES}
+        collectives = (2 if kinds else 0) + sum(n for _, n in kinds) + (1 if ShardingType.DATA_PARALLEL in types else 0)
+    coll = COLLECTIVE_S[topology.compute_device][1 if topology.num_hosts > 1 else 0]
+    return kernels * KERNEL_LAUNCH_S[topology.compute_device] + collectives * coll, kernels, collectives

@@ -10,6 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from dlrmctl.planner.partitioner import Partition
+from dlrmctl.planner.perf import COLLECTIVE_S, KERNEL_LAUNCH_S, step_latency
 
 if TYPE_CHECKING:  # pragma: no cover
     from dlrmctl.planner.planner import PlanResult
@@ -90,6 +91,34 @@ def _lost(entry: tuple[str, Partition], chosen: Partition) -> str:
     return f"{label}, {fmt_ms(q.critical_path)} ms vs {fmt_ms(chosen.critical_path)} ms: {why}"
 
 
+def why_chosen(res: "PlanResult", hbm: list[int], ddr: list[int]) -> str:
+    """One line: the chosen plan's balance, its memory headroom and the runner-up's cost."""
+    p, topo = res.partition, res.topology
+    W = topo.world_size
+    mean = sum(p.loads) / W
+    slow = max(range(W), key=lambda r: p.loads[r])
+    used = hbm if topo.compute_device == "cuda" else ddr
+    full = max(range(W), key=lambda r: used[r])
+    usable = res.reservation.usable(topo)
+    head = f"{1 - used[full] / usable:.0%} headroom" if usable > 0 else "no table memory"
+    parts = [
+        f"the lowest estimated step time of {res.proposals_evaluated} proposal(s)",
+        f"balance max/mean {p.critical_path / mean if mean else 1.0:.3f} (slowest rank {slow})",
+        f"fullest rank {full} holds {used[full] / 1e9:.3f} of {usable / 1e9:.2f} GB usable "
+        f"{topo.table_mem_name} ({head})",
+    ]
+    if res.runner_up is not None:
+        label, q = res.runner_up
+        lat = step_latency(topo, q.options, q.ranks)[0]
+        lat_p = step_latency(topo, p.options, p.ranks)[0]
+        a, b = p.critical_path + lat_p, q.critical_path + lat
+        parts.append(f"runner-up {label} costs {fmt_ms(b)} ms vs {fmt_ms(a)} ms"
+                     + (f" ({100 * (b / a - 1):+.1f}%)" if a > 0 else ""))
+    else:
+        parts.append("no runner-up (one feasible proposal)")
+    return "; ".join(parts)
+
+
 def format_report(res: "PlanResult") -> str:
     """The full report as text (see module docstring for units)."""
     p, topo = res.partition, res.topology
@@ -134,6 +163,7 @@ def format_report(res: "PlanResult") -> str:
             ]
         )
     mean = sum(p.loads) / W
+    lat, n_kernels, n_coll = step_latency(topo, p.options, p.ranks)
     lines = [
         f"Sharding plan: {len(p.options)} table(s) on {topo.describe()}",
         f"global batch {res.batch_size}; usable table memory per rank {res.reservation.usable(topo) / 1e9:.2f} GB "
@@ -145,9 +175,13 @@ def format_report(res: "PlanResult") -> str:
         "Per table:",
         _table(TABLE_COLUMNS, table_rows),
         "",
-        f"Estimated embedding step time (critical path = slowest rank): {fmt_ms(p.critical_path)} ms "
-        f"(mean rank {fmt_ms(mean)} ms, balance max/mean {p.critical_path / mean if mean else 1.0:.3f})",
+        f"Estimated embedding step time: {fmt_ms(p.critical_path + lat)} ms = bandwidth (critical path = slowest "
+        f"rank): {fmt_ms(p.critical_path)} ms (mean rank {fmt_ms(mean)} ms, balance max/mean "
+        f"{p.critical_path / mean if mean else 1.0:.3f}) + latency {fmt_ms(lat)} ms ({n_kernels} kernel launches on "
+        f"the busiest rank x {KERNEL_LAUNCH_S[topo.compute_device] * 1e6:g} us, {n_coll} collectives x "
+        f"{COLLECTIVE_S[topo.compute_device][1 if topo.num_hosts > 1 else 0] * 1e6:g} us)",
         f"Proposals evaluated: {res.proposals_evaluated}; chosen: {res.label}",
+        "Why this plan: " + why_chosen(res, hbm, ddr),
     ]
     if res.runner_up is None:
         lines.append("Runner-up: none (only one feasible proposal)")
@@ -155,5 +189,6 @@ def format_report(res: "PlanResult") -> str:
         lines.append("Runner-up: " + _lost(res.runner_up, p))
     if res.best_uniform is not None and res.best_uniform is not res.runner_up:
         lines.append("Best single-type plan: " + _lost(res.best_uniform, p))
-    lines.append("Units: GB = 1e9 bytes, MB = 1e6 bytes; Perf = estimated forward + backward compute and communication per step.")
+    lines.append("Units: GB = 1e9 bytes, MB = 1e6 bytes; Perf = estimated forward + backward compute and communication "
+                 "per step (bandwidth model; the fixed latencies are added to the step time only and do not rank plans).")
     return "\n".join(lines) + "\n"

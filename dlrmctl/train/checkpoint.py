@@ -10,6 +10,8 @@ Layout::
         meta.json         step, world_size, table shapes, plan, and the byte size
                           + CRC-32 of every file above (written last)
     runs/<name>/checkpoints/LATEST   name of the newest complete checkpoint
+    runs/<name>/checkpoints/BEST     name of the checkpoint with the best validation metric
+                                     (``train.keep_best``; never pruned by ``keep_last``)
 
 Keys of the DCP state dict (the format; see ``dlrmctl.train.loop.checkpoint_state``)::
 
@@ -48,8 +50,8 @@ Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; after every rank has written
 ``meta.json``, renames the directory and rewrites ``LATEST`` via temp file +
 ``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
 checkpoint and ``LATEST`` intact; ``keep_last`` older checkpoints are pruned
-only after the new one is visible, and a published directory is never
-rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).  On load every file a rank reads is checked
+only after the new one is visible (the one ``BEST`` names is always kept), and a
+published directory is never rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).  On load every file a rank reads is checked
 against its recorded size and CRC first, so a truncated or corrupted file is
 refused with its name.
 """
@@ -71,6 +73,8 @@ import torch
 
 CKPT_DIR = "checkpoints"
 FORMAT = "dcp-v1"
+LATEST = "LATEST"
+BEST = "BEST"
 
 
 class CheckpointError(RuntimeError):
@@ -206,9 +210,8 @@ def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, CKPT_DIR)
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    """Path of the newest complete checkpoint, or None if there is none."""
-    p = os.path.join(checkpoint_root(run_dir), "LATEST")
+def _marked(run_dir: str, marker: str) -> str | None:
+    p = os.path.join(checkpoint_root(run_dir), marker)
     if not os.path.exists(p):
         return None
     with open(p) as f:
@@ -217,6 +220,81 @@ def latest_checkpoint(run_dir: str) -> str | None:
     if not os.path.isdir(path):
         raise CheckpointError(f"{p} points at {name}, which does not exist")
     return path
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """Path of the newest complete checkpoint, or None if there is none."""
+    return _marked(run_dir, LATEST)
+
+
+def best_checkpoint(run_dir: str) -> str | None:
+    """Path of the checkpoint with the best validation metric (``train.keep_best``), or None."""
+    return _marked(run_dir, BEST)
+
+
+def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints of a run as ``(step, path)``, in name order (oldest first)."""
+    out = []
+    for d in sorted(glob.glob(os.path.join(checkpoint_root(run_dir), "step_*"))):
+        try:
+            with open(os.path.join(d, "meta.json")) as f:
+                out.append((int(json.load(f)["step"]), d))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a complete checkpoint
+    return out
+
+
+def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str]:
+    """The checkpoint ``--checkpoint WHICH`` selects: ``best``, ``last`` or a step number (or a
+    checkpoint directory, returned as it is).
+
+    ``None``: ``best`` when the run has one (``train.keep_best``), else ``last``.
+
+    Returns:
+        ``(path, label)``; label e.g. ``"best (step 40)"``, ``"last (step 63)"``, ``"step 50"``.
+
+    Raises:
+        CheckpointError: no such checkpoint (names the run and what it has).
+    """
+    def step_of(path: str) -> int:
+        return int(load_checkpoint_meta(path)["step"])
+
+    have = list_checkpoints(run_dir)
+
+    def available() -> str:
+        if not have:
+            return "it has no checkpoint"
+        best = best_checkpoint(run_dir)
+        last = latest_checkpoint(run_dir)
+        tags = [f"{s}" + (" (best)" if p == best else "") + (" (last)" if p == last else "") for s, p in have]
+        return "it has steps " + ", ".join(tags)
+
+    if which is not None and os.path.isfile(os.path.join(str(which), "meta.json")):  # already resolved
+        return str(which), f"step {step_of(str(which))}"
+    w = "auto" if which is None else str(which).strip().lower()
+    if w in ("auto", "best"):
+        p = best_checkpoint(run_dir)
+        if p is not None:
+            return p, f"best (step {step_of(p)})"
+        if w == "best":
+            raise CheckpointError(f"{run_dir}: no best checkpoint (checkpoints/{BEST} is missing: the run was "
+                                  f"trained with train.keep_best: none, or by an older dlrmctl); {available()}")
+        w = "last"
+    if w in ("last", "latest"):
+        p = latest_checkpoint(run_dir)
+        if p is None:
+            raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing)")
+        return p, f"last (step {step_of(p)})"
+    try:
+        step = int(w)
+    except ValueError:
+        raise CheckpointError(f"--checkpoint {which!r}: expected best, last or a step number") from None
+    matches = [p for s, p in have if s == step]
+    if not matches:
+        raise CheckpointError(f"{run_dir}: no checkpoint of step {step}; {available()}")
+    # several (a re-save step_X.1, a reshard step_X_wsN): the one LATEST names, else the newest
+    last = latest_checkpoint(run_dir)
+    return (last if last in matches else matches[-1]), f"step {step}"
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -292,6 +370,7 @@ def save_checkpoint(
     keep_last: int = 2,
     extra_meta: dict[str, Any] | None = None,
     name: str | None = None,
+    best: bool = False,
 ) -> str:
     """Write this rank's part of a DCP checkpoint; rank 0 publishes it atomically.  Collective.
 
@@ -299,8 +378,9 @@ def save_checkpoint(
         state: flat ``key -> Tensor | Blocks | bytes`` (see the module docstring); plain
             tensors with the same key on several ranks are replicated (written once).
         world_size: ranks taking part; > 1 needs an initialised process group.
-        keep_last: number of complete checkpoints to keep (0: all).
+        keep_last: number of complete checkpoints to keep (0: all), besides the best one.
         name: directory name (default ``step_XXXXXXXX``).
+        best: this checkpoint becomes the run's ``BEST`` (see :func:`best_checkpoint`).
 
     Returns:
         the final checkpoint directory.
@@ -353,14 +433,33 @@ def save_checkpoint(
         _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _atomic_write_text(os.path.join(root, "LATEST"), name + "\n")
+        _atomic_write_text(os.path.join(root, LATEST), name + "\n")
+        if best:
+            _atomic_write_text(os.path.join(root, BEST), name + "\n")
         complete = sorted(d for d in glob.glob(os.path.join(root, "step_*")) if os.path.isdir(d))
+        keep = {os.path.abspath(final)}
+        try:
+            b = best_checkpoint(run_dir)
+        except CheckpointError:
+            b = None
+        if b is not None:
+            keep.add(os.path.abspath(b))  # the best checkpoint is never pruned
         for old in complete[:-keep_last] if keep_last > 0 else []:
-            if os.path.abspath(old) != os.path.abspath(final):
+            if os.path.abspath(old) not in keep:
                 shutil.rmtree(old, ignore_errors=True)
     if dist_on:
         comm.barrier(process_group)
     return final
+
+
+def mark_best(run_dir: str, ckpt_dir: str, eval_meta: dict[str, Any] | None = None) -> None:
+    """Point ``BEST`` at an existing checkpoint of ``run_dir`` (rank 0), recording the evaluation
+    that made it the best in its meta.json (``eval``); its data files are not touched."""
+    if eval_meta is not None:
+        meta = load_checkpoint_meta(ckpt_dir)
+        meta["eval"] = eval_meta
+        _atomic_write_text(os.path.join(ckpt_dir, "meta.json"), json.dumps(meta, indent=1))
+    _atomic_write_text(os.path.join(checkpoint_root(run_dir), BEST), os.path.basename(ckpt_dir) + "\n")
 
 
 def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 import yaml
 
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
+from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.train import checkpoint as ckpt
@@ -97,12 +97,14 @@ class Trainer:
         run_dir: ``runs/<name>``; created by rank 0.
         resume: restore the newest checkpoint in ``run_dir``.
         plan: sharding plan for world size > 1 (None: from config / planner).
+        checkpoint: with ``resume``, the checkpoint to restore: ``best``, ``last`` (default) or a step.
 
     Raises:
         TrainError: missing data (names the path and the command to create it).
     """
 
-    def __init__(self, cfg: ExperimentConfig, env: RunEnv, run_dir: str, resume: bool = False, plan: Any = None):
+    def __init__(self, cfg: ExperimentConfig, env: RunEnv, run_dir: str, resume: bool = False, plan: Any = None,
+                 checkpoint: str | None = None):
         from dlrmctl.data.loader import BatchLoader
 
         self.cfg = cfg
@@ -114,6 +116,7 @@ class Trainer:
             raise TrainError(
                 f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first"
             )
+        check_train_splits(cfg, self.meta)
         self.tables = resolve_tables(cfg, self.meta)
         self.num_dense = len(self.meta["dense_features"])
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
@@ -143,10 +146,15 @@ class Trainer:
         self._loss_window: torch.Tensor | None = None  # [2]: last step's local loss, window sum
         self._window_steps = 0
         self.last_loss: float | None = None
+        self.last_loss_step = 0  # the step whose loss last_loss is
         self.step = 0
         self.epoch = 0
         self._batches_done = 0
         self.best: dict[str, float] | None = None
+        self._improved = False  # the latest evaluation is a new best (train.keep_best)
+        self._last_eval: dict[str, Any] | None = None
+        self._saved_step = -1
+        self._resume_from = checkpoint
         self._metrics_f = None
         self._tb = None
         if resume:
@@ -184,7 +192,10 @@ class Trainer:
                             "accumulator, so training differs from one process (use exact_adagrad / exact_sgd, "
                             "or another sharding type, for identical results)", cw, self.cfg.optimizer.embedding.type)
             text = describe_plan(plan, self.tables)
-            log.info("sharding plan:\n%s", text)
+            origin = (f"from {self.cfg.sharding.plan_file}" if self.cfg.sharding.plan_file
+                      else "from the planner" + (" and sharding.tables" if self.cfg.sharding.tables else ""))
+            echo(plan_rank_summary(plan, self.tables, origin, os.path.join(self.run_dir, "plan.txt")))
+            log.debug("sharding plan:\n%s", text)
             os.makedirs(self.run_dir, exist_ok=True)
             plan.save(os.path.join(self.run_dir, "plan.yaml"))
             with open(os.path.join(self.run_dir, "plan.txt"), "w") as f:
@@ -298,7 +309,7 @@ class Trainer:
         self._window_steps = 0
         if not (math.isfinite(last) and math.isfinite(total)):
             raise TrainError(f"loss became {total / n} in steps {self.step - n + 1}..{self.step}; lower the learning rate")
-        self.last_loss = last
+        self.last_loss, self.last_loss_step = last, self.step
         return last, total / n
 
     # ---------------------------------------------------------- evaluate
@@ -326,6 +337,8 @@ class Trainer:
         rows: list[torch.Tensor] = []  # [b, 2] float32: logit, label (on the device)
         n_batches = self._agreed_num_batches(len(loader))
         it = iter(loader)
+        bar = Progress(n_batches, f"eval {split}", "batch", enabled=self.env.is_main and self.cfg.train.progress,
+                       every_s=self.cfg.train.progress_every_s, final_line=False, leave=False)
         for _ in range(n_batches):
             batch = next(it, None)
             if batch is None:
@@ -333,6 +346,8 @@ class Trainer:
             batch = batch.to(self.device)
             z = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
             rows.append(torch.stack([z.float(), batch.labels.float()], dim=1))
+            bar.update(1)
+        bar.close()
         self.model.train()
         local = torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)
         # every rank's logits to rank 0 (tensors on the group's device, not pickles)
@@ -363,17 +378,44 @@ class Trainer:
         )
 
     def save(self) -> str:
-        """Write a checkpoint of this step (collective: every rank writes its own shards)."""
-        return ckpt.save_checkpoint(
+        """Write a checkpoint of this step (collective: every rank writes its own shards); it becomes
+        the run's best when this step's evaluation improved on the best (``train.keep_best``)."""
+        extra = checkpoint_meta(self.model, self.plan, self.fused_opt)
+        if self._last_eval is not None and self._last_eval["step"] == self.step:
+            extra["eval"] = self._last_eval
+        best = self._best_due()
+        path = ckpt.save_checkpoint(
             self.run_dir, self.step, self._rank_state(), rank=self.env.rank, world_size=self.env.world_size,
             process_group=getattr(self.env.sharding_env, "pg", None),
             keep_last=self.cfg.train.keep_last_checkpoints,
-            extra_meta=checkpoint_meta(self.model, self.plan, self.fused_opt),
+            extra_meta=extra, best=best,
         )
+        self._improved = False
+        self._saved_step, self._saved_path = self.step, path
+        return path
+
+    def _best_due(self) -> bool:
+        """This step's evaluation is a new best and ``train.keep_best`` keeps it (same on every rank)."""
+        return self._improved and self.cfg.train.keep_best != "none"
+
+    def _checkpoint(self, due: bool) -> None:
+        """Save this step when ``due`` or when its evaluation is a new best.  A step saved already
+        is not written twice: a new best then only points ``BEST`` at it (rank 0)."""
+        if not (due or self._best_due()):
+            return
+        if self._saved_step != self.step:
+            self.save()
+            return
+        if self._best_due() and self.env.is_main:
+            ckpt.mark_best(self.run_dir, self._saved_path, self._last_eval)
+        self._improved = False
 
     def _restore(self) -> None:
         """Load the newest checkpoint: any world size / plan (DCP reads only this rank's slices)."""
-        path = ckpt.latest_checkpoint(self.run_dir)
+        if self._resume_from is not None:  # --checkpoint best|last|<step>
+            path, _ = ckpt.resolve_checkpoint(self.run_dir, self._resume_from)
+        else:
+            path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
             log.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return
@@ -404,16 +446,23 @@ class Trainer:
 
     def _eval_and_log(self, tag: str) -> dict[str, float]:
         m = self.evaluate()
-        if self.best is None or (not math.isnan(m["auc"]) and m["auc"] > self.best.get("auc", -1)):
+        if self.best is None or _better(m, self.best, self.cfg.train.keep_best):
             self.best = dict(m, step=self.step)
-        self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step, "epoch": self.epoch, **m})
+            self._improved = True
+        self._last_eval = dict(_jsonable(m), step=self.step, split=self.cfg.data.val_split)
+        self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step,
+                           "epoch": self.epoch_number(), **m})
         if self.env.is_main:
-            print(
+            echo(
                 f"[{tag}] step {self.step} {self.cfg.data.val_split}: AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
-                f"NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  accuracy {m['accuracy']:.4f}  (n={m['num_samples']})",
-                flush=True,
+                f"NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  accuracy {m['accuracy']:.4f}  (n={m['num_samples']})"
             )
         return m
+
+    def epoch_number(self) -> int:
+        """The epoch the latest step belongs to, numbered from 1 as everywhere the user sees epochs
+        (console, metrics.jsonl, ``dlrmctl report``); ``self.epoch`` counts finished epochs."""
+        return self.epoch + 1 if self._batches_done > 0 or self.epoch == 0 else self.epoch
 
     def train(self) -> dict[str, Any]:
         """Run the configured epochs / steps; returns ``{"final": metrics, "best": metrics, "steps": int}``."""
@@ -434,7 +483,8 @@ class Trainer:
             if cfg.max_steps is not None:
                 todo = min(todo, cfg.max_steps - self.step)
             end = self._batches_done + max(todo, 0)  # this epoch stops after batch `end` (max_steps)
-            progress = _Progress(end, self._batches_done, enabled=self.env.is_main and cfg.progress, epoch=self.epoch)
+            progress = _Progress(self.step + max(todo, 0), self.step, self.env.is_main and cfg.progress,
+                                 f"epoch {self.epoch + 1}/{cfg.epochs}", cfg.progress_every_s)
             pipe.reset(_exactly(iter(self.train_loader), todo, lambda: _empty_batch_like(self.num_dense, self.feature_names, self.weighted)))
             pipe.reset_stats()
             while True:
@@ -451,26 +501,25 @@ class Trainer:
                 if log_due:
                     loss, loss_avg = self.read_loss()
                     # "loss": this step's; "loss_avg": mean over the steps since the last record
-                    self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch, "loss": loss,
+                    self._log_metrics({"kind": "train", "step": self.step, "epoch": self.epoch + 1, "loss": loss,
                                        "loss_avg": loss_avg,
                                        "samples_per_s": sps, "data_wait_share": sh["data_wait_share"],
                                        "comm_wait_share": sh["comm_wait_share"],
                                        "lr_factor": self.schedule.factor(self.step - 1)})
-                progress.update(self.last_loss, sps)
+                progress.update(self.last_loss, self.last_loss_step, sps)
                 eval_due = bool(cfg.eval_every and self.step % cfg.eval_every == 0)
                 if eval_due or (cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0):
                     self.check_loss_finite()  # never evaluate or checkpoint a model that went non-finite
                 if eval_due:
                     final = self._eval_and_log("eval")
                     last_eval_step = self.step
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save()
+                self._checkpoint(bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0))
             progress.close()
             sh = pipe.stats.shares()
             if self.env.is_main and pipe.stats.steps:
-                print(f"epoch {self.epoch}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
-                      f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
-                      f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time", flush=True)
+                echo(f"epoch {self.epoch + 1}/{cfg.epochs}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
+                     f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
+                     f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time")
             if self._batches_done < n:  # stopped by max_steps mid-epoch
                 break
             self.epoch += 1
@@ -479,16 +528,19 @@ class Trainer:
             if self.step != last_eval_step:
                 final = self._eval_and_log(f"epoch {self.epoch}")
                 last_eval_step = self.step
+                self._checkpoint(False)
         if self.step != last_eval_step or final is None:
             final = self._eval_and_log("final")
-        self.save()
+        self._checkpoint(True)
         elapsed = time.perf_counter() - t_start
         summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed}
         if self.env.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, f, indent=1)
-            print(f"best {self.cfg.data.val_split} AUC {self.best['auc']:.4f} at step {self.best['step']}; "
-                  f"run directory {self.run_dir}", flush=True)
+            b, kb = self.best, self.cfg.train.keep_best
+            what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
+            kept = ", kept as checkpoint 'best'" if kb != "none" else ""
+            echo(f"best {self.cfg.data.val_split} {what} at step {b['step']}{kept}; run directory {self.run_dir}")
         if self._metrics_f is not None:
             self._metrics_f.close()
             if self._tb is not None:
@@ -497,40 +549,56 @@ class Trainer:
 
 
 class _Progress:
-    """Rank-0 progress line with samples/s and loss (tqdm when installed, else a plain line)."""
+    """Rank-0 progress of one epoch (:class:`dlrmctl.console.Progress`): a bar on a terminal, a line
+    every ``train.progress_every_s`` seconds otherwise.  Counts global steps; shows samples/s and the
+    latest loss read from the device (every ``train.log_every`` steps, see read_loss) with its step."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, epoch: int) -> None:
-        self.enabled = enabled
-        self.bar = None
-        self.n = initial
-        self.total = total
-        self._last = 0.0
-        if not enabled:
-            return
-        try:
-            from tqdm import tqdm
+    def __init__(self, total: int, initial: int, enabled: bool, desc: str, every_s: float) -> None:
+        self.p = Progress(total, desc, "step", enabled=enabled, every_s=every_s, initial=initial)
 
-            self.bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True,
-                            file=sys.stderr, mininterval=1.0, disable=not sys.stderr.isatty())
-        except ImportError:
-            self.bar = None
-
-    def update(self, loss: float | None, sps: float) -> None:
-        """One step done; ``loss``: the latest loss read (every ``log_every`` steps), or None."""
-        if not self.enabled:
-            return
-        self.n += 1
-        ls = "-" if loss is None else f"{loss:.4f}"
-        if self.bar is not None and not self.bar.disable:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=ls, samples_per_s=f"{sps:,.0f}", refresh=False)
-        elif time.perf_counter() - self._last > 10 or self.n == self.total:
-            self._last = time.perf_counter()
-            print(f"  step {self.n}/{self.total}  loss {ls}  {sps:,.0f} samples/s", file=sys.stderr, flush=True)
+    def update(self, loss: float | None, loss_step: int, sps: float) -> None:
+        """One step done; ``loss``: the latest loss read (at step ``loss_step``), or None."""
+        self.p.update(1, **{"samples/s": f"{sps:,.0f}",
+                            "loss": "-" if loss is None else f"{loss:.4f} (step {loss_step})"})
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
+        self.p.close()
+
+
+def plan_rank_summary(plan: Any, tables: list, origin: str, full: str) -> str:
+    """The applied plan per rank, as rank 0 prints it at start: tables by sharding type and
+    weight bytes on each rank (the per-table plan is in ``full``, plan.txt)."""
+    from collections import Counter
+
+    from dlrmctl.distributed.types import ShardingType
+
+    kinds = [Counter() for _ in range(plan.world_size)]
+    nbytes = [0] * plan.world_size
+    for t in tables:
+        ps = plan.plan[t.name]
+        if ps.sharding_type == ShardingType.DATA_PARALLEL:
+            for r in ps.ranks:
+                kinds[r][ps.sharding_type.value] += 1
+                nbytes[r] += t.num_embeddings * t.embedding_dim * 4
+            continue
+        for m in ps.shards or []:
+            kinds[m.rank][ps.sharding_type.value] += 1
+            nbytes[m.rank] += m.sizes[0] * m.sizes[1] * 4
+    hosts = plan.world_size // plan.local_world_size
+    lines = [f"sharding plan {origin}: {len(tables)} tables on {plan.world_size} rank(s), {hosts} host(s) "
+             f"(per table: {full})"]
+    for r in range(plan.world_size):
+        what = ", ".join(f"{k} {n}" for k, n in sorted(kinds[r].items())) or "no shards"
+        lines.append(f"  rank {r}: {sum(kinds[r].values())} shard(s) ({what}), {nbytes[r] / 1e6:,.2f} MB of weights")
+    return "\n".join(lines)
+
+
+def _better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bool:
+    """``m`` beats ``best`` on the ``train.keep_best`` metric (``none``: AUC, for the summary only);
+    NaN never wins."""
+    if keep_best == "ne":
+        return not math.isnan(m["ne"]) and (math.isnan(best.get("ne", math.nan)) or m["ne"] < best["ne"])
+    return not math.isnan(m["auc"]) and m["auc"] > best.get("auc", -1)
 
 
 def _tensorboard_writer(run_dir: str) -> Any:
@@ -993,6 +1061,7 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
 
     Raises:
         TrainError: the run directory holds checkpoints and neither flag was given.
+        DataMismatchError: resuming on other data than the run was trained on (fingerprints differ).
     """
     run_dir = os.path.join(cfg.train.run_dir, cfg.name)
     if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
@@ -1000,7 +1069,22 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
             f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
             "or --set name=<other>"
         )
+    recorded = os.path.join(run_dir, "data_meta.json")
+    if (resume and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)) and os.path.exists(recorded)
+            and os.path.exists(os.path.join(cfg.data.path, "meta.json"))):
+        from dlrmctl.data.fingerprint import check_run_data
+
+        check_run_data(recorded, cfg.data.path, hint="Resume on the data the run was trained on, or start a new run "
+                                                     "(--set name=<other>)")
     return run_dir
+
+
+def check_train_splits(cfg: ExperimentConfig, meta: dict) -> None:
+    """The train and validation splits exist and have rows (one error line naming the split otherwise)."""
+    from dlrmctl.data.fingerprint import split_rows
+
+    split_rows(meta, cfg.data.path, cfg.data.train_split, "data.train_split")
+    split_rows(meta, cfg.data.path, cfg.data.val_split, "data.val_split")
 
 
 def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config_path: str | None = None) -> str:
@@ -1012,6 +1096,7 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     run_dir = check_run_dir(cfg, resume, overwrite)
     if overwrite and not resume and os.path.exists(run_dir):
         shutil.rmtree(run_dir)
+    clear_unsaved_attempt(run_dir)  # a failed attempt's files must not mix into this run's
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
@@ -1022,8 +1107,39 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     return run_dir
 
 
-def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | None = "dense"):
-    """Rebuild a trained model (unsharded) from a run directory's newest checkpoint.
+#: what a run writes besides checkpoints/ and logs/ (removed by clear_unsaved_attempt)
+RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metrics.jsonl", "summary.json",
+               "tensorboard", "loss.png", "auc.png", "throughput.png")
+
+
+def clear_unsaved_attempt(run_dir: str) -> bool:
+    """Remove what a run attempt that saved no checkpoint left in ``run_dir`` (config, data meta,
+    plan, metrics, summary, plots), so that a retry starts clean; ``logs/`` (the failure's record)
+    and files dlrmctl does not write stay.  A run directory with checkpoints is not touched.
+
+    Returns:
+        True when something was removed.
+    """
+    if not os.path.isdir(run_dir) or os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
+        return False
+    removed = False
+    for n in RUN_OUTPUTS:
+        p = os.path.join(run_dir, n)
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+            removed = True
+        elif os.path.exists(p):
+            os.remove(p)
+            removed = True
+    if not os.listdir(run_dir):
+        os.rmdir(run_dir)
+    return removed
+
+
+def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | None = "dense",
+                       checkpoint: str | None = "last"):
+    """Rebuild a trained model (unsharded) from a run directory's checkpoint: ``checkpoint`` is
+    ``last`` (the newest), ``best`` (``train.keep_best``), a step, or None (best if any, else last).
 
     Returns:
         ``(cfg, model, meta)``: the resolved config, a DLRM with all tables
@@ -1032,21 +1148,13 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     Raises:
         CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``.
     """
-    from dlrmctl.config import config_from_dict
-
-    cpath = os.path.join(run_dir, "config.yaml")
-    if not os.path.exists(cpath):
-        raise TrainError(f"{run_dir}: no config.yaml; not a dlrmctl run directory")
-    with open(cpath) as f:
-        cfg = config_from_dict(yaml.safe_load(f), source=cpath)
+    cfg = run_config(run_dir)
     mpath = os.path.join(run_dir, "data_meta.json")
     if not os.path.exists(mpath):
         raise TrainError(f"{mpath}: missing; the run directory is incomplete")
     with open(mpath) as f:
         meta = json.load(f)
-    path = ckpt.latest_checkpoint(run_dir)
-    if path is None:
-        raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/LATEST is missing)")
+    path, _ = ckpt.resolve_checkpoint(run_dir, checkpoint)
     tables = resolve_tables(cfg, meta)
     model = build_model(cfg, tables, len(meta["dense_features"]), device=device, compute_kernel=compute_kernel)
     cmeta = ckpt.load_checkpoint_meta(path)
@@ -1061,22 +1169,59 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     return cfg, model, meta
 
 
+def run_config(run_dir: str) -> ExperimentConfig:
+    """The resolved config a run recorded (``run_dir/config.yaml``).
+
+    Raises:
+        TrainError: no config.yaml (not a run directory).
+    """
+    from dlrmctl.config import config_from_dict
+
+    cpath = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(cpath):
+        raise TrainError(f"{run_dir}: no config.yaml; not a dlrmctl run directory")
+    with open(cpath) as f:
+        return config_from_dict(yaml.safe_load(f), source=cpath)
+
+
 @torch.no_grad()
-def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None) -> dict[str, float]:
-    """Metrics of a run's newest checkpoint on ``split`` of its data (or ``data_dir``), from the
-    logits (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`, as ``Trainer.evaluate``).
+def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None,
+                 checkpoint: str | None = None, any_split: bool = False, progress: bool = False) -> dict[str, float]:
+    """Metrics of a run's checkpoint on ``split`` of its data (or ``data_dir``), from the logits
+    (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`, as ``Trainer.evaluate``).
+
+    The data must be the data the run was trained on: its fingerprint (schema, vocabularies and
+    split; without the split with ``any_split``) must equal the one of ``run_dir/data_meta.json``
+    (:mod:`dlrmctl.data.fingerprint`).
+
+    Args:
+        checkpoint: ``best``, ``last`` or a step; None: best if the run kept one, else last.
+        any_split: accept data whose split differs (same schema and vocabularies).
+        progress: show evaluation progress (:class:`dlrmctl.console.Progress`).
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+
+    Raises:
+        DataMismatchError: other data than the run's; DataError: ``split`` missing or empty.
     """
+    from dlrmctl.data.fingerprint import PARTS, check_run_data, read_meta_json, split_rows
     from dlrmctl.data.loader import BatchLoader
 
-    cfg, model, meta = load_trained_model(run_dir)
+    data = data_dir or run_config(run_dir).data.path
+    check_run_data(os.path.join(run_dir, "data_meta.json"), data, PARTS[:2] if any_split else PARTS,
+                   hint="Evaluate on the data the run was trained on (--data DIR), or train on this data"
+                        + ("" if any_split else "; --any-split accepts other rows with the same schema and vocabularies"))
+    split_rows(read_meta_json(os.path.join(data, "meta.json")), data, split)
+    cfg, model, meta = load_trained_model(run_dir, checkpoint=checkpoint)
     feats = model.sparse_arch.feature_names()  # each input feature once (the model applies on_invalid_id)
-    loader = BatchLoader(data_dir or cfg.data.path, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
+    loader = BatchLoader(data, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
                          features=feats, **multi_hot_kwargs(cfg, meta))
     logits, labels = [], []
-    for batch in loader:
-        logits.append(model(batch.dense_features, batch.sparse_features).squeeze(1).float().numpy())
-        labels.append(batch.labels.numpy())
+    with Progress(len(loader), f"eval {split}", "batch", enabled=progress, every_s=cfg.train.progress_every_s,
+                  final_line=False, leave=False) as bar:
+        for batch in loader:
+            logits.append(model(batch.dense_features, batch.sparse_features).squeeze(1).float().numpy())
+            labels.append(batch.labels.numpy())
+            bar.update(1)
     return compute_metrics_from_logits(np.concatenate(logits), np.concatenate(labels))

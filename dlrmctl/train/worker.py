@@ -8,22 +8,23 @@ rank from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import traceback
 
 import torch
 
+from dlrmctl._fbgemm import FbgemmTorchMismatchError, ensure_checked
 from dlrmctl.config import ConfigError, load_config
+from dlrmctl.data.fingerprint import DataMismatchError
 from dlrmctl.distributed.types import PlanError
 from dlrmctl.sparse.validation import EmbeddingIdError
 from dlrmctl.train.checkpoint import CheckpointError
-from dlrmctl.train.loop import RunEnv, Trainer, TrainError, prepare_run_dir, resolve_device
+from dlrmctl.train.loop import RunEnv, Trainer, TrainError, clear_unsaved_attempt, prepare_run_dir, resolve_device
 
 #: errors that are the user's input, reported as one line without a traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
-                                               EmbeddingIdError)
+                                               EmbeddingIdError, FbgemmTorchMismatchError, DataMismatchError)
 try:  # optional modules add their own user-facing errors
     from dlrmctl.data.columnar import DataError
 
@@ -59,9 +60,13 @@ def _make_env(cfg) -> RunEnv:
     return RunEnv(senv.rank, senv.world_size, senv.local_world_size, senv.device, senv)
 
 
-def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False) -> dict:
-    """Load the config, set up this rank, train; returns the trainer's summary."""
+def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False,
+                 checkpoint: str | None = None) -> dict:
+    """Load the config, set up this rank, train; returns the trainer's summary.
+
+    ``checkpoint`` (with ``resume``): ``best``, ``last`` (default) or a step to resume from."""
     cfg = load_config(config, overrides)
+    ensure_checked()  # the torch / fbgemm_gpu pair loads (a mismatch is one error line)
     env = _make_env(cfg)
     try:
         if env.is_main:
@@ -69,7 +74,12 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
         env.barrier()
         run_dir = os.path.join(cfg.train.run_dir, cfg.name)
         torch.manual_seed(cfg.train.seed)
-        return Trainer(cfg, env, run_dir, resume=resume).train()
+        try:
+            return Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint).train()
+        except BaseException:
+            if env.is_main:  # nothing saved: leave nothing that would mix into a retry
+                clear_unsaved_attempt(run_dir)
+            raise
     finally:
         if env.sharded:
             from dlrmctl.distributed.env import destroy_distributed
@@ -78,7 +88,7 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dlrmctl.train.worker CONFIG [--set k=v ...] [--resume] [--overwrite]``.
+    """``python -m dlrmctl.train.worker CONFIG [--set k=v ...] [--resume [--checkpoint W]] [--overwrite]``.
 
     A failure is printed to stderr (user errors as one ``error: ...`` line, others as a
     traceback) and, under torchrun, recorded in the rank's error file for the launcher
@@ -92,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--checkpoint", default=None)
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dlrmctl.console import setup_logging
+
+    setup_logging()
     try:
-        run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite)
+        run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite, checkpoint=a.checkpoint)
     except Exception as e:  # reported here (and recorded for the launcher), not as an uncaught traceback
         from dlrmctl.launch import record_rank_failure
 

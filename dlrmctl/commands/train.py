@@ -1,0 +1,123 @@
+"""``dlrmctl train CONFIG``: train (and evaluate) a model; ``--nproc N`` shards it over N ranks.
+
+Thin: loads the config (a configuration error is one line, before torch is imported),
+checks what a launch needs, then runs :func:`dlrmctl.train.worker.run_training` in this
+process or launches the ranks through torchx (:mod:`dlrmctl.launch`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+import typer
+
+from dlrmctl.commands._common import echo, fail, setup_logging, show_path
+
+
+def train(
+    config: str = typer.Argument(..., help="experiment YAML (configs/*.yaml)"),
+    set_: List[str] = typer.Option([], "--set", help="override a config key: --set model.embedding_dim=32"),
+    nproc: int = typer.Option(1, "--nproc", help="processes (ranks) per node; > 1 shards the tables"),
+    nnodes: int = typer.Option(1, "--nnodes", help="nodes (torchx dist.ddp -j NNODESxNPROC)"),
+    plan: Optional[str] = typer.Option(None, "--plan", help="sharding plan file written by `dlrmctl plan`"),
+    resume: bool = typer.Option(False, "--resume", help="continue the run from its newest checkpoint"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
+                                             help="with --resume: the checkpoint to continue from, best | last | "
+                                                  "<step> (default last)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the torchx AppDef instead of launching"),
+    verbose: bool = typer.Option(False, "-v", "--verbose"),
+) -> None:
+    """Train (and evaluate) the model of CONFIG; writes runs/<name>/."""
+    from dlrmctl.config import ConfigError, load_config
+
+    setup_logging(verbose)
+    try:
+        cfg = load_config(config, set_)
+    except ConfigError as e:
+        fail(str(e))
+    if checkpoint is not None and not resume:
+        fail("--checkpoint selects the checkpoint to resume from: it needs --resume")
+    if plan:
+        set_ = list(set_) + [f"sharding.plan_file={plan}"]
+        cfg.sharding.plan_file = plan
+    world = nproc * nnodes
+    if dry_run:
+        from dlrmctl.launch import build_appdef, launch
+
+        raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint),
+                                dry_run=True))
+    if world > 1:
+        from dlrmctl.launch import build_appdef, launch, omp_threads_per_rank
+        from dlrmctl.train.loop import clear_unsaved_attempt, prepare_run_dir
+
+        _check_before_launch(cfg, world, resume, overwrite, checkpoint)
+        # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
+        run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+        app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False, checkpoint=checkpoint)
+        threads, why = omp_threads_per_rank(nproc)
+        echo(f"{world} ranks ({nnodes} x {nproc}), {threads} OpenMP thread(s) per rank ({why}; OMP_NUM_THREADS "
+             "overrides); rank 0's output follows, every rank's log is in " + show_path(os.path.join(run_dir, "logs")))
+        rc = launch(app, log_dir=os.path.join(run_dir, "logs"))
+        if rc != 0:
+            clear_unsaved_attempt(run_dir)  # failed before any checkpoint: a retry starts clean (logs/ stay)
+        raise typer.Exit(rc)
+    _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
+    from dlrmctl.commands._common import user_errors
+    from dlrmctl.train.worker import run_training
+
+    try:
+        run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint)
+    except Exception as e:  # user-facing errors: one clear line, no traceback
+        if isinstance(e, user_errors()):
+            fail(str(e))
+        raise
+
+
+def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpoint: str | None = None) -> None:
+    """Checks of a training run before anything is written (before any rank of a ``--nproc`` /
+    ``--nnodes`` launch starts; before torch is imported in a single process).
+
+    Each failure prints one ``error: ...`` line and exits with code 2 (``typer.Exit``): the run
+    directory already holds a run (without ``--resume``/``--overwrite``), resuming on other data
+    than the run's (fingerprint) or from a checkpoint it does not have, ``data.path`` has no
+    (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
+    plan does not fit the model or the world size.
+    """
+    from dlrmctl.config import ConfigError, read_data_meta
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.fingerprint import DataMismatchError
+    from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
+    from dlrmctl.train.loop import TrainError, check_run_dir, check_train_splits
+
+    try:
+        run_dir = check_run_dir(cfg, resume, overwrite)
+        if resume and checkpoint is not None:
+            resolve_checkpoint(run_dir, checkpoint)
+        meta = read_data_meta(cfg)
+        if meta is not None:
+            check_train_splits(cfg, meta)
+    except (TrainError, ConfigError, DataError, DataMismatchError, CheckpointError) as e:
+        fail(str(e))
+    if meta is None:  # the message the Trainer gives
+        fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
+    if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
+        _check_plan_before_launch(cfg, world)
+
+
+def _check_plan_before_launch(cfg, world: int) -> None:
+    """Fail fast, before any process starts, when a stored plan does not fit the model or world size."""
+    from dlrmctl.config import ConfigError, read_data_meta, resolve_tables
+    from dlrmctl.distributed.types import PlanError, ShardingPlan
+
+    try:
+        plan = ShardingPlan.load(cfg.sharding.plan_file)
+        plan.validate(resolve_tables(cfg, read_data_meta(cfg)), world, where=cfg.sharding.plan_file)
+    except (PlanError, ConfigError) as e:
+        fail(str(e))
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train`` to the main ``dlrmctl`` app."""
+    app.command("train")(train)

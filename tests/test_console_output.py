@@ -1,0 +1,76 @@
+"""Issue 14 items 3, 7, 9: progress (a bar on a terminal with messages above it, periodic lines
+otherwise, with step, samples/s and the latest loss read with its step), epochs numbered from 1
+everywhere, and the last progress line printed before the epoch summary."""
+
+import json
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from dlrmctl import console
+from dlrmctl.cli import app
+
+
+def test_progress_lines_without_a_terminal(capsys, monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(console.time, "perf_counter", lambda: now[0])
+    p = console.Progress(10, "epoch 1/2", "step", every_s=3.0, bar=False)
+    for i in range(10):
+        now[0] = i + 1.0  # each step takes a (fake) second
+        p.update(1, **{"samples/s": "1,000", "loss": f"0.{50 - i} (step {i + 1})"})
+    p.close()
+    lines = capsys.readouterr().out.strip().splitlines()
+    # one line every 3 (fake) seconds, then the last one on close
+    assert len(lines) == 4, lines
+    assert re.fullmatch(r"epoch 1/2: step 3/10 \(30%\)  1,000 samples/s  loss 0\.48 \(step 3\)  3s elapsed, ~7s left",
+                        lines[0]), lines[0]
+    assert lines[-1].startswith("epoch 1/2: step 10/10 (100%)") and "left" not in lines[-1]
+
+
+def test_messages_go_above_an_open_bar(monkeypatch):
+    import tqdm
+
+    written = []
+    monkeypatch.setattr(tqdm.tqdm, "write", classmethod(lambda cls, s, file=None, **k: written.append(s)))
+    p = console.Progress(5, "epoch 1/1", bar=True)
+    console.echo("[eval] step 5 val: AUC 0.7")
+    p.close()
+    console.echo("after")  # no bar open: a plain print
+    assert written == ["[eval] step 5 val: AUC 0.7"]
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp("syn")
+    generate_synthetic(d, rows=3000, seed=0, num_embeddings=[40] * 26)
+    return d
+
+
+def test_epochs_are_numbered_from_1_everywhere(small_data, tmp_path):
+    args = ["train", "configs/demo.yaml", "--set", f"data.path={small_data}", "--set", f"train.run_dir={tmp_path}",
+            "--set", "name=ep", "--set", "train.epochs=2", "--set", "data.batch_size=600", "--set", "train.log_every=2",
+            "--set", "train.progress_every_s=0", "--set", "model.compute_kernel=dense", "--set", "train.eval_every=3"]
+    r = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    out = r.output.splitlines()
+    train_rows = json.load(open(small_data / "meta.json"))["splits"]["train"]["rows"]
+    steps = -(-train_rows // 600)
+    # console: "epoch e/E" for progress and summary, "[epoch e]" for the end-of-epoch evaluation
+    summary = [i for i, line in enumerate(out) if re.match(r"epoch \d/2: \d+ steps", line)]
+    assert [out[i].split(":")[0] for i in summary] == ["epoch 1/2", "epoch 2/2"]
+    for i, e in zip(summary, (1, 2)):
+        # the epoch's last progress line comes right before its summary (one stream, in order)
+        assert out[i - 1].startswith(f"epoch {e}/2: step {e * steps}/{e * steps} (100%)"), out[i - 1]
+        assert re.search(rf"loss \d\.\d{{4}} \(step {e * steps}\)", out[i - 1]), out[i - 1]
+        assert out[i + 1].startswith(f"[epoch {e}] step {e * steps} val:"), out[i + 1]
+    assert "epoch 0" not in r.output
+    # metrics.jsonl: a step's records carry the epoch it belongs to, numbered the same way
+    recs = [json.loads(x) for x in open(tmp_path / "ep" / "metrics.jsonl")]
+    for rec in recs:
+        assert rec["epoch"] == (rec["step"] - 1) // steps + 1, rec
+    assert {rec["epoch"] for rec in recs if rec["kind"] == "eval"} == {1, 2}
+    rep = CliRunner().invoke(app, ["report", str(tmp_path / "ep"), "--no-plots"], catch_exceptions=False)
+    assert f"| {steps} | 1 |" in rep.output and f"| {2 * steps} | 2 |" in rep.output

@@ -1,0 +1,65 @@
+"""Issue 14 item 8: `dlrmctl --help`, every verb's --help and configuration errors answer without
+importing torch (or fbgemm_gpu); cli.py holds only the app and its registrations."""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+_PROBE = r"""
+import sys
+sys.argv = ["dlrmctl"] + sys.argv[1:]
+from dlrmctl.cli import main
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+heavy = sorted(m for m in ("torch", "fbgemm_gpu", "pyarrow", "torchx") if m in sys.modules)
+print("EXIT", code, "HEAVY", ",".join(heavy) or "-", file=sys.stderr)
+"""
+
+
+def _run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _PROBE, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [
+    ["--help"],
+    ["train", "--help"], ["evaluate", "--help"], ["plan", "--help"], ["export", "--help"], ["predict", "--help"],
+    ["report", "--help"], ["launch", "--help"], ["checkpoint", "reshard", "--help"],
+    ["preprocess", "criteo", "--help"], ["preprocess", "movielens", "--help"],
+])
+def test_help_does_not_import_torch(args):
+    p = _run(*args)
+    assert "EXIT 0 HEAVY -" in p.stderr, p.stderr[-2000:]
+
+
+def test_config_errors_do_not_import_torch(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  embedding_dim: abc\n")
+    for args in (["train", str(bad)], ["train", str(tmp_path / "missing.yaml")],
+                 ["train", "configs/demo.yaml", "--set", "train.epochs=0"]):
+        p = _run(*args)
+        assert "EXIT 2 HEAVY -" in p.stderr, (args, p.stderr[-2000:])
+        assert p.stderr.startswith("error: ") and "Traceback" not in p.stderr, p.stderr
+
+
+def test_importtime_of_help_has_no_torch():
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "dlrmctl.cli", "--help"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0
+    mods = {line.split("|")[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
+    assert "dlrmctl.commands._common" in mods and "torch" not in mods and "fbgemm_gpu" not in mods
+
+
+def test_cli_module_is_only_the_app_and_registrations():
+    tree = ast.parse((REPO / "dlrmctl" / "cli.py").read_text())
+    funcs = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert funcs <= {"_register", "main"}, funcs
+    for mod in ("train", "evaluate"):
+        assert (REPO / "dlrmctl" / "commands" / f"{mod}.py").is_file()

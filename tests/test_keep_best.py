@@ -1,0 +1,137 @@
+"""Issue 14 item 4: train.keep_best (auc | ne | none) keeps the best validation checkpoint as
+checkpoints/BEST (never pruned), and --checkpoint best|last|<step> selects it on evaluate, export,
+checkpoint reshard and train --resume."""
+
+import json
+import os
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dlrmctl.cli import app
+from dlrmctl.train import checkpoint as ckpt
+
+runner = CliRunner()
+
+
+def cli(*args):
+    r = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return r
+
+
+def test_pruning_keeps_the_best_checkpoint(tmp_path):
+    run = str(tmp_path)
+    ckpt.save_checkpoint(run, 1, {"w": torch.zeros(2)}, keep_last=1, best=True)
+    for step in (2, 3, 4):
+        ckpt.save_checkpoint(run, step, {"w": torch.full((2,), float(step))}, keep_last=1)
+    names = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_"))
+    assert names == ["step_00000001", "step_00000004"]
+    assert ckpt.best_checkpoint(run).endswith("step_00000001")
+    assert ckpt.latest_checkpoint(run).endswith("step_00000004")
+    # a new best moves BEST; the old best is then pruned like any other
+    ckpt.save_checkpoint(run, 5, {"w": torch.ones(2)}, keep_last=1, best=True)
+    assert sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_")) == ["step_00000005"]
+
+
+def test_resolve_checkpoint(tmp_path):
+    run = str(tmp_path)
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(run, step, {"w": torch.zeros(1)}, keep_last=0, best=step == 20)
+    assert ckpt.resolve_checkpoint(run, "best") == (os.path.join(run, "checkpoints", "step_00000020"), "best (step 20)")
+    assert ckpt.resolve_checkpoint(run, None)[1] == "best (step 20)"  # the default when the run kept one
+    assert ckpt.resolve_checkpoint(run, "last")[1] == "last (step 30)"
+    assert ckpt.resolve_checkpoint(run, "10")[0].endswith("step_00000010")
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint of step 15; it has steps 10, 20 \(best\), 30 \(last\)"):
+        ckpt.resolve_checkpoint(run, "15")
+    with pytest.raises(ckpt.CheckpointError, match="expected best, last or a step number"):
+        ckpt.resolve_checkpoint(run, "newest")
+    os.remove(os.path.join(run, "checkpoints", "BEST"))
+    assert ckpt.resolve_checkpoint(run, None)[1] == "last (step 30)"
+    with pytest.raises(ckpt.CheckpointError, match="no best checkpoint.*keep_best: none"):
+        ckpt.resolve_checkpoint(run, "best")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp("kb")
+    generate_synthetic(d, rows=6000, seed=3, num_embeddings=[50] * 26)
+    return d
+
+
+def _train(data, runs, name, *extra):
+    r = cli("train", "configs/demo.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={runs}",
+            "--set", f"name={name}", "--set", "train.progress=false", "--set", "data.batch_size=256",
+            "--set", "train.eval_every=2", "--set", "train.log_every=1", "--set", "train.max_steps=12",
+            "--set", "model.compute_kernel=dense", "--set", "optimizer.dense.lr=0.3", *extra)
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _evals(run):
+    return [json.loads(x) for x in open(run / "metrics.jsonl") if '"eval"' in x]
+
+
+@pytest.mark.parametrize("metric", ["auc", "ne"])
+def test_the_best_evaluation_is_kept_and_selected_by_default(data, tmp_path, metric):
+    out = _train(data, tmp_path, "r", "--set", f"train.keep_best={metric}", "--set", "train.keep_last_checkpoints=1")
+    run = tmp_path / "r"
+    evals = _evals(run)
+    pick = max if metric == "auc" else min
+    best = pick(evals, key=lambda e: (e[metric], -e["step"]) if metric == "auc" else (e[metric], e["step"]))
+    assert ckpt.best_checkpoint(str(run)).endswith(f"step_{best['step']:08d}")
+    assert "kept as checkpoint 'best'" in out and f"at step {best['step']}" in out
+    assert ckpt.load_checkpoint_meta(ckpt.best_checkpoint(str(run)))["eval"]["step"] == best["step"]
+    # evaluate: the best by default (and --checkpoint best), the final one with --checkpoint last
+    for args in ([], ["--checkpoint", "best"]):
+        m = json.loads(cli("evaluate", run, "--json", *args).output.strip().splitlines()[-1])
+        assert m["auc"] == pytest.approx(best["auc"], abs=1e-6) and m["checkpoint"] == f"best (step {best['step']})"
+    last = json.loads(cli("evaluate", run, "--json", "--checkpoint", "last").output.strip().splitlines()[-1])
+    assert last["auc"] == pytest.approx(evals[-1]["auc"], abs=1e-6) and last["checkpoint"] == "last (step 12)"
+    # keep_last 1 + best: at most two checkpoints on disk
+    assert len([d for d in os.listdir(run / "checkpoints") if d.startswith("step_")]) <= 2
+
+
+def test_keep_best_none_keeps_no_best_and_evaluate_uses_the_last(data, tmp_path):
+    _train(data, tmp_path, "n", "--set", "train.keep_best=none")
+    run = tmp_path / "n"
+    assert ckpt.best_checkpoint(str(run)) is None
+    m = json.loads(cli("evaluate", run, "--json").output.strip().splitlines()[-1])
+    assert m["checkpoint"] == "last (step 12)"
+    r = runner.invoke(app, ["evaluate", str(run), "--checkpoint", "best"])
+    assert r.exit_code == 2 and "no best checkpoint" in r.output
+
+
+def test_resume_export_and_reshard_take_the_chosen_checkpoint(data, tmp_path):
+    _train(data, tmp_path, "b", "--set", "train.checkpoint_every=4")
+    run = tmp_path / "b"
+    best_step = ckpt.load_checkpoint_meta(ckpt.best_checkpoint(str(run)))["step"]
+    r = cli("checkpoint", "reshard", run, "--nproc", 1, "--checkpoint", "best", "--out", tmp_path / "rs")
+    assert r.exit_code == 0 and f"resharded step {best_step} " in r.output, r.output
+    r = runner.invoke(app, ["checkpoint", "reshard", str(run), "--nproc", "1", "--checkpoint", "99"])
+    assert r.exit_code == 2 and "no checkpoint of step 99" in r.output
+    from dlrmctl import HAS_FBGEMM
+
+    if HAS_FBGEMM:
+        r = cli("export", run, "--fp32", "--out", tmp_path / "e")
+        assert r.exit_code == 0 and f"checkpoint best (step {best_step})" in r.output, r.output
+        src = json.loads((tmp_path / "e" / "manifest.json").read_text())["source"]
+        assert src["checkpoint"].endswith(f"step_{best_step:08d}") and src["metrics"]["step"] == best_step
+        r = cli("export", run, "--fp32", "--checkpoint", "last", "--out", tmp_path / "e2")
+        assert "checkpoint last (step 12)" in r.output
+        assert oct((tmp_path / "e").stat().st_mode & 0o777) == oct(0o777 & ~_umask())  # like a run directory
+    # --resume --checkpoint best continues from the best step
+    r = runner.invoke(app, ["train", "configs/demo.yaml", "--checkpoint", "best"])
+    assert r.exit_code == 2 and "needs --resume" in r.output
+    _train(data, tmp_path, "b", "--set", "train.checkpoint_every=4", "--set", "train.max_steps=14", "--resume",
+           "--checkpoint", "best")
+    steps = [json.loads(x)["step"] for x in open(run / "metrics.jsonl") if '"train"' in x]
+    assert steps[12:] == list(range(best_step + 1, 15))  # the resumed records start right after the best step
+
+
+def _umask():
+    m = os.umask(0)
+    os.umask(m)
+    return m
