@@ -34,7 +34,7 @@ def _fail(msg: str, code: int = 2) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_dict: dict | None, name: str,
-            q) -> None:
+            publish_latest: bool, q) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -46,7 +46,7 @@ def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_
     init_process_group_tcp(rank, world_size, port, "gloo", timeout_s=600)
     try:
         plan = None if plan_dict is None else ShardingPlan.from_dict(plan_dict)
-        path = reshard_rank(src, out_run, rank, world_size, plan, name=name)
+        path = reshard_rank(src, out_run, rank, world_size, plan, name=name, publish_latest=publish_latest)
         q.put((rank, True, path))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
         q.put((rank, False, f"{type(e).__name__}: {e}"))
@@ -96,15 +96,19 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
             plan.save(os.path.join(out_run, "plan.yaml"))
     else:
         out_run, name = run_dir, f"step_{step:08d}_ws{nproc}"
+    # in the same run, a reshard of an older checkpoint (e.g. --checkpoint best) is written beside
+    # the newer ones without moving LATEST backwards (`--resume --checkpoint <step>` picks it)
+    latest = ckpt.latest_checkpoint(run_dir) if not out else None
+    publish = bool(out) or latest is None or step >= int(ckpt.load_checkpoint_meta(latest)["step"])
     if nproc == 1:
-        return ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name)
+        return ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name, publish_latest=publish)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     pd = None if plan is None else plan.to_dict()
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, src, out_run, pd, name, q), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, nproc, port, src, out_run, pd, name, publish, q), daemon=True)
              for r in range(nproc)]
     for p in procs:
         p.start()
@@ -140,6 +144,7 @@ def reshard_command(
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta
+    from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
 
     if nproc < 1:
         _fail("--nproc must be >= 1")
@@ -156,6 +161,10 @@ def reshard_command(
     nbytes = sum(f["bytes"] for f in m["files"].values())
     typer.echo(f"resharded step {m['step']} from {src.get('world_size')} to {m['world_size']} rank(s): {path} "
                f"({len(m['tables'])} tables, {nbytes:,} bytes)")
+    latest = ckpt_latest(os.path.dirname(os.path.dirname(path)))
+    if latest is not None and os.path.abspath(latest) != os.path.abspath(path):
+        typer.echo(f"LATEST still names {os.path.basename(latest)} (a newer step); resume from this one with "
+                   f"`train --resume --checkpoint {m['step']}`")
 
 
 def register(root: typer.Typer) -> None:

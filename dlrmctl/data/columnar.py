@@ -224,6 +224,13 @@ def write_split_shard(path: str | os.PathLike, columns: Mapping[str, Any], schem
     return w.close()
 
 
+def default_file_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open(..., "w")`` would give a new file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Write ``obj`` as indented JSON to ``path`` via a temp file + rename (never half-written)."""
     path = Path(path)
@@ -233,6 +240,7 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
+        os.chmod(tmp, default_file_mode())  # mkstemp makes 0600; readable like any other output file
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

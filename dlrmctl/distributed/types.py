@@ -253,6 +253,9 @@ class ShardingPlan:
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".plan.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(self.to_dict(), f, sort_keys=False, default_flow_style=None)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; readable like any other output file
         os.replace(tmp, path)
 
     @staticmethod

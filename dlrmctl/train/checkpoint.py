@@ -371,6 +371,7 @@ def save_checkpoint(
     extra_meta: dict[str, Any] | None = None,
     name: str | None = None,
     best: bool = False,
+    publish_latest: bool = True,
 ) -> str:
     """Write this rank's part of a DCP checkpoint; rank 0 publishes it atomically.  Collective.
 
@@ -381,6 +382,8 @@ def save_checkpoint(
         keep_last: number of complete checkpoints to keep (0: all), besides the best one.
         name: directory name (default ``step_XXXXXXXX``).
         best: this checkpoint becomes the run's ``BEST`` (see :func:`best_checkpoint`).
+        publish_latest: point ``LATEST`` at it (False: an older step written beside newer ones,
+            e.g. a reshard of the best checkpoint, must not move ``LATEST`` backwards).
 
     Returns:
         the final checkpoint directory.
@@ -433,7 +436,8 @@ def save_checkpoint(
         _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(root)
-        _atomic_write_text(os.path.join(root, LATEST), name + "\n")
+        if publish_latest:
+            _atomic_write_text(os.path.join(root, LATEST), name + "\n")
         if best:
             _atomic_write_text(os.path.join(root, BEST), name + "\n")
         complete = sorted(d for d in glob.glob(os.path.join(root, "step_*")) if os.path.isdir(d))
@@ -596,7 +600,7 @@ def copy_run_files(src_run: str, dst_run: str, names: Sequence[str] = ("config.y
 
 # -------------------------------------------------------------- reshard
 def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: Any = None,
-                 process_group: Any = None, name: str | None = None) -> str:
+                 process_group: Any = None, name: str | None = None, publish_latest: bool = True) -> str:
     """One rank of an offline reshard: read this rank's slices of ``src_ckpt`` under ``plan``
     and write them as a checkpoint of ``world_size`` ranks in ``out_run``.  Collective.
 
@@ -691,4 +695,5 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
     extra.update(plan=None if plan is None else plan.to_dict(),
                  resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"]})
     return save_checkpoint(out_run, int(meta["step"]), save, rank, world_size, process_group, keep_last=0,
+                           publish_latest=publish_latest,
                            extra_meta=extra, name=name)
