@@ -492,6 +492,8 @@ def validate(cfg: ExperimentConfig) -> None:
         if v is not None and (v < 0 or (v == 0 and not allow_zero)):
             raise ConfigError(f"{p}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
 
+    if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\\" in cfg.name or "\0" in cfg.name:
+        raise ConfigError(f"name: must be one directory name (the run is train.run_dir/<name>), got {cfg.name!r}")
     pos(cfg.data.batch_size, "data.batch_size")
     pos(cfg.data.eval_batch_size, "data.eval_batch_size")
     pos(cfg.data.num_samples, "data.num_samples")

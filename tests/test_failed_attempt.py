@@ -29,6 +29,11 @@ def test_a_run_failing_at_step_1_leaves_nothing_and_a_retry_starts_clean(tmp_pat
     assert not (runs / "a").exists()  # config.yaml, data_meta.json and the directory are gone
     # an attempt killed before its first checkpoint (no cleanup ran) left files behind
     (runs / "a").mkdir(parents=True)
+    (runs / "a" / "plan.yaml").write_text("kept: the user's, older than the attempt\n")
+    import time
+
+    time.sleep(0.05)
+    (runs / "a" / ".dlrmctl_attempt").write_text("123\n")  # what a real attempt writes first
     (runs / "a" / "config.yaml").write_text("name: stale\n")
     (runs / "a" / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 99, "loss": 9.0}) + "\n")
     (runs / "a" / "logs").mkdir()
@@ -39,3 +44,9 @@ def test_a_run_failing_at_step_1_leaves_nothing_and_a_retry_starts_clean(tmp_pat
     assert steps == [1, 2, 3]  # the stale record did not mix in
     assert "name: a" in (runs / "a" / "config.yaml").read_text()
     assert (runs / "a" / "logs").is_dir() and (runs / "a" / "notes.txt").read_text() == "mine"
+    # a config the user keeps in the run directory is never overwritten or removed
+    (tmp_path / "runs" / "b").mkdir()
+    (tmp_path / "runs" / "b" / "config.yaml").write_text("# my experiment\nname: b\n")
+    r = runner.invoke(app, _args(data, runs, "--set", "name=b"))
+    assert r.exit_code == 2 and "was not written by dlrmctl" in r.output
+    assert (tmp_path / "runs" / "b" / "config.yaml").read_text().startswith("# my experiment")

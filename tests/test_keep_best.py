@@ -140,3 +140,29 @@ def _umask():
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+def test_an_undefined_score_is_never_kept_as_best():
+    from dlrmctl.train.loop import _better, _defined
+
+    nan, one_class, good, better = ({"auc": float("nan"), "ne": float("nan"), "ctr": 0.2},
+                                    {"auc": 0.5, "ne": float("nan"), "ctr": 0.0},
+                                    {"auc": 0.7, "ne": 0.9, "ctr": 0.2}, {"auc": 0.8, "ne": 0.8, "ctr": 0.2})
+    assert not _defined(nan, "auc") and not _defined(one_class, "auc") and _defined(good, "auc")
+    for undefined in (nan, one_class):
+        assert _better(good, undefined, "auc") and not _better(undefined, good, "auc")
+    assert _better(better, good, "auc") and _better(better, good, "ne") and not _better(good, better, "ne")
+
+
+def test_checkpoint_paths_of_another_run_and_odd_steps_are_refused(tmp_path):
+    from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
+
+    other = tmp_path / "other" / "checkpoints" / "step_00000010"
+    other.mkdir(parents=True)
+    (other / "meta.json").write_text("{}")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="not a checkpoint of"):
+        resolve_checkpoint(str(tmp_path / "run"), str(other))
+    for w in ("+24", "2_4", "-1"):
+        with pytest.raises(CheckpointError, match="expected best, last or a step number"):
+            resolve_checkpoint(str(tmp_path / "run"), w)

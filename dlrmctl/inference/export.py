@@ -360,6 +360,9 @@ def _atomic_dir(out: Path, force: bool) -> Iterator[Path]:
     try:
         yield tmp
         if out.exists():
+            if (out / "checkpoints").exists() or (out / "config.yaml").exists() and not (out / MANIFEST_FILE).exists():
+                raise ExportError(f"{out} is a training run directory, not an export; --out another directory "
+                                  "(--force never replaces a run)")
             if not force:
                 raise ExportError(f"{out} already exists; pass --force to replace it or --out another directory")
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

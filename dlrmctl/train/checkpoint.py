@@ -270,6 +270,10 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
         return "it has steps " + ", ".join(tags)
 
     if which is not None and os.path.isfile(os.path.join(str(which), "meta.json")):  # already resolved
+        # only a checkpoint of THIS run: another run's would bypass its config and data checks
+        if os.path.realpath(os.path.dirname(str(which))) != os.path.realpath(checkpoint_root(run_dir)):
+            raise CheckpointError(f"--checkpoint {which}: not a checkpoint of {run_dir}; expected best, last or a "
+                                  f"step number ({available()})")
         return str(which), f"step {step_of(str(which))}"
     w = "auto" if which is None else str(which).strip().lower()
     if w in ("auto", "best"):
@@ -285,10 +289,9 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
         if p is None:
             raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing)")
         return p, f"last (step {step_of(p)})"
-    try:
-        step = int(w)
-    except ValueError:
-        raise CheckpointError(f"--checkpoint {which!r}: expected best, last or a step number") from None
+    if not (w.isascii() and w.isdigit()):
+        raise CheckpointError(f"--checkpoint {which!r}: expected best, last or a step number ({available()})")
+    step = int(w)
     matches = [p for s, p in have if s == step]
     if not matches:
         raise CheckpointError(f"{run_dir}: no checkpoint of step {step}; {available()}")

@@ -446,9 +446,12 @@ class Trainer:
 
     def _eval_and_log(self, tag: str) -> dict[str, float]:
         m = self.evaluate()
-        if self.best is None or _better(m, self.best, self.cfg.train.keep_best):
+        kb = self.cfg.train.keep_best
+        if (self.best is None and _defined(m, kb)) or (self.best is not None and _better(m, self.best, kb)):
             self.best = dict(m, step=self.step)
             self._improved = True
+        elif self.best is None:  # an undefined score (NaN, one class) is reported but never kept as best
+            self.best = dict(m, step=self.step)
         self._last_eval = dict(_jsonable(m), step=self.step, split=self.cfg.data.val_split)
         self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step,
                            "epoch": self.epoch_number(), **m})
@@ -593,12 +596,25 @@ def plan_rank_summary(plan: Any, tables: list, origin: str, full: str) -> str:
     return "\n".join(lines)
 
 
-def _better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bool:
-    """``m`` beats ``best`` on the ``train.keep_best`` metric (``none``: AUC, for the summary only);
-    NaN never wins."""
+def _defined(m: dict[str, float], keep_best: str) -> bool:
+    """The ``keep_best`` metric of ``m`` is a real score: not NaN, and (AUC) the split has both
+    classes (a single-class split reports AUC 0.5 by convention, which says nothing about the model)."""
     if keep_best == "ne":
-        return not math.isnan(m["ne"]) and (math.isnan(best.get("ne", math.nan)) or m["ne"] < best["ne"])
-    return not math.isnan(m["auc"]) and m["auc"] > best.get("auc", -1)
+        return not math.isnan(m.get("ne", math.nan))
+    ctr = m.get("ctr", 0.5)
+    return not math.isnan(m.get("auc", math.nan)) and not (isinstance(ctr, float) and ctr in (0.0, 1.0))
+
+
+def _better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bool:
+    """``m`` beats ``best`` on the ``train.keep_best`` metric (``none``: AUC, for the summary only):
+    an undefined score (NaN, single-class AUC) never wins, and any defined one beats an undefined one."""
+    if not _defined(m, keep_best):
+        return False
+    if not _defined(best, keep_best):
+        return True
+    if keep_best == "ne":
+        return m["ne"] < best["ne"]
+    return m["auc"] > best["auc"]
 
 
 def _tensorboard_writer(run_dir: str) -> Any:
@@ -1097,7 +1113,14 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     if overwrite and not resume and os.path.exists(run_dir):
         shutil.rmtree(run_dir)
     clear_unsaved_attempt(run_dir)  # a failed attempt's files must not mix into this run's
+    cpath = os.path.join(run_dir, "config.yaml")
+    if (os.path.exists(cpath) and not os.path.exists(os.path.join(run_dir, ATTEMPT_MARKER))
+            and not os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR))):
+        raise TrainError(f"{cpath} exists and was not written by dlrmctl; keep experiment configs outside the run "
+                         "directory (it is replaced by the resolved config), or --set name=<other>")
     os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, ATTEMPT_MARKER), "w") as f:  # what this attempt writes is newer than this
+        f.write(f"{os.getpid()}\n")
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
     meta = read_data_meta(cfg)
@@ -1107,6 +1130,9 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     return run_dir
 
 
+#: written when a run attempt starts: clear_unsaved_attempt removes only outputs newer than it
+ATTEMPT_MARKER = ".dlrmctl_attempt"
+
 #: what a run writes besides checkpoints/ and logs/ (removed by clear_unsaved_attempt)
 RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metrics.jsonl", "summary.json",
                "tensorboard", "loss.png", "auc.png", "throughput.png")
@@ -1114,23 +1140,31 @@ RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metric
 
 def clear_unsaved_attempt(run_dir: str) -> bool:
     """Remove what a run attempt that saved no checkpoint left in ``run_dir`` (config, data meta,
-    plan, metrics, summary, plots), so that a retry starts clean; ``logs/`` (the failure's record)
-    and files dlrmctl does not write stay.  A run directory with checkpoints is not touched.
+    plan, metrics, summary, plots), so that a retry starts clean; ``logs/`` (the failure's record),
+    files dlrmctl does not write, and files older than the attempt's marker (:data:`ATTEMPT_MARKER`,
+    e.g. a plan kept there by the user) stay.  A run directory with checkpoints is not touched.
 
     Returns:
         True when something was removed.
     """
     if not os.path.isdir(run_dir) or os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
         return False
+    marker = os.path.join(run_dir, ATTEMPT_MARKER)
+    if not os.path.exists(marker):  # not an attempt of dlrmctl's: nothing here is ours to remove
+        return False
+    since = os.path.getmtime(marker)
     removed = False
     for n in RUN_OUTPUTS:
         p = os.path.join(run_dir, n)
+        if os.path.exists(p) and os.path.getmtime(p) < since:
+            continue  # there before the attempt (e.g. a plan the user keeps here): not the attempt's
         if os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
             removed = True
         elif os.path.exists(p):
             os.remove(p)
             removed = True
+    os.remove(marker)
     if not os.listdir(run_dir):
         os.rmdir(run_dir)
     return removed
