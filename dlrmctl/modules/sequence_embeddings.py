@@ -39,6 +39,7 @@ from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, Embe
 from dlrmctl.modules.embedding_modules import (
     _OPT_TYPES,
     EmbeddingOptimizerSpec,
+    fused_supports_optimizer,
     FusedOptimizer,
     _only_embedding_bags,
     _TableWeight,
@@ -185,6 +186,8 @@ class SequenceEmbeddingLookup(nn.Module):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
         if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
             compute_kernel = "dense"
+        if compute_kernel == "fused" and not fused_supports_optimizer(optimizer.type, device):
+            compute_kernel = "dense"  # FBGEMM's CPU TBE has no Adam / LAMB (same rule in dlrmctl.train.optim)
         self._keys = [f for cfg, *_ in self._shards for f in cfg.feature_names]
         shard_keys: list[list[int]] = []
         k = 0
@@ -253,6 +256,8 @@ class SequenceEmbeddingLookup(nn.Module):
             pooling_mode=PoolingMode.NONE,
             device=self._device,
             stochastic_rounding=False,
+            beta1=float(self._spec.betas[0]),
+            beta2=float(self._spec.betas[1]),
         )
 
     @torch.no_grad()
