@@ -743,7 +743,7 @@ class GroupedEmbeddingLookup(nn.Module):
                             values[s0:s1], offs, None if weights is None else weights[s0:s1]
                         )
                     )
-                parts[i] = torch.cat(outs, dim=1)
+                parts[i] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not parts:
             return torch.zeros(B, 0, device=features.values().device)
         out = torch.cat([parts[i] for i in range(len(self._shards))], dim=1)

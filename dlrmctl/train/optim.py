@@ -23,7 +23,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlrmctl.config import DenseOptimizerConfig, LRScheduleConfig
@@ -228,38 +231,46 @@ class EmbeddingAdam(torch.optim.Optimizer):
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
             b1, b2 = group["betas"]
             bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+            sb2 = math.sqrt(bc2)
             for p in group["params"]:
                 st = self._init_state(p)
                 if p.grad is None:
                     continue
-                rows, g = _touched_rows(p.grad)
+                rows, g = _summed_rows(p.grad)
                 if rows is None:
                     continue
                 g = g.float()
                 m1, m2 = st["momentum1"], st["momentum2"]
-                m = m1.index_select(0, rows).mul_(b1).add_(g, alpha=1.0 - b1)
+                # b * m + (1 - b) * x as one lerp pass (the same value up to rounding); the gathered
+                # rows are reused in place once written back (every pass over the touched rows costs)
+                m = m1.index_select(0, rows).lerp_(g, 1.0 - b1)
                 m1.index_copy_(0, rows, m)
+                gg = (g * g).mean(dim=1) if self._ROWWISE_V else g * g
+                v = m2.index_select(0, rows).lerp_(gg, 1.0 - b2)
+                m2.index_copy_(0, rows, v)
                 if self._ROWWISE_V:
-                    v = m2.index_select(0, rows).mul_(b2).add_((g * g).mean(dim=1), alpha=1.0 - b2)
-                    m2.index_copy_(0, rows, v)
-                    den = (v / bc2).sqrt_().add_(eps).unsqueeze(1)
-                else:
-                    v = m2.index_select(0, rows).mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                    m2.index_copy_(0, rows, v)
-                    den = (v / bc2).sqrt_().add_(eps)
-                w = p.index_select(0, rows)
-                r = (m / bc1).div_(den)
-                if wd:
-                    r.add_(w, alpha=wd)
+                    v = v.unsqueeze(1)
                 if self._LAMB:
+                    w = p.index_select(0, rows)
+                    r = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+                    if wd:
+                        r.add_(w, alpha=wd)
                     wn, rn = w.norm(dim=1), r.norm(dim=1)
                     # FBGEMM divides by ||r|| unguarded (0/0 -> NaN for a zero row with r = 0): such
                     # a row is left unchanged here
                     ratio = torch.where(rn > 0, wn / rn, torch.zeros((), dtype=wn.dtype, device=wn.device))
-                    r.mul_((lr * ratio).unsqueeze(1))
+                    p.index_copy_(0, rows, w.sub_(r.mul_((lr * ratio).unsqueeze(1))).to(p.dtype))
+                    continue
+                if lr == 0:
+                    continue
+                # (m / bc1) / (sqrt(v / bc2) + eps) == (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2)):
+                # the update in three passes over the touched rows (as torch.optim.Adam rewrites it)
+                den = v.sqrt_().add_(eps * sb2).mul_(-bc1 / (lr * sb2))
+                if wd:  # w - lr * (u + wd * w) = (1 - lr * wd) * w - lr * u
+                    w = p.index_select(0, rows).mul_(1.0 - lr * wd).add_(m.div_(den))
+                    p.index_copy_(0, rows, w.to(p.dtype))
                 else:
-                    r.mul_(lr)
-                p.index_copy_(0, rows, w.sub_(r).to(p.dtype))
+                    p.index_add_(0, rows, m.div_(den).to(p.dtype))
 
 
 class PartialRowWiseAdam(EmbeddingAdam):
@@ -307,6 +318,24 @@ class PartialRowWiseLamb(EmbeddingAdam):
 
 _ADAM_CLASSES = {"adam": EmbeddingAdam, "partial_rowwise_adam": PartialRowWiseAdam, "lamb": EmbeddingLamb,
                  "partial_rowwise_lamb": PartialRowWiseLamb}
+
+
+def _summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`_touched_rows` (rows sorted, duplicates summed), cheaper than ``coalesce()`` for the
+    uncoalesced ``[N, D]`` sparse gradient of ``nn.EmbeddingBag``: one stable sort of the ids and
+    the duplicates summed by ``embedding_bag`` (sum mode, in input order) over the values."""
+    if grad.is_sparse and not grad.is_coalesced() and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
+        idx, vals = grad._indices()[0], grad._values()
+        if idx.numel() == 0:
+            return None, vals
+        sorted_idx, perm = torch.sort(idx, stable=True)
+        rows, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+        if rows.numel() == idx.numel():
+            return rows, vals.index_select(0, perm)
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=idx.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return rows, F.embedding_bag(perm, vals, offsets, mode="sum", include_last_offset=True)
+    return _touched_rows(grad)
 
 
 def _touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
