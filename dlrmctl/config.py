@@ -111,13 +111,22 @@ class ModelConfig:
 class EmbeddingOptimizerConfig:
     """``optimizer.embedding``: fused into the TBE backward (FBGEMM names).
 
-    row-wise Adagrad keeps one float of state per row; Adagrad one per weight.
+    State per table: row-wise Adagrad one float per row; Adagrad one per weight; SGD none;
+    ``adam`` / ``lamb`` two per weight; ``partial_rowwise_adam`` / ``partial_rowwise_lamb``
+    one per weight + one per row.  ``betas`` are the Adam family's (beta1, beta2);
+    ``weight_decay`` is L2 added to the gradient for the Adagrads and SGD, FBGEMM's
+    decoupled ``lr * weight_decay * w`` for the Adam family, on the rows in the batch
+    only.  FBGEMM 1.8's CPU TBE implements only the Adagrads and SGD: on CPU the Adam
+    family runs on the ``dense`` kernel with the same update rules
+    (:mod:`dlrmctl.train.optim`).
     """
 
-    type: Literal["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"] = "exact_rowwise_adagrad"
+    type: Literal["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", "adam", "partial_rowwise_adam", "lamb",
+                  "partial_rowwise_lamb"] = "exact_rowwise_adagrad"
     lr: float = 0.1
     eps: float = 1e-8
     weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
 
 
 @dataclass
@@ -524,6 +533,9 @@ def validate(cfg: ExperimentConfig) -> None:
     if len(cfg.optimizer.dense.betas) != 2:
         raise ConfigError(f"optimizer.dense.betas: expected two floats, got {cfg.optimizer.dense.betas}")
     _validate_lr_schedule(cfg.optimizer.lr_schedule, "optimizer.lr_schedule")
+    eb = cfg.optimizer.embedding.betas
+    if len(eb) != 2 or not all(0.0 <= b < 1.0 for b in eb):
+        raise ConfigError(f"optimizer.embedding.betas: expected two floats in [0, 1), got {eb}")
     names = set()
     feature_weighted: dict[str, tuple[bool, str]] = {}
     for i, t in enumerate(cfg.model.tables):

@@ -9,7 +9,11 @@ through ``dlrmctl train --nproc``, i.e. torchx) with the ``base`` and
 steady state: the first ``--warmup`` steps are excluded) with the share of
 step time spent waiting on data and on the input_dist all-to-all.
 
-    python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2]
+    python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2] [--emb-optimizer adam]
+
+``--emb-optimizer`` picks ``optimizer.embedding.type`` (default ``exact_rowwise_adagrad``,
+fused in FBGEMM's CPU TBE; the Adam family runs on the ``dense`` kernel on CPU) and
+``--emb-lr`` its lr (default 0.05 for the Adagrads / SGD, 0.001 for the Adam family).
 """
 
 from __future__ import annotations
@@ -64,7 +68,12 @@ def main() -> None:
     ap.add_argument("--sharding", default=None, help="force one sharding type for all tables at world > 1")
     ap.add_argument("--rows", type=int, default=200_000, help="synthetic rows to generate")
     ap.add_argument("--repeat", type=int, default=1, help="runs per configuration; the table shows the best and all")
+    ap.add_argument("--emb-optimizer", default="exact_rowwise_adagrad",
+                    choices=["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", "adam", "partial_rowwise_adam",
+                             "lamb", "partial_rowwise_lamb"], help="optimizer.embedding.type")
+    ap.add_argument("--emb-lr", type=float, default=None, help="optimizer.embedding.lr (default 0.05; Adam family 0.001)")
     a = ap.parse_args()
+    emb_lr = a.emb_lr if a.emb_lr is not None else (0.001 if "adam" in a.emb_optimizer or "lamb" in a.emb_optimizer else 0.05)
     batch = 2048
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
@@ -80,7 +89,7 @@ model:
   dense_arch_layer_sizes: [512, 256, 64]
   over_arch_layer_sizes: [512, 256, 1]
 optimizer:
-  embedding: {{type: exact_rowwise_adagrad, lr: 0.05}}
+  embedding: {{type: {a.emb_optimizer}, lr: {emb_lr}}}
   dense: {{type: adagrad, lr: 0.05}}
 train: {{epochs: 1, log_every: 1, progress: false}}
 """)
@@ -95,7 +104,8 @@ train: {{epochs: 1, log_every: 1, progress: false}}
                 sps, dw, cw = max(tries)
                 rows.append((w, p, sps, dw, cw, [t[0] for t in tries]))
     print(f"\nCriteo-shaped DLRM: 26 x 100,000 x 64, bottom 512-256-64, top 512-256-1, global batch {batch}, "
-          f"{a.kernel} row-wise Adagrad; {a.steps} steps, first {a.warmup} excluded; {os.cpu_count()} CPU cores\n")
+          f"{a.kernel} kernel, embedding optimizer {a.emb_optimizer} (lr {emb_lr}); {a.steps} steps, first {a.warmup} excluded; "
+          f"{os.cpu_count()} CPU cores\n")
     print("| world size | pipeline | samples/s (best) | all runs | waiting on data | waiting on input_dist |")
     print("|---:|---|---:|---|---:|---:|")
     for w, p, sps, dw, cw, all_ in rows:

@@ -4,8 +4,11 @@ row-wise / column-wise plan and into 1 process (directly and through ``dlrmctl c
 reshard``) with every weight and optimizer moment exact, SIGKILL during saves, damaged files and
 mismatched models refused with a message naming the file / table.
 
-Each world size is spawned once: one 2-rank job (straight run, interrupted run, resumed run) and
-one 3-rank job (direct load + load of the offline-resharded copy)."""
+The 2-rank / reshard tests run for row-wise Adagrad (one ``[rows]`` moment), Adam (two
+``[rows, dim]`` moments) and partial row-wise Adam (``[rows, dim]`` + ``[rows]``); with the Adam
+family the bias-correction step is restored with the rows.  Each (optimizer, world size) is
+spawned once: one 2-rank job (straight run, interrupted run, resumed run) and one 3-rank job
+(direct load + load of the offline-resharded copy)."""
 
 from __future__ import annotations
 
@@ -53,7 +56,8 @@ def _cfg(data, runs, name, max_steps, *extra):
 
 
 def _snapshot(trainer):
-    """This rank's shards (weight + moments), dense state and dense-optimizer state as numpy."""
+    """This rank's shards (weight + moments), dense state, dense-optimizer state and the embedding
+    optimizer's step (the Adam family's bias-correction step) as numpy."""
     from dlrmctl.train.loop import dense_state_dict, local_embedding_shards
 
     shards = [(n, tuple(o), tuple(s), w.detach().cpu().numpy().copy(), [m.detach().cpu().numpy().copy() for m in st])
@@ -61,7 +65,8 @@ def _snapshot(trainer):
     dense = {k: v.cpu().numpy().copy() for k, v in dense_state_dict(trainer.model).items()}
     opt = {i: {k: (v.cpu().numpy().copy() if torch.is_tensor(v) else v) for k, v in st.items()}
            for i, st in trainer.dense_opt.state_dict()["state"].items()}
-    return {"shards": shards, "dense": dense, "dense_opt": opt, "step": trainer.step}
+    emb_step = None if trainer.emb_dense_opt is None else trainer.emb_dense_opt.param_groups[0].get("step")
+    return {"shards": shards, "dense": dense, "dense_opt": opt, "step": trainer.step, "emb_step": emb_step}
 
 
 def _train(env, cfg, run_dir, resume, plan):
@@ -81,24 +86,32 @@ def _losses(run_dir):
 
 
 # ---------------------------------------------------------------- jobs
-def _two_rank_job(env, data, runs, plan_dict):
+def _opt(optimizer):
+    return [f"optimizer.embedding.type={optimizer}"] + (["optimizer.embedding.lr=0.01"] if "adam" in optimizer else [])
+
+
+def _two_rank_job(env, data, runs, plan_dict, optimizer):
     from dlrmctl.distributed.types import ShardingPlan
 
     plan = ShardingPlan.from_dict(plan_dict)
-    _train(env, _cfg(data, runs, "straight", STRAIGHT), os.path.join(runs, "straight"), False, plan).train()
-    _train(env, _cfg(data, runs, "resumed", INTERRUPTED_AT), os.path.join(runs, "resumed"), False, plan).train()
-    t = _train(env, _cfg(data, runs, "resumed", RESUMED_TO), os.path.join(runs, "resumed"), True, plan)
+    o = _opt(optimizer)
+    _train(env, _cfg(data, runs, "straight", STRAIGHT, *o), os.path.join(runs, "straight"), False, plan).train()
+    _train(env, _cfg(data, runs, "resumed", INTERRUPTED_AT, *o), os.path.join(runs, "resumed"), False, plan).train()
+    t = _train(env, _cfg(data, runs, "resumed", RESUMED_TO, *o), os.path.join(runs, "resumed"), True, plan)
     assert t.step == INTERRUPTED_AT
+    if t.emb_dense_opt is not None and "adam" in optimizer:
+        assert t.emb_dense_opt.param_groups[0]["step"] == INTERRUPTED_AT  # bias correction continues
     t.train()
     return _snapshot(t)
 
 
-def _three_rank_job(env, data, runs, plan_dict, resharded_runs):
+def _three_rank_job(env, data, runs, plan_dict, resharded_runs, optimizer):
     from dlrmctl.distributed.types import ShardingPlan
 
     plan = ShardingPlan.from_dict(plan_dict)
-    direct = _train(env, _cfg(data, runs, "resumed", RESUMED_TO), os.path.join(runs, "resumed"), True, plan)
-    offline = _train(env, _cfg(data, resharded_runs, "r3", RESUMED_TO), os.path.join(resharded_runs, "r3"), True, plan)
+    o = _opt(optimizer)
+    direct = _train(env, _cfg(data, runs, "resumed", RESUMED_TO, *o), os.path.join(runs, "resumed"), True, plan)
+    offline = _train(env, _cfg(data, resharded_runs, "r3", RESUMED_TO, *o), os.path.join(resharded_runs, "r3"), True, plan)
     return _snapshot(direct), _snapshot(offline)
 
 
@@ -121,44 +134,61 @@ SOURCE_TYPES = ["table_wise", "row_wise", "data_parallel", "column_wise"]  # by 
 TARGET_TYPES = ["row_wise", "column_wise"]
 
 
-@pytest.fixture(scope="module")
-def two_rank(data, tmp_path_factory):
+#: row-wise Adagrad (one [rows] moment), Adam (two [rows, dim]), partial row-wise Adam ([rows, dim] + [rows])
+OPTIMIZERS = ["exact_rowwise_adagrad", "adam", "partial_rowwise_adam"]
+N_STATES = {"exact_rowwise_adagrad": 1, "adam": 2, "partial_rowwise_adam": 2}
+
+
+@pytest.fixture(scope="module", params=OPTIMIZERS)
+def two_rank(request, data, tmp_path_factory):
     from dlrmctl.distributed.model_parallel import plan_from_types
 
+    optimizer = request.param
     tables = _tables(data)
     plan = plan_from_types(tables, {t.name: SOURCE_TYPES[i % 4] for i, t in enumerate(tables)}, 2)
     runs = str(tmp_path_factory.mktemp("runs2"))
     t0 = time.perf_counter()
-    snaps = run_multiprocess(_two_rank_job, 2, data, runs, plan.to_dict(), timeout_s=300)
-    print(f"2-rank job: {time.perf_counter() - t0:.1f}s")
-    return {"runs": runs, "snaps": snaps, "plan": plan, "tables": tables}
+    snaps = run_multiprocess(_two_rank_job, 2, data, runs, plan.to_dict(), optimizer, timeout_s=300)
+    print(f"2-rank job ({optimizer}): {time.perf_counter() - t0:.1f}s")
+    return {"runs": runs, "snaps": snaps, "plan": plan, "tables": tables, "optimizer": optimizer}
 
 
-def _reference(snaps, tables, plan):
-    """Full weights, row-wise moments (non-CW tables), per-column-shard moments (CW tables) of the 2-rank run."""
+def _reference(snaps, tables, plan, n_states):
+    """Full weights and, per state index, full per-element moments ``[rows, dim]`` / per-row
+    moments ``[rows]`` (column-wise tables: the column-0 shard's, the loading rule) of the 2-rank run."""
     full = {t.name: np.full((t.num_embeddings, t.embedding_dim), np.nan, dtype=np.float32) for t in tables}
-    rowm = {t.name: np.full(t.num_embeddings, np.nan, dtype=np.float32) for t in tables}
-    colm: dict[str, dict[int, np.ndarray]] = {}
+    states: dict[tuple[str, int], np.ndarray] = {}
+    colm: dict[tuple[str, int], dict[int, np.ndarray]] = {}
     for s in snaps:
         for name, (r0, c0), (nr, nc), w, st in s["shards"]:
+            R, D = full[name].shape
             full[name][r0:r0 + nr, c0:c0 + nc] = w
-            if plan.plan[name].sharding_type.value == "column_wise":
-                colm.setdefault(name, {})[c0] = st[0]
-            else:
-                rowm[name][r0:r0 + nr] = st[0]
-    for name, cm in colm.items():
-        rowm[name] = cm[0]  # the rule: column-wise sources give the column-0 shard's moment
+            assert len(st) == n_states, (name, len(st))
+            for i, m in enumerate(st):
+                if m.ndim == 2:
+                    states.setdefault((name, i), np.full((R, D), np.nan, dtype=np.float32))[r0:r0 + nr, c0:c0 + nc] = m
+                elif plan.plan[name].sharding_type.value == "column_wise":
+                    colm.setdefault((name, i), {})[c0] = m
+                else:
+                    states.setdefault((name, i), np.full(R, np.nan, dtype=np.float32))[r0:r0 + nr] = m
+    for key, cm in colm.items():
+        states[key] = cm[0]  # the rule: column-wise sources give the column-0 shard's per-row moment
     for name in full:
-        assert not np.isnan(full[name]).any() and not np.isnan(rowm[name]).any(), name
-    return full, rowm
+        assert not np.isnan(full[name]).any(), name
+        for i in range(n_states):
+            assert not np.isnan(states[(name, i)]).any(), (name, i)
+    return full, states
 
 
-def _assert_exact(snap, full, rowm, where):
+def _assert_exact(snap, full, states, where, n_states):
     n = 0
     for name, (r0, c0), (nr, nc), w, st in snap["shards"]:
         np.testing.assert_array_equal(w, full[name][r0:r0 + nr, c0:c0 + nc], err_msg=f"{where}: {name} weight")
-        assert len(st) == 1, (where, name)
-        np.testing.assert_array_equal(st[0], rowm[name][r0:r0 + nr], err_msg=f"{where}: {name} moment")
+        assert len(st) == n_states, (where, name)
+        for i, m in enumerate(st):
+            ref = states[(name, i)]
+            want = ref[r0:r0 + nr, c0:c0 + nc] if ref.ndim == 2 else ref[r0:r0 + nr]
+            np.testing.assert_array_equal(m, want, err_msg=f"{where}: {name} moment {i}")
         n += 1
     assert n > 0
 
@@ -174,16 +204,19 @@ def test_resume_gives_the_same_per_step_losses_on_2_ranks_with_tw_rw_dp_cw_table
         assert resumed[step] == straight[step], step
     # keep_last_checkpoints: 2 (saves at 3, 6, 9, 12 and the final 14)
     names = sorted(d for d in os.listdir(os.path.join(runs, "straight", "checkpoints")) if d.startswith("step_"))
-    assert names == ["step_00000012", "step_00000014"]
+    # ... plus the best evaluation's checkpoint (train.keep_best: auc), which pruning never removes
+    best = os.path.basename(ckpt.best_checkpoint(os.path.join(runs, "straight")) or "step_00000014")
+    assert names == sorted({"step_00000012", "step_00000014", best})
     meta = ckpt.load_checkpoint_meta(ckpt.latest_checkpoint(os.path.join(runs, "straight")))
     assert meta["world_size"] == 2 and set(meta["files"]) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
 
 
-def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path):
-    runs = str(tmp_path)
-    _train(None, _cfg(data, runs, "s", STRAIGHT), os.path.join(runs, "s"), False, None).train()
-    _train(None, _cfg(data, runs, "r", INTERRUPTED_AT), os.path.join(runs, "r"), False, None).train()
-    t = _train(None, _cfg(data, runs, "r", RESUMED_TO), os.path.join(runs, "r"), True, None)
+@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "adam"])
+def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path, optimizer):
+    runs, o = str(tmp_path), _opt(optimizer)
+    _train(None, _cfg(data, runs, "s", STRAIGHT, *o), os.path.join(runs, "s"), False, None).train()
+    _train(None, _cfg(data, runs, "r", INTERRUPTED_AT, *o), os.path.join(runs, "r"), False, None).train()
+    t = _train(None, _cfg(data, runs, "r", RESUMED_TO, *o), os.path.join(runs, "r"), True, None)
     assert t.step == INTERRUPTED_AT
     t.train()
     straight, resumed = _losses(os.path.join(runs, "s")), _losses(os.path.join(runs, "r"))
@@ -194,8 +227,9 @@ def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path):
 def test_2_rank_checkpoint_loads_exactly_into_3_ranks_rw_cw_directly_and_after_offline_reshard(data, two_rank, tmp_path):
     from dlrmctl.distributed.model_parallel import plan_from_types
 
-    tables, runs = two_rank["tables"], two_rank["runs"]
-    full, rowm = _reference(two_rank["snaps"], tables, two_rank["plan"])
+    tables, runs, opt = two_rank["tables"], two_rank["runs"], two_rank["optimizer"]
+    ns = N_STATES[opt]
+    full, states = _reference(two_rank["snaps"], tables, two_rank["plan"], ns)
     plan3 = plan_from_types(tables, {t.name: TARGET_TYPES[i % 2] for i, t in enumerate(tables)}, 3)
     plan3.save(tmp_path / "plan3.yaml")
     out = invoke("checkpoint", "reshard", os.path.join(runs, "resumed"), "--nproc", 3, "--plan", tmp_path / "plan3.yaml",
@@ -204,11 +238,13 @@ def test_2_rank_checkpoint_loads_exactly_into_3_ranks_rw_cw_directly_and_after_o
     meta = ckpt.load_checkpoint_meta(ckpt.latest_checkpoint(str(tmp_path / "r3")))
     assert meta["world_size"] == 3 and {f"__{r}_0.distcp" for r in range(3)} <= set(meta["files"])
     snaps = run_multiprocess(_three_rank_job, 3, data, runs, plan3.to_dict(),
-                             str(tmp_path), timeout_s=300)
+                             str(tmp_path), opt, timeout_s=300)
     for r, (direct, offline) in enumerate(snaps):
-        _assert_exact(direct, full, rowm, f"3 ranks (direct), rank {r}")
-        _assert_exact(offline, full, rowm, f"3 ranks (resharded), rank {r}")
+        _assert_exact(direct, full, states, f"3 ranks (direct), rank {r}", ns)
+        _assert_exact(offline, full, states, f"3 ranks (resharded), rank {r}", ns)
         assert direct["step"] == offline["step"] == RESUMED_TO
+        if "adam" in opt:
+            assert direct["emb_step"] == offline["emb_step"] == RESUMED_TO
     ref = two_rank["snaps"][0]
     for k, v in snaps[0][0]["dense"].items():
         np.testing.assert_array_equal(v, ref["dense"][k], err_msg=k)
@@ -220,19 +256,27 @@ def test_2_rank_checkpoint_loads_exactly_into_3_ranks_rw_cw_directly_and_after_o
 def test_2_rank_checkpoint_loads_exactly_into_1_process_directly_offline_and_for_export(data, two_rank, tmp_path):
     from dlrmctl.train.loop import load_trained_model
 
-    tables, runs = two_rank["tables"], two_rank["runs"]
-    full, rowm = _reference(two_rank["snaps"], tables, two_rank["plan"])
-    t = _train(None, _cfg(data, runs, "resumed", RESUMED_TO), os.path.join(runs, "resumed"), True, None)
+    tables, runs, opt = two_rank["tables"], two_rank["runs"], two_rank["optimizer"]
+    ns = N_STATES[opt]
+    full, states = _reference(two_rank["snaps"], tables, two_rank["plan"], ns)
+    t = _train(None, _cfg(data, runs, "resumed", RESUMED_TO, *_opt(opt)), os.path.join(runs, "resumed"), True, None)
     snap = _snapshot(t)
-    _assert_exact(snap, full, rowm, "1 process (direct)")
+    _assert_exact(snap, full, states, "1 process (direct)", ns)
     assert len(snap["shards"]) == len(tables)
     invoke("checkpoint", "reshard", os.path.join(runs, "resumed"), "--nproc", 1, "--out", tmp_path / "r1")
     _, model, _ = load_trained_model(str(tmp_path / "r1"), compute_kernel="fused")
     w = model.sparse_arch.embedding_weights()
-    mom = model.sparse_arch.fused_optimizer().momentum()
     for tb in tables:
         np.testing.assert_array_equal(w[tb.name].detach().numpy(), full[tb.name], err_msg=tb.name)
-        np.testing.assert_array_equal(mom[tb.name][0].numpy(), rowm[tb.name], err_msg=tb.name)
+    if opt == "exact_rowwise_adagrad":  # fused on CPU: the TBE holds the moment
+        mom = model.sparse_arch.fused_optimizer().momentum()
+        for tb in tables:
+            np.testing.assert_array_equal(mom[tb.name][0].numpy(), states[(tb.name, 0)], err_msg=tb.name)
+    # the offline-resharded copy resumes in one process with every moment and the step
+    r1 = _train(None, _cfg(data, str(tmp_path), "r1", RESUMED_TO, *_opt(opt)), str(tmp_path / "r1"), True, None)
+    snap1 = _snapshot(r1)
+    _assert_exact(snap1, full, states, "1 process (resharded)", ns)
+    assert snap1["step"] == RESUMED_TO and (snap1["emb_step"] == RESUMED_TO or "adam" not in opt)
     # evaluate / export path: full tables assembled from the 2-rank checkpoint in one process
     _, model, _ = load_trained_model(os.path.join(runs, "resumed"))
     for tb in tables:

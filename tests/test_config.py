@@ -36,7 +36,7 @@ def test_criteo_kaggle_is_the_standard_dlrm():
          r"model.tables\[1\].embedding_dim: expected int \| null, got 'abc'"),
         ({}, ["model.embedding_dim=abc"], r"model.embedding_dim: expected int, got 'abc'"),
         ({}, ["train.nosuch=1"], r"train.nosuch: unknown key"),
-        ({}, ["optimizer.embedding.type=adam"], r"optimizer.embedding.type: expected one of"),
+        ({}, ["optimizer.embedding.type=adamw"], r"optimizer.embedding.type: expected one of"),
         ({}, ["data.batch_size=0"], r"data.batch_size: must be > 0"),
         ({"model": {"tables": [{"name": "a"}, {"name": "a"}]}}, [], r"model.tables\[1\].name: duplicate"),
         ({}, ["model.over_arch_layer_sizes=[8, 2]"], r"last layer must have size 1"),

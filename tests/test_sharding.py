@@ -8,9 +8,12 @@ sharding plan, weighted or not; three optimizer steps on global batches of
 uneven size (ranks get slices differing by one; the last batch is smaller and
 leaves a rank with no sample at all); random bag lengths including empty bags
 and a bag whose ids span all row shards under mean pooling.  Checked: every
-rank's pooled output at every step, and every table's gathered weights after
-the three steps, against the reference started from the same weights
-(loaded with ``load_full_weights``), atol 1e-5.
+rank's pooled output at every step, and every table's gathered weights and
+every rank's shards with their optimizer moments after the three steps, against
+the reference started from the same weights (loaded with ``load_full_weights``),
+atol 1e-5.  Optimizers: row-wise Adagrad / Adagrad / SGD, and the Adam family
+(``adam`` on all six types; ``partial_rowwise_adam``, ``lamb``, ``partial_rowwise_lamb``
+on a row_wise / table_wise / data_parallel / table_row_wise plan).
 """
 
 from __future__ import annotations
@@ -74,6 +77,15 @@ def cases(ws: int) -> list[Case]:
     if ws == 4:
         mixed4 = {"t_sum": "table_row_wise", "t_mean": "table_column_wise", "t_tiny": "row_wise", "t_odd": "table_wise"}
         out.append(Case("mixed_plan_twrw_twcw_rw_tw_on_2_hosts_x_2", mixed4, False, {}, "exact_adagrad", lws=2))
+    # the Adam family: adam (per-element moments) on every type, column kinds included; the
+    # optimizers with per-row state / a per-row norm (which the planner keeps off column kinds)
+    # on a plan of every other type
+    for i, st in enumerate(ALL_TYPES):
+        out.append(Case(f"{st}_adam_on_{ws}_ranks", st, i % 2 == 0, {}, "adam",
+                        lws=lws if st.startswith("table_") and st != "table_wise" else None))
+    no_cols = {"t_sum": "row_wise", "t_mean": "table_wise", "t_tiny": "data_parallel", "t_odd": "table_row_wise"}
+    for opt in ("partial_rowwise_adam", "lamb", "partial_rowwise_lamb"):
+        out.append(Case(f"rw_tw_dp_twrw_{opt}_on_{ws}_ranks", no_cols, True, {}, opt, lws=lws))
     if ws == 2:
         out.append(Case("row_wise_reduce_scatter_collective_on_2_ranks", "row_wise", False, {}, reduce_scatter=True,
                         batch_sizes=[6, 4, 8]))
@@ -130,7 +142,10 @@ def local_range(B: int, ws: int, rank: int) -> tuple[int, int]:
 
 
 def _run_case(env, case: Case) -> str | None:
+    from types import SimpleNamespace
+
     from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.train.loop import _ensure_optimizer_state, local_embedding_shards
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.train.optim import embedding_optimizer_for_dense
@@ -181,13 +196,32 @@ def _run_case(env, case: Case) -> str | None:
         err = (full[name].cpu() - w.detach()).abs().max().item()
         if err > ATOL:
             return f"after {len(batch_sizes)} steps: table {name} weights differ by {err:.3g}"
-    # every rank's own shards too (data_parallel replicas must all stay equal to the reference)
+    # every rank's own shards too (data_parallel replicas must all stay equal to the reference),
+    # and their optimizer moments: per-element ones are the reference's block, per-row ones its rows
+    # (except on a column shard, which keeps its own per-row state by design)
+    _ensure_optimizer_state(s_opt)
+    ref_states = {n: st for n, _, _, _, st in local_embedding_shards(SimpleNamespace(sparse_arch=ref), ref_opt)}
     for name, shards in sebc.local_shards(s_opt).items():
-        for m, w, _ in shards:
+        D = ref_w[name].shape[1]
+        for m, w, states in shards:
             (r0, c0), (nr, nc) = m.offsets, m.sizes
             err = (w.detach().cpu() - ref_w[name].detach()[r0 : r0 + nr, c0 : c0 + nc]).abs().max().item() if w.numel() else 0.0
             if err > ATOL:
                 return f"after {len(batch_sizes)} steps: rank {rank}'s shard {m.to_dict()} of {name} differs by {err:.3g}"
+            if not w.numel():
+                continue
+            if len(states) != len(ref_states[name]):
+                return f"rank {rank}'s shard {m.to_dict()} of {name}: {len(states)} optimizer states, expected {len(ref_states[name])}"
+            for i, (st, rs) in enumerate(zip(states, ref_states[name])):
+                if st.dim() == 2:
+                    want = rs[r0 : r0 + nr, c0 : c0 + nc]
+                elif nc == D:
+                    want = rs[r0 : r0 + nr]
+                else:
+                    continue
+                err = (st.detach().cpu() - want.detach().cpu()).abs().max().item()
+                if err > ATOL * max(1.0, want.abs().max().item()):
+                    return f"rank {rank}'s shard {m.to_dict()} of {name}: optimizer state {i} differs by {err:.3g}"
     return None
 
 

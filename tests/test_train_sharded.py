@@ -52,3 +52,35 @@ def test_two_rank_auc_matches_one_process_on_the_real_sample(criteo_sample, tmp_
     assert sharding_type in sharded["plan"] and sharded["final"]["num_samples"] == single["final"]["num_samples"]
     assert abs(sharded["final"]["auc"] - single["final"]["auc"]) < 0.002
     assert single["final"]["auc"] > 0.72
+
+
+def _adam_run(env, data, run_root, name):
+    """configs/criteo_sample_adam.yaml (adam, lr 0.01) on the real sample, loss logged every step."""
+    import json
+
+    cfg = load_config(REPO / "configs" / "criteo_sample_adam.yaml",
+                      [f"data.path={data}", f"train.run_dir={run_root}", f"name={name}", "train.progress=false",
+                       "train.log_every=1"])
+    renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    run = os.path.join(run_root, name)
+    if renv.is_main:
+        os.makedirs(run, exist_ok=True)
+    t = Trainer(cfg, renv, run)
+    plan = None if t.plan is None else {n: ps.sharding_type.value for n, ps in t.plan.plan.items()}
+    out = t.train()
+    if not renv.is_main:
+        return None
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    return plan, losses, out["best"]["auc"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_adam_on_the_real_sample_2_ranks_with_the_planners_plan_match_one_process_within_1e_5(criteo_sample, tmp_path):
+    _, single, auc = _adam_run(None, criteo_sample, str(tmp_path), "one")
+    plan, sharded, auc2 = run_multiprocess(_adam_run, 2, criteo_sample, str(tmp_path), "two", timeout_s=400)[0]
+    assert len(single) == len(sharded) == 63
+    diff = max(abs(a - b) for a, b in zip(single, sharded))
+    assert diff < 1e-5, (diff, sorted(set(plan.values())))
+    assert auc >= 0.745 and abs(auc2 - auc) < 1e-4, (auc, auc2)

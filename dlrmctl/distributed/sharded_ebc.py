@@ -50,7 +50,7 @@ from dlrmctl.distributed.sharding.twcw_sharding import TwCwSharding
 from dlrmctl.distributed.sharding.twrw_sharding import TwRwSharding
 from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
-from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
+from dlrmctl.modules.embedding_modules import ADAM_FAMILY, EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, host_to_device, split_variable_batch
 
@@ -237,8 +237,9 @@ class ShardedEmbeddingBagCollection(TableFeatures):
         self.input_dist_dtype = input_dist_dtype
         #: data_parallel tables up to this many fp32 bytes get a dense gradient all-reduce (no host
         #: sync); set 0 to keep sparse gradients (e.g. with embedding weight decay, which must only
-        #: touch the rows looked up)
-        self.dense_grad_max_bytes = DENSE_GRAD_MAX_BYTES
+        #: touch the rows looked up).  0 by default for the Adam family: a densified gradient would
+        #: drop a looked-up row whose summed gradient is zero, which Adam still updates
+        self.dense_grad_max_bytes = 0 if self._spec.type in ADAM_FAMILY else DENSE_GRAD_MAX_BYTES
         #: bytes this rank sent in its last input_dist: (size exchange, data)
         self.input_dist_bytes: tuple[int, int] = (0, 0)
 

@@ -64,16 +64,20 @@ class EmbeddingOptimizerSpec:
     """Embedding optimizer hyper-parameters (FBGEMM ``EmbOptimType`` names).
 
     Attributes:
-        type: ``exact_rowwise_adagrad`` | ``exact_adagrad`` | ``exact_sgd``.
+        type: ``exact_rowwise_adagrad`` | ``exact_adagrad`` | ``exact_sgd`` | ``adam`` |
+            ``partial_rowwise_adam`` | ``lamb`` | ``partial_rowwise_lamb``.
         lr: learning rate.
-        eps: Adagrad epsilon (added to ``sqrt(G)``).
-        weight_decay: L2 coefficient added to the gradient (0: none).
+        eps: epsilon (Adagrad: added to ``sqrt(G)``; Adam family: to ``sqrt(v_hat)``).
+        weight_decay: 0: none; Adagrads / SGD: L2 coefficient added to the gradient; Adam
+            family: FBGEMM's decoupled ``lr * weight_decay * w`` (rows in the batch only).
+        betas: the Adam family's ``(beta1, beta2)``.
     """
 
     type: str = "exact_rowwise_adagrad"
     lr: float = 0.1
     eps: float = 1e-8
     weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
 
 
 def _stable_seed(seed: int, name: str, block: int) -> int:
@@ -138,15 +142,33 @@ def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
                          "pruning_indices_remapping) is not supported")
 
 
+#: FBGEMM's Adam family: only its CUDA TBE implements them (``EmbOptimType`` names in ``_OPT_TYPES``)
+ADAM_FAMILY = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+
+
+def fused_supports_optimizer(opt_type: str, device: torch.device | str) -> bool:
+    """Whether FBGEMM's fused TBE implements ``opt_type`` on ``device``.
+
+    FBGEMM 1.8's CPU TBE accepts only ``EXACT_ADAGRAD``, ``EXACT_ROWWISE_ADAGRAD``,
+    ``EXACT_SGD`` and ``EMAINPLACE_ROWWISE_ADAGRAD`` (``SplitTableBatchedEmbeddingBagsCodegen``
+    asserts "Optimizer ... is not supported in CPU mode" for the rest); its CUDA TBE also
+    has ``ADAM``, ``PARTIAL_ROWWISE_ADAM``, ``LAMB`` and ``PARTIAL_ROWWISE_LAMB``.  Where this
+    is False, the lookup serves the table with the ``dense`` kernel and the same update
+    rule (:mod:`dlrmctl.train.optim`).
+    """
+    return opt_type not in ADAM_FAMILY or torch.device(device).type == "cuda"
+
+
 def fused_supports_weight_decay(opt_type: str, device: torch.device | str) -> bool:
-    """Whether FBGEMM's fused TBE applies ``weight_decay`` (L2 mode) for ``opt_type`` on ``device``.
+    """Whether FBGEMM's fused TBE applies ``weight_decay`` for ``opt_type`` on ``device``.
 
     FBGEMM 1.8's CPU TBE ignores ``weight_decay`` for every optimizer (measured: the row after
-    one step is identical with weight_decay 0 and 10); on CUDA only row-wise Adagrad applies it
-    (FBGEMM's docstring: "EXACT_ADAGRAD, SGD, EXACT_SGD do not support weight decay"; not run on
-    a GPU here).  Where this is False, the lookup serves the table with the ``dense`` kernel.
+    one step is identical with weight_decay 0 and 10); on CUDA, row-wise Adagrad and the Adam
+    family apply it (FBGEMM's docstring: "EXACT_ADAGRAD, SGD, EXACT_SGD do not support weight
+    decay"; not run on a GPU here).  Where this is False, the lookup serves the table with the
+    ``dense`` kernel.
     """
-    return torch.device(device).type == "cuda" and opt_type == "exact_rowwise_adagrad"
+    return torch.device(device).type == "cuda" and opt_type in ("exact_rowwise_adagrad", *ADAM_FAMILY)
 
 
 class _DenseTable(nn.Module):
@@ -528,7 +550,8 @@ class FusedOptimizer:
     def state_dict(self) -> dict:
         """``{"hyper": {type, lr, eps, weight_decay}, "state": {table: [momentum tensors]}}``.
 
-        Momentum shapes: row-wise Adagrad ``[rows]``, Adagrad ``[rows, dim]``, SGD none.
+        Momentum shapes: row-wise Adagrad ``[rows]``, Adagrad ``[rows, dim]``, SGD none,
+        Adam / LAMB ``[rows, dim]`` x 2, partial row-wise Adam / LAMB ``[rows, dim]`` + ``[rows]``.
         """
         state = {}
         for tbe, names in self._tbes:
@@ -559,6 +582,11 @@ _OPT_TYPES = {
     "exact_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
     "exact_adagrad": "EXACT_ADAGRAD",
     "exact_sgd": "EXACT_SGD",
+    # CUDA TBE only (fused_supports_optimizer)
+    "adam": "ADAM",
+    "partial_rowwise_adam": "PARTIAL_ROWWISE_ADAM",
+    "lamb": "LAMB",
+    "partial_rowwise_lamb": "PARTIAL_ROWWISE_LAMB",
 }
 
 
@@ -604,6 +632,14 @@ class GroupedEmbeddingLookup(nn.Module):
             raise ValueError(f"a lookup holds at most one shard per table, got {self._names}")
         if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
             compute_kernel = "dense"
+        if compute_kernel == "fused" and not fused_supports_optimizer(optimizer.type, device):
+            # FBGEMM's CPU TBE has no Adam / LAMB: the dense kernel runs the same update rule
+            log.info("embedding optimizer %s on %s: FBGEMM's fused CPU kernel does not implement it; using the "
+                     "dense kernel", optimizer.type, torch.device(device).type)
+            compute_kernel = "dense"
+        # FBGEMM's TBE counts its step (`iter`, the Adam family's bias correction) in every forward,
+        # evaluation included: eval forwards put it back (see _tbe_forward)
+        self._step_in_forward = optimizer.type in ADAM_FAMILY
         if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
             # FBGEMM's CPU TBE (and exact_sgd everywhere) ignores weight_decay: the dense kernel
             # applies the same L2 rule to the rows looked up (dlrmctl.train.optim)
@@ -688,7 +724,24 @@ class GroupedEmbeddingLookup(nn.Module):
             pooling_mode=PoolingMode.SUM,
             device=self._device,
             stochastic_rounding=False,
+            beta1=float(self._spec.betas[0]),
+            beta2=float(self._spec.betas[1]),
         )
+
+    def _tbe_forward(self, tbe: nn.Module, *args, **kwargs) -> torch.Tensor:
+        """``tbe(*args)``; in eval mode with an Adam-family optimizer the TBE's step counter
+        (``iter`` / ``iter_cpu``, advanced by FBGEMM in every forward) is restored afterwards,
+        so the bias correction counts training steps only (as the dense kernel's optimizer)."""
+        if self.training or not self._step_in_forward or not hasattr(tbe, "iter"):
+            return tbe(*args, **kwargs)
+        it = tbe.iter.detach().clone()
+        it_cpu = tbe.iter_cpu.detach().clone() if torch.is_tensor(getattr(tbe, "iter_cpu", None)) else None
+        try:
+            return tbe(*args, **kwargs)
+        finally:
+            tbe.iter.copy_(it)
+            if it_cpu is not None:
+                tbe.iter_cpu.copy_(it_cpu)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
@@ -752,8 +805,9 @@ class GroupedEmbeddingLookup(nn.Module):
         parts: dict[int, torch.Tensor] = {}
         if self._tbe_members:
             sub = features if self._fused_sel is None else features.permute(self._fused_sel)
-            out = self.tbes[0](
-                sub.values(), sub.offsets(), per_sample_weights=sub.weights_or_none() if self._is_weighted else None
+            out = self._tbe_forward(
+                self.tbes[0], sub.values(), sub.offsets(),
+                per_sample_weights=sub.weights_or_none() if self._is_weighted else None,
             )
             if self._fused_sel is None and not self._dense_members:
                 return self._apply_mean(out, features)
@@ -784,7 +838,7 @@ class GroupedEmbeddingLookup(nn.Module):
                             values[s0:s1], offs, None if weights is None else weights[s0:s1]
                         )
                     )
-                parts[i] = torch.cat(outs, dim=1)
+                parts[i] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if not parts:
             return torch.zeros(B, 0, device=features.values().device)
         out = torch.cat([parts[i] for i in range(len(self._shards))], dim=1)

@@ -37,10 +37,11 @@ from torch import nn
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 from dlrmctl.modules.embedding_modules import (
-    fused_supports_weight_decay,
     _OPT_TYPES,
     EmbeddingOptimizerSpec,
     FusedOptimizer,
+    fused_supports_optimizer,
+    fused_supports_weight_decay,
     _only_embedding_bags,
     _TableWeight,
     init_table_rows,
@@ -188,8 +189,10 @@ class SequenceEmbeddingLookup(nn.Module):
             compute_kernel = "dense"
         if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
             log.warning("embedding weight_decay with %s: FBGEMM's fused kernel would ignore it; using the dense kernel",
-                     optimizer.type)
+                        optimizer.type)
             compute_kernel = "dense"
+        if compute_kernel == "fused" and not fused_supports_optimizer(optimizer.type, device):
+            compute_kernel = "dense"  # FBGEMM's CPU TBE has no Adam / LAMB (same rule in dlrmctl.train.optim)
         self._keys = [f for cfg, *_ in self._shards for f in cfg.feature_names]
         shard_keys: list[list[int]] = []
         k = 0
@@ -258,6 +261,8 @@ class SequenceEmbeddingLookup(nn.Module):
             pooling_mode=PoolingMode.NONE,
             device=self._device,
             stochastic_rounding=False,
+            beta1=float(self._spec.betas[0]),
+            beta2=float(self._spec.betas[1]),
         )
 
     @torch.no_grad()

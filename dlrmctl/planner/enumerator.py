@@ -7,7 +7,8 @@ Reference: TorchRec ``planner/enumerators.py`` (``EmbeddingEnumerator``) and
   use every rank.
 * ``table_row_wise`` / ``table_column_wise`` are skipped on a single host unless
   a constraint asks for them (there they equal row_wise / column_wise).
-* ``column_wise`` / ``table_column_wise`` are skipped under row-wise Adagrad unless a
+* ``column_wise`` / ``table_column_wise`` are skipped under optimizers with per-row state
+  (row-wise Adagrad, partial row-wise Adam / LAMB, LAMB's trust ratio) unless a
   constraint asks for them (:func:`column_shards_change_training`).
 * ``row_wise`` splits rows over all ranks (or the table's pinned ranks) in
   blocks of ``ceil(rows / n)`` (:func:`dlrmctl.distributed.types.row_wise_shard_sizes`);
@@ -59,12 +60,20 @@ HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
 COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 
 
+#: optimizers whose update of a row depends on the whole row (see column_shards_change_training)
+ROW_COUPLED_OPTIMIZERS = ("rowwise_adagrad", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+
+
 def column_shards_change_training(optimizer: str) -> bool:
-    """True for optimizers with one state value per ROW (row-wise Adagrad): each column shard
-    keeps its own accumulator (as in TorchRec), so a column-sharded table no longer trains
-    like the unsharded one.  The planner then proposes column kinds only when a table's
-    ``sharding.constraints.<t>.sharding_types`` (or ``sharding.tables``) asks for them."""
-    return optimizer.replace("exact_", "") in ("rowwise_adagrad",)
+    """True for optimizers whose update of a row depends on the whole row: one state value
+    per ROW (row-wise Adagrad's accumulator, partial row-wise Adam / LAMB's second moment:
+    a mean of ``g ** 2`` over the row's columns) or a per-row norm (LAMB's trust ratio
+    ``||w_r|| / ||u_r||``).  Each column shard computes those over its own columns (as in
+    TorchRec, and FBGEMM's fused kernel cannot reduce across ranks), so a column-sharded
+    table no longer trains like the unsharded one.  The planner then proposes column kinds
+    only when a table's ``sharding.constraints.<t>.sharding_types`` (or ``sharding.tables``)
+    asks for them.  ``adam``, ``exact_adagrad``, ``exact_sgd`` are per element: exact."""
+    return optimizer.replace("exact_", "") in ROW_COUPLED_OPTIMIZERS
 
 
 def default_min_column_shard_dim(dim: int) -> int:

@@ -331,11 +331,19 @@ class EmbeddingShardingPlanner:
                     break
                 n = n + max(1, n // 16)
             fixes.append(f"more ranks: >= {n} x {topo.device} split row-wise ({fmt_bytes(self._fits_rw(t, n))} per rank)")
-        if optimizer_name(t.optimizer) in ("adam", "exact_adagrad"):
+        opt_now = optimizer_name(t.optimizer)
+        if opt_now in ("adam", "lamb"):
+            # keep Adam's (LAMB's) first moment per weight, one second moment per row: about half the state
+            lighter = "partial_rowwise_" + opt_now
+            b = self._fits_rw(dataclasses.replace(t, optimizer=lighter, ranks=None))
+            if b <= usable:
+                fixes.append(f"{lighter} (first moment per weight, second moment one fp32 per row) instead of "
+                             f"{opt_now}: {fmt_bytes(b)} per rank row-wise on {W} ranks")
+        if opt_now in ("adam", "exact_adagrad", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"):
             t2 = dataclasses.replace(t, optimizer="exact_rowwise_adagrad", ranks=None)
             b = self._fits_rw(t2)
             if b <= usable:
-                fixes.append(f"exact_rowwise_adagrad (one fp32 per row) instead of {optimizer_name(t.optimizer)}: "
+                fixes.append(f"exact_rowwise_adagrad (one fp32 per row) instead of {opt_now}: "
                              f"{fmt_bytes(b)} per rank row-wise on {W} ranks")
         if t.weight_bytes > 2:
             b = self._fits_rw(dataclasses.replace(t, weight_bytes=2, ranks=None))
@@ -368,7 +376,7 @@ class EmbeddingShardingPlanner:
             f"the tables together need at least {fmt_bytes(need)} (each in its smallest sharding) but the "
             f"{self.topology.world_size} rank(s) have {fmt_bytes(have)} usable; "
             f"{self._capacity_line()}.\n  largest tables: {top}.\n"
-            f"  what would make it fit: at least {n} ranks of this kind (a lower bound: total bytes / usable per rank), fp16 weights, exact_rowwise_adagrad, "
+            f"  what would make it fit: at least {n} ranks of this kind (a lower bound: total bytes / usable per rank), fp16 weights, exact_rowwise_adagrad (or partial_rowwise_adam instead of adam), "
             f"smaller embedding dims, or UVM/DDR offload (no fused_uvm kernel in dlrmctl yet)"
         )
 

@@ -9,7 +9,9 @@ Per shard of ``r`` rows x ``c`` columns (all in bytes)::
     weights   = r * c * weight_bytes                       (4 fp32, 2 fp16)
     optimizer = exact_rowwise_adagrad: r * 4               (one fp32 accumulator per row, FBGEMM momentum1)
                 exact_adagrad:         r * c * 4           (one fp32 per weight)
-                adam:                  2 * r * c * 4       (first and second moments, fp32)
+                adam, lamb:            2 * r * c * 4       (first and second moments, fp32)
+                partial_rowwise_adam,  r * c * 4 + r * 4   (first moment per weight, second moment
+                partial_rowwise_lamb:                       one fp32 per row: FBGEMM momentum2 [rows])
                 exact_sgd:             0
     gradient  = data_parallel:  r * c * 4                  (dense gradient all-reduced, as DDP)
                 dense kernel:   ids * (c * 4 + 8)          (sparse COO gradient of the looked-up rows:
@@ -42,15 +44,18 @@ def optimizer_state_bytes(optimizer: str, rows: int, cols: int) -> int:
     """Bytes of optimizer state of a ``rows x cols`` shard (see module docstring).
 
     Example: 1000 x 64 with exact_rowwise_adagrad = 4,000 B; exact_adagrad =
-    256,000 B; adam = 512,000 B; exact_sgd = 0.
+    256,000 B; adam / lamb = 512,000 B; partial_rowwise_adam / partial_rowwise_lamb =
+    260,000 B; exact_sgd = 0.
     """
     opt = optimizer_name(optimizer)
     if opt == "exact_rowwise_adagrad":
         return rows * OPTIMIZER_STATE_BYTES
     if opt == "exact_adagrad":
         return rows * cols * OPTIMIZER_STATE_BYTES
-    if opt == "adam":
+    if opt in ("adam", "lamb"):
         return 2 * rows * cols * OPTIMIZER_STATE_BYTES
+    if opt in ("partial_rowwise_adam", "partial_rowwise_lamb"):
+        return rows * cols * OPTIMIZER_STATE_BYTES + rows * OPTIMIZER_STATE_BYTES
     return 0
 
 

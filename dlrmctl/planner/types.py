@@ -254,8 +254,8 @@ class TableSpec:
             table (TorchRec ``ParameterConstraints.pooling_factors``); their sum
             is the ids per sample, their count the pooled outputs per sample.
         optimizer: embedding optimizer: ``exact_rowwise_adagrad`` | ``exact_adagrad``
-            | ``adam`` | ``exact_sgd`` (short names ``rowwise_adagrad``, ``adagrad``,
-            ``sgd`` accepted).
+            | ``adam`` | ``partial_rowwise_adam`` | ``lamb`` | ``partial_rowwise_lamb`` |
+            ``exact_sgd`` (short names ``rowwise_adagrad``, ``adagrad``, ``sgd`` accepted).
         weight_bytes: bytes per weight (4 fp32, 2 fp16).
         sharding_types: allowed sharding types (None: all).
         compute_kernels: allowed kernels (None: all).
@@ -446,6 +446,9 @@ _OPTIMIZER_ALIASES = {
     "exact_adagrad": "exact_adagrad",
     "adagrad": "exact_adagrad",
     "adam": "adam",
+    "partial_rowwise_adam": "partial_rowwise_adam",
+    "lamb": "lamb",
+    "partial_rowwise_lamb": "partial_rowwise_lamb",
     "exact_sgd": "exact_sgd",
     "sgd": "exact_sgd",
 }

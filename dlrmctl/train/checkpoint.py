@@ -17,7 +17,9 @@ Keys of the DCP state dict (the format; see ``dlrmctl.train.loop.checkpoint_stat
 
     emb/<table>/weight              [rows, dim]  chunks = the shards of the plan that saved it
     emb/<table>/state<i>            i-th embedding-optimizer moment: [rows] (row-wise
-                                    Adagrad) or [rows, dim] (Adagrad), sharded like the rows
+                                    Adagrad; partial row-wise Adam / LAMB's state1) or
+                                    [rows, dim] (Adagrad; Adam / LAMB state0, state1;
+                                    partial row-wise state0), sharded like the rows
     emb/<table>/state<i>@cols<a>-<b> [rows]  column-wise tables only: the row-wise moment
                                     of the column shard [a, b) (each column shard has its own)
     dense/<name>                    MLP / interaction parameters and buffers (replicated)

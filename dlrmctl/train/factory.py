@@ -15,7 +15,7 @@ from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingO
 def embedding_optimizer_spec(cfg: ExperimentConfig) -> EmbeddingOptimizerSpec:
     """``optimizer.embedding`` as the spec the embedding modules take."""
     e = cfg.optimizer.embedding
-    return EmbeddingOptimizerSpec(e.type, e.lr, e.eps, e.weight_decay)
+    return EmbeddingOptimizerSpec(e.type, e.lr, e.eps, e.weight_decay, tuple(e.betas))
 
 
 def build_interaction(cfg: ExperimentConfig, num_sparse_features: int, embedding_dim: int) -> torch.nn.Module:

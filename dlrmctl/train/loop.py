@@ -189,8 +189,9 @@ class Trainer:
             cw = [n for n, ps in plan.plan.items() if ps.sharding_type in COLUMN_TYPES and len(ps.shards or []) > 1]
             if cw and column_shards_change_training(self.cfg.optimizer.embedding.type):
                 log.warning("tables %s are column-sharded under %s: each column shard keeps its own per-row "
-                            "accumulator, so training differs from one process (use exact_adagrad / exact_sgd, "
-                            "or another sharding type, for identical results)", cw, self.cfg.optimizer.embedding.type)
+                            "state (accumulator / second moment / trust ratio), so training differs from one "
+                            "process (use exact_adagrad / exact_sgd / adam, or another sharding type, for identical "
+                            "results)", cw, self.cfg.optimizer.embedding.type)
             text = describe_plan(plan, self.tables)
             origin = (f"from {self.cfg.sharding.plan_file}" if self.cfg.sharding.plan_file
                       else "from the planner" + (" and sharding.tables" if self.cfg.sharding.tables else ""))
@@ -213,7 +214,8 @@ class Trainer:
             dense_params = [p for n, p in m.named_parameters() if not n.startswith("sparse_arch.")]
         self.dense_opt = dense_optimizer(dense_params, self.cfg.optimizer.dense)
         e = self.cfg.optimizer.embedding
-        self.emb_dense_opt = embedding_optimizer_for_dense(emb_dense, e.type, e.lr, e.eps, e.weight_decay) if emb_dense else None
+        self.emb_dense_opt = (embedding_optimizer_for_dense(emb_dense, e.type, e.lr, e.eps, e.weight_decay, tuple(e.betas))
+                              if emb_dense else None)
         self._lr_targets: list[tuple[Any, float]] = [(self.fused_opt, e.lr), (self.dense_opt, self.cfg.optimizer.dense.lr)]
         if self.emb_dense_opt is not None:
             self._lr_targets.append((self.emb_dense_opt, e.lr))
@@ -685,6 +687,9 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
     dense-kernel shard has its moment tensor to save / load into."""
     if opt is None:
         return
+    if hasattr(opt, "ensure_state"):  # the Adam family (dlrmctl.train.optim.EmbeddingAdam)
+        opt.ensure_state()
+        return
     from dlrmctl.train.optim import RowWiseAdagrad, SparseAdagrad
 
     for g in opt.param_groups:
@@ -1046,8 +1051,12 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
                         st[k].fill_(v)
                     else:
                         st[k] = v
+    trainer = ckpt.unpack(req["meta/trainer"])
+    if emb_dense_opt is not None and hasattr(emb_dense_opt, "set_step"):
+        # the Adam family's bias-correction step is the global step: one optimizer step per trainer step
+        emb_dense_opt.set_step(int(trainer["step"]))
     ckpt.set_rng_state(per_rank["rng"])
-    return {"trainer": ckpt.unpack(req["meta/trainer"]), "world_size": int(meta["world_size"])}
+    return {"trainer": trainer, "world_size": int(meta["world_size"])}
 
 
 def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | None) -> Any:

@@ -14,12 +14,19 @@
   (``exact_sgd``): the same formulas as FBGEMM; weight decay (L2) reaches only
   the rows in the batch, with sparse gradients too (``torch.optim.Adagrad`` refuses
   that combination and ``torch.optim.SGD`` would decay every row).
+* :class:`EmbeddingAdam` and its variants :class:`PartialRowWiseAdam`, :class:`Lamb`,
+  :class:`PartialRowWiseLamb` (``adam``, ``partial_rowwise_adam``, ``lamb``,
+  ``partial_rowwise_lamb``): FBGEMM's Adam family over the rows in the batch only (not
+  ``torch.optim.SparseAdam``, whose bias correction and weight decay differ).
 * :class:`WarmupPolyDecay`: the DLRM reference's ``LRPolicyScheduler``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlrmctl.config import DenseOptimizerConfig, LRScheduleConfig
@@ -143,6 +150,194 @@ class SparseSGD(torch.optim.Optimizer):
                 p.index_add_(0, rows, -lr * g)
 
 
+#: the Adam family: one step counter for bias correction (FBGEMM's ``iter``), two moments
+ADAM_FAMILY = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
+
+
+class EmbeddingAdam(torch.optim.Optimizer):
+    """FBGEMM's ``ADAM`` for dense-kernel tables: only the rows in the batch are updated.
+
+    Source: FBGEMM ``fbgemm_gpu/codegen/genscript/optimizers.py``, ``adam()`` (and
+    ``partial_rowwise_adam()``, ``lamb()``, ``partial_rowwise_lamb()`` for the subclasses),
+    the ``split_weight_update`` of the CUDA TBE backward.  Per touched row ``r`` with
+    gradient ``g_r [D]`` (duplicate ids of the batch summed first, as TBE's backward
+    does), at global step ``t`` (1 at the first :meth:`step`; counts every step whether
+    the row is touched or not, as TBE's ``iter``)::
+
+        m_r = b1 * m_r + (1 - b1) * g_r
+        v_r = b2 * v_r + (1 - b2) * g_r ** 2
+        w_r -= lr * ( (m_r / (1 - b1 ** t)) / (sqrt(v_r / (1 - b2 ** t)) + eps)
+                      + weight_decay * w_r )
+
+    Weight decay is FBGEMM's: decoupled (AdamW-like, inside the ``lr *``), on the rows
+    in the batch only.  Rows not in the batch keep their weights and moments exactly
+    (their moments do not decay).  ``torch.optim.SparseAdam`` differs: no weight decay,
+    ``eps`` added to ``sqrt(v)`` before the bias correction (``lr * sqrt(1 - b2 ** t) /
+    (1 - b1 ** t) * m / (sqrt(v) + eps)``) and a step counter per parameter that skips
+    steps without a gradient.
+
+    "Touched": for a sparse gradient (``nn.EmbeddingBag(sparse=True)``), every row
+    looked up, also one whose summed gradient is exactly zero (TBE updates it too);
+    for a dense gradient, the rows with a non-zero gradient.
+
+    Args:
+        params: 2-D ``[rows, dim]`` parameters (embedding tables).
+        lr, betas, eps, weight_decay: as FBGEMM's ``learning_rate``, ``beta1``/``beta2``,
+            ``eps``, ``weight_decay``.
+
+    State per parameter (fp32): ``momentum1 [rows, dim]``, ``momentum2 [rows, dim]``
+    (FBGEMM's ``split_optimizer_states()`` order).  The step ``t`` is ``param_groups[i]["step"]``
+    (saved by ``state_dict()``; :meth:`set_step` sets it on a resume).
+    """
+
+    _ROWWISE_V = False  # second moment: one value per row (mean of g_r ** 2 over the row)
+    _LAMB = False  # LAMB's per-row trust ratio
+
+    def __init__(self, params, lr: float = 0.001, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        b1, b2 = (float(b) for b in betas)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {tuple(betas)}")
+        super().__init__(params, dict(lr=lr, betas=(b1, b2), eps=eps, weight_decay=weight_decay, step=0))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"{type(self).__name__} takes 2-D [rows, dim] tables, got shape {tuple(p.shape)}")
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        st = self.state[p]
+        if "momentum1" not in st:
+            st["momentum1"] = torch.zeros_like(p, dtype=torch.float32)
+            st["momentum2"] = (torch.zeros(p.shape[0], dtype=torch.float32, device=p.device) if self._ROWWISE_V
+                               else torch.zeros_like(p, dtype=torch.float32))
+        return st
+
+    def ensure_state(self) -> None:
+        """Create every parameter's (zero) moments now, so a checkpoint has tensors to save / load into."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                self._init_state(p)
+
+    def set_step(self, step: int) -> None:
+        """Set the global step ``t`` (the number of steps taken), e.g. the trainer's on a resume."""
+        for g in self.param_groups:
+            g["step"] = int(step)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            group["step"] += 1
+            t = group["step"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            b1, b2 = group["betas"]
+            bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+            sb2 = math.sqrt(bc2)
+            for p in group["params"]:
+                st = self._init_state(p)
+                if p.grad is None:
+                    continue
+                rows, g = _summed_rows(p.grad)
+                if rows is None:
+                    continue
+                g = g.float()
+                m1, m2 = st["momentum1"], st["momentum2"]
+                # b * m + (1 - b) * x as one lerp pass (the same value up to rounding); the gathered
+                # rows are reused in place once written back (every pass over the touched rows costs)
+                m = m1.index_select(0, rows).lerp_(g, 1.0 - b1)
+                m1.index_copy_(0, rows, m)
+                gg = (g * g).mean(dim=1) if self._ROWWISE_V else g * g
+                v = m2.index_select(0, rows).lerp_(gg, 1.0 - b2)
+                m2.index_copy_(0, rows, v)
+                if self._ROWWISE_V:
+                    v = v.unsqueeze(1)
+                if self._LAMB:
+                    w = p.index_select(0, rows)
+                    r = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+                    if wd:
+                        r.add_(w, alpha=wd)
+                    wn, rn = w.norm(dim=1), r.norm(dim=1)
+                    # FBGEMM divides by ||r|| unguarded (0/0 -> NaN for a zero row with r = 0): such
+                    # a row is left unchanged here
+                    ratio = torch.where(rn > 0, wn / rn, torch.zeros((), dtype=wn.dtype, device=wn.device))
+                    p.index_copy_(0, rows, w.sub_(r.mul_((lr * ratio).unsqueeze(1))).to(p.dtype))
+                    continue
+                if lr == 0:
+                    continue
+                # (m / bc1) / (sqrt(v / bc2) + eps) == (sqrt(bc2) / bc1) * m / (sqrt(v) + eps * sqrt(bc2)):
+                # the update in three passes over the touched rows (as torch.optim.Adam rewrites it)
+                den = v.sqrt_().add_(eps * sb2).mul_(-bc1 / (lr * sb2))
+                if wd:  # w - lr * (u + wd * w) = (1 - lr * wd) * w - lr * u
+                    w = p.index_select(0, rows).mul_(1.0 - lr * wd).add_(m.div_(den))
+                    p.index_copy_(0, rows, w.to(p.dtype))
+                else:
+                    p.index_add_(0, rows, m.div_(den).to(p.dtype))
+
+
+class PartialRowWiseAdam(EmbeddingAdam):
+    """FBGEMM's ``PARTIAL_ROWWISE_ADAM``: Adam's first moment per weight, ONE second moment per
+    row (FBGEMM ``optimizers.py: partial_rowwise_adam()``).  Per touched row ``r``::
+
+        m_r = b1 * m_r + (1 - b1) * g_r                       [D]
+        v_r = b2 * v_r + (1 - b2) * mean(g_r ** 2)            scalar (mean over the row's D columns)
+        w_r -= lr * ( (m_r / (1 - b1 ** t)) / (sqrt(v_r / (1 - b2 ** t)) + eps) + weight_decay * w_r )
+
+    State: ``momentum1 [rows, dim]``, ``momentum2 [rows]`` — weights + 1 float per row
+    of optimizer memory beyond Adam's first moment.  Everything else as :class:`EmbeddingAdam`.
+    """
+
+    _ROWWISE_V = True
+
+
+class EmbeddingLamb(EmbeddingAdam):
+    """FBGEMM's ``LAMB`` (FBGEMM ``optimizers.py: lamb()``; You et al. 2019) on the rows in the
+    batch.  Per touched row ``r``, with Adam's moments updated as in :class:`EmbeddingAdam`::
+
+        u_r = (m_r / (1 - b1 ** t)) / (sqrt(v_r / (1 - b2 ** t)) + eps) + weight_decay * w_r
+        w_r -= lr * (||w_r|| / ||u_r||) * u_r                 (norms over the row)
+
+    State: ``momentum1``, ``momentum2`` ``[rows, dim]``.  A row with ``u_r = 0`` is left
+    unchanged (FBGEMM's kernel would divide 0 by 0).
+    """
+
+    _LAMB = True
+
+
+class PartialRowWiseLamb(EmbeddingAdam):
+    """FBGEMM's ``PARTIAL_ROWWISE_LAMB`` (``optimizers.py: partial_rowwise_lamb()``): LAMB's
+    trust ratio with :class:`PartialRowWiseAdam`'s moments (``v_r`` one value per row)::
+
+        u_r = (m_r / (1 - b1 ** t)) / (sqrt(v_r / (1 - b2 ** t)) + eps) + weight_decay * w_r
+        w_r -= lr * (||w_r|| / ||u_r||) * u_r
+
+    State: ``momentum1 [rows, dim]``, ``momentum2 [rows]``.
+    """
+
+    _ROWWISE_V = True
+    _LAMB = True
+
+
+_ADAM_CLASSES = {"adam": EmbeddingAdam, "partial_rowwise_adam": PartialRowWiseAdam, "lamb": EmbeddingLamb,
+                 "partial_rowwise_lamb": PartialRowWiseLamb}
+
+
+def _summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`_touched_rows` (rows sorted, duplicates summed), cheaper than ``coalesce()`` for the
+    uncoalesced ``[N, D]`` sparse gradient of ``nn.EmbeddingBag``: one stable sort of the ids and
+    the duplicates summed by ``embedding_bag`` (sum mode, in input order) over the values."""
+    if grad.is_sparse and not grad.is_coalesced() and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
+        idx, vals = grad._indices()[0], grad._values()
+        if idx.numel() == 0:
+            return None, vals
+        sorted_idx, perm = torch.sort(idx, stable=True)
+        rows, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+        if rows.numel() == idx.numel():
+            return rows, vals.index_select(0, perm)
+        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=idx.device)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        return rows, F.embedding_bag(perm, vals, offsets, mode="sum", include_last_offset=True)
+    return _touched_rows(grad)
+
+
 def _touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(rows, summed gradient rows)`` of a sparse gradient (coalesced), or of a dense one
     (rows with a non-zero gradient); ``(None, _)`` when no row is touched."""
@@ -154,21 +349,27 @@ def _touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor
     return (rows if rows.numel() else None), grad[rows]
 
 
-def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float):
+def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float,
+                                  betas: tuple[float, float] = (0.9, 0.999)):
     """A torch optimizer implementing a fused embedding optimizer for dense-kernel tables, with
-    FBGEMM's update rule and L2 weight decay on the rows in the batch (:class:`RowWiseAdagrad`,
-    :class:`SparseAdagrad`, :class:`SparseSGD`).
+    FBGEMM's update rule, on the rows in the batch only (:class:`RowWiseAdagrad`,
+    :class:`SparseAdagrad`, :class:`SparseSGD`: L2 weight decay; :class:`EmbeddingAdam`,
+    :class:`PartialRowWiseAdam`, :class:`EmbeddingLamb`, :class:`PartialRowWiseLamb`:
+    FBGEMM's decoupled weight decay, ``betas``, bias correction with the global step).
 
     Raises:
         ValueError: unknown ``type``.
     """
+    if type in _ADAM_CLASSES:
+        return _ADAM_CLASSES[type](params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     if type == "exact_rowwise_adagrad":
         return RowWiseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
     if type == "exact_adagrad":
         return SparseAdagrad(params, lr=lr, eps=eps, weight_decay=weight_decay)
     if type == "exact_sgd":
         return SparseSGD(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown embedding optimizer {type!r}; expected exact_rowwise_adagrad | exact_adagrad | exact_sgd")
+    raise ValueError(f"unknown embedding optimizer {type!r}; expected exact_rowwise_adagrad | exact_adagrad | exact_sgd | "
+                     f"{' | '.join(ADAM_FAMILY)}")
 
 
 def dense_optimizer(params: list[nn.Parameter], cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:

@@ -8,7 +8,10 @@ exact per block (each block sees the whole bag).
 
 Row-wise Adagrad keeps one accumulator per row *and shard*, so a column-wise
 table under ``exact_rowwise_adagrad`` is not bit-identical to the unsharded
-table (as in TorchRec); ``exact_adagrad`` / ``exact_sgd`` are.
+table (as in TorchRec); the same holds for the per-row second moment of
+``partial_rowwise_adam`` / ``partial_rowwise_lamb`` and LAMB's per-row trust
+ratio.  ``exact_adagrad`` / ``exact_sgd`` / ``adam`` (per-element state: each
+column shard holds its columns of both moments) are exact.
 """
 
 from __future__ import annotations
