@@ -17,11 +17,13 @@ launcher prints one line naming the rank that failed first.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import re
 import shlex
+import signal
 import sys
 import threading
 import time
@@ -157,8 +159,12 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
             (torchx's ``log_dir``: ``LOG_DIR/<session>/<app id>/...``); default: a
             temporary directory torchx deletes when this process exits.
 
+    The first SIGINT / SIGTERM while the job runs cancels it (every rank and torchrun end) and
+    is reported as one line (:func:`_cancel`).
+
     Returns:
-        process exit code: 0 when the app SUCCEEDED (or was only printed), 1 otherwise.
+        process exit code: 0 when the app SUCCEEDED (or was only printed), 1 otherwise;
+        128 + the signal's number when a SIGINT / SIGTERM cancelled it (130, 143).
     """
     from torchx.runner import get_runner
     from torchx.specs import AppState
@@ -174,11 +180,15 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
         return 0
     handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
-    if scheduler == LOCAL_SCHEDULER:
-        _echo_rank0(runner, handle, role)
-    else:
-        _echo(runner, handle, role, None, sys.stdout, prefix="")
-    status = runner.wait(handle, wait_interval=1)
+    try:
+        with _interruptible():
+            if scheduler == LOCAL_SCHEDULER:
+                _echo_rank0(runner, handle, role)
+            else:
+                _echo(runner, handle, role, None, sys.stdout, prefix="")
+            status = runner.wait(handle, wait_interval=1)
+    except JobInterrupted as e:
+        return _cancel(runner, handle, scheduler, e.signum, log_dir)
     if status is not None and status.state == AppState.SUCCEEDED:
         return 0
     if scheduler == LOCAL_SCHEDULER and status is not None and status.ui_url.startswith("file://"):
@@ -192,6 +202,109 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
     if status is not None and status.msg and status.msg.strip() not in ("<NONE>", ""):
         print(status.msg, file=sys.stderr)
     return 1
+
+
+class JobInterrupted(BaseException):
+    """SIGINT / SIGTERM while :func:`launch` waits for a job (a BaseException: no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Turn SIGINT / SIGTERM into :class:`JobInterrupted` in the main thread (replacing torchx's
+    handlers, whose ``SignalException`` the log echo would swallow); once one arrived, further
+    ones are ignored until the job is cancelled.  The previous handlers come back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in sigs}
+    fired = []
+
+    def handler(signum, frame):
+        if fired:
+            return
+        fired.append(signum)
+        for s in sigs:  # the cancel that follows must not be interrupted by a second Ctrl-C
+            signal.signal(s, signal.SIG_IGN)
+        raise JobInterrupted(signum)
+
+    for s in sigs:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        if not fired:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+
+def _cancel(runner: Any, handle: str, scheduler: str, signum: int, log_dir: str | None) -> int:
+    """Cancel the interrupted job: torchx cancels it (local: SIGTERM to torchrun's process group,
+    SIGKILL after 10 s), then any of its processes still alive (a rank torchrun left behind: they
+    run in their own sessions) is killed.  Prints one line; returns 128 + ``signum``."""
+    procs = _job_processes(runner, handle) if scheduler == LOCAL_SCHEDULER else []
+    try:
+        runner.cancel(handle)
+    except Exception as e:  # still kill what is left, and report
+        print(f"warning: cancelling {handle}: {e}", file=sys.stderr)
+    deadline = time.monotonic() + 10
+    for pid, start in procs:
+        while _same_process(pid, start) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _same_process(pid, start):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    name = signal.Signals(signum).name
+    where = f"; logs in {_show_path(os.path.abspath(log_dir))}" if log_dir else ""
+    print(f"error: interrupted ({name}): the job was cancelled{where}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def _job_processes(runner: Any, handle: str) -> list[tuple[int, str]]:
+    """``(pid, start time)`` of a local job's processes: each replica (torchrun) and all its descendants (Linux /proc)."""
+    try:
+        sched, _, app_id = runner._scheduler_app_id(handle)  # torchx internals: best effort
+        local_app = sched._apps[app_id]
+        roots = [r.proc.pid for replicas in local_app.role_replicas.values() for r in replicas]
+    except Exception:
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            st = _proc_stat(int(entry))
+            if st:
+                children.setdefault(int(st[1]), []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        st = _proc_stat(pid)
+        if st:
+            out.append((pid, st[19]))
+            todo += children.get(pid, [])
+    return out
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command (index 0: state, 1: ppid, 19: start time); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields if len(fields) > 19 else None
+
+
+def _same_process(pid: int, start: str) -> bool:
+    """``pid`` is still the process that started at ``start`` and has not exited (zombies count as gone)."""
+    st = _proc_stat(pid)
+    return st is not None and st[19] == start and st[0] != "Z"
 
 
 def _echo_rank0(runner: Any, handle: str, role: str) -> None:

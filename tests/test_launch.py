@@ -232,3 +232,69 @@ def test_first_failure_falls_back_to_torchruns_root_cause_for_a_killed_rank(tmp_
         "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 8)  (SIGKILL)\n  error_file: <N/A>\n")
     assert first_failure(str(tmp_path), "worker") == ("rank 1 failed: killed by SIGKILL", None)
     assert first_failure(str(tmp_path / "nothing"), "worker") is None
+
+
+def _pids_running(marker):
+    """Pids of live (non-zombie) processes whose command line contains ``marker``."""
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit() or int(e) == os.getpid():
+            continue
+        try:
+            cmd = open(f"/proc/{e}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            stat = open(f"/proc/{e}/stat").read()
+        except OSError:
+            continue
+        if marker in cmd and stat[stat.rindex(")") + 2] != "Z":
+            out.append(int(e))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_cancels_the_job_every_rank_ends_and_a_second_train_is_refused_meanwhile(sig, small_data, tmp_path):
+    """Issue 14b: the first SIGTERM / SIGINT to `train --nproc 2` cancels the job: one error line,
+    exit 128 + signal, no rank or torchrun left running, the failed attempt cleaned up.  While it
+    runs, a second `train` of the same run directory is refused (the launcher holds the lock)."""
+    import signal
+
+    name = f"sig{os.getpid()}x{sig.lower()}"
+    runs = tmp_path / "runs"
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": REPO}
+    base = ["configs/demo.yaml", "--set", f"data.path={small_data}", "--set", f"train.run_dir={runs}",
+            "--set", f"name={name}", "--set", "data.batch_size=2", "--set", "train.epochs=50",
+            "--set", "train.log_every=1"]
+    p = subprocess.Popen([sys.executable, "-m", "dlrmctl.cli", "train", *base, "--nproc", "2"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = runs / name / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and '"train"' in metrics.read_text()):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.2)
+        assert len(_pids_running(name)) >= 3  # launcher, torchrun, 2 ranks
+        # a second run of the same directory, even with --overwrite, is refused and touches nothing
+        before = sorted(p_.name for p_ in (runs / name).iterdir())
+        r = runner.invoke(app, ["train", *base, "--overwrite"])
+        assert r.exit_code == 2, r.output
+        assert r.output.strip() == (f"error: {runs / name} is in use by a running dlrmctl (pid {p.pid}); "
+                                    "wait for it or --set name=<other>")
+        assert metrics.exists() and sorted(p_.name for p_ in (runs / name).iterdir()) == before
+
+        t0 = time.monotonic()
+        p.send_signal(getattr(signal, sig))
+        out, err = p.communicate(timeout=25)
+        assert time.monotonic() - t0 < 20
+        assert p.returncode == 128 + getattr(signal, sig), out + err
+        assert err.strip().splitlines()[-1] == f"error: interrupted ({sig}): the job was cancelled; logs in {runs / name / 'logs'}", err
+        assert "Traceback" not in err and "SignalException" not in err
+        assert _pids_running(name) == []
+        left = sorted(p_.name for p_ in (runs / name).iterdir())
+        assert ".lock" not in left
+        if "checkpoints" not in left:  # failed before its first checkpoint: cleaned up like any failed run
+            assert left == ["logs"]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        for pid in _pids_running(name):
+            os.kill(pid, signal.SIGKILL)

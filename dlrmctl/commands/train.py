@@ -48,6 +48,23 @@ def train(
 
         raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint),
                                 dry_run=True))
+    from dlrmctl import run_lock
+
+    try:  # held for the whole run: a second `train` of this run directory is refused before it touches it
+        run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
+    except run_lock.RunInUseError as e:
+        fail(str(e))
+    try:
+        _train(config, set_, cfg, nproc, nnodes, world, resume, overwrite, checkpoint)
+    finally:
+        run_lock.release(os.path.join(cfg.train.run_dir, cfg.name))
+
+
+def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool, overwrite: bool,
+           checkpoint: str | None) -> None:
+    """The run itself, with the run directory's lock held (:mod:`dlrmctl.run_lock`)."""
+    from dlrmctl import run_lock
+
     if world > 1:
         from dlrmctl.launch import build_appdef, launch, omp_threads_per_rank
         from dlrmctl.train.loop import clear_unsaved_attempt, prepare_run_dir
@@ -56,6 +73,7 @@ def train(
         # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
         run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
         app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False, checkpoint=checkpoint)
+        app.roles[0].env[run_lock.ENV_HOLDER] = str(os.getpid())  # the ranks run under this process's lock
         threads, why = omp_threads_per_rank(nproc)
         echo(f"{world} ranks ({nnodes} x {nproc}), {threads} OpenMP thread(s) per rank ({why}; OMP_NUM_THREADS "
              "overrides); rank 0's output follows, every rank's log is in " + show_path(os.path.join(run_dir, "logs")))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import yaml
 
+from dlrmctl import run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
@@ -1086,9 +1087,11 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
 
     Raises:
         TrainError: the run directory holds checkpoints and neither flag was given.
+        RunInUseError: another running dlrmctl holds the run directory's lock (:mod:`dlrmctl.run_lock`).
         DataMismatchError: resuming on other data than the run was trained on (fingerprints differ).
     """
     run_dir = os.path.join(cfg.train.run_dir, cfg.name)
+    run_lock.check_not_in_use(run_dir)  # another dlrmctl is training it: refuse before anything else
     if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
         raise TrainError(
             f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
@@ -1120,7 +1123,10 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     """
     run_dir = check_run_dir(cfg, resume, overwrite)
     if overwrite and not resume and os.path.exists(run_dir):
-        shutil.rmtree(run_dir)
+        for n in os.listdir(run_dir):  # everything but the lock this run holds
+            if n != run_lock.LOCK_NAME:
+                p = os.path.join(run_dir, n)
+                shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
     clear_unsaved_attempt(run_dir)  # a failed attempt's files must not mix into this run's
     cpath = os.path.join(run_dir, "config.yaml")
     if (os.path.exists(cpath) and not os.path.exists(os.path.join(run_dir, ATTEMPT_MARKER))

@@ -14,17 +14,20 @@ import traceback
 
 import torch
 
+from dlrmctl import run_lock
 from dlrmctl._fbgemm import FbgemmTorchMismatchError, ensure_checked
 from dlrmctl.config import ConfigError, load_config
 from dlrmctl.data.fingerprint import DataMismatchError
 from dlrmctl.distributed.types import PlanError
+from dlrmctl.run_lock import RunInUseError
 from dlrmctl.sparse.validation import EmbeddingIdError
 from dlrmctl.train.checkpoint import CheckpointError
 from dlrmctl.train.loop import RunEnv, Trainer, TrainError, clear_unsaved_attempt, prepare_run_dir, resolve_device
 
 #: errors that are the user's input, reported as one line without a traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
-                                               EmbeddingIdError, FbgemmTorchMismatchError, DataMismatchError)
+                                               EmbeddingIdError, FbgemmTorchMismatchError, DataMismatchError,
+                                               RunInUseError)
 try:  # optional modules add their own user-facing errors
     from dlrmctl.data.columnar import DataError
 
@@ -68,8 +71,10 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
     cfg = load_config(config, overrides)
     ensure_checked()  # the torch / fbgemm_gpu pair loads (a mismatch is one error line)
     env = _make_env(cfg)
+    locked = False
     try:
-        if env.is_main:
+        if env.is_main:  # held for the whole run (unless this process or the --nproc launcher holds it)
+            locked = run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
             run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
         env.barrier()
         run_dir = os.path.join(cfg.train.run_dir, cfg.name)
@@ -81,6 +86,8 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
                 clear_unsaved_attempt(run_dir)
             raise
     finally:
+        if locked:
+            run_lock.release(os.path.join(cfg.train.run_dir, cfg.name))
         if env.sharded:
             from dlrmctl.distributed.env import destroy_distributed
 
