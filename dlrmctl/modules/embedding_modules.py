@@ -171,6 +171,49 @@ def fused_supports_weight_decay(opt_type: str, device: torch.device | str) -> bo
     return torch.device(device).type == "cuda" and opt_type in ("exact_rowwise_adagrad", *ADAM_FAMILY)
 
 
+def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], spec: EmbeddingOptimizerSpec,
+              device: torch.device, pooled: bool) -> nn.Module:
+    """One FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` over ``shards`` (``(config, rows, cols,
+    row_offset, col_offset)``; each config's features are its lookups, in order) with ``spec``'s
+    optimizer fused into backward: ``pooled`` (SUM pooling, the EBC) or sequence (``PoolingMode.NONE``,
+    the EmbeddingCollection).  Tables live on ``device`` (HOST placement on CPU).
+
+    Raises:
+        ValueError: an optimizer type FBGEMM has no name for.
+    """
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        EmbeddingLocation,
+        PoolingMode,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+    from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
+
+    on_cuda = torch.device(device).type == "cuda"
+    specs, ftm = [], []
+    for j, (cfg, rows, cols, _, _) in enumerate(shards):
+        specs.append((rows, cols, EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
+                      ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU))
+        ftm.extend([j] * len(cfg.feature_names))
+    if spec.type not in _OPT_TYPES:
+        raise ValueError(f"embedding optimizer must be one of {list(_OPT_TYPES)}, got {spec.type!r}")
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        specs,
+        feature_table_map=ftm,
+        optimizer=getattr(EmbOptimType, _OPT_TYPES[spec.type]),
+        learning_rate=spec.lr,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        weight_decay_mode=WeightDecayMode.L2 if spec.weight_decay else WeightDecayMode.NONE,
+        pooling_mode=PoolingMode.SUM if pooled else PoolingMode.NONE,
+        device=device,
+        stochastic_rounding=False,
+        beta1=float(spec.betas[0]),
+        beta2=float(spec.betas[1]),
+    )
+
+
 class _DenseTable(nn.Module):
     """One table on ``torch.nn.EmbeddingBag(mode='sum', sparse=True)`` (sum pooling)."""
 
@@ -688,45 +731,7 @@ class GroupedEmbeddingLookup(nn.Module):
         self._fused_sel = None if fused_sel == list(range(len(self._feat_keys))) else fused_sel
 
     def _make_tbe(self, idxs: list[int]) -> nn.Module:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            EmbeddingLocation,
-            PoolingMode,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-
-        on_cuda = self._device.type == "cuda"
-        specs = []
-        ftm = []
-        for j, i in enumerate(idxs):
-            cfg, rows, cols, _, _ = self._shards[i]
-            specs.append(
-                (
-                    rows,
-                    cols,
-                    EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
-                    ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU,
-                )
-            )
-            ftm.extend([j] * len(cfg.feature_names))
-        if self._spec.type not in _OPT_TYPES:
-            raise ValueError(f"embedding optimizer must be one of {list(_OPT_TYPES)}, got {self._spec.type!r}")
-        return SplitTableBatchedEmbeddingBagsCodegen(
-            specs,
-            feature_table_map=ftm,
-            optimizer=getattr(EmbOptimType, _OPT_TYPES[self._spec.type]),
-            learning_rate=self._spec.lr,
-            eps=self._spec.eps,
-            weight_decay=self._spec.weight_decay,
-            weight_decay_mode=WeightDecayMode.L2 if self._spec.weight_decay else WeightDecayMode.NONE,
-            pooling_mode=PoolingMode.SUM,
-            device=self._device,
-            stochastic_rounding=False,
-            beta1=float(self._spec.betas[0]),
-            beta2=float(self._spec.betas[1]),
-        )
+        return build_tbe([self._shards[i] for i in idxs], self._spec, self._device, pooled=True)
 
     def _tbe_forward(self, tbe: nn.Module, *args, **kwargs) -> torch.Tensor:
         """``tbe(*args)``; in eval mode with an Adam-family optimizer the TBE's step counter

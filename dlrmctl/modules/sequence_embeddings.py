@@ -37,9 +37,9 @@ from torch import nn
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 from dlrmctl.modules.embedding_modules import (
-    _OPT_TYPES,
     EmbeddingOptimizerSpec,
     FusedOptimizer,
+    build_tbe,
     fused_supports_optimizer,
     fused_supports_weight_decay,
     _only_embedding_bags,
@@ -226,44 +226,7 @@ class SequenceEmbeddingLookup(nn.Module):
         self.reset_parameters(seed)
 
     def _make_tbe(self, idxs: list[int]) -> nn.Module:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            EmbeddingLocation,
-            PoolingMode,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-        from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
-
-        on_cuda = self._device.type == "cuda"
-        specs, ftm = [], []
-        for j, i in enumerate(idxs):
-            cfg, rows, cols, _, _ = self._shards[i]
-            specs.append(
-                (
-                    rows,
-                    cols,
-                    EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
-                    ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU,
-                )
-            )
-            ftm.extend([j] * len(cfg.feature_names))
-        if self._spec.type not in _OPT_TYPES:
-            raise ValueError(f"embedding optimizer must be one of {list(_OPT_TYPES)}, got {self._spec.type!r}")
-        return SplitTableBatchedEmbeddingBagsCodegen(
-            specs,
-            feature_table_map=ftm,
-            optimizer=getattr(EmbOptimType, _OPT_TYPES[self._spec.type]),
-            learning_rate=self._spec.lr,
-            eps=self._spec.eps,
-            weight_decay=self._spec.weight_decay,
-            weight_decay_mode=WeightDecayMode.L2 if self._spec.weight_decay else WeightDecayMode.NONE,
-            pooling_mode=PoolingMode.NONE,
-            device=self._device,
-            stochastic_rounding=False,
-            beta1=float(self._spec.betas[0]),
-            beta2=float(self._spec.betas[1]),
-        )
+        return build_tbe([self._shards[i] for i in idxs], self._spec, self._device, pooled=False)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
