@@ -45,8 +45,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dlrmctl.distributed.comm import Awaitable, LazyAwaitable, all_reduce, all_to_all_ints, all_to_all_single
+from dlrmctl.distributed.comm import Awaitable, LazyAwaitable, all_to_all_ints, all_to_all_single
 from dlrmctl.distributed.env import ShardingEnv
+from dlrmctl.distributed.sharded_ebc import ShardedTables
 from dlrmctl.distributed.sharding.common import (
     HAS_BLOCK_BUCKETIZE,
     EmbeddingSharding,
@@ -57,7 +58,7 @@ from dlrmctl.distributed.sharding.rw_sharding import RwSharding
 from dlrmctl.distributed.sharding.tw_sharding import TwSharding
 from dlrmctl.distributed.types import PlanError, ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingConfig
-from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec
 from dlrmctl.modules.sequence_embeddings import SequenceEmbeddingLookup, SequenceTableFeatures
 from dlrmctl.sparse.jagged_tensor import host_to_device
 from dlrmctl.sparse import JaggedTensor, KeyedJaggedTensor
@@ -211,7 +212,7 @@ class ShardedECContext:
                 t.record_stream(stream)
 
 
-class ShardedEmbeddingCollection(SequenceTableFeatures):
+class ShardedEmbeddingCollection(ShardedTables, SequenceTableFeatures):
     """This rank's part of an EmbeddingCollection sharded by ``plan``.
 
     Args:
@@ -459,27 +460,6 @@ class ShardedEmbeddingCollection(SequenceTableFeatures):
         return self.compute_and_output_dist(self.input_dist(features).wait())
 
     # -------------------------------------------------------- parameters
-    def fused_optimizer(self) -> FusedOptimizer:
-        """One view of the optimizers fused into every local TBE: ``set_lr``,
-        ``state_dict`` / ``load_state_dict`` (keys: table name, or
-        ``"<table>@<shard index>"`` when this rank holds several shards of a table)."""
-        tbes = []
-        for g in self.groups:
-            counts: dict[str, int] = {}
-            for s, *_ in g.local_shards():
-                counts[s.table.name] = counts.get(s.table.name, 0) + 1
-            for lk, lay in zip(g.lookups, g.layouts[self.env.rank].lookups):
-                key = {s.table.name: (s.table.name if counts[s.table.name] == 1 else f"{s.table.name}@{s.shard_index}")
-                       for s in lay.shards}
-                for tbe, names in lk.fused_optimizer()._tbes:
-                    tbes.append((tbe, [key[n] for n in names]))
-        return FusedOptimizer(tbes, self._spec)
-
-    def embedding_dense_parameters(self) -> list[nn.Parameter]:
-        """Weights of dense-kernel shards (and of shards whose width is not a multiple of 4):
-        they need a torch optimizer (``dlrmctl.train.optim.embedding_optimizer_for_dense``)."""
-        return [p for g in self.groups for lk in g.lookups for p in lk.dense_parameters()]
-
     def local_shards(self) -> dict[str, list[tuple[ShardMetadata, torch.Tensor, list[torch.Tensor]]]]:
         """Table -> this rank's shards as ``(metadata, live weight view, fused optimizer state views)``."""
         out: dict[str, list[tuple[ShardMetadata, torch.Tensor, list[torch.Tensor]]]] = {}
@@ -488,38 +468,8 @@ class ShardedEmbeddingCollection(SequenceTableFeatures):
                 out.setdefault(s.table.name, []).append((s.meta, w, states))
         return out
 
-    @torch.no_grad()
-    def gather_full_weights(self) -> dict[str, torch.Tensor]:
-        """Table -> full ``[rows, dim]`` weights assembled from all ranks' shards.
-
-        For tests and small tables only (materialises every table on every rank,
-        one all-reduce).  Collective: all ranks must call it.
-        """
-        full = {
-            t.name: torch.zeros(t.num_embeddings, t.embedding_dim, device=self.env.device)
-            for t in self._embedding_configs
-        }
-        for g in self.groups:
-            for s, w, _, _ in g.local_shards():
-                r0, c0 = s.meta.offsets
-                full[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols] = w.detach().to(self.env.device)
-        if self.env.is_distributed and full:
-            flat = torch.cat([v.reshape(-1) for v in full.values()])
-            all_reduce(flat, self.env.pg)
-            off = 0
-            for v in full.values():
-                v.copy_(flat[off : off + v.numel()].view_as(v))
-                off += v.numel()
-        return full
-
-    @torch.no_grad()
-    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy each local shard's block out of full ``[rows, dim]`` tables (e.g. a reference model's)."""
-        for g in self.groups:
-            for s, w, _, _ in g.local_shards():
-                if s.table.name in weights:
-                    r0, c0 = s.meta.offsets
-                    w.copy_(weights[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols])
+    def _full_shapes(self) -> list[tuple[str, int, int]]:
+        return [(t.name, t.num_embeddings, t.embedding_dim) for t in self._embedding_configs]
 
 
 def _key_shards(lk: LookupLayout) -> list:

@@ -633,7 +633,47 @@ _OPT_TYPES = {
 }
 
 
-class GroupedEmbeddingLookup(nn.Module):
+class _LookupTables:
+    """Weight / optimizer access shared by the pooled and the sequence lookups: both keep
+    ``tbes`` (FBGEMM TBEs) with ``_tbe_members`` (shard indices per TBE), ``dense_tables``
+    (name -> module with ``.weight``) with ``_dense_members``, ``_names`` and ``_spec``."""
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """Local weight ``[rows, cols]`` of table ``name`` (live: the dense parameter or a TBE view).
+
+        Raises:
+            KeyError: no such table in this lookup.
+        """
+        if name in self.dense_tables:
+            return self.dense_tables[name].weight
+        i = self._names.index(name) if name in self._names else -1
+        for tbe, idxs in zip(self.tbes, self._tbe_members):
+            if i in idxs:
+                return tbe.split_embedding_weights()[idxs.index(i)]
+        raise KeyError(f"no table '{name}' in this lookup; tables are {self._names}")
+
+    def table_weights(self) -> dict[str, torch.Tensor]:
+        """Table name -> local shard weight ``[rows, cols]`` (live view)."""
+        out: dict[str, torch.Tensor] = {}
+        for tbe, idxs in zip(self.tbes, self._tbe_members):
+            for i, w in zip(idxs, tbe.split_embedding_weights()):
+                out[self._names[i]] = w
+        for i in self._dense_members:
+            out[self._names[i]] = self.dense_tables[self._names[i]].weight
+        return out
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Weights of dense-kernel tables (they need a torch optimizer)."""
+        return [t.weight for t in self.dense_tables.values()]
+
+    def fused_optimizer(self) -> FusedOptimizer:
+        """The optimizer fused into the TBE backward passes (keys: table names)."""
+        return FusedOptimizer(
+            [(tbe, [self._names[i] for i in idxs]) for tbe, idxs in zip(self.tbes, self._tbe_members)], self._spec
+        )
+
+
+class GroupedEmbeddingLookup(_LookupTables, nn.Module):
     """Local lookups over a list of (possibly sharded) tables.
 
     The building block used both by the unsharded EmbeddingBagCollection and by
@@ -771,35 +811,6 @@ class GroupedEmbeddingLookup(nn.Module):
                         )
                     if out.data_ptr() != w.data_ptr():
                         w.copy_(out)
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        """Local weight ``[rows, cols]`` of table ``name`` (live: the dense parameter or a TBE view)."""
-        if name in self.dense_tables:
-            return self.dense_tables[name].weight
-        i = self._names.index(name)
-        for tbe, idxs in zip(self.tbes, self._tbe_members):
-            if i in idxs:
-                return tbe.split_embedding_weights()[idxs.index(i)]
-        raise KeyError(f"no table '{name}' in this lookup; tables are {self._names}")
-
-    def table_weights(self) -> dict[str, torch.Tensor]:
-        """Table name -> local shard weight ``[rows, cols]`` (live view)."""
-        out: dict[str, torch.Tensor] = {}
-        for tbe, idxs in zip(self.tbes, self._tbe_members):
-            for i, w in zip(idxs, tbe.split_embedding_weights()):
-                out[self._names[i]] = w
-        for i in self._dense_members:
-            out[self._names[i]] = self.dense_tables[self._names[i]].weight
-        return out
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        """Weights of dense-kernel tables (they need a torch optimizer)."""
-        return [t.weight for t in self.dense_tables.values()]
-
-    def fused_optimizer(self) -> FusedOptimizer:
-        return FusedOptimizer(
-            [(tbe, [self._names[i] for i in idxs]) for tbe, idxs in zip(self.tbes, self._tbe_members)], self._spec
-        )
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         B = features.stride()

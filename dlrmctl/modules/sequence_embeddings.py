@@ -39,6 +39,7 @@ from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, Embe
 from dlrmctl.modules.embedding_modules import (
     EmbeddingOptimizerSpec,
     FusedOptimizer,
+    _LookupTables,
     build_tbe,
     fused_supports_optimizer,
     fused_supports_weight_decay,
@@ -143,7 +144,7 @@ def sequence_jagged_tensor(
     return jt
 
 
-class SequenceEmbeddingLookup(nn.Module):
+class SequenceEmbeddingLookup(_LookupTables, nn.Module):
     """Unpooled local lookups over a list of (possibly sharded) tables.
 
     Args:
@@ -234,36 +235,6 @@ class SequenceEmbeddingLookup(nn.Module):
         for name, w in self.table_weights().items():
             cfg, _, _, r0, c0 = self._shards[self._names.index(name)]
             init_shard_weight(w, cfg, r0, c0, seed)
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        """Local weight ``[rows, cols]`` of table ``name`` (live: the dense parameter or a TBE view)."""
-        if name in self.dense_tables:
-            return self.dense_tables[name].weight
-        i = self._names.index(name) if name in self._names else -1
-        for tbe, idxs in zip(self.tbes, self._tbe_members):
-            if i in idxs:
-                return tbe.split_embedding_weights()[idxs.index(i)]
-        raise KeyError(f"no table '{name}' in this lookup; tables are {self._names}")
-
-    def table_weights(self) -> dict[str, torch.Tensor]:
-        """Table name -> local shard weight ``[rows, cols]`` (live view)."""
-        out: dict[str, torch.Tensor] = {}
-        for tbe, idxs in zip(self.tbes, self._tbe_members):
-            for i, w in zip(idxs, tbe.split_embedding_weights()):
-                out[self._names[i]] = w
-        for i in self._dense_members:
-            out[self._names[i]] = self.dense_tables[self._names[i]].weight
-        return out
-
-    def dense_parameters(self) -> list[nn.Parameter]:
-        """Weights of dense-kernel tables (they need a torch optimizer)."""
-        return [t.weight for t in self.dense_tables.values()]
-
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The optimizer fused into the TBE backward passes (keys: table names)."""
-        return FusedOptimizer(
-            [(tbe, [self._names[i] for i in idxs]) for tbe, idxs in zip(self.tbes, self._tbe_members)], self._spec
-        )
 
     def forward(self, features: KeyedJaggedTensor) -> list[torch.Tensor]:
         keys = features.keys()
