@@ -82,7 +82,54 @@ def _positive_int(x: object, what: str, table: str) -> int:
 
 
 @dataclass
-class EmbeddingBagConfig:
+class BaseEmbeddingConfig:
+    """The fields and init bounds every table config shares (TorchRec's ``BaseEmbeddingConfig``;
+    see :class:`EmbeddingBagConfig` for their meaning).
+
+    Raises:
+        ValueError: ``num_embeddings`` or ``embedding_dim`` not positive,
+            ``weight_init_min > weight_init_max``, an unknown data type.
+    """
+
+    num_embeddings: int
+    embedding_dim: int
+    name: str = ""
+    data_type: DataType = DataType.FP32
+    feature_names: list[str] = field(default_factory=list)
+    weight_init_max: Optional[float] = None
+    weight_init_min: Optional[float] = None
+    num_embeddings_post_pruning: Optional[int] = None
+    init_fn: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
+    need_pos: bool = False
+
+    def __post_init__(self) -> None:
+        self.data_type = DataType(self.data_type)
+        self.feature_names = list(self.feature_names)
+        if not self.feature_names and self.name:
+            self.feature_names = [self.name]
+        label = self.name or "<unnamed>"
+        self.num_embeddings = _positive_int(self.num_embeddings, "num_embeddings", label)
+        self.embedding_dim = _positive_int(self.embedding_dim, "embedding_dim", label)
+        if self.get_weight_init_min() > self.get_weight_init_max():
+            raise ValueError(
+                f"table '{label}': weight_init_min {self.get_weight_init_min()} > weight_init_max "
+                f"{self.get_weight_init_max()}"
+            )
+
+    def get_weight_init_max(self) -> float:
+        """Upper init bound: ``weight_init_max`` or ``sqrt(1 / num_embeddings)``."""
+        return float(self.weight_init_max) if self.weight_init_max is not None else (1.0 / self.num_embeddings) ** 0.5
+
+    def get_weight_init_min(self) -> float:
+        """Lower init bound: ``weight_init_min`` or ``-sqrt(1 / num_embeddings)``."""
+        return float(self.weight_init_min) if self.weight_init_min is not None else -((1.0 / self.num_embeddings) ** 0.5)
+
+    def num_features(self) -> int:
+        return len(self.feature_names)
+
+
+@dataclass
+class EmbeddingBagConfig(BaseEmbeddingConfig):
     """One pooled embedding table; TorchRec's fields, in TorchRec's order.
 
     Attributes:
@@ -116,48 +163,16 @@ class EmbeddingBagConfig:
             ``weight_init_min > weight_init_max``, an unknown pooling or data type.
     """
 
-    num_embeddings: int
-    embedding_dim: int
-    name: str = ""
-    data_type: DataType = DataType.FP32
-    feature_names: list[str] = field(default_factory=list)
-    weight_init_max: Optional[float] = None
-    weight_init_min: Optional[float] = None
-    num_embeddings_post_pruning: Optional[int] = None
-    init_fn: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
-    need_pos: bool = False
     pooling: PoolingType = PoolingType.SUM
     pruning_indices_remapping: Optional[torch.Tensor] = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self.pooling = PoolingType(self.pooling)
-        self.data_type = DataType(self.data_type)
-        self.feature_names = list(self.feature_names)
-        if not self.feature_names and self.name:
-            self.feature_names = [self.name]
-        label = self.name or "<unnamed>"
-        self.num_embeddings = _positive_int(self.num_embeddings, "num_embeddings", label)
-        self.embedding_dim = _positive_int(self.embedding_dim, "embedding_dim", label)
-        if self.get_weight_init_min() > self.get_weight_init_max():
-            raise ValueError(
-                f"table '{label}': weight_init_min {self.get_weight_init_min()} > weight_init_max "
-                f"{self.get_weight_init_max()}"
-            )
-
-    def get_weight_init_max(self) -> float:
-        """Upper init bound: ``weight_init_max`` or ``sqrt(1 / num_embeddings)``."""
-        return float(self.weight_init_max) if self.weight_init_max is not None else (1.0 / self.num_embeddings) ** 0.5
-
-    def get_weight_init_min(self) -> float:
-        """Lower init bound: ``weight_init_min`` or ``-sqrt(1 / num_embeddings)``."""
-        return float(self.weight_init_min) if self.weight_init_min is not None else -((1.0 / self.num_embeddings) ** 0.5)
-
-    def num_features(self) -> int:
-        return len(self.feature_names)
+        super().__post_init__()
 
 
 @dataclass
-class EmbeddingConfig:
+class EmbeddingConfig(BaseEmbeddingConfig):
     """One unpooled (sequence) embedding table; TorchRec's fields, in TorchRec's order.
 
     Looked up by :class:`~dlrmctl.modules.sequence_embeddings.EmbeddingCollection`:
@@ -189,43 +204,7 @@ class EmbeddingConfig:
             ``weight_init_min > weight_init_max``, an unknown data type.
     """
 
-    num_embeddings: int
-    embedding_dim: int
-    name: str = ""
-    data_type: DataType = DataType.FP32
-    feature_names: list[str] = field(default_factory=list)
-    weight_init_max: Optional[float] = None
-    weight_init_min: Optional[float] = None
-    num_embeddings_post_pruning: Optional[int] = None
-    init_fn: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
-    need_pos: bool = False
-
-    def __post_init__(self) -> None:
-        self.data_type = DataType(self.data_type)
-        self.feature_names = list(self.feature_names)
-        if not self.feature_names and self.name:
-            self.feature_names = [self.name]
-        label = self.name or "<unnamed>"
-        self.num_embeddings = _positive_int(self.num_embeddings, "num_embeddings", label)
-        self.embedding_dim = _positive_int(self.embedding_dim, "embedding_dim", label)
-        if self.get_weight_init_min() > self.get_weight_init_max():
-            raise ValueError(
-                f"table '{label}': weight_init_min {self.get_weight_init_min()} > weight_init_max "
-                f"{self.get_weight_init_max()}"
-            )
-
     @property
     def pooling(self) -> PoolingType:
         """Always ``PoolingType.NONE``: one embedding row per id."""
         return PoolingType.NONE
-
-    def get_weight_init_max(self) -> float:
-        """Upper init bound: ``weight_init_max`` or ``sqrt(1 / num_embeddings)``."""
-        return float(self.weight_init_max) if self.weight_init_max is not None else (1.0 / self.num_embeddings) ** 0.5
-
-    def get_weight_init_min(self) -> float:
-        """Lower init bound: ``weight_init_min`` or ``-sqrt(1 / num_embeddings)``."""
-        return float(self.weight_init_min) if self.weight_init_min is not None else -((1.0 / self.num_embeddings) ** 0.5)
-
-    def num_features(self) -> int:
-        return len(self.feature_names)
