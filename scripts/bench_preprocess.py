@@ -29,7 +29,8 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo  # noqa: E402
+from dlrmctl.data.criteo.parse import CriteoOptions  # noqa: E402
+from dlrmctl.data.criteo.preprocess import preprocess_criteo  # noqa: E402
 
 
 def _hex8(ids: np.ndarray) -> pa.Array:

@@ -12,14 +12,9 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dlrmctl.data.columnar import DataError, MappedShard, read_meta
-from dlrmctl.data.criteo import (
-    CriteoOptions,
-    _decode_hex8,
-    dense_log1p,
-    hex_to_uint32,
-    multi_hot_expand,
-    preprocess_criteo,
-)
+from dlrmctl.data.criteo.parse import CriteoOptions, _decode_hex8, dense_log1p, hex_to_uint32
+from dlrmctl.data.criteo.preprocess import preprocess_criteo
+from dlrmctl.data.multi_hot import multi_hot_expand
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo"
 HASH = CriteoOptions(num_embeddings=[1000] * 26)
@@ -300,7 +295,7 @@ def test_real_kaggle_sample_preprocesses_with_val_ratio_via_the_cli(tmp_path):
 
 @pytest.mark.parametrize("vocab", [False, True])
 def test_transform_raw_file_reproduces_the_preprocessed_rows(tmp_path, vocab):
-    from dlrmctl.data.criteo import transform_raw_file
+    from dlrmctl.data.criteo.raw_transform import transform_raw_file
 
     f = tmp_path / "t.tsv"
     f.write_text(_many_lines(200, 5))
@@ -315,3 +310,104 @@ def test_transform_raw_file_reproduces_the_preprocessed_rows(tmp_path, vocab):
     cols = read_split(out, "train")
     assert np.array_equal(dense[:, 0], cols["I1"]) and np.array_equal(ids[:, 25], cols["C26"])
     assert np.array_equal(np.concatenate([c[2] for c in chunks]), cols["label"])
+
+
+# ------------------------------------------------------------------ vocabulary at scale
+def _reference_vocab(texts: dict[str, str], threshold: int, seed: int, val_ratio: float) -> list[tuple[list, list]]:
+    """The original algorithm, written out plainly: count every train row's raw value of each
+    feature over all files together, keep count >= threshold, order by (-count, value)."""
+    from collections import Counter
+
+    from dlrmctl.data.criteo.parse import row_split_codes
+
+    counts = [Counter() for _ in range(26)]
+    for name, text in texts.items():
+        rows = text.splitlines()
+        codes = row_split_codes(np.arange(1, len(rows) + 1), name, seed, val_ratio, 0.0)
+        for r, code in zip(rows, codes):
+            if code != 0:
+                continue
+            for f, v in enumerate(r.split("\t")[14:]):
+                if v:
+                    counts[f][int(v, 16)] += 1
+    out = []
+    for c in counts:
+        kept = sorted(((n, v) for v, n in c.items() if n >= threshold), key=lambda t: (-t[0], t[1]))
+        out.append(([v for _, v in kept], [n for n, _ in kept]))
+    return out
+
+
+def _zipf_lines(n: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        cats = []
+        for f in range(26):
+            card = 5 + 40 * f  # a range of vocabulary sizes, many values below the threshold
+            v = int(rng.zipf(1.3)) % card
+            cats.append("" if rng.random() < 0.1 else "%08x" % ((v * 2654435761 + f) % 2**32))
+        out.append(line(str(int(rng.integers(2))), [str(int(x)) for x in rng.integers(-1, 50, 13)], cats))
+    return "".join(out)
+
+
+def test_vocabulary_built_feature_by_feature_equals_the_reference_on_many_files_and_workers(tmp_path, monkeypatch):
+    from dlrmctl.data.criteo import vocab
+
+    monkeypatch.setattr(vocab, "MERGE_FAN_IN", 2)  # 3 count files: merged in two rounds
+    d = tmp_path / "in"
+    d.mkdir()
+    texts = {f"part{j}.tsv": _zipf_lines(700 + 150 * j, 10 + j) for j in range(3)}
+    for name, text in texts.items():
+        (d / name).write_text(text)
+    opts = CriteoOptions(frequency_threshold=3, val_ratio=0.25, seed=5, workers=2, block_size=30_000)
+    out = tmp_path / "out"
+    preprocess_criteo(d, out, opts, progress=False)
+    ref = _reference_vocab(texts, 3, 5, 0.25)
+    meta = read_meta(out)
+    for f, sf in enumerate(meta["sparse_features"]):
+        vt = ipc.open_file(pa.memory_map(str(out / meta["vocab_files"][sf["name"]]))).read_all()
+        assert vt.column("value").to_pylist() == ref[f][0], sf["name"]
+        assert vt.column("count").to_pylist() == ref[f][1], sf["name"]
+        size = len(ref[f][0])
+        assert (sf["num_embeddings"], sf["oov_id"], sf["missing_id"]) == (size + 2, size, size + 1)
+    assert any(len(r[0]) > 20 for r in ref) and any(len(r[0]) < 10 for r in ref)
+    # every written id is the reference id of the raw value (OOV: V, empty: V + 1), in every split
+    from dlrmctl.data.criteo.parse import row_split_codes
+
+    ids_of = [{v: i for i, v in enumerate(r[0])} for r in ref]
+    for split in ("train", "val"):
+        expect = [[] for _ in range(26)]
+        for name, text in texts.items():
+            rows = text.splitlines()
+            codes = row_split_codes(np.arange(1, len(rows) + 1), name, 5, 0.25, 0.0)
+            for r, code in zip(rows, codes):
+                if code != ("train", "val").index(split):
+                    continue
+                for f, v in enumerate(r.split("\t")[14:]):
+                    size = len(ref[f][0])
+                    expect[f].append(size + 1 if not v else ids_of[f].get(int(v, 16), size))
+        cols = read_split(out, split)
+        oov_seen = False
+        for f in range(26):
+            assert cols[f"C{f + 1}"].tolist() == expect[f], (split, f)
+            oov_seen |= len(ref[f][0]) in expect[f]
+        assert oov_seen
+
+
+def test_hash_lookup_matches_a_dict_for_hits_misses_and_extreme_values():
+    from dlrmctl.data.criteo.vocab import HashLookup
+
+    rng = np.random.default_rng(3)
+    values = np.unique(rng.integers(0, 2**32, 50_000)).astype(np.int64)
+    values = np.concatenate([values[values != 0][:-1], [0, 2**32 - 1]])
+    rng.shuffle(values)
+    table = HashLookup(values)
+    queries = np.concatenate([values, rng.integers(0, 2**32, 20_000), [0, 2**32 - 1]]).astype(np.uint64)
+    pos = {int(v): i for i, v in enumerate(values)}
+    expect = [pos.get(int(q), len(values)) for q in queries]
+    assert table.lookup(queries).tolist() == expect
+    assert HashLookup(np.zeros(0, np.int64)).lookup(queries[:5]).tolist() == [0] * 5
+    with pytest.raises(ValueError, match="32-bit"):
+        HashLookup(np.array([2**32], np.int64))
+    with pytest.raises(ValueError, match="duplicate"):
+        HashLookup(np.array([7, 9, 7], np.int64))

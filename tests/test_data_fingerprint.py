@@ -53,7 +53,8 @@ def run(tmp_path_factory):
     """The 100-line Criteo sample preprocessed with val ratio 0.3 and a short run on it; plus the
     same lines preprocessed with val ratio 0.5 (different vocabularies and split)."""
     require_shared(RAW)
-    from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
+    from dlrmctl.data.criteo.parse import CriteoOptions
+    from dlrmctl.data.criteo.preprocess import preprocess_criteo
 
     root = tmp_path_factory.mktemp("fp")
     data, other = root / "data", root / "other"

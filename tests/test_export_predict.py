@@ -28,7 +28,8 @@ def run(tmp_path_factory):
     """A run trained for one short epoch on the 100-line sample (vocabulary mode, threshold 2)."""
     require_shared(RAW)
     from dlrmctl.cli import app
-    from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
+    from dlrmctl.data.criteo.parse import CriteoOptions
+    from dlrmctl.data.criteo.preprocess import preprocess_criteo
 
     root = tmp_path_factory.mktemp("e2e")
     data = root / "data"
@@ -54,7 +55,7 @@ def _cli(*args):
 
 
 def test_export_predict_evaluate_through_the_cli(run, tmp_path):
-    from dlrmctl.data.criteo import transform_raw_file
+    from dlrmctl.data.criteo.raw_transform import transform_raw_file
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.inference.export import load_exported
 

@@ -14,7 +14,8 @@ from tests.dist_utils import run_multiprocess
 @pytest.fixture(scope="module")
 def criteo_sample(tmp_path_factory):
     tsv = require_shared(CRITEO_10K)
-    from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
+    from dlrmctl.data.criteo.parse import CriteoOptions
+    from dlrmctl.data.criteo.preprocess import preprocess_criteo
 
     out = tmp_path_factory.mktemp("criteo_sample")
     preprocess_criteo([str(tsv)], out, CriteoOptions(val_ratio=0.2), progress=False)

@@ -64,7 +64,8 @@ def criteo(
 ) -> None:
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
     from dlrmctl.data.columnar import DataError
-    from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
+    from dlrmctl.data.criteo.parse import CriteoOptions
+    from dlrmctl.data.criteo.preprocess import preprocess_criteo
 
     opts = CriteoOptions(
         num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),

@@ -30,7 +30,7 @@ import torch
 
 from dlrmctl.data.batch import Batch
 from dlrmctl.data.columnar import DataError, SplitData, read_meta, weight_column
-from dlrmctl.data.criteo import multi_hot_expand
+from dlrmctl.data.multi_hot import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
 
@@ -61,7 +61,7 @@ class BatchLoader:
         pin_memory: pin batches (page-locked) for fast async host-to-device copies; ignored with a
             warning when CUDA is unavailable.
         multi_hot_sizes: feature -> bag size; one-hot ids of those features are expanded on the
-            fly into MLPerf-DLRMv2 multi-hot bags (:func:`dlrmctl.data.criteo.multi_hot_expand`,
+            fly into MLPerf-DLRMv2 multi-hot bags (:func:`dlrmctl.data.multi_hot.multi_hot_expand`,
             seed ``multi_hot_seed + feature index``); size 1 leaves a feature unchanged.
         multi_hot_distribution: ``"uniform"`` or ``"pareto"`` offsets.
         id_bounds: feature -> the lookups it feeds, as a list of
@@ -136,7 +136,7 @@ class BatchLoader:
                     f"weights for it (no '{weight_column(f)}' column; meta.json sparse_features[].weighted is "
                     "not true); preprocess data with weights (e.g. `dlrmctl preprocess synthetic "
                     "--weighted-features ...`) or make the table unweighted", path=Path(data_dir) / "meta.json")
-        # on-the-fly MLPerf-DLRMv2 multi-hot expansion of one-hot features (criteo.multi_hot_expand)
+        # on-the-fly MLPerf-DLRMv2 multi-hot expansion of one-hot features (multi_hot.multi_hot_expand)
         self.expand: dict[str, tuple[int, int, int]] = {}
         rows_of = {f["name"]: int(f["num_embeddings"]) for f in self.meta["sparse_features"]}
         for j, (name, size) in enumerate((multi_hot_sizes or {}).items()):

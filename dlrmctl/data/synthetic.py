@@ -43,7 +43,8 @@ from dlrmctl.data.columnar import (
     weight_column,
     write_meta,
 )
-from dlrmctl.data.criteo import DENSE_FEATURES, SPARSE_FEATURES, PreprocessReport, row_split_codes
+from dlrmctl.data.criteo.parse import DENSE_FEATURES, SPARSE_FEATURES, row_split_codes
+from dlrmctl.data.criteo.preprocess import PreprocessReport
 
 # default table sizes: modest signal tables first (C1..C8), larger noise tables after
 DEFAULT_SYNTHETIC_CARDINALITIES = [
@@ -155,7 +156,7 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
             (``<feature>__weight`` columns; see the module docstring).
 
     Returns:
-        :class:`~dlrmctl.data.criteo.PreprocessReport`.
+        :class:`~dlrmctl.data.criteo.preprocess.PreprocessReport`.
 
     Raises:
         ValueError: ``rows < 1``, bad ratios, wrong number of table sizes, ``zipf_alpha <= 0``,

@@ -41,7 +41,7 @@ __all__ = [
 #: dataset (``meta["dataset"]``) -> ``"module:function"`` transforming raw lines with a data meta.
 #: Signature: ``fn(path, meta, data_dir, batch_rows) -> iterator of (dense [n, 13] float32,
 #: ids [n, 26] int64, labels [n] float32 or None)``.
-RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo:transform_raw_file"}
+RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo.raw_transform:transform_raw_file"}
 
 _IN_MAGIC = b"DLRMIN01"
 _IN_MAGIC_WEIGHTED = b"DLRMIN02"

@@ -1,0 +1,557 @@
+"""Criteo line parsing and per-row transforms (dense, categorical hex, splits).
+
+Reads Criteo TSV files (``label \\t I1..I13 \\t C1..C26``, 40 fields, or 39 without the label;
+plain, ``.gz`` or ``.bz2``) block by block with ``pyarrow.csv.open_csv`` and turns each block
+into vectorised arrays: dense ``log(max(x, 0) + 1)`` float32, categorical 8-hex-digit values
+decoded to 32-bit integers, the row's split code, and (given the hashing modulus or the
+vocabularies) the categorical ids.  The semantics are described in :mod:`dlrmctl.data.criteo`.
+"""
+
+from __future__ import annotations
+
+import bz2
+import dataclasses
+import glob
+import gzip
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
+
+from dlrmctl.data.columnar import LABEL_COLUMN, DataError
+
+if TYPE_CHECKING:
+    from dlrmctl.data.criteo.vocab import VocabSet
+
+DENSE_FEATURES = [f"I{i}" for i in range(1, 14)]
+SPARSE_FEATURES = [f"C{i}" for i in range(1, 27)]
+NUM_DENSE = 13
+NUM_SPARSE = 26
+DEFAULT_FREQUENCY_THRESHOLD = 3
+DEFAULT_BLOCK_SIZE = 4 << 20  # bytes of CSV per block (~16k Criteo lines; cache-friendly, fastest measured)
+DLRM_LOG_SOURCE = "Naumov et al. 2019 (arXiv:1906.00091), DLRM reference data_utils.py: X_int[X_int<0]=0; log(X_int+1)"
+
+
+# =============================================================================== vector kernels
+def dense_log1p(values: np.ndarray) -> np.ndarray:
+    """DLRM dense transform: ``log(max(x, 0) + 1)``.
+
+    Args:
+        values: ``[n]`` int64 raw counts (missing already replaced by 0).
+
+    Returns:
+        ``[n]`` float32; ``x <= 0`` gives exactly 0.0 (never -inf/NaN).
+
+    Source: Naumov et al. 2019, DLRM reference ``data_utils.py`` (``X_int[X_int < 0] = 0``,
+    ``np.log(X_int + 1)``).
+    """
+    x = np.maximum(values, 0).astype(np.float64)
+    return np.log1p(x).astype(np.float32)
+
+
+_U = np.uint64
+_HIGH = _U(0x8080808080808080)
+
+
+def _decode_hex8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Flat ``[8k]`` uint8 bytes of ``k`` 8-character hex strings -> (uint64 ``[k]``, bad bool ``[k]``).
+
+    SWAR on one big-endian 64-bit word per string (all steps are per byte, no carries):
+    fold upper case to lower (``c |= (c & 0x40) >> 1``), nibble ``n = (c & 0xF) + 9 * (c >> 6 & 1)``,
+    validity by re-encoding ``n`` as lowercase ASCII (``'0' + n`` or ``'a' + n - 10``, ``n <= 15``) and
+    comparing with the input, then the eight nibbles are packed pairwise into 32 bits.
+    Equivalent to ``int(s, 16)`` on ``[0-9a-fA-F]{8}`` (checked exhaustively in the tests).
+    """
+    v = raw.view(">u8").astype(np.uint64)
+    b6 = v & _U(0x4040404040404040)
+    v |= b6 >> _U(1)
+    n = v & _U(0x0F0F0F0F0F0F0F0F)
+    b6 >>= _U(6)
+    b6 *= _U(9)
+    n += b6
+    t = n + _U(0x7676767676767676)
+    t &= _HIGH  # n >= 10
+    big = (n + _U(0x7070707070707070)) & _HIGH  # n >= 16: not a hex digit
+    t >>= _U(7)
+    t *= _U(0x27)
+    t += n
+    t += _U(0x3030303030303030)
+    bad = (t != v) | (big != 0)
+    x = n
+    x |= x >> _U(4)
+    x &= _U(0x00FF00FF00FF00FF)
+    x |= x >> _U(8)
+    x &= _U(0x0000FFFF0000FFFF)
+    x |= x >> _U(16)
+    x &= _U(0xFFFFFFFF)
+    return x, bad
+
+
+def hex_to_uint32(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Decode a Criteo categorical column.
+
+    Args:
+        arr: ``pa.binary()`` (or string) array of ``n`` values, each empty or 8 hex digits.
+
+    Returns:
+        ``(h, present, bad)``: ``h`` uint64 ``[n]`` the decoded values (``int(s, 16)``, 0 where
+        empty or bad), ``present`` bool ``[n]`` (non-empty), ``bad`` bool ``[n]`` rows whose value
+        is not exactly 8 hex digits, or None when there are none.
+    """
+    n = len(arr)
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=np.int32, count=n + 1, offset=arr.offset * 4)
+    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+    lens = np.diff(offsets)
+    present = lens != 0
+    h = np.zeros(n, dtype=np.uint64)
+    k = int(np.count_nonzero(present))
+    start, end = int(offsets[0]), int(offsets[-1])
+    if bool(((lens | 8) == 8).all()):
+        raw = data[start:end]
+        vals, badv = _decode_hex8(raw)
+        h[present] = vals
+        if not badv.any():
+            return h, present, None
+        bad = np.zeros(n, dtype=bool)
+        bad[present] = badv
+        return h, present, bad
+    # some values are not 8 characters long: decode the 8-long ones, flag the rest
+    ok8 = lens == 8
+    bad = present & ~ok8
+    if ok8.any():
+        idx = offsets[:-1][ok8].astype(np.int64)[:, None] + np.arange(8)
+        vals, badv = _decode_hex8(np.ascontiguousarray(data[idx]).reshape(-1))
+        h[ok8] = vals
+        bad[ok8] |= badv
+    del k
+    return h, present, bad
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser (Steele et al. 2014) on uint64 ``[n]`` -> uint64 ``[n]``."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _file_key(name: str, seed: int) -> np.uint64:
+    h = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return np.uint64(int.from_bytes(h, "little"))
+
+
+def row_split_codes(lines: np.ndarray, file_name: str, seed: int, val_ratio: float,
+                    test_ratio: float) -> np.ndarray:
+    """Deterministic per-row split assignment.
+
+    Args:
+        lines: ``[n]`` int64 1-based physical line numbers in the file.
+        file_name: the input file's base name (part of the hash key).
+        seed: split seed.
+        val_ratio, test_ratio: fractions in ``[0, 1)``, sum < 1.
+
+    Returns:
+        ``[n]`` int8 codes: 0 train, 1 val, 2 test.  Row ``u = splitmix64(key ^ line) / 2^64``
+        goes to val if ``u < val_ratio``, test if ``u < val_ratio + test_ratio``, else train.
+    """
+    with np.errstate(over="ignore"):
+        z = _splitmix64(lines.astype(np.uint64) * np.uint64(0xD1B54A32D192ED03) ^ _file_key(file_name, seed))
+    u = (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    codes = np.zeros(len(lines), dtype=np.int8)
+    codes[u < val_ratio + test_ratio] = 2
+    codes[u < val_ratio] = 1
+    return codes
+
+
+# =============================================================================== options / inputs
+@dataclasses.dataclass
+class CriteoOptions:
+    """Options of :func:`preprocess_criteo` (see the module docstring for the semantics).
+
+    Exactly one of ``num_embeddings`` (hashing) and ``frequency_threshold`` (vocabulary) may be
+    set; with neither, a vocabulary with threshold :data:`DEFAULT_FREQUENCY_THRESHOLD` is built.
+    """
+
+    num_embeddings: list[int] | None = None  # 26 ints (one value is broadcast by the caller)
+    frequency_threshold: int | None = None
+    val_ratio: float = 0.0
+    test_ratio: float = 0.0
+    seed: int = 0
+    split_by_day: bool = False
+    on_bad_line: str = "error"  # "error" | "skip"
+    multi_hot_sizes: list[int] | None = None
+    multi_hot_distribution: str = "uniform"
+    workers: int = 1
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option when an option is inconsistent."""
+        if self.num_embeddings is not None and self.frequency_threshold is not None:
+            raise ValueError("--num-embeddings (hashing) and --frequency-threshold (vocabulary) "
+                             "are exclusive; give one")
+        if self.num_embeddings is not None:
+            if len(self.num_embeddings) != NUM_SPARSE:
+                raise ValueError(f"--num-embeddings: expected 1 or {NUM_SPARSE} values, got "
+                                 f"{len(self.num_embeddings)}")
+            if min(self.num_embeddings) < 1:
+                raise ValueError(f"--num-embeddings: values must be >= 1, got {self.num_embeddings}")
+        if self.frequency_threshold is not None and self.frequency_threshold < 1:
+            raise ValueError(f"--frequency-threshold must be >= 1, got {self.frequency_threshold}")
+        for name, r in (("--val-ratio", self.val_ratio), ("--test-ratio", self.test_ratio)):
+            if not 0.0 <= r < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {r}")
+        if self.val_ratio + self.test_ratio >= 1.0:
+            raise ValueError(f"--val-ratio + --test-ratio must be < 1, got {self.val_ratio + self.test_ratio}")
+        if self.split_by_day and (self.val_ratio or self.test_ratio):
+            raise ValueError("--split-by-day and --val-ratio/--test-ratio are exclusive")
+        if self.on_bad_line not in ("error", "skip"):
+            raise ValueError(f"--on-bad-line must be 'error' or 'skip', got {self.on_bad_line!r}")
+        if self.multi_hot_sizes is not None:
+            if len(self.multi_hot_sizes) != NUM_SPARSE or min(self.multi_hot_sizes) < 1:
+                raise ValueError(f"--multi-hot-sizes: expected {NUM_SPARSE} integers >= 1, got "
+                                 f"{self.multi_hot_sizes}")
+        if self.multi_hot_distribution not in ("uniform", "pareto"):
+            raise ValueError("--multi-hot-distribution must be 'uniform' or 'pareto'")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+
+    @property
+    def mode(self) -> str:
+        return "hash" if self.num_embeddings is not None else "vocab"
+
+    @property
+    def threshold(self) -> int:
+        return self.frequency_threshold if self.frequency_threshold is not None else DEFAULT_FREQUENCY_THRESHOLD
+
+
+_DAY_RE = re.compile(r"^day_(\d+)(?:\.[A-Za-z0-9]+)*$")
+
+
+def expand_inputs(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """Resolve ``--input``: a file, a directory (all non-hidden regular files in it), or a glob.
+
+    Returns:
+        Sorted list of files (``day_N`` files sorted by N).
+
+    Raises:
+        DataError: nothing matches, or two inputs share a base name (their outputs would collide).
+    """
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    files: list[Path] = []
+    for s in specs:
+        p = Path(s)
+        if p.is_dir():
+            files += [f for f in p.iterdir() if f.is_file() and not f.name.startswith(".")]
+        elif p.is_file():
+            files.append(p)
+        else:
+            matched = [Path(m) for m in glob.glob(str(s)) if Path(m).is_file()]
+            if not matched:
+                raise DataError("no such file, directory or glob match", path=s)
+            files += matched
+
+    def key(f: Path):
+        m = _DAY_RE.match(f.name)
+        return (0, int(m.group(1)), f.name) if m else (1, 0, f.name)
+
+    files = sorted(set(files), key=key)
+    if not files:
+        raise DataError("no input files found", path=str(spec))
+    names = [f.name for f in files]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise DataError(f"several inputs share the base name(s) {sorted(dup)}; outputs are keyed by "
+                        "base name, rename them", path=str(spec))
+    return files
+
+
+def open_text(path: Path):
+    """Open a plain, ``.gz`` or ``.bz2`` file for binary reading (by its name's suffix)."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    return open(path, "rb")
+
+
+def num_fields(path: Path) -> int | None:
+    """Field count of the first line (None for an empty file)."""
+    with open_text(path) as f:
+        first = f.readline()
+    if not first:
+        return None
+    return first.rstrip(b"\r\n").count(b"\t") + 1
+
+
+def count_lines(path: Path) -> int:
+    """Number of lines (a last line without a newline counts)."""
+    n = 0
+    last = b"\n"
+    with open_text(path) as f:
+        while True:
+            b = f.read(16 << 20)
+            if not b:
+                break
+            n += b.count(b"\n")
+            last = b[-1:]
+    return n + (last != b"\n")
+
+
+# =============================================================================== reading blocks
+_CONV_RE = re.compile(r"column #(\d+): Row #(\d+): CSV conversion error to \w+: invalid value '(.*)'", re.S)
+
+
+class _NeedCareful(Exception):
+    """Internal: the fast path met a non-integer dense value in skip mode; redo the file carefully."""
+
+
+@dataclasses.dataclass
+class Block:
+    """One parsed block of ``n`` good rows (bad rows already dropped or raised)."""
+
+    lines: np.ndarray  # [n] int64 physical 1-based line numbers
+    label: np.ndarray | None  # [n] float32
+    dense: list[np.ndarray]  # 13 x [n] float32
+    sparse_h: list[np.ndarray]  # 26 x [n] uint64 decoded hashes
+    sparse_present: list[np.ndarray]  # 26 x [n] bool
+    bad_skipped: int
+
+
+class BlockReader:
+    """Streams one Criteo file as vectorised blocks; validates and reports bad lines.
+
+    Args:
+        path: input file.
+        labelled: 40 fields (True) or 39 (False).
+        on_bad_line: "error" raises :class:`DataError` at the first bad line; "skip" drops it.
+        careful: read dense fields as bytes and validate them (needed to *skip* bad integers;
+            the default fast path lets Arrow convert them and reports the first error).
+    """
+
+    def __init__(self, path: Path, labelled: bool, on_bad_line: str, careful: bool, block_size: int):
+        self.path = path
+        self.labelled = labelled
+        self.on_bad_line = on_bad_line
+        self.careful = careful
+        self.block_size = block_size
+        self.names = ([LABEL_COLUMN] if labelled else []) + DENSE_FEATURES + SPARSE_FEATURES
+        self.bad_lines = 0
+        self._skipped: list[int] = []  # physical lines dropped by the parser (wrong field count)
+        self._first_error: tuple[int, str] | None = None
+
+    def _invalid_row(self, row) -> str:
+        msg = f"expected {len(self.names)} tab-separated fields, got {row.actual_columns}"
+        if self.on_bad_line == "error" and self._first_error is None:
+            self._first_error = (row.number, msg)
+        self._skipped.append(row.number)
+        return "skip"
+
+    def _raise_parse_error(self) -> None:
+        if self._first_error is not None:
+            line, msg = self._first_error
+            raise DataError(msg, path=self.path, line=line)
+
+    def _arrow_error(self, e: Exception) -> None:
+        """Turn Arrow's parse/convert error into a DataError (or a careful-mode restart in skip mode)."""
+        self._raise_parse_error()
+        m = _CONV_RE.search(str(e))
+        if m is None:
+            raise DataError(f"cannot parse: {e}", path=self.path) from None
+        if self.on_bad_line == "skip":
+            raise _NeedCareful() from None
+        field = self.names[int(m.group(1))]
+        what = "0 or 1" if field == LABEL_COLUMN else "an integer"
+        raise DataError(f"expected {what}, got '{m.group(3)}'", path=self.path,
+                        line=int(m.group(2)), field=field) from None
+
+    def __iter__(self) -> Iterator[Block]:
+        int_t = pa.binary() if self.careful else pa.int64()
+        types = {n: (pa.binary() if n.startswith("C") else int_t) for n in self.names}
+        try:
+            reader = pa_csv.open_csv(
+                str(self.path),
+                read_options=pa_csv.ReadOptions(column_names=self.names, use_threads=False,
+                                                block_size=self.block_size),
+                parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,
+                                                  ignore_empty_lines=False,
+                                                  invalid_row_handler=self._invalid_row),
+                convert_options=pa_csv.ConvertOptions(column_types=types, strings_can_be_null=False,
+                                                      check_utf8=False, quoted_strings_can_be_null=False),
+            )
+        except pa.ArrowInvalid as e:
+            self._arrow_error(e)
+        next_line = 1
+        sk_pos = 0
+        while True:
+            try:
+                rb = reader.read_next_batch()
+            except StopIteration:
+                break
+            except pa.ArrowInvalid as e:
+                self._arrow_error(e)
+            self._raise_parse_error()
+            n = rb.num_rows
+            # physical line numbers of this block's rows: skip lines the parser dropped
+            while sk_pos < len(self._skipped) and self._skipped[sk_pos] < next_line:
+                sk_pos += 1
+            pending = self._skipped[sk_pos:]
+            if not pending:
+                lines = np.arange(next_line, next_line + n, dtype=np.int64)
+            else:
+                cand = np.arange(next_line, next_line + n + len(pending), dtype=np.int64)
+                lines = cand[~np.isin(cand, np.asarray(pending, dtype=np.int64))][:n]
+            if n:
+                next_line = int(lines[-1]) + 1
+            if n == 0:
+                continue
+            blk = self._convert(rb, lines)
+            consumed = sk_pos
+            while consumed < len(self._skipped) and self._skipped[consumed] < next_line:
+                consumed += 1
+            blk.bad_skipped += consumed - sk_pos
+            sk_pos = consumed
+            yield blk
+        rest = len(self._skipped) - sk_pos
+        if rest:  # bad lines after the last good row
+            z = np.zeros(0, dtype=np.int64)
+            yield Block(z, np.zeros(0, np.float32) if self.labelled else None, [], [], [], rest)
+
+    def _bad(self, mask: np.ndarray, lines: np.ndarray, field: str, what: str, values: pa.Array) -> np.ndarray:
+        """Handle rows ``mask`` bad in ``field``: raise (error mode) or return the mask (skip)."""
+        if self.on_bad_line == "error":
+            i = int(np.flatnonzero(mask)[0])
+            got = values[i].as_py()
+            got = got.decode("utf-8", "replace") if isinstance(got, bytes) else got
+            raise DataError(f"expected {what}, got '{got}'", path=self.path, line=int(lines[i]), field=field)
+        return mask
+
+    def _convert(self, rb: pa.RecordBatch, lines: np.ndarray) -> Block:
+        n = rb.num_rows
+        drop = np.zeros(n, dtype=bool)
+        cols = dict(zip(self.names, rb.columns))
+
+        def ints(name: str) -> np.ndarray:
+            col = cols[name]
+            if self.careful:
+                ok = pc.match_substring_regex(col, r"^-?[0-9]{1,18}$")
+                ok_np = ok.to_numpy(zero_copy_only=False)
+                empty = pc.equal(pc.binary_length(col), 0).to_numpy(zero_copy_only=False)
+                badm = ~ok_np & ~empty
+                if badm.any():
+                    drop[:] |= self._bad(badm, lines, name, "0 or 1" if name == LABEL_COLUMN else "an integer", col)
+                col = pc.cast(pc.if_else(ok, col, pa.scalar(b"0", pa.binary())).view(pa.string()), pa.int64())
+            else:
+                if col.null_count:
+                    col = pc.fill_null(col, 0)
+            return col.to_numpy(zero_copy_only=False)
+
+        label = None
+        if self.labelled:
+            lab = ints(LABEL_COLUMN)
+            empty = (pc.is_null(cols[LABEL_COLUMN]) if not self.careful else
+                     pc.equal(pc.binary_length(cols[LABEL_COLUMN]), 0)).to_numpy(zero_copy_only=False)
+            badl = ((lab != 0) & (lab != 1)) | empty
+            badl &= ~drop
+            if badl.any():
+                drop |= self._bad(badl, lines, LABEL_COLUMN, "0 or 1", cols[LABEL_COLUMN])
+            label = lab.astype(np.float32)
+        dense = [dense_log1p(ints(name)) for name in DENSE_FEATURES]
+        hs, pres = [], []
+        for name in SPARSE_FEATURES:
+            h, present, badc = hex_to_uint32(cols[name])
+            if badc is not None:
+                badc &= ~drop
+                if badc.any():
+                    drop |= self._bad(badc, lines, name, "8 hex digits", cols[name])
+            hs.append(h)
+            pres.append(present)
+        nbad = int(drop.sum())
+        if nbad:
+            keep = ~drop
+            lines = lines[keep]
+            label = label[keep] if label is not None else None
+            dense = [d[keep] for d in dense]
+            hs = [h[keep] for h in hs]
+            pres = [p[keep] for p in pres]
+        return Block(lines, label, dense, hs, pres, nbad)
+
+
+# =============================================================================== per-file work
+@dataclasses.dataclass
+class FileTask:
+    """One input file's work in a pass (picklable: sent to the worker pool)."""
+
+    path: str
+    part: str  # output part name (the base name)
+    role: str  # "ratio" | "train" | "valtest" | "unlabelled"
+    labelled: bool
+    out_dir: str
+    opts: CriteoOptions
+    fingerprint: str
+    vocab_dir: str | None = None
+    table_sizes: list[int] | None = None
+    valtest_first: int = 0  # rows of the last day going to val
+
+
+def split_of_block(task: FileTask, blk: Block) -> np.ndarray:
+    """``[n]`` int8 split codes of a block's rows (0 train, 1 val, 2 test) by the file's role."""
+    o = task.opts
+    n = len(blk.lines)
+    if task.role == "ratio":
+        return row_split_codes(blk.lines, task.part, o.seed, o.val_ratio, o.test_ratio)
+    if task.role == "train":
+        return np.zeros(n, dtype=np.int8)
+    if task.role == "unlabelled":
+        return np.full(n, 2, dtype=np.int8)
+    # valtest: first valtest_first physical lines -> val, the rest -> test
+    return np.where(blk.lines <= task.valtest_first, 1, 2).astype(np.int8)
+
+
+def read_blocks(task: FileTask) -> Iterator[Block]:
+    """Blocks of the file; in skip mode falls back to the careful reader on a bad integer."""
+    careful = False
+    while True:
+        r = BlockReader(Path(task.path), task.labelled, task.opts.on_bad_line, careful, task.opts.block_size)
+        try:
+            for blk in r:
+                yield blk
+            return
+        except _NeedCareful:
+            careful = True
+            yield None  # tells the consumer to discard what it has written and restart
+
+
+
+def sparse_ids(task: FileTask, blk: Block, vocabs: "VocabSet | None") -> list[np.ndarray]:
+    """Categorical ids of one block.
+
+    Args:
+        task: the file's task (its options give the mode and the hashing moduli).
+        blk: a parsed block of ``n`` rows.
+        vocabs: the vocabularies (vocabulary mode; loaded lazily, one feature at a time), else None.
+
+    Returns:
+        26 x ``[n]`` int64: hashing ``h mod N`` (missing -> ``N``); vocabulary: the value's id,
+        ``V`` for a value outside the vocabulary, ``V + 1`` for a missing value.
+    """
+    out = []
+    for f in range(NUM_SPARSE):
+        h, present = blk.sparse_h[f], blk.sparse_present[f]
+        if task.opts.mode == "hash":
+            nb = task.opts.num_embeddings[f]
+            ids = (h % np.uint64(nb)).astype(np.int64)
+            ids[~present] = nb
+        else:
+            v = vocabs[f]
+            ids = v.lookup(h)
+            ids[~present] = v.size + 1
+        out.append(ids)
+    return out
