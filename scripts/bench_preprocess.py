@@ -1,23 +1,35 @@
 #!/usr/bin/env python
-"""Benchmark ``dlrmctl preprocess criteo`` throughput (rows/s) on a synthetic Kaggle-format TSV.
+"""Benchmark ``dlrmctl preprocess criteo``: rows/s per core and peak RSS, vocabulary and hashing modes.
 
-Generates ``--rows`` (default 1,000,000) Criteo lines (40 tab-separated fields, ~20 % empty
-fields, some negative integers, 8-hex-digit categoricals) in a temp dir, then preprocesses:
+Input: existing Criteo files (``--input``: a file, directory or glob, e.g. ``day_*`` files made
+by ``scripts/bench_scale.py``), or ``--rows`` (default 1,000,000) generated lines (40
+tab-separated fields, ~20 % empty dense fields, some negative integers, 10 % empty
+categoricals, Zipf(1.2) ids over 10..10^6 distinct values per feature), split into
+``--files`` files.
 
-* 1 worker on the whole file (hashing, ``--num-embeddings 100000``, val 10 %);
-* ``--workers`` (default 2) worker processes on the same rows split into that many files;
-* optionally (``--vocab``) 1 worker in vocabulary mode (two passes).
+Each mode runs in a fresh child process (``--modes``, default ``vocab,hash``):
 
-Prints rows/s end to end (wall clock, process start-up included) and the per-worker steady
-rate (rows / time spent inside the worker).  Target: >= 250,000 rows/s per core.
+* ``vocab``: vocabulary mode, ``--threshold`` (default 3): a count pass, the feature-by-feature
+  merge, then the transform pass;
+* ``hash``: hashing mode, ``--num-embeddings`` (default 100000) for every feature.
 
-Usage: python scripts/bench_preprocess.py [--rows N] [--workers W] [--vocab]
+Printed per mode: rows, wall seconds, rows/s end to end, rows/s per core (end to end / the
+number of worker processes used = min(--workers, files)), the steady rate inside the workers of
+the transform pass, the peak RSS of the main process and the largest peak RSS of any worker
+(``getrusage`` ``ru_maxrss``; the main process alone when it runs the files itself).
+Goals (issue 13): >= 300k rows/s per core with vocabulary; hashing >= 650k rows/s per core.
+
+Usage: python scripts/bench_preprocess.py [--rows N | --input PATH] [--files F] [--workers W]
+       [--modes vocab,hash] [--threshold T] [--workdir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +41,6 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dlrmctl.data.criteo.parse import CriteoOptions  # noqa: E402
-from dlrmctl.data.criteo.preprocess import preprocess_criteo  # noqa: E402
 
 
 def _hex8(ids: np.ndarray) -> pa.Array:
@@ -59,43 +69,79 @@ def make_tsv(path: Path, rows: int, seed: int = 0) -> None:
                      pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none"))
 
 
+def _run_one(args: argparse.Namespace) -> None:
+    """Child: one preprocess run; prints a JSON line with its figures."""
+    from dlrmctl.data.criteo.parse import CriteoOptions, expand_inputs
+    from dlrmctl.data.criteo.preprocess import preprocess_criteo
+
+    files = expand_inputs(args.input)
+    if args.one == "vocab":
+        opts = CriteoOptions(frequency_threshold=args.threshold, val_ratio=0.1, workers=args.workers)
+    else:
+        opts = CriteoOptions(num_embeddings=[args.num_embeddings] * 26, val_ratio=0.1, workers=args.workers)
+    out = Path(args.out)
+    t = time.perf_counter()
+    rep = preprocess_criteo(args.input, out, opts, progress=False)
+    wall = time.perf_counter() - t
+    done = [json.loads(p.read_text()) for p in (out / "parts").glob("*/done.json")]
+    kb = 1024 if sys.platform != "darwin" else 1  # ru_maxrss: KiB on Linux, bytes on macOS
+    print(json.dumps({
+        "rows": sum(rep.rows.values()), "wall": wall, "inner": sum(d["seconds"] for d in done),
+        "procs": min(args.workers, len(files)),
+        "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb,
+        "rss_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb,
+        "vocab": [json.loads((out / "meta.json").read_text())["sparse_features"][i].get("num_embeddings")
+                  for i in range(26)],
+    }))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=1_000_000)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--vocab", action="store_true", help="also time vocabulary mode (2 passes)")
+    ap.add_argument("--rows", type=int, default=1_000_000, help="generated lines (without --input)")
+    ap.add_argument("--input", help="existing Criteo file, directory or glob (skips generation)")
+    ap.add_argument("--files", type=int, default=1, help="generated input split into this many files")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--modes", default="vocab,hash", help="comma list of vocab, hash")
+    ap.add_argument("--threshold", type=int, default=3, help="vocabulary frequency threshold")
+    ap.add_argument("--num-embeddings", type=int, default=100_000, help="hashing modulus")
+    ap.add_argument("--workdir", help="directory for generated input and outputs (default: a temp dir)")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as td:
+    if args.one:
+        _run_one(args)
+        return
+    with tempfile.TemporaryDirectory(dir=args.workdir) as td:
         td = Path(td)
-        t0 = time.perf_counter()
-        whole = td / "one" / "train.txt"
-        whole.parent.mkdir()
-        make_tsv(whole, args.rows)
-        parts = td / "many"
-        parts.mkdir()
-        per = -(-args.rows // args.workers)
-        with open(whole, "rb") as f:
-            lines = f.readlines()
-        for w in range(args.workers):
-            (parts / f"part_{w}.txt").write_bytes(b"".join(lines[w * per:(w + 1) * per]))
-        del lines
-        print(f"generated {args.rows:,} lines ({whole.stat().st_size / 1e6:.0f} MB) in "
-              f"{time.perf_counter() - t0:.1f} s")
-        runs = [("hash, 1 worker", whole, 1, CriteoOptions(num_embeddings=[100000] * 26, val_ratio=0.1)),
-                (f"hash, {args.workers} workers", parts, args.workers,
-                 CriteoOptions(num_embeddings=[100000] * 26, val_ratio=0.1, workers=args.workers))]
-        if args.vocab:
-            runs.append(("vocab T=3, 1 worker", whole, 1, CriteoOptions(frequency_threshold=3, val_ratio=0.1)))
-        for name, inp, w, opts in runs:
-            out = td / f"out_{len(name)}_{w}"
-            t = time.perf_counter()
-            rep = preprocess_criteo(inp, out, opts, progress=False)
-            wall = time.perf_counter() - t
-            done = [json.loads(p.read_text()) for p in (out / "parts").glob("*/done.json")]
-            inner = sum(d["seconds"] for d in done)
-            rows = sum(rep.rows.values())
-            print(f"{name:>22}: {rows:,} rows in {wall:.2f} s -> {rows / wall:,.0f} rows/s end to end; "
-                  f"{rows / inner:,.0f} rows/s per worker process (rows / seconds spent inside workers)")
+        inp = args.input
+        if inp is None:
+            t0 = time.perf_counter()
+            gen = td / "in"
+            gen.mkdir()
+            per = -(-args.rows // args.files)
+            for j in range(args.files):
+                make_tsv(gen / f"day_{j}", min(per, args.rows - j * per), seed=j)
+            size = sum(f.stat().st_size for f in gen.iterdir())
+            print(f"generated {args.rows:,} lines in {args.files} file(s), {size / 1e6:.0f} MB, "
+                  f"in {time.perf_counter() - t0:.1f} s")
+            inp = str(gen)
+        for mode in args.modes.split(","):
+            out = td / f"out_{mode}"
+            cmd = [sys.executable, __file__, "--one", mode, "--input", inp, "--out", str(out),
+                   "--workers", str(args.workers), "--threshold", str(args.threshold),
+                   "--num-embeddings", str(args.num_embeddings)]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                sys.exit(f"{mode}: failed\n{res.stderr}")
+            r = json.loads(res.stdout.strip().splitlines()[-1])
+            label = f"vocab T={args.threshold}" if mode == "vocab" else f"hash N={args.num_embeddings}"
+            extra = (f"; largest table {max(r['vocab']):,} rows" if mode == "vocab" else "")
+            print(f"{label:>14}, {r['procs']} worker process(es): {r['rows']:,} rows in {r['wall']:.2f} s -> "
+                  f"{r['rows'] / r['wall']:,.0f} rows/s end to end, {r['rows'] / r['wall'] / r['procs']:,.0f} "
+                  f"rows/s per core; transform pass inside workers {r['rows'] / r['inner']:,.0f} rows/s; "
+                  f"peak RSS main {r['rss_main'] / 2**20:,.0f} MiB, largest worker "
+                  f"{r['rss_worker'] / 2**20:,.0f} MiB{extra}")
+            shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":
