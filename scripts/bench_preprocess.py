@@ -14,7 +14,9 @@ Each mode runs in a fresh child process (``--modes``, default ``vocab,hash``):
 * ``hash``: hashing mode, ``--num-embeddings`` (default 100000) for every feature.
 
 Printed per mode: rows, wall seconds, rows/s end to end, rows/s per core (end to end / the
-number of worker processes used = min(--workers, files)), the steady rate inside the workers of
+number of worker processes used = min(--workers, files)), rows per CPU second (user + sys of the
+run and its workers: the per-core rate a loaded machine's wall clock hides; start-up and imports
+included), the steady rate inside the workers of
 the transform pass, the peak RSS of the main process and the largest peak RSS of any worker
 (``getrusage`` ``ru_maxrss``; the main process alone when it runs the files itself).
 Goals (issue 13): >= 300k rows/s per core with vocabulary; hashing >= 650k rows/s per core.
@@ -88,6 +90,8 @@ def _run_one(args: argparse.Namespace) -> None:
     print(json.dumps({
         "rows": sum(rep.rows.values()), "wall": wall, "inner": sum(d["seconds"] for d in done),
         "procs": min(args.workers, len(files)),
+        "cpu": sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+                   for f in ("ru_utime", "ru_stime")),
         "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb,
         "rss_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb,
         "vocab": [json.loads((out / "meta.json").read_text())["sparse_features"][i].get("num_embeddings")
@@ -138,7 +142,8 @@ def main() -> None:
             extra = (f"; largest table {max(r['vocab']):,} rows" if mode == "vocab" else "")
             print(f"{label:>14}, {r['procs']} worker process(es): {r['rows']:,} rows in {r['wall']:.2f} s -> "
                   f"{r['rows'] / r['wall']:,.0f} rows/s end to end, {r['rows'] / r['wall'] / r['procs']:,.0f} "
-                  f"rows/s per core; transform pass inside workers {r['rows'] / r['inner']:,.0f} rows/s; "
+                  f"rows/s per core, {r['rows'] / r['cpu']:,.0f} rows per CPU second (user + sys, all "
+                  f"processes); transform pass inside workers {r['rows'] / r['inner']:,.0f} rows/s; "
                   f"peak RSS main {r['rss_main'] / 2**20:,.0f} MiB, largest worker "
                   f"{r['rss_worker'] / 2**20:,.0f} MiB{extra}")
             shutil.rmtree(out, ignore_errors=True)

@@ -114,21 +114,26 @@ class HashLookup:
             return out
         table = self._table
         slot = self._home(h)
+        hk = h << np.uint64(32)
         e = table[slot]
-        hit = ((e >> np.uint64(32)) == h) & (e != 0)
-        out[hit] = (e[hit] & _LOW32).astype(np.int64) - 1
+        # y = (e ^ h << 32) - 1 (mod 2^64) is the id when the slot holds h (then e ^ h << 32 = id + 1
+        # in [1, 2^32)), and >= 2^32 - 1 otherwise (another key, or an empty slot: 0 - 1 wraps)
+        y = (e ^ hk) - np.uint64(1)
+        hit = y < _LOW32
+        np.copyto(out, y.view(np.int64), where=hit)
         go = (e != 0) & ~hit  # occupied by another value: probe on
         idx = np.flatnonzero(go)
-        key = h[idx]
+        hk = hk[idx]
         slot = slot[idx]
         while len(idx):
             slot = (slot + 1) & self._mask
             e = table[slot]
-            hit = ((e >> np.uint64(32)) == key) & (e != 0)
+            y = (e ^ hk) - np.uint64(1)
+            hit = y < _LOW32
             if hit.any():
-                out[idx[hit]] = (e[hit] & _LOW32).astype(np.int64) - 1
+                out[idx[hit]] = y[hit].view(np.int64)
             go = (e != 0) & ~hit
-            idx, key, slot = idx[go], key[go], slot[go]
+            idx, hk, slot = idx[go], hk[go], slot[go]
         return out
 
 
@@ -175,6 +180,7 @@ class VocabSet:
         if len(paths) != NUM_SPARSE:
             raise ValueError(f"expected {NUM_SPARSE} vocabulary paths, got {len(paths)}")
         self.paths = [Path(p) for p in paths]
+        self._tables: list[HashLookup | None] = [None] * NUM_SPARSE
 
     @classmethod
     def of_dir(cls, vocab_dir: str | os.PathLike) -> "VocabSet":
@@ -182,7 +188,10 @@ class VocabSet:
         return cls([Path(vocab_dir) / f"{n}.arrow" for n in SPARSE_FEATURES])
 
     def __getitem__(self, f: int) -> HashLookup:
-        return _load(self.paths[f])
+        t = self._tables[f]
+        if t is None:
+            t = self._tables[f] = _load(self.paths[f])
+        return t
 
 
 # =============================================================================== count pass
