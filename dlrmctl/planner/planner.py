@@ -115,7 +115,8 @@ def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topolog
     """The cost model applied to a given plan (e.g. a hand-written one, or one from ``dlrmctl plan``).
 
     Returns:
-        a :class:`Partition` with per-rank loads (seconds) and memory (bytes);
+        a :class:`Partition` with per-rank loads (seconds), memory (bytes) and the fixed
+        latency (``critical_path`` = slowest rank + latency, seconds);
         ``failed`` names tables whose ranks exceed ``usable`` bytes (default: no limit).
     """
     options, ranks = [], []
@@ -138,7 +139,7 @@ def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topolog
             mem[r] += s.mem
     cap = usable if usable is not None else max(mem) + 1
     failed = [o.table.name for o, rk in zip(options, ranks) if any(mem[r] > cap for r in rk)]
-    return Partition(options, ranks, loads, mem, cap, failed)
+    return Partition(options, ranks, loads, mem, cap, failed, topology)
 
 
 class EmbeddingShardingPlanner:
