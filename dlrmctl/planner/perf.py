@@ -53,6 +53,7 @@ several hosts: a flat all-to-all is bounded by its slowest link).
 
     fwd_compute = (in_local + ids*max(c*bpw, m) + out) / bw_k     # read ids, rows; write pooled
     bwd_compute = bwd_compute_multiplier * fwd_compute             # Topology; TorchRec: 2.0
+                  # (dense kernel: Topology.dense_bwd_compute_multiplier when calibrated)
     fwd_comms   = a2a*(in + out) / net;   bwd_comms = a2a*out / net
 
 with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
@@ -209,6 +210,8 @@ def estimate_shard(
     net = topology.comm_bw
     a2a = (W - 1) / W
     mult = topology.bwd_compute_multiplier
+    if compute_kernel == ComputeKernel.DENSE and topology.dense_bwd_compute_multiplier is not None:
+        mult = topology.dense_bwd_compute_multiplier
     st = sharding_type
     cb = shard_comm_bytes(table, st, cols, num_row_shards, batch_size, W)
     ids = cb.ids

@@ -105,6 +105,8 @@ class DevicePreset:
             defaults in :data:`dlrmctl.planner.perf.KERNEL_EFFICIENCY`.
         bwd_compute_multiplier: backward (with the fused optimizer) time / forward time of a
             lookup; ``None`` = TorchRec's 2.0.
+        dense_bwd_compute_multiplier: the same for the dense kernel (sparse gradient + the
+            torch optimizer step); ``None`` = ``bwd_compute_multiplier``.
     """
 
     compute_device: str
@@ -123,6 +125,7 @@ class DevicePreset:
     fused_efficiency: float | None = None
     dense_efficiency: float | None = None
     bwd_compute_multiplier: float | None = None
+    dense_bwd_compute_multiplier: float | None = None
 
 
 #: fixed per-op costs in microseconds per compute device (sources in the module docstring):
@@ -175,6 +178,7 @@ class Topology:
         kernel_efficiency: ``{"fused": f, "dense": f}``: fraction of ``mem_bw`` each
             lookup kernel reaches (missing keys: ``perf.KERNEL_EFFICIENCY``).
         bwd_compute_multiplier: lookup backward time / forward time (TorchRec: 2.0).
+        dense_bwd_compute_multiplier: the same for the dense kernel (``None``: ``bwd_compute_multiplier``).
 
     The fixed costs default (``None``) to :data:`DEFAULT_FIXED_US` of the compute device.
     """
@@ -195,6 +199,7 @@ class Topology:
     lookup_fixed_s: float | None = None
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
     bwd_compute_multiplier: float = 2.0
+    dense_bwd_compute_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
@@ -327,6 +332,7 @@ class Topology:
             kernel_efficiency={k: v for k, v in (("fused", p.fused_efficiency), ("dense", p.dense_efficiency))
                                if v is not None},
             bwd_compute_multiplier=2.0 if p.bwd_compute_multiplier is None else p.bwd_compute_multiplier,
+            dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
         )
 
 
