@@ -121,20 +121,18 @@ def measure_op_overhead() -> float:
 def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=max_s + 30))
-        from dlrmctl.distributed.comm import all_to_all_ints, barrier, default_group
-        from dlrmctl.distributed.env import ShardingEnv
+        from dlrmctl.distributed.comm import all_to_all_ints, barrier
+        from dlrmctl.distributed.env import destroy_distributed, init_process_group_tcp
         from dlrmctl.distributed.model_parallel import plan_from_types
         from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
         from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
         from dlrmctl.sparse import KeyedJaggedTensor
 
-        pg = default_group()
+        env = init_process_group_tcp(rank, world, port, "gloo", timeout_s=max_s + 30)
+        pg = env.pg
         # every rank runs the same number of iterations (a fixed count, not a time slice)
         small = torch.zeros(world, dtype=torch.int64)
         lat = _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 300, 1e9, warmup=20)
@@ -146,7 +144,6 @@ def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
         tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=16, embedding_dim=4, feature_names=[f"f{i}"])
                   for i in range(2)]
         kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
-        env = ShardingEnv.from_process_group()
         sebcs = {name: ShardedEmbeddingBagCollection(tables, plan_from_types(tables, types, world, world), env,
                                                      check_ids=False)
                  for name, types in (("one", {"t0": "table_wise", "t1": "table_wise"}),
@@ -162,7 +159,7 @@ def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
         q.put((rank, {"a2a_small_s": statistics.median(lat), "a2a_8mib_s": statistics.median(bw),
                       "step_one_type_s": statistics.median(steps["one"]),
                       "step_two_types_s": statistics.median(steps["two"])}))
-        dist.destroy_process_group()
+        destroy_distributed()
     except BaseException as e:  # reported to the parent, which raises it
         q.put((rank, e))
 
