@@ -239,7 +239,8 @@ class ShardingConfig:
     ``local_world_size`` (null: all ranks on one host) lets one machine pretend
     to be several hosts (4 ranks = 2 hosts x 2) for table_row_wise /
     table_column_wise; ``constraints`` restrict the planner per table.
-    ``force: true`` runs the sharded path (DistributedModelParallel, every
+    ``topology_file`` (a file written by ``dlrmctl plan --calibrate``) replaces the
+    ``device`` preset for the planner.  ``force: true`` runs the sharded path (DistributedModelParallel, every
     collective, the sparse_dist pipeline) even with ONE process, on a one-rank
     process group (gloo on CPU, nccl on CUDA): one GPU then exercises all the
     code a multi-GPU job uses.
@@ -253,6 +254,7 @@ class ShardingConfig:
     device: str = "cpu"
     hbm_gb: Optional[float] = None
     ddr_gb: Optional[float] = None
+    topology_file: Optional[str] = None
 
 
 @dataclass

@@ -52,7 +52,7 @@ def test_table_wise_storage_matches_hand_count_per_optimizer(optimizer, state):
     opt = build_option(toy_topology(), t, ST.TABLE_WISE, CK.FUSED, B)
     (s,) = opt.shards
     weights = 1000 * 64 * 4
-    ids_in = B * 3 * 8  # int64 ids of the whole global batch
+    ids_in = (B * 2 + B * 3) * 4  # int32 lengths (2 features) + ids of the whole global batch
     pooled_out = B * 2 * 64 * 4  # fp32 pooled rows for every sample and feature
     assert s.weights_bytes == weights and s.optimizer_bytes == state
     assert s.storage.hbm == weights + state + ids_in + pooled_out
@@ -64,7 +64,7 @@ def test_fp16_halves_weights_not_optimizer_state_and_cpu_puts_everything_in_ddr(
     (s,) = build_option(toy_topology(compute_device="cpu"), t, ST.TABLE_WISE, CK.FUSED, B).shards
     assert s.weights_bytes == 1000 * 64 * 2
     assert s.optimizer_bytes == 1000 * 64 * 4
-    assert s.storage.hbm == 0 and s.storage.ddr == s.weights_bytes + s.optimizer_bytes + B * 3 * 8 + B * 2 * 64 * 4
+    assert s.storage.hbm == 0 and s.storage.ddr == s.weights_bytes + s.optimizer_bytes + B * 5 * 4 + B * 2 * 64 * 4
 
 
 def test_row_wise_splits_weights_and_data_parallel_replicates_with_dense_gradient():
@@ -91,7 +91,7 @@ def test_table_wise_perf_matches_hand_formula():
     topo = toy_topology()
     perf, ids, inp, out = estimate_shard(topo, SMALL, ST.TABLE_WISE, CK.FUSED, 1000, 64, 1, B)
     ids_ = B * 3
-    in_b, out_b, lookup = ids_ * 8, B * 2 * 64 * 4, ids_ * max(64 * 4, 128)
+    in_b, out_b, lookup = (B * 2 + ids_) * 4, B * 2 * 64 * 4, ids_ * max(64 * 4, 128)  # int32 lengths + ids
     assert (ids, inp, out) == (ids_, in_b, out_b)
     fwd = (in_b + lookup + out_b) / 1e12
     assert perf.fwd_compute == pytest.approx(fwd)
@@ -99,25 +99,28 @@ def test_table_wise_perf_matches_hand_formula():
     assert perf.fwd_comms == pytest.approx(0.75 * (in_b + out_b) / 1e10)
     assert perf.bwd_compute == pytest.approx(2 * fwd)
     assert perf.bwd_comms == pytest.approx(0.75 * out_b / 1e10)
+    # a calibrated backward multiplier replaces TorchRec's 2.0
+    p3, *_ = estimate_shard(toy_topology(bwd_compute_multiplier=3.0), SMALL, ST.TABLE_WISE, CK.FUSED, 1000, 64, 1, B)
+    assert p3.bwd_compute == pytest.approx(3 * fwd)
 
 
 def test_row_wise_and_table_row_wise_perf_match_hand_formulas():
     topo = toy_topology()
     rw, *_ = estimate_shard(topo, SMALL, ST.ROW_WISE, CK.FUSED, 250, 64, 4, B)
     ids = B * 3 / 4
-    in_b, out_b = ids * 8, B * 2 * 64 * 4
+    in_b, out_b = (B * 2 + ids) * 4, B * 2 * 64 * 4  # all lengths, the block's ids; full partial sums
     fwd = (in_b + ids * 256 + out_b) / 1e12
     assert rw.fwd_compute == pytest.approx(fwd)
-    assert rw.bwd_compute == pytest.approx(2 * fwd + 2.455 * out_b / 1e12)
-    assert rw.fwd_comms == pytest.approx(0.75 * in_b / 1e10 + 0.75 * out_b / 1e10)
+    assert rw.bwd_compute == pytest.approx(2 * fwd)
+    assert rw.fwd_comms == pytest.approx(0.75 * (in_b + out_b) / 1e10)
     assert rw.bwd_comms == pytest.approx(0.75 * out_b / 1e10)
-    # TWRW over one host's 2 ranks: reduce-scatter on the intra-host link, then out/2 across hosts
+    # TWRW over one host's 2 ranks: the same flat all-to-all of full partial sums (no
+    # hierarchical reduce-scatter is implemented), bounded by the inter-host link
     tw, *_ = estimate_shard(topo, SMALL, ST.TABLE_ROW_WISE, CK.FUSED, 500, 64, 2, B)
     ids = B * 3 / 2
-    in_b = ids * 8
-    out_comm = 0.5 * out_b / 1e11 + 0.5 * out_b / 2 / 1e10
-    assert tw.fwd_comms == pytest.approx(0.75 * in_b / 1e10 + out_comm)
-    assert tw.bwd_comms == pytest.approx(out_comm)
+    in_b = (B * 2 + ids) * 4
+    assert tw.fwd_comms == pytest.approx(0.75 * (in_b + out_b) / 1e10)
+    assert tw.bwd_comms == pytest.approx(0.75 * out_b / 1e10)
 
 
 def test_data_parallel_perf_matches_hand_formula():
@@ -129,7 +132,17 @@ def test_data_parallel_perf_matches_hand_formula():
     assert dp.fwd_compute == pytest.approx(fwd)
     assert dp.fwd_comms == 0
     assert dp.bwd_compute == pytest.approx(2 * fwd + 9.22 * 1000 * 64 * 4 / bw)
+    # 256 KB <= 8 MiB: densified gradient, ring all-reduce
     assert dp.bwd_comms == pytest.approx(2 * 3 / 4 * 1000 * 64 * 4 / 1e10)
+    # 10M rows: all-gather of each rank's sparse rows (int64 row + 64 fp32 values per local id)
+    big = dataclasses.replace(SMALL, num_embeddings=10**7)
+    dpb, *_ = estimate_shard(topo, big, ST.DATA_PARALLEL, CK.DENSE, 10**7, 64, 1, B)
+    assert dpb.bwd_comms == pytest.approx(3 * (ids * (8 + 4 * 64) + 8) / 1e10)
+    assert dpb.bwd_compute == pytest.approx(2 * fwd + 9.22 * B * 3 * 64 * 4 / bw)
+    # Adam keeps sparse gradients whatever the size
+    adam, *_ = estimate_shard(topo, dataclasses.replace(SMALL, optimizer="adam"), ST.DATA_PARALLEL, CK.DENSE,
+                              1000, 64, 1, B)
+    assert adam.bwd_comms == pytest.approx(3 * (ids * (8 + 4 * 64) + 8) / 1e10)
 
 
 def test_perf_follows_bytes_moved_not_rows_held():
@@ -148,16 +161,20 @@ def test_perf_follows_bytes_moved_not_rows_held():
     a = build_option(topo, SMALL, ST.TABLE_WISE, CK.FUSED, B).total_perf
     b = build_option(topo, heavier, ST.TABLE_WISE, CK.FUSED, B).total_perf
     assert b > a
-    # data_parallel is the exception: its all-reduce and optimizer sweep are table-sized
-    dp_small = build_option(topo, SMALL, ST.DATA_PARALLEL, CK.DENSE, B).total_perf
-    dp_big = build_option(topo, dataclasses.replace(SMALL, num_embeddings=10**6), ST.DATA_PARALLEL, CK.DENSE, B).total_perf
-    assert dp_big > 100 * dp_small
+    # data_parallel up to 8 MiB is the exception: its densified all-reduce and optimizer sweep are table-sized
+    def dp(rows: int) -> float:
+        return build_option(topo, dataclasses.replace(SMALL, num_embeddings=rows), ST.DATA_PARALLEL, CK.DENSE, B).total_perf
+
+    assert dp(30_000) > 10 * dp(1000)  # 7.7 MB: still densified
+    # larger tables all-gather sparse rows: the cost follows the ids, not the rows
+    assert dp(10**6) == pytest.approx(dp(10**8))
+    assert dp(10**6) < dp(30_000)
 
 
 def test_single_host_uses_intra_host_link_and_one_rank_has_no_communication():
     one_host = toy_topology(local_world_size=4)
     p1, *_ = estimate_shard(one_host, SMALL, ST.TABLE_WISE, CK.FUSED, 1000, 64, 1, B)
-    assert p1.fwd_comms == pytest.approx(0.75 * (B * 3 * 8 + B * 2 * 64 * 4) / 1e11)
+    assert p1.fwd_comms == pytest.approx(0.75 * (B * 5 * 4 + B * 2 * 64 * 4) / 1e11)
     alone = toy_topology(world_size=1, local_world_size=1)
     p0, *_ = estimate_shard(alone, SMALL, ST.TABLE_WISE, CK.FUSED, 1000, 64, 1, B)
     assert p0.fwd_comms == 0 and p0.bwd_comms == 0
@@ -348,8 +365,11 @@ def test_report_has_required_columns_step_time_proposals_and_runner_up():
     for col in ("HBM (GB)", "DDR (GB)", "Perf (ms)", "Input (MB)", "Output (MB)", "Shards",
                 "Sharding", "Kernel", "Ranks", "Shard sizes", "Storage", "Pooling factor", "Dim", "Rows"):
         assert col in text
-    assert f"critical path = slowest rank): {fmt_ms(res.partition.critical_path)} ms" in text
-    assert "latency" in text and "kernel launches" in text and "Why this plan: " in text
+    p = res.partition
+    assert f"Estimated embedding step time: {fmt_ms(p.critical_path)} ms = bandwidth (slowest rank): " \
+           f"{fmt_ms(p.bandwidth_path)} ms" in text
+    assert p.latency > 0 and p.critical_path == pytest.approx(p.bandwidth_path + p.latency)
+    assert "fixed latency" in text and "kernel launches" in text and "Why this plan: " in text
     assert f"Proposals evaluated: {res.proposals_evaluated}" in text and res.proposals_evaluated > 1
     assert "Runner-up: " in text and " vs " in text
     for t in tables:
@@ -366,7 +386,7 @@ def test_planning_dlrmv2_on_8_h100_is_feasible_and_balanced():
     res.plan.validate(tables, 8)
     p = res.partition
     assert max(p.mem) <= res.reservation.usable(topo)
-    assert p.critical_path / (sum(p.loads) / 8) < 1.10
+    assert p.bandwidth_path / (sum(p.loads) / 8) < 1.10
     # the critical path can never beat the heaviest single shard nor the average load
     lower = max(sum(p.loads) / 8, max(o.max_shard_perf for o in p.options))
     assert p.critical_path >= lower * (1 - 1e-9)

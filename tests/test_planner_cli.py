@@ -143,3 +143,73 @@ def test_plan_names_its_preset_loudly_and_reports_latency_and_why(tmp_path):
     assert "kernel launches" in step and "collectives" in step
     why = next(line for line in r.output.splitlines() if line.startswith("Why this plan: "))
     assert "balance max/mean" in why and "headroom" in why and "runner-up" in why and " ms vs " in why
+
+
+# ------------------------------------------------------------------ topology files, --calibrate
+def _calibrated_preset():
+    from dlrmctl.planner.types import DevicePreset
+
+    return DevicePreset(
+        compute_device="cpu", hbm_gb=0.0, ddr_gb=8.0, hbm_bw_gbps=0.0, ddr_bw_gbps=12.5, intra_host_bw_gbps=0.5,
+        inter_host_bw_gbps=0.5, default_gpus_per_host=None, source="test", kernel_launch_us=1.5,
+        collective_us=150.0, inter_host_collective_us=150.0, lookup_fixed_us=2500.0, fused_efficiency=1.2,
+        dense_efficiency=1.5, bwd_compute_multiplier=12.0, dense_bwd_compute_multiplier=90.0,
+    )
+
+
+def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_path, monkeypatch):
+    from dlrmctl.planner import calibrate as cal
+    from dlrmctl.planner.planner import plan_for_config
+    from dlrmctl.planner.types import Topology, load_topology_file
+
+    # the measurements themselves are exercised by the command below in real use (30-40 s); here the
+    # plumbing: file written atomically, loaded by --topology and sharding.topology_file
+    monkeypatch.setattr(cal, "calibrate", lambda log: (_calibrated_preset(), {"ddr_copy_gbps": 12.5}))
+    monkeypatch.chdir(tmp_path)
+    topo_path = tmp_path / "topo.yaml"
+    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(topo_path)])
+    assert r.exit_code == 0, r.output
+    assert "wrote topo.yaml" in r.output
+    assert load_topology_file(topo_path) == _calibrated_preset()
+    assert [p.name for p in tmp_path.iterdir()] == ["topo.yaml"]  # no temp file left behind
+    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(topo_path)])
+    assert r.exit_code == 2 and "exists; pass --force" in r.output
+    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--gpus", "2"])
+    assert r.exit_code == 2 and "takes no config, --gpus" in r.output
+
+    t = Topology.from_preset(load_topology_file(topo_path), 2, name="topo.yaml")
+    assert (t.ddr_mem_bw, t.intra_host_bw, t.collective_s, t.kernel_launch_s, t.lookup_fixed_s) == (
+        12.5e9, 0.5e9, pytest.approx(150e-6), pytest.approx(1.5e-6), pytest.approx(2500e-6))
+    assert t.kernel_efficiency == {"fused": 1.2, "dense": 1.5} and t.bwd_compute_multiplier == 12.0
+    assert t.dense_bwd_compute_multiplier == 90.0 and t.ddr_cap == int(8e9)
+
+    cfg_path = write_config(tmp_path)
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
+                                          "--out", str(tmp_path / "plan.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "Preset: topo.yaml (--topology)" in r.output and "collective 150 us" in r.output
+    assert "2 sharding group(s) x 2.5e+03 us" in r.output or "sharding group(s) x 2.5e+03 us" in r.output
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
+                                          "--device", "h100", "--out", str(tmp_path / "p2.yaml")])
+    assert r.exit_code == 2 and "--device and --topology" in r.output
+
+    cfg = load_config(cfg_path, [f"sharding.topology_file={topo_path}"])
+    plan = plan_for_config(cfg, 2)
+    plan.validate(resolve_tables(cfg), 2)
+
+
+def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
+    from dlrmctl.planner.types import PlannerError, load_topology_file, save_topology_file
+
+    p = tmp_path / "t.yaml"
+    save_topology_file(p, _calibrated_preset())
+    good = yaml.safe_load(p.read_text())
+    for change, msg in [({"ddr_bw_gbps": "fast"}, "ddr_bw_gbps must be a number"),
+                        ({"colective_us": 1.0}, "unknown key(s) ['colective_us']"),
+                        ({"compute_device": "tpu"}, "compute_device must be cuda or cpu")]:
+        p.write_text(yaml.safe_dump({**good, **change}))
+        with pytest.raises(PlannerError, match="topology file .*t.yaml: " + msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+            load_topology_file(p)
+    p.write_text(yaml.safe_dump({k: v for k, v in good.items() if k != "intra_host_bw_gbps"}))
+    with pytest.raises(PlannerError, match=r"missing key\(s\) \['intra_host_bw_gbps'\]"):
+        load_topology_file(p)

@@ -18,6 +18,7 @@ import pytest
 
 from dlrmctl.distributed.types import ShardingType
 from dlrmctl.planner.enumerator import enumerate_options
+from dlrmctl.planner.perf import step_latency
 from dlrmctl.planner.planner import EmbeddingShardingPlanner
 from dlrmctl.planner.storage import HeuristicStorageReservation
 from dlrmctl.planner.types import PlannerError, TableSpec, Topology
@@ -44,7 +45,8 @@ def placements(opt, topo: Topology) -> list[list[int]]:
 
 
 def exhaustive_optimum(options, topo: Topology, usable: int, bound: float) -> float:
-    """Smallest critical path (seconds) over all options x placements, or ``bound`` if none is below it."""
+    """Smallest critical path (seconds: slowest rank + the plan's fixed latency, ``step_latency``) over
+    all options x placements, or ``bound`` if none is below it."""
     W = topo.world_size
     per_table = []
     for opts in options:
@@ -55,28 +57,30 @@ def exhaustive_optimum(options, topo: Topology, usable: int, bound: float) -> fl
                 for s, r in zip(o.shards, pl):
                     load[r] += s.time
                     mem[r] += s.mem
-                key = (tuple(load), tuple(mem))
+                # the latency depends on the type, the kernel and the ranks holding shards
+                key = (tuple(load), tuple(mem), o.sharding_type, o.compute_kernel, tuple(sorted(set(pl))))
                 if key not in seen:
                     seen.add(key)
-                    choices.append(key)
+                    choices.append((tuple(load), tuple(mem), o, pl))
         choices.sort(key=lambda c: max(c[0]))
         per_table.append(choices)
     per_table.sort(key=lambda cs: -min(max(c[0]) for c in cs))
     best = [bound]
 
-    def dfs(t: int, load: list[float], mem: list[int]) -> None:
-        if max(load) >= best[0]:
+    def dfs(t: int, load: list[float], mem: list[int], chosen: list) -> None:
+        if max(load) >= best[0]:  # the latency is >= 0: a valid bound
             return
         if t == len(per_table):
-            best[0] = max(load)
+            lat = step_latency(topo, [o for o, _ in chosen], [pl for _, pl in chosen])[0]
+            best[0] = min(best[0], max(load) + lat)
             return
-        for cl, cm in per_table[t]:
+        for cl, cm, o, pl in per_table[t]:
             nm = [a + b for a, b in zip(mem, cm)]
             if max(nm) > usable:
                 continue
-            dfs(t + 1, [a + b for a, b in zip(load, cl)], nm)
+            dfs(t + 1, [a + b for a, b in zip(load, cl)], nm, chosen + [(o, pl)])
 
-    dfs(0, [0.0] * W, [0] * W)
+    dfs(0, [0.0] * W, [0] * W, [])
     return best[0]
 
 
@@ -128,5 +132,8 @@ def test_exhaustive_search_finds_the_obvious_optimum():
     planner = EmbeddingShardingPlanner(topo, 4096)
     options = planner.enumerate(tables)
     one = options[0][0].total_perf
-    assert exhaustive_optimum(options, topo, planner.usable, float("inf")) == pytest.approx(one)
-    assert planner.plan(tables).partition.critical_path == pytest.approx(one)
+    # fixed latency: one sharding group, one fused TBE per rank (forward + backward), and four
+    # collectives (input sizes + data, pooled all-to-all forward + backward)
+    lat = topo.lookup_fixed_s + 2 * topo.kernel_launch_s + 4 * topo.collective_s
+    assert exhaustive_optimum(options, topo, planner.usable, float("inf")) == pytest.approx(one + lat)
+    assert planner.plan(tables).partition.critical_path == pytest.approx(one + lat)

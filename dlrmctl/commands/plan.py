@@ -37,34 +37,55 @@ def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws:
 
 
 def plan_command(
-    config: Path = typer.Argument(..., help="experiment YAML (configs/*.yaml)"),
-    gpus: int = typer.Option(..., "--gpus", help="ranks in the job (GPUs, or processes with --device cpu)"),
+    config: Optional[Path] = typer.Argument(None, help="experiment YAML (configs/*.yaml); not with --calibrate"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks in the job (GPUs, or processes with --device cpu)"),
     hosts: Optional[int] = typer.Option(None, "--hosts", help="hosts (ranks per host = gpus / hosts)"),
     gpus_per_host: Optional[int] = typer.Option(None, "--gpus-per-host", help="ranks per host"),
     device: Optional[str] = typer.Option(
         None, "--device", help=f"hardware preset: {' | '.join(sorted(DEVICE_PRESETS))} (default: sharding.device)"
     ),
+    topology: Optional[Path] = typer.Option(
+        None, "--topology", help="topology file (from --calibrate) instead of a preset (default: sharding.topology_file)"
+    ),
+    calibrate: bool = typer.Option(
+        False, "--calibrate", help="measure this machine (CPU, 2 gloo ranks, < 60 s) and write a topology file to --out"
+    ),
     hbm_gb: Optional[float] = typer.Option(None, "--hbm-gb", help="device memory per rank, GB (overrides the preset)"),
     ddr_gb: Optional[float] = typer.Option(None, "--ddr-gb", help="host memory per rank, GB (overrides the preset)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="GLOBAL batch (default: data.batch_size)"),
     weights_precision: str = typer.Option("fp32", "--weights-precision", help="fp32 | fp16"),
-    out: Path = typer.Option(Path("plan.yaml"), "--out", help="where to write the plan"),
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="where to write the plan (default plan.yaml; with --calibrate: topology.yaml)"
+    ),
     report: Optional[Path] = typer.Option(None, "--report", help="report file (default: plan_report.txt next to --out)"),
     force: bool = typer.Option(False, "--force", help="replace an existing plan file"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="config override KEY=VALUE (repeatable)"),
 ) -> None:
-    """Plan how the config's embedding tables are sharded over GPUS ranks; print the report and write the plan."""
-    from dlrmctl.commands._common import echo, show_path
+    """Plan how the config's embedding tables are sharded over GPUS ranks; print the report and write the plan.
+
+    With ``--calibrate``: measure this machine and write a topology file instead (no config)."""
+    from dlrmctl.commands._common import echo, fail, show_path
+
+    if calibrate:
+        _calibrate(config, gpus, topology, device, out or Path("topology.yaml"), force)
+        return
     from dlrmctl.config import ConfigError, load_config, read_data_meta
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.planner.planner import plan_config
-    from dlrmctl.planner.types import PlannerError, Topology
+    from dlrmctl.planner.types import PlannerError, Topology, load_topology_file
 
+    if config is None:
+        fail("plan needs a config file (or --calibrate)")
+    if gpus is None:
+        fail("plan needs --gpus N (ranks in the job)")
+    out = out or Path("plan.yaml")
     rpath = report or Path(os.path.dirname(os.path.abspath(out))) / "plan_report.txt"
     try:
         if gpus <= 0:
             raise ValueError(f"--gpus must be > 0, got {gpus}")
+        if device is not None and topology is not None:
+            raise ValueError("--device and --topology both give the hardware: pass one")
         if weights_precision not in ("fp32", "fp16"):
             raise ValueError(f"--weights-precision must be fp32 or fp16, got {weights_precision!r}")
         if batch_size is not None and batch_size <= 0:
@@ -74,13 +95,15 @@ def plan_command(
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
         if out.exists() and not force:
             raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
-        preset = device or cfg.sharding.device
+        topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
+        preset = show_path(topo_file) if topo_file else (device or cfg.sharding.device)
         topo = Topology.from_preset(
-            preset,
+            load_topology_file(topo_file) if topo_file else preset,
             gpus,
             lws,
             hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
             ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
+            name=preset,
         )
         res = plan_config(cfg, topo, meta, batch_size, 2 if weights_precision == "fp16" else 4)
         # the plan must be what train --nproc will accept
@@ -92,9 +115,11 @@ def plan_command(
     except (ConfigError, PlannerError, PlanError, ValueError) as e:
         echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    origin = "--device" if device else f"sharding.device in {show_path(config)}"
+    origin = ("--topology" if topology is not None else "--device" if device
+              else f"sharding.topology_file in {show_path(config)}" if topo_file
+              else f"sharding.device in {show_path(config)}")
     echo(f"Preset: {preset} ({origin}): {topo.describe()}")
-    if device is None and topo.compute_device == "cpu":
+    if device is None and topo_file is None and topo.compute_device == "cpu":
         echo(f"warning: --gpus {gpus} without --device plans {gpus} CPU processes (the '{preset}' preset from "
              f"sharding.device in {show_path(config)}: tables in host memory, no HBM). For GPUs pass --device "
              f"{' | '.join(sorted(k for k, v in DEVICE_PRESETS.items() if v.compute_device == 'cuda'))}.", err=True)
@@ -103,6 +128,30 @@ def plan_command(
     res.plan.save(out)
     rpath.write_text(text)
     echo(f"wrote {show_path(out)} and {show_path(rpath)}")
+
+
+def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[Path], device: Optional[str],
+               out: Path, force: bool) -> None:
+    """``plan --calibrate``: measure this machine (:mod:`dlrmctl.planner.calibrate`) and write ``out``."""
+    from dlrmctl.commands._common import echo, fail, show_path
+
+    if config is not None or gpus is not None or topology is not None or device is not None:
+        fail("--calibrate measures this machine: it takes no config, --gpus, --device or --topology "
+             "(then plan with --topology FILE)")
+    if out.exists() and not force:
+        fail(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+    from dlrmctl.planner.calibrate import TIME_BUDGET_S, calibrate
+    from dlrmctl.planner.types import save_topology_file
+
+    echo(f"Calibrating this machine (CPU, gloo on 2 spawned ranks, 1 thread per rank; under {TIME_BUDGET_S:.0f} s)")
+    try:
+        preset, measured = calibrate(lambda m: echo("  " + m))
+    except RuntimeError as e:
+        fail(str(e))
+    save_topology_file(out, preset, measured,
+                       header=f"{preset.source}\nload with: dlrmctl plan CONFIG --gpus N --topology {show_path(out)}"
+                              f"\nor the config key sharding.topology_file")
+    echo(f"wrote {show_path(out)} (plan with --topology {show_path(out)} or sharding.topology_file)")
 
 
 def register(app: typer.Typer) -> None:

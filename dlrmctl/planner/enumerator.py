@@ -41,7 +41,7 @@ from dlrmctl.distributed.types import (
     construct_parameter_sharding,
     row_wise_shard_sizes,
 )
-from dlrmctl.planner.perf import KERNEL_EFFICIENCY, estimate_shard
+from dlrmctl.planner.perf import estimate_shard, kernel_efficiency
 from dlrmctl.planner.storage import shard_bytes, to_storage
 from dlrmctl.planner.types import (
     UNPOOLED_SHARDING_TYPES,
@@ -270,11 +270,10 @@ def enumerate_options(
         if not table.is_pooled:
             types = [t for t in types if t in UNPOOLED_SHARDING_TYPES]
         kernels = list(table.compute_kernels) if table.compute_kernels is not None else list(ALL_KERNELS)
-        eff = KERNEL_EFFICIENCY
-        dev = topology.compute_device
         # dense next to fused is dominated (slower, plus a sparse gradient) wherever its kernel
         # efficiency is not higher: skip building it (prune_dominated would drop it anyway)
-        dense_dominated = ComputeKernel.FUSED in kernels and eff[(dev, ComputeKernel.DENSE)] <= eff[(dev, ComputeKernel.FUSED)]
+        dense_dominated = ComputeKernel.FUSED in kernels and (
+            kernel_efficiency(topology, ComputeKernel.DENSE) <= kernel_efficiency(topology, ComputeKernel.FUSED))
         for st in types:
             for k in kernels:
                 if st == ShardingType.DATA_PARALLEL and k != ComputeKernel.DENSE:

@@ -18,7 +18,10 @@ Algorithm (greedy list scheduling, then local search):
 Ties in step 2 go to the rank with less memory used, then the lower rank.
 
 A rank's load is the sum of its shards' ``time`` (= ``perf.total``); the critical path of
-the partition is the largest load (the step waits for the slowest rank).
+the partition is the largest load (the step waits for the slowest rank) plus the plan's
+fixed per-step latency (:func:`dlrmctl.planner.perf.step_latency`: sharding groups,
+kernel launches, collectives), so proposals that mix more sharding types or issue more
+collectives pay for it.
 Memory per rank is checked against the usable bytes (after the reservation).
 """
 
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlrmctl.distributed.types import ShardingType
+from dlrmctl.planner.perf import step_latency
 from dlrmctl.planner.types import ShardingOption, Topology
 
 _EPS = 1e-12
@@ -47,6 +51,9 @@ class Partition:
         mem: per rank table-memory bytes used.
         failed: names of tables that could not be placed (memory); empty on success.
         usable: bytes per rank available to tables.
+        topology: the machine (for :meth:`update_latency`); ``None``: no fixed latency.
+        latency: fixed seconds per step (:func:`~dlrmctl.planner.perf.step_latency`), kept
+            current by :func:`partition` and :func:`refine`.
     """
 
     options: list[ShardingOption]
@@ -55,6 +62,16 @@ class Partition:
     mem: list[int]
     usable: int
     failed: list[str] = field(default_factory=list)
+    topology: Topology | None = field(default=None, repr=False)
+    latency: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.update_latency()
+
+    def update_latency(self) -> None:
+        """Recompute :attr:`latency` from the current placement (0 without a topology or when it failed)."""
+        if self.topology is not None and not self.failed:
+            self.latency = step_latency(self.topology, self.options, self.ranks)[0]
 
     @property
     def ok(self) -> bool:
@@ -62,14 +79,19 @@ class Partition:
         return not self.failed
 
     @property
-    def critical_path(self) -> float:
-        """Estimated step time of the embeddings = max over ranks of the load, seconds."""
+    def bandwidth_path(self) -> float:
+        """Max over ranks of the load (bytes / bandwidth), seconds."""
         return max(self.loads)
+
+    @property
+    def critical_path(self) -> float:
+        """Estimated embedding step time = max over ranks of the load + fixed latency, seconds."""
+        return max(self.loads) + self.latency
 
     @property
     def key(self) -> tuple[float, float]:
         """Selection key: (critical path, total load) — lower is better."""
-        return (max(self.loads), sum(self.loads))
+        return (max(self.loads) + self.latency, sum(self.loads))
 
 
 def _allowed(opt: ShardingOption, W: int) -> list[int]:
@@ -192,7 +214,7 @@ def partition(options: list[ShardingOption], topology: Topology, usable: int) ->
             ranks[i] = cand
         for s, r in zip(o.shards, ranks[i]):
             st.add(r, s.time, s.mem)
-    return Partition(list(options), ranks, loads, mem, usable, failed)
+    return Partition(list(options), ranks, loads, mem, usable, failed, topology)
 
 
 def _greedy_scan(o: ShardingOption, allowed: list[int], loads, mem, usable) -> list[int] | None:
@@ -299,4 +321,5 @@ def refine(p: Partition, max_iters: int = 200, targets: int = 8) -> Partition:
             on_rank[b].remove((i2, j2))
             on_rank[a].append((i2, j2))
             on_rank[b].append((i, j))
+    p.update_latency()
     return p

@@ -47,6 +47,7 @@ from dlrmctl.planner.types import (
     Topology,
     compute_kernels_of,
     fmt_bytes,
+    load_topology_file,
     optimizer_name,
     sharding_types_of,
 )
@@ -115,7 +116,8 @@ def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topolog
     """The cost model applied to a given plan (e.g. a hand-written one, or one from ``dlrmctl plan``).
 
     Returns:
-        a :class:`Partition` with per-rank loads (seconds) and memory (bytes);
+        a :class:`Partition` with per-rank loads (seconds), memory (bytes) and the fixed
+        latency (``critical_path`` = slowest rank + latency, seconds);
         ``failed`` names tables whose ranks exceed ``usable`` bytes (default: no limit).
     """
     options, ranks = [], []
@@ -138,7 +140,7 @@ def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topolog
             mem[r] += s.mem
     cap = usable if usable is not None else max(mem) + 1
     failed = [o.table.name for o, rk in zip(options, ranks) if any(mem[r] > cap for r in rk)]
-    return Partition(options, ranks, loads, mem, cap, failed)
+    return Partition(options, ranks, loads, mem, cap, failed, topology)
 
 
 class EmbeddingShardingPlanner:
@@ -517,7 +519,8 @@ def plan_config(
 def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = None, meta: dict | None = None) -> ShardingPlan:
     """The plan ``dlrmctl train --nproc N`` applies when no plan is given (rank 0 plans, then broadcasts).
 
-    Topology: ``sharding.device`` preset (``cpu`` by default: every table in DDR,
+    Topology: ``sharding.topology_file`` when set (``dlrmctl plan --calibrate``), else the
+    ``sharding.device`` preset (``cpu`` by default: every table in DDR,
     fused = FBGEMM TBE on CPU, dense = torch EmbeddingBag) with
     ``sharding.hbm_gb`` / ``sharding.ddr_gb`` overrides; ``local_world_size``
     defaults to ``sharding.local_world_size``, then to ``world_size``.
@@ -529,5 +532,7 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
         PlannerError: infeasible (the message says what would fit).
     """
     lws = local_world_size or cfg.sharding.local_world_size or world_size
-    topo = Topology.from_preset(cfg.sharding.device, world_size, lws, cfg.sharding.hbm_gb, cfg.sharding.ddr_gb)
+    tf = cfg.sharding.topology_file
+    device = load_topology_file(tf) if tf else cfg.sharding.device
+    topo = Topology.from_preset(device, world_size, lws, cfg.sharding.hbm_gb, cfg.sharding.ddr_gb, name=tf)
     return plan_config(cfg, topo, meta).plan

@@ -10,7 +10,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from dlrmctl.planner.partitioner import Partition
-from dlrmctl.planner.perf import COLLECTIVE_S, KERNEL_LAUNCH_S, step_latency
+from dlrmctl.planner.perf import step_latency
 
 if TYPE_CHECKING:  # pragma: no cover
     from dlrmctl.planner.planner import PlanResult
@@ -83,7 +83,12 @@ def why_slower(p: Partition, limit: int = 3) -> str:
 def _lost(entry: tuple[str, Partition], chosen: Partition) -> str:
     """``<label>, X ms vs Y ms: <why>`` for a proposal that lost to ``chosen``."""
     label, q = entry
-    if q.critical_path > chosen.critical_path * (1 + 1e-9):
+    if q.critical_path > chosen.critical_path * (1 + 1e-9) and q.bandwidth_path <= chosen.bandwidth_path and q.topology:
+        _, nk, nc = step_latency(q.topology, q.options, q.ranks)
+        why = (f"more fixed latency ({fmt_ms(q.latency)} ms vs {fmt_ms(chosen.latency)} ms: "
+               f"{len({o.sharding_type for o in q.options})} sharding group(s), {nk} kernel launches on the busiest "
+               f"rank, {nc} collectives)")
+    elif q.critical_path > chosen.critical_path * (1 + 1e-9):
         why = why_slower(q)
     else:
         why = (f"same critical path, more total work ({fmt_ms(sum(q.loads))} ms vs "
@@ -103,15 +108,13 @@ def why_chosen(res: "PlanResult", hbm: list[int], ddr: list[int]) -> str:
     head = f"{1 - used[full] / usable:.0%} headroom" if usable > 0 else "no table memory"
     parts = [
         f"the lowest estimated step time of {res.proposals_evaluated} proposal(s)",
-        f"balance max/mean {p.critical_path / mean if mean else 1.0:.3f} (slowest rank {slow})",
+        f"balance max/mean {p.bandwidth_path / mean if mean else 1.0:.3f} (slowest rank {slow})",
         f"fullest rank {full} holds {used[full] / 1e9:.3f} of {usable / 1e9:.2f} GB usable "
         f"{topo.table_mem_name} ({head})",
     ]
     if res.runner_up is not None:
         label, q = res.runner_up
-        lat = step_latency(topo, q.options, q.ranks)[0]
-        lat_p = step_latency(topo, p.options, p.ranks)[0]
-        a, b = p.critical_path + lat_p, q.critical_path + lat
+        a, b = p.critical_path, q.critical_path
         parts.append(f"runner-up {label} costs {fmt_ms(b)} ms vs {fmt_ms(a)} ms"
                      + (f" ({100 * (b / a - 1):+.1f}%)" if a > 0 else ""))
     else:
@@ -164,6 +167,7 @@ def format_report(res: "PlanResult") -> str:
         )
     mean = sum(p.loads) / W
     lat, n_kernels, n_coll = step_latency(topo, p.options, p.ranks)
+    n_groups = len({o.sharding_type for o in p.options})
     lines = [
         f"Sharding plan: {len(p.options)} table(s) on {topo.describe()}",
         f"global batch {res.batch_size}; usable table memory per rank {res.reservation.usable(topo) / 1e9:.2f} GB "
@@ -175,11 +179,11 @@ def format_report(res: "PlanResult") -> str:
         "Per table:",
         _table(TABLE_COLUMNS, table_rows),
         "",
-        f"Estimated embedding step time: {fmt_ms(p.critical_path + lat)} ms = bandwidth (critical path = slowest "
-        f"rank): {fmt_ms(p.critical_path)} ms (mean rank {fmt_ms(mean)} ms, balance max/mean "
-        f"{p.critical_path / mean if mean else 1.0:.3f}) + latency {fmt_ms(lat)} ms ({n_kernels} kernel launches on "
-        f"the busiest rank x {KERNEL_LAUNCH_S[topo.compute_device] * 1e6:g} us, {n_coll} collectives x "
-        f"{COLLECTIVE_S[topo.compute_device][1 if topo.num_hosts > 1 else 0] * 1e6:g} us)",
+        f"Estimated embedding step time: {fmt_ms(p.critical_path)} ms = bandwidth (slowest rank): "
+        f"{fmt_ms(p.bandwidth_path)} ms (mean rank {fmt_ms(mean)} ms, balance max/mean "
+        f"{p.bandwidth_path / mean if mean else 1.0:.3f}) + fixed latency {fmt_ms(lat)} ms ({n_groups} sharding "
+        f"group(s) x {topo.lookup_fixed_s * 1e6:.3g} us, {n_kernels} kernel launches on the busiest rank x "
+        f"{topo.kernel_launch_s * 1e6:.3g} us, {n_coll} collectives x {topo.collective_s * 1e6:.3g} us)",
         f"Proposals evaluated: {res.proposals_evaluated}; chosen: {res.label}",
         "Why this plan: " + why_chosen(res, hbm, ddr),
     ]
@@ -190,5 +194,5 @@ def format_report(res: "PlanResult") -> str:
     if res.best_uniform is not None and res.best_uniform is not res.runner_up:
         lines.append("Best single-type plan: " + _lost(res.best_uniform, p))
     lines.append("Units: GB = 1e9 bytes, MB = 1e6 bytes; Perf = estimated forward + backward compute and communication "
-                 "per step (bandwidth model; the fixed latencies are added to the step time only and do not rank plans).")
+                 "per step (bandwidth model); the step time adds the plan's fixed latency and ranks the plans.")
     return "\n".join(lines) + "\n"

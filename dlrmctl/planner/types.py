@@ -30,10 +30,30 @@ Device presets (:data:`DEVICE_PRESETS`) and where each number comes from:
   Intra-host bandwidth 2 GB/s: an estimate (not measured) for gloo collectives
   over loopback TCP.  DDR capacity: physical memory of this machine
   (``os.sysconf``) divided by the ranks per host, unless ``--ddr-gb`` is given.
+
+Fixed per-op costs (:class:`DevicePreset` ``*_us`` fields; they do not scale with
+bytes, so the bandwidth model misses them; see :func:`dlrmctl.planner.perf.step_latency`):
+
+* ``kernel_launch_us``: one kernel launch / op dispatch.  CUDA 5 us (host-side
+  launch of a small kernel, the order NVIDIA's launch-overhead figures give);
+  CPU 10 us (PyTorch eager per-op dispatch).
+* ``collective_us`` / ``inter_host_collective_us``: one collective call of a small
+  message.  NCCL 20 us within an NVLink host, 40 us across hosts (nccl-tests
+  small-message latencies); gloo over loopback TCP 100 us.
+* ``lookup_fixed_us``: host-side cost of one sharding group per step (its
+  input_dist routing, lookup call, output combine, forward and backward) that
+  does not scale with ids.  CUDA 50 us, CPU 300 us: orders of magnitude, not
+  measured on those machines.
+
+All of these presets are literature / datasheet numbers; ``dlrmctl plan
+--calibrate`` measures this machine and writes a topology file
+(:func:`save_topology_file`, loaded by :func:`load_topology_file`,
+``plan --topology FILE`` or ``sharding.topology_file``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -77,6 +97,16 @@ class DevicePreset:
         inter_host_bw_gbps: per-rank bandwidth to other hosts, one direction (GB/s).
         default_gpus_per_host: ranks per host when neither ``--hosts`` nor ``--gpus-per-host`` is given.
         source: one-line citation.
+        kernel_launch_us, collective_us, inter_host_collective_us, lookup_fixed_us: fixed
+            per-op costs in microseconds (see the module docstring); ``None`` = the
+            defaults of the compute device (:data:`DEFAULT_FIXED_US`).
+        fused_efficiency, dense_efficiency: fraction of the memory bandwidth the fused
+            (FBGEMM TBE) / dense (``nn.EmbeddingBag``) lookup reaches; ``None`` = the
+            defaults in :data:`dlrmctl.planner.perf.KERNEL_EFFICIENCY`.
+        bwd_compute_multiplier: backward (with the fused optimizer) time / forward time of a
+            lookup; ``None`` = TorchRec's 2.0.
+        dense_bwd_compute_multiplier: the same for the dense kernel (sparse gradient + the
+            torch optimizer step); ``None`` = ``bwd_compute_multiplier``.
     """
 
     compute_device: str
@@ -88,6 +118,22 @@ class DevicePreset:
     inter_host_bw_gbps: float
     default_gpus_per_host: int | None
     source: str
+    kernel_launch_us: float | None = None
+    collective_us: float | None = None
+    inter_host_collective_us: float | None = None
+    lookup_fixed_us: float | None = None
+    fused_efficiency: float | None = None
+    dense_efficiency: float | None = None
+    bwd_compute_multiplier: float | None = None
+    dense_bwd_compute_multiplier: float | None = None
+
+
+#: fixed per-op costs in microseconds per compute device (sources in the module docstring):
+#: kernel launch, collective within a host, collective across hosts, one sharding group per step
+DEFAULT_FIXED_US: dict[str, dict[str, float]] = {
+    "cuda": {"kernel_launch_us": 5.0, "collective_us": 20.0, "inter_host_collective_us": 40.0, "lookup_fixed_us": 50.0},
+    "cpu": {"kernel_launch_us": 10.0, "collective_us": 100.0, "inter_host_collective_us": 100.0, "lookup_fixed_us": 300.0},
+}
 
 
 DEVICE_PRESETS: dict[str, DevicePreset] = {
@@ -123,7 +169,18 @@ class Topology:
         hbm_mem_bw, ddr_mem_bw: memory bandwidths, bytes/s.
         intra_host_bw: one-direction bandwidth between ranks of one host, bytes/s.
         inter_host_bw: one-direction bandwidth of a rank to other hosts, bytes/s.
-        device: preset name (``h100`` ...), for the report.
+        device: preset name (``h100`` ...) or topology file, for the report.
+        kernel_launch_s: seconds of one kernel launch / op dispatch.
+        collective_latency_s: seconds of one small collective within a host.
+        inter_host_collective_latency_s: seconds of one small collective across hosts.
+        lookup_fixed_s: seconds one sharding group costs per step whatever its ids
+            (host-side routing, lookup call and output combine, forward + backward).
+        kernel_efficiency: ``{"fused": f, "dense": f}``: fraction of ``mem_bw`` each
+            lookup kernel reaches (missing keys: ``perf.KERNEL_EFFICIENCY``).
+        bwd_compute_multiplier: lookup backward time / forward time (TorchRec: 2.0).
+        dense_bwd_compute_multiplier: the same for the dense kernel (``None``: ``bwd_compute_multiplier``).
+
+    The fixed costs default (``None``) to :data:`DEFAULT_FIXED_US` of the compute device.
     """
 
     world_size: int
@@ -136,6 +193,13 @@ class Topology:
     intra_host_bw: float
     inter_host_bw: float
     device: str = "custom"
+    kernel_launch_s: float | None = None
+    collective_latency_s: float | None = None
+    inter_host_collective_latency_s: float | None = None
+    lookup_fixed_s: float | None = None
+    kernel_efficiency: dict[str, float] = field(default_factory=dict)
+    bwd_compute_multiplier: float = 2.0
+    dense_bwd_compute_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
@@ -146,6 +210,21 @@ class Topology:
             )
         if self.compute_device not in ("cuda", "cpu"):
             raise PlannerError(f"compute device must be cuda or cpu, got {self.compute_device!r}")
+        d = DEFAULT_FIXED_US[self.compute_device]
+        for attr, key in (("kernel_launch_s", "kernel_launch_us"), ("collective_latency_s", "collective_us"),
+                          ("inter_host_collective_latency_s", "inter_host_collective_us"),
+                          ("lookup_fixed_s", "lookup_fixed_us")):
+            if getattr(self, attr) is None:
+                setattr(self, attr, d[key] * 1e-6)
+            elif getattr(self, attr) < 0:
+                raise PlannerError(f"{attr} must be >= 0 seconds, got {getattr(self, attr)}")
+        if self.bwd_compute_multiplier <= 0:
+            raise PlannerError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
+
+    @property
+    def collective_s(self) -> float:
+        """Fixed seconds of one collective over all ranks: the inter-host figure once there are several hosts."""
+        return self.inter_host_collective_latency_s if self.num_hosts > 1 else self.collective_latency_s  # type: ignore[return-value]
 
     @property
     def num_hosts(self) -> int:
@@ -181,7 +260,7 @@ class Topology:
         return self.inter_host_bw if self.num_hosts > 1 else self.intra_host_bw
 
     def describe(self) -> str:
-        """One line: ranks, hosts, device, memory and bandwidths (GB, GB/s)."""
+        """One line: ranks, hosts, device, memory and bandwidths (GB, GB/s), fixed costs (us)."""
         mem = (
             f"HBM {self.hbm_cap / GB:.0f} GB @ {self.hbm_mem_bw / GB:.0f} GB/s"
             if self.compute_device == "cuda"
@@ -189,22 +268,26 @@ class Topology:
         )
         return (
             f"{self.world_size} ranks = {self.num_hosts} host(s) x {self.local_world_size}, device {self.device} "
-            f"({self.compute_device}); per rank {mem}; intra-host {self.intra_host_bw / GB:.0f} GB/s, "
-            f"inter-host {self.inter_host_bw / GB:.0f} GB/s"
+            f"({self.compute_device}); per rank {mem}; intra-host {self.intra_host_bw / GB:.3g} GB/s, "
+            f"inter-host {self.inter_host_bw / GB:.3g} GB/s; fixed: collective {self.collective_s * 1e6:.3g} us, "
+            f"kernel launch {self.kernel_launch_s * 1e6:.3g} us, sharding group {self.lookup_fixed_s * 1e6:.3g} us"
         )
 
     @staticmethod
     def from_preset(
-        device: str,
+        device: "str | DevicePreset",
         world_size: int,
         local_world_size: int | None = None,
         hbm_gb: float | None = None,
         ddr_gb: float | None = None,
+        name: str | None = None,
     ) -> "Topology":
-        """Build a topology from a :data:`DEVICE_PRESETS` entry.
+        """Build a topology from a :data:`DEVICE_PRESETS` entry or a :class:`DevicePreset`
+        (e.g. one read by :func:`load_topology_file`).
 
         Args:
-            device: ``h100`` | ``a100`` | ``h200`` | ``cpu``.
+            device: ``h100`` | ``a100`` | ``h200`` | ``cpu``, or a DevicePreset.
+            name: what the report calls the device (default: the preset name, or ``custom``).
             world_size: ranks.
             local_world_size: ranks per host; default ``min(world_size, 8)`` for GPU
                 presets (one 8-GPU node), ``world_size`` for cpu (one machine).
@@ -213,10 +296,13 @@ class Topology:
         Raises:
             PlannerError: unknown device or inconsistent sizes.
         """
-        try:
-            p = DEVICE_PRESETS[device]
-        except KeyError:
-            raise PlannerError(f"unknown device {device!r}; expected one of {sorted(DEVICE_PRESETS)}") from None
+        if isinstance(device, DevicePreset):
+            p, device = device, name or "custom"
+        else:
+            try:
+                p = DEVICE_PRESETS[device]
+            except KeyError:
+                raise PlannerError(f"unknown device {device!r}; expected one of {sorted(DEVICE_PRESETS)}") from None
         if local_world_size is None:
             local_world_size = world_size if p.default_gpus_per_host is None else min(world_size, p.default_gpus_per_host)
             if world_size % local_world_size:
@@ -239,7 +325,82 @@ class Topology:
             intra_host_bw=p.intra_host_bw_gbps * GB,
             inter_host_bw=p.inter_host_bw_gbps * GB,
             device=device,
+            kernel_launch_s=None if p.kernel_launch_us is None else p.kernel_launch_us * 1e-6,
+            collective_latency_s=None if p.collective_us is None else p.collective_us * 1e-6,
+            inter_host_collective_latency_s=None if p.inter_host_collective_us is None else p.inter_host_collective_us * 1e-6,
+            lookup_fixed_s=None if p.lookup_fixed_us is None else p.lookup_fixed_us * 1e-6,
+            kernel_efficiency={k: v for k, v in (("fused", p.fused_efficiency), ("dense", p.dense_efficiency))
+                               if v is not None},
+            bwd_compute_multiplier=2.0 if p.bwd_compute_multiplier is None else p.bwd_compute_multiplier,
+            dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
         )
+
+
+#: keys of a topology file (:func:`load_topology_file`): the :class:`DevicePreset` fields
+TOPOLOGY_FILE_KEYS = tuple(f.name for f in dataclasses.fields(DevicePreset))
+
+
+def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
+    """Read a topology file (YAML, written by ``dlrmctl plan --calibrate``) as a :class:`DevicePreset`.
+
+    Keys: the :class:`DevicePreset` fields (``compute_device``, ``hbm_gb``, ``ddr_gb``,
+    ``hbm_bw_gbps``, ``ddr_bw_gbps``, ``intra_host_bw_gbps``, ``inter_host_bw_gbps``,
+    ``default_gpus_per_host``, ``source`` and the optional fixed costs / kernel
+    efficiencies); ``measured`` (the raw figures) is allowed and ignored.
+
+    Raises:
+        PlannerError: unreadable file, not a mapping, unknown or missing key, or a value of
+            the wrong type (the message names the file and the key).
+    """
+    import yaml
+
+    try:
+        with open(path) as f:
+            d = yaml.safe_load(f)
+    except OSError as e:
+        raise PlannerError(f"topology file {path}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise PlannerError(f"topology file {path}: not valid YAML ({e})") from None
+    if not isinstance(d, dict):
+        raise PlannerError(f"topology file {path}: expected a mapping of {', '.join(TOPOLOGY_FILE_KEYS)}")
+    d = {k: v for k, v in d.items() if k != "measured"}
+    unknown = sorted(set(d) - set(TOPOLOGY_FILE_KEYS))
+    if unknown:
+        raise PlannerError(f"topology file {path}: unknown key(s) {unknown}; expected {list(TOPOLOGY_FILE_KEYS)}")
+    required = [f.name for f in dataclasses.fields(DevicePreset) if f.default is dataclasses.MISSING]
+    missing = [k for k in required if k not in d]
+    if missing:
+        raise PlannerError(f"topology file {path}: missing key(s) {missing}")
+    if d["compute_device"] not in ("cuda", "cpu"):
+        raise PlannerError(f"topology file {path}: compute_device must be cuda or cpu, got {d['compute_device']!r}")
+    for k, v in d.items():
+        if k in ("compute_device", "source"):
+            continue
+        optional = k in ("ddr_gb", "default_gpus_per_host") or k not in required
+        if v is None and optional:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise PlannerError(f"topology file {path}: {k} must be a number >= 0, got {v!r}")
+    return DevicePreset(**d)
+
+
+def save_topology_file(path: "str | os.PathLike", preset: DevicePreset, measured: dict | None = None,
+                       header: str = "") -> None:
+    """Write ``preset`` (and the raw ``measured`` figures) as a topology file (YAML).
+
+    Written to a temporary file next to ``path`` and renamed, so an existing file is
+    either fully replaced or untouched.  ``header`` lines are written as ``#`` comments.
+    """
+    import yaml
+
+    d = dataclasses.asdict(preset)
+    if measured:
+        d["measured"] = measured
+    text = "".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(d, sort_keys=False)
+    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 @dataclass
