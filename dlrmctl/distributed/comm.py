@@ -31,7 +31,10 @@ buffers on the current CUDA device for NCCL and on the CPU for gloo.
 * :func:`sync_sparse_grads` — SUM of replicated tables' sparse (row) gradients,
   all-gathered as (rows, values), never densified.
 * small helpers: :func:`all_reduce`, :func:`broadcast`, :func:`barrier`,
-  :func:`broadcast_object`, :func:`all_gather_object`, :func:`gather_to_rank0`.
+  :func:`broadcast_object`, :func:`all_gather_object`, :func:`all_gather_tensor`,
+  :func:`group_rank_size`.
+* :func:`ring_shift` — point-to-point shift of rows to the next rank of a ring (the
+  evaluation's distributed AUC, :mod:`dlrmctl.train.metrics`).
 
 Every function takes the process group explicitly and is a no-op (identity)
 when it is ``None``.  A group of ONE rank runs the real collectives (so one GPU
@@ -557,28 +560,52 @@ def all_gather_object(obj: T, pg: dist.ProcessGroup | None) -> list[T]:
     return out
 
 
-def gather_to_rank0(t: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor | None:
-    """Concatenate every rank's ``t [n_r, ...]`` (``n_r`` may differ) on rank 0.
+def group_rank_size(pg: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rank in pg, size of pg)``; ``(0, 1)`` without a group."""
+    if pg is None:
+        return 0, 1
+    return dist.get_rank(pg), dist.get_world_size(pg)
 
-    One all-gather of the row counts, then one ``gather`` of the (padded) rows,
-    so only rank 0 holds all of them.
+
+def all_gather_tensor(t: torch.Tensor, pg: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``t`` (same shape and dtype on every rank), stacked in rank order.
 
     Returns:
-        rank 0: ``[sum_r n_r, ...]`` (rank order); other ranks: ``None``.
-        Without a group: ``t``.
+        ``[W, *t.shape]`` on ``t``'s device (``[1, *t.shape]`` without a group).
     """
     if pg is None:
+        return t.unsqueeze(0)
+    t = t.contiguous()
+    out = t.new_empty((dist.get_world_size(pg), *t.shape))
+    _all_gather_flat(out.view(-1), t.view(-1), group=pg)
+    return out
+
+
+def ring_shift(t: torch.Tensor, recv_rows: int, pg: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send ``t [n, ...]`` to the next rank of the ring and receive the previous rank's rows.
+
+    Rank ``r`` sends to ``(r + 1) mod W`` and receives from ``(r - 1) mod W`` (group ranks),
+    point to point (``batch_isend_irecv``: one NCCL group call, no send/recv ordering deadlock).
+    ``n`` may differ per rank; the receiver must know the count it gets (``recv_rows``, e.g.
+    from an all-gather of the counts).  Empty sends and receives are skipped on both sides.
+    ``W - 1`` shifts bring every rank's rows to every rank while each rank holds two buffers.
+
+    Args:
+        t: ``[n, *rest]`` on the group's device; recv_rows: rows the previous rank sends.
+
+    Returns:
+        ``[recv_rows, *rest]`` (``t`` itself without a group or with one rank).
+    """
+    if pg is None or dist.get_world_size(pg) == 1:
         return t
     ws, me = dist.get_world_size(pg), dist.get_rank(pg)
-    n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
-    counts_t = n.new_empty(ws)
-    _all_gather_flat(counts_t, n, group=pg)
-    counts = counts_t.tolist()
-    m = max(counts)
-    pad = t.new_zeros((m, *t.shape[1:]))
-    pad[: t.shape[0]] = t
-    bufs = [torch.empty_like(pad) for _ in range(ws)] if me == 0 else None
-    dist.gather(pad, gather_list=bufs, group_dst=0, group=pg)
-    if me != 0:
-        return None
-    return torch.cat([b[:c] for b, c in zip(bufs, counts)])  # type: ignore[arg-type]
+    out = t.new_empty((recv_rows, *t.shape[1:]))
+    ops = []
+    if t.shape[0]:
+        ops.append(dist.P2POp(dist.isend, t.contiguous(), group=pg, group_peer=(me + 1) % ws))
+    if recv_rows:
+        ops.append(dist.P2POp(dist.irecv, out, group=pg, group_peer=(me - 1) % ws))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return out

@@ -318,12 +318,14 @@ class Trainer:
     # ---------------------------------------------------------- evaluate
     @torch.no_grad()
     def evaluate(self, split: str | None = None, data_dir: str | None = None) -> dict[str, float]:
-        """Metrics over the WHOLE split (all ranks' logits gathered to rank 0).
+        """Metrics over the WHOLE split, computed where the logits are: each rank keeps its own rows.
 
-        Computed from the logits in float64 (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`):
-        AUC ranks logits (no float32-sigmoid saturation), log loss uses a stable log-sigmoid;
-        one class only gives AUC 0.5 and a logged warning.  Independent of the world size and
-        the eval batch size.
+        Computed from the logits in float64 (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`
+        with the process group): AUC ranks logits (no float32-sigmoid saturation), log loss uses a
+        stable log-sigmoid; one class only gives AUC 0.5 and a logged warning.  Exact sums, so the
+        figure is bit-identical for any world size and eval batch size.  Memory per rank: its own
+        ``[n_local, 2]`` float32 logits and labels, float64 copies and the AUC ring's buffers
+        (O(local rows), never all N rows).
 
         Returns:
             ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}`` (every rank).
@@ -352,14 +354,11 @@ class Trainer:
             bar.update(1)
         bar.close()
         self.model.train()
-        local = torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)
-        # every rank's logits to rank 0 (tensors on the group's device, not pickles)
-        allrows = comm.gather_to_rank0(local, self.env.pg)
-        m = None
-        if allrows is not None:
-            a = allrows.double().cpu().numpy()
-            m = compute_metrics_from_logits(a[:, 0], a[:, 1])
-        return comm.broadcast_object(m, 0, self.env.pg)
+        local = (torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)).cpu().numpy()
+        del rows
+        # exact distributed metrics: each rank keeps its own rows (O(local rows) memory); only the
+        # rarer class's rows travel around a ring of point-to-point shifts (see train/metrics.py)
+        return compute_metrics_from_logits(local[:, 0], local[:, 1], pg=self.env.pg, device=self.device)
 
     def _agreed_num_batches(self, n: int) -> int:
         """All ranks run the same number of steps (collectives must match): the max."""
