@@ -2,6 +2,7 @@
 """Size and accuracy of exported models: fp32 / fp16 / int8 / int4 embeddings.
 
     python scripts/bench_export.py RUN_DIR DATA_DIR [--split val] [--batch-size 8192] [--quantize-dense]
+    python scripts/bench_export.py --peak-rss [--rows 10000000] [--dim 64] [--dtype int8] [--work DIR]
 
 Exports RUN_DIR's default checkpoint (the best when the run kept one, else the newest; the eager
 reference evaluates the same one) once per embedding dtype (into a temp dir), evaluates each
@@ -13,6 +14,14 @@ artifact on DATA_DIR's split with :func:`dlrmctl.inference.export.evaluate_expor
   bytes <= 0.3x fp32 for int8, <= 0.17x for int4);
 * the eager (training-code) model's AUC, which the fp32 artifact must reproduce;
 * the bytes-per-row ratio to fp32 by embedding dim (int8 ``(D+4)/4D``, int4 ``(D/2+4)/4D``).
+
+``--peak-rss``: peak memory of ``dlrmctl export`` (issue 13: export builds the model on the meta
+device and reads, quantizes and drops one table at a time).  It makes a run whose table C1 is
+``--rows x --dim`` (default 10M x 64: 2.56 GB float32; the 25 other tables have 10 rows) by
+training 1 step on 2,000 synthetic rows (the fused kernel), then exports it to ``--dtype`` in a
+fresh subprocess and reports that process's peak RSS (``VmHWM``, Linux), the RSS of the same process
+before export (Python + torch + fbgemm imports), and checks what export added against the goal
+``1.5 x table + artifact`` (and the whole peak, imports included).
 """
 
 from __future__ import annotations
@@ -28,7 +37,84 @@ TARGET_DAUC = {"fp16": 0.0002, "int8": 0.001, "int4": 0.005}
 TARGET_BYTES = {"int8": 0.3, "int4": 0.17}
 
 
+# VmHWM (this process's peak RSS; Linux) rather than ru_maxrss, which a child inherits from the
+# process it was forked from (here the one that trained the big run)
+_CHILD = r"""
+import json, sys, time
+from dlrmctl.inference.export import export_run
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+base = hwm()
+t0 = time.perf_counter()
+res = export_run(sys.argv[1], sys.argv[2], sys.argv[3], data_dir=sys.argv[4], force=True)
+print(json.dumps({"base_rss": base, "peak_rss": hwm(), "seconds": time.perf_counter() - t0,
+                  "stored": res.embedding_bytes}))
+"""
+
+
+def peak_rss(rows: int, dim: int, dtype: str, work: str | None) -> int:
+    """Build the big-table run (or reuse it in ``work``) and measure one export's peak RSS."""
+    import json
+    import os
+    import subprocess
+
+    import yaml
+
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.worker import run_training
+
+    root = Path(work or tempfile.mkdtemp(prefix="bench_export_rss_"))
+    data, run_dir = root / "data", root / "runs" / "big"
+    if not (run_dir / "checkpoints").is_dir():
+        t0 = time.perf_counter()
+        generate_synthetic(data, rows=2000, seed=0, num_embeddings=[rows] + [10] * 25)
+        cfg = {
+            "name": "big",
+            "data": {"path": str(data), "batch_size": 64, "eval_batch_size": 256, "prefetch": 0},
+            "model": {"embedding_dim": dim, "dense_arch_layer_sizes": [64, dim], "over_arch_layer_sizes": [64, 1],
+                      "compute_kernel": "fused"},
+            "train": {"epochs": 1, "max_steps": 1, "run_dir": str(root / "runs"), "progress": False,
+                      "pipeline": "none", "device": "cpu", "eval_every": 0},
+        }
+        (root / "big.yaml").write_text(yaml.safe_dump(cfg))
+        run_training(str(root / "big.yaml"), [], overwrite=True)
+        print(f"made the run in {time.perf_counter() - t0:.0f} s: {run_dir}")
+    ck = sum(f.stat().st_size for f in (run_dir / "checkpoints").rglob("*") if f.is_file())
+    out = root / f"export-{dtype}"
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-c", _CHILD, str(run_dir), dtype, str(out), str(data)],
+                       capture_output=True, text=True, env=env)
+    if r.returncode:
+        print(r.stdout, r.stderr)
+        return 1
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    table = rows * dim * 4
+    goal = 1.5 * table + m["stored"]
+    gb = 1e9
+    print(f"export of a {rows:,} x {dim} table ({table / gb:.2f} GB fp32) to {dtype}; checkpoint {ck / gb:.2f} GB")
+    print(f"  artifact embeddings {m['stored'] / gb:.2f} GB; export {m['seconds']:.1f} s")
+    print(f"  peak RSS {m['peak_rss'] / gb:.2f} GB (process before export: {m['base_rss'] / gb:.2f} GB; "
+          f"export added {(m['peak_rss'] - m['base_rss']) / gb:.2f} GB = "
+          f"{(m['peak_rss'] - m['base_rss'] - m['stored']) / table:.2f} x table + artifact)")
+    added = m["peak_rss"] - m["base_rss"]
+    print(f"  goal: added <= 1.5 x table + artifact = {goal / gb:.2f} GB: {'ok' if added <= goal else 'MISS'} "
+          f"(with the imports counted: {'ok' if m['peak_rss'] <= goal else 'MISS'})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--peak-rss" in argv:
+        ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--peak-rss", action="store_true")
+        ap.add_argument("--rows", type=int, default=10_000_000)
+        ap.add_argument("--dim", type=int, default=64)
+        ap.add_argument("--dtype", default="int8", choices=["fp32", "fp16", "int8", "int4"])
+        ap.add_argument("--work", help="directory for the data and run (kept; reused when it has the run)")
+        a = ap.parse_args(argv)
+        return peak_rss(a.rows, a.dim, a.dtype, a.work)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir")
     ap.add_argument("data_dir")

@@ -143,3 +143,85 @@ def test_predict_rejects_a_malformed_line_naming_file_and_line(run, tmp_path):
     r = _cli("predict", tmp_path / "m", "--input", bad, "--output", tmp_path / "s.csv")
     assert r.exit_code == 2 and "bad.tsv:5" in r.output
     assert not (tmp_path / "s.csv").exists()
+
+
+def _old_path_model(run_dir, checkpoint=None):
+    """The pre-meta load path, kept as the reference: every table built on the CPU and randomly
+    initialised, then the whole checkpoint loaded over it."""
+    import json
+    import os
+
+    from dlrmctl.config import resolve_tables
+    from dlrmctl.train import checkpoint as ckpt
+    from dlrmctl.train.factory import build_model
+    from dlrmctl.train.loop import dense_state_dict, embedding_load_request, run_config
+
+    cfg = run_config(str(run_dir))
+    with open(os.path.join(run_dir, "data_meta.json")) as f:
+        meta = json.load(f)
+    path, _ = ckpt.resolve_checkpoint(str(run_dir), checkpoint)
+    model = build_model(cfg, resolve_tables(cfg, meta), len(meta["dense_features"]), device="cpu",
+                        compute_kernel="dense")
+    cmeta = ckpt.load_checkpoint_meta(path)
+    req, finish = embedding_load_request(model, ckpt.read_metadata(path, cmeta))
+    req.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
+    ckpt.load_checkpoint(path, req, meta=cmeta)
+    finish()
+    return cfg, model.eval(), meta
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+def test_export_from_the_meta_device_equals_the_full_model_export_bit_for_bit(run, tmp_path, dtype):
+    """`dlrmctl export` (meta-device model, tables read and quantized one at a time) writes the
+    same artifact as exporting the fully built, fully loaded model: every tensor of model.pt
+    (quantized TBE storage with its padding, dense weights, buffers) bit for bit, the same
+    manifest, the same scores.  (model.pt's zip bytes themselves are not reproducible even for
+    one path: TorchScript stores a random serialization id and per-process class-name mangling.)"""
+    import json
+
+    from dlrmctl.config import weighted_features
+    from dlrmctl.data.loader import BatchLoader
+    from dlrmctl.inference.export import export_model, export_run, load_exported
+    from dlrmctl.train.loop import load_trained_model
+
+    _, data, run_dir = run
+    new = export_run(run_dir, dtype, tmp_path / "new", data_dir=data)
+    cfg, model, meta = _old_path_model(run_dir)
+    export_model(model, tmp_path / "old", dtype, data_meta=meta, data_dir=data, source=new.manifest["source"],
+                 weighted_features=weighted_features(cfg), data_record=new.manifest["data"])
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("new", "old"))
+    for m in (a, b):
+        for k in ("created", "model_sha256", "model_bytes"):
+            m.pop(k)
+    assert a == b
+    ma, mb = load_exported(tmp_path / "new"), load_exported(tmp_path / "old")
+    ta = dict(ma.module.named_buffers()) | dict(ma.module.named_parameters())
+    tb = dict(mb.module.named_buffers()) | dict(mb.module.named_parameters())
+    assert ta.keys() == tb.keys() and any(v.dtype == torch.uint8 and v.numel() for v in ta.values())
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k].view(torch.uint8) if ta[k].numel() else ta[k],
+                           tb[k].view(torch.uint8) if tb[k].numel() else tb[k]), k
+    batch = next(iter(BatchLoader(str(data), "val", 64, shuffle=False)))
+    kjt = batch.sparse_features.permute([batch.sparse_features.keys().index(f) for f in ma.feature_names])
+    assert torch.equal(ma.score(batch.dense_features, kjt.values(), kjt.lengths()),
+                       mb.score(batch.dense_features, kjt.values(), kjt.lengths()))
+    # the meta-built model really holds no table storage until a table is read
+    _, meta_model, _ = load_trained_model(str(run_dir), checkpoint=None, materialize=False)
+    assert all(w.is_meta for w in meta_model.sparse_arch.embedding_weights().values())
+
+
+def test_evaluate_run_on_a_materialized_meta_model_equals_the_full_model(run, monkeypatch):
+    """evaluate_run (meta build, empty tables, checkpoint loaded once) gives the metrics and the
+    weights of the old path (random init, then the checkpoint over it)."""
+    import dlrmctl.train.loop as loop
+
+    _, data, run_dir = run
+    new = loop.evaluate_run(str(run_dir), "val", str(data))
+    _, new_model, _ = loop.load_trained_model(str(run_dir), checkpoint=None)
+    _, old_model, _ = _old_path_model(run_dir)
+    sd_new, sd_old = new_model.state_dict(), old_model.state_dict()
+    assert sd_new.keys() == sd_old.keys()
+    assert all(torch.equal(sd_new[k], sd_old[k]) for k in sd_new)
+    monkeypatch.setattr(loop, "load_trained_model", lambda run_dir, checkpoint=None: _old_path_model(run_dir, checkpoint))
+    assert loop.evaluate_run(str(run_dir), "val", str(data)) == new

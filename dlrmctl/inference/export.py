@@ -83,7 +83,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -91,10 +91,11 @@ from torch import nn
 
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
-    build_intnbit_tbe,
-    quantize_table,
+    empty_intnbit_tbe,
     require_fbgemm,
+    tbe_row_bytes,
     tbe_storage_bytes,
+    write_intnbit_table,
 )
 from dlrmctl.modules.embedding_configs import PoolingType
 from dlrmctl.sparse import KeyedTensor
@@ -421,12 +422,20 @@ def export_model(
     on_invalid_id: str | None = None,
     weighted_features: Sequence[str] | None = None,
     data_record: dict | None = None,
+    load_table: Callable[[Any], torch.Tensor] | None = None,
 ) -> ExportResult:
     """Write the inference artifact of ``model`` to ``out_dir`` (atomically).
 
+    The tables are quantized one at a time straight into the artifact's TBE (in row chunks,
+    :func:`~dlrmctl.inference.quantize.write_intnbit_table`); only the dense part (MLPs,
+    interaction) is copied.  Peak memory: the artifact plus, with ``load_table``, the largest
+    float32 table.
+
     Args:
         model: a :class:`~dlrmctl.modules.dlrm.DLRM` whose ``sparse_arch`` is an unsharded
-            EmbeddingBagCollection (``embedding_weights()``, ``embedding_bag_configs()``).
+            EmbeddingBagCollection (``embedding_weights()``, ``embedding_bag_configs()``),
+            possibly built on the ``meta`` device (``build_model(device="meta")``: tables
+            without storage) when ``load_table`` gives the weights.
         out_dir: artifact directory (must not exist unless ``force``).
         embedding_dtype: ``fp32`` | ``fp16`` | ``int8`` | ``int4``.
         data_meta: the training data's meta.json (transforms, features, vocabularies), recorded
@@ -445,6 +454,10 @@ def export_model(
         data_record: the training data's record, ``manifest["data"]``: ``{"meta", "fingerprint",
             "source"}`` (:mod:`dlrmctl.data.fingerprint`); the SHA-256 of every copied vocabulary
             file is added as ``vocab_sha256`` (``predict`` checks them).
+        load_table: ``load_table(config) -> [rows, dim]`` float32 CPU tensor: the weights of
+            one table (:class:`~dlrmctl.modules.embedding_configs.EmbeddingBagConfig`), called
+            once per table in table order, the result dropped once quantized (e.g.
+            :func:`dlrmctl.train.loop.load_table_weight`).  None: the model's own weights.
 
     Returns:
         :class:`ExportResult`.
@@ -486,18 +499,26 @@ def export_model(
             f"the model's EmbeddingBagCollection is {'weighted' if ebc_weighted else 'unweighted'} but "
             f"weighted_features is {wf}; export the features of its weighted tables (model.tables[].weighted)"
         )
-    q_tables = []
-    for t in tables:
-        w = weights[t.name]
+    if load_table is None:
+        on_meta = [t.name for t in tables if weights[t.name].is_meta]
+        if on_meta:
+            raise ExportError(f"tables {on_meta} are on the meta device (no weights): pass load_table, "
+                              "or materialize the model and load its checkpoint first")
+    ftm = [i for i, t in enumerate(tables) for _ in t.feature_names]
+    tbe = empty_intnbit_tbe([(t.name, t.num_embeddings, t.embedding_dim, embedding_dtype) for t in tables], ftm, "cpu")
+    for i, t in enumerate(tables):  # one table at a time: load, quantize into the TBE, drop
+        w = load_table(t) if load_table is not None else weights[t.name]
         if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
             raise ExportError(f"table '{t.name}': weight shape {tuple(w.shape)} != ({t.num_embeddings}, {t.embedding_dim})")
-        q_tables.append(quantize_table(w.detach().cpu(), embedding_dtype, t.name))
-    ftm = [i for i, t in enumerate(tables) for _ in t.feature_names]
-    tbe = build_intnbit_tbe(q_tables, ftm, "cpu")
+        write_intnbit_table(tbe, i, w.detach().cpu(), embedding_dtype, t.name)
+        del w
 
     dims = [t.embedding_dim for t in tables for _ in t.feature_names]
     num_dense = model.dense_arch.model.model[0].in_features
-    part = _DensePart(copy.deepcopy(model).cpu().eval(), lookup_keys, dims)
+    # only the dense part is copied (never the tables: they may be on the meta device)
+    dense_only = nn.ModuleDict({"dense_arch": model.dense_arch, "inter_arch": model.inter_arch,
+                                "over_arch": model.over_arch})
+    part = _DensePart(copy.deepcopy(dense_only).cpu().eval(), lookup_keys, dims)
     dense_mode = "fp32"
     if quantize_dense:
         with warnings.catch_warnings():
@@ -524,8 +545,8 @@ def export_model(
     stored = tbe_storage_bytes(tbe)
     fp32_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
     table_entries = []
-    for t, q in zip(tables, q_tables):
-        rb = q.row_bytes(tbe.row_alignment)
+    for t in tables:
+        rb = tbe_row_bytes(t.embedding_dim, embedding_dtype, tbe.row_alignment)
         table_entries.append({
             "name": t.name, "features": list(t.feature_names), "num_embeddings": t.num_embeddings,
             "embedding_dim": t.embedding_dim, "pooling": t.pooling.value,
@@ -639,6 +660,11 @@ def export_run(
     and vocabulary fingerprint must equal the one the run recorded (``data_meta.json``); the
     manifest's ``data`` entry records that fingerprint for ``evaluate`` and ``predict``.
 
+    The model is built on the meta device and its tables are read from the checkpoint one at a
+    time, each quantized into the artifact and dropped before the next is read
+    (:func:`~dlrmctl.train.loop.load_table_weight`): peak memory is about the largest float32
+    table (plus DCP's read buffer of its saved chunk) plus the artifact, not the whole model.
+
     Args:
         run_dir: ``runs/<name>`` (config.yaml, data_meta.json, checkpoints/).
         embedding_dtype: ``fp32`` | ``fp16`` | ``int8`` | ``int4``.
@@ -655,7 +681,7 @@ def export_run(
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
     from dlrmctl.train.checkpoint import load_checkpoint_meta, resolve_checkpoint
-    from dlrmctl.train.loop import load_trained_model, multi_hot_kwargs, run_config
+    from dlrmctl.train.loop import load_table_weight, load_trained_model, multi_hot_kwargs, run_config
 
     run = Path(run_dir)
     vocab_dir = Path(data_dir or run_config(str(run)).data.path)
@@ -664,9 +690,12 @@ def export_run(
         check_run_data(recorded, vocab_dir, ("schema", "vocabulary"),
                        hint="Pass --data DIR with the data the run was trained on")
     ckpt_path, which = resolve_checkpoint(str(run), checkpoint)
-    cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path)
+    # tables on the meta device: each is read from the checkpoint only when export quantizes it
+    cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path,
+                                          materialize=False)
     out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
-    ck_eval = load_checkpoint_meta(ckpt_path).get("eval")
+    cmeta = load_checkpoint_meta(ckpt_path)
+    ck_eval = cmeta.get("eval")
     source = {
         "run_dir": str(run.resolve()),
         "name": cfg.name,
@@ -681,7 +710,7 @@ def export_run(
     return export_model(
         model, out, embedding_dtype, data_meta=meta, data_dir=vocab_dir, source=source,
         quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
-        data_record=data_record,
+        data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta),
     )
 
 

@@ -246,7 +246,8 @@ def dequantize_rowwise(
     return q.float() * scale.float()[:, None] + bias.float()[:, None]
 
 
-def quantize_table(weight: torch.Tensor, dtype: str, table: str, chunk_rows: int = CHUNK_ROWS) -> QuantizedTable:
+def quantize_table(weight: torch.Tensor, dtype: str, table: str, chunk_rows: int = CHUNK_ROWS,
+                   row_offset: int = 0) -> QuantizedTable:
     """Convert one ``[R, D]`` float table to ``dtype`` storage, in row chunks.
 
     Args:
@@ -254,6 +255,9 @@ def quantize_table(weight: torch.Tensor, dtype: str, table: str, chunk_rows: int
         dtype: one of :data:`EMBEDDING_DTYPES`.
         table: table name (error messages, result name).
         chunk_rows: rows per chunk (memory bound).
+        row_offset: row of the table ``weight``'s row 0 is (error messages name table rows
+            when a table is quantized in slices; the values do not depend on it: every row
+            is quantized on its own).
 
     Returns:
         :class:`QuantizedTable`.
@@ -270,13 +274,13 @@ def quantize_table(weight: torch.Tensor, dtype: str, table: str, chunk_rows: int
         out = torch.empty(R, D, dtype=torch.float32 if dtype == "fp32" else torch.float16)
         for s in range(0, R, chunk_rows):
             blk = w[s : s + chunk_rows].float()
-            check_finite(blk, table, s)
+            check_finite(blk, table, row_offset + s)
             if dtype == "fp16":
                 big = blk.abs().amax(dim=1) > _FP16_MAX
                 if bool(big.any()):
                     r = int(torch.nonzero(big)[0])
                     raise QuantizationError(
-                        f"table '{table}', row {s + r}: a value exceeds the fp16 range (|x| <= {_FP16_MAX:g})"
+                        f"table '{table}', row {row_offset + s + r}: a value exceeds the fp16 range (|x| <= {_FP16_MAX:g})"
                     )
             out[s : s + chunk_rows] = blk
         return QuantizedTable(table, dtype, R, D, out)
@@ -285,7 +289,7 @@ def quantize_table(weight: torch.Tensor, dtype: str, table: str, chunk_rows: int
     scale = torch.empty(R, dtype=torch.float16)
     bias = torch.empty(R, dtype=torch.float16)
     for s in range(0, R, chunk_rows):
-        c, sc, b = quantize_rowwise(w[s : s + chunk_rows], bits, table, row_offset=s)
+        c, sc, b = quantize_rowwise(w[s : s + chunk_rows], bits, table, row_offset=row_offset + s)
         codes[s : s + chunk_rows] = c
         scale[s : s + chunk_rows] = sc
         bias[s : s + chunk_rows] = b
@@ -321,16 +325,18 @@ def require_fbgemm(what: str) -> None:
         )
 
 
-def build_intnbit_tbe(
-    tables: Sequence[QuantizedTable],
+def empty_intnbit_tbe(
+    tables: Sequence[tuple[str, int, int, str]],
     feature_table_map: Sequence[int],
     device: str | torch.device = "cpu",
 ) -> torch.nn.Module:
-    """An FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` (SUM pooling, fp32 output) holding
-    ``tables`` in their quantized storage.
+    """An FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` (SUM pooling, fp32 output) with
+    storage for ``tables`` as FBGEMM initialises it (``initialize_weights()``); fill each table
+    with :func:`write_intnbit_table`.
 
     Args:
-        tables: quantized tables, TBE table order.
+        tables: ``(name, rows, dim, dtype)`` per table, TBE table order; ``dtype`` one of
+            :data:`EMBEDDING_DTYPES`.
         feature_table_map: feature ``i`` (input order) -> index into ``tables``.
         device: ``cpu`` (HOST placement; row alignment 1) or ``cuda`` (DEVICE; alignment 16).
 
@@ -340,7 +346,8 @@ def build_intnbit_tbe(
 
     Raises:
         RuntimeError: fbgemm_gpu missing (see :func:`require_fbgemm`).
-        QuantizationError: a dim that is not a multiple of 4 (FBGEMM TBE requirement).
+        QuantizationError: a dim that is not a multiple of 4 (FBGEMM TBE requirement), an
+            unknown dtype.
     """
     require_fbgemm("building an IntNBit TBE")
     from fbgemm_gpu.split_embedding_configs import SparseType
@@ -350,13 +357,15 @@ def build_intnbit_tbe(
     sparse_type = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
     dev = torch.device(device)
     loc = EmbeddingLocation.HOST if dev.type == "cpu" else EmbeddingLocation.DEVICE
-    for q in tables:
-        if q.embedding_dim % 4:
+    for name, _, dim, dtype in tables:
+        if dtype not in sparse_type:
+            raise QuantizationError(f"table '{name}': dtype must be one of {list(EMBEDDING_DTYPES)}, got {dtype!r}")
+        if dim % 4:
             raise QuantizationError(
-                f"table '{q.name}': embedding_dim {q.embedding_dim} is not a multiple of 4, which FBGEMM's "
+                f"table '{name}': embedding_dim {dim} is not a multiple of 4, which FBGEMM's "
                 "IntNBit TBE requires; retrain with a dim divisible by 4"
             )
-    specs = [(q.name, q.num_embeddings, q.embedding_dim, sparse_type[q.dtype], loc) for q in tables]
+    specs = [(name, rows, dim, sparse_type[dtype], loc) for name, rows, dim, dtype in tables]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
         specs,
         feature_table_map=list(feature_table_map),
@@ -366,14 +375,69 @@ def build_intnbit_tbe(
         output_dtype=SparseType.FP32,
     )
     tbe.initialize_weights()
-    with torch.no_grad():
-        for q, (w, sb) in zip(tables, tbe.split_embedding_weights()):
-            rows = tbe_rows(q)
-            if sb is None:
-                w.copy_(rows[:, : w.shape[1]])
-            else:
-                sb.copy_(rows[:, :SCALE_BIAS_BYTES])
-                w.copy_(rows[:, SCALE_BIAS_BYTES:])
+    return tbe
+
+
+@torch.no_grad()
+def _copy_tbe_rows(dst: tuple[torch.Tensor, torch.Tensor | None], rows: torch.Tensor, start: int) -> None:
+    """Copy :func:`tbe_rows` output (uint8 ``[n, row bytes]``) into rows ``start..start+n`` of one
+    table of ``tbe.split_embedding_weights()`` (``(codes/values, scale_bias or None)``)."""
+    w, sb = dst
+    n = rows.shape[0]
+    if sb is None:
+        w[start : start + n].copy_(rows[:, : w.shape[1]])
+    else:
+        sb[start : start + n].copy_(rows[:, :SCALE_BIAS_BYTES])
+        w[start : start + n].copy_(rows[:, SCALE_BIAS_BYTES:])
+
+
+def write_intnbit_table(tbe: torch.nn.Module, index: int, weight: torch.Tensor, dtype: str, table: str,
+                        chunk_rows: int = CHUNK_ROWS) -> None:
+    """Quantize float table ``weight [R, D]`` to ``dtype`` and write it into table ``index`` of an
+    IntNBit TBE (:func:`empty_intnbit_tbe`), ``chunk_rows`` rows at a time: the bytes are those of
+    :func:`quantize_table` + :func:`tbe_rows` (what :func:`build_intnbit_tbe` writes), without
+    holding a quantized copy of the whole table (temporaries: one chunk).
+
+    Raises:
+        QuantizationError: as :func:`quantize_table` (NaN/inf, fp16 overflow: table and row
+            named); ``weight``'s shape differs from the TBE's table, or its dtype from ``dtype``.
+    """
+    name, rows_, dim, sparse_type = tbe.embedding_specs[index][:4]
+    if str(sparse_type.name).lower() != dtype:
+        raise QuantizationError(f"table '{table}': the TBE stores it as {sparse_type.name}, not {dtype}")
+    if tuple(weight.shape) != (rows_, dim):
+        raise QuantizationError(f"table '{table}': weight shape {tuple(weight.shape)} != the TBE's ({rows_}, {dim})")
+    dst = tbe.split_embedding_weights()[index]
+    w = weight.detach()
+    for s in range(0, rows_, chunk_rows):
+        q = quantize_table(w[s : s + chunk_rows], dtype, table, chunk_rows, row_offset=s)
+        _copy_tbe_rows(dst, tbe_rows(q), s)
+
+
+def build_intnbit_tbe(
+    tables: Sequence[QuantizedTable],
+    feature_table_map: Sequence[int],
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """An FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` (SUM pooling, fp32 output) holding
+    ``tables`` in their quantized storage (:func:`empty_intnbit_tbe`, then each table's rows).
+
+    Args:
+        tables: quantized tables, TBE table order.
+        feature_table_map: feature ``i`` (input order) -> index into ``tables``.
+        device: ``cpu`` (HOST placement; row alignment 1) or ``cuda`` (DEVICE; alignment 16).
+
+    Returns:
+        The TBE module (see :func:`empty_intnbit_tbe`).
+
+    Raises:
+        RuntimeError: fbgemm_gpu missing (see :func:`require_fbgemm`).
+        QuantizationError: a dim that is not a multiple of 4 (FBGEMM TBE requirement).
+    """
+    tbe = empty_intnbit_tbe([(q.name, q.num_embeddings, q.embedding_dim, q.dtype) for q in tables],
+                            feature_table_map, device)
+    for q, dst in zip(tables, tbe.split_embedding_weights()):
+        _copy_tbe_rows(dst, tbe_rows(q), 0)
     return tbe
 
 

@@ -103,11 +103,14 @@ def init_table_rows(
     ``U(-1/sqrt(num_rows), 1/sqrt(num_rows))``.
 
     The values depend only on ``(seed, table_name, num_rows, full_dim, low, high)``,
-    never on how the table is sharded.  Work and memory are proportional to the
-    shard (plus at most two partial blocks of ``INIT_BLOCK_ROWS x full_dim``).
+    never on how the table is sharded.  Work is proportional to the shard; each block of
+    ``INIT_BLOCK_ROWS x full_dim`` float32 is drawn on the CPU (a CPU ``torch.Generator``,
+    so CPU and CUDA shards get the same bits) and copied into ``out`` on its own device:
+    the only temporary is one block (16 MiB at ``full_dim`` 64), never the whole shard.
+    A meta ``out`` (no storage) is left as it is.
     """
     rows, cols = out.shape
-    if rows == 0 or cols == 0:
+    if rows == 0 or cols == 0 or out.is_meta:
         return
     bound = math.sqrt(1.0 / num_rows)
     lo_b = -bound if low is None else float(low)
@@ -124,6 +127,30 @@ def init_table_rows(
         lo, hi = r, min(end, b1)
         out[lo - row_offset : hi - row_offset].copy_(vals[lo - b0 : hi - b0, col_offset : col_offset + cols])
         r = hi
+
+
+@torch.no_grad()
+def init_shard_weight(w: torch.Tensor, cfg: EmbeddingBagConfig, row_offset: int, col_offset: int, seed: int) -> None:
+    """Fill the local ``[rows, cols]`` weight ``w`` (any device) of table ``cfg`` at ``(row_offset,
+    col_offset)`` with its deterministic initial values (:func:`init_table_rows`, bounds
+    ``[cfg.get_weight_init_min(), cfg.get_weight_init_max()]``), then run ``cfg.init_fn(w)``
+    if set (TorchRec's hook; a returned tensor of ``w``'s shape is copied in).  A meta ``w``
+    is left as it is (nothing to fill).  Memory: one init block, whatever the shard size.
+
+    Raises:
+        ValueError: ``init_fn`` returned a tensor of another shape.
+    """
+    if w.is_meta:
+        return
+    init_table_rows(w, cfg.name, cfg.num_embeddings, row_offset, col_offset, cfg.embedding_dim, seed,
+                    low=cfg.get_weight_init_min(), high=cfg.get_weight_init_max())
+    if cfg.init_fn is not None and w.numel():
+        out = cfg.init_fn(w)
+        if isinstance(out, torch.Tensor) and out is not w:
+            if tuple(out.shape) != tuple(w.shape):
+                raise ValueError(f"table '{cfg.name}': init_fn returned shape {tuple(out.shape)}, expected {tuple(w.shape)}")
+            if out.data_ptr() != w.data_ptr():
+                w.copy_(out)
 
 
 def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
@@ -217,9 +244,15 @@ def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], s
 class _DenseTable(nn.Module):
     """One table on ``torch.nn.EmbeddingBag(mode='sum', sparse=True)`` (sum pooling)."""
 
-    def __init__(self, rows: int, dim: int, device: torch.device | None) -> None:
+    def __init__(self, rows: int, dim: int, device: torch.device | None, init: bool = True) -> None:
         super().__init__()
-        self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device, include_last_offset=True)
+        if init:
+            # torch.nn's own init runs (and is then overwritten by the deterministic one): it
+            # draws from the global RNG, which code building the MLPs next relies on
+            self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device, include_last_offset=True)
+        else:  # storage only, uninitialised: a checkpoint is loaded into it
+            self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, include_last_offset=True,
+                                       _weight=torch.empty(rows, dim, device=device))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -430,7 +463,9 @@ class EmbeddingBagCollection(TableFeatures):
             ids carry no weight takes weight 1.0.  Unlike TorchRec, a KJT with weights given to
             an unweighted collection (TorchRec ignores them silently) or without weights given
             to a weighted one raises ``SparseInputError``.
-        device: where tables live (``cpu`` / ``cuda``; default cpu).
+        device: where tables live (``cpu`` / ``cuda``; default cpu).  ``meta``: tables without
+            storage (shapes only, nothing allocated or initialised, TorchRec's meta-device
+            construction); :meth:`materialize` gives them empty storage to load a checkpoint into.
         compute_kernel: (keyword-only) ``dense`` (default: ``nn.EmbeddingBag``; backward
             puts sparse gradients on ``embedding_bags.<t>.weight`` and your optimizer
             updates them — TorchRec's unsharded semantics; use a sparse-capable optimizer
@@ -502,6 +537,7 @@ class EmbeddingBagCollection(TableFeatures):
         if compute_kernel not in ("fused", "dense"):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
         self.compute_kernel = compute_kernel
+        self._requested_kernel = compute_kernel  # kept for materialize() (meta lookups are dense)
         self.lookup = GroupedEmbeddingLookup(
             [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._lookup_tables],
             compute_kernel=compute_kernel,
@@ -517,6 +553,28 @@ class EmbeddingBagCollection(TableFeatures):
     def device(self) -> torch.device:
         """Where the tables live."""
         return self._device
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Give the tables storage on ``device``, uninitialised (``torch.empty``): for a collection
+        built on the ``meta`` device, to load a checkpoint into (no random-init pass over tables
+        about to be overwritten).  The lookup is rebuilt with the compute kernel asked for at
+        construction (FBGEMM's fused TBE initialises its own storage when it is built); call
+        :meth:`reset_parameters` for the deterministic initial weights instead.
+
+        Memory: exactly the tables' ``sum(rows * dim) * 4`` bytes on ``device`` (pages of a CPU
+        ``torch.empty`` are only committed when written).
+        """
+        self._device = torch.device(device)
+        self.lookup = GroupedEmbeddingLookup(
+            [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._lookup_tables],
+            compute_kernel=self._requested_kernel,
+            device=self._device,
+            optimizer=self._optimizer,
+            is_weighted=self._is_weighted,
+            seed=self._seed,
+            init=False,
+        )
+        self.embedding_bags = nn.ModuleDict({t.name: _TableWeight(self.lookup, t) for t in self._tables})
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled lookups: ``KeyedTensor [B, sum(dims)]`` (keys: :meth:`embedding_names`).
@@ -684,9 +742,13 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
             local block of table ``config`` to hold; features looked up are
             ``config.feature_names``; ids given to :meth:`forward` are already
             local (``0 <= id < rows``).
-        compute_kernel: ``fused`` or ``dense`` (dims not divisible by 4 -> dense).
+        compute_kernel: ``fused`` or ``dense`` (dims not divisible by 4 -> dense; on the
+            ``meta`` device every shard is a storage-less dense table).
         pooling_override: force ``sum`` pooling (row-wise sharding pools sums
             per shard and divides by the full bag length after the reduce).
+        init: draw the deterministic initial weights (:meth:`reset_parameters`); False:
+            dense-kernel shards are left uninitialised (``torch.empty``), for a checkpoint to
+            be loaded into (FBGEMM's TBE constructor always initialises its own storage).
 
     Forward:
         ``features``: KJT whose keys are exactly the shards' features in shard
@@ -703,10 +765,13 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
         is_weighted: bool,
         seed: int = 0,
         pooling_override: PoolingType | None = None,
+        init: bool = True,
     ) -> None:
         super().__init__()
         self._shards = list(shards)
         self._device = device
+        if torch.device(device).type == "meta":
+            compute_kernel = "dense"  # shapes only: no FBGEMM storage to build
         self._spec = optimizer
         self._is_weighted = is_weighted
         # shard key: table name (unique per rank: one shard of a table per lookup)
@@ -752,9 +817,10 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
             self._tbe_members.append(fused_idx)
         for i in dense_idx:
             cfg, rows, cols, _, _ = self._shards[i]
-            self.dense_tables[cfg.name] = _DenseTable(rows, cols, device)
+            self.dense_tables[cfg.name] = _DenseTable(rows, cols, device, init=init)
         self._dense_members = dense_idx
-        self.reset_parameters(seed)
+        if init:
+            self.reset_parameters(seed)
         # output column layout: per (shard, feature) in shard order
         self._feat_keys = [f for cfg, *_ in self._shards for f in cfg.feature_names]
         self._feat_cols = [cols for cfg, _, cols, _, _ in self._shards for _ in cfg.feature_names]
@@ -790,27 +856,12 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Deterministic, sharding-independent init of every local shard (see :func:`init_table_rows`),
-        bounds ``[cfg.get_weight_init_min(), cfg.get_weight_init_max()]``; then ``cfg.init_fn(weight)``
-        on the local shard when the config has one (TorchRec's hook; a returned tensor is copied in)."""
+        """Deterministic, sharding-independent init of every local shard (:func:`init_shard_weight`:
+        bounds ``[cfg.get_weight_init_min(), cfg.get_weight_init_max()]``, drawn block by block
+        and copied onto the shard's device, then ``cfg.init_fn``).  Meta shards are skipped."""
         for name, w in self.table_weights().items():
             cfg, rows, cols, r0, c0 = self._shards[self._names.index(name)]
-            bounds = dict(low=cfg.get_weight_init_min(), high=cfg.get_weight_init_max())
-            if w.device.type == "cpu":
-                init_table_rows(w, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed, **bounds)
-            else:
-                tmp = torch.empty(w.shape)
-                init_table_rows(tmp, cfg.name, cfg.num_embeddings, r0, c0, cfg.embedding_dim, seed, **bounds)
-                w.copy_(tmp)
-            if cfg.init_fn is not None and w.numel():
-                out = cfg.init_fn(w)
-                if isinstance(out, torch.Tensor) and out is not w:
-                    if tuple(out.shape) != tuple(w.shape):
-                        raise ValueError(
-                            f"table '{cfg.name}': init_fn returned shape {tuple(out.shape)}, expected {tuple(w.shape)}"
-                        )
-                    if out.data_ptr() != w.data_ptr():
-                        w.copy_(out)
+            init_shard_weight(w, cfg, r0, c0, seed)
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         B = features.stride()

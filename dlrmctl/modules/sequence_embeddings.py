@@ -45,7 +45,7 @@ from dlrmctl.modules.embedding_modules import (
     fused_supports_weight_decay,
     _only_embedding_bags,
     _TableWeight,
-    init_table_rows,
+    init_shard_weight,
 )
 from dlrmctl.sparse import JaggedTensor, KeyedJaggedTensor, SparseInputError
 from dlrmctl.sparse.validation import check_ids
@@ -98,32 +98,6 @@ def check_sequence_tables(tables: Sequence[EmbeddingConfig], who: str) -> None:
                     "a feature may feed one table of an EmbeddingCollection"
                 )
             feats[f] = t.name
-
-
-@torch.no_grad()
-def init_shard_weight(w: torch.Tensor, cfg: EmbeddingConfig, row_offset: int, col_offset: int, seed: int) -> None:
-    """Fill the local ``[rows, cols]`` weight ``w`` of table ``cfg`` at ``(row_offset, col_offset)``
-    with its deterministic initial values (:func:`init_table_rows`, bounds
-    ``[cfg.get_weight_init_min(), cfg.get_weight_init_max()]``), then run ``cfg.init_fn(w)``
-    if set (a returned tensor of ``w``'s shape is copied in).
-
-    Raises:
-        ValueError: ``init_fn`` returned a tensor of another shape.
-    """
-    bounds = dict(low=cfg.get_weight_init_min(), high=cfg.get_weight_init_max())
-    if w.device.type == "cpu":
-        init_table_rows(w, cfg.name, cfg.num_embeddings, row_offset, col_offset, cfg.embedding_dim, seed, **bounds)
-    else:
-        tmp = torch.empty(w.shape)
-        init_table_rows(tmp, cfg.name, cfg.num_embeddings, row_offset, col_offset, cfg.embedding_dim, seed, **bounds)
-        w.copy_(tmp)
-    if cfg.init_fn is not None and w.numel():
-        out = cfg.init_fn(w)
-        if isinstance(out, torch.Tensor) and out is not w:
-            if tuple(out.shape) != tuple(w.shape):
-                raise ValueError(f"table '{cfg.name}': init_fn returned shape {tuple(out.shape)}, expected {tuple(w.shape)}")
-            if out.data_ptr() != w.data_ptr():
-                w.copy_(out)
 
 
 def sequence_jagged_tensor(

@@ -50,6 +50,10 @@ def build_model(
         sparse_placeholder: build ``sparse_arch`` as a weightless
             :class:`~dlrmctl.distributed.model_parallel.TableConfigs` (to be sharded by
             DistributedModelParallel), so no rank ever allocates a whole table.
+        device: where the model lives.  ``meta``: the tables are built on the meta device
+            (no storage, no init: for a checkpoint to be loaded into, see
+            :func:`materialize_model` and :func:`dlrmctl.train.loop.load_trained_model`); the
+            dense part (MLPs, interaction: small) is built on the CPU as for any device.
 
     Initialisation is deterministic in ``train.seed`` (MLPs via
     ``torch.manual_seed``; tables via :func:`~dlrmctl.modules.embedding_modules.init_table_rows`).
@@ -93,8 +97,32 @@ def build_model(
         embedding_dim=d,
         interaction=build_interaction(cfg, num_features, d),
     )
-    # MLPs live on `device`; the EBC already does.
+    # MLPs live on `device`; the EBC already does.  On meta the dense part stays on the CPU
+    # (materialize_model moves it).
+    if torch.device(device).type != "meta":
+        _dense_parts_to(model, device)
+    return model
+
+
+def _dense_parts_to(model: DLRM, device: torch.device | str) -> None:
     model.dense_arch.to(device)
     model.inter_arch.to(device)
     model.over_arch.to(device)
+
+
+def materialize_model(model: DLRM, device: torch.device | str) -> DLRM:
+    """Give a ``build_model(device="meta")`` model's tables storage on ``device``, uninitialised
+    (:meth:`~dlrmctl.modules.embedding_modules.EmbeddingBagCollection.materialize`), and move
+    its dense part there: ready for a checkpoint to be loaded into (nothing is randomly
+    initialised).  Returns ``model`` (changed in place).
+
+    Raises:
+        TypeError: ``model.sparse_arch`` cannot be materialized (e.g. a sharded model).
+    """
+    sa = model.sparse_arch
+    if not hasattr(sa, "materialize"):
+        raise TypeError(f"materialize_model: sparse_arch is a {type(sa).__name__}; an EmbeddingBagCollection "
+                        "built with build_model(device='meta') is expected")
+    sa.materialize(device)
+    _dense_parts_to(model, device)
     return model

@@ -1185,17 +1185,28 @@ def clear_unsaved_attempt(run_dir: str) -> bool:
 
 
 def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | None = "dense",
-                       checkpoint: str | None = "last"):
+                       checkpoint: str | None = "last", materialize: bool = True):
     """Rebuild a trained model (unsharded) from a run directory's checkpoint: ``checkpoint`` is
     ``last`` (the newest), ``best`` (``train.keep_best``), a step, or None (best if any, else last).
+
+    The model is built on the meta device (``build_model(device="meta")``: no table storage,
+    no table init) and its dense part loaded; with ``materialize`` the tables are then
+    allocated empty on ``device`` and loaded from the checkpoint (no random-init pass).
+
+    Args:
+        materialize: False: leave the tables on the meta device (the dense part is loaded, on
+            the CPU); read them one at a time with :func:`load_table_weight` (what export does).
 
     Returns:
         ``(cfg, model, meta)``: the resolved config, a DLRM with all tables
         assembled from the saved shards, and the training data's meta.json.
 
     Raises:
-        CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``.
+        CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``; tables that
+            differ from the checkpoint's.
     """
+    from dlrmctl.train.factory import materialize_model
+
     cfg = run_config(run_dir)
     mpath = os.path.join(run_dir, "data_meta.json")
     if not os.path.exists(mpath):
@@ -1204,17 +1215,40 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
         meta = json.load(f)
     path, _ = ckpt.resolve_checkpoint(run_dir, checkpoint)
     tables = resolve_tables(cfg, meta)
-    model = build_model(cfg, tables, len(meta["dense_features"]), device=device, compute_kernel=compute_kernel)
+    model = build_model(cfg, tables, len(meta["dense_features"]), device="meta", compute_kernel=compute_kernel)
     cmeta = ckpt.load_checkpoint_meta(path)
     check_tables(cmeta, tables, path)
-    md = ckpt.read_metadata(path, cmeta)
-    req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard
+    req: dict[str, Any] = {}
+    finish = None
+    if materialize:
+        materialize_model(model, device)
+        md = ckpt.read_metadata(path, cmeta)
+        req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard
     dense = dense_state_dict(model)
     req.update({f"dense/{k}": v for k, v in dense.items()})
     ckpt.load_checkpoint(path, req, meta=cmeta)
-    finish()
+    if finish is not None:
+        finish()
     model.eval()
     return cfg, model, meta
+
+
+@torch.no_grad()
+def load_table_weight(ckpt_dir: str, table: Any, meta: dict[str, Any] | None = None) -> torch.Tensor:
+    """One table's weights ``[num_embeddings, embedding_dim]`` float32 (CPU), assembled from
+    every saved shard of checkpoint ``ckpt_dir`` (any sharding); only that table's chunks are
+    read.  Memory: the table, plus DCP's read buffer of one saved chunk.
+
+    Args:
+        table: the table's config (``name``, ``num_embeddings``, ``embedding_dim``).
+        meta: the checkpoint's meta.json (:func:`~dlrmctl.train.checkpoint.load_checkpoint_meta`).
+
+    Raises:
+        CheckpointError: no such table, another shape, or a damaged file (named).
+    """
+    w = torch.empty(table.num_embeddings, table.embedding_dim)
+    ckpt.load_checkpoint(ckpt_dir, {f"emb/{table.name}/weight": w}, meta=meta)
+    return w
 
 
 def run_config(run_dir: str) -> ExperimentConfig:
