@@ -191,14 +191,17 @@ def test_bad_line_errors_name_file_line_and_field(tmp_path):
         (line(label="2"), "bad.tsv:1: field label: expected 0 or 1, got '2'"),
         (good + line(cats=["0000000g"] + ["00000001"] * 25), "bad.tsv:2: field C1: expected 8 hex digits, got '0000000g'"),
     ]
-    for i, (text, msg) in enumerate(cases):
-        f = tmp_path / f"case{i}" / "bad.tsv"
-        f.parent.mkdir()
-        f.write_text(text)
-        with pytest.raises(DataError) as ei:
-            preprocess_criteo(f, tmp_path / f"out{i}", HASH, progress=False)
-        assert str(ei.value).endswith(msg), str(ei.value)
-        assert str(f) in str(ei.value)
+    # hashing parses in its one pass; vocabulary mode in pass 1 (which keeps the decoded rows)
+    for mode, opts in (("hash", HASH), ("vocab", CriteoOptions(frequency_threshold=1))):
+        for i, (text, msg) in enumerate(cases):
+            f = tmp_path / f"{mode}{i}" / "bad.tsv"
+            f.parent.mkdir()
+            f.write_text(text)
+            with pytest.raises(DataError) as ei:
+                preprocess_criteo(f, tmp_path / f"out{mode}{i}", opts, progress=False)
+            assert str(ei.value).endswith(msg), (mode, str(ei.value))
+            assert str(f) in str(ei.value)
+            assert not list((tmp_path / f"out{mode}{i}").rglob("*.tmp"))  # nothing half-written left
 
 
 def test_on_bad_line_skip_counts_and_keeps_good_rows_with_their_line_numbers(tmp_path):
@@ -411,3 +414,122 @@ def test_hash_lookup_matches_a_dict_for_hits_misses_and_extreme_values():
         HashLookup(np.array([2**32], np.int64))
     with pytest.raises(ValueError, match="duplicate"):
         HashLookup(np.array([7, 9, 7], np.int64))
+
+
+# ------------------------------------------------------------------ one parse per file (vocabulary mode)
+def test_decoded_rows_round_trip_with_missing_values_within_the_documented_bytes_per_row(tmp_path):
+    from dlrmctl.data.criteo.decoded import BYTES_PER_ROW, DecodedWriter, read_decoded
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "d.arrow"
+    w = DecodedWriter(path, labelled=True)
+    blocks = []
+    for n in (1, 1000, 37):
+        codes = rng.integers(0, 3, n).astype(np.int8)
+        label = rng.integers(0, 2, n).astype(np.float32)
+        dense = [rng.random(n).astype(np.float32) for _ in range(13)]
+        present = [rng.random(n) < (0.0 if f == 0 else 1.0 if f == 1 else 0.7) for f in range(26)]
+        h = [np.where(p, rng.integers(0, 2**32, n, dtype=np.uint64), 0).astype(np.uint64) for p in present]
+        h[2][:1] = 2**32 - 1  # the extreme value survives the uint32 column
+        present[2][:1] = True
+        w.write(codes, label, dense, h, present)
+        blocks.append((codes, label, dense, h, present))
+    w.close()
+    assert not (tmp_path / "d.arrow.tmp").exists()
+    got = list(read_decoded(path, labelled=True))
+    assert len(got) == 3  # one record batch per written block
+    for b, (codes, label, dense, h, present) in zip(got, blocks):
+        assert (b.codes == codes).all() and (b.label == label).all()
+        assert all((x == y).all() for x, y in zip(b.dense, dense))
+        assert all((x == y).all() for x, y in zip(b.sparse_present, present))
+        assert all((x.astype(np.uint64) == y).all() for x, y in zip(b.sparse_h, h))
+    rows = 1038
+    assert path.stat().st_size <= BYTES_PER_ROW * rows + 3 * 1024 + 8192  # + per-batch padding, schema, footer
+    with pytest.raises(DataError, match="schema"):
+        next(read_decoded(path, labelled=False))
+
+
+def test_vocabulary_mode_parses_each_file_once_and_removes_its_decoded_rows(tmp_path, monkeypatch):
+    from dlrmctl.data.criteo import parse, vocab
+
+    calls = []
+    real = parse.BlockReader.__iter__
+
+    def counting(self):
+        calls.append(self.path.name)
+        return real(self)
+
+    monkeypatch.setattr(parse.BlockReader, "__iter__", counting)
+    d = tmp_path / "in"
+    d.mkdir()
+    for j in range(2):
+        (d / f"p{j}.tsv").write_text(_zipf_lines(300, j))
+    out = tmp_path / "o"
+    preprocess_criteo(d, out, CriteoOptions(frequency_threshold=2, val_ratio=0.3), progress=False)
+    assert sorted(calls) == ["p0.tsv", "p1.tsv"]
+    assert not (out / ".decoded").exists()
+    assert read_meta(out)["splits"]["val"]["rows"] > 0
+
+
+def test_vocabulary_resume_after_a_crash_in_either_pass_reparses_only_what_is_stale(tmp_path, monkeypatch):
+    from dlrmctl.data.criteo import parse, preprocess
+
+    calls = []
+    real = parse.BlockReader.__iter__
+
+    def counting(self):
+        calls.append(self.path.name)
+        return real(self)
+
+    monkeypatch.setattr(parse.BlockReader, "__iter__", counting)
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.tsv").write_text(_zipf_lines(200, 1))
+    (d / "b.tsv").write_text(_zipf_lines(150, 2) + "broken\n")
+    opts = CriteoOptions(frequency_threshold=2, val_ratio=0.2)
+    out = tmp_path / "out"
+    # 1. pass 1 fails on b: a's counts and decoded rows stay, nothing of b
+    with pytest.raises(DataError, match="b.tsv:151"):
+        preprocess_criteo(d, out, opts, progress=False)
+    assert (out / ".decoded" / "a.tsv.arrow").is_file() and not list((out / ".decoded").glob("b.tsv*"))
+    (d / "b.tsv").write_text(_zipf_lines(150, 2))
+    # 2. pass 2 fails on b (after a's part is written): only b's decoded rows remain
+    calls.clear()
+    real_pf = preprocess.process_file
+
+    def failing(task):
+        if task.part == "b.tsv":
+            raise RuntimeError("crash in pass 2")
+        return real_pf(task)
+
+    monkeypatch.setattr(preprocess, "process_file", failing)
+    with pytest.raises(RuntimeError, match="crash in pass 2"):
+        preprocess_criteo(d, out, opts, progress=False)
+    assert calls == ["b.tsv"]  # a was parsed by the first run
+    assert (out / "parts" / "a.tsv" / "done.json").is_file()
+    assert sorted(p.name for p in (out / ".decoded").iterdir()) == ["b.tsv.arrow", "b.tsv.json"]
+    # 3. the resumed run parses nothing: a's part is done, b's rows are read from .decoded
+    monkeypatch.setattr(preprocess, "process_file", real_pf)
+    calls.clear()
+    rep = preprocess_criteo(d, out, opts, progress=False)
+    assert calls == [] and (rep.files_processed, rep.files_skipped) == (1, 1)
+    assert not (out / ".decoded").exists()
+    ref = tmp_path / "ref"
+    preprocess_criteo(d, ref, opts, progress=False)
+    for split in ("train", "val"):
+        assert (out / "parts" / "b.tsv" / f"{split}.arrow").read_bytes() == \
+            (ref / "parts" / "b.tsv" / f"{split}.arrow").read_bytes()
+        assert (out / "parts" / "a.tsv" / f"{split}.arrow").read_bytes() == \
+            (ref / "parts" / "a.tsv" / f"{split}.arrow").read_bytes()
+    # 4. b changes: the vocabulary changes, so a's finished part is stale and a is parsed again
+    (d / "b.tsv").write_text(_zipf_lines(180, 3))
+    calls.clear()
+    rep = preprocess_criteo(d, out, opts, progress=False)
+    assert sorted(calls) == ["a.tsv", "b.tsv"] and rep.files_processed == 2
+    ref2 = tmp_path / "ref2"
+    preprocess_criteo(d, ref2, opts, progress=False)
+    for f in ("a.tsv", "b.tsv"):
+        for split in ("train", "val"):
+            assert (out / "parts" / f / f"{split}.arrow").read_bytes() == \
+                (ref2 / "parts" / f / f"{split}.arrow").read_bytes()
+    assert not (out / ".decoded").exists()

@@ -29,11 +29,15 @@ Transforms (all recorded in ``meta["transforms"]``):
 Parsing is streamed with ``pyarrow.csv.open_csv`` (explicit column types, single-threaded per
 worker) and every transform is vectorised (hex decode is a SWAR computation on 64-bit words);
 nothing is held in memory beyond one CSV block per worker (and, in vocabulary mode, the
-vocabularies a worker has looked ids up in, and one feature's counts while merging).
+vocabularies a worker has looked ids up in, and one feature's counts while merging).  Each
+input file is parsed once: in vocabulary mode the counting pass keeps the decoded rows in
+``<out>/.decoded/<file>.arrow`` (at most 164.25 bytes per row, all files at once between the
+passes) for the id pass, which deletes them.
 
 Modules: :mod:`.parse` (line parsing and per-row transforms), :mod:`.vocab` (counting, the
-feature-by-feature merge, hash lookup), :mod:`.parallel` (the worker pool and its progress line),
-:mod:`.preprocess` (the two passes and ``meta.json``), :mod:`.raw_transform` (raw lines for
+feature-by-feature merge, hash lookup), :mod:`.decoded` (pass 1's decoded rows),
+:mod:`.parallel` (the worker pool and its progress line),
+:mod:`.preprocess` (the passes and ``meta.json``), :mod:`.raw_transform` (raw lines for
 ``predict``).  This package re-exports their public names.
 """
 

@@ -499,6 +499,7 @@ class FileTask:
     vocab_dir: str | None = None
     table_sizes: list[int] | None = None
     valtest_first: int = 0  # rows of the last day going to val
+    decoded_fingerprint: str = ""  # vocabulary pass 2: the pass-1 fingerprint its decoded rows must carry
 
 
 def split_of_block(task: FileTask, blk: Block) -> np.ndarray:
@@ -530,12 +531,14 @@ def read_blocks(task: FileTask) -> Iterator[Block]:
 
 
 
-def sparse_ids(task: FileTask, blk: Block, vocabs: "VocabSet | None") -> list[np.ndarray]:
-    """Categorical ids of one block.
+def ids_of(opts: CriteoOptions, sparse_h: list[np.ndarray], sparse_present: list[np.ndarray],
+           vocabs: "VocabSet | None") -> list[np.ndarray]:
+    """Categorical ids of ``n`` rows.
 
     Args:
-        task: the file's task (its options give the mode and the hashing moduli).
-        blk: a parsed block of ``n`` rows.
+        opts: the options (their mode and hashing moduli).
+        sparse_h: 26 x ``[n]`` uint64 or uint32 decoded values (< 2^32).
+        sparse_present: 26 x ``[n]`` bool, False where the field is empty.
         vocabs: the vocabularies (vocabulary mode; loaded lazily, one feature at a time), else None.
 
     Returns:
@@ -544,9 +547,9 @@ def sparse_ids(task: FileTask, blk: Block, vocabs: "VocabSet | None") -> list[np
     """
     out = []
     for f in range(NUM_SPARSE):
-        h, present = blk.sparse_h[f], blk.sparse_present[f]
-        if task.opts.mode == "hash":
-            nb = task.opts.num_embeddings[f]
+        h, present = sparse_h[f], sparse_present[f]
+        if opts.mode == "hash":
+            nb = opts.num_embeddings[f]
             ids = (h % np.uint64(nb)).astype(np.int64)
             ids[~present] = nb
         else:
@@ -555,3 +558,8 @@ def sparse_ids(task: FileTask, blk: Block, vocabs: "VocabSet | None") -> list[np
             ids[~present] = v.size + 1
         out.append(ids)
     return out
+
+
+def sparse_ids(task: FileTask, blk: Block, vocabs: "VocabSet | None") -> list[np.ndarray]:
+    """Categorical ids of one parsed block: :func:`ids_of` with the task's options (26 x ``[n]`` int64)."""
+    return ids_of(task.opts, blk.sparse_h, blk.sparse_present, vocabs)

@@ -1,10 +1,19 @@
-"""``dlrmctl preprocess criteo``: the two passes over the input files and the output ``meta.json``.
+"""``dlrmctl preprocess criteo``: the passes over the input files and the output ``meta.json``.
 
-Pass 1 (vocabulary mode only) counts the train rows' categorical values per file
-(:func:`dlrmctl.data.criteo.vocab.count_file`), then merges them one feature at a time into
-``vocab/<feature>.arrow`` (:func:`~dlrmctl.data.criteo.vocab.build_vocab`).  Pass 2 transforms
-every file into ``parts/<name>/{train,val,test}.arrow`` (:func:`process_file`).  Both passes run one
-task per input file on the worker pool of :mod:`dlrmctl.data.criteo.parallel`.
+Each input file is parsed once.  Hashing mode has one pass: :func:`process_file` parses a file
+and writes ``parts/<name>/{train,val,test}.arrow``.  Vocabulary mode has two: pass 1
+(:func:`dlrmctl.data.criteo.vocab.count_file`) parses a file, counts its train rows' categorical
+values into ``.counts/<name>.arrow`` and writes its decoded rows to ``.decoded/<name>.arrow``
+(:mod:`dlrmctl.data.criteo.decoded`: at most 164.25 bytes per row, ~0.7x the TSV; all files' rows
+exist together until pass 2 consumes them); the counts are merged one feature at a time into
+``vocab/<feature>.arrow`` (:func:`~dlrmctl.data.criteo.vocab.build_vocab`); pass 2
+(:func:`process_file`) maps the decoded rows to ids and deletes them.  The passes run one task per
+input file on the worker pool of :mod:`dlrmctl.data.criteo.parallel`.
+
+Resume: pass 1's outputs carry a fingerprint of the options and the input's size and mtime and
+are reused when it matches; a finished part (``parts/<name>/done.json`` with the pass-2
+fingerprint, which includes the vocabulary's hash) is skipped.  A file is parsed again only when
+its counts or its decoded rows are stale or missing and its part still has to be written.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +40,7 @@ from dlrmctl.data.columnar import (
     write_json_atomic,
     write_meta,
 )
+from dlrmctl.data.criteo import decoded as _decoded
 from dlrmctl.data.criteo import vocab as _vocab
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import (
@@ -44,8 +54,8 @@ from dlrmctl.data.criteo.parse import (
     count_lines,
     expand_inputs,
     num_fields,
+    ids_of,
     read_blocks,
-    sparse_ids,
     split_of_block,
 )
 from dlrmctl.data.multi_hot import MULTI_HOT_CACHE_VECTORS, multi_hot_expand
@@ -53,11 +63,45 @@ from dlrmctl.data.multi_hot import MULTI_HOT_CACHE_VECTORS, multi_hot_expand
 __all__ = ["PreprocessReport", "preprocess_criteo", "process_file"]
 
 
+def _parsed_batches(task: FileTask) -> Iterator[tuple[_decoded.DecodedBatch | None, int]]:
+    """Hashing mode: parse the TSV; yields ``(batch, bad lines)``, ``(None, 0)`` on a careful restart."""
+    for blk in read_blocks(task):
+        if blk is None:
+            yield None, 0
+        elif len(blk.lines) == 0:
+            yield _decoded.DecodedBatch(np.zeros(0, np.int8), None, [], [], []), blk.bad_skipped
+        else:
+            yield (_decoded.DecodedBatch(split_of_block(task, blk), blk.label, blk.dense, blk.sparse_h,
+                                         blk.sparse_present), blk.bad_skipped)
+
+
+def _decoded_batches(task: FileTask) -> Iterator[tuple[_decoded.DecodedBatch | None, int]]:
+    """Vocabulary mode: pass 1's decoded rows of the file; the bad lines come from its marker."""
+    path, _ = _decoded.decoded_paths(task.out_dir, task.part)
+    m = _decoded.read_marker(task.out_dir, task.part, task.decoded_fingerprint)
+    if m is None:
+        raise DataError("pass 1's decoded rows are missing or stale (expected a complete "
+                        f"{path} for this input); rerun the preprocess", path=task.path)
+    yield _decoded.DecodedBatch(np.zeros(0, np.int8), None, [], [], []), int(m["bad_lines"])
+    for b in _decoded.read_decoded(path, task.labelled):
+        yield b, 0
+
+
 def process_file(task: FileTask) -> dict:
     """Transform one input file into ``parts/<part>/{train,val,test}.arrow`` + ``done.json``.
 
-    Writes into ``parts/<part>.tmp`` and renames it when complete, so a crash leaves no
-    half-finished part that could be taken for a finished one.
+    Hashing mode parses the TSV; vocabulary mode reads pass 1's decoded rows
+    (``.decoded/<part>.arrow``, memory-mapped, one record batch per CSV block) and deletes them
+    once the part is in place.  Either way one record batch per CSV block and split is written,
+    so the shards are byte-identical.  Writes into ``parts/<part>.tmp`` and renames it when
+    complete, so a crash leaves no half-finished part that could be taken for a finished one.
+
+    Returns:
+        The part's statistics (also written to ``done.json``).
+
+    Raises:
+        DataError: a bad line (hashing mode, ``on_bad_line='error'``); missing or stale decoded
+            rows (vocabulary mode).
     """
     t0 = time.perf_counter()
     o = task.opts
@@ -75,28 +119,29 @@ def process_file(task: FileTask) -> dict:
 
     writers = fresh()
     stats = _new_stats()
-    reported = 0
+    source = _decoded_batches(task) if o.mode == "vocab" else _parsed_batches(task)
     try:
-        for blk in read_blocks(task):
+        for blk, bad in source:
             if blk is None:  # restart in careful mode
                 for w in writers.values():
                     w.abort()
                 writers = fresh()
                 stats = _new_stats()
                 continue
-            stats["bad_lines"] += blk.bad_skipped
-            if len(blk.lines) == 0:
+            stats["bad_lines"] += bad
+            nrows = len(blk.codes)
+            if nrows == 0:
                 continue
-            codes = split_of_block(task, blk)
-            ids = sparse_ids(task, blk, vocabs)
+            codes = blk.codes
+            ids = ids_of(o, blk.sparse_h, blk.sparse_present, vocabs)
             for f in range(NUM_SPARSE):
-                stats["missing"][f] += int(len(ids[f]) - np.count_nonzero(blk.sparse_present[f]))
+                stats["missing"][f] += int(nrows - np.count_nonzero(blk.sparse_present[f]))
             for si, split in enumerate(SPLITS):
                 sel = codes == si
                 k = int(np.count_nonzero(sel))
                 if k == 0:
                     continue
-                allsel = k == len(codes)
+                allsel = k == nrows
                 pick = (lambda a: a) if allsel else (lambda a: a[sel])
                 cols: dict[str, Any] = {}
                 if task.labelled:
@@ -116,8 +161,6 @@ def process_file(task: FileTask) -> dict:
                         cols[name] = x
                 writers[split].write(cols)
                 stats["rows"][split] += k
-            nrows = len(blk.lines)
-            reported += nrows
             report_rows(nrows)
         for w in writers.values():
             w.close()
@@ -135,6 +178,7 @@ def process_file(task: FileTask) -> dict:
                 pass
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _decoded.remove_decoded(task.out_dir, task.part)  # the part is in place: pass 1's rows are spent
     return stats
 
 
@@ -258,15 +302,30 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     rows_read = 0
     vocab_info = None
     vocab_dir = out / "vocab"
+    count_tasks: dict[Path, FileTask] = {}
+    deferred: set[Path] = set()
     if o.mode == "vocab":
-        count_tasks = [FileTask(str(f), f.name, roles[f], labelled, str(out), o,
-                                 _fingerprint({**fp_common(), **file_id(f), "pass": "count",
-                                              "counts_format": _vocab.COUNTS_FORMAT}),
-                                 valtest_first=valtest_first.get(f, 0)) for f in files]
-        prog = Progress("criteo vocabulary pass", len(files), progress)
-        count_files = run_tasks(_vocab.count_file, count_tasks, o.workers, prog)
+        for f in files:
+            count_tasks[f] = FileTask(str(f), f.name, roles[f], labelled, str(out), o,
+                                      _fingerprint({**fp_common(), **file_id(f), "pass": "count",
+                                                    "counts_format": _vocab.COUNTS_FORMAT,
+                                                    "decoded_format": _decoded.DECODED_FORMAT}),
+                                      valtest_first=valtest_first.get(f, 0))
+            # fresh counts but no decoded rows, and a finished part: parse again only if that part
+            # turns out stale once the vocabulary is known (a resumed pass 2 deletes spent rows)
+            t = count_tasks[f]
+            counts = out / ".counts" / f"{f.name}.arrow"
+            done_txt = counts.with_suffix(".done")
+            if (done_txt.is_file() and done_txt.read_text() == t.fingerprint and counts.is_file()
+                    and _decoded.read_marker(out, f.name, t.fingerprint) is None
+                    and (out / "parts" / f.name / "done.json").is_file()):
+                deferred.add(f)
+        first = [count_tasks[f] for f in files if f not in deferred]
+        prog = Progress("criteo pass 1 (parse, count)", len(first), progress)
+        run_tasks(_vocab.count_file, first, o.workers, prog)
         prog.show(final=True)
         rows_read += prog.rows
+        count_files = [str(out / ".counts" / f"{f.name}.arrow") for f in files]
         vocab_info = _vocab.build_vocab(count_files, vocab_dir, o.threshold)
         table_sizes = [v["size"] + 2 for v in vocab_info]
         vocab_fp = _fingerprint([_sha_file(vocab_dir / f"{n}.arrow") for n in SPARSE_FEATURES])
@@ -288,10 +347,18 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
             if st.get("fingerprint") == fp:
                 skipped.append(f)
                 done_stats[f] = st
+                _decoded.remove_decoded(out, f.name)  # left over if a run stopped right after the part
                 continue
         tasks.append(FileTask(str(f), f.name, roles[f], labelled, str(out), o, fp,
                                vocab_dir=str(vocab_dir) if o.mode == "vocab" else None,
-                               table_sizes=table_sizes, valtest_first=valtest_first.get(f, 0)))
+                               table_sizes=table_sizes, valtest_first=valtest_first.get(f, 0),
+                               decoded_fingerprint=count_tasks[f].fingerprint if count_tasks else ""))
+    redo = [count_tasks[Path(t.path)] for t in tasks if Path(t.path) in deferred]
+    if redo:  # stale finished parts whose decoded rows an earlier run already deleted
+        prog = Progress("criteo pass 1 (parse again for stale parts)", len(redo), progress)
+        run_tasks(_vocab.count_file, redo, o.workers, prog)
+        prog.show(final=True)
+        rows_read += prog.rows
     prog = Progress("criteo", len(tasks), progress)
     try:
         results = run_tasks(process_file, tasks, o.workers, prog)
@@ -299,6 +366,10 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
         _vocab.clear_cache()  # in-process (1 worker) runs loaded the vocabularies here
     prog.show(final=True)
     rows_read += prog.rows
+    try:
+        (out / _decoded.DIR_NAME).rmdir()  # every part's decoded rows are spent
+    except OSError:
+        pass
     for t, st in zip(tasks, results):
         done_stats[Path(t.path)] = st
 

@@ -2,10 +2,12 @@
 
 Three steps, each bounded in memory:
 
-1. **Count** (:func:`count_file`, one input file per task, in the worker pool): the raw values of
-   the file's *train* rows are counted per feature and written to ``.counts/<part>.arrow`` as 26
-   record batches, batch ``f`` = feature ``C{f+1}`` (columns ``value`` int64, ``count`` int64).
-   A worker holds the counts of one file at a time.
+1. **Count** (:func:`count_file`, one input file per task, in the worker pool): the file is
+   parsed (the only time it is), the raw values of its *train* rows are counted per feature and
+   written to ``.counts/<part>.arrow`` as 26 record batches, batch ``f`` = feature ``C{f+1}``
+   (columns ``value`` int64, ``count`` int64), and its decoded rows to ``.decoded/<part>.arrow``
+   (:mod:`dlrmctl.data.criteo.decoded`) for the transform pass.  A worker holds the counts of one
+   file at a time.
 2. **Merge** (:func:`build_vocab`, in the parent): for each feature in turn, batch ``f`` of every
    count file is read (memory-mapped, only that batch) and summed, a few files at a time; values
    with ``count >= T`` are kept and ordered by descending count, ties by ascending value, and
@@ -29,13 +31,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
+from dlrmctl.data.criteo import decoded as _decoded
 from dlrmctl.data.criteo.parallel import report_rows
 from dlrmctl.data.criteo.parse import NUM_SPARSE, SPARSE_FEATURES, FileTask, read_blocks, split_of_block
 
 __all__ = ["COUNTS_FORMAT", "HashLookup", "VocabSet", "build_vocab", "clear_cache", "count_file"]
 
 #: version of the ``.counts/<part>.arrow`` layout (part of the count pass's resume fingerprint)
-COUNTS_FORMAT = 2
+COUNTS_FORMAT = 3  # 3: pass 1 also writes .decoded/<part>.arrow
 #: count files merged together at a time per feature (bounds the merge's transient memory)
 MERGE_FAN_IN = 4
 _COUNT_SCHEMA = pa.schema([("value", pa.int64()), ("count", pa.int64())])
@@ -194,40 +197,66 @@ class VocabSet:
         return t
 
 
-# =============================================================================== count pass
+# =============================================================================== pass 1: parse, count, keep
 def count_file(task: FileTask) -> str:
-    """Count the raw categorical values of one file's train rows -> ``.counts/<part>.arrow``.
+    """Pass 1 of vocabulary mode: parse one input file once, count its train rows' values, keep its rows.
 
-    The file holds 26 record batches, batch ``f`` for feature ``C{f+1}`` (``value`` int64,
-    ``count`` int64, distinct values, any order).  ``.counts/<part>.done`` holds the task's
-    fingerprint; a count file whose fingerprint matches is reused (resume).
+    Writes, each atomically (temp file + rename):
+
+    * ``.counts/<part>.arrow``: 26 record batches, batch ``f`` for feature ``C{f+1}`` (``value``
+      int64, ``count`` int64, distinct values, any order), and ``.counts/<part>.done`` holding the
+      task's fingerprint;
+    * ``.decoded/<part>.arrow`` and its marker: every good row, decoded (split code, label, dense
+      float32, categorical uint32 + missing bits; :mod:`dlrmctl.data.criteo.decoded`, at most
+      :data:`~dlrmctl.data.criteo.decoded.BYTES_PER_ROW` bytes per row), which pass 2 maps to ids
+      instead of parsing the TSV again.
+
+    Both are reused when their fingerprint matches (resume); a file is parsed again when either is
+    stale or missing.
 
     Returns:
         The count file's path.
 
     Raises:
-        DataError: a bad line (``on_bad_line='error'``).
+        DataError: a bad line (``path:line: field X: ...``) when ``on_bad_line='error'``.
     """
     out = Path(task.out_dir) / ".counts" / f"{task.part}.arrow"
     done = out.with_suffix(".done")
-    if done.is_file() and done.read_text() == task.fingerprint and out.is_file():
+    dec_path, dec_marker = _decoded.decoded_paths(task.out_dir, task.part)
+    if (done.is_file() and done.read_text() == task.fingerprint and out.is_file()
+            and _decoded.read_marker(task.out_dir, task.part, task.fingerprint) is not None):
         report_rows(-1)  # nothing to do; tells the progress that one file was skipped
         return str(out)
+    _decoded.remove_decoded(task.out_dir, task.part)
     acc: list[list[pa.Table]] = [[] for _ in range(NUM_SPARSE)]
-    for blk in read_blocks(task):
-        if blk is None:  # the careful reader restarts the file
-            acc = [[] for _ in range(NUM_SPARSE)]
-            continue
-        if len(blk.lines) == 0:
-            continue
-        train = split_of_block(task, blk) == 0
-        for f in range(NUM_SPARSE):
-            sel = train & blk.sparse_present[f]
-            vc = pc.value_counts(pa.array(blk.sparse_h[f][sel].astype(np.int64)))
-            acc[f].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
-            if len(acc[f]) >= 64:
-                acc[f] = [_merge_counts(acc[f])]
-        report_rows(len(blk.lines))
+    writer = _decoded.DecodedWriter(dec_path, task.labelled)
+    bad_lines = 0
+    try:
+        for blk in read_blocks(task):
+            if blk is None:  # the careful reader restarts the file
+                acc = [[] for _ in range(NUM_SPARSE)]
+                writer.abort()
+                writer = _decoded.DecodedWriter(dec_path, task.labelled)
+                bad_lines = 0
+                continue
+            bad_lines += blk.bad_skipped
+            if len(blk.lines) == 0:
+                continue
+            codes = split_of_block(task, blk)
+            writer.write(codes, blk.label, blk.dense, blk.sparse_h, blk.sparse_present)
+            train = codes == 0
+            all_train = bool(train.all())
+            for f in range(NUM_SPARSE):
+                sel = blk.sparse_present[f] if all_train else train & blk.sparse_present[f]
+                vc = pc.value_counts(pa.array(blk.sparse_h[f][sel].astype(np.int64)))
+                acc[f].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
+                if len(acc[f]) >= 64:
+                    acc[f] = [_merge_counts(acc[f])]
+            report_rows(len(blk.lines))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, _COUNT_SCHEMA) as w:
@@ -238,6 +267,7 @@ def count_file(task: FileTask) -> str:
             w.write_batch(batches[0] if batches else
                           pa.record_batch([pa.array([], pa.int64())] * 2, schema=_COUNT_SCHEMA))
     os.replace(tmp, out)
+    _decoded.write_marker(dec_marker, task.fingerprint, writer.rows, bad_lines)
     done.write_text(task.fingerprint)
     return str(out)
 
