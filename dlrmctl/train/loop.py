@@ -15,6 +15,7 @@ the same global batch.  The logged loss is the global-batch mean.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -33,6 +34,7 @@ from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
+from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.sparse import KeyedTensor
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
@@ -208,7 +210,7 @@ class Trainer:
         self.plan = plan
         self.model = DistributedModelParallel(
             self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed,
-            check_ids=False,
+            check_ids=False, comm_precision=self.cfg.sharding.comm_precision,
         )
         if self.cfg.optimizer.embedding.weight_decay and self.model.is_sharded:
             # a densified data_parallel gradient would let weight decay reach rows not looked up
@@ -438,6 +440,9 @@ class Trainer:
         """Write a checkpoint of this step (collective: every rank writes its own shards); it becomes
         the run's best when this step's evaluation improved on the best (``train.keep_best``)."""
         extra = checkpoint_meta(self.model, self.plan, self.fused_opt)
+        # what the run trained in (a resume may change any of them: tables are cast on load)
+        extra["precision"] = {"train": self.cfg.train.precision, "embedding": self.cfg.model.embedding_precision,
+                              "comm": self.cfg.sharding.comm_precision}
         if self._last_eval is not None and self._last_eval["step"] == self.step:
             extra["eval"] = self._last_eval
         best = self._best_due()
@@ -1246,7 +1251,8 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
 
     Returns:
         ``(cfg, model, meta)``: the resolved config, a DLRM with all tables
-        assembled from the saved shards, and the training data's meta.json.
+        assembled from the saved shards (float32, also from an fp16-table run), and the
+        training data's meta.json.
 
     Raises:
         CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``.
@@ -1258,7 +1264,9 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     with open(mpath) as f:
         meta = json.load(f)
     path, _ = ckpt.resolve_checkpoint(run_dir, checkpoint)
-    tables = resolve_tables(cfg, meta)
+    # the fp32 view of the tables whatever model.embedding_precision trained them in (fp16 weights
+    # widen exactly): what evaluation, prediction and export (which quantizes from fp32) start from
+    tables = [dataclasses.replace(t, data_type=DataType.FP32) for t in resolve_tables(cfg, meta)]
     model = build_model(cfg, tables, len(meta["dense_features"]), device=device, compute_kernel=compute_kernel)
     cmeta = ckpt.load_checkpoint_meta(path)
     check_tables(cmeta, tables, path)
