@@ -191,3 +191,13 @@ def test_checkpoints_resume_across_embedding_precisions_and_export_from_the_fp32
     _, model, _ = load_trained_model(os.path.join(str(tmp_path), "x"))
     for n, w in model.sparse_arch.embedding_weights().items():
         assert w.dtype == torch.float32 and torch.equal(w, w16[n].float()), n
+
+
+def test_planner_counts_fp16_table_bytes_from_the_config():
+    from dlrmctl.planner import table_specs_from_config
+
+    raw = {"model": {"tables": [{"name": "t0", "num_embeddings": 1000, "embedding_dim": 16}],
+                     "embedding_dim": 16, "dense_arch_layer_sizes": [16]}}
+    b32 = table_specs_from_config(config_from_dict(raw), None)[0].weight_bytes_total
+    b16 = table_specs_from_config(config_from_dict(raw, ["model.embedding_precision=fp16"]), None)[0].weight_bytes_total
+    assert (b32, b16) == (1000 * 16 * 4, 1000 * 16 * 2)
