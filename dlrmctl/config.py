@@ -91,6 +91,12 @@ class ModelConfig:
     interaction (DLRM, Naumov et al. 2019).  ``on_invalid_id``: what an id outside
     its table does on every path (``error``: EmbeddingIdError; ``zero``: the id is
     dropped from its bag, see :mod:`dlrmctl.sparse.validation`).
+    ``embedding_precision``: storage of every table's weights (TorchRec's
+    ``EmbeddingBagConfig.data_type``): ``fp16`` halves the table bytes (FBGEMM TBE
+    ``weights_precision=SparseType.FP16``; the dense kernel stores fp16 and updates in
+    fp32); pooled outputs, optimizer state and optimizer math stay fp32.  fp16 tables
+    train with ``exact_rowwise_adagrad`` / ``exact_adagrad`` / ``exact_sgd`` (the optimizers
+    FBGEMM's CPU TBE runs on fp16 weights).
     """
 
     arch: Literal["dlrm"] = "dlrm"
@@ -105,6 +111,7 @@ class ModelConfig:
     interaction_branch2_layer_sizes: list[int] = field(default_factory=lambda: [128, 128])
     compute_kernel: Literal["fused", "dense"] = "fused"
     on_invalid_id: Literal["error", "zero"] = "error"
+    embedding_precision: Literal["fp32", "fp16"] = "fp32"
 
 
 @dataclass
@@ -186,6 +193,10 @@ class TrainConfig:
     ``none``: only the newest ``keep_last_checkpoints``.
     ``progress``: rank 0 shows progress (a bar on a terminal; without one, a line every
     ``progress_every_s`` seconds with step, samples/s and the latest loss read).
+    ``precision``: the dense arch, interaction and over arch run under ``torch.autocast``
+    (``bf16``: CPU and CUDA; ``fp16``: CUDA only, with a ``torch.amp.GradScaler``); the
+    loss, the metrics, the parameters and the optimizers stay fp32; embeddings follow
+    ``model.embedding_precision``.
     """
 
     epochs: int = 1
@@ -201,6 +212,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     progress_every_s: float = 10.0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 @dataclass
@@ -244,6 +256,9 @@ class ShardingConfig:
     collective, the sparse_dist pipeline) even with ONE process, on a one-rank
     process group (gloo on CPU, nccl on CUDA): one GPU then exercises all the
     code a multi-GPU job uses.
+    ``comm_precision``: the pooled embeddings' output_dist (forward all-to-all /
+    reduce-scatter) and its gradient (backward) travel in this precision and are cast
+    back to fp32 on arrival (TorchRec's qcomm codecs); ``fp32``: no cast.
     """
 
     plan_file: Optional[str] = None
@@ -252,6 +267,7 @@ class ShardingConfig:
     tables: dict[str, TableShardingConfig] = field(default_factory=dict)
     constraints: dict[str, TableConstraintsConfig] = field(default_factory=dict)
     device: str = "cpu"
+    comm_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     hbm_gb: Optional[float] = None
     ddr_gb: Optional[float] = None
     topology_file: Optional[str] = None
@@ -581,6 +597,14 @@ def validate(cfg: ExperimentConfig) -> None:
         for tname in cfg.sharding.tables:
             if tname not in names:
                 raise ConfigError(f"sharding.tables.{tname}: no such table in model.tables ({sorted(names)})")
+    if cfg.train.precision == "fp16" and cfg.train.device == "cpu":
+        raise ConfigError("train.precision: fp16 autocast needs CUDA (a GradScaler on a GPU); on the CPU use bf16")
+    if cfg.model.embedding_precision == "fp16" and cfg.optimizer.embedding.type not in (
+            "exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"):
+        raise ConfigError(
+            f"model.embedding_precision: fp16 tables train with exact_rowwise_adagrad, exact_adagrad or exact_sgd "
+            f"(what FBGEMM's TBE runs on fp16 weights), not optimizer.embedding.type {cfg.optimizer.embedding.type!r}"
+        )
     if cfg.data.multi_hot_sizes is not None and any(s <= 0 for s in cfg.data.multi_hot_sizes):
         raise ConfigError(f"data.multi_hot_sizes: every size must be > 0, got {cfg.data.multi_hot_sizes}")
 
@@ -654,6 +678,7 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
       meta.json, ``model.embedding_dim`` wide, rows = the feature's ``num_embeddings``.
     * a table with ``num_embeddings: null``: the largest cardinality among its
       features in meta.json.
+    * every table's ``data_type`` is ``model.embedding_precision`` (FP32 / FP16).
 
     Args:
         meta: parsed meta.json (``sparse_features: [{name, num_embeddings, ...}]``).
@@ -665,8 +690,9 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
         ConfigError: tables must come from data but there is no meta.json, or a
             feature/table cannot be sized.
     """
-    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
 
+    data_type = DataType.FP16 if cfg.model.embedding_precision == "fp16" else DataType.FP32
     feats = {f["name"]: f for f in (meta or {}).get("sparse_features", [])}
     out = []
     if not cfg.model.tables:
@@ -677,7 +703,8 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
             )
         for f in meta["sparse_features"]:
             out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=int(f["num_embeddings"]),
-                                          embedding_dim=cfg.model.embedding_dim, feature_names=[f["name"]]))
+                                          embedding_dim=cfg.model.embedding_dim, feature_names=[f["name"]],
+                                          data_type=data_type))
         return out
     for i, t in enumerate(cfg.model.tables):
         fnames = t.feature_names or [t.name]
@@ -692,5 +719,5 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
             rows = max(int(feats[n]["num_embeddings"]) for n in fnames)
         out.append(EmbeddingBagConfig(name=t.name, num_embeddings=rows,
                                       embedding_dim=t.embedding_dim or cfg.model.embedding_dim,
-                                      feature_names=list(fnames), pooling=t.pooling))
+                                      feature_names=list(fnames), pooling=t.pooling, data_type=data_type))
     return out

@@ -9,7 +9,25 @@ through ``dlrmctl train --nproc``, i.e. torchx) with the ``base`` and
 steady state: the first ``--warmup`` steps are excluded) with the share of
 step time spent waiting on data and on the input_dist all-to-all.
 
-    python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2] [--emb-optimizer adam]
+    python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2] [--variants fp32,bf16,comm_bf16]
+                                  [--emb-optimizer adam]
+
+Rows per ``--variants``: ``fp32``; ``bf16`` (``train.precision: bf16``, the dense part under
+``torch.autocast``); ``comm_bf16`` (``sharding.comm_precision: bf16``, world size > 1 only).
+Each row also gives the share of the machine's arithmetic limit:
+``samples/s x model FLOPs per sample / GEMM rate``, the GEMM rate measured at start by a
+``torch.mm`` microbenchmark (n x n times n x n, ``--gemm-n``, in fp32 and in bf16; bf16 rows use
+the bf16 rate).  Model FLOPs per sample (:func:`model_flops_per_sample`, forward + backward,
+multiply-add = 2 FLOPs; embedding pooling and element-wise ops are not counted):
+
+* each Linear ``in -> out``: forward ``2 in out``, backward ``2 in out`` for the weight gradient
+  and ``2 in out`` for the input gradient (none for the first bottom layer: its input needs no
+  gradient);
+* dot interaction over ``N = F + 1`` vectors of width ``d``: forward ``T T^T`` = ``2 N^2 d``,
+  backward one bmm ``(G + G^T) T`` = ``2 N^2 d`` (dlrmctl's ``_UpperTriangleDots``).
+
+For the bench model: bottom 13-512-256-64, top (64 + 26*27/2 = 415)-512-256-1, N = 27, d = 64:
+about 3.16 MFLOP per sample.
 
 ``--emb-optimizer`` picks ``optimizer.embedding.type`` (default ``exact_rowwise_adagrad``,
 fused in FBGEMM's CPU TBE; the Adam family runs on the ``dense`` kernel on CPU) and
@@ -27,13 +45,49 @@ import tempfile
 import time
 
 
+BOTTOM = [13, 512, 256, 64]
+TOP_HIDDEN = [512, 256, 1]
+NUM_TABLES, DIM = 26, 64
+
+
+def model_flops_per_sample(bottom: list[int], top_hidden: list[int], num_tables: int, dim: int) -> int:
+    """Forward + backward FLOPs per sample of the DLRM's GEMMs (formula in the module docstring)."""
+    flops = 0
+    for i, (a, b) in enumerate(zip(bottom[:-1], bottom[1:])):
+        flops += (4 if i == 0 else 6) * a * b  # the first layer's input needs no gradient
+    n = num_tables + 1
+    top = [dim + num_tables * (num_tables + 1) // 2] + top_hidden
+    for a, b in zip(top[:-1], top[1:]):
+        flops += 6 * a * b
+    return flops + 4 * n * n * dim
+
+
+def gemm_rate(dtype, n: int, seconds: float = 1.0) -> float:
+    """FLOP/s of ``torch.mm`` on two ``n x n`` matrices of ``dtype`` (best of repeated timings)."""
+    import torch
+
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    for _ in range(3):
+        torch.mm(a, b)
+    best, t_end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
 def run(cfg_path: str, data: str, runs: str, world: int, pipeline: str, steps: int, kernel: str,
-        sharding: str | None) -> dict:
-    name = f"bench_w{world}_{pipeline}_{kernel}"
+        sharding: str | None, variant: str = "fp32") -> dict:
+    name = f"bench_w{world}_{pipeline}_{kernel}_{variant}"
     cmd = [sys.executable, "-m", "dlrmctl.cli", "train", cfg_path, "--overwrite",
            "--set", f"data.path={data}", "--set", f"train.run_dir={runs}", "--set", f"name={name}",
            "--set", f"train.pipeline={pipeline}", "--set", f"train.max_steps={steps}",
            "--set", f"model.compute_kernel={kernel}"]
+    if variant == "bf16":
+        cmd += ["--set", "train.precision=bf16"]
+    elif variant == "comm_bf16":
+        cmd += ["--set", "sharding.comm_precision=bf16"]
     if sharding:
         cmd += ["--set", "sharding.tables={" + ", ".join(f"t_C{i}: {{sharding_type: {sharding}}}" for i in range(1, 27)) + "}"]
     if world > 1:
@@ -71,10 +125,21 @@ def main() -> None:
     ap.add_argument("--emb-optimizer", default="exact_rowwise_adagrad",
                     choices=["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", "adam", "partial_rowwise_adam",
                              "lamb", "partial_rowwise_lamb"], help="optimizer.embedding.type")
+    ap.add_argument("--variants", default="fp32,bf16,comm_bf16",
+                    help="rows per world size and pipeline: fp32, bf16 (train.precision), comm_bf16 "
+                         "(sharding.comm_precision; world size > 1 only)")
+    ap.add_argument("--gemm-n", type=int, default=1024, help="matrix size of the torch.mm GEMM-rate microbenchmark")
     ap.add_argument("--emb-lr", type=float, default=None, help="optimizer.embedding.lr (default 0.05; Adam family 0.001)")
     a = ap.parse_args()
     emb_lr = a.emb_lr if a.emb_lr is not None else (0.001 if "adam" in a.emb_optimizer or "lamb" in a.emb_optimizer else 0.05)
     batch = 2048
+    import torch
+
+    rates = {"fp32": gemm_rate(torch.float32, a.gemm_n), "bf16": gemm_rate(torch.bfloat16, a.gemm_n)}
+    flops = model_flops_per_sample(BOTTOM, TOP_HIDDEN, NUM_TABLES, DIM)
+    print(f"GEMM rate (torch.mm {a.gemm_n}^3): fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {rates['bf16'] / 1e9:,.0f} "
+          f"GFLOP/s; model {flops / 1e6:.2f} MFLOP/sample -> limit {rates['fp32'] / flops:,.0f} samples/s fp32, "
+          f"{rates['bf16'] / flops:,.0f} bf16", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         from dlrmctl.data.synthetic import generate_synthetic
@@ -96,21 +161,30 @@ train: {{epochs: 1, log_every: 1, progress: false}}
         rows = []
         for w in [int(x) for x in a.worlds.split(",")]:
             for p in a.pipelines.split(","):
-                tries = []
-                for _ in range(a.repeat):
-                    res = run(cfg, data, os.path.join(tmp, "runs"), w, p, a.steps, a.kernel, a.sharding if w > 1 else None)
-                    tries.append(steady(res["records"], a.warmup, batch))
-                    print(f"world {w} {p:<11} {tries[-1][0]:>10,.0f} samples/s", file=sys.stderr, flush=True)
-                sps, dw, cw = max(tries)
-                rows.append((w, p, sps, dw, cw, [t[0] for t in tries]))
+                for v in a.variants.split(","):
+                    if v == "comm_bf16" and w == 1:
+                        continue
+                    tries = []
+                    for _ in range(a.repeat):
+                        res = run(cfg, data, os.path.join(tmp, "runs"), w, p, a.steps, a.kernel,
+                                  a.sharding if w > 1 else None, v)
+                        tries.append(steady(res["records"], a.warmup, batch))
+                        print(f"world {w} {p:<11} {v:<9} {tries[-1][0]:>10,.0f} samples/s", file=sys.stderr, flush=True)
+                    sps, dw, cw = max(tries)
+                    share = sps * flops / rates["bf16" if v == "bf16" else "fp32"]
+                    rows.append((w, p, v, sps, share, dw, cw, [t[0] for t in tries]))
     print(f"\nCriteo-shaped DLRM: 26 x 100,000 x 64, bottom 512-256-64, top 512-256-1, global batch {batch}, "
           f"{a.kernel} kernel, embedding optimizer {a.emb_optimizer} (lr {emb_lr}); {a.steps} steps, first {a.warmup} excluded; "
-          f"{os.cpu_count()} CPU cores\n")
-    print("| world size | pipeline | samples/s (best) | all runs | waiting on data | waiting on input_dist |")
-    print("|---:|---|---:|---|---:|---:|")
-    for w, p, sps, dw, cw, all_ in rows:
+          f"{os.cpu_count()} CPU cores; GEMM rate fp32 {rates['fp32'] / 1e9:,.0f} / bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s "
+          f"(torch.mm {a.gemm_n}^3), model {flops / 1e6:.2f} MFLOP/sample\n")
+    print("| world size | pipeline | precision | samples/s (best) | all runs | share of arithmetic limit "
+          "| waiting on data | waiting on input_dist |")
+    print("|---:|---|---|---:|---|---:|---:|---:|")
+    names = {"fp32": "fp32", "bf16": "bf16 (train.precision)", "comm_bf16": "fp32, comm_precision bf16"}
+    for w, p, v, sps, share, dw, cw, all_ in rows:
         note = " (no input_dist on 1 rank: same as base)" if w == 1 and p == "sparse_dist" else ""
-        print(f"| {w} | {p}{note} | {sps:,.0f} | {', '.join(f'{x:,.0f}' for x in all_)} | {100 * dw:.1f}% | {100 * cw:.1f}% |")
+        print(f"| {w} | {p}{note} | {names.get(v, v)} | {sps:,.0f} | {', '.join(f'{x:,.0f}' for x in all_)} "
+              f"| {100 * share:.0f}% | {100 * dw:.1f}% | {100 * cw:.1f}% |")
 
 
 if __name__ == "__main__":

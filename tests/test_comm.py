@@ -92,3 +92,83 @@ def test_wire_dtype_validation():
     plan = plan_from_types(tables, "table_wise", 1)
     with pytest.raises(ValueError, match="input_dist_dtype must be"):
         ShardedEmbeddingBagCollection(tables, plan, env, input_dist_dtype=torch.float32)
+
+
+def _qcomm_worker(env):
+    """pooled_all_to_all and reduce_scatter_v (all-to-all path) with and without bf16 / fp16 qcomm;
+    then a ShardedEBC forward + backward under comm_precision bf16 against fp32."""
+    from dlrmctl.distributed.comm import pooled_all_to_all, reduce_scatter_v
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.sparse import KeyedJaggedTensor
+
+    W, me = env.world_size, env.rank
+    bs = [3, 5]
+    widths = [[4, 8], [8, 4]]  # widths[d][g]: rank d's columns of group g
+    g = torch.Generator().manual_seed(10 + me)
+    inputs = [(torch.randn(sum(bs), widths[me][k], generator=g) * 10).requires_grad_() for k in range(2)]
+    up = [[torch.randn(bs[me], widths[d][k], generator=g) * 10 for k in range(2)] for d in range(W)]
+    res = {}
+    for name, qd in (("fp32", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        for x in inputs:
+            x.grad = None
+        out = pooled_all_to_all(inputs, bs, widths, env.pg, qd)
+        sum((o * u).sum() for od, ud in zip(out, up) for o, u in zip(od, ud)).backward()
+        res[name] = ([o.detach() for od in out for o in od], [x.grad.clone() for x in inputs])
+    # row-wise output dist: partial sums [sum(bs), D] reduced over ranks
+    part = (torch.randn(sum(bs), 6, generator=g) * 10).requires_grad_()
+    rs = {}
+    for name, qd in (("fp32", None), ("bf16", torch.bfloat16)):
+        part.grad = None
+        red = reduce_scatter_v(part, bs, env.pg, use_collective=False, qdtype=qd)
+        red.backward(torch.full_like(red, 1.0 / 3))
+        rs[name] = (red.detach(), part.grad.clone(), part.detach().to(qd or torch.float32).float())
+    # the sharded EBC end to end (table_wise: all-to-all; row_wise: reduce-scatter)
+    tables = [EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"])
+              for i in range(2)]
+    plan = plan_from_types(tables, {"t0": "table_wise", "t1": "row_wise"}, W)
+    B = 4 + me
+    lengths = torch.randint(1, 4, (2 * B,), generator=g)
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.randint(0, 40, (int(lengths.sum()),), generator=g), lengths=lengths)
+    ebc_out = {}
+    for prec in ("fp32", "bf16"):
+        ebc = ShardedEmbeddingBagCollection(tables, plan, env, seed=1, comm_precision=prec)
+        ebc_out[prec] = ebc(kjt).values().detach()
+    return res, rs, ebc_out
+
+
+def test_qcomm_all_to_all_round_trips_within_bf16_and_fp16_precision():
+    results = run_multiprocess(_qcomm_worker, 2, timeout_s=180)
+    all_parts = {}
+    for r, (res, rs, ebc_out) in enumerate(results):
+        (f_out, f_grad) = res["fp32"]
+        for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            q_out, q_grad = res[name]
+            # a cast there and back: exactly the fp32 values rounded once to the wire dtype
+            for a, b in zip(f_out, q_out):
+                assert torch.equal(b, a.to(dt).float())
+                assert not torch.equal(a, b)  # the values did go through the narrower type
+            for a, b in zip(f_grad, q_grad):
+                rel = 2.0 ** -8 if dt == torch.bfloat16 else 2.0 ** -11
+                assert torch.allclose(b, a, rtol=rel, atol=0)
+                assert torch.equal(b, a.to(dt).float())  # each gradient block is sent once
+        all_parts[r] = rs
+        # sharded EBC: the pooled rows differ from fp32 only by bf16 rounding (row_wise: of each of the
+        # two partial sums, which may cancel: the bound is relative to the largest value)
+        f, q = ebc_out["fp32"], ebc_out["bf16"]
+        assert f.dtype == q.dtype == torch.float32
+        assert (q - f).abs().max() <= 2.0 ** -7 * f.abs().max() and not torch.equal(q, f)
+    bs = [3, 5]
+    for r in range(2):
+        red_f, grad_f, _ = all_parts[r]["fp32"]
+        red_q, grad_q, _ = all_parts[r]["bf16"]
+        rows = slice(sum(bs[:r]), sum(bs[: r + 1]))
+        # forward: the bf16-rounded blocks summed in fp32
+        want = sum(all_parts[s]["bf16"][2][rows] for s in range(2))
+        assert torch.equal(red_q, want)
+        # each partial sum rounded once (bf16 unit roundoff 2^-8): the error is bounded by the partials' sizes
+        bound = 2.0 ** -8 * sum(all_parts[s]["fp32"][2][rows].abs() for s in range(2)) + 1e-6
+        assert ((red_q - red_f).abs() <= bound).all()
+        # backward: 1/3 rounded to bf16 and back
+        assert torch.equal(grad_q, torch.full_like(grad_f, 1.0 / 3).to(torch.bfloat16).float())

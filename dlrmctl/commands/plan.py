@@ -53,7 +53,8 @@ def plan_command(
     hbm_gb: Optional[float] = typer.Option(None, "--hbm-gb", help="device memory per rank, GB (overrides the preset)"),
     ddr_gb: Optional[float] = typer.Option(None, "--ddr-gb", help="host memory per rank, GB (overrides the preset)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="GLOBAL batch (default: data.batch_size)"),
-    weights_precision: str = typer.Option("fp32", "--weights-precision", help="fp32 | fp16"),
+    weights_precision: Optional[str] = typer.Option(
+        None, "--weights-precision", help="fp32 | fp16 (default: the config's model.embedding_precision)"),
     out: Optional[Path] = typer.Option(
         None, "--out", help="where to write the plan (default plan.yaml; with --calibrate: topology.yaml)"
     ),
@@ -86,7 +87,7 @@ def plan_command(
             raise ValueError(f"--gpus must be > 0, got {gpus}")
         if device is not None and topology is not None:
             raise ValueError("--device and --topology both give the hardware: pass one")
-        if weights_precision not in ("fp32", "fp16"):
+        if weights_precision is not None and weights_precision not in ("fp32", "fp16"):
             raise ValueError(f"--weights-precision must be fp32 or fp16, got {weights_precision!r}")
         if batch_size is not None and batch_size <= 0:
             raise ValueError(f"--batch-size must be > 0, got {batch_size}")
@@ -105,7 +106,8 @@ def plan_command(
             ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
             name=preset,
         )
-        res = plan_config(cfg, topo, meta, batch_size, 2 if weights_precision == "fp16" else 4)
+        res = plan_config(cfg, topo, meta, batch_size,
+                          None if weights_precision is None else 2 if weights_precision == "fp16" else 4)
         # the plan must be what train --nproc will accept
         res.plan.validate(
             [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim)

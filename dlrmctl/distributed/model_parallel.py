@@ -68,6 +68,8 @@ class DistributedModelParallel(nn.Module):
         sync_grads_in_backward: SUM-all-reduce the replicated gradients during /
             at the end of every backward (else call :meth:`sync_dense_gradients`).
         bucket_cap_mb: size of the dense-gradient all-reduce buckets (MiB).
+        comm_precision: ``fp32`` | ``bf16`` | ``fp16``: the precision the pooled embeddings'
+            output_dist and its gradient travel in (``sharding.comm_precision``, qcomm).
 
     Forward: ``dense [B, D_in]`` float32, ``sparse`` KJT (local batch ``B``, may
     differ between ranks) -> logits ``[B, 1]``.
@@ -86,6 +88,7 @@ class DistributedModelParallel(nn.Module):
         check_ids: bool = True,
         sync_grads_in_backward: bool = True,
         bucket_cap_mb: float = 25.0,
+        comm_precision: str = "fp32",
     ) -> None:
         super().__init__()
         self.env = env
@@ -103,7 +106,7 @@ class DistributedModelParallel(nn.Module):
         else:
             module.sparse_arch = ShardedEmbeddingBagCollection(
                 ebc.embedding_bag_configs(), plan, env, ebc.is_weighted(), optimizer, seed, check_ids,
-                on_invalid_id=getattr(ebc, "on_invalid_id", "error"),
+                on_invalid_id=getattr(ebc, "on_invalid_id", "error"), comm_precision=comm_precision,
             )
             del ebc
         for name, child in module.named_children():

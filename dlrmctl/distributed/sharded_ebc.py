@@ -38,7 +38,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dlrmctl.distributed.comm import Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, pooled_all_to_all
+from dlrmctl.distributed.comm import (Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, comm_dtype,
+                                      pooled_all_to_all)
 from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES, all_reduce, reduce_scatter_v, sync_sparse_grads
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharding.common import EmbeddingSharding
@@ -236,6 +237,9 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         input_dist_dtype: element type of the id all-to-all: ``None`` (default) picks
             int32 when every table that is communicated has fewer than 2^31 rows,
             else int64 (for the whole buffer: lengths, ids and weight bits).
+        comm_precision: ``fp32`` | ``bf16`` | ``fp16``: quantized output_dist (TorchRec's qcomm):
+            the pooled embeddings and, in backward, their gradients travel in this precision
+            (:func:`~dlrmctl.distributed.comm.pooled_all_to_all`, ``reduce_scatter_v``).
 
     Forward:
         ``features``: KJT with every feature of every table, int64 global ids,
@@ -261,8 +265,11 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         reduce_scatter: bool | None = None,
         input_dist_dtype: torch.dtype | None = None,
         on_invalid_id: str = "error",
+        comm_precision: str = "fp32",
     ) -> None:
         super().__init__(tables, is_weighted, check_ids, on_invalid_id)
+        #: wire dtype of the pooled embeddings' output_dist and its gradient (None: fp32, no cast)
+        self.comm_dtype = comm_dtype(comm_precision)
         plan.validate(self._tables, env.world_size)
         if plan.local_world_size != env.local_world_size:
             env = ShardingEnv(env.world_size, env.rank, env.pg, local_world_size=plan.local_world_size, device=env.device)
@@ -446,7 +453,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         if self._a2a_out:
             widths = [[groups[i].layouts[d].width for i in self._a2a_out] for d in range(W)]
             if self.env.pg is not None:
-                out = pooled_all_to_all([looked[i] for i in self._a2a_out], bs, widths, self.env.pg)
+                out = pooled_all_to_all([looked[i] for i in self._a2a_out], bs, widths, self.env.pg, self.comm_dtype)
             else:
                 out = [[looked[i] for i in self._a2a_out]]
             pieces = {i: [out[d][k] for d in range(W)] for k, i in enumerate(self._a2a_out)}
@@ -456,7 +463,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             if i in self._a2a_out:
                 continue
             g = groups[i]
-            reduced = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True)
+            reduced = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True, qdtype=self.comm_dtype)
             results[i] = [g.apply_mean(reduced, ctx.local_kjts[i])]  # type: ignore[attr-defined]
         for i, g in enumerate(groups):
             if not g.needs_comm:

@@ -44,7 +44,9 @@ class MLP(nn.Module):
             nn.init.normal_(lin.bias, 0.0, (1.0 / n) ** 0.5)
             layers.append(lin)
             if i < len(layer_sizes) - 1 or final_activation:
-                layers.append(nn.ReLU())
+                # in place on the addmm output (bias already fused into the GEMM by F.linear):
+                # no second [B, n] buffer per layer, same values
+                layers.append(nn.ReLU(inplace=True))
             prev = n
         self.model = nn.Sequential(*layers)
         self.out_features = prev
@@ -72,10 +74,16 @@ class _UpperTriangleDots(torch.autograd.Function):
     to its (i, j) positions, ``dX = (G + G^T) X`` — one bmm on contiguous
     operands instead of autograd's two bmms on transposed views plus a sum
     (about a quarter of a CPU training step of the Criteo-shaped DLRM).
+
+    Under ``torch.autocast`` both bmms run in the autocast dtype (``x`` is cast once
+    and saved cast); the gradient returned for an fp32 ``x`` is cast back by autograd.
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, flat_idx: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and x.dtype != torch.get_autocast_dtype(dev):
+            x = x.to(torch.get_autocast_dtype(dev))
         ctx.save_for_backward(x, flat_idx)
         return torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, flat_idx)
 
@@ -83,8 +91,8 @@ class _UpperTriangleDots(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         x, flat_idx = ctx.saved_tensors
         B, N, _ = x.shape
-        g = torch.zeros(B, N * N, dtype=grad.dtype, device=grad.device)
-        g.index_copy_(1, flat_idx, grad.contiguous())
+        g = torch.zeros(B, N * N, dtype=x.dtype, device=grad.device)
+        g.index_copy_(1, flat_idx, grad.contiguous().to(x.dtype))
         g = g.view(B, N, N)
         return torch.bmm(g + g.transpose(1, 2), x), None
 

@@ -153,16 +153,29 @@ def init_shard_weight(w: torch.Tensor, cfg: EmbeddingBagConfig, row_offset: int,
                 w.copy_(out)
 
 
+def torch_dtype(data_type: DataType) -> torch.dtype:
+    """The torch dtype a trainable table's weights are stored in: FP32 -> float32, FP16 -> float16.
+
+    Raises:
+        ValueError: any other data type (not trainable).
+    """
+    if data_type == DataType.FP32:
+        return torch.float32
+    if data_type == DataType.FP16:
+        return torch.float16
+    raise ValueError(f"data_type {data_type} is not trainable (FP32 or FP16)")
+
+
 def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
     """Refuse configs whose TorchRec meaning dlrmctl does not implement (rather than ignore them)."""
     if not t.name:
         raise ValueError(f"{who}: every table needs a name (EmbeddingBagConfig(name=...)); got {t}")
     if t.pooling == PoolingType.NONE:
         raise ValueError(f"{who}: table '{t.name}': pooling NONE (sequence embeddings) is not supported; use SUM or MEAN")
-    if t.data_type != DataType.FP32:
+    if t.data_type not in (DataType.FP32, DataType.FP16):
         raise ValueError(
-            f"{who}: table '{t.name}': data_type {t.data_type} is not trainable; dlrmctl trains FP32 tables "
-            "(quantized tables come from `dlrmctl export --int8`)"
+            f"{who}: table '{t.name}': data_type {t.data_type} is not trainable; dlrmctl trains FP32 and FP16 "
+            "tables (quantized tables come from `dlrmctl export --int8`)"
         )
     if t.num_embeddings_post_pruning is not None or t.pruning_indices_remapping is not None:
         raise ValueError(f"{who}: table '{t.name}': row pruning (num_embeddings_post_pruning / "
@@ -203,10 +216,12 @@ def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], s
     """One FBGEMM ``SplitTableBatchedEmbeddingBagsCodegen`` over ``shards`` (``(config, rows, cols,
     row_offset, col_offset)``; each config's features are its lookups, in order) with ``spec``'s
     optimizer fused into backward: ``pooled`` (SUM pooling, the EBC) or sequence (``PoolingMode.NONE``,
-    the EmbeddingCollection).  Tables live on ``device`` (HOST placement on CPU).
+    the EmbeddingCollection).  Tables live on ``device`` (HOST placement on CPU).  Weights are stored
+    in the configs' ``data_type`` (``FP16``: ``weights_precision=SparseType.FP16``; the pooled output,
+    the optimizer state and the update math stay fp32 — FBGEMM's CPU and CUDA TBE).
 
     Raises:
-        ValueError: an optimizer type FBGEMM has no name for.
+        ValueError: an optimizer type FBGEMM has no name for; shards of different data types.
     """
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -217,7 +232,14 @@ def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], s
     )
     from fbgemm_gpu.tbe.config.optimizer_config import WeightDecayMode
 
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
     on_cuda = torch.device(device).type == "cuda"
+    dtypes = {cfg.data_type for cfg, *_ in shards}
+    if len(dtypes) > 1:
+        raise ValueError(f"one TBE holds one weights precision; tables {[c.name for c, *_ in shards]} have "
+                         f"{sorted(d.value for d in dtypes)}")
+    fp16 = dtypes == {DataType.FP16}
     specs, ftm = [], []
     for j, (cfg, rows, cols, _, _) in enumerate(shards):
         specs.append((rows, cols, EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
@@ -236,30 +258,41 @@ def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], s
         pooling_mode=PoolingMode.SUM if pooled else PoolingMode.NONE,
         device=device,
         stochastic_rounding=False,
+        weights_precision=SparseType.FP16 if fp16 else SparseType.FP32,
         beta1=float(spec.betas[0]),
         beta2=float(spec.betas[1]),
     )
 
 
 class _DenseTable(nn.Module):
-    """One table on ``torch.nn.EmbeddingBag(mode='sum', sparse=True)`` (sum pooling)."""
+    """One table on ``torch.nn.EmbeddingBag(mode='sum', sparse=True)`` (sum pooling).
 
-    def __init__(self, rows: int, dim: int, device: torch.device | None, init: bool = True) -> None:
+    ``dtype``: weight storage (float32 or float16); the pooled output ``[B, dim]`` is float32
+    either way (an fp16 table pools in ``EmbeddingBag``'s fp16 kernel, its per-sample weights
+    cast to fp16, and the result is widened).  ``init=False``: storage only, uninitialised (a
+    checkpoint is loaded into it)."""
+
+    def __init__(self, rows: int, dim: int, device: torch.device | None, dtype: torch.dtype = torch.float32,
+                 init: bool = True) -> None:
         super().__init__()
         if init:
             # torch.nn's own init runs (and is then overwritten by the deterministic one): it
             # draws from the global RNG, which code building the MLPs next relies on
-            self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device, include_last_offset=True)
-        else:  # storage only, uninitialised: a checkpoint is loaded into it
+            self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, device=device, include_last_offset=True,
+                                       dtype=dtype)
+        else:
             self.bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True, include_last_offset=True,
-                                       _weight=torch.empty(rows, dim, device=device))
+                                       _weight=torch.empty(rows, dim, device=device, dtype=dtype))
 
     @property
     def weight(self) -> torch.Tensor:
         return self.bag.weight
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-        return self.bag(values, offsets, per_sample_weights=weights)
+        w = self.bag.weight
+        if w.dtype == torch.float32:
+            return self.bag(values, offsets, per_sample_weights=weights)
+        return self.bag(values, offsets, per_sample_weights=None if weights is None else weights.to(w.dtype)).float()
 
 
 def embedding_names_by_table(tables: Sequence[EmbeddingBagConfig]) -> list[list[str]]:
@@ -817,7 +850,7 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
             self._tbe_members.append(fused_idx)
         for i in dense_idx:
             cfg, rows, cols, _, _ = self._shards[i]
-            self.dense_tables[cfg.name] = _DenseTable(rows, cols, device, init=init)
+            self.dense_tables[cfg.name] = _DenseTable(rows, cols, device, torch_dtype(cfg.data_type), init=init)
         self._dense_members = dense_idx
         if init:
             self.reset_parameters(seed)

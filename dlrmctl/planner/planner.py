@@ -424,7 +424,7 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
     return n
 
 
-def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int = 4) -> list[TableSpec]:
+def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | None = None) -> list[TableSpec]:
     """The planner's tables for an :class:`~dlrmctl.config.ExperimentConfig`.
 
     * rows / dim / features: :func:`dlrmctl.config.resolve_tables` (meta.json when
@@ -434,6 +434,7 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int = 4) 
       a bag of that many ids).  ``i`` is the feature's position in meta.json, or
       without meta.json its position in the tables' feature lists.
     * optimizer: ``optimizer.embedding.type`` (also used by dense-kernel tables).
+    * bytes per weight: ``weight_bytes``, default from ``model.embedding_precision`` (fp32 4, fp16 2).
     * kernels: ``model.compute_kernel: dense`` allows only ``dense``; ``fused`` allows both.
     * ``sharding.constraints.<table>`` and ``sharding.tables.<table>`` (fixed).
 
@@ -443,6 +444,8 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int = 4) 
     """
     from dlrmctl.config import resolve_tables
 
+    if weight_bytes is None:
+        weight_bytes = 2 if cfg.model.embedding_precision == "fp16" else 4
     tables = resolve_tables(cfg, meta)
     names = {t.name for t in tables}
     for where, d in (("constraints", cfg.sharding.constraints), ("tables", cfg.sharding.tables)):
@@ -503,13 +506,13 @@ def plan_config(
     topology: Topology,
     meta: dict | None,
     batch_size: int | None = None,
-    weight_bytes: int = 4,
+    weight_bytes: int | None = None,
 ) -> PlanResult:
     """Plan an experiment config on a topology (what ``dlrmctl plan`` runs).
 
     Args:
         batch_size: global batch; default ``data.batch_size``.
-        weight_bytes: 4 (fp32) or 2 (fp16).
+        weight_bytes: 4 (fp32) or 2 (fp16); default from ``model.embedding_precision``.
     """
     specs = table_specs_from_config(cfg, meta, weight_bytes)
     res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs))

@@ -14,6 +14,8 @@ the same global batch.  The logged loss is the global-batch mean.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -32,6 +34,8 @@ from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
 from dlrmctl.modules.dlrm import DLRM
+from dlrmctl.modules.embedding_configs import DataType
+from dlrmctl.sparse import KeyedTensor
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
 from dlrmctl.train.metrics import compute_metrics_from_logits
@@ -39,6 +43,28 @@ from dlrmctl.train.pipeline import make_pipeline
 from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
 
 log = logging.getLogger("dlrmctl.train")
+
+
+class _UnscaleGrad(torch.autograd.Function):
+    """Identity forward; backward divides the gradient by the GradScaler's current scale.
+
+    Under ``train.precision: fp16`` the loss is scaled, but the embedding optimizers run
+    inside the lookup's backward (FBGEMM's fused TBE) or straight after it on their own
+    gradients: they must see the true gradient of the pooled embeddings, so it is unscaled
+    where it leaves the dense part.  (A non-finite dense gradient makes the GradScaler skip
+    the dense step; the fused embedding update has run by then and the non-finite loss
+    stops the run at the next loss read.)
+    """
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, scaler: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.scaler = scaler
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        scale = ctx.scaler._get_scale_async()  # the scale as a device tensor: no host read
+        return grad / (scale if scale is not None else ctx.scaler.get_scale()), None
 
 
 class TrainError(RuntimeError):
@@ -127,6 +153,11 @@ class Trainer:
         if env.sharded:
             self._shard(plan)
         self._build_optimizers()
+        if cfg.train.precision == "fp16" and self.device.type != "cuda":
+            raise TrainError(f"train.precision: fp16 autocast needs CUDA (a GradScaler on a GPU), the device is "
+                             f"{self.device}; use bf16 on the CPU")
+        #: fp16: loss scaling for the dense optimizer (torch.amp.GradScaler); None otherwise
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.train.precision == "fp16" else None
         self.schedule = WarmupPolyDecay(cfg.optimizer.lr_schedule)
         # each input feature once, also when several tables look it up
         feats = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
@@ -179,7 +210,7 @@ class Trainer:
         self.plan = plan
         self.model = DistributedModelParallel(
             self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed,
-            check_ids=False,
+            check_ids=False, comm_precision=self.cfg.sharding.comm_precision,
         )
         if self.cfg.optimizer.embedding.weight_decay and self.model.is_sharded:
             # a densified data_parallel gradient would let weight decay reach rows not looked up
@@ -251,24 +282,49 @@ class Trainer:
         if sparse_ctx is None and self.env.sharded:
             sparse_ctx = self.model.sparse_input_dist(batch.sparse_features).wait()
         gbs = self._global_batch_size(batch.labels.numel(), sparse_ctx)
-        if sparse_ctx is None:
-            logits = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
-        else:
-            embedded = self.model.compute_and_output_dist(sparse_ctx)
-            logits = self.model.dense_forward(batch.dense_features, embedded).squeeze(1)
+        logits = self._logits(batch, sparse_ctx)
         loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / gbs
         self.dense_opt.zero_grad(set_to_none=True)
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.zero_grad(set_to_none=True)
-        loss.backward()  # sharded: dense grads are all-reduced in buckets during backward
-        self.dense_opt.step()
+        if self.scaler is None:
+            loss.backward()  # sharded: dense grads are all-reduced in buckets during backward
+            self.dense_opt.step()
+        else:  # fp16: scaled loss; the embeddings' gradient is unscaled where it leaves the dense part
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.dense_opt)  # unscales; skips the step on inf/NaN dense grads
+            self.scaler.update()
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.step()
         self.step += 1
         out = loss.detach()
         self._accumulate_loss(out)
         return out
+
+    def _autocast(self) -> Any:
+        """``torch.autocast`` for ``train.precision`` on this device (fp32: a no-op context)."""
+        p = self.cfg.train.precision
+        if p == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
+
+    def _logits(self, batch: Any, sparse_ctx: Any) -> torch.Tensor:
+        """Logits ``[B]`` float32 of a device-resident batch: the embedding lookups (and their
+        output_dist) in the embeddings' precision, the dense arch / interaction / over arch under
+        :meth:`_autocast`; ``sparse_ctx``: a finished input_dist (sharded) or None."""
+        if sparse_ctx is None and self.env.sharded:
+            sparse_ctx = self.model.sparse_input_dist(batch.sparse_features).wait()
+        if sparse_ctx is None:
+            embedded = self.model.sparse_arch(batch.sparse_features)
+        else:
+            embedded = self.model.compute_and_output_dist(sparse_ctx)
+        if self.scaler is not None and embedded.values().requires_grad:
+            embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(),
+                                   _UnscaleGrad.apply(embedded.values(), self.scaler))
+        with self._autocast():
+            logits = self.model.dense_forward(batch.dense_features, embedded)
+        return logits.squeeze(1).float()
 
     def _accumulate_loss(self, local: torch.Tensor) -> None:
         if self._loss_window is None:
@@ -349,8 +405,8 @@ class Trainer:
             if batch is None:
                 batch = _empty_batch_like(self.num_dense, self.feature_names, self.weighted)
             batch = batch.to(self.device)
-            z = self.model(batch.dense_features, batch.sparse_features).squeeze(1)
-            rows.append(torch.stack([z.float(), batch.labels.float()], dim=1))
+            z = self._logits(batch, None)
+            rows.append(torch.stack([z, batch.labels.float()], dim=1))
             bar.update(1)
         bar.close()
         self.model.train()
@@ -383,6 +439,9 @@ class Trainer:
         """Write a checkpoint of this step (collective: every rank writes its own shards); it becomes
         the run's best when this step's evaluation improved on the best (``train.keep_best``)."""
         extra = checkpoint_meta(self.model, self.plan, self.fused_opt)
+        # what the run trained in (a resume may change any of them: tables are cast on load)
+        extra["precision"] = {"train": self.cfg.train.precision, "embedding": self.cfg.model.embedding_precision,
+                              "comm": self.cfg.sharding.comm_precision}
         if self._last_eval is not None and self._last_eval["step"] == self.step:
             extra["eval"] = self._last_eval
         best = self._best_due()
@@ -1199,7 +1258,8 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
 
     Returns:
         ``(cfg, model, meta)``: the resolved config, a DLRM with all tables
-        assembled from the saved shards, and the training data's meta.json.
+        assembled from the saved shards (float32, also from an fp16-table run), and the
+        training data's meta.json.
 
     Raises:
         CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``; tables that
@@ -1214,7 +1274,9 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     with open(mpath) as f:
         meta = json.load(f)
     path, _ = ckpt.resolve_checkpoint(run_dir, checkpoint)
-    tables = resolve_tables(cfg, meta)
+    # the fp32 view of the tables whatever model.embedding_precision trained them in (fp16 weights
+    # widen exactly): what evaluation, prediction and export (which quantizes from fp32) start from
+    tables = [dataclasses.replace(t, data_type=DataType.FP32) for t in resolve_tables(cfg, meta)]
     model = build_model(cfg, tables, len(meta["dense_features"]), device="meta", compute_kernel=compute_kernel)
     cmeta = ckpt.load_checkpoint_meta(path)
     check_tables(cmeta, tables, path)

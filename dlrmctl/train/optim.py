@@ -19,6 +19,10 @@
   ``partial_rowwise_lamb``): FBGEMM's Adam family over the rows in the batch only (not
   ``torch.optim.SparseAdam``, whose bias correction and weight decay differ).
 * :class:`WarmupPolyDecay`: the DLRM reference's ``LRPolicyScheduler``.
+
+The Adagrads and SGD also update fp16 tables (``model.embedding_precision: fp16``): the
+gradient, the update and the new weight are computed in fp32 and the weight is rounded
+once to fp16; their state stays fp32.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 if "momentum1" not in st:
                     st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
                 m = st["momentum1"]
-                g = p.grad
+                g = _grad32(p)
                 D = p.shape[1]
                 if g.is_sparse:
                     g = g.coalesce()
@@ -65,19 +69,19 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                     if rows.numel() == 0:
                         continue
                     if wd:
-                        gv = gv + wd * p[rows]
+                        gv = gv + wd * _rows32(p, rows)
                     m.index_add_(0, rows, gv.pow(2).sum(1) / D)
-                    p.index_add_(0, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
+                    _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
                 else:
                     # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
                     # same arithmetic per row as the sparse branch (bit-identical updates)
                     if wd:
                         touched = (g != 0).any(dim=1)
-                        g = g + wd * p * touched.unsqueeze(1)
+                        g = g + wd * p.float() * touched.unsqueeze(1)
                     m.add_(g.pow(2).sum(1) / D)
                     den = (m.sqrt() + eps).unsqueeze(1)
                     # untouched rows (g = 0) get exactly +0, also when eps = 0 and their m is 0
-                    p.add_(torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+                    _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
 class SparseAdagrad(torch.optim.Optimizer):
@@ -109,20 +113,21 @@ class SparseAdagrad(torch.optim.Optimizer):
                 if "sum" not in st:
                     st["sum"] = torch.zeros_like(p, dtype=torch.float32)
                 acc = st["sum"]
-                if not p.grad.is_sparse and not wd:  # untouched rows: +0 exactly, no row selection
-                    g = p.grad
+                grad = _grad32(p)
+                if not grad.is_sparse and not wd:  # untouched rows: +0 exactly, no row selection
+                    g = grad
                     acc.add_(g * g)
                     den = acc.sqrt() + eps
-                    p.add_(torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+                    _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
                     continue
-                rows, g = _touched_rows(p.grad)
+                rows, g = _touched_rows(grad)
                 if rows is None:
                     continue
                 if wd:
-                    g = g + wd * p[rows]
+                    g = g + wd * _rows32(p, rows)
                 acc.index_add_(0, rows, g * g)
                 den = acc[rows].sqrt() + eps
-                p.index_add_(0, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+                _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
 class SparseSGD(torch.optim.Optimizer):
@@ -139,15 +144,16 @@ class SparseSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if not p.grad.is_sparse and not wd:
-                    p.add_(-lr * p.grad)
+                grad = _grad32(p)
+                if not grad.is_sparse and not wd:
+                    _add_all(p, -lr * grad)
                     continue
-                rows, g = _touched_rows(p.grad)
+                rows, g = _touched_rows(grad)
                 if rows is None:
                     continue
                 if wd:
-                    g = g + wd * p[rows]
-                p.index_add_(0, rows, -lr * g)
+                    g = g + wd * _rows32(p, rows)
+                _add_rows(p, rows, -lr * g)
 
 
 #: the Adam family: one step counter for bias correction (FBGEMM's ``iter``), two moments
@@ -318,6 +324,36 @@ class PartialRowWiseLamb(EmbeddingAdam):
 
 _ADAM_CLASSES = {"adam": EmbeddingAdam, "partial_rowwise_adam": PartialRowWiseAdam, "lamb": EmbeddingLamb,
                  "partial_rowwise_lamb": PartialRowWiseLamb}
+
+
+def _grad32(p: torch.Tensor) -> torch.Tensor:
+    """``p.grad`` (dense or sparse) in float32: the update math of an fp16 table
+    (``model.embedding_precision: fp16``) runs in fp32, as FBGEMM's TBE does."""
+    g = p.grad
+    return g if g.dtype == torch.float32 else g.float()
+
+
+def _rows32(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``p`` as float32 ``[len(rows), D]`` (a copy when ``p`` is fp16)."""
+    return p[rows] if p.dtype == torch.float32 else p[rows].float()
+
+
+def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """``p[rows] += delta`` (``rows`` unique, ``delta`` float32 ``[len(rows), D]``): in place for
+    fp32 tables; for fp16 tables the sum is formed in fp32 and rounded once to fp16 (round to
+    nearest, FBGEMM's TBE without stochastic rounding)."""
+    if p.dtype == delta.dtype:
+        p.index_add_(0, rows, delta)
+    else:
+        p.index_copy_(0, rows, (p[rows].float() + delta).to(p.dtype))
+
+
+def _add_all(p: torch.Tensor, delta: torch.Tensor) -> None:
+    """``p += delta`` (float32 ``delta`` of ``p``'s shape), summed in fp32 for an fp16 ``p``."""
+    if p.dtype == delta.dtype:
+        p.add_(delta)
+    else:
+        p.copy_(p.float() + delta)
 
 
 def _summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -1,0 +1,203 @@
+"""Mixed precision (issue 17): ``train.precision`` (bf16 autocast of the dense part on the CPU),
+``model.embedding_precision: fp16`` tables (FBGEMM TBE ``weights_precision=FP16`` and the dense
+kernel), checkpoints across precisions, and the config checks.  qcomm: tests/test_comm.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dlrmctl import _fbgemm
+from dlrmctl.config import ConfigError, config_from_dict
+from dlrmctl.train.loop import RunEnv, Trainer, TrainError, load_trained_model, prepare_run_dir
+
+needs_fbgemm = pytest.mark.skipif(not _fbgemm.HAS_FBGEMM, reason="fbgemm_gpu is not installed")
+
+
+def _raw(path, run_dir, name, **over):
+    raw = {
+        "name": name,
+        "data": {"path": path, "batch_size": 512, "eval_batch_size": 8192},
+        "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [32, 8], "over_arch_layer_sizes": [32, 1]},
+        "optimizer": {"embedding": {"lr": 0.05}, "dense": {"lr": 0.05}},
+        "train": {"epochs": 1, "log_every": 1000, "run_dir": run_dir, "progress": False, "keep_best": "none"},
+    }
+    for k, v in over.items():
+        raw[k].update(v)
+    return raw
+
+
+def _trainer(raw, resume=False, overrides=()):
+    cfg = config_from_dict(raw, list(overrides))
+    run = prepare_run_dir(cfg, resume=resume, overwrite=False)
+    return Trainer(cfg, RunEnv(), run, resume=resume)
+
+
+@pytest.fixture(scope="module")
+def learnable(tmp_path_factory):
+    """300k synthetic rows over 26 tables of 100 rows: one epoch of the small model gets within
+    about 0.008 of the data's Bayes AUC in fp32 (measured 0.8299 vs 0.8377)."""
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp("learnable")
+    generate_synthetic(d, rows=300_000, seed=0, num_embeddings=100)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp("tiny")
+    generate_synthetic(d, rows=3000, seed=2, num_embeddings=[40] * 26)
+    return str(d)
+
+
+# ------------------------------------------------------------------ config
+def test_precision_keys_are_validated():
+    base = {"model": {"embedding_dim": 16}}
+    with pytest.raises(ConfigError, match=r"train.precision: expected one of \['fp32', 'bf16', 'fp16'\]"):
+        config_from_dict(base, ["train.precision=fp8"])
+    with pytest.raises(ConfigError, match="train.precision: fp16 autocast needs CUDA"):
+        config_from_dict(base, ["train.precision=fp16", "train.device=cpu"])
+    with pytest.raises(ConfigError, match="model.embedding_precision: fp16 tables train with exact_rowwise_adagrad"):
+        config_from_dict(base, ["model.embedding_precision=fp16", "optimizer.embedding.type=adam"])
+    with pytest.raises(ConfigError, match="sharding.comm_precision: expected one of"):
+        config_from_dict(base, ["sharding.comm_precision=int8"])
+    cfg = config_from_dict(base, ["train.precision=bf16", "model.embedding_precision=fp16", "sharding.comm_precision=bf16"])
+    assert (cfg.train.precision, cfg.model.embedding_precision, cfg.sharding.comm_precision) == ("bf16", "fp16", "bf16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_fp16_autocast_is_refused_on_a_cpu_run(tiny, tmp_path):
+    with pytest.raises(TrainError, match="fp16 autocast needs CUDA"):
+        _trainer(_raw(tiny, str(tmp_path), "fp16cpu", train={"precision": "fp16"}))
+
+
+# ------------------------------------------------------------------ bf16 autocast
+def test_bf16_dense_part_runs_in_bf16_with_fp32_loss_and_grads_close_to_fp32():
+    from dlrmctl.modules.dlrm import DLRM
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
+    from dlrmctl.sparse import KeyedJaggedTensor
+
+    tables = [EmbeddingBagConfig(num_embeddings=30, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"]) for i in range(3)]
+    torch.manual_seed(0)
+    m = DLRM(EmbeddingBagCollection(tables), 4, [16, 8], [16, 1], 3, 8)
+    B = 64
+    g = torch.Generator().manual_seed(1)
+    dense = torch.randn(B, 4, generator=g)
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.randint(0, 30, (3 * B,), generator=g), lengths=torch.ones(3 * B, dtype=torch.int64))
+    grads, dtypes = {}, []
+    m.over_arch.register_forward_hook(lambda mod, i, o: dtypes.append(o.dtype))
+    for prec in ("fp32", "bf16"):
+        m.zero_grad(set_to_none=True)
+        emb = m.sparse_arch(kjt)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec == "bf16"):
+            logits = m.dense_forward(dense, emb)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits.squeeze(1).float(), torch.ones(B))
+        loss.backward()
+        grads[prec] = {n: p.grad.to_dense().clone() for n, p in m.named_parameters()}
+        assert all(p.grad.dtype == torch.float32 for p in m.parameters())
+    assert dtypes == [torch.float32, torch.bfloat16]
+    for n, ref in grads["fp32"].items():
+        got = grads["bf16"][n]
+        assert not torch.equal(got, ref), n  # the bf16 path did run
+        assert (got - ref).norm() <= 0.05 * ref.norm() + 1e-6, n
+
+
+# ------------------------------------------------------------------ fp16 tables
+@needs_fbgemm
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"])
+def test_fp16_tables_dense_kernel_updates_like_the_fp16_tbe(opt):
+    from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
+    from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
+    from dlrmctl.sparse import KeyedJaggedTensor
+    from dlrmctl.train.optim import embedding_optimizer_for_dense
+
+    tables = [EmbeddingBagConfig(num_embeddings=20, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"],
+                                 data_type=DataType.FP16) for i in range(2)]
+    spec = EmbeddingOptimizerSpec(opt, lr=0.3)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 4, (16,), generator=g)  # 2 features x batch 8
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.randint(0, 20, (int(lengths.sum()),), generator=g), lengths=lengths)
+    up = torch.randn(8, 16, generator=g)
+    fused = EmbeddingBagCollection(tables, compute_kernel="fused", optimizer=spec, seed=5)
+    dense = EmbeddingBagCollection(tables, compute_kernel="dense", optimizer=spec, seed=5)
+    opt_d = embedding_optimizer_for_dense(dense.lookup.dense_parameters(), opt, 0.3, 1e-8, 0.0)
+    w0 = {n: w.clone() for n, w in dense.embedding_weights().items()}
+    for n, w in fused.embedding_weights().items():
+        assert w.dtype == torch.float16 and torch.equal(w, w0[n])  # same fp16 init on both kernels
+    for _ in range(2):
+        for ebc in (fused, dense):
+            out = ebc(kjt).values()
+            assert out.dtype == torch.float32
+            (out * up).sum().backward()
+        opt_d.step()
+        opt_d.zero_grad()
+    for n, wf in fused.embedding_weights().items():
+        wd = dense.embedding_weights()[n]
+        assert wd.dtype == torch.float16 and not torch.equal(wd, w0[n])
+        # the same update formula in fp32, the weight rounded to fp16 each step; FBGEMM's CPU kernel rounds
+        # differently from round-to-nearest of our fp32 result for some weights (measured: <= 1 fp16 ulp
+        # after one step, as its fp32 tables differ from the dense kernel's by ~1 fp32 ulp): two steps
+        # stay within 2 fp16 ulps of the table's largest weight
+        a, b = wd.detach().float(), wf.float()
+        assert (a - b).abs().max() <= 2.0 ** -9 * b.abs().max()
+
+
+@needs_fbgemm
+def test_bf16_and_fp16_table_training_reach_the_bayes_auc_on_cpu(learnable, tmp_path):
+    from dlrmctl.data.columnar import read_meta
+
+    bayes = read_meta(learnable)["bayes_auc"]
+    for name, train, model in (("bf16", {"precision": "bf16"}, {}), ("fp16w", {}, {"embedding_precision": "fp16"})):
+        t = _trainer(_raw(learnable, str(tmp_path), name, train=train, model=model))
+        for w in t.model.sparse_arch.embedding_weights().values():
+            assert w.dtype == (torch.float16 if model else torch.float32)
+        t.train()
+        auc = t.evaluate()["auc"]
+        assert bayes - 0.01 < auc <= bayes + 0.002, (name, auc, bayes)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_checkpoints_resume_across_embedding_precisions_and_export_from_the_fp32_view(tiny, tmp_path, kernel):
+    from dlrmctl.train import checkpoint as ckpt
+
+    raw = _raw(tiny, str(tmp_path), "x", data={"batch_size": 256},
+               model={"compute_kernel": kernel}, train={"max_steps": 3, "checkpoint_every": 3, "epochs": 2})
+    t = _trainer(raw)
+    t.train()
+    saved = {n: w.detach().clone() for n, w in t.model.sparse_arch.embedding_weights().items()}
+    meta = ckpt.load_checkpoint_meta(ckpt.latest_checkpoint(t.run_dir))
+    assert meta["precision"] == {"train": "fp32", "embedding": "fp32", "comm": "fp32"}
+    # fp32 checkpoint -> fp16 tables: cast on load, then training goes on
+    t16 = _trainer(raw, resume=True, overrides=["model.embedding_precision=fp16", "train.max_steps=6"])
+    for n, w in t16.model.sparse_arch.embedding_weights().items():
+        assert w.dtype == torch.float16 and torch.equal(w, saved[n].half()), n
+    t16.train()
+    assert t16.step == 6
+    w16 = {n: w.detach().clone() for n, w in t16.model.sparse_arch.embedding_weights().items()}
+    meta = ckpt.load_checkpoint_meta(ckpt.latest_checkpoint(t.run_dir))
+    assert meta["precision"]["embedding"] == "fp16"
+    # fp16 checkpoint -> fp32 tables: the fp16 values widened exactly
+    t32 = _trainer(raw, resume=True, overrides=["train.max_steps=9"])
+    for n, w in t32.model.sparse_arch.embedding_weights().items():
+        assert w.dtype == torch.float32 and torch.equal(w, w16[n].float()), n
+    # export / evaluation start from the fp32 view of an fp16 run (config.yaml says fp16)
+    _, model, _ = load_trained_model(os.path.join(str(tmp_path), "x"))
+    for n, w in model.sparse_arch.embedding_weights().items():
+        assert w.dtype == torch.float32 and torch.equal(w, w16[n].float()), n
+
+
+def test_planner_counts_fp16_table_bytes_from_the_config():
+    from dlrmctl.planner import table_specs_from_config
+
+    raw = {"model": {"tables": [{"name": "t0", "num_embeddings": 1000, "embedding_dim": 16}],
+                     "embedding_dim": 16, "dense_arch_layer_sizes": [16]}}
+    b32 = table_specs_from_config(config_from_dict(raw), None)[0].weight_bytes_total
+    b16 = table_specs_from_config(config_from_dict(raw, ["model.embedding_precision=fp16"]), None)[0].weight_bytes_total
+    assert (b32, b16) == (1000 * 16 * 4, 1000 * 16 * 2)
