@@ -85,8 +85,13 @@ OLD_FORMATS = {
     "dcp-v1": "its trainer / optimizer / RNG entries are pickled objects (unpickling a file can run code) and its "
               "checksums cover whole files only",
 }
-#: bytes per checksummed block of a data file (a read verifies the blocks it overlaps)
+#: checksummed blocks: a read verifies (so reads) every block it overlaps.  A data file gets blocks
+#: of ~1/BLOCKS_PER_FILE of its size (a power of two in [MIN_BLOCK_BYTES, BLOCK_BYTES]), so a range
+#: read over-reads at most two such blocks and meta.json holds at most ~BLOCKS_PER_FILE CRCs a file
+#: (4 bytes each, base64) below BLOCK_BYTES x BLOCKS_PER_FILE = 4 GiB files
 BLOCK_BYTES = 1 << 20
+MIN_BLOCK_BYTES = 4096
+BLOCKS_PER_FILE = 4096
 LATEST = "LATEST"
 BEST = "BEST"
 
@@ -552,7 +557,13 @@ class _ChecksumStream:
         return {"bytes": self.pos, "block_bytes": self.block_bytes, "crc32": _crcs_to_text(self.crcs)}
 
 
-def _writer(path: str, block_bytes: int):
+def _block_bytes_for(nbytes: int) -> int:
+    """Block size for a file of about ``nbytes`` (see :data:`BLOCKS_PER_FILE`)."""
+    want = max(1, -(-nbytes // BLOCKS_PER_FILE))
+    return min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, 1 << (want - 1).bit_length()))
+
+
+def _writer(path: str):
     """A DCP ``FileSystemWriter`` (one file per rank, fsynced) whose files are checksummed while they
     are written; after ``dcp.save``, ``writer.files`` holds this rank's ``{file: digest}`` (the
     coordinator's includes ``.metadata``), each data file's digest with ``tensors``: ``{item offset:
@@ -564,10 +575,15 @@ def _writer(path: str, block_bytes: int):
     from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    def _nbytes(item: Any) -> int:
+        td = item.tensor_data
+        return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+
     class ChecksumFileSystem(FileSystem):
         def __init__(self) -> None:
             super().__init__()
             self.streams: dict[str, _ChecksumStream] = {}
+            self.block_bytes = BLOCK_BYTES
 
         @contextlib.contextmanager
         def create_stream(self, path, mode):  # type: ignore[override]
@@ -577,7 +593,7 @@ def _writer(path: str, block_bytes: int):
                 return
             name = Path(path).name
             with open(path, mode) as f:
-                st = _ChecksumStream(f, block_bytes)
+                st = _ChecksumStream(f, self.block_bytes)
                 self.streams[name.removesuffix(".tmp")] = st  # .metadata is written as .metadata.tmp, then renamed
                 try:
                     yield st
@@ -592,6 +608,9 @@ def _writer(path: str, block_bytes: int):
             self.files: dict[str, dict[str, Any]] = {}
 
         def write_data(self, plan, planner):  # type: ignore[override]
+            # one file per rank: its size is about the items' bytes (+ ~1 KiB of torch.save framing each)
+            est = sum(_nbytes(it) + 1024 for it in plan.items if it.tensor_data is not None)
+            self.fs.block_bytes = _block_bytes_for(est)
             fut = super().write_data(plan, planner)
             items = {it.index: it for it in plan.items}
             for wr in fut.wait():
@@ -601,8 +620,7 @@ def _writer(path: str, block_bytes: int):
                 item = items.get(wr.index)
                 if item is None or item.type == WriteItemType.BYTE_IO or sd.transform_descriptors:
                     continue
-                td = item.tensor_data
-                nbytes = math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+                nbytes = _nbytes(item)
                 for a, e in st.tensor_data:
                     if sd.offset <= a and e <= sd.offset + sd.length and e - a == nbytes:
                         d["tensors"][str(sd.offset)] = a - sd.offset
@@ -610,6 +628,7 @@ def _writer(path: str, block_bytes: int):
             return fut
 
         def finish(self, metadata, results) -> None:  # type: ignore[override]
+            self.fs.block_bytes = BLOCK_BYTES  # .metadata is always read whole
             super().finish(metadata, results)
             self.files[".metadata"] = self.fs.streams[".metadata"].digest()
 
@@ -795,7 +814,7 @@ def save_checkpoint(
     if dist_on:
         comm.barrier(process_group)
     SavePlanner, _ = _planners()
-    writer = _writer(tmp, BLOCK_BYTES)
+    writer = _writer(tmp)
     cm = _quiet()
     try:
         dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group, no_dist=not dist_on)
@@ -863,7 +882,7 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
     return meta
 
 
-def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None):
+def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
     """A DCP ``FileSystemReader`` that verifies exactly what it reads and never unpickles data.
 
     ``.metadata``: read once, checked against its block CRCs, loaded with :class:`_SafeUnpickler`.
@@ -887,7 +906,7 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
         def __init__(self) -> None:
             super().__init__(ckpt_dir)
             self.counter = counter
-            self._md: Any = None
+            self._md: Any = metadata
 
         def read_metadata(self, *args: Any, **kwargs: Any):  # type: ignore[override]
             if self._md is None:
@@ -981,14 +1000,16 @@ def saved_size(md: Any, key: str) -> torch.Size | None:
 
 
 def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = None, world_size: int = 1,
-                    meta: dict[str, Any] | None = None, counter: dict[str, int] | None = None) -> dict[str, Any]:
+                    meta: dict[str, Any] | None = None, counter: dict[str, int] | None = None,
+                    metadata: Any = None) -> dict[str, Any]:
     """Fill ``state`` (``key -> Tensor | Blocks | None``) from a checkpoint.  Collective.
 
     Tensors and :class:`Blocks` are filled in place: each rank reads, and verifies, only the rows
     of the saved chunks that overlap its blocks (whole ``BLOCK_BYTES`` blocks at the ends).
     ``None`` placeholders are replaced by the saved tensor (``meta/`` and ``rank/`` entries: pass
     them to :func:`unpack`).  ``counter["bytes_read"]`` (when given) adds up the bytes this rank
-    read from the checkpoint's files.
+    read from the checkpoint's files.  ``metadata``: this checkpoint's DCP ``Metadata`` from
+    :func:`read_metadata` (not read again).
 
     Raises:
         CheckpointError: a file is missing, truncated or corrupted (named, with the damaged byte
@@ -999,7 +1020,7 @@ def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = N
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = meta or load_checkpoint_meta(ckpt_dir)
-    reader = _reader(ckpt_dir, meta, counter)
+    reader = _reader(ckpt_dir, meta, counter, metadata)
     md = reader.read_metadata()
     for k, v in list(state.items()):
         sm = md.state_dict_metadata.get(k)
@@ -1133,7 +1154,7 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
             load[k] = save[k] = alloc(k) if getattr(m, "size", None) is not None else None
     src_rank = rank if rank < int(meta["world_size"]) else 0
     load[f"rank/{src_rank}"] = None
-    load_checkpoint(src_ckpt, load, process_group, world_size, meta, counter)
+    load_checkpoint(src_ckpt, load, process_group, world_size, meta, counter, md)
     read = [counter["bytes_read"]]
     if world_size > 1:
         read = comm.all_gather_object(counter["bytes_read"], process_group or comm.default_group())

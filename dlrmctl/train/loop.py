@@ -1011,7 +1011,7 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
     src_rank = rank if rank < int(meta["world_size"]) else 0
     objs = ["meta/trainer", "meta/fused_optimizer", "meta/dense_optimizer", "meta/embedding_dense_optimizer", f"rank/{src_rank}"]
     req.update({k: None for k in objs})
-    ckpt.load_checkpoint(path, req, process_group, world_size, meta)
+    ckpt.load_checkpoint(path, req, process_group, world_size, meta, metadata=md)
     finish()
     fused = ckpt.unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
     if fused_opt is not None:
@@ -1212,7 +1212,7 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard
     dense = dense_state_dict(model)
     req.update({f"dense/{k}": v for k, v in dense.items()})
-    ckpt.load_checkpoint(path, req, meta=cmeta)
+    ckpt.load_checkpoint(path, req, meta=cmeta, metadata=md)
     finish()
     model.eval()
     return cfg, model, meta
