@@ -5,10 +5,14 @@ Layout::
     runs/<name>/checkpoints/step_00000100/
         __0_0.distcp ...  DCP data files: each rank writes its own embedding shards
                           (no rank ever gathers a table) and a share of the
-                          replicated tensors (DCP de-duplicates them)
-        .metadata         DCP metadata: every key's global shape and saved chunks
-        meta.json         step, world_size, table shapes, plan, and the byte size
-                          + CRC-32 of every file above (written last)
+                          replicated tensors (DCP de-duplicates them); every
+                          chunk is a torch.save record (stored zip, row-major)
+        .metadata         DCP metadata (pickled by DCP): every key's global shape
+                          and saved chunks, and where each chunk lies in the files
+        meta.json         format, step, world_size, table shapes, plan, byteorder and,
+                          per file above: bytes, block_bytes, the CRC-32 of every
+                          block (base64 of little-endian uint32) and, per chunk,
+                          the offset of its raw tensor bytes (written last)
     runs/<name>/checkpoints/LATEST   name of the newest complete checkpoint
     runs/<name>/checkpoints/BEST     name of the checkpoint with the best validation metric
                                      (``train.keep_best``; never pruned by ``keep_last``)
@@ -24,12 +28,13 @@ Keys of the DCP state dict (the format; see ``dlrmctl.train.loop.checkpoint_stat
                                     of the column shard [a, b) (each column shard has its own)
     dense/<name>                    MLP / interaction parameters and buffers (replicated)
     dense_opt/<param>/<key>         dense-optimizer state tensors (replicated)
-    meta/<name>                     pickled objects: trainer (step, epoch, best, data
-                                    position), fused optimizer hyper-parameters (type,
-                                    lr, eps, weight_decay, step), dense and embedding-dense
-                                    optimizer param_groups (lr, betas, eps, ...), LR schedule
-    rank/<r>                        pickled per-rank objects: RNG states (torch, numpy,
-                                    python, cuda), per-shard scalar optimizer state
+    meta/<name>                     JSON (uint8 tensor, see :func:`pack`): trainer (step,
+                                    epoch, best, data position), fused optimizer hyper-
+                                    parameters (type, lr, eps, weight_decay, step), dense and
+                                    embedding-dense optimizer param_groups (lr, betas, eps,
+                                    ...), LR schedule
+    rank/<r>                        JSON per-rank entries: RNG states (torch, numpy, python,
+                                    cuda), per-shard scalar optimizer state
 
 A tensor that is sharded is given to DCP as :class:`Blocks` (global shape +
 this rank's blocks with their offsets); DCP records every chunk in
@@ -47,15 +52,24 @@ a column shard loads its own ``@cols`` entry when the column split is unchanged
 save time when the source was not column-wise; from a column-wise source it is
 the column-0 shard's moment).
 
-Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; after every rank has written
-(DCP's final barrier) each rank checksums its own file, rank 0 writes
-``meta.json``, renames the directory and rewrites ``LATEST`` via temp file +
-``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
+Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; each rank's file is checksummed
+while DCP writes it (never read back); after every rank has written (DCP's final
+barrier) rank 0 gathers the checksums, writes ``meta.json``, renames the
+directory and rewrites ``LATEST`` via temp file + ``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
 checkpoint and ``LATEST`` intact; ``keep_last`` older checkpoints are pruned
 only after the new one is visible (the one ``BEST`` names is always kept), and a
-published directory is never rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).  On load every file a rank reads is checked
-against its recorded size and CRC first, so a truncated or corrupted file is
-refused with its name.
+published directory is never rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).
+
+Integrity without extra reads: a loading rank checks the sizes of the files it
+opens, reads of each saved chunk only the rows its blocks overlap (rounded out to
+whole checksum blocks, ~1/4096 of a file) and verifies exactly those blocks, so a
+truncated file or a damaged block is refused naming the file, the byte range and
+the entry, and a reshard reads about the checkpoint once in total, not W times.
+
+Nothing is unpickled: non-tensor entries are JSON, DCP's pickled (``BYTE_IO``)
+entries are refused, and ``.metadata`` is read with an unpickler that resolves only
+DCP's metadata classes.  Format ``dcp-v1`` (pickled entries, whole-file CRCs) is
+refused with its version named.
 """
 
 from __future__ import annotations
