@@ -75,6 +75,7 @@ refused with its version named.
 from __future__ import annotations
 
 import base64
+import bisect
 import glob
 import io
 import json
@@ -634,11 +635,12 @@ def _writer(path: str):
                 item = items.get(wr.index)
                 if item is None or item.type == WriteItemType.BYTE_IO or sd.transform_descriptors:
                     continue
-                nbytes = _nbytes(item)
-                for a, e in st.tensor_data:
-                    if sd.offset <= a and e <= sd.offset + sd.length and e - a == nbytes:
+                # the first tensor record starting inside this item (records are in file order)
+                i = bisect.bisect_left(st.tensor_data, (sd.offset, -1))
+                if i < len(st.tensor_data):
+                    a, e = st.tensor_data[i]
+                    if e <= sd.offset + sd.length and e - a == _nbytes(item):
                         d["tensors"][str(sd.offset)] = a - sd.offset
-                        break
             return fut
 
         def finish(self, metadata, results) -> None:  # type: ignore[override]
