@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import random
+import zlib
 
 import numpy as np
 import pytest
@@ -171,7 +172,7 @@ def _rewrite_metadata(path, raw):
         h.write(raw)
     meta = json.load(open(os.path.join(path, "meta.json")))
     B = meta["files"][".metadata"]["block_bytes"]
-    crcs = [__import__("zlib").crc32(raw[i:i + B]) for i in range(0, len(raw), B)]
+    crcs = [zlib.crc32(raw[i:i + B]) for i in range(0, len(raw), B)]
     meta["files"][".metadata"].update(bytes=len(raw), crc32=ckpt._crcs_to_text(crcs))
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
 
