@@ -161,6 +161,9 @@ def reshard_command(
     nbytes = sum(f["bytes"] for f in m["files"].values())
     typer.echo(f"resharded step {m['step']} from {src.get('world_size')} to {m['world_size']} rank(s): {path} "
                f"({len(m['tables'])} tables, {nbytes:,} bytes)")
+    if src.get("bytes"):
+        typer.echo(f"read {src['bytes_read']:,} bytes of the {src['bytes']:,}-byte source checkpoint "
+                   f"({src['bytes_read'] / src['bytes']:.2f}x; per rank {src['bytes_read_per_rank']})")
     latest = ckpt_latest(os.path.dirname(os.path.dirname(path)))
     if latest is not None and os.path.abspath(latest) != os.path.abspath(path):
         typer.echo(f"LATEST still names {os.path.basename(latest)} (a newer step); resume from this one with "

@@ -5,10 +5,14 @@ Layout::
     runs/<name>/checkpoints/step_00000100/
         __0_0.distcp ...  DCP data files: each rank writes its own embedding shards
                           (no rank ever gathers a table) and a share of the
-                          replicated tensors (DCP de-duplicates them)
-        .metadata         DCP metadata: every key's global shape and saved chunks
-        meta.json         step, world_size, table shapes, plan, and the byte size
-                          + CRC-32 of every file above (written last)
+                          replicated tensors (DCP de-duplicates them); every
+                          chunk is a torch.save record (stored zip, row-major)
+        .metadata         DCP metadata (pickled by DCP): every key's global shape
+                          and saved chunks, and where each chunk lies in the files
+        meta.json         format, step, world_size, table shapes, plan, byteorder and,
+                          per file above: bytes, block_bytes, the CRC-32 of every
+                          block (base64 of little-endian uint32) and, per chunk,
+                          the offset of its raw tensor bytes (written last)
     runs/<name>/checkpoints/LATEST   name of the newest complete checkpoint
     runs/<name>/checkpoints/BEST     name of the checkpoint with the best validation metric
                                      (``train.keep_best``; never pruned by ``keep_last``)
@@ -24,12 +28,13 @@ Keys of the DCP state dict (the format; see ``dlrmctl.train.loop.checkpoint_stat
                                     of the column shard [a, b) (each column shard has its own)
     dense/<name>                    MLP / interaction parameters and buffers (replicated)
     dense_opt/<param>/<key>         dense-optimizer state tensors (replicated)
-    meta/<name>                     pickled objects: trainer (step, epoch, best, data
-                                    position), fused optimizer hyper-parameters (type,
-                                    lr, eps, weight_decay, step), dense and embedding-dense
-                                    optimizer param_groups (lr, betas, eps, ...), LR schedule
-    rank/<r>                        pickled per-rank objects: RNG states (torch, numpy,
-                                    python, cuda), per-shard scalar optimizer state
+    meta/<name>                     JSON (uint8 tensor, see :func:`pack`): trainer (step,
+                                    epoch, best, data position), fused optimizer hyper-
+                                    parameters (type, lr, eps, weight_decay, step), dense and
+                                    embedding-dense optimizer param_groups (lr, betas, eps,
+                                    ...), LR schedule
+    rank/<r>                        JSON per-rank entries: RNG states (torch, numpy, python,
+                                    cuda), per-shard scalar optimizer state
 
 A tensor that is sharded is given to DCP as :class:`Blocks` (global shape +
 this rank's blocks with their offsets); DCP records every chunk in
@@ -47,34 +52,61 @@ a column shard loads its own ``@cols`` entry when the column split is unchanged
 save time when the source was not column-wise; from a column-wise source it is
 the column-0 shard's moment).
 
-Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; after every rank has written
-(DCP's final barrier) each rank checksums its own file, rank 0 writes
-``meta.json``, renames the directory and rewrites ``LATEST`` via temp file +
-``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
+Atomicity: a save goes to ``.step_XXXXXXXX.tmp/``; each rank's file is checksummed
+while DCP writes it (never read back); after every rank has written (DCP's final
+barrier) rank 0 gathers the checksums, writes ``meta.json``, renames the
+directory and rewrites ``LATEST`` via temp file + ``os.replace``.  A crash (even SIGKILL) at any point leaves the previous
 checkpoint and ``LATEST`` intact; ``keep_last`` older checkpoints are pruned
 only after the new one is visible (the one ``BEST`` names is always kept), and a
-published directory is never rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).  On load every file a rank reads is checked
-against its recorded size and CRC first, so a truncated or corrupted file is
-refused with its name.
+published directory is never rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).
+
+Integrity without extra reads: a loading rank checks the sizes of the files it
+opens, reads of each saved chunk only the rows its blocks overlap (rounded out to
+whole checksum blocks, ~1/4096 of a file) and verifies exactly those blocks, so a
+truncated file or a damaged block is refused naming the file, the byte range and
+the entry, and a reshard reads about the checkpoint once in total, not W times.
+
+Nothing is unpickled: non-tensor entries are JSON, DCP's pickled (``BYTE_IO``)
+entries are refused, and ``.metadata`` is read with an unpickler that resolves only
+DCP's metadata classes.  Format ``dcp-v1`` (pickled entries, whole-file CRCs) is
+refused with its version named.
 """
 
 from __future__ import annotations
 
+import base64
+import bisect
 import glob
+import io
 import json
+import math
 import os
 import pickle
 import random
 import shutil
+import sys
 import warnings
 import zlib
+from array import array
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 CKPT_DIR = "checkpoints"
-FORMAT = "dcp-v1"
+FORMAT = "dcp-v2"
+#: formats this dlrmctl refuses, with what changed (shown in the error)
+OLD_FORMATS = {
+    "dcp-v1": "its trainer / optimizer / RNG entries are pickled objects (unpickling a file can run code) and its "
+              "checksums cover whole files only",
+}
+#: checksummed blocks: a read verifies (so reads) every block it overlaps.  A data file gets blocks
+#: of ~1/BLOCKS_PER_FILE of its size (a power of two in [MIN_BLOCK_BYTES, BLOCK_BYTES]), so a range
+#: read over-reads at most two such blocks and meta.json holds at most ~BLOCKS_PER_FILE CRCs a file
+#: (4 bytes each, base64) below BLOCK_BYTES x BLOCKS_PER_FILE = 4 GiB files
+BLOCK_BYTES = 1 << 20
+MIN_BLOCK_BYTES = 4096
+BLOCKS_PER_FILE = 4096
 LATEST = "LATEST"
 BEST = "BEST"
 
@@ -177,7 +209,9 @@ def _planners():
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
         def lookup_object(self, index):  # type: ignore[override]
-            return _find(self.state_dict, index)
+            # row-major bytes: the reader reads a row range of a saved chunk without loading all of it
+            obj = _find(self.state_dict, index)
+            return obj.contiguous() if isinstance(obj, torch.Tensor) else obj
 
     class LoadPlanner(DefaultLoadPlanner):
         """DefaultLoadPlanner filling :class:`Blocks` in place."""
@@ -195,16 +229,106 @@ def _planners():
         def lookup_tensor(self, index):  # type: ignore[override]
             return _find(self.state_dict, index)
 
+        def load_bytes(self, read_item, value):  # type: ignore[override]
+            # DCP would torch.load(weights_only=False) it: unpickling, which can run code
+            raise CheckpointError(f"entry '{read_item.dest_index.fqn}' is a pickled object; dlrmctl does not unpickle")
+
     return SavePlanner, LoadPlanner
 
 
-def pack(obj: Any) -> bytes:
-    """A non-tensor entry (stored by DCP as one opaque object)."""
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+_TAGS = ("__tuple__", "__dict__", "__tensor__", "__ndarray__")
 
 
-def unpack(b: Any) -> Any:
-    return pickle.loads(b)
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _encode(obj: Any, where: str) -> Any:
+    """``obj`` as plain JSON values; tuples, non-string-keyed dicts, tensors and numeric numpy
+    arrays become one-key tagged objects (see :func:`pack`)."""
+    if obj is None or isinstance(obj, (bool, str, float)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biuf":
+        return _encode(obj.item(), where)
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": _b64(raw)}}
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
+        a = np.ascontiguousarray(obj)
+        return {"__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape), "data": _b64(a.tobytes())}}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and k not in _TAGS for k in obj):
+            return {k: _encode(v, f"{where}.{k}") for k, v in obj.items()}
+        return {"__dict__": [[_encode(k, f"{where} key"), _encode(v, f"{where}[{k!r}]")] for k, v in obj.items()]}
+    raise TypeError(f"checkpoint entry {where}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be stored "
+                    "(JSON values only: None, bool, int, float, str, list, tuple, dict, tensors, numeric numpy arrays)")
+
+
+def _decode(x: Any) -> Any:
+    """Inverse of :func:`_encode`: builds only JSON values, tuples, dicts, tensors and numpy arrays."""
+    if isinstance(x, list):
+        return [_decode(v) for v in x]
+    if not isinstance(x, dict):
+        return x
+    if len(x) == 1:
+        (tag, v), = x.items()
+        if tag == "__tuple__":
+            return tuple(_decode(e) for e in v)
+        if tag == "__dict__":
+            return {_decode(k): _decode(e) for k, e in v}
+        if tag == "__tensor__":
+            dtype = getattr(torch, str(v["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown tensor dtype {v['dtype']!r}")
+            raw = base64.b64decode(v["data"], validate=True)
+            if not raw:
+                return torch.empty(v["shape"], dtype=dtype)
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(v["shape"])
+        if tag == "__ndarray__":
+            dt = np.dtype(str(v["dtype"]))
+            if dt.kind not in "biufc":
+                raise ValueError(f"numpy dtype {v['dtype']!r} is not numeric")
+            return np.frombuffer(base64.b64decode(v["data"], validate=True), dtype=dt).reshape(v["shape"]).copy()
+    return {k: _decode(e) for k, e in x.items()}
+
+
+def pack(obj: Any, where: str = "object") -> torch.Tensor:
+    """A non-tensor entry (trainer state, optimizer hyper-parameters, RNG states, data position) as a
+    1-D ``uint8`` tensor of UTF-8 JSON: DCP stores it like any tensor, and loading it never unpickles.
+
+    JSON plus one-key tags: ``{"__tuple__": [...]}``, ``{"__dict__": [[key, value], ...]}`` (keys that
+    are not strings), ``{"__tensor__": {dtype, shape, data}}`` and ``{"__ndarray__": {dtype, shape,
+    data}}`` (``data``: base64 of the little-/native-endian bytes).  Floats round-trip exactly
+    (``repr``), ``nan`` / ``inf`` included; numpy scalars become Python numbers.
+
+    Raises:
+        TypeError: a value of another type (names where in ``obj``, prefixed by ``where``).
+    """
+    text = json.dumps(_encode(obj, where), separators=(",", ":"), allow_nan=True)
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def unpack(t: Any, where: str = "checkpoint entry") -> Any:
+    """Inverse of :func:`pack` (``t``: the loaded ``uint8`` tensor).
+
+    Raises:
+        CheckpointError: ``t`` is not a packed entry (e.g. pickled bytes of an older format) or
+            its JSON is damaged.
+    """
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+        raise CheckpointError(f"{where}: expected a packed JSON entry (1-D uint8 tensor), got {type(t).__name__}; "
+                              "pickled entries (format dcp-v1) are not loaded")
+    try:
+        return _decode(json.loads(t.numpy().tobytes().decode("utf-8")))
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}: damaged JSON entry ({type(e).__name__}: {e})") from e
 
 
 # ------------------------------------------------------------ run dirs
@@ -324,17 +448,295 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def file_digest(path: str) -> dict[str, int]:
-    """``{"bytes", "crc32"}`` of a file (streamed, 8 MiB at a time)."""
-    crc, n = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(8 << 20)
-            if not b:
-                break
-            crc = zlib.crc32(b, crc)
-            n += len(b)
-    return {"bytes": n, "crc32": crc}
+# ------------------------------------------------------ checksummed I/O
+def _block_count(nbytes: int, block_bytes: int) -> int:
+    return (nbytes + block_bytes - 1) // block_bytes
+
+
+def _crcs_to_text(crcs: Sequence[int]) -> str:
+    a = array("I", crcs)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return _b64(a.tobytes())
+
+
+def _crcs_from_text(text: str) -> array:
+    a = array("I")
+    a.frombytes(base64.b64decode(text, validate=True))
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+def _zip_name_len(h: bytes | bytearray) -> int:
+    """File-name length of a zip local file header."""
+    return int.from_bytes(h[26:28], "little")
+
+
+class _ChecksumStream:
+    """Write-side wrapper of a DCP output file: CRC-32 of every ``block_bytes`` block of what is
+    written (from the bytes in memory: the file is never read back) and, for each tensor DCP
+    serialises with ``torch.save``, where its raw bytes lie in the file.
+
+    ``torch.save`` writes a zip archive with stored (uncompressed) records, each as a local
+    header (30 bytes), the name, an extra field, the data and a data descriptor, in separate
+    writes; the record ``<archive>/data/0`` holds the tensor's storage (row-major: the planner
+    saves contiguous tensors).  ``tensor_data`` lists ``(start, end)`` file offsets of each such
+    record's data whose descriptor confirms its length; anything else is left out (its item is
+    then read whole).
+    """
+
+    def __init__(self, raw: Any, block_bytes: int) -> None:
+        self.raw, self.block_bytes = raw, block_bytes
+        self.pos = 0
+        self.crcs: list[int] = []
+        self._crc, self._fill = 0, 0
+        self.tensor_data: list[tuple[int, int]] = []
+        self._hdr: bytearray | None = None
+        self._hdr_at = 0
+        self._data_at: int | None = None
+        self.finished = False
+
+    # zip record tracking (see the class docstring)
+    def _track(self, mv: memoryview) -> None:
+        n = len(mv)
+        if self._data_at is not None and n in (16, 24) and mv[:4] == b"PK\x07\x08":
+            if n == 16:
+                comp, size = int.from_bytes(mv[8:12], "little"), int.from_bytes(mv[12:16], "little")
+            else:
+                comp, size = int.from_bytes(mv[8:16], "little"), int.from_bytes(mv[16:24], "little")
+            if comp == size == self.pos - self._data_at:
+                self.tensor_data.append((self._data_at, self.pos))
+            self._data_at = None
+            return
+        if n >= 4 and mv[:4] == b"PK\x03\x04":
+            self._hdr, self._hdr_at, self._data_at = bytearray(), self.pos, None
+        if self._hdr is None:
+            return
+
+        def name_len() -> int:
+            return _zip_name_len(self._hdr)
+
+        # the header and the name, over one or several writes
+        take = mv[: max(0, (30 if len(self._hdr) < 30 else 30 + name_len()) - len(self._hdr))]
+        self._hdr += take
+        if len(self._hdr) == 30 and len(take) < n:
+            self._hdr += mv[len(take): len(take) + name_len()]
+        if len(self._hdr) >= 30 and len(self._hdr) == 30 + name_len():
+            h, self._hdr = self._hdr, None
+            nl, extra_len, method = _zip_name_len(h), int.from_bytes(h[28:30], "little"), int.from_bytes(h[8:10], "little")
+            if method == 0 and bytes(h[30:30 + nl]).endswith(b"/data/0"):
+                self._data_at = self._hdr_at + 30 + nl + extra_len
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = len(mv)
+        self._track(mv)
+        self.raw.write(mv)
+        i, B = 0, self.block_bytes
+        while i < n:
+            take = min(B - self._fill, n - i)
+            self._crc = zlib.crc32(mv[i:i + take], self._crc)
+            self._fill += take
+            i += take
+            if self._fill == B:
+                self.crcs.append(self._crc)
+                self._crc, self._fill = 0, 0
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        self.raw.flush()  # DCP fsyncs fileno(): the buffered bytes must be in the file first
+        return self.raw.fileno()
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            if self._fill:
+                self.crcs.append(self._crc)
+                self._crc, self._fill = 0, 0
+        self.raw.close()
+
+    def digest(self) -> dict[str, Any]:
+        """``{"bytes", "block_bytes", "crc32"}``: size, block size and the blocks' CRC-32s (base64 of
+        little-endian uint32)."""
+        return {"bytes": self.pos, "block_bytes": self.block_bytes, "crc32": _crcs_to_text(self.crcs)}
+
+
+def _block_bytes_for(nbytes: int) -> int:
+    """Block size for a file of about ``nbytes`` (see :data:`BLOCKS_PER_FILE`)."""
+    want = max(1, -(-nbytes // BLOCKS_PER_FILE))
+    return min(BLOCK_BYTES, max(MIN_BLOCK_BYTES, 1 << (want - 1).bit_length()))
+
+
+def _writer(path: str):
+    """A DCP ``FileSystemWriter`` (one file per rank, fsynced) whose files are checksummed while they
+    are written; after ``dcp.save``, ``writer.files`` holds this rank's ``{file: digest}`` (the
+    coordinator's includes ``.metadata``), each data file's digest with ``tensors``: ``{item offset:
+    offset of the tensor's raw bytes within the item}``."""
+    import contextlib
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    def _nbytes(item: Any) -> int:
+        td = item.tensor_data
+        return math.prod(td.chunk.sizes) * torch._utils._element_size(td.properties.dtype)
+
+    class ChecksumFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.streams: dict[str, _ChecksumStream] = {}
+            self.block_bytes = BLOCK_BYTES
+
+        @contextlib.contextmanager
+        def create_stream(self, path, mode):  # type: ignore[override]
+            if "w" not in mode:
+                with super().create_stream(path, mode) as f:
+                    yield f
+                return
+            name = Path(path).name
+            with open(path, mode) as f:
+                st = _ChecksumStream(f, self.block_bytes)
+                self.streams[name.removesuffix(".tmp")] = st  # .metadata is written as .metadata.tmp, then renamed
+                try:
+                    yield st
+                finally:
+                    st.close()
+
+    class ChecksumWriter(dcp.FileSystemWriter):
+        def __init__(self) -> None:
+            super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+            self.fs = ChecksumFileSystem()
+            self.path = self.fs.init_path(path)
+            self.files: dict[str, dict[str, Any]] = {}
+
+        def write_data(self, plan, planner):  # type: ignore[override]
+            # one file per rank: its size is about the items' bytes (+ ~1 KiB of torch.save framing each)
+            est = sum(_nbytes(it) + 1024 for it in plan.items if it.tensor_data is not None)
+            self.fs.block_bytes = _block_bytes_for(est)
+            fut = super().write_data(plan, planner)
+            items = {it.index: it for it in plan.items}
+            for wr in fut.wait():
+                sd = wr.storage_data
+                st = self.fs.streams[sd.relative_path]
+                d = self.files.setdefault(sd.relative_path, {**st.digest(), "tensors": {}})
+                item = items.get(wr.index)
+                if item is None or item.type == WriteItemType.BYTE_IO or sd.transform_descriptors:
+                    continue
+                # the first tensor record starting inside this item (records are in file order)
+                i = bisect.bisect_left(st.tensor_data, (sd.offset, -1))
+                if i < len(st.tensor_data):
+                    a, e = st.tensor_data[i]
+                    if e <= sd.offset + sd.length and e - a == _nbytes(item):
+                        d["tensors"][str(sd.offset)] = a - sd.offset
+            return fut
+
+        def finish(self, metadata, results) -> None:  # type: ignore[override]
+            self.fs.block_bytes = BLOCK_BYTES  # .metadata is always read whole
+            super().finish(metadata, results)
+            self.files[".metadata"] = self.fs.streams[".metadata"].digest()
+
+    return ChecksumWriter()
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` only: globals are limited to DCP's metadata classes, torch
+    dtypes / ``Size`` / layouts and paths, so a crafted file cannot call anything else."""
+
+    ALLOWED = {
+        *(("torch.distributed.checkpoint.metadata", n) for n in (
+            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"), ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global '{module}.{name}' is not one of DCP's metadata classes")
+
+
+class _CheckedFile:
+    """Reads byte ranges of one checkpoint file, verifying every block they overlap against the
+    block CRC-32s in meta.json; counts the bytes read (``counter["bytes_read"]``)."""
+
+    def __init__(self, ckpt_dir: str, fname: str, meta: dict[str, Any], counter: dict[str, int]) -> None:
+        self.path = p = os.path.join(ckpt_dir, fname)
+        exp = meta["files"].get(fname)
+        if exp is None:
+            raise CheckpointError(f"{p}: not listed in {os.path.join(ckpt_dir, 'meta.json')}")
+        if not os.path.exists(p):
+            raise CheckpointError(f"{p}: missing (meta.json lists it with {exp['bytes']} bytes)")
+        self.size = os.path.getsize(p)
+        if self.size != exp["bytes"]:
+            raise CheckpointError(f"{p}: {self.size} bytes, expected {exp['bytes']}: the file is truncated or corrupted")
+        self.block_bytes = int(exp["block_bytes"])
+        try:
+            self.crcs = _crcs_from_text(exp["crc32"])
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{os.path.join(ckpt_dir, 'meta.json')}: damaged checksums of {fname} ({e})") from e
+        if len(self.crcs) != _block_count(self.size, self.block_bytes):
+            raise CheckpointError(f"{os.path.join(ckpt_dir, 'meta.json')}: {len(self.crcs)} block checksums for {fname}, "
+                                  f"expected {_block_count(self.size, self.block_bytes)}")
+        self.tensors: dict[str, int] = exp.get("tensors", {})
+        self.counter = counter
+        self._f: Any = None
+
+    def __enter__(self) -> "_CheckedFile":
+        self._f = open(self.path, "rb")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._f.close()
+
+    def read(self, start: int, end: int, what: str = "") -> torch.Tensor:
+        """Bytes ``[start, end)`` of the file as a 1-D ``uint8`` tensor whose first byte is 64-byte
+        aligned (so ``.view(dtype)`` is aligned), after checking the CRC-32 of every block they overlap.
+
+        Raises:
+            CheckpointError: the range is outside the file, the file is shorter than recorded, or a
+                block's CRC differs (names the file, the byte range of the block and ``what``).
+        """
+        if start == end:
+            return torch.empty(0, dtype=torch.uint8)
+        if not 0 <= start < end <= self.size:
+            raise CheckpointError(f"{self.path}: {what} at bytes {start}-{end} lies outside the file ({self.size} bytes)")
+        B = self.block_bytes
+        b0, b1 = start // B, _block_count(end, B)
+        lo, hi = b0 * B, min(b1 * B, self.size)
+        pad = -(start - lo) % 64
+        buf = torch.empty(pad + hi - lo, dtype=torch.uint8)
+        mv = memoryview(buf.numpy())[pad:]
+        self._f.seek(lo)
+        n = self._f.readinto(mv)
+        self.counter["bytes_read"] = self.counter.get("bytes_read", 0) + n
+        if n != hi - lo:
+            raise CheckpointError(f"{self.path}: ended at byte {lo + n}, expected {self.size}: the file is truncated")
+        for i in range(b0, b1):
+            s, e = (i - b0) * B, min((i - b0 + 1) * B, hi - lo)
+            got = zlib.crc32(mv[s:e])
+            if got != self.crcs[i]:
+                raise CheckpointError(
+                    f"{self.path}: bytes {lo + s}-{lo + e} (block {i} of {len(self.crcs)}{', ' + what if what else ''}): "
+                    f"CRC-32 {got:#010x}, expected {self.crcs[i]:#010x}: the file is corrupted")
+        return buf[pad + start - lo: pad + end - lo]
 
 
 def _quiet():
@@ -381,8 +783,9 @@ def save_checkpoint(
     """Write this rank's part of a DCP checkpoint; rank 0 publishes it atomically.  Collective.
 
     Args:
-        state: flat ``key -> Tensor | Blocks | bytes`` (see the module docstring); plain
-            tensors with the same key on several ranks are replicated (written once).
+        state: flat ``key -> Tensor | Blocks`` (see the module docstring; non-tensor entries go
+            through :func:`pack`); plain tensors with the same key on several ranks are replicated
+            (written once).
         world_size: ranks taking part; > 1 needs an initialised process group.
         keep_last: number of complete checkpoints to keep (0: all), besides the best one.
         name: directory name (default ``step_XXXXXXXX``).
@@ -392,11 +795,18 @@ def save_checkpoint(
 
     Returns:
         the final checkpoint directory.
+
+    Raises:
+        TypeError: a value that is neither a tensor nor :class:`Blocks` (DCP would pickle it).
     """
     import torch.distributed.checkpoint as dcp
 
     from dlrmctl.distributed import comm
 
+    for k, v in state.items():
+        if not isinstance(v, (torch.Tensor, Blocks)):
+            raise TypeError(f"checkpoint entry '{k}': a {type(v).__name__} would be pickled by DCP; store tensors, "
+                            "Blocks or pack(obj)")
     dist_on = world_size > 1
     if dist_on and process_group is None:
         process_group = comm.default_group()
@@ -420,22 +830,20 @@ def save_checkpoint(
     if dist_on:
         comm.barrier(process_group)
     SavePlanner, _ = _planners()
-    writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer = _writer(tmp)
     cm = _quiet()
     try:
         dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group, no_dist=not dist_on)
     finally:
         cm.__exit__(None, None, None)
-    # each rank checksums its own data file (DCP names them __<rank>_<i>.distcp)
-    mine = {os.path.basename(p): file_digest(p) for p in sorted(glob.glob(os.path.join(tmp, f"__{rank}_*.distcp")))}
+    # each rank's files were checksummed while DCP wrote them (block CRCs; nothing is read back)
     if dist_on:
-        allf: list[Any] = comm.all_gather_object(mine, process_group)
+        allf: list[Any] = comm.all_gather_object(writer.files, process_group)
     else:
-        allf = [mine]
+        allf = [writer.files]
     if rank == 0:
-        files = {k: v for d in allf for k, v in d.items()}
-        files[".metadata"] = file_digest(os.path.join(tmp, ".metadata"))
-        meta = {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
+        files = {k: v for d in allf for k, v in sorted(d.items())}
+        meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder, "files": files}
         meta.update(extra_meta or {})
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         _fsync_dir(tmp)
@@ -480,71 +888,125 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
         raise CheckpointError(f"{p}: missing; {ckpt_dir} is not a complete checkpoint") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{p}: corrupted ({e})") from e
-    if meta.get("format") != FORMAT:
+    fmt = meta.get("format", "per-rank torch.save (pre-DCP)")
+    if fmt != FORMAT:
+        why = OLD_FORMATS.get(fmt, "it was written by an older dlrmctl")
         raise CheckpointError(
-            f"{p}: format {meta.get('format', 'per-rank torch.save (pre-DCP)')!r} is not {FORMAT!r}; "
-            "this checkpoint was written by an older dlrmctl"
+            f"{p}: checkpoint format {fmt!r} is older than {FORMAT!r} and is not loaded ({why}); "
+            "resume or export it with the dlrmctl version that wrote it, or train again"
         )
     return meta
 
 
-def verify_file(ckpt_dir: str, fname: str, meta: dict[str, Any]) -> None:
-    """Check one file of a checkpoint against the size and CRC-32 recorded in meta.json.
+def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
+    """A DCP ``FileSystemReader`` that verifies exactly what it reads and never unpickles data.
 
-    Raises:
-        CheckpointError: naming the file and what did not match.
+    ``.metadata``: read once, checked against its block CRCs, loaded with :class:`_SafeUnpickler`.
+    Data: for each ``ReadItem`` (the part of one saved chunk that overlaps a requested block) it
+    reads only the rows ``[storage_offsets[0], + lengths[0])`` of the chunk's raw bytes (the
+    ``tensors`` offsets in meta.json), rounded out to whole ``block_bytes`` blocks, checks those
+    blocks' CRC-32s, and copies the overlap into the target; a tensor whose raw offset is unknown
+    is read whole and loaded with ``torch.load(weights_only=True)``.  Pickled (``BYTE_IO``) items
+    are refused.  ``counter["bytes_read"]`` adds up the bytes read from the checkpoint's files.
     """
-    p = os.path.join(ckpt_dir, fname)
-    exp = meta["files"].get(fname)
-    if exp is None:
-        raise CheckpointError(f"{p}: not listed in {os.path.join(ckpt_dir, 'meta.json')}")
-    if not os.path.exists(p):
-        raise CheckpointError(f"{p}: missing (meta.json lists it with {exp['bytes']} bytes)")
-    size = os.path.getsize(p)
-    if size != exp["bytes"]:
-        raise CheckpointError(f"{p}: {size} bytes, expected {exp['bytes']}: the file is truncated or corrupted")
-    got = file_digest(p)["crc32"]
-    if got != exp["crc32"]:
-        raise CheckpointError(f"{p}: CRC-32 {got:#010x}, expected {exp['crc32']:#010x}: the file is corrupted")
-
-
-def _reader(ckpt_dir: str, meta: dict[str, Any]):
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    counter = {} if counter is None else counter
+    if meta.get("byteorder", "little") != sys.byteorder:
+        raise CheckpointError(f"{os.path.join(ckpt_dir, 'meta.json')}: written on a {meta.get('byteorder')}-endian "
+                              f"machine; this one is {sys.byteorder}-endian")
 
     class VerifyingReader(dcp.FileSystemReader):
-        """FileSystemReader that checks every file against meta.json before reading it."""
+        def __init__(self) -> None:
+            super().__init__(ckpt_dir)
+            self.counter = counter
+            self._md: Any = metadata
 
-        _checked: set[str] = set()
-
-        def read_metadata(self):  # type: ignore[override]
-            verify_file(ckpt_dir, ".metadata", meta)
-            try:
-                return super().read_metadata()
-            except Exception as e:
-                raise CheckpointError(f"{os.path.join(ckpt_dir, '.metadata')}: cannot be read ({e})") from e
+        def read_metadata(self, *args: Any, **kwargs: Any):  # type: ignore[override]
+            if self._md is None:
+                with _CheckedFile(ckpt_dir, ".metadata", meta, counter) as f:
+                    raw = f.read(0, f.size, "DCP metadata")
+                p = os.path.join(ckpt_dir, ".metadata")
+                try:
+                    md = _SafeUnpickler(io.BytesIO(raw.numpy().tobytes())).load()
+                except Exception as e:
+                    raise CheckpointError(f"{p}: cannot be read ({type(e).__name__}: {e})") from e
+                if not isinstance(md, Metadata):
+                    raise CheckpointError(f"{p}: holds a {type(md).__name__}, not DCP Metadata")
+                if getattr(md, "storage_meta", None) is None:
+                    md.storage_meta = StorageMeta()
+                self._md = md
+            self._md.storage_meta.load_id = self.load_id
+            return self._md
 
         def read_data(self, plan, planner):  # type: ignore[override]
+            per_file: dict[str, list] = {}
             for item in plan.items:
-                rel = self.storage_data[item.storage_index].relative_path
-                if rel not in self._checked:
-                    verify_file(ckpt_dir, rel, meta)
-                    self._checked.add(rel)
+                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
             try:
-                return super().read_data(plan, planner)
+                for rel, reqs in per_file.items():
+                    reqs.sort(key=lambda r: (self.storage_data[r.storage_index].offset, tuple(r.storage_offsets)))
+                    with _CheckedFile(ckpt_dir, rel, meta, counter) as f:
+                        for req in reqs:
+                            self._read_item(f, req, planner, LoadItemType)
             except CheckpointError:
                 raise
             except Exception as e:
                 raise CheckpointError(f"{ckpt_dir}: reading the data files failed ({type(e).__name__}: {e})") from e
+            fut: Any = torch.futures.Future()
+            fut.set_result(None)
+            return fut
 
-    r = VerifyingReader(ckpt_dir)
-    r._checked = set()
-    return r
+        def _read_item(self, f: _CheckedFile, req: Any, planner: Any, LoadItemType: Any) -> None:
+            fqn = req.storage_index.fqn
+            sinfo = self.storage_data[req.storage_index]
+            what = f"'{fqn}' chunk at {list(req.storage_index.offset or [])}"
+            if req.type == LoadItemType.BYTE_IO:
+                raise CheckpointError(f"{f.path}: {what} is a pickled object; dlrmctl does not unpickle checkpoint data")
+            if sinfo.transform_descriptors:
+                raise CheckpointError(f"{f.path}: {what} uses DCP stream transforms {sinfo.transform_descriptors}")
+            tmd = self.read_metadata().state_dict_metadata[fqn]
+            off = tuple(req.storage_index.offset or ())
+            chunk = next((c for c in tmd.chunks if tuple(c.offsets) == off), None)
+            data_at = f.tensors.get(str(sinfo.offset))
+            if chunk is None or data_at is None:  # read the item whole (weights_only: no code runs)
+                raw = f.read(sinfo.offset, sinfo.offset + sinfo.length, what)
+                t = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu", weights_only=True)
+                for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+                    t = t.narrow(d, o, n)
+            else:
+                shape, dtype = list(chunk.sizes), tmd.properties.dtype
+                if not shape:
+                    r0, nr, row = 0, 1, torch._utils._element_size(dtype)
+                else:
+                    r0, nr = int(req.storage_offsets[0]), int(req.lengths[0])
+                    row = math.prod(shape[1:]) * torch._utils._element_size(dtype)
+                base = sinfo.offset + data_at
+                raw = f.read(base + r0 * row, base + (r0 + nr) * row, what)
+                rows = [nr, *shape[1:]] if shape else []
+                t = raw.view(dtype).reshape(rows) if raw.numel() else torch.empty(rows, dtype=dtype)
+                for d in range(1, len(shape)):
+                    t = t.narrow(d, int(req.storage_offsets[d]), int(req.lengths[d]))
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != t.size():
+                raise CheckpointError(f"{f.path}: {what}: read {list(t.size())}, expected {list(target.size())}")
+            target.copy_(t)
+            planner.commit_tensor(req, target)
+
+    return VerifyingReader()
 
 
-def read_metadata(ckpt_dir: str, meta: dict[str, Any] | None = None) -> Any:
-    """The DCP ``Metadata`` of a checkpoint (``state_dict_metadata``: key -> storage metadata)."""
+def read_metadata(ckpt_dir: str, meta: dict[str, Any] | None = None, counter: dict[str, int] | None = None) -> Any:
+    """The DCP ``Metadata`` of a checkpoint (``state_dict_metadata``: key -> storage metadata),
+    verified and unpickled with DCP's metadata classes only (see :class:`_SafeUnpickler`).
+
+    Raises:
+        CheckpointError: ``.metadata`` missing, truncated, corrupted or holding other objects.
+    """
     meta = meta or load_checkpoint_meta(ckpt_dir)
-    return _reader(ckpt_dir, meta).read_metadata()
+    return _reader(ckpt_dir, meta, counter).read_metadata()
 
 
 def saved_size(md: Any, key: str) -> torch.Size | None:
@@ -554,28 +1016,37 @@ def saved_size(md: Any, key: str) -> torch.Size | None:
 
 
 def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = None, world_size: int = 1,
-                    meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Fill ``state`` (``key -> Tensor | Blocks | placeholder``) from a checkpoint.  Collective.
+                    meta: dict[str, Any] | None = None, counter: dict[str, int] | None = None,
+                    metadata: Any = None) -> dict[str, Any]:
+    """Fill ``state`` (``key -> Tensor | Blocks | None``) from a checkpoint.  Collective.
 
-    Tensors and :class:`Blocks` are filled in place (each rank reads only the
-    saved chunks overlapping its blocks); other values are replaced by the
-    saved objects (use :func:`unpack` on ``meta/`` and ``rank/`` entries).
+    Tensors and :class:`Blocks` are filled in place: each rank reads, and verifies, only the rows
+    of the saved chunks that overlap its blocks (whole ``BLOCK_BYTES`` blocks at the ends).
+    ``None`` placeholders are replaced by the saved tensor (``meta/`` and ``rank/`` entries: pass
+    them to :func:`unpack`).  ``counter["bytes_read"]`` (when given) adds up the bytes this rank
+    read from the checkpoint's files.  ``metadata``: this checkpoint's DCP ``Metadata`` from
+    :func:`read_metadata` (not read again).
 
     Raises:
-        CheckpointError: a file is missing, truncated or corrupted (named), a key
-            is missing, or a saved shape differs from the requested one.
+        CheckpointError: a file is missing, truncated or corrupted (named, with the damaged byte
+            range), a key is missing, a saved shape differs from the requested one, or an entry
+            is a pickled object (not loaded).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = meta or load_checkpoint_meta(ckpt_dir)
-    reader = _reader(ckpt_dir, meta)
+    reader = _reader(ckpt_dir, meta, counter, metadata)
     md = reader.read_metadata()
-    for k, v in state.items():
+    for k, v in list(state.items()):
         sm = md.state_dict_metadata.get(k)
         if sm is None:
             raise CheckpointError(f"{ckpt_dir}: has no entry '{k}' (saved by a different model or dlrmctl version?)")
-        if hasattr(v, "size") and callable(v.size) and getattr(sm, "size", None) is not None and tuple(sm.size) != tuple(v.size()):
+        if getattr(sm, "size", None) is None:
+            raise CheckpointError(f"{ckpt_dir}: entry '{k}' is a pickled object; dlrmctl does not unpickle checkpoint data")
+        if v is None:
+            state[k] = torch.empty(tuple(sm.size), dtype=sm.properties.dtype)
+        elif hasattr(v, "size") and callable(v.size) and tuple(sm.size) != tuple(v.size()):
             raise CheckpointError(
                 f"{ckpt_dir}: '{k}' was saved with shape {list(sm.size)}, the model has {list(v.size())}"
             )
@@ -616,6 +1087,11 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
     column split is unchanged, else the row's).  Rank ``r`` keeps the saving job's
     rank-``r`` RNG states (rank 0's for new ranks).
 
+    I/O: the new checkpoint's meta.json records, under ``resharded_from``, the source's size
+    (``bytes``, all files) and the bytes every rank read from it (``bytes_read``, summed, and
+    ``bytes_read_per_rank``): each rank reads ``.metadata`` once plus the rows of the saved chunks
+    its target blocks overlap, rounded out to whole checksum blocks (:data:`BLOCK_BYTES`).
+
     Args:
         plan: :class:`~dlrmctl.distributed.types.ShardingPlan` for ``world_size`` ranks;
             None: unsharded (every table whole, world size 1).
@@ -627,8 +1103,11 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
 
     from dlrmctl.distributed.types import ShardingType
 
+    from dlrmctl.distributed import comm
+
     meta = load_checkpoint_meta(src_ckpt)
-    md = read_metadata(src_ckpt, meta)
+    counter: dict[str, int] = {"bytes_read": 0}
+    md = read_metadata(src_ckpt, meta, counter)
     saved = md.state_dict_metadata
     tables: dict[str, list[int]] = meta["tables"]
 
@@ -691,14 +1170,19 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
             load[k] = save[k] = alloc(k) if getattr(m, "size", None) is not None else None
     src_rank = rank if rank < int(meta["world_size"]) else 0
     load[f"rank/{src_rank}"] = None
-    load_checkpoint(src_ckpt, load, process_group, world_size, meta)
+    load_checkpoint(src_ckpt, load, process_group, world_size, meta, counter, md)
+    read = [counter["bytes_read"]]
+    if world_size > 1:
+        read = comm.all_gather_object(counter["bytes_read"], process_group or comm.default_group())
     for k in list(save):
         if save[k] is None:
             save[k] = load[k]
     save[f"rank/{rank}"] = load[f"rank/{src_rank}"]
     extra = {k: v for k, v in meta.items() if k not in ("format", "step", "world_size", "files")}
     extra.update(plan=None if plan is None else plan.to_dict(),
-                 resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"]})
+                 resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"],
+                                 "bytes": sum(int(f["bytes"]) for f in meta["files"].values()),
+                                 "bytes_read": int(sum(read)), "bytes_read_per_rank": [int(b) for b in read]})
     return save_checkpoint(out_run, int(meta["step"]), save, rank, world_size, process_group, keep_last=0,
                            publish_latest=publish_latest,
                            extra_meta=extra, name=name)

@@ -965,7 +965,7 @@ def _param_names(model: Any, opt: torch.optim.Optimizer) -> list[str]:
 
 
 def _optimizer_entries(model: Any, opt: torch.optim.Optimizer, prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Replicated torch optimizer -> (``prefix/<param>/<key>`` tensors, pickled param_groups + scalars)."""
+    """Replicated torch optimizer -> (``prefix/<param>/<key>`` tensors, param_groups + scalars for :func:`ckpt.pack`)."""
     names = _param_names(model, opt)
     sd = opt.state_dict()
     tensors, scalars = {}, {}
@@ -1005,12 +1005,12 @@ def checkpoint_state(model: Any, dense_opt: torch.optim.Optimizer, emb_dense_opt
             if sc:
                 scalars[names.get(id(p), "?")] = sc
     state.update({
-        "meta/trainer": ckpt.pack(trainer),
-        "meta/fused_optimizer": ckpt.pack(fused),
-        "meta/dense_optimizer": ckpt.pack(opt_o),
-        "meta/embedding_dense_optimizer": ckpt.pack(emb_groups),
-        "meta/lr_schedule": ckpt.pack({"step": trainer["step"], "config": lr_schedule}),
-        f"rank/{rank}": ckpt.pack({"rng": ckpt.rng_state(), "embedding_dense_scalars": scalars}),
+        "meta/trainer": ckpt.pack(trainer, "meta/trainer"),
+        "meta/fused_optimizer": ckpt.pack(fused, "meta/fused_optimizer"),
+        "meta/dense_optimizer": ckpt.pack(opt_o, "meta/dense_optimizer"),
+        "meta/embedding_dense_optimizer": ckpt.pack(emb_groups, "meta/embedding_dense_optimizer"),
+        "meta/lr_schedule": ckpt.pack({"step": trainer["step"], "config": lr_schedule}, "meta/lr_schedule"),
+        f"rank/{rank}": ckpt.pack({"rng": ckpt.rng_state(), "embedding_dense_scalars": scalars}, f"rank/{rank}"),
     })
     return state
 
@@ -1069,9 +1069,9 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
     src_rank = rank if rank < int(meta["world_size"]) else 0
     objs = ["meta/trainer", "meta/fused_optimizer", "meta/dense_optimizer", "meta/embedding_dense_optimizer", f"rank/{src_rank}"]
     req.update({k: None for k in objs})
-    ckpt.load_checkpoint(path, req, process_group, world_size, meta)
+    ckpt.load_checkpoint(path, req, process_group, world_size, meta, metadata=md)
     finish()
-    fused = ckpt.unpack(req["meta/fused_optimizer"])
+    fused = ckpt.unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
     if fused_opt is not None:
         fused_opt.set_lr(float(fused["lr"]))
         for tbe, _ in getattr(fused_opt, "_tbes", []):
@@ -1081,7 +1081,7 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
             log.warning("checkpoint's embedding optimizer eps / weight_decay %s differ from the config's %s; using the config's",
                         (fused["eps"], fused["weight_decay"]), (fused_opt.spec.eps, fused_opt.spec.weight_decay))
     if dense_opt is not None:
-        o = ckpt.unpack(req["meta/dense_optimizer"])
+        o = ckpt.unpack(req["meta/dense_optimizer"], "meta/dense_optimizer")
         names = _param_names(model, dense_opt)
         idx = {n: i for i, n in enumerate(names)}
         unknown = sorted(set(opt_state) - set(idx))
@@ -1095,8 +1095,8 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
             dense_opt.load_state_dict({"state": st, "param_groups": o["param_groups"]})
         except (ValueError, KeyError) as e:
             raise ckpt.CheckpointError(f"{path}: dense optimizer state does not match the model: {e}") from e
-    groups = ckpt.unpack(req["meta/embedding_dense_optimizer"])
-    per_rank = ckpt.unpack(req[f"rank/{src_rank}"])
+    groups = ckpt.unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
+    per_rank = ckpt.unpack(req[f"rank/{src_rank}"], f"rank/{src_rank}")
     if emb_dense_opt is not None:
         for g, sg in zip(emb_dense_opt.param_groups, groups or []):
             # eps / weight_decay come from the config (as for the fused tables, see the warning above)
@@ -1110,7 +1110,7 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
                         st[k].fill_(v)
                     else:
                         st[k] = v
-    trainer = ckpt.unpack(req["meta/trainer"])
+    trainer = ckpt.unpack(req["meta/trainer"], "meta/trainer")
     if emb_dense_opt is not None and hasattr(emb_dense_opt, "set_step"):
         # the Adam family's bias-correction step is the global step: one optimizer step per trainer step
         emb_dense_opt.set_step(int(trainer["step"]))
@@ -1282,13 +1282,13 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     check_tables(cmeta, tables, path)
     req: dict[str, Any] = {}
     finish = None
+    md = ckpt.read_metadata(path, cmeta)
     if materialize:
         materialize_model(model, device)
-        md = ckpt.read_metadata(path, cmeta)
         req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard
     dense = dense_state_dict(model)
     req.update({f"dense/{k}": v for k, v in dense.items()})
-    ckpt.load_checkpoint(path, req, meta=cmeta)
+    ckpt.load_checkpoint(path, req, meta=cmeta, metadata=md)
     if finish is not None:
         finish()
     model.eval()
