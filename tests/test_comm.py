@@ -172,3 +172,54 @@ def test_qcomm_all_to_all_round_trips_within_bf16_and_fp16_precision():
         assert ((red_q - red_f).abs() <= bound).all()
         # backward: 1/3 rounded to bf16 and back
         assert torch.equal(grad_q, torch.full_like(grad_f, 1.0 / 3).to(torch.bfloat16).float())
+
+
+#: (rows, dim) of the replicated tables of the sparse-gradient test; "s" is densified
+_SPARSE_TABLES = {"a": (50, 8), "b": (40, 4), "c": (30, 8), "s": (10, 4)}
+
+
+def _sparse_grads(rank: int, step: int) -> dict:
+    """Rank ``rank``'s uncoalesced ``nn.EmbeddingBag``-like gradient per table at ``step``
+    (uneven id counts per rank and step; table "c" has none on rank 1 at step 0)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    out = {}
+    for name, (rows, dim) in _SPARSE_TABLES.items():
+        n = 0 if (name == "c" and rank == 1 and step == 0) else int(torch.randint(5, 40, (1,), generator=gen)) + 7 * step
+        ids = torch.randint(0, rows, (n,), generator=gen)
+        out[name] = torch.sparse_coo_tensor(ids[None], torch.randn(n, dim, generator=gen), (rows, dim))
+    return out
+
+
+def _sparse_sync_worker(env):
+    from dlrmctl.distributed.comm import sync_sparse_grads
+
+    params = {k: torch.nn.Parameter(torch.zeros(r, d)) for k, (r, d) in _SPARSE_TABLES.items()}
+    ws, workspace, report = env.world_size, {}, []
+    for step in range(3):  # the workspace buffers are reused, grown and shrunk
+        mine = _sparse_grads(env.rank, step)
+        for k, p in params.items():
+            p.grad = None if mine[k]._nnz() == 0 else mine[k]
+        # "s" (160 B) densified; 3 rows of dim 8 per gather piece: several pieces, the last one partial
+        sync_sparse_grads(list(params.values()), env.pg, dense_max_bytes=200, workspace=workspace, chunk_bytes=96)
+        for k, p in params.items():
+            ref = sum(_sparse_grads(r, step)[k].to_dense() for r in range(ws))
+            g = p.grad
+            if k == "s":
+                ok = not g.is_sparse and torch.allclose(g, ref, atol=1e-6)
+            else:
+                touched = torch.nonzero(ref.ne(0).any(1) | torch.zeros(ref.shape[0], dtype=torch.bool).index_fill_(
+                    0, torch.cat([_sparse_grads(r, step)[k]._indices()[0] for r in range(ws)]), True)).reshape(-1)
+                ok = (g.is_sparse and g.is_coalesced() and torch.equal(g._indices()[0], touched)
+                      and torch.allclose(g.to_dense(), ref, atol=1e-6))
+            report.append((step, k, bool(ok)))
+    return report
+
+
+def test_sparse_grad_sync_sums_rows_over_ranks_in_pieces_and_groups():
+    """``sync_sparse_grads`` on 2 and 3 gloo ranks: tables of two dims (two gather groups), cut in
+    pieces of 3 and 6 rows, a rank without a gradient, three steps on one workspace — each table's
+    gradient is the coalesced sum of every rank's rows (the densified one: the dense sum)."""
+    for ws in (2, 3):
+        for report in run_multiprocess(_sparse_sync_worker, ws, timeout_s=180):
+            bad = [(s, k) for s, k, ok in report if not ok]
+            assert not bad, f"{ws} ranks: wrong gradient at (step, table) {bad}"

@@ -311,6 +311,8 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         #: touch the rows looked up).  0 by default for the Adam family: a densified gradient would
         #: drop a looked-up row whose summed gradient is zero, which Adam still updates
         self.dense_grad_max_bytes = 0 if self._spec.type in ADAM_FAMILY else DENSE_GRAD_MAX_BYTES
+        #: send / receive buffers of the data_parallel row all-gather, reused between steps
+        self._grad_sync_workspace: dict = {}
         #: bytes this rank sent in its last input_dist: (size exchange, data)
         self.input_dist_bytes: tuple[int, int] = (0, 0)
 
@@ -484,7 +486,8 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         """SUM the data_parallel tables' sparse gradients over ranks (after backward); tables up
         to :attr:`dense_grad_max_bytes` are densified and all-reduced (see ``sync_sparse_grads``)."""
         if self.env.is_distributed:
-            sync_sparse_grads(self.replicated_parameters(), self.env.pg, self.dense_grad_max_bytes)
+            sync_sparse_grads(self.replicated_parameters(), self.env.pg, self.dense_grad_max_bytes,
+                              workspace=self._grad_sync_workspace)
 
     def local_shards(
         self, dense_optimizer: torch.optim.Optimizer | None = None

@@ -71,7 +71,9 @@ A dense-kernel shard of the other types adds an unfused optimizer pass to its
 backward: ``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read +
 write the rows; our estimate, TorchRec only halves the kernel bandwidth).
 
-Not modelled: per-id weights of weighted features (they travel with the ids and add
+Not modelled: the size of a collective (gloo moves one large buffer far slower than
+the same bytes in pieces; ``comm.sync_sparse_grads`` gathers in ``GLOO_GATHER_CHUNK_BYTES``
+pieces), per-id weights of weighted features (they travel with the ids and add
 ``B*P*I`` input bytes), the tiny size exchange all-to-all (its latency is in
 :func:`step_latency`), and the source-side sum / copy of received blocks.
 """
