@@ -97,10 +97,21 @@ class ModelConfig:
     fp32); pooled outputs, optimizer state and optimizer math stay fp32.  fp16 tables
     train with ``exact_rowwise_adagrad`` / ``exact_adagrad`` / ``exact_sgd`` (the optimizers
     FBGEMM's CPU TBE runs on fp16 weights).
+
+    ``embedding_dim: auto`` sizes each table derived from the data by its rows ``n``
+    (:func:`auto_embedding_dim`: ``k * n ** 0.25`` with ``k = embedding_dim_factor``, rounded up
+    to a multiple of 4, capped at ``dense_arch_layer_sizes[-1]``); every interaction needs
+    vectors of one width ``d = dense_arch_layer_sizes[-1]``, so a table narrower than ``d`` is
+    followed by a learned linear projection to ``d`` (as in mixed-dimension embeddings,
+    Ginart et al. 2021).  ``dropout``: probability of zeroing each hidden activation of the
+    dense (bottom) and over (top) MLPs during training (after every ReLU that feeds
+    another layer; none on the embeddings or the logit); evaluation and export run without it.
     """
 
     arch: Literal["dlrm"] = "dlrm"
-    embedding_dim: int = 16
+    embedding_dim: int | Literal["auto"] = 16
+    embedding_dim_factor: float = 6.0
+    dropout: float = 0.0
     tables: list[TableConfig] = field(default_factory=list)
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 1])
@@ -191,6 +202,10 @@ class TrainConfig:
     ``keep_best``: keep the checkpoint of the best validation ``auc`` (highest) or ``ne``
     (lowest) as ``checkpoints/BEST`` (saved when an evaluation improves on it, never pruned);
     ``none``: only the newest ``keep_last_checkpoints``.
+    ``early_stopping_patience`` (0: off): stop training once this many evaluations in a row
+    (``eval_every`` steps and epoch ends) have not improved on the best ``keep_best`` metric;
+    the best checkpoint is kept, the run ends with a checkpoint of its last step.  Needs
+    ``keep_best`` ``auc`` or ``ne``.
     ``progress``: rank 0 shows progress (a bar on a terminal; without one, a line every
     ``progress_every_s`` seconds with step, samples/s and the latest loss read).
     ``precision``: the dense arch, interaction and over arch run under ``torch.autocast``
@@ -206,6 +221,7 @@ class TrainConfig:
     keep_last_checkpoints: int = 2
     keep_best: Literal["auc", "ne", "none"] = "auc"
     log_every: int = 50
+    early_stopping_patience: int = 0
     seed: int = 0
     run_dir: str = "runs"
     pipeline: Literal["none", "base", "sparse_dist"] = "sparse_dist"
@@ -524,7 +540,17 @@ def validate(cfg: ExperimentConfig) -> None:
     pos(cfg.data.batch_size, "data.batch_size")
     pos(cfg.data.eval_batch_size, "data.eval_batch_size")
     pos(cfg.data.num_samples, "data.num_samples")
-    pos(cfg.model.embedding_dim, "model.embedding_dim")
+    if cfg.model.embedding_dim != "auto":
+        pos(cfg.model.embedding_dim, "model.embedding_dim")
+    if not (math.isfinite(cfg.model.embedding_dim_factor) and cfg.model.embedding_dim_factor > 0):
+        raise ConfigError(f"model.embedding_dim_factor: must be a finite number > 0, got {cfg.model.embedding_dim_factor}")
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise ConfigError(f"model.dropout: must be in [0, 1) (the probability of zeroing an activation), "
+                          f"got {cfg.model.dropout}")
+    pos(cfg.train.early_stopping_patience, "train.early_stopping_patience", allow_zero=True)
+    if cfg.train.early_stopping_patience and cfg.train.keep_best == "none":
+        raise ConfigError("train.early_stopping_patience: stops on the keep_best metric, but train.keep_best is "
+                          "'none'; set train.keep_best to auc or ne")
     pos(cfg.train.epochs, "train.epochs")
     pos(cfg.train.max_steps, "train.max_steps")
     pos(cfg.train.eval_every, "train.eval_every", allow_zero=True)
@@ -576,7 +602,13 @@ def validate(cfg: ExperimentConfig) -> None:
                 )
     # every interaction stacks [dense, e_1..e_F] as F+1 vectors of one width d
     it = cfg.model.interaction
-    dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
+    if cfg.model.embedding_dim == "auto":
+        if cfg.model.tables:
+            raise ConfigError("model.embedding_dim: auto sizes the tables derived from the data; with model.tables "
+                              "give each table's embedding_dim instead")
+        dims = {cfg.model.dense_arch_layer_sizes[-1]}  # narrower tables are projected to d
+    else:
+        dims = {t.embedding_dim or cfg.model.embedding_dim for t in cfg.model.tables} or {cfg.model.embedding_dim}
     if len(dims) != 1:
         raise ConfigError(f"model.tables: the {it} interaction needs one embedding dim for all tables, got {sorted(dims)}")
     (d,) = dims
@@ -671,6 +703,31 @@ def read_data_meta(cfg: ExperimentConfig) -> dict | None:
         raise ConfigError(f"{p}: cannot read data meta: {e}") from e
 
 
+def auto_embedding_dim(num_embeddings: int, factor: float, max_dim: int) -> int:
+    """``model.embedding_dim: auto``: the width of a table of ``num_embeddings`` rows.
+
+    ``min(max_dim, 4 * ceil(factor * num_embeddings ** 0.25 / 4))``: the fourth-root rule of
+    thumb for embedding widths (Google's TensorFlow feature-column guidance, "Introducing
+    TensorFlow Feature Columns", Google Developers Blog, Nov 2017: ``embedding_dimensions =
+    number_of_categories ** 0.25``, i.e. ``factor`` 1; the default ``factor`` 6 is the widely
+    quoted ``6 * n ** 0.25`` variant, a tunable constant), rounded up to a multiple of 4 (FBGEMM's
+    int8 TBE needs it for ``dlrmctl export --int8``) and capped at ``max_dim``
+    (``dense_arch_layer_sizes[-1]``, the width every table is projected to).  Mixed-dimension
+    embeddings (Ginart et al., "Mixed Dimension Embeddings with Application to Memory-Efficient
+    Recommendation Systems", ISIT 2021, arXiv:1909.11810) motivate smaller widths for rarer /
+    smaller features with a projection to a common width.
+
+    Examples (factor 6): 5 rows -> 12, 100 -> 20, 685 -> 32, 10**6 -> 192 (before the cap).
+
+    Raises:
+        ConfigError: ``num_embeddings`` < 1, ``factor`` <= 0 or ``max_dim`` < 1.
+    """
+    if num_embeddings < 1 or not factor > 0 or max_dim < 1:
+        raise ConfigError(f"model.embedding_dim auto: needs num_embeddings >= 1, embedding_dim_factor > 0 and "
+                          f"dense_arch_layer_sizes[-1] >= 1, got {num_embeddings}, {factor}, {max_dim}")
+    return int(min(max_dim, 4 * math.ceil(factor * num_embeddings ** 0.25 / 4)))
+
+
 def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
     """Turn ``model.tables`` (+ the data's meta.json) into EmbeddingBagConfigs.
 
@@ -702,8 +759,11 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
                 "does not exist: run `dlrmctl preprocess` first or list model.tables"
             )
         for f in meta["sparse_features"]:
-            out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=int(f["num_embeddings"]),
-                                          embedding_dim=cfg.model.embedding_dim, feature_names=[f["name"]],
+            rows = int(f["num_embeddings"])
+            dim = (auto_embedding_dim(rows, cfg.model.embedding_dim_factor, cfg.model.dense_arch_layer_sizes[-1])
+                   if cfg.model.embedding_dim == "auto" else cfg.model.embedding_dim)
+            out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=rows,
+                                          embedding_dim=dim, feature_names=[f["name"]],
                                           data_type=data_type))
         return out
     for i, t in enumerate(cfg.model.tables):

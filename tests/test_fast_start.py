@@ -31,7 +31,7 @@ def _run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("args", [
     ["--help"],
     ["train", "--help"], ["evaluate", "--help"], ["plan", "--help"], ["export", "--help"], ["predict", "--help"],
-    ["report", "--help"], ["launch", "--help"], ["checkpoint", "reshard", "--help"],
+    ["report", "--help"], ["launch", "--help"], ["sweep", "--help"], ["checkpoint", "reshard", "--help"],
     ["preprocess", "criteo", "--help"], ["preprocess", "movielens", "--help"],
 ])
 def test_help_does_not_import_torch(args):

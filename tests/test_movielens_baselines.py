@@ -9,6 +9,8 @@ import pathlib
 import numpy as np
 import pytest
 
+pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip install -e '.[test]'")
+
 from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -38,14 +40,18 @@ def test_auc_matches_pairwise_count_with_ties():
     assert np.isnan(_script().auc(np.ones(3), np.arange(3.0)))
 
 
-def test_baselines_print_both_aucs(tmp_path, capsys):
+def test_baselines_print_prior_popularity_and_lr_on_val_and_test(tmp_path, capsys):
     out = tmp_path / "ml"
     preprocess_movielens(make_ml100k(tmp_path / "in"), out, MovieLensOptions(val_ratio=0.2, test_ratio=0.2))
-    _script().main([str(out), "--epochs", "2", "--batch-size", "4"])
+    res = _script().main([str(out), "--C", "0.1,1"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("item popularity      AUC ") and lines[1].startswith("logistic regression  AUC ")
-    aucs = [float(line.split("AUC ")[1].split()[0]) for line in lines[:2]]
-    assert all(0.0 <= v <= 1.0 for v in aucs)
+    assert [ln[:20].strip() + " " + ln[20:].split()[0] for ln in lines] == [
+        "CTR prior val", "CTR prior test", "item popularity val", "item popularity test",
+        "logistic regression val", "logistic regression test"]
+    assert res["C"] in (0.1, 1.0) and res["prior"]["test"]["auc"] == 0.5
+    for s in ("val", "test"):
+        m = res["logistic_regression"][s]
+        assert 0.0 <= m["auc"] <= 1.0 and m["logloss"] > 0
     # val rows: user 1 / movie 40 (5 stars), users 2 and 3 / movie 40 (1 and 2 stars): one item,
     # so popularity cannot rank them: AUC exactly 0.5
-    assert aucs[0] == 0.5 and "(3 val rows)" in lines[0]
+    assert res["item_popularity"]["val"] == 0.5 and "(3 rows)" in lines[2]

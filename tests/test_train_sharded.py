@@ -24,7 +24,9 @@ def criteo_sample(tmp_path_factory):
 
 def _overrides(data, run_dir, name, sharding_type=None):
     ov = [f"data.path={data}", f"train.run_dir={run_dir}", f"name={name}", "train.progress=false",
-          "train.eval_every=0"]
+          "train.eval_every=0",
+          # parity with one process needs no dropout (each rank draws its own masks); one epoch as before
+          "model.dropout=0", "train.epochs=1", "train.early_stopping_patience=0"]
     if sharding_type:
         ov.append("sharding.tables={" + ", ".join(f"t_C{i}: {{sharding_type: {sharding_type}}}" for i in range(1, 27)) + "}")
     return ov

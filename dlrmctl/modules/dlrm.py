@@ -28,12 +28,24 @@ class MLP(nn.Module):
         layer_sizes: output width of each layer.
         final_activation: apply ReLU after the last layer too (DenseArch: yes;
             OverArch: no, its last layer emits logits).
+        dropout: in training mode, zero each activation after every ReLU that feeds another
+            layer with this probability and scale the rest by ``1 / (1 - dropout)``
+            (``torch.nn.functional.dropout``); nothing in eval mode, nothing after the last layer.
+            Applied in :meth:`forward`, so the parameter names (``model.<i>.weight``) do not
+            depend on it.
 
     Forward: ``[B, in_features]`` float32 -> ``[B, layer_sizes[-1]]``.
+
+    Raises:
+        ValueError: ``dropout`` outside ``[0, 1)``.
     """
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int], final_activation: bool = True) -> None:
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], final_activation: bool = True,
+                 dropout: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"MLP dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
         layers: list[nn.Module] = []
         prev = in_features
         for i, n in enumerate(layer_sizes):
@@ -50,17 +62,25 @@ class MLP(nn.Module):
             prev = n
         self.model = nn.Sequential(*layers)
         self.out_features = prev
+        # indices in self.model of the ReLUs that feed another Linear (dropout goes after them)
+        self._drop_after = [i for i, m in enumerate(layers) if isinstance(m, nn.ReLU) and i < len(layers) - 1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
+        if not (self.training and self.dropout > 0.0):
+            return self.model(x)
+        for i, layer in enumerate(self.model):
+            x = layer(x)
+            if i in self._drop_after:
+                x = torch.nn.functional.dropout(x, self.dropout, training=True)
+        return x
 
 
 class DenseArch(nn.Module):
-    """MLP over the dense features: ``[B, D_in] -> [B, layer_sizes[-1]]``."""
+    """MLP over the dense features: ``[B, D_in] -> [B, layer_sizes[-1]]`` (``dropout``: see :class:`MLP`)."""
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], dropout: float = 0.0) -> None:
         super().__init__()
-        self.model = MLP(in_features, layer_sizes, final_activation=True)
+        self.model = MLP(in_features, layer_sizes, final_activation=True, dropout=dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -134,11 +154,12 @@ class InteractionArch(nn.Module):
 
 
 class OverArch(nn.Module):
-    """MLP on the interaction output; last layer linear: ``[B, in] -> [B, layer_sizes[-1]]``."""
+    """MLP on the interaction output; last layer linear: ``[B, in] -> [B, layer_sizes[-1]]``
+    (``dropout``: see :class:`MLP`)."""
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int]) -> None:
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], dropout: float = 0.0) -> None:
         super().__init__()
-        self.model = MLP(in_features, layer_sizes, final_activation=False)
+        self.model = MLP(in_features, layer_sizes, final_activation=False, dropout=dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
@@ -158,6 +179,7 @@ class DLRM(nn.Module):
         embedding_dim: ``d``.
         interaction: ``dot`` | a module with ``forward(dense, KeyedTensor) -> [B, out]``
             and ``output_dim(d)``.
+        dropout: of the dense and over arch hidden activations in training (:class:`MLP`).
 
     Forward: ``dense_features [B, D_in]`` float32, ``sparse_features`` KJT ->
     logits ``[B, 1]`` float32.
@@ -172,12 +194,14 @@ class DLRM(nn.Module):
         num_sparse_features: int,
         embedding_dim: int,
         interaction: nn.Module | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes)
+        self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, dropout=dropout)
         self.inter_arch = interaction if interaction is not None else InteractionArch(num_sparse_features)
-        self.over_arch = OverArch(self.inter_arch.output_dim(dense_arch_layer_sizes[-1]), over_arch_layer_sizes)
+        self.over_arch = OverArch(self.inter_arch.output_dim(dense_arch_layer_sizes[-1]), over_arch_layer_sizes,
+                                  dropout=dropout)
 
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
         """Everything after the embedding lookup: ``-> logits [B, 1]``."""
@@ -186,3 +210,61 @@ class DLRM(nn.Module):
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         return self.dense_forward(dense_features, self.sparse_arch(sparse_features))
+
+
+class ProjectedInteraction(nn.Module):
+    """Mixed-dimension embeddings in front of an interaction: each pooled embedding narrower
+    than ``d`` goes through its own bias-free ``Linear(dim_f, d)`` (Ginart et al., "Mixed
+    Dimension Embeddings with Application to Memory-Efficient Recommendation Systems",
+    ISIT 2021, arXiv:1909.11810: a per-table projection to the common base dimension), then
+    the wrapped interaction sees ``F`` vectors of width ``d`` as usual.
+
+    Args:
+        interaction: the ``d``-wide interaction (dot / dcn / projection).
+        keys: the pooled embeddings' names, in KeyedTensor order (``F``).
+        dims: their widths ``[F]``; each ``<= d``; those equal to ``d`` pass unchanged.
+        d: the common width (``dense_arch_layer_sizes[-1]``).
+
+    Forward: ``dense [B, d]``, KeyedTensor ``[B, sum(dims)]`` -> the interaction's output.
+    Projections are initialised like the MLP layers (``N(0, sqrt(2 / (dim_f + d)))``).
+
+    Raises:
+        ValueError: ``keys`` and ``dims`` differ in length, or a width > ``d`` (construction);
+            the KeyedTensor's keys are not ``keys`` (forward).
+    """
+
+    def __init__(self, interaction: nn.Module, keys: Sequence[str], dims: Sequence[int], d: int) -> None:
+        super().__init__()
+        if len(keys) != len(dims):
+            raise ValueError(f"ProjectedInteraction: {len(keys)} keys but {len(dims)} dims")
+        wide = [(k, w) for k, w in zip(keys, dims) if w > d]
+        if wide:
+            raise ValueError(f"ProjectedInteraction: embeddings {wide} are wider than the common width {d}")
+        self.inner = interaction
+        self.d = d
+        self._keys = list(keys)
+        self._dims = [int(w) for w in dims]
+        self.projections = nn.ModuleList()
+        self._proj_index: list[int] = []  # per key: index into projections, -1 = unchanged
+        for w in self._dims:
+            if w == d:
+                self._proj_index.append(-1)
+                continue
+            lin = nn.Linear(w, d, bias=False)
+            nn.init.normal_(lin.weight, 0.0, (2.0 / (w + d)) ** 0.5)
+            self._proj_index.append(len(self.projections))
+            self.projections.append(lin)
+
+    def output_dim(self, d: int) -> int:
+        return self.inner.output_dim(d)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedTensor) -> torch.Tensor:
+        if sparse_features.keys() != self._keys:
+            raise ValueError(f"ProjectedInteraction: pooled embeddings {sparse_features.keys()}, expected {self._keys}")
+        parts = torch.split(sparse_features.values(), self._dims, dim=1)
+        out = []
+        for j, x in enumerate(parts):
+            k = self._proj_index[j]
+            out.append(x if k < 0 else self.projections[k](x))
+        projected = KeyedTensor(self._keys, [self.d] * len(self._keys), torch.cat(out, dim=1))
+        return self.inner(dense_features, projected)

@@ -58,12 +58,20 @@ def build_model(
     Initialisation is deterministic in ``train.seed`` (MLPs via
     ``torch.manual_seed``; tables via :func:`~dlrmctl.modules.embedding_modules.init_table_rows`).
 
+    ``model.embedding_dim: auto`` (tables of several widths, each <= ``d =
+    dense_arch_layer_sizes[-1]``): the interaction is wrapped in a
+    :class:`~dlrmctl.modules.dlrm.ProjectedInteraction` (one linear projection per narrower
+    pooled embedding); ``model.dropout`` goes to the dense and over arch MLPs.
+
     Raises:
-        ValueError: the dot interaction with tables of different dims.
+        ValueError: the dot interaction with tables of different dims (not ``auto``).
     """
     dims = {t.embedding_dim for t in tables}
     d = cfg.model.dense_arch_layer_sizes[-1]
-    if cfg.model.interaction == "dot" and dims != {d}:
+    auto = cfg.model.embedding_dim == "auto"
+    if auto and max(dims, default=d) > d:
+        raise ValueError(f"embedding_dim auto: table widths {sorted(dims)} exceed dense_arch_layer_sizes[-1] ({d})")
+    if cfg.model.interaction == "dot" and dims != {d} and not auto:
         raise ValueError(
             f"dot interaction needs every table's embedding_dim == dense_arch_layer_sizes[-1] ({d}); got {sorted(dims)}"
         )
@@ -88,6 +96,16 @@ def build_model(
     # two tables enters twice (feature@table)
     num_features = len(ebc.embedding_names())
     torch.manual_seed(cfg.train.seed)
+    interaction = build_interaction(cfg, num_features, d)
+    if auto:
+        from dlrmctl.modules.dlrm import ProjectedInteraction
+        from dlrmctl.modules.embedding_modules import embedding_names_by_table
+
+        # pooled embeddings in KeyedTensor order: each table's lookups, in table order
+        names_by_table = embedding_names_by_table(tables)
+        keys = [n for names in names_by_table for n in names]
+        widths = [t.embedding_dim for t, names in zip(tables, names_by_table) for _ in names]
+        interaction = ProjectedInteraction(interaction, keys, widths, d)
     model = DLRM(
         ebc,
         dense_in_features=num_dense_features,
@@ -95,7 +113,8 @@ def build_model(
         over_arch_layer_sizes=cfg.model.over_arch_layer_sizes,
         num_sparse_features=num_features,
         embedding_dim=d,
-        interaction=build_interaction(cfg, num_features, d),
+        interaction=interaction,
+        dropout=cfg.model.dropout,
     )
     # MLPs live on `device`; the EBC already does.  On meta the dense part stays on the CPU
     # (materialize_model moves it).
@@ -126,3 +145,4 @@ def materialize_model(model: DLRM, device: torch.device | str) -> DLRM:
     sa.materialize(device)
     _dense_parts_to(model, device)
     return model
+

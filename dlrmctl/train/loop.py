@@ -184,6 +184,7 @@ class Trainer:
         self._batches_done = 0
         self.best: dict[str, float] | None = None
         self._improved = False  # the latest evaluation is a new best (train.keep_best)
+        self._evals_since_best = 0  # evaluations in a row without a new best (train.early_stopping_patience)
         self._last_eval: dict[str, Any] | None = None
         self._saved_step = -1
         self._resume_from = checkpoint
@@ -431,6 +432,7 @@ class Trainer:
             self.model, self.dense_opt, self.emb_dense_opt, self.fused_opt, self.env.rank,
             # batches trained this epoch (the loader may have prefetched further)
             trainer={"step": self.step, "epoch": self.epoch, "best": self.best,
+                     "evals_since_best": self._evals_since_best,
                      "data": {"epoch": self.epoch, "batches_yielded": self._batches_done}},
             lr_schedule=to_dict(self.cfg.optimizer.lr_schedule),
         )
@@ -487,6 +489,7 @@ class Trainer:
         tr = saved["trainer"]
         self.train_loader.load_state_dict(tr["data"])
         self.step, self.epoch, self.best = tr["step"], tr["epoch"], tr["best"]
+        self._evals_since_best = int(tr.get("evals_since_best", 0))  # absent in checkpoints before early stopping
         self._batches_done = int(tr["data"]["batches_yielded"])
         log.info("resumed from %s (step %d, saved by %d rank(s))", path, self.step, saved["world_size"])
 
@@ -511,8 +514,11 @@ class Trainer:
         if (self.best is None and _defined(m, kb)) or (self.best is not None and _better(m, self.best, kb)):
             self.best = dict(m, step=self.step)
             self._improved = True
-        elif self.best is None:  # an undefined score (NaN, one class) is reported but never kept as best
-            self.best = dict(m, step=self.step)
+            self._evals_since_best = 0
+        else:
+            self._evals_since_best += 1
+            if self.best is None:  # an undefined score (NaN, one class) is reported but never kept as best
+                self.best = dict(m, step=self.step)
         self._last_eval = dict(_jsonable(m), step=self.step, split=self.cfg.data.val_split)
         self._log_metrics({"kind": "eval", "split": self.cfg.data.val_split, "step": self.step,
                            "epoch": self.epoch_number(), **m})
@@ -522,6 +528,12 @@ class Trainer:
                 f"NE {m['ne']:.4f}  calibration {m['calibration']:.3f}  accuracy {m['accuracy']:.4f}  (n={m['num_samples']})"
             )
         return m
+
+    def should_stop(self) -> bool:
+        """``train.early_stopping_patience`` evaluations in a row did not improve on the best
+        ``train.keep_best`` metric (the same answer on every rank: the metrics are broadcast)."""
+        p = self.cfg.train.early_stopping_patience
+        return bool(p) and self._evals_since_best >= p
 
     def epoch_number(self) -> int:
         """The epoch the latest step belongs to, numbered from 1 as everywhere the user sees epochs
@@ -538,7 +550,9 @@ class Trainer:
         t_start = time.perf_counter()
         sparse_dist = self.model.sparse_input_dist if self.env.sharded else None
         pipe = make_pipeline(cfg.pipeline, self.device, self._run_step, sparse_dist)
-        while self.epoch < cfg.epochs and (cfg.max_steps is None or self.step < cfg.max_steps):
+        stopped = self.should_stop()  # resuming a run that stopped early: nothing more to train
+        while (not stopped and self.epoch < cfg.epochs
+               and (cfg.max_steps is None or self.step < cfg.max_steps)):
             if self.train_loader.epoch != self.epoch:
                 self.train_loader.set_epoch(self.epoch)
             n = self._agreed_num_batches(len(self.train_loader))
@@ -578,13 +592,16 @@ class Trainer:
                     final = self._eval_and_log("eval")
                     last_eval_step = self.step
                 self._checkpoint(bool(cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0))
+                if eval_due and self.should_stop():
+                    stopped = True
+                    break
             progress.close()
             sh = pipe.stats.shares()
             if self.env.is_main and pipe.stats.steps:
                 echo(f"epoch {self.epoch + 1}/{cfg.epochs}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
                      f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
                      f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time")
-            if self._batches_done < n:  # stopped by max_steps mid-epoch
+            if self._batches_done < n:  # stopped by max_steps (or early stopping) mid-epoch
                 break
             self.epoch += 1
             self._batches_done = 0
@@ -593,11 +610,18 @@ class Trainer:
                 final = self._eval_and_log(f"epoch {self.epoch}")
                 last_eval_step = self.step
                 self._checkpoint(False)
+                stopped = self.should_stop()
+        if stopped and self.env.is_main:
+            kb = self.cfg.train.keep_best
+            echo(f"early stopping at step {self.step}: {self._evals_since_best} evaluation(s) without a better "
+                 f"{self.cfg.data.val_split} {kb.upper()} than step {self.best['step']} "
+                 f"(train.early_stopping_patience {cfg.early_stopping_patience})")
         if self.step != last_eval_step or final is None:
             final = self._eval_and_log("final")
         self._checkpoint(True)
         elapsed = time.perf_counter() - t_start
-        summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed}
+        summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed,
+                   "early_stopped": stopped}
         if self.env.is_main:
             with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
                 json.dump({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, f, indent=1)

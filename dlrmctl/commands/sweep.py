@@ -1,0 +1,235 @@
+"""``dlrmctl sweep CONFIG --grid key=v1,v2 ...``: train every point of a grid, rank them on validation.
+
+Each point is one ``dlrmctl train CONFIG --set key=value ...`` in its own process (a fresh
+interpreter: no state leaks between points) with its own run directory
+``<train.run_dir>/<name>/<point>``; its console output goes to ``<train.run_dir>/<name>/logs/<point>.log``.
+The points run one after another, or ``--jobs N`` at a time (each then gets
+``max(1, CPUs // N)`` OpenMP threads unless ``OMP_NUM_THREADS`` is set).
+
+The summary reads each run's ``summary.json`` (its best validation evaluation, the one
+``train.keep_best`` keeps) and is written as ``sweep.csv`` and ``sweep.md`` next to the
+points, sorted best first by the ``keep_best`` metric (``auc`` descending, ``ne``
+ascending).  Nothing here reads the test split: choose on val, then run
+``dlrmctl evaluate <point> --split test`` once for the chosen point.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Optional
+
+import typer
+
+from dlrmctl.commands._common import echo, fail, show_path
+
+#: metrics of the best validation evaluation copied into the summary, in column order
+SUMMARY_METRICS = ("auc", "logloss", "ne", "calibration")
+
+
+def split_values(text: str) -> list[str]:
+    """``"1,2,[64, 32]"`` -> ``["1", "2", "[64, 32]"]``: commas inside ``[]`` / ``{}`` do not split.
+
+    Raises:
+        ValueError: unbalanced brackets or an empty value.
+    """
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced brackets in {text!r}")
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise ValueError(f"unbalanced brackets in {text!r}")
+    out.append("".join(cur).strip())
+    if any(v == "" for v in out):
+        raise ValueError(f"empty value in {text!r}")
+    return out
+
+
+def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
+    """``["model.dropout=0,0.1", ...]`` -> ``[("model.dropout", ["0", "0.1"]), ...]``.
+
+    Raises:
+        ValueError: no ``=``, an empty key, a key given twice, or bad values (names the entry).
+    """
+    out: list[tuple[str, list[str]]] = []
+    for g in grid:
+        key, eq, vals = g.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--grid {g!r}: expected KEY=V1,V2,..., e.g. model.dropout=0,0.1")
+        if key in (k for k, _ in out):
+            raise ValueError(f"--grid {key}: given twice")
+        try:
+            out.append((key, split_values(vals)))
+        except ValueError as e:
+            raise ValueError(f"--grid {key}: {e}") from None
+    return out
+
+
+def point_name(index: int, assignment: list[tuple[str, str]]) -> str:
+    """Directory name of a grid point: ``p<index>-<last key part>=<value>-...`` (characters other
+    than letters, digits, ``.``, ``=``, ``_`` and ``-`` become ``_``; at most 120 characters)."""
+    parts = [f"{k.split('.')[-1]}={v}" for k, v in assignment]
+    slug = re.sub(r"[^A-Za-z0-9.=_-]+", "_", "-".join(parts))
+    return f"p{index:03d}-{slug}"[:120]
+
+
+def grid_points(grid: list[tuple[str, list[str]]]) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Cartesian product of the grid, first key slowest: ``[(point name, [(key, value), ...]), ...]``."""
+    keys = [k for k, _ in grid]
+    points = []
+    for i, values in enumerate(itertools.product(*(v for _, v in grid))):
+        a = list(zip(keys, values))
+        points.append((point_name(i, a), a))
+    return points
+
+
+def read_point(run_dir: str) -> dict | None:
+    """The best validation evaluation of a finished run (``summary.json``), or None if absent."""
+    p = os.path.join(run_dir, "summary.json")
+    try:
+        with open(p) as f:
+            s = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    best = s.get("best") or {}
+    return {**{m: best.get(m) for m in SUMMARY_METRICS}, "best_step": best.get("step"), "steps": s.get("steps"),
+            "early_stopped": bool(s.get("early_stopped", False)), "train_seconds": s.get("train_seconds")}
+
+
+def rank_rows(rows: list[dict], metric: str) -> list[dict]:
+    """Rows sorted best first on ``metric`` (``auc``: highest; ``ne`` / ``logloss``: lowest);
+    rows without the metric (failed points) last, in grid order."""
+    ok = [r for r in rows if isinstance(r.get(metric), (int, float))]
+    bad = [r for r in rows if not isinstance(r.get(metric), (int, float))]
+    ok.sort(key=lambda r: -r[metric] if metric == "auc" else r[metric])
+    return ok + bad
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4f}" if abs(v) < 1000 else f"{v:.1f}"
+    return "" if v is None else str(v)
+
+
+def write_summary(sweep_dir: str, rows: list[dict], keys: list[str], metric: str) -> tuple[str, str]:
+    """``sweep.csv`` and ``sweep.md`` in ``sweep_dir`` (each written to a temp file and renamed).
+
+    Columns: rank, point, one per grid key, ``val_<metric>`` for :data:`SUMMARY_METRICS`,
+    best_step, steps, early_stopped, train_seconds, status.  Returns the markdown table.
+    """
+    cols = ["rank", "point", *keys, *(f"val_{m}" for m in SUMMARY_METRICS), "best_step", "steps", "early_stopped",
+            "train_seconds", "status"]
+    table = [[i + 1, r["point"], *(r["values"][k] for k in keys), *(r.get(m) for m in SUMMARY_METRICS),
+              r.get("best_step"), r.get("steps"), r.get("early_stopped"), r.get("train_seconds"), r["status"]]
+             for i, r in enumerate(rows)]
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(cols)
+    w.writerows([[("" if v is None else v) for v in row] for row in table])
+    md = [f"Sorted by val {metric} ({'highest' if metric == 'auc' else 'lowest'} first); test split not used.", "",
+          "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in table]
+    md_text = "\n".join(md) + "\n"
+    for name, text in (("sweep.csv", buf.getvalue()), ("sweep.md", md_text)):
+        tmp = os.path.join(sweep_dir, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(sweep_dir, name))
+    return os.path.join(sweep_dir, "sweep.csv"), md_text
+
+
+def sweep(
+    config: str = typer.Argument(..., help="experiment YAML (configs/*.yaml)"),
+    grid: List[str] = typer.Option(..., "--grid", help="KEY=V1,V2,...: values of one config key (repeatable; "
+                                                         "the grid is their product), e.g. --grid model.dropout=0,0.1"),
+    set_: List[str] = typer.Option([], "--set", help="override a config key for every point"),
+    jobs: int = typer.Option(1, "--jobs", help="points trained at once"),
+    name: Optional[str] = typer.Option(None, "--name", help="sweep directory under train.run_dir (default: the "
+                                                             "config's name)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace the points' existing run directories"),
+) -> None:
+    """Train every point of a --grid of config values; rank the points on validation (never test)."""
+    from dlrmctl.config import ConfigError, load_config
+
+    if jobs < 1:
+        fail(f"--jobs: must be >= 1, got {jobs}")
+    try:
+        parsed = parse_grid(grid)
+        base = load_config(config, set_)
+    except (ValueError, ConfigError) as e:
+        fail(str(e))
+    metric = base.train.keep_best if base.train.keep_best != "none" else "auc"
+    sweep_name = name or base.name
+    sweep_dir = os.path.join(base.train.run_dir, sweep_name)
+    points = grid_points(parsed)
+    runs = []
+    for pname, assignment in points:
+        overrides = [*set_, *(f"{k}={v}" for k, v in assignment), f"name={pname}", f"train.run_dir={sweep_dir}",
+                     "train.progress=false"]
+        try:  # every point's config is checked before the first one trains
+            load_config(config, overrides)
+        except ConfigError as e:
+            fail(f"grid point {pname}: {e}")
+        run_dir = os.path.join(sweep_dir, pname)
+        if os.path.exists(run_dir) and not overwrite:
+            fail(f"{show_path(run_dir)} exists: pass --overwrite to train the sweep again, or --name for a new one")
+        runs.append((pname, assignment, overrides, run_dir))
+    os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
+    env = dict(os.environ)
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    echo(f"sweep {sweep_name}: {len(runs)} point(s) of {' x '.join(f'{k} ({len(v)})' for k, v in parsed)}, "
+         f"{jobs} at a time; run directories in {show_path(sweep_dir)}")
+
+    def run_point(item) -> dict:
+        pname, assignment, overrides, run_dir = item
+        cmd = [sys.executable, "-m", "dlrmctl.cli", "train", config, *(a for o in overrides for a in ("--set", o))]
+        if overwrite:
+            cmd.append("--overwrite")
+        log_path = os.path.join(sweep_dir, "logs", f"{pname}.log")
+        t0 = time.perf_counter()
+        with open(log_path, "w") as logf:
+            rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env).returncode
+        res = read_point(run_dir) if rc == 0 else None
+        status = "ok" if res is not None else f"failed (exit {rc}, see {show_path(log_path)})"
+        row = {"point": pname, "values": dict(assignment), "status": status, **(res or {})}
+        shown = f"val {metric} {row[metric]:.4f}" if res is not None and row.get(metric) is not None else status
+        echo(f"  {pname}: {shown} ({time.perf_counter() - t0:.1f}s)")
+        return row
+
+    if jobs == 1:
+        rows = [run_point(r) for r in runs]
+    else:
+        with ThreadPoolExecutor(max_workers=jobs) as ex:
+            rows = list(ex.map(run_point, runs))
+    ranked = rank_rows(rows, metric)
+    csv_path, md = write_summary(sweep_dir, ranked, [k for k, _ in parsed], metric)
+    echo(md.rstrip("\n"))
+    echo(f"wrote {show_path(csv_path)} and sweep.md; evaluate the chosen point once on test: "
+         f"dlrmctl evaluate {show_path(os.path.join(sweep_dir, ranked[0]['point']))} --split test")
+    failed = [r["point"] for r in rows if r["status"] != "ok"]
+    if failed:
+        fail(f"{len(failed)} of {len(rows)} point(s) failed: {', '.join(failed)}", code=1)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``sweep`` to the main ``dlrmctl`` app."""
+    app.command("sweep")(sweep)

@@ -1,0 +1,90 @@
+"""Test AUC and log loss of two non-DLRM baselines on a preprocessed Criteo directory.
+
+    dlrmctl preprocess criteo --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
+        --out data/criteo_sample --val-ratio 0.15 --test-ratio 0.15
+    python scripts/criteo_baselines.py data/criteo_sample [--test-split test] [--C 0.01,0.1,1]
+
+Both see exactly the rows, split and ids of ``dlrmctl preprocess criteo`` (the columnar
+shards + meta.json), so their figures sit next to DLRM's ``dlrmctl evaluate runs/<name> --split test``:
+
+* CTR prior: every row scores ``logit(train CTR)`` (AUC 0.5; the log loss any model must beat).
+* logistic regression: scikit-learn ``LogisticRegression`` (L2, lbfgs) on
+  ``[one-hot C1..C26 | standardised I1..I13]``: one weight per (feature, id) of the
+  preprocessed vocabulary or hash buckets (so it sees the same ids DLRM's embedding rows do);
+  the dense columns are the stored ``log(1 + x)`` standardised with the train split's mean/std.
+  ``C`` (inverse L2 strength) is chosen on the validation split by AUC; the test split is
+  scored once, with that C.
+
+Prints one line per baseline and split: ``<name>  <split> AUC <a>  logloss <l>  (<n> rows)``.
+Needs scikit-learn (``pip install -e '.[bench]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import baselines_common as bc  # noqa: E402
+from dlrmctl.data.columnar import read_meta  # noqa: E402
+
+
+def run(data_dir: str, val_split: str = "val", test_split: str = "test", cs=bc.DEFAULT_CS, seed: int = 0,
+        out=print, log=None) -> dict:
+    """Fit the baselines on ``train``, choose C on ``val_split``, score ``test_split``.
+
+    Returns:
+        ``{"prior": {split: metrics}, "logistic_regression": {split: metrics}, "C": float}``
+        (metrics as :func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
+
+    Raises:
+        dlrmctl.data.columnar.DataError: a split is missing (names the directory and split).
+        ValueError: the train split has one class only.
+    """
+    log = log or (lambda s: print(s, file=sys.stderr))
+    meta = read_meta(data_dir)
+    train = bc.load(data_dir, "train", meta)
+    evals = {s: bc.load(data_dir, s, meta) for s in (val_split, test_split)}
+    mean, std = bc.dense_stats(train)
+    x = {s: bc.design_matrix(d, meta, mean, std) for s, d in [("train", train), *evals.items()]}
+    res: dict = {"prior": {}, "logistic_regression": {}}
+    for s, d in evals.items():
+        res["prior"][s] = bc.metrics(bc.prior_logits(train["label"], len(d["label"])), d["label"])
+    model, c, _ = bc.fit_logistic_regression(x["train"], train["label"], x[val_split], evals[val_split]["label"],
+                                             cs=cs, seed=seed, log=log)
+    res["C"] = c
+    for s, d in evals.items():
+        res["logistic_regression"][s] = bc.metrics(model.decision_function(x[s]), d["label"])
+    for s in (val_split, test_split):
+        out(bc.result_line("CTR prior", s, res["prior"][s], f"train CTR {float(train['label'].mean()):.4f}"))
+    for s in (val_split, test_split):
+        out(bc.result_line("logistic regression", s, res["logistic_regression"][s],
+                           f"C={c:g} chosen on {val_split}; {x['train'].shape[1]} columns"))
+    return res
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """CLI entry: see the module docstring."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("data_dir", help="output of `dlrmctl preprocess criteo` with --val-ratio and --test-ratio")
+    p.add_argument("--val-split", default="val", help="split C is chosen on (default val)")
+    p.add_argument("--test-split", default="test", help="split reported once (default test)")
+    p.add_argument("--C", default=",".join(f"{c:g}" for c in bc.DEFAULT_CS),
+                   help="comma-separated inverse L2 strengths to try")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    try:
+        cs = tuple(float(c) for c in a.C.split(",") if c.strip())
+    except ValueError:
+        p.error(f"--C: expected comma-separated numbers, got {a.C!r}")
+    t0 = time.perf_counter()
+    res = run(a.data_dir, a.val_split, a.test_split, cs, a.seed)
+    print(f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Issue 16 item 2: scripts/criteo_baselines.py — the CTR prior and a scikit-learn logistic
+regression (C chosen on val) scored on the test split of `dlrmctl preprocess criteo` output."""
+
+import importlib.util
+import math
+import re
+
+import numpy as np
+import pytest
+
+from tests.conftest import CRITEO_10K, REPO, require_shared
+
+pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip install -e '.[test]'")
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("criteo_baselines", REPO / "scripts" / "criteo_baselines.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
+
+    out = tmp_path_factory.mktemp("criteo3")
+    preprocess_criteo(str(require_shared(CRITEO_10K)), out, CriteoOptions(val_ratio=0.15, test_ratio=0.15),
+                      progress=False)
+    return out
+
+
+def test_prior_and_lr_on_the_test_split_with_c_chosen_on_val(sample, capsys):
+    res = _script().main([str(sample), "--C", "0.001,0.03,10"])
+    cap = capsys.readouterr()
+    lines = cap.out.splitlines()
+    assert [ln.split(" AUC")[0].split() for ln in lines] == [
+        ["CTR", "prior", "val"], ["CTR", "prior", "test"], ["logistic", "regression", "val"],
+        ["logistic", "regression", "test"]]
+    # the prior: AUC 0.5 (all ties), log loss = cross-entropy of the test labels under the train CTR
+    from dlrmctl.data.columnar import read_meta
+
+    meta = read_meta(str(sample))
+    p, q = meta["ctr"]["train"], meta["ctr"]["test"]
+    assert res["prior"]["test"]["auc"] == 0.5
+    assert res["prior"]["test"]["logloss"] == pytest.approx(-(q * math.log(p) + (1 - q) * math.log(1 - p)), abs=1e-9)
+    # C: the best validation AUC of the three tried (read from the per-C log on stderr)
+    tried = {float(c): float(a) for c, a in re.findall(r"C=([\d.e-]+): val AUC ([\d.]+)", cap.err)}
+    assert sorted(tried) == [0.001, 0.03, 10.0]
+    assert res["C"] == max(tried, key=tried.get)
+    assert res["logistic_regression"]["val"]["auc"] == pytest.approx(tried[res["C"]], abs=5e-5)
+    # a linear model on these features is far from chance on unseen rows, and beats the prior's log loss
+    t = res["logistic_regression"]["test"]
+    assert t["auc"] > 0.70 and t["logloss"] < res["prior"]["test"]["logloss"]
+    assert t["num_samples"] == meta["splits"]["test"]["rows"]
+
+
+def test_design_matrix_one_hot_columns_and_bad_ids():
+    import baselines_common as bc  # noqa: F401  (scripts/ is on sys.path once the script is loaded)
+
+    meta = {"dense_features": ["I1"], "sparse_features": [{"name": "C1", "num_embeddings": 3},
+                                                          {"name": "C2", "num_embeddings": 2}]}
+    d = {"label": np.array([0, 1], np.float32), "dense": np.array([[1.0], [3.0]], np.float32),
+         "sparse": {"C1": (np.array([2, 0]), np.array([1, 1])), "C2": (np.array([1, 1]), np.array([1, 1]))}}
+    x = bc.design_matrix(d, meta, *bc.dense_stats(d)).toarray()
+    np.testing.assert_array_equal(x, [[0, 0, 1, 0, 1, -1], [1, 0, 0, 0, 1, 1]])
+    d["sparse"]["C2"] = (np.array([1, 2]), np.array([1, 1]))
+    with pytest.raises(ValueError, match=r"feature C2: ids must be in \[0, 2\)"):
+        bc.design_matrix(d, meta, *bc.dense_stats(d))
+
+
+_script()  # puts scripts/ on sys.path for baselines_common
