@@ -22,7 +22,7 @@ Windowed block shuffle (``shuffle=True``; memory independent of the row count):
    the rows of window ``w`` are permuted with ``default_rng([seed, epoch, 1, w])``.  The
    concatenated windows are the epoch's order.  So a global batch draws its rows uniformly from
    one window (two at a window edge), i.e. from about ``S / K`` blocks at random places of the
-   split; ``S >= rows`` (and ``K = 1``) is an exact uniform permutation, at O(rows) memory.
+   split; ``S >= rows`` is an exact uniform permutation, at O(rows) memory.
 3. *reading*: each rank computes which positions of window ``w`` are in its slices, maps them
    through the window permutation to (block, row) and reads, block by block with ``pread``
    (not through the mapping), only the row range of each block it needs.  Rows ahead of a
