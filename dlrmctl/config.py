@@ -65,7 +65,11 @@ class DataConfig:
     rows per epoch (null: all).  ``multi_hot_sizes`` (one int per sparse
     feature) expands 1-hot ids into MLPerf-DLRMv2-style multi-hot bags on the fly.
     ``drop_last`` drops the train split's final partial global batch each epoch
-    (evaluation never drops rows).
+    (evaluation never drops rows).  ``shuffle`` reads the train split in a windowed
+    block shuffle (:mod:`dlrmctl.data.loader`): blocks of ``shuffle_block_rows``
+    contiguous rows in a random order per epoch, rows mixed inside consecutive windows
+    of ``shuffle_window_rows`` rows; memory grows with the window, not the split
+    (a window >= the split's rows is an exact full permutation, O(rows) memory).
     """
 
     path: str = "data/demo"
@@ -74,6 +78,8 @@ class DataConfig:
     batch_size: int = 1024
     eval_batch_size: int = 8192
     shuffle: bool = True
+    shuffle_window_rows: int = 262_144
+    shuffle_block_rows: int = 8_192
     drop_last: bool = False
     num_samples: Optional[int] = None
     prefetch: int = 2
@@ -540,6 +546,10 @@ def validate(cfg: ExperimentConfig) -> None:
     pos(cfg.data.batch_size, "data.batch_size")
     pos(cfg.data.eval_batch_size, "data.eval_batch_size")
     pos(cfg.data.num_samples, "data.num_samples")
+    for key in ("shuffle_window_rows", "shuffle_block_rows"):
+        v = getattr(cfg.data, key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"data.{key}: must be an integer >= 1 (rows), got {v!r}")
     if cfg.model.embedding_dim != "auto":
         pos(cfg.model.embedding_dim, "model.embedding_dim")
     if not (math.isfinite(cfg.model.embedding_dim_factor) and cfg.model.embedding_dim_factor > 0):

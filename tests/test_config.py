@@ -43,6 +43,9 @@ def test_criteo_kaggle_is_the_standard_dlrm():
         ({}, ["model.embedding_dim=32"], r"dense_arch_layer_sizes: the last layer \(16\) must equal the embedding dim \(32\)"),
         ({}, ["model.embedding_dim"], r"expected KEY=VALUE"),
         ({"train": {"progress": "yes"}}, [], r"train.progress: expected bool"),
+        ({}, ["data.shuffle_window_rows=0"], r"data.shuffle_window_rows: must be an integer >= 1 \(rows\), got 0"),
+        ({}, ["data.shuffle_block_rows=-5"], r"data.shuffle_block_rows: must be an integer >= 1 \(rows\), got -5"),
+        ({}, ["data.shuffle_window_rows=1.5"], r"data.shuffle_window_rows: expected int"),
     ],
 )
 def test_config_errors_name_the_key_path(raw, overrides, match):
@@ -62,3 +65,11 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     p.write_text("name: x\nmodel:\n  embedding_dim: [1, 2\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:\d+: invalid YAML"):
         load_config(p)
+
+
+def test_shuffle_defaults_are_the_loaders():
+    from dlrmctl.config import DataConfig
+    from dlrmctl.data.loader import DEFAULT_SHUFFLE_BLOCK_ROWS, DEFAULT_SHUFFLE_WINDOW_ROWS
+
+    assert DataConfig().shuffle_window_rows == DEFAULT_SHUFFLE_WINDOW_ROWS == 262_144
+    assert DataConfig().shuffle_block_rows == DEFAULT_SHUFFLE_BLOCK_ROWS == 8_192

@@ -164,6 +164,7 @@ class Trainer:
         self.train_loader = BatchLoader(
             cfg.data.path, cfg.data.train_split, cfg.data.batch_size, rank=env.rank, world_size=env.world_size,
             shuffle=cfg.data.shuffle, seed=cfg.train.seed, drop_last=cfg.data.drop_last, prefetch=cfg.data.prefetch,
+            shuffle_window_rows=cfg.data.shuffle_window_rows, shuffle_block_rows=cfg.data.shuffle_block_rows,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
             **self._id_policy(), **multi_hot_kwargs(cfg, self.meta),
         )
