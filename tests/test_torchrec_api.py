@@ -375,7 +375,7 @@ def test_embedding_bag_config_torchrec_field_order():
     "cfg,match",
     [
         (dict(pooling=PoolingType.NONE), "pooling NONE"),
-        (dict(data_type=DataType.FP16), "data_type FP16 is not trainable"),
+        (dict(data_type=DataType.INT8), "data_type INT8 is not trainable"),
         (dict(num_embeddings_post_pruning=5), "pruning"),
         (dict(pruning_indices_remapping=torch.arange(10)), "pruning"),
         (dict(name=""), "needs a name"),

@@ -42,9 +42,10 @@ class PoolingType(str, enum.Enum):
 class DataType(str, enum.Enum):
     """Table weight data type (TorchRec's ``torchrec.types.DataType`` names).
 
-    dlrmctl trains ``FP32`` tables; the others exist so TorchRec configs
-    construct, and an EmbeddingBagCollection rejects them with a message
-    (quantized tables come from ``dlrmctl export --int8``).
+    dlrmctl trains ``FP32`` and ``FP16`` tables (fp16 weight storage, fp32 optimizer math:
+    ``model.embedding_precision``); the others exist so TorchRec configs construct, and an
+    EmbeddingBagCollection rejects them with a message (quantized tables come from
+    ``dlrmctl export --int8``).
     """
 
     FP32 = "FP32"
