@@ -72,7 +72,7 @@ def test_missing_data_is_a_clear_error(tmp_path):
 
 def test_bad_override_is_a_clear_error(tmp_path):
     r = runner.invoke(app, ["train", "configs/demo.yaml", "--set", "model.embedding_dim=abc"])
-    assert r.exit_code == 2 and "model.embedding_dim: expected int, got 'abc'" in r.output
+    assert r.exit_code == 2 and "model.embedding_dim: expected int | 'auto', got 'abc'" in r.output
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ def test_criteo_kaggle_is_the_standard_dlrm():
         ({"model": {"embeding_dim": 8}}, [], r"x.yaml: model.embeding_dim: unknown key"),
         ({"model": {"tables": [{"name": "a"}, {"name": "b", "embedding_dim": "abc"}]}}, [],
          r"model.tables\[1\].embedding_dim: expected int \| null, got 'abc'"),
-        ({}, ["model.embedding_dim=abc"], r"model.embedding_dim: expected int, got 'abc'"),
+        ({}, ["model.embedding_dim=abc"], r"model.embedding_dim: expected int \| 'auto', got 'abc'"),
         ({}, ["train.nosuch=1"], r"train.nosuch: unknown key"),
         ({}, ["optimizer.embedding.type=adamw"], r"optimizer.embedding.type: expected one of"),
         ({}, ["data.batch_size=0"], r"data.batch_size: must be > 0"),

@@ -201,3 +201,22 @@ def test_early_stopping_needs_a_keep_best_metric():
         config_from_dict({"train": {"early_stopping_patience": 2, "keep_best": "none"}})
     with pytest.raises(ConfigError, match="train.early_stopping_patience: must be >= 0"):
         config_from_dict({"train": {"early_stopping_patience": -1}})
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn", "projection"])
+def test_auto_dims_plan_and_count_the_dense_part_as_built(interaction):
+    """The planner (``plan``, ``--nproc``, ``sharding.force``, ``checkpoint reshard``) takes
+    ``embedding_dim: auto``: its dense-parameter count equals the built model's (projections included)."""
+    from dlrmctl.planner.planner import _count_dense_params, plan_config
+    from dlrmctl.planner.types import Topology
+
+    cfg = _cfg(embedding_dim="auto", interaction=interaction)
+    meta = _meta([5, 100, 685, 10 ** 6])
+    tables = resolve_tables(cfg, meta)
+    model = build_model(cfg, tables, 2)
+    built = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch"))
+    counted = _count_dense_params(cfg, len(tables), 2, [t.embedding_dim for t in tables])
+    if interaction != "projection":  # the projection interaction is counted as dot (documented approximation)
+        assert counted == built
+    res = plan_config(cfg, Topology.from_preset("cpu", 2), meta)
+    assert set(res.plan.plan) == {t.name for t in tables}

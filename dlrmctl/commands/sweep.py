@@ -2,7 +2,8 @@
 
 Each point is one ``dlrmctl train CONFIG --set key=value ...`` in its own process (a fresh
 interpreter: no state leaks between points) with its own run directory
-``<train.run_dir>/<name>/<point>``; its console output goes to ``<train.run_dir>/<name>/logs/<point>.log``.
+``<train.run_dir>/<name>/<point>`` (``<name>``: ``--name``, default ``<config name>_sweep``); its
+console output goes to ``<train.run_dir>/<name>/logs/<point>.log``.
 The points run one after another, or ``--jobs N`` at a time (each then gets
 ``max(1, CPUs // N)`` OpenMP threads unless ``OMP_NUM_THREADS`` is set).
 
@@ -162,8 +163,8 @@ def sweep(
                                                          "the grid is their product), e.g. --grid model.dropout=0,0.1"),
     set_: List[str] = typer.Option([], "--set", help="override a config key for every point"),
     jobs: int = typer.Option(1, "--jobs", help="points trained at once"),
-    name: Optional[str] = typer.Option(None, "--name", help="sweep directory under train.run_dir (default: the "
-                                                             "config's name)"),
+    name: Optional[str] = typer.Option(None, "--name", help="sweep directory under train.run_dir (default: "
+                                                             "<config name>_sweep, apart from the config's own run)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace the points' existing run directories"),
 ) -> None:
     """Train every point of a --grid of config values; rank the points on validation (never test)."""
@@ -177,7 +178,7 @@ def sweep(
     except (ValueError, ConfigError) as e:
         fail(str(e))
     metric = base.train.keep_best if base.train.keep_best != "none" else "auc"
-    sweep_name = name or base.name
+    sweep_name = name or f"{base.name}_sweep"
     sweep_dir = os.path.join(base.train.run_dir, sweep_name)
     points = grid_points(parsed)
     runs = []

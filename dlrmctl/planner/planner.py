@@ -393,17 +393,22 @@ class EmbeddingShardingPlanner:
 
 
 # ------------------------------------------------------------ config bridge
-def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
+def _count_dense_params(cfg: Any, num_features: int, num_dense: int,
+                        table_dims: "list[int] | None" = None) -> int:
     """Parameters of the dense part of a DLRM config (bottom MLP, interaction, top MLP).
 
     Bottom MLP ``num_dense -> dense_arch_layer_sizes``; the top MLP's input is,
     for ``dot``: ``d + F(F-1)/2`` with ``F = num_features + 1`` (DLRM, Naumov et
     al. 2019); for ``dcn``: ``(num_features + 1) * d`` plus the DCN-v2 low-rank
     layers ``2 * n * (F*d) * r + n * F*d``; for ``projection``: as ``dot`` (an
-    approximation; these bytes only enter the memory reservation).
+    approximation; these bytes only enter the memory reservation).  ``d`` is
+    ``model.embedding_dim``, or with ``embedding_dim: auto`` the common width
+    ``dense_arch_layer_sizes[-1]`` plus one bias-free ``dim_t x d`` projection per table
+    of ``table_dims`` narrower than ``d``.
     """
     m = cfg.model
-    d = m.embedding_dim
+    auto = m.embedding_dim == "auto"
+    d = m.dense_arch_layer_sizes[-1] if auto else m.embedding_dim
 
     def mlp(n_in: int, sizes: list[int]) -> tuple[int, int]:
         n = 0
@@ -421,6 +426,8 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
     else:
         top_in = d + F * (F - 1) // 2
     n += mlp(top_in, m.over_arch_layer_sizes)[0]
+    if auto:
+        n += sum(t * d for t in (table_dims or []) if t < d)
     return n
 
 
@@ -497,7 +504,12 @@ def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, perce
     num_dense = 13
     if meta:
         num_dense = int(meta.get("num_dense_features", len(meta.get("dense_features", [])) or 13))
-    params = _count_dense_params(cfg, num_features, num_dense)
+    dims = None
+    if cfg.model.embedding_dim == "auto":
+        from dlrmctl.config import resolve_tables
+
+        dims = [t.embedding_dim for t in resolve_tables(cfg, meta)]
+    params = _count_dense_params(cfg, num_features, num_dense, dims)
     return HeuristicStorageReservation(percentage, dense_model_bytes(params, cfg.optimizer.dense.type))
 
 
