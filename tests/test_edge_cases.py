@@ -92,7 +92,9 @@ def _planner_plan_losses(env, data, run_root):
 
     cfg = load_config(REPO / "configs" / "criteo_sample.yaml",
                       [f"data.path={data}", f"train.run_dir={run_root}", "name=planned", "train.progress=false",
-                       "train.eval_every=0", "train.log_every=1", "train.max_steps=12", "data.batch_size=256"])
+                       "train.eval_every=0", "train.log_every=1", "train.max_steps=12", "data.batch_size=256",
+                       # dropout masks are drawn per rank (not the one-process masks): off for parity
+                       "model.dropout=0", "train.early_stopping_patience=0"])
     run = os.path.join(run_root, cfg.name)
     renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
     if renv.is_main:
