@@ -403,9 +403,7 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
     approximation; these bytes only enter the memory reservation).
     """
     m = cfg.model
-    # the interaction width: equal to embedding_dim (validated), and the width `auto` tables
-    # are projected to (embedding_dim is then the string "auto")
-    d = m.dense_arch_layer_sizes[-1]
+    d = m.embedding_dim
 
     def mlp(n_in: int, sizes: list[int]) -> tuple[int, int]:
         n = 0
@@ -423,8 +421,6 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
     else:
         top_in = d + F * (F - 1) // 2
     n += mlp(top_in, m.over_arch_layer_sizes)[0]
-    if getattr(m, "first_order", False):  # FirstOrder: one weight per dense input and pooled column
-        n += num_dense + num_features * d  # an upper bound with auto (narrower tables)
     return n
 
 
