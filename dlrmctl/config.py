@@ -112,12 +112,17 @@ class ModelConfig:
     Ginart et al. 2021).  ``dropout``: probability of zeroing each hidden activation of the
     dense (bottom) and over (top) MLPs during training (after every ReLU that feeds
     another layer; none on the embeddings or the logit); evaluation and export run without it.
+    ``first_order``: add a linear ("wide") term of the raw dense features and of every pooled
+    embedding to the logit, ``w_dense^T x + sum_f w_f^T e_f``
+    (:class:`~dlrmctl.modules.dlrm.FirstOrder`: the first-order part of FM / DeepFM / Wide &
+    Deep, zero-initialised, trained by the dense optimizer).
     """
 
     arch: Literal["dlrm"] = "dlrm"
     embedding_dim: int | Literal["auto"] = 16
     embedding_dim_factor: float = 6.0
     dropout: float = 0.0
+    first_order: bool = False
     tables: list[TableConfig] = field(default_factory=list)
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 1])

@@ -215,6 +215,23 @@ def test_dcn_interaction_exports(tmp_path):
     torch.testing.assert_close(got, _eager_scores(model, dense, kjt), rtol=0, atol=1e-6)
 
 
+def test_first_order_term_exports(tmp_path):
+    from dlrmctl.inference.export import export_model, load_exported
+
+    torch.manual_seed(0)
+    model = DLRM(EmbeddingBagCollection(_tables(), compute_kernel="fused"), D_IN, [16, DIM], [16, 1], 3, DIM,
+                 first_order_width=3 * DIM).eval()
+    with torch.no_grad():  # non-zero, so the term changes the scores
+        model.first_order.dense.weight.normal_()
+        model.first_order.sparse.weight.normal_()
+    export_model(model, tmp_path / "m", "fp32")
+    dense, kjt = _batch(5, torch.Generator().manual_seed(2))
+    got = load_exported(tmp_path / "m").score(dense, kjt.values(), kjt.lengths())
+    torch.testing.assert_close(got, _eager_scores(model, dense, kjt), rtol=0, atol=1e-6)
+    model.first_order = None
+    assert float((got - _eager_scores(model, dense, kjt)).abs().max()) > 1e-3
+
+
 def test_export_without_fbgemm_fails_clearly(trained, tmp_path, monkeypatch):
     from dlrmctl import _fbgemm
     from dlrmctl.inference.export import export_model

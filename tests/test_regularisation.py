@@ -79,6 +79,36 @@ def test_model_dropout_reaches_both_mlps_and_eval_is_deterministic():
     assert any(not torch.equal(outs[0], o) for o in outs[1:])
 
 
+def test_first_order_adds_a_zero_initialised_linear_term_of_dense_and_pooled_embeddings():
+    from dlrmctl.sparse import KeyedJaggedTensor
+
+    meta = _meta([10, 20])
+    dense = torch.randn(3, 2)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["C1", "C2"], torch.tensor([1, 2, 3, 4, 5, 6]),
+                                              torch.tensor([1, 1, 1, 1, 1, 1]))
+    cfg = _cfg(embedding_dim="auto", embedding_dim_factor=1.0, first_order=True)
+    model = build_model(cfg, resolve_tables(cfg, meta), 2).eval()
+    plain = build_model(_cfg(embedding_dim="auto", embedding_dim_factor=1.0), resolve_tables(cfg, meta), 2).eval()
+    assert plain.first_order is None
+    widths = [t.embedding_dim for t in resolve_tables(cfg, meta)]
+    fo = model.first_order
+    assert fo.dense.weight.shape == (1, 2) and fo.sparse.weight.shape == (1, sum(widths))
+    # zero-initialised: the same logits as the plain DLRM (same seed, same other parameters)
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if not k.startswith("first_order.")})
+    torch.testing.assert_close(model(dense, kjt), plain(dense, kjt), rtol=0, atol=0)
+    # then logit = plain logit + w_dense . x + sum_f w_f . e_f, e_f the pooled rows of each table
+    with torch.no_grad():
+        fo.dense.weight.normal_()
+        fo.sparse.weight.normal_()
+    pooled = model.sparse_arch(kjt).values()
+    expected = plain(dense, kjt) + dense @ fo.dense.weight.T + pooled @ fo.sparse.weight.T
+    torch.testing.assert_close(model(dense, kjt), expected)
+    # trained by the dense optimizer: it is a dense (non sparse_arch) parameter with a gradient
+    model.train()
+    model(dense, kjt).sum().backward()
+    assert fo.sparse.weight.grad is not None and float(fo.sparse.weight.grad.abs().sum()) > 0
+
+
 @pytest.mark.parametrize("bad", [-0.1, 1.0])
 def test_config_rejects_dropout_outside_0_1(bad):
     with pytest.raises(ConfigError, match="model.dropout: must be in"):
@@ -203,14 +233,15 @@ def test_early_stopping_needs_a_keep_best_metric():
         config_from_dict({"train": {"early_stopping_patience": -1}})
 
 
-@pytest.mark.parametrize("interaction", ["dot", "dcn", "projection"])
-def test_auto_dims_plan_and_count_the_dense_part_as_built(interaction):
+@pytest.mark.parametrize("interaction,first_order", [("dot", False), ("dcn", False), ("projection", False),
+                                                     ("dot", True)])
+def test_auto_dims_plan_and_count_the_dense_part_as_built(interaction, first_order):
     """The planner (``plan``, ``--nproc``, ``sharding.force``, ``checkpoint reshard``) takes
     ``embedding_dim: auto``: its dense-parameter count equals the built model's (projections included)."""
     from dlrmctl.planner.planner import _count_dense_params, plan_config
     from dlrmctl.planner.types import Topology
 
-    cfg = _cfg(embedding_dim="auto", interaction=interaction)
+    cfg = _cfg(embedding_dim="auto", interaction=interaction, first_order=first_order)
     meta = _meta([5, 100, 685, 10 ** 6])
     tables = resolve_tables(cfg, meta)
     model = build_model(cfg, tables, 2)

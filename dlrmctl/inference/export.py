@@ -136,12 +136,16 @@ class _DensePart(nn.Module):
         self.dense_arch = model.dense_arch
         self.inter_arch = model.inter_arch
         self.over_arch = model.over_arch
+        self.first_order = getattr(model, "first_order", None)
         self._keys = list(keys)
         self._dims = list(dims)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         d = self.dense_arch(dense)
-        return self.over_arch(self.inter_arch(d, KeyedTensor(self._keys, self._dims, pooled)))
+        logits = self.over_arch(self.inter_arch(d, KeyedTensor(self._keys, self._dims, pooled)))
+        if self.first_order is not None:  # model.first_order: the linear term (FirstOrder)
+            logits = logits + self.first_order(dense, pooled)
+        return logits
 
 
 class ExportedDLRM(nn.Module):
@@ -518,6 +522,8 @@ def export_model(
     # only the dense part is copied (never the tables: they may be on the meta device)
     dense_only = nn.ModuleDict({"dense_arch": model.dense_arch, "inter_arch": model.inter_arch,
                                 "over_arch": model.over_arch})
+    if getattr(model, "first_order", None) is not None:
+        dense_only["first_order"] = model.first_order
     part = _DensePart(copy.deepcopy(dense_only).cpu().eval(), lookup_keys, dims)
     dense_mode = "fp32"
     if quantize_dense:

@@ -165,6 +165,41 @@ class OverArch(nn.Module):
         return self.model(x)
 
 
+class FirstOrder(nn.Module):
+    """First-order ("wide") term added to DLRM's logit: a linear read-out of the raw dense
+    features and of every pooled embedding,
+
+        logit_1 = w_dense^T x_dense + sum_f w_f^T e_f            (no bias; the over arch has one)
+
+    It is the linear part of a factorization machine (Rendle, "Factorization Machines", ICDM
+    2010, eq. 1: ``w_0 + sum_i w_i x_i``) that DeepFM (Guo et al., IJCAI 2017, sec. 2.1: the FM
+    component's "addition unit") and Wide & Deep (Cheng et al., DLRS 2016: the wide part's
+    ``w^T x``) add to the deep model's logit.  The per-id scalar ``w_id`` of those models is
+    here ``w_f^T e_{f,id}``: the id's own embedding row read through one shared ``[dim_f]``
+    weight per feature, which can take any value per id (the rows are free parameters), so no
+    extra dim-1 tables are needed and sharding, checkpoints and export of the tables are
+    unchanged.  The dot interaction alone has no such term: the over arch sees only the dense
+    vector and pairwise dot products, never an embedding by itself.
+
+    Args:
+        dense_in_features: ``D_in``.
+        pooled_width: width of the pooled embeddings' KeyedTensor (``sum`` of feature dims).
+
+    Forward: ``dense_features [B, D_in]`` float32, ``pooled [B, pooled_width]`` float32 ->
+    ``[B, 1]`` float32.  Initialised to zero, so the model starts as the plain DLRM.
+    """
+
+    def __init__(self, dense_in_features: int, pooled_width: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(dense_in_features, 1, bias=False)
+        self.sparse = nn.Linear(pooled_width, 1, bias=False)
+        nn.init.zeros_(self.dense.weight)
+        nn.init.zeros_(self.sparse.weight)
+
+    def forward(self, dense_features: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.dense(dense_features) + self.sparse(pooled)
+
+
 class DLRM(nn.Module):
     """DLRM: sparse part (``sparse_arch``, an EmbeddingBagCollection or its
     sharded replacement) + dense part (dense arch, interaction, over arch).
@@ -180,6 +215,9 @@ class DLRM(nn.Module):
         interaction: ``dot`` | a module with ``forward(dense, KeyedTensor) -> [B, out]``
             and ``output_dim(d)``.
         dropout: of the dense and over arch hidden activations in training (:class:`MLP`).
+        first_order_width: ``None`` (default): the plain DLRM.  An int: the width of the pooled
+            embeddings (sum of the feature dims); adds a :class:`FirstOrder` term to the logit
+            (``model.first_order``), held as ``first_order``.
 
     Forward: ``dense_features [B, D_in]`` float32, ``sparse_features`` KJT ->
     logits ``[B, 1]`` float32.
@@ -195,6 +233,7 @@ class DLRM(nn.Module):
         embedding_dim: int,
         interaction: nn.Module | None = None,
         dropout: float = 0.0,
+        first_order_width: int | None = None,
     ) -> None:
         super().__init__()
         self.sparse_arch = embedding_bag_collection
@@ -202,11 +241,16 @@ class DLRM(nn.Module):
         self.inter_arch = interaction if interaction is not None else InteractionArch(num_sparse_features)
         self.over_arch = OverArch(self.inter_arch.output_dim(dense_arch_layer_sizes[-1]), over_arch_layer_sizes,
                                   dropout=dropout)
+        self.first_order = (FirstOrder(dense_in_features, first_order_width)
+                            if first_order_width is not None else None)
 
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
         """Everything after the embedding lookup: ``-> logits [B, 1]``."""
         d = self.dense_arch(dense_features)
-        return self.over_arch(self.inter_arch(d, embedded))
+        logits = self.over_arch(self.inter_arch(d, embedded))
+        if self.first_order is not None:
+            logits = logits + self.first_order(dense_features, embedded.values())
+        return logits
 
     def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
         return self.dense_forward(dense_features, self.sparse_arch(sparse_features))

@@ -428,6 +428,8 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int,
     n += mlp(top_in, m.over_arch_layer_sizes)[0]
     if auto:
         n += sum(t * d for t in (table_dims or []) if t < d)
+    if getattr(m, "first_order", False):  # FirstOrder: bias-free Linear(num_dense, 1) + Linear(pooled width, 1)
+        n += num_dense + (sum(table_dims) if table_dims else num_features * d)
     return n
 
 
@@ -505,7 +507,7 @@ def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, perce
     if meta:
         num_dense = int(meta.get("num_dense_features", len(meta.get("dense_features", [])) or 13))
     dims = None
-    if cfg.model.embedding_dim == "auto":
+    if cfg.model.embedding_dim == "auto" or getattr(cfg.model, "first_order", False):
         from dlrmctl.config import resolve_tables
 
         dims = [t.embedding_dim for t in resolve_tables(cfg, meta)]

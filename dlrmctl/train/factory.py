@@ -61,7 +61,9 @@ def build_model(
     ``model.embedding_dim: auto`` (tables of several widths, each <= ``d =
     dense_arch_layer_sizes[-1]``): the interaction is wrapped in a
     :class:`~dlrmctl.modules.dlrm.ProjectedInteraction` (one linear projection per narrower
-    pooled embedding); ``model.dropout`` goes to the dense and over arch MLPs.
+    pooled embedding); ``model.dropout`` goes to the dense and over arch MLPs;
+    ``model.first_order`` adds a :class:`~dlrmctl.modules.dlrm.FirstOrder` term over the raw
+    dense features and the pooled embeddings (width: the sum of every lookup's table dim).
 
     Raises:
         ValueError: the dot interaction with tables of different dims (not ``auto``).
@@ -97,14 +99,15 @@ def build_model(
     num_features = len(ebc.embedding_names())
     torch.manual_seed(cfg.train.seed)
     interaction = build_interaction(cfg, num_features, d)
+    from dlrmctl.modules.embedding_modules import embedding_names_by_table
+
+    # pooled embeddings in KeyedTensor order: each table's lookups, in table order
+    names_by_table = embedding_names_by_table(tables)
+    keys = [n for names in names_by_table for n in names]
+    widths = [t.embedding_dim for t, names in zip(tables, names_by_table) for _ in names]
     if auto:
         from dlrmctl.modules.dlrm import ProjectedInteraction
-        from dlrmctl.modules.embedding_modules import embedding_names_by_table
 
-        # pooled embeddings in KeyedTensor order: each table's lookups, in table order
-        names_by_table = embedding_names_by_table(tables)
-        keys = [n for names in names_by_table for n in names]
-        widths = [t.embedding_dim for t, names in zip(tables, names_by_table) for _ in names]
         interaction = ProjectedInteraction(interaction, keys, widths, d)
     model = DLRM(
         ebc,
@@ -115,6 +118,7 @@ def build_model(
         embedding_dim=d,
         interaction=interaction,
         dropout=cfg.model.dropout,
+        first_order_width=sum(widths) if cfg.model.first_order else None,
     )
     # MLPs live on `device`; the EBC already does.  On meta the dense part stays on the CPU
     # (materialize_model moves it).
@@ -127,6 +131,8 @@ def _dense_parts_to(model: DLRM, device: torch.device | str) -> None:
     model.dense_arch.to(device)
     model.inter_arch.to(device)
     model.over_arch.to(device)
+    if model.first_order is not None:
+        model.first_order.to(device)
 
 
 def materialize_model(model: DLRM, device: torch.device | str) -> DLRM:
