@@ -133,6 +133,99 @@ def du_mb(p: Path) -> float:
     return round(sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) / 1e6, 1) if p.exists() else 0.0
 
 
+TRAIN_CFG = """name: {name}
+data:
+  path: {data}
+  batch_size: 1024
+  eval_batch_size: 8192
+model:
+  embedding_dim: 16
+  dense_arch_layer_sizes: [64, 32, 16]
+  over_arch_layer_sizes: [64, 32, 1]
+optimizer:
+  embedding: {{type: exact_rowwise_adagrad, lr: 0.05}}
+  dense: {{type: adagrad, lr: 0.05}}
+train:
+  run_dir: {runs}
+  epochs: 1
+  max_steps: {steps}
+  log_every: 25
+  progress: false
+"""
+
+
+def _config(w: Path, name: str, data: Path, steps: int) -> Path:
+    p = w / f"{name}.yaml"
+    p.write_text(TRAIN_CFG.format(name=name, data=data, runs=w / "runs", steps=steps))
+    return p
+
+
+def train_stage(w: Path, raw: Path, args: argparse.Namespace, dl: list[str]) -> dict:
+    """Peak RSS of 50 shuffled training steps on the first ``--train-small-rows`` lines and on all
+    lines (both hashed to 1M rows per table, so the model is the same size and only the data differs;
+    val is 0.05 % of the rows, so the evaluation at the end adds next to nothing)."""
+    small_raw = w / "days_small"
+    if not (small_raw / "day_0").exists():
+        small_raw.mkdir(parents=True, exist_ok=True)
+        src = sorted(p for p in raw.iterdir() if p.name.startswith("day_") and not p.name.endswith(".tmp"))
+        left = args.train_small_rows
+        with open(small_raw / "day_0.tmp", "wb") as out:
+            for p in src:
+                with (gzip.open(p, "rb") if p.suffix == ".gz" else open(p, "rb")) as f:
+                    for line in f:
+                        out.write(line)
+                        left -= 1
+                        if left == 0:
+                            break
+                if left == 0:
+                    break
+        os.replace(small_raw / "day_0.tmp", small_raw / "day_0")
+    out: dict = {}
+    for label, data_raw, rows in (("small", small_raw, args.train_small_rows), ("large", raw, args.lines)):
+        data = w / f"pre_train_{label}"  # a tiny val split: the end-of-run evaluation stays negligible
+        if not (data / "meta.json").exists():
+            timed(dl + ["preprocess", "criteo", "-i", str(data_raw), "-o", str(data), "--val-ratio", "0.0005",
+                        "--workers", str(args.workers), "--quiet", "--num-embeddings", "1000000"])
+        cfg = _config(w, f"scale_train_{label}", data, 50)
+        r = timed(dl + ["train", str(cfg), "--overwrite"], log=w / f"train_{label}.log")
+        r["rows"] = rows
+        out[label] = r
+        print(f"train 50 shuffled steps on {rows:,} rows: peak RSS {r['peak_rss_mb']:,.0f} MB ({r['wall_s']} s)\n"
+              f"  {r['cmd']}", flush=True)
+    out["rss_difference_mb"] = round(out["large"]["peak_rss_mb"] - out["small"]["peak_rss_mb"], 1)
+    print(f"train: large - small peak RSS = {out['rss_difference_mb']} MB (goal < 50 MB)", flush=True)
+    return out
+
+
+def reshard_stage(w: Path, args: argparse.Namespace, dl: list[str]) -> dict:
+    """Bytes read by ``dlrmctl checkpoint reshard`` 2 -> 3 ranks of a 2-rank run (26 tables of
+    ``--reshard-rows`` x 16), against the checkpoint's size (goal <= 1.2x)."""
+    data = w / "reshard_data"
+    if not (data / "meta.json").exists():
+        timed(dl + ["preprocess", "synthetic", "--out", str(data), "--rows", "50000",
+                    "--num-embeddings", str(args.reshard_rows)])
+    cfg = _config(w, "scale_reshard", data, 5)
+    run = w / "runs" / "scale_reshard"
+    timed(dl + ["train", str(cfg), "--overwrite", "--nproc", "2"], log=w / "reshard_train.log")
+    out_run = w / "runs" / "scale_reshard_3"
+    shutil.rmtree(out_run, ignore_errors=True)
+    r = timed(dl + ["checkpoint", "reshard", str(run), "--nproc", "3", "--out", str(out_run)],
+              log=w / "reshard.log")
+    found = None
+    for m in out_run.rglob("meta.json"):
+        d = json.loads(m.read_text())
+        if "resharded_from" in d:
+            found = d["resharded_from"]
+    if found is None:
+        raise SystemExit(f"no meta.json with resharded_from under {out_run}")
+    r.update({"checkpoint_bytes": found["bytes"], "bytes_read": found["bytes_read"],
+              "bytes_read_per_rank": found["bytes_read_per_rank"],
+              "read_ratio": round(found["bytes_read"] / found["bytes"], 3)})
+    print(f"reshard 2->3: read {r['bytes_read']:,} B of a {r['checkpoint_bytes']:,} B checkpoint = "
+          f"{r['read_ratio']}x (goal <= 1.2x), {r['wall_s']} s\n  {r['cmd']}", flush=True)
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/dlrmctl_scale"))
@@ -141,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gz", action="store_true")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--train-small-rows", type=int, default=2_000_000, help="rows of the small training set")
+    ap.add_argument("--eval-rows", type=int, default=5_000_000)
+    ap.add_argument("--reshard-rows", type=int, default=400_000,
+                    help="rows per table of the 2-rank run that is resharded to 3 ranks (26 tables x 16 dims)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = ap.parse_args(argv)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
@@ -171,6 +268,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"preprocess {mode}: {r['rows_per_s_per_core']:,} rows/s per core, peak RSS "
                   f"{r['peak_rss_mb']:,.0f} MB, {r['wall_s']} s wall, output {r['disk_mb']:,.0f} MB\n  {r['cmd']}",
                   flush=True)
+    if "train" in stages:
+        res["train"] = train_stage(w, raw, args, dl)
+    if "eval" in stages:
+        r = timed([py, "scripts/bench_eval.py", "--rows", str(args.eval_rows)], log=w / "bench_eval.log")
+        r["table"] = (w / "bench_eval.log").read_text()
+        res["eval"] = r
+        print(f"eval ({args.eval_rows:,} rows, 2 gloo ranks):\n{r['table']}  {r['cmd']}", flush=True)
+    if "export" in stages:
+        r = timed([py, "scripts/bench_export.py", "--peak-rss", "--work", str(w / "export")],
+                  log=w / "bench_export.log")
+        r["report"] = (w / "bench_export.log").read_text()[-3000:]
+        res["export"] = r
+        print(f"export (10M x 64 table):\n{r['report']}  {r['cmd']}", flush=True)
+    if "reshard" in stages:
+        res["reshard"] = reshard_stage(w, args, dl)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
