@@ -204,7 +204,7 @@ def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
     p = tmp_path / "t.yaml"
     save_topology_file(p, _calibrated_preset())
     good = yaml.safe_load(p.read_text())
-    for change, msg in [({"ddr_bw_gbps": "fast"}, "ddr_bw_gbps must be a number"),
+    for change, msg in [({"ddr_bw_gbps": "fast"}, "ddr_bw_gbps must be a finite number > 0"),
                         ({"colective_us": 1.0}, "unknown key(s) ['colective_us']"),
                         ({"compute_device": "tpu"}, "compute_device must be cuda or cpu")]:
         p.write_text(yaml.safe_dump({**good, **change}))
@@ -213,3 +213,30 @@ def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
     p.write_text(yaml.safe_dump({k: v for k, v in good.items() if k != "intra_host_bw_gbps"}))
     with pytest.raises(PlannerError, match=r"missing key\(s\) \['intra_host_bw_gbps'\]"):
         load_topology_file(p)
+
+
+def test_a_topology_value_out_of_range_is_refused_before_planning(tmp_path):
+    """NaN / inf anywhere, a zero bandwidth or kernel efficiency (the planner divides by them), a
+    fractional or zero default_gpus_per_host: a PlannerError naming the key, never a
+    ZeroDivisionError / TypeError inside the planner or a plan ranked on NaN costs."""
+    from dlrmctl.planner.types import PlannerError, load_topology_file, save_topology_file
+
+    p = tmp_path / "t.yaml"
+    save_topology_file(p, _calibrated_preset())
+    good = yaml.safe_load(p.read_text())
+    bad = [("ddr_bw_gbps", float("nan")), ("collective_us", float("inf")), ("intra_host_bw_gbps", 0),
+           ("inter_host_bw_gbps", 0.0), ("ddr_bw_gbps", 0), ("fused_efficiency", 0), ("dense_efficiency", -1.0),
+           ("hbm_gb", float("nan")), ("default_gpus_per_host", 1.5), ("default_gpus_per_host", 0),
+           ("default_gpus_per_host", True), ("source", 3)]
+    for key, value in bad:
+        p.write_text(yaml.safe_dump({**good, key: value}))
+        with pytest.raises(PlannerError, match=f"t.yaml: {key} must be"):
+            load_topology_file(p)
+    # zero device bandwidth is how a CPU preset says "no HBM"; on cuda it is a divisor
+    p.write_text(yaml.safe_dump({**good, "hbm_bw_gbps": 0.0}))
+    assert load_topology_file(p).hbm_bw_gbps == 0.0
+    p.write_text(yaml.safe_dump({**good, "compute_device": "cuda", "hbm_bw_gbps": 0.0}))
+    with pytest.raises(PlannerError, match="hbm_bw_gbps must be a finite number > 0"):
+        load_topology_file(p)
+    p.write_text(yaml.safe_dump({**good, "default_gpus_per_host": 4}))
+    assert load_topology_file(p).default_gpus_per_host == 4
