@@ -240,3 +240,24 @@ def test_a_topology_value_out_of_range_is_refused_before_planning(tmp_path):
         load_topology_file(p)
     p.write_text(yaml.safe_dump({**good, "default_gpus_per_host": 4}))
     assert load_topology_file(p).default_gpus_per_host == 4
+
+
+def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_path, monkeypatch):
+    """`plan --calibrate --out DIR` (even with --force) must not measure for a minute and then die in
+    os.replace; `plan --out DIR` / `--report DIR` must not die after planning.  Nothing is written."""
+    from dlrmctl.planner import calibrate as cal
+
+    measured = []
+    monkeypatch.setattr(cal, "calibrate", lambda log: measured.append(1) or (_calibrated_preset(), {}))
+    d = tmp_path / "dir"
+    d.mkdir()
+    for extra in ([], ["--force"]):
+        r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(d), *extra])
+        assert r.exit_code == 2 and "is a directory" in r.output, r.output
+    assert measured == [] and list(d.iterdir()) == []
+    cfg_path = write_config(tmp_path)
+    for args in (["--out", str(d), "--force"], ["--out", str(tmp_path / "p.yaml"), "--report", str(d)]):
+        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", *args])
+        assert r.exit_code == 2 and "is a directory" in r.output, r.output
+    assert list(d.iterdir()) == [] and not (tmp_path / "p.yaml").exists()
+    assert not [p.name for p in tmp_path.rglob("*") if ".tmp" in p.name]
