@@ -261,3 +261,34 @@ def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_pat
         assert r.exit_code == 2 and "is a directory" in r.output, r.output
     assert list(d.iterdir()) == [] and not (tmp_path / "p.yaml").exists()
     assert not [p.name for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, interaction):
+    """`embedding_dim: auto` made the planner's dense-parameter count do ``'auto' + int`` (TypeError in
+    `dlrmctl plan` and in every multi-rank `train` without a full plan).  The count now uses the
+    interaction width and adds the per-table projections: it equals the built model's dense parameters."""
+    from dlrmctl.config import read_data_meta
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.planner.planner import _count_dense_params, plan_for_config
+    from dlrmctl.train.factory import build_model
+
+    data = tmp_path / "d"
+    generate_synthetic(data, rows=400, seed=1, num_embeddings=[5, 300, 40000] + [60] * 23)
+    cfg = load_config(write_config(tmp_path, {
+        "name": "auto", "data": {"path": str(data)},
+        "model": {"embedding_dim": "auto", "embedding_dim_factor": 2.0, "dense_arch_layer_sizes": [32, 16],
+                  "over_arch_layer_sizes": [16, 1], "interaction": interaction, "dcn_num_layers": 1,
+                  "dcn_low_rank_dim": 8}}))
+    meta = read_data_meta(cfg)
+    tables = resolve_tables(cfg, meta)
+    assert len({t.embedding_dim for t in tables}) > 1 and max(t.embedding_dim for t in tables) <= 16
+    model = build_model(cfg, tables, len(meta["dense_features"]))
+    emb = {id(p) for p in model.sparse_arch.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in emb)
+    key_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+    assert _count_dense_params(cfg, len(key_dims), len(meta["dense_features"]), key_dims) == dense
+    plan = plan_for_config(cfg, 2, meta=meta)
+    plan.validate(tables, 2)
+    r = CliRunner().invoke(plan_cmd.app, [str(tmp_path / "exp.yaml"), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 0, r.output
