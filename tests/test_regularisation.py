@@ -175,8 +175,24 @@ def test_early_stopping_stops_after_patience_evaluations_without_improvement(dat
     assert ckpt.latest_checkpoint(str(run)).endswith("step_00000012")
     # resuming a run that stopped early trains no further
     _scripted_evaluate(monkeypatch, [])
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
     _train(data, tmp_path, "es", "--set", "train.early_stopping_patience=2", "--resume")
     assert json.loads((run / "summary.json").read_text())["steps"] == 12
+    # ... and writes no second copy of its last checkpoint (it used to add step_00000012.1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert ckpt.latest_checkpoint(str(run)).endswith("step_00000012")
+
+
+def test_resuming_a_finished_run_does_not_save_its_last_step_again(data, tmp_path):
+    _train(data, tmp_path, "done", "--set", "train.max_steps=4")
+    ckdir = tmp_path / "done" / "checkpoints"
+    before = sorted(p.name for p in ckdir.iterdir())
+    assert "step_00000004" in before
+    _train(data, tmp_path, "done", "--set", "train.max_steps=4", "--resume")
+    assert sorted(p.name for p in ckdir.iterdir()) == before
+    # a resume that trains on saves as before
+    _train(data, tmp_path, "done", "--set", "train.max_steps=6", "--resume")
+    assert ckpt.latest_checkpoint(str(tmp_path / "done")).endswith("step_00000006")
 
 
 def test_without_patience_the_same_run_trains_every_epoch(data, tmp_path, monkeypatch):

@@ -492,6 +492,11 @@ class Trainer:
         self.step, self.epoch, self.best = tr["step"], tr["epoch"], tr["best"]
         self._evals_since_best = int(tr.get("evals_since_best", 0))  # absent in checkpoints before early stopping
         self._batches_done = int(tr["data"]["batches_yielded"])
+        if os.path.realpath(path) == os.path.realpath(ckpt.latest_checkpoint(self.run_dir) or ""):
+            # the newest checkpoint IS this state: a resume with nothing left to train (a finished or
+            # early-stopped run) must not write it again as step_X.1 (the same on every rank: the
+            # path was resolved from the same files)
+            self._saved_step, self._saved_path = self.step, path
         log.info("resumed from %s (step %d, saved by %d rank(s))", path, self.step, saved["world_size"])
 
     # ---------------------------------------------------------------- run
