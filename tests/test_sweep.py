@@ -41,6 +41,17 @@ def test_ranking_puts_failed_points_last():
     assert [r["point"] for r in rank_rows(rows, "ne")] == ["c", "a"]
 
 
+def test_a_nan_metric_ranks_last_and_leaves_the_order_of_the_others():
+    # summary.json holds NaN for an undefined AUC (one-class val); NaN in the sort key scrambled the order
+    nan = float("nan")
+    rows = [{"point": "a", "auc": 0.7}, {"point": "b", "auc": nan}, {"point": "c", "auc": 0.8},
+            {"point": "d", "auc": 0.75}, {"point": "e"}]
+    assert [r["point"] for r in rank_rows(rows, "auc")] == ["c", "d", "a", "b", "e"]
+    rows = [{"point": "a", "ne": nan}, {"point": "b", "ne": 0.9}, {"point": "c", "ne": float("inf")},
+            {"point": "d", "ne": 0.8}]
+    assert [r["point"] for r in rank_rows(rows, "ne")] == ["d", "b", "c", "a"]
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     from dlrmctl.data.synthetic import generate_synthetic

@@ -132,9 +132,13 @@ def read_point(run_dir: str) -> dict | None:
 
 def rank_rows(rows: list[dict], metric: str) -> list[dict]:
     """Rows sorted best first on ``metric`` (``auc``: highest; ``ne`` / ``logloss``: lowest);
-    rows without the metric (failed points) last, in grid order."""
-    ok = [r for r in rows if isinstance(r.get(metric), (int, float))]
-    bad = [r for r in rows if not isinstance(r.get(metric), (int, float))]
+    rows without the metric (failed points) or with a NaN one (an undefined score, e.g. a validation
+    split of one class) last, in grid order: NaN compares false both ways and would scramble the sort."""
+    def ranked(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+    ok = [r for r in rows if ranked(r.get(metric))]
+    bad = [r for r in rows if not ranked(r.get(metric))]
     ok.sort(key=lambda r: -r[metric] if metric == "auc" else r[metric])
     return ok + bad
 
