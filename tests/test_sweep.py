@@ -32,6 +32,9 @@ def test_grid_is_the_product_first_key_slowest():
         parse_grid(["a=1", "a=2"])
     with pytest.raises(ValueError, match="expected KEY=V1,V2"):
         parse_grid(["model.dropout"])
+    # the same value twice would train the same point twice
+    with pytest.raises(ValueError, match=r"--grid model.dropout: value\(s\) \['0.1'\] given twice"):
+        parse_grid(["model.dropout=0.1, 0.1,0.2"])
 
 
 def test_ranking_puts_failed_points_last():

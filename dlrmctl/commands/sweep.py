@@ -79,8 +79,8 @@ def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
     """``["model.dropout=0,0.1", ...]`` -> ``[("model.dropout", ["0", "0.1"]), ...]``.
 
     Raises:
-        ValueError: no ``=``, an empty key, a key given twice, a key of :data:`RESERVED_KEYS`, or bad
-            values (names the entry).
+        ValueError: no ``=``, an empty key, a key given twice, a key of :data:`RESERVED_KEYS`, a value
+            given twice for one key, or bad values (names the entry).
     """
     out: list[tuple[str, list[str]]] = []
     for g in grid:
@@ -93,9 +93,13 @@ def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
         if key in RESERVED_KEYS:
             raise ValueError(f"--grid {key}: {RESERVED_KEYS[key]}")
         try:
-            out.append((key, split_values(vals)))
+            values = split_values(vals)
         except ValueError as e:
             raise ValueError(f"--grid {key}: {e}") from None
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ValueError(f"--grid {key}: value(s) {twice} given twice (the points would be the same run)")
+        out.append((key, values))
     return out
 
 
