@@ -255,6 +255,10 @@ def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_pat
         r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(d), *extra])
         assert r.exit_code == 2 and "is a directory" in r.output, r.output
     assert measured == [] and list(d.iterdir()) == []
+    # a --out in a directory that does not exist yet: made (before measuring), as plan --out does
+    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(tmp_path / "new" / "sub" / "t.yaml")])
+    assert r.exit_code == 0 and (tmp_path / "new" / "sub" / "t.yaml").exists(), r.output
+    measured.clear()
     cfg_path = write_config(tmp_path)
     for args in (["--out", str(d), "--force"], ["--out", str(tmp_path / "p.yaml"), "--report", str(d)]):
         r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", *args])

@@ -149,6 +149,10 @@ def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[P
              f"--out {show_path(out / 'topology.yaml')}")
     if out.exists() and not force:
         fail(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+    try:  # the file's directory, made before the measurements (as `plan --out` makes the plan's)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except OSError as e:
+        fail(f"--out {show_path(out)}: cannot create its directory ({e.strerror})")
     from dlrmctl.planner.calibrate import TIME_BUDGET_S, calibrate
     from dlrmctl.planner.types import save_topology_file
 
