@@ -3,6 +3,7 @@ best checkpoint) and model.embedding_dim: auto (the documented k * n^0.25 widths
 the common width)."""
 
 import json
+import os
 import math
 
 import pytest
@@ -217,3 +218,26 @@ def test_early_stopping_needs_a_keep_best_metric():
         config_from_dict({"train": {"early_stopping_patience": 2, "keep_best": "none"}})
     with pytest.raises(ConfigError, match="train.early_stopping_patience: must be >= 0"):
         config_from_dict({"train": {"early_stopping_patience": -1}})
+
+
+def test_summary_json_is_replaced_whole_or_kept(data, tmp_path, monkeypatch):
+    """summary.json was opened "w" and then dumped: a failure mid-write (disk full, a value json cannot
+    write) left the previous run's summary truncated.  Now a temp file is renamed over it."""
+    import dlrmctl.train.checkpoint as ck
+
+    _train(data, tmp_path, "sj", "--set", "train.max_steps=2")
+    p = tmp_path / "sj" / "summary.json"
+    before = p.read_text()
+    real = ck._atomic_write_text
+
+    def failing(path, text):
+        if path.endswith("summary.json"):
+            with open(f"{path}.tmp.{os.getpid()}", "w") as f:
+                f.write(text[:10])
+            raise OSError(28, "No space left on device")
+        return real(path, text)
+
+    monkeypatch.setattr(ck, "_atomic_write_text", failing)
+    with pytest.raises(OSError, match="No space left"):
+        _train(data, tmp_path, "sj", "--set", "train.max_steps=4", "--resume")
+    assert p.read_text() == before and json.loads(before)["steps"] == 2

@@ -629,8 +629,10 @@ class Trainer:
         summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed,
                    "early_stopped": stopped}
         if self.env.is_main:
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-                json.dump({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, f, indent=1)
+            # a temp file renamed over it: a resumed run's previous summary (what `dlrmctl sweep` ranks)
+            # is replaced whole or kept, never left truncated
+            text = json.dumps({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, indent=1)
+            ckpt._atomic_write_text(os.path.join(self.run_dir, "summary.json"), text)
             b, kb = self.best, self.cfg.train.keep_best
             what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
             kept = ", kept as checkpoint 'best'" if kb != "none" else ""
