@@ -189,8 +189,15 @@ def test_resuming_a_finished_run_does_not_save_its_last_step_again(data, tmp_pat
     ckdir = tmp_path / "done" / "checkpoints"
     before = sorted(p.name for p in ckdir.iterdir())
     assert "step_00000004" in before
+    evals = [x for x in open(tmp_path / "done" / "metrics.jsonl") if '"eval"' in x]
+    final = json.loads((tmp_path / "done" / "summary.json").read_text())["final"]
     _train(data, tmp_path, "done", "--set", "train.max_steps=4", "--resume")
     assert sorted(p.name for p in ckdir.iterdir()) == before
+    # ... nor evaluates that step again (a second eval record of step 4 in metrics.jsonl); its summary's
+    # final metrics are the ones the checkpoint recorded
+    assert [x for x in open(tmp_path / "done" / "metrics.jsonl") if '"eval"' in x] == evals
+    again = json.loads((tmp_path / "done" / "summary.json").read_text())["final"]
+    assert again["auc"] == final["auc"] and again["num_samples"] == final["num_samples"]
     # a resume that trains on saves as before
     _train(data, tmp_path, "done", "--set", "train.max_steps=6", "--resume")
     assert ckpt.latest_checkpoint(str(tmp_path / "done")).endswith("step_00000006")

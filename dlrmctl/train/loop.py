@@ -189,6 +189,8 @@ class Trainer:
         self._last_eval: dict[str, Any] | None = None
         self._saved_step = -1
         self._resume_from = checkpoint
+        #: the validation metrics the restored checkpoint recorded at its own step (None: none / other split)
+        self._restored_eval: dict[str, Any] | None = None
         self._metrics_f = None
         self._tb = None
         if resume:
@@ -497,6 +499,9 @@ class Trainer:
             # early-stopped run) must not write it again as step_X.1 (the same on every rank: the
             # path was resolved from the same files)
             self._saved_step, self._saved_path = self.step, path
+        ev = ckpt.load_checkpoint_meta(path).get("eval")
+        if isinstance(ev, dict) and ev.get("step") == self.step and ev.get("split") == self.cfg.data.val_split:
+            self._restored_eval = {k: v for k, v in ev.items() if k not in ("step", "split")}
         log.info("resumed from %s (step %d, saved by %d rank(s))", path, self.step, saved["world_size"])
 
     # ---------------------------------------------------------------- run
@@ -557,6 +562,8 @@ class Trainer:
         sparse_dist = self.model.sparse_input_dist if self.env.sharded else None
         pipe = make_pipeline(cfg.pipeline, self.device, self._run_step, sparse_dist)
         stopped = self.should_stop()  # resuming a run that stopped early: nothing more to train
+        if self._restored_eval is not None:  # this step was evaluated before the checkpoint: not again
+            last_eval_step, final = self.step, dict(self._restored_eval)
         while (not stopped and self.epoch < cfg.epochs
                and (cfg.max_steps is None or self.step < cfg.max_steps)):
             if self.train_loader.epoch != self.epoch:
