@@ -640,6 +640,12 @@ def validate(cfg: ExperimentConfig) -> None:
     if it == "dcn":
         pos(cfg.model.dcn_num_layers, "model.dcn_num_layers")
         pos(cfg.model.dcn_low_rank_dim, "model.dcn_low_rank_dim")
+    for tname, ts in cfg.sharding.tables.items():
+        p = f"sharding.tables.{tname}"
+        if ts.column_sizes is not None and (not ts.column_sizes or any(c < 1 for c in ts.column_sizes)):
+            raise ConfigError(f"{p}.column_sizes: every column shard needs a width >= 1, got {ts.column_sizes}")
+        if ts.ranks is not None and any(r < 0 for r in ts.ranks):
+            raise ConfigError(f"{p}.ranks: ranks are >= 0, got {ts.ranks}")
     if cfg.model.tables:
         for tname in cfg.sharding.tables:
             if tname not in names:

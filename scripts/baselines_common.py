@@ -25,6 +25,33 @@ from dlrmctl.train.metrics import compute_metrics_from_logits  # noqa: E402
 DEFAULT_CS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
+def parse_args_and_run(parser, argv, run):
+    """The baselines scripts' ``main``: parse ``argv`` (``data_dir``, ``--val-split``, ``--test-split``,
+    ``--C``, ``--seed``), call ``run(data_dir, val_split, test_split, cs, seed)`` and return its result.
+
+    A bad ``--C`` (not numbers, none, a value not finite and > 0), ``--test-split`` equal to
+    ``--val-split`` (the split C is chosen on would be reported as the held-out result), a missing
+    directory or split, or a single-class train split end the program with the usage line and a
+    one-line message (exit status 2), not a traceback.
+    """
+    from dlrmctl.data.columnar import DataError
+
+    a = parser.parse_args(argv)
+    try:
+        cs = tuple(float(c) for c in a.C.split(",") if c.strip())
+    except ValueError:
+        parser.error(f"--C: expected comma-separated numbers, got {a.C!r}")
+    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
+        parser.error(f"--C: expected finite numbers > 0 (inverse L2 strengths), got {a.C!r}")
+    if a.val_split == a.test_split:
+        parser.error(f"--test-split {a.test_split!r} is the split C is chosen on (--val-split): the test result "
+                     "must come from rows no choice was made on")
+    try:
+        return run(a.data_dir, a.val_split, a.test_split, cs, a.seed)
+    except (DataError, ValueError) as e:
+        parser.error(str(e))
+
+
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     """ROC AUC of ``scores [n]`` (any real scores) for binary ``labels [n]``; ties count 1/2.
 

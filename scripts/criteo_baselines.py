@@ -75,13 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--C", default=",".join(f"{c:g}" for c in bc.DEFAULT_CS),
                    help="comma-separated inverse L2 strengths to try")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
-    try:
-        cs = tuple(float(c) for c in a.C.split(",") if c.strip())
-    except ValueError:
-        p.error(f"--C: expected comma-separated numbers, got {a.C!r}")
     t0 = time.perf_counter()
-    res = run(a.data_dir, a.val_split, a.test_split, cs, a.seed)
+    res = bc.parse_args_and_run(p, argv, run)
     print(f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     return res
 

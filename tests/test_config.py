@@ -73,3 +73,16 @@ def test_shuffle_defaults_are_the_loaders():
 
     assert DataConfig().shuffle_window_rows == DEFAULT_SHUFFLE_WINDOW_ROWS == 262_144
     assert DataConfig().shuffle_block_rows == DEFAULT_SHUFFLE_BLOCK_ROWS == 8_192
+
+
+@pytest.mark.parametrize("table, match", [
+    ({"sharding_type": "column_wise", "column_sizes": [16, 0], "ranks": [0, 1]}, r"t\.column_sizes: every column shard"),
+    ({"sharding_type": "column_wise", "column_sizes": [-4, 20], "ranks": [0, 1]}, r"t\.column_sizes: every column shard"),
+    ({"sharding_type": "column_wise", "column_sizes": []}, r"t\.column_sizes: every column shard"),
+    ({"sharding_type": "table_wise", "ranks": [-1]}, r"t\.ranks: ranks are >= 0"),
+])
+def test_hand_given_shard_widths_and_ranks_are_checked_at_load(table, match):
+    """A zero-width or negative column shard (or a negative rank) was accepted by the config and refused
+    only after the ranks were launched."""
+    with pytest.raises(ConfigError, match=r"sharding\.tables\." + match):
+        config_from_dict({"sharding": {"tables": {"t": table}}})

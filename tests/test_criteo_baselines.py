@@ -70,3 +70,30 @@ def test_design_matrix_one_hot_columns_and_bad_ids():
 
 
 _script()  # puts scripts/ on sys.path for baselines_common
+
+
+@pytest.mark.parametrize("script", ["criteo_baselines.py", "movielens_baselines.py"])
+@pytest.mark.parametrize("args, msg", [
+    (["--C", "0"], "--C: expected finite numbers > 0"), (["--C", "nan"], "--C: expected finite numbers > 0"),
+    (["--C", ","], "--C: expected finite numbers > 0"), (["--C", "abc"], "--C: expected comma-separated numbers"),
+    (["--test-split", "val"], "--test-split 'val' is the split C is chosen on"),
+    (["--val-split", "nope"], "unknown split 'nope'"),
+])
+def test_bad_arguments_are_a_usage_error_not_a_traceback(tmp_path, capsys, script, args, msg):
+    """--C 0 / nan / empty was a ValueError or scikit-learn traceback, a missing split a DataError
+    traceback, and --test-split equal to --val-split reported the split C was chosen on as test."""
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path / "d", rows=300, seed=0, num_embeddings=[7] * 26)
+    spec = importlib.util.spec_from_file_location(script[:-3], REPO / "scripts" / script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main([str(tmp_path / "d"), *args])
+    err = capsys.readouterr().err
+    if script.startswith("movielens") and args[0] == "--val-split":  # synthetic data is refused first, cleanly
+        msg = "not `dlrmctl preprocess movielens` output"
+    assert e.value.code == 2 and msg in err, err
+    with pytest.raises(SystemExit) as e:
+        mod.main([str(tmp_path / "absent")])
+    assert e.value.code == 2 and "meta.json: not found" in capsys.readouterr().err

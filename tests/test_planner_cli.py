@@ -204,7 +204,7 @@ def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
     p = tmp_path / "t.yaml"
     save_topology_file(p, _calibrated_preset())
     good = yaml.safe_load(p.read_text())
-    for change, msg in [({"ddr_bw_gbps": "fast"}, "ddr_bw_gbps must be a number"),
+    for change, msg in [({"ddr_bw_gbps": "fast"}, "ddr_bw_gbps must be a finite number > 0"),
                         ({"colective_us": 1.0}, "unknown key(s) ['colective_us']"),
                         ({"compute_device": "tpu"}, "compute_device must be cuda or cpu")]:
         p.write_text(yaml.safe_dump({**good, **change}))
@@ -213,3 +213,86 @@ def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
     p.write_text(yaml.safe_dump({k: v for k, v in good.items() if k != "intra_host_bw_gbps"}))
     with pytest.raises(PlannerError, match=r"missing key\(s\) \['intra_host_bw_gbps'\]"):
         load_topology_file(p)
+
+
+def test_a_topology_value_out_of_range_is_refused_before_planning(tmp_path):
+    """NaN / inf anywhere, a zero bandwidth or kernel efficiency (the planner divides by them), a
+    fractional or zero default_gpus_per_host: a PlannerError naming the key, never a
+    ZeroDivisionError / TypeError inside the planner or a plan ranked on NaN costs."""
+    from dlrmctl.planner.types import PlannerError, load_topology_file, save_topology_file
+
+    p = tmp_path / "t.yaml"
+    save_topology_file(p, _calibrated_preset())
+    good = yaml.safe_load(p.read_text())
+    bad = [("ddr_bw_gbps", float("nan")), ("collective_us", float("inf")), ("intra_host_bw_gbps", 0),
+           ("inter_host_bw_gbps", 0.0), ("ddr_bw_gbps", 0), ("fused_efficiency", 0), ("dense_efficiency", -1.0),
+           ("hbm_gb", float("nan")), ("default_gpus_per_host", 1.5), ("default_gpus_per_host", 0),
+           ("default_gpus_per_host", True), ("source", 3)]
+    for key, value in bad:
+        p.write_text(yaml.safe_dump({**good, key: value}))
+        with pytest.raises(PlannerError, match=f"t.yaml: {key} must be"):
+            load_topology_file(p)
+    # zero device bandwidth is how a CPU preset says "no HBM"; on cuda it is a divisor
+    p.write_text(yaml.safe_dump({**good, "hbm_bw_gbps": 0.0}))
+    assert load_topology_file(p).hbm_bw_gbps == 0.0
+    p.write_text(yaml.safe_dump({**good, "compute_device": "cuda", "hbm_bw_gbps": 0.0}))
+    with pytest.raises(PlannerError, match="hbm_bw_gbps must be a finite number > 0"):
+        load_topology_file(p)
+    p.write_text(yaml.safe_dump({**good, "default_gpus_per_host": 4}))
+    assert load_topology_file(p).default_gpus_per_host == 4
+
+
+def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_path, monkeypatch):
+    """`plan --calibrate --out DIR` (even with --force) must not measure for a minute and then die in
+    os.replace; `plan --out DIR` / `--report DIR` must not die after planning.  Nothing is written."""
+    from dlrmctl.planner import calibrate as cal
+
+    measured = []
+    monkeypatch.setattr(cal, "calibrate", lambda log: measured.append(1) or (_calibrated_preset(), {}))
+    d = tmp_path / "dir"
+    d.mkdir()
+    for extra in ([], ["--force"]):
+        r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(d), *extra])
+        assert r.exit_code == 2 and "is a directory" in r.output, r.output
+    assert measured == [] and list(d.iterdir()) == []
+    # a --out in a directory that does not exist yet: made (before measuring), as plan --out does
+    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(tmp_path / "new" / "sub" / "t.yaml")])
+    assert r.exit_code == 0 and (tmp_path / "new" / "sub" / "t.yaml").exists(), r.output
+    measured.clear()
+    cfg_path = write_config(tmp_path)
+    for args in (["--out", str(d), "--force"], ["--out", str(tmp_path / "p.yaml"), "--report", str(d)]):
+        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", *args])
+        assert r.exit_code == 2 and "is a directory" in r.output, r.output
+    assert list(d.iterdir()) == [] and not (tmp_path / "p.yaml").exists()
+    assert not [p.name for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, interaction):
+    """`embedding_dim: auto` made the planner's dense-parameter count do ``'auto' + int`` (TypeError in
+    `dlrmctl plan` and in every multi-rank `train` without a full plan).  The count now uses the
+    interaction width and adds the per-table projections: it equals the built model's dense parameters."""
+    from dlrmctl.config import read_data_meta
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.planner.planner import _count_dense_params, plan_for_config
+    from dlrmctl.train.factory import build_model
+
+    data = tmp_path / "d"
+    generate_synthetic(data, rows=400, seed=1, num_embeddings=[5, 300, 40000] + [60] * 23)
+    cfg = load_config(write_config(tmp_path, {
+        "name": "auto", "data": {"path": str(data)},
+        "model": {"embedding_dim": "auto", "embedding_dim_factor": 2.0, "dense_arch_layer_sizes": [32, 16],
+                  "over_arch_layer_sizes": [16, 1], "interaction": interaction, "dcn_num_layers": 1,
+                  "dcn_low_rank_dim": 8}}))
+    meta = read_data_meta(cfg)
+    tables = resolve_tables(cfg, meta)
+    assert len({t.embedding_dim for t in tables}) > 1 and max(t.embedding_dim for t in tables) <= 16
+    model = build_model(cfg, tables, len(meta["dense_features"]))
+    emb = {id(p) for p in model.sparse_arch.parameters()}
+    dense = sum(p.numel() for p in model.parameters() if id(p) not in emb)
+    key_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+    assert _count_dense_params(cfg, len(key_dims), len(meta["dense_features"]), key_dims) == dense
+    plan = plan_for_config(cfg, 2, meta=meta)
+    plan.validate(tables, 2)
+    r = CliRunner().invoke(plan_cmd.app, [str(tmp_path / "exp.yaml"), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 0, r.output

@@ -3,6 +3,7 @@ best checkpoint) and model.embedding_dim: auto (the documented k * n^0.25 widths
 the common width)."""
 
 import json
+import os
 import math
 
 import pytest
@@ -205,8 +206,31 @@ def test_early_stopping_stops_after_patience_evaluations_without_improvement(dat
     assert ckpt.latest_checkpoint(str(run)).endswith("step_00000012")
     # resuming a run that stopped early trains no further
     _scripted_evaluate(monkeypatch, [])
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
     _train(data, tmp_path, "es", "--set", "train.early_stopping_patience=2", "--resume")
     assert json.loads((run / "summary.json").read_text())["steps"] == 12
+    # ... and writes no second copy of its last checkpoint (it used to add step_00000012.1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+    assert ckpt.latest_checkpoint(str(run)).endswith("step_00000012")
+
+
+def test_resuming_a_finished_run_does_not_save_its_last_step_again(data, tmp_path):
+    _train(data, tmp_path, "done", "--set", "train.max_steps=4")
+    ckdir = tmp_path / "done" / "checkpoints"
+    before = sorted(p.name for p in ckdir.iterdir())
+    assert "step_00000004" in before
+    evals = [x for x in open(tmp_path / "done" / "metrics.jsonl") if '"eval"' in x]
+    final = json.loads((tmp_path / "done" / "summary.json").read_text())["final"]
+    _train(data, tmp_path, "done", "--set", "train.max_steps=4", "--resume")
+    assert sorted(p.name for p in ckdir.iterdir()) == before
+    # ... nor evaluates that step again (a second eval record of step 4 in metrics.jsonl); its summary's
+    # final metrics are the ones the checkpoint recorded
+    assert [x for x in open(tmp_path / "done" / "metrics.jsonl") if '"eval"' in x] == evals
+    again = json.loads((tmp_path / "done" / "summary.json").read_text())["final"]
+    assert again["auc"] == final["auc"] and again["num_samples"] == final["num_samples"]
+    # a resume that trains on saves as before
+    _train(data, tmp_path, "done", "--set", "train.max_steps=6", "--resume")
+    assert ckpt.latest_checkpoint(str(tmp_path / "done")).endswith("step_00000006")
 
 
 def test_without_patience_the_same_run_trains_every_epoch(data, tmp_path, monkeypatch):
@@ -251,3 +275,26 @@ def test_auto_dims_plan_and_count_the_dense_part_as_built(interaction, first_ord
         assert counted == built
     res = plan_config(cfg, Topology.from_preset("cpu", 2), meta)
     assert set(res.plan.plan) == {t.name for t in tables}
+
+
+def test_summary_json_is_replaced_whole_or_kept(data, tmp_path, monkeypatch):
+    """summary.json was opened "w" and then dumped: a failure mid-write (disk full, a value json cannot
+    write) left the previous run's summary truncated.  Now a temp file is renamed over it."""
+    import dlrmctl.train.checkpoint as ck
+
+    _train(data, tmp_path, "sj", "--set", "train.max_steps=2")
+    p = tmp_path / "sj" / "summary.json"
+    before = p.read_text()
+    real = ck._atomic_write_text
+
+    def failing(path, text):
+        if path.endswith("summary.json"):
+            with open(f"{path}.tmp.{os.getpid()}", "w") as f:
+                f.write(text[:10])
+            raise OSError(28, "No space left on device")
+        return real(path, text)
+
+    monkeypatch.setattr(ck, "_atomic_write_text", failing)
+    with pytest.raises(OSError, match="No space left"):
+        _train(data, tmp_path, "sj", "--set", "train.max_steps=4", "--resume")
+    assert p.read_text() == before and json.loads(before)["steps"] == 2

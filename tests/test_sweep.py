@@ -32,6 +32,9 @@ def test_grid_is_the_product_first_key_slowest():
         parse_grid(["a=1", "a=2"])
     with pytest.raises(ValueError, match="expected KEY=V1,V2"):
         parse_grid(["model.dropout"])
+    # the same value twice would train the same point twice
+    with pytest.raises(ValueError, match=r"--grid model.dropout: value\(s\) \['0.1'\] given twice"):
+        parse_grid(["model.dropout=0.1, 0.1,0.2"])
 
 
 def test_ranking_puts_failed_points_last():
@@ -39,6 +42,17 @@ def test_ranking_puts_failed_points_last():
     assert [r["point"] for r in rank_rows(rows, "auc")] == ["c", "a", "b"]
     rows = [{"point": "a", "ne": 0.9}, {"point": "c", "ne": 0.8}]
     assert [r["point"] for r in rank_rows(rows, "ne")] == ["c", "a"]
+
+
+def test_a_nan_metric_ranks_last_and_leaves_the_order_of_the_others():
+    # summary.json holds NaN for an undefined AUC (one-class val); NaN in the sort key scrambled the order
+    nan = float("nan")
+    rows = [{"point": "a", "auc": 0.7}, {"point": "b", "auc": nan}, {"point": "c", "auc": 0.8},
+            {"point": "d", "auc": 0.75}, {"point": "e"}]
+    assert [r["point"] for r in rank_rows(rows, "auc")] == ["c", "d", "a", "b", "e"]
+    rows = [{"point": "a", "ne": nan}, {"point": "b", "ne": 0.9}, {"point": "c", "ne": float("inf")},
+            {"point": "d", "ne": 0.8}]
+    assert [r["point"] for r in rank_rows(rows, "ne")] == ["d", "b", "c", "a"]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +105,46 @@ def test_a_bad_grid_value_fails_before_any_training(data, tmp_path):
     r = _sweep(data, tmp_path, "--grid", "model.dropout=0,1.5")
     assert r.exit_code == 2 and "grid point p001-dropout=1.5" in r.output and "model.dropout: must be in" in r.output
     assert not (tmp_path / "grid").exists()
+
+
+def test_keys_the_sweep_sets_itself_cannot_be_gridded(data, tmp_path):
+    """A grid over name / train.run_dir / train.progress was silently overridden by the sweep (all points
+    the same run); over train.keep_best the points would be ranked on a metric they were not selected on."""
+    from dlrmctl.commands.sweep import RESERVED_KEYS
+
+    for key in RESERVED_KEYS:
+        with pytest.raises(ValueError, match=f"--grid {key}: "):
+            parse_grid([f"{key}=a,b"])
+    r = _sweep(data, tmp_path, "--grid", "name=a,b")
+    assert r.exit_code == 2 and "--grid name: the sweep names each point" in r.output
+    r = _sweep(data, tmp_path, "--grid", f"train.run_dir={tmp_path}/x,{tmp_path}/y")
+    assert r.exit_code == 2 and "--grid train.run_dir" in r.output
+    assert not (tmp_path / "grid").exists() and not (tmp_path / "x").exists()
+
+
+def test_sweep_name_is_one_directory_under_run_dir(data, tmp_path):
+    """--name .. wrote the points and sweep.csv into train.run_dir's parent; --name '' silently fell back
+    to the config's name."""
+    runs = tmp_path / "runs"
+    for bad in ("..", ".", "", "a/b"):
+        args = ["sweep", "configs/demo.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={runs}",
+                "--grid", "model.dropout=0", "--name", bad]
+        r = runner.invoke(app, args, catch_exceptions=False)
+        assert r.exit_code == 2 and "--name: must be one directory name" in r.output, (bad, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_more_jobs_than_points_and_a_name_with_spaces(data, tmp_path):
+    """--jobs larger than the grid runs the points (as many at once as there are) and the printed
+    `dlrmctl evaluate` hint is quoted for the shell."""
+    import shlex
+
+    args = ["sweep", "configs/demo.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={tmp_path}",
+            "--set", "data.batch_size=256", "--set", "train.max_steps=2", "--set", "model.compute_kernel=dense",
+            "--grid", "model.dropout=0", "--jobs", "4", "--name", "my sweep"]
+    r = runner.invoke(app, args, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "1 point(s) of model.dropout (1), 1 at a time" in r.output
+    hint = r.output.split("dlrmctl evaluate ", 1)[1].split(" --split test")[0]
+    assert shlex.split(hint) == [str(tmp_path / "my sweep" / "p000-dropout=0")]
+    assert (tmp_path / "my sweep" / "sweep.csv").exists()

@@ -94,6 +94,10 @@ def plan_command(
         cfg = load_config(config, set_ or [])
         meta = read_data_meta(cfg)
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
+        for opt, p in (("--out", out), ("--report", rpath)):
+            if p.is_dir():
+                raise ValueError(f"{opt} {show_path(p)} is a directory; give a file path, e.g. "
+                                 f"{opt} {show_path(p / ('plan.yaml' if opt == '--out' else 'plan_report.txt'))}")
         if out.exists() and not force:
             raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
         topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
@@ -140,8 +144,15 @@ def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[P
     if config is not None or gpus is not None or topology is not None or device is not None:
         fail("--calibrate measures this machine: it takes no config, --gpus, --device or --topology "
              "(then plan with --topology FILE)")
+    if out.is_dir():  # checked before the measurements, not when writing after them
+        fail(f"--out {show_path(out)} is a directory; give the topology file's path, e.g. "
+             f"--out {show_path(out / 'topology.yaml')}")
     if out.exists() and not force:
         fail(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+    try:  # the file's directory, made before the measurements (as `plan --out` makes the plan's)
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except OSError as e:
+        fail(f"--out {show_path(out)}: cannot create its directory ({e.strerror})")
     from dlrmctl.planner.calibrate import TIME_BUDGET_S, calibrate
     from dlrmctl.planner.types import save_topology_file
 

@@ -5,7 +5,10 @@ interpreter: no state leaks between points) with its own run directory
 ``<train.run_dir>/<name>/<point>`` (``<name>``: ``--name``, default ``<config name>_sweep``); its
 console output goes to ``<train.run_dir>/<name>/logs/<point>.log``.
 The points run one after another, or ``--jobs N`` at a time (each then gets
-``max(1, CPUs // N)`` OpenMP threads unless ``OMP_NUM_THREADS`` is set).
+``max(1, CPUs // N)`` OpenMP threads unless ``OMP_NUM_THREADS`` is set; N is capped at the
+number of points).  ``--name`` is one directory name.  The keys the sweep sets for every point
+(``name``, ``train.run_dir``, ``train.progress``) and ``train.keep_best`` (the ranking metric) cannot
+be gridded (:data:`RESERVED_KEYS`).
 
 The summary reads each run's ``summary.json`` (its best validation evaluation, the one
 ``train.keep_best`` keeps) and is written as ``sweep.csv`` and ``sweep.md`` next to the
@@ -22,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -34,6 +38,15 @@ from dlrmctl.commands._common import echo, fail, show_path
 
 #: metrics of the best validation evaluation copied into the summary, in column order
 SUMMARY_METRICS = ("auc", "logloss", "ne", "calibration")
+
+#: keys a grid may not vary, and why: the sweep sets the first three for every point itself
+#: (a grid over them would give identical points), and ranks all points on one metric
+RESERVED_KEYS = {
+    "name": "the sweep names each point's run itself (p<index>-...); use --name for the sweep's directory",
+    "train.run_dir": "the sweep puts every point under <train.run_dir>/<sweep name>; set it once with --set",
+    "train.progress": "the sweep turns progress off for every point (their output goes to logs/)",
+    "train.keep_best": "the points are ranked on one metric (the config's train.keep_best); set it once with --set",
+}
 
 
 def split_values(text: str) -> list[str]:
@@ -67,7 +80,8 @@ def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
     """``["model.dropout=0,0.1", ...]`` -> ``[("model.dropout", ["0", "0.1"]), ...]``.
 
     Raises:
-        ValueError: no ``=``, an empty key, a key given twice, or bad values (names the entry).
+        ValueError: no ``=``, an empty key, a key given twice, a key of :data:`RESERVED_KEYS`, a value
+            given twice for one key, or bad values (names the entry).
     """
     out: list[tuple[str, list[str]]] = []
     for g in grid:
@@ -77,10 +91,16 @@ def parse_grid(grid: list[str]) -> list[tuple[str, list[str]]]:
             raise ValueError(f"--grid {g!r}: expected KEY=V1,V2,..., e.g. model.dropout=0,0.1")
         if key in (k for k, _ in out):
             raise ValueError(f"--grid {key}: given twice")
+        if key in RESERVED_KEYS:
+            raise ValueError(f"--grid {key}: {RESERVED_KEYS[key]}")
         try:
-            out.append((key, split_values(vals)))
+            values = split_values(vals)
         except ValueError as e:
             raise ValueError(f"--grid {key}: {e}") from None
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ValueError(f"--grid {key}: value(s) {twice} given twice (the points would be the same run)")
+        out.append((key, values))
     return out
 
 
@@ -117,9 +137,13 @@ def read_point(run_dir: str) -> dict | None:
 
 def rank_rows(rows: list[dict], metric: str) -> list[dict]:
     """Rows sorted best first on ``metric`` (``auc``: highest; ``ne`` / ``logloss``: lowest);
-    rows without the metric (failed points) last, in grid order."""
-    ok = [r for r in rows if isinstance(r.get(metric), (int, float))]
-    bad = [r for r in rows if not isinstance(r.get(metric), (int, float))]
+    rows without the metric (failed points) or with a NaN one (an undefined score, e.g. a validation
+    split of one class) last, in grid order: NaN compares false both ways and would scramble the sort."""
+    def ranked(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+    ok = [r for r in rows if ranked(r.get(metric))]
+    bad = [r for r in rows if not ranked(r.get(metric))]
     ok.sort(key=lambda r: -r[metric] if metric == "auc" else r[metric])
     return ok + bad
 
@@ -172,6 +196,8 @@ def sweep(
 
     if jobs < 1:
         fail(f"--jobs: must be >= 1, got {jobs}")
+    if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
+        fail(f"--name: must be one directory name (the sweep is train.run_dir/<name>), got {name!r}")
     try:
         parsed = parse_grid(grid)
         base = load_config(config, set_)
@@ -195,6 +221,7 @@ def sweep(
         runs.append((pname, assignment, overrides, run_dir))
     os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
     env = dict(os.environ)
+    jobs = min(jobs, len(runs))  # no idle workers: the threads per point come from the points run at once
     if jobs > 1 and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     echo(f"sweep {sweep_name}: {len(runs)} point(s) of {' x '.join(f'{k} ({len(v)})' for k, v in parsed)}, "
@@ -224,8 +251,11 @@ def sweep(
     ranked = rank_rows(rows, metric)
     csv_path, md = write_summary(sweep_dir, ranked, [k for k, _ in parsed], metric)
     echo(md.rstrip("\n"))
-    echo(f"wrote {show_path(csv_path)} and sweep.md; evaluate the chosen point once on test: "
-         f"dlrmctl evaluate {show_path(os.path.join(sweep_dir, ranked[0]['point']))} --split test")
+    if ranked[0]["status"] == "ok":
+        echo(f"wrote {show_path(csv_path)} and sweep.md; evaluate the chosen point once on test: "
+             f"dlrmctl evaluate {shlex.quote(show_path(os.path.join(sweep_dir, ranked[0]['point'])))} --split test")
+    else:
+        echo(f"wrote {show_path(csv_path)} and sweep.md")
     failed = [r["point"] for r in rows if r["status"] != "ok"]
     if failed:
         fail(f"{len(failed)} of {len(rows)} point(s) failed: {', '.join(failed)}", code=1)

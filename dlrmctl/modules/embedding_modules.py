@@ -923,22 +923,20 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
             opk = features.offset_per_key()
             for i in self._dense_members:
                 cfg, rows, cols, _, _ = self._shards[i]
-                outs = []
-                for j in range(len(cfg.feature_names)):
-                    k = self._key_start[i] + j
-                    if rows == 0:  # an empty row shard holds no weights
-                        outs.append(torch.zeros(B, cols, device=values.device))
-                        continue
-                    # also for a key with no ids (zero-size batch, all bags empty): zeros that stay
-                    # connected to the table, so backward runs and leaves every row unchanged
-                    s0, s1 = opk[k], opk[k + 1]
-                    offs = offsets[k * B : (k + 1) * B + 1] - s0
-                    outs.append(
-                        self.dense_tables[cfg.name](
-                            values[s0:s1], offs, None if weights is None else weights[s0:s1]
-                        )
-                    )
-                parts[i] = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+                n = len(cfg.feature_names)
+                if rows == 0:  # an empty row shard holds no weights
+                    parts[i] = torch.zeros(B, n * cols, device=values.device)
+                    continue
+                # the table's features are consecutive keys: ONE bag lookup over all of them (one use
+                # of the weight in the graph: a second use would make autograd add two sparse fp16
+                # gradients, which torch's CPU kernel cannot do), rows [n*B, cols] feature-major.
+                # Also for keys with no ids (zero-size batch, all bags empty): zeros that stay
+                # connected to the table, so backward runs and leaves every row unchanged
+                k = self._key_start[i]
+                s0, s1 = opk[k], opk[k + n]
+                offs = offsets[k * B : (k + n) * B + 1] - s0
+                pooled = self.dense_tables[cfg.name](values[s0:s1], offs, None if weights is None else weights[s0:s1])
+                parts[i] = pooled if n == 1 else pooled.view(n, B, cols).transpose(0, 1).reshape(B, n * cols)
         if not parts:
             return torch.zeros(B, 0, device=features.values().device)
         out = torch.cat([parts[i] for i in range(len(self._shards))], dim=1)

@@ -393,8 +393,7 @@ class EmbeddingShardingPlanner:
 
 
 # ------------------------------------------------------------ config bridge
-def _count_dense_params(cfg: Any, num_features: int, num_dense: int,
-                        table_dims: "list[int] | None" = None) -> int:
+def _count_dense_params(cfg: Any, num_features: int, num_dense: int, key_dims: list[int] | None = None) -> int:
     """Parameters of the dense part of a DLRM config (bottom MLP, interaction, top MLP).
 
     Bottom MLP ``num_dense -> dense_arch_layer_sizes``; the top MLP's input is,
@@ -402,13 +401,12 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int,
     al. 2019); for ``dcn``: ``(num_features + 1) * d`` plus the DCN-v2 low-rank
     layers ``2 * n * (F*d) * r + n * F*d``; for ``projection``: as ``dot`` (an
     approximation; these bytes only enter the memory reservation).  ``d`` is
-    ``model.embedding_dim``, or with ``embedding_dim: auto`` the common width
-    ``dense_arch_layer_sizes[-1]`` plus one bias-free ``dim_t x d`` projection per table
-    of ``table_dims`` narrower than ``d``.
+    ``dense_arch_layer_sizes[-1]`` (the interaction width; it equals ``model.embedding_dim``
+    unless that is ``auto``).  ``key_dims``: the widths of the pooled embeddings; each one
+    narrower than ``d`` adds its projection ``w * d`` (no bias; ``embedding_dim: auto``).
     """
     m = cfg.model
-    auto = m.embedding_dim == "auto"
-    d = m.dense_arch_layer_sizes[-1] if auto else m.embedding_dim
+    d = m.dense_arch_layer_sizes[-1]
 
     def mlp(n_in: int, sizes: list[int]) -> tuple[int, int]:
         n = 0
@@ -426,10 +424,9 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int,
     else:
         top_in = d + F * (F - 1) // 2
     n += mlp(top_in, m.over_arch_layer_sizes)[0]
-    if auto:
-        n += sum(t * d for t in (table_dims or []) if t < d)
+    n += sum(w * d for w in key_dims or [] if w != d)
     if getattr(m, "first_order", False):  # FirstOrder: bias-free Linear(num_dense, 1) + Linear(pooled width, 1)
-        n += num_dense + (sum(table_dims) if table_dims else num_features * d)
+        n += num_dense + (sum(key_dims) if key_dims else num_features * d)
     return n
 
 
@@ -501,17 +498,14 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
     return out
 
 
-def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, percentage: float = 0.15) -> HeuristicStorageReservation:
-    """15% of each rank's memory plus the dense model (:func:`_count_dense_params`) with its optimizer."""
+def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, percentage: float = 0.15,
+                           key_dims: list[int] | None = None) -> HeuristicStorageReservation:
+    """15% of each rank's memory plus the dense model (:func:`_count_dense_params`, ``key_dims``: the
+    pooled embeddings' widths) with its optimizer."""
     num_dense = 13
     if meta:
         num_dense = int(meta.get("num_dense_features", len(meta.get("dense_features", [])) or 13))
-    dims = None
-    if cfg.model.embedding_dim == "auto" or getattr(cfg.model, "first_order", False):
-        from dlrmctl.config import resolve_tables
-
-        dims = [t.embedding_dim for t in resolve_tables(cfg, meta)]
-    params = _count_dense_params(cfg, num_features, num_dense, dims)
+    params = _count_dense_params(cfg, num_features, num_dense, key_dims)
     return HeuristicStorageReservation(percentage, dense_model_bytes(params, cfg.optimizer.dense.type))
 
 
@@ -529,7 +523,8 @@ def plan_config(
         weight_bytes: 4 (fp32) or 2 (fp16); default from ``model.embedding_precision``.
     """
     specs = table_specs_from_config(cfg, meta, weight_bytes)
-    res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs))
+    res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs),
+                                 key_dims=[t.embedding_dim for t in specs for _ in t.pooling_factors])
     return EmbeddingShardingPlanner(topology, batch_size or cfg.data.batch_size, res).plan(specs)
 
 

@@ -350,7 +350,10 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
 
     Raises:
         PlannerError: unreadable file, not a mapping, unknown or missing key, or a value of
-            the wrong type (the message names the file and the key).
+            the wrong type or range (the message names the file and the key): every number
+            finite and >= 0; the bandwidths the planner divides by (``ddr_bw_gbps``,
+            ``intra_host_bw_gbps``, ``inter_host_bw_gbps``, ``hbm_bw_gbps`` on cuda) and the
+            kernel efficiencies > 0; ``default_gpus_per_host`` an integer >= 1 or null.
     """
     import yaml
 
@@ -373,14 +376,27 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
         raise PlannerError(f"topology file {path}: missing key(s) {missing}")
     if d["compute_device"] not in ("cuda", "cpu"):
         raise PlannerError(f"topology file {path}: compute_device must be cuda or cpu, got {d['compute_device']!r}")
+    if not isinstance(d["source"], str):
+        raise PlannerError(f"topology file {path}: source must be a string (a one-line citation), got {d['source']!r}")
+    # the planner divides by these (bytes / bandwidth, bandwidth * efficiency): they must be > 0
+    divisors = {"ddr_bw_gbps", "intra_host_bw_gbps", "inter_host_bw_gbps", "fused_efficiency", "dense_efficiency"}
+    if d["compute_device"] == "cuda":
+        divisors.add("hbm_bw_gbps")
     for k, v in d.items():
         if k in ("compute_device", "source"):
             continue
         optional = k in ("ddr_gb", "default_gpus_per_host") or k not in required
         if v is None and optional:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise PlannerError(f"topology file {path}: {k} must be a number >= 0, got {v!r}")
+        if k == "default_gpus_per_host":
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlannerError(f"topology file {path}: default_gpus_per_host must be an integer >= 1 (ranks per "
+                                   f"host) or null, got {v!r}")
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
+                k in divisors and v == 0):
+            raise PlannerError(f"topology file {path}: {k} must be a finite number "
+                               f"{'> 0' if k in divisors else '>= 0'}, got {v!r}")
     return DevicePreset(**d)
 
 

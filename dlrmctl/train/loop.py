@@ -189,6 +189,8 @@ class Trainer:
         self._last_eval: dict[str, Any] | None = None
         self._saved_step = -1
         self._resume_from = checkpoint
+        #: the validation metrics the restored checkpoint recorded at its own step (None: none / other split)
+        self._restored_eval: dict[str, Any] | None = None
         self._metrics_f = None
         self._tb = None
         if resume:
@@ -492,6 +494,14 @@ class Trainer:
         self.step, self.epoch, self.best = tr["step"], tr["epoch"], tr["best"]
         self._evals_since_best = int(tr.get("evals_since_best", 0))  # absent in checkpoints before early stopping
         self._batches_done = int(tr["data"]["batches_yielded"])
+        if os.path.realpath(path) == os.path.realpath(ckpt.latest_checkpoint(self.run_dir) or ""):
+            # the newest checkpoint IS this state: a resume with nothing left to train (a finished or
+            # early-stopped run) must not write it again as step_X.1 (the same on every rank: the
+            # path was resolved from the same files)
+            self._saved_step, self._saved_path = self.step, path
+        ev = ckpt.load_checkpoint_meta(path).get("eval")
+        if isinstance(ev, dict) and ev.get("step") == self.step and ev.get("split") == self.cfg.data.val_split:
+            self._restored_eval = {k: v for k, v in ev.items() if k not in ("step", "split")}
         log.info("resumed from %s (step %d, saved by %d rank(s))", path, self.step, saved["world_size"])
 
     # ---------------------------------------------------------------- run
@@ -552,6 +562,8 @@ class Trainer:
         sparse_dist = self.model.sparse_input_dist if self.env.sharded else None
         pipe = make_pipeline(cfg.pipeline, self.device, self._run_step, sparse_dist)
         stopped = self.should_stop()  # resuming a run that stopped early: nothing more to train
+        if self._restored_eval is not None:  # this step was evaluated before the checkpoint: not again
+            last_eval_step, final = self.step, dict(self._restored_eval)
         while (not stopped and self.epoch < cfg.epochs
                and (cfg.max_steps is None or self.step < cfg.max_steps)):
             if self.train_loader.epoch != self.epoch:
@@ -624,8 +636,10 @@ class Trainer:
         summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed,
                    "early_stopped": stopped}
         if self.env.is_main:
-            with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-                json.dump({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, f, indent=1)
+            # a temp file renamed over it: a resumed run's previous summary (what `dlrmctl sweep` ranks)
+            # is replaced whole or kept, never left truncated
+            text = json.dumps({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, indent=1)
+            ckpt._atomic_write_text(os.path.join(self.run_dir, "summary.json"), text)
             b, kb = self.best, self.cfg.train.keep_best
             what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
             kept = ", kept as checkpoint 'best'" if kb != "none" else ""
