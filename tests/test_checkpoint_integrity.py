@@ -157,6 +157,15 @@ def test_pack_round_trips_json_values_and_refuses_other_objects():
     assert torch.equal(got["ten"], obj["ten"]) and got["ten"].dtype == torch.int16
     assert torch.equal(got["bf"], obj["bf"]) and got["empty"].shape == (0, 3)
     assert got["arr"].dtype == np.uint32 and np.array_equal(got["arr"], obj["arr"])
+    # every array / tensor keeps its shape, dtype (byte order included) and values, whatever its rank and layout
+    shaped = [np.array(5.0), np.zeros((0, 2)), np.arange(3, dtype=">i4"), np.array([1 + 2j]),
+              np.arange(12, dtype=np.int16).reshape(3, 4).T, np.arange(6.0).reshape(2, 3)[:, ::2],
+              torch.tensor(3), torch.arange(6.0).reshape(2, 3).t(), torch.zeros(2, 0, 1)]
+    for a, b in zip(shaped, ckpt.unpack(ckpt.pack(shaped))):
+        if isinstance(a, torch.Tensor):
+            assert b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
+        else:
+            assert b.shape == np.shape(a) and b.dtype == a.dtype and np.array_equal(a, b), (a, b)
     with pytest.raises(TypeError, match=r"meta/x\.cfg: a .*SimpleNamespace cannot be stored"):
         from types import SimpleNamespace
         ckpt.pack({"cfg": SimpleNamespace(a=1)}, "meta/x")

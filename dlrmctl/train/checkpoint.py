@@ -257,8 +257,8 @@ def _encode(obj: Any, where: str) -> Any:
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": _b64(raw)}}
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
-        a = np.ascontiguousarray(obj)
-        return {"__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape), "data": _b64(a.tobytes())}}
+        # tobytes() is C order for any layout; obj.shape, not np.ascontiguousarray's (which makes 0-d 1-d)
+        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": _b64(obj.tobytes(order="C"))}}
     if isinstance(obj, tuple):
         return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
