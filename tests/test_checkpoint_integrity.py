@@ -206,6 +206,42 @@ def test_metadata_is_unpickled_with_dcp_classes_only_and_old_formats_are_refused
         ckpt.load_checkpoint_meta(path)
 
 
+
+def test_a_structurally_damaged_meta_json_is_refused_as_a_checkpoint_error_naming_the_field(tmp_path):
+    path = _save(str(tmp_path), _table())
+    mp = os.path.join(path, "meta.json")
+    good = json.load(open(mp))
+    data = next(f for f in good["files"] if f != ".metadata")
+
+    def with_(fn):
+        m = json.loads(json.dumps(good))
+        fn(m)
+        return json.dumps(m)
+
+    cases = [
+        ("[]", "a JSON list, expected an object"),
+        ("null", "a JSON NoneType, expected an object"),
+        (b"\xff\xfe{", "corrupted"),
+        (with_(lambda m: m.pop("files")), "'files' must map each checkpoint file"),
+        (with_(lambda m: m["files"].pop(".metadata")), "'files' must map each checkpoint file, .metadata included"),
+        (with_(lambda m: m["files"].__setitem__(data, [])), f"file '{data}': a JSON list"),
+        (with_(lambda m: m["files"][data].pop("bytes")), "'bytes' is None, expected an integer >= 0"),
+        (with_(lambda m: m["files"][data].__setitem__("bytes", "12")), "'bytes' is '12'"),
+        (with_(lambda m: m["files"][data].__setitem__("block_bytes", 0)), "'block_bytes' is 0, expected an integer >= 1"),
+        (with_(lambda m: m["files"][data].__setitem__("crc32", 5)), "'crc32' is a int, expected base64 text"),
+        (with_(lambda m: m["files"][data].__setitem__("tensors", None)), "'tensors' must map item offsets"),
+        (with_(lambda m: m["files"][data].__setitem__("tensors", {"0": "704"})), "'tensors' must map item offsets"),
+        (with_(lambda m: m.__setitem__("format", ["dcp-v2"])), r"format \['dcp-v2'\] .*damaged"),
+    ]
+    for text, msg in cases:
+        with open(mp, "wb") as f:
+            f.write(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ckpt.CheckpointError, match=r"meta\.json: .*" + msg):
+            _rows(path, 0, 3)
+    json.dump(good, open(mp, "w"))
+    assert torch.equal(_rows(path, 5, 3), _table()[5:8])
+
+
 # ------------------------------------------------------- 2 -> 3 reshard
 RESHARD = {"t0": (20000, 32), "t1": (10000, 32)}
 

@@ -886,16 +886,49 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
             meta = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{p}: missing; {ckpt_dir} is not a complete checkpoint") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: corrupted ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{p}: corrupted (a JSON {type(meta).__name__}, expected an object)")
     fmt = meta.get("format", "per-rank torch.save (pre-DCP)")
     if fmt != FORMAT:
-        why = OLD_FORMATS.get(fmt, "it was written by an older dlrmctl")
+        why = OLD_FORMATS.get(fmt, "it was written by an older dlrmctl") if isinstance(fmt, str) else "damaged"
         raise CheckpointError(
             f"{p}: checkpoint format {fmt!r} is older than {FORMAT!r} and is not loaded ({why}); "
             "resume or export it with the dlrmctl version that wrote it, or train again"
         )
+    _check_files_entry(p, meta.get("files"))
     return meta
+
+
+def _check_files_entry(p: str, files: Any) -> None:
+    """Check the shape of meta.json's ``files`` (what the verifying reader trusts): a dict of file name ->
+    ``{"bytes": int >= 0, "block_bytes": int >= 1, "crc32": str, "tensors"?: {str: int >= 0}}``.
+
+    Raises:
+        CheckpointError: naming ``p``, the file entry and the field that is missing or of another type.
+    """
+    def nat(v: Any, lo: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CheckpointError(f"{p}: corrupted ('files' must map each checkpoint file, .metadata included, "
+                              f"to its size and checksums; got {type(files).__name__})")
+    for name, e in files.items():
+        bad = None
+        if not isinstance(e, dict):
+            bad = f"a JSON {type(e).__name__}, expected an object"
+        elif not nat(e.get("bytes"), 0):
+            bad = f"'bytes' is {e.get('bytes')!r}, expected an integer >= 0"
+        elif not nat(e.get("block_bytes"), 1):
+            bad = f"'block_bytes' is {e.get('block_bytes')!r}, expected an integer >= 1"
+        elif not isinstance(e.get("crc32"), str):
+            bad = f"'crc32' is a {type(e.get('crc32')).__name__}, expected base64 text"
+        elif "tensors" in e and not (isinstance(e["tensors"], dict)
+                                     and all(isinstance(k, str) and nat(v, 0) for k, v in e["tensors"].items())):
+            bad = "'tensors' must map item offsets (text) to raw data offsets (integers >= 0)"
+        if bad:
+            raise CheckpointError(f"{p}: corrupted entry for file {name!r}: {bad}")
 
 
 def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
