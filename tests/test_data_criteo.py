@@ -107,6 +107,36 @@ def test_hand_written_tsv_empty_fields_negatives_hex_mod_n_and_missing_id(tmp_pa
     assert meta["transforms"]["dense"]["transform"] == "log(x+1)"
 
 
+
+@pytest.mark.parametrize("opts", [HASH, CriteoOptions(frequency_threshold=1, workers=2),
+                                  CriteoOptions(frequency_threshold=1, split_by_day=True)], ids=["hash", "vocab", "by_day"])
+def test_day_files_with_no_lines_next_to_others_give_empty_parts(tmp_path, opts):
+    # an empty plain file and an empty .gz member among non-empty day files (one of a single line)
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "day_0").write_text(line("1", cats=["00000000"] + ["ffffffff"] * 25) + line("0"))
+    (d / "day_1").write_text("")
+    with gzip.open(d / "day_2.gz", "wb"):
+        pass
+    (d / "day_3").write_text(line("1"))
+    (d / "day_4").write_text(line("0") + line("1"))
+    out = tmp_path / "out"
+    rep = preprocess_criteo(d, out, opts, progress=False)
+    assert sum(rep.rows.values()) == 5
+    if opts.split_by_day:
+        assert rep.rows == {"train": 3, "val": 1, "test": 1}
+    meta = read_meta(out)
+    for name in ("day_1", "day_2.gz"):
+        for split in ("train", "val", "test"):
+            assert MappedShard(out / f"parts/{name}/{split}.arrow").rows == 0
+    cols = read_split(out, "train")
+    if opts.mode == "vocab":  # 0 and 2^32 - 1 are ordinary values: ids below V, not OOV / missing
+        v = [f["num_embeddings"] - 2 for f in meta["sparse_features"]]
+        assert cols["C1"][0] < v[0] and cols["C2"][0] < v[1] and cols["C1"][0] != cols["C1"][1]
+    else:
+        assert cols["C1"][0] == 0 and cols["C2"][0] == 4294967295 % 1000
+
+
 def test_gz_input_gives_the_same_shards_as_plain(tmp_path):
     text = "".join(line(str(i % 2), [str(i)] * 13, ["%08x" % (i * 7919)] * 26) for i in range(50))
     (tmp_path / "a.txt").write_text(text)

@@ -387,6 +387,8 @@ class BlockReader:
                                                       check_utf8=False, quoted_strings_can_be_null=False),
             )
         except pa.ArrowInvalid as e:
+            if num_fields(self.path) is None:  # a file (or .gz / .bz2 member) with no lines: no blocks
+                return
             self._arrow_error(e)
         next_line = 1
         sk_pos = 0
