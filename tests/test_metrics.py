@@ -71,3 +71,16 @@ def test_ne_of_base_rate_predictor_is_one_and_logloss_matches_formula():
 
 def test_logloss_clips_certain_wrong_predictions():
     assert math.isfinite(logloss(np.array([0.0, 1.0]), np.array([1, 0])))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_probability_or_logit_makes_every_score_metric_nan_with_a_warning(bad, caplog):
+    # the probability path counted no bad scores: a nan probability gave AUC 0.25 from a nan-sorted order
+    y = np.array([0, 1, 0, 1.0])
+    for fn, x in ((compute_metrics, np.array([bad, 0.2, 0.3, 0.4])), (compute_metrics_from_logits, np.array([bad, 2, 3, 4.0]))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dlrmctl.metrics"):
+            m = fn(x, y)
+        assert all(math.isnan(m[k]) for k in ("auc", "logloss", "ne", "calibration", "accuracy")), (fn, m)
+        assert m["ctr"] == 0.5 and m["num_samples"] == 4
+        assert "1 of 4 scores are not finite" in caplog.records[0].getMessage()

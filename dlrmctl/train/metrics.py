@@ -201,7 +201,7 @@ class MetricPartials:
 
     Attributes:
         num_samples: rows.
-        num_bad: rows whose score is not finite (logits path; the metrics are then ``nan``).
+        num_bad: rows whose score (logit or probability) is not finite (the metrics are then ``nan``).
         num_pos: rows with ``y > 0.5`` (the AUC's positives).
         weight: ``Σ w``.  pos_weight: ``Σ w y``.  loss: ``Σ w ℓ``.  pred: ``Σ w p``.
         correct: ``Σ w [(p > 0.5) == (y > 0.5)]``.
@@ -250,7 +250,7 @@ def _row_partials(scores: np.ndarray, y: np.ndarray, w: np.ndarray | None, from_
     n = y.size
     pos_rows = y > 0.5
     out = MetricPartials(num_samples=int(n), num_pos=int(pos_rows.sum()))
-    out.num_bad = int((~np.isfinite(scores)).sum()) if from_logits else 0
+    out.num_bad = int((~np.isfinite(scores)).sum())
     for s in range(0, max(n, 1), _CHUNK_ROWS):
         z, yy, pr = scores[s : s + _CHUNK_ROWS], y[s : s + _CHUNK_ROWS], pos_rows[s : s + _CHUNK_ROWS]
         if w is None:  # counts are exact integers: no float sums needed for them
@@ -448,7 +448,7 @@ def _finish(p: MetricPartials, pair_total: Callable[[bool], Fraction | float], w
     ctr = _ratio(p.pos_weight, p.weight)
     if p.num_bad:
         if warn:
-            log.warning("%d of %d logits are not finite (nan/inf): metrics are nan", p.num_bad, n)
+            log.warning("%d of %d scores are not finite (nan/inf): metrics are nan", p.num_bad, n)
         return dict(_empty_metrics(n), ctr=ctr)
     ll = _ratio(p.loss, p.weight)
     return {
@@ -578,7 +578,8 @@ def compute_metrics(probs: np.ndarray, labels: np.ndarray, weights: np.ndarray |
     ``sum(w p) / sum(w y)``.  ``num_samples`` stays the number of rows.
 
     Returns:
-        ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+        ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``; all but ``ctr``
+        / ``num_samples`` ``nan`` (and a logged warning) when a probability is nan or infinite.
 
     Raises:
         ValueError: invalid weights (see :func:`auc`).
