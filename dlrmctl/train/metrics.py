@@ -169,13 +169,23 @@ def from_pieces(pieces: np.ndarray) -> Fraction | float:
     return sum((Fraction(float(v)) for v in p[p != 0]), Fraction(0))
 
 
+def _to_float(x: Fraction | float) -> float:
+    """``float(x)``, ``±inf`` where an exact value lies beyond float64's range (instead of OverflowError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def _ratio(a: Fraction | float, b: Fraction | float) -> float:
-    """``a / b`` correctly rounded from the exact values (``nan`` for 0/0, as float division would)."""
+    """``a / b`` correctly rounded from the exact values (``nan`` for 0/0, as float division would;
+    ``±inf`` when the quotient or an operand lies beyond float64's range)."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         if b == 0:
             return float("nan") if a == 0 else (math.inf if a > 0 else -math.inf)
-        return float(a / b)
-    return float(np.float64(float(a)) / np.float64(float(b)))
+        return _to_float(a / b)
+    with np.errstate(all="ignore"):
+        return float(np.float64(_to_float(a)) / np.float64(_to_float(b)))
 
 
 def _weights(weights: np.ndarray | None, n: int) -> np.ndarray | None:
