@@ -164,6 +164,27 @@ def test_directory_and_glob_inputs_take_every_file(tmp_path):
         preprocess_criteo(str(d / "nothing*.tsv"), tmp_path / "o3", HASH, progress=False)
 
 
+
+def test_one_file_listed_under_several_spellings_counts_once_and_two_names_of_it_are_refused(tmp_path, monkeypatch):
+    from dlrmctl.data.criteo.parse import expand_inputs
+
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "day_0").write_text(line("1") * 3)
+    (d / "day_1").write_text(line("0") * 2)
+    monkeypatch.chdir(tmp_path)
+    # relative, absolute, with "..": one input (was: "share the base name ... rename them")
+    files = expand_inputs(["in/day_0", str(d / "day_0"), "in/../in/day_0", "in/day_1"])
+    assert files == [d / "day_0", d / "day_1"]
+    rep = preprocess_criteo(["in/day_0", str(d / "day_0"), str(d)], tmp_path / "o", HASH, progress=False)
+    assert rep.rows["train"] == 5
+    # a second name of one file (a link) would read its rows twice
+    (d / "day_2").symlink_to(d / "day_0")
+    with pytest.raises(DataError, match=r"day_0 and .*day_2 are the same file \(a link or another name\); its rows "
+                                        "would be read twice"):
+        preprocess_criteo(d, tmp_path / "o2", HASH, progress=False)
+
+
 def test_vocabulary_with_frequency_threshold_shares_rare_ids_and_is_saved(tmp_path):
     vals = ["0000000a"] * 3 + ["0000000b"] * 2 + ["0000000c"] + [""]
     f = tmp_path / "t.tsv"
