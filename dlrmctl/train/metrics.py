@@ -188,11 +188,19 @@ def _ratio(a: Fraction | float, b: Fraction | float) -> float:
         return float(np.float64(_to_float(a)) / np.float64(_to_float(b)))
 
 
+def _host_f64(x) -> np.ndarray:
+    """``x`` (numpy array, sequence, or torch tensor on any device, with or without grad) as a
+    flat float64 numpy array on the host."""
+    if hasattr(x, "detach") and hasattr(x, "device"):  # a torch tensor: no torch import needed here
+        x = x.detach().to("cpu").double().numpy()
+    return np.asarray(x, dtype=np.float64).ravel()
+
+
 def _weights(weights: np.ndarray | None, n: int) -> np.ndarray | None:
     """Validate optional sample weights ``[N]``: finite and >= 0."""
     if weights is None:
         return None
-    w = np.asarray(weights, dtype=np.float64).ravel()
+    w = _host_f64(weights)
     if w.size != n:
         raise ValueError(f"weights: {w.size} values for {n} samples")
     if not np.all(np.isfinite(w)) or (w < 0).any():
@@ -371,8 +379,8 @@ def auc(preds: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None
     Raises:
         ValueError: weights of another length, negative or not finite.
     """
-    z = np.asarray(preds, dtype=np.float64).ravel()
-    pos = np.asarray(labels).ravel() > 0.5
+    z = _host_f64(preds)
+    pos = _host_f64(labels) > 0.5
     w = _weights(weights, z.size)
     ww = np.ones(z.size) if w is None else w
     p = MetricPartials(num_samples=z.size, num_pos=int(pos.sum()),
@@ -416,8 +424,8 @@ def logloss(probs: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = 
     Raises:
         ValueError: invalid weights (see :func:`auc`).
     """
-    p = np.clip(np.asarray(probs, dtype=np.float64).ravel(), _EPS, 1 - _EPS)
-    y = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.clip(_host_f64(probs), _EPS, 1 - _EPS)
+    y = _host_f64(labels)
     ll = -(y * np.log(p) + (1 - y) * np.log(1 - p))
     w = _weights(weights, p.size)
     if w is None:
@@ -473,8 +481,8 @@ def _finish(p: MetricPartials, pair_total: Callable[[bool], Fraction | float], w
 
 
 def _prepare(scores, labels, weights, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    z = np.asarray(scores, dtype=np.float64).ravel()
-    y = np.asarray(labels, dtype=np.float64).ravel()
+    z = _host_f64(scores)
+    y = _host_f64(labels)
     if z.size != y.size:
         raise ValueError(f"{what}: {z.size} values for {y.size} labels")
     return z, y, _weights(weights, y.size)
@@ -504,7 +512,8 @@ def compute_metrics_from_logits(
     Warnings are logged by group rank 0 only.
 
     Args:
-        logits: ``[N]`` (any float dtype; cast to float64).
+        logits: ``[N]`` (any float dtype; cast to float64): numpy, or a torch tensor on any device
+            (copied to the host; also with ``requires_grad``); labels and weights likewise.
         labels: ``[N]`` in {0, 1}.
         weights: optional ``[N]`` >= 0 sample weights (see :func:`compute_metrics`); with ``pg``,
             all ranks or none must pass weights.
@@ -517,8 +526,9 @@ def compute_metrics_from_logits(
         logged warning) when a logit is nan or infinite.
 
     Raises:
-        ValueError: ``logits`` and ``labels`` of different lengths, invalid weights (with ``pg``,
-            on every rank, naming the rank at fault), weights on some ranks only.
+        ValueError: ``logits`` and ``labels`` of different lengths, invalid weights, inputs that
+            cannot be read as numbers (with ``pg``: on every rank, naming the rank at fault, so no
+            rank waits in a collective), weights on some ranks only.
     """
     if pg is None:
         z, y, w = _prepare(logits, labels, weights, "logits")
@@ -538,8 +548,9 @@ def _distributed_metrics(logits, labels, weights, pg, device) -> dict[str, float
     try:
         z, y, w = _prepare(logits, labels, weights, "logits")
         part = _row_partials(z, y, w, from_logits=True)
-    except ValueError as e:
-        err, z, y, w, part = str(e), np.zeros(0), np.zeros(0), None, MetricPartials()
+    except (ValueError, TypeError, RuntimeError) as e:  # told to every rank below: none waits forever
+        err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        z, y, w, part = np.zeros(0), np.zeros(0), None, MetricPartials()
     counts, sums = part.to_arrays()
     flags = np.array([int(bool(err)), int(w is not None)], dtype=np.int64)
     allc = comm.all_gather_tensor(torch.from_numpy(np.concatenate([counts, flags])).to(device), pg).cpu().numpy()
