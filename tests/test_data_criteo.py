@@ -467,6 +467,24 @@ def test_hash_lookup_matches_a_dict_for_hits_misses_and_extreme_values():
         HashLookup(np.array([7, 9, 7], np.int64))
 
 
+def test_a_damaged_vocabulary_file_is_a_data_error_naming_it(tmp_path):
+    # a vocabulary file with a duplicate or a value beyond 32 bits raised a bare ValueError (no file named)
+    from dlrmctl.data.criteo.vocab import VocabSet, clear_cache
+
+    for values, why in (([7, 9, 7], "duplicate vocabulary value 7"), ([1, 2**32], r"32-bit")):
+        d = tmp_path / why[:3]
+        d.mkdir()
+        for n in [f"C{i}" for i in range(1, 27)]:
+            t = pa.table({"value": pa.array(values if n == "C3" else [1, 2], pa.int64())})
+            with pa.OSFile(str(d / f"{n}.arrow"), "wb") as sink, ipc.new_file(sink, t.schema) as w:
+                w.write_table(t)
+        vs = VocabSet.of_dir(d)
+        assert vs[0].lookup(np.array([2], np.uint64)).tolist() == [1]
+        with pytest.raises(DataError, match=rf"C3\.arrow: not a vocabulary: .*{why}"):
+            vs[2]
+        clear_cache()
+
+
 # ------------------------------------------------------------------ one parse per file (vocabulary mode)
 def test_decoded_rows_round_trip_with_missing_values_within_the_documented_bytes_per_row(tmp_path):
     from dlrmctl.data.criteo.decoded import BYTES_PER_ROW, DecodedWriter, read_decoded
