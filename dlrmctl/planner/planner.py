@@ -393,17 +393,21 @@ class EmbeddingShardingPlanner:
 
 
 # ------------------------------------------------------------ config bridge
-def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
+def _count_dense_params(cfg: Any, num_features: int, num_dense: int, widths: list[int] | None = None) -> int:
     """Parameters of the dense part of a DLRM config (bottom MLP, interaction, top MLP).
 
     Bottom MLP ``num_dense -> dense_arch_layer_sizes``; the top MLP's input is,
     for ``dot``: ``d + F(F-1)/2`` with ``F = num_features + 1`` (DLRM, Naumov et
     al. 2019); for ``dcn``: ``(num_features + 1) * d`` plus the DCN-v2 low-rank
     layers ``2 * n * (F*d) * r + n * F*d``; for ``projection``: as ``dot`` (an
-    approximation; these bytes only enter the memory reservation).
+    approximation; these bytes only enter the memory reservation).  ``d`` is the
+    interaction width ``dense_arch_layer_sizes[-1]`` (``model.embedding_dim`` for
+    fixed-width tables); with ``embedding_dim: auto`` each lookup of width ``w < d``
+    (``widths``: one per sparse lookup) adds its bias-free projection, ``w * d``.
     """
     m = cfg.model
-    d = m.embedding_dim
+    auto = m.embedding_dim == "auto"
+    d = m.dense_arch_layer_sizes[-1] if auto else m.embedding_dim
 
     def mlp(n_in: int, sizes: list[int]) -> tuple[int, int]:
         n = 0
@@ -421,6 +425,8 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int) -> int:
     else:
         top_in = d + F * (F - 1) // 2
     n += mlp(top_in, m.over_arch_layer_sizes)[0]
+    if auto:
+        n += sum(w * d for w in widths or () if w < d)
     return n
 
 
@@ -492,12 +498,14 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
     return out
 
 
-def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, percentage: float = 0.15) -> HeuristicStorageReservation:
-    """15% of each rank's memory plus the dense model (:func:`_count_dense_params`) with its optimizer."""
+def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, percentage: float = 0.15,
+                           widths: list[int] | None = None) -> HeuristicStorageReservation:
+    """15% of each rank's memory plus the dense model (:func:`_count_dense_params`; ``widths``: the
+    embedding width of each sparse lookup, for ``embedding_dim: auto`` projections) with its optimizer."""
     num_dense = 13
     if meta:
         num_dense = int(meta.get("num_dense_features", len(meta.get("dense_features", [])) or 13))
-    params = _count_dense_params(cfg, num_features, num_dense)
+    params = _count_dense_params(cfg, num_features, num_dense, widths)
     return HeuristicStorageReservation(percentage, dense_model_bytes(params, cfg.optimizer.dense.type))
 
 
@@ -515,7 +523,8 @@ def plan_config(
         weight_bytes: 4 (fp32) or 2 (fp16); default from ``model.embedding_precision``.
     """
     specs = table_specs_from_config(cfg, meta, weight_bytes)
-    res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs))
+    res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs),
+                                 widths=[t.embedding_dim for t in specs for _ in t.pooling_factors])
     return EmbeddingShardingPlanner(topology, batch_size or cfg.data.batch_size, res).plan(specs)
 
 
