@@ -183,6 +183,7 @@ def _rewrite_metadata(path, raw):
     B = meta["files"][".metadata"]["block_bytes"]
     crcs = [zlib.crc32(raw[i:i + B]) for i in range(0, len(raw), B)]
     meta["files"][".metadata"].update(bytes=len(raw), crc32=ckpt._crcs_to_text(crcs))
+    meta["files_crc32"] = ckpt._files_crc(meta["files"])
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
 
 
@@ -207,7 +208,7 @@ def test_metadata_is_unpickled_with_dcp_classes_only_and_old_formats_are_refused
 
 
 
-def test_a_structurally_damaged_meta_json_is_refused_as_a_checkpoint_error_naming_the_field(tmp_path):
+def test_a_damaged_meta_json_is_refused_as_a_checkpoint_error_naming_the_field(tmp_path):
     path = _save(str(tmp_path), _table())
     mp = os.path.join(path, "meta.json")
     good = json.load(open(mp))
@@ -238,6 +239,19 @@ def test_a_structurally_damaged_meta_json_is_refused_as_a_checkpoint_error_namin
             f.write(text if isinstance(text, bytes) else text.encode())
         with pytest.raises(ckpt.CheckpointError, match=r"meta\.json: .*" + msg):
             _rows(path, 0, 3)
+    # well-formed but wrong values in the file table (e.g. one digit of a raw data offset: the rows
+    # of another place, whose block CRCs pass) are caught by the table's own CRC-32
+    key = next(iter(good["files"][data]["tensors"]))
+    for fn in (lambda m: m["files"][data]["tensors"].__setitem__(key, m["files"][data]["tensors"][key] + 4),
+               lambda m: m["files"][data]["tensors"].clear(),
+               lambda m: m["files"][".metadata"].__setitem__("block_bytes", 64)):
+        open(mp, "w").write(with_(fn))
+        with pytest.raises(ckpt.CheckpointError, match=r"meta\.json: corrupted: its file table .* does not match "
+                                                       "its CRC-32 files_crc32"):
+            _rows(path, 0, 3)
+    # a meta.json without files_crc32 (written before it) still loads
+    open(mp, "w").write(with_(lambda m: m.pop("files_crc32")))
+    assert torch.equal(_rows(path, 0, 3), _table()[:3])
     json.dump(good, open(mp, "w"))
     assert torch.equal(_rows(path, 5, 3), _table()[5:8])
 

@@ -12,7 +12,8 @@ Layout::
         meta.json         format, step, world_size, table shapes, plan, byteorder and,
                           per file above: bytes, block_bytes, the CRC-32 of every
                           block (base64 of little-endian uint32) and, per chunk,
-                          the offset of its raw tensor bytes (written last)
+                          the offset of its raw tensor bytes; ``files_crc32``: the
+                          CRC-32 of that file table as canonical JSON (written last)
     runs/<name>/checkpoints/LATEST   name of the newest complete checkpoint
     runs/<name>/checkpoints/BEST     name of the checkpoint with the best validation metric
                                      (``train.keep_best``; never pruned by ``keep_last``)
@@ -843,8 +844,9 @@ def save_checkpoint(
         allf = [writer.files]
     if rank == 0:
         files = {k: v for d in allf for k, v in sorted(d.items())}
-        meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder, "files": files}
-        meta.update(extra_meta or {})
+        meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder}
+        meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
+        meta.update(files=files, files_crc32=_files_crc(files))
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         _fsync_dir(tmp)
         os.replace(tmp, final)
@@ -898,7 +900,16 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
             "resume or export it with the dlrmctl version that wrote it, or train again"
         )
     _check_files_entry(p, meta.get("files"))
+    if "files_crc32" in meta and meta["files_crc32"] != _files_crc(meta["files"]):  # absent: written before it
+        raise CheckpointError(f"{p}: corrupted: its file table (sizes, block checksums, raw data offsets) does "
+                              f"not match its CRC-32 files_crc32 ({meta['files_crc32']!r})")
     return meta
+
+
+def _files_crc(files: dict[str, Any]) -> int:
+    """CRC-32 of meta.json's ``files`` table as canonical JSON: the reader trusts the sizes, block
+    checksums and raw data offsets it holds, so they are checked themselves (``files_crc32``)."""
+    return zlib.crc32(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 def _check_files_entry(p: str, files: Any) -> None:
@@ -1016,6 +1027,11 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
                 else:
                     r0, nr = int(req.storage_offsets[0]), int(req.lengths[0])
                     row = math.prod(shape[1:]) * torch._utils._element_size(dtype)
+                full = math.prod(shape) * torch._utils._element_size(dtype)
+                if data_at + full > sinfo.length:  # meta.json's raw offset points past the item: damaged
+                    raise CheckpointError(
+                        f"{f.path}: {what}: meta.json puts its {full} raw bytes at offset {data_at} of an item of "
+                        f"{sinfo.length} bytes: {os.path.join(os.path.dirname(f.path), 'meta.json')} is corrupted")
                 base = sinfo.offset + data_at
                 raw = f.read(base + r0 * row, base + (r0 + nr) * row, what)
                 rows = [nr, *shape[1:]] if shape else []
@@ -1211,7 +1227,7 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
         if save[k] is None:
             save[k] = load[k]
     save[f"rank/{rank}"] = load[f"rank/{src_rank}"]
-    extra = {k: v for k, v in meta.items() if k not in ("format", "step", "world_size", "files")}
+    extra = {k: v for k, v in meta.items() if k not in ("format", "step", "world_size", "files", "files_crc32")}
     extra.update(plan=None if plan is None else plan.to_dict(),
                  resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"],
                                  "bytes": sum(int(f["bytes"]) for f in meta["files"].values()),
