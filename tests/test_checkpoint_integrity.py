@@ -249,9 +249,14 @@ def test_a_damaged_meta_json_is_refused_as_a_checkpoint_error_naming_the_field(t
         with pytest.raises(ckpt.CheckpointError, match=r"meta\.json: corrupted: its file table .* does not match "
                                                        "its CRC-32 files_crc32"):
             _rows(path, 0, 3)
-    # a meta.json without files_crc32 (written before it) still loads
+    # a meta.json without files_crc32 (written before it) still loads; an offset past its item is refused
     open(mp, "w").write(with_(lambda m: m.pop("files_crc32")))
     assert torch.equal(_rows(path, 0, 3), _table()[:3])
+    big = max(good["files"][data]["tensors"], key=lambda k: -int(k))  # the first item: the table
+    open(mp, "w").write(with_(lambda m: (m.pop("files_crc32"), m["files"][data]["tensors"].__setitem__(big, 10 ** 7))))
+    with pytest.raises(ckpt.CheckpointError, match=r"raw bytes at offset 10000000 of an item of \d+ bytes: .*meta\.json "
+                                                   "is corrupted"):
+        _rows(path, 0, 3)
     json.dump(good, open(mp, "w"))
     assert torch.equal(_rows(path, 5, 3), _table()[5:8])
 
