@@ -70,6 +70,9 @@ class DataConfig:
     contiguous rows in a random order per epoch, rows mixed inside consecutive windows
     of ``shuffle_window_rows`` rows; memory grows with the window, not the split
     (a window >= the split's rows is an exact full permutation, O(rows) memory).
+    A ``--resume`` inside an epoch needs the saved ``batch_size``, ``drop_last``,
+    ``num_samples``, ``shuffle``, seed and shuffle sizes (they fix which rows batch k holds);
+    at an epoch boundary they may change.
     """
 
     path: str = "data/demo"

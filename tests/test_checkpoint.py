@@ -385,3 +385,21 @@ def test_saving_a_step_twice_publishes_a_new_directory_and_prunes_to_keep_last(t
     ckpt.load_checkpoint(os.path.join(run, "checkpoints", "step_00000002.1"), st)
     assert torch.all(st["w"] == 2)
     assert ckpt.latest_checkpoint(run).endswith("step_00000003")
+
+
+def test_resuming_mid_epoch_with_another_batch_order_is_refused_naming_the_setting(data, small_run, tmp_path):
+    # the data position is a count of global batches (step 2 of a 10-batch epoch): under another
+    # data.batch_size or shuffle setting those are other rows (repeated or skipped ones), silently
+    import shutil
+
+    from dlrmctl.train.loop import TrainError
+
+    runs = str(tmp_path)
+    shutil.copytree(os.path.join(small_run, "s"), os.path.join(runs, "s"))
+    for extra, what in ((["data.batch_size=128"], "batch_size: 128 now, 256 when saved"),
+                        (["data.shuffle_window_rows=1000"], "shuffle_window_rows: 1000 now, 262144 when saved")):
+        with pytest.raises(TrainError, match=r"step_00000002: train split: cannot resume inside epoch 1 \(after 2 "
+                                             rf"batches\) with another batch order \({what}\)"):
+            _train(None, _cfg(data, runs, "s", 4, *extra), os.path.join(runs, "s"), True, None)
+    t = _train(None, _cfg(data, runs, "s", 4), os.path.join(runs, "s"), True, None)  # the saved settings resume
+    assert t.step == 2 and t.train_loader.state_dict() == {"epoch": 0, "batches_yielded": 2}

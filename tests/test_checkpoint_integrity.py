@@ -157,6 +157,15 @@ def test_pack_round_trips_json_values_and_refuses_other_objects():
     assert torch.equal(got["ten"], obj["ten"]) and got["ten"].dtype == torch.int16
     assert torch.equal(got["bf"], obj["bf"]) and got["empty"].shape == (0, 3)
     assert got["arr"].dtype == np.uint32 and np.array_equal(got["arr"], obj["arr"])
+    # every array / tensor keeps its shape, dtype (byte order included) and values, whatever its rank and layout
+    shaped = [np.array(5.0), np.zeros((0, 2)), np.arange(3, dtype=">i4"), np.array([1 + 2j]),
+              np.arange(12, dtype=np.int16).reshape(3, 4).T, np.arange(6.0).reshape(2, 3)[:, ::2],
+              torch.tensor(3), torch.arange(6.0).reshape(2, 3).t(), torch.zeros(2, 0, 1)]
+    for a, b in zip(shaped, ckpt.unpack(ckpt.pack(shaped))):
+        if isinstance(a, torch.Tensor):
+            assert b.shape == a.shape and b.dtype == a.dtype and torch.equal(a, b)
+        else:
+            assert b.shape == np.shape(a) and b.dtype == a.dtype and np.array_equal(a, b), (a, b)
     with pytest.raises(TypeError, match=r"meta/x\.cfg: a .*SimpleNamespace cannot be stored"):
         from types import SimpleNamespace
         ckpt.pack({"cfg": SimpleNamespace(a=1)}, "meta/x")
@@ -174,6 +183,7 @@ def _rewrite_metadata(path, raw):
     B = meta["files"][".metadata"]["block_bytes"]
     crcs = [zlib.crc32(raw[i:i + B]) for i in range(0, len(raw), B)]
     meta["files"][".metadata"].update(bytes=len(raw), crc32=ckpt._crcs_to_text(crcs))
+    meta["files_crc32"] = ckpt._files_crc(meta["files"])
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
 
 
@@ -195,6 +205,60 @@ def test_metadata_is_unpickled_with_dcp_classes_only_and_old_formats_are_refused
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
     with pytest.raises(ckpt.CheckpointError, match="format 'dcp-v1' is older than 'dcp-v2' and is not loaded.*pickled"):
         ckpt.load_checkpoint_meta(path)
+
+
+
+def test_a_damaged_meta_json_is_refused_as_a_checkpoint_error_naming_the_field(tmp_path):
+    path = _save(str(tmp_path), _table())
+    mp = os.path.join(path, "meta.json")
+    good = json.load(open(mp))
+    data = next(f for f in good["files"] if f != ".metadata")
+
+    def with_(fn):
+        m = json.loads(json.dumps(good))
+        fn(m)
+        return json.dumps(m)
+
+    cases = [
+        ("[]", "a JSON list, expected an object"),
+        ("null", "a JSON NoneType, expected an object"),
+        (b"\xff\xfe{", "corrupted"),
+        (with_(lambda m: m.pop("files")), "'files' must map each checkpoint file"),
+        (with_(lambda m: m["files"].pop(".metadata")), "'files' must map each checkpoint file, .metadata included"),
+        (with_(lambda m: m["files"].__setitem__(data, [])), f"file '{data}': a JSON list"),
+        (with_(lambda m: m["files"][data].pop("bytes")), "'bytes' is None, expected an integer >= 0"),
+        (with_(lambda m: m["files"][data].__setitem__("bytes", "12")), "'bytes' is '12'"),
+        (with_(lambda m: m["files"][data].__setitem__("block_bytes", 0)), "'block_bytes' is 0, expected an integer >= 1"),
+        (with_(lambda m: m["files"][data].__setitem__("crc32", 5)), "'crc32' is a int, expected base64 text"),
+        (with_(lambda m: m["files"][data].__setitem__("tensors", None)), "'tensors' must map item offsets"),
+        (with_(lambda m: m["files"][data].__setitem__("tensors", {"0": "704"})), "'tensors' must map item offsets"),
+        (with_(lambda m: m.__setitem__("format", ["dcp-v2"])), r"format \['dcp-v2'\] .*damaged"),
+    ]
+    for text, msg in cases:
+        with open(mp, "wb") as f:
+            f.write(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ckpt.CheckpointError, match=r"meta\.json: .*" + msg):
+            _rows(path, 0, 3)
+    # well-formed but wrong values in the file table (e.g. one digit of a raw data offset: the rows
+    # of another place, whose block CRCs pass) are caught by the table's own CRC-32
+    key = next(iter(good["files"][data]["tensors"]))
+    for fn in (lambda m: m["files"][data]["tensors"].__setitem__(key, m["files"][data]["tensors"][key] + 4),
+               lambda m: m["files"][data]["tensors"].clear(),
+               lambda m: m["files"][".metadata"].__setitem__("block_bytes", 64)):
+        open(mp, "w").write(with_(fn))
+        with pytest.raises(ckpt.CheckpointError, match=r"meta\.json: corrupted: its file table .* does not match "
+                                                       "its CRC-32 files_crc32"):
+            _rows(path, 0, 3)
+    # a meta.json without files_crc32 (written before it) still loads; an offset past its item is refused
+    open(mp, "w").write(with_(lambda m: m.pop("files_crc32")))
+    assert torch.equal(_rows(path, 0, 3), _table()[:3])
+    big = max(good["files"][data]["tensors"], key=lambda k: -int(k))  # the first item: the table
+    open(mp, "w").write(with_(lambda m: (m.pop("files_crc32"), m["files"][data]["tensors"].__setitem__(big, 10 ** 7))))
+    with pytest.raises(ckpt.CheckpointError, match=r"raw bytes at offset 10000000 of an item of \d+ bytes: .*meta\.json "
+                                                   "is corrupted"):
+        _rows(path, 0, 3)
+    json.dump(good, open(mp, "w"))
+    assert torch.equal(_rows(path, 5, 3), _table()[5:8])
 
 
 # ------------------------------------------------------- 2 -> 3 reshard

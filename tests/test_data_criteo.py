@@ -107,6 +107,36 @@ def test_hand_written_tsv_empty_fields_negatives_hex_mod_n_and_missing_id(tmp_pa
     assert meta["transforms"]["dense"]["transform"] == "log(x+1)"
 
 
+
+@pytest.mark.parametrize("opts", [HASH, CriteoOptions(frequency_threshold=1, workers=2),
+                                  CriteoOptions(frequency_threshold=1, split_by_day=True)], ids=["hash", "vocab", "by_day"])
+def test_day_files_with_no_lines_next_to_others_give_empty_parts(tmp_path, opts):
+    # an empty plain file and an empty .gz member among non-empty day files (one of a single line)
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "day_0").write_text(line("1", cats=["00000000"] + ["ffffffff"] * 25) + line("0"))
+    (d / "day_1").write_text("")
+    with gzip.open(d / "day_2.gz", "wb"):
+        pass
+    (d / "day_3").write_text(line("1"))
+    (d / "day_4").write_text(line("0") + line("1"))
+    out = tmp_path / "out"
+    rep = preprocess_criteo(d, out, opts, progress=False)
+    assert sum(rep.rows.values()) == 5
+    if opts.split_by_day:
+        assert rep.rows == {"train": 3, "val": 1, "test": 1}
+    meta = read_meta(out)
+    for name in ("day_1", "day_2.gz"):
+        for split in ("train", "val", "test"):
+            assert MappedShard(out / f"parts/{name}/{split}.arrow").rows == 0
+    cols = read_split(out, "train")
+    if opts.mode == "vocab":  # 0 and 2^32 - 1 are ordinary values: ids below V, not OOV / missing
+        v = [f["num_embeddings"] - 2 for f in meta["sparse_features"]]
+        assert cols["C1"][0] < v[0] and cols["C2"][0] < v[1] and cols["C1"][0] != cols["C1"][1]
+    else:
+        assert cols["C1"][0] == 0 and cols["C2"][0] == 4294967295 % 1000
+
+
 def test_gz_input_gives_the_same_shards_as_plain(tmp_path):
     text = "".join(line(str(i % 2), [str(i)] * 13, ["%08x" % (i * 7919)] * 26) for i in range(50))
     (tmp_path / "a.txt").write_text(text)
@@ -132,6 +162,27 @@ def test_directory_and_glob_inputs_take_every_file(tmp_path):
     assert len(read_meta(tmp_path / "o1")["splits"]["train"]["files"]) == 3
     with pytest.raises(DataError, match="no such file"):
         preprocess_criteo(str(d / "nothing*.tsv"), tmp_path / "o3", HASH, progress=False)
+
+
+
+def test_one_file_listed_under_several_spellings_counts_once_and_two_names_of_it_are_refused(tmp_path, monkeypatch):
+    from dlrmctl.data.criteo.parse import expand_inputs
+
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "day_0").write_text(line("1") * 3)
+    (d / "day_1").write_text(line("0") * 2)
+    monkeypatch.chdir(tmp_path)
+    # relative, absolute, with "..": one input (was: "share the base name ... rename them")
+    files = expand_inputs(["in/day_0", str(d / "day_0"), "in/../in/day_0", "in/day_1"])
+    assert files == [d / "day_0", d / "day_1"]
+    rep = preprocess_criteo(["in/day_0", str(d / "day_0"), str(d)], tmp_path / "o", HASH, progress=False)
+    assert rep.rows["train"] == 5
+    # a second name of one file (a link) would read its rows twice
+    (d / "day_2").symlink_to(d / "day_0")
+    with pytest.raises(DataError, match=r"day_0 and .*day_2 are the same file \(a link or another name\); its rows "
+                                        "would be read twice"):
+        preprocess_criteo(d, tmp_path / "o2", HASH, progress=False)
 
 
 def test_vocabulary_with_frequency_threshold_shares_rare_ids_and_is_saved(tmp_path):
@@ -414,6 +465,24 @@ def test_hash_lookup_matches_a_dict_for_hits_misses_and_extreme_values():
         HashLookup(np.array([2**32], np.int64))
     with pytest.raises(ValueError, match="duplicate"):
         HashLookup(np.array([7, 9, 7], np.int64))
+
+
+def test_a_damaged_vocabulary_file_is_a_data_error_naming_it(tmp_path):
+    # a vocabulary file with a duplicate or a value beyond 32 bits raised a bare ValueError (no file named)
+    from dlrmctl.data.criteo.vocab import VocabSet, clear_cache
+
+    for values, why in (([7, 9, 7], "duplicate vocabulary value 7"), ([1, 2**32], r"32-bit")):
+        d = tmp_path / why[:3]
+        d.mkdir()
+        for n in [f"C{i}" for i in range(1, 27)]:
+            t = pa.table({"value": pa.array(values if n == "C3" else [1, 2], pa.int64())})
+            with pa.OSFile(str(d / f"{n}.arrow"), "wb") as sink, ipc.new_file(sink, t.schema) as w:
+                w.write_table(t)
+        vs = VocabSet.of_dir(d)
+        assert vs[0].lookup(np.array([2], np.uint64)).tolist() == [1]
+        with pytest.raises(DataError, match=rf"C3\.arrow: not a vocabulary: .*{why}"):
+            vs[2]
+        clear_cache()
 
 
 # ------------------------------------------------------------------ one parse per file (vocabulary mode)

@@ -262,3 +262,27 @@ def test_trainer_evaluate_on_2_ranks_keeps_rows_local_and_equals_one_process_met
     assert 0 < z0.size and 0 < z1.size  # each rank saw only its own rows
     want = compute_metrics_from_logits(np.concatenate([z0, z1]), np.concatenate([y0, y1]))
     assert _same(m0, want) and m0["num_samples"] == z0.size + z1.size
+
+
+def _rank_odd_inputs(env):
+    z = torch.arange(4.0, requires_grad=True) * 1  # a torch tensor that needs grad, as a model returns it
+    y = torch.tensor([0, 1, 0, 1.0])
+    out = [compute_metrics_from_logits(z, y, pg=env.pg, device=env.device)["auc"]]
+    try:  # an input numpy cannot read as numbers (TypeError) on rank 1 only: every rank must raise
+        compute_metrics_from_logits([object()] * 4 if env.rank == 1 else z, y, pg=env.pg, device=env.device)
+    except ValueError as e:
+        out.append(str(e))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_tensor_inputs_on_any_device_work_and_an_unreadable_input_on_one_rank_raises_everywhere():
+    # torch tensors (grad, or another device) raised in np.asarray on one rank while the others
+    # waited in the collective; any input error is now told to every rank
+    z = torch.arange(4.0, requires_grad=True) * 1
+    y = torch.tensor([0, 1, 0, 1.0])
+    want = compute_metrics_from_logits(z.detach().numpy(), y.numpy())
+    assert _same(compute_metrics_from_logits(z, y), want) and auc(z, y) == want["auc"] == 0.75
+    r0, r1 = run_multiprocess(_rank_odd_inputs, 2, timeout_s=60)
+    assert r0[0] == r1[0] == 0.75
+    assert "rank 1: TypeError" in r1[1] and "invalid metric input on rank(s) [1]" in r0[1]

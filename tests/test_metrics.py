@@ -71,3 +71,28 @@ def test_ne_of_base_rate_predictor_is_one_and_logloss_matches_formula():
 
 def test_logloss_clips_certain_wrong_predictions():
     assert math.isfinite(logloss(np.array([0.0, 1.0]), np.array([1, 0])))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_non_finite_probability_or_logit_makes_every_score_metric_nan_with_a_warning(bad, caplog):
+    # the probability path counted no bad scores: a nan probability gave AUC 0.25 from a nan-sorted order
+    y = np.array([0, 1, 0, 1.0])
+    for fn, x in ((compute_metrics, np.array([bad, 0.2, 0.3, 0.4])), (compute_metrics_from_logits, np.array([bad, 2, 3, 4.0]))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dlrmctl.metrics"):
+            m = fn(x, y)
+        assert all(math.isnan(m[k]) for k in ("auc", "logloss", "ne", "calibration", "accuracy")), (fn, m)
+        assert m["ctr"] == 0.5 and m["num_samples"] == 4
+        assert "1 of 4 scores are not finite" in caplog.records[0].getMessage()
+
+
+def test_weights_at_the_ends_of_the_float64_range_give_numbers_or_nan_not_overflow_errors():
+    # sums of weights beyond float64's range raised OverflowError from float(Fraction) in the ratios
+    z, y = np.array([1.0, 2.0, 3.0]), np.array([0, 1, 0.0])
+    m = compute_metrics_from_logits(z, y, np.full(3, 1e308))
+    assert m["ctr"] == pytest.approx(1 / 3) and m["num_samples"] == 3
+    assert math.isnan(m["logloss"]) and math.isnan(m["auc"])  # w * loss and the pair weights overflow: inf / inf
+    # a quotient beyond the range (calibration over a subnormal positive weight) is inf
+    m = compute_metrics_from_logits(z, y, np.array([1.0, 5e-324, 1.0]))
+    assert m["calibration"] == math.inf and 0 <= m["ctr"] < 1e-300
+    assert compute_metrics(np.array([0.2, 0.7, 0.1]), y, np.array([1.0, 5e-324, 1.0]))["calibration"] == math.inf

@@ -151,6 +151,23 @@ def test_auto_gives_the_documented_table_dims_and_projects_the_narrow_ones():
     assert model.over_arch.model.model[0].in_features == 32 + 4 * 5 // 2
 
 
+
+def test_auto_plans_a_sharded_run_counting_the_projections():
+    # the planner's dense-model reservation did `embedding_dim + ...` with embedding_dim == "auto":
+    # TypeError in `dlrmctl train --nproc N`, `dlrmctl plan` and `dlrmctl checkpoint reshard`
+    from dlrmctl.planner.planner import _count_dense_params, plan_for_config
+
+    meta = _meta([5, 100, 685, 10 ** 6])
+    for model_kw in (dict(embedding_dim="auto"), dict(embedding_dim=32)):
+        cfg = _cfg(**model_kw)
+        tables = resolve_tables(cfg, meta)
+        model = build_model(cfg, tables, 2, device="meta")
+        dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch"))
+        assert _count_dense_params(cfg, len(tables), 2, [t.embedding_dim for t in tables]) == dense
+        plan = plan_for_config(cfg, 2, meta=meta)
+        assert sorted(plan.plan) == sorted(t.name for t in tables)
+
+
 def test_auto_is_refused_with_explicit_tables():
     with pytest.raises(ConfigError, match="model.embedding_dim: auto sizes the tables derived from the data"):
         _cfg(embedding_dim="auto", tables=[{"name": "t", "num_embeddings": 10}])

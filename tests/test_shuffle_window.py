@@ -189,3 +189,41 @@ def test_bad_window_and_block_are_rejected(tmp_path):
         BatchLoader(d, "train", 2, shuffle=True, shuffle_window_rows=0)
     with pytest.raises(ValueError, match="shuffle_block_rows must be >= 1, got -1"):
         BatchLoader(d, "train", 2, shuffle=True, shuffle_block_rows=-1)
+
+
+def test_a_mid_epoch_position_saved_under_another_batch_order_is_refused_and_an_epoch_end_is_not(tmp_path):
+    # the position is a count of global batches: under another batch size / shuffle setting / row cap
+    # batch k is other rows, so a resume silently repeated or skipped rows of the epoch
+    d = make_dataset(tmp_path, n=37, files=2, chunks=2)
+    kw = dict(batch_size=8, shuffle=True, seed=4, shuffle_window_rows=16, shuffle_block_rows=4, prefetch=0)
+    saver = BatchLoader(d, "train", **kw)
+    it = iter(saver)
+    seen = [x for _ in range(2) for x in rows_of(next(it))]
+    state = dict(saver.state_dict(), order=saver.order())
+    assert state["batches_yielded"] == 2
+    # same order on another world size: exact continuation
+    parts = []
+    for r in range(3):
+        lr = BatchLoader(d, "train", rank=r, world_size=3, **kw)
+        lr.load_state_dict(state)
+        parts.append([rows_of(b) for b in lr])
+    rest = [x for batch in zip(*parts) for p in batch for x in p]
+    assert sorted(seen + rest) == list(range(37))
+    for change, key in ((dict(batch_size=4), "batch_size"), (dict(seed=5), "seed"),
+                        (dict(shuffle_window_rows=8), "shuffle_window_rows"), (dict(shuffle_block_rows=2), "shuffle_block_rows"),
+                        (dict(num_samples=30), "rows"), (dict(drop_last=True), "drop_last"), (dict(shuffle=False), "shuffle")):
+        other = BatchLoader(d, "train", **{**kw, **change})
+        with pytest.raises(ValueError, match=rf"train split: cannot resume inside epoch 1 \(after 2 batches\) with "
+                                             rf"another batch order \(.*{key}: .* now, .* when saved"):
+            other.load_state_dict(state)
+    # a position without the order (older checkpoints) is taken as it is
+    other = BatchLoader(d, "train", **{**kw, "batch_size": 4})
+    other.load_state_dict({"epoch": 0, "batches_yielded": 2})
+    assert sum(len(b.labels) for b in other) == 37 - 8
+    # the end of a saved epoch (5 batches of 8) is an epoch boundary under any order: the next epoch is whole
+    end = {"epoch": 0, "batches_yielded": 5, "order": saver.order()}
+    for change in (dict(batch_size=4), dict(batch_size=16, seed=9)):
+        other = BatchLoader(d, "train", **{**kw, **change})
+        other.load_state_dict(end)
+        assert list(other) == [] and other.state_dict() == {"epoch": 1, "batches_yielded": 0}
+        assert sorted(x for b in other for x in rows_of(b)) == list(range(37))

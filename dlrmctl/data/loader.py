@@ -248,10 +248,43 @@ class BatchLoader:
         """``{"epoch", "batches_yielded"}``: the exact data position (batches consumed this epoch)."""
         return {"epoch": self.epoch, "batches_yielded": self._yielded if self._yielded else self._start_batch}
 
+    def order(self) -> dict:
+        """What fixes the sequence of global batches of an epoch: ``{"rows", "batch_size", "drop_last",
+        "shuffle", "seed", "shuffle_window_rows", "shuffle_block_rows"}`` (the world size does not).
+        Store it with :meth:`state_dict` (as ``state["order"]``) so that :meth:`load_state_dict` can
+        tell a mid-epoch position that no longer means the same rows."""
+        return {"rows": int(self.num_rows), "batch_size": int(self.batch_size), "drop_last": bool(self.drop_last),
+                "shuffle": bool(self.shuffle), "seed": int(self.seed) if self.shuffle else None,
+                "shuffle_window_rows": self.shuffle_window_rows if self.shuffle else None,
+                "shuffle_block_rows": self.shuffle_block_rows if self.shuffle else None}
+
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state`` (from :meth:`state_dict`): the next ``iter()`` continues that epoch."""
+        """Resume at ``state`` (from :meth:`state_dict`): the next ``iter()`` continues that epoch.
+
+        Raises:
+            ValueError: ``state["order"]`` (the :meth:`order` of the loader that was saved, when
+                present) differs from this loader's while the position is inside an epoch
+                (``0 < batches_yielded <`` the saved epoch's batches): batch ``k`` would be other rows,
+                so rows of the epoch would be repeated or skipped.  The message names the differing
+                settings.  A position at the end of a saved epoch continues with the next epoch
+                whatever the settings.
+        """
+        start = int(state["batches_yielded"])
+        saved = state.get("order")
+        r, g = (int(saved["rows"]), int(saved["batch_size"])) if saved is not None else (0, 1)
+        if saved is not None and start >= (r // g if saved["drop_last"] else -(-r // g)):
+            start = self.num_global_batches()  # the saved epoch was complete: the next one starts afresh
+        elif start > 0 and saved is not None:
+            mine = self.order()
+            diff = [f"{k}: {mine.get(k)!r} now, {saved.get(k)!r} when saved" for k in sorted(set(mine) | set(saved))
+                    if mine.get(k) != saved.get(k)]
+            if diff:
+                raise ValueError(
+                    f"{self.split} split: cannot resume inside epoch {int(state['epoch']) + 1} (after {start} "
+                    f"batches) with another batch order ({'; '.join(diff)}): rows of that epoch would be repeated "
+                    "or skipped; resume with the saved settings, or from a checkpoint at an epoch boundary")
         self.epoch = int(state["epoch"])
-        self._start_batch = int(state["batches_yielded"])
+        self._start_batch = start
         self._yielded = 0
 
     # ----------------------------------------------------------------- batches

@@ -12,7 +12,8 @@ Layout::
         meta.json         format, step, world_size, table shapes, plan, byteorder and,
                           per file above: bytes, block_bytes, the CRC-32 of every
                           block (base64 of little-endian uint32) and, per chunk,
-                          the offset of its raw tensor bytes (written last)
+                          the offset of its raw tensor bytes; ``files_crc32``: the
+                          CRC-32 of that file table as canonical JSON (written last)
     runs/<name>/checkpoints/LATEST   name of the newest complete checkpoint
     runs/<name>/checkpoints/BEST     name of the checkpoint with the best validation metric
                                      (``train.keep_best``; never pruned by ``keep_last``)
@@ -257,8 +258,8 @@ def _encode(obj: Any, where: str) -> Any:
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": _b64(raw)}}
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
-        a = np.ascontiguousarray(obj)
-        return {"__ndarray__": {"dtype": a.dtype.str, "shape": list(a.shape), "data": _b64(a.tobytes())}}
+        # tobytes() is C order for any layout; obj.shape, not np.ascontiguousarray's (which makes 0-d 1-d)
+        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": _b64(obj.tobytes(order="C"))}}
     if isinstance(obj, tuple):
         return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):
@@ -843,8 +844,9 @@ def save_checkpoint(
         allf = [writer.files]
     if rank == 0:
         files = {k: v for d in allf for k, v in sorted(d.items())}
-        meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder, "files": files}
-        meta.update(extra_meta or {})
+        meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder}
+        meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
+        meta.update(files=files, files_crc32=_files_crc(files))
         _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         _fsync_dir(tmp)
         os.replace(tmp, final)
@@ -886,16 +888,58 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
             meta = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"{p}: missing; {ckpt_dir} is not a complete checkpoint") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: corrupted ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{p}: corrupted (a JSON {type(meta).__name__}, expected an object)")
     fmt = meta.get("format", "per-rank torch.save (pre-DCP)")
     if fmt != FORMAT:
-        why = OLD_FORMATS.get(fmt, "it was written by an older dlrmctl")
+        why = OLD_FORMATS.get(fmt, "it was written by an older dlrmctl") if isinstance(fmt, str) else "damaged"
         raise CheckpointError(
             f"{p}: checkpoint format {fmt!r} is older than {FORMAT!r} and is not loaded ({why}); "
             "resume or export it with the dlrmctl version that wrote it, or train again"
         )
+    _check_files_entry(p, meta.get("files"))
+    if "files_crc32" in meta and meta["files_crc32"] != _files_crc(meta["files"]):  # absent: written before it
+        raise CheckpointError(f"{p}: corrupted: its file table (sizes, block checksums, raw data offsets) does "
+                              f"not match its CRC-32 files_crc32 ({meta['files_crc32']!r})")
     return meta
+
+
+def _files_crc(files: dict[str, Any]) -> int:
+    """CRC-32 of meta.json's ``files`` table as canonical JSON: the reader trusts the sizes, block
+    checksums and raw data offsets it holds, so they are checked themselves (``files_crc32``)."""
+    return zlib.crc32(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+def _check_files_entry(p: str, files: Any) -> None:
+    """Check the shape of meta.json's ``files`` (what the verifying reader trusts): a dict of file name ->
+    ``{"bytes": int >= 0, "block_bytes": int >= 1, "crc32": str, "tensors"?: {str: int >= 0}}``.
+
+    Raises:
+        CheckpointError: naming ``p``, the file entry and the field that is missing or of another type.
+    """
+    def nat(v: Any, lo: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    if not isinstance(files, dict) or ".metadata" not in files:
+        raise CheckpointError(f"{p}: corrupted ('files' must map each checkpoint file, .metadata included, "
+                              f"to its size and checksums; got {type(files).__name__})")
+    for name, e in files.items():
+        bad = None
+        if not isinstance(e, dict):
+            bad = f"a JSON {type(e).__name__}, expected an object"
+        elif not nat(e.get("bytes"), 0):
+            bad = f"'bytes' is {e.get('bytes')!r}, expected an integer >= 0"
+        elif not nat(e.get("block_bytes"), 1):
+            bad = f"'block_bytes' is {e.get('block_bytes')!r}, expected an integer >= 1"
+        elif not isinstance(e.get("crc32"), str):
+            bad = f"'crc32' is a {type(e.get('crc32')).__name__}, expected base64 text"
+        elif "tensors" in e and not (isinstance(e["tensors"], dict)
+                                     and all(isinstance(k, str) and nat(v, 0) for k, v in e["tensors"].items())):
+            bad = "'tensors' must map item offsets (text) to raw data offsets (integers >= 0)"
+        if bad:
+            raise CheckpointError(f"{p}: corrupted entry for file {name!r}: {bad}")
 
 
 def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
@@ -983,6 +1027,11 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
                 else:
                     r0, nr = int(req.storage_offsets[0]), int(req.lengths[0])
                     row = math.prod(shape[1:]) * torch._utils._element_size(dtype)
+                full = math.prod(shape) * torch._utils._element_size(dtype)
+                if data_at + full > sinfo.length:  # meta.json's raw offset points past the item: damaged
+                    raise CheckpointError(
+                        f"{f.path}: {what}: meta.json puts its {full} raw bytes at offset {data_at} of an item of "
+                        f"{sinfo.length} bytes: {os.path.join(os.path.dirname(f.path), 'meta.json')} is corrupted")
                 base = sinfo.offset + data_at
                 raw = f.read(base + r0 * row, base + (r0 + nr) * row, what)
                 rows = [nr, *shape[1:]] if shape else []
@@ -1178,7 +1227,7 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
         if save[k] is None:
             save[k] = load[k]
     save[f"rank/{rank}"] = load[f"rank/{src_rank}"]
-    extra = {k: v for k, v in meta.items() if k not in ("format", "step", "world_size", "files")}
+    extra = {k: v for k, v in meta.items() if k not in ("format", "step", "world_size", "files", "files_crc32")}
     extra.update(plan=None if plan is None else plan.to_dict(),
                  resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"],
                                  "bytes": sum(int(f["bytes"]) for f in meta["files"].values()),

@@ -436,7 +436,8 @@ class Trainer:
             # batches trained this epoch (the loader may have prefetched further)
             trainer={"step": self.step, "epoch": self.epoch, "best": self.best,
                      "evals_since_best": self._evals_since_best,
-                     "data": {"epoch": self.epoch, "batches_yielded": self._batches_done}},
+                     "data": {"epoch": self.epoch, "batches_yielded": self._batches_done,
+                              "order": self.train_loader.order()}},
             lr_schedule=to_dict(self.cfg.optimizer.lr_schedule),
         )
 
@@ -490,7 +491,10 @@ class Trainer:
             self.env.world_size, getattr(self.env.sharding_env, "pg", None), plan=self.plan,
         )
         tr = saved["trainer"]
-        self.train_loader.load_state_dict(tr["data"])
+        try:
+            self.train_loader.load_state_dict(tr["data"])
+        except ValueError as e:
+            raise TrainError(f"{path}: {e}") from None
         self.step, self.epoch, self.best = tr["step"], tr["epoch"], tr["best"]
         self._evals_since_best = int(tr.get("evals_since_best", 0))  # absent in checkpoints before early stopping
         self._batches_done = int(tr["data"]["batches_yielded"])

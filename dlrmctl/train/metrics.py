@@ -169,20 +169,38 @@ def from_pieces(pieces: np.ndarray) -> Fraction | float:
     return sum((Fraction(float(v)) for v in p[p != 0]), Fraction(0))
 
 
+def _to_float(x: Fraction | float) -> float:
+    """``float(x)``, ``±inf`` where an exact value lies beyond float64's range (instead of OverflowError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
+
+
 def _ratio(a: Fraction | float, b: Fraction | float) -> float:
-    """``a / b`` correctly rounded from the exact values (``nan`` for 0/0, as float division would)."""
+    """``a / b`` correctly rounded from the exact values (``nan`` for 0/0, as float division would;
+    ``±inf`` when the quotient or an operand lies beyond float64's range)."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         if b == 0:
             return float("nan") if a == 0 else (math.inf if a > 0 else -math.inf)
-        return float(a / b)
-    return float(np.float64(float(a)) / np.float64(float(b)))
+        return _to_float(a / b)
+    with np.errstate(all="ignore"):
+        return float(np.float64(_to_float(a)) / np.float64(_to_float(b)))
+
+
+def _host_f64(x) -> np.ndarray:
+    """``x`` (numpy array, sequence, or torch tensor on any device, with or without grad) as a
+    flat float64 numpy array on the host."""
+    if hasattr(x, "detach") and hasattr(x, "device"):  # a torch tensor: no torch import needed here
+        x = x.detach().to("cpu").double().numpy()
+    return np.asarray(x, dtype=np.float64).ravel()
 
 
 def _weights(weights: np.ndarray | None, n: int) -> np.ndarray | None:
     """Validate optional sample weights ``[N]``: finite and >= 0."""
     if weights is None:
         return None
-    w = np.asarray(weights, dtype=np.float64).ravel()
+    w = _host_f64(weights)
     if w.size != n:
         raise ValueError(f"weights: {w.size} values for {n} samples")
     if not np.all(np.isfinite(w)) or (w < 0).any():
@@ -201,7 +219,7 @@ class MetricPartials:
 
     Attributes:
         num_samples: rows.
-        num_bad: rows whose score is not finite (logits path; the metrics are then ``nan``).
+        num_bad: rows whose score (logit or probability) is not finite (the metrics are then ``nan``).
         num_pos: rows with ``y > 0.5`` (the AUC's positives).
         weight: ``Σ w``.  pos_weight: ``Σ w y``.  loss: ``Σ w ℓ``.  pred: ``Σ w p``.
         correct: ``Σ w [(p > 0.5) == (y > 0.5)]``.
@@ -250,7 +268,7 @@ def _row_partials(scores: np.ndarray, y: np.ndarray, w: np.ndarray | None, from_
     n = y.size
     pos_rows = y > 0.5
     out = MetricPartials(num_samples=int(n), num_pos=int(pos_rows.sum()))
-    out.num_bad = int((~np.isfinite(scores)).sum()) if from_logits else 0
+    out.num_bad = int((~np.isfinite(scores)).sum())
     for s in range(0, max(n, 1), _CHUNK_ROWS):
         z, yy, pr = scores[s : s + _CHUNK_ROWS], y[s : s + _CHUNK_ROWS], pos_rows[s : s + _CHUNK_ROWS]
         if w is None:  # counts are exact integers: no float sums needed for them
@@ -361,8 +379,8 @@ def auc(preds: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None
     Raises:
         ValueError: weights of another length, negative or not finite.
     """
-    z = np.asarray(preds, dtype=np.float64).ravel()
-    pos = np.asarray(labels).ravel() > 0.5
+    z = _host_f64(preds)
+    pos = _host_f64(labels) > 0.5
     w = _weights(weights, z.size)
     ww = np.ones(z.size) if w is None else w
     p = MetricPartials(num_samples=z.size, num_pos=int(pos.sum()),
@@ -406,8 +424,8 @@ def logloss(probs: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = 
     Raises:
         ValueError: invalid weights (see :func:`auc`).
     """
-    p = np.clip(np.asarray(probs, dtype=np.float64).ravel(), _EPS, 1 - _EPS)
-    y = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.clip(_host_f64(probs), _EPS, 1 - _EPS)
+    y = _host_f64(labels)
     ll = -(y * np.log(p) + (1 - y) * np.log(1 - p))
     w = _weights(weights, p.size)
     if w is None:
@@ -448,7 +466,7 @@ def _finish(p: MetricPartials, pair_total: Callable[[bool], Fraction | float], w
     ctr = _ratio(p.pos_weight, p.weight)
     if p.num_bad:
         if warn:
-            log.warning("%d of %d logits are not finite (nan/inf): metrics are nan", p.num_bad, n)
+            log.warning("%d of %d scores are not finite (nan/inf): metrics are nan", p.num_bad, n)
         return dict(_empty_metrics(n), ctr=ctr)
     ll = _ratio(p.loss, p.weight)
     return {
@@ -463,8 +481,8 @@ def _finish(p: MetricPartials, pair_total: Callable[[bool], Fraction | float], w
 
 
 def _prepare(scores, labels, weights, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    z = np.asarray(scores, dtype=np.float64).ravel()
-    y = np.asarray(labels, dtype=np.float64).ravel()
+    z = _host_f64(scores)
+    y = _host_f64(labels)
     if z.size != y.size:
         raise ValueError(f"{what}: {z.size} values for {y.size} labels")
     return z, y, _weights(weights, y.size)
@@ -494,7 +512,8 @@ def compute_metrics_from_logits(
     Warnings are logged by group rank 0 only.
 
     Args:
-        logits: ``[N]`` (any float dtype; cast to float64).
+        logits: ``[N]`` (any float dtype; cast to float64): numpy, or a torch tensor on any device
+            (copied to the host; also with ``requires_grad``); labels and weights likewise.
         labels: ``[N]`` in {0, 1}.
         weights: optional ``[N]`` >= 0 sample weights (see :func:`compute_metrics`); with ``pg``,
             all ranks or none must pass weights.
@@ -507,8 +526,9 @@ def compute_metrics_from_logits(
         logged warning) when a logit is nan or infinite.
 
     Raises:
-        ValueError: ``logits`` and ``labels`` of different lengths, invalid weights (with ``pg``,
-            on every rank, naming the rank at fault), weights on some ranks only.
+        ValueError: ``logits`` and ``labels`` of different lengths, invalid weights, inputs that
+            cannot be read as numbers (with ``pg``: on every rank, naming the rank at fault, so no
+            rank waits in a collective), weights on some ranks only.
     """
     if pg is None:
         z, y, w = _prepare(logits, labels, weights, "logits")
@@ -528,8 +548,9 @@ def _distributed_metrics(logits, labels, weights, pg, device) -> dict[str, float
     try:
         z, y, w = _prepare(logits, labels, weights, "logits")
         part = _row_partials(z, y, w, from_logits=True)
-    except ValueError as e:
-        err, z, y, w, part = str(e), np.zeros(0), np.zeros(0), None, MetricPartials()
+    except (ValueError, TypeError, RuntimeError) as e:  # told to every rank below: none waits forever
+        err = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        z, y, w, part = np.zeros(0), np.zeros(0), None, MetricPartials()
     counts, sums = part.to_arrays()
     flags = np.array([int(bool(err)), int(w is not None)], dtype=np.int64)
     allc = comm.all_gather_tensor(torch.from_numpy(np.concatenate([counts, flags])).to(device), pg).cpu().numpy()
@@ -578,7 +599,8 @@ def compute_metrics(probs: np.ndarray, labels: np.ndarray, weights: np.ndarray |
     ``sum(w p) / sum(w y)``.  ``num_samples`` stays the number of rows.
 
     Returns:
-        ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``.
+        ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``; all but ``ctr``
+        / ``num_samples`` ``nan`` (and a logged warning) when a probability is nan or infinite.
 
     Raises:
         ValueError: invalid weights (see :func:`auc`).

@@ -242,7 +242,9 @@ def expand_inputs(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         Sorted list of files (``day_N`` files sorted by N).
 
     Raises:
-        DataError: nothing matches, or two inputs share a base name (their outputs would collide).
+        DataError: nothing matches, two inputs share a base name (their outputs would collide), or
+            two names (links) of one file are listed (its rows would be read twice).  One path spelled
+            several ways (relative, absolute) counts once.
     """
     specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     files: list[Path] = []
@@ -262,9 +264,18 @@ def expand_inputs(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         m = _DAY_RE.match(f.name)
         return (0, int(m.group(1)), f.name) if m else (1, 0, f.name)
 
-    files = sorted(set(files), key=key)
+    # one file spelled several ways (relative / absolute / with ..) is one input; symlinks keep their
+    # own name (a day_N link into a store of other names), so paths are made absolute, not resolved
+    files = sorted({Path(os.path.abspath(f)) for f in files}, key=key)
     if not files:
         raise DataError("no input files found", path=str(spec))
+    seen: dict[tuple[int, int], Path] = {}
+    for f in files:
+        st = f.stat()
+        first = seen.setdefault((st.st_dev, st.st_ino), f)
+        if first != f:  # a link or a second name of a file already listed: its rows would count twice
+            raise DataError(f"{first} and {f} are the same file (a link or another name); "
+                            "its rows would be read twice: list it once", path=str(spec))
     names = [f.name for f in files]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
@@ -387,6 +398,8 @@ class BlockReader:
                                                       check_utf8=False, quoted_strings_can_be_null=False),
             )
         except pa.ArrowInvalid as e:
+            if num_fields(self.path) is None:  # a file (or .gz / .bz2 member) with no lines: no blocks
+                return
             self._arrow_error(e)
         next_line = 1
         sk_pos = 0

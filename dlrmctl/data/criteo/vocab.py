@@ -163,7 +163,13 @@ def _load(path: Path) -> HashLookup:
 
             raise DataError(f"cannot read vocabulary (expected an Arrow file with an int64 'value' "
                             f"column): {e}", path=path) from None
-        lk = _CACHE[key] = HashLookup(values)
+        try:
+            lk = HashLookup(values)
+        except ValueError as e:  # a damaged vocabulary: a value outside 32 bits or listed twice
+            from dlrmctl.data.columnar import DataError
+
+            raise DataError(f"not a vocabulary: {e}", path=path) from None
+        _CACHE[key] = lk
     return lk
 
 
@@ -176,7 +182,8 @@ class VocabSet:
     ``vocabs[f]`` is the :class:`HashLookup` of feature ``f`` (``.size`` = V, ``.lookup``).
 
     Raises:
-        DataError: (on first use of a feature) its file is missing or is not a vocabulary.
+        DataError: (on first use of a feature) its file is missing or is not a vocabulary (not an
+            Arrow file with an int64 ``value`` column, a value outside ``[0, 2^32)`` or a duplicate).
     """
 
     def __init__(self, paths: list[Path]) -> None:
