@@ -97,10 +97,11 @@ class _DotInteraction(torch.autograd.Function):
     Backward, with ``g`` the output gradient (no autograd through the cats / slices):
 
     * the pair gradient is scattered straight into a symmetric ``G [B, N, N]``: position (i, j)
-      and (j, i) both get ``g_ij`` (``triu_flat`` and ``tril_flat``), which is ``G_u + G_u^T`` of the
-      upper-triangle scatter ``G_u`` exactly (each off-diagonal entry is one value plus zero) without
-      the ``[B, N, N]`` add and the strided read of the transpose, and without first copying the
-      strided ``g`` slice to a contiguous tensor;
+      and (j, i) both get ``g_ij`` (``triu_flat`` and ``tril_flat``), the diagonal is zeroed (no
+      fill of the whole buffer), which is ``G_u + G_u^T`` of the upper-triangle scatter ``G_u``
+      exactly (each off-diagonal entry is one value plus zero) without the ``[B, N, N]`` add and
+      the strided read of the transpose, and without first copying the strided ``g`` slice to a
+      contiguous tensor;
     * ``dT = G T`` — one ``bmm`` on contiguous operands (``Z = T T^T`` is symmetric, so
       ``dT = (G_u + G_u^T) T``; autograd would run two bmms on transposed views plus a sum);
     * ``d dense = dT[:, 0] + g[:, :d]`` (the two uses of ``dense``; the same sum of the same two
@@ -129,9 +130,10 @@ class _DotInteraction(torch.autograd.Function):
         t, triu_flat, tril_flat = ctx.saved_tensors
         B, N, d = t.shape
         g_pairs = grad[:, d:].to(t.dtype)
-        g = torch.zeros(B, N * N, dtype=t.dtype, device=grad.device)
+        g = torch.empty(B, N * N, dtype=t.dtype, device=grad.device)
         g.index_copy_(1, triu_flat, g_pairs)
         g.index_copy_(1, tril_flat, g_pairs)
+        g.view(B, N, N).diagonal(dim1=1, dim2=2).zero_()  # the rest: every position is now written once
         dt = torch.bmm(g.view(B, N, N), t)
         d_dense = d_values = None
         if ctx.needs_input_grad[0]:
