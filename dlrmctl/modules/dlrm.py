@@ -100,7 +100,7 @@ class _DotInteraction(torch.autograd.Function):
       with one zero column appended (``[B, P+1]``, ``P = N(N-1)/2``): ``sym_flat`` maps flat
       position (i, j) and (j, i) to pair ``p(i, j)`` and the diagonal to the zero column.  That is
       ``G_u + G_u^T`` of the upper-triangle scatter ``G_u`` exactly (each off-diagonal entry is one
-      value plus zero) without the zero fill, the ``index_copy_`` scatter, the ``[B, N, N]`` add
+      value plus zero; only a ``-0.0`` keeps its sign, which compares and multiplies equal) without the zero fill, the ``index_copy_`` scatter, the ``[B, N, N]`` add
       and the strided read of the transpose (about 6x less time for this part on a 2-core CPU);
     * ``dT = G T`` — one ``bmm`` on contiguous operands (``Z = T T^T`` is symmetric, so
       ``dT = (G_u + G_u^T) T``; autograd would run two bmms on transposed views plus a sum);
