@@ -24,7 +24,7 @@ multiply-add = 2 FLOPs; embedding pooling and element-wise ops are not counted):
   and ``2 in out`` for the input gradient (none for the first bottom layer: its input needs no
   gradient);
 * dot interaction over ``N = F + 1`` vectors of width ``d``: forward ``T T^T`` = ``2 N^2 d``,
-  backward one bmm ``(G + G^T) T`` = ``2 N^2 d`` (dlrmctl's ``_UpperTriangleDots``).
+  backward one bmm ``(G + G^T) T`` = ``2 N^2 d`` (dlrmctl's ``_DotInteraction``).
 
 For the bench model: bottom 13-512-256-64, top (64 + 26*27/2 = 415)-512-256-1, N = 27, d = 64:
 about 3.16 MFLOP per sample.

@@ -90,3 +90,41 @@ def test_dot_interaction_traces_for_export_and_matches_eager():
 
     traced = torch.jit.trace(Wrap(), (dense, sparse))
     torch.testing.assert_close(traced(dense, sparse), arch(dense, kt))
+
+
+@pytest.mark.parametrize("need", ["both", "dense", "sparse"])
+def test_dot_interaction_training_node_is_bit_identical_to_the_unfused_formula(need):
+    """The fused training node (_DotInteraction) against the ops it replaces, in fp32: forward
+    cat -> bmm -> triangle -> cat; backward G_u scattered from the pair gradient, (G_u + G_u^T) T,
+    split into the dense and sparse parts, the dense part plus its direct gradient.  Values and
+    gradients must match bit for bit (the restructuring only removes copies), and the sparse
+    gradient must arrive contiguous (what the embedding backward needs)."""
+    torch.manual_seed(3)
+    B, F, d = 33, 26, 16
+    N = F + 1
+    dense0, sparse0 = torch.randn(B, d), torch.randn(B, F * d)
+    dense = dense0.clone().requires_grad_(need in ("both", "dense"))
+    sparse = sparse0.clone().requires_grad_(need in ("both", "sparse"))
+    arch = InteractionArch(F)
+    out = arch(dense, KeyedTensor([f"f{i}" for i in range(F)], [d] * F, sparse))
+    w = torch.randn_like(out)
+    out.backward(w)
+
+    iu = torch.triu_indices(N, N, 1)
+    flat = iu[0] * N + iu[1]
+    t = torch.cat([dense0, sparse0], 1).view(B, N, d)
+    ref = torch.cat([dense0, torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, flat)], 1)
+    g = torch.zeros(B, N * N)
+    g.index_copy_(1, flat, w[:, d:].contiguous())
+    g = g.view(B, N, N)
+    dt = torch.bmm(g + g.transpose(1, 2), t)
+    assert torch.equal(out, ref)
+    if dense.requires_grad:
+        assert torch.equal(dense.grad, dt[:, 0] + w[:, :d])
+    else:
+        assert dense.grad is None
+    if sparse.requires_grad:
+        assert sparse.grad.is_contiguous()
+        assert torch.equal(sparse.grad, dt[:, 1:].reshape(B, F * d))
+    else:
+        assert sparse.grad is None

@@ -80,7 +80,8 @@ def host_to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
 
 def _to_offsets(lengths: torch.Tensor) -> torch.Tensor:
     """``[N]`` lengths -> ``[N+1]`` offsets (exclusive cumsum), same dtype."""
-    out = torch.zeros(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
+    out = torch.empty(lengths.numel() + 1, dtype=lengths.dtype, device=lengths.device)
+    out[:1].zero_()  # only the leading 0: the cumsum writes the rest (no fill of the whole buffer)
     torch.cumsum(lengths, dim=0, out=out[1:])
     return out
 
