@@ -74,6 +74,31 @@ def test_a_reader_reads_and_verifies_only_the_rows_it_loads(tmp_path, small_bloc
     assert c["bytes_read"] <= ROWS * DIM * 4 + 2 * small_blocks + md_bytes < data["bytes"] + md_bytes
 
 
+def test_a_chunk_is_read_slab_by_slab_into_its_target_never_whole(tmp_path, small_blocks, monkeypatch):
+    """Rows go from the file into the target in slabs of READ_SLAB_BYTES (export loads a 10M-row table
+    without a second whole-table buffer): values exact, column narrowing per slab, every slab's
+    buffer bounded."""
+    w = _table(3)
+    path = _save(str(tmp_path), w)
+    slab = 5 * DIM * 4 + 100  # 5 rows per slab, not a multiple of the block size
+    monkeypatch.setattr(ckpt, "READ_SLAB_BYTES", slab)
+    sizes = []
+    real = ckpt._CheckedFile.read
+
+    def spy(self, start, end, what=""):
+        sizes.append(end - start)
+        return real(self, start, end, what)
+
+    monkeypatch.setattr(ckpt._CheckedFile, "read", spy)
+    np.testing.assert_array_equal(_rows(path, 7, 23).numpy(), w[7:30].numpy())
+    data_reads = [n for n in sizes if n <= slab]
+    assert len(data_reads) == 5 and max(data_reads) == 5 * DIM * 4, sizes  # 23 rows: 5 + 5 + 5 + 5 + 3
+    # a column slice of the rows (a column_wise target) through the same slabs
+    out = torch.zeros(23, 16)
+    ckpt.load_checkpoint(path, {"emb/t/weight": ckpt.Blocks([ROWS, DIM], [((7, 32), out)])})
+    np.testing.assert_array_equal(out.numpy(), w[7:30, 32:48].numpy())
+
+
 def test_a_damaged_chunk_is_refused_naming_the_file_and_bytes_and_other_rows_still_load(tmp_path, small_blocks):
     w = _table(1)
     path = _save(str(tmp_path), w)

@@ -674,6 +674,11 @@ class _SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not one of DCP's metadata classes")
 
 
+#: the largest piece of a saved chunk read at once (bytes): rows are read, verified and copied into
+#: their target slab by slab, so loading a table never holds a second copy of it
+READ_SLAB_BYTES = 64 << 20
+
+
 class _CheckedFile:
     """Reads byte ranges of one checkpoint file, verifying every block they overlap against the
     block CRC-32s in meta.json; counts the bytes read (``counter["bytes_read"]``)."""
@@ -1033,11 +1038,21 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
                         f"{f.path}: {what}: meta.json puts its {full} raw bytes at offset {data_at} of an item of "
                         f"{sinfo.length} bytes: {os.path.join(os.path.dirname(f.path), 'meta.json')} is corrupted")
                 base = sinfo.offset + data_at
-                raw = f.read(base + r0 * row, base + (r0 + nr) * row, what)
-                rows = [nr, *shape[1:]] if shape else []
-                t = raw.view(dtype).reshape(rows) if raw.numel() else torch.empty(rows, dtype=dtype)
-                for d in range(1, len(shape)):
-                    t = t.narrow(d, int(req.storage_offsets[d]), int(req.lengths[d]))
+                target = planner.resolve_tensor(req).detach()
+                want = [nr, *(int(n) for n in req.lengths[1:])] if shape else []
+                if list(target.size()) != want:
+                    raise CheckpointError(f"{f.path}: {what}: reads {want}, expected {list(target.size())}")
+                # row slabs of <= READ_SLAB_BYTES: a table is never held twice (read buffer + target)
+                slab = max(1, READ_SLAB_BYTES // max(row, 1)) if shape else 1
+                for s in range(0, nr, slab):
+                    k = min(slab, nr - s)
+                    raw = f.read(base + (r0 + s) * row, base + (r0 + s + k) * row, what)
+                    t = raw.view(dtype).reshape([k, *shape[1:]] if shape else [])
+                    for d in range(1, len(shape)):
+                        t = t.narrow(d, int(req.storage_offsets[d]), int(req.lengths[d]))
+                    (target.narrow(0, s, k) if shape else target).copy_(t)
+                planner.commit_tensor(req, target)
+                return
             target = planner.resolve_tensor(req).detach()
             if target.size() != t.size():
                 raise CheckpointError(f"{f.path}: {what}: read {list(t.size())}, expected {list(target.size())}")
