@@ -128,3 +128,15 @@ def test_dot_interaction_training_node_is_bit_identical_to_the_unfused_formula(n
         assert torch.equal(sparse.grad, dt[:, 1:].reshape(B, F * d))
     else:
         assert sparse.grad is None
+
+
+def test_dot_interaction_training_node_takes_an_empty_batch():
+    """B = 0 (a rank whose local batch is empty, e.g. the last partial batch on 2 ranks): the
+    fused training node gives [0, d + F(F+1)/2] and zero-row gradients, like the plain ops."""
+    F, d = 3, 4
+    dense = torch.zeros(0, d, requires_grad=True)
+    sparse = torch.zeros(0, F * d, requires_grad=True)
+    out = InteractionArch(F)(dense, KeyedTensor([f"f{i}" for i in range(F)], [d] * F, sparse))
+    assert out.shape == (0, d + F * (F + 1) // 2)
+    out.sum().backward()
+    assert dense.grad.shape == (0, d) and sparse.grad.shape == (0, F * d)

@@ -117,7 +117,7 @@ class _DotInteraction(torch.autograd.Function):
     def forward(ctx, dense: torch.Tensor, values: torch.Tensor, triu_flat: torch.Tensor,  # type: ignore[override]
                 sym_flat: torch.Tensor) -> torch.Tensor:
         B, d = dense.shape
-        t = torch.cat([dense, values], dim=1).view(B, -1, d)
+        t = torch.cat([dense, values], dim=1).view(B, 1 + values.shape[1] // d, d)  # B may be 0
         dev = t.device.type
         if torch.is_autocast_enabled(dev) and t.dtype != torch.get_autocast_dtype(dev):
             t = t.to(torch.get_autocast_dtype(dev))
