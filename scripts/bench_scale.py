@@ -51,18 +51,10 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_preprocess import _hex8  # noqa: E402  (8-hex-digit categoricals, vectorised)
 STAGES = ("gen", "preprocess", "train", "eval", "export", "reshard")
 BLOCK = 1_000_000
-
-
-def _hex8(ids: np.ndarray) -> pa.Array:
-    """uint32-valued ``[n]`` int array -> string array of 8 lowercase hex digits each (vectorised)."""
-    digits = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-    shifts = np.arange(28, -1, -4, dtype=np.uint64)
-    chars = digits[(ids.astype(np.uint64)[:, None] >> shifts) & np.uint64(15)]
-    n = len(ids)
-    offsets = pa.py_buffer(np.arange(0, 8 * n + 1, 8, dtype=np.int32).tobytes())
-    return pa.StringArray.from_buffers(n, offsets, pa.py_buffer(chars.tobytes()))
 
 
 def day_block(rng: np.random.Generator, rows: int, cards: list[int]) -> pa.Table:

@@ -519,7 +519,7 @@ def test_decoded_rows_round_trip_with_missing_values_within_the_documented_bytes
 
 
 def test_vocabulary_mode_parses_each_file_once_and_removes_its_decoded_rows(tmp_path, monkeypatch):
-    from dlrmctl.data.criteo import parse, vocab
+    from dlrmctl.data.criteo import parse
 
     calls = []
     real = parse.BlockReader.__iter__

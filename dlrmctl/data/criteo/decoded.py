@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from dlrmctl.data.columnar import LABEL_COLUMN, DataError, write_json_atomic
+from dlrmctl.data.columnar import LABEL_COLUMN, DataError, ShardWriter, write_json_atomic
 from dlrmctl.data.criteo.parse import DENSE_FEATURES, NUM_DENSE, NUM_SPARSE, SPARSE_FEATURES
 
 __all__ = ["BYTES_PER_ROW", "DECODED_FORMAT", "DecodedBatch", "DecodedWriter", "decoded_paths",
@@ -95,8 +95,9 @@ def remove_decoded(out_dir: str | os.PathLike, part: str) -> None:
             pass
 
 
-class DecodedWriter:
-    """Streams decoded blocks into ``path`` atomically (``path + '.tmp'`` renamed by :meth:`close`).
+class DecodedWriter(ShardWriter):
+    """Streams decoded blocks into ``path`` atomically (``path + '.tmp'`` renamed by :meth:`close`;
+    :meth:`close` / :meth:`abort` are :class:`~dlrmctl.data.columnar.ShardWriter`'s).
 
     Args:
         path: the final ``.decoded/<part>.arrow`` path (parent created).
@@ -104,14 +105,8 @@ class DecodedWriter:
     """
 
     def __init__(self, path: Path, labelled: bool) -> None:
-        self.path = Path(path)
+        super().__init__(path, decoded_schema(labelled))
         self.labelled = labelled
-        self.schema = decoded_schema(labelled)
-        self.rows = 0
-        self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._tmp.parent.mkdir(parents=True, exist_ok=True)
-        self._sink = pa.OSFile(str(self._tmp), "wb")
-        self._writer = ipc.new_file(self._sink, self.schema)
 
     def write(self, codes: np.ndarray, label: np.ndarray | None, dense: list[np.ndarray],
               sparse_h: list[np.ndarray], sparse_present: list[np.ndarray]) -> None:
@@ -136,28 +131,6 @@ class DecodedWriter:
             arrays.append(pa.Array.from_buffers(pa.uint32(), n, [valid, h32], null_count=missing))
         self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         self.rows += n
-
-    def close(self) -> Path:
-        """Finish the file and rename it into place; returns the final path."""
-        self._writer.close()
-        self._sink.close()
-        os.replace(self._tmp, self.path)
-        return self.path
-
-    def abort(self) -> None:
-        """Drop the partial file."""
-        try:
-            self._writer.close()
-        except Exception:
-            pass
-        try:
-            self._sink.close()
-        except Exception:
-            pass
-        try:
-            self._tmp.unlink()
-        except FileNotFoundError:
-            pass
 
 
 @dataclass
