@@ -4,7 +4,9 @@ per (seed, epoch), exact mid-epoch resume, bounded reads (blocks read with pread
 from __future__ import annotations
 
 import json
+import os
 
+import numpy as np
 import pytest
 
 from dlrmctl.data.columnar import MappedShard
@@ -226,3 +228,38 @@ def test_a_mid_epoch_position_saved_under_another_batch_order_is_refused_and_an_
         other.load_state_dict(end)
         assert list(other) == [] and other.state_dict() == {"epoch": 1, "batches_yielded": 0}
         assert sorted(x for b in other for x in rows_of(b)) == list(range(37))
+
+
+def _mapped_rss_bytes(path) -> int:
+    """RSS of this process's mappings of ``path`` (Linux /proc/self/smaps)."""
+    total, cur = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and "-" in parts[0] and ":" not in parts[0]:
+                cur = parts[5] if len(parts) > 5 else None
+            elif line.startswith("Rss:") and cur == str(path):
+                total += int(parts[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_opening_a_shard_leaves_none_of_its_pages_mapped(tmp_path):
+    """Locating the record batches reads every batch's metadata; through the kept mapping the
+    page faults (and fault-around) left ~3.4 bytes per row resident — RSS grew with the rows of
+    the dataset (+61 MB at 20M Criteo rows).  The offsets now come from a mapping that is closed."""
+    import pyarrow as pa
+
+    from dlrmctl.data.columnar import MappedShard, ShardWriter
+
+    schema = pa.schema([(f"c{i}", pa.float32()) for i in range(8)])
+    path = tmp_path / "s.arrow"
+    w = ShardWriter(path, schema)
+    for b in range(300):  # 300 record batches, ~9.6 MB
+        w.write({f"c{i}": np.full(1000, b, np.float32) for i in range(8)})
+    w.close()
+    shard = MappedShard(path)
+    assert shard.rows == 300_000
+    assert _mapped_rss_bytes(path) < 256 * 1024, _mapped_rss_bytes(path)
+    # the kept mapping still serves reads (and maps only what they touch)
+    assert shard.read_range("c3", 299, 0, 2).tolist() == [299.0, 299.0]
