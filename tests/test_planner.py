@@ -104,6 +104,50 @@ def test_table_wise_perf_matches_hand_formula():
     assert p3.bwd_compute == pytest.approx(3 * fwd)
 
 
+def test_fused_backward_per_id_cost_is_paid_per_id_whatever_the_width():
+    """``Topology.fused_bwd_id_s``: ids * s on a fused shard's backward (a column shard looks up
+    every id of its table, so four 16-column shards pay it 4x where one 64-column shard pays it once);
+    the dense kernel and data_parallel do not get it."""
+    s = 20e-9
+    base, topo = toy_topology(), toy_topology(fused_bwd_id_s=s)
+    tw0, *_ = estimate_shard(base, SMALL, ST.TABLE_WISE, CK.FUSED, 1000, 64, 1, B)
+    tw, ids, *_ = estimate_shard(topo, SMALL, ST.TABLE_WISE, CK.FUSED, 1000, 64, 1, B)
+    assert ids == B * 3 and tw.bwd_compute == pytest.approx(tw0.bwd_compute + B * 3 * s)
+    assert (tw.fwd_compute, tw.fwd_comms, tw.bwd_comms) == (tw0.fwd_compute, tw0.fwd_comms, tw0.bwd_comms)
+    cw0, *_ = estimate_shard(base, SMALL, ST.COLUMN_WISE, CK.FUSED, 1000, 16, 1, B)
+    cw, *_ = estimate_shard(topo, SMALL, ST.COLUMN_WISE, CK.FUSED, 1000, 16, 1, B)
+    assert cw.bwd_compute == pytest.approx(cw0.bwd_compute + B * 3 * s)  # all the table's ids per column shard
+    rw0, *_ = estimate_shard(base, SMALL, ST.ROW_WISE, CK.FUSED, 250, 64, 4, B)
+    rw, *_ = estimate_shard(topo, SMALL, ST.ROW_WISE, CK.FUSED, 250, 64, 4, B)
+    assert rw.bwd_compute == pytest.approx(rw0.bwd_compute + B * 3 / 4 * s)  # its row block's ids
+    for st, kernel in ((ST.TABLE_WISE, CK.DENSE), (ST.DATA_PARALLEL, CK.DENSE)):
+        a, *_ = estimate_shard(base, SMALL, st, kernel, 1000, 64, 1, B)
+        b, *_ = estimate_shard(topo, SMALL, st, kernel, 1000, 64, 1, B)
+        assert a == b, st
+    with pytest.raises(PlannerError, match="fused_bwd_id_s must be >= 0"):
+        toy_topology(fused_bwd_id_s=-1e-9)
+
+
+def test_calibration_split_of_the_fused_backward_recovers_per_id_and_per_byte_parts():
+    """``calibrate.split_fused_backward`` inverts the perf model: backward times made from a known
+    multiplier and per-id cost at the two calibration widths give them back; noise that would
+    make either negative is clamped."""
+    from dlrmctl.planner import calibrate as cal
+
+    eff, mem_bw, mult, per_id = 0.6, 40e9, 2.0, 15e-9
+    ids = cal._BATCH * cal._POOL
+    bwd = {d: mult * cal._fwd_bytes(d) / (eff * mem_bw) + ids * per_id for d in (cal._DIM, cal._NARROW_DIM)}
+    m, s = cal.split_fused_backward(eff, mem_bw, bwd[cal._DIM], bwd[cal._NARROW_DIM], cal._NARROW_DIM)
+    assert (m, s) == (pytest.approx(mult), pytest.approx(per_id))
+    # narrow slower than wide (noise): multiplier floored at 0.1, the rest is per id
+    m, s = cal.split_fused_backward(eff, mem_bw, 1e-3, 1.1e-3, cal._NARROW_DIM)
+    assert m == 0.1 and s == pytest.approx((1e-3 - 0.1 * cal._fwd_bytes(cal._DIM) / (eff * mem_bw)) / ids)
+    # everything explained by bytes and more: per id floored at 0
+    m, s = cal.split_fused_backward(eff, mem_bw, 10 * cal._fwd_bytes(cal._DIM) / (eff * mem_bw), 0.0,
+                                    cal._NARROW_DIM)
+    assert s == 0.0 and m > 10
+
+
 def test_row_wise_and_table_row_wise_perf_match_hand_formulas():
     topo = toy_topology()
     rw, *_ = estimate_shard(topo, SMALL, ST.ROW_WISE, CK.FUSED, 250, 64, 4, B)

@@ -154,6 +154,7 @@ def _calibrated_preset():
         inter_host_bw_gbps=0.5, default_gpus_per_host=None, source="test", kernel_launch_us=1.5,
         collective_us=150.0, inter_host_collective_us=150.0, lookup_fixed_us=2500.0, fused_efficiency=1.2,
         dense_efficiency=1.5, bwd_compute_multiplier=12.0, dense_bwd_compute_multiplier=90.0,
+        fused_bwd_id_ns=14.5,
     )
 
 
@@ -182,6 +183,7 @@ def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_
         12.5e9, 0.5e9, pytest.approx(150e-6), pytest.approx(1.5e-6), pytest.approx(2500e-6))
     assert t.kernel_efficiency == {"fused": 1.2, "dense": 1.5} and t.bwd_compute_multiplier == 12.0
     assert t.dense_bwd_compute_multiplier == 90.0 and t.ddr_cap == int(8e9)
+    assert t.fused_bwd_id_s == pytest.approx(14.5e-9)
 
     cfg_path = write_config(tmp_path)
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),

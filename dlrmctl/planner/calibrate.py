@@ -15,6 +15,11 @@ its time slice; the whole run stays under :data:`TIME_BUDGET_S`):
 * ``bwd_compute_multiplier`` / ``dense_bwd_compute_multiplier``: (forward + backward
   with the optimizer) / forward - 1 of the fused kernel (the dense one when FBGEMM is
   absent) / of the dense kernel (its sparse gradient and the torch optimizer step).
+* ``fused_bwd_id_ns``: the fused backward is timed a second time on a 2,000,000 x 16
+  table (the same 128 MB, the same number of ids; medians of 200 calls): the two backward times split it into
+  ``bwd_compute_multiplier`` x the model's forward (bytes) plus a cost per id
+  (:func:`split_fused_backward`; ``perf`` module docstring: FBGEMM's CPU backward sorts
+  the ids by row and runs the optimizer's per-row prologue whatever the width).
 * ``kernel_launch_us``: median time of a one-element ``torch.add`` (per-op dispatch).
 * on 2 spawned gloo ranks (localhost TCP): ``collective_us`` = median time of a
   one-element-per-rank ``all_to_all_single``; ``intra_host_bw_gbps`` = bytes leaving a
@@ -43,6 +48,9 @@ from dlrmctl.planner.types import GB, DevicePreset
 
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
 _TABLE_ROWS, _DIM, _BATCH, _POOL = 500_000, 64, 2048, 20
+_NARROW_DIM = 16  #: second width of the fused backward split (``split_fused_backward``)
+#: calls per median of the fused pair (30 gave 8.5-13.2 ns per id in 3 runs on the dev VM, 200 gave 11.6-13.0)
+_SPLIT_ITERS = 200
 
 
 def _timed(fn: Callable[[], object], max_iters: int, max_s: float, warmup: int = 1) -> list[float]:
@@ -68,8 +76,19 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / best
 
 
-def measure_lookup(kernel: str, mem_bw: float, max_s: float = 6.0) -> tuple[float, float]:
-    """``(efficiency, backward multiplier)`` of one EBC lookup kernel (see the module docstring).
+def _fwd_bytes(dim: int) -> int:
+    """Forward bytes of the calibration lookup as ``perf.estimate_shard`` counts them (fp32 rows, int32 ids)."""
+    ids = _BATCH * _POOL
+    return (_BATCH + ids) * 4 + ids * max(dim * 4, 64) + _BATCH * dim * 4
+
+
+def measure_lookup(kernel: str, mem_bw: float, max_s: float = 6.0, dim: int = _DIM,
+                   rows: int = _TABLE_ROWS, iters: int = 30) -> tuple[float, float, float, float]:
+    """``(efficiency, backward multiplier, forward s, backward s)`` of one EBC lookup kernel
+    (see the module docstring) on a ``rows x dim`` fp32 table, ``_BATCH`` bags of ``_POOL`` ids.
+
+    The backward seconds are (forward + backward with the optimizer) - forward, medians of at
+    most ``iters`` calls each (and at most ``max_s / 2`` seconds each).
 
     Raises:
         RuntimeError: ``kernel == "fused"`` without FBGEMM (the caller skips it).
@@ -84,13 +103,13 @@ def measure_lookup(kernel: str, mem_bw: float, max_s: float = 6.0) -> tuple[floa
 
     if kernel == "fused" and not _fbgemm.ensure_checked():
         raise RuntimeError("the fused kernel needs fbgemm_gpu")
-    table = EmbeddingBagConfig(name="cal", num_embeddings=_TABLE_ROWS, embedding_dim=_DIM, feature_names=["f"])
+    table = EmbeddingBagConfig(name="cal", num_embeddings=rows, embedding_dim=dim, feature_names=["f"])
     spec = EmbeddingOptimizerSpec("exact_rowwise_adagrad", lr=0.01)
     ebc = EmbeddingBagCollection([table], compute_kernel=kernel, optimizer=spec)
     params = [p for p in ebc.parameters() if p.requires_grad]
     opt = embedding_optimizer_for_dense(params, spec.type, spec.lr, spec.eps, 0.0) if kernel == "dense" else None
     gen = torch.Generator().manual_seed(0)
-    kjt = KeyedJaggedTensor(["f"], torch.randint(0, _TABLE_ROWS, (_BATCH * _POOL,), generator=gen),
+    kjt = KeyedJaggedTensor(["f"], torch.randint(0, rows, (_BATCH * _POOL,), generator=gen),
                             lengths=torch.full((_BATCH,), _POOL))
 
     def fwd() -> None:
@@ -103,11 +122,32 @@ def measure_lookup(kernel: str, mem_bw: float, max_s: float = 6.0) -> tuple[floa
             opt.step()
             opt.zero_grad()
 
-    t_f = statistics.median(_timed(fwd, 30, max_s / 2))
-    t_s = statistics.median(_timed(step, 30, max_s / 2))
+    t_f = statistics.median(_timed(fwd, iters, max_s / 2))
+    t_s = statistics.median(_timed(step, iters, max_s / 2))
+    return _fwd_bytes(dim) / t_f / mem_bw, max(0.1, (t_s - t_f) / t_f), t_f, t_s - t_f
+
+
+def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narrow_s: float,
+                         narrow_dim: int) -> tuple[float, float]:
+    """Split the fused backward into a per-byte and a per-id part from two widths over the same ids.
+
+    The perf model's fused backward is ``mult * fwd + ids * per_id`` with ``fwd = bytes(dim) /
+    (eff * mem_bw)`` (``perf.estimate_shard``); two measurements (``_DIM`` and ``narrow_dim``
+    columns, ``_BATCH * _POOL`` ids, tables of the same bytes) give both unknowns::
+
+        mult = (bwd_wide - bwd_narrow) / (fwd(_DIM) - fwd(narrow_dim))
+        per_id = (bwd_wide - mult * fwd(_DIM)) / ids
+
+    ``mult`` is kept >= 0.1 and ``per_id`` >= 0 (noise can push either below).
+
+    Returns:
+        ``(bwd_compute_multiplier, fused_bwd_id seconds)``.
+    """
     ids = _BATCH * _POOL
-    fwd_bytes = (_BATCH + ids) * 4 + ids * max(_DIM * 4, 64) + _BATCH * _DIM * 4
-    return fwd_bytes / t_f / mem_bw, max(0.1, (t_s - t_f) / t_f)
+    bw = eff * mem_bw
+    f_wide, f_narrow = _fwd_bytes(_DIM) / bw, _fwd_bytes(narrow_dim) / bw
+    mult = max(0.1, (bwd_wide_s - bwd_narrow_s) / (f_wide - f_narrow))
+    return mult, max(0.0, (bwd_wide_s - mult * f_wide) / ids)
 
 
 def measure_op_overhead() -> float:
@@ -229,13 +269,25 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         log(f"per-op dispatch: {launch * 1e6:.2f} us")
         eff: dict[str, float] = {}
         mults: dict[str, float] = {}
+        per_id = 0.0
+        fused_bwd: tuple[float, float] | None = None
         for kernel in ("fused", "dense"):
             if kernel == "fused" and not _fbgemm.ensure_checked():
                 log("fused kernel: fbgemm_gpu not installed, keeping the default efficiency")
                 continue
-            e, m = measure_lookup(kernel, mem_bw)
+            # the fused pair below is split by a difference: 200 calls each keep its spread to ~+-1 ns per id
+            iters = _SPLIT_ITERS if kernel == "fused" else 30
+            e, m, _, bwd_wide = measure_lookup(kernel, mem_bw, iters=iters)
             eff[kernel], mults[kernel] = e, m
             log(f"{kernel} lookup: {e * mem_bw / GB:.2f} GB/s = {e:.3f} of memory bandwidth; backward / forward {m:.2f}")
+            if kernel == "fused":
+                # same ids and table bytes, a quarter of the width: what the backward pays per id
+                _, _, _, bwd_narrow = measure_lookup(kernel, mem_bw, dim=_NARROW_DIM,
+                                                     rows=_TABLE_ROWS * _DIM // _NARROW_DIM, iters=iters)
+                mults[kernel], per_id = split_fused_backward(e, mem_bw, bwd_wide, bwd_narrow, _NARROW_DIM)
+                fused_bwd = (bwd_wide, bwd_narrow)
+                log(f"fused backward: {bwd_wide * 1e3:.2f} ms at {_DIM} columns, {bwd_narrow * 1e3:.2f} ms at "
+                    f"{_NARROW_DIM} over the same ids = {per_id * 1e9:.2f} ns per id + {mults[kernel]:.2f} x forward")
     finally:
         torch.set_num_threads(threads)
     left = TIME_BUDGET_S - (time.perf_counter() - t0) - 5
@@ -251,6 +303,8 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         "ddr_copy_gbps": round(mem_bw / GB, 3),
         "op_dispatch_us": round(launch * 1e6, 3),
         **{f"{k}_lookup_gbps": round(v * mem_bw / GB, 3) for k, v in eff.items()},
+        **({"fused_bwd_ms": round(fused_bwd[0] * 1e3, 3), f"fused_bwd_dim{_NARROW_DIM}_ms": round(fused_bwd[1] * 1e3, 3)}
+           if fused_bwd is not None else {}),
         "gloo_a2a_small_us": round(coll * 1e6, 1),
         "gloo_a2a_8mib_ms": round(comm["a2a_8mib_s"] * 1e3, 3),
         "sebc_step_one_type_ms": round(comm["step_one_type_s"] * 1e3, 3),
@@ -269,5 +323,6 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         dense_efficiency=round(eff["dense"], 4) if "dense" in eff else None,
         bwd_compute_multiplier=round(mults.get("fused", mults["dense"]), 3),
         dense_bwd_compute_multiplier=round(mults["dense"], 3),
+        fused_bwd_id_ns=round(per_id * 1e9, 3) if "fused" in eff else None,
     )
     return preset, measured

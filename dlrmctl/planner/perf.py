@@ -54,6 +54,7 @@ several hosts: a flat all-to-all is bounded by its slowest link).
     fwd_compute = (in_local + ids*max(c*bpw, m) + out) / bw_k     # read ids, rows; write pooled
     bwd_compute = bwd_compute_multiplier * fwd_compute             # Topology; TorchRec: 2.0
                   # (dense kernel: Topology.dense_bwd_compute_multiplier when calibrated)
+                + ids * fused_bwd_id_s                             # fused kernel only
     fwd_comms   = a2a*(in + out) / net;   bwd_comms = a2a*out / net
 
 with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
@@ -66,6 +67,19 @@ with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
                   # gradient) or min(rows, B*P) (gathered sparse rows)
     bwd_comms   = 2*(W-1)/W*grad / net    (all-reduce, ring)
                 | (W-1)*grad / net        (all-gather: W-1 other ranks' rows arrive)
+
+``fused_bwd_id_s`` (``Topology``; 0 unless calibrated) is the part of the fused (FBGEMM
+TBE) backward that is paid per id whatever the row width: the CPU backward sorts the ids
+by row (csr2csc) and runs the optimizer's per-row prologue (row-wise Adagrad: one sum of
+squares and one square root per unique row) before touching ``c`` columns.  Without it a
+shard of ``c = d/k`` columns and ``k`` times the ids (column_wise: every column shard
+looks up every id of its table) would cost the same bytes as the whole table, while the
+measured backward grows with the ids: 2-rank gloo, the 8 tables of
+``scripts/bench_planner_accuracy.py``, one process: all 8 at ``c = 32`` backward
+6.0 ms for 274k ids vs 5.0 ms for the 139k ids of 4 of them at ``d = 64``; a 4 MB table
+(cache resident) takes 13-15 ns per id in backward at 16, 32 or 64 columns alike.
+``plan --calibrate`` measures it with the fused lookup at two widths over the same ids
+(``calibrate.measure_fused_backward``).
 
 A dense-kernel shard of the other types adds an unfused optimizer pass to its
 backward: ``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read +
@@ -235,6 +249,8 @@ def estimate_shard(
     bwd = mult * fwd
     if compute_kernel == ComputeKernel.DENSE:
         bwd += ids * c * (2 * 4 + 2 * bpw) / bw
+    else:
+        bwd += ids * topology.fused_bwd_id_s  # csr2csc + per-row optimizer prologue (module docstring)
     return (Perf(fwd, a2a * (cb.input + cb.output) / net, bwd, a2a * cb.output / net),
             ids, int(cb.input), int(cb.output))
 

@@ -107,6 +107,12 @@ class DevicePreset:
             lookup; ``None`` = TorchRec's 2.0.
         dense_bwd_compute_multiplier: the same for the dense kernel (sparse gradient + the
             torch optimizer step); ``None`` = ``bwd_compute_multiplier``.
+        fused_bwd_id_ns: nanoseconds the fused kernel's backward spends per looked-up id
+            whatever the row width (FBGEMM's CPU TBE backward sorts the ids by row, csr2csc,
+            and runs the optimizer's per-row prologue per unique row); it adds
+            ``ids * fused_bwd_id_ns`` to a fused shard's backward and
+            ``bwd_compute_multiplier`` then covers only the bytes.  ``None`` = 0 (TorchRec
+            has no such term; ``plan --calibrate`` measures it).
     """
 
     compute_device: str
@@ -126,6 +132,7 @@ class DevicePreset:
     dense_efficiency: float | None = None
     bwd_compute_multiplier: float | None = None
     dense_bwd_compute_multiplier: float | None = None
+    fused_bwd_id_ns: float | None = None
 
 
 #: fixed per-op costs in microseconds per compute device (sources in the module docstring):
@@ -179,6 +186,8 @@ class Topology:
             lookup kernel reaches (missing keys: ``perf.KERNEL_EFFICIENCY``).
         bwd_compute_multiplier: lookup backward time / forward time (TorchRec: 2.0).
         dense_bwd_compute_multiplier: the same for the dense kernel (``None``: ``bwd_compute_multiplier``).
+        fused_bwd_id_s: seconds the fused kernel's backward spends per looked-up id whatever the
+            row width (``DevicePreset.fused_bwd_id_ns``; 0 = not modelled).
 
     The fixed costs default (``None``) to :data:`DEFAULT_FIXED_US` of the compute device.
     """
@@ -200,6 +209,7 @@ class Topology:
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
     bwd_compute_multiplier: float = 2.0
     dense_bwd_compute_multiplier: float | None = None
+    fused_bwd_id_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
@@ -220,6 +230,8 @@ class Topology:
                 raise PlannerError(f"{attr} must be >= 0 seconds, got {getattr(self, attr)}")
         if self.bwd_compute_multiplier <= 0:
             raise PlannerError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
+        if self.fused_bwd_id_s < 0:
+            raise PlannerError(f"fused_bwd_id_s must be >= 0 seconds, got {self.fused_bwd_id_s}")
 
     @property
     def collective_s(self) -> float:
@@ -333,6 +345,7 @@ class Topology:
                                if v is not None},
             bwd_compute_multiplier=2.0 if p.bwd_compute_multiplier is None else p.bwd_compute_multiplier,
             dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
+            fused_bwd_id_s=0.0 if p.fused_bwd_id_ns is None else p.fused_bwd_id_ns * 1e-9,
         )
 
 
