@@ -49,7 +49,8 @@ from dlrmctl.planner.types import GB, DevicePreset
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
 _TABLE_ROWS, _DIM, _BATCH, _POOL = 500_000, 64, 2048, 20
 _NARROW_DIM = 16  #: second width of the fused backward split (``split_fused_backward``)
-#: calls per median of the fused pair (30 gave 8.5-13.2 ns per id in 3 runs on the dev VM, 200 gave 11.6-13.0)
+#: calls per median of the fused pair (dev VM, 3 back-to-back runs: 30 calls gave 8.5-13.2 ns per id, 200 gave
+#: 11.6-13.0; two full calibrations minutes apart still gave 12.3 and 8.6)
 _SPLIT_ITERS = 200
 
 
@@ -275,7 +276,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
             if kernel == "fused" and not _fbgemm.ensure_checked():
                 log("fused kernel: fbgemm_gpu not installed, keeping the default efficiency")
                 continue
-            # the fused pair below is split by a difference: 200 calls each keep its spread to ~+-1 ns per id
+            # the fused pair below is split by a difference: more calls per median narrow its spread (_SPLIT_ITERS)
             iters = _SPLIT_ITERS if kernel == "fused" else 30
             e, m, _, bwd_wide = measure_lookup(kernel, mem_bw, iters=iters)
             eff[kernel], mults[kernel] = e, m
