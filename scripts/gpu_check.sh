@@ -26,11 +26,14 @@
 #                  with the sparse_dist pipeline on the device, max_steps 200 (CUDA) / 15 (CPU);
 #                  samples/s and the data / input_dist wait shares come from
 #                  runs/<name>/metrics.jsonl and the "epoch N: ..." line
+#   train_amp      the same run for at most 100 steps with train.precision fp16 (CUDA; bf16 on
+#                  CPU), model.embedding_precision fp16 and sharding.comm_precision bf16 (its
+#                  status and seconds in the JSON, its summary.json in the logs)
 #
 # On a CPU-only machine the same steps run on CPU / gloo (the CUDA test variants skip) and the
 # script exits 0 when they pass.  On a CUDA machine it also fails if no CUDA test variant passed.
 #
-# Time: about 2-3 minutes on one GPU (well under 8; hard bounds: pytest 360 s, train 300 s),
+# Time: about 3-4 minutes on one GPU (well under 8; hard bounds: pytest 360 s, train 300 s, train_amp 180 s),
 # about 1-2 minutes on a 2-core CPU machine.
 #
 # Output: a JSON file of figures -- $GPU_CHECK_JSON, else $OUT/gpu_check.json when OUT is set
@@ -198,6 +201,15 @@ TRAIN_SETS=(
 )
 if [ -n "${GPU_CHECK_BATCH:-}" ]; then TRAIN_SETS+=(--set "data.batch_size=$GPU_CHECK_BATCH"); fi
 run_step train 300 "$PY" -m dlrmctl.cli train configs/demo.yaml "${TRAIN_SETS[@]}" --overwrite
+
+# mixed precision on the same sharded path: fp16 autocast + GradScaler on CUDA (bf16 on CPU),
+# fp16 embedding weights, bf16 pooled-embedding all-to-all (qcomm); at most 100 steps
+AMP=bf16; [ "$DEV" = cuda ] && AMP=fp16
+AMP_STEPS=$(( MAX_STEPS < 100 ? MAX_STEPS : 100 ))
+run_step train_amp 180 "$PY" -m dlrmctl.cli train configs/demo.yaml "${TRAIN_SETS[@]}" --overwrite \
+    --set name=gpu_check_amp --set "train.max_steps=$AMP_STEPS" --set "train.precision=$AMP" \
+    --set model.embedding_precision=fp16 --set sharding.comm_precision=bf16
+[ -f "$WORK/runs/gpu_check_amp/summary.json" ] && cp "$WORK/runs/gpu_check_amp/summary.json" "$LOGS/train_amp_summary.json"
 
 RUN="$WORK/runs/gpu_check"
 for f in metrics.jsonl summary.json plan.txt; do
