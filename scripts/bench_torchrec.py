@@ -1,0 +1,240 @@
+#!/usr/bin/env python
+"""Same-run training throughput: dlrmctl against TorchRec 1.8 on the bench model (issue 17).
+
+TorchRec is a benchmark peer, never a dependency of dlrmctl: it runs in its own virtual
+environment (``--venv``, default ``.venv-torchrec``, git-ignored), created on first use with
+``python3.11 -m venv`` and ``pip install torch==2.13.0 fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0``
+(pip resolves TorchRec's own dependencies).  If the venv cannot be created the script exits
+with status 2 and says which step failed.
+
+Model (the same as ``scripts/bench_train.py``): 26 tables x 100,000 rows x dim 64 (one id per
+feature per sample), bottom MLP 13-512-256-64, top MLP 415-512-256-1, dot interaction, global
+batch 2048, BCE-with-logits loss.  TorchRec side: ``torchrec.models.dlrm.DLRM`` wrapped in
+``DLRMTrain``; the ``EmbeddingBagCollection``'s parameters get FBGEMM's fused row-wise Adagrad
+(lr 0.05) through ``apply_optimizer_in_backward`` and the module is sharded by
+``DistributedModelParallel`` on a 1-rank gloo group (every table ``table_wise``, ``fused``
+kernel: FBGEMM's CPU TBE, as dlrmctl's ``fused`` kernel); the dense parameters train with
+``torch.optim.Adagrad`` (lr 0.05) through ``KeyedOptimizerWrapper``.  Batches are pre-generated
+(``--num-batches`` distinct ones, cycled; uniform ids, dense features N(0, 1), Bernoulli(0.5)
+labels), so TorchRec has no loader cost; dlrmctl runs its real loader through
+``scripts/bench_train.py``.  Variants: ``fp32``, and ``bf16``: for TorchRec the forward under
+``torch.autocast("cpu", dtype=torch.bfloat16)``, for dlrmctl ``train.precision: bf16``.
+
+samples/s = ``(steps - warmup) x 2048 / seconds`` over the steps after ``--warmup``.  Runs
+alternate dlrmctl / TorchRec per config, ``--repeat`` times, and the table gives the best and
+all runs of each side and the ratio of the bests.
+
+    python scripts/bench_torchrec.py [--venv .venv-torchrec] [--steps 60] [--warmup 10] [--repeat 2]
+                                     [--variants fp32,bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PIP_SPECS = ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0", "torchrec==1.8.0"]
+BATCH = 2048
+NUM_TABLES, ROWS, DIM = 26, 100_000, 64
+BOTTOM, TOP = [512, 256, 64], [512, 256, 1]
+
+
+def ensure_venv(venv: str) -> str:
+    """Create ``venv`` with TorchRec 1.8 if it is missing; return its python executable.
+
+    Raises:
+        SystemExit(2): ``python3.11 -m venv`` or the pip install failed, or TorchRec does not import
+            afterwards (message names the step and shows the tail of its output).
+    """
+    py = os.path.join(venv, "bin", "python")
+
+    def ok() -> bool:
+        return os.path.exists(py) and subprocess.run(
+            [py, "-c", "import torchrec, fbgemm_gpu"], capture_output=True, cwd="/").returncode == 0
+
+    if ok():
+        return py
+    steps = []
+    if not os.path.exists(py):
+        steps.append(["python3.11", "-m", "venv", venv])
+    steps.append([py, "-m", "pip", "install", *PIP_SPECS])
+    # torchrec 1.8.0 requires an unpinned ``fbgemm-gpu`` (the CUDA build, newest release), whose
+    # ``fbgemm_gpu`` package overwrites fbgemm-gpu-cpu's and then fails to load on a CPU-only
+    # torch: drop it and put the CPU build's files back.
+    steps.append([py, "-m", "pip", "uninstall", "-y", "fbgemm-gpu"])
+    steps.append([py, "-m", "pip", "install", "--force-reinstall", "--no-deps", "fbgemm-gpu-cpu==1.8.0"])
+    for cmd in steps:
+        print(f"[bench_torchrec] {' '.join(cmd)}", file=sys.stderr, flush=True)
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            sys.exit(f"bench_torchrec: cannot create the TorchRec venv {venv!r}: `{' '.join(cmd)}` could not "
+                     f"start ({e}); python3.11 and a reachable package registry are needed")
+        if p.returncode != 0:
+            sys.exit(f"bench_torchrec: cannot create the TorchRec venv {venv!r}: `{' '.join(cmd)}` exited "
+                     f"{p.returncode}:\n{(p.stdout + p.stderr)[-3000:]}")
+    if not ok():
+        sys.exit(f"bench_torchrec: the venv {venv!r} was created but `import torchrec, fbgemm_gpu` fails in it")
+    return py
+
+
+# ---------------------------------------------------------------- TorchRec side (runs in the venv)
+
+def torchrec_worker(precision: str, steps: int, warmup: int, num_batches: int, seed: int) -> dict:
+    """Train TorchRec's DLRM for ``steps`` steps; return ``{"samples_per_s", "loss"}`` (JSON-able).
+
+    Runs only inside the TorchRec venv (imports torchrec).  ``precision``: ``fp32`` or ``bf16``
+    (forward under CPU bf16 autocast; backward and optimizers outside it, as TorchRec's examples).
+    """
+    import torch
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(seed)
+    names = [f"C{i}" for i in range(1, NUM_TABLES + 1)]
+    tables = [EmbeddingBagConfig(name=f"t_{n}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[n])
+              for n in names]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=13,
+                           dense_arch_layer_sizes=BOTTOM, over_arch_layer_sizes=TOP,
+                           dense_device=torch.device("cpu")))
+    apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
+    constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
+                   for t in tables}
+    topology = Topology(world_size=1, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(module=model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                      lambda params: torch.optim.Adagrad(params, lr=0.05))
+
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(num_batches):
+        ids = torch.randint(0, ROWS, (NUM_TABLES * BATCH,), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=ids,
+                                                  lengths=torch.ones(NUM_TABLES * BATCH, dtype=torch.int32))
+        batches.append(Batch(dense_features=torch.randn(BATCH, 13, generator=g), sparse_features=kjt,
+                             labels=torch.randint(0, 2, (BATCH,), generator=g).float()))
+
+    def step(b):
+        if precision == "bf16":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = dmp(b)
+            loss = loss.float()
+        else:
+            loss, _ = dmp(b)
+        dense_opt.zero_grad()
+        loss.backward()
+        dense_opt.step()
+        return loss
+
+    t0 = None
+    for s in range(steps):
+        if s == warmup:
+            t0 = time.perf_counter()
+        loss = step(batches[s % num_batches])
+    elapsed = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return {"samples_per_s": (steps - warmup) * BATCH / elapsed, "loss": float(loss.detach())}
+
+
+def run_torchrec(py: str, precision: str, a) -> float:
+    """One TorchRec run in the venv's python; returns samples/s (raises RuntimeError on failure)."""
+    cmd = [py, os.path.abspath(__file__), "--torchrec-worker", "--precision", precision, "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--num-batches", str(a.num_batches)]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise RuntimeError(f"TorchRec run failed: {' '.join(cmd)}\n{(p.stdout + p.stderr)[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])["samples_per_s"]
+
+
+# ---------------------------------------------------------------- dlrmctl side (this interpreter)
+
+_GEMM = re.compile(r"GEMM rate .*")
+
+
+def run_dlrmctl(precision: str, a) -> tuple[float, str]:
+    """One ``scripts/bench_train.py`` run (world size 1, sparse_dist); returns (samples/s, GEMM-rate line)."""
+    cmd = [sys.executable, os.path.join(HERE, "bench_train.py"), "--worlds", "1", "--pipelines", "sparse_dist",
+           "--variants", precision, "--steps", str(a.steps), "--warmup", str(a.warmup), "--repeat", "1"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if p.returncode != 0:
+        raise RuntimeError(f"dlrmctl run failed: {' '.join(cmd)}\n{(p.stdout + p.stderr)[-3000:]}")
+    row = next(line for line in p.stdout.splitlines() if line.startswith("| 1 |"))
+    sps = float(row.split("|")[4].replace(",", ""))
+    m = _GEMM.search(p.stderr)
+    return sps, m.group(0) if m else ""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-torchrec"), help="TorchRec venv (created if missing)")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=2, help="alternated runs per side and config")
+    ap.add_argument("--variants", default="fp32,bf16", help="fp32, bf16 (TorchRec: autocast; dlrmctl: train.precision)")
+    ap.add_argument("--num-batches", type=int, default=16, help="distinct pre-generated TorchRec batches, cycled")
+    ap.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.warmup >= a.steps:
+        ap.error(f"--warmup ({a.warmup}) must be below --steps ({a.steps})")
+    if a.torchrec_worker:
+        print(json.dumps(torchrec_worker(a.precision, a.steps, a.warmup, a.num_batches, seed=0)), flush=True)
+        return
+    variants = a.variants.split(",")
+    bad = [v for v in variants if v not in ("fp32", "bf16")]
+    if bad:
+        ap.error(f"--variants: unknown {bad}; expected fp32 and/or bf16")
+    py = ensure_venv(a.venv)
+    res = {v: {"dlrmctl": [], "torchrec": []} for v in variants}
+    gemm = ""
+    for r in range(a.repeat):
+        for v in variants:
+            sps, line = run_dlrmctl(v, a)
+            gemm = gemm or line
+            res[v]["dlrmctl"].append(sps)
+            print(f"[{r}] dlrmctl  {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
+            sps = run_torchrec(py, v, a)
+            res[v]["torchrec"].append(sps)
+            print(f"[{r}] torchrec {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
+    names = {"fp32": ("fp32", "fp32"), "bf16": ("bf16 (train.precision)", "bf16 autocast")}
+    print(f"\nSame run, world size 1, {os.cpu_count()} CPU cores; {a.steps} steps, first {a.warmup} excluded; "
+          f"{a.repeat} alternated runs per side (best, then all).\n{gemm}\n")
+    print("| config | dlrmctl samples/s | TorchRec samples/s | ratio (best / best) |")
+    print("|---|---:|---:|---:|")
+    for v in variants:
+        d, t = res[v]["dlrmctl"], res[v]["torchrec"]
+        print(f"| ws1 dlrmctl {names[v][0]} vs TorchRec {names[v][1]} | {max(d):,.0f} ({', '.join(f'{x:,.0f}' for x in d)}) "
+              f"| {max(t):,.0f} ({', '.join(f'{x:,.0f}' for x in t)}) | {max(d) / max(t):.2f}× |")
+    if "bf16" in variants and "fp32" in variants:
+        d, t = res["bf16"]["dlrmctl"], res["fp32"]["torchrec"]
+        print(f"| ws1 dlrmctl bf16 vs TorchRec fp32 | {max(d):,.0f} | {max(t):,.0f} | {max(d) / max(t):.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
