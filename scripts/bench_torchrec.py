@@ -12,7 +12,7 @@ feature per sample), bottom MLP 13-512-256-64, top MLP 415-512-256-1, dot intera
 batch 2048, BCE-with-logits loss.  TorchRec side: ``torchrec.models.dlrm.DLRM`` wrapped in
 ``DLRMTrain``; the ``EmbeddingBagCollection``'s parameters get FBGEMM's fused row-wise Adagrad
 (lr 0.05) through ``apply_optimizer_in_backward`` and the module is sharded by
-``DistributedModelParallel`` on a 1-rank gloo group (every table ``table_wise``, ``fused``
+``DistributedModelParallel`` on a gloo group (every table ``table_wise``, ``fused``
 kernel: FBGEMM's CPU TBE, as dlrmctl's ``fused`` kernel); the dense parameters train with
 ``torch.optim.Adagrad`` (lr 0.05) through ``KeyedOptimizerWrapper``.  Batches are pre-generated
 (``--num-batches`` distinct ones, cycled; uniform ids, dense features N(0, 1), Bernoulli(0.5)
@@ -25,7 +25,12 @@ alternate dlrmctl / TorchRec per config, ``--repeat`` times, and the table gives
 all runs of each side and the ratio of the bests.
 
     python scripts/bench_torchrec.py [--venv .venv-torchrec] [--steps 60] [--warmup 10] [--repeat 2]
-                                     [--variants fp32,bf16]
+                                     [--variants fp32,bf16] [--worlds 1,2]
+
+World size > 1 (``--worlds``): TorchRec starts one process per rank (gloo, ``OMP_NUM_THREADS=1``,
+every table ``table_wise``, ``2048 / world`` samples per rank per step); dlrmctl runs
+``bench_train.py --worlds N --sharding table_wise`` (``dlrmctl train --nproc N``, torchrun sets 1
+thread per rank).
 """
 
 from __future__ import annotations
@@ -50,9 +55,14 @@ def ensure_venv(venv: str) -> str:
     """Create ``venv`` with TorchRec 1.8 if it is missing; return its python executable.
 
     Raises:
-        SystemExit(2): ``python3.11 -m venv`` or the pip install failed, or TorchRec does not import
-            afterwards (message names the step and shows the tail of its output).
+        SystemExit(2): ``python3.11 -m venv`` or a pip step failed, or TorchRec does not import
+            afterwards (the message, on stderr, names the step and shows the tail of its output).
     """
+
+    def die(msg: str) -> None:
+        print(f"bench_torchrec: {msg}", file=sys.stderr)
+        sys.exit(2)
+
     py = os.path.join(venv, "bin", "python")
 
     def ok() -> bool:
@@ -75,13 +85,13 @@ def ensure_venv(venv: str) -> str:
         try:
             p = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
-            sys.exit(f"bench_torchrec: cannot create the TorchRec venv {venv!r}: `{' '.join(cmd)}` could not "
+            die(f"cannot create the TorchRec venv {venv!r}: `{' '.join(cmd)}` could not "
                      f"start ({e}); python3.11 and a reachable package registry are needed")
         if p.returncode != 0:
-            sys.exit(f"bench_torchrec: cannot create the TorchRec venv {venv!r}: `{' '.join(cmd)}` exited "
+            die(f"cannot create the TorchRec venv {venv!r}: `{' '.join(cmd)}` exited "
                      f"{p.returncode}:\n{(p.stdout + p.stderr)[-3000:]}")
     if not ok():
-        sys.exit(f"bench_torchrec: the venv {venv!r} was created but `import torchrec, fbgemm_gpu` fails in it")
+        die(f"the venv {venv!r} was created but `import torchrec, fbgemm_gpu` fails in it")
     return py
 
 
@@ -92,6 +102,8 @@ def torchrec_worker(precision: str, steps: int, warmup: int, num_batches: int, s
 
     Runs only inside the TorchRec venv (imports torchrec).  ``precision``: ``fp32`` or ``bf16``
     (forward under CPU bf16 autocast; backward and optimizers outside it, as TorchRec's examples).
+    Rank and world size come from ``RANK`` / ``WORLD_SIZE`` (default 0 / 1); each rank trains on
+    ``2048 / world_size`` samples per step; samples/s is global (rank 0's clock).
     """
     import torch
     import torch.distributed as dist
@@ -109,7 +121,9 @@ def torchrec_worker(precision: str, steps: int, warmup: int, num_batches: int, s
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    local_batch = BATCH // world
     torch.manual_seed(seed)
     names = [f"C{i}" for i in range(1, NUM_TABLES + 1)]
     tables = [EmbeddingBagConfig(name=f"t_{n}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[n])
@@ -121,7 +135,7 @@ def torchrec_worker(precision: str, steps: int, warmup: int, num_batches: int, s
     apply_optimizer_in_backward(RowWiseAdagrad, model.model.sparse_arch.parameters(), {"lr": 0.05})
     constraints = {t.name: ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])
                    for t in tables}
-    topology = Topology(world_size=1, compute_device="cpu")
+    topology = Topology(world_size=world, compute_device="cpu")
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     sharders = [EmbeddingBagCollectionSharder()]
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
@@ -129,14 +143,14 @@ def torchrec_worker(precision: str, steps: int, warmup: int, num_batches: int, s
     dense_opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                       lambda params: torch.optim.Adagrad(params, lr=0.05))
 
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed + rank)
     batches = []
     for _ in range(num_batches):
-        ids = torch.randint(0, ROWS, (NUM_TABLES * BATCH,), generator=g)
+        ids = torch.randint(0, ROWS, (NUM_TABLES * local_batch,), generator=g)
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=names, values=ids,
-                                                  lengths=torch.ones(NUM_TABLES * BATCH, dtype=torch.int32))
-        batches.append(Batch(dense_features=torch.randn(BATCH, 13, generator=g), sparse_features=kjt,
-                             labels=torch.randint(0, 2, (BATCH,), generator=g).float()))
+                                                  lengths=torch.ones(NUM_TABLES * local_batch, dtype=torch.int32))
+        batches.append(Batch(dense_features=torch.randn(local_batch, 13, generator=g), sparse_features=kjt,
+                             labels=torch.randint(0, 2, (local_batch,), generator=g).float()))
 
     def step(b):
         if precision == "bf16":
@@ -160,15 +174,38 @@ def torchrec_worker(precision: str, steps: int, warmup: int, num_batches: int, s
     return {"samples_per_s": (steps - warmup) * BATCH / elapsed, "loss": float(loss.detach())}
 
 
-def run_torchrec(py: str, precision: str, a) -> float:
-    """One TorchRec run in the venv's python; returns samples/s (raises RuntimeError on failure)."""
+def run_torchrec(py: str, precision: str, world: int, a, timeout_s: float = 600.0) -> float:
+    """One TorchRec run in the venv's python on ``world`` gloo ranks; returns global samples/s.
+
+    World size > 1 starts one process per rank (``OMP_NUM_THREADS=1`` each, as torchrun does
+    for dlrmctl).  Raises RuntimeError when a rank fails or runs past ``timeout_s`` seconds.
+    """
+    import socket
+
     cmd = [py, os.path.abspath(__file__), "--torchrec-worker", "--precision", precision, "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--num-batches", str(a.num_batches)]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        raise RuntimeError(f"TorchRec run failed: {' '.join(cmd)}\n{(p.stdout + p.stderr)[-3000:]}")
-    return json.loads(p.stdout.strip().splitlines()[-1])["samples_per_s"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    if world > 1:
+        base["OMP_NUM_THREADS"] = "1"
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(base, RANK=str(r)), cwd="/") for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout_s))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"TorchRec run on {world} ranks ran past {timeout_s:.0f} s: {' '.join(cmd)}")
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            raise RuntimeError(f"TorchRec run failed (rank {r} of {world}, exit {p.returncode}): {' '.join(cmd)}\n"
+                               f"{(out + err)[-3000:]}")
+    return json.loads(outs[0][0].strip().splitlines()[-1])["samples_per_s"]
 
 
 # ---------------------------------------------------------------- dlrmctl side (this interpreter)
@@ -176,15 +213,20 @@ def run_torchrec(py: str, precision: str, a) -> float:
 _GEMM = re.compile(r"GEMM rate .*")
 
 
-def run_dlrmctl(precision: str, a) -> tuple[float, str]:
-    """One ``scripts/bench_train.py`` run (world size 1, sparse_dist); returns (samples/s, GEMM-rate line)."""
-    cmd = [sys.executable, os.path.join(HERE, "bench_train.py"), "--worlds", "1", "--pipelines", "sparse_dist",
+def run_dlrmctl(precision: str, world: int, a) -> tuple[float, str]:
+    """One ``scripts/bench_train.py`` run (sparse_dist; all tables table_wise at world size > 1).
+
+    Returns (global samples/s, the GEMM-rate line it printed).  Raises RuntimeError on failure.
+    """
+    cmd = [sys.executable, os.path.join(HERE, "bench_train.py"), "--worlds", str(world), "--pipelines", "sparse_dist",
            "--variants", precision, "--steps", str(a.steps), "--warmup", str(a.warmup), "--repeat", "1"]
+    if world > 1:
+        cmd += ["--sharding", "table_wise"]
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"dlrmctl run failed: {' '.join(cmd)}\n{(p.stdout + p.stderr)[-3000:]}")
-    row = next(line for line in p.stdout.splitlines() if line.startswith("| 1 |"))
+    row = next(line for line in p.stdout.splitlines() if line.startswith(f"| {world} |"))
     sps = float(row.split("|")[4].replace(",", ""))
     m = _GEMM.search(p.stderr)
     return sps, m.group(0) if m else ""
@@ -197,6 +239,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=2, help="alternated runs per side and config")
     ap.add_argument("--variants", default="fp32,bf16", help="fp32, bf16 (TorchRec: autocast; dlrmctl: train.precision)")
+    ap.add_argument("--worlds", default="1", help="world sizes, e.g. 1,2 (> 1: gloo, all tables table_wise, "
+                                                  "1 thread per rank)")
     ap.add_argument("--num-batches", type=int, default=16, help="distinct pre-generated TorchRec batches, cycled")
     ap.add_argument("--torchrec-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -211,29 +255,36 @@ def main() -> None:
     if bad:
         ap.error(f"--variants: unknown {bad}; expected fp32 and/or bf16")
     py = ensure_venv(a.venv)
-    res = {v: {"dlrmctl": [], "torchrec": []} for v in variants}
+    worlds = [int(w) for w in a.worlds.split(",")]
+    configs = [(w, v) for w in worlds for v in variants]
+    res = {c: {"dlrmctl": [], "torchrec": []} for c in configs}
     gemm = ""
     for r in range(a.repeat):
-        for v in variants:
-            sps, line = run_dlrmctl(v, a)
+        for w, v in configs:
+            sps, line = run_dlrmctl(v, w, a)
             gemm = gemm or line
-            res[v]["dlrmctl"].append(sps)
-            print(f"[{r}] dlrmctl  {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
-            sps = run_torchrec(py, v, a)
-            res[v]["torchrec"].append(sps)
-            print(f"[{r}] torchrec {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
+            res[w, v]["dlrmctl"].append(sps)
+            print(f"[{r}] ws{w} dlrmctl  {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
+            sps = run_torchrec(py, v, w, a)
+            res[w, v]["torchrec"].append(sps)
+            print(f"[{r}] ws{w} torchrec {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
     names = {"fp32": ("fp32", "fp32"), "bf16": ("bf16 (train.precision)", "bf16 autocast")}
-    print(f"\nSame run, world size 1, {os.cpu_count()} CPU cores; {a.steps} steps, first {a.warmup} excluded; "
-          f"{a.repeat} alternated runs per side (best, then all).\n{gemm}\n")
+    print(f"\nSame run, {os.cpu_count()} CPU cores; {a.steps} steps, first {a.warmup} excluded; "
+          f"{a.repeat} alternated runs per side (best, then all); world size > 1: gloo, all tables table_wise, "
+          f"1 thread per rank.\n{gemm}\n")
     print("| config | dlrmctl samples/s | TorchRec samples/s | ratio (best / best) |")
     print("|---|---:|---:|---:|")
-    for v in variants:
-        d, t = res[v]["dlrmctl"], res[v]["torchrec"]
-        print(f"| ws1 dlrmctl {names[v][0]} vs TorchRec {names[v][1]} | {max(d):,.0f} ({', '.join(f'{x:,.0f}' for x in d)}) "
-              f"| {max(t):,.0f} ({', '.join(f'{x:,.0f}' for x in t)}) | {max(d) / max(t):.2f}× |")
-    if "bf16" in variants and "fp32" in variants:
-        d, t = res["bf16"]["dlrmctl"], res["fp32"]["torchrec"]
-        print(f"| ws1 dlrmctl bf16 vs TorchRec fp32 | {max(d):,.0f} | {max(t):,.0f} | {max(d) / max(t):.2f}× |")
+
+    def fmt(xs: list[float]) -> str:
+        return f"{max(xs):,.0f} ({', '.join(f'{x:,.0f}' for x in xs)})"
+
+    for w, v in configs:
+        d, t = res[w, v]["dlrmctl"], res[w, v]["torchrec"]
+        print(f"| ws{w} dlrmctl {names[v][0]} vs TorchRec {names[v][1]} | {fmt(d)} | {fmt(t)} | {max(d) / max(t):.2f}× |")
+        if v == "bf16" and (w, "fp32") in res:
+            t = res[w, "fp32"]["torchrec"]
+            print(f"| ws{w} dlrmctl bf16 (train.precision) vs TorchRec fp32 | {max(d):,.0f} | {max(t):,.0f} "
+                  f"| {max(d) / max(t):.2f}× |")
 
 
 if __name__ == "__main__":
