@@ -753,27 +753,12 @@ class ExportedModel:
         Raises:
             ExportError: inputs rejected by the module (message from the module).
         """
-        dev = self.device
-        dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
-        try:
-            if weights is None:  # the 3-input call every artifact accepts
-                return self.module(dense, values, lengths)
-            return self.module(dense, values, lengths, weights.to(dev))
-        except (RuntimeError, torch.jit.Error) as e:
-            lines = str(e).strip().splitlines()
-            msg = lines[-1] if lines else str(e)
-            for prefix in ("builtins.ValueError: ", "RuntimeError: "):
-                msg = msg.removeprefix(prefix)
-            raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
+        return self._call(self.module, dense, values, lengths, weights)
 
     def score_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         """Scores ``[B]`` of a batch given as ``dense [B, D_in]`` + a KeyedJaggedTensor (any key
         order; reordered to the manifest's; its ``weights()`` are the per-id weights)."""
-        if kjt.keys() != self.feature_names:
-            kjt = kjt.select_keys(self.feature_names)
-        w = kjt.weights_or_none()
-        return self.score(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64),
-                          None if w is None else w.to(torch.float32))
+        return self.score(dense, *self._kjt_inputs(kjt))
 
     @torch.no_grad()
     def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -785,12 +770,18 @@ class ExportedModel:
         Raises:
             ExportError: inputs rejected by the module (message from the module).
         """
+        return self._call(self.module.logits, dense, values, lengths, weights)
+
+    def _call(self, fn: Any, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+              weights: torch.Tensor | None) -> torch.Tensor:
+        """``fn`` (the module's ``forward`` or ``logits``) on the inputs moved to the model's device;
+        a rejected input becomes an :class:`ExportError` carrying the module's own message."""
         dev = self.device
         dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
         try:
             if weights is None:  # the 3-input call every artifact accepts
-                return self.module.logits(dense, values, lengths)
-            return self.module.logits(dense, values, lengths, weights.to(dev))
+                return fn(dense, values, lengths)
+            return fn(dense, values, lengths, weights.to(dev))
         except (RuntimeError, torch.jit.Error) as e:
             lines = str(e).strip().splitlines()
             msg = lines[-1] if lines else str(e)
@@ -801,11 +792,14 @@ class ExportedModel:
     def logits_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         """Logits ``[B]`` float32 of ``dense [B, D_in]`` + a KeyedJaggedTensor (any key order;
         its ``weights()`` are the per-id weights, as :meth:`score_kjt`)."""
+        return self.logits(dense, *self._kjt_inputs(kjt))
+
+    def _kjt_inputs(self, kjt: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``values`` int64, ``lengths`` int64 (manifest key order) and float32 ``weights`` (or None) of a KJT."""
         if kjt.keys() != self.feature_names:
             kjt = kjt.select_keys(self.feature_names)
         w = kjt.weights_or_none()
-        return self.logits(dense, kjt.values().to(torch.int64), kjt.lengths().to(torch.int64),
-                           None if w is None else w.to(torch.float32))
+        return kjt.values().to(torch.int64), kjt.lengths().to(torch.int64), None if w is None else w.to(torch.float32)
 
 
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
