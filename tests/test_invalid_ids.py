@@ -22,6 +22,7 @@ from dlrmctl import HAS_FBGEMM
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.sparse import KeyedJaggedTensor
 from tests.dist_utils import run_multiprocess
+from tests.helpers.kjt import slice_kjt
 
 ALL_TYPES = ["data_parallel", "table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"]
 KERNELS = ("fused", "dense") if HAS_FBGEMM else ("dense",)
@@ -85,19 +86,6 @@ def expected(kjt: KeyedJaggedTensor, weights: dict[str, torch.Tensor], tabs) -> 
                     out[b] /= n
             cols.append(out)
     return torch.cat(cols, dim=1)
-
-
-def slice_kjt(kjt: KeyedJaggedTensor, s: int, e: int) -> KeyedJaggedTensor:
-    B = kjt.stride()
-    offs = kjt.offsets()
-    vals, ws = [], []
-    for f in range(len(kjt.keys())):
-        a, b = int(offs[f * B + s]), int(offs[f * B + e])
-        vals.append(kjt.values()[a:b])
-        if kjt.weights_or_none() is not None:
-            ws.append(kjt.weights()[a:b])
-    return KeyedJaggedTensor(kjt.keys(), torch.cat(vals), lengths=kjt.lengths_2d()[:, s:e].reshape(-1),
-                             weights=torch.cat(ws) if ws else None, stride=e - s)
 
 
 # ----------------------------------------------------------------- policy itself

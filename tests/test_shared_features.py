@@ -21,6 +21,7 @@ from dlrmctl import HAS_FBGEMM
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.sparse import KeyedJaggedTensor
 from tests.dist_utils import run_multiprocess
+from tests.helpers.kjt import slice_kjt
 
 ALL_TYPES = ["data_parallel", "table_wise", "row_wise", "table_row_wise", "column_wise", "table_column_wise"]
 ATOL = 1e-5
@@ -52,19 +53,6 @@ def batch(gen: torch.Generator, B: int, weighted: bool = False) -> KeyedJaggedTe
     values = torch.cat(vals)
     w = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
     return KeyedJaggedTensor(feats, values, lengths=lengths.reshape(-1), weights=w)
-
-
-def slice_kjt(kjt: KeyedJaggedTensor, s: int, e: int) -> KeyedJaggedTensor:
-    B = kjt.stride()
-    offs = kjt.offsets()
-    vals, ws = [], []
-    for f in range(len(kjt.keys())):
-        a, b = int(offs[f * B + s]), int(offs[f * B + e])
-        vals.append(kjt.values()[a:b])
-        if kjt.weights_or_none() is not None:
-            ws.append(kjt.weights()[a:b])
-    return KeyedJaggedTensor(kjt.keys(), torch.cat(vals), lengths=kjt.lengths_2d()[:, s:e].reshape(-1),
-                             weights=torch.cat(ws) if ws else None, stride=e - s)
 
 
 def local_range(B: int, ws: int, rank: int) -> tuple[int, int]:

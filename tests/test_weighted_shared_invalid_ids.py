@@ -21,6 +21,7 @@ from dlrmctl import HAS_FBGEMM
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.sparse import KeyedJaggedTensor
 from tests.dist_utils import run_multiprocess
+from tests.helpers.kjt import slice_kjt
 
 KERNELS = ("fused", "dense") if HAS_FBGEMM else ("dense",)
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise")
@@ -84,18 +85,6 @@ def expected(kjt: KeyedJaggedTensor, weights: dict[str, torch.Tensor]) -> torch.
                     out[b] /= n
             cols.append(out)
     return torch.cat(cols, dim=1)
-
-
-def slice_kjt(kjt: KeyedJaggedTensor, s: int, e: int) -> KeyedJaggedTensor:
-    B = kjt.stride()
-    offs = kjt.offsets()
-    vals, ws = [], []
-    for f in range(len(kjt.keys())):
-        a, b = int(offs[f * B + s]), int(offs[f * B + e])
-        vals.append(kjt.values()[a:b])
-        ws.append(kjt.weights()[a:b])
-    return KeyedJaggedTensor(kjt.keys(), torch.cat(vals), lengths=kjt.lengths_2d()[:, s:e].reshape(-1),
-                             weights=torch.cat(ws), stride=e - s)
 
 
 def test_config_accepts_a_feature_shared_by_two_weighted_tables():
