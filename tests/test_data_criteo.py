@@ -518,10 +518,11 @@ def test_decoded_rows_round_trip_with_missing_values_within_the_documented_bytes
         next(read_decoded(path, labelled=False))
 
 
-def test_vocabulary_mode_parses_each_file_once_and_removes_its_decoded_rows(tmp_path, monkeypatch):
+def _count_parses(monkeypatch) -> list[str]:
+    """The names of the input files parsed (one entry per pass over a file's lines), appended as it happens."""
     from dlrmctl.data.criteo import parse
 
-    calls = []
+    calls: list[str] = []
     real = parse.BlockReader.__iter__
 
     def counting(self):
@@ -529,6 +530,11 @@ def test_vocabulary_mode_parses_each_file_once_and_removes_its_decoded_rows(tmp_
         return real(self)
 
     monkeypatch.setattr(parse.BlockReader, "__iter__", counting)
+    return calls
+
+
+def test_vocabulary_mode_parses_each_file_once_and_removes_its_decoded_rows(tmp_path, monkeypatch):
+    calls = _count_parses(monkeypatch)
     d = tmp_path / "in"
     d.mkdir()
     for j in range(2):
@@ -541,16 +547,9 @@ def test_vocabulary_mode_parses_each_file_once_and_removes_its_decoded_rows(tmp_
 
 
 def test_vocabulary_resume_after_a_crash_in_either_pass_reparses_only_what_is_stale(tmp_path, monkeypatch):
-    from dlrmctl.data.criteo import parse, preprocess
+    from dlrmctl.data.criteo import preprocess
 
-    calls = []
-    real = parse.BlockReader.__iter__
-
-    def counting(self):
-        calls.append(self.path.name)
-        return real(self)
-
-    monkeypatch.setattr(parse.BlockReader, "__iter__", counting)
+    calls = _count_parses(monkeypatch)
     d = tmp_path / "in"
     d.mkdir()
     (d / "a.tsv").write_text(_zipf_lines(200, 1))
