@@ -199,3 +199,47 @@ def result_line(name: str, split: str, m: dict, note: str = "") -> str:
     """``<name>  <split> AUC <a>  logloss <l>  (<n> rows[; note])`` — the line both scripts print."""
     return (f"{name:<20} {split} AUC {m['auc']:.4f}  logloss {m['logloss']:.4f}  "
             f"({m['num_samples']} rows{'; ' + note if note else ''})")
+
+
+def run_baselines(data_dir: str, val_split: str, test_split: str, cs, seed: int, out, log, *,
+                  score_baselines=None, lr_note=None) -> dict:
+    """The shared flow of both baseline scripts: load ``train``, ``val_split`` and ``test_split``,
+    score the CTR prior, fit the logistic regression with C chosen on ``val_split``, score it on both
+    splits, print one line per baseline and split (via ``out``).
+
+    Args:
+        score_baselines: optional ``(meta, evals) -> {name: {split: AUC}}`` of extra score-only
+            baselines (e.g. MovieLens' item popularity), printed between the prior and the LR.
+        lr_note: optional ``(meta, x_train) -> str`` for the LR lines (default: the column count).
+
+    Returns:
+        ``{"prior": {split: metrics}, <extra names>: {split: AUC}, "logistic_regression":
+        {split: metrics}, "C": float}`` (metrics as ``compute_metrics_from_logits``).
+
+    Raises:
+        dlrmctl.data.columnar.DataError: a split is missing; ValueError: single-class train split.
+    """
+    from dlrmctl.data.columnar import read_meta
+
+    meta = read_meta(data_dir)
+    train = load(data_dir, "train", meta)
+    evals = {s: load(data_dir, s, meta) for s in (val_split, test_split)}
+    mean, std = dense_stats(train)
+    x = {s: design_matrix(d, meta, mean, std) for s, d in [("train", train), *evals.items()]}
+    res: dict = {"prior": {s: metrics(prior_logits(train["label"], len(d["label"])), d["label"])
+                           for s, d in evals.items()}}
+    extra = score_baselines(meta, evals) if score_baselines else {}
+    res.update(extra)
+    model, c, _ = fit_logistic_regression(x["train"], train["label"], x[val_split], evals[val_split]["label"],
+                                          cs=cs, seed=seed, log=log)
+    res["logistic_regression"] = {s: metrics(model.decision_function(x[s]), d["label"]) for s, d in evals.items()}
+    res["C"] = c
+    for s in (val_split, test_split):
+        out(result_line("CTR prior", s, res["prior"][s], f"train CTR {float(train['label'].mean()):.4f}"))
+    for name, by_split in extra.items():
+        for s in (val_split, test_split):
+            out(f"{name.replace('_', ' '):<20} {s} AUC {by_split[s]:.4f}  ({len(evals[s]['label'])} rows)")
+    note = lr_note(meta, x["train"]) if lr_note else f"{x['train'].shape[1]} columns"
+    for s in (val_split, test_split):
+        out(result_line("logistic regression", s, res["logistic_regression"][s], f"C={c:g} chosen on {val_split}; {note}"))
+    return res

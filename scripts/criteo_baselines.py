@@ -29,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import baselines_common as bc  # noqa: E402
-from dlrmctl.data.columnar import read_meta  # noqa: E402
 
 
 def run(data_dir: str, val_split: str = "val", test_split: str = "test", cs=bc.DEFAULT_CS, seed: int = 0,
@@ -45,25 +44,7 @@ def run(data_dir: str, val_split: str = "val", test_split: str = "test", cs=bc.D
         ValueError: the train split has one class only.
     """
     log = log or (lambda s: print(s, file=sys.stderr))
-    meta = read_meta(data_dir)
-    train = bc.load(data_dir, "train", meta)
-    evals = {s: bc.load(data_dir, s, meta) for s in (val_split, test_split)}
-    mean, std = bc.dense_stats(train)
-    x = {s: bc.design_matrix(d, meta, mean, std) for s, d in [("train", train), *evals.items()]}
-    res: dict = {"prior": {}, "logistic_regression": {}}
-    for s, d in evals.items():
-        res["prior"][s] = bc.metrics(bc.prior_logits(train["label"], len(d["label"])), d["label"])
-    model, c, _ = bc.fit_logistic_regression(x["train"], train["label"], x[val_split], evals[val_split]["label"],
-                                             cs=cs, seed=seed, log=log)
-    res["C"] = c
-    for s, d in evals.items():
-        res["logistic_regression"][s] = bc.metrics(model.decision_function(x[s]), d["label"])
-    for s in (val_split, test_split):
-        out(bc.result_line("CTR prior", s, res["prior"][s], f"train CTR {float(train['label'].mean()):.4f}"))
-    for s in (val_split, test_split):
-        out(bc.result_line("logistic regression", s, res["logistic_regression"][s],
-                           f"C={c:g} chosen on {val_split}; {x['train'].shape[1]} columns"))
-    return res
+    return bc.run_baselines(data_dir, val_split, test_split, cs, seed, out, log)
 
 
 def main(argv: list[str] | None = None) -> dict:

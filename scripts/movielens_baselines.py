@@ -49,30 +49,17 @@ def run(data_dir: str, val_split: str = "val", test_split: str = "test", cs=bc.D
     if "item_popularity" not in meta["dense_features"]:
         raise ValueError(f"{data_dir}/meta.json: no item_popularity dense feature (not `dlrmctl preprocess movielens` "
                          "output?)")
-    train = bc.load(data_dir, "train", meta)
-    evals = {s: bc.load(data_dir, s, meta) for s in (val_split, test_split)}
-    mean, std = bc.dense_stats(train)
-    x = {s: bc.design_matrix(d, meta, mean, std) for s, d in [("train", train), *evals.items()]}
     pop_col = meta["dense_features"].index("item_popularity")
-    res: dict = {"prior": {}, "item_popularity": {}, "logistic_regression": {}}
-    for s, d in evals.items():
-        res["prior"][s] = bc.metrics(bc.prior_logits(train["label"], len(d["label"])), d["label"])
-        res["item_popularity"][s] = bc.auc(d["label"], d["dense"][:, pop_col])
-    model, c, _ = bc.fit_logistic_regression(x["train"], train["label"], x[val_split], evals[val_split]["label"],
-                                             cs=cs, seed=seed, log=log)
-    res["C"] = c
-    for s, d in evals.items():
-        res["logistic_regression"][s] = bc.metrics(model.decision_function(x[s]), d["label"])
-    for s in (val_split, test_split):
-        out(bc.result_line("CTR prior", s, res["prior"][s], f"train CTR {float(train['label'].mean()):.4f}"))
-    for s in (val_split, test_split):
-        out(f"{'item popularity':<20} {s} AUC {res['item_popularity'][s]:.4f}  ({len(evals[s]['label'])} rows)")
-    for s in (val_split, test_split):
-        out(bc.result_line("logistic regression", s, res["logistic_regression"][s],
-                           f"C={c:g} chosen on {val_split}; one-hot "
-                           f"{', '.join(f['name'] for f in meta['sparse_features'])} + "
-                           f"{len(meta['dense_features'])} dense"))
-    return res
+
+    def item_popularity(meta, evals):
+        return {"item_popularity": {s: bc.auc(d["label"], d["dense"][:, pop_col]) for s, d in evals.items()}}
+
+    def lr_note(meta, x_train):
+        return (f"one-hot {', '.join(f['name'] for f in meta['sparse_features'])} + "
+                f"{len(meta['dense_features'])} dense")
+
+    return bc.run_baselines(data_dir, val_split, test_split, cs, seed, out, log,
+                            score_baselines=item_popularity, lr_note=lr_note)
 
 
 def main(argv: list[str] | None = None) -> dict:
