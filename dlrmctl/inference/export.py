@@ -686,7 +686,7 @@ def export_run(
     require_fbgemm("dlrmctl export")
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
-    from dlrmctl.train.checkpoint import load_checkpoint_meta, resolve_checkpoint
+    from dlrmctl.train.checkpoint import load_checkpoint_meta, read_metadata, resolve_checkpoint
     from dlrmctl.train.loop import load_table_weight, load_trained_model, multi_hot_kwargs, run_config
 
     run = Path(run_dir)
@@ -701,6 +701,7 @@ def export_run(
                                           materialize=False)
     out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
     cmeta = load_checkpoint_meta(ckpt_path)
+    dcp_md = read_metadata(ckpt_path, cmeta)  # read and verified once for every table
     ck_eval = cmeta.get("eval")
     source = {
         "run_dir": str(run.resolve()),
@@ -716,7 +717,7 @@ def export_run(
     return export_model(
         model, out, embedding_dtype, data_meta=meta, data_dir=vocab_dir, source=source,
         quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
-        data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta),
+        data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta, dcp_md),
     )
 
 

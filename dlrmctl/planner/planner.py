@@ -425,7 +425,7 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int, key_dims: l
         top_in = d + F * (F - 1) // 2
     n += mlp(top_in, m.over_arch_layer_sizes)[0]
     n += sum(w * d for w in key_dims or [] if w != d)
-    if getattr(m, "first_order", False):  # FirstOrder: bias-free Linear(num_dense, 1) + Linear(pooled width, 1)
+    if m.first_order:  # FirstOrder: bias-free Linear(num_dense, 1) + Linear(pooled width, 1)
         n += num_dense + (sum(key_dims) if key_dims else num_features * d)
     return n
 

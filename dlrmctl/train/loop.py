@@ -1339,20 +1339,23 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
 
 
 @torch.no_grad()
-def load_table_weight(ckpt_dir: str, table: Any, meta: dict[str, Any] | None = None) -> torch.Tensor:
+def load_table_weight(ckpt_dir: str, table: Any, meta: dict[str, Any] | None = None,
+                      metadata: Any = None) -> torch.Tensor:
     """One table's weights ``[num_embeddings, embedding_dim]`` float32 (CPU), assembled from
     every saved shard of checkpoint ``ckpt_dir`` (any sharding); only that table's chunks are
-    read.  Memory: the table, plus DCP's read buffer of one saved chunk.
+    read.  Memory: the table, plus one read slab (``checkpoint.READ_SLAB_BYTES``).
 
     Args:
         table: the table's config (``name``, ``num_embeddings``, ``embedding_dim``).
         meta: the checkpoint's meta.json (:func:`~dlrmctl.train.checkpoint.load_checkpoint_meta`).
+        metadata: its DCP metadata (:func:`~dlrmctl.train.checkpoint.read_metadata`), so a caller
+            loading table after table reads and verifies ``.metadata`` once.
 
     Raises:
         CheckpointError: no such table, another shape, or a damaged file (named).
     """
     w = torch.empty(table.num_embeddings, table.embedding_dim)
-    ckpt.load_checkpoint(ckpt_dir, {f"emb/{table.name}/weight": w}, meta=meta)
+    ckpt.load_checkpoint(ckpt_dir, {f"emb/{table.name}/weight": w}, meta=meta, metadata=metadata)
     return w
 
 
