@@ -522,20 +522,14 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
         ConfigError: unreadable file, invalid YAML (with line), unknown key,
             wrong type, or inconsistent values.
     """
+    from dlrmctl.yaml_file import read_yaml
+
     path = os.fspath(path)
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read config: {e}") from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from e
+    raw = read_yaml(path, ConfigError, "config")
     if raw is None:  # an empty file (or comments only) is a mistake, not "all defaults"
         raise ConfigError(f"{path}: empty config file (write `{{}}` for all defaults; see configs/demo.yaml)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError(f"{path}: expected a mapping at the top level of the config, got {type(raw).__name__}")
     return config_from_dict(raw, overrides, source=path)
 
 

@@ -86,3 +86,24 @@ def test_hand_given_shard_widths_and_ranks_are_checked_at_load(table, match):
     only after the ranks were launched."""
     with pytest.raises(ConfigError, match=r"sharding\.tables\." + match):
         config_from_dict({"sharding": {"tables": {"t": table}}})
+
+
+@pytest.mark.parametrize("kind", ["config", "plan", "topology"])
+def test_every_yaml_file_reader_names_the_file_and_line_and_wants_a_mapping(tmp_path, kind):
+    """Configs, sharding plans and topology files go through one reader (dlrmctl/yaml_file.py): a syntax
+    error names file:line, a missing file the path, a top level that is not a mapping says so."""
+    from dlrmctl.distributed.types import PlanError, ShardingPlan
+    from dlrmctl.planner.types import PlannerError, load_topology_file
+
+    load, err = {"config": (load_config, ConfigError), "plan": (ShardingPlan.load, PlanError),
+                 "topology": (load_topology_file, PlannerError)}[kind]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: 1\nb: [1, 2\nc: 3\n")
+    with pytest.raises(err, match=r"bad.yaml:\d+: invalid YAML in "):
+        load(bad)
+    with pytest.raises(err, match=r"missing.yaml: cannot read "):
+        load(tmp_path / "missing.yaml")
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(err, match=r"list.yaml: expected a mapping at the top level of the .*got list"):
+        load(lst)

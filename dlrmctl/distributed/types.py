@@ -260,18 +260,10 @@ class ShardingPlan:
 
     @staticmethod
     def load(path: str | os.PathLike) -> "ShardingPlan":
-        import yaml
+        from dlrmctl.yaml_file import read_yaml_mapping
 
         path = os.fspath(path)
-        try:
-            with open(path) as f:
-                d = yaml.safe_load(f)
-        except OSError as e:
-            raise PlanError(f"{path}: cannot read plan: {e}") from e
-        except yaml.YAMLError as e:
-            raise PlanError(f"{path}: not valid YAML: {e}") from e
-        if not isinstance(d, dict):
-            raise PlanError(f"{path}: expected a mapping with world_size and tables")
+        d = read_yaml_mapping(path, PlanError, "plan (world_size, tables)")
         return ShardingPlan.from_dict(d, where=path)
 
     def validate(self, tables: Iterable[Any], world_size: int, where: str = "plan") -> None:

@@ -368,17 +368,9 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
             ``intra_host_bw_gbps``, ``inter_host_bw_gbps``, ``hbm_bw_gbps`` on cuda) and the
             kernel efficiencies > 0; ``default_gpus_per_host`` an integer >= 1 or null.
     """
-    import yaml
+    from dlrmctl.yaml_file import read_yaml_mapping
 
-    try:
-        with open(path) as f:
-            d = yaml.safe_load(f)
-    except OSError as e:
-        raise PlannerError(f"topology file {path}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise PlannerError(f"topology file {path}: not valid YAML ({e})") from None
-    if not isinstance(d, dict):
-        raise PlannerError(f"topology file {path}: expected a mapping of {', '.join(TOPOLOGY_FILE_KEYS)}")
+    d = read_yaml_mapping(path, PlannerError, f"topology file (keys {', '.join(TOPOLOGY_FILE_KEYS)})")
     d = {k: v for k, v in d.items() if k != "measured"}
     unknown = sorted(set(d) - set(TOPOLOGY_FILE_KEYS))
     if unknown:
