@@ -240,3 +240,56 @@ def test_fp16_dense_kernel_table_with_several_features_and_a_shared_one_trains()
     for n, wf in fused.embedding_weights().items():
         a, b = dense.embedding_weights()[n].detach().float(), wf.float()
         assert (a - b).abs().max() <= 2.0 ** -9 * b.abs().max(), n
+
+
+# ------------------------------------------------------------------ fp16 loss-scale overflow
+class _InfGrad(torch.autograd.Function):
+    """Identity forward; backward returns an all-inf gradient (a loss-scale overflow that
+    reaches only the pooled embeddings: the dense grads stay finite)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.full_like(g, float("inf"))
+
+
+@pytest.mark.parametrize("kernel,opt", [("dense", "exact_rowwise_adagrad"), ("dense", "adam"),
+                                        pytest.param("fbgemm", "exact_rowwise_adagrad", marks=needs_fbgemm)])
+def test_fp16_overflow_in_the_embedding_grad_skips_the_step_and_backs_off_the_scale(tiny, tmp_path, kernel, opt):
+    """A scaled step whose pooled-embedding gradient overflows must leave every table and dense
+    weight as it was (the fused update sees zeros), skip the dense step and halve the scale; the
+    next finite step trains.  fp16 autocast is CUDA-only, so the GradScaler is put on this CPU
+    trainer by hand (the scaling path itself is device-agnostic)."""
+    from dlrmctl.sparse import KeyedTensor
+
+    tr = _trainer(_raw(tiny, str(tmp_path), "ovf", model={"compute_kernel": "fused" if kernel == "fbgemm" else "dense"},
+                       optimizer={"embedding": {"type": opt, "lr": 0.05}, "dense": {"lr": 0.05}}))
+    tr.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batch = next(iter(tr.train_loader))
+    real_forward = tr.model.dense_forward
+    calls = []
+
+    def poisoned(dense, embedded):
+        calls.append(1)
+        if len(calls) == 1:
+            embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(), _InfGrad.apply(embedded.values()))
+        return real_forward(dense, embedded)
+
+    tr.model.dense_forward = poisoned
+    before = {k: v.detach().clone() for k, v in tr.model.state_dict().items() if torch.is_tensor(v)}
+    loss = tr.train_step(batch)
+    assert torch.isfinite(loss)
+    after = tr.model.state_dict()
+    changed = [k for k, v in before.items() if not torch.equal(v, after[k])]
+    assert changed == [], f"an overflowing step changed {changed}"
+    assert tr.scaler.get_scale() == 512.0
+    tr.train_step(batch)  # finite: tables and dense weights move, the scale holds
+    after = tr.model.state_dict()
+    moved = [k for k, v in before.items() if not torch.equal(v, after[k])]
+    assert any("sparse_arch" in k or "embedding" in k for k in moved), moved
+    assert any("over_arch" in k for k in moved), moved
+    assert all(torch.isfinite(v).all() for v in after.values() if torch.is_tensor(v) and v.is_floating_point())
+    assert tr.scaler.get_scale() == 512.0

@@ -51,20 +51,31 @@ class _UnscaleGrad(torch.autograd.Function):
     Under ``train.precision: fp16`` the loss is scaled, but the embedding optimizers run
     inside the lookup's backward (FBGEMM's fused TBE) or straight after it on their own
     gradients: they must see the true gradient of the pooled embeddings, so it is unscaled
-    where it leaves the dense part.  (A non-finite dense gradient makes the GradScaler skip
-    the dense step; the fused embedding update has run by then and the non-finite loss
-    stops the run at the next loss read.)
+    where it leaves the dense part.
+
+    Overflow: the scaler's first scales (2^16, growing) overflow fp16 now and then by design
+    (Micikevicius et al., "Mixed Precision Training", ICLR 2018, sec. 3.2); the scaler then
+    skips the dense step and halves the scale.  A fused embedding update cannot be skipped
+    (it runs inside this backward), so a gradient ``[N, D]`` float32 with any inf/NaN is
+    replaced by zeros (rows unchanged under the Adagrad family and SGD; Adam-family moments
+    take one zero-gradient step) and ``found_inf`` (a 0-d float32 device tensor) is set to
+    1, which :meth:`Trainer._run_step` hands to the scaler so that it also skips the dense
+    step and backs off.  No host read here.
     """
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, scaler: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, values: torch.Tensor, scaler: Any, found_inf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.scaler = scaler
+        ctx.found_inf = found_inf
         return values.view_as(values)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         scale = ctx.scaler._get_scale_async()  # the scale as a device tensor: no host read
-        return grad / (scale if scale is not None else ctx.scaler.get_scale()), None
+        g = grad / (scale if scale is not None else ctx.scaler.get_scale())
+        finite = torch.isfinite(g).all()
+        ctx.found_inf.add_((~finite).to(ctx.found_inf.dtype))
+        return torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)), None, None
 
 
 class TrainError(RuntimeError):
@@ -158,6 +169,8 @@ class Trainer:
                              f"{self.device}; use bf16 on the CPU")
         #: fp16: loss scaling for the dense optimizer (torch.amp.GradScaler); None otherwise
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.train.precision == "fp16" else None
+        #: fp16: 1 when this step's pooled-embedding gradient was non-finite (set by _UnscaleGrad)
+        self._emb_found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         self.schedule = WarmupPolyDecay(cfg.optimizer.lr_schedule)
         # each input feature once, also when several tables look it up
         feats = list(dict.fromkeys(f for t in self.tables for f in t.feature_names))
@@ -296,15 +309,36 @@ class Trainer:
             loss.backward()  # sharded: dense grads are all-reduced in buckets during backward
             self.dense_opt.step()
         else:  # fp16: scaled loss; the embeddings' gradient is unscaled where it leaves the dense part
+            self._emb_found_inf.zero_()
             self.scaler.scale(loss).backward()
-            self.scaler.step(self.dense_opt)  # unscales; skips the step on inf/NaN dense grads
-            self.scaler.update()
-        if self.emb_dense_opt is not None:
+            skipped = self._fp16_unscale_dense()
+            self.scaler.step(self.dense_opt)  # skips the step on inf/NaN dense or embedding grads
+            self.scaler.update()  # and then backs off the scale
+        if self.emb_dense_opt is not None and not (self.scaler is not None and skipped):
             self.emb_dense_opt.step()
         self.step += 1
         out = loss.detach()
         self._accumulate_loss(out)
         return out
+
+    def _fp16_unscale_dense(self) -> bool:
+        """fp16: unscale the dense grads and fold the embeddings' overflow flag into the scaler.
+
+        ``GradScaler.unscale_`` records the dense grads' inf/NaN per device; the pooled-embedding
+        gradient's flag (:class:`_UnscaleGrad`, max over ranks so that every rank skips the same
+        step and keeps the same scale) is added to it, so ``scaler.step`` skips the dense step and
+        ``scaler.update`` backs off whenever either overflowed.  Returns True when this step is
+        skipped (one host read; ``scaler.step`` reads the same flags anyway).  The per-optimizer
+        state is GradScaler's (``_per_optimizer_states``, stable since torch 1.6)."""
+        assert self.scaler is not None
+        self.scaler.unscale_(self.dense_opt)
+        comm.all_reduce(self._emb_found_inf, self.env.pg, op="max")
+        found = self.scaler._per_optimizer_states[id(self.dense_opt)]["found_inf_per_device"]
+        if not found:  # no dense grads on any device: give the scaler one flag to read
+            found[self._emb_found_inf.device] = torch.zeros((), dtype=torch.float32, device=self.device)
+        for t in found.values():
+            t.add_(self._emb_found_inf.to(t.device))
+        return bool(sum(float(t.item()) for t in found.values()))
 
     def _autocast(self) -> Any:
         """``torch.autocast`` for ``train.precision`` on this device (fp32: a no-op context)."""
@@ -325,7 +359,7 @@ class Trainer:
             embedded = self.model.compute_and_output_dist(sparse_ctx)
         if self.scaler is not None and embedded.values().requires_grad:
             embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(),
-                                   _UnscaleGrad.apply(embedded.values(), self.scaler))
+                                   _UnscaleGrad.apply(embedded.values(), self.scaler, self._emb_found_inf))
         with self._autocast():
             logits = self.model.dense_forward(batch.dense_features, embedded)
         return logits.squeeze(1).float()
