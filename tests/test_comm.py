@@ -135,13 +135,41 @@ def _qcomm_worker(env):
     for prec in ("fp32", "bf16"):
         ebc = ShardedEmbeddingBagCollection(tables, plan, env, seed=1, comm_precision=prec)
         ebc_out[prec] = ebc(kjt).values().detach()
-    return res, rs, ebc_out
+    # fp16 wire edges: values beyond the fp16 range saturate (no inf), and mean-loss gradients of a
+    # large global batch (~1e-7, fp16 subnormals) keep fp16's relative precision
+    bs = [3000, 5000]  # a global batch of 8,000: gradients scaled by 8,192 on the wire
+    big = torch.full((sum(bs), widths[me][0]), 1e6).requires_grad_()
+    tiny_up = [[torch.full((bs[me], widths[d][0]), 1e-7) for _ in range(1)] for d in range(W)]
+    out = pooled_all_to_all([big], bs, [[w[0]] for w in widths], env.pg, torch.float16)
+    sum((o * u).sum() for od, ud in zip(out, tiny_up) for o, u in zip(od, ud)).backward()
+    edges = {"sat": [o.detach() for od in out for o in od], "tiny_grad": big.grad.clone()}
+    rpart = torch.full((sum(bs), 3), 1e6).requires_grad_()
+    red = reduce_scatter_v(rpart, bs, env.pg, use_collective=False, qdtype=torch.float16)
+    red.backward(torch.full_like(red, 1e-7))
+    edges["rs_sat"], edges["rs_tiny_grad"] = red.detach(), rpart.grad.clone()
+    return res, rs, ebc_out, edges
+
+
+def test_qcomm_fp16_saturates_and_keeps_small_gradients():
+    from dlrmctl.distributed.comm import FP16_MAX, _grad_wire_scale
+
+    assert _grad_wire_scale(torch.float16, 65536) == 65536.0 and _grad_wire_scale(torch.float16, 2500) == 2048.0
+    assert _grad_wire_scale(torch.bfloat16, 65536) == 1.0 and _grad_wire_scale(None, 8) == 1.0
+    for *_, edges in run_multiprocess(_qcomm_worker, 2, timeout_s=180):
+        assert all(torch.equal(o, torch.full_like(o, FP16_MAX)) for o in edges["sat"])
+        assert torch.equal(edges["rs_sat"], torch.full_like(edges["rs_sat"], 2 * FP16_MAX))
+        # 1e-7 is an fp16 subnormal (spacing 2^-24 ~ 6e-8: a plain cast is 19 % off); scaled by
+        # the global batch's power of two it arrives within fp16's 2^-11
+        want = torch.tensor(1e-7)
+        assert torch.allclose(edges["tiny_grad"], want.expand_as(edges["tiny_grad"]), rtol=2.0 ** -11, atol=0)
+        assert torch.allclose(edges["rs_tiny_grad"], want.expand_as(edges["rs_tiny_grad"]), rtol=2.0 ** -11, atol=0)
+        assert (torch.tensor(1e-7).half().float() - want).abs() / want > 0.05  # what a plain cast gives
 
 
 def test_qcomm_all_to_all_round_trips_within_bf16_and_fp16_precision():
     results = run_multiprocess(_qcomm_worker, 2, timeout_s=180)
     all_parts = {}
-    for r, (res, rs, ebc_out) in enumerate(results):
+    for r, (res, rs, ebc_out, _) in enumerate(results):
         (f_out, f_grad) = res["fp32"]
         for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             q_out, q_grad = res[name]

@@ -46,6 +46,7 @@ exercises every collective of the multi-GPU path: ``sharding.enabled: true``).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
@@ -176,9 +177,37 @@ def comm_dtype(precision: str) -> torch.dtype | None:
     return COMM_DTYPES[precision]
 
 
-def _wire(t: torch.Tensor, qdtype: torch.dtype | None) -> torch.Tensor:
-    """``t`` encoded for the wire (TorchRec qcomm's codec ``encode``: a cast to ``qdtype``)."""
-    return t if qdtype is None or t.dtype == qdtype else t.to(qdtype)
+#: the largest finite float16 (IEEE 754 binary16): fp16 wire values saturate here instead of becoming inf
+FP16_MAX = 65504.0
+
+
+def _wire(t: torch.Tensor, qdtype: torch.dtype | None, scale: float = 1.0) -> torch.Tensor:
+    """``t`` encoded for the wire (TorchRec qcomm's codec ``encode``: a cast to ``qdtype``).
+
+    fp16 (TorchRec's ``_fp32_to_fp16_with_clamp``): ``t * scale`` clamped to ``±FP16_MAX`` before
+    the cast, so a value beyond the fp16 range saturates instead of arriving as inf; ``scale`` (a
+    power of two, so exact) lifts small gradients out of fp16's subnormal range (see
+    :func:`_grad_wire_scale`).  bf16 has fp32's exponent range: a plain cast."""
+    if qdtype is None or t.dtype == qdtype:
+        return t
+    if qdtype == torch.float16:
+        return (t * scale if scale != 1.0 else t).clamp(-FP16_MAX, FP16_MAX).to(qdtype)
+    return t.to(qdtype)
+
+
+def _grad_wire_scale(qdtype: torch.dtype | None, global_batch: int) -> float:
+    """The power of two the gradients of pooled embeddings are multiplied by on an fp16 wire.
+
+    The loss is a mean over the global batch, so a pooled-embedding gradient is about
+    1/global_batch of a per-sample one: at a batch of 65,536 it sits near 1e-7, inside fp16's
+    subnormal range (below 2^-14 ~ 6.1e-5, spacing 2^-24) where it keeps only a few bits.
+    Multiplying by 2^round(log2(global_batch)) before the cast and dividing after (exact: a
+    power of two) restores fp16's 11-bit precision for per-sample gradients up to ~65504 / 1
+    (TorchRec's qcomm offers a fixed ``backward_loss_scale`` for the same reason).
+    1.0 for fp32 and bf16 wires."""
+    if qdtype != torch.float16 or global_batch <= 1:
+        return 1.0
+    return float(2.0 ** round(math.log2(global_batch)))
 
 
 class _PooledAllToAll(torch.autograd.Function):
@@ -216,14 +245,18 @@ class _PooledAllToAll(torch.autograd.Function):
         # one copy of each (often strided: a slice of the next layer's grad) block into the send
         # buffer, encoded for the wire by the same copy
         flat = grads[0].new_empty(sum(ctx.out_splits), dtype=qdtype or ctx.dtype)
+        gscale = _grad_wire_scale(qdtype, sum(bs))
         off = 0
         for g in grads:
             n = g.numel()
-            flat[off : off + n].view(g.shape).copy_(g)
+            flat[off : off + n].view(g.shape).copy_(g if gscale == 1.0 and qdtype != torch.float16
+                                                    else _wire(g, qdtype, gscale))
             off += n
         back = flat.new_empty(sum(ctx.in_splits))
         dist.all_to_all_single(back, flat, ctx.in_splits, ctx.out_splits, group=pg)
         back = back.to(ctx.dtype)
+        if gscale != 1.0:
+            back.mul_(1.0 / gscale)  # exact: a power of two
         if G == 1:
             return (None, back.view(sum(bs), widths[me][0]))
         segs, off = {}, 0
@@ -251,7 +284,9 @@ def pooled_all_to_all(
             (``torch.bfloat16`` / ``torch.float16``) for the all-to-all and back to the
             inputs' dtype on arrival — half the bytes, each value rounded once per
             direction (relative error <= 2^-8 for bf16, 2^-11 for fp16 within its range).
-            None: sent as they are.
+            fp16 saturates at ``±FP16_MAX`` (never inf) and sends gradients multiplied by
+            :func:`_grad_wire_scale` (about the global batch), so mean-loss gradients stay
+            out of fp16's subnormal range.  None: sent as they are.
 
     Returns:
         ``out[d][g]``: ``[batch_sizes[rank], widths[d][g]]``, rank ``d``'s pooled
@@ -291,21 +326,27 @@ class _ReduceScatterV(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         bs, pg = ctx.batch_sizes, ctx.pg
         ws, rank = len(bs), dist.get_rank(pg)
-        grad = _wire(grad.contiguous(), ctx.qdtype)
+        gscale = _grad_wire_scale(ctx.qdtype, sum(bs))
+        grad = _wire(grad.contiguous(), ctx.qdtype, gscale)
         D = grad.shape[1]
+
+        def decode(t: torch.Tensor) -> torch.Tensor:
+            t = t.to(ctx.dtype)
+            return t.mul_(1.0 / gscale) if gscale != 1.0 else t  # exact: a power of two
+
         if ctx.use_collective:
             if len(set(bs)) == 1:
                 out = grad.new_empty(sum(bs), D)
                 _all_gather_flat(out, grad, group=pg)
-                return out.to(ctx.dtype), None, None, None, None
+                return decode(out), None, None, None, None
             parts = [grad.new_empty(b, D) for b in bs]
             dist.all_gather(parts, grad, group=pg)
-            return torch.cat(parts).to(ctx.dtype), None, None, None, None
+            return decode(torch.cat(parts)), None, None, None, None
         # all-gather with uneven sizes as an all-to-all of the same block to every rank
         send = grad.view(1, -1).expand(ws, -1).reshape(-1)
         out = grad.new_empty(sum(bs) * D)
         dist.all_to_all_single(out, send, [b * D for b in bs], [bs[rank] * D] * ws, group=pg)
-        return out.view(sum(bs), D).to(ctx.dtype), None, None, None, None
+        return decode(out.view(sum(bs), D)), None, None, None, None
 
 
 def reduce_scatter_v(
