@@ -25,7 +25,7 @@ def _raw(path, run_dir, name, **over):
         "train": {"epochs": 1, "log_every": 1000, "run_dir": run_dir, "progress": False, "keep_best": "none"},
     }
     for k, v in over.items():
-        raw[k].update(v)
+        raw.setdefault(k, {}).update(v)
     return raw
 
 
@@ -293,3 +293,59 @@ def test_fp16_overflow_in_the_embedding_grad_skips_the_step_and_backs_off_the_sc
     assert any("over_arch" in k for k in moved), moved
     assert all(torch.isfinite(v).all() for v in after.values() if torch.is_tensor(v) and v.is_floating_point())
     assert tr.scaler.get_scale() == 512.0
+
+
+def test_bf16_training_evaluates_in_fp32_as_dlrmctl_evaluate_does(tiny, tmp_path):
+    """The val metrics that pick ``keep_best`` (and stop early) under ``train.precision: bf16`` are
+    computed with the fp32 dense part: they equal ``evaluate_run`` of the saved checkpoint (the
+    figure ``dlrmctl evaluate`` and the fp32 export give), not a bf16 re-scoring of it."""
+    from dlrmctl.train.loop import evaluate_run
+
+    raw = _raw(tiny, str(tmp_path), "bf16eval", data={"batch_size": 256},
+               train={"precision": "bf16", "max_steps": 4, "checkpoint_every": 4})
+    t = _trainer(raw)
+    t.train()
+    during = t.evaluate()
+    after = evaluate_run(os.path.join(str(tmp_path), "bf16eval"), checkpoint="last")
+    assert during["auc"] == pytest.approx(after["auc"], abs=1e-9)
+    assert during["logloss"] == pytest.approx(after["logloss"], rel=1e-6)
+    # a bf16 scoring of the same model differs (the check above could fail)
+    batch = next(iter(t.train_loader)).to(t.device)
+    t.model.eval()
+    with torch.no_grad():
+        z16 = t._logits(batch, None)
+        z32 = t._logits(batch, None, autocast=False)
+    assert not torch.equal(z16, z32)
+
+
+def _qcomm_eval_worker(env, data, run_root):
+    from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+
+    raw = _raw(data, run_root, "qcomm_eval", data={"batch_size": 256},
+               train={"max_steps": 4, "checkpoint_every": 4}, sharding={"comm_precision": "bf16", "tables": {
+                   **{f"t_C{i}": {"sharding_type": "table_wise"} for i in range(1, 14)},
+                   **{f"t_C{i}": {"sharding_type": "row_wise"} for i in range(14, 27)}}})
+    cfg = config_from_dict(raw)
+    renv = RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    run = prepare_run_dir(cfg, resume=False, overwrite=False) if env.rank == 0 else os.path.join(run_root, "qcomm_eval")
+    t = Trainer(cfg, renv, run)
+    t.train()
+    during = t.evaluate()
+    ebcs = [m for m in t.model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    return during, [m.comm_dtype for m in ebcs]
+
+
+@pytest.mark.multiprocess
+def test_sharded_eval_sends_full_precision_and_matches_dlrmctl_evaluate(tiny, tmp_path):
+    """``sharding.comm_precision: bf16`` speeds training's output_dist; evaluation on 2 ranks
+    (table-wise all-to-all and row-wise reduce-scatter) sends fp32, so its metrics equal the
+    single-process ``evaluate_run`` of the checkpoint, and the bf16 wire is back afterwards."""
+    from dlrmctl.train.loop import evaluate_run
+    from tests.dist_utils import run_multiprocess
+
+    res = run_multiprocess(_qcomm_eval_worker, 2, tiny, str(tmp_path), timeout_s=240)
+    after = evaluate_run(os.path.join(str(tmp_path), "qcomm_eval"), checkpoint="last")
+    for during, dtypes in res:
+        assert dtypes and all(d == torch.bfloat16 for d in dtypes)
+        assert during["auc"] == pytest.approx(after["auc"], abs=1e-9)
+        assert during["logloss"] == pytest.approx(after["logloss"], rel=1e-6)

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -347,10 +347,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16 if p == "bf16" else torch.float16)
 
-    def _logits(self, batch: Any, sparse_ctx: Any) -> torch.Tensor:
+    def _logits(self, batch: Any, sparse_ctx: Any, autocast: bool = True) -> torch.Tensor:
         """Logits ``[B]`` float32 of a device-resident batch: the embedding lookups (and their
         output_dist) in the embeddings' precision, the dense arch / interaction / over arch under
-        :meth:`_autocast`; ``sparse_ctx``: a finished input_dist (sharded) or None."""
+        :meth:`_autocast` (``autocast=False``: in fp32, as evaluation runs); ``sparse_ctx``: a
+        finished input_dist (sharded) or None."""
         if sparse_ctx is None and self.env.sharded:
             sparse_ctx = self.model.sparse_input_dist(batch.sparse_features).wait()
         if sparse_ctx is None:
@@ -360,7 +361,7 @@ class Trainer:
         if self.scaler is not None and embedded.values().requires_grad:
             embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(),
                                    _UnscaleGrad.apply(embedded.values(), self.scaler, self._emb_found_inf))
-        with self._autocast():
+        with self._autocast() if autocast else contextlib.nullcontext():
             logits = self.model.dense_forward(batch.dense_features, embedded)
         return logits.squeeze(1).float()
 
@@ -438,14 +439,15 @@ class Trainer:
         it = iter(loader)
         bar = Progress(n_batches, f"eval {split}", "batch", enabled=self.env.is_main and self.cfg.train.progress,
                        every_s=self.cfg.train.progress_every_s, final_line=False, leave=False)
-        for _ in range(n_batches):
-            batch = next(it, None)
-            if batch is None:
-                batch = _empty_batch_like(self.num_dense, self.feature_names, self.weighted)
-            batch = batch.to(self.device)
-            z = self._logits(batch, None)
-            rows.append(torch.stack([z, batch.labels.float()], dim=1))
-            bar.update(1)
+        with self._full_precision_comm():
+            for _ in range(n_batches):
+                batch = next(it, None)
+                if batch is None:
+                    batch = _empty_batch_like(self.num_dense, self.feature_names, self.weighted)
+                batch = batch.to(self.device)
+                z = self._logits(batch, None, autocast=False)
+                rows.append(torch.stack([z, batch.labels.float()], dim=1))
+                bar.update(1)
         bar.close()
         self.model.train()
         local = (torch.cat(rows) if rows else torch.zeros(0, 2, device=self.device)).cpu().numpy()
@@ -453,6 +455,24 @@ class Trainer:
         # exact distributed metrics: each rank keeps its own rows (O(local rows) memory); only the
         # rarer class's rows travel around a ring of point-to-point shifts (see train/metrics.py)
         return compute_metrics_from_logits(local[:, 0], local[:, 1], pg=self.env.pg, device=self.device)
+
+    @contextlib.contextmanager
+    def _full_precision_comm(self) -> Iterator[None]:
+        """Evaluation sends pooled embeddings at full precision (``sharding.comm_precision`` is a
+        training-speed setting): with fp32 dense arithmetic (no autocast) the in-training val
+        metrics that pick ``keep_best`` and stop early are those of the checkpoint as
+        ``dlrmctl evaluate`` and the fp32 export compute them."""
+        from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+
+        mods = [m for m in self.model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+        saved = [m.comm_dtype for m in mods]
+        for m in mods:
+            m.comm_dtype = None
+        try:
+            yield
+        finally:
+            for m, d in zip(mods, saved):
+                m.comm_dtype = d
 
     def _agreed_num_batches(self, n: int) -> int:
         """All ranks run the same number of steps (collectives must match): the max."""
