@@ -48,6 +48,12 @@ def test_plan_command_writes_a_plan_that_loads_and_validates(tmp_path):
     assert {s.rank for s in plan.plan["pinned"].shards} == {1}
     report = (out.parent / "plan_report.txt").read_text()
     assert "Estimated embedding step time" in report and "Runner-up" in report
+    # a second plan in the same directory gets its own report; the first one's stays
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--out",
+                                          str(out.parent / "two.yaml")])
+    assert r.exit_code == 0, r.output
+    assert (out.parent / "plan_report.txt").read_text() == report
+    assert "Estimated embedding step time" in (out.parent / "two_report.txt").read_text()
 
 
 def test_plan_command_applies_set_overrides_batch_size_and_gpu_presets(tmp_path):

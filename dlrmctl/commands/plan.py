@@ -4,7 +4,8 @@ Planning is arithmetic only (no GPU, no tensors of table size): it prints which
 hardware preset it plans for (loudly when ``--gpus`` is given without
 ``--device`` and the config's ``sharding.device`` is ``cpu``), the report, and
 writes ``plan.yaml`` (:meth:`ShardingPlan.save`) and the report next to it
-(``plan_report.txt``); an existing plan file is replaced only with ``--force``.
+(``<plan name>_report.txt``: ``plan_report.txt`` for ``plan.yaml``); an existing plan
+file is replaced only with ``--force``.
 Errors are one ``error: ...`` line, exit code 2.
 """
 
@@ -58,7 +59,7 @@ def plan_command(
     out: Optional[Path] = typer.Option(
         None, "--out", help="where to write the plan (default plan.yaml; with --calibrate: topology.yaml)"
     ),
-    report: Optional[Path] = typer.Option(None, "--report", help="report file (default: plan_report.txt next to --out)"),
+    report: Optional[Path] = typer.Option(None, "--report", help="report file (default: <plan name>_report.txt next to --out, e.g. plan_report.txt)"),
     force: bool = typer.Option(False, "--force", help="replace an existing plan file"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="config override KEY=VALUE (repeatable)"),
 ) -> None:
@@ -81,7 +82,9 @@ def plan_command(
     if gpus is None:
         fail("plan needs --gpus N (ranks in the job)")
     out = out or Path("plan.yaml")
-    rpath = report or Path(os.path.dirname(os.path.abspath(out))) / "plan_report.txt"
+    # the report is named after the plan (plan.yaml -> plan_report.txt, tw.yaml -> tw_report.txt):
+    # two plans written to one directory keep their own reports
+    rpath = report or Path(os.path.abspath(out)).with_name(f"{Path(out).stem}_report.txt")
     try:
         if gpus <= 0:
             raise ValueError(f"--gpus must be > 0, got {gpus}")
