@@ -115,16 +115,17 @@ def _make_option(
     ranks: list[int | None],
     batch_size: int,
     host_bound: bool = False,
+    hits: list[float] | None = None,
 ) -> ShardingOption:
-    """Estimate perf and storage of each shard (cached per distinct shard shape)."""
+    """Estimate perf and storage of each shard (cached per distinct shard shape and cache hit fraction)."""
     n_row = len(sizes) if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
-    cache: dict[tuple[int, int], tuple] = {}
+    cache: dict[tuple[int, int, float], tuple] = {}
     shards = []
-    for size, off, r in zip(sizes, offsets, ranks):
-        key = (size[0], size[1])
+    for size, off, r, h in zip(sizes, offsets, ranks, hits or [0.0] * len(sizes)):
+        key = (size[0], size[1], h)
         c = cache.get(key)
         if c is None:
-            perf, ids, inp, out = estimate_shard(topology, table, st, kernel, size[0], size[1], n_row, batch_size)
+            perf, ids, inp, out = estimate_shard(topology, table, st, kernel, size[0], size[1], n_row, batch_size, h)
             b = shard_bytes(st, kernel, size[0], size[1], table.weight_bytes, table.optimizer, ids, inp, out)
             storage = to_storage(topology, b)
             c = cache[key] = (storage, perf, inp, out, b.weights, b.optimizer, perf.total, b.total)
@@ -140,6 +141,7 @@ def build_option(
     batch_size: int,
     ranks: list[int] | None = None,
     column_sizes: list[int] | None = None,
+    hit: "float | list[float]" = 0.0,
 ) -> ShardingOption:
     """One option with its shards.
 
@@ -149,13 +151,22 @@ def build_option(
             table_wise / column kinds: fixed placement (default: partitioner places);
             data_parallel: ignored (every rank).
         column_sizes: widths of column shards (column kinds only).
+        hit: last-level cache hit fraction of every shard, or one per shard in shard order
+            (``perf.estimate_shard``; 0 = all lookups at the DRAM / HBM rate).
     """
     R, D = table.num_embeddings, table.embedding_dim
     W, L = topology.world_size, topology.local_world_size
+
+    def _make(sizes, offs, rk, host_bound=False):
+        hits = list(hit) if isinstance(hit, (list, tuple)) else [float(hit)] * len(sizes)
+        if len(hits) != len(sizes):
+            raise ValueError(f"table '{table.name}': {len(hits)} cache hit fractions for {len(sizes)} shards")
+        return _make_option(topology, table, st, kernel, sizes, offs, rk, batch_size, host_bound, hits)
+
     if st == ShardingType.DATA_PARALLEL:
-        return _make_option(topology, table, st, kernel, [[R, D]] * W, [[0, 0]] * W, list(range(W)), batch_size)
+        return _make([[R, D]] * W, [[0, 0]] * W, list(range(W)))
     if st == ShardingType.TABLE_WISE:
-        return _make_option(topology, table, st, kernel, [[R, D]], [[0, 0]], [ranks[0] if ranks else None], batch_size)
+        return _make([[R, D]], [[0, 0]], [ranks[0] if ranks else None])
     if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
         if st == ShardingType.ROW_WISE:
             rk: list[int | None] = list(ranks) if ranks else list(range(W))
@@ -166,20 +177,14 @@ def build_option(
         for n in rows:
             offs.append([o, 0])
             o += n
-        return _make_option(
-            topology, table, st, kernel, [[n, D] for n in rows], offs, rk, batch_size,
-            host_bound=(st == ShardingType.TABLE_ROW_WISE),
-        )
+        return _make([[n, D] for n in rows], offs, rk, host_bound=(st == ShardingType.TABLE_ROW_WISE))
     cols = list(column_sizes) if column_sizes else [D]
     offs, o = [], 0
     for c in cols:
         offs.append([0, o])
         o += c
     rk = list(ranks) if ranks else [None] * len(cols)
-    return _make_option(
-        topology, table, st, kernel, [[R, c] for c in cols], offs, rk, batch_size,
-        host_bound=(st == ShardingType.TABLE_COLUMN_WISE),
-    )
+    return _make([[R, c] for c in cols], offs, rk, host_bound=(st == ShardingType.TABLE_COLUMN_WISE))
 
 
 def prune_dominated(options: list[ShardingOption]) -> list[ShardingOption]:
@@ -211,12 +216,14 @@ def _fits(opt: ShardingOption, usable: int) -> bool:
 
 
 def enumerate_options(
-    table: TableSpec, topology: Topology, batch_size: int, usable: int
+    table: TableSpec, topology: Topology, batch_size: int, usable: int, hit: float = 0.0
 ) -> tuple[list[ShardingOption], Rejected | None]:
     """All options of ``table`` whose every shard fits ``usable`` bytes, plus the smallest that did not.
 
     Args:
         usable: bytes per rank available to table shards (after the reservation).
+        hit: the table's last-level cache hit fraction before placement
+            (``perf.cache_hit_prior``), applied to every shard of every option.
 
     Raises:
         PlannerError: the table's constraints or fixed sharding are inconsistent
@@ -260,7 +267,7 @@ def enumerate_options(
             fcols = [base + (1 if i < rem else 0) for i in range(k)]
         if st == ShardingType.TABLE_WISE and franks is not None and len(franks) != 1:
             raise PlannerError(f"{w}.ranks: table_wise takes exactly one rank, got {franks}")
-        candidates.append(build_option(topology, table, st, kernel, batch_size, franks, fcols))
+        candidates.append(build_option(topology, table, st, kernel, batch_size, franks, fcols, hit=hit))
     else:
         types = list(table.sharding_types) if table.sharding_types is not None else list(ALL_TYPES)
         if table.sharding_types is None and topology.num_hosts == 1:
@@ -282,17 +289,17 @@ def enumerate_options(
                     continue
                 if st == ShardingType.DATA_PARALLEL:
                     if pinned is None or len(pinned) == W:
-                        candidates.append(build_option(topology, table, st, k, batch_size))
+                        candidates.append(build_option(topology, table, st, k, batch_size, hit=hit))
                 elif st == ShardingType.TABLE_WISE:
-                    candidates.append(build_option(topology, table, st, k, batch_size))
+                    candidates.append(build_option(topology, table, st, k, batch_size, hit=hit))
                 elif st == ShardingType.ROW_WISE:
                     if W > 1 or pinned is not None:
-                        candidates.append(build_option(topology, table, st, k, batch_size, pinned))
+                        candidates.append(build_option(topology, table, st, k, batch_size, pinned, hit=hit))
                     elif table.sharding_types is not None:  # one rank: row_wise is one full shard
-                        candidates.append(build_option(topology, table, st, k, batch_size, [0]))
+                        candidates.append(build_option(topology, table, st, k, batch_size, [0], hit=hit))
                 elif st == ShardingType.TABLE_ROW_WISE:
                     if pinned is None or any(set(topology.host_ranks(h)) <= set(pinned) for h in range(topology.num_hosts)):
-                        candidates.append(build_option(topology, table, st, k, batch_size))
+                        candidates.append(build_option(topology, table, st, k, batch_size, hit=hit))
                 else:
                     avail = len(pinned) if pinned is not None else W
                     if st == ShardingType.TABLE_COLUMN_WISE:
@@ -301,7 +308,7 @@ def enumerate_options(
                     min_dim = table.min_column_shard_dim or default_min_column_shard_dim(d)
                     m4 = k == ComputeKernel.FUSED and d % 4 == 0
                     for cols in column_splits(d, min_dim, avail, m4):
-                        candidates.append(build_option(topology, table, st, k, batch_size, None, cols))
+                        candidates.append(build_option(topology, table, st, k, batch_size, None, cols, hit=hit))
         if not candidates:
             raise PlannerError(
                 f"table '{table.name}': no sharding is allowed by its constraints on {W} rank(s) "

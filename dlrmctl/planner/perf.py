@@ -81,6 +81,39 @@ measured backward grows with the ids: 2-rank gloo, the 8 tables of
 ``plan --calibrate`` measures it with the fused lookup at two widths over the same ids
 (``calibrate.measure_fused_backward``).
 
+**Cache** (:func:`cache_hit_fractions`).  A shard whose rows sit in the last-level cache
+(CPU L3 / GPU L2, ``Topology.llc_bytes``) looks up and updates faster than one in DRAM /
+HBM: the bench tables of ``scripts/bench_planner_accuracy.py`` that fit the dev VM's
+32 MiB L3 (``t2``, ``t6``) ran 2-3x faster than the DRAM model charged.  Every compute
+term above (forward, backward, per-id, dense optimizer pass) of a shard with hit fraction
+``h`` is scaled by::
+
+    (1 - h) + h / s_k          # s_k = Topology.cache_speedup[kernel] (plan --calibrate:
+                               # step time on a DRAM table / on a table that fits the cache)
+
+i.e. a hit costs ``1/s_k`` of a miss; communication is not scaled.  ``h`` is the LRU hit
+probability of the shard's rows under Che's approximation (H. Che, Y. Tung, Z. Wang,
+"Hierarchical Web caching systems: modeling, design and experimental results", IEEE JSAC
+20(7), 2002; for variable-size items as in C. Fricker, P. Robert, J. Roberts, "A versatile
+and accurate approximation for LRU cache performance", ITC 24, 2012) with the independent
+reference model: every shard ``s`` sharing the cache is ``n_s`` rows of ``b_s`` bytes
+(``max(cols*bpw + optimizer state per row, m)``), each read ``lambda_s = ids_s / n_s`` times
+per step (ids uniform over the rows, as the bench draws them); the cache's characteristic
+time ``T`` solves ``sum_s n_s*b_s*(1 - exp(-lambda_s*T)) = C`` and ``h_s = 1 -
+exp(-lambda_s*T)`` (all ``h_s = 1`` when the shards' bytes fit ``C``).  Hot rows of small,
+often-read tables stay resident; a large, rarely-read table gets what is left.  Which
+shards share one cache (``Topology.cache_domain``): on cpu all shards of all ranks of one
+host (one L3), on cuda the shards of one rank (its GPU's L2).  Not modelled: ids, pooled
+outputs, gradients and the dense model also occupying the cache, and skewed (non-uniform)
+id distributions (which raise the hit fraction).
+
+Before placement (the planner's enumeration) the ranks of each shard are not known:
+:func:`cache_hit_prior` gives each table the hit fraction it would have with every table
+spread evenly over all caches (``num_cache_domains * C`` shared by all tables, each once).
+:func:`dlrmctl.planner.planner.evaluate_plan` re-estimates a placed plan with
+:func:`cache_hit_fractions` per cache domain (data_parallel replicas each occupy their
+rank's cache).
+
 A dense-kernel shard of the other types adds an unfused optimizer pass to its
 backward: ``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read +
 write the rows; our estimate, TorchRec only halves the kernel bandwidth).
@@ -94,9 +127,12 @@ pieces), per-id weights of weighted features (they travel with the ids and add
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from dlrmctl.planner.storage import optimizer_state_bytes
 from dlrmctl.planner.types import Perf, TableSpec, Topology
 
 BWD_COMPUTE_MULTIPLIER = 2.0  #: TorchRec constants.py (the Topology default)
@@ -120,6 +156,18 @@ KERNEL_EFFICIENCY: dict[tuple[str, ComputeKernel], float] = {
     ("cpu", ComputeKernel.DENSE): 0.19,
 }
 
+#: (step time of a lookup + backward + update on a table in DRAM / HBM) / (the same on a table that fits the
+#: last-level cache), per device and kernel (``Topology.cache_speedup`` overrides it).  cpu: measured on the
+#: dev VM (``plan --calibrate``'s cache pair: 2048 bags x 20 ids, dim 64, 128 MB vs 8 MiB table, 1 thread,
+#: corrected for the big table's own hits; 2026-12-01, a loaded 2-core machine: one run).  cuda: 1.0 = no
+#: cache term (an L2-resident TBE speedup has not been measured on a GPU here).
+DEFAULT_CACHE_SPEEDUP: dict[tuple[str, ComputeKernel], float] = {
+    ("cuda", ComputeKernel.FUSED): 1.0,
+    ("cuda", ComputeKernel.DENSE): 1.0,
+    ("cpu", ComputeKernel.FUSED): 4.5,
+    ("cpu", ComputeKernel.DENSE): 1.7,
+}
+
 _ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
 
 
@@ -131,6 +179,105 @@ def kernel_efficiency(topology: Topology, kernel: ComputeKernel) -> float:
 def kernel_bandwidth(topology: Topology, kernel: ComputeKernel) -> float:
     """Effective lookup bandwidth, bytes/s = table memory bandwidth * kernel efficiency."""
     return topology.mem_bw * kernel_efficiency(topology, kernel)
+
+
+def cache_speedup(topology: Topology, kernel: ComputeKernel) -> float:
+    """DRAM / in-cache step-time ratio of ``kernel``: ``topology.cache_speedup`` (calibrated) or the default."""
+    return topology.cache_speedup.get(kernel.value, DEFAULT_CACHE_SPEEDUP[(topology.compute_device, kernel)])
+
+
+def che_hit_fractions(rows: Sequence[float], row_bytes: Sequence[float], accesses: Sequence[float],
+                      cache_bytes: float) -> list[float]:
+    """LRU hit probability of each group of rows sharing one cache (Che's approximation; module docstring).
+
+    Args:
+        rows: rows of each group (a shard), > 0.
+        row_bytes: bytes one row occupies in the cache.
+        accesses: reads of the group per step (ids looked up); only the ratio between groups matters.
+        cache_bytes: cache capacity ``C``, bytes.
+
+    Returns:
+        per group, the fraction of its reads that hit (0..1): all 1 when the groups' bytes fit
+        ``C``; 0 for a group never read; ``T`` found by bisection to 1e-9 relative.
+    """
+    n = len(rows)
+    if cache_bytes <= 0:
+        return [0.0] * n
+    size = [r * b for r, b in zip(rows, row_bytes)]
+    if sum(size) <= cache_bytes:
+        return [1.0] * n
+    lam = [a / r if r > 0 else 0.0 for a, r in zip(accesses, rows)]
+
+    def occupancy(T: float) -> float:
+        return sum(sz * -math.expm1(-l * T) for sz, l in zip(size, lam))
+
+    if occupancy(math.inf) <= cache_bytes:  # the groups ever read fit: they all hit
+        return [1.0 if l > 0 else 0.0 for l in lam]
+    lo, hi = 0.0, 1.0 / max(lam)
+    while occupancy(hi) < cache_bytes:
+        lo, hi = hi, hi * 2
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if occupancy(mid) < cache_bytes:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    T = 0.5 * (lo + hi)
+    return [-math.expm1(-l * T) for l in lam]
+
+
+def cache_row_bytes(topology: Topology, table: TableSpec, cols: int) -> float:
+    """Bytes one row of a ``cols``-wide shard of ``table`` occupies in the cache: the weights plus the
+    optimizer state per row, at least one smallest read ``m`` (``MIN_ROW_READ_BYTES``)."""
+    state = optimizer_state_bytes(table.optimizer, 1, cols)
+    return float(max(cols * table.weight_bytes + state, MIN_ROW_READ_BYTES[topology.compute_device]))
+
+
+def cache_hit_prior(topology: Topology, tables: Sequence[TableSpec], batch_size: int) -> dict[str, float]:
+    """Per table name, the hit fraction before placement: every table's rows once, all ids of a step,
+    sharing all ``num_cache_domains`` caches as one (module docstring).  ``{}``-like all zeros when
+    the topology models no cache (``llc_bytes == 0``)."""
+    if topology.llc_bytes <= 0:
+        return {t.name: 0.0 for t in tables}
+    h = che_hit_fractions([t.num_embeddings for t in tables],
+                          [cache_row_bytes(topology, t, t.embedding_dim) for t in tables],
+                          [batch_size * t.ids_per_sample for t in tables],
+                          float(topology.llc_bytes) * topology.num_cache_domains)
+    return {t.name: x for t, x in zip(tables, h)}
+
+
+def cache_hit_fractions(topology: Topology, options: Sequence, ranks: Sequence[Sequence[int | None]],
+                        batch_size: int) -> list[list[float]]:
+    """Per option, per shard: the hit fraction of a placed plan, shards grouped by cache domain.
+
+    Args:
+        options: one :class:`~dlrmctl.planner.types.ShardingOption` per table.
+        ranks: per option, the rank of each shard (``None``: unplaced, hit 0).
+
+    Returns:
+        ``hits[i][j]`` for shard ``j`` of option ``i`` (module docstring: Che's approximation over
+        all shards sharing the cache of ``topology.cache_domain(rank)``).
+    """
+    W = topology.world_size
+    out = [[0.0] * len(o.shards) for o in options]
+    if topology.llc_bytes <= 0:
+        return out
+    groups: dict[int, list[tuple[int, int, float, float, float]]] = {}
+    for i, (o, rk) in enumerate(zip(options, ranks)):
+        n_row = len(o.shards) if o.sharding_type in _ROW_TYPES else 1
+        for j, (s, r) in enumerate(zip(o.shards, rk)):
+            if r is None or s.size[0] == 0:
+                continue
+            ids = shard_comm_bytes(o.table, o.sharding_type, s.size[1], n_row, batch_size, W).ids
+            groups.setdefault(topology.cache_domain(r), []).append(
+                (i, j, float(s.size[0]), cache_row_bytes(topology, o.table, s.size[1]), ids))
+    for g in groups.values():
+        h = che_hit_fractions([x[2] for x in g], [x[3] for x in g], [x[4] for x in g], float(topology.llc_bytes))
+        for (i, j, *_), x in zip(g, h):
+            out[i][j] = x
+    return out
 
 
 def input_id_bytes(table: TableSpec) -> int:
@@ -200,6 +347,7 @@ def estimate_shard(
     cols: int,
     num_row_shards: int,
     batch_size: int,
+    hit: float = 0.0,
 ) -> tuple[Perf, float, int, int]:
     """Estimate one shard (formulas in the module docstring).
 
@@ -207,14 +355,23 @@ def estimate_shard(
         rows, cols: shard shape (a row shard with 0 rows costs nothing).
         num_row_shards: ``n`` for row_wise / table_row_wise, else 1.
         batch_size: global batch ``B`` (samples per step over all ranks).
+        hit: fraction of the shard's lookups served by the last-level cache (0..1;
+            :func:`cache_hit_prior` / :func:`cache_hit_fractions`): its compute time is
+            scaled by ``(1 - hit) + hit / cache_speedup(kernel)``.
+
+    Raises:
+        ValueError: ``hit`` outside [0, 1].
 
     Returns:
         ``(perf seconds, ids looked up per step, input_bytes, output_bytes)``; the two byte
         counts are the shard's input_dist / output_dist bytes per step
         (:func:`shard_comm_bytes`; data_parallel: local ids * 8 and its local pooled output).
     """
+    if not 0.0 <= hit <= 1.0:
+        raise ValueError(f"cache hit fraction must be in [0, 1], got {hit}")
     if rows == 0:
         return Perf(), 0.0, 0, 0
+    scale = (1.0 - hit) + hit / cache_speedup(topology, compute_kernel)  # compute only (module docstring)
     W = topology.world_size
     B = float(batch_size)
     R = table.output_rows_per_sample
@@ -242,7 +399,7 @@ def estimate_shard(
             touched = min(rows, B * table.ids_per_sample)
             comm = (W - 1) * cb.grad_sync / net
         bwd = mult * fwd + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * bpw / bw
-        return Perf(fwd, 0.0, bwd, comm), ids, int(inp), int(out)
+        return Perf(fwd * scale, 0.0, bwd * scale, comm), ids, int(inp), int(out)
 
     c = d if st in _ROW_TYPES else cols
     fwd = (cb.input + ids * max(c * bpw, m) + cb.output) / bw
@@ -251,7 +408,7 @@ def estimate_shard(
         bwd += ids * c * (2 * 4 + 2 * bpw) / bw
     else:
         bwd += ids * topology.fused_bwd_id_s  # csr2csc + per-row optimizer prologue (module docstring)
-    return (Perf(fwd, a2a * (cb.input + cb.output) / net, bwd, a2a * cb.output / net),
+    return (Perf(fwd * scale, a2a * (cb.input + cb.output) / net, bwd * scale, a2a * cb.output / net),
             ids, int(cb.input), int(cb.output))
 
 

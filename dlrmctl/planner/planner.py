@@ -29,6 +29,7 @@ from dlrmctl.distributed.types import (
 )
 from dlrmctl.planner.enumerator import Rejected, build_option, enumerate_options
 from dlrmctl.planner.partitioner import Partition, partition, refine
+from dlrmctl.planner.perf import cache_hit_fractions, cache_hit_prior
 from dlrmctl.planner.proposer import (
     fastest_proposal,
     grid_proposals,
@@ -115,23 +116,36 @@ def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topolog
                   usable: int | None = None) -> Partition:
     """The cost model applied to a given plan (e.g. a hand-written one, or one from ``dlrmctl plan``).
 
+    Unlike the planner's search (which charges each table the placement-free
+    ``perf.cache_hit_prior``), the shards are estimated with the last-level cache hit
+    fractions of this placement (``perf.cache_hit_fractions``: the shards sharing one cache
+    compete for it).
+
     Returns:
         a :class:`Partition` with per-rank loads (seconds), memory (bytes) and the fixed
         latency (``critical_path`` = slowest rank + latency, seconds);
         ``failed`` names tables whose ranks exceed ``usable`` bytes (default: no limit).
     """
-    options, ranks = [], []
-    for t in tables:
-        ps = plan.plan[t.name]
-        st = ps.sharding_type
-        if st == ShardingType.DATA_PARALLEL:
-            opt = build_option(topology, t, st, ComputeKernel.DENSE, batch_size)
-        else:
-            cols = [s.sizes[1] for s in ps.shards or []] if st in (
-                ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else None
-            opt = build_option(topology, t, st, ps.compute_kernel, batch_size, [s.rank for s in ps.shards or []], cols)
-        options.append(opt)
-        ranks.append([s.rank for s in opt.shards])
+    def build(hits: list[list[float]] | None) -> tuple[list, list]:
+        options, ranks = [], []
+        for i, t in enumerate(tables):
+            ps = plan.plan[t.name]
+            st = ps.sharding_type
+            h = hits[i] if hits is not None else 0.0
+            if st == ShardingType.DATA_PARALLEL:
+                opt = build_option(topology, t, st, ComputeKernel.DENSE, batch_size, hit=h)
+            else:
+                cols = [s.sizes[1] for s in ps.shards or []] if st in (
+                    ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else None
+                opt = build_option(topology, t, st, ps.compute_kernel, batch_size, [s.rank for s in ps.shards or []],
+                                   cols, hit=h)
+            options.append(opt)
+            ranks.append([s.rank for s in opt.shards])
+        return options, ranks
+
+    options, ranks = build(None)
+    if topology.llc_bytes > 0:  # the placement is known: hit fractions per cache domain (perf module docstring)
+        options, ranks = build(cache_hit_fractions(topology, options, ranks, batch_size))
     W = topology.world_size
     loads, mem = [0.0] * W, [0] * W
     for o, rk in zip(options, ranks):
@@ -189,8 +203,9 @@ class EmbeddingShardingPlanner:
         if dup:
             raise PlannerError(f"duplicate table name(s) {dup}")
         options, rejected = [], []
+        prior = cache_hit_prior(self.topology, tables, self.batch_size)
         for t in tables:
-            opts, rej = enumerate_options(t, self.topology, self.batch_size, self.usable)
+            opts, rej = enumerate_options(t, self.topology, self.batch_size, self.usable, prior[t.name])
             options.append(opts)
             if rej is not None:
                 rejected.append(rej)

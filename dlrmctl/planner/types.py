@@ -45,6 +45,21 @@ bytes, so the bandwidth model misses them; see :func:`dlrmctl.planner.perf.step_
   does not scale with ids.  CUDA 50 us, CPU 300 us: orders of magnitude, not
   measured on those machines.
 
+Last-level cache (``llc_mb``, MiB; :func:`dlrmctl.planner.perf.cache_hit_fractions` uses it):
+
+* ``h100`` / ``h200``: 50 MB L2 per GPU (NVIDIA H100 Tensor Core GPU Architecture
+  whitepaper: 50 MB L2 on H100 SXM5; H200 is the same GH100 die); ``a100``: 40 MB L2 per
+  GPU (NVIDIA A100 Tensor Core GPU Architecture whitepaper).  A GPU's L2 serves its own
+  rank only.
+* ``cpu``: this machine's last-level cache (:func:`detect_llc_bytes`: the highest cache
+  level under ``/sys/devices/system/cpu/cpu0/cache``, times the number of its instances,
+  what ``lscpu`` prints), else 32 MiB (the dev VM's L3: ``lscpu`` ``L3 cache: 32 MiB
+  (1 instance)``).  On a CPU the ranks of one host share it.
+
+How much faster a lookup + update step runs when its rows are in that cache
+(``fused_cache_speedup`` / ``dense_cache_speedup``) defaults to
+:data:`dlrmctl.planner.perf.DEFAULT_CACHE_SPEEDUP`.
+
 All of these presets are literature / datasheet numbers; ``dlrmctl plan
 --calibrate`` measures this machine and writes a topology file
 (:func:`save_topology_file`, loaded by :func:`load_topology_file`,
@@ -113,6 +128,12 @@ class DevicePreset:
             ``ids * fused_bwd_id_ns`` to a fused shard's backward and
             ``bwd_compute_multiplier`` then covers only the bytes.  ``None`` = 0 (TorchRec
             has no such term; ``plan --calibrate`` measures it).
+        llc_mb: last-level cache in MiB (2^20 bytes): per host on cpu (the ranks of a host
+            share it), per GPU on cuda (L2, private to its rank); ``None`` = the default
+            (module docstring; :data:`DEFAULT_LLC_MB`, or this machine's on cpu).
+        fused_cache_speedup, dense_cache_speedup: (lookup + backward + update step time of a
+            table in DRAM / HBM) / (the same ids on a table that fits ``llc_mb``), >= 1 in
+            practice; ``None`` = :data:`dlrmctl.planner.perf.DEFAULT_CACHE_SPEEDUP`.
     """
 
     compute_device: str
@@ -133,6 +154,54 @@ class DevicePreset:
     bwd_compute_multiplier: float | None = None
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_ns: float | None = None
+    llc_mb: float | None = None
+    fused_cache_speedup: float | None = None
+    dense_cache_speedup: float | None = None
+
+
+#: last-level cache per cache domain in MiB when a preset / topology file gives none: cuda is the smallest
+#: L2 of the GPU presets (A100, 40 MB); cpu is used only where :func:`detect_llc_bytes` finds nothing
+#: (the dev VM's 32 MiB L3)
+DEFAULT_LLC_MB: dict[str, float] = {"cuda": 40.0, "cpu": 32.0}
+
+
+def detect_llc_bytes() -> int | None:
+    """This machine's last-level CPU cache in bytes, all instances together, or ``None`` if unknown.
+
+    Reads ``/sys/devices/system/cpu/cpu*/cache/index*/{level,type,size,shared_cpu_list}``
+    (what ``lscpu`` reports): the highest level of a data / unified cache, its size times the
+    number of distinct ``shared_cpu_list`` (instances: one per socket or CCX).  Falls back
+    to ``os.sysconf("SC_LEVEL3_CACHE_SIZE")`` (glibc), then ``None``.
+    """
+    import glob
+
+    best: dict[int, dict[str, int]] = {}  # level -> {shared_cpu_list: bytes}
+    for d in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            with open(f"{d}/type") as f:
+                if f.read().strip() not in ("Unified", "Data"):
+                    continue
+            with open(f"{d}/level") as f:
+                level = int(f.read().strip())
+            with open(f"{d}/size") as f:
+                size = f.read().strip()
+            with open(f"{d}/shared_cpu_list") as f:
+                shared = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:].upper(), 1)
+        try:
+            nbytes = int(size.rstrip("KMGkmg")) * mult
+        except ValueError:
+            continue
+        best.setdefault(level, {})[shared] = nbytes
+    if best:
+        return int(sum(best[max(best)].values()))
+    try:
+        v = int(os.sysconf("SC_LEVEL3_CACHE_SIZE"))
+        return v if v > 0 else None
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-glibc
+        return None
 
 
 #: fixed per-op costs in microseconds per compute device (sources in the module docstring):
@@ -145,11 +214,13 @@ DEFAULT_FIXED_US: dict[str, dict[str, float]] = {
 
 DEVICE_PRESETS: dict[str, DevicePreset] = {
     "h100": DevicePreset("cuda", 80.0, 256.0, 3350.0, 76.8, 450.0, 50.0, 8,
-                         "H100 SXM5 80GB datasheet; DGX H100 user guide (NVLink4 900 GB/s bidir, CX-7 400 Gb/s)"),
+                         "H100 SXM5 80GB datasheet; DGX H100 user guide (NVLink4 900 GB/s bidir, CX-7 400 Gb/s)",
+                         llc_mb=50.0),
     "a100": DevicePreset("cuda", 80.0, 256.0, 2039.0, 51.2, 300.0, 25.0, 8,
-                         "A100 80GB SXM datasheet; DGX A100 user guide (NVLink3 600 GB/s bidir, CX-6 200 Gb/s)"),
+                         "A100 80GB SXM datasheet; DGX A100 user guide (NVLink3 600 GB/s bidir, CX-6 200 Gb/s)",
+                         llc_mb=40.0),
     "h200": DevicePreset("cuda", 141.0, 256.0, 4800.0, 76.8, 450.0, 50.0, 8,
-                         "H200 SXM datasheet; DGX H200 (NVLink4 900 GB/s bidir, CX-7 400 Gb/s)"),
+                         "H200 SXM datasheet; DGX H200 (NVLink4 900 GB/s bidir, CX-7 400 Gb/s)", llc_mb=50.0),
     "cpu": DevicePreset("cpu", 0.0, None, 0.0, 18.8, 2.0, 1.0, None,
                         "measured numpy copy 18.8 GB/s on the dev VM; gloo loopback ~2 GB/s (estimate)"),
 }
@@ -188,6 +259,11 @@ class Topology:
         dense_bwd_compute_multiplier: the same for the dense kernel (``None``: ``bwd_compute_multiplier``).
         fused_bwd_id_s: seconds the fused kernel's backward spends per looked-up id whatever the
             row width (``DevicePreset.fused_bwd_id_ns``; 0 = not modelled).
+        llc_bytes: last-level cache of one cache domain, bytes (:meth:`cache_domain`:
+            a host on cpu, a rank on cuda); 0 = no cache modelled (every lookup at the DRAM /
+            HBM rate).  :meth:`from_preset` fills it in.
+        cache_speedup: ``{"fused": s, "dense": s}``: step-time ratio DRAM / in-cache of a lookup
+            kernel (missing keys: ``perf.DEFAULT_CACHE_SPEEDUP``).
 
     The fixed costs default (``None``) to :data:`DEFAULT_FIXED_US` of the compute device.
     """
@@ -210,6 +286,8 @@ class Topology:
     bwd_compute_multiplier: float = 2.0
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_s: float = 0.0
+    llc_bytes: int = 0
+    cache_speedup: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
@@ -232,6 +310,21 @@ class Topology:
             raise PlannerError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
         if self.fused_bwd_id_s < 0:
             raise PlannerError(f"fused_bwd_id_s must be >= 0 seconds, got {self.fused_bwd_id_s}")
+        if self.llc_bytes < 0:
+            raise PlannerError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
+        bad = {k: v for k, v in self.cache_speedup.items() if not v > 0}
+        if bad:
+            raise PlannerError(f"cache_speedup must be > 0, got {bad}")
+
+    def cache_domain(self, rank: int) -> int:
+        """Index of the last-level cache ``rank``'s lookups use: its host on cpu (one LLC shared by
+        the host's ranks), the rank itself on cuda (each GPU's own L2)."""
+        return rank // self.local_world_size if self.compute_device == "cpu" else rank
+
+    @property
+    def num_cache_domains(self) -> int:
+        """Number of distinct last-level caches: hosts on cpu, ranks on cuda."""
+        return self.num_hosts if self.compute_device == "cpu" else self.world_size
 
     @property
     def collective_s(self) -> float:
@@ -326,6 +419,11 @@ class Topology:
         hbm = int((p.hbm_gb if hbm_gb is None else hbm_gb) * GB)
         if p.compute_device == "cpu":
             hbm = 0
+        if p.llc_mb is not None:
+            llc = int(p.llc_mb * MiB)
+        else:
+            llc = (detect_llc_bytes() if p.compute_device == "cpu" else None) or int(
+                DEFAULT_LLC_MB[p.compute_device] * MiB)
         return Topology(
             world_size=world_size,
             local_world_size=local_world_size,
@@ -346,6 +444,9 @@ class Topology:
             bwd_compute_multiplier=2.0 if p.bwd_compute_multiplier is None else p.bwd_compute_multiplier,
             dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
             fused_bwd_id_s=0.0 if p.fused_bwd_id_ns is None else p.fused_bwd_id_ns * 1e-9,
+            llc_bytes=llc,
+            cache_speedup={k: v for k, v in (("fused", p.fused_cache_speedup), ("dense", p.dense_cache_speedup))
+                           if v is not None},
         )
 
 
@@ -359,7 +460,10 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     Keys: the :class:`DevicePreset` fields (``compute_device``, ``hbm_gb``, ``ddr_gb``,
     ``hbm_bw_gbps``, ``ddr_bw_gbps``, ``intra_host_bw_gbps``, ``inter_host_bw_gbps``,
     ``default_gpus_per_host``, ``source`` and the optional fixed costs / kernel
-    efficiencies); ``measured`` (the raw figures) is allowed and ignored.
+    efficiencies, ``llc_mb`` and the cache speedups); ``measured`` (the raw figures and
+    their spread over the repeats) is allowed and ignored.  A file written before a key
+    was added (e.g. without ``llc_mb``, ``fused_cache_speedup``) loads with that key's
+    default (the optional keys are ``None`` = the preset default).
 
     Raises:
         PlannerError: unreadable file, not a mapping, unknown or missing key, or a value of
@@ -384,7 +488,8 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     if not isinstance(d["source"], str):
         raise PlannerError(f"topology file {path}: source must be a string (a one-line citation), got {d['source']!r}")
     # the planner divides by these (bytes / bandwidth, bandwidth * efficiency): they must be > 0
-    divisors = {"ddr_bw_gbps", "intra_host_bw_gbps", "inter_host_bw_gbps", "fused_efficiency", "dense_efficiency"}
+    divisors = {"ddr_bw_gbps", "intra_host_bw_gbps", "inter_host_bw_gbps", "fused_efficiency", "dense_efficiency",
+                "fused_cache_speedup", "dense_cache_speedup"}
     if d["compute_device"] == "cuda":
         divisors.add("hbm_bw_gbps")
     for k, v in d.items():
