@@ -156,7 +156,7 @@ def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[P
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     except OSError as e:
         fail(f"--out {show_path(out)}: cannot create its directory ({e.strerror})")
-    from dlrmctl.planner.calibrate import TIME_BUDGET_S, calibrate
+    from dlrmctl.planner.calibrate import TIME_BUDGET_S, calibrate, spread_summary
     from dlrmctl.planner.types import save_topology_file
 
     echo(f"Calibrating this machine (CPU, gloo on 2 spawned ranks, 1 thread per rank; under {TIME_BUDGET_S:.0f} s)")
@@ -166,7 +166,7 @@ def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[P
         fail(str(e))
     save_topology_file(out, preset, measured,
                        header=f"{preset.source}\nload with: dlrmctl plan CONFIG --gpus N --topology {show_path(out)}"
-                              f"\nor the config key sharding.topology_file")
+                              f"\nor the config key sharding.topology_file\n{spread_summary(measured)}")
     echo(f"wrote {show_path(out)} (plan with --topology {show_path(out)} or sharding.topology_file)")
 
 

@@ -4,8 +4,23 @@ What ``dlrmctl train --nproc N`` runs on CPU (N gloo ranks, one thread each) is
 measured with the same code it runs, in bounded time (each measurement stops after
 its time slice; the whole run stays under :data:`TIME_BUDGET_S`):
 
+Every microbenchmark is repeated :data:`REPEATS` (5) times after a warm-up and the
+median of the repeats is kept (one noisy sample no longer sets the model); the min-max of
+the repeats goes into the file under ``measured.spread`` and into its header comment, so
+a user sees how noisy the machine was.  A repeat of a per-call figure (lookup, op
+dispatch, collective) is itself the median of a slice of calls.
+
 * ``ddr_bw_gbps``: memory bandwidth, (read + write bytes) / time of a 256 MiB
-  ``numpy.copyto`` (best of 3).
+  ``numpy.copyto``.
+* ``llc_mb``: this machine's last-level cache (:func:`dlrmctl.planner.types.detect_llc_bytes`).
+* ``fused_cache_speedup`` / ``dense_cache_speedup``: (forward + backward with the optimizer)
+  of the 128 MB table below / of a table of ``llc_mb / 4`` (the same dim, ids per step and
+  bags; it fits the cache).  The 128 MB table itself hits the cache for a fraction
+  ``h0 = C / S`` of its lookups (uniform ids; ``perf.che_hit_fractions`` of one table), so
+  the measured ratio ``r`` is corrected to the all-DRAM one, ``s = (r - h0) / (1 - h0)``,
+  and the DRAM times below are scaled by ``(1 - h0 / r) / (1 - h0)`` before the kernel
+  efficiency, the multiplier and the per-id cost are derived from them: the perf model,
+  given ``h0``, then reproduces the measured times.
 * ``fused_efficiency`` / ``dense_efficiency``: one 500,000 x 64 fp32 table (128 MB,
   well beyond the caches) in an :class:`~dlrmctl.modules.embedding_modules.EmbeddingBagCollection`
   with the ``fused`` (FBGEMM TBE, when installed) and ``dense`` kernels, batch 2048,
@@ -42,9 +57,10 @@ import os
 import socket
 import statistics
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-from dlrmctl.planner.types import GB, DevicePreset
+from dlrmctl.planner.types import GB, MiB, DevicePreset, detect_llc_bytes
 
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
 _TABLE_ROWS, _DIM, _BATCH, _POOL = 500_000, 64, 2048, 20
@@ -52,6 +68,51 @@ _NARROW_DIM = 16  #: second width of the fused backward split (``split_fused_bac
 #: calls per median of the fused pair (dev VM, 3 back-to-back runs: 30 calls gave 8.5-13.2 ns per id, 200 gave
 #: 11.6-13.0; two full calibrations minutes apart still gave 12.3 and 8.6)
 _SPLIT_ITERS = 200
+#: repeats of every microbenchmark (median kept, min-max reported); the dev VM's spread between whole
+#: calibrations (gloo 0.59-0.89 GB/s, fused per id 7.7-16.7 ns) came from single samples
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One calibrated figure: the median of its repeats and their range (the unit of the values)."""
+
+    median: float
+    lo: float
+    hi: float
+
+    @staticmethod
+    def of(values: Sequence[float]) -> "Sample":
+        """Median and min-max of ``values`` (non-empty)."""
+        if not values:
+            raise ValueError("a calibration sample needs at least one value")
+        return Sample(statistics.median(values), min(values), max(values))
+
+    def inverse(self, k: float) -> "Sample":
+        """``k / value`` (seconds -> a rate): the median maps to the median, lo and hi swap."""
+        return Sample(k / self.median, k / self.hi, k / self.lo)
+
+    def scaled(self, k: float) -> "Sample":
+        """The same figure in another unit (``k > 0``: every field times ``k``; ``k < 0`` swaps lo / hi)."""
+        a, b = self.lo * k, self.hi * k
+        return Sample(self.median * k, min(a, b), max(a, b))
+
+
+def median_of(measure: Callable[[], float], repeats: int = REPEATS, warmup: int = 1) -> Sample:
+    """Run ``measure`` ``warmup`` times (discarded: first-touch page faults, lazy init, cold caches),
+    then ``repeats`` times; the :class:`Sample` of the repeats.
+
+    Args:
+        measure: one measurement (any unit, e.g. seconds); called ``warmup + repeats`` times.
+
+    Raises:
+        ValueError: ``repeats < 1``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        measure()
+    return Sample.of([measure() for _ in range(repeats)])
 
 
 def _timed(fn: Callable[[], object], max_iters: int, max_s: float, warmup: int = 1) -> list[float]:
@@ -67,14 +128,19 @@ def _timed(fn: Callable[[], object], max_iters: int, max_s: float, warmup: int =
     return out
 
 
-def measure_memory_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Bytes/s of a ``numpy.copyto`` of ``nbytes`` (read + write bytes / best time of 3)."""
+def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = REPEATS) -> Sample:
+    """Bytes/s of a ``numpy.copyto`` of ``nbytes`` (read + write bytes / time), median of ``repeats`` copies."""
     import numpy as np
 
     src = np.ones(nbytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
-    best = min(_timed(lambda: np.copyto(dst, src), 3, 5.0))
-    return 2 * nbytes / best
+
+    def once() -> float:
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t
+
+    return median_of(once, repeats).inverse(2 * nbytes)
 
 
 def _fwd_bytes(dim: int) -> int:
@@ -83,13 +149,16 @@ def _fwd_bytes(dim: int) -> int:
     return (_BATCH + ids) * 4 + ids * max(dim * 4, 64) + _BATCH * dim * 4
 
 
-def measure_lookup(kernel: str, mem_bw: float, max_s: float = 6.0, dim: int = _DIM,
-                   rows: int = _TABLE_ROWS, iters: int = 30) -> tuple[float, float, float, float]:
-    """``(efficiency, backward multiplier, forward s, backward s)`` of one EBC lookup kernel
-    (see the module docstring) on a ``rows x dim`` fp32 table, ``_BATCH`` bags of ``_POOL`` ids.
+def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int = _TABLE_ROWS,
+                   iters: int = 30, repeats: int = REPEATS) -> tuple[Sample, Sample]:
+    """``(forward s, backward s)`` of one EBC lookup kernel (see the module docstring) on a
+    ``rows x dim`` fp32 table, ``_BATCH`` bags of ``_POOL`` ids, exact row-wise Adagrad.
 
-    The backward seconds are (forward + backward with the optimizer) - forward, medians of at
-    most ``iters`` calls each (and at most ``max_s / 2`` seconds each).
+    Each of ``repeats`` repeats (after one warm-up call of each) times ``iters / repeats``
+    forward calls and as many forward + backward (+ optimizer) calls, at most
+    ``max_s / (2 * repeats)`` seconds each, and keeps their medians; the backward of a
+    repeat is its (forward + backward) - forward.  Returned: the :class:`Sample` over the
+    repeats of each.
 
     Raises:
         RuntimeError: ``kernel == "fused"`` without FBGEMM (the caller skips it).
@@ -123,9 +192,44 @@ def measure_lookup(kernel: str, mem_bw: float, max_s: float = 6.0, dim: int = _D
             opt.step()
             opt.zero_grad()
 
-    t_f = statistics.median(_timed(fwd, iters, max_s / 2))
-    t_s = statistics.median(_timed(step, iters, max_s / 2))
-    return _fwd_bytes(dim) / t_f / mem_bw, max(0.1, (t_s - t_f) / t_f), t_f, t_s - t_f
+    n = max(3, iters // repeats)
+    slice_s = max_s / (2 * repeats)
+    fwd()
+    step()
+    fs, bs = [], []
+    for _ in range(repeats):
+        t_f = statistics.median(_timed(fwd, n, slice_s, warmup=0))
+        t_s = statistics.median(_timed(step, n, slice_s, warmup=0))
+        fs.append(t_f)
+        bs.append(max(0.0, t_s - t_f))
+    return Sample.of(fs), Sample.of(bs)
+
+
+def lookup_efficiency(t_fwd_s: float, mem_bw: float, dim: int = _DIM) -> float:
+    """Fraction of ``mem_bw`` (bytes/s) the calibration lookup's forward reached: model bytes / time / bandwidth."""
+    return _fwd_bytes(dim) / t_fwd_s / mem_bw
+
+
+def cache_correction(step_dram_s: float, step_cache_s: float, dram_hit: float) -> tuple[float, float]:
+    """Split the DRAM table's step into its cache hits and misses (module docstring).
+
+    Args:
+        step_dram_s: step time on the calibration table that does not fit the cache.
+        step_cache_s: step time on the table that fits (same ids, dim, bags).
+        dram_hit: ``h0``, the fraction of the big table's lookups that hit anyway (0..1).
+
+    Returns:
+        ``(s, k)``: the all-DRAM / in-cache speedup ``s = (r - h0) / (1 - h0)`` (``r`` the
+        measured ratio; kept >= 1: noise can push it below) and ``k = t_dram / step_dram_s``,
+        the factor that turns the measured DRAM times into all-miss times
+        (``(1 - h0 / r) / (1 - h0)``, 1 when ``s`` is clamped).
+    """
+    r = step_dram_s / step_cache_s
+    h0 = min(max(dram_hit, 0.0), 0.99)
+    s = (r - h0) / (1 - h0)
+    if s < 1.0:
+        return 1.0, 1.0
+    return s, (1 - h0 / r) / (1 - h0)
 
 
 def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narrow_s: float,
@@ -151,12 +255,13 @@ def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narro
     return mult, max(0.0, (bwd_wide_s - mult * f_wide) / ids)
 
 
-def measure_op_overhead() -> float:
-    """Seconds of one tiny torch op (a one-element ``add``): the per-op dispatch cost."""
+def measure_op_overhead(repeats: int = REPEATS) -> Sample:
+    """Seconds of one tiny torch op (a one-element ``add``): the per-op dispatch cost; each repeat the
+    median of 400 calls."""
     import torch
 
     a, b = torch.ones(1), torch.ones(1)
-    return statistics.median(_timed(lambda: torch.add(a, b), 2000, 1.0, warmup=100))
+    return median_of(lambda: statistics.median(_timed(lambda: torch.add(a, b), 400, 0.3, warmup=20)), repeats)
 
 
 def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
@@ -176,12 +281,9 @@ def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
         pg = env.pg
         # every rank runs the same number of iterations (a fixed count, not a time slice)
         small = torch.zeros(world, dtype=torch.int64)
-        lat = _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 300, 1e9, warmup=20)
         n = (8 << 20) // 4
         big = torch.zeros(n, dtype=torch.float32)
         splits = [n // world] * world
-        bw = _timed(lambda: all_to_all_ints(big, splits, splits, pg), 10, 1e9, warmup=2)
-
         tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=16, embedding_dim=4, feature_names=[f"f{i}"])
                   for i in range(2)]
         kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
@@ -189,28 +291,43 @@ def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
                                                      check_ids=False)
                  for name, types in (("one", {"t0": "table_wise", "t1": "table_wise"}),
                                      ("two", {"t0": "table_wise", "t1": "row_wise"}))}
-        steps: dict[str, list[float]] = {"one": [], "two": []}
-        barrier(pg)
-        for i in range(160):  # alternate, so that a load change on the machine hits both alike
-            for name, sebc in sebcs.items():
-                t = time.perf_counter()
+        # warm-up, then REPEATS rounds, each one median per figure; every rank runs the same number of
+        # iterations (fixed counts, not time slices), so the collectives pair up
+        _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 20, 1e9, warmup=0)
+        _timed(lambda: all_to_all_ints(big, splits, splits, pg), 2, 1e9, warmup=0)
+        for sebc in sebcs.values():
+            for _ in range(10):
                 sebc(kjt).values().sum().backward()
-                if i >= 10:
+        res: dict[str, list[float]] = {"a2a_small_s": [], "a2a_8mib_s": [], "step_one_type_s": [],
+                                       "step_two_types_s": []}
+        for _ in range(REPEATS):
+            barrier(pg)
+            res["a2a_small_s"].append(statistics.median(
+                _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 60, 1e9, warmup=0)))
+            res["a2a_8mib_s"].append(statistics.median(
+                _timed(lambda: all_to_all_ints(big, splits, splits, pg), 3, 1e9, warmup=0)))
+            steps: dict[str, list[float]] = {"one": [], "two": []}
+            barrier(pg)
+            for _ in range(30):  # alternate, so that a load change on the machine hits both alike
+                for name, sebc in sebcs.items():
+                    t = time.perf_counter()
+                    sebc(kjt).values().sum().backward()
                     steps[name].append(time.perf_counter() - t)
-        q.put((rank, {"a2a_small_s": statistics.median(lat), "a2a_8mib_s": statistics.median(bw),
-                      "step_one_type_s": statistics.median(steps["one"]),
-                      "step_two_types_s": statistics.median(steps["two"])}))
+            res["step_one_type_s"].append(statistics.median(steps["one"]))
+            res["step_two_types_s"].append(statistics.median(steps["two"]))
+        q.put((rank, res))
         destroy_distributed()
     except BaseException as e:  # reported to the parent, which raises it
         q.put((rank, e))
 
 
-def measure_comm(world: int = 2, max_s: float = 30.0) -> dict[str, float]:
+def measure_comm(world: int = 2, max_s: float = 30.0) -> dict[str, Sample]:
     """Collective latency / bandwidth and the per-group fixed cost on ``world`` spawned gloo ranks.
 
     Returns:
-        the slowest rank's medians (seconds): ``a2a_small_s``, ``a2a_8mib_s``,
-        ``step_one_type_s``, ``step_two_types_s``.
+        per figure (seconds: ``a2a_small_s``, ``a2a_8mib_s``, ``step_one_type_s``,
+        ``step_two_types_s``), the :class:`Sample` over :data:`REPEATS` rounds of the slowest
+        rank's median in each round.
 
     Raises:
         RuntimeError: a rank failed or did not finish within ``max_s`` (its processes are ended).
@@ -243,7 +360,25 @@ def measure_comm(world: int = 2, max_s: float = 30.0) -> dict[str, float]:
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
-    return {k: max(got[r][k] for r in got) for k in got[0]}  # type: ignore[index]
+    return {k: Sample.of([max(got[r][k][i] for r in got) for i in range(REPEATS)])  # type: ignore[index]
+            for k in got[0]}  # type: ignore[index]
+
+
+def _range(x: Sample, k: float = 1.0, nd: int = 3) -> list[float]:
+    a = x.scaled(k)
+    return [round(a.lo, nd), round(a.hi, nd)]
+
+
+def spread_summary(measured: dict) -> str:
+    """One line per figure of ``measured["spread"]`` (``name: median (min-max over N repeats)``), for the
+    topology file's header; empty when there is none."""
+    spread = measured.get("spread") or {}
+    if not spread:
+        return ""
+    lines = [f"median of {measured.get('repeats', REPEATS)} repeats each; min-max over the repeats:"]
+    for k, (lo, hi) in spread.items():
+        lines.append(f"  {k}: {measured.get(k, '?')} ({lo}-{hi})")
+    return "\n".join(lines)
 
 
 def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset, dict]:
@@ -251,7 +386,9 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
 
     Returns:
         ``(preset, measured)``: a ``cpu`` :class:`DevicePreset` for :func:`save_topology_file`
-        and the raw figures (GB/s, microseconds, ratios).
+        and the raw figures (GB/s, microseconds, milliseconds, ratios; medians of
+        :data:`REPEATS` repeats) with ``spread`` (per figure ``[min, max]`` over the repeats)
+        and ``repeats``.
 
     Raises:
         RuntimeError: the gloo ranks failed or timed out.
@@ -259,59 +396,91 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
     import torch
 
     from dlrmctl import _fbgemm
+    from dlrmctl.planner.perf import che_hit_fractions
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    spread: dict[str, list[float]] = {}
+    measured: dict = {}
+    llc = detect_llc_bytes()
+    llc_bytes = llc if llc else 32 * (1 << 20)
+    log(f"last-level cache: {llc_bytes / MiB:.0f} MiB" + ("" if llc else " (not detected: the 32 MiB default)"))
+    # rows of the in-cache table: a quarter of the cache at _DIM fp32 columns (+ 4 B row-wise state per row)
+    cache_rows = max(1024, llc_bytes // 4 // (_DIM * 4 + 4))
+    # h0: the part of the big table's lookups that hit anyway (one table, uniform ids: C / S)
+    dram_hit = che_hit_fractions([_TABLE_ROWS], [_DIM * 4 + 4], [_BATCH * _POOL], llc_bytes)[0]
     try:
-        mem_bw = measure_memory_bandwidth()
-        log(f"memory bandwidth (numpy copy): {mem_bw / GB:.2f} GB/s")
-        launch = measure_op_overhead()
+        bw_s = measure_memory_bandwidth()
+        mem_bw = bw_s.median
+        measured["ddr_copy_gbps"], spread["ddr_copy_gbps"] = round(mem_bw / GB, 3), _range(bw_s, 1 / GB)
+        log(f"memory bandwidth (numpy copy): {mem_bw / GB:.2f} GB/s (repeats {bw_s.lo / GB:.2f}-{bw_s.hi / GB:.2f})")
+        launch_s = measure_op_overhead()
+        launch = launch_s.median
+        measured["op_dispatch_us"], spread["op_dispatch_us"] = round(launch * 1e6, 3), _range(launch_s, 1e6)
         log(f"per-op dispatch: {launch * 1e6:.2f} us")
         eff: dict[str, float] = {}
         mults: dict[str, float] = {}
+        speedup: dict[str, float] = {}
         per_id = 0.0
-        fused_bwd: tuple[float, float] | None = None
         for kernel in ("fused", "dense"):
             if kernel == "fused" and not _fbgemm.ensure_checked():
-                log("fused kernel: fbgemm_gpu not installed, keeping the default efficiency")
+                log("fused kernel: fbgemm_gpu not installed, keeping the default efficiency and cache speedup")
                 continue
             # the fused pair below is split by a difference: more calls per median narrow its spread (_SPLIT_ITERS)
             iters = _SPLIT_ITERS if kernel == "fused" else 30
-            e, m, _, bwd_wide = measure_lookup(kernel, mem_bw, iters=iters)
-            eff[kernel], mults[kernel] = e, m
-            log(f"{kernel} lookup: {e * mem_bw / GB:.2f} GB/s = {e:.3f} of memory bandwidth; backward / forward {m:.2f}")
+            f_d, b_d = measure_lookup(kernel, iters=iters)
+            f_c, b_c = measure_lookup(kernel, rows=cache_rows, iters=iters)
+            step_d, step_c = f_d.median + b_d.median, f_c.median + b_c.median
+            speedup[kernel], k = cache_correction(step_d, step_c, dram_hit)
+            # all-DRAM times: what the perf model charges a lookup that misses the cache
+            t_f, bwd_wide = f_d.median * k, b_d.median * k
+            eff[kernel] = lookup_efficiency(t_f, mem_bw)
+            mults[kernel] = max(0.1, bwd_wide / t_f)
+            for name, smp in ((f"{kernel}_fwd_ms", f_d), (f"{kernel}_bwd_ms", b_d),
+                              (f"{kernel}_cache_fwd_ms", f_c), (f"{kernel}_cache_bwd_ms", b_c)):
+                measured[name], spread[name] = round(smp.median * 1e3, 3), _range(smp, 1e3)
+            log(f"{kernel} lookup: {eff[kernel] * mem_bw / GB:.2f} GB/s = {eff[kernel]:.3f} of memory bandwidth; "
+                f"backward / forward {mults[kernel]:.2f}; step {step_d * 1e3:.2f} ms on {_TABLE_ROWS} rows, "
+                f"{step_c * 1e3:.2f} ms on {cache_rows} rows (in cache): speedup {speedup[kernel]:.2f} "
+                f"(DRAM table's own hits {dram_hit:.2f} taken out)")
             if kernel == "fused":
                 # same ids and table bytes, a quarter of the width: what the backward pays per id
-                _, _, _, bwd_narrow = measure_lookup(kernel, mem_bw, dim=_NARROW_DIM,
-                                                     rows=_TABLE_ROWS * _DIM // _NARROW_DIM, iters=iters)
-                mults[kernel], per_id = split_fused_backward(e, mem_bw, bwd_wide, bwd_narrow, _NARROW_DIM)
-                fused_bwd = (bwd_wide, bwd_narrow)
+                _, b_n = measure_lookup(kernel, dim=_NARROW_DIM, rows=_TABLE_ROWS * _DIM // _NARROW_DIM, iters=iters)
+                bwd_narrow = b_n.median * k
+                mults[kernel], per_id = split_fused_backward(eff[kernel], mem_bw, bwd_wide, bwd_narrow, _NARROW_DIM)
+                measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
+                spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
                 log(f"fused backward: {bwd_wide * 1e3:.2f} ms at {_DIM} columns, {bwd_narrow * 1e3:.2f} ms at "
-                    f"{_NARROW_DIM} over the same ids = {per_id * 1e9:.2f} ns per id + {mults[kernel]:.2f} x forward")
+                    f"{_NARROW_DIM} over the same ids (all-DRAM) = {per_id * 1e9:.2f} ns per id + "
+                    f"{mults[kernel]:.2f} x forward")
     finally:
         torch.set_num_threads(threads)
     left = TIME_BUDGET_S - (time.perf_counter() - t0) - 5
     comm = measure_comm(2, max_s=max(10.0, left))
-    coll = comm["a2a_small_s"]
-    a2a_bw = (8 << 20) * 0.5 / comm["a2a_8mib_s"]  # half of each rank's 8 MiB leaves it on 2 ranks
+    coll = comm["a2a_small_s"].median
+    half = (8 << 20) * 0.5  # half of each rank's 8 MiB leaves it on 2 ranks
+    a2a_bw = half / comm["a2a_8mib_s"].median
     # a one-type step on tiny tables: its 4 collectives, one fused TBE forward + backward, and the
     # group's fixed cost (routing, lookup call, combine: Python and dispatch)
-    group = max(0.0, comm["step_one_type_s"] - 4 * coll - 2 * launch)
-    log(f"gloo all-to-all: {coll * 1e6:.0f} us per call, {a2a_bw / GB:.2f} GB/s; one sharding group: "
-        f"{group * 1e6:.0f} us per step")
-    measured = {
-        "ddr_copy_gbps": round(mem_bw / GB, 3),
-        "op_dispatch_us": round(launch * 1e6, 3),
-        **{f"{k}_lookup_gbps": round(v * mem_bw / GB, 3) for k, v in eff.items()},
-        **({"fused_bwd_ms": round(fused_bwd[0] * 1e3, 3), f"fused_bwd_dim{_NARROW_DIM}_ms": round(fused_bwd[1] * 1e3, 3)}
-           if fused_bwd is not None else {}),
-        "gloo_a2a_small_us": round(coll * 1e6, 1),
-        "gloo_a2a_8mib_ms": round(comm["a2a_8mib_s"] * 1e3, 3),
-        "sebc_step_one_type_ms": round(comm["step_one_type_s"] * 1e3, 3),
-        "sebc_step_two_types_ms": round(comm["step_two_types_s"] * 1e3, 3),
+    group = max(0.0, comm["step_one_type_s"].median - 4 * coll - 2 * launch)
+    log(f"gloo all-to-all: {coll * 1e6:.0f} us per call, {a2a_bw / GB:.2f} GB/s "
+        f"(repeats {comm['a2a_8mib_s'].inverse(half).lo / GB:.2f}-{comm['a2a_8mib_s'].inverse(half).hi / GB:.2f}); "
+        f"one sharding group: {group * 1e6:.0f} us per step")
+    for name, key, k in (("gloo_a2a_small_us", "a2a_small_s", 1e6), ("gloo_a2a_8mib_ms", "a2a_8mib_s", 1e3),
+                         ("sebc_step_one_type_ms", "step_one_type_s", 1e3),
+                         ("sebc_step_two_types_ms", "step_two_types_s", 1e3)):
+        measured[name], spread[name] = round(comm[key].median * k, 3), _range(comm[key], k)
+    measured["gloo_a2a_gbps"] = round(a2a_bw / GB, 4)
+    spread["gloo_a2a_gbps"] = _range(comm["a2a_8mib_s"].inverse(half), 1 / GB, 4)
+    measured.update({
+        "llc_detected": llc is not None,
+        "cache_table_rows": cache_rows,
+        "dram_table_cache_hit": round(dram_hit, 4),
+        "repeats": REPEATS,
         "seconds": round(time.perf_counter() - t0, 1),
-    }
+        "spread": spread,
+    })
     preset = DevicePreset(
         compute_device="cpu", hbm_gb=0.0, ddr_gb=None, hbm_bw_gbps=0.0, ddr_bw_gbps=round(mem_bw / GB, 3),
         intra_host_bw_gbps=round(a2a_bw / GB, 4), inter_host_bw_gbps=round(a2a_bw / GB, 4),
@@ -325,5 +494,8 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         bwd_compute_multiplier=round(mults.get("fused", mults["dense"]), 3),
         dense_bwd_compute_multiplier=round(mults["dense"], 3),
         fused_bwd_id_ns=round(per_id * 1e9, 3) if "fused" in eff else None,
+        llc_mb=round(llc_bytes / MiB, 3),
+        fused_cache_speedup=round(speedup["fused"], 3) if "fused" in speedup else None,
+        dense_cache_speedup=round(speedup["dense"], 3),
     )
     return preset, measured

@@ -209,7 +209,7 @@ def che_hit_fractions(rows: Sequence[float], row_bytes: Sequence[float], accesse
     lam = [a / r if r > 0 else 0.0 for a, r in zip(accesses, rows)]
 
     def occupancy(T: float) -> float:
-        return sum(sz * -math.expm1(-l * T) for sz, l in zip(size, lam))
+        return sum(sz * -math.expm1(-l * T) for sz, l in zip(size, lam) if l > 0)
 
     if occupancy(math.inf) <= cache_bytes:  # the groups ever read fit: they all hit
         return [1.0 if l > 0 else 0.0 for l in lam]

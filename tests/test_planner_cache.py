@@ -1,0 +1,249 @@
+"""Last-level cache term of the perf model and the robust (median-of-N) calibration.
+
+What is checked: Che's approximation (``perf.che_hit_fractions``) on cases with a closed
+form; a shard whose rows fit the cache is charged ``1 / cache_speedup`` of a DRAM one per
+id, with the speedup from the topology; shards placed on ranks that share a cache compete
+for it (cpu: the host's L3) while GPU ranks each have their own L2; topology files
+without the new keys keep loading with the defaults, bad values are refused naming the
+file and the key; the calibration keeps the median of its repeats after a warm-up and
+its cache correction makes the model reproduce what it measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from dlrmctl.distributed.model_parallel import plan_from_types
+from dlrmctl.distributed.types import ComputeKernel as CK
+from dlrmctl.distributed.types import ShardingType as ST
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+from dlrmctl.planner import calibrate as cal
+from dlrmctl.planner.perf import (
+    DEFAULT_CACHE_SPEEDUP,
+    cache_hit_fractions,
+    cache_hit_prior,
+    cache_row_bytes,
+    che_hit_fractions,
+    estimate_shard,
+)
+from dlrmctl.planner.planner import evaluate_plan
+from dlrmctl.planner.types import (
+    DEFAULT_LLC_MB,
+    DEVICE_PRESETS,
+    MiB,
+    PlannerError,
+    TableSpec,
+    Topology,
+    detect_llc_bytes,
+    load_topology_file,
+)
+
+B = 4096
+
+
+def cpu_topology(world: int = 2, llc_mb: float = 1.0, speedup: float = 4.0, local: int | None = None) -> Topology:
+    return Topology(world_size=world, local_world_size=local or world, compute_device="cpu", hbm_cap=0,
+                    ddr_cap=int(8e9), hbm_mem_bw=0.0, ddr_mem_bw=20e9, intra_host_bw=1e9, inter_host_bw=1e9,
+                    llc_bytes=int(llc_mb * MiB), cache_speedup={"fused": speedup, "dense": speedup / 2})
+
+
+# ---------------------------------------------------------------------------- Che's approximation
+def test_che_hit_fractions_closed_forms():
+    # everything fits: all hit; no cache: none
+    assert che_hit_fractions([100, 200], [64, 64], [10, 10], 64 * 300) == [1.0, 1.0]
+    assert che_hit_fractions([100], [64], [10], 0) == [0.0]
+    # one group read uniformly, S > C: every row has the same probability to be resident, C / S
+    (h,) = che_hit_fractions([1000], [64], [5000], 64 * 250)
+    assert h == pytest.approx(0.25, rel=1e-6)
+    # a hot small group and a cold big one: the hot one keeps (nearly) all of its rows, the cold one
+    # gets the rest; the expected occupancy is the cache size
+    rows, rb, acc, C = [100, 100_000], [64.0, 64.0], [10_000.0, 1_000.0], 64.0 * 10_000
+    hot, cold = che_hit_fractions(rows, rb, acc, C)
+    assert hot > 0.99 and 0.05 < cold < 0.1
+    lam = [a / r for a, r in zip(acc, rows)]
+    T = -math.log(1 - cold) / lam[1]
+    occ = sum(r * b * -math.expm1(-l * T) for r, b, l in zip(rows, rb, lam))
+    assert occ == pytest.approx(C, rel=1e-6)
+    # a group never read occupies nothing and never hits
+    assert che_hit_fractions([100, 10_000], [64, 64], [1000, 0], 64 * 200) == [1.0, 0.0]
+
+
+# ---------------------------------------------------------------------------- perf model
+def test_a_table_that_fits_the_cache_is_cheaper_per_id_by_the_topology_speedup():
+    topo = cpu_topology(llc_mb=1.0, speedup=4.0)
+    small = TableSpec("small", 2_000, 64, [10.0])   # 0.5 MB: fits 1 MiB
+    big = TableSpec("big", 200_000, 64, [10.0])     # 52 MB: does not
+    prior = {**cache_hit_prior(topo, [small], B), **cache_hit_prior(topo, [big], B)}  # each alone
+    assert prior["small"] == 1.0 and prior["big"] == pytest.approx(1 * MiB / (200_000 * 260))
+    # together, LRU lets the big table's stream of misses evict part of the small one
+    both = cache_hit_prior(topo, [small, big], B)
+    assert 0.5 < both["small"] < 1.0 and both["big"] < prior["big"]
+    per_id = {}
+    for t in (small, big):
+        p, ids, *_ = estimate_shard(topo, t, ST.TABLE_WISE, CK.FUSED, t.num_embeddings, 64, 1, B, prior[t.name])
+        p0, *_ = estimate_shard(topo, t, ST.TABLE_WISE, CK.FUSED, t.num_embeddings, 64, 1, B, 0.0)
+        per_id[t.name] = (p.fwd_compute + p.bwd_compute) / ids
+        # compute scales by (1 - h) + h / s; communication does not move
+        scale = (1 - prior[t.name]) + prior[t.name] / 4.0
+        assert p.fwd_compute == pytest.approx(p0.fwd_compute * scale)
+        assert p.bwd_compute == pytest.approx(p0.bwd_compute * scale)
+        assert (p.fwd_comms, p.bwd_comms) == (p0.fwd_comms, p0.bwd_comms)
+    # the same ids per sample and row width: per id the cached table costs ~1/4 (the topology's speedup)
+    assert per_id["small"] / per_id["big"] == pytest.approx(0.25 / (1 - 0.75 * prior["big"]), rel=1e-6)
+    # another calibrated speedup moves it; hit 0 is the old DRAM model whatever the speedup
+    p8, ids, *_ = estimate_shard(cpu_topology(speedup=8.0), small, ST.TABLE_WISE, CK.FUSED, 2_000, 64, 1, B, 1.0)
+    assert (p8.fwd_compute + p8.bwd_compute) / ids == pytest.approx(per_id["small"] / 2, rel=1e-3)
+    a, *_ = estimate_shard(cpu_topology(speedup=8.0), big, ST.TABLE_WISE, CK.FUSED, 200_000, 64, 1, B)
+    b, *_ = estimate_shard(cpu_topology(llc_mb=0.0), big, ST.TABLE_WISE, CK.FUSED, 200_000, 64, 1, B)
+    assert a == b
+    with pytest.raises(ValueError, match=r"hit fraction must be in \[0, 1\]"):
+        estimate_shard(topo, small, ST.TABLE_WISE, CK.FUSED, 2_000, 64, 1, B, 1.5)
+
+
+def _tables(rows):
+    return ([EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=64) for i, n in enumerate(rows)],
+            [TableSpec(f"t{i}", n, 64, [4.0]) for i, n in enumerate(rows)])
+
+
+def test_shards_sharing_a_cache_compete_for_it_cpu_host_vs_gpu_rank():
+    # two 0.52 MB tables (with row-wise state), a 0.75 MiB cache: one fits, both do not
+    cfgs, specs = _tables([2_000, 2_000])
+    plan = plan_from_types(cfgs, {"t0": "table_wise", "t1": "table_wise"}, 2, 2)
+    ranks = sorted(s.rank for t in ("t0", "t1") for s in plan.plan[t].shards)
+    assert ranks == [0, 1]  # one table per rank
+    cpu = cpu_topology(world=2, llc_mb=0.75)
+    p_cpu = evaluate_plan(plan, specs, cpu, B)
+    h_cpu = cache_hit_fractions(cpu, p_cpu.options, p_cpu.ranks, B)
+    # cpu: both ranks of the host share one L3, so each table gets about half of it
+    assert 0.6 < h_cpu[0][0] < 0.8 and h_cpu[0][0] == pytest.approx(h_cpu[1][0])
+    # the same plan with ranks on two hosts (one L3 each), or on GPUs (one L2 each): each fits alone
+    two_hosts = cpu_topology(world=2, llc_mb=0.75, local=1)
+    gpu = Topology(world_size=2, local_world_size=2, compute_device="cuda", hbm_cap=int(8e9), ddr_cap=int(8e9),
+                   hbm_mem_bw=20e9, ddr_mem_bw=20e9, intra_host_bw=1e9, inter_host_bw=1e9,
+                   llc_bytes=int(0.75 * MiB), cache_speedup={"fused": 4.0})
+    for topo in (two_hosts, gpu):
+        p = evaluate_plan(plan, specs, topo, B)
+        assert cache_hit_fractions(topo, p.options, p.ranks, B) == [[1.0], [1.0]]
+    # ... so the shared-L3 estimate is the slower one, and evaluate_plan charges it
+    p_two = evaluate_plan(plan, specs, two_hosts, B)
+    assert max(p_cpu.loads) > max(p_two.loads) * 1.2
+    # data_parallel replicas each occupy their rank's cache: on one host they count twice
+    dp = evaluate_plan(plan_from_types(cfgs[:1], "data_parallel", 2, 2), specs[:1], cpu, B)
+    (h_dp,) = cache_hit_fractions(cpu, dp.options, dp.ranks, B)
+    assert h_dp[0] == h_dp[1] and 0.6 < h_dp[0] < 0.8
+    tw = evaluate_plan(plan_from_types(cfgs[:1], "table_wise", 2, 2), specs[:1], cpu, B)
+    assert cache_hit_fractions(cpu, tw.options, tw.ranks, B) == [[1.0]]
+
+
+def test_cache_row_bytes_count_the_optimizer_state_and_a_cache_line():
+    topo = cpu_topology()
+    assert cache_row_bytes(topo, TableSpec("t", 10, 64, [1.0]), 64) == 64 * 4 + 4  # row-wise Adagrad: 1 fp32
+    assert cache_row_bytes(topo, TableSpec("t", 10, 64, [1.0], optimizer="adam"), 64) == 64 * 4 * 3
+    assert cache_row_bytes(topo, TableSpec("t", 10, 4, [1.0], optimizer="exact_sgd"), 4) == 64  # one line
+
+
+# ---------------------------------------------------------------------------- topology files
+OLD_FILE = {  # what `plan --calibrate` wrote before llc_mb / the cache speedups existed
+    "compute_device": "cpu", "hbm_gb": 0.0, "ddr_gb": None, "hbm_bw_gbps": 0.0, "ddr_bw_gbps": 17.5,
+    "intra_host_bw_gbps": 0.8, "inter_host_bw_gbps": 0.8, "default_gpus_per_host": None, "source": "old",
+    "kernel_launch_us": 2.0, "collective_us": 150.0, "inter_host_collective_us": 150.0, "lookup_fixed_us": 900.0,
+    "fused_efficiency": 1.2, "dense_efficiency": 1.9, "bwd_compute_multiplier": 9.0,
+    "dense_bwd_compute_multiplier": 40.0, "fused_bwd_id_ns": 12.0, "measured": {"ddr_copy_gbps": 17.5},
+}
+
+
+def test_a_topology_file_without_the_cache_keys_loads_with_the_defaults(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(OLD_FILE))
+    p = load_topology_file(path)
+    assert (p.llc_mb, p.fused_cache_speedup, p.dense_cache_speedup) == (None, None, None)
+    t = Topology.from_preset(p, 2)
+    assert t.llc_bytes == (detect_llc_bytes() or int(DEFAULT_LLC_MB["cpu"] * MiB))
+    assert t.cache_speedup == {}
+    big = TableSpec("big", 10**6, 64, [1.0])
+    p1, ids, *_ = estimate_shard(t, big, ST.TABLE_WISE, CK.FUSED, 10**6, 64, 1, B, 1.0)
+    p0, *_ = estimate_shard(t, big, ST.TABLE_WISE, CK.FUSED, 10**6, 64, 1, B, 0.0)
+    assert p1.fwd_compute == pytest.approx(p0.fwd_compute / DEFAULT_CACHE_SPEEDUP[("cpu", CK.FUSED)])
+    # a new file round-trips its cache keys; cuda presets carry their GPU's L2
+    new = dict(OLD_FILE, llc_mb=48.0, fused_cache_speedup=3.5, dense_cache_speedup=1.6)
+    path.write_text(yaml.safe_dump(new))
+    t = Topology.from_preset(load_topology_file(path), 2)
+    assert t.llc_bytes == int(48 * MiB) and t.cache_speedup == {"fused": 3.5, "dense": 1.6}
+    assert Topology.from_preset("h100", 8).llc_bytes == int(50 * MiB)
+    assert Topology.from_preset("a100", 8).llc_bytes == int(40 * MiB)
+    assert DEVICE_PRESETS["cpu"].llc_mb is None  # detected on this machine
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("llc_mb", -1.0, r"llc_mb must be a finite number >= 0"),
+    ("fused_cache_speedup", 0.0, r"fused_cache_speedup must be a finite number > 0"),
+    ("dense_cache_speedup", "fast", r"dense_cache_speedup must be a finite number > 0"),
+])
+def test_bad_cache_keys_are_refused_naming_the_file_and_key(tmp_path, key, value, msg):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(dict(OLD_FILE, **{key: value})))
+    with pytest.raises(PlannerError, match=f"topology file {path}: {msg}"):
+        load_topology_file(path)
+
+
+# ---------------------------------------------------------------------------- calibration
+def test_median_of_discards_the_warm_up_and_keeps_the_median_and_range():
+    vals = iter([1000.0, 3.0, 1.0, 50.0, 2.0, 4.0])  # warm-up, then 5 repeats with one outlier
+    s = cal.median_of(lambda: next(vals), repeats=5, warmup=1)
+    assert (s.median, s.lo, s.hi) == (3.0, 1.0, 50.0)
+    assert cal.REPEATS == 5
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        cal.median_of(lambda: 1.0, repeats=0)
+
+
+def test_memory_bandwidth_is_the_median_of_repeats_under_a_fake_clock(monkeypatch):
+    # each copy reads the clock twice; durations: warm-up 100 s, then 1, 2, 3, 50 (outlier), 4
+    durations = [100.0, 1.0, 2.0, 3.0, 50.0, 4.0]
+    ticks, t = [], 0.0
+    for d in durations:
+        ticks += [t, t + d]
+        t += d + 1
+    clock = iter(ticks)
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: next(clock))
+    s = cal.measure_memory_bandwidth(nbytes=1 << 20, repeats=5)
+    assert s.median == pytest.approx(2 * (1 << 20) / 3.0)  # median time 3 s (best was 1 s, mean 12 s)
+    assert (s.lo, s.hi) == (pytest.approx(2 * (1 << 20) / 50.0), pytest.approx(2 * (1 << 20) / 1.0))
+
+
+def test_cache_correction_makes_the_model_reproduce_both_calibration_tables():
+    # measured steps: the DRAM table hits the cache for h0 of its lookups
+    step_dram, step_cache, h0 = 6.0e-3, 1.5e-3, 0.25
+    s, k = cal.cache_correction(step_dram, step_cache, h0)
+    t_dram = k * step_dram  # all-miss time the DRAM parameters are derived from
+    assert t_dram * ((1 - h0) + h0 / s) == pytest.approx(step_dram)  # the model at h0 = the big table
+    assert t_dram / s == pytest.approx(step_cache)                    # the model at h = 1 = the small one
+    assert s == pytest.approx((4.0 - 0.25) / 0.75)
+    # noise: in-cache slower than DRAM -> no cache term, the DRAM times kept as measured
+    assert cal.cache_correction(1e-3, 1.2e-3, 0.25) == (1.0, 1.0)
+
+
+def test_calibrate_header_shows_the_spread_of_the_repeats(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from dlrmctl.commands import plan as plan_cmd
+
+    preset = load_topology_file(_raw(tmp_path / "src.yaml", OLD_FILE))
+    measured = {"ddr_copy_gbps": 17.5, "gloo_a2a_gbps": 0.7, "repeats": 5,
+                "spread": {"ddr_copy_gbps": [16.9, 18.2], "gloo_a2a_gbps": [0.59, 0.89]}}
+    monkeypatch.setattr(cal, "calibrate", lambda log: (preset, measured))
+    out = tmp_path / "topo.yaml"
+    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert "# median of 5 repeats each; min-max over the repeats:" in text
+    assert "#   gloo_a2a_gbps: 0.7 (0.59-0.89)" in text
+    assert yaml.safe_load(text)["measured"]["spread"]["ddr_copy_gbps"] == [16.9, 18.2]
+    assert load_topology_file(out) == preset
+
+
+def _raw(path, d):
+    path.write_text(yaml.safe_dump(d))
+    return path
