@@ -154,7 +154,7 @@ def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int =
     """``(forward s, backward s)`` of one EBC lookup kernel (see the module docstring) on a
     ``rows x dim`` fp32 table, ``_BATCH`` bags of ``_POOL`` ids, exact row-wise Adagrad.
 
-    Each of ``repeats`` repeats (after one warm-up call of each) times ``iters / repeats``
+    Each of ``repeats`` repeats (after three warm-up calls of each) times ``iters / repeats``
     forward calls and as many forward + backward (+ optimizer) calls, at most
     ``max_s / (2 * repeats)`` seconds each, and keeps their medians; the backward of a
     repeat is its (forward + backward) - forward.  Returned: the :class:`Sample` over the
@@ -194,8 +194,11 @@ def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int =
 
     n = max(3, iters // repeats)
     slice_s = max_s / (2 * repeats)
-    fwd()
-    step()
+    # warm-up: a fresh table's pages are first touched by the first steps (page faults: on the dev VM
+    # the first 30 fused backward calls of the 128 MB table took 4x the later ones)
+    for _ in range(3):
+        fwd()
+        step()
     fs, bs = [], []
     for _ in range(repeats):
         t_f = statistics.median(_timed(fwd, n, slice_s, warmup=0))

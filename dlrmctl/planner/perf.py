@@ -157,15 +157,16 @@ KERNEL_EFFICIENCY: dict[tuple[str, ComputeKernel], float] = {
 }
 
 #: (step time of a lookup + backward + update on a table in DRAM / HBM) / (the same on a table that fits the
-#: last-level cache), per device and kernel (``Topology.cache_speedup`` overrides it).  cpu: measured on the
-#: dev VM (``plan --calibrate``'s cache pair: 2048 bags x 20 ids, dim 64, 128 MB vs 8 MiB table, 1 thread,
-#: corrected for the big table's own hits; 2026-12-01, a loaded 2-core machine: one run).  cuda: 1.0 = no
-#: cache term (an L2-resident TBE speedup has not been measured on a GPU here).
+#: last-level cache), per device and kernel (``Topology.cache_speedup`` overrides it).  cpu: ``plan
+#: --calibrate``'s cache pair on the dev VM (2048 bags x 20 ids, dim 64, 128 MB vs 8 MiB table, exact row-wise
+#: Adagrad, 1 thread, medians of 5 repeats, corrected for the big table's own hits: fused 1.70, dense 1.46;
+#: 2026-12-01, one calibration on a loaded 2-core machine, load average 3.3).  cuda: 1.0 = no cache term (an
+#: L2-resident TBE speedup has not been measured on a GPU here).
 DEFAULT_CACHE_SPEEDUP: dict[tuple[str, ComputeKernel], float] = {
     ("cuda", ComputeKernel.FUSED): 1.0,
     ("cuda", ComputeKernel.DENSE): 1.0,
-    ("cpu", ComputeKernel.FUSED): 4.5,
-    ("cpu", ComputeKernel.DENSE): 1.7,
+    ("cpu", ComputeKernel.FUSED): 1.7,
+    ("cpu", ComputeKernel.DENSE): 1.46,
 }
 
 _ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
