@@ -31,7 +31,7 @@ dispatch, collective) is itself the median of a slice of calls.
   with the optimizer) / forward - 1 of the fused kernel (the dense one when FBGEMM is
   absent) / of the dense kernel (its sparse gradient and the torch optimizer step).
 * ``fused_bwd_id_ns``: the fused backward is timed a second time on a 2,000,000 x 16
-  table (the same 128 MB, the same number of ids; medians of 200 calls): the two backward times split it into
+  table (the same 128 MB, the same number of ids; 5 repeats of 40 calls each): the two backward times split it into
   ``bwd_compute_multiplier`` x the model's forward (bytes) plus a cost per id
   (:func:`split_fused_backward`; ``perf`` module docstring: FBGEMM's CPU backward sorts
   the ids by row and runs the optimizer's per-row prologue whatever the width).
