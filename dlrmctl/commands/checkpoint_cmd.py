@@ -33,25 +33,13 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
-def _worker(rank: int, world_size: int, port: int, src: str, out_run: str, plan_dict: dict | None, name: str,
-            publish_latest: bool, q) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-
-    from dlrmctl.distributed.env import destroy_distributed, init_process_group_tcp
+def _reshard_rank(env, src: str, out_run: str, plan_dict: dict | None, name: str, publish_latest: bool) -> str:
+    """One rank of ``reshard`` (:func:`~dlrmctl.distributed.local_ranks.run_local_ranks`)."""
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.train.checkpoint import reshard_rank
 
-    torch.set_num_threads(1)
-    init_process_group_tcp(rank, world_size, port, "gloo", timeout_s=600)
-    try:
-        plan = None if plan_dict is None else ShardingPlan.from_dict(plan_dict)
-        path = reshard_rank(src, out_run, rank, world_size, plan, name=name, publish_latest=publish_latest)
-        q.put((rank, True, path))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        q.put((rank, False, f"{type(e).__name__}: {e}"))
-    finally:
-        destroy_distributed()
+    plan = None if plan_dict is None else ShardingPlan.from_dict(plan_dict)
+    return reshard_rank(src, out_run, env.rank, env.world_size, plan, name=name, publish_latest=publish_latest)
 
 
 def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | None = None,
@@ -62,10 +50,6 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     Raises:
         CheckpointError / PlanError: no checkpoint, or a plan that does not fit the tables.
     """
-    import queue
-    import socket
-
-    import torch.multiprocessing as mp
     import yaml
 
     from dlrmctl.distributed.types import ShardingPlan
@@ -102,35 +86,13 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     publish = bool(out) or latest is None or step >= int(ckpt.load_checkpoint_meta(latest)["step"])
     if nproc == 1:
         return ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name, publish_latest=publish)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from dlrmctl.distributed.local_ranks import LocalRanksError, run_local_ranks
+
     pd = None if plan is None else plan.to_dict()
-    procs = [ctx.Process(target=_worker, args=(r, nproc, port, src, out_run, pd, name, publish, q), daemon=True)
-             for r in range(nproc)]
-    for p in procs:
-        p.start()
-    results: dict[int, str] = {}
     try:
-        while len(results) < nproc:
-            try:
-                r, ok, val = q.get(timeout=1.0)
-            except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise ckpt.CheckpointError(f"reshard: rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
-                continue
-            if not ok:
-                raise ckpt.CheckpointError(f"reshard: rank {r}: {val}")
-            results[r] = val
-    finally:
-        for p in procs:
-            if p.is_alive() and len(results) < nproc:
-                p.kill()
-            p.join(timeout=30)
-    return results[0]
+        return run_local_ranks(_reshard_rank, nproc, (src, out_run, pd, name, publish), what="reshard")[0]
+    except LocalRanksError as e:
+        raise ckpt.CheckpointError(str(e)) from None
 
 
 @app.command("reshard")

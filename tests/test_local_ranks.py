@@ -1,0 +1,55 @@
+"""dlrmctl.distributed.local_ranks.run_local_ranks: the product's launcher of local gloo ranks
+(reshard, plan --calibrate): results by rank, a collective between them, errors named."""
+
+import os
+
+import pytest
+import torch
+
+from dlrmctl.distributed.local_ranks import LocalRanksError, run_local_ranks
+
+
+def _sum_ranks(env, base):
+    from dlrmctl.distributed import comm
+
+    t = torch.tensor([float(env.rank + base)])
+    comm.all_reduce(t, env.pg)
+    return env.rank, env.world_size, float(t.item()), torch.get_num_threads()
+
+
+def _fail_on_one(env):
+    if env.rank == 1:
+        raise ValueError("table 't3' has 0 rows")
+    return env.rank
+
+
+def _die_on_one(env):
+    if env.rank == 1:
+        os._exit(7)
+    import time
+
+    time.sleep(30)
+
+
+@pytest.mark.multiprocess
+def test_results_come_back_by_rank_after_a_collective():
+    out = run_local_ranks(_sum_ranks, 3, (10,), timeout_s=120)
+    assert out == [(r, 3, 33.0, 1) for r in range(3)]
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_is_named_with_its_error_and_traceback():
+    with pytest.raises(LocalRanksError, match=r"reshard: rank 1: ValueError: table 't3' has 0 rows") as e:
+        run_local_ranks(_fail_on_one, 2, what="reshard", timeout_s=120)
+    assert e.value.rank == 1 and "_fail_on_one" in e.value.remote_traceback
+
+
+@pytest.mark.multiprocess
+def test_a_dead_rank_is_reported_and_the_others_are_ended():
+    with pytest.raises(LocalRanksError, match=r"rank\(s\) \[1\] died \(exit codes \[7\]\)"):
+        run_local_ranks(_die_on_one, 2, timeout_s=120)
+
+
+def test_world_size_is_checked():
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        run_local_ranks(_sum_ranks, 0)
