@@ -11,6 +11,7 @@ its cache correction makes the model reproduce what it measured.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -247,3 +248,31 @@ def test_calibrate_header_shows_the_spread_of_the_repeats(tmp_path, monkeypatch)
 def _raw(path, d):
     path.write_text(yaml.safe_dump(d))
     return path
+
+
+def test_a_dense_kernel_table_wise_shard_costs_what_the_calibration_measured_once():
+    """The dense kernel's calibrated multiplier is (forward + backward + optimizer step) / forward:
+    a dense-kernel table_wise shard of the calibration's own table, at its own cache hit
+    fraction, is charged exactly the measured forward and backward (so the optimizer pass is
+    counted once); without a calibrated dense multiplier the unfused pass is added on top."""
+    llc = 32 * MiB
+    f_d, b_d, f_c, b_c, mem_bw = 21e-3, 63e-3, 9e-3, 30e-3, 18e9  # a calibration's medians (s), bytes/s
+    h0 = che_hit_fractions([cal._TABLE_ROWS], [cal._DIM * 4 + 4], [cal._BATCH * cal._POOL], llc)[0]
+    fig = cal.kernel_figures(f_d, b_d, f_c, b_c, h0, mem_bw)
+    topo = Topology(world_size=1, local_world_size=1, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
+                    hbm_mem_bw=0.0, ddr_mem_bw=mem_bw, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=llc,
+                    kernel_efficiency={"dense": fig.efficiency}, dense_bwd_compute_multiplier=fig.bwd_multiplier,
+                    cache_speedup={"dense": fig.cache_speedup})
+    table = TableSpec("cal", cal._TABLE_ROWS, cal._DIM, [float(cal._POOL)])
+    hit = cache_hit_prior(topo, [table], cal._BATCH)["cal"]
+    assert hit == pytest.approx(h0) and 0 < h0 < 1
+    p, ids, *_ = estimate_shard(topo, table, ST.TABLE_WISE, CK.DENSE, cal._TABLE_ROWS, cal._DIM, 1, cal._BATCH, hit)
+    assert ids == cal._BATCH * cal._POOL
+    assert p.fwd_compute == pytest.approx(f_d, rel=1e-9)
+    assert p.bwd_compute == pytest.approx(b_d, rel=1e-9)  # with a second optimizer pass: 0.142 s
+    # uncalibrated dense multiplier (presets, older files): the fused-style multiplier plus the unfused pass
+    plain = dataclasses.replace(topo, dense_bwd_compute_multiplier=None, bwd_compute_multiplier=fig.bwd_multiplier)
+    q, *_ = estimate_shard(plain, table, ST.TABLE_WISE, CK.DENSE, cal._TABLE_ROWS, cal._DIM, 1, cal._BATCH, hit)
+    scale = (1 - hit) + hit / fig.cache_speedup
+    opt_pass = ids * cal._DIM * (2 * 4 + 2 * 4) / (mem_bw * fig.efficiency) * scale
+    assert q.fwd_compute == pytest.approx(f_d) and q.bwd_compute == pytest.approx(b_d + opt_pass)

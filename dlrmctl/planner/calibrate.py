@@ -29,7 +29,9 @@ dispatch, collective) is itself the median of a slice of calls.
   memory bandwidth.
 * ``bwd_compute_multiplier`` / ``dense_bwd_compute_multiplier``: (forward + backward
   with the optimizer) / forward - 1 of the fused kernel (the dense one when FBGEMM is
-  absent) / of the dense kernel (its sparse gradient and the torch optimizer step).
+  absent) / of the dense kernel (its sparse gradient and the torch optimizer step:
+  the dense kernel's optimizer pass is inside this multiplier, and ``perf.estimate_shard``
+  adds no separate one when it is set; :func:`kernel_figures`).
 * ``fused_bwd_id_ns``: the fused backward is timed a second time on a 2,000,000 x 16
   table (the same 128 MB, the same number of ids; 5 repeats of 40 calls each): the two backward times split it into
   ``bwd_compute_multiplier`` x the model's forward (bytes) plus a cost per id
@@ -235,6 +237,49 @@ def cache_correction(step_dram_s: float, step_cache_s: float, dram_hit: float) -
     return s, (1 - h0 / r) / (1 - h0)
 
 
+@dataclass(frozen=True)
+class KernelFigures:
+    """What one kernel's calibration lookups give the perf model (``calibrate`` writes them to the file).
+
+    Attributes:
+        cache_speedup: all-DRAM / in-cache step-time ratio ``s`` (:func:`cache_correction`).
+        dram_factor: ``k``, measured DRAM-table times -> all-miss times.
+        efficiency: fraction of the memory bandwidth the all-miss forward reaches
+            (``Topology.kernel_efficiency[kernel]``).
+        bwd_multiplier: all-miss (backward + optimizer step) / forward, >= 0.1
+            (``Topology.dense_bwd_compute_multiplier`` for the dense kernel: it contains the
+            dense kernel's unfused optimizer step, so ``perf.estimate_shard`` adds none; the
+            fused kernel's is re-split by :func:`split_fused_backward`).
+    """
+
+    cache_speedup: float
+    dram_factor: float
+    efficiency: float
+    bwd_multiplier: float
+
+
+def kernel_figures(fwd_dram_s: float, bwd_dram_s: float, fwd_cache_s: float, bwd_cache_s: float,
+                   dram_hit: float, mem_bw: float) -> KernelFigures:
+    """Derive one kernel's model figures from its two calibration lookups (module docstring).
+
+    Args:
+        fwd_dram_s, bwd_dram_s: forward and (backward + optimizer step) seconds on the
+            ``_TABLE_ROWS x _DIM`` table (:func:`measure_lookup` medians).
+        fwd_cache_s, bwd_cache_s: the same on the table that fits the cache.
+        dram_hit: ``h0``, the big table's own cache hit fraction.
+        mem_bw: memory bandwidth, bytes/s.
+
+    With these figures, ``perf.estimate_shard`` of a table_wise shard of the big table at hit
+    ``h0`` gives back ``fwd_dram_s`` and ``bwd_dram_s`` (``tests/test_planner_cache.py``).
+
+    Raises:
+        ZeroDivisionError: a zero forward or step time.
+    """
+    s, k = cache_correction(fwd_dram_s + bwd_dram_s, fwd_cache_s + bwd_cache_s, dram_hit)
+    t_f, t_b = fwd_dram_s * k, bwd_dram_s * k
+    return KernelFigures(s, k, lookup_efficiency(t_f, mem_bw), max(0.1, t_b / t_f))
+
+
 def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narrow_s: float,
                          narrow_dim: int) -> tuple[float, float]:
     """Split the fused backward into a per-byte and a per-id part from two widths over the same ids.
@@ -435,11 +480,11 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
             f_d, b_d = measure_lookup(kernel, iters=iters)
             f_c, b_c = measure_lookup(kernel, rows=cache_rows, iters=iters)
             step_d, step_c = f_d.median + b_d.median, f_c.median + b_c.median
-            speedup[kernel], k = cache_correction(step_d, step_c, dram_hit)
+            fig = kernel_figures(f_d.median, b_d.median, f_c.median, b_c.median, dram_hit, mem_bw)
+            speedup[kernel], k = fig.cache_speedup, fig.dram_factor
             # all-DRAM times: what the perf model charges a lookup that misses the cache
-            t_f, bwd_wide = f_d.median * k, b_d.median * k
-            eff[kernel] = lookup_efficiency(t_f, mem_bw)
-            mults[kernel] = max(0.1, bwd_wide / t_f)
+            bwd_wide = b_d.median * k
+            eff[kernel], mults[kernel] = fig.efficiency, fig.bwd_multiplier
             for name, smp in ((f"{kernel}_fwd_ms", f_d), (f"{kernel}_bwd_ms", b_d),
                               (f"{kernel}_cache_fwd_ms", f_c), (f"{kernel}_cache_bwd_ms", b_c)):
                 measured[name], spread[name] = round(smp.median * 1e3, 3), _range(smp, 1e3)

@@ -53,8 +53,10 @@ several hosts: a flat all-to-all is bounded by its slowest link).
 
     fwd_compute = (in_local + ids*max(c*bpw, m) + out) / bw_k     # read ids, rows; write pooled
     bwd_compute = bwd_compute_multiplier * fwd_compute             # Topology; TorchRec: 2.0
-                  # (dense kernel: Topology.dense_bwd_compute_multiplier when calibrated)
+                  # (dense kernel: Topology.dense_bwd_compute_multiplier when calibrated;
+                  #  it contains the optimizer step)
                 + ids * fused_bwd_id_s                             # fused kernel only
+                + ids*c*(2*4 + 2*bpw) / bw_k                       # dense kernel, uncalibrated only
     fwd_comms   = a2a*(in + out) / net;   bwd_comms = a2a*out / net
 
 with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
@@ -114,9 +116,15 @@ spread evenly over all caches (``num_cache_domains * C`` shared by all tables, e
 :func:`cache_hit_fractions` per cache domain (data_parallel replicas each occupy their
 rank's cache).
 
-A dense-kernel shard of the other types adds an unfused optimizer pass to its
-backward: ``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read +
-write the rows; our estimate, TorchRec only halves the kernel bandwidth).
+A dense-kernel shard of the other types runs an unfused optimizer step after its
+backward (``train.optim.embedding_optimizer_for_dense``).  With a calibrated
+``Topology.dense_bwd_compute_multiplier`` that step is already inside the multiplier
+(``plan --calibrate`` times forward + backward + ``opt.step()`` of the dense kernel:
+``calibrate.kernel_figures``), so nothing is added.  Without one (the presets; files
+from before the dense multiplier existed), the multiplier is the fused kernel's, whose
+optimizer is fused into the backward, and the pass is added:
+``ids*c*(2*4 + 2*bpw) / bw_k`` (write + read the sparse gradient, read + write the
+rows; our estimate, TorchRec only halves the kernel bandwidth).
 
 Not modelled: the size of a collective (gloo moves one large buffer far slower than
 the same bytes in pieces; ``comm.sync_sparse_grads`` gathers in ``GLOO_GATHER_CHUNK_BYTES``
@@ -384,8 +392,12 @@ def estimate_shard(
     net = topology.comm_bw
     a2a = (W - 1) / W
     mult = topology.bwd_compute_multiplier
+    # the dense kernel's unfused optimizer pass is added below unless a calibrated multiplier already
+    # contains it (``calibrate.kernel_figures``: (forward + backward + optimizer step) / forward - 1)
+    dense_opt_pass = compute_kernel == ComputeKernel.DENSE
     if compute_kernel == ComputeKernel.DENSE and topology.dense_bwd_compute_multiplier is not None:
         mult = topology.dense_bwd_compute_multiplier
+        dense_opt_pass = False
     st = sharding_type
     cb = shard_comm_bytes(table, st, cols, num_row_shards, batch_size, W)
     ids = cb.ids
@@ -406,7 +418,8 @@ def estimate_shard(
     fwd = (cb.input + ids * max(c * bpw, m) + cb.output) / bw
     bwd = mult * fwd
     if compute_kernel == ComputeKernel.DENSE:
-        bwd += ids * c * (2 * 4 + 2 * bpw) / bw
+        if dense_opt_pass:  # uncalibrated: TorchRec's multiplier is a backward with the optimizer fused into it
+            bwd += ids * c * (2 * 4 + 2 * bpw) / bw
     else:
         bwd += ids * topology.fused_bwd_id_s  # csr2csc + per-row optimizer prologue (module docstring)
     return (Perf(fwd * scale, a2a * (cb.input + cb.output) / net, bwd * scale, a2a * cb.output / net),
