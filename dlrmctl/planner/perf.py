@@ -114,7 +114,8 @@ Before placement (the planner's enumeration) the ranks of each shard are not kno
 spread evenly over all caches (``num_cache_domains * C`` shared by all tables, each once).
 :func:`dlrmctl.planner.planner.evaluate_plan` re-estimates a placed plan with
 :func:`cache_hit_fractions` per cache domain (data_parallel replicas each occupy their
-rank's cache).
+rank's cache); the planner makes its final choice among its best placements, and
+reports the step time, that way (``planner.RERANK``).
 
 A dense-kernel shard of the other types runs an unfused optimizer step after its
 backward (``train.optim.embedding_optimizer_for_dense``).  With a calibrated

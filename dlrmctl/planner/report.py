@@ -184,8 +184,8 @@ def format_report(res: "PlanResult") -> str:
         f"{p.bandwidth_path / mean if mean else 1.0:.3f}) + fixed latency {fmt_ms(lat)} ms ({n_groups} sharding "
         f"group(s) x {topo.lookup_fixed_s * 1e6:.3g} us, {n_kernels} kernel launches on the busiest rank x "
         f"{topo.kernel_launch_s * 1e6:.3g} us, {n_coll} collectives x {topo.collective_s * 1e6:.3g} us)",
-        f"Proposals evaluated: {res.proposals_evaluated} (the best {res.reranked} re-estimated with the cache hits "
-        f"of their placement, as evaluate_plan does); chosen: {res.label}",
+        f"Proposals evaluated: {res.proposals_evaluated} ({res.reranked} of the best and the single-type ones "
+        f"re-estimated with the cache hits of their placement, as evaluate_plan does); chosen: {res.label}",
         "Why this plan: " + why_chosen(res, hbm, ddr),
     ]
     if res.runner_up is None:
