@@ -63,6 +63,7 @@ def ensure_venv(venv: str) -> str:
         print(f"bench_torchrec: {msg}", file=sys.stderr)
         sys.exit(2)
 
+    venv = os.path.abspath(venv)  # the import check runs with cwd="/": a relative path would miss
     py = os.path.join(venv, "bin", "python")
 
     def ok() -> bool:
