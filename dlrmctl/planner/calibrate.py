@@ -55,7 +55,6 @@ import torch; :func:`calibrate` does.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import statistics
 import time
@@ -312,61 +311,56 @@ def measure_op_overhead(repeats: int = REPEATS) -> Sample:
     return median_of(lambda: statistics.median(_timed(lambda: torch.add(a, b), 400, 0.3, warmup=20)), repeats)
 
 
-def _comm_worker(rank: int, world: int, port: int, max_s: float, q) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _comm_rank(env) -> dict[str, list[float]]:
+    """One rank of :func:`measure_comm` (in a gloo group of :func:`run_local_ranks`, 1 thread):
+    per figure, :data:`REPEATS` medians in seconds."""
     import torch
 
-    torch.set_num_threads(1)
-    try:
-        from dlrmctl.distributed.comm import all_to_all_ints, barrier
-        from dlrmctl.distributed.env import destroy_distributed, init_process_group_tcp
-        from dlrmctl.distributed.model_parallel import plan_from_types
-        from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
-        from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
-        from dlrmctl.sparse import KeyedJaggedTensor
+    from dlrmctl.distributed.comm import all_to_all_ints, barrier
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.sparse import KeyedJaggedTensor
 
-        env = init_process_group_tcp(rank, world, port, "gloo", timeout_s=max_s + 30)
-        pg = env.pg
-        # every rank runs the same number of iterations (a fixed count, not a time slice)
-        small = torch.zeros(world, dtype=torch.int64)
-        n = (8 << 20) // 4
-        big = torch.zeros(n, dtype=torch.float32)
-        splits = [n // world] * world
-        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=16, embedding_dim=4, feature_names=[f"f{i}"])
-                  for i in range(2)]
-        kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
-        sebcs = {name: ShardedEmbeddingBagCollection(tables, plan_from_types(tables, types, world, world), env,
-                                                     check_ids=False)
-                 for name, types in (("one", {"t0": "table_wise", "t1": "table_wise"}),
-                                     ("two", {"t0": "table_wise", "t1": "row_wise"}))}
-        # warm-up, then REPEATS rounds, each one median per figure; every rank runs the same number of
-        # iterations (fixed counts, not time slices), so the collectives pair up
-        _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 20, 1e9, warmup=0)
-        _timed(lambda: all_to_all_ints(big, splits, splits, pg), 2, 1e9, warmup=0)
-        for sebc in sebcs.values():
-            for _ in range(10):
+    world = env.world_size
+    pg = env.pg
+    # every rank runs the same number of iterations (a fixed count, not a time slice)
+    small = torch.zeros(world, dtype=torch.int64)
+    n = (8 << 20) // 4
+    big = torch.zeros(n, dtype=torch.float32)
+    splits = [n // world] * world
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=16, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(2)]
+    kjt = KeyedJaggedTensor(["f0", "f1"], torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    sebcs = {name: ShardedEmbeddingBagCollection(tables, plan_from_types(tables, types, world, world), env,
+                                                 check_ids=False)
+             for name, types in (("one", {"t0": "table_wise", "t1": "table_wise"}),
+                                 ("two", {"t0": "table_wise", "t1": "row_wise"}))}
+    # warm-up, then REPEATS rounds, each one median per figure; every rank runs the same number of
+    # iterations (fixed counts, not time slices), so the collectives pair up
+    _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 20, 1e9, warmup=0)
+    _timed(lambda: all_to_all_ints(big, splits, splits, pg), 2, 1e9, warmup=0)
+    for sebc in sebcs.values():
+        for _ in range(10):
+            sebc(kjt).values().sum().backward()
+    res: dict[str, list[float]] = {"a2a_small_s": [], "a2a_8mib_s": [], "step_one_type_s": [],
+                                   "step_two_types_s": []}
+    for _ in range(REPEATS):
+        barrier(pg)
+        res["a2a_small_s"].append(statistics.median(
+            _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 60, 1e9, warmup=0)))
+        res["a2a_8mib_s"].append(statistics.median(
+            _timed(lambda: all_to_all_ints(big, splits, splits, pg), 3, 1e9, warmup=0)))
+        steps: dict[str, list[float]] = {"one": [], "two": []}
+        barrier(pg)
+        for _ in range(30):  # alternate, so that a load change on the machine hits both alike
+            for name, sebc in sebcs.items():
+                t = time.perf_counter()
                 sebc(kjt).values().sum().backward()
-        res: dict[str, list[float]] = {"a2a_small_s": [], "a2a_8mib_s": [], "step_one_type_s": [],
-                                       "step_two_types_s": []}
-        for _ in range(REPEATS):
-            barrier(pg)
-            res["a2a_small_s"].append(statistics.median(
-                _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 60, 1e9, warmup=0)))
-            res["a2a_8mib_s"].append(statistics.median(
-                _timed(lambda: all_to_all_ints(big, splits, splits, pg), 3, 1e9, warmup=0)))
-            steps: dict[str, list[float]] = {"one": [], "two": []}
-            barrier(pg)
-            for _ in range(30):  # alternate, so that a load change on the machine hits both alike
-                for name, sebc in sebcs.items():
-                    t = time.perf_counter()
-                    sebc(kjt).values().sum().backward()
-                    steps[name].append(time.perf_counter() - t)
-            res["step_one_type_s"].append(statistics.median(steps["one"]))
-            res["step_two_types_s"].append(statistics.median(steps["two"]))
-        q.put((rank, res))
-        destroy_distributed()
-    except BaseException as e:  # reported to the parent, which raises it
-        q.put((rank, e))
+                steps[name].append(time.perf_counter() - t)
+        res["step_one_type_s"].append(statistics.median(steps["one"]))
+        res["step_two_types_s"].append(statistics.median(steps["two"]))
+    return res
 
 
 def measure_comm(world: int = 2, max_s: float = 30.0) -> dict[str, Sample]:
@@ -380,34 +374,14 @@ def measure_comm(world: int = 2, max_s: float = 30.0) -> dict[str, Sample]:
     Raises:
         RuntimeError: a rank failed or did not finish within ``max_s`` (its processes are ended).
     """
-    import queue
+    from dlrmctl.distributed.local_ranks import LocalRanksError, run_local_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_comm_worker, args=(r, world, port, max_s, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    got: dict[int, object] = {}
-    deadline = time.monotonic() + max_s
     try:
-        while len(got) < world:
-            try:
-                r, v = q.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise RuntimeError(f"the {world} gloo calibration ranks did not finish within {max_s:.0f} s") from None
-            if isinstance(v, BaseException):
-                raise RuntimeError(f"calibration rank {r} failed: {v!r}")
-            got[r] = v
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
+        per_rank = run_local_ranks(_comm_rank, world, timeout_s=max_s, pg_timeout_s=max_s + 30,
+                                   what="calibration")
+    except LocalRanksError as e:
+        raise RuntimeError(f"the {world} gloo calibration ranks: {e}") from None
+    got = dict(enumerate(per_rank))
     return {k: Sample.of([max(got[r][k][i] for r in got) for i in range(REPEATS)])  # type: ignore[index]
             for k in got[0]}  # type: ignore[index]
 
