@@ -336,6 +336,30 @@ def test_fixed_shardings_from_config_are_kept_verbatim():
     plan.validate(resolve_tables(cfg, None), 4)
 
 
+def test_without_fbgemm_the_trainers_plan_is_all_dense_kernel(monkeypatch):
+    """Training without fbgemm_gpu runs every table on the dense kernel, so the plan it makes
+    (plan_for_config) costs and names that kernel, for free tables, kernel constraints and
+    fixed tables alike; `dlrmctl plan` (plan_config, a target cluster) keeps the fused kernel."""
+    from dlrmctl import _fbgemm
+    from dlrmctl.planner.planner import plan_config
+
+    raw = {
+        "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
+                  "tables": [{"name": n, "num_embeddings": r} for n, r in (("a", 1000), ("b", 500), ("c", 70000))]},
+        "data": {"path": "/nonexistent", "batch_size": 512},
+        "sharding": {"tables": {"a": {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": [1]}},
+                     "constraints": {"b": {"compute_kernels": ["fused"]}}},
+    }
+    cfg = config_from_dict(raw)
+    monkeypatch.setattr(_fbgemm, "HAS_FBGEMM", False)
+    plan = plan_for_config(cfg, 2, 2, None)
+    assert {n: ps.compute_kernel for n, ps in plan.plan.items()} == {n: CK.DENSE for n in "abc"}
+    plan.validate(resolve_tables(cfg, None), 2)
+    topo = Topology.from_preset("cpu", 2, 2)
+    kept = plan_config(cfg, topo, None).plan
+    assert kept.plan["a"].compute_kernel == CK.FUSED and kept.plan["b"].compute_kernel == CK.FUSED
+
+
 def test_bad_constraints_are_errors_that_name_the_table():
     topo = toy_topology()
     with pytest.raises(PlannerError, match="constraints.x.ranks"):

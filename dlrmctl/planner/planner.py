@@ -474,7 +474,8 @@ def _count_dense_params(cfg: Any, num_features: int, num_dense: int, key_dims: l
     return n
 
 
-def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | None = None) -> list[TableSpec]:
+def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | None = None,
+                            fused_available: bool = True) -> list[TableSpec]:
     """The planner's tables for an :class:`~dlrmctl.config.ExperimentConfig`.
 
     * rows / dim / features: :func:`dlrmctl.config.resolve_tables` (meta.json when
@@ -486,6 +487,9 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
     * optimizer: ``optimizer.embedding.type`` (also used by dense-kernel tables).
     * bytes per weight: ``weight_bytes``, default from ``model.embedding_precision`` (fp32 4, fp16 2).
     * kernels: ``model.compute_kernel: dense`` allows only ``dense``; ``fused`` allows both.
+      ``fused_available=False`` (this process has no ``fbgemm_gpu``, so training runs every
+      table on the dense kernel): only ``dense``, also for constraints and fixed tables, so
+      the plan is costed for the kernel that will run.
     * ``sharding.constraints.<table>`` and ``sharding.tables.<table>`` (fixed).
 
     Raises:
@@ -510,7 +514,7 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
     if mh is not None and len(mh) != len(feats):
         raise PlannerError(f"data.multi_hot_sizes has {len(mh)} sizes but there are {len(feats)} sparse features")
     pos = {f: i for i, f in enumerate(feats)}
-    default_kernels = [ComputeKernel.DENSE] if cfg.model.compute_kernel == "dense" else None
+    default_kernels = [ComputeKernel.DENSE] if cfg.model.compute_kernel == "dense" or not fused_available else None
     out = []
     for t in tables:
         pfs = []
@@ -523,7 +527,8 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
         fx = cfg.sharding.tables.get(t.name)
         fixed = None
         if fx is not None:
-            fixed = (ShardingType(fx.sharding_type), ComputeKernel(fx.compute_kernel), fx.ranks, fx.column_sizes)
+            fixed = (ShardingType(fx.sharding_type),
+                     ComputeKernel(fx.compute_kernel if fused_available else "dense"), fx.ranks, fx.column_sizes)
         out.append(
             TableSpec(
                 name=t.name,
@@ -533,7 +538,8 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
                 optimizer=cfg.optimizer.embedding.type,
                 weight_bytes=weight_bytes,
                 sharding_types=sharding_types_of(c.sharding_types) if c else None,
-                compute_kernels=(compute_kernels_of(c.compute_kernels) if c and c.compute_kernels else default_kernels),
+                compute_kernels=(compute_kernels_of(c.compute_kernels) if c and c.compute_kernels and fused_available
+                                 else default_kernels),
                 ranks=list(c.ranks) if c and c.ranks is not None else None,
                 min_column_shard_dim=c.min_column_shard_dim if c else None,
                 fixed=fixed,
@@ -559,14 +565,18 @@ def plan_config(
     meta: dict | None,
     batch_size: int | None = None,
     weight_bytes: int | None = None,
+    fused_available: bool = True,
 ) -> PlanResult:
     """Plan an experiment config on a topology (what ``dlrmctl plan`` runs).
 
     Args:
         batch_size: global batch; default ``data.batch_size``.
         weight_bytes: 4 (fp32) or 2 (fp16); default from ``model.embedding_precision``.
+        fused_available: False plans every table on the dense kernel (see
+            :func:`table_specs_from_config`); ``dlrmctl plan`` plans for a target cluster
+            and keeps True, the trainer passes whether this process has FBGEMM.
     """
-    specs = table_specs_from_config(cfg, meta, weight_bytes)
+    specs = table_specs_from_config(cfg, meta, weight_bytes, fused_available)
     res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs),
                                  key_dims=[t.embedding_dim for t in specs for _ in t.pooling_factors])
     return EmbeddingShardingPlanner(topology, batch_size or cfg.data.batch_size, res).plan(specs)
@@ -579,7 +589,9 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     ``sharding.device`` preset (``cpu`` by default: every table in DDR,
     fused = FBGEMM TBE on CPU, dense = torch EmbeddingBag) with
     ``sharding.hbm_gb`` / ``sharding.ddr_gb`` overrides; ``local_world_size``
-    defaults to ``sharding.local_world_size``, then to ``world_size``.
+    defaults to ``sharding.local_world_size``, then to ``world_size``.  Without ``fbgemm_gpu``
+    in this process every table is planned (and costed) on the dense kernel, the one
+    training will run.
 
     Returns:
         a :class:`ShardingPlan` that passes ``validate(resolve_tables(cfg, meta), world_size)``.
@@ -591,4 +603,7 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     tf = cfg.sharding.topology_file
     device = load_topology_file(tf) if tf else cfg.sharding.device
     topo = Topology.from_preset(device, world_size, lws, cfg.sharding.hbm_gb, cfg.sharding.ddr_gb, name=tf)
-    return plan_config(cfg, topo, meta).plan
+    from dlrmctl import _fbgemm
+
+    # without fbgemm_gpu training runs every table on the dense kernel: plan (and cost) that
+    return plan_config(cfg, topo, meta, fused_available=_fbgemm.HAS_FBGEMM).plan
