@@ -327,3 +327,27 @@ def test_the_reported_step_time_is_evaluate_plan_of_the_chosen_plan(local):
             assert q.critical_path == pytest.approx(
                 evaluate_plan(partition_to_plan(q, topo), specs, topo, B).critical_path, rel=1e-12)
             assert q.key >= res.partition.key
+
+
+@pytest.mark.parametrize("rows,dense_grad", [(4_000, True), (30_000, True), (2_000_000, False)])
+def test_a_calibrated_data_parallel_shard_adds_only_the_other_rows_optimizer_pass(rows, dense_grad):
+    """data_parallel with a calibrated dense multiplier (which already holds the optimizer step
+    for the local ids): backward = mult * forward + one optimizer pass over the rows beyond the
+    local ids (every row for a densified gradient, all ranks' ids for gathered sparse rows) —
+    not TorchRec's 9.22 x rows-touched term on top of it (that stays for the presets)."""
+    from dlrmctl.planner.perf import DP_ELEMENTWISE_KERNELS_PERF_FACTOR, dp_dense_grad
+
+    W, B, d, mem_bw, eff, mult = 2, 4096, 64, 20e9, 0.5, 3.0
+    topo = Topology(world_size=W, local_world_size=W, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
+                    hbm_mem_bw=0.0, ddr_mem_bw=mem_bw, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=0,
+                    kernel_efficiency={"dense": eff}, dense_bwd_compute_multiplier=mult)
+    table = TableSpec("t", rows, d, [2.0], optimizer="exact_rowwise_adagrad")  # 4,000 rows: 1 MB, densified
+    assert dp_dense_grad(table) == dense_grad
+    p, ids, *_ = estimate_shard(topo, table, ST.DATA_PARALLEL, CK.DENSE, rows, d, 1, B, 0.0)
+    assert ids == B * 2 // W
+    bw = mem_bw * eff
+    touched = rows if dense_grad else min(rows, B * 2)
+    assert p.bwd_compute == pytest.approx(mult * p.fwd_compute + max(0, touched - ids) * d * (2 * 4 + 2 * 4) / bw)
+    plain = dataclasses.replace(topo, dense_bwd_compute_multiplier=None, bwd_compute_multiplier=mult)
+    q, *_ = estimate_shard(plain, table, ST.DATA_PARALLEL, CK.DENSE, rows, d, 1, B, 0.0)
+    assert q.bwd_compute == pytest.approx(mult * q.fwd_compute + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * 4 / bw)

@@ -64,9 +64,13 @@ with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
 ``B/W``)::
 
     ids = B*P/W;  fwd_compute = (ids*8 + ids*max(d*bpw, m) + B/W*R*d*O) / bw_dense
-    bwd_compute = mult*fwd_compute + 9.22*rows_touched*d*bpw / bw_dense
-                  # DP_ELEMENTWISE_KERNELS_PERF_FACTOR; rows_touched = rows (dense
-                  # gradient) or min(rows, B*P) (gathered sparse rows)
+    bwd_compute = mult*fwd_compute + 9.22*rows_touched*d*bpw / bw_dense      # presets
+                  # DP_ELEMENTWISE_KERNELS_PERF_FACTOR (TorchRec); rows_touched = rows (dense
+                  # gradient) or min(rows, B*P) (gathered sparse rows: every replica updates
+                  # the rows of all ranks' ids)
+                | mult*fwd_compute + max(0, rows_touched - ids)*d*(2*4 + 2*bpw) / bw_dense
+                  # calibrated dense multiplier: it already holds the optimizer step for the
+                  # local ids, so only the other rows' optimizer pass is added
     bwd_comms   = 2*(W-1)/W*grad / net    (all-reduce, ring)
                 | (W-1)*grad / net        (all-gather: W-1 other ranks' rows arrive)
 
@@ -412,7 +416,13 @@ def estimate_shard(
         else:
             touched = min(rows, B * table.ids_per_sample)
             comm = (W - 1) * cb.grad_sync / net
-        bwd = mult * fwd + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * bpw / bw
+        if topology.dense_bwd_compute_multiplier is not None:
+            # calibrated: the multiplier already holds backward + optimizer step for this rank's
+            # own ids; the replica also updates the rows the other ranks' ids touched (gathered
+            # sparse rows) or every row (dense gradient): one optimizer pass over those extra rows
+            bwd = mult * fwd + max(0.0, touched - ids) * d * (2 * 4 + 2 * bpw) / bw
+        else:
+            bwd = mult * fwd + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * bpw / bw
         return Perf(fwd * scale, 0.0, bwd * scale, comm), ids, int(inp), int(out)
 
     c = d if st in _ROW_TYPES else cols
