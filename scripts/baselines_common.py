@@ -202,7 +202,7 @@ def result_line(name: str, split: str, m: dict, note: str = "") -> str:
 
 
 def run_baselines(data_dir: str, val_split: str, test_split: str, cs, seed: int, out, log, *,
-                  score_baselines=None, lr_note=None) -> dict:
+                  score_baselines=None, lr_note=None, keep_logits: bool = False) -> dict:
     """The shared flow of both baseline scripts: load ``train``, ``val_split`` and ``test_split``,
     score the CTR prior, fit the logistic regression with C chosen on ``val_split``, score it on both
     splits, print one line per baseline and split (via ``out``).
@@ -211,10 +211,13 @@ def run_baselines(data_dir: str, val_split: str, test_split: str, cs, seed: int,
         score_baselines: optional ``(meta, evals) -> {name: {split: AUC}}`` of extra score-only
             baselines (e.g. MovieLens' item popularity), printed between the prior and the LR.
         lr_note: optional ``(meta, x_train) -> str`` for the LR lines (default: the column count).
+        keep_logits: also return the LR's logits and the labels of both splits (e.g. to pool the
+            test rows of several splits, ``scripts/criteo_cv.py``).
 
     Returns:
         ``{"prior": {split: metrics}, <extra names>: {split: AUC}, "logistic_regression":
-        {split: metrics}, "C": float}`` (metrics as ``compute_metrics_from_logits``).
+        {split: metrics}, "C": float}`` (metrics as ``compute_metrics_from_logits``); with
+        ``keep_logits`` also ``"logits": {split: (LR logits [n] float64, labels [n] float32)}``.
 
     Raises:
         dlrmctl.data.columnar.DataError: a split is missing; ValueError: single-class train split.
@@ -232,7 +235,10 @@ def run_baselines(data_dir: str, val_split: str, test_split: str, cs, seed: int,
     res.update(extra)
     model, c, _ = fit_logistic_regression(x["train"], train["label"], x[val_split], evals[val_split]["label"],
                                           cs=cs, seed=seed, log=log)
-    res["logistic_regression"] = {s: metrics(model.decision_function(x[s]), d["label"]) for s, d in evals.items()}
+    lr_logits = {s: model.decision_function(x[s]) for s in evals}
+    res["logistic_regression"] = {s: metrics(lr_logits[s], d["label"]) for s, d in evals.items()}
+    if keep_logits:
+        res["logits"] = {s: (lr_logits[s], d["label"]) for s, d in evals.items()}
     res["C"] = c
     for s in (val_split, test_split):
         out(result_line("CTR prior", s, res["prior"][s], f"train CTR {float(train['label'].mean()):.4f}"))

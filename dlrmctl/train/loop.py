@@ -1449,6 +1449,21 @@ def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, 
     Raises:
         DataMismatchError: other data than the run's; DataError: ``split`` missing or empty.
     """
+    return compute_metrics_from_logits(*run_logits(run_dir, split, data_dir, batch_size, checkpoint=checkpoint,
+                                                   any_split=any_split, progress=progress))
+
+
+def run_logits(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None,
+               checkpoint: str | None = None, any_split: bool = False,
+               progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The logits and labels of a run's checkpoint on ``split``, in the split's row order (what
+    :func:`evaluate_run` computes its metrics from; e.g. to pool the rows of several runs).
+
+    Same arguments, data check and errors as :func:`evaluate_run`.
+
+    Returns:
+        ``(logits [n] float32, labels [n] float32)``.
+    """
     from dlrmctl.data.fingerprint import PARTS, check_run_data, read_meta_json, split_rows
     from dlrmctl.data.loader import BatchLoader
 
@@ -1463,9 +1478,9 @@ def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, 
                          features=feats, **multi_hot_kwargs(cfg, meta))
     logits, labels = [], []
     with Progress(len(loader), f"eval {split}", "batch", enabled=progress, every_s=cfg.train.progress_every_s,
-                  final_line=False, leave=False) as bar:
+                  final_line=False, leave=False) as bar, torch.no_grad():
         for batch in loader:
             logits.append(model(batch.dense_features, batch.sparse_features).squeeze(1).float().numpy())
             labels.append(batch.labels.numpy())
             bar.update(1)
-    return compute_metrics_from_logits(np.concatenate(logits), np.concatenate(labels))
+    return np.concatenate(logits), np.concatenate(labels)

@@ -1,0 +1,238 @@
+"""DLRM against the logistic regression over K row-hash splits of one Criteo file: the paired
+test-AUC difference DLRM - LR with its standard error.
+
+    python scripts/criteo_cv.py --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
+        --config configs/criteo_sample.yaml [--splits 5] [--set model.dropout=0.3 ...] [--out cv.md]
+
+For each split seed ``s = first_seed .. first_seed + K - 1``:
+
+1. ``dlrmctl preprocess criteo --input FILE --out WORK/data_s --val-ratio R --test-ratio R --seed s``
+   (:func:`dlrmctl.data.criteo.preprocess.preprocess_criteo`; the seed moves every row's hash
+   split, so each split has other train / val / test rows);
+2. ``dlrmctl train CONFIG --set data.path=WORK/data_s ...`` with the ``--set`` overrides
+   (:func:`dlrmctl.train.worker.run_training`; ``train.keep_best`` keeps the best-on-val
+   checkpoint, early stopping reads val);
+3. the best-on-val checkpoint scored once on test (:func:`dlrmctl.train.loop.run_logits`, what
+   ``dlrmctl evaluate RUN --split test`` computes);
+4. the logistic regression of ``scripts/criteo_baselines.py`` on the same split (C chosen on val,
+   :func:`baselines_common.run_baselines`).
+
+Printed (and written to ``--out`` as Markdown, and as JSON next to it, each through a temp file
+renamed into place): one row per split (rows, DLRM val / test AUC, LR val / test AUC, test
+difference), then
+
+* the mean paired difference ``mean_s(DLRM_s - LR_s)`` and its standard error
+  ``std_s(.) / sqrt(K)`` (sample std, ddof 1): both models see the same rows of a split, so the
+  split's difficulty cancels in the difference (a paired design; the SE says how far the mean
+  can be trusted, about +-2 SE for a 95% interval with K >= 5);
+* the mean val AUC of both models over the splits (what settings are chosen on; never the test);
+* the pooled test AUC of each model: one AUC over the test rows of all splits together (a row
+  can be a test row of several splits; the models of different splits are scored on one scale,
+  so it also measures their calibration across splits).
+
+Errors (one line, exit status 2): a missing input file or config, ``--splits`` < 2 (no standard
+error from one split), a bad ``--set`` (the config's own error).  Needs scikit-learn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+import baselines_common as bc  # noqa: E402
+
+DEFAULT_INPUT = "../shared/data/criteo/criteo_kaggle_sample_10k.tsv"
+
+
+def paired_stats(diffs) -> tuple[float, float]:
+    """Mean and standard error ``std(ddof=1) / sqrt(K)`` of ``K >= 2`` paired differences.
+
+    Raises:
+        ValueError: fewer than 2 differences (no standard error).
+    """
+    d = np.asarray(diffs, dtype=np.float64)
+    if d.size < 2:
+        raise ValueError(f"a standard error needs >= 2 paired differences, got {d.size}")
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through ``path.tmp`` renamed over it (nothing half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def preprocess_split(input_file: str, out_dir: Path, seed: int, val_ratio: float, test_ratio: float) -> None:
+    """``dlrmctl preprocess criteo`` of ``input_file`` with split ``seed`` into ``out_dir`` (replaced
+    whole: written to ``out_dir.tmp``, then renamed)."""
+    from dlrmctl.data.criteo.parse import CriteoOptions
+    from dlrmctl.data.criteo.preprocess import preprocess_criteo
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    preprocess_criteo(input_file, tmp, CriteoOptions(val_ratio=val_ratio, test_ratio=test_ratio, seed=seed),
+                      progress=False)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+
+
+def run_split(config: str, overrides: list[str], input_file: str, work: Path, seed: int, val_ratio: float,
+              test_ratio: float, cs, log) -> dict:
+    """One split: preprocess, train DLRM, score its best-on-val checkpoint on test, fit the LR.
+
+    Returns:
+        ``{"seed", "test_rows", "dlrm_val_auc", "dlrm_test_auc", "lr_val_auc", "lr_test_auc", "C",
+        "dlrm_test_logits", "lr_test_logits", "test_labels"}`` (the arrays ``[n]`` float64).
+    """
+    from dlrmctl.train.loop import run_logits
+    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.train.worker import run_training
+
+    data = work / f"data_{seed}"
+    preprocess_split(input_file, data, seed, val_ratio, test_ratio)
+    name = f"split_{seed}"
+    summary = run_training(config, list(overrides) + [f"data.path={data}", f"name={name}",
+                                                      f"train.run_dir={work / 'runs'}", "train.progress=false"],
+                           overwrite=True)
+    run_dir = work / "runs" / name
+    z, y = run_logits(str(run_dir), "test", checkpoint=None)  # best-on-val when the run kept one
+    dlrm_test = compute_metrics_from_logits(z, y)
+    lr = bc.run_baselines(str(data), "val", "test", cs, 0, out=lambda s: None, log=log, keep_logits=True)
+    lz, ly = lr["logits"]["test"]
+    if not np.array_equal(np.asarray(ly, np.float64), np.asarray(y, np.float64)):
+        raise RuntimeError(f"split {seed}: DLRM and LR test labels differ (row order); cannot pair them")
+    return {"seed": seed, "test_rows": int(len(y)), "dlrm_val_auc": float(summary["best"]["auc"]),
+            "dlrm_test_auc": float(dlrm_test["auc"]), "lr_val_auc": float(lr["logistic_regression"]["val"]["auc"]),
+            "lr_test_auc": float(lr["logistic_regression"]["test"]["auc"]), "C": lr["C"],
+            "dlrm_test_logits": np.asarray(z, np.float64), "lr_test_logits": np.asarray(lz, np.float64),
+            "test_labels": np.asarray(y, np.float64)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The per-split rows -> mean paired test difference ± SE, mean val AUCs, pooled test AUCs."""
+    diffs = [r["dlrm_test_auc"] - r["lr_test_auc"] for r in rows]
+    mean, se = paired_stats(diffs)
+    y = np.concatenate([r["test_labels"] for r in rows])
+    return {
+        "splits": len(rows), "diff_mean": mean, "diff_se": se,
+        "dlrm_val_mean": float(np.mean([r["dlrm_val_auc"] for r in rows])),
+        "lr_val_mean": float(np.mean([r["lr_val_auc"] for r in rows])),
+        "dlrm_test_mean": float(np.mean([r["dlrm_test_auc"] for r in rows])),
+        "lr_test_mean": float(np.mean([r["lr_test_auc"] for r in rows])),
+        "pooled_test_rows": int(y.size),
+        "dlrm_pooled_test_auc": bc.auc(y, np.concatenate([r["dlrm_test_logits"] for r in rows])),
+        "lr_pooled_test_auc": bc.auc(y, np.concatenate([r["lr_test_logits"] for r in rows])),
+    }
+
+
+def render(rows: list[dict], s: dict, command: str) -> str:
+    """The Markdown table and summary lines printed and written to ``--out``."""
+    lines = [f"`{command}`", "",
+             "| split seed | test rows | DLRM val AUC | DLRM test AUC | LR val AUC | LR test AUC (C) | DLRM - LR test |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seed']} | {r['test_rows']} | {r['dlrm_val_auc']:.4f} | {r['dlrm_test_auc']:.4f} | "
+                     f"{r['lr_val_auc']:.4f} | {r['lr_test_auc']:.4f} ({r['C']:g}) | "
+                     f"{r['dlrm_test_auc'] - r['lr_test_auc']:+.4f} |")
+    lines += ["",
+              f"mean paired test difference DLRM - LR over {s['splits']} splits: {s['diff_mean']:+.4f} "
+              f"± {s['diff_se']:.4f} (SE)",
+              f"mean val AUC: DLRM {s['dlrm_val_mean']:.4f}, LR {s['lr_val_mean']:.4f}; "
+              f"mean test AUC: DLRM {s['dlrm_test_mean']:.4f}, LR {s['lr_test_mean']:.4f}",
+              f"pooled test AUC ({s['pooled_test_rows']} rows of all splits): DLRM {s['dlrm_pooled_test_auc']:.4f}, "
+              f"LR {s['lr_pooled_test_auc']:.4f}"]
+    return "\n".join(lines) + "\n"
+
+
+def run(input_file: str, config: str, overrides: list[str], splits: int = 5, first_seed: int = 0,
+        work: str = "runs/criteo_cv", val_ratio: float = 0.15, test_ratio: float = 0.15, cs=bc.DEFAULT_CS,
+        out: str | None = None, log=None) -> dict:
+    """Run the K splits (see the module docstring); returns ``{"rows": [...], "summary": {...}}``
+    (the rows without their logit arrays).
+
+    Raises:
+        FileNotFoundError: ``input_file`` or ``config`` missing.
+        ValueError: ``splits`` < 2.
+        dlrmctl.config.ConfigError: a bad config or override.
+    """
+    from dlrmctl.config import load_config
+
+    log = log or (lambda s: print(s, file=sys.stderr))
+    if splits < 2:
+        raise ValueError(f"--splits must be >= 2 (a standard error needs two paired differences), got {splits}")
+    if not os.path.isfile(input_file):
+        raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"--config {config}: no such file")
+    load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
+    work_p = Path(work)
+    rows = []
+    for seed in range(first_seed, first_seed + splits):
+        t0 = time.perf_counter()
+        r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs, log=lambda s: None)
+        log(f"split {seed}: DLRM val {r['dlrm_val_auc']:.4f} test {r['dlrm_test_auc']:.4f} | LR val "
+            f"{r['lr_val_auc']:.4f} test {r['lr_test_auc']:.4f} ({time.perf_counter() - t0:.0f}s)")
+        rows.append(r)
+    s = summarize(rows)
+    command = "python scripts/criteo_cv.py --input {} --config {} --splits {}{}".format(
+        input_file, config, splits, "".join(f" --set {o}" for o in overrides))
+    text = render(rows, s, command)
+    print(text, end="")
+    plain = [{k: v for k, v in r.items() if not isinstance(v, np.ndarray)} for r in rows]
+    if out:
+        _atomic_write(Path(out), text)
+        _atomic_write(Path(out).with_suffix(".json"),
+                      json.dumps({"command": command, "rows": plain, "summary": s}, indent=1) + "\n")
+    return {"rows": plain, "summary": s}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """CLI entry: see the module docstring."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--input", default=DEFAULT_INPUT, help=f"Criteo TSV (default {DEFAULT_INPUT})")
+    p.add_argument("--config", default="configs/criteo_sample.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every split's training (repeatable)")
+    p.add_argument("--splits", type=int, default=5, help="K split seeds (>= 2; default 5)")
+    p.add_argument("--first-seed", type=int, default=0, help="the first split seed (default 0)")
+    p.add_argument("--work", default="runs/criteo_cv", help="where each split's data and run go")
+    p.add_argument("--val-ratio", type=float, default=0.15)
+    p.add_argument("--test-ratio", type=float, default=0.15)
+    p.add_argument("--C", default=",".join(f"{c:g}" for c in bc.DEFAULT_CS),
+                   help="comma-separated inverse L2 strengths of the LR (chosen on val per split)")
+    p.add_argument("--out", default=None, help="also write the table here (Markdown) and as .json next to it")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    a = p.parse_args(argv)
+    try:
+        cs = tuple(float(c) for c in a.C.split(",") if c.strip())
+    except ValueError:
+        p.error(f"--C: expected comma-separated numbers, got {a.C!r}")
+    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
+        p.error(f"--C: expected finite numbers > 0, got {a.C!r}")
+    import torch
+
+    from dlrmctl.config import ConfigError
+
+    torch.set_num_threads(max(1, a.threads))
+    try:
+        return run(a.input, a.config, a.overrides, a.splits, a.first_seed, a.work, a.val_ratio, a.test_ratio, cs,
+                   a.out)
+    except (FileNotFoundError, ValueError, ConfigError) as e:
+        p.error(str(e))
+
+
+if __name__ == "__main__":
+    main()

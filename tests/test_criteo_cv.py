@@ -1,0 +1,106 @@
+"""Issue 16: scripts/criteo_cv.py — DLRM vs the logistic regression over K row-hash splits, the
+paired test difference with its standard error, pooled test AUC."""
+
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tests.conftest import CRITEO_10K, REPO, require_shared
+
+pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip install -e '.[test]'")
+
+# a small, fast DLRM for the 2-split run: the comparison's mechanics, not its figures
+FAST = ["train.epochs=1", "train.eval_every=5", "train.early_stopping_patience=2", "data.batch_size=256"]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("criteo_cv", REPO / "scripts" / "criteo_cv.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def head_tsv(tmp_path_factory):
+    """The first 3,000 lines of the real 10k sample (skipped when ../shared is absent)."""
+    src = require_shared(CRITEO_10K)
+    out = tmp_path_factory.mktemp("cv_in") / "head3k.tsv"
+    with open(src) as f, open(out, "w") as g:
+        for i, line in enumerate(f):
+            if i == 3000:
+                break
+            g.write(line)
+    return out
+
+
+def test_paired_stats_mean_and_standard_error():
+    cv = _script()
+    mean, se = cv.paired_stats([0.01, 0.03])
+    assert mean == pytest.approx(0.02)
+    assert se == pytest.approx(np.std([0.01, 0.03], ddof=1) / math.sqrt(2)) and se == pytest.approx(0.01)
+    with pytest.raises(ValueError, match=">= 2"):
+        cv.paired_stats([0.01])
+
+
+def test_two_splits_pair_dlrm_and_lr_on_the_same_test_rows(head_tsv, tmp_path, capsys):
+    cv = _script()
+    out = tmp_path / "res" / "cv.md"
+    argv = ["--input", str(head_tsv), "--config", str(REPO / "configs" / "criteo_sample.yaml"), "--splits", "2",
+            "--first-seed", "3", "--work", str(tmp_path / "work"), "--out", str(out), "--C", "0.03,0.3"]
+    for o in FAST:
+        argv += ["--set", o]
+    res = cv.main(argv)
+    printed = capsys.readouterr().out
+    rows, s = res["rows"], res["summary"]
+    assert [r["seed"] for r in rows] == [3, 4]
+    # the two splits are different row sets (the seed moves the hash split)
+    from dlrmctl.data.columnar import read_meta
+
+    metas = [read_meta(str(tmp_path / "work" / f"data_{k}")) for k in (3, 4)]
+    assert [m["splits"]["test"]["rows"] for m in metas] == [r["test_rows"] for r in rows]
+    assert [m["transforms"]["split"]["seed"] for m in metas] == [3, 4]
+    # DLRM: the best-on-val checkpoint scored on test = `dlrmctl evaluate RUN --split test`
+    from dlrmctl.train.loop import evaluate_run
+
+    for r in rows:
+        run = tmp_path / "work" / "runs" / f"split_{r['seed']}"
+        assert r["dlrm_test_auc"] == pytest.approx(evaluate_run(str(run), "test")["auc"], abs=1e-12)
+        best = json.loads((run / "summary.json").read_text())["best"]
+        assert r["dlrm_val_auc"] == pytest.approx(best["auc"], abs=1e-12)
+    # LR: what scripts/criteo_baselines.py reports on the same directory
+    spec = importlib.util.spec_from_file_location("criteo_baselines", REPO / "scripts" / "criteo_baselines.py")
+    cb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cb)
+    lr = cb.run(str(tmp_path / "work" / "data_4"), cs=(0.03, 0.3), out=lambda s: None, log=lambda s: None)
+    assert rows[1]["lr_test_auc"] == pytest.approx(lr["logistic_regression"]["test"]["auc"], abs=1e-12)
+    assert rows[1]["C"] == lr["C"]
+    # the summary: mean and SE of the per-split differences, pooled rows = all test rows
+    d = [r["dlrm_test_auc"] - r["lr_test_auc"] for r in rows]
+    assert s["diff_mean"] == pytest.approx(np.mean(d), abs=1e-12)
+    assert s["diff_se"] == pytest.approx(np.std(d, ddof=1) / math.sqrt(2), abs=1e-12)
+    assert s["pooled_test_rows"] == sum(r["test_rows"] for r in rows)
+    assert 0.6 < s["lr_pooled_test_auc"] < 0.9 and 0.5 < s["dlrm_pooled_test_auc"] < 0.9
+    assert f"{s['diff_mean']:+.4f} ± {s['diff_se']:.4f}" in printed
+    # written through temp files: the table and the JSON, no .tmp left behind
+    assert out.read_text() in printed
+    assert json.loads(out.with_suffix(".json").read_text())["summary"]["diff_mean"] == pytest.approx(s["diff_mean"])
+    assert sorted(p.name for p in out.parent.iterdir()) == ["cv.json", "cv.md"]
+
+
+def test_bad_splits_and_missing_input_are_one_line_errors(tmp_path, capsys):
+    cv = _script()
+    with pytest.raises(SystemExit) as e:
+        cv.main(["--input", str(tmp_path / "nope.tsv"), "--splits", "3", "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "nope.tsv: no such file" in capsys.readouterr().err
+    tsv = tmp_path / "x.tsv"
+    tsv.write_text("0\t" + "\t" * 38 + "\n")
+    with pytest.raises(SystemExit) as e:
+        cv.main(["--input", str(tsv), "--splits", "1", "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "--splits must be >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cv.main(["--input", str(tsv), "--splits", "2", "--set", "model.no_such_key=1", "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "no_such_key" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # nothing preprocessed before the errors
