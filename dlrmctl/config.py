@@ -119,6 +119,20 @@ class ModelConfig:
     embedding to the logit, ``w_dense^T x + sum_f w_f^T e_f``
     (:class:`~dlrmctl.modules.dlrm.FirstOrder`: the first-order part of FM / DeepFM / Wide &
     Deep, zero-initialised, trained by the dense optimizer).
+
+    ``embedding_init_max``: every table starts as
+    ``U(-a, a)`` with ``a = embedding_init_max``; null: the DLRM reference's ``a =
+    sqrt(1 / num_embeddings)`` (dlrm_s_pytorch.py ``create_emb``).  A small ``a`` starts every id
+    near zero, so an id seen a few times moves little from a neutral vector (as an L2-penalised
+    per-id weight of a logistic regression does).  ``over_arch_bias_init``: ``random`` (the MLP
+    init, ``N(0, 1)`` for the last layer) or ``ctr``: the over arch's output bias starts at
+    ``logit(train CTR)`` from meta.json, so the first steps predict the base rate instead of
+    fitting it (Karpathy, "A Recipe for Training Neural Networks", 2019: "init well").
+    ``dense_standardize``: the dense features enter the model as ``(x - mean) / std`` with the
+    train split's per-column mean and std (computed by the trainer in one pass over the train
+    split's dense columns, float64; std 1 where a column is constant), held in the model
+    (:class:`~dlrmctl.modules.dlrm.DenseStandardize`: checkpointed and exported with it), as the
+    logistic-regression baseline's dense columns are.
     """
 
     arch: Literal["dlrm"] = "dlrm"
@@ -126,6 +140,9 @@ class ModelConfig:
     embedding_dim_factor: float = 6.0
     dropout: float = 0.0
     first_order: bool = False
+    embedding_init_max: Optional[float] = None
+    over_arch_bias_init: Literal["random", "ctr"] = "random"
+    dense_standardize: bool = False
     tables: list[TableConfig] = field(default_factory=list)
     dense_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 64, 16])
     over_arch_layer_sizes: list[int] = field(default_factory=lambda: [512, 256, 1])
@@ -559,6 +576,10 @@ def validate(cfg: ExperimentConfig) -> None:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise ConfigError(f"model.dropout: must be in [0, 1) (the probability of zeroing an activation), "
                           f"got {cfg.model.dropout}")
+    a = cfg.model.embedding_init_max
+    if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and a > 0)):
+        raise ConfigError(f"model.embedding_init_max: must be a finite number > 0 (tables start U(-a, a)) or null "
+                          f"(sqrt(1 / num_embeddings)), got {a!r}")
     pos(cfg.train.early_stopping_patience, "train.early_stopping_patience", allow_zero=True)
     if cfg.train.early_stopping_patience and cfg.train.keep_best == "none":
         raise ConfigError("train.early_stopping_patience: stops on the keep_best metric, but train.keep_best is "
@@ -753,7 +774,8 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
       meta.json, ``model.embedding_dim`` wide, rows = the feature's ``num_embeddings``.
     * a table with ``num_embeddings: null``: the largest cardinality among its
       features in meta.json.
-    * every table's ``data_type`` is ``model.embedding_precision`` (FP32 / FP16).
+    * every table's ``data_type`` is ``model.embedding_precision`` (FP32 / FP16), its init
+      bounds ``+-model.embedding_init_max`` when set (else the EBC's ``+-sqrt(1 / rows)``).
 
     Args:
         meta: parsed meta.json (``sparse_features: [{name, num_embeddings, ...}]``).
@@ -768,6 +790,8 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
     from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
 
     data_type = DataType.FP16 if cfg.model.embedding_precision == "fp16" else DataType.FP32
+    a = cfg.model.embedding_init_max  # None: each table's sqrt(1 / num_embeddings)
+    init = {} if a is None else {"weight_init_min": -float(a), "weight_init_max": float(a)}
     feats = {f["name"]: f for f in (meta or {}).get("sparse_features", [])}
     out = []
     if not cfg.model.tables:
@@ -782,7 +806,7 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
                    if cfg.model.embedding_dim == "auto" else cfg.model.embedding_dim)
             out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=rows,
                                           embedding_dim=dim, feature_names=[f["name"]],
-                                          data_type=data_type))
+                                          data_type=data_type, **init))
         return out
     for i, t in enumerate(cfg.model.tables):
         fnames = t.feature_names or [t.name]
@@ -797,5 +821,5 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
             rows = max(int(feats[n]["num_embeddings"]) for n in fnames)
         out.append(EmbeddingBagConfig(name=t.name, num_embeddings=rows,
                                       embedding_dim=t.embedding_dim or cfg.model.embedding_dim,
-                                      feature_names=list(fnames), pooling=t.pooling, data_type=data_type))
+                                      feature_names=list(fnames), pooling=t.pooling, data_type=data_type, **init))
     return out

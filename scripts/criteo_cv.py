@@ -90,8 +90,11 @@ def preprocess_split(input_file: str, out_dir: Path, seed: int, val_ratio: float
 
 
 def run_split(config: str, overrides: list[str], input_file: str, work: Path, seed: int, val_ratio: float,
-              test_ratio: float, cs, log) -> dict:
+              test_ratio: float, cs, log, ensemble: int = 1) -> dict:
     """One split: preprocess, train DLRM, score its best-on-val checkpoint on test, fit the LR.
+
+    ``ensemble`` > 1: train that many DLRMs (``train.seed`` = the config's + 0, 1, ...; each its
+    own best-on-val checkpoint) and score the mean of their logits on val and test.
 
     Returns:
         ``{"seed", "test_rows", "dlrm_val_auc", "dlrm_test_auc", "lr_val_auc", "lr_test_auc", "C",
@@ -103,18 +106,30 @@ def run_split(config: str, overrides: list[str], input_file: str, work: Path, se
 
     data = work / f"data_{seed}"
     preprocess_split(input_file, data, seed, val_ratio, test_ratio)
-    name = f"split_{seed}"
-    summary = run_training(config, list(overrides) + [f"data.path={data}", f"name={name}",
-                                                      f"train.run_dir={work / 'runs'}", "train.progress=false"],
-                           overwrite=True)
-    run_dir = work / "runs" / name
-    z, y = run_logits(str(run_dir), "test", checkpoint=None)  # best-on-val when the run kept one
+    from dlrmctl.config import load_config
+
+    base_seed = load_config(config, list(overrides)).train.seed
+    zs, vs = [], []
+    for m in range(ensemble):
+        name = f"split_{seed}" + (f"_m{m}" if ensemble > 1 else "")
+        summary = run_training(config, list(overrides) + [f"data.path={data}", f"name={name}",
+                                                          f"train.run_dir={work / 'runs'}", "train.progress=false"]
+                               + ([f"train.seed={base_seed + m}"] if ensemble > 1 else []), overwrite=True)
+        run_dir = work / "runs" / name
+        z, y = run_logits(str(run_dir), "test", checkpoint=None)  # best-on-val when the run kept one
+        zs.append(np.asarray(z, np.float64))
+        if ensemble > 1:
+            zv, yv = run_logits(str(run_dir), "val", checkpoint=None)
+            vs.append(np.asarray(zv, np.float64))
+    z = np.mean(zs, axis=0)
     dlrm_test = compute_metrics_from_logits(z, y)
+    dlrm_val_auc = (float(summary["best"]["auc"]) if ensemble == 1
+                    else float(compute_metrics_from_logits(np.mean(vs, axis=0), yv)["auc"]))
     lr = bc.run_baselines(str(data), "val", "test", cs, 0, out=lambda s: None, log=log, keep_logits=True)
     lz, ly = lr["logits"]["test"]
     if not np.array_equal(np.asarray(ly, np.float64), np.asarray(y, np.float64)):
         raise RuntimeError(f"split {seed}: DLRM and LR test labels differ (row order); cannot pair them")
-    return {"seed": seed, "test_rows": int(len(y)), "dlrm_val_auc": float(summary["best"]["auc"]),
+    return {"seed": seed, "test_rows": int(len(y)), "dlrm_val_auc": dlrm_val_auc,
             "dlrm_test_auc": float(dlrm_test["auc"]), "lr_val_auc": float(lr["logistic_regression"]["val"]["auc"]),
             "lr_test_auc": float(lr["logistic_regression"]["test"]["auc"]), "C": lr["C"],
             "dlrm_test_logits": np.asarray(z, np.float64), "lr_test_logits": np.asarray(lz, np.float64),
@@ -159,13 +174,13 @@ def render(rows: list[dict], s: dict, command: str) -> str:
 
 def run(input_file: str, config: str, overrides: list[str], splits: int = 5, first_seed: int = 0,
         work: str = "runs/criteo_cv", val_ratio: float = 0.15, test_ratio: float = 0.15, cs=bc.DEFAULT_CS,
-        out: str | None = None, log=None) -> dict:
+        out: str | None = None, log=None, ensemble: int = 1) -> dict:
     """Run the K splits (see the module docstring); returns ``{"rows": [...], "summary": {...}}``
     (the rows without their logit arrays).
 
     Raises:
         FileNotFoundError: ``input_file`` or ``config`` missing.
-        ValueError: ``splits`` < 2.
+        ValueError: ``splits`` < 2 or ``ensemble`` < 1.
         dlrmctl.config.ConfigError: a bad config or override.
     """
     from dlrmctl.config import load_config
@@ -173,6 +188,8 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
     log = log or (lambda s: print(s, file=sys.stderr))
     if splits < 2:
         raise ValueError(f"--splits must be >= 2 (a standard error needs two paired differences), got {splits}")
+    if ensemble < 1:
+        raise ValueError(f"--ensemble must be >= 1 (DLRMs per split), got {ensemble}")
     if not os.path.isfile(input_file):
         raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
     if not os.path.isfile(config):
@@ -182,13 +199,15 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
     rows = []
     for seed in range(first_seed, first_seed + splits):
         t0 = time.perf_counter()
-        r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs, log=lambda s: None)
+        r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs, log=lambda s: None,
+                      ensemble=ensemble)
         log(f"split {seed}: DLRM val {r['dlrm_val_auc']:.4f} test {r['dlrm_test_auc']:.4f} | LR val "
             f"{r['lr_val_auc']:.4f} test {r['lr_test_auc']:.4f} ({time.perf_counter() - t0:.0f}s)")
         rows.append(r)
     s = summarize(rows)
-    command = "python scripts/criteo_cv.py --input {} --config {} --splits {}{}".format(
-        input_file, config, splits, "".join(f" --set {o}" for o in overrides))
+    command = "python scripts/criteo_cv.py --input {} --config {} --splits {}{}{}".format(
+        input_file, config, splits, f" --ensemble {ensemble}" if ensemble > 1 else "",
+        "".join(f" --set {o}" for o in overrides))
     text = render(rows, s, command)
     print(text, end="")
     plain = [{k: v for k, v in r.items() if not isinstance(v, np.ndarray)} for r in rows]
@@ -207,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every split's training (repeatable)")
     p.add_argument("--splits", type=int, default=5, help="K split seeds (>= 2; default 5)")
+    p.add_argument("--ensemble", type=int, default=1,
+                   help="DLRMs per split (train.seed + 0..N-1), their logits averaged (default 1: one model)")
     p.add_argument("--first-seed", type=int, default=0, help="the first split seed (default 0)")
     p.add_argument("--work", default="runs/criteo_cv", help="where each split's data and run go")
     p.add_argument("--val-ratio", type=float, default=0.15)
@@ -229,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(max(1, a.threads))
     try:
         return run(a.input, a.config, a.overrides, a.splits, a.first_seed, a.work, a.val_ratio, a.test_ratio, cs,
-                   a.out)
+                   a.out, ensemble=a.ensemble)
     except (FileNotFoundError, ValueError, ConfigError) as e:
         p.error(str(e))
 

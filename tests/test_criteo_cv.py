@@ -104,3 +104,27 @@ def test_bad_splits_and_missing_input_are_one_line_errors(tmp_path, capsys):
         cv.main(["--input", str(tsv), "--splits", "2", "--set", "model.no_such_key=1", "--work", str(tmp_path / "w")])
     assert e.value.code == 2 and "no_such_key" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # nothing preprocessed before the errors
+
+
+def test_an_ensemble_scores_the_mean_logit_of_its_seeds(head_tsv, tmp_path, capsys):
+    cv = _script()
+    argv = ["--input", str(head_tsv), "--config", str(REPO / "configs" / "criteo_sample.yaml"), "--splits", "2",
+            "--ensemble", "2", "--work", str(tmp_path / "work"), "--C", "0.1"]
+    for o in FAST:
+        argv += ["--set", o]
+    rows = cv.main(argv)["rows"]
+    assert "--ensemble 2" in capsys.readouterr().out
+    from dlrmctl.train.loop import run_config, run_logits
+    from dlrmctl.train.metrics import compute_metrics_from_logits
+
+    for r in rows:
+        runs = [tmp_path / "work" / "runs" / f"split_{r['seed']}_m{m}" for m in (0, 1)]
+        assert [run_config(str(p)).train.seed for p in runs] == [0, 1]  # the config's seed + 0, 1
+        for split, key in (("val", "dlrm_val_auc"), ("test", "dlrm_test_auc")):
+            (z0, y), (z1, _) = (run_logits(str(p), split) for p in runs)
+            want = compute_metrics_from_logits((z0.astype(np.float64) + z1) / 2, y)["auc"]
+            assert r[key] == pytest.approx(want, abs=1e-12)
+            assert r[key] != pytest.approx(compute_metrics_from_logits(z0, y)["auc"], abs=1e-9)
+    with pytest.raises(SystemExit) as e:
+        cv.main(["--input", str(head_tsv), "--ensemble", "0", "--work", str(tmp_path / "w2")])
+    assert e.value.code == 2 and "--ensemble must be >= 1" in capsys.readouterr().err

@@ -567,6 +567,42 @@ class SplitData:
         return out
 
 
+def dense_column_stats(data_dir: str | os.PathLike, split: str = "train",
+                       block_rows: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """Per-column mean and (population) std of a split's dense features, ``[D]`` float64 each.
+
+    One pass over the dense columns only, ``block_rows`` rows at a time (memory O(block_rows),
+    not O(split)); blocks are merged with Chan et al.'s pairwise update ("Updating Formulae and a
+    Pairwise Algorithm for Computing Sample Variances", 1979), so the result equals
+    ``np.mean`` / ``np.std`` of the whole column up to float64 rounding.  A constant column (or an
+    empty split) gets std 1, so ``(x - mean) / std`` is always defined (as
+    ``scripts/baselines_common.dense_stats``).
+
+    Raises:
+        DataError: the split is missing or unreadable (names the path).
+    """
+    sd = SplitData(data_dir, split)
+    names = list(sd.meta["dense_features"])
+    n = 0
+    mean = np.zeros(len(names))
+    m2 = np.zeros(len(names))
+    for sh in sd.shards:
+        for r0 in range(0, sh.rows, block_rows):
+            loc = sh.locate(np.arange(r0, min(sh.rows, r0 + block_rows), dtype=np.int64))
+            x = np.stack([sh.take(c, loc) for c in names], axis=1).astype(np.float64) if names else None
+            if x is None or len(x) == 0:
+                continue
+            nb, mb = len(x), x.mean(axis=0)
+            m2b = ((x - mb) ** 2).sum(axis=0)
+            delta = mb - mean
+            tot = n + nb
+            mean = mean + delta * (nb / tot)
+            m2 = m2 + m2b + delta ** 2 * (n * nb / tot)
+            n = tot
+    std = np.sqrt(m2 / n) if n else np.ones(len(names))
+    return mean, np.where(std > 0, std, 1.0)
+
+
 def open_split(data_dir: str | os.PathLike, split: str) -> SplitData:
     """Open one split of a preprocessed directory, memory-mapped (see :class:`SplitData`)."""
     return SplitData(data_dir, split)

@@ -137,10 +137,13 @@ class _DensePart(nn.Module):
         self.inter_arch = model.inter_arch
         self.over_arch = model.over_arch
         self.first_order = getattr(model, "first_order", None)
+        self.dense_norm = getattr(model, "dense_norm", None)
         self._keys = list(keys)
         self._dims = list(dims)
 
     def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        if self.dense_norm is not None:  # model.dense_standardize: the train split's statistics
+            dense = self.dense_norm(dense)
         d = self.dense_arch(dense)
         logits = self.over_arch(self.inter_arch(d, KeyedTensor(self._keys, self._dims, pooled)))
         if self.first_order is not None:  # model.first_order: the linear term (FirstOrder)
@@ -524,6 +527,8 @@ def export_model(
                                 "over_arch": model.over_arch})
     if getattr(model, "first_order", None) is not None:
         dense_only["first_order"] = model.first_order
+    if getattr(model, "dense_norm", None) is not None:
+        dense_only["dense_norm"] = model.dense_norm
     part = _DensePart(copy.deepcopy(dense_only).cpu().eval(), lookup_keys, dims)
     dense_mode = "fp32"
     if quantize_dense:

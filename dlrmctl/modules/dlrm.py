@@ -231,6 +231,43 @@ class FirstOrder(nn.Module):
         return self.dense(dense_features) + self.sparse(pooled)
 
 
+class DenseStandardize(nn.Module):
+    """``(x - mean) / std`` per dense column, with fixed statistics (``model.dense_standardize``).
+
+    The statistics are buffers (``mean``, ``std``, ``[D_in]`` float32: saved in the dense state
+    of checkpoints and carried into exports), initialised to 0 / 1 (the identity) and set once
+    from the train split by :meth:`set_stats` (the trainer, before step 0; a restored checkpoint
+    overwrites them).  The logistic-regression baseline standardises its dense columns the same
+    way (``scripts/baselines_common.dense_stats``).
+
+    Forward: ``[B, D_in]`` float32 -> ``[B, D_in]`` float32.
+    """
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(num_features))
+        self.register_buffer("std", torch.ones(num_features))
+
+    def set_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Set the column statistics (``[D_in]`` each, any float dtype).
+
+        Raises:
+            ValueError: a shape other than ``[D_in]``, or a std that is not finite and > 0.
+        """
+        mean = torch.as_tensor(mean, dtype=torch.float32)
+        std = torch.as_tensor(std, dtype=torch.float32)
+        if mean.shape != self.mean.shape or std.shape != self.std.shape:
+            raise ValueError(f"DenseStandardize: expected mean and std of shape {tuple(self.mean.shape)}, got "
+                             f"{tuple(mean.shape)} and {tuple(std.shape)}")
+        if not bool(torch.all(torch.isfinite(std) & (std > 0))) or not bool(torch.all(torch.isfinite(mean))):
+            raise ValueError(f"DenseStandardize: std must be finite and > 0 and mean finite, got std {std.tolist()}")
+        self.mean.copy_(mean)
+        self.std.copy_(std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
 class DLRM(nn.Module):
     """DLRM: sparse part (``sparse_arch``, an EmbeddingBagCollection or its
     sharded replacement) + dense part (dense arch, interaction, over arch).
@@ -249,6 +286,9 @@ class DLRM(nn.Module):
         first_order_width: ``None`` (default): the plain DLRM.  An int: the width of the pooled
             embeddings (sum of the feature dims); adds a :class:`FirstOrder` term to the logit
             (``model.first_order``), held as ``first_order``.
+        dense_standardize: hold a :class:`DenseStandardize` as ``dense_norm`` and apply it to the
+            dense features before the dense arch and the first-order term
+            (``model.dense_standardize``); None otherwise.
 
     Forward: ``dense_features [B, D_in]`` float32, ``sparse_features`` KJT ->
     logits ``[B, 1]`` float32.
@@ -265,9 +305,11 @@ class DLRM(nn.Module):
         interaction: nn.Module | None = None,
         dropout: float = 0.0,
         first_order_width: int | None = None,
+        dense_standardize: bool = False,
     ) -> None:
         super().__init__()
         self.sparse_arch = embedding_bag_collection
+        self.dense_norm = DenseStandardize(dense_in_features) if dense_standardize else None
         self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, dropout=dropout)
         self.inter_arch = interaction if interaction is not None else InteractionArch(num_sparse_features)
         self.over_arch = OverArch(self.inter_arch.output_dim(dense_arch_layer_sizes[-1]), over_arch_layer_sizes,
@@ -277,6 +319,8 @@ class DLRM(nn.Module):
 
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
         """Everything after the embedding lookup: ``-> logits [B, 1]``."""
+        if self.dense_norm is not None:
+            dense_features = self.dense_norm(dense_features)
         d = self.dense_arch(dense_features)
         logits = self.over_arch(self.inter_arch(d, embedded))
         if self.first_order is not None:

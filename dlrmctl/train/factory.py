@@ -63,7 +63,9 @@ def build_model(
     :class:`~dlrmctl.modules.dlrm.ProjectedInteraction` (one linear projection per narrower
     pooled embedding); ``model.dropout`` goes to the dense and over arch MLPs;
     ``model.first_order`` adds a :class:`~dlrmctl.modules.dlrm.FirstOrder` term over the raw
-    dense features and the pooled embeddings (width: the sum of every lookup's table dim).
+    dense features and the pooled embeddings (width: the sum of every lookup's table dim);
+    ``model.dense_standardize`` holds a :class:`~dlrmctl.modules.dlrm.DenseStandardize` (identity
+    until the trainer sets the train split's statistics).
 
     Raises:
         ValueError: the dot interaction with tables of different dims (not ``auto``).
@@ -119,6 +121,7 @@ def build_model(
         interaction=interaction,
         dropout=cfg.model.dropout,
         first_order_width=sum(widths) if cfg.model.first_order else None,
+        dense_standardize=cfg.model.dense_standardize,
     )
     # MLPs live on `device`; the EBC already does.  On meta the dense part stays on the CPU
     # (materialize_model moves it).
@@ -133,6 +136,8 @@ def _dense_parts_to(model: DLRM, device: torch.device | str) -> None:
     model.over_arch.to(device)
     if model.first_order is not None:
         model.first_order.to(device)
+    if model.dense_norm is not None:
+        model.dense_norm.to(device)
 
 
 def materialize_model(model: DLRM, device: torch.device | str) -> DLRM:

@@ -160,6 +160,7 @@ class Trainer:
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: Any = build_model(cfg, self.tables, self.num_dense, device=self.device,
                                       sparse_placeholder=env.sharded, check_ids=False)
+        init_from_train_split(self.model, cfg, self.meta)  # a restored checkpoint overwrites it
         self.plan = None
         if env.sharded:
             self._shard(plan)
@@ -707,6 +708,35 @@ class Trainer:
             if self._tb is not None:
                 self._tb.close()
         return summary
+
+
+def init_from_train_split(model: DLRM, cfg: ExperimentConfig, meta: dict[str, Any]) -> None:
+    """The initial values a fresh model takes from its train split (``model`` changed in place):
+
+    * ``model.over_arch_bias_init: ctr``: the over arch's output bias ``= logit(p)``, ``p`` the
+      train CTR of meta.json (``meta["ctr"]["train"]``);
+    * ``model.dense_standardize``: ``model.dense_norm`` gets the train split's per-column mean /
+      std (:func:`dlrmctl.data.columnar.dense_column_stats`).
+
+    Deterministic (every rank computes the same values); nothing happens with neither key set.
+
+    Raises:
+        TrainError: ``ctr`` asked for but meta.json has no train CTR strictly in (0, 1).
+    """
+    if cfg.model.over_arch_bias_init == "ctr":
+        p = (meta.get("ctr") or {}).get(cfg.data.train_split)
+        if p is None or not 0.0 < float(p) < 1.0:
+            raise TrainError(f"model.over_arch_bias_init: ctr needs the train split's CTR in (0, 1) in "
+                             f"{cfg.data.path}/meta.json (ctr.{cfg.data.train_split}), got {p!r}")
+        last = [m for m in _dlrm(model).over_arch.modules() if isinstance(m, torch.nn.Linear)][-1]
+        with torch.no_grad():
+            last.bias.fill_(math.log(float(p) / (1.0 - float(p))))
+    norm = _dlrm(model).dense_norm
+    if norm is not None:
+        from dlrmctl.data.columnar import dense_column_stats
+
+        mean, std = dense_column_stats(cfg.data.path, cfg.data.train_split)
+        norm.set_stats(torch.from_numpy(mean), torch.from_numpy(std))
 
 
 class _Progress:
