@@ -17,6 +17,10 @@ For each split seed ``s = first_seed .. first_seed + K - 1``:
 4. the logistic regression of ``scripts/criteo_baselines.py`` on the same split (C chosen on val,
    :func:`baselines_common.run_baselines`).
 
+``--ensemble N`` (default 1): steps 2-3 train N DLRMs per split (``train.seed`` = the config's +
+0..N-1, run directories ``split_<s>_m<i>``) and score the mean of their logits on val and test
+(the ensemble's val AUC is then that of the mean logits at the members' best-on-val checkpoints).
+
 Printed (and written to ``--out`` as Markdown, and as JSON next to it, each through a temp file
 renamed into place): one row per split (rows, DLRM val / test AUC, LR val / test AUC, test
 difference), then
