@@ -23,8 +23,8 @@ def data(tmp_path_factory):
     return str(d)
 
 
-def _cfg(data, runs, **model):
-    return config_from_dict({
+def _cfg(data, runs, sharding=None, **model):
+    return config_from_dict({**({"sharding": sharding} if sharding else {}),
         "name": "init", "data": {"path": data, "batch_size": 128, "eval_batch_size": 512, "prefetch": 0},
         "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1],
                   "compute_kernel": "dense", **model},
@@ -150,3 +150,40 @@ def test_the_standardisation_is_exported(tmp_path):
     model.dense_norm.set_stats(torch.zeros(4), torch.ones(4))
     with torch.no_grad():
         assert float((got - torch.sigmoid(model(dense, kjt).squeeze(1))).abs().max()) > 1e-3
+
+
+KEYS = {"dense_standardize": True, "over_arch_bias_init": "ctr", "embedding_init_max": 0.05}
+
+
+def _rank_run(env, data, runs):
+    """One rank of a 2-rank table-wise run with the three keys: its dense statistics, bias, final AUC."""
+    import os
+
+    from dlrmctl.train.loop import RunEnv, Trainer
+
+    cfg = _cfg(data, runs, sharding={"tables": {f"t_C{i}": {"sharding_type": "table_wise"} for i in range(1, 27)}},
+               **KEYS)
+    renv = RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    run = os.path.join(runs, "init")
+    if env.rank == 0:
+        os.makedirs(run, exist_ok=True)
+    t = Trainer(cfg, renv, run)
+    m = t.model.module
+    stats = (m.dense_norm.mean.clone(), m.dense_norm.std.clone(), float(m.over_arch.model.model[-1].bias.detach()))
+    return stats, t.train()["final"]["auc"]
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_take_the_same_initial_values_and_match_one_process(data, tmp_path):
+    from tests.dist_utils import run_multiprocess
+
+    single = _trainer(_cfg(data, tmp_path / "one", **KEYS))
+    want = (single.model.dense_norm.mean, single.model.dense_norm.std,
+            float(single.model.over_arch.model.model[-1].bias.detach()))
+    auc1 = single.train()["final"]["auc"]
+    out = run_multiprocess(_rank_run, 2, data, str(tmp_path / "two"), timeout_s=240)
+    for (mean, std, bias), auc in out:
+        torch.testing.assert_close(mean, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(std, want[1], rtol=0, atol=0)
+        assert bias == want[2]
+        assert auc == pytest.approx(auc1, abs=1e-4)
