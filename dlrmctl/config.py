@@ -129,8 +129,9 @@ class ModelConfig:
     ``logit(train CTR)`` from meta.json, so the first steps predict the base rate instead of
     fitting it (Karpathy, "A Recipe for Training Neural Networks", 2019: "init well").
     ``dense_standardize``: the dense features enter the model as ``(x - mean) / std`` with the
-    train split's per-column mean and std (computed by the trainer in one pass over the train
-    split's dense columns, float64; std 1 where a column is constant), held in the model
+    train split's per-column mean and std (computed by the trainer from the train split's dense
+    columns, at most ``columnar.DENSE_STATS_MAX_ROWS`` rows in evenly spaced blocks, float64;
+    std 1 where a column is constant), held in the model
     (:class:`~dlrmctl.modules.dlrm.DenseStandardize`: checkpointed and exported with it), as the
     logistic-regression baseline's dense columns are.
     """

@@ -567,28 +567,48 @@ class SplitData:
         return out
 
 
-def dense_column_stats(data_dir: str | os.PathLike, split: str = "train",
-                       block_rows: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+#: rows :func:`dense_column_stats` reads at most (evenly spaced blocks): ~0.2 s of reading, and a
+#: standard error of the mean of std/2048 — far below what a standardisation needs
+DENSE_STATS_MAX_ROWS = 1 << 22
+
+
+def dense_column_stats(data_dir: str | os.PathLike, split: str = "train", block_rows: int = 1 << 16,
+                       max_rows: int | None = DENSE_STATS_MAX_ROWS) -> tuple[np.ndarray, np.ndarray]:
     """Per-column mean and (population) std of a split's dense features, ``[D]`` float64 each.
 
-    One pass over the dense columns only, ``block_rows`` rows at a time (memory O(block_rows),
-    not O(split)); blocks are merged with Chan et al.'s pairwise update ("Updating Formulae and a
-    Pairwise Algorithm for Computing Sample Variances", 1979), so the result equals
-    ``np.mean`` / ``np.std`` of the whole column up to float64 rounding.  A constant column (or an
-    empty split) gets std 1, so ``(x - mean) / std`` is always defined (as
-    ``scripts/baselines_common.dense_stats``).
+    Reads the dense columns only, ``block_rows`` rows at a time (memory O(block_rows), not
+    O(split)).  A split of at most ``max_rows`` rows (None: no limit) is read whole and the
+    result equals ``np.mean`` / ``np.std`` of each column up to float64 rounding; a larger one
+    (Criteo 1TB: 4.2e9 rows) is estimated from ``max_rows`` rows in blocks spread evenly over
+    every shard in proportion to its rows, so the cost stays O(max_rows) whatever the split's
+    size (every rank reads the same rows: deterministic).  Blocks are merged with Chan et al.'s
+    pairwise update ("Updating Formulae and a Pairwise Algorithm for Computing Sample
+    Variances", 1979).  A constant column (or an empty split) gets std 1, so
+    ``(x - mean) / std`` is always defined (as ``scripts/baselines_common.dense_stats``).
 
     Raises:
         DataError: the split is missing or unreadable (names the path).
+        ValueError: ``block_rows`` or ``max_rows`` < 1.
     """
+    if block_rows < 1 or (max_rows is not None and max_rows < 1):
+        raise ValueError(f"dense_column_stats: block_rows and max_rows must be >= 1, got {block_rows}, {max_rows}")
     sd = SplitData(data_dir, split)
     names = list(sd.meta["dense_features"])
     n = 0
     mean = np.zeros(len(names))
     m2 = np.zeros(len(names))
+    total = sum(sh.rows for sh in sd.shards)
     for sh in sd.shards:
-        for r0 in range(0, sh.rows, block_rows):
-            loc = sh.locate(np.arange(r0, min(sh.rows, r0 + block_rows), dtype=np.int64))
+        if max_rows is None or total <= max_rows:
+            starts = range(0, sh.rows, block_rows)
+            size = block_rows
+        else:  # this shard's share of max_rows, as evenly spaced blocks
+            want = max(1, round(max_rows * sh.rows / total))
+            size = min(block_rows, want)
+            k = -(-want // size)
+            starts = sorted({int(i * (sh.rows - size) / max(1, k - 1)) for i in range(k)}) if k > 1 else [0]
+        for r0 in starts:
+            loc = sh.locate(np.arange(r0, min(sh.rows, r0 + size), dtype=np.int64))
             x = np.stack([sh.take(c, loc) for c in names], axis=1).astype(np.float64) if names else None
             if x is None or len(x) == 0:
                 continue
