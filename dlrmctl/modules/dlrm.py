@@ -96,12 +96,15 @@ class _DotInteraction(torch.autograd.Function):
 
     Backward, with ``g`` the output gradient (no autograd through the cats / slices):
 
-    * the symmetric ``G [B, N, N]`` is gathered in one ``index_select`` from the pair gradient
-      with one zero column appended (``[B, P+1]``, ``P = N(N-1)/2``): ``sym_flat`` maps flat
-      position (i, j) and (j, i) to pair ``p(i, j)`` and the diagonal to the zero column.  That is
-      ``G_u + G_u^T`` of the upper-triangle scatter ``G_u`` exactly (each off-diagonal entry is one
-      value plus zero; only a ``-0.0`` keeps its sign, which compares and multiplies equal) without the zero fill, the ``index_copy_`` scatter, the ``[B, N, N]`` add
-      and the strided read of the transpose (about 6x less time for this part on a 2-core CPU);
+    * the symmetric ``G [B, N, N]`` is gathered in one ``index_select`` straight from the pair
+      columns of ``g`` (``g[:, d:]``, ``[B, P]``, ``P = N(N-1)/2``, read in place): ``sym_flat`` maps
+      flat position (i, j) and (j, i) to pair ``p(i, j)`` (and the diagonal to pair 0), then the
+      ``B x N`` diagonal entries are set to zero.  That is ``G_u + G_u^T`` of the upper-triangle
+      scatter ``G_u`` exactly (each off-diagonal entry is one value plus zero; only a ``-0.0``
+      keeps its sign, which compares and multiplies equal) without the zero fill, the
+      ``index_copy_`` scatter, the ``[B, N, N]`` add and the strided read of the transpose (about
+      6x less time for this part on a 2-core CPU), and without a zero-padded copy of the pair
+      gradient (``[B, P+1]``: one fill and one copy of ``B x P`` floats per step);
     * ``dT = G T`` — one ``bmm`` on contiguous operands (``Z = T T^T`` is symmetric, so
       ``dT = (G_u + G_u^T) T``; autograd would run two bmms on transposed views plus a sum);
     * ``d dense = dT[:, 0] + g[:, :d]`` (the two uses of ``dense``; the same sum of the same two
@@ -129,8 +132,12 @@ class _DotInteraction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         t, sym_flat = ctx.saved_tensors
         B, N, d = t.shape
-        g_pairs = torch.nn.functional.pad(grad[:, d:].to(t.dtype), (0, 1))  # [B, P+1], last column 0
-        dt = torch.bmm(g_pairs.index_select(1, sym_flat).view(B, N, N), t)
+        g_pairs = grad[:, d:]  # [B, P] view, read in place by the gather
+        if g_pairs.dtype != t.dtype:  # autocast: the bmm runs in t's dtype
+            g_pairs = g_pairs.to(t.dtype)
+        g_sym = g_pairs.index_select(1, sym_flat).view(B, N, N)
+        g_sym.diagonal(dim1=1, dim2=2).zero_()  # no self-dots: their gradient is 0
+        dt = torch.bmm(g_sym, t)
         d_dense = d_values = None
         if ctx.needs_input_grad[0]:
             d_dense = dt[:, 0] + grad[:, :d]
@@ -160,9 +167,9 @@ class InteractionArch(nn.Module):
         # flat positions of the strict upper triangle in a row-major [F+1, F+1] matrix
         self.register_buffer("triu_flat", idx[0] * (self.F + 1) + idx[1], persistent=False)
         # the training backward's gather of the symmetric pair gradient: flat position (i, j) and
-        # (j, i) -> pair index p, the diagonal -> P (a zero column)
+        # (j, i) -> pair index p, the diagonal -> pair 0 (overwritten with zeros after the gather)
         P = idx.shape[1]
-        sym = torch.full(((self.F + 1) ** 2,), P, dtype=torch.long)
+        sym = torch.zeros((self.F + 1) ** 2, dtype=torch.long)
         sym[idx[0] * (self.F + 1) + idx[1]] = torch.arange(P)
         sym[idx[1] * (self.F + 1) + idx[0]] = torch.arange(P)
         self.register_buffer("sym_flat", sym, persistent=False)
