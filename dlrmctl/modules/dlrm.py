@@ -97,7 +97,8 @@ class _DotInteraction(torch.autograd.Function):
     Backward, with ``g`` the output gradient (no autograd through the cats / slices):
 
     * the symmetric ``G [B, N, N]`` is gathered in one ``index_select`` straight from the pair
-      columns of ``g`` (``g[:, d:]``, ``[B, P]``, ``P = N(N-1)/2``, read in place): ``sym_flat`` maps
+      columns of ``g`` (``g[:, d:]``, ``[B, P]``, ``P = N(N-1)/2``; gathered from ``g`` itself with
+      the index shifted by ``d``, as ``index_select`` copies a strided input first): ``sym_flat`` maps
       flat position (i, j) and (j, i) to pair ``p(i, j)`` (and the diagonal to pair 0), then the
       ``B x N`` diagonal entries are set to zero.  That is ``G_u + G_u^T`` of the upper-triangle
       scatter ``G_u`` exactly (each off-diagonal entry is one value plus zero; only a ``-0.0``
@@ -132,10 +133,10 @@ class _DotInteraction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         t, sym_flat = ctx.saved_tensors
         B, N, d = t.shape
-        g_pairs = grad[:, d:]  # [B, P] view, read in place by the gather
-        if g_pairs.dtype != t.dtype:  # autocast: the bmm runs in t's dtype
-            g_pairs = g_pairs.to(t.dtype)
-        g_sym = g_pairs.index_select(1, sym_flat).view(B, N, N)
+        # index_select copies a strided input first: gather from the whole (contiguous) gradient,
+        # the pair columns start at d; under autocast the bmm runs in t's dtype
+        g_all = grad.contiguous() if grad.dtype == t.dtype else grad.to(t.dtype, memory_format=torch.contiguous_format)
+        g_sym = g_all.index_select(1, sym_flat + d).view(B, N, N)
         g_sym.diagonal(dim1=1, dim2=2).zero_()  # no self-dots: their gradient is 0
         dt = torch.bmm(g_sym, t)
         d_dense = d_values = None
