@@ -140,3 +140,48 @@ def test_dot_interaction_training_node_takes_an_empty_batch():
     assert out.shape == (0, d + F * (F + 1) // 2)
     out.sum().backward()
     assert dense.grad.shape == (0, d) and sparse.grad.shape == (0, F * d)
+
+
+@pytest.mark.parametrize("F,d,pad", [(26, 16, 1), (26, 16, 5), (12, 8, 3), (12, 8, 0)])
+def test_dot_interaction_zero_row_padding_is_bit_identical(F, d, pad, monkeypatch):
+    """On the CPU the training node may append zero rows to T before its bmm (a faster GEMM
+    shape, chosen once by _dot_row_pad): the pairs and both gradients must stay bit for bit those
+    of the unpadded formula, for every pad the tuner can pick (N rounded up to 4 or 8)."""
+    from dlrmctl.modules import dlrm as dlrm_mod
+
+    torch.manual_seed(5)
+    B, N = dlrm_mod._ROW_PAD_MIN_BATCH + 7, F + 1
+    monkeypatch.setitem(dlrm_mod._ROW_PAD, (N, d, torch.float32, torch.get_num_threads()), pad)
+    dense0, sparse0 = torch.randn(B, d), torch.randn(B, F * d)
+    dense, sparse = dense0.clone().requires_grad_(), sparse0.clone().requires_grad_()
+    out = InteractionArch(F)(dense, KeyedTensor([f"f{i}" for i in range(F)], [d] * F, sparse))
+    w = torch.randn_like(out)
+    out.backward(w)
+
+    iu = torch.triu_indices(N, N, 1)
+    flat = iu[0] * N + iu[1]
+    t = torch.cat([dense0, sparse0], 1).view(B, N, d)
+    g = torch.zeros(B, N * N)
+    g.index_copy_(1, flat, w[:, d:].contiguous())
+    g = g.view(B, N, N)
+    dt = torch.bmm(g + g.transpose(1, 2), t)
+    assert torch.equal(out, torch.cat([dense0, torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, flat)], 1))
+    assert torch.equal(dense.grad, dt[:, 0] + w[:, :d])
+    assert torch.equal(sparse.grad, dt[:, 1:].reshape(B, F * d))
+
+
+def test_dot_row_pad_is_tuned_once_per_shape_and_only_for_large_cpu_batches(monkeypatch):
+    """_dot_row_pad: small batches get 0 without tuning; a large batch tunes once, caches the
+    pick (0 or N rounded up to a multiple of 4 or 8) under (N, d, dtype, threads), and reuses it."""
+    from dlrmctl.modules import dlrm as dlrm_mod
+
+    monkeypatch.setattr(dlrm_mod, "_ROW_PAD", {})
+    d, F = 8, 10
+    small = dlrm_mod._dot_row_pad(torch.randn(16, d), torch.randn(16, F * d), torch.float32)
+    assert small == 0 and dlrm_mod._ROW_PAD == {}
+    B = dlrm_mod._ROW_PAD_MIN_BATCH
+    pad = dlrm_mod._dot_row_pad(torch.randn(B, d), torch.randn(B, F * d), torch.float32)
+    key = (F + 1, d, torch.float32, torch.get_num_threads())
+    assert dlrm_mod._ROW_PAD == {key: pad} and pad in {0, -(F + 1) % 4, -(F + 1) % 8}
+    dlrm_mod._ROW_PAD[key] = 7  # the cached value is used as it is
+    assert dlrm_mod._dot_row_pad(torch.randn(B, d), torch.randn(B, F * d), torch.float32) == 7

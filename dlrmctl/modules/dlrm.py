@@ -86,13 +86,59 @@ class DenseArch(nn.Module):
         return self.model(x)
 
 
+#: zero rows appended to the interaction's ``T`` on the CPU, per ``(N, d, dtype, threads)``
+#: (set once by :func:`_dot_row_pad`; tests may preset entries)
+_ROW_PAD: dict[tuple[int, int, torch.dtype, int], int] = {}
+_ROW_PAD_MIN_BATCH = 256  # smaller batches: no padding and no tuning (too little time to tell apart)
+
+
+def _dot_row_pad(dense: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> int:
+    """Zero rows to append to ``T = [dense, values]`` (``[B, N, d]`` in ``dtype``, ``dense [B, d]``,
+    ``values [B, (N-1) d]``) before the forward ``bmm(T, T^T)`` on the CPU.
+
+    The CPU batched GEMM's speed depends on the row count in ways no simple rule covers (measured
+    on a 2-core AMD EPYC, fp32, B = 2048, best of 25: ``N = 27, d = 64``: 2.75 ms, 28 rows 2.2 ms;
+    ``d = 128``: 7.5 ms, 28 rows 5.0 ms; ``N = 13``: 1.03 ms, 16 rows 0.75 ms; ``N = 9``: 0.50 ms,
+    10 or 12 rows slower).  So the first call per ``(N, d, dtype, intra-op threads)`` with
+    ``B >= 256`` times ``N`` rows against ``N`` rounded up to a multiple of 4 and of 8 (best of 3
+    each on ``t`` itself, ~10 bmms once) and keeps the fastest.  The padding adds only zero rows:
+    ``Z[:N, :N]`` is the same dot products, bit for bit (each is the same length-``d`` product in
+    the same order; tests/test_dlrm.py checks it for the pads tried).  CUDA / other devices: 0.
+
+    Returns:
+        the number of zero rows (0 when unpadded is fastest, on other devices and for small batches).
+    """
+    B, d = dense.shape
+    N = 1 + values.shape[1] // d
+    if dense.device.type != "cpu" or B < _ROW_PAD_MIN_BATCH:
+        return 0
+    key = (N, d, dtype, torch.get_num_threads())
+    pad = _ROW_PAD.get(key)
+    if pad is None:
+        import time
+
+        t = torch.cat([dense, values], dim=1).view(B, N, d).to(dtype)
+        best = (float("inf"), 0)
+        for cand in sorted({0, -N % 4, -N % 8}):
+            tp = torch.cat([t, t.new_zeros(B, cand, d)], dim=1) if cand else t
+            torch.bmm(tp, tp.transpose(1, 2))
+            for _ in range(3):
+                t0 = time.perf_counter()
+                torch.bmm(tp, tp.transpose(1, 2))
+                best = min(best, (time.perf_counter() - t0, cand))
+        pad = _ROW_PAD[key] = best[1]
+    return pad
+
+
 class _DotInteraction(torch.autograd.Function):
     """The whole training-mode dot interaction as one autograd node:
     ``dense [B, d]``, ``values [B, F*d]`` -> ``[B, d + (F+1)F/2]`` = ``[dense | triu(T T^T)]``
     with ``T = [dense, e_1..e_F]`` viewed ``[B, F+1, d]``.
 
     Forward: the same ops as the plain path (``cat`` -> one ``bmm`` -> ``index_select`` of the
-    strict upper triangle -> ``cat`` after ``dense``), so its values are bit-identical to it.
+    strict upper triangle -> ``cat`` after ``dense``), so its values are bit-identical to it; on
+    the CPU ``T`` may carry zero rows after its ``N`` rows (:func:`_dot_row_pad`: a faster GEMM
+    shape, the same dot products), which the triangle's indices skip.
 
     Backward, with ``g`` the output gradient (no autograd through the cats / slices):
 
@@ -121,18 +167,29 @@ class _DotInteraction(torch.autograd.Function):
     def forward(ctx, dense: torch.Tensor, values: torch.Tensor, triu_flat: torch.Tensor,  # type: ignore[override]
                 sym_flat: torch.Tensor) -> torch.Tensor:
         B, d = dense.shape
-        t = torch.cat([dense, values], dim=1).view(B, 1 + values.shape[1] // d, d)  # B may be 0
-        dev = t.device.type
-        if torch.is_autocast_enabled(dev) and t.dtype != torch.get_autocast_dtype(dev):
-            t = t.to(torch.get_autocast_dtype(dev))
+        N = 1 + values.shape[1] // d
+        parts = [dense, values]
+        dev = dense.device.type
+        cast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+        pad = _dot_row_pad(dense, values, cast or dense.dtype)
+        if pad:
+            parts.append(dense.new_zeros(B, pad * d))
+        t = torch.cat(parts, dim=1).view(B, N + pad, d)  # B may be 0
+        if cast is not None and t.dtype != cast:
+            t = t.to(cast)
         ctx.save_for_backward(t, sym_flat)
+        ctx.n = N
+        if pad:  # flat position i * N + j -> i * (N + pad) + j
+            triu_flat = triu_flat + (triu_flat // N) * pad
         pairs = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, triu_flat)
         return torch.cat([dense, pairs], dim=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         t, sym_flat = ctx.saved_tensors
-        B, N, d = t.shape
+        B, _, d = t.shape
+        N = ctx.n
+        t = t[:, :N]  # without the zero rows (a strided view: the bmm reads it in place)
         # index_select copies a strided input first: gather from the whole (contiguous) gradient,
         # the pair columns start at d; under autocast the bmm runs in t's dtype
         g_all = grad.contiguous() if grad.dtype == t.dtype else grad.to(t.dtype, memory_format=torch.contiguous_format)
