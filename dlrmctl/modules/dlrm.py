@@ -152,12 +152,13 @@ class _DotInteraction(torch.autograd.Function):
       ``index_copy_`` scatter, the ``[B, N, N]`` add and the strided read of the transpose (about
       6x less time for this part on a 2-core CPU), and without a zero-padded copy of the pair
       gradient (``[B, P+1]``: one fill and one copy of ``B x P`` floats per step);
-    * ``dT = G T`` — one ``bmm`` on contiguous operands (``Z = T T^T`` is symmetric, so
-      ``dT = (G_u + G_u^T) T``; autograd would run two bmms on transposed views plus a sum);
+    * ``dT = G T`` — one ``bmm`` (``Z = T T^T`` is symmetric, so ``dT = (G_u + G_u^T) T``;
+      autograd would run two bmms on transposed views plus a sum);
     * ``d dense = dT[:, 0] + g[:, :d]`` (the two uses of ``dense``; the same sum of the same two
-      terms as autograd's accumulation, hence bit-identical), ``d values = dT[:, 1:]`` copied once
-      into the contiguous ``[B, F*d]`` the embedding backward (FBGEMM TBE) needs — autograd's
-      ``cat`` backward hands it a strided slice that the TBE copies anyway.
+      terms as autograd's accumulation, hence bit-identical), ``d values = dT[:, 1:]`` as a
+      ``[B, F*d]`` view (row stride ``N*d``), which the embedding backward (FBGEMM TBE) makes
+      contiguous — one ``[B, F*d]`` copy, as after autograd's ``cat`` backward (the profiled
+      ``aten::clone`` under ``split_embedding_backward_codegen``).
 
     Under ``torch.autocast`` the bmms run in the autocast dtype (``T`` is cast once and saved
     cast); the gradients returned for fp32 inputs are cast back by autograd.
