@@ -97,8 +97,8 @@ def test_dot_interaction_training_node_is_bit_identical_to_the_unfused_formula(n
     """The fused training node (_DotInteraction) against the ops it replaces, in fp32: forward
     cat -> bmm -> triangle -> cat; backward G_u scattered from the pair gradient, (G_u + G_u^T) T,
     split into the dense and sparse parts, the dense part plus its direct gradient.  Values and
-    gradients must match bit for bit (the restructuring only removes copies), and the sparse
-    gradient must arrive contiguous (what the embedding backward needs)."""
+    gradients must match bit for bit (the restructuring only removes copies); the leaf's .grad
+    is contiguous (AccumulateGrad's layout; in the model the TBE backward copies the view once)."""
     torch.manual_seed(3)
     B, F, d = 33, 26, 16
     N = F + 1
