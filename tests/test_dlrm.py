@@ -185,3 +185,53 @@ def test_dot_row_pad_is_tuned_once_per_shape_and_only_for_large_cpu_batches(monk
     assert dlrm_mod._ROW_PAD == {key: pad} and pad in {0, -(F + 1) % 4, -(F + 1) % 8}
     dlrm_mod._ROW_PAD[key] = 7  # the cached value is used as it is
     assert dlrm_mod._dot_row_pad(torch.randn(B, d), torch.randn(B, F * d), torch.float32) == 7
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_mlp_first_layer_weight_grad_only_path_is_bit_identical_to_autograd(dropout):
+    """Training on the CPU with an input that needs no gradient, the MLP's first layer runs
+    _WeightGradOnlyLinear (dW = (x^T g)^T instead of autograd's g^T x): output, weight and bias
+    gradients must equal those of the plain nn.Sequential (F.linear under autograd) bit for bit,
+    with and without dropout; eval mode and an input that needs a gradient take the plain path."""
+    from dlrmctl.modules.dlrm import MLP
+
+    torch.manual_seed(7)
+    mlp = MLP(13, [64, 32, 8], dropout=dropout).train()
+    x = torch.rand(300, 13)
+    w = torch.randn(300, 8)
+
+    def grads(fn):
+        mlp.zero_grad(set_to_none=True)
+        torch.manual_seed(11)  # same dropout masks
+        out = fn(x)
+        out.backward(w)
+        return out.detach(), [p.grad.clone() for p in mlp.parameters()]
+
+    def plain(inp):
+        h = inp
+        for i, layer in enumerate(mlp.model):
+            h = layer(h)
+            if dropout and i in mlp._drop_after:
+                h = torch.nn.functional.dropout(h, dropout, training=True)
+        return h
+
+    out, g = grads(mlp)
+    ref_out, ref_g = grads(plain)
+    assert torch.equal(out, ref_out)
+    assert all(torch.equal(a, b) for a, b in zip(g, ref_g))
+    assert all(a.is_contiguous() for a in g)
+
+    # the node is in the graph only where it applies
+    def nodes(y):
+        seen, todo = set(), [y.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                todo.extend(f for f, _ in fn.next_functions)
+        return {type(f).__name__ for f in seen}
+
+    assert any("_WeightGradOnlyLinear" in n for n in nodes(mlp(x)))
+    assert not any("_WeightGradOnlyLinear" in n for n in nodes(mlp(x.clone().requires_grad_())))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not any("_WeightGradOnlyLinear" in n for n in nodes(mlp(x)))
