@@ -191,7 +191,8 @@ def test_dot_row_pad_is_tuned_once_per_shape_and_only_for_large_cpu_batches(monk
 def test_mlp_first_layer_weight_grad_only_path_is_bit_identical_to_autograd(dropout):
     """Training on the CPU with an input that needs no gradient, the MLP's first layer runs
     _WeightGradOnlyLinear (dW = (x^T g)^T instead of autograd's g^T x): output, weight and bias
-    gradients must equal those of the plain nn.Sequential (F.linear under autograd) bit for bit,
+    gradients must equal those of the plain nn.Sequential (F.linear under autograd) (bit for bit on
+    this machine; up to the summation order of another BLAS),
     with and without dropout; eval mode and an input that needs a gradient take the plain path."""
     from dlrmctl.modules.dlrm import MLP
 
@@ -218,7 +219,9 @@ def test_mlp_first_layer_weight_grad_only_path_is_bit_identical_to_autograd(drop
     out, g = grads(mlp)
     ref_out, ref_g = grads(plain)
     assert torch.equal(out, ref_out)
-    assert all(torch.equal(a, b) for a, b in zip(g, ref_g))
+    # bit-identical on this machine's CPU GEMM; another BLAS may order the length-B sums of dW
+    # differently, so the test allows the rounding of that order (and nothing more)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(g, ref_g))
     assert all(a.is_contiguous() for a in g)
 
     # the node is in the graph only where it applies

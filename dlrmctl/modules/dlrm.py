@@ -29,8 +29,9 @@ class _WeightGradOnlyLinear(torch.autograd.Function):
     computes ``dW`` as ``g^T x`` (it keeps the layout of ``W^T``); for a narrow input (Criteo: 13
     features, ``[512, 2048] x [2048, 13]``) that GEMM shape is slow on the CPU: 1.08 vs 0.40 ms on
     1 thread, 0.54 vs 0.27 ms on 2 (B 2048, ``out`` 512, best of 40 alternated, 2-core AMD EPYC).
-    Every entry is the same length-``B`` dot product and the CPU GEMM gives the same bits both ways
-    (``tests/test_dlrm.py`` checks the gradients against autograd's bit for bit).
+    Every entry is the same length-``B`` dot product; this machine's CPU GEMM gives the same bits
+    both ways (another BLAS may sum in another order: the result then differs by rounding only;
+    ``tests/test_dlrm.py`` compares the gradients with autograd's).
     """
 
     @staticmethod
