@@ -110,6 +110,17 @@ def test_resume_export_and_reshard_take_the_chosen_checkpoint(data, tmp_path):
     best_step = ckpt.load_checkpoint_meta(ckpt.best_checkpoint(str(run)))["step"]
     r = cli("checkpoint", "reshard", run, "--nproc", 1, "--checkpoint", "best", "--out", tmp_path / "rs")
     assert r.exit_code == 0 and f"resharded step {best_step} " in r.output, r.output
+    # the copy of the best checkpoint is the new run's BEST too: evaluate / export there keep using it
+    rs_best = ckpt.best_checkpoint(str(tmp_path / "rs"))
+    assert rs_best is not None and ckpt.load_checkpoint_meta(rs_best)["step"] == best_step
+    assert ckpt.load_checkpoint_meta(rs_best)["eval"]["step"] == best_step
+    # a copy of the last (not the best) checkpoint has no BEST; training resumed there must not claim
+    # that a checkpoint holds the best step it remembers from before the copy
+    r = cli("checkpoint", "reshard", run, "--nproc", 1, "--checkpoint", "last", "--out", tmp_path / "rl")
+    assert r.exit_code == 0 and ckpt.best_checkpoint(str(tmp_path / "rl")) is None
+    if best_step != 12:
+        out = _train(data, tmp_path, "rl", "--set", "train.max_steps=13", "--resume")
+        assert "kept as checkpoint 'best'" not in out and f"no checkpoint of {tmp_path / 'rl'} holds step" in out, out
     # a reshard of an older kept step (the newest two and BEST are kept; which steps those are
     # depends on where the best evaluation fell) into the same run leaves LATEST on 12
     latest = ckpt.latest_checkpoint(str(run))

@@ -85,14 +85,30 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     latest = ckpt.latest_checkpoint(run_dir) if not out else None
     publish = bool(out) or latest is None or step >= int(ckpt.load_checkpoint_meta(latest)["step"])
     if nproc == 1:
-        return ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name, publish_latest=publish)
+        path = ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name, publish_latest=publish)
+        _carry_best(run_dir, src, out, path)
+        return path
     from dlrmctl.distributed.local_ranks import LocalRanksError, run_local_ranks
 
     pd = None if plan is None else plan.to_dict()
     try:
-        return run_local_ranks(_reshard_rank, nproc, (src, out_run, pd, name, publish), what="reshard")[0]
+        path = run_local_ranks(_reshard_rank, nproc, (src, out_run, pd, name, publish), what="reshard")[0]
     except LocalRanksError as e:
         raise ckpt.CheckpointError(str(e)) from None
+    _carry_best(run_dir, src, out, path)
+    return path
+
+
+def _carry_best(run_dir: str, src: str, out: str | None, path: str) -> None:
+    """A reshard ``--out`` of the run's best checkpoint is the new run's ``BEST`` too (its
+    meta.json carries the evaluation that made it the best), so ``evaluate`` / ``export`` of the
+    new run, and training resumed there, keep using it.  In place, ``BEST`` already names the
+    source checkpoint, which every world size reads."""
+    from dlrmctl.train import checkpoint as ckpt
+
+    best = ckpt.best_checkpoint(run_dir)
+    if out and best is not None and os.path.realpath(best) == os.path.realpath(src):
+        ckpt.mark_best(out, path)
 
 
 @app.command("reshard")

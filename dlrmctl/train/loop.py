@@ -516,6 +516,19 @@ class Trainer:
         self._saved_step, self._saved_path = self.step, path
         return path
 
+    def _best_kept_note(self, step: int) -> str:
+        """What the end-of-run line says about the best step's checkpoint: only what ``BEST``
+        really names (a run resumed from a resharded copy of a non-best checkpoint has found its
+        best before the copy: no checkpoint of this directory holds it)."""
+        path = ckpt.best_checkpoint(self.run_dir)
+        if path is not None and int(ckpt.load_checkpoint_meta(path)["step"]) == int(step):
+            return ", kept as checkpoint 'best'"
+        if path is not None:
+            return f" (checkpoint 'best' is step {ckpt.load_checkpoint_meta(path)['step']})"
+        return (f" (no checkpoint of {self.run_dir} holds step {step}: it was found before this run's "
+                f"checkpoints were made, e.g. by the run a reshard --out copied; evaluate and export "
+                f"take the last checkpoint)")
+
     def _best_due(self) -> bool:
         """This step's evaluation is a new best and ``train.keep_best`` keeps it (same on every rank)."""
         return self._improved and self.cfg.train.keep_best != "none"
@@ -701,7 +714,7 @@ class Trainer:
             ckpt._atomic_write_text(os.path.join(self.run_dir, "summary.json"), text)
             b, kb = self.best, self.cfg.train.keep_best
             what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
-            kept = ", kept as checkpoint 'best'" if kb != "none" else ""
+            kept = self._best_kept_note(b["step"]) if kb != "none" else ""
             echo(f"best {self.cfg.data.val_split} {what} at step {b['step']}{kept}; run directory {self.run_dir}")
         if self._metrics_f is not None:
             self._metrics_f.close()
