@@ -295,6 +295,43 @@ def test_fp16_overflow_in_the_embedding_grad_skips_the_step_and_backs_off_the_sc
     assert tr.scaler.get_scale() == 512.0
 
 
+def _overflow_on_rank0_worker(env, data, run_root):
+    from dlrmctl.sparse import KeyedTensor
+
+    raw = _raw(data, run_root, "ovf2", optimizer={"embedding": {"type": "exact_rowwise_adagrad", "lr": 0.05},
+                                                   "dense": {"lr": 0.05}},
+               sharding={"tables": {f"t_C{i}": {"sharding_type": "table_wise"} for i in range(1, 27)}})
+    cfg = config_from_dict(raw)
+    renv = RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    run = prepare_run_dir(cfg, resume=False, overwrite=False) if env.rank == 0 else os.path.join(run_root, "ovf2")
+    torch.distributed.barrier()
+    tr = Trainer(cfg, renv, run)
+    tr.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    real_forward = tr.model.dense_forward
+
+    def poisoned(dense, embedded):  # only rank 0's pooled-embedding gradient overflows
+        if env.rank == 0:
+            embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(), _InfGrad.apply(embedded.values()))
+        return real_forward(dense, embedded)
+
+    tr.model.dense_forward = poisoned
+    before = {k: v.detach().clone() for k, v in tr.model.state_dict().items() if torch.is_tensor(v)}
+    tr.train_step(next(iter(tr.train_loader)))
+    after = tr.model.state_dict()
+    return [k for k, v in before.items() if not torch.equal(v, after[k])], tr.scaler.get_scale()
+
+
+@pytest.mark.multiprocess
+def test_fp16_overflow_on_one_rank_leaves_every_rank_s_tables_unchanged(tiny, tmp_path):
+    """The overflow flag is max-reduced before the gradient leaves for the table owners: rank 1's
+    finite rows must not update the (fused) tables on a step that every rank skips."""
+    from tests.dist_utils import run_multiprocess
+
+    for changed, scale in run_multiprocess(_overflow_on_rank0_worker, 2, tiny, str(tmp_path), timeout_s=240):
+        assert changed == [], f"a skipped step changed {changed}"
+        assert scale == 512.0
+
+
 def test_bf16_training_evaluates_in_fp32_as_dlrmctl_evaluate_does(tiny, tmp_path):
     """The val metrics that pick ``keep_best`` (and stop early) under ``train.precision: bf16`` are
     computed with the fp32 dense part: they equal ``evaluate_run`` of the saved checkpoint (the

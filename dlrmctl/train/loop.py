@@ -60,22 +60,28 @@ class _UnscaleGrad(torch.autograd.Function):
     replaced by zeros (rows unchanged under the Adagrad family and SGD; Adam-family moments
     take one zero-gradient step) and ``found_inf`` (a 0-d float32 device tensor) is set to
     1, which :meth:`Trainer._run_step` hands to the scaler so that it also skips the dense
-    step and backs off.  No host read here.
+    step and backs off.  The flag is max-reduced over ``pg`` here, before the gradient goes
+    back through the output_dist: a rank whose own gradient is finite zeroes it too, so no
+    table takes a partial update from the other ranks' rows on a step every rank skips.  No
+    host read here (the all-reduce runs on the device's stream).
     """
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, scaler: Any, found_inf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, values: torch.Tensor, scaler: Any, found_inf: torch.Tensor,  # type: ignore[override]
+                pg: Any = None) -> torch.Tensor:
         ctx.scaler = scaler
         ctx.found_inf = found_inf
+        ctx.pg = pg
         return values.view_as(values)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         scale = ctx.scaler._get_scale_async()  # the scale as a device tensor: no host read
         g = grad / (scale if scale is not None else ctx.scaler.get_scale())
-        finite = torch.isfinite(g).all()
-        ctx.found_inf.add_((~finite).to(ctx.found_inf.dtype))
-        return torch.where(finite, g, torch.zeros((), dtype=g.dtype, device=g.device)), None, None
+        bad = (~torch.isfinite(g).all()).to(ctx.found_inf.dtype)
+        comm.all_reduce(bad, ctx.pg, op="max")  # every rank zeroes (and skips) the same step
+        ctx.found_inf.add_(bad)
+        return torch.where(bad > 0, torch.zeros((), dtype=g.dtype, device=g.device), g), None, None, None
 
 
 class TrainError(RuntimeError):
@@ -326,14 +332,13 @@ class Trainer:
         """fp16: unscale the dense grads and fold the embeddings' overflow flag into the scaler.
 
         ``GradScaler.unscale_`` records the dense grads' inf/NaN per device; the pooled-embedding
-        gradient's flag (:class:`_UnscaleGrad`, max over ranks so that every rank skips the same
-        step and keeps the same scale) is added to it, so ``scaler.step`` skips the dense step and
+        gradient's flag (:class:`_UnscaleGrad`, already max-reduced over ranks in the backward, so
+        that every rank skips the same step and keeps the same scale) is added to it, so ``scaler.step`` skips the dense step and
         ``scaler.update`` backs off whenever either overflowed.  Returns True when this step is
         skipped (one host read; ``scaler.step`` reads the same flags anyway).  The per-optimizer
         state is GradScaler's (``_per_optimizer_states``, stable since torch 1.6)."""
         assert self.scaler is not None
         self.scaler.unscale_(self.dense_opt)
-        comm.all_reduce(self._emb_found_inf, self.env.pg, op="max")
         found = self.scaler._per_optimizer_states[id(self.dense_opt)]["found_inf_per_device"]
         if not found:  # no dense grads on any device: give the scaler one flag to read
             found[self._emb_found_inf.device] = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -361,7 +366,8 @@ class Trainer:
             embedded = self.model.compute_and_output_dist(sparse_ctx)
         if self.scaler is not None and embedded.values().requires_grad:
             embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(),
-                                   _UnscaleGrad.apply(embedded.values(), self.scaler, self._emb_found_inf))
+                                   _UnscaleGrad.apply(embedded.values(), self.scaler, self._emb_found_inf,
+                                                      self.env.pg))
         with self._autocast() if autocast else contextlib.nullcontext():
             logits = self.model.dense_forward(batch.dense_features, embedded)
         return logits.squeeze(1).float()
