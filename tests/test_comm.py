@@ -166,6 +166,18 @@ def test_qcomm_fp16_saturates_and_keeps_small_gradients():
         assert (torch.tensor(1e-7).half().float() - want).abs() / want > 0.05  # what a plain cast gives
 
 
+def test_fp16_wire_scales_an_fp16_gradient_too():
+    """The receiver always divides by the wire scale, so an fp16 tensor (already in the wire dtype)
+    must still be multiplied by it: returned unscaled, an fp16 gradient arrived divided by ~the batch."""
+    from dlrmctl.distributed.comm import _wire
+
+    g = torch.full((3, 2), 1e-3, dtype=torch.float16)
+    assert torch.equal(_wire(g, torch.float16, 8.0), g * 8)
+    assert torch.equal(_wire(g, torch.float16), g)
+    assert torch.equal(_wire(torch.full((2,), 4e4, dtype=torch.float16), torch.float16, 4.0),
+                       torch.full((2,), 65504.0, dtype=torch.float16))  # saturates, no inf
+
+
 def test_qcomm_all_to_all_round_trips_within_bf16_and_fp16_precision():
     results = run_multiprocess(_qcomm_worker, 2, timeout_s=180)
     all_parts = {}

@@ -188,9 +188,9 @@ def _wire(t: torch.Tensor, qdtype: torch.dtype | None, scale: float = 1.0) -> to
     the cast, so a value beyond the fp16 range saturates instead of arriving as inf; ``scale`` (a
     power of two, so exact) lifts small gradients out of fp16's subnormal range (see
     :func:`_grad_wire_scale`).  bf16 has fp32's exponent range: a plain cast."""
-    if qdtype is None or t.dtype == qdtype:
+    if qdtype is None or (t.dtype == qdtype and scale == 1.0):
         return t
-    if qdtype == torch.float16:
+    if qdtype == torch.float16:  # also an fp16 ``t``: the receiver divides by ``scale`` whatever came in
         return (t * scale if scale != 1.0 else t).clamp(-FP16_MAX, FP16_MAX).to(qdtype)
     return t.to(qdtype)
 
