@@ -50,6 +50,35 @@ def test_a_dead_rank_is_reported_and_the_others_are_ended():
         run_local_ranks(_die_on_one, 2, timeout_s=120)
 
 
+def _unpicklable_result(env):
+    import threading
+
+    return threading.Lock()
+
+
+def _exit_quietly_on_one(env):
+    if env.rank == 1:
+        os._exit(0)
+    return env.rank
+
+
+@pytest.mark.multiprocess
+def test_an_unpicklable_result_is_an_error_of_its_rank_not_a_hang():
+    with pytest.raises(LocalRanksError, match=r"rank \d: TypeError: the result of _unpicklable_result cannot be sent"):
+        run_local_ranks(_unpicklable_result, 2, timeout_s=None)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_exits_0_without_a_result_is_reported():
+    with pytest.raises(LocalRanksError, match=r"rank\(s\) \[1\] exited \(code 0\) without sending a result"):
+        run_local_ranks(_exit_quietly_on_one, 2, timeout_s=None)
+
+
+@pytest.mark.multiprocess
+def test_world_size_1_runs_in_one_spawned_rank():
+    assert run_local_ranks(_sum_ranks, 1, (5,), timeout_s=120) == [(0, 1, 5.0, 1)]
+
+
 def test_world_size_is_checked():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         run_local_ranks(_sum_ranks, 0)

@@ -46,6 +46,7 @@ def _rank_main(rank: int, world_size: int, port: int, threads: int, pg_timeout_s
                fn: Callable[..., Any], args: Sequence[Any], q: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
+    from multiprocessing.reduction import ForkingPickler
 
     torch.set_num_threads(threads)
     try:
@@ -53,9 +54,14 @@ def _rank_main(rank: int, world_size: int, port: int, threads: int, pg_timeout_s
 
         env = init_process_group_tcp(rank, world_size, port, "gloo", timeout_s=pg_timeout_s)
         try:
-            q.put((rank, True, fn(env, *args)))
+            result = fn(env, *args)
         finally:
             destroy_distributed()
+        try:  # here, not in the queue's feeder thread (which only prints the error and drops the item)
+            ForkingPickler.dumps(result)
+        except Exception as e:
+            raise TypeError(f"the result of {getattr(fn, '__name__', fn)!s} cannot be sent back (pickled): {e}") from e
+        q.put((rank, True, result))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         q.put((rank, False, (f"{type(e).__name__}: {e}", traceback.format_exc())))
 
@@ -97,6 +103,7 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
         p.start()
     results: dict[int, Any] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    exited_empty: set[int] = set()  # exited 0 with nothing received by the previous poll
     try:
         while len(results) < world_size:
             try:
@@ -106,6 +113,12 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
                 if dead:
                     raise LocalRanksError(f"{what}: rank(s) {dead} died (exit codes "
                                           f"{[procs[i].exitcode for i in dead]})", dead[0]) from None
+                # a rank that exited 0 has flushed its queue item: still none a poll later, it sent nothing
+                silent = sorted(exited_empty - set(results))
+                if silent:
+                    raise LocalRanksError(f"{what}: rank(s) {silent} exited (code 0) without sending a result",
+                                          silent[0]) from None
+                exited_empty = {i for i, p in enumerate(procs) if p.exitcode == 0 and i not in results}
                 if deadline is not None and time.monotonic() > deadline:
                     raise LocalRanksError(f"{what}: the {world_size} ranks did not finish within "
                                           f"{timeout_s:.0f} s (finished: {sorted(results)})") from None
