@@ -581,6 +581,12 @@ def validate(cfg: ExperimentConfig) -> None:
     if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and a > 0)):
         raise ConfigError(f"model.embedding_init_max: must be a finite number > 0 (tables start U(-a, a)) or null "
                           f"(sqrt(1 / num_embeddings)), got {a!r}")
+    # the bound must be a finite value of the tables' storage type (fp32 draws; fp16 stores)
+    top = 65504.0 if cfg.model.embedding_precision == "fp16" else 3.4028234663852886e38
+    if a is not None and a > top:
+        raise ConfigError(f"model.embedding_init_max: {a!r} exceeds the largest finite "
+                          f"{cfg.model.embedding_precision} value ({top:g}) of model.embedding_precision "
+                          f"{cfg.model.embedding_precision}: the tables would start with inf")
     pos(cfg.train.early_stopping_patience, "train.early_stopping_patience", allow_zero=True)
     if cfg.train.early_stopping_patience and cfg.train.keep_best == "none":
         raise ConfigError("train.early_stopping_patience: stops on the keep_best metric, but train.keep_best is "
