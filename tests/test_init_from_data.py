@@ -96,6 +96,35 @@ def test_dense_standardize_rejects_bad_statistics():
         n.set_stats(torch.zeros(3), torch.tensor([1.0, 0.0, 1.0]))
 
 
+def test_a_nan_or_inf_dense_column_is_named_by_the_trainer(data, tmp_path):
+    """A NaN / inf in the train split's dense columns was a ValueError traceback from set_stats that
+    listed plausible stds (NaN was turned into std 1) and named no column."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from dlrmctl.data.columnar import read_meta
+    from dlrmctl.train.loop import TrainError
+
+    d = tmp_path / "nan_data"
+    shutil.copytree(data, d)
+    meta = read_meta(str(d))
+    path = d / meta["splits"]["train"]["files"][0]
+    with pa.memory_map(str(path)) as f:
+        t = ipc.open_file(f).read_all()
+    cols = {n: t.column(n).to_numpy().copy() for n in t.schema.names}
+    a, b = meta["dense_features"][2], meta["dense_features"][4]
+    cols[a][3], cols[b][5] = np.nan, np.inf
+    t = pa.Table.from_arrays([pa.array(cols[n], type=t.schema.field(n).type) for n in t.schema.names], schema=t.schema)
+    with ipc.new_file(str(path), t.schema) as w:
+        w.write_table(t)
+    mean, std = dense_column_stats(str(d), "train")
+    assert not np.isfinite(std[2]) and not np.isfinite(std[4])  # not disguised as a constant column's 1
+    with pytest.raises(TrainError, match=rf"dense column\(s\) \['{a}', '{b}'\] .* NaN or inf"):
+        _trainer(_cfg(str(d), tmp_path / "runs", dense_standardize=True))
+
+
 def test_over_arch_bias_starts_at_the_train_ctr_logit(data, tmp_path):
     from dlrmctl.data.columnar import read_meta
 

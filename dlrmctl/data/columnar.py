@@ -583,7 +583,8 @@ def dense_column_stats(data_dir: str | os.PathLike, split: str = "train", block_
     every shard in proportion to its rows, so the cost stays O(max_rows) whatever the split's
     size (every rank reads the same rows: deterministic).  Blocks are merged with Chan et al.'s
     pairwise update ("Updating Formulae and a Pairwise Algorithm for Computing Sample
-    Variances", 1979).  A constant column (or an empty split) gets std 1, so
+    Variances", 1979).  A constant column (or an empty split) gets std 1 (a column holding NaN / inf
+    gets a non-finite mean and std, which the trainer reports), so
     ``(x - mean) / std`` is always defined (as ``scripts/baselines_common.dense_stats``).
 
     Raises:
@@ -620,7 +621,7 @@ def dense_column_stats(data_dir: str | os.PathLike, split: str = "train", block_
             m2 = m2 + m2b + delta ** 2 * (n * nb / tot)
             n = tot
     std = np.sqrt(m2 / n) if n else np.ones(len(names))
-    return mean, np.where(std > 0, std, 1.0)
+    return mean, np.where(std == 0, 1.0, std)  # a NaN / inf column keeps its non-finite std (the caller rejects it)
 
 
 def open_split(data_dir: str | os.PathLike, split: str) -> SplitData:

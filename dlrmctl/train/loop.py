@@ -740,7 +740,8 @@ def init_from_train_split(model: DLRM, cfg: ExperimentConfig, meta: dict[str, An
     Deterministic (every rank computes the same values); nothing happens with neither key set.
 
     Raises:
-        TrainError: ``ctr`` asked for but meta.json has no train CTR strictly in (0, 1).
+        TrainError: ``ctr`` asked for but meta.json has no train CTR strictly in (0, 1); a dense
+            column with NaN / inf values under ``dense_standardize`` (names the columns).
     """
     if cfg.model.over_arch_bias_init == "ctr":
         p = (meta.get("ctr") or {}).get(cfg.data.train_split)
@@ -755,6 +756,11 @@ def init_from_train_split(model: DLRM, cfg: ExperimentConfig, meta: dict[str, An
         from dlrmctl.data.columnar import dense_column_stats
 
         mean, std = dense_column_stats(cfg.data.path, cfg.data.train_split)
+        bad = [n for n, m, s in zip(meta["dense_features"], mean, std) if not (math.isfinite(m) and math.isfinite(s))]
+        if bad:
+            raise TrainError(f"model.dense_standardize: dense column(s) {bad} of the {cfg.data.train_split!r} split "
+                             f"of {cfg.data.path} hold NaN or inf values (no mean / std to standardise with); "
+                             "re-run `dlrmctl preprocess` or drop model.dense_standardize")
         norm.set_stats(torch.from_numpy(mean), torch.from_numpy(std))
 
 
