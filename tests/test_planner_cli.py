@@ -275,6 +275,16 @@ def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_pat
     assert not [p.name for p in tmp_path.rglob("*") if ".tmp" in p.name]
 
 
+def test_a_report_in_a_directory_that_does_not_exist_yet_is_written_there(tmp_path):
+    """--report new/sub/r.txt was a FileNotFoundError traceback after the plan had been written."""
+    cfg_path = write_config(tmp_path)
+    rep = tmp_path / "new" / "sub" / "r.txt"
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--out",
+                                          str(tmp_path / "p.yaml"), "--report", str(rep)])
+    assert r.exit_code == 0, r.output
+    assert "Estimated embedding step time" in rep.read_text()
+
+
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
 def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, interaction):
     """`embedding_dim: auto` made the planner's dense-parameter count do ``'auto' + int`` (TypeError in

@@ -134,8 +134,12 @@ def plan_command(
              f"{' | '.join(sorted(k for k, v in DEVICE_PRESETS.items() if v.compute_device == 'cuda'))}.", err=True)
     text = res.report()
     echo(text.rstrip("\n"))
-    res.plan.save(out)
-    rpath.write_text(text)
+    res.plan.save(out)  # makes the plan's directory
+    try:  # and --report's, as the plan's (a --report in a new directory died after the plan was written)
+        os.makedirs(os.path.dirname(os.path.abspath(rpath)), exist_ok=True)
+        rpath.write_text(text)
+    except OSError as e:
+        fail(f"wrote {show_path(out)}, but not the report --report {show_path(rpath)}: {e.strerror or e}")
     echo(f"wrote {show_path(out)} and {show_path(rpath)}")
 
 
