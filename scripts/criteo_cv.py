@@ -35,7 +35,7 @@ difference), then
   so it also measures their calibration across splits).
 
 Errors (one line, exit status 2): a missing input file or config, ``--splits`` < 2 (no standard
-error from one split), a bad ``--set`` (the config's own error).  Needs scikit-learn.
+error from one split), a bad ``--set`` (the config's own error), an ``--out`` ending ``.json``.  Needs scikit-learn.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
 
     Raises:
         FileNotFoundError: ``input_file`` or ``config`` missing.
-        ValueError: ``splits`` < 2 or ``ensemble`` < 1.
+        ValueError: ``splits`` < 2, ``ensemble`` < 1, or an ``out`` ending ``.json`` (the JSON copy's name).
         dlrmctl.config.ConfigError: a bad config or override.
     """
     from dlrmctl.config import load_config
@@ -198,6 +198,9 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
         raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"--config {config}: no such file")
+    if out and Path(out).suffix == ".json":  # its JSON copy goes to out.with_suffix(".json"): the same file
+        raise ValueError(f"--out {out}: names the Markdown table (its JSON is written next to it, as "
+                         f"{Path(out).with_suffix('.json').name}); give e.g. --out {Path(out).with_suffix('.md')}")
     load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
     work_p = Path(work)
     rows = []

@@ -103,6 +103,10 @@ def test_bad_splits_and_missing_input_are_one_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cv.main(["--input", str(tsv), "--splits", "2", "--set", "model.no_such_key=1", "--work", str(tmp_path / "w")])
     assert e.value.code == 2 and "no_such_key" in capsys.readouterr().err
+    # --out cv.json: the JSON copy (out.with_suffix(".json")) would overwrite the Markdown table
+    with pytest.raises(SystemExit) as e:
+        cv.main(["--input", str(tsv), "--splits", "2", "--out", str(tmp_path / "cv.json"), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2 and "--out" in (err := capsys.readouterr().err) and "cv.md" in err
     assert not (tmp_path / "w").exists()  # nothing preprocessed before the errors
 
 
