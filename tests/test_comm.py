@@ -147,6 +147,10 @@ def _qcomm_worker(env):
     red = reduce_scatter_v(rpart, bs, env.pg, use_collective=False, qdtype=torch.float16)
     red.backward(torch.full_like(red, 1e-7))
     edges["rs_sat"], edges["rs_tiny_grad"] = red.detach(), rpart.grad.clone()
+    # asked for the reduce_scatter collective (NCCL's default), an fp16 wire still sums in fp32:
+    # two partials of 40,000 make 80,000, not an fp16 inf
+    edges["rs_collective"] = reduce_scatter_v(torch.full((8, 2), 40000.0), [4, 4], env.pg, use_collective=True,
+                                              qdtype=torch.float16)
     return res, rs, ebc_out, edges
 
 
@@ -158,6 +162,7 @@ def test_qcomm_fp16_saturates_and_keeps_small_gradients():
     for *_, edges in run_multiprocess(_qcomm_worker, 2, timeout_s=180):
         assert all(torch.equal(o, torch.full_like(o, FP16_MAX)) for o in edges["sat"])
         assert torch.equal(edges["rs_sat"], torch.full_like(edges["rs_sat"], 2 * FP16_MAX))
+        assert torch.equal(edges["rs_collective"], torch.full((4, 2), 80000.0))
         # 1e-7 is an fp16 subnormal (spacing 2^-24 ~ 6e-8: a plain cast is 19 % off); scaled by
         # the global batch's power of two it arrives within fp16's 2^-11
         want = torch.tensor(1e-7)

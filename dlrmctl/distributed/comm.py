@@ -364,7 +364,8 @@ def reduce_scatter_v(
 
         qdtype: quantized communication (``sharding.comm_precision``, as :func:`pooled_all_to_all`):
             blocks and gradients travel as ``qdtype``; the all-to-all path sums the decoded
-            blocks in the input dtype, ``reduce_scatter`` sums in ``qdtype``.
+            blocks in the input dtype, ``reduce_scatter`` sums in ``qdtype`` (bf16 only: an fp16
+            wire always takes the all-to-all path, so a sum beyond fp16's range stays finite).
 
     Returns:
         ``[batch_sizes[rank], D]``: the sum over ranks of this rank's block (``inp``'s dtype).
@@ -373,6 +374,10 @@ def reduce_scatter_v(
         return inp
     if use_collective is None:
         use_collective = dist.get_backend(pg) == "nccl"
+    if qdtype == torch.float16:
+        # a reduce_scatter would sum in fp16 and overflow to inf above 65504 even though each
+        # partial saturates below it: fp16 partial sums travel by all-to-all and are summed in fp32
+        use_collective = False
     return _ReduceScatterV.apply(inp, [int(b) for b in batch_sizes], pg, bool(use_collective), qdtype)
 
 
