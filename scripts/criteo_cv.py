@@ -2,7 +2,7 @@
 test-AUC difference DLRM - LR with its standard error.
 
     python scripts/criteo_cv.py --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
-        --config configs/criteo_sample.yaml [--splits 5] [--set model.dropout=0.3 ...] [--out cv.md]
+        --config configs/criteo_sample.yaml [--splits 5] [--set model.dropout=0.3 ...] [--out cv.md] [--verbose]
 
 For each split seed ``s = first_seed .. first_seed + K - 1``:
 
@@ -21,6 +21,14 @@ For each split seed ``s = first_seed .. first_seed + K - 1``:
 0..N-1, run directories ``split_<s>_m<i>``) and score the mean of their logits on val and test
 (the ensemble's val AUC is then that of the mean logits at the members' best-on-val checkpoints).
 
+The script sets ``data.path``, ``name``, ``train.run_dir`` and ``train.progress`` of every run
+itself (and ``train.seed`` with ``--ensemble`` > 1): a ``--set`` of one of them is refused.
+
+While it works the script prints one progress line per split (on stderr); each training run's
+console output (its epoch, evaluation and best-checkpoint lines, warnings) goes to
+``WORK/logs/<run name>.log`` instead, next to the run directory ``WORK/runs/<run name>``
+(``--verbose``: to the console as well as before).
+
 Printed (and written to ``--out`` as Markdown, and as JSON next to it, each through a temp file
 renamed into place): one row per split (rows, DLRM val / test AUC, LR val / test AUC, test
 difference), then
@@ -34,13 +42,21 @@ difference), then
   can be a test row of several splits; the models of different splits are scored on one scale,
   so it also measures their calibration across splits).
 
-Errors (one line, exit status 2): a missing input file or config, ``--splits`` < 2 (no standard
-error from one split), a bad ``--set`` (the config's own error), an ``--out`` ending ``.json``.  Needs scikit-learn.
+Errors (one ``error: ...`` line on stderr, exit status 2), all arguments checked before any split
+is preprocessed: a missing input file or config, ``--splits`` < 2 (no standard error from one
+split), ``--ensemble`` / ``--threads`` < 1, ``--first-seed`` < 0, ``--val-ratio`` or ``--test-ratio``
+not in (0, 1) or summing to >= 1 (both splits are needed: val chooses, test scores), a bad ``--C``,
+a bad ``--set`` (the config's own error) or one of the keys the script sets, an ``--out`` ending
+``.json``.  An error the
+preprocessing, the trainer or the evaluator raises for the data or the configuration
+(``ConfigError``, ``TrainError``, ``PlannerError``, ``DataError``, ...) is one line naming the split
+and the ``--set`` overrides, exit status 2.  Needs scikit-learn.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -57,6 +73,106 @@ import numpy as np  # noqa: E402
 import baselines_common as bc  # noqa: E402
 
 DEFAULT_INPUT = "../shared/data/criteo/criteo_kaggle_sample_10k.tsv"
+
+#: config keys the script sets for every run (a ``--set`` of one would be silently overridden)
+CONTROLLED_KEYS = {
+    "data.path": "each split's preprocessed directory WORK/data_<seed>",
+    "name": "the run name split_<seed>[_m<i>]",
+    "train.run_dir": "WORK/runs",
+    "train.progress": "false (one progress line per split instead)",
+}
+#: set by the script only with ``--ensemble`` > 1 (the members' seeds)
+ENSEMBLE_KEYS = {"train.seed": "the config's train.seed + 0..N-1 with --ensemble N"}
+
+
+class SplitError(Exception):
+    """A split's preprocessing, training or scoring refused its data or configuration (one line)."""
+
+
+def _controlled_key(assignment: str, keys: dict) -> str | None:
+    """The key of ``keys`` that the ``--set`` ``assignment`` would set, or None.
+
+    A dotted key matches itself; a section (``--set train={seed: 3}``) matches when its YAML
+    value holds the controlled key (``train.seed``).  An unparsable value is left to the config's
+    own error."""
+    import yaml
+
+    key, _, text = assignment.partition("=")
+    key = key.strip()
+    for k in keys:
+        if key == k:
+            return k
+        if k.startswith(key + "."):
+            try:
+                node = yaml.safe_load(text) if text.strip() else None
+            except yaml.YAMLError:
+                return None
+            for part in k[len(key) + 1:].split("."):
+                if not isinstance(node, dict) or part not in node:
+                    break
+                node = node[part]
+            else:
+                return k
+    return None
+
+
+def check_args(input_file: str, config: str, overrides: list[str], splits: int, first_seed: int,
+               val_ratio: float, test_ratio: float, cs, ensemble: int, threads: int = 1,
+               out: str | None = None) -> None:
+    """Every argument checked before any work (nothing is preprocessed or trained before this).
+
+    Raises:
+        ValueError: ``splits`` < 2, ``ensemble`` or ``threads`` < 1, ``first_seed`` < 0, a ratio
+            not in (0, 1) or ``val_ratio + test_ratio`` >= 1, ``cs`` empty or not all finite > 0,
+            an override of a key the script sets (:data:`CONTROLLED_KEYS`, plus ``train.seed``
+            with ``ensemble`` > 1), an ``out`` ending ``.json`` (its JSON copy's name).
+        FileNotFoundError: ``input_file`` or ``config`` missing.
+        dlrmctl.config.ConfigError: a bad config or override.
+    """
+    from dlrmctl.config import load_config
+
+    if splits < 2:
+        raise ValueError(f"--splits must be >= 2 (a standard error needs two paired differences), got {splits}")
+    if ensemble < 1:
+        raise ValueError(f"--ensemble must be >= 1 (DLRMs per split), got {ensemble}")
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if first_seed < 0:
+        raise ValueError(f"--first-seed must be >= 0 (split seeds), got {first_seed}")
+    for name, r in (("--val-ratio", val_ratio), ("--test-ratio", test_ratio)):
+        if not (math.isfinite(r) and 0 < r < 1):
+            raise ValueError(f"{name} must be in (0, 1), got {r} (val chooses the DLRM checkpoint and the LR's C, "
+                             "test scores both: each split needs both)")
+    if val_ratio + test_ratio >= 1:
+        raise ValueError(f"--val-ratio + --test-ratio must be < 1 (rows are left to train on), got "
+                         f"{val_ratio + test_ratio:g}")
+    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
+        raise ValueError(f"--C: expected finite numbers > 0, got {list(cs)}")
+    if out and Path(out).suffix == ".json":  # its JSON copy goes to out.with_suffix(".json"): the same file
+        raise ValueError(f"--out {out}: names the Markdown table (its JSON is written next to it, as "
+                         f"{Path(out).with_suffix('.json').name}); give e.g. --out {Path(out).with_suffix('.md')}")
+    keys = dict(CONTROLLED_KEYS, **(ENSEMBLE_KEYS if ensemble > 1 else {}))
+    for o in overrides:
+        k = _controlled_key(o, keys)
+        if k is not None:
+            raise ValueError(f"--set {o}: the script sets {k} itself ({keys[k]}); drop this --set")
+    if not os.path.isfile(input_file):
+        raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"--config {config}: no such file")
+    load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
+
+
+@contextlib.contextmanager
+def _console_to(log_path: Path | None):
+    """Python-level stdout and stderr (dlrmctl's echo, logging records, warnings) appended to
+    ``log_path`` inside the block; ``None``: left on the console (``--verbose``)."""
+    if log_path is None:
+        yield
+        return
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        yield
 
 
 def paired_stats(diffs) -> tuple[float, float]:
@@ -94,11 +210,13 @@ def preprocess_split(input_file: str, out_dir: Path, seed: int, val_ratio: float
 
 
 def run_split(config: str, overrides: list[str], input_file: str, work: Path, seed: int, val_ratio: float,
-              test_ratio: float, cs, log, ensemble: int = 1) -> dict:
+              test_ratio: float, cs, log, ensemble: int = 1, verbose: bool = False) -> dict:
     """One split: preprocess, train DLRM, score its best-on-val checkpoint on test, fit the LR.
 
     ``ensemble`` > 1: train that many DLRMs (``train.seed`` = the config's + 0, 1, ...; each its
     own best-on-val checkpoint) and score the mean of their logits on val and test.
+    Each run's console output goes to ``work/logs/<run name>.log`` (the split's earlier logs removed first), or to the
+    console with ``verbose``.
 
     Returns:
         ``{"seed", "test_rows", "dlrm_val_auc", "dlrm_test_auc", "lr_val_auc", "lr_test_auc", "C",
@@ -109,6 +227,8 @@ def run_split(config: str, overrides: list[str], input_file: str, work: Path, se
     from dlrmctl.train.worker import run_training
 
     data = work / f"data_{seed}"
+    for old in (work / "logs").glob(f"split_{seed}.log" if ensemble == 1 else f"split_{seed}_m*.log"):
+        old.unlink()  # an earlier invocation's: an error now must not point at it
     preprocess_split(input_file, data, seed, val_ratio, test_ratio)
     from dlrmctl.config import load_config
 
@@ -116,15 +236,17 @@ def run_split(config: str, overrides: list[str], input_file: str, work: Path, se
     zs, vs = [], []
     for m in range(ensemble):
         name = f"split_{seed}" + (f"_m{m}" if ensemble > 1 else "")
-        summary = run_training(config, list(overrides) + [f"data.path={data}", f"name={name}",
-                                                          f"train.run_dir={work / 'runs'}", "train.progress=false"]
-                               + ([f"train.seed={base_seed + m}"] if ensemble > 1 else []), overwrite=True)
-        run_dir = work / "runs" / name
-        z, y = run_logits(str(run_dir), "test", checkpoint=None)  # best-on-val when the run kept one
-        zs.append(np.asarray(z, np.float64))
-        if ensemble > 1:
-            zv, yv = run_logits(str(run_dir), "val", checkpoint=None)
-            vs.append(np.asarray(zv, np.float64))
+        log_path = None if verbose else work / "logs" / f"{name}.log"
+        with _console_to(log_path):
+            summary = run_training(config, list(overrides) + [f"data.path={data}", f"name={name}",
+                                                              f"train.run_dir={work / 'runs'}", "train.progress=false"]
+                                   + ([f"train.seed={base_seed + m}"] if ensemble > 1 else []), overwrite=True)
+            run_dir = work / "runs" / name
+            z, y = run_logits(str(run_dir), "test", checkpoint=None)  # best-on-val when the run kept one
+            zs.append(np.asarray(z, np.float64))
+            if ensemble > 1:
+                zv, yv = run_logits(str(run_dir), "val", checkpoint=None)
+                vs.append(np.asarray(zv, np.float64))
     z = np.mean(zs, axis=0)
     dlrm_test = compute_metrics_from_logits(z, y)
     dlrm_val_auc = (float(summary["best"]["auc"]) if ensemble == 1
@@ -178,38 +300,39 @@ def render(rows: list[dict], s: dict, command: str) -> str:
 
 def run(input_file: str, config: str, overrides: list[str], splits: int = 5, first_seed: int = 0,
         work: str = "runs/criteo_cv", val_ratio: float = 0.15, test_ratio: float = 0.15, cs=bc.DEFAULT_CS,
-        out: str | None = None, log=None, ensemble: int = 1) -> dict:
+        out: str | None = None, log=None, ensemble: int = 1, verbose: bool = False) -> dict:
     """Run the K splits (see the module docstring); returns ``{"rows": [...], "summary": {...}}``
-    (the rows without their logit arrays).
+    (the rows without their logit arrays).  ``log`` gets one progress line per split (default
+    stderr); the training runs' own output goes to ``work/logs/`` unless ``verbose``.
 
     Raises:
         FileNotFoundError: ``input_file`` or ``config`` missing.
-        ValueError: ``splits`` < 2, ``ensemble`` < 1, or an ``out`` ending ``.json`` (the JSON copy's name).
+        ValueError: a bad argument (:func:`check_args`).
         dlrmctl.config.ConfigError: a bad config or override.
+        SplitError: a split's preprocessing, training or scoring refused the data or the
+            configuration (the message names the split, the ``--set`` overrides and the run's log).
     """
-    from dlrmctl.config import load_config
+    from dlrmctl.train.worker import USER_ERRORS
 
-    log = log or (lambda s: print(s, file=sys.stderr))
-    if splits < 2:
-        raise ValueError(f"--splits must be >= 2 (a standard error needs two paired differences), got {splits}")
-    if ensemble < 1:
-        raise ValueError(f"--ensemble must be >= 1 (DLRMs per split), got {ensemble}")
-    if not os.path.isfile(input_file):
-        raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
-    if not os.path.isfile(config):
-        raise FileNotFoundError(f"--config {config}: no such file")
-    if out and Path(out).suffix == ".json":  # its JSON copy goes to out.with_suffix(".json"): the same file
-        raise ValueError(f"--out {out}: names the Markdown table (its JSON is written next to it, as "
-                         f"{Path(out).with_suffix('.json').name}); give e.g. --out {Path(out).with_suffix('.md')}")
-    load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
+    log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    check_args(input_file, config, overrides, splits, first_seed, val_ratio, test_ratio, cs, ensemble, out=out)
     work_p = Path(work)
     rows = []
+    sets = "".join(f" --set {o}" for o in overrides)
     for seed in range(first_seed, first_seed + splits):
         t0 = time.perf_counter()
-        r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs, log=lambda s: None,
-                      ensemble=ensemble)
+        try:
+            r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs,
+                          log=lambda s: None, ensemble=ensemble, verbose=verbose)
+        except USER_ERRORS + (ValueError,) as e:
+            msg = " ".join(str(e).split())  # one line, whatever the error's own layout
+            logs = sorted((work_p / "logs").glob(f"split_{seed}.log" if ensemble == 1 else f"split_{seed}_m*.log"),
+                          key=lambda f: f.stat().st_mtime)  # the failed run's log: the newest of this split
+            where = f"; its training log: {logs[-1]}" if logs and not verbose else ""
+            raise SplitError(f"split {seed} (config {config}{sets or ', no --set'}): {msg}{where}") from e
         log(f"split {seed}: DLRM val {r['dlrm_val_auc']:.4f} test {r['dlrm_test_auc']:.4f} | LR val "
-            f"{r['lr_val_auc']:.4f} test {r['lr_test_auc']:.4f} ({time.perf_counter() - t0:.0f}s)")
+            f"{r['lr_val_auc']:.4f} test {r['lr_test_auc']:.4f} ({time.perf_counter() - t0:.0f}s; run "
+            f"{work_p / 'runs' / f'split_{seed}'}{'_m*' if ensemble > 1 else ''})")
         rows.append(r)
     s = summarize(rows)
     command = "python scripts/criteo_cv.py --input {} --config {} --splits {}{}{}".format(
@@ -225,41 +348,68 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
     return {"rows": plain, "summary": s}
 
 
+def _fail(msg: str) -> None:
+    """One ``error: ...`` line on stderr and exit status 2 (no usage text: the arguments parsed)."""
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _description() -> str:
+    """The module docstring's first paragraph as one line (``--help``)."""
+    return " ".join(__doc__.split("\n\n")[0].split())
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except the empty ones (no ``--out``, no ``--set``, a flag)."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, [], False):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> dict:
     """CLI entry: see the module docstring."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--input", default=DEFAULT_INPUT, help=f"Criteo TSV (default {DEFAULT_INPUT})")
-    p.add_argument("--config", default="configs/criteo_sample.yaml")
+    p = argparse.ArgumentParser(description=_description(), formatter_class=_DefaultsHelp)
+    p.add_argument("--input", default=DEFAULT_INPUT, help="Criteo TSV to split")
+    p.add_argument("--config", default="configs/criteo_sample.yaml", help="experiment YAML every split trains")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every split's training (repeatable)")
-    p.add_argument("--splits", type=int, default=5, help="K split seeds (>= 2; default 5)")
+                   help="config override for every split's training (repeatable; not data.path, name, "
+                        "train.run_dir, train.progress, nor train.seed with --ensemble: the script sets them)")
+    p.add_argument("--splits", type=int, default=5, help="K split seeds (>= 2)")
     p.add_argument("--ensemble", type=int, default=1,
-                   help="DLRMs per split (train.seed + 0..N-1), their logits averaged (default 1: one model)")
-    p.add_argument("--first-seed", type=int, default=0, help="the first split seed (default 0)")
-    p.add_argument("--work", default="runs/criteo_cv", help="where each split's data and run go")
-    p.add_argument("--val-ratio", type=float, default=0.15)
-    p.add_argument("--test-ratio", type=float, default=0.15)
+                   help="DLRMs per split (train.seed + 0..N-1), their logits averaged (1: one model)")
+    p.add_argument("--first-seed", type=int, default=0, help="the first split seed")
+    p.add_argument("--work", default="runs/criteo_cv",
+                   help="where each split's data (data_<seed>), run (runs/) and training log (logs/) go")
+    p.add_argument("--val-ratio", type=float, default=0.15, help="share of rows in each split's val, in (0, 1)")
+    p.add_argument("--test-ratio", type=float, default=0.15, help="share of rows in each split's test, in (0, 1)")
     p.add_argument("--C", default=",".join(f"{c:g}" for c in bc.DEFAULT_CS),
                    help="comma-separated inverse L2 strengths of the LR (chosen on val per split)")
     p.add_argument("--out", default=None, help="also write the table here (Markdown) and as .json next to it")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show each run's training output instead of writing it to WORK/logs/")
     a = p.parse_args(argv)
     try:
         cs = tuple(float(c) for c in a.C.split(",") if c.strip())
     except ValueError:
-        p.error(f"--C: expected comma-separated numbers, got {a.C!r}")
-    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
-        p.error(f"--C: expected finite numbers > 0, got {a.C!r}")
-    import torch
-
+        _fail(f"--C: expected comma-separated numbers, got {a.C!r}")
     from dlrmctl.config import ConfigError
 
-    torch.set_num_threads(max(1, a.threads))
+    try:
+        check_args(a.input, a.config, a.overrides, a.splits, a.first_seed, a.val_ratio, a.test_ratio, cs,
+                   a.ensemble, a.threads, a.out)
+    except (FileNotFoundError, ValueError, ConfigError) as e:
+        _fail(" ".join(str(e).split()))
+    import torch
+
+    torch.set_num_threads(a.threads)
     try:
         return run(a.input, a.config, a.overrides, a.splits, a.first_seed, a.work, a.val_ratio, a.test_ratio, cs,
-                   a.out, ensemble=a.ensemble)
-    except (FileNotFoundError, ValueError, ConfigError) as e:
-        p.error(str(e))
+                   a.out, ensemble=a.ensemble, verbose=a.verbose)
+    except (FileNotFoundError, ValueError, ConfigError, SplitError) as e:
+        _fail(" ".join(str(e).split()))
 
 
 if __name__ == "__main__":

@@ -132,3 +132,113 @@ def test_an_ensemble_scores_the_mean_logit_of_its_seeds(head_tsv, tmp_path, caps
     with pytest.raises(SystemExit) as e:
         cv.main(["--input", str(head_tsv), "--ensemble", "0", "--work", str(tmp_path / "w2")])
     assert e.value.code == 2 and "--ensemble must be >= 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def head_100(tmp_path_factory):
+    """The first 100 lines of the real 10k sample (skipped when ../shared is absent)."""
+    src = require_shared(CRITEO_10K)
+    out = tmp_path_factory.mktemp("cv_in100") / "head100.tsv"
+    with open(src) as f:
+        out.write_text("".join(line for _, line in zip(range(100), f)))
+    return out
+
+
+TINY = ["train.epochs=1", "data.batch_size=32"]
+
+
+def _argv(tsv, work, *extra):
+    argv = ["--input", str(tsv), "--config", str(REPO / "configs" / "criteo_sample.yaml"), "--splits", "2",
+            "--work", str(work), "--C", "0.1"]
+    for o in TINY:
+        argv += ["--set", o]
+    return argv + list(extra)
+
+
+def _one_error_line(capsys, e) -> str:
+    """The run exited 2 with exactly one stderr line, ``error: ...`` (no usage text, no traceback)."""
+    captured = capsys.readouterr()
+    assert e.value.code == 2
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
+def test_a_trainer_error_is_one_line_naming_the_split_and_the_setting(head_100, tmp_path, capsys):
+    cv = _script()
+    with pytest.raises(SystemExit) as e:
+        cv.main(_argv(head_100, tmp_path / "w", "--first-seed", "4", "--set", "train.precision=fp16"))
+    line = _one_error_line(capsys, e)
+    assert "split 4" in line and "--set train.precision=fp16" in line and "needs CUDA" in line
+    assert "split_4.log" in line and (tmp_path / "w" / "logs" / "split_4.log").is_file()
+
+
+def test_every_argument_is_checked_before_any_work(tmp_path, capsys):
+    """Bad ratios, seeds, threads, --C: one ``error:`` line, and nothing under --work (no split preprocessed)."""
+    cv = _script()
+    tsv = tmp_path / "x.tsv"
+    tsv.write_text("0\t" + "\t" * 38 + "\n")
+    work = tmp_path / "w"
+    bad = [(["--val-ratio", "0"], "--val-ratio must be in (0, 1)"),
+           (["--test-ratio", "0"], "--test-ratio must be in (0, 1)"),
+           (["--val-ratio", "0.6", "--test-ratio", "0.5"], "--val-ratio + --test-ratio must be < 1"),
+           (["--first-seed", "-1"], "--first-seed must be >= 0"),
+           (["--threads", "0"], "--threads must be >= 1"),
+           (["--C", "0,1"], "--C: expected finite numbers > 0"),
+           (["--C", "a"], "--C: expected comma-separated numbers")]
+    for extra, msg in bad:
+        with pytest.raises(SystemExit) as e:
+            cv.main(_argv(tsv, work, *extra))
+        assert msg in _one_error_line(capsys, e)
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("sets,ensemble,key", [
+    (["data.path=/elsewhere"], "1", "data.path"),
+    (["train.run_dir=/tmp/r"], "1", "train.run_dir"),
+    (["name=mine"], "1", "name"),
+    (["train.progress=true"], "1", "train.progress"),
+    (["train.seed=7"], "2", "train.seed"),
+    (["train={seed: 7, epochs: 1}"], "2", "train.seed"),  # a whole section holding the key
+    (["data={path: /elsewhere}"], "1", "data.path"),
+])
+def test_overrides_of_keys_the_script_sets_are_refused(tmp_path, capsys, sets, ensemble, key):
+    cv = _script()
+    tsv = tmp_path / "x.tsv"
+    tsv.write_text("0\t" + "\t" * 38 + "\n")
+    argv = _argv(tsv, tmp_path / "w", "--ensemble", ensemble)
+    for o in sets:
+        argv += ["--set", o]
+    with pytest.raises(SystemExit) as e:
+        cv.main(argv)
+    assert f"the script sets {key} itself" in _one_error_line(capsys, e)
+    assert not (tmp_path / "w").exists()
+
+
+def test_train_seed_is_free_without_an_ensemble_and_logs_go_to_work(head_100, tmp_path, capsys):
+    """One progress line per split on the console; each run's training output in WORK/logs/<run>.log;
+    ``--verbose`` puts it back on the console."""
+    cv = _script()
+    work = tmp_path / "w"
+    rows = cv.main(_argv(head_100, work, "--set", "train.seed=3"))["rows"]
+    cap = capsys.readouterr()
+    from dlrmctl.train.loop import run_config
+
+    assert run_config(str(work / "runs" / "split_0")).train.seed == 3
+    assert [ln.split(":")[0] for ln in cap.err.strip().splitlines()] == ["split 0", "split 1"]
+    assert "best val AUC" not in cap.out + cap.err and "epoch 1/1" not in cap.out + cap.err
+    for r in rows:
+        log = (work / "logs" / f"split_{r['seed']}.log").read_text()
+        assert "epoch 1/1" in log and "best val AUC" in log
+    cv.main(_argv(head_100, tmp_path / "w2", "--verbose"))
+    cap = capsys.readouterr()
+    assert (cap.out + cap.err).count("best val AUC") == 2 and not (tmp_path / "w2" / "logs").exists()
+
+
+def test_help_describes_the_script_whole_and_shows_defaults(capsys):
+    cv = _script()
+    with pytest.raises(SystemExit):
+        cv.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the paired test-AUC difference DLRM - LR with its standard error." in text
+    assert "(default: configs/criteo_sample.yaml)" in text and "(default: runs/criteo_cv)" in text
