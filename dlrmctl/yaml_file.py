@@ -32,14 +32,20 @@ def read_yaml(path: str | os.PathLike, error: type[Exception], what: str) -> Any
         raise error(f"{where}: invalid YAML in {what}: {getattr(e, 'problem', None) or e}") from e
 
 
-def read_yaml_mapping(path: str | os.PathLike, error: type[Exception], what: str) -> dict:
+def read_yaml_mapping(path: str | os.PathLike, error: type[Exception], what: str, expected: str = "") -> dict:
     """:func:`read_yaml`, and the top level must be a mapping.
 
+    Args:
+        what: the file's kind, short ("topology file"): every message names it.
+        expected: what the mapping should hold ("keys a, b, ..."), added only to the message of a
+            file that was read but holds no mapping (not to a missing or unreadable file's).
+
     Raises:
-        error: as :func:`read_yaml`, or the top level is not a mapping (an empty file included).
+        error: as :func:`read_yaml` (``<path>: cannot read <what>: <OS error>``, one line), or the
+            top level is not a mapping (an empty file included).
     """
     d = read_yaml(path, error, what)
     if not isinstance(d, dict):
-        raise error(f"{os.fspath(path)}: expected a mapping at the top level of the {what}, got "
-                    f"{'an empty file' if d is None else type(d).__name__}")
+        raise error(f"{os.fspath(path)}: expected a mapping at the top level of the {what}"
+                    f"{f' ({expected})' if expected else ''}, got {'an empty file' if d is None else type(d).__name__}")
     return d

@@ -171,7 +171,8 @@ def build_plans(ws: int, lws: int, batch: int, topology_file: str | None, dense_
     if batch % ws:
         raise SystemExit(f"--batch {batch} must be a multiple of --nproc {ws}: each rank runs batch / nproc samples")
     device = load_topology_file(topology_file) if topology_file else "cpu"
-    topo = Topology.from_preset(device, ws, lws, ddr_gb=4.0, name=topology_file)
+    topo = Topology.from_preset(device, ws, lws, ddr_gb=4.0, name=topology_file,
+                                topology_file=topology_file or None)
     kernels = [ComputeKernel.DENSE] if dense_only else None
     kernel = ComputeKernel.DENSE if dense_only else ComputeKernel.FUSED
     specs = [TableSpec(f"t{i}", n, DIM, [float(p)], compute_kernels=kernels) for i, (n, p) in enumerate(zip(ROWS, POOLING))]

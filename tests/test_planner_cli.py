@@ -195,7 +195,12 @@ def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
                                           "--out", str(tmp_path / "plan.yaml")])
     assert r.exit_code == 0, r.output
-    assert "Preset: topo.yaml (--topology)" in r.output and "collective 150 us" in r.output
+    # the file is named once per line, as a topology (not as a device): "topology topo.yaml (calibrated cpu)"
+    # ("calibrated" only for a file --calibrate wrote: its source says so; this one's is "test")
+    assert "Topology (--topology): 2 ranks = 1 host(s) x 2, topology topo.yaml (cpu); per rank" in r.output
+    assert "Sharding plan: 4 table(s) on 2 ranks = 1 host(s) x 2, topology topo.yaml (cpu);" in r.output
+    assert "device topo.yaml" not in r.output and "Preset:" not in r.output and r.output.count("topo.yaml (") == 2
+    assert "collective 150 us" in r.output
     assert "2 sharding group(s) x 2.5e+03 us" in r.output or "sharding group(s) x 2.5e+03 us" in r.output
     r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
                                           "--device", "h100", "--out", str(tmp_path / "p2.yaml")])
@@ -314,3 +319,71 @@ def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, inte
     plan.validate(tables, 2)
     r = CliRunner().invoke(plan_cmd.app, [str(tmp_path / "exp.yaml"), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 0, r.output
+
+
+def test_a_calibrated_topology_is_named_as_one_and_a_missing_file_is_one_line(tmp_path, monkeypatch):
+    """``--topology FILE`` (or sharding.topology_file): the console names ``topology FILE (calibrated cpu)``
+    once per line, never ``device FILE``; a missing or unreadable file is one line with the OS error (the key
+    list only for a file read with the wrong content)."""
+    import dataclasses
+
+    from dlrmctl.planner.types import save_topology_file
+
+    monkeypatch.chdir(tmp_path)
+    save_topology_file(tmp_path / "cal.yaml", dataclasses.replace(
+        _calibrated_preset(), source="dlrmctl plan --calibrate on host at 2026-12-01T00:00:00 (CPU, gloo)"))
+    cfg_path = write_config(tmp_path)
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--set", "sharding.topology_file=cal.yaml"])
+    assert r.exit_code == 0, r.output
+    assert "Topology (sharding.topology_file in exp.yaml): 2 ranks = 1 host(s) x 2, topology cal.yaml " \
+           "(calibrated cpu); per rank" in r.output
+    assert "on 2 ranks = 1 host(s) x 2, topology cal.yaml (calibrated cpu);" in (tmp_path / "plan_report.txt").read_text()
+    assert "device cal.yaml" not in r.output
+    for missing in (tmp_path / "nope.yaml", tmp_path):  # no such file; a directory
+        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(missing),
+                                              "--out", "p2.yaml"])
+        assert r.exit_code == 2
+        lines = r.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: {missing}: cannot read topology file: "), r.output
+        assert lines[0].endswith(("No such file or directory", "Is a directory")) and "compute_device" not in lines[0]
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", "list.yaml", "--out", "p2.yaml"])
+    assert r.exit_code == 2 and "expected a mapping at the top level of the topology file (keys compute_device, " \
+        in r.output
+
+
+def test_the_report_says_how_many_proposals_were_scored_and_how_many_re_estimated(tmp_path):
+    """The search scores N proposals; the best RERANK and the single-type plans outside them are
+    re-estimated placement-aware: the line gives both counts, never "N (K of the best ...)"."""
+    from types import SimpleNamespace
+
+    from dlrmctl.planner.planner import RERANK
+    from dlrmctl.planner.report import proposals_line
+
+    def line(n, re, single):
+        return proposals_line(SimpleNamespace(proposals_evaluated=n, reranked=re, reranked_single=single))
+
+    assert line(40, RERANK + 2, 2) == (
+        f"Proposals evaluated: 40 scored by the search; the best {RERANK} and the 2 single-type plan(s) outside "
+        f"them ({RERANK + 2}) re-estimated with the cache hit rates of their placed shards (as evaluate_plan does)")
+    assert f"; the best {RERANK} (every feasible single-type plan among them) re-estimated" in line(27, RERANK, 0)
+    assert "; all 5 re-estimated" in line(5, 5, 0)
+    cfg_path = write_config(tmp_path)
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "h100",
+                                          "--out", str(tmp_path / "plan.yaml")])
+    assert r.exit_code == 0, r.output
+    got = next(ln for ln in r.output.splitlines() if ln.startswith("Proposals evaluated:"))
+    n = int(got.split()[2])
+    assert n > RERANK and got.startswith(f"Proposals evaluated: {n} scored by the search; the best {RERANK}")
+    assert "of the best and the single-type ones" not in r.output
+
+
+def test_the_calibration_labels_the_measured_and_the_all_dram_fused_backward():
+    """The console's fused-backward line shows the file's raw medians as measured and the all-DRAM ones
+    (x dram_factor) as such, so 0.916 in the file and 1.00 on the console do not look contradictory."""
+    from dlrmctl.planner.calibrate import fused_backward_line
+
+    msg = fused_backward_line(0.916e-3, 0.5e-3, 1.0917, 13.2e-9, 1.41)
+    assert "measured 0.916 / 0.500 ms (the file's fused_bwd_ms / fused_bwd_dim16_ms)" in msg
+    assert "all-DRAM 1.000 / 0.546 ms (x 1.092: the table's own cache hits taken out; fitted)" in msg
+    assert msg.endswith("= 13.20 ns per id + 1.41 x forward")

@@ -49,7 +49,8 @@ def plan_command(
         None, "--topology", help="topology file (from --calibrate) instead of a preset (default: sharding.topology_file)"
     ),
     calibrate: bool = typer.Option(
-        False, "--calibrate", help="measure this machine (CPU, 2 gloo ranks, < 60 s) and write a topology file to --out"
+        False, "--calibrate", help="measure this machine (CPU, 2 gloo ranks; 10-20 s on a 2-core machine, at most 60 s) and write a "
+                                "topology file to --out"
     ),
     hbm_gb: Optional[float] = typer.Option(None, "--hbm-gb", help="device memory per rank, GB (overrides the preset)"),
     ddr_gb: Optional[float] = typer.Option(None, "--ddr-gb", help="host memory per rank, GB (overrides the preset)"),
@@ -112,6 +113,7 @@ def plan_command(
             hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
             ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
             name=preset,
+            topology_file=show_path(topo_file) if topo_file else None,
         )
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4)
@@ -127,7 +129,9 @@ def plan_command(
     origin = ("--topology" if topology is not None else "--device" if device
               else f"sharding.topology_file in {show_path(config)}" if topo_file
               else f"sharding.device in {show_path(config)}")
-    echo(f"Preset: {preset} ({origin}): {topo.describe()}")
+    # a preset is named once here ("Preset: h100 (--device): ..., device h100 (cuda)"); a topology file
+    # only inside describe() ("Topology (--topology): ..., topology FILE (calibrated cpu)")
+    echo(f"Topology ({origin}): {topo.describe()}" if topo_file else f"Preset: {preset} ({origin}): {topo.describe()}")
     if device is None and topo_file is None and topo.compute_device == "cpu":
         echo(f"warning: --gpus {gpus} without --device plans {gpus} CPU processes (the '{preset}' preset from "
              f"sharding.device in {show_path(config)}: tables in host memory, no HBM). For GPUs pass --device "

@@ -263,7 +263,7 @@ class ShardingPlan:
         from dlrmctl.yaml_file import read_yaml_mapping
 
         path = os.fspath(path)
-        d = read_yaml_mapping(path, PlanError, "plan (world_size, tables)")
+        d = read_yaml_mapping(path, PlanError, "plan", "world_size, tables")
         return ShardingPlan.from_dict(d, where=path)
 
     def validate(self, tables: Iterable[Any], world_size: int, where: str = "plan") -> None:

@@ -403,6 +403,24 @@ def spread_summary(measured: dict) -> str:
     return "\n".join(lines)
 
 
+def fused_backward_line(raw_wide_s: float, raw_narrow_s: float, dram_factor: float, per_id_s: float,
+                        multiplier: float) -> str:
+    """The calibration's console line for the fused backward split, both figures of each width labelled.
+
+    Args:
+        raw_wide_s, raw_narrow_s: the measured medians (seconds) at ``_DIM`` and ``_NARROW_DIM``
+            columns on the DRAM table: what the file stores as ``measured.fused_bwd_ms`` and
+            ``measured.fused_bwd_dim16_ms`` (ms).
+        dram_factor: ``kernel_figures(...).dram_factor``: the raw times x this = all-DRAM times
+            (the DRAM table's own cache hits taken out), which :func:`split_fused_backward` fits.
+        per_id_s, multiplier: the fit (``fused_bwd_id_ns`` x 1e-9, ``bwd_compute_multiplier``).
+    """
+    return (f"fused backward at {_DIM} / {_NARROW_DIM} columns: measured {raw_wide_s * 1e3:.3f} / "
+            f"{raw_narrow_s * 1e3:.3f} ms (the file's fused_bwd_ms / fused_bwd_dim{_NARROW_DIM}_ms), all-DRAM "
+            f"{raw_wide_s * dram_factor * 1e3:.3f} / {raw_narrow_s * dram_factor * 1e3:.3f} ms (x {dram_factor:.3f}: "
+            f"the table's own cache hits taken out; fitted) = {per_id_s * 1e9:.2f} ns per id + {multiplier:.2f} x forward")
+
+
 def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset, dict]:
     """Measure this machine (module docstring) in under :data:`TIME_BUDGET_S` seconds.
 
@@ -473,9 +491,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                 mults[kernel], per_id = split_fused_backward(eff[kernel], mem_bw, bwd_wide, bwd_narrow, _NARROW_DIM)
                 measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
                 spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
-                log(f"fused backward: {bwd_wide * 1e3:.2f} ms at {_DIM} columns, {bwd_narrow * 1e3:.2f} ms at "
-                    f"{_NARROW_DIM} over the same ids (all-DRAM) = {per_id * 1e9:.2f} ns per id + "
-                    f"{mults[kernel]:.2f} x forward")
+                log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel]))
     finally:
         torch.set_num_threads(threads)
     left = TIME_BUDGET_S - (time.perf_counter() - t0) - 5

@@ -81,6 +81,8 @@ class PlanResult:
         topology, tables, batch_size, reservation: the problem.
         reranked: candidates re-estimated with their placement's cache hits (:data:`RERANK`
             best plus the single-type ones) among which the plan was chosen.
+        reranked_single: of ``reranked``, the single-type plans outside the :data:`RERANK`
+            best (so ``reranked - reranked_single`` of the best were re-estimated).
     """
 
     plan: ShardingPlan
@@ -94,6 +96,7 @@ class PlanResult:
     reservation: HeuristicStorageReservation
     best_uniform: tuple[str, Partition] | None = None
     reranked: int = 0
+    reranked_single: int = 0
 
     @property
     def step_time_ms(self) -> float:
@@ -296,7 +299,8 @@ class EmbeddingShardingPlanner:
         # estimates a given plan (cache hits of the placed shards instead of the prior), so the reported
         # step time is the one evaluate_plan / bench_planner_accuracy.py give for the chosen plan
         cand = [ch for _, ch in ok[:RERANK]]
-        cand += [ch for _, ch in ok[RERANK:] if evaluated[ch][0].startswith("all ")]
+        singles = [ch for _, ch in ok[RERANK:] if evaluated[ch][0].startswith("all ")]
+        cand += singles
         placed: dict[tuple[int, ...], tuple[str, Partition]] = {}
         for ch in cand:
             label, p = evaluated[ch]
@@ -312,7 +316,7 @@ class EmbeddingShardingPlanner:
         uniform = next((placed[ch] for _, ch in ok[1:] if placed[ch][0].startswith("all ")), None)
         return PlanResult(
             partition_to_plan(best, topo), best, label, runner, len(evaluated), topo, list(tables),
-            self.batch_size, self.reservation, uniform, len(placed),
+            self.batch_size, self.reservation, uniform, len(placed), sum(ch in placed for ch in singles),
         )
 
     # ---------------------------------------------------------------- errors
@@ -376,7 +380,7 @@ class EmbeddingShardingPlanner:
                 if self._fits_rw(t, n) <= usable:
                     break
                 n = n + max(1, n // 16)
-            fixes.append(f"more ranks: >= {n} x {topo.device} split row-wise ({fmt_bytes(self._fits_rw(t, n))} per rank)")
+            fixes.append(f"more ranks: >= {n} x {topo.device if topo.topology_file is None else topo.compute_device + ' rank'} split row-wise ({fmt_bytes(self._fits_rw(t, n))} per rank)")
         opt_now = optimizer_name(t.optimizer)
         if opt_now in ("adam", "lamb"):
             # keep Adam's (LAMB's) first moment per weight, one second moment per row: about half the state
@@ -602,7 +606,8 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     lws = local_world_size or cfg.sharding.local_world_size or world_size
     tf = cfg.sharding.topology_file
     device = load_topology_file(tf) if tf else cfg.sharding.device
-    topo = Topology.from_preset(device, world_size, lws, cfg.sharding.hbm_gb, cfg.sharding.ddr_gb, name=tf)
+    topo = Topology.from_preset(device, world_size, lws, cfg.sharding.hbm_gb, cfg.sharding.ddr_gb, name=tf,
+                                topology_file=tf or None)
     from dlrmctl import _fbgemm
 
     # without fbgemm_gpu training runs every table on the dense kernel: plan (and cost) that

@@ -96,6 +96,22 @@ def _lost(entry: tuple[str, Partition], chosen: Partition) -> str:
     return f"{label}, {fmt_ms(q.critical_path)} ms vs {fmt_ms(chosen.critical_path)} ms: {why}"
 
 
+def proposals_line(res: "PlanResult") -> str:
+    """How many proposals the search scored and how many of them were re-estimated placement-aware
+    (the :data:`~dlrmctl.planner.planner.RERANK` best, plus the single-type plans outside them),
+    e.g. ``Proposals evaluated: 40 scored by the search; the best 16 and the 2 single-type plan(s)
+    outside them (18) re-estimated with the cache hit rates of their placed shards``."""
+    n, best, single = res.proposals_evaluated, res.reranked - res.reranked_single, res.reranked_single
+    if single:
+        which = f"the best {best} and the {single} single-type plan(s) outside them ({res.reranked})"
+    elif best >= n:
+        which = f"all {n}"
+    else:
+        which = f"the best {best} (every feasible single-type plan among them)"
+    return (f"Proposals evaluated: {n} scored by the search; {which} re-estimated with the cache hit rates of "
+            f"their placed shards (as evaluate_plan does)")
+
+
 def why_chosen(res: "PlanResult", hbm: list[int], ddr: list[int]) -> str:
     """One line: the chosen plan's balance, its memory headroom and the runner-up's cost."""
     p, topo = res.partition, res.topology
@@ -107,7 +123,7 @@ def why_chosen(res: "PlanResult", hbm: list[int], ddr: list[int]) -> str:
     usable = res.reservation.usable(topo)
     head = f"{1 - used[full] / usable:.0%} headroom" if usable > 0 else "no table memory"
     parts = [
-        f"the lowest estimated step time of {res.proposals_evaluated} proposal(s)",
+        f"the lowest estimated step time of the {res.reranked} re-estimated proposal(s)",
         f"balance max/mean {p.bandwidth_path / mean if mean else 1.0:.3f} (slowest rank {slow})",
         f"fullest rank {full} holds {used[full] / 1e9:.3f} of {usable / 1e9:.2f} GB usable "
         f"{topo.table_mem_name} ({head})",
@@ -184,8 +200,7 @@ def format_report(res: "PlanResult") -> str:
         f"{p.bandwidth_path / mean if mean else 1.0:.3f}) + fixed latency {fmt_ms(lat)} ms ({n_groups} sharding "
         f"group(s) x {topo.lookup_fixed_s * 1e6:.3g} us, {n_kernels} kernel launches on the busiest rank x "
         f"{topo.kernel_launch_s * 1e6:.3g} us, {n_coll} collectives x {topo.collective_s * 1e6:.3g} us)",
-        f"Proposals evaluated: {res.proposals_evaluated} ({res.reranked} of the best and the single-type ones "
-        f"re-estimated with the cache hits of their placement, as evaluate_plan does); chosen: {res.label}",
+        proposals_line(res) + f"; chosen: {res.label}",
         "Why this plan: " + why_chosen(res, hbm, ddr),
     ]
     if res.runner_up is None:

@@ -248,6 +248,9 @@ class Topology:
         intra_host_bw: one-direction bandwidth between ranks of one host, bytes/s.
         inter_host_bw: one-direction bandwidth of a rank to other hosts, bytes/s.
         device: preset name (``h100`` ...) or topology file, for the report.
+        topology_file: the topology file the hardware was read from (None: a preset); the
+            report then names the file instead of a device.
+        calibrated: that file was written by ``dlrmctl plan --calibrate`` (its ``source``).
         kernel_launch_s: seconds of one kernel launch / op dispatch.
         collective_latency_s: seconds of one small collective within a host.
         inter_host_collective_latency_s: seconds of one small collective across hosts.
@@ -288,6 +291,8 @@ class Topology:
     fused_bwd_id_s: float = 0.0
     llc_bytes: int = 0
     cache_speedup: dict[str, float] = field(default_factory=dict)
+    topology_file: str | None = None
+    calibrated: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
@@ -364,16 +369,23 @@ class Topology:
         """
         return self.inter_host_bw if self.num_hosts > 1 else self.intra_host_bw
 
+    @property
+    def hardware(self) -> str:
+        """What the hardware is: ``device h100 (cuda)``, or ``topology FILE (calibrated cpu)`` when it
+        was read from a topology file."""
+        if self.topology_file is not None:
+            return f"topology {self.topology_file} ({'calibrated ' if self.calibrated else ''}{self.compute_device})"
+        return f"device {self.device} ({self.compute_device})"
+
     def describe(self) -> str:
-        """One line: ranks, hosts, device, memory and bandwidths (GB, GB/s), fixed costs (us)."""
+        """One line: ranks, hosts, hardware (:attr:`hardware`), memory and bandwidths (GB, GB/s), fixed costs (us)."""
         mem = (
             f"HBM {self.hbm_cap / GB:.0f} GB @ {self.hbm_mem_bw / GB:.0f} GB/s"
             if self.compute_device == "cuda"
             else f"DDR {self.ddr_cap / GB:.1f} GB @ {self.ddr_mem_bw / GB:.1f} GB/s"
         )
         return (
-            f"{self.world_size} ranks = {self.num_hosts} host(s) x {self.local_world_size}, device {self.device} "
-            f"({self.compute_device}); per rank {mem}; intra-host {self.intra_host_bw / GB:.3g} GB/s, "
+            f"{self.world_size} ranks = {self.num_hosts} host(s) x {self.local_world_size}, {self.hardware}; per rank {mem}; intra-host {self.intra_host_bw / GB:.3g} GB/s, "
             f"inter-host {self.inter_host_bw / GB:.3g} GB/s; fixed: collective {self.collective_s * 1e6:.3g} us, "
             f"kernel launch {self.kernel_launch_s * 1e6:.3g} us, sharding group {self.lookup_fixed_s * 1e6:.3g} us"
         )
@@ -386,6 +398,7 @@ class Topology:
         hbm_gb: float | None = None,
         ddr_gb: float | None = None,
         name: str | None = None,
+        topology_file: str | None = None,
     ) -> "Topology":
         """Build a topology from a :data:`DEVICE_PRESETS` entry or a :class:`DevicePreset`
         (e.g. one read by :func:`load_topology_file`).
@@ -397,6 +410,8 @@ class Topology:
             local_world_size: ranks per host; default ``min(world_size, 8)`` for GPU
                 presets (one 8-GPU node), ``world_size`` for cpu (one machine).
             hbm_gb, ddr_gb: per-rank capacity overrides in GB (1e9 bytes).
+            topology_file: the file ``device`` was read from (:func:`load_topology_file`), for
+                the report (:attr:`Topology.hardware`).
 
         Raises:
             PlannerError: unknown device or inconsistent sizes.
@@ -447,6 +462,8 @@ class Topology:
             llc_bytes=llc,
             cache_speedup={k: v for k, v in (("fused", p.fused_cache_speedup), ("dense", p.dense_cache_speedup))
                            if v is not None},
+            topology_file=topology_file,
+            calibrated=topology_file is not None and str(p.source or "").startswith("dlrmctl plan --calibrate"),
         )
 
 
@@ -474,7 +491,7 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     """
     from dlrmctl.yaml_file import read_yaml_mapping
 
-    d = read_yaml_mapping(path, PlannerError, f"topology file (keys {', '.join(TOPOLOGY_FILE_KEYS)})")
+    d = read_yaml_mapping(path, PlannerError, "topology file", f"keys {', '.join(TOPOLOGY_FILE_KEYS)}")
     d = {k: v for k, v in d.items() if k != "measured"}
     unknown = sorted(set(d) - set(TOPOLOGY_FILE_KEYS))
     if unknown:
