@@ -387,3 +387,27 @@ def test_the_calibration_labels_the_measured_and_the_all_dram_fused_backward():
     assert "measured 0.916 / 0.500 ms (the file's fused_bwd_ms / fused_bwd_dim16_ms)" in msg
     assert "all-DRAM 1.000 / 0.546 ms (x 1.092: the table's own cache hits taken out; fitted)" in msg
     assert msg.endswith("= 13.20 ns per id + 1.41 x forward")
+
+
+def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path):
+    """`--out a_report.txt` then `--out a.yaml` would write a.yaml's report over the first plan:
+    refused (a report replaces only an earlier report, or anything with --force)."""
+    from dlrmctl.commands import plan as plan_cmd
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
+                  "tables": [{"name": "t0", "num_embeddings": 1000}, {"name": "t1", "num_embeddings": 500}]},
+        "data": {"path": str(tmp_path / "none"), "batch_size": 512}}))
+    run = lambda *a: CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", *map(str, a)])
+    r = run("--out", tmp_path / "a_report.txt")
+    assert r.exit_code == 0, r.output
+    first = (tmp_path / "a_report.txt").read_text()
+    r = run("--out", tmp_path / "a.yaml")
+    assert r.exit_code == 2 and "not a plan report" in r.output
+    assert (tmp_path / "a_report.txt").read_text() == first and not (tmp_path / "a.yaml").exists()
+    assert run("--out", tmp_path / "a.yaml", "--force").exit_code == 0
+    # a report replaces an earlier report of the same plan name
+    assert run("--out", tmp_path / "b.yaml").exit_code == 0 and run("--out", tmp_path / "b.yaml", "--force").exit_code == 0
+    r = run("--out", tmp_path / "c.yaml2", "--report", tmp_path / "c.yaml2")
+    assert r.exit_code == 2 and "plan file itself" in r.output

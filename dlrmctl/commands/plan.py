@@ -37,6 +37,20 @@ def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws:
     return cfg_lws
 
 
+#: the first words of every report (:meth:`PlanResult.report`): an existing file that starts
+#: otherwise is not replaced without --force
+_REPORT_HEAD = "Sharding plan:"
+
+
+def _is_plan_report(path: Path) -> bool:
+    """True when ``path`` starts like a report ``dlrmctl plan`` wrote (unreadable: False)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(len(_REPORT_HEAD)) == _REPORT_HEAD
+    except OSError:
+        return False
+
+
 def plan_command(
     config: Optional[Path] = typer.Argument(None, help="experiment YAML (configs/*.yaml); not with --calibrate"),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="ranks in the job (GPUs, or processes with --device cpu)"),
@@ -104,6 +118,12 @@ def plan_command(
                                  f"{opt} {show_path(p / ('plan.yaml' if opt == '--out' else 'plan_report.txt'))}")
         if out.exists() and not force:
             raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+        if Path(os.path.abspath(rpath)) == Path(os.path.abspath(out)):
+            raise ValueError(f"--report {show_path(rpath)} is the plan file itself; give another --report")
+        if rpath.exists() and not force and not _is_plan_report(rpath):
+            raise ValueError(f"the report would replace {show_path(rpath)}, which is not a plan report (a plan "
+                             f"written as --out {show_path(rpath)}?); pass --force to replace it, or --report "
+                             f"another file")
         topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
         preset = show_path(topo_file) if topo_file else (device or cfg.sharding.device)
         topo = Topology.from_preset(
