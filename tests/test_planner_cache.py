@@ -351,3 +351,32 @@ def test_a_calibrated_data_parallel_shard_adds_only_the_other_rows_optimizer_pas
     plain = dataclasses.replace(topo, dense_bwd_compute_multiplier=None, bwd_compute_multiplier=mult)
     q, *_ = estimate_shard(plain, table, ST.DATA_PARALLEL, CK.DENSE, rows, d, 1, B, 0.0)
     assert q.bwd_compute == pytest.approx(mult * q.fwd_compute + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * 4 / bw)
+
+
+def test_a_fused_shard_costs_the_calibrated_forward_and_backward_at_both_widths():
+    """plan --calibrate splits the fused forward (and backward) of two widths over the same ids
+    into a per-id part and the bytes: a fused table_wise shard of either calibration table is
+    then charged exactly the measured forward and backward, and a column shard (half the width,
+    every id) about as much forward as the whole table, as the TBE runs it."""
+    W, mem_bw = 1, 20e9
+    f_w, f_n, b_w, b_n = 0.392e-3, 0.346e-3, 0.95e-3, 0.57e-3  # dev-VM-like medians (s), dims 64 / 16
+    eff, fwd_id = cal.split_fused_forward(mem_bw, f_w, f_n, cal._NARROW_DIM, fallback_eff=0.5)
+    mult, bwd_id = cal.split_fused_backward(eff, mem_bw, b_w, b_n, cal._NARROW_DIM)
+    assert fwd_id > 0 and bwd_id > 0 and eff > 0
+    topo = Topology(world_size=W, local_world_size=W, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
+                    hbm_mem_bw=0.0, ddr_mem_bw=mem_bw, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=0,
+                    kernel_efficiency={"fused": eff}, bwd_compute_multiplier=mult, fused_bwd_id_s=bwd_id,
+                    fused_fwd_id_s=fwd_id)
+    for dim, f, b in ((cal._DIM, f_w, b_w), (cal._NARROW_DIM, f_n, b_n)):
+        rows = cal._TABLE_ROWS * cal._DIM // dim
+        t = TableSpec("cal", rows, dim, [float(cal._POOL)])
+        p, *_ = estimate_shard(topo, t, ST.TABLE_WISE, CK.FUSED, rows, dim, 1, cal._BATCH, 0.0)
+        assert p.fwd_compute == pytest.approx(f, rel=1e-9) and p.bwd_compute == pytest.approx(b, rel=1e-9)
+    # a 32-column shard of the 64-wide table: most of the whole table's forward, not half of it
+    t = TableSpec("cal", cal._TABLE_ROWS, cal._DIM, [float(cal._POOL)])
+    half, *_ = estimate_shard(topo, t, ST.COLUMN_WISE, CK.FUSED, cal._TABLE_ROWS, cal._DIM // 2, 1, cal._BATCH, 0.0)
+    assert 0.8 * f_w < half.fwd_compute < f_w
+    # no slope (noise): bytes only, as before the per-id term
+    assert cal.split_fused_forward(mem_bw, 0.3e-3, 0.31e-3, cal._NARROW_DIM, fallback_eff=0.4) == (0.4, 0.0)
+    # an old topology file (no fused_fwd_id_ns) loads with no forward per-id term
+    assert Topology.from_preset("cpu", 1, 1).fused_fwd_id_s == 0.0

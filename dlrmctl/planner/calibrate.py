@@ -32,6 +32,10 @@ dispatch, collective) is itself the median of a slice of calls.
   absent) / of the dense kernel (its sparse gradient and the torch optimizer step:
   the dense kernel's optimizer pass is inside this multiplier, and ``perf.estimate_shard``
   adds no separate one when it is set; :func:`kernel_figures`).
+* ``fused_fwd_id_ns``: the fused forward of the same two widths (below) splits it into a
+  per-id part and the bytes (:func:`split_fused_forward`); ``fused_efficiency`` is then the
+  bytes' share (a fitted figure: it can exceed 1, the prefetcher hides row bytes) and the
+  backward split below uses it.
 * ``fused_bwd_id_ns``: the fused backward is timed a second time on a 2,000,000 x 16
   table (the same 128 MB, the same number of ids; 5 repeats of 40 calls each): the two backward times split it into
   ``bwd_compute_multiplier`` x the model's forward (bytes) plus a cost per id
@@ -150,16 +154,12 @@ def _fwd_bytes(dim: int) -> int:
     return (_BATCH + ids) * 4 + ids * max(dim * 4, 64) + _BATCH * dim * 4
 
 
-def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int = _TABLE_ROWS,
-                   iters: int = 30, repeats: int = REPEATS) -> tuple[Sample, Sample]:
-    """``(forward s, backward s)`` of one EBC lookup kernel (see the module docstring) on a
-    ``rows x dim`` fp32 table, ``_BATCH`` bags of ``_POOL`` ids, exact row-wise Adagrad.
-
-    Each of ``repeats`` repeats (after three warm-up calls of each) times ``iters / repeats``
-    forward calls and as many forward + backward (+ optimizer) calls, at most
-    ``max_s / (2 * repeats)`` seconds each, and keeps their medians; the backward of a
-    repeat is its (forward + backward) - forward.  Returned: the :class:`Sample` over the
-    repeats of each.
+def _lookup_bench(kernel: str, dim: int, rows: int) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(forward, step)`` closures of one EBC lookup (module docstring): a ``rows x dim`` fp32
+    table, ``_BATCH`` bags of ``_POOL`` uniform ids, exact row-wise Adagrad; ``step`` is forward +
+    backward (+ the dense kernel's optimizer step).  Three warm-up calls of each are made (a fresh
+    table's pages are first touched by the first steps: on the dev VM the first 30 fused backward
+    calls of the 128 MB table took 4x the later ones).
 
     Raises:
         RuntimeError: ``kernel == "fused"`` without FBGEMM (the caller skips it).
@@ -193,20 +193,49 @@ def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int =
             opt.step()
             opt.zero_grad()
 
-    n = max(3, iters // repeats)
-    slice_s = max_s / (2 * repeats)
-    # warm-up: a fresh table's pages are first touched by the first steps (page faults: on the dev VM
-    # the first 30 fused backward calls of the 128 MB table took 4x the later ones)
     for _ in range(3):
         fwd()
         step()
-    fs, bs = [], []
+    return fwd, step
+
+
+def measure_lookups(kernel: str, tables: Sequence[tuple[int, int]], max_s: float = 6.0, iters: int = 30,
+                    repeats: int = REPEATS) -> list[tuple[Sample, Sample]]:
+    """``[(forward s, backward s)]`` of one EBC lookup kernel per ``(dim, rows)`` table
+    (:func:`_lookup_bench`), the tables measured in turn within each repeat, so that a change
+    of load on the machine hits all of them alike (their differences are what the splits use).
+
+    Each of ``repeats`` repeats times, per table, ``iters / repeats`` forward calls and as many
+    forward + backward (+ optimizer) calls, at most ``max_s / (2 * repeats * len(tables))``
+    seconds each, and keeps their medians; the backward of a repeat is its (forward + backward)
+    - forward.  Returned per table: the :class:`Sample` over the repeats of each.
+
+    Raises:
+        RuntimeError: ``kernel == "fused"`` without FBGEMM (the caller skips it).
+    """
+    benches = [_lookup_bench(kernel, dim, rows) for dim, rows in tables]
+    n = max(3, iters // repeats)
+    slice_s = max_s / (2 * repeats * len(benches))
+    fs: list[list[float]] = [[] for _ in benches]
+    bs: list[list[float]] = [[] for _ in benches]
     for _ in range(repeats):
-        t_f = statistics.median(_timed(fwd, n, slice_s, warmup=0))
-        t_s = statistics.median(_timed(step, n, slice_s, warmup=0))
-        fs.append(t_f)
-        bs.append(max(0.0, t_s - t_f))
-    return Sample.of(fs), Sample.of(bs)
+        for i, (fwd, step) in enumerate(benches):
+            t_f = statistics.median(_timed(fwd, n, slice_s, warmup=0))
+            t_s = statistics.median(_timed(step, n, slice_s, warmup=0))
+            fs[i].append(t_f)
+            bs[i].append(max(0.0, t_s - t_f))
+    return [(Sample.of(f), Sample.of(b)) for f, b in zip(fs, bs)]
+
+
+def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int = _TABLE_ROWS,
+                   iters: int = 30, repeats: int = REPEATS) -> tuple[Sample, Sample]:
+    """``(forward s, backward s)`` of one EBC lookup kernel on a ``rows x dim`` fp32 table
+    (:func:`measure_lookups` of that one table).
+
+    Raises:
+        RuntimeError: ``kernel == "fused"`` without FBGEMM (the caller skips it).
+    """
+    return measure_lookups(kernel, [(dim, rows)], max_s=max_s, iters=iters, repeats=repeats)[0]
 
 
 def lookup_efficiency(t_fwd_s: float, mem_bw: float, dim: int = _DIM) -> float:
@@ -277,6 +306,36 @@ def kernel_figures(fwd_dram_s: float, bwd_dram_s: float, fwd_cache_s: float, bwd
     s, k = cache_correction(fwd_dram_s + bwd_dram_s, fwd_cache_s + bwd_cache_s, dram_hit)
     t_f, t_b = fwd_dram_s * k, bwd_dram_s * k
     return KernelFigures(s, k, lookup_efficiency(t_f, mem_bw), max(0.1, t_b / t_f))
+
+
+def split_fused_forward(mem_bw: float, fwd_wide_s: float, fwd_narrow_s: float, narrow_dim: int,
+                        fallback_eff: float) -> tuple[float, float]:
+    """Split the fused forward into a per-byte and a per-id part from two widths over the same ids.
+
+    The perf model's fused forward is ``bytes(dim) / (eff * mem_bw) + ids * per_id``
+    (``perf.estimate_shard``); the ``_DIM`` and ``narrow_dim`` lookups (``_BATCH * _POOL`` ids,
+    tables of the same bytes) give both::
+
+        1 / (eff * mem_bw) = (fwd_wide - fwd_narrow) / (bytes(_DIM) - bytes(narrow_dim))
+        per_id = (fwd_wide - bytes(_DIM) / (eff * mem_bw)) / ids
+
+    ``eff`` is a fitted figure, not a physical fraction: the rows' bytes are partly hidden by the
+    hardware prefetcher, so it can exceed 1.  When noise makes the narrow forward as slow as
+    the wide one (no per-byte slope), the split is not made: ``(fallback_eff, 0.0)`` (bytes only,
+    as before the per-id term).
+
+    Returns:
+        ``(fused kernel efficiency, fused_fwd_id seconds)``.
+    """
+    ids = _BATCH * _POOL
+    db = _fwd_bytes(_DIM) - _fwd_bytes(narrow_dim)
+    per_byte = (fwd_wide_s - fwd_narrow_s) / db
+    if per_byte <= 0 or mem_bw <= 0:
+        return fallback_eff, 0.0
+    per_id = (fwd_wide_s - _fwd_bytes(_DIM) * per_byte) / ids
+    if per_id <= 0:
+        return fallback_eff, 0.0
+    return 1.0 / (per_byte * mem_bw), per_id
 
 
 def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narrow_s: float,
@@ -350,7 +409,7 @@ def _comm_rank(env) -> dict[str, list[float]]:
         res["a2a_small_s"].append(statistics.median(
             _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 60, 1e9, warmup=0)))
         res["a2a_8mib_s"].append(statistics.median(
-            _timed(lambda: all_to_all_ints(big, splits, splits, pg), 3, 1e9, warmup=0)))
+            _timed(lambda: all_to_all_ints(big, splits, splits, pg), 10, 1e9, warmup=0)))  # 10: loopback TCP varies
         steps: dict[str, list[float]] = {"one": [], "two": []}
         barrier(pg)
         for _ in range(30):  # alternate, so that a load change on the machine hits both alike
@@ -463,13 +522,19 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         mults: dict[str, float] = {}
         speedup: dict[str, float] = {}
         per_id = 0.0
+        fwd_per_id = 0.0
         for kernel in ("fused", "dense"):
             if kernel == "fused" and not _fbgemm.ensure_checked():
                 log("fused kernel: fbgemm_gpu not installed, keeping the default efficiency and cache speedup")
                 continue
             # the fused pair below is split by a difference: more calls per median narrow its spread (_SPLIT_ITERS)
             iters = _SPLIT_ITERS if kernel == "fused" else 30
-            f_d, b_d = measure_lookup(kernel, iters=iters)
+            # fused: the 64-wide DRAM table and the 16-wide one of the same bytes and ids in turn
+            # (their differences split the forward and the backward), then the in-cache table
+            tables = [(_DIM, _TABLE_ROWS)] + ([(_NARROW_DIM, _TABLE_ROWS * _DIM // _NARROW_DIM)]
+                                              if kernel == "fused" else [])
+            pairs = measure_lookups(kernel, tables, max_s=6.0 * len(tables), iters=iters)
+            f_d, b_d = pairs[0]
             f_c, b_c = measure_lookup(kernel, rows=cache_rows, iters=iters)
             step_d, step_c = f_d.median + b_d.median, f_c.median + b_c.median
             fig = kernel_figures(f_d.median, b_d.median, f_c.median, b_c.median, dram_hit, mem_bw)
@@ -486,9 +551,17 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                 f"(DRAM table's own hits {dram_hit:.2f} taken out)")
             if kernel == "fused":
                 # same ids and table bytes, a quarter of the width: what the backward pays per id
-                _, b_n = measure_lookup(kernel, dim=_NARROW_DIM, rows=_TABLE_ROWS * _DIM // _NARROW_DIM, iters=iters)
+                f_n, b_n = pairs[1]
                 bwd_narrow = b_n.median * k
+                # the forward's per-id part first (it changes the per-byte efficiency the backward split uses)
+                eff[kernel], fwd_per_id = split_fused_forward(mem_bw, f_d.median * k, f_n.median * k, _NARROW_DIM,
+                                                              eff[kernel])
                 mults[kernel], per_id = split_fused_backward(eff[kernel], mem_bw, bwd_wide, bwd_narrow, _NARROW_DIM)
+                measured[f"fused_fwd_dim{_NARROW_DIM}_ms"] = round(f_n.median * 1e3, 3)
+                spread[f"fused_fwd_dim{_NARROW_DIM}_ms"] = _range(f_n, 1e3)
+                log(f"fused forward: {fwd_per_id * 1e9:.2f} ns per id + bytes at {eff[kernel] * mem_bw / GB:.1f} GB/s "
+                    f"(measured {f_d.median * 1e3:.3f} / {f_n.median * 1e3:.3f} ms at {_DIM} / {_NARROW_DIM} columns, "
+                    f"same ids)")
                 measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
                 spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
                 log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel]))
@@ -532,6 +605,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         bwd_compute_multiplier=round(mults.get("fused", mults["dense"]), 3),
         dense_bwd_compute_multiplier=round(mults["dense"], 3),
         fused_bwd_id_ns=round(per_id * 1e9, 3) if "fused" in eff else None,
+        fused_fwd_id_ns=round(fwd_per_id * 1e9, 3) if "fused" in eff else None,
         llc_mb=round(llc_bytes / MiB, 3),
         fused_cache_speedup=round(speedup["fused"], 3) if "fused" in speedup else None,
         dense_cache_speedup=round(speedup["dense"], 3),

@@ -128,6 +128,12 @@ class DevicePreset:
             ``ids * fused_bwd_id_ns`` to a fused shard's backward and
             ``bwd_compute_multiplier`` then covers only the bytes.  ``None`` = 0 (TorchRec
             has no such term; ``plan --calibrate`` measures it).
+        fused_fwd_id_ns: nanoseconds the fused kernel's forward spends per looked-up id whatever
+            the row width (offsets, index loads, the bag loop; ``plan --calibrate`` splits the
+            forward of two widths over the same ids: on the dev VM ~8 ns per id, about 80 % of a
+            64-wide fp32 forward); it adds ``ids * fused_fwd_id_ns`` to a fused shard's forward
+            and ``fused_efficiency`` then covers only the bytes.  ``None`` = 0 (TorchRec's model
+            is bytes only).
         llc_mb: last-level cache in MiB (2^20 bytes): per host on cpu (the ranks of a host
             share it), per GPU on cuda (L2, private to its rank); ``None`` = the default
             (module docstring; :data:`DEFAULT_LLC_MB`, or this machine's on cpu).
@@ -154,6 +160,7 @@ class DevicePreset:
     bwd_compute_multiplier: float | None = None
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_ns: float | None = None
+    fused_fwd_id_ns: float | None = None
     llc_mb: float | None = None
     fused_cache_speedup: float | None = None
     dense_cache_speedup: float | None = None
@@ -262,6 +269,7 @@ class Topology:
         dense_bwd_compute_multiplier: the same for the dense kernel (``None``: ``bwd_compute_multiplier``).
         fused_bwd_id_s: seconds the fused kernel's backward spends per looked-up id whatever the
             row width (``DevicePreset.fused_bwd_id_ns``; 0 = not modelled).
+        fused_fwd_id_s: the same for the fused kernel's forward (``DevicePreset.fused_fwd_id_ns``).
         llc_bytes: last-level cache of one cache domain, bytes (:meth:`cache_domain`:
             a host on cpu, a rank on cuda); 0 = no cache modelled (every lookup at the DRAM /
             HBM rate).  :meth:`from_preset` fills it in.
@@ -289,6 +297,7 @@ class Topology:
     bwd_compute_multiplier: float = 2.0
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_s: float = 0.0
+    fused_fwd_id_s: float = 0.0
     llc_bytes: int = 0
     cache_speedup: dict[str, float] = field(default_factory=dict)
     topology_file: str | None = None
@@ -315,6 +324,8 @@ class Topology:
             raise PlannerError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
         if self.fused_bwd_id_s < 0:
             raise PlannerError(f"fused_bwd_id_s must be >= 0 seconds, got {self.fused_bwd_id_s}")
+        if self.fused_fwd_id_s < 0:
+            raise PlannerError(f"fused_fwd_id_s must be >= 0 seconds, got {self.fused_fwd_id_s}")
         if self.llc_bytes < 0:
             raise PlannerError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
         bad = {k: v for k, v in self.cache_speedup.items() if not v > 0}
@@ -459,6 +470,7 @@ class Topology:
             bwd_compute_multiplier=2.0 if p.bwd_compute_multiplier is None else p.bwd_compute_multiplier,
             dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
             fused_bwd_id_s=0.0 if p.fused_bwd_id_ns is None else p.fused_bwd_id_ns * 1e-9,
+            fused_fwd_id_s=0.0 if p.fused_fwd_id_ns is None else p.fused_fwd_id_ns * 1e-9,
             llc_bytes=llc,
             cache_speedup={k: v for k, v in (("fused", p.fused_cache_speedup), ("dense", p.dense_cache_speedup))
                            if v is not None},
