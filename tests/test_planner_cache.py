@@ -353,30 +353,35 @@ def test_a_calibrated_data_parallel_shard_adds_only_the_other_rows_optimizer_pas
     assert q.bwd_compute == pytest.approx(mult * q.fwd_compute + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * 4 / bw)
 
 
-def test_a_fused_shard_costs_the_calibrated_forward_and_backward_at_both_widths():
-    """plan --calibrate splits the fused forward (and backward) of two widths over the same ids
-    into a per-id part and the bytes: a fused table_wise shard of either calibration table is
-    then charged exactly the measured forward and backward, and a column shard (half the width,
-    every id) about as much forward as the whole table, as the TBE runs it."""
+def test_a_fused_shard_costs_the_calibrated_lookups_at_both_widths_and_bag_sizes():
+    """plan --calibrate fits the fused lookup (bytes, per id, per bag; forward and backward) to
+    three lookups of the same ids: a fused table_wise shard of each calibration table is then
+    charged exactly its measured forward and backward; a column shard (half the width, every
+    id and bag) most of a whole table's forward, as the TBE runs it."""
     W, mem_bw = 1, 20e9
-    f_w, f_n, b_w, b_n = 0.392e-3, 0.346e-3, 0.95e-3, 0.57e-3  # dev-VM-like medians (s), dims 64 / 16
-    eff, fwd_id = cal.split_fused_forward(mem_bw, f_w, f_n, cal._NARROW_DIM, fallback_eff=0.5)
-    mult, bwd_id = cal.split_fused_backward(eff, mem_bw, b_w, b_n, cal._NARROW_DIM)
-    assert fwd_id > 0 and bwd_id > 0 and eff > 0
+    fwd = [0.392e-3, 0.346e-3, 0.72e-3]  # dev-VM-like medians (s): 64 cols bags of 20 / 16 cols / 64 cols bags of 1
+    bwd = [0.95e-3, 0.57e-3, 2.9e-3]
+    fit = cal.fit_fused_lookup(mem_bw, fwd, bwd, cal._NARROW_DIM, fallback_eff=0.5)
+    assert min(fit.fwd_id_s, fit.bwd_id_s, fit.fwd_bag_s, fit.bwd_bag_s) > 0 and fit.efficiency > 0
     topo = Topology(world_size=W, local_world_size=W, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
                     hbm_mem_bw=0.0, ddr_mem_bw=mem_bw, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=0,
-                    kernel_efficiency={"fused": eff}, bwd_compute_multiplier=mult, fused_bwd_id_s=bwd_id,
-                    fused_fwd_id_s=fwd_id)
-    for dim, f, b in ((cal._DIM, f_w, b_w), (cal._NARROW_DIM, f_n, b_n)):
+                    kernel_efficiency={"fused": fit.efficiency}, bwd_compute_multiplier=fit.bwd_multiplier,
+                    fused_bwd_id_s=fit.bwd_id_s, fused_fwd_id_s=fit.fwd_id_s, fused_fwd_bag_s=fit.fwd_bag_s,
+                    fused_bwd_bag_s=fit.bwd_bag_s)
+    ids = cal._BATCH * cal._POOL
+    for (dim, pool), f, b in zip(((cal._DIM, cal._POOL), (cal._NARROW_DIM, cal._POOL), (cal._DIM, 1)), fwd, bwd):
         rows = cal._TABLE_ROWS * cal._DIM // dim
-        t = TableSpec("cal", rows, dim, [float(cal._POOL)])
-        p, *_ = estimate_shard(topo, t, ST.TABLE_WISE, CK.FUSED, rows, dim, 1, cal._BATCH, 0.0)
+        t = TableSpec("cal", rows, dim, [float(pool)])
+        p, n, *_ = estimate_shard(topo, t, ST.TABLE_WISE, CK.FUSED, rows, dim, 1, ids // pool, 0.0)
+        assert n == ids
         assert p.fwd_compute == pytest.approx(f, rel=1e-9) and p.bwd_compute == pytest.approx(b, rel=1e-9)
     # a 32-column shard of the 64-wide table: most of the whole table's forward, not half of it
     t = TableSpec("cal", cal._TABLE_ROWS, cal._DIM, [float(cal._POOL)])
     half, *_ = estimate_shard(topo, t, ST.COLUMN_WISE, CK.FUSED, cal._TABLE_ROWS, cal._DIM // 2, 1, cal._BATCH, 0.0)
-    assert 0.8 * f_w < half.fwd_compute < f_w
-    # no slope (noise): bytes only, as before the per-id term
-    assert cal.split_fused_forward(mem_bw, 0.3e-3, 0.31e-3, cal._NARROW_DIM, fallback_eff=0.4) == (0.4, 0.0)
-    # an old topology file (no fused_fwd_id_ns) loads with no forward per-id term
-    assert Topology.from_preset("cpu", 1, 1).fused_fwd_id_s == 0.0
+    assert 0.8 * fwd[0] < half.fwd_compute < fwd[0]
+    # no per-byte slope (noise): the bytes go at the fallback efficiency, nothing negative
+    flat = cal.fit_fused_lookup(mem_bw, [0.3e-3, 0.31e-3, 0.5e-3], [0.9e-3, 0.95e-3, 2e-3], cal._NARROW_DIM, 0.4)
+    assert flat.efficiency == pytest.approx(0.4) and min(flat.fwd_id_s, flat.fwd_bag_s, flat.bwd_bag_s) >= 0
+    # an old topology file (none of the new keys) loads with no per-id forward and no per-bag terms
+    old = Topology.from_preset("cpu", 1, 1)
+    assert (old.fused_fwd_id_s, old.fused_fwd_bag_s, old.fused_bwd_bag_s) == (0.0, 0.0, 0.0)

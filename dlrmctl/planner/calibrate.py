@@ -32,10 +32,12 @@ dispatch, collective) is itself the median of a slice of calls.
   absent) / of the dense kernel (its sparse gradient and the torch optimizer step:
   the dense kernel's optimizer pass is inside this multiplier, and ``perf.estimate_shard``
   adds no separate one when it is set; :func:`kernel_figures`).
-* ``fused_fwd_id_ns``: the fused forward of the same two widths (below) splits it into a
-  per-id part and the bytes (:func:`split_fused_forward`); ``fused_efficiency`` is then the
-  bytes' share (a fitted figure: it can exceed 1, the prefetcher hides row bytes) and the
-  backward split below uses it.
+* ``fused_fwd_id_ns``, ``fused_fwd_bag_ns``, ``fused_bwd_bag_ns``: the fused lookup is
+  timed on three tables in turn within each repeat — 64 columns in bags of 20, 16 columns
+  (same bytes, same bags), 64 columns in bags of one (same ids) — and
+  :func:`fit_fused_lookup` splits forward and backward into bytes, a cost per id and a cost
+  per bag; ``fused_efficiency`` is then the bytes' share (a fitted figure: it can exceed 1,
+  the prefetcher hides row bytes).
 * ``fused_bwd_id_ns``: the fused backward is timed a second time on a 2,000,000 x 16
   table (the same 128 MB, the same number of ids; 5 repeats of 40 calls each): the two backward times split it into
   ``bwd_compute_multiplier`` x the model's forward (bytes) plus a cost per id
@@ -44,7 +46,7 @@ dispatch, collective) is itself the median of a slice of calls.
 * ``kernel_launch_us``: median time of a one-element ``torch.add`` (per-op dispatch).
 * on 2 spawned gloo ranks (localhost TCP): ``collective_us`` = median time of a
   one-element-per-rank ``all_to_all_single``; ``intra_host_bw_gbps`` = bytes leaving a
-  rank / time of an 8 MiB ``all_to_all_single``; ``lookup_fixed_us`` = the step time
+  rank / mean time of an 8 MiB ``all_to_all_single`` (10 calls per repeat); ``lookup_fixed_us`` = the step time
   (forward + backward) of a table_wise sharded EBC on two 16-row tables, minus its 4
   collectives and 2 kernel launches: what one sharding group costs per step whatever
   its ids.  The step of a table_wise + row_wise EBC (two groups) is measured in
@@ -148,15 +150,18 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = REPEATS) ->
     return median_of(once, repeats).inverse(2 * nbytes)
 
 
-def _fwd_bytes(dim: int) -> int:
-    """Forward bytes of the calibration lookup as ``perf.estimate_shard`` counts them (fp32 rows, int32 ids)."""
+def _fwd_bytes(dim: int, pool: int = _POOL) -> int:
+    """Forward bytes of the calibration lookup as ``perf.estimate_shard`` counts them (fp32 rows, int32
+    ids): ``_BATCH * _POOL`` ids in bags of ``pool`` (``_BATCH * _POOL / pool`` bags)."""
     ids = _BATCH * _POOL
-    return (_BATCH + ids) * 4 + ids * max(dim * 4, 64) + _BATCH * dim * 4
+    bags = ids // pool
+    return (bags + ids) * 4 + ids * max(dim * 4, 64) + bags * dim * 4
 
 
-def _lookup_bench(kernel: str, dim: int, rows: int) -> tuple[Callable[[], None], Callable[[], None]]:
+def _lookup_bench(kernel: str, dim: int, rows: int,
+                  pool: int = _POOL) -> tuple[Callable[[], None], Callable[[], None]]:
     """``(forward, step)`` closures of one EBC lookup (module docstring): a ``rows x dim`` fp32
-    table, ``_BATCH`` bags of ``_POOL`` uniform ids, exact row-wise Adagrad; ``step`` is forward +
+    table, ``_BATCH * _POOL`` uniform ids in bags of ``pool``, exact row-wise Adagrad; ``step`` is forward +
     backward (+ the dense kernel's optimizer step).  Three warm-up calls of each are made (a fresh
     table's pages are first touched by the first steps: on the dev VM the first 30 fused backward
     calls of the 128 MB table took 4x the later ones).
@@ -181,7 +186,7 @@ def _lookup_bench(kernel: str, dim: int, rows: int) -> tuple[Callable[[], None],
     opt = embedding_optimizer_for_dense(params, spec.type, spec.lr, spec.eps, 0.0) if kernel == "dense" else None
     gen = torch.Generator().manual_seed(0)
     kjt = KeyedJaggedTensor(["f"], torch.randint(0, rows, (_BATCH * _POOL,), generator=gen),
-                            lengths=torch.full((_BATCH,), _POOL))
+                            lengths=torch.full((_BATCH * _POOL // pool,), pool))
 
     def fwd() -> None:
         with torch.no_grad():
@@ -199,9 +204,9 @@ def _lookup_bench(kernel: str, dim: int, rows: int) -> tuple[Callable[[], None],
     return fwd, step
 
 
-def measure_lookups(kernel: str, tables: Sequence[tuple[int, int]], max_s: float = 6.0, iters: int = 30,
+def measure_lookups(kernel: str, tables: Sequence[tuple[int, ...]], max_s: float = 6.0, iters: int = 30,
                     repeats: int = REPEATS) -> list[tuple[Sample, Sample]]:
-    """``[(forward s, backward s)]`` of one EBC lookup kernel per ``(dim, rows)`` table
+    """``[(forward s, backward s)]`` of one EBC lookup kernel per ``(dim, rows[, pool])`` table
     (:func:`_lookup_bench`), the tables measured in turn within each repeat, so that a change
     of load on the machine hits all of them alike (their differences are what the splits use).
 
@@ -213,7 +218,7 @@ def measure_lookups(kernel: str, tables: Sequence[tuple[int, int]], max_s: float
     Raises:
         RuntimeError: ``kernel == "fused"`` without FBGEMM (the caller skips it).
     """
-    benches = [_lookup_bench(kernel, dim, rows) for dim, rows in tables]
+    benches = [_lookup_bench(kernel, *t) for t in tables]
     n = max(3, iters // repeats)
     slice_s = max_s / (2 * repeats * len(benches))
     fs: list[list[float]] = [[] for _ in benches]
@@ -308,34 +313,66 @@ def kernel_figures(fwd_dram_s: float, bwd_dram_s: float, fwd_cache_s: float, bwd
     return KernelFigures(s, k, lookup_efficiency(t_f, mem_bw), max(0.1, t_b / t_f))
 
 
-def split_fused_forward(mem_bw: float, fwd_wide_s: float, fwd_narrow_s: float, narrow_dim: int,
-                        fallback_eff: float) -> tuple[float, float]:
-    """Split the fused forward into a per-byte and a per-id part from two widths over the same ids.
+@dataclass(frozen=True)
+class FusedFit:
+    """The fused kernel's lookup model fitted to three calibration lookups (:func:`fit_fused_lookup`).
 
-    The perf model's fused forward is ``bytes(dim) / (eff * mem_bw) + ids * per_id``
-    (``perf.estimate_shard``); the ``_DIM`` and ``narrow_dim`` lookups (``_BATCH * _POOL`` ids,
-    tables of the same bytes) give both::
+    Attributes:
+        efficiency: fraction of the memory bandwidth the bytes go at (fitted: may exceed 1,
+            the prefetcher hides row bytes).
+        bwd_multiplier: backward seconds per forward-byte second.
+        fwd_id_s, bwd_id_s: seconds per looked-up id, forward / backward (+ optimizer).
+        fwd_bag_s, bwd_bag_s: seconds per bag (pooled output row), forward / backward.
+    """
 
-        1 / (eff * mem_bw) = (fwd_wide - fwd_narrow) / (bytes(_DIM) - bytes(narrow_dim))
-        per_id = (fwd_wide - bytes(_DIM) / (eff * mem_bw)) / ids
+    efficiency: float
+    bwd_multiplier: float
+    fwd_id_s: float
+    bwd_id_s: float
+    fwd_bag_s: float
+    bwd_bag_s: float
 
-    ``eff`` is a fitted figure, not a physical fraction: the rows' bytes are partly hidden by the
-    hardware prefetcher, so it can exceed 1.  When noise makes the narrow forward as slow as
-    the wide one (no per-byte slope), the split is not made: ``(fallback_eff, 0.0)`` (bytes only,
-    as before the per-id term).
+
+def fit_fused_lookup(mem_bw: float, fwd: Sequence[float], bwd: Sequence[float], narrow_dim: int,
+                     fallback_eff: float) -> FusedFit:
+    """Fit the fused lookup model to three lookups of the same ``I = _BATCH * _POOL`` ids.
+
+    The perf model (``perf.estimate_shard``) charges a fused shard::
+
+        fwd = bytes / (eff * mem_bw) + I * fwd_id + G * fwd_bag
+        bwd = mult * bytes / (eff * mem_bw) + I * bwd_id + G * bwd_bag
+
+    with ``G`` its bags (pooled rows).  ``fwd`` / ``bwd`` are the seconds of: ``_DIM`` columns in
+    ``_BATCH`` bags of ``_POOL`` (the wide lookup), ``narrow_dim`` columns in the same bags (a table
+    of the same bytes), and ``_DIM`` columns in bags of one id (``I`` bags).  The wide and narrow
+    ones differ only in bytes (the slope per byte), the wide and one-id ones in bags and output
+    bytes (the cost per bag); what is left of the wide one is per id.  On the dev VM (1 thread)
+    the forward barely depends on the width (0.39 / 0.35 ms at 64 / 16 columns), and 20x the bags
+    over the same ids cost 0.40 -> 0.72 ms forward and 0.9 -> 2.9 ms backward: a bytes-only model
+    (TorchRec's) charges a column shard half a table's lookup and a one-id-per-bag table (every
+    Criteo table) a fraction of what it costs.
+
+    Negative fits from noise are clamped to 0; with no per-byte slope (the narrow lookup as slow
+    as the wide one) the forward is charged as bytes at ``fallback_eff`` plus the per-bag fit.
 
     Returns:
-        ``(fused kernel efficiency, fused_fwd_id seconds)``.
+        :class:`FusedFit`.
     """
     ids = _BATCH * _POOL
-    db = _fwd_bytes(_DIM) - _fwd_bytes(narrow_dim)
-    per_byte = (fwd_wide_s - fwd_narrow_s) / db
-    if per_byte <= 0 or mem_bw <= 0:
-        return fallback_eff, 0.0
-    per_id = (fwd_wide_s - _fwd_bytes(_DIM) * per_byte) / ids
-    if per_id <= 0:
-        return fallback_eff, 0.0
-    return 1.0 / (per_byte * mem_bw), per_id
+    g, g1 = _BATCH, ids
+    bw_, bn, bp = _fwd_bytes(_DIM), _fwd_bytes(narrow_dim), _fwd_bytes(_DIM, pool=1)
+    f_w, f_n, f_p = fwd
+    b_w, b_n, b_p = bwd
+    x = (f_w - f_n) / (bw_ - bn)  # seconds per byte
+    if x <= 0 or mem_bw <= 0:
+        x = 1.0 / (fallback_eff * mem_bw)
+    eff = 1.0 / (x * mem_bw)
+    fwd_bag = max(0.0, (f_p - f_w - (bp - bw_) * x) / (g1 - g))
+    fwd_id = max(0.0, (f_w - bw_ * x - g * fwd_bag) / ids)
+    mult = max(0.1, (b_w - b_n) / ((bw_ - bn) * x))
+    bwd_bag = max(0.0, (b_p - b_w - mult * (bp - bw_) * x) / (g1 - g))
+    bwd_id = max(0.0, (b_w - mult * bw_ * x - g * bwd_bag) / ids)
+    return FusedFit(eff, mult, fwd_id, bwd_id, fwd_bag, bwd_bag)
 
 
 def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narrow_s: float,
@@ -408,8 +445,10 @@ def _comm_rank(env) -> dict[str, list[float]]:
         barrier(pg)
         res["a2a_small_s"].append(statistics.median(
             _timed(lambda: all_to_all_ints(small, [1] * world, [1] * world, pg), 60, 1e9, warmup=0)))
-        res["a2a_8mib_s"].append(statistics.median(
-            _timed(lambda: all_to_all_ints(big, splits, splits, pg), 10, 1e9, warmup=0)))  # 10: loopback TCP varies
+        # the mean of 10, not the median: loopback TCP throughput swings call to call (0.7-1.9 GB/s
+        # on the dev VM) and a training step pays its slow calls too
+        res["a2a_8mib_s"].append(statistics.fmean(
+            _timed(lambda: all_to_all_ints(big, splits, splits, pg), 10, 1e9, warmup=0)))
         steps: dict[str, list[float]] = {"one": [], "two": []}
         barrier(pg)
         for _ in range(30):  # alternate, so that a load change on the machine hits both alike
@@ -522,7 +561,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         mults: dict[str, float] = {}
         speedup: dict[str, float] = {}
         per_id = 0.0
-        fwd_per_id = 0.0
+        fwd_per_id = bag_fwd = bag_bwd = 0.0
         for kernel in ("fused", "dense"):
             if kernel == "fused" and not _fbgemm.ensure_checked():
                 log("fused kernel: fbgemm_gpu not installed, keeping the default efficiency and cache speedup")
@@ -531,7 +570,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
             iters = _SPLIT_ITERS if kernel == "fused" else 30
             # fused: the 64-wide DRAM table and the 16-wide one of the same bytes and ids in turn
             # (their differences split the forward and the backward), then the in-cache table
-            tables = [(_DIM, _TABLE_ROWS)] + ([(_NARROW_DIM, _TABLE_ROWS * _DIM // _NARROW_DIM)]
+            tables = [(_DIM, _TABLE_ROWS)] + ([(_NARROW_DIM, _TABLE_ROWS * _DIM // _NARROW_DIM), (_DIM, _TABLE_ROWS, 1)]
                                               if kernel == "fused" else [])
             pairs = measure_lookups(kernel, tables, max_s=6.0 * len(tables), iters=iters)
             f_d, b_d = pairs[0]
@@ -551,17 +590,21 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                 f"(DRAM table's own hits {dram_hit:.2f} taken out)")
             if kernel == "fused":
                 # same ids and table bytes, a quarter of the width: what the backward pays per id
-                f_n, b_n = pairs[1]
+                (f_n, b_n), (f_p, b_p) = pairs[1], pairs[2]
                 bwd_narrow = b_n.median * k
-                # the forward's per-id part first (it changes the per-byte efficiency the backward split uses)
-                eff[kernel], fwd_per_id = split_fused_forward(mem_bw, f_d.median * k, f_n.median * k, _NARROW_DIM,
-                                                              eff[kernel])
-                mults[kernel], per_id = split_fused_backward(eff[kernel], mem_bw, bwd_wide, bwd_narrow, _NARROW_DIM)
+                fit = fit_fused_lookup(mem_bw, [f_d.median * k, f_n.median * k, f_p.median * k],
+                                       [bwd_wide, bwd_narrow, b_p.median * k], _NARROW_DIM, eff[kernel])
+                eff[kernel], mults[kernel], per_id, fwd_per_id = fit.efficiency, fit.bwd_multiplier, fit.bwd_id_s, fit.fwd_id_s
+                bag_fwd, bag_bwd = fit.fwd_bag_s, fit.bwd_bag_s
+                measured["fused_fwd_pool1_ms"], spread["fused_fwd_pool1_ms"] = round(f_p.median * 1e3, 3), _range(f_p, 1e3)
+                measured["fused_bwd_pool1_ms"], spread["fused_bwd_pool1_ms"] = round(b_p.median * 1e3, 3), _range(b_p, 1e3)
                 measured[f"fused_fwd_dim{_NARROW_DIM}_ms"] = round(f_n.median * 1e3, 3)
                 spread[f"fused_fwd_dim{_NARROW_DIM}_ms"] = _range(f_n, 1e3)
-                log(f"fused forward: {fwd_per_id * 1e9:.2f} ns per id + bytes at {eff[kernel] * mem_bw / GB:.1f} GB/s "
-                    f"(measured {f_d.median * 1e3:.3f} / {f_n.median * 1e3:.3f} ms at {_DIM} / {_NARROW_DIM} columns, "
-                    f"same ids)")
+                log(f"fused lookup fit: forward {fwd_per_id * 1e9:.2f} ns per id + {bag_fwd * 1e9:.2f} ns per bag + "
+                    f"bytes at {eff[kernel] * mem_bw / GB:.1f} GB/s; backward {per_id * 1e9:.2f} ns per id + "
+                    f"{bag_bwd * 1e9:.2f} ns per bag + {mults[kernel]:.2f} x the bytes' forward (measured forward "
+                    f"{f_d.median * 1e3:.3f} / {f_n.median * 1e3:.3f} / {f_p.median * 1e3:.3f} ms at {_DIM} / "
+                    f"{_NARROW_DIM} columns / one id per bag, same ids)")
                 measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
                 spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
                 log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel]))
@@ -606,6 +649,8 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         dense_bwd_compute_multiplier=round(mults["dense"], 3),
         fused_bwd_id_ns=round(per_id * 1e9, 3) if "fused" in eff else None,
         fused_fwd_id_ns=round(fwd_per_id * 1e9, 3) if "fused" in eff else None,
+        fused_fwd_bag_ns=round(bag_fwd * 1e9, 3) if "fused" in eff else None,
+        fused_bwd_bag_ns=round(bag_bwd * 1e9, 3) if "fused" in eff else None,
         llc_mb=round(llc_bytes / MiB, 3),
         fused_cache_speedup=round(speedup["fused"], 3) if "fused" in speedup else None,
         dense_cache_speedup=round(speedup["dense"], 3),

@@ -52,11 +52,11 @@ several hosts: a flat all-to-all is bounded by its slowest link).
 **Time** per shard::
 
     fwd_bytes   = (in_local + ids*max(c*bpw, m) + out) / bw_k     # read ids, rows; write pooled
-    fwd_compute = fwd_bytes + ids * fused_fwd_id_s                 # per-id part: fused kernel only
+    fwd_compute = fwd_bytes + ids*fused_fwd_id_s + bags*fused_fwd_bag_s   # fused kernel only: per id, per bag
     bwd_compute = bwd_compute_multiplier * fwd_bytes               # Topology; TorchRec: 2.0
                   # (dense kernel: Topology.dense_bwd_compute_multiplier when calibrated;
                   #  it contains the optimizer step)
-                + ids * fused_bwd_id_s                             # fused kernel only
+                + ids*fused_bwd_id_s + bags*fused_bwd_bag_s        # fused kernel only (bags = B*R)
                 + ids*c*(2*4 + 2*bpw) / bw_k                       # dense kernel, uncalibrated only
     fwd_comms   = a2a*(in + out) / net;   bwd_comms = a2a*out / net
 
@@ -74,6 +74,12 @@ with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
                   # local ids, so only the other rows' optimizer pass is added
     bwd_comms   = 2*(W-1)/W*grad / net    (all-reduce, ring)
                 | (W-1)*grad / net        (all-gather: W-1 other ranks' rows arrive)
+
+``fused_fwd_bag_s`` / ``fused_bwd_bag_s`` (``Topology``; 0 unless calibrated) are paid per
+bag (pooled output row; every shard of a table runs every bag of the global batch): the
+same 40,960 ids in 40,960 one-id bags instead of 2,048 bags of 20 took 0.40 -> 0.72 ms
+forward and 0.9 -> 2.9 ms backward on the dev VM (``calibrate.fit_fused_lookup``), which a
+model of bytes and ids misses for one-id-per-bag tables (every Criteo feature).
 
 ``fused_fwd_id_s`` (``Topology``; 0 unless calibrated) is the same for the forward: the
 CPU TBE forward's time barely depends on the row width (dev VM, 2048 bags x 20 ids, 1
@@ -439,8 +445,9 @@ def estimate_shard(
         if dense_opt_pass:  # uncalibrated: TorchRec's multiplier is a backward with the optimizer fused into it
             bwd += ids * c * (2 * 4 + 2 * bpw) / bw
     else:
-        fwd += ids * topology.fused_fwd_id_s  # offsets, index loads, the bag loop (module docstring)
-        bwd += ids * topology.fused_bwd_id_s  # csr2csc + per-row optimizer prologue (module docstring)
+        bags = B * R  # every shard of a table sees every bag of the global batch (row shards: some empty)
+        fwd += ids * topology.fused_fwd_id_s + bags * topology.fused_fwd_bag_s  # index loads; bag loop (docstring)
+        bwd += ids * topology.fused_bwd_id_s + bags * topology.fused_bwd_bag_s  # csr2csc, optimizer prologue; per bag
     return (Perf(fwd * scale, a2a * (cb.input + cb.output) / net, bwd * scale, a2a * cb.output / net),
             ids, int(cb.input), int(cb.output))
 

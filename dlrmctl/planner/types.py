@@ -134,6 +134,10 @@ class DevicePreset:
             64-wide fp32 forward); it adds ``ids * fused_fwd_id_ns`` to a fused shard's forward
             and ``fused_efficiency`` then covers only the bytes.  ``None`` = 0 (TorchRec's model
             is bytes only).
+        fused_fwd_bag_ns, fused_bwd_bag_ns: nanoseconds the fused kernel's forward / backward
+            spends per bag (pooled output row: offsets, the bag loop, the output row's gradient
+            read per bag); added as ``bags * ...`` (``plan --calibrate`` fits them from a lookup
+            of the same ids in bags of one).  ``None`` = 0.
         llc_mb: last-level cache in MiB (2^20 bytes): per host on cpu (the ranks of a host
             share it), per GPU on cuda (L2, private to its rank); ``None`` = the default
             (module docstring; :data:`DEFAULT_LLC_MB`, or this machine's on cpu).
@@ -161,6 +165,8 @@ class DevicePreset:
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_ns: float | None = None
     fused_fwd_id_ns: float | None = None
+    fused_fwd_bag_ns: float | None = None
+    fused_bwd_bag_ns: float | None = None
     llc_mb: float | None = None
     fused_cache_speedup: float | None = None
     dense_cache_speedup: float | None = None
@@ -270,6 +276,8 @@ class Topology:
         fused_bwd_id_s: seconds the fused kernel's backward spends per looked-up id whatever the
             row width (``DevicePreset.fused_bwd_id_ns``; 0 = not modelled).
         fused_fwd_id_s: the same for the fused kernel's forward (``DevicePreset.fused_fwd_id_ns``).
+        fused_fwd_bag_s, fused_bwd_bag_s: seconds per bag (pooled row) of the fused forward /
+            backward (``DevicePreset.fused_fwd_bag_ns`` / ``fused_bwd_bag_ns``; 0 = not modelled).
         llc_bytes: last-level cache of one cache domain, bytes (:meth:`cache_domain`:
             a host on cpu, a rank on cuda); 0 = no cache modelled (every lookup at the DRAM /
             HBM rate).  :meth:`from_preset` fills it in.
@@ -298,6 +306,8 @@ class Topology:
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_s: float = 0.0
     fused_fwd_id_s: float = 0.0
+    fused_fwd_bag_s: float = 0.0
+    fused_bwd_bag_s: float = 0.0
     llc_bytes: int = 0
     cache_speedup: dict[str, float] = field(default_factory=dict)
     topology_file: str | None = None
@@ -324,8 +334,9 @@ class Topology:
             raise PlannerError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
         if self.fused_bwd_id_s < 0:
             raise PlannerError(f"fused_bwd_id_s must be >= 0 seconds, got {self.fused_bwd_id_s}")
-        if self.fused_fwd_id_s < 0:
-            raise PlannerError(f"fused_fwd_id_s must be >= 0 seconds, got {self.fused_fwd_id_s}")
+        for name in ("fused_fwd_id_s", "fused_fwd_bag_s", "fused_bwd_bag_s"):
+            if getattr(self, name) < 0:
+                raise PlannerError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.llc_bytes < 0:
             raise PlannerError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
         bad = {k: v for k, v in self.cache_speedup.items() if not v > 0}
@@ -471,6 +482,8 @@ class Topology:
             dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
             fused_bwd_id_s=0.0 if p.fused_bwd_id_ns is None else p.fused_bwd_id_ns * 1e-9,
             fused_fwd_id_s=0.0 if p.fused_fwd_id_ns is None else p.fused_fwd_id_ns * 1e-9,
+            fused_fwd_bag_s=0.0 if p.fused_fwd_bag_ns is None else p.fused_fwd_bag_ns * 1e-9,
+            fused_bwd_bag_s=0.0 if p.fused_bwd_bag_ns is None else p.fused_bwd_bag_ns * 1e-9,
             llc_bytes=llc,
             cache_speedup={k: v for k, v in (("fused", p.fused_cache_speedup), ("dense", p.dense_cache_speedup))
                            if v is not None},
