@@ -181,3 +181,34 @@ def test_checkpoint_paths_of_another_run_and_odd_steps_are_refused(tmp_path):
     for w in ("+24", "2_4", "-1"):
         with pytest.raises(CheckpointError, match="expected best, last or a step number"):
             resolve_checkpoint(str(tmp_path / "run"), w)
+
+
+def test_reshard_with_a_dangling_best_and_of_an_in_place_copy_of_the_best(data, tmp_path):
+    """A BEST naming a removed checkpoint does not fail a reshard of the last one (in place or --out)
+    nor the end of a resumed run; a reshard --out of the in-place copy of the best step
+    (step_S_wsN, what `--checkpoint S` selects once it exists) marks BEST in the new run."""
+    import shutil
+    from types import SimpleNamespace
+
+    from dlrmctl.train.loop import Trainer
+
+    _train(data, tmp_path, "a", "--set", "train.checkpoint_every=4")
+    run = tmp_path / "a"
+    best = ckpt.best_checkpoint(str(run))
+    best_step = ckpt.load_checkpoint_meta(best)["step"]
+    assert cli("checkpoint", "reshard", run, "--nproc", 1, "--checkpoint", "best").exit_code == 0
+    r = cli("checkpoint", "reshard", run, "--nproc", 1, "--checkpoint", best_step, "--out", tmp_path / "c")
+    assert r.exit_code == 0 and f"step_{best_step:08d}_ws1" in ckpt.load_checkpoint_meta(
+        ckpt.latest_checkpoint(str(tmp_path / "c")))["resharded_from"]["checkpoint"], r.output
+    assert ckpt.best_checkpoint(str(tmp_path / "c")) is not None
+    dangling = tmp_path / "d"
+    shutil.copytree(run, dangling)
+    for p in (dangling / "checkpoints").iterdir():
+        if p.name.startswith(f"step_{best_step:08d}"):
+            shutil.rmtree(p)
+    if best_step != 12:
+        for extra in ([], ["--out", tmp_path / "o"]):
+            r = cli("checkpoint", "reshard", dangling, "--nproc", 1, "--checkpoint", "last", *extra)
+            assert r.exit_code == 0, r.output
+    note = Trainer._best_kept_note(SimpleNamespace(run_dir=str(dangling)), best_step)
+    assert "unusable" in note and "does not exist" in note

@@ -106,9 +106,26 @@ def _carry_best(run_dir: str, src: str, out: str | None, path: str) -> None:
     source checkpoint, which every world size reads."""
     from dlrmctl.train import checkpoint as ckpt
 
-    best = ckpt.best_checkpoint(run_dir)
-    if out and best is not None and os.path.realpath(best) == os.path.realpath(src):
-        ckpt.mark_best(out, path)
+    if not out:
+        return
+    try:  # a BEST naming a pruned / missing checkpoint: nothing to carry (the reshard itself is done)
+        best = ckpt.best_checkpoint(run_dir)
+    except ckpt.CheckpointError:
+        return
+    if best is None:
+        return
+    # the source, or the in-place reshard copy of the best (step_S_wsN, which `--checkpoint S` / `last`
+    # may select) that records the best checkpoint as its source
+    seen, cur = 0, src
+    while cur and seen < 8:
+        if os.path.realpath(cur) == os.path.realpath(best):
+            ckpt.mark_best(out, path)
+            return
+        try:
+            cur = (ckpt.load_checkpoint_meta(cur).get("resharded_from") or {}).get("checkpoint")
+        except ckpt.CheckpointError:
+            return
+        seen += 1
 
 
 @app.command("reshard")

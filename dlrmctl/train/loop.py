@@ -526,11 +526,15 @@ class Trainer:
         """What the end-of-run line says about the best step's checkpoint: only what ``BEST``
         really names (a run resumed from a resharded copy of a non-best checkpoint has found its
         best before the copy: no checkpoint of this directory holds it)."""
-        path = ckpt.best_checkpoint(self.run_dir)
-        if path is not None and int(ckpt.load_checkpoint_meta(path)["step"]) == int(step):
+        try:  # a BEST naming a missing / incomplete checkpoint must not fail a finished run
+            path = ckpt.best_checkpoint(self.run_dir)
+            best_step = None if path is None else int(ckpt.load_checkpoint_meta(path)["step"])
+        except ckpt.CheckpointError as e:
+            return f" (checkpoint 'best' is unusable: {e})"
+        if best_step is not None and best_step == int(step):
             return ", kept as checkpoint 'best'"
-        if path is not None:
-            return f" (checkpoint 'best' is step {ckpt.load_checkpoint_meta(path)['step']})"
+        if best_step is not None:
+            return f" (checkpoint 'best' is step {best_step})"
         return (f" (no checkpoint of {self.run_dir} holds step {step}: it was found before this run's "
                 f"checkpoints were made, e.g. by the run a reshard --out copied; evaluate and export "
                 f"take the last checkpoint)")
