@@ -385,3 +385,25 @@ def test_a_fused_shard_costs_the_calibrated_lookups_at_both_widths_and_bag_sizes
     # an old topology file (none of the new keys) loads with no per-id forward and no per-bag terms
     old = Topology.from_preset("cpu", 1, 1)
     assert (old.fused_fwd_id_s, old.fused_fwd_bag_s, old.fused_bwd_bag_s) == (0.0, 0.0, 0.0)
+
+
+def test_an_unpooled_row_shard_pays_the_per_bag_cost_of_its_own_ids_only():
+    """A sequence (EmbeddingCollection) table outputs one row per id, and a row shard only its own
+    ids' rows: its per-bag terms scale with the shard's ids (B*P/n), not the table's B*P."""
+    W, B = 8, 8192
+    topo = Topology(world_size=W, local_world_size=W, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
+                    hbm_mem_bw=0.0, ddr_mem_bw=20e9, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=0,
+                    kernel_efficiency={"fused": 1.0}, fused_fwd_bag_s=10e-9, fused_bwd_bag_s=50e-9)
+    base = dataclasses.replace(topo, fused_fwd_bag_s=0.0, fused_bwd_bag_s=0.0)
+    t = TableSpec("s", 1_000_000, 64, [20.0], is_pooled=False)
+    for st, n in ((ST.TABLE_WISE, 1), (ST.ROW_WISE, W)):
+        p, ids, *_ = estimate_shard(topo, t, st, CK.FUSED, 1_000_000 // n, 64, n, B, 0.0)
+        q, *_ = estimate_shard(base, t, st, CK.FUSED, 1_000_000 // n, 64, n, B, 0.0)
+        assert ids == B * 20 / n
+        assert p.fwd_compute - q.fwd_compute == pytest.approx(ids * 10e-9)
+        assert p.bwd_compute - q.bwd_compute == pytest.approx(ids * 50e-9)
+    # pooled: every row shard still runs every bag
+    tp = TableSpec("p", 1_000_000, 64, [20.0])
+    p, *_ = estimate_shard(topo, tp, ST.ROW_WISE, CK.FUSED, 1_000_000 // W, 64, W, B, 0.0)
+    q, *_ = estimate_shard(base, tp, ST.ROW_WISE, CK.FUSED, 1_000_000 // W, 64, W, B, 0.0)
+    assert p.fwd_compute - q.fwd_compute == pytest.approx(B * 10e-9)

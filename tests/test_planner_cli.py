@@ -411,3 +411,23 @@ def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path
     assert run("--out", tmp_path / "b.yaml").exit_code == 0 and run("--out", tmp_path / "b.yaml", "--force").exit_code == 0
     r = run("--out", tmp_path / "c.yaml2", "--report", tmp_path / "c.yaml2")
     assert r.exit_code == 2 and "plan file itself" in r.output
+
+
+def test_a_report_symlink_to_the_plan_file_is_refused(tmp_path):
+    """A --report that is a symlink (dangling: the plan does not exist yet) or goes through a
+    symlinked directory to the --out file is the plan file itself: the report would overwrite it."""
+    from dlrmctl.commands import plan as plan_cmd
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
+                  "tables": [{"name": "t0", "num_embeddings": 1000}]},
+        "data": {"path": str(tmp_path / "none"), "batch_size": 512}}))
+    run = lambda *a: CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", *map(str, a)])
+    (tmp_path / "link.txt").symlink_to(tmp_path / "p.yaml")
+    r = run("--out", tmp_path / "p.yaml", "--report", tmp_path / "link.txt")
+    assert r.exit_code == 2 and "plan file itself" in r.output and not (tmp_path / "p.yaml").exists()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d2").symlink_to(tmp_path / "d")
+    r = run("--out", tmp_path / "d" / "q.yaml", "--report", tmp_path / "d2" / "q.yaml", "--force")
+    assert r.exit_code == 2 and "plan file itself" in r.output

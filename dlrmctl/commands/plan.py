@@ -118,7 +118,8 @@ def plan_command(
                                  f"{opt} {show_path(p / ('plan.yaml' if opt == '--out' else 'plan_report.txt'))}")
         if out.exists() and not force:
             raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
-        if Path(os.path.abspath(rpath)) == Path(os.path.abspath(out)):
+        # realpath: a --report symlink (dangling too) or a symlinked directory naming the plan file
+        if os.path.realpath(rpath) == os.path.realpath(out):
             raise ValueError(f"--report {show_path(rpath)} is the plan file itself; give another --report")
         if rpath.exists() and not force and not _is_plan_report(rpath):
             raise ValueError(f"the report would replace {show_path(rpath)}, which is not a plan report (a plan "

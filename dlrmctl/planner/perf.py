@@ -56,7 +56,7 @@ several hosts: a flat all-to-all is bounded by its slowest link).
     bwd_compute = bwd_compute_multiplier * fwd_bytes               # Topology; TorchRec: 2.0
                   # (dense kernel: Topology.dense_bwd_compute_multiplier when calibrated;
                   #  it contains the optimizer step)
-                + ids*fused_bwd_id_s + bags*fused_bwd_bag_s        # fused kernel only (bags = B*R)
+                + ids*fused_bwd_id_s + bags*fused_bwd_bag_s        # fused kernel only (bags = B*R; unpooled: ids)
                 + ids*c*(2*4 + 2*bpw) / bw_k                       # dense kernel, uncalibrated only
     fwd_comms   = a2a*(in + out) / net;   bwd_comms = a2a*out / net
 
@@ -445,7 +445,9 @@ def estimate_shard(
         if dense_opt_pass:  # uncalibrated: TorchRec's multiplier is a backward with the optimizer fused into it
             bwd += ids * c * (2 * 4 + 2 * bpw) / bw
     else:
-        bags = B * R  # every shard of a table sees every bag of the global batch (row shards: some empty)
+        # pooled: every shard of a table sees every bag of the global batch (row shards: some empty);
+        # unpooled (sequence TBE): a bag per id, and a row shard outputs only its own ids' rows
+        bags = B * R if table.is_pooled else ids
         fwd += ids * topology.fused_fwd_id_s + bags * topology.fused_fwd_bag_s  # index loads; bag loop (docstring)
         bwd += ids * topology.fused_bwd_id_s + bags * topology.fused_bwd_bag_s  # csr2csc, optimizer prologue; per bag
     return (Perf(fwd * scale, a2a * (cb.input + cb.output) / net, bwd * scale, a2a * cb.output / net),
