@@ -128,25 +128,29 @@ def test_fused_backward_per_id_cost_is_paid_per_id_whatever_the_width():
         toy_topology(fused_bwd_id_s=-1e-9)
 
 
-def test_calibration_split_of_the_fused_backward_recovers_per_id_and_per_byte_parts():
-    """``calibrate.split_fused_backward`` inverts the perf model: backward times made from a known
-    multiplier and per-id cost at the two calibration widths give them back; noise that would
-    make either negative is clamped."""
+def test_calibration_fit_of_the_fused_lookup_recovers_its_parts():
+    """``calibrate.fit_fused_lookup`` inverts the perf model: forward and backward times made from
+    known per-byte, per-id and per-bag costs at the three calibration lookups give them back;
+    noise that would make any part negative is clamped, a bad bandwidth is refused."""
     from dlrmctl.planner import calibrate as cal
 
-    eff, mem_bw, mult, per_id = 0.6, 40e9, 2.0, 15e-9
+    eff, mem_bw, mult, f_id, f_bag, b_id, b_bag = 3.0, 40e9, 6.0, 8e-9, 5e-9, 9e-9, 45e-9
     ids = cal._BATCH * cal._POOL
-    bwd = {d: mult * cal._fwd_bytes(d) / (eff * mem_bw) + ids * per_id for d in (cal._DIM, cal._NARROW_DIM)}
-    m, s = cal.split_fused_backward(eff, mem_bw, bwd[cal._DIM], bwd[cal._NARROW_DIM], cal._NARROW_DIM)
-    assert (m, s) == (pytest.approx(mult), pytest.approx(per_id))
-    # narrow slower than wide (noise): multiplier floored at 0.1, the rest is per id
-    m, s = cal.split_fused_backward(eff, mem_bw, 1e-3, 1.1e-3, cal._NARROW_DIM)
-    assert m == 0.1 and s == pytest.approx((1e-3 - 0.1 * cal._fwd_bytes(cal._DIM) / (eff * mem_bw)) / ids)
-    # everything explained by bytes and more: per id floored at 0
-    m, s = cal.split_fused_backward(eff, mem_bw, 10 * cal._fwd_bytes(cal._DIM) / (eff * mem_bw), 0.0,
-                                    cal._NARROW_DIM)
-    assert s == 0.0 and m > 10
-
+    shapes = ((cal._DIM, cal._POOL), (cal._NARROW_DIM, cal._POOL), (cal._DIM, 1))
+    byt = [cal._fwd_bytes(d, pool=p) / (eff * mem_bw) for d, p in shapes]
+    bags = [ids // p for _, p in shapes]
+    fwd = [x + ids * f_id + g * f_bag for x, g in zip(byt, bags)]
+    bwd = [mult * x + ids * b_id + g * b_bag for x, g in zip(byt, bags)]
+    fit = cal.fit_fused_lookup(mem_bw, fwd, bwd, cal._NARROW_DIM, fallback_eff=0.5)
+    assert (fit.efficiency, fit.bwd_multiplier, fit.fwd_id_s, fit.fwd_bag_s, fit.bwd_id_s, fit.bwd_bag_s) == (
+        pytest.approx(eff), pytest.approx(mult), pytest.approx(f_id), pytest.approx(f_bag), pytest.approx(b_id),
+        pytest.approx(b_bag))
+    # narrow slower than wide (noise): bytes at the fallback efficiency, multiplier floored, nothing negative
+    noisy = cal.fit_fused_lookup(mem_bw, [1e-3, 1.1e-3, 1.2e-3], [1e-3, 1.1e-3, 0.5e-3], cal._NARROW_DIM, 0.5)
+    assert noisy.efficiency == pytest.approx(0.5) and noisy.bwd_multiplier == 0.1
+    assert min(noisy.fwd_id_s, noisy.fwd_bag_s, noisy.bwd_id_s, noisy.bwd_bag_s) >= 0
+    with pytest.raises(ValueError, match="mem_bw and fallback_eff must be > 0"):
+        cal.fit_fused_lookup(0.0, fwd, bwd, cal._NARROW_DIM, 0.5)
 
 def test_row_wise_and_table_row_wise_perf_match_hand_formulas():
     topo = toy_topology()

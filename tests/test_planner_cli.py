@@ -383,10 +383,10 @@ def test_the_calibration_labels_the_measured_and_the_all_dram_fused_backward():
     (x dram_factor) as such, so 0.916 in the file and 1.00 on the console do not look contradictory."""
     from dlrmctl.planner.calibrate import fused_backward_line
 
-    msg = fused_backward_line(0.916e-3, 0.5e-3, 1.0917, 13.2e-9, 1.41)
+    msg = fused_backward_line(0.916e-3, 0.5e-3, 1.0917, 13.2e-9, 1.41, 44.5e-9)
     assert "measured 0.916 / 0.500 ms (the file's fused_bwd_ms / fused_bwd_dim16_ms)" in msg
     assert "all-DRAM 1.000 / 0.546 ms (x 1.092: the table's own cache hits taken out; fitted)" in msg
-    assert msg.endswith("= 13.20 ns per id + 1.41 x forward")
+    assert msg.endswith("= 13.20 ns per id + 44.50 ns per bag (2048 bags) + 1.41 x the bytes' forward")
 
 
 def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path):

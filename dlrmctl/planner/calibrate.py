@@ -38,11 +38,10 @@ dispatch, collective) is itself the median of a slice of calls.
   :func:`fit_fused_lookup` splits forward and backward into bytes, a cost per id and a cost
   per bag; ``fused_efficiency`` is then the bytes' share (a fitted figure: it can exceed 1,
   the prefetcher hides row bytes).
-* ``fused_bwd_id_ns``: the fused backward is timed a second time on a 2,000,000 x 16
-  table (the same 128 MB, the same number of ids; 5 repeats of 40 calls each): the two backward times split it into
-  ``bwd_compute_multiplier`` x the model's forward (bytes) plus a cost per id
-  (:func:`split_fused_backward`; ``perf`` module docstring: FBGEMM's CPU backward sorts
-  the ids by row and runs the optimizer's per-row prologue whatever the width).
+* ``fused_bwd_id_ns``: the same three lookups' backward (+ optimizer) times split it into
+  ``bwd_compute_multiplier`` x the model's forward bytes, a cost per id and a cost per bag
+  (:func:`fit_fused_lookup`; ``perf`` module docstring: FBGEMM's CPU backward sorts the ids
+  by row and runs the optimizer's per-row prologue whatever the width).
 * ``kernel_launch_us``: median time of a one-element ``torch.add`` (per-op dispatch).
 * on 2 spawned gloo ranks (localhost TCP): ``collective_us`` = median time of a
   one-element-per-rank ``all_to_all_single``; ``intra_host_bw_gbps`` = bytes leaving a
@@ -71,7 +70,7 @@ from dlrmctl.planner.types import GB, MiB, DevicePreset, detect_llc_bytes
 
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
 _TABLE_ROWS, _DIM, _BATCH, _POOL = 500_000, 64, 2048, 20
-_NARROW_DIM = 16  #: second width of the fused backward split (``split_fused_backward``)
+_NARROW_DIM = 16  #: second width of the fused lookup fit (``fit_fused_lookup``)
 #: calls per median of the fused pair (dev VM, 3 back-to-back runs: 30 calls gave 8.5-13.2 ns per id, 200 gave
 #: 11.6-13.0; two full calibrations minutes apart still gave 12.3 and 8.6)
 _SPLIT_ITERS = 200
@@ -282,7 +281,7 @@ class KernelFigures:
         bwd_multiplier: all-miss (backward + optimizer step) / forward, >= 0.1
             (``Topology.dense_bwd_compute_multiplier`` for the dense kernel: it contains the
             dense kernel's unfused optimizer step, so ``perf.estimate_shard`` adds none; the
-            fused kernel's is re-split by :func:`split_fused_backward`).
+            fused kernel's is refitted by :func:`fit_fused_lookup`).
     """
 
     cache_speedup: float
@@ -357,14 +356,19 @@ def fit_fused_lookup(mem_bw: float, fwd: Sequence[float], bwd: Sequence[float], 
 
     Returns:
         :class:`FusedFit`.
+
+    Raises:
+        ValueError: ``mem_bw`` or ``fallback_eff`` not > 0.
     """
     ids = _BATCH * _POOL
     g, g1 = _BATCH, ids
     bw_, bn, bp = _fwd_bytes(_DIM), _fwd_bytes(narrow_dim), _fwd_bytes(_DIM, pool=1)
     f_w, f_n, f_p = fwd
     b_w, b_n, b_p = bwd
+    if mem_bw <= 0 or fallback_eff <= 0:
+        raise ValueError(f"fit_fused_lookup: mem_bw and fallback_eff must be > 0, got {mem_bw}, {fallback_eff}")
     x = (f_w - f_n) / (bw_ - bn)  # seconds per byte
-    if x <= 0 or mem_bw <= 0:
+    if x <= 0:
         x = 1.0 / (fallback_eff * mem_bw)
     eff = 1.0 / (x * mem_bw)
     fwd_bag = max(0.0, (f_p - f_w - (bp - bw_) * x) / (g1 - g))
@@ -373,29 +377,6 @@ def fit_fused_lookup(mem_bw: float, fwd: Sequence[float], bwd: Sequence[float], 
     bwd_bag = max(0.0, (b_p - b_w - mult * (bp - bw_) * x) / (g1 - g))
     bwd_id = max(0.0, (b_w - mult * bw_ * x - g * bwd_bag) / ids)
     return FusedFit(eff, mult, fwd_id, bwd_id, fwd_bag, bwd_bag)
-
-
-def split_fused_backward(eff: float, mem_bw: float, bwd_wide_s: float, bwd_narrow_s: float,
-                         narrow_dim: int) -> tuple[float, float]:
-    """Split the fused backward into a per-byte and a per-id part from two widths over the same ids.
-
-    The perf model's fused backward is ``mult * fwd + ids * per_id`` with ``fwd = bytes(dim) /
-    (eff * mem_bw)`` (``perf.estimate_shard``); two measurements (``_DIM`` and ``narrow_dim``
-    columns, ``_BATCH * _POOL`` ids, tables of the same bytes) give both unknowns::
-
-        mult = (bwd_wide - bwd_narrow) / (fwd(_DIM) - fwd(narrow_dim))
-        per_id = (bwd_wide - mult * fwd(_DIM)) / ids
-
-    ``mult`` is kept >= 0.1 and ``per_id`` >= 0 (noise can push either below).
-
-    Returns:
-        ``(bwd_compute_multiplier, fused_bwd_id seconds)``.
-    """
-    ids = _BATCH * _POOL
-    bw = eff * mem_bw
-    f_wide, f_narrow = _fwd_bytes(_DIM) / bw, _fwd_bytes(narrow_dim) / bw
-    mult = max(0.1, (bwd_wide_s - bwd_narrow_s) / (f_wide - f_narrow))
-    return mult, max(0.0, (bwd_wide_s - mult * f_wide) / ids)
 
 
 def measure_op_overhead(repeats: int = REPEATS) -> Sample:
@@ -502,7 +483,7 @@ def spread_summary(measured: dict) -> str:
 
 
 def fused_backward_line(raw_wide_s: float, raw_narrow_s: float, dram_factor: float, per_id_s: float,
-                        multiplier: float) -> str:
+                        multiplier: float, per_bag_s: float = 0.0) -> str:
     """The calibration's console line for the fused backward split, both figures of each width labelled.
 
     Args:
@@ -510,13 +491,15 @@ def fused_backward_line(raw_wide_s: float, raw_narrow_s: float, dram_factor: flo
             columns on the DRAM table: what the file stores as ``measured.fused_bwd_ms`` and
             ``measured.fused_bwd_dim16_ms`` (ms).
         dram_factor: ``kernel_figures(...).dram_factor``: the raw times x this = all-DRAM times
-            (the DRAM table's own cache hits taken out), which :func:`split_fused_backward` fits.
-        per_id_s, multiplier: the fit (``fused_bwd_id_ns`` x 1e-9, ``bwd_compute_multiplier``).
+            (the DRAM table's own cache hits taken out), which :func:`fit_fused_lookup` fits.
+        per_id_s, multiplier, per_bag_s: the fit (``fused_bwd_id_ns`` x 1e-9,
+            ``bwd_compute_multiplier``, ``fused_bwd_bag_ns`` x 1e-9; the wide lookup has ``_BATCH`` bags).
     """
     return (f"fused backward at {_DIM} / {_NARROW_DIM} columns: measured {raw_wide_s * 1e3:.3f} / "
             f"{raw_narrow_s * 1e3:.3f} ms (the file's fused_bwd_ms / fused_bwd_dim{_NARROW_DIM}_ms), all-DRAM "
             f"{raw_wide_s * dram_factor * 1e3:.3f} / {raw_narrow_s * dram_factor * 1e3:.3f} ms (x {dram_factor:.3f}: "
-            f"the table's own cache hits taken out; fitted) = {per_id_s * 1e9:.2f} ns per id + {multiplier:.2f} x forward")
+            f"the table's own cache hits taken out; fitted) = {per_id_s * 1e9:.2f} ns per id + "
+            f"{per_bag_s * 1e9:.2f} ns per bag ({_BATCH} bags) + {multiplier:.2f} x the bytes' forward")
 
 
 def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset, dict]:
@@ -585,7 +568,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                               (f"{kernel}_cache_fwd_ms", f_c), (f"{kernel}_cache_bwd_ms", b_c)):
                 measured[name], spread[name] = round(smp.median * 1e3, 3), _range(smp, 1e3)
             log(f"{kernel} lookup: {eff[kernel] * mem_bw / GB:.2f} GB/s = {eff[kernel]:.3f} of memory bandwidth; "
-                f"backward / forward {mults[kernel]:.2f}; step {step_d * 1e3:.2f} ms on {_TABLE_ROWS} rows, "
+                f"backward / forward {mults[kernel]:.2f}{' (bytes only: refitted below)' if kernel == 'fused' else ''}; step {step_d * 1e3:.2f} ms on {_TABLE_ROWS} rows, "
                 f"{step_c * 1e3:.2f} ms on {cache_rows} rows (in cache): speedup {speedup[kernel]:.2f} "
                 f"(DRAM table's own hits {dram_hit:.2f} taken out)")
             if kernel == "fused":
@@ -607,7 +590,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                     f"{_NARROW_DIM} columns / one id per bag, same ids)")
                 measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
                 spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
-                log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel]))
+                log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel], bag_bwd))
     finally:
         torch.set_num_threads(threads)
     left = TIME_BUDGET_S - (time.perf_counter() - t0) - 5
