@@ -9,21 +9,18 @@ window or one slow rank's outlier window does not set it.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from tests.helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("bench_planner_accuracy", REPO / "scripts" / "bench_planner_accuracy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_planner_accuracy")
 
 
 def test_estimates_are_what_the_planner_reports_and_ranks_with():

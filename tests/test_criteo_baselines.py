@@ -1,23 +1,20 @@
 """Issue 16 item 2: scripts/criteo_baselines.py — the CTR prior and a scikit-learn logistic
 regression (C chosen on val) scored on the test split of `dlrmctl preprocess criteo` output."""
 
-import importlib.util
 import math
 import re
 
 import numpy as np
 import pytest
 
-from tests.conftest import CRITEO_10K, REPO, require_shared
+from tests.conftest import CRITEO_10K, require_shared
+from tests.helpers.scripts import load_script
 
 pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip install -e '.[test]'")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("criteo_baselines", REPO / "scripts" / "criteo_baselines.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("criteo_baselines")
 
 
 @pytest.fixture(scope="module")
@@ -85,9 +82,7 @@ def test_bad_arguments_are_a_usage_error_not_a_traceback(tmp_path, capsys, scrip
     from dlrmctl.data.synthetic import generate_synthetic
 
     generate_synthetic(tmp_path / "d", rows=300, seed=0, num_embeddings=[7] * 26)
-    spec = importlib.util.spec_from_file_location(script[:-3], REPO / "scripts" / script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(script[:-3])
     with pytest.raises(SystemExit) as e:
         mod.main([str(tmp_path / "d"), *args])
     err = capsys.readouterr().err

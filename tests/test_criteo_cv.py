@@ -1,7 +1,6 @@
 """Issue 16: scripts/criteo_cv.py — DLRM vs the logistic regression over K row-hash splits, the
 paired test difference with its standard error, pooled test AUC."""
 
-import importlib.util
 import json
 import math
 
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import CRITEO_10K, REPO, require_shared
+from tests.helpers.scripts import load_script
 
 pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip install -e '.[test]'")
 
@@ -17,10 +17,7 @@ FAST = ["train.epochs=1", "train.eval_every=5", "train.early_stopping_patience=2
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("criteo_cv", REPO / "scripts" / "criteo_cv.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("criteo_cv")
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +68,7 @@ def test_two_splits_pair_dlrm_and_lr_on_the_same_test_rows(head_tsv, tmp_path, c
         best = json.loads((run / "summary.json").read_text())["best"]
         assert r["dlrm_val_auc"] == pytest.approx(best["auc"], abs=1e-12)
     # LR: what scripts/criteo_baselines.py reports on the same directory
-    spec = importlib.util.spec_from_file_location("criteo_baselines", REPO / "scripts" / "criteo_baselines.py")
-    cb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cb)
+    cb = load_script("criteo_baselines")
     lr = cb.run(str(tmp_path / "work" / "data_4"), cs=(0.03, 0.3), out=lambda s: None, log=lambda s: None)
     assert rows[1]["lr_test_auc"] == pytest.approx(lr["logistic_regression"]["test"]["auc"], abs=1e-12)
     assert rows[1]["C"] == lr["C"]
