@@ -307,6 +307,9 @@ class ShardingConfig:
     ``comm_precision``: the pooled embeddings' output_dist (forward all-to-all /
     reduce-scatter) and its gradient (backward) travel in this precision and are cast
     back to fp32 on arrival (TorchRec's qcomm codecs); ``fp32``: no cast.
+    ``overlap_output_dist`` (default true): the pooled embeddings' all-to-all is launched
+    asynchronously and waited on after the dense arch (TorchRec's ``LazyAwaitable``), so the
+    bottom MLP's forward and backward run while it travels; bit-identical results either way.
     """
 
     plan_file: Optional[str] = None
@@ -316,6 +319,7 @@ class ShardingConfig:
     constraints: dict[str, TableConstraintsConfig] = field(default_factory=dict)
     device: str = "cpu"
     comm_precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    overlap_output_dist: bool = True
     hbm_gb: Optional[float] = None
     ddr_gb: Optional[float] = None
     topology_file: Optional[str] = None

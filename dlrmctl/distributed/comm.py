@@ -210,12 +210,34 @@ def _grad_wire_scale(qdtype: torch.dtype | None, global_batch: int) -> float:
     return float(2.0 ** round(math.log2(global_batch)))
 
 
-class _PooledAllToAll(torch.autograd.Function):
+class _PooledRequest:
+    """What the two autograd halves of one pooled all-to-all share (TorchRec's ``Request``):
+    the split sizes, the buffers in flight (kept alive until their work is waited on) and the
+    work handles, forward and backward."""
+
+    __slots__ = ("meta", "dtype", "in_splits", "out_splits", "send", "recv", "work", "grad_send", "grad_recv",
+                 "grad_work")
+
+    def __init__(self, meta) -> None:
+        self.meta = meta
+        self.dtype: torch.dtype | None = None
+        self.in_splits: list[int] = []
+        self.out_splits: list[int] = []
+        self.send = self.recv = self.work = None
+        self.grad_send = self.grad_recv = self.grad_work = None
+
+
+class _PooledAllToAllStart(torch.autograd.Function):
+    """Forward: encodes this rank's lookup outputs into one send buffer and launches the
+    all-to-all (``async_op=True``); returns an empty dummy that links :class:`_PooledAllToAllWait`
+    to it in the graph.  Backward: waits for the gradient all-to-all the wait node launched,
+    decodes it and hands each input its rows."""
+
     @staticmethod
-    def forward(ctx, meta, *inputs: torch.Tensor):  # type: ignore[override]
-        bs, widths, me, pg, qdtype = meta
-        ctx.meta = meta
-        ctx.dtype = inputs[0].dtype
+    def forward(ctx, req: _PooledRequest, *inputs: torch.Tensor):  # type: ignore[override]
+        bs, widths, me, pg, qdtype = req.meta
+        ctx.req = req
+        req.dtype = inputs[0].dtype
         W, G = len(bs), len(inputs)
         if G == 1:
             send = _wire(inputs[0].contiguous().view(-1), qdtype)
@@ -225,36 +247,22 @@ class _PooledAllToAll(torch.autograd.Function):
                 row_off.append(row_off[-1] + b)
             send = _wire(torch.cat([inputs[g][row_off[s] : row_off[s + 1]].reshape(-1)
                                     for s in range(W) for g in range(G)]), qdtype)
-        ctx.in_splits = [bs[s] * sum(widths[me]) for s in range(W)]
-        ctx.out_splits = [bs[me] * sum(widths[d]) for d in range(W)]
-        recv = send.new_empty(sum(ctx.out_splits))
-        dist.all_to_all_single(recv, send, ctx.out_splits, ctx.in_splits, group=pg)
-        recv = recv.to(ctx.dtype)  # decode: one cast of the whole receive buffer (no-op at full precision)
-        outs, off = [], 0
-        for d in range(W):
-            for g in range(G):
-                n = bs[me] * widths[d][g]
-                outs.append(recv[off : off + n].view(bs[me], widths[d][g]))
-                off += n
-        return tuple(outs)
+        req.in_splits = [bs[s] * sum(widths[me]) for s in range(W)]
+        req.out_splits = [bs[me] * sum(widths[d]) for d in range(W)]
+        req.send = send
+        req.recv = send.new_empty(sum(req.out_splits))
+        req.work = dist.all_to_all_single(req.recv, send, req.out_splits, req.in_splits, group=pg, async_op=True)
+        return inputs[0].new_empty(0)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        bs, widths, me, pg, qdtype = ctx.meta
+    def backward(ctx, _dummy: torch.Tensor):  # type: ignore[override]
+        req = ctx.req
+        bs, widths, me, pg, qdtype = req.meta
         W, G = len(bs), len(widths[me])
-        # one copy of each (often strided: a slice of the next layer's grad) block into the send
-        # buffer, encoded for the wire by the same copy
-        flat = grads[0].new_empty(sum(ctx.out_splits), dtype=qdtype or ctx.dtype)
+        req.grad_work.wait()
+        back = req.grad_recv.to(req.dtype)
+        req.grad_send = req.grad_recv = req.grad_work = None
         gscale = _grad_wire_scale(qdtype, sum(bs))
-        off = 0
-        for g in grads:
-            n = g.numel()
-            flat[off : off + n].view(g.shape).copy_(g if gscale == 1.0 and qdtype != torch.float16
-                                                    else _wire(g, qdtype, gscale))
-            off += n
-        back = flat.new_empty(sum(ctx.in_splits))
-        dist.all_to_all_single(back, flat, ctx.in_splits, ctx.out_splits, group=pg)
-        back = back.to(ctx.dtype)
         if gscale != 1.0:
             back.mul_(1.0 / gscale)  # exact: a power of two
         if G == 1:
@@ -266,6 +274,75 @@ class _PooledAllToAll(torch.autograd.Function):
                 segs[s, g] = back[off : off + n].view(bs[s], widths[me][g])
                 off += n
         return (None, *[torch.cat([segs[s, g] for s in range(W)]) for g in range(G)])
+
+
+class _PooledAllToAllWait(torch.autograd.Function):
+    """Forward: waits for the all-to-all :class:`_PooledAllToAllStart` launched, decodes the
+    receive buffer (one cast) and splits it per (source rank, group).  Backward: encodes the
+    gradients into one send buffer and launches their all-to-all (``async_op=True``); the start
+    node waits for it.  Autograd runs ready nodes by decreasing sequence number, so whatever was
+    recorded between the start and this node (the dense arch, when the wait is deferred) runs its
+    backward while the gradients travel."""
+
+    @staticmethod
+    def forward(ctx, req: _PooledRequest, _dummy: torch.Tensor):  # type: ignore[override]
+        bs, widths, me, pg, qdtype = req.meta
+        ctx.req = req
+        W, G = len(bs), len(widths[me])
+        req.work.wait()
+        recv = req.recv.to(req.dtype)  # decode: one cast of the whole receive buffer (no-op at full precision)
+        req.send = req.recv = req.work = None
+        outs, off = [], 0
+        for d in range(W):
+            for g in range(G):
+                n = bs[me] * widths[d][g]
+                outs.append(recv[off : off + n].view(bs[me], widths[d][g]))
+                off += n
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        req = ctx.req
+        bs, widths, me, pg, qdtype = req.meta
+        # one copy of each (often strided: a slice of the next layer's grad) block into the send
+        # buffer, encoded for the wire by the same copy
+        flat = grads[0].new_empty(sum(req.out_splits), dtype=qdtype or req.dtype)
+        gscale = _grad_wire_scale(qdtype, sum(bs))
+        off = 0
+        for g in grads:
+            n = g.numel()
+            flat[off : off + n].view(g.shape).copy_(g if gscale == 1.0 and qdtype != torch.float16
+                                                    else _wire(g, qdtype, gscale))
+            off += n
+        req.grad_send = flat
+        req.grad_recv = flat.new_empty(sum(req.in_splits))
+        req.grad_work = dist.all_to_all_single(req.grad_recv, flat, req.in_splits, req.out_splits, group=pg,
+                                               async_op=True)
+        return (None, grads[0].new_empty(0))
+
+
+def pooled_all_to_all_async(
+    inputs: Sequence[torch.Tensor], batch_sizes: Sequence[int], widths: Sequence[Sequence[int]], pg: dist.ProcessGroup,
+    qdtype: torch.dtype | None = None,
+) -> Awaitable[list[list[torch.Tensor]]]:
+    """:func:`pooled_all_to_all`, launched now and received on ``.wait()`` (TorchRec's
+    ``LazyAwaitable`` output dist): compute recorded between the call and the wait overlaps the
+    forward all-to-all, and its backward overlaps the gradient all-to-all (see
+    :class:`_PooledAllToAllWait`).  Same arguments, same result, bit for bit; call ``wait()``
+    exactly once per call, on every rank, before issuing the next collective that needs its
+    result.  On CUDA the wait makes the current stream wait for the collective."""
+    me = dist.get_rank(pg)
+    meta = ([int(b) for b in batch_sizes], [list(map(int, w)) for w in widths], me, pg, qdtype)
+    req = _PooledRequest(meta)
+    dummy = _PooledAllToAllStart.apply(req, *inputs)
+    G = len(inputs)
+    W = len(meta[0])
+
+    def finish() -> list[list[torch.Tensor]]:
+        flat = _PooledAllToAllWait.apply(req, dummy)
+        return [list(flat[d * G : (d + 1) * G]) for d in range(W)]
+
+    return LazyAwaitable([], finish)
 
 
 def pooled_all_to_all(
@@ -292,12 +369,9 @@ def pooled_all_to_all(
         ``out[d][g]``: ``[batch_sizes[rank], widths[d][g]]``, rank ``d``'s pooled
         columns of group ``g`` for this rank's samples.  One all-to-all forward,
         one backward (gradients go back to the owners, one flat copy each way).
+        :func:`pooled_all_to_all_async` with an immediate ``wait()``.
     """
-    me = dist.get_rank(pg)
-    meta = ([int(b) for b in batch_sizes], [list(map(int, w)) for w in widths], me, pg, qdtype)
-    flat = _PooledAllToAll.apply(meta, *inputs)
-    G = len(inputs)
-    return [list(flat[d * G : (d + 1) * G]) for d in range(len(batch_sizes))]
+    return pooled_all_to_all_async(inputs, batch_sizes, widths, pg, qdtype).wait()
 
 
 class _ReduceScatterV(torch.autograd.Function):

@@ -70,6 +70,11 @@ class DistributedModelParallel(nn.Module):
         bucket_cap_mb: size of the dense-gradient all-reduce buckets (MiB).
         comm_precision: ``fp32`` | ``bf16`` | ``fp16``: the precision the pooled embeddings'
             output_dist and its gradient travel in (``sharding.comm_precision``, qcomm).
+        overlap_output_dist: :meth:`compute_and_output_dist` returns an ``Awaitable[KeyedTensor]``
+            that :meth:`dense_forward` waits on after the dense arch, so the bottom MLP runs while
+            the pooled embeddings' all-to-all travels, forward and backward
+            (``sharding.overlap_output_dist``; bit-identical results either way).  Also settable
+            as the attribute of the same name.
 
     Forward: ``dense [B, D_in]`` float32, ``sparse`` KJT (local batch ``B``, may
     differ between ranks) -> logits ``[B, 1]``.
@@ -89,9 +94,12 @@ class DistributedModelParallel(nn.Module):
         sync_grads_in_backward: bool = True,
         bucket_cap_mb: float = 25.0,
         comm_precision: str = "fp32",
+        overlap_output_dist: bool = False,
     ) -> None:
         super().__init__()
         self.env = env
+        #: defer the wait of the output dist to ``dense_forward`` (after the dense arch)
+        self.overlap_output_dist = bool(overlap_output_dist)
         self.plan = plan
         self._spec = optimizer
         self._sync_in_backward = sync_grads_in_backward
@@ -148,14 +156,21 @@ class DistributedModelParallel(nn.Module):
             return self.module.sparse_arch.input_dist(features)
         return DoneAwaitable(features)
 
-    def compute_and_output_dist(self, ctx) -> KeyedTensor:
-        """Lookups + pooled embeddings back to this rank: ``KeyedTensor [B_local, sum dims]``."""
+    def compute_and_output_dist(self, ctx) -> KeyedTensor | Awaitable[KeyedTensor]:
+        """Lookups + pooled embeddings back to this rank: ``KeyedTensor [B_local, sum dims]``;
+        with :attr:`overlap_output_dist` (sharded only) an ``Awaitable`` of it whose all-to-all
+        is in flight: hand it to :meth:`dense_forward` (or ``.wait()`` it) before the next
+        collective."""
         if self.is_sharded:
+            if self.overlap_output_dist:
+                return self.module.sparse_arch.compute_and_output_dist_async(ctx)
             return self.module.sparse_arch.compute_and_output_dist(ctx)
         return self.module.sparse_arch(ctx)
 
-    def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
-        """Dense part: ``dense [B, D_in]``, pooled ``KeyedTensor`` -> logits ``[B, 1]``."""
+    def dense_forward(self, dense_features: torch.Tensor,
+                      embedded: KeyedTensor | Awaitable[KeyedTensor]) -> torch.Tensor:
+        """Dense part: ``dense [B, D_in]``, pooled ``KeyedTensor`` (or its ``Awaitable``, waited on
+        after the dense arch) -> logits ``[B, 1]``."""
         logits = self.module.dense_forward(dense_features, embedded)
         self._sync_queued = False  # one gradient sync per backward, however many forwards fed it
         if self._sync_in_backward and self.env.is_distributed and logits.requires_grad:

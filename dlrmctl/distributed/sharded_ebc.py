@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from dlrmctl.distributed.comm import (Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, comm_dtype,
-                                      pooled_all_to_all)
+                                      pooled_all_to_all_async)
 from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES, all_reduce, reduce_scatter_v, sync_sparse_grads
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharding.common import EmbeddingSharding
@@ -446,21 +446,34 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
 
     # ------------------------------------------------ lookup + output dist
     def compute_and_output_dist(self, ctx: ShardedEBCContext) -> KeyedTensor:
-        """Local lookups, then pooled embeddings back to their sources: ``KeyedTensor [B_local, sum dims]``."""
+        """Local lookups, then pooled embeddings back to their sources: ``KeyedTensor [B_local, sum dims]``
+        (:meth:`compute_and_output_dist_async`, waited on at once)."""
+        return self.compute_and_output_dist_async(ctx).wait()
+
+    def compute_and_output_dist_async(self, ctx: ShardedEBCContext) -> Awaitable[KeyedTensor]:
+        """Local lookups and the launch of the pooled embeddings' all-to-all; ``.wait()`` receives
+        them and assembles ``KeyedTensor [B_local, sum dims]`` (float32, the unsharded EBC's keys).
+
+        TorchRec's ``LazyAwaitable`` output dist: whatever runs between this call and ``wait()``
+        (the dense arch, see ``DLRM.dense_forward``) overlaps the all-to-all, and its backward
+        overlaps the gradient all-to-all.  Row-wise groups on the reduce-scatter collective and
+        data_parallel lookups are done before returning.  Bit-identical to waiting at once (the
+        same ops on the same values); ``wait()`` must be called once, on every rank, before the
+        next collective.  The assembly after the wait runs with autocast off, as it would have
+        run before the caller's autocast region."""
         groups = self.groups
         W = self.env.world_size
         bs = ctx.batch_sizes
         results: list[list[torch.Tensor] | None] = [None] * len(groups)
         looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}
+        a2a: Awaitable[list[list[torch.Tensor]]] | None = None
         if self._a2a_out:
             widths = [[groups[i].layouts[d].width for i in self._a2a_out] for d in range(W)]
             if self.env.pg is not None:
-                out = pooled_all_to_all([looked[i] for i in self._a2a_out], bs, widths, self.env.pg, self.comm_dtype)
+                a2a = pooled_all_to_all_async([looked[i] for i in self._a2a_out], bs, widths, self.env.pg,
+                                              self.comm_dtype)
             else:
-                out = [[looked[i] for i in self._a2a_out]]
-            pieces = {i: [out[d][k] for d in range(W)] for k, i in enumerate(self._a2a_out)}
-            for i in self._a2a_out:
-                results[i] = groups[i].output_dist_recv(pieces[i], ctx.local_kjts[i])
+                a2a = DoneAwaitable([[looked[i] for i in self._a2a_out]])
         for i in self._comm:
             if i in self._a2a_out:
                 continue
@@ -470,9 +483,19 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         for i, g in enumerate(groups):
             if not g.needs_comm:
                 results[i] = [g.compute(ctx.local_kjts[i])]
-        vals = self._assembly([t for r in results for t in r])  # type: ignore[union-attr]
-        out = KeyedTensor(self._embedding_names, self._length_per_key, vals)
-        return out if ctx.inverse_indices is None else expand_by_inverse_indices(out, ctx.inverse_indices)
+        device_type = self.env.device.type
+
+        def finish() -> KeyedTensor:
+            with torch.autocast(device_type, enabled=False):
+                if a2a is not None:
+                    out = a2a.wait()
+                    for k, i in enumerate(self._a2a_out):
+                        results[i] = groups[i].output_dist_recv([out[d][k] for d in range(W)], ctx.local_kjts[i])
+                vals = self._assembly([t for r in results for t in r])  # type: ignore[union-attr]
+                kt = KeyedTensor(self._embedding_names, self._length_per_key, vals)
+                return kt if ctx.inverse_indices is None else expand_by_inverse_indices(kt, ctx.inverse_indices)
+
+        return LazyAwaitable([], finish)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.compute_and_output_dist(self.input_dist(features).wait())

@@ -422,10 +422,16 @@ class DLRM(nn.Module):
                             if first_order_width is not None else None)
 
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
-        """Everything after the embedding lookup: ``-> logits [B, 1]``."""
+        """Everything after the embedding lookup: ``-> logits [B, 1]``.
+
+        ``embedded`` may also be an awaitable of the KeyedTensor (anything with ``wait()``, e.g.
+        the sharded EBC's ``compute_and_output_dist_async``): it is waited on after the dense arch,
+        which thus overlaps the pooled embeddings' all-to-all (TorchRec's ``LazyAwaitable``)."""
         if self.dense_norm is not None:
             dense_features = self.dense_norm(dense_features)
         d = self.dense_arch(dense_features)
+        if not isinstance(embedded, KeyedTensor):
+            embedded = embedded.wait()
         logits = self.over_arch(self.inter_arch(d, embedded))
         if self.first_order is not None:
             logits = logits + self.first_order(dense_features, embedded.values())

@@ -235,6 +235,7 @@ class Trainer:
         self.model = DistributedModelParallel(
             self.model, self.env.sharding_env, plan, embedding_optimizer_spec(self.cfg), seed=self.cfg.train.seed,
             check_ids=False, comm_precision=self.cfg.sharding.comm_precision,
+            overlap_output_dist=self.cfg.sharding.overlap_output_dist,
         )
         if self.cfg.optimizer.embedding.weight_decay and self.model.is_sharded:
             # a densified data_parallel gradient would let weight decay reach rows not looked up
@@ -363,7 +364,11 @@ class Trainer:
         if sparse_ctx is None:
             embedded = self.model.sparse_arch(batch.sparse_features)
         else:
+            # with sharding.overlap_output_dist an Awaitable[KeyedTensor]: dense_forward waits on
+            # it after the dense arch (the GradScaler path below needs the values now)
             embedded = self.model.compute_and_output_dist(sparse_ctx)
+        if self.scaler is not None and not isinstance(embedded, KeyedTensor):
+            embedded = embedded.wait()
         if self.scaler is not None and embedded.values().requires_grad:
             embedded = KeyedTensor(embedded.keys(), embedded.length_per_key(),
                                    _UnscaleGrad.apply(embedded.values(), self.scaler, self._emb_found_inf,
