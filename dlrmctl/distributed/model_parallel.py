@@ -74,7 +74,9 @@ class DistributedModelParallel(nn.Module):
             that :meth:`dense_forward` waits on after the dense arch, so the bottom MLP runs while
             the pooled embeddings' all-to-all travels, forward and backward
             (``sharding.overlap_output_dist``; bit-identical results either way).  Also settable
-            as the attribute of the same name.
+            as the attribute of the same name.  Default False here (a direct caller gets a
+            ``KeyedTensor``, as TorchRec's ``DistributedModelParallel.forward`` gives); the trainer
+            passes the config key, whose default is true.
 
     Forward: ``dense [B, D_in]`` float32, ``sparse`` KJT (local batch ``B``, may
     differ between ranks) -> logits ``[B, 1]``.
