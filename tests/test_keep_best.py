@@ -44,7 +44,7 @@ def test_resolve_checkpoint(tmp_path):
     assert ckpt.resolve_checkpoint(run, "10")[0].endswith("step_00000010")
     with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint of step 15; it has steps 10, 20 \(best\), 30 \(last\)"):
         ckpt.resolve_checkpoint(run, "15")
-    with pytest.raises(ckpt.CheckpointError, match="expected best, last or a step number"):
+    with pytest.raises(ckpt.CheckpointError, match="expected best, last, a step number or a checkpoint name"):
         ckpt.resolve_checkpoint(run, "newest")
     os.remove(os.path.join(run, "checkpoints", "BEST"))
     assert ckpt.resolve_checkpoint(run, None)[1] == "last (step 30)"
@@ -179,7 +179,7 @@ def test_checkpoint_paths_of_another_run_and_odd_steps_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="not a checkpoint of"):
         resolve_checkpoint(str(tmp_path / "run"), str(other))
     for w in ("+24", "2_4", "-1"):
-        with pytest.raises(CheckpointError, match="expected best, last or a step number"):
+        with pytest.raises(CheckpointError, match="expected best, last, a step number or a checkpoint name"):
             resolve_checkpoint(str(tmp_path / "run"), w)
 
 
@@ -212,3 +212,22 @@ def test_reshard_with_a_dangling_best_and_of_an_in_place_copy_of_the_best(data, 
             assert r.exit_code == 0, r.output
     note = Trainer._best_kept_note(SimpleNamespace(run_dir=str(dangling)), best_step)
     assert "unusable" in note and "does not exist" in note
+
+
+def test_a_step_saved_twice_is_listed_and_selected_by_name(tmp_path):
+    """A step saved twice (step_X and step_X.1, e.g. training on after an in-place reshard) is
+    told apart by name: the listing names both, and --checkpoint <name> selects either."""
+    run = str(tmp_path)
+    ckpt.save_checkpoint(run, 5, {"w": torch.zeros(2)}, keep_last=0)
+    ckpt.save_checkpoint(run, 8, {"w": torch.ones(2)}, keep_last=0)
+    ckpt.save_checkpoint(run, 8, {"w": torch.full((2,), 2.0)}, keep_last=0)
+    names = sorted(d for d in os.listdir(os.path.join(run, "checkpoints")) if d.startswith("step_"))
+    assert names == ["step_00000005", "step_00000008", "step_00000008.1"]
+    for name in names[1:]:
+        path, label = ckpt.resolve_checkpoint(run, name)
+        assert path.endswith(name) and label == f"step 8 ({name})"
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.resolve_checkpoint(run, "99")
+    assert "5, 8 (step_00000008), 8 (step_00000008.1, last)" in str(e.value)
+    with pytest.raises(ckpt.CheckpointError, match="no such checkpoint"):
+        ckpt.resolve_checkpoint(run, "step_00000009")

@@ -134,7 +134,7 @@ def reshard_command(
     nproc: int = typer.Option(..., "--nproc", help="ranks of the target job"),
     plan: Optional[str] = typer.Option(None, "--plan", help="target sharding plan (dlrmctl plan); default: the planner's"),
     out: Optional[str] = typer.Option(None, "--out", help="new run directory (default: a new checkpoint in RUN_DIR)"),
-    checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step>"),
+    checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step> | <name, e.g. step_00000080.1>"),
 ) -> None:
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
     from dlrmctl.distributed.types import PlanError

@@ -20,7 +20,7 @@ def evaluate(
     split: str = typer.Option("val", "--split", help="val | test | train"),
     data: Optional[str] = typer.Option(None, "--data", help="preprocessed data directory (default: the run's; "
                                                              "required for an exported model)"),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> (default: best when "
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> | <name> (default: best when "
                                                                          "the run kept one, else last)"),
     any_split: bool = typer.Option(False, "--any-split", help="accept data whose split differs from the training "
                                                               "data's (same schema and vocabularies)"),

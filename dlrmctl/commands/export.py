@@ -38,7 +38,7 @@ def export_command(
     out: Optional[Path] = typer.Option(None, "--out", help="artifact directory (default: RUN_DIR/export-<dtype>)"),
     data: Optional[Path] = typer.Option(None, "--data", help="preprocessed data dir holding the vocabularies (default: the run's data.path)"),
     force: bool = typer.Option(False, "--force", help="replace an existing artifact directory"),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> (default: best when "
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> | <name> (default: best when "
                                                                          "the run kept one, else last)"),
 ) -> None:
     """Export a checkpoint of RUN_DIR (the best by default) as TorchScript + manifest.json, embeddings on FBGEMM's IntNBit TBE."""

@@ -24,7 +24,7 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="continue the run from its newest checkpoint"),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                              help="with --resume: the checkpoint to continue from, best | last | "
-                                                  "<step> (default last)"),
+                                                  "<step> | <name> (default last)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the torchx AppDef instead of launching"),
     verbose: bool = typer.Option(False, "-v", "--verbose"),

@@ -372,8 +372,9 @@ def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
 
 
 def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str]:
-    """The checkpoint ``--checkpoint WHICH`` selects: ``best``, ``last`` or a step number (or a
-    checkpoint directory, returned as it is).
+    """The checkpoint ``--checkpoint WHICH`` selects: ``best``, ``last``, a step number, or a
+    checkpoint of this run by name (``step_00000080.1``, ``step_00000050_ws2``: what a step number
+    cannot tell apart when a step was saved twice or resharded in place) or by directory path.
 
     ``None``: ``best`` when the run has one (``train.keep_best``), else ``last``.
 
@@ -393,15 +394,28 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
             return "it has no checkpoint"
         best = best_checkpoint(run_dir)
         last = latest_checkpoint(run_dir)
-        tags = [f"{s}" + (" (best)" if p == best else "") + (" (last)" if p == last else "") for s, p in have]
+        counts: dict[int, int] = {}
+        for s, _ in have:
+            counts[s] = counts.get(s, 0) + 1
+        tags = []
+        for s, p in have:
+            marks = [os.path.basename(p)] if counts[s] > 1 else []  # a repeated step: its name selects it
+            marks += ["best"] if p == best else []
+            marks += ["last"] if p == last else []
+            tags.append(f"{s}" + (f" ({', '.join(marks)})" if marks else ""))
         return "it has steps " + ", ".join(tags)
 
     if which is not None and os.path.isfile(os.path.join(str(which), "meta.json")):  # already resolved
         # only a checkpoint of THIS run: another run's would bypass its config and data checks
         if os.path.realpath(os.path.dirname(str(which))) != os.path.realpath(checkpoint_root(run_dir)):
-            raise CheckpointError(f"--checkpoint {which}: not a checkpoint of {run_dir}; expected best, last or a "
-                                  f"step number ({available()})")
+            raise CheckpointError(f"--checkpoint {which}: not a checkpoint of {run_dir}; expected best, last, a "
+                                  f"step number or a checkpoint name ({available()})")
         return str(which), f"step {step_of(str(which))}"
+    if which is not None and os.path.basename(str(which)) == str(which) and str(which).startswith("step_"):
+        named = os.path.join(checkpoint_root(run_dir), str(which))
+        if not os.path.isfile(os.path.join(named, "meta.json")):
+            raise CheckpointError(f"--checkpoint {which}: no such checkpoint in {run_dir}; {available()}")
+        return named, f"step {step_of(named)} ({which})"
     w = "auto" if which is None else str(which).strip().lower()
     if w in ("auto", "best"):
         p = best_checkpoint(run_dir)
@@ -417,7 +431,8 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
             raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing)")
         return p, f"last (step {step_of(p)})"
     if not (w.isascii() and w.isdigit()):
-        raise CheckpointError(f"--checkpoint {which!r}: expected best, last or a step number ({available()})")
+        raise CheckpointError(f"--checkpoint {which!r}: expected best, last, a step number or a checkpoint name "
+                              f"({available()})")
     step = int(w)
     matches = [p for s, p in have if s == step]
     if not matches:
