@@ -25,6 +25,27 @@ from dlrmctl.train.metrics import compute_metrics_from_logits  # noqa: E402
 DEFAULT_CS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
+def cli_main(description: str, data_help: str, run, argv=None) -> dict:
+    """The baselines scripts' ``main``: the shared arguments (``data_dir``, ``--val-split``,
+    ``--test-split``, ``--C``, ``--seed``), :func:`parse_args_and_run`, and the elapsed seconds on
+    stderr.  ``data_help`` describes ``data_dir`` (which preprocess output the script reads)."""
+    import argparse
+    import sys
+    import time
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("data_dir", help=data_help)
+    p.add_argument("--val-split", default="val", help="split C is chosen on (default val)")
+    p.add_argument("--test-split", default="test", help="split reported once (default test)")
+    p.add_argument("--C", default=",".join(f"{c:g}" for c in DEFAULT_CS),
+                   help="comma-separated inverse L2 strengths to try")
+    p.add_argument("--seed", type=int, default=0)
+    t0 = time.perf_counter()
+    res = parse_args_and_run(p, argv, run)
+    print(f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
+    return res
+
+
 def parse_args_and_run(parser, argv, run):
     """The baselines scripts' ``main``: parse ``argv`` (``data_dir``, ``--val-split``, ``--test-split``,
     ``--C``, ``--seed``), call ``run(data_dir, val_split, test_split, cs, seed)`` and return its result.

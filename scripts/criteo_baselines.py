@@ -21,9 +21,7 @@ Needs scikit-learn (``pip install -e '.[bench]'``).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,18 +47,7 @@ def run(data_dir: str, val_split: str = "val", test_split: str = "test", cs=bc.D
 
 def main(argv: list[str] | None = None) -> dict:
     """CLI entry: see the module docstring."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("data_dir", help="output of `dlrmctl preprocess criteo` with --val-ratio and --test-ratio")
-    p.add_argument("--val-split", default="val", help="split C is chosen on (default val)")
-    p.add_argument("--test-split", default="test", help="split reported once (default test)")
-    p.add_argument("--C", default=",".join(f"{c:g}" for c in bc.DEFAULT_CS),
-                   help="comma-separated inverse L2 strengths to try")
-    p.add_argument("--seed", type=int, default=0)
-    t0 = time.perf_counter()
-    res = bc.parse_args_and_run(p, argv, run)
-    print(f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
-    return res
-
+    return bc.cli_main(__doc__.split("\n")[0], "output of `dlrmctl preprocess criteo` with --val-ratio and --test-ratio", run, argv)
 
 if __name__ == "__main__":
     main()

@@ -247,6 +247,20 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         raise
 
 
+def check_split_ratios(val_ratio: float, test_ratio: float) -> None:
+    """The ``--val-ratio`` / ``--test-ratio`` of every preprocessor: each in [0, 1), their sum < 1
+    (rows are left to train on).
+
+    Raises:
+        ValueError: naming the option and the value.
+    """
+    for name, r in (("--val-ratio", val_ratio), ("--test-ratio", test_ratio)):
+        if not 0.0 <= r < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {r}")
+    if val_ratio + test_ratio >= 1.0:
+        raise ValueError(f"--val-ratio + --test-ratio must be < 1, got {val_ratio + test_ratio}")
+
+
 def write_meta(data_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
     """Validate and write ``DIR/meta.json`` atomically; returns its path.
 

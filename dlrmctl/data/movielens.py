@@ -73,6 +73,7 @@ from dlrmctl.data.columnar import (
     FORMAT_VERSION,
     LABEL_COLUMN,
     SPLITS,
+    check_split_ratios,
     DataError,
     ShardWriter,
     shard_schema,
@@ -131,11 +132,7 @@ class MovieLensOptions:
         """Raise ValueError naming the CLI option when an option is out of range."""
         if not 0.0 < self.positive_threshold <= 5.0:
             raise ValueError(f"--positive-threshold must be in (0, 5] stars, got {self.positive_threshold}")
-        for name, r in (("--val-ratio", self.val_ratio), ("--test-ratio", self.test_ratio)):
-            if not 0.0 <= r < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {r}")
-        if self.val_ratio + self.test_ratio >= 1.0:
-            raise ValueError(f"--val-ratio + --test-ratio must be < 1, got {self.val_ratio + self.test_ratio}")
+        check_split_ratios(self.val_ratio, self.test_ratio)
         if self.min_tag_count < 1:
             raise ValueError(f"--min-tag-count must be >= 1, got {self.min_tag_count}")
         if self.max_tags_per_item < 1:

@@ -39,6 +39,7 @@ from dlrmctl.data.columnar import (
     LABEL_COLUMN,
     SPLITS,
     ShardWriter,
+    check_split_ratios,
     shard_schema,
     weight_column,
     write_meta,
@@ -165,8 +166,7 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
     t0 = time.perf_counter()
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
-    if not (0 <= val_ratio < 1 and 0 <= test_ratio < 1 and val_ratio + test_ratio < 1):
-        raise ValueError(f"--val-ratio/--test-ratio must be in [0, 1) with sum < 1, got {val_ratio}, {test_ratio}")
+    check_split_ratios(val_ratio, test_ratio)
     if zipf_alpha <= 0:
         raise ValueError(f"--zipf-alpha must be > 0, got {zipf_alpha}")
     if num_embeddings is None:

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
-from dlrmctl.data.columnar import LABEL_COLUMN, DataError
+from dlrmctl.data.columnar import LABEL_COLUMN, DataError, check_split_ratios
 
 if TYPE_CHECKING:
     from dlrmctl.data.criteo.vocab import VocabSet
@@ -205,11 +205,7 @@ class CriteoOptions:
                 raise ValueError(f"--num-embeddings: values must be >= 1, got {self.num_embeddings}")
         if self.frequency_threshold is not None and self.frequency_threshold < 1:
             raise ValueError(f"--frequency-threshold must be >= 1, got {self.frequency_threshold}")
-        for name, r in (("--val-ratio", self.val_ratio), ("--test-ratio", self.test_ratio)):
-            if not 0.0 <= r < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {r}")
-        if self.val_ratio + self.test_ratio >= 1.0:
-            raise ValueError(f"--val-ratio + --test-ratio must be < 1, got {self.val_ratio + self.test_ratio}")
+        check_split_ratios(self.val_ratio, self.test_ratio)
         if self.split_by_day and (self.val_ratio or self.test_ratio):
             raise ValueError("--split-by-day and --val-ratio/--test-ratio are exclusive")
         if self.on_bad_line not in ("error", "skip"):
