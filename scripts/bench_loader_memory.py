@@ -14,8 +14,7 @@ Usage:
         [--data-root DIR] [--set key=value ...]
 
 ``--data-root DIR`` keeps the generated datasets as ``DIR/rows_<N>`` (reused when present);
-otherwise they live in a temporary directory removed at the end.  :func:`measure` is the entry
-point for other scripts (``scripts/bench_scale.py``).
+otherwise they live in a temporary directory removed at the end.
 """
 
 from __future__ import annotations

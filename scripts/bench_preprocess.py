@@ -94,8 +94,7 @@ def _run_one(args: argparse.Namespace) -> None:
                    for f in ("ru_utime", "ru_stime")),
         "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb,
         "rss_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb,
-        "vocab": [json.loads((out / "meta.json").read_text())["sparse_features"][i].get("num_embeddings")
-                  for i in range(26)],
+        "vocab": [f.get("num_embeddings") for f in json.loads((out / "meta.json").read_text())["sparse_features"]],
     }))
 
 

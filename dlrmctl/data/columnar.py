@@ -587,7 +587,8 @@ DENSE_STATS_MAX_ROWS = 1 << 22
 
 
 def dense_column_stats(data_dir: str | os.PathLike, split: str = "train", block_rows: int = 1 << 16,
-                       max_rows: int | None = DENSE_STATS_MAX_ROWS) -> tuple[np.ndarray, np.ndarray]:
+                       max_rows: int | None = DENSE_STATS_MAX_ROWS,
+                       meta: dict | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per-column mean and (population) std of a split's dense features, ``[D]`` float64 each.
 
     Reads the dense columns only, ``block_rows`` rows at a time (memory O(block_rows), not
@@ -601,13 +602,15 @@ def dense_column_stats(data_dir: str | os.PathLike, split: str = "train", block_
     gets a non-finite mean and std, which the trainer reports), so
     ``(x - mean) / std`` is always defined (as ``scripts/baselines_common.dense_stats``).
 
+    ``meta``: the directory's meta.json when the caller has read it (else read here).
+
     Raises:
         DataError: the split is missing or unreadable (names the path).
         ValueError: ``block_rows`` or ``max_rows`` < 1.
     """
     if block_rows < 1 or (max_rows is not None and max_rows < 1):
         raise ValueError(f"dense_column_stats: block_rows and max_rows must be >= 1, got {block_rows}, {max_rows}")
-    sd = SplitData(data_dir, split)
+    sd = SplitData(data_dir, split, meta)
     names = list(sd.meta["dense_features"])
     n = 0
     mean = np.zeros(len(names))

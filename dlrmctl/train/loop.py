@@ -764,7 +764,7 @@ def init_from_train_split(model: DLRM, cfg: ExperimentConfig, meta: dict[str, An
     if norm is not None:
         from dlrmctl.data.columnar import dense_column_stats
 
-        mean, std = dense_column_stats(cfg.data.path, cfg.data.train_split)
+        mean, std = dense_column_stats(cfg.data.path, cfg.data.train_split, meta=meta)
         bad = [n for n, m, s in zip(meta["dense_features"], mean, std) if not (math.isfinite(m) and math.isfinite(s))]
         if bad:
             raise TrainError(f"model.dense_standardize: dense column(s) {bad} of the {cfg.data.train_split!r} split "

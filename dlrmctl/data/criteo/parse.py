@@ -567,8 +567,3 @@ def ids_of(opts: CriteoOptions, sparse_h: list[np.ndarray], sparse_present: list
             ids[~present] = v.size + 1
         out.append(ids)
     return out
-
-
-def sparse_ids(task: FileTask, blk: Block, vocabs: "VocabSet | None") -> list[np.ndarray]:
-    """Categorical ids of one parsed block: :func:`ids_of` with the task's options (26 x ``[n]`` int64)."""
-    return ids_of(task.opts, blk.sparse_h, blk.sparse_present, vocabs)

@@ -20,9 +20,8 @@ from dlrmctl.data.criteo.parse import (
     SPARSE_FEATURES,
     BlockReader,
     CriteoOptions,
-    FileTask,
+    ids_of,
     num_fields,
-    sparse_ids,
 )
 from dlrmctl.data.criteo.vocab import VocabSet
 
@@ -68,14 +67,13 @@ def transform_raw_file(path: str | os.PathLike, meta: dict, data_dir: str | os.P
         return
     if nf not in (39, 40):
         raise DataError(f"expected 40 or 39 tab-separated fields, got {nf}", path=path, line=1)
-    task = FileTask(str(path), path.name, "unlabelled", nf == 40, "", opts, "")
     reader = BlockReader(path, nf == 40, "error", False, DEFAULT_BLOCK_SIZE)
     for blk in reader:
         n = len(blk.lines)
         if n == 0:
             continue
         dense = np.stack(blk.dense, axis=1)
-        ids = np.stack(sparse_ids(task, blk, vocabs), axis=1)
+        ids = np.stack(ids_of(opts, blk.sparse_h, blk.sparse_present, vocabs), axis=1)
         for s in range(0, n, batch_rows):
             e = min(n, s + batch_rows)
             yield dense[s:e], ids[s:e], (blk.label[s:e] if blk.label is not None else None)
