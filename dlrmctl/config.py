@@ -570,10 +570,9 @@ def validate(cfg: ExperimentConfig) -> None:
     pos(cfg.data.batch_size, "data.batch_size")
     pos(cfg.data.eval_batch_size, "data.eval_batch_size")
     pos(cfg.data.num_samples, "data.num_samples")
-    for key in ("shuffle_window_rows", "shuffle_block_rows"):
-        v = getattr(cfg.data, key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"data.{key}: must be an integer >= 1 (rows), got {v!r}")
+    for key in ("shuffle_window_rows", "shuffle_block_rows"):  # ints already (config_from_dict's type check)
+        if getattr(cfg.data, key) < 1:
+            raise ConfigError(f"data.{key}: must be an integer >= 1 (rows), got {getattr(cfg.data, key)!r}")
     if cfg.model.embedding_dim != "auto":
         pos(cfg.model.embedding_dim, "model.embedding_dim")
     if not (math.isfinite(cfg.model.embedding_dim_factor) and cfg.model.embedding_dim_factor > 0):

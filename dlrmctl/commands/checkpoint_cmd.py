@@ -86,15 +86,14 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     publish = bool(out) or latest is None or step >= int(ckpt.load_checkpoint_meta(latest)["step"])
     if nproc == 1:
         path = ckpt.reshard_rank(src, out_run, 0, 1, plan, name=name, publish_latest=publish)
-        _carry_best(run_dir, src, out, path)
-        return path
-    from dlrmctl.distributed.local_ranks import LocalRanksError, run_local_ranks
+    else:
+        from dlrmctl.distributed.local_ranks import LocalRanksError, run_local_ranks
 
-    pd = None if plan is None else plan.to_dict()
-    try:
-        path = run_local_ranks(_reshard_rank, nproc, (src, out_run, pd, name, publish), what="reshard")[0]
-    except LocalRanksError as e:
-        raise ckpt.CheckpointError(str(e)) from None
+        pd = None if plan is None else plan.to_dict()
+        try:
+            path = run_local_ranks(_reshard_rank, nproc, (src, out_run, pd, name, publish), what="reshard")[0]
+        except LocalRanksError as e:
+            raise ckpt.CheckpointError(str(e)) from None
     _carry_best(run_dir, src, out, path)
     return path
 

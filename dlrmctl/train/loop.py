@@ -313,30 +313,32 @@ class Trainer:
         self.dense_opt.zero_grad(set_to_none=True)
         if self.emb_dense_opt is not None:
             self.emb_dense_opt.zero_grad(set_to_none=True)
+        skipped = False
         if self.scaler is None:
             loss.backward()  # sharded: dense grads are all-reduced in buckets during backward
             self.dense_opt.step()
         else:  # fp16: scaled loss; the embeddings' gradient is unscaled where it leaves the dense part
             self._emb_found_inf.zero_()
             self.scaler.scale(loss).backward()
-            skipped = self._fp16_unscale_dense()
+            self._fp16_unscale_dense()
+            # read only when a dense-kernel table optimizer must follow the dense step's fate
+            skipped = self.emb_dense_opt is not None and self._fp16_step_skipped()
             self.scaler.step(self.dense_opt)  # skips the step on inf/NaN dense or embedding grads
             self.scaler.update()  # and then backs off the scale
-        if self.emb_dense_opt is not None and not (self.scaler is not None and skipped):
+        if self.emb_dense_opt is not None and not skipped:
             self.emb_dense_opt.step()
         self.step += 1
         out = loss.detach()
         self._accumulate_loss(out)
         return out
 
-    def _fp16_unscale_dense(self) -> bool:
+    def _fp16_unscale_dense(self) -> None:
         """fp16: unscale the dense grads and fold the embeddings' overflow flag into the scaler.
 
         ``GradScaler.unscale_`` records the dense grads' inf/NaN per device; the pooled-embedding
         gradient's flag (:class:`_UnscaleGrad`, already max-reduced over ranks in the backward, so
         that every rank skips the same step and keeps the same scale) is added to it, so ``scaler.step`` skips the dense step and
-        ``scaler.update`` backs off whenever either overflowed.  Returns True when this step is
-        skipped (one host read; ``scaler.step`` reads the same flags anyway).  The per-optimizer
+        ``scaler.update`` backs off whenever either overflowed.  No host read.  The per-optimizer
         state is GradScaler's (``_per_optimizer_states``, stable since torch 1.6)."""
         assert self.scaler is not None
         self.scaler.unscale_(self.dense_opt)
@@ -345,6 +347,12 @@ class Trainer:
             found[self._emb_found_inf.device] = torch.zeros((), dtype=torch.float32, device=self.device)
         for t in found.values():
             t.add_(self._emb_found_inf.to(t.device))
+
+    def _fp16_step_skipped(self) -> bool:
+        """True when the scaler will skip this step (after :meth:`_fp16_unscale_dense`; one host
+        read, the one ``scaler.step`` makes anyway)."""
+        assert self.scaler is not None
+        found = self.scaler._per_optimizer_states[id(self.dense_opt)]["found_inf_per_device"]
         return bool(sum(float(t.item()) for t in found.values()))
 
     def _autocast(self) -> Any:
@@ -1062,21 +1070,6 @@ def embedding_load_request(model: Any, md: Any, emb_dense_opt: Any = None) -> tu
 
 
 @torch.no_grad()
-def load_embedding_state(model: Any, ckpt_dir: str, emb_dense_opt: Any = None, process_group: Any = None,
-                         world_size: int = 1) -> None:
-    """Fill the model's (possibly differently sharded) local shards from a checkpoint.  Collective.
-
-    Raises:
-        CheckpointError: a table is missing, a shape differs, or a file is damaged.
-    """
-    meta = ckpt.load_checkpoint_meta(ckpt_dir)
-    check_tables(meta, _dlrm(model).sparse_arch.embedding_bag_configs(), ckpt_dir)
-    md = ckpt.read_metadata(ckpt_dir, meta)
-    req, finish = embedding_load_request(model, md, emb_dense_opt)
-    ckpt.load_checkpoint(ckpt_dir, req, process_group, world_size, meta)
-    finish()
-
-
 def check_tables(meta: dict[str, Any], tables: list, ckpt_dir: str) -> None:
     """Refuse a checkpoint whose tables differ from the model's (names the table and both shapes).
 
