@@ -57,7 +57,7 @@ def run(name: str, tables: list[TableSpec], topo: Topology, batch: int, repeat: 
     print(
         f"{name}: {len(tables)} tables on {topo.world_size} ranks: plan in {best:.3f} s (best of {repeat}); "
         f"{res.proposals_evaluated} proposals; step {p.critical_path * 1e3:.3f} ms, balance max/mean "
-        f"{p.critical_path / mean:.3f}; max HBM {max(p.mem) / 1e9:.1f} GB; types {kinds}"
+        f"{p.bandwidth_path / mean:.3f}; max HBM {max(p.mem) / 1e9:.1f} GB; types {kinds}"
     )
     assert isinstance(res.plan, ShardingPlan)
 

@@ -31,8 +31,15 @@ def test_estimates_are_what_the_planner_reports_and_ranks_with():
     assert len(plans) >= 6 and "planner" in plans
     assert (topo.world_size, topo.local_world_size) == (2, 2)
     assert parts["planner"].critical_path * 1e3 == pytest.approx(res.step_time_ms, rel=1e-12)
-    for name, plan in plans.items():  # same batch, topology and fixed latency for every plan
-        assert parts[name].critical_path == evaluate_plan(plan, specs, topo, 4096).critical_path, name
+    # every plan is estimated on the planner's cpu topology at the global batch (rebuilt here, not the
+    # script's objects), with the same fixed latency
+    from dlrmctl.planner.types import TableSpec, Topology
+
+    own_topo = Topology.from_preset("cpu", 2, 2, ddr_gb=4.0)
+    own_specs = [TableSpec(f"t{i}", n, bpa.DIM, [float(p)]) for i, (n, p) in enumerate(zip(bpa.ROWS, bpa.POOLING))]
+    for name, plan in plans.items():
+        assert parts[name].critical_path == pytest.approx(
+            evaluate_plan(plan, own_specs, own_topo, 4096).critical_path, rel=1e-12), name
     # two pretend hosts: the table_* kinds join, and the planner's figure still matches
     plans2, parts2, _, _, res2 = bpa.build_plans(2, 1, 4096, None)
     assert {"all table_row_wise", "all table_column_wise"} <= set(plans2)

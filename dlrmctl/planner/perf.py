@@ -161,7 +161,6 @@ from dlrmctl.distributed.types import ComputeKernel, ShardingType
 from dlrmctl.planner.storage import optimizer_state_bytes
 from dlrmctl.planner.types import Perf, TableSpec, Topology
 
-BWD_COMPUTE_MULTIPLIER = 2.0  #: TorchRec constants.py (the Topology default)
 DP_ELEMENTWISE_KERNELS_PERF_FACTOR = 9.22  #: TorchRec constants.py (DP optimizer sweep)
 OUTPUT_ELEM_BYTES = 4  #: fp32 pooled embeddings / their gradients
 MIN_ROW_READ_BYTES = {"cuda": 128, "cpu": 64}

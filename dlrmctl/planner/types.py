@@ -90,6 +90,11 @@ UNPOOLED_SHARDING_TYPES: tuple[ShardingType, ...] = (
 )
 
 
+#: lookup backward / forward time when nothing is calibrated (TorchRec planner/constants.py
+#: ``BWD_COMPUTE_MULTIPLIER``): the Topology default
+BWD_COMPUTE_MULTIPLIER = 2.0
+
+
 class PlannerError(ValueError):
     """No plan satisfies the memory and the constraints.
 
@@ -302,7 +307,7 @@ class Topology:
     inter_host_collective_latency_s: float | None = None
     lookup_fixed_s: float | None = None
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
-    bwd_compute_multiplier: float = 2.0
+    bwd_compute_multiplier: float = BWD_COMPUTE_MULTIPLIER
     dense_bwd_compute_multiplier: float | None = None
     fused_bwd_id_s: float = 0.0
     fused_fwd_id_s: float = 0.0
@@ -478,7 +483,8 @@ class Topology:
             lookup_fixed_s=None if p.lookup_fixed_us is None else p.lookup_fixed_us * 1e-6,
             kernel_efficiency={k: v for k, v in (("fused", p.fused_efficiency), ("dense", p.dense_efficiency))
                                if v is not None},
-            bwd_compute_multiplier=2.0 if p.bwd_compute_multiplier is None else p.bwd_compute_multiplier,
+            bwd_compute_multiplier=(BWD_COMPUTE_MULTIPLIER if p.bwd_compute_multiplier is None
+                                    else p.bwd_compute_multiplier),
             dense_bwd_compute_multiplier=p.dense_bwd_compute_multiplier,
             fused_bwd_id_s=0.0 if p.fused_bwd_id_ns is None else p.fused_bwd_id_ns * 1e-9,
             fused_fwd_id_s=0.0 if p.fused_fwd_id_ns is None else p.fused_fwd_id_ns * 1e-9,
