@@ -13,31 +13,25 @@ Usage: python scripts/bench_dp_step.py [--nproc 2] [--batch 4096] [--steps 5]
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_planner_accuracy as B  # noqa: E402
 
 
-def _worker(rank: int, ws: int, port: int, pd: dict, batch: int, steps: int, q) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    from dlrmctl.distributed.env import ShardingEnv
+def _worker(env, pd: dict, batch: int, steps: int) -> dict:
+    """One rank (:func:`run_local_ranks`: a gloo group, 1 thread): mean ms per step by phase."""
+    from dlrmctl.distributed import comm
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.sparse import KeyedJaggedTensor
     from dlrmctl.train.optim import embedding_optimizer_for_dense
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=600))
+    rank, ws = env.rank, env.world_size
     tables = B._tables()
     bl = batch // ws
     gen = torch.Generator().manual_seed(rank)
@@ -45,7 +39,6 @@ def _worker(rank: int, ws: int, port: int, pd: dict, batch: int, steps: int, q) 
     values = torch.cat([torch.randint(0, n, (p * bl,), generator=gen) for n, p in zip(B.ROWS, B.POOLING)])
     kjt = KeyedJaggedTensor([t.name for t in tables], values, lengths=lengths)
     plan = ShardingPlan.from_dict(pd)
-    env = ShardingEnv.from_process_group(local_world_size=plan.local_world_size)
     sebc = ShardedEmbeddingBagCollection(tables, plan, env, seed=0, check_ids=False)
     opt = embedding_optimizer_for_dense(sebc.embedding_dense_parameters(), "exact_rowwise_adagrad", 0.01, 1e-8, 0.0)
     ph = dict.fromkeys(("fwd", "bwd", "sync", "opt", "zero"), 0.0)
@@ -68,15 +61,14 @@ def _worker(rank: int, ws: int, port: int, pd: dict, batch: int, steps: int, q) 
 
     for _ in range(2):
         step(None)
-    dist.barrier()
+    comm.barrier(env.pg)
     t0 = time.perf_counter()
     for _ in range(steps):
         step(ph)
-    dist.barrier()
+    comm.barrier(env.pg)
     res = {k: v / steps * 1e3 for k, v in ph.items()}
     res["total"] = (time.perf_counter() - t0) / steps * 1e3
-    q.put((rank, res))
-    dist.destroy_process_group()
+    return res
 
 
 def main() -> None:
@@ -94,15 +86,10 @@ def main() -> None:
     plan = plan_from_types(B._tables(), "data_parallel", ws, ws)
     specs = [TableSpec(f"t{i}", n, B.DIM, [float(p)]) for i, (n, p) in enumerate(zip(B.ROWS, B.POOLING))]
     est = evaluate_plan(plan, specs, Topology.from_preset("cpu", ws, ws, ddr_gb=4.0), a.batch).critical_path
-    port = B._free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, ws, port, plan.to_dict(), a.batch, a.steps, q)) for r in range(ws)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=1200) for _ in procs)
-    for p in procs:
-        p.join()
+    from dlrmctl.distributed.local_ranks import run_local_ranks
+
+    got = dict(enumerate(run_local_ranks(_worker, ws, (plan.to_dict(), a.batch, a.steps), timeout_s=1200,
+                                         what="bench_dp_step")))
     print(f"all data_parallel, {ws} gloo ranks, global batch {a.batch}, {a.steps} timed steps; "
           f"estimated {est * 1e3:.1f} ms (cpu preset)")
     for r in sorted(got):

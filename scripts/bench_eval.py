@@ -26,10 +26,7 @@ Timings depend on the machine and its load (on a shared VM they are noisy); RSS 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import resource
-import socket
 import sys
 import time
 
@@ -38,65 +35,34 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # Linux: KB
 
 
-def _rank(rank: int, world: int, port: int, n_local: int, ctr: float, seed: int, q) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _rank(env, n_local: int, ctr: float, seed: int) -> tuple:
+    """One rank (:func:`run_local_ranks`, 1 thread): ``(metrics, seconds, base_mb, peak_mb)``; a
+    one-rank run evaluates without a process group (the single-process path)."""
     import numpy as np
     import torch
-    import torch.distributed as dist  # process-group setup only (as dlrmctl.distributed.env)
 
     from dlrmctl.train.metrics import compute_metrics_from_logits
 
-    torch.set_num_threads(1)
-    try:
-        pg = None
-        if world > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=600))
-            pg = dist.group.WORLD
-        base = _rss_mb()
-        rows = np.empty((n_local, 2), dtype=np.float32)  # [logit, label], as Trainer.evaluate holds them
-        rng = np.random.default_rng([seed, rank])
-        for s in range(0, n_local, 1 << 20):
-            e = min(n_local, s + (1 << 20))
-            y = rng.random(e - s) < ctr
-            rows[s:e, 1] = y
-            rows[s:e, 0] = 2.0 * (y - ctr) + rng.normal(0.0, 1.5, e - s)
-        t0 = time.perf_counter()
-        m = compute_metrics_from_logits(rows[:, 0], rows[:, 1], pg=pg, device=torch.device("cpu"))
-        sec = time.perf_counter() - t0
-        q.put((rank, True, (m, sec, base, _rss_mb())))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        q.put((rank, False, repr(e)))
-    finally:
-        if world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    pg = env.pg if env.world_size > 1 else None
+    base = _rss_mb()
+    rows = np.empty((n_local, 2), dtype=np.float32)  # [logit, label], as Trainer.evaluate holds them
+    rng = np.random.default_rng([seed, env.rank])
+    for s in range(0, n_local, 1 << 20):
+        e = min(n_local, s + (1 << 20))
+        y = rng.random(e - s) < ctr
+        rows[s:e, 1] = y
+        rows[s:e, 0] = 2.0 * (y - ctr) + rng.normal(0.0, 1.5, e - s)
+    t0 = time.perf_counter()
+    m = compute_metrics_from_logits(rows[:, 0], rows[:, 1], pg=pg, device=torch.device("cpu"))
+    sec = time.perf_counter() - t0
+    return m, sec, base, _rss_mb()
 
 
 def run(world: int, total: int, ctr: float, seed: int) -> list[tuple]:
     """``[(metrics, seconds, base_mb, peak_mb)]`` per rank of one configuration."""
-    import torch.multiprocessing as mp
+    from dlrmctl.distributed.local_ranks import run_local_ranks
 
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, total // world, ctr, seed, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, tuple] = {}
-    try:
-        while len(out) < world:
-            r, ok, val = q.get(timeout=900)
-            if not ok:
-                raise RuntimeError(f"rank {r}: {val}")
-            out[r] = val
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
+    return run_local_ranks(_rank, world, (total // world, ctr, seed), timeout_s=900, what="bench_eval")
 
 
 def main(argv: list[str] | None = None) -> int:

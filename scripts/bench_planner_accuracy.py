@@ -40,14 +40,10 @@ Usage: python scripts/bench_planner_accuracy.py [--nproc 2] [--batch 4096] [--st
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import socket
 import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 ROWS = [100_000, 200_000, 50_000, 1_000, 100, 300_000, 20_000, 10]
 POOLING = [1, 4, 20, 1, 2, 8, 30, 1]
@@ -60,20 +56,17 @@ def _tables():
     return [EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=DIM) for i, n in enumerate(ROWS)]
 
 
-def _worker(rank: int, ws: int, port: int, plans: dict, batch: int, steps: int, windows: int, warmup: int,
-            q) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
+def _worker(env0, plans: dict, batch: int, steps: int, windows: int, warmup: int) -> dict[str, list[float]]:
+    """One rank (:func:`run_local_ranks`: a gloo group, 1 thread): per plan, seconds per step of
+    each timed window."""
+    from dlrmctl.distributed.comm import barrier
     from dlrmctl.distributed.env import ShardingEnv
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.sparse import KeyedJaggedTensor
     from dlrmctl.train.optim import embedding_optimizer_for_dense
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,
-                            timeout=datetime.timedelta(seconds=600))
+    rank, ws = env0.rank, env0.world_size
     tables = _tables()
     B = batch // ws
     gen = torch.Generator().manual_seed(rank)
@@ -106,14 +99,13 @@ def _worker(rank: int, ws: int, port: int, plans: dict, batch: int, steps: int, 
     for _ in range(windows):
         for name, fn in fns.items():  # interleaved: a load change on the machine hits every plan alike
             fn()  # untimed: this plan's rows back in the cache after the previous plan's window
-            dist.barrier()
+            barrier(env0.pg)
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
             out[name].append((time.perf_counter() - t0) / steps)  # this rank's time, before the closing barrier
-            dist.barrier()
-    q.put((rank, out))
-    dist.destroy_process_group()
+            barrier(env0.pg)
+    return out
 
 
 def measured_step_time(per_rank: dict[int, list[float]]) -> tuple[float, float, float]:
@@ -210,17 +202,11 @@ def main() -> None:
     plans, parts, specs, topo, res = build_plans(ws, lws, a.batch, a.topology, dense_only)
     est = {k: p.critical_path for k, p in parts.items()}
 
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, ws, port, {k: p.to_dict() for k, p in plans.items()},
-                                               a.batch, a.steps, a.windows, a.warmup, q))
-             for r in range(ws)]
-    for p in procs:
-        p.start()
-    got = dict(q.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    from dlrmctl.distributed.local_ranks import run_local_ranks
+
+    got = dict(enumerate(run_local_ranks(_worker, ws, ({k: p.to_dict() for k, p in plans.items()}, a.batch,
+                                                        a.steps, a.windows, a.warmup),
+                                         timeout_s=1800, what="bench_planner_accuracy")))
     stats = {k: measured_step_time({r: got[r][k] for r in got}) for k in plans}
     meas = {k: v[0] for k, v in stats.items()}
 
@@ -244,12 +230,6 @@ def main() -> None:
     print(f"Kendall tau (estimated vs measured ordering of {len(keys)} plans): {tau:.2f} (goal >= 0.8)")
     print(f"measured/estimated {min(ratios):.2f}-{max(ratios):.2f}; {inside} of {len(keys)} plans within 0.8-1.25x")
     print(f"planner's plan is measured #{order.index('planner') + 1} of {len(keys)} (fastest measured: {order[0]})")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
