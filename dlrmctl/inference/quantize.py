@@ -109,10 +109,6 @@ class QuantizedTable:
         assert self.scale is not None and self.bias is not None
         return dequantize_rowwise(self.data, self.scale, self.bias, _BITS[self.dtype], self.embedding_dim)
 
-    def row_bytes(self, row_alignment: int = 1) -> int:
-        """Bytes of one row in FBGEMM's IntNBit TBE (see :func:`tbe_row_bytes`)."""
-        return tbe_row_bytes(self.embedding_dim, self.dtype, row_alignment)
-
 
 def tbe_row_bytes(dim: int, dtype: str, row_alignment: int = 1) -> int:
     """Bytes per row of an IntNBit TBE table, padded to ``row_alignment`` bytes.

@@ -570,17 +570,22 @@ class EmbeddingBagCollection(TableFeatures):
         if compute_kernel not in ("fused", "dense"):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
         self.compute_kernel = compute_kernel
-        self._requested_kernel = compute_kernel  # kept for materialize() (meta lookups are dense)
+        self._build_lookup(init=True)
+        self.register_state_dict_post_hook(_only_embedding_bags)
+
+    def _build_lookup(self, init: bool) -> None:
+        """(Re)build ``lookup`` and the ``embedding_bags`` views on :attr:`device` with the compute
+        kernel asked for at construction; ``init=False``: uninitialised storage (:meth:`materialize`)."""
         self.lookup = GroupedEmbeddingLookup(
             [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._lookup_tables],
-            compute_kernel=compute_kernel,
+            compute_kernel=self.compute_kernel,
             device=self._device,
             optimizer=self._optimizer,
-            is_weighted=is_weighted,
-            seed=seed,
+            is_weighted=self._is_weighted,
+            seed=self._seed,
+            init=init,
         )
         self.embedding_bags = nn.ModuleDict({t.name: _TableWeight(self.lookup, t) for t in self._tables})
-        self.register_state_dict_post_hook(_only_embedding_bags)
 
     @property
     def device(self) -> torch.device:
@@ -598,16 +603,7 @@ class EmbeddingBagCollection(TableFeatures):
         ``torch.empty`` are only committed when written).
         """
         self._device = torch.device(device)
-        self.lookup = GroupedEmbeddingLookup(
-            [(t, t.num_embeddings, t.embedding_dim, 0, 0) for t in self._lookup_tables],
-            compute_kernel=self._requested_kernel,
-            device=self._device,
-            optimizer=self._optimizer,
-            is_weighted=self._is_weighted,
-            seed=self._seed,
-            init=False,
-        )
-        self.embedding_bags = nn.ModuleDict({t.name: _TableWeight(self.lookup, t) for t in self._tables})
+        self._build_lookup(init=False)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled lookups: ``KeyedTensor [B, sum(dims)]`` (keys: :meth:`embedding_names`).
