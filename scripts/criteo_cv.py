@@ -55,6 +55,7 @@ and the ``--set`` overrides, exit status 2.  Needs scikit-learn.
 
 from __future__ import annotations
 
+from dlrmctl.fileio import write_text_atomic
 import argparse
 import contextlib
 import json
@@ -185,14 +186,6 @@ def paired_stats(diffs) -> tuple[float, float]:
     if d.size < 2:
         raise ValueError(f"a standard error needs >= 2 paired differences, got {d.size}")
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through ``path.tmp`` renamed over it (nothing half-written)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def preprocess_split(input_file: str, out_dir: Path, seed: int, val_ratio: float, test_ratio: float) -> None:
@@ -342,8 +335,8 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
     print(text, end="")
     plain = [{k: v for k, v in r.items() if not isinstance(v, np.ndarray)} for r in rows]
     if out:
-        _atomic_write(Path(out), text)
-        _atomic_write(Path(out).with_suffix(".json"),
+        write_text_atomic(Path(out), text)
+        write_text_atomic(Path(out).with_suffix(".json"),
                       json.dumps({"command": command, "rows": plain, "summary": s}, indent=1) + "\n")
     return {"rows": plain, "summary": s}
 

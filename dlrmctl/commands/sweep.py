@@ -35,6 +35,7 @@ from typing import List, Optional
 import typer
 
 from dlrmctl.commands._common import echo, fail, show_path
+from dlrmctl.fileio import write_text_atomic
 
 #: metrics of the best validation evaluation copied into the summary, in column order
 SUMMARY_METRICS = ("auc", "logloss", "ne", "calibration")
@@ -174,10 +175,7 @@ def write_summary(sweep_dir: str, rows: list[dict], keys: list[str], metric: str
     md += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in table]
     md_text = "\n".join(md) + "\n"
     for name, text in (("sweep.csv", buf.getvalue()), ("sweep.md", md_text)):
-        tmp = os.path.join(sweep_dir, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(sweep_dir, name))
+        write_text_atomic(os.path.join(sweep_dir, name), text)
     return os.path.join(sweep_dir, "sweep.csv"), md_text
 
 

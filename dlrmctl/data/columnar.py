@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+
+from dlrmctl.fileio import write_text_atomic
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
@@ -224,27 +225,10 @@ def write_split_shard(path: str | os.PathLike, columns: Mapping[str, Any], schem
     return w.close()
 
 
-def default_file_mode() -> int:
-    """``0o666`` less the process umask: the mode ``open(..., "w")`` would give a new file."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented JSON to ``path`` via a temp file + rename (never half-written)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False)
-            f.write("\n")
-        os.chmod(tmp, default_file_mode())  # mkstemp makes 0600; readable like any other output file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``obj`` as indented JSON to ``path`` (:func:`dlrmctl.fileio.write_text_atomic`: never
+    half-written)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def check_split_ratios(val_ratio: float, test_ratio: float) -> None:

@@ -75,6 +75,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from dlrmctl.fileio import write_text_atomic
 
 GB = 1e9  #: bytes in a (decimal, datasheet) gigabyte
 GiB = float(1 << 30)  #: bytes in a gibibyte
@@ -571,10 +572,7 @@ def save_topology_file(path: "str | os.PathLike", preset: DevicePreset, measured
     if measured:
         d["measured"] = measured
     text = "".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(d, sort_keys=False)
-    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 @dataclass

@@ -75,6 +75,7 @@ refused with its version named.
 
 from __future__ import annotations
 
+from dlrmctl.fileio import write_text_atomic
 import base64
 import bisect
 import glob
@@ -442,13 +443,6 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
     return (last if last in matches else matches[-1]), f"step {step}"
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: str) -> None:
@@ -867,14 +861,14 @@ def save_checkpoint(
         meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder}
         meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
         meta.update(files=files, files_crc32=_files_crc(files))
-        _atomic_write_text(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+        write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
         _fsync_dir(tmp)
         os.replace(tmp, final)
         _fsync_dir(root)
         if publish_latest:
-            _atomic_write_text(os.path.join(root, LATEST), name + "\n")
+            write_text_atomic(os.path.join(root, LATEST), name + "\n")
         if best:
-            _atomic_write_text(os.path.join(root, BEST), name + "\n")
+            write_text_atomic(os.path.join(root, BEST), name + "\n")
         complete = sorted(d for d in glob.glob(os.path.join(root, "step_*")) if os.path.isdir(d))
         keep = {os.path.abspath(final)}
         try:
@@ -897,8 +891,8 @@ def mark_best(run_dir: str, ckpt_dir: str, eval_meta: dict[str, Any] | None = No
     if eval_meta is not None:
         meta = load_checkpoint_meta(ckpt_dir)
         meta["eval"] = eval_meta
-        _atomic_write_text(os.path.join(ckpt_dir, "meta.json"), json.dumps(meta, indent=1))
-    _atomic_write_text(os.path.join(checkpoint_root(run_dir), BEST), os.path.basename(ckpt_dir) + "\n")
+        write_text_atomic(os.path.join(ckpt_dir, "meta.json"), json.dumps(meta, indent=1))
+    write_text_atomic(os.path.join(checkpoint_root(run_dir), BEST), os.path.basename(ckpt_dir) + "\n")
 
 
 def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import yaml
 
+from dlrmctl.fileio import write_text_atomic
 from dlrmctl import run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
@@ -734,7 +735,7 @@ class Trainer:
             # a temp file renamed over it: a resumed run's previous summary (what `dlrmctl sweep` ranks)
             # is replaced whole or kept, never left truncated
             text = json.dumps({k: (_jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, indent=1)
-            ckpt._atomic_write_text(os.path.join(self.run_dir, "summary.json"), text)
+            write_text_atomic(os.path.join(self.run_dir, "summary.json"), text)
             b, kb = self.best, self.cfg.train.keep_best
             what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
             kept = self._best_kept_note(b["step"]) if kb != "none" else ""
