@@ -242,3 +242,27 @@ def test_dense_column_stats_of_a_big_split_read_a_bounded_spread_sample(data):
     assert not np.array_equal(mean, x.mean(axis=0))  # it did read a subset
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         dense_column_stats(data, "train", max_rows=0)
+
+
+def test_a_resumed_run_takes_the_statistics_from_its_checkpoint_without_reading_the_train_split(data, tmp_path,
+                                                                                                monkeypatch):
+    """--resume restores the standardisation statistics and the output bias from the checkpoint, so
+    the pass over the train split's dense columns is not made again (it would be overwritten)."""
+    from dlrmctl.data import columnar
+    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+
+    cfg = _cfg(data, tmp_path, dense_standardize=True)
+    t = _trainer(cfg)
+    t.train()
+    saved = (t.model.dense_norm.mean.clone(), t.model.dense_norm.std.clone())
+
+    def no_read(*a, **k):
+        raise AssertionError("the train split's dense statistics were read")
+
+    monkeypatch.setattr(columnar, "dense_column_stats", no_read)
+    resumed = Trainer(cfg, RunEnv(), prepare_run_dir(cfg, resume=True, overwrite=False), resume=True)
+    assert torch.equal(resumed.model.dense_norm.mean, saved[0]) and torch.equal(resumed.model.dense_norm.std, saved[1])
+    # a fresh run does read them (the patched reader is reached)
+    fresh = _cfg(data, tmp_path / "fresh", dense_standardize=True)
+    with pytest.raises(AssertionError, match="dense statistics were read"):
+        _trainer(fresh)

@@ -167,7 +167,9 @@ class Trainer:
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: Any = build_model(cfg, self.tables, self.num_dense, device=self.device,
                                       sparse_placeholder=env.sharded, check_ids=False)
-        init_from_train_split(self.model, cfg, self.meta)  # a restored checkpoint overwrites it
+        if not (resume and (checkpoint is not None or ckpt.latest_checkpoint(run_dir) is not None)):
+            # a resumed run's checkpoint holds these values: no pass over the train split for nothing
+            init_from_train_split(self.model, cfg, self.meta)
         self.plan = None
         if env.sharded:
             self._shard(plan)
