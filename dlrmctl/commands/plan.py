@@ -42,6 +42,22 @@ def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws:
 _REPORT_HEAD = "Sharding plan:"
 
 
+def _check_out(out: Path, force: bool, example: str) -> None:
+    """``--out`` names a file that may be written: not a directory, and not an existing file
+    without ``--force``.
+
+    Raises:
+        ValueError: naming the option, the path and what to do (``example``: a file name to suggest).
+    """
+    from dlrmctl.commands._common import show_path
+
+    if out.is_dir():
+        raise ValueError(f"--out {show_path(out)} is a directory; give a file path, e.g. "
+                         f"--out {show_path(out / example)}")
+    if out.exists() and not force:
+        raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+
+
 def _is_plan_report(path: Path) -> bool:
     """True when ``path`` starts like a report ``dlrmctl plan`` wrote (unreadable: False)."""
     try:
@@ -112,12 +128,10 @@ def plan_command(
         cfg = load_config(config, set_ or [])
         meta = read_data_meta(cfg)
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
-        for opt, p in (("--out", out), ("--report", rpath)):
-            if p.is_dir():
-                raise ValueError(f"{opt} {show_path(p)} is a directory; give a file path, e.g. "
-                                 f"{opt} {show_path(p / ('plan.yaml' if opt == '--out' else 'plan_report.txt'))}")
-        if out.exists() and not force:
-            raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+        _check_out(out, force, "plan.yaml")
+        if rpath.is_dir():
+            raise ValueError(f"--report {show_path(rpath)} is a directory; give a file path, e.g. "
+                             f"--report {show_path(rpath / 'plan_report.txt')}")
         # realpath: a --report symlink (dangling too) or a symlinked directory naming the plan file
         if os.path.realpath(rpath) == os.path.realpath(out):
             raise ValueError(f"--report {show_path(rpath)} is the plan file itself; give another --report")
@@ -176,11 +190,10 @@ def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[P
     if config is not None or gpus is not None or topology is not None or device is not None:
         fail("--calibrate measures this machine: it takes no config, --gpus, --device or --topology "
              "(then plan with --topology FILE)")
-    if out.is_dir():  # checked before the measurements, not when writing after them
-        fail(f"--out {show_path(out)} is a directory; give the topology file's path, e.g. "
-             f"--out {show_path(out / 'topology.yaml')}")
-    if out.exists() and not force:
-        fail(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+    try:  # before the measurements, not when writing after them
+        _check_out(out, force, "topology.yaml")
+    except ValueError as e:
+        fail(str(e))
     try:  # the file's directory, made before the measurements (as `plan --out` makes the plan's)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     except OSError as e:
