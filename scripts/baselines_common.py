@@ -46,6 +46,31 @@ def cli_main(description: str, data_help: str, run, argv=None) -> dict:
     return res
 
 
+def check_cs(cs) -> tuple[float, ...]:
+    """The LR's candidate C values (inverse L2 strengths) as a tuple.
+
+    Raises:
+        ValueError: none, or a value not finite and > 0.
+    """
+    cs = tuple(cs)
+    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
+        raise ValueError(f"--C: expected finite numbers > 0 (inverse L2 strengths), got {list(cs)}")
+    return cs
+
+
+def parse_cs(text: str) -> tuple[float, ...]:
+    """``--C`` as given on a command line (comma-separated) -> :func:`check_cs`.
+
+    Raises:
+        ValueError: not numbers, or as :func:`check_cs`.
+    """
+    try:
+        cs = [float(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--C: expected comma-separated numbers, got {text!r}") from None
+    return check_cs(cs)
+
+
 def parse_args_and_run(parser, argv, run):
     """The baselines scripts' ``main``: parse ``argv`` (``data_dir``, ``--val-split``, ``--test-split``,
     ``--C``, ``--seed``), call ``run(data_dir, val_split, test_split, cs, seed)`` and return its result.
@@ -59,11 +84,9 @@ def parse_args_and_run(parser, argv, run):
 
     a = parser.parse_args(argv)
     try:
-        cs = tuple(float(c) for c in a.C.split(",") if c.strip())
-    except ValueError:
-        parser.error(f"--C: expected comma-separated numbers, got {a.C!r}")
-    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
-        parser.error(f"--C: expected finite numbers > 0 (inverse L2 strengths), got {a.C!r}")
+        cs = parse_cs(a.C)
+    except ValueError as e:
+        parser.error(str(e))
     if a.val_split == a.test_split:
         parser.error(f"--test-split {a.test_split!r} is the split C is chosen on (--val-split): the test result "
                      "must come from rows no choice was made on")

@@ -55,7 +55,6 @@ and the ``--set`` overrides, exit status 2.  Needs scikit-learn.
 
 from __future__ import annotations
 
-from dlrmctl.fileio import write_text_atomic
 import argparse
 import contextlib
 import json
@@ -65,11 +64,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+
+from dlrmctl.fileio import write_text_atomic  # noqa: E402
 
 import baselines_common as bc  # noqa: E402
 
@@ -119,8 +121,9 @@ def _controlled_key(assignment: str, keys: dict) -> str | None:
 
 def check_args(input_file: str, config: str, overrides: list[str], splits: int, first_seed: int,
                val_ratio: float, test_ratio: float, cs, ensemble: int, threads: int = 1,
-               out: str | None = None) -> None:
+               out: str | None = None) -> Any:
     """Every argument checked before any work (nothing is preprocessed or trained before this).
+    Returns the loaded config (with the overrides): its ``train.seed`` is the ensemble's first.
 
     Raises:
         ValueError: ``splits`` < 2, ``ensemble`` or ``threads`` < 1, ``first_seed`` < 0, a ratio
@@ -147,8 +150,7 @@ def check_args(input_file: str, config: str, overrides: list[str], splits: int, 
     if val_ratio + test_ratio >= 1:
         raise ValueError(f"--val-ratio + --test-ratio must be < 1 (rows are left to train on), got "
                          f"{val_ratio + test_ratio:g}")
-    if not cs or not all(math.isfinite(c) and c > 0 for c in cs):
-        raise ValueError(f"--C: expected finite numbers > 0, got {list(cs)}")
+    bc.check_cs(cs)
     if out and Path(out).suffix == ".json":  # its JSON copy goes to out.with_suffix(".json"): the same file
         raise ValueError(f"--out {out}: names the Markdown table (its JSON is written next to it, as "
                          f"{Path(out).with_suffix('.json').name}); give e.g. --out {Path(out).with_suffix('.md')}")
@@ -161,7 +163,7 @@ def check_args(input_file: str, config: str, overrides: list[str], splits: int, 
         raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"--config {config}: no such file")
-    load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
+    return load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
 
 
 @contextlib.contextmanager
@@ -203,7 +205,7 @@ def preprocess_split(input_file: str, out_dir: Path, seed: int, val_ratio: float
 
 
 def run_split(config: str, overrides: list[str], input_file: str, work: Path, seed: int, val_ratio: float,
-              test_ratio: float, cs, log, ensemble: int = 1, verbose: bool = False) -> dict:
+              test_ratio: float, cs, log, ensemble: int = 1, verbose: bool = False, base_seed: int = 0) -> dict:
     """One split: preprocess, train DLRM, score its best-on-val checkpoint on test, fit the LR.
 
     ``ensemble`` > 1: train that many DLRMs (``train.seed`` = the config's + 0, 1, ...; each its
@@ -223,9 +225,6 @@ def run_split(config: str, overrides: list[str], input_file: str, work: Path, se
     for old in (work / "logs").glob(f"split_{seed}.log" if ensemble == 1 else f"split_{seed}_m*.log"):
         old.unlink()  # an earlier invocation's: an error now must not point at it
     preprocess_split(input_file, data, seed, val_ratio, test_ratio)
-    from dlrmctl.config import load_config
-
-    base_seed = load_config(config, list(overrides)).train.seed
     zs, vs = [], []
     for m in range(ensemble):
         name = f"split_{seed}" + (f"_m{m}" if ensemble > 1 else "")
@@ -293,10 +292,11 @@ def render(rows: list[dict], s: dict, command: str) -> str:
 
 def run(input_file: str, config: str, overrides: list[str], splits: int = 5, first_seed: int = 0,
         work: str = "runs/criteo_cv", val_ratio: float = 0.15, test_ratio: float = 0.15, cs=bc.DEFAULT_CS,
-        out: str | None = None, log=None, ensemble: int = 1, verbose: bool = False) -> dict:
+        out: str | None = None, log=None, ensemble: int = 1, verbose: bool = False, threads: int = 1) -> dict:
     """Run the K splits (see the module docstring); returns ``{"rows": [...], "summary": {...}}``
     (the rows without their logit arrays).  ``log`` gets one progress line per split (default
-    stderr); the training runs' own output goes to ``work/logs/`` unless ``verbose``.
+    stderr); the training runs' own output goes to ``work/logs/`` unless ``verbose``; ``threads``:
+    torch's intra-op threads for the runs (set after the arguments are checked).
 
     Raises:
         FileNotFoundError: ``input_file`` or ``config`` missing.
@@ -308,7 +308,11 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
     from dlrmctl.train.worker import USER_ERRORS
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
-    check_args(input_file, config, overrides, splits, first_seed, val_ratio, test_ratio, cs, ensemble, out=out)
+    cfg = check_args(input_file, config, overrides, splits, first_seed, val_ratio, test_ratio, cs, ensemble,
+                     threads, out=out)
+    import torch
+
+    torch.set_num_threads(threads)
     work_p = Path(work)
     rows = []
     sets = "".join(f" --set {o}" for o in overrides)
@@ -316,7 +320,7 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
         t0 = time.perf_counter()
         try:
             r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs,
-                          log=lambda s: None, ensemble=ensemble, verbose=verbose)
+                          log=lambda s: None, ensemble=ensemble, verbose=verbose, base_seed=cfg.train.seed)
         except USER_ERRORS + (ValueError,) as e:
             msg = " ".join(str(e).split())  # one line, whatever the error's own layout
             logs = sorted((work_p / "logs").glob(f"split_{seed}.log" if ensemble == 1 else f"split_{seed}_m*.log"),
@@ -384,23 +388,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="show each run's training output instead of writing it to WORK/logs/")
     a = p.parse_args(argv)
-    try:
-        cs = tuple(float(c) for c in a.C.split(",") if c.strip())
-    except ValueError:
-        _fail(f"--C: expected comma-separated numbers, got {a.C!r}")
     from dlrmctl.config import ConfigError
 
     try:
-        check_args(a.input, a.config, a.overrides, a.splits, a.first_seed, a.val_ratio, a.test_ratio, cs,
-                   a.ensemble, a.threads, a.out)
-    except (FileNotFoundError, ValueError, ConfigError) as e:
-        _fail(" ".join(str(e).split()))
-    import torch
-
-    torch.set_num_threads(a.threads)
-    try:
+        cs = bc.parse_cs(a.C)
         return run(a.input, a.config, a.overrides, a.splits, a.first_seed, a.work, a.val_ratio, a.test_ratio, cs,
-                   a.out, ensemble=a.ensemble, verbose=a.verbose)
+                   a.out, ensemble=a.ensemble, verbose=a.verbose, threads=a.threads)
     except (FileNotFoundError, ValueError, ConfigError, SplitError) as e:
         _fail(" ".join(str(e).split()))
 
