@@ -523,12 +523,7 @@ def export_model(
     dims = [t.embedding_dim for t in tables for _ in t.feature_names]
     num_dense = model.dense_arch.model.model[0].in_features
     # only the dense part is copied (never the tables: they may be on the meta device)
-    dense_only = nn.ModuleDict({"dense_arch": model.dense_arch, "inter_arch": model.inter_arch,
-                                "over_arch": model.over_arch})
-    if getattr(model, "first_order", None) is not None:
-        dense_only["first_order"] = model.first_order
-    if getattr(model, "dense_norm", None) is not None:
-        dense_only["dense_norm"] = model.dense_norm
+    dense_only = nn.ModuleDict(model.dense_parts())
     part = _DensePart(copy.deepcopy(dense_only).cpu().eval(), lookup_keys, dims)
     dense_mode = "fp32"
     if quantize_dense:

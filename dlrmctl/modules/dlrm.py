@@ -421,6 +421,12 @@ class DLRM(nn.Module):
         self.first_order = (FirstOrder(dense_in_features, first_order_width)
                             if first_order_width is not None else None)
 
+    def dense_parts(self) -> dict[str, nn.Module]:
+        """Every submodule but ``sparse_arch``, by attribute name (``dense_arch``, ``inter_arch``,
+        ``over_arch``, and ``first_order`` / ``dense_norm`` when the model has them): what moves,
+        copies or exports as the dense part."""
+        return {n: m for n, m in self.named_children() if n != "sparse_arch"}
+
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
         """Everything after the embedding lookup: ``-> logits [B, 1]``.
 

@@ -131,13 +131,8 @@ def build_model(
 
 
 def _dense_parts_to(model: DLRM, device: torch.device | str) -> None:
-    model.dense_arch.to(device)
-    model.inter_arch.to(device)
-    model.over_arch.to(device)
-    if model.first_order is not None:
-        model.first_order.to(device)
-    if model.dense_norm is not None:
-        model.dense_norm.to(device)
+    for part in model.dense_parts().values():
+        part.to(device)
 
 
 def materialize_model(model: DLRM, device: torch.device | str) -> DLRM:
