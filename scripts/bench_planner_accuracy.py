@@ -158,13 +158,11 @@ def build_plans(ws: int, lws: int, batch: int, topology_file: str | None, dense_
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.distributed.types import ComputeKernel
     from dlrmctl.planner.planner import EmbeddingShardingPlanner, evaluate_plan
-    from dlrmctl.planner.types import TableSpec, Topology, load_topology_file
+    from dlrmctl.planner.types import TableSpec, Topology
 
     if batch % ws:
         raise SystemExit(f"--batch {batch} must be a multiple of --nproc {ws}: each rank runs batch / nproc samples")
-    device = load_topology_file(topology_file) if topology_file else "cpu"
-    topo = Topology.from_preset(device, ws, lws, ddr_gb=4.0, name=topology_file,
-                                topology_file=topology_file or None)
+    topo = Topology.from_device_or_file("cpu", topology_file, ws, lws, ddr_gb=4.0)
     kernels = [ComputeKernel.DENSE] if dense_only else None
     kernel = ComputeKernel.DENSE if dense_only else ComputeKernel.FUSED
     specs = [TableSpec(f"t{i}", n, DIM, [float(p)], compute_kernels=kernels) for i, (n, p) in enumerate(zip(ROWS, POOLING))]

@@ -106,7 +106,7 @@ def plan_command(
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.planner.planner import plan_config
-    from dlrmctl.planner.types import PlannerError, Topology, load_topology_file
+    from dlrmctl.planner.types import PlannerError, Topology
 
     if config is None:
         fail("plan needs a config file (or --calibrate)")
@@ -140,15 +140,12 @@ def plan_command(
                              f"written as --out {show_path(rpath)}?); pass --force to replace it, or --report "
                              f"another file")
         topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
-        preset = show_path(topo_file) if topo_file else (device or cfg.sharding.device)
-        topo = Topology.from_preset(
-            load_topology_file(topo_file) if topo_file else preset,
-            gpus,
-            lws,
+        preset = device or cfg.sharding.device  # (a topology file, when given, replaces the preset)
+        topo = Topology.from_device_or_file(
+            preset, topo_file, gpus, lws,
             hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
             ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
-            name=preset,
-            topology_file=show_path(topo_file) if topo_file else None,
+            shown_as=show_path(topo_file) if topo_file else None,
         )
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4)

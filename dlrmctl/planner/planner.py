@@ -51,7 +51,6 @@ from dlrmctl.planner.types import (
     Topology,
     compute_kernels_of,
     fmt_bytes,
-    load_topology_file,
     optimizer_name,
     sharding_types_of,
 )
@@ -604,10 +603,8 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
         PlannerError: infeasible (the message says what would fit).
     """
     lws = local_world_size or cfg.sharding.local_world_size or world_size
-    tf = cfg.sharding.topology_file
-    device = load_topology_file(tf) if tf else cfg.sharding.device
-    topo = Topology.from_preset(device, world_size, lws, cfg.sharding.hbm_gb, cfg.sharding.ddr_gb, name=tf,
-                                topology_file=tf or None)
+    topo = Topology.from_device_or_file(cfg.sharding.device, cfg.sharding.topology_file, world_size, lws,
+                                        cfg.sharding.hbm_gb, cfg.sharding.ddr_gb)
     from dlrmctl import _fbgemm
 
     # without fbgemm_gpu training runs every table on the dense kernel: plan (and cost) that

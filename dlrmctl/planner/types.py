@@ -419,6 +419,29 @@ class Topology:
         )
 
     @staticmethod
+    def from_device_or_file(
+        device: str,
+        topology_file: str | None,
+        world_size: int,
+        local_world_size: int | None = None,
+        hbm_gb: float | None = None,
+        ddr_gb: float | None = None,
+        shown_as: str | None = None,
+    ) -> "Topology":
+        """The topology of ``topology_file`` (a ``dlrmctl plan --calibrate`` file,
+        :func:`load_topology_file`) when given, else of the ``device`` preset
+        (:meth:`from_preset`); ``shown_as``: how the report names the file (default: as given).
+
+        Raises:
+            PlannerError: an unknown device, a bad or unreadable file (named), inconsistent sizes.
+        """
+        if not topology_file:
+            return Topology.from_preset(device, world_size, local_world_size, hbm_gb, ddr_gb)
+        shown = shown_as or topology_file
+        return Topology.from_preset(load_topology_file(topology_file), world_size, local_world_size, hbm_gb, ddr_gb,
+                                    name=shown, topology_file=shown)
+
+    @staticmethod
     def from_preset(
         device: "str | DevicePreset",
         world_size: int,
