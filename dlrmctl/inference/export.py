@@ -686,8 +686,8 @@ def export_run(
     require_fbgemm("dlrmctl export")
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
-    from dlrmctl.train.checkpoint import load_checkpoint_meta, read_metadata, resolve_checkpoint
-    from dlrmctl.train.loop import load_table_weight, load_trained_model, multi_hot_kwargs, run_config
+    from dlrmctl.train.checkpoint import resolve_checkpoint
+    from dlrmctl.train.loop import load_table_weight, load_trained_model_with_checkpoint, multi_hot_kwargs, run_config
 
     run = Path(run_dir)
     vocab_dir = Path(data_dir or run_config(str(run)).data.path)
@@ -697,11 +697,10 @@ def export_run(
                        hint="Pass --data DIR with the data the run was trained on")
     ckpt_path, which = resolve_checkpoint(str(run), checkpoint)
     # tables on the meta device: each is read from the checkpoint only when export quantizes it
-    cfg, model, meta = load_trained_model(str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path,
-                                          materialize=False)
+    # the checkpoint's meta.json and .metadata: read and verified once, for the dense part and every table
+    cfg, model, meta, cmeta, dcp_md = load_trained_model_with_checkpoint(
+        str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path, materialize=False)
     out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
-    cmeta = load_checkpoint_meta(ckpt_path)
-    dcp_md = read_metadata(ckpt_path, cmeta)  # read and verified once for every table
     ck_eval = cmeta.get("eval")
     source = {
         "run_dir": str(run.resolve()),

@@ -1402,6 +1402,12 @@ def clear_unsaved_attempt(run_dir: str) -> bool:
 
 def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | None = "dense",
                        checkpoint: str | None = "last", materialize: bool = True):
+    """``(cfg, model, meta)`` of :func:`load_trained_model_with_checkpoint` (same arguments, errors)."""
+    return load_trained_model_with_checkpoint(run_dir, device, compute_kernel, checkpoint, materialize)[:3]
+
+
+def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", compute_kernel: str | None = "dense",
+                                       checkpoint: str | None = "last", materialize: bool = True):
     """Rebuild a trained model (unsharded) from a run directory's checkpoint: ``checkpoint`` is
     ``last`` (the newest), ``best`` (``train.keep_best``), a step, or None (best if any, else last).
 
@@ -1414,9 +1420,10 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
             the CPU); read them one at a time with :func:`load_table_weight` (what export does).
 
     Returns:
-        ``(cfg, model, meta)``: the resolved config, a DLRM with all tables
-        assembled from the saved shards (float32, also from an fp16-table run), and the
-        training data's meta.json.
+        ``(cfg, model, meta, checkpoint_meta, metadata)``: the resolved config, a DLRM with all
+        tables assembled from the saved shards (float32, also from an fp16-table run), the
+        training data's meta.json, and the checkpoint's verified meta.json and DCP ``.metadata``
+        (read once: :func:`load_table_weight` takes them).
 
     Raises:
         CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``; tables that
@@ -1449,7 +1456,7 @@ def load_trained_model(run_dir: str, device: str = "cpu", compute_kernel: str | 
     if finish is not None:
         finish()
     model.eval()
-    return cfg, model, meta
+    return cfg, model, meta, cmeta, md
 
 
 @torch.no_grad()
