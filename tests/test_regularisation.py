@@ -278,21 +278,20 @@ def test_early_stopping_needs_a_keep_best_metric():
 def test_summary_json_is_replaced_whole_or_kept(data, tmp_path, monkeypatch):
     """summary.json was opened "w" and then dumped: a failure mid-write (disk full, a value json cannot
     write) left the previous run's summary truncated.  Now a temp file is renamed over it."""
-    import dlrmctl.train.checkpoint as ck
+    import dlrmctl.fileio as fileio
 
     _train(data, tmp_path, "sj", "--set", "train.max_steps=2")
     p = tmp_path / "sj" / "summary.json"
     before = p.read_text()
-    real = ck._atomic_write_text
+    real = os.replace
 
-    def failing(path, text):
-        if path.endswith("summary.json"):
-            with open(f"{path}.tmp.{os.getpid()}", "w") as f:
-                f.write(text[:10])
+    def failing(src, dst):  # the new summary is written in full, then the rename fails (disk full)
+        if str(dst).endswith("summary.json"):
             raise OSError(28, "No space left on device")
-        return real(path, text)
+        return real(src, dst)
 
-    monkeypatch.setattr(ck, "_atomic_write_text", failing)
+    monkeypatch.setattr(fileio.os, "replace", failing)
     with pytest.raises(OSError, match="No space left"):
         _train(data, tmp_path, "sj", "--set", "train.max_steps=4", "--resume")
     assert p.read_text() == before and json.loads(before)["steps"] == 2
+    assert not [f.name for f in p.parent.iterdir() if f.name.endswith(".tmp")]  # the temp file is removed
