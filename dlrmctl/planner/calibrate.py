@@ -48,7 +48,15 @@ dispatch, collective) is itself the median of a slice of calls.
   rank / mean time of an 8 MiB ``all_to_all_single`` (10 calls per repeat); ``lookup_fixed_us`` = the step time
   (forward + backward) of a table_wise sharded EBC on two 16-row tables, minus its 4
   collectives and 2 kernel launches: what one sharding group costs per step whatever
-  its ids.  The step of a table_wise + row_wise EBC (two groups) is measured in
+  its ids.  ``input_dist_bw_gbps`` = the id all-to-all bytes a rank receives / (time of
+  that EBC's ``input_dist(kjt).wait()`` with ``_BATCH`` samples of ``_IDIST_POOL`` ids per
+  feature - the same with two samples), the two alternating 20 times per repeat and the
+  difference taken within each repeat (a load change hits both alike): what routing,
+  packing, the all-to-all and unpacking cost per byte (``perf.input_dist_seconds``).
+  ``output_dist_bw_gbps`` = the bytes leaving a rank, forward and backward, of
+  ``comm.pooled_all_to_all`` (``_POOLED_GROUPS`` groups, 4 MiB per rank, gradients by
+  ``torch.autograd.grad``) / (its time - 2 ``collective_us``), the mean of 10 calls per
+  repeat: what the output dist's bytes cost with its packing (``Topology.output_bw``).  The step of a table_wise + row_wise EBC (two groups) is measured in
   alternation with it and recorded under ``measured`` as a check.  One machine has no inter-host link: the
   inter-host figures are set to the loopback ones (ranks pretending to be hosts with
   ``sharding.local_world_size`` talk over the same loopback).
@@ -71,6 +79,8 @@ from dlrmctl.planner.types import GB, MiB, DevicePreset, detect_llc_bytes
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
 _TABLE_ROWS, _DIM, _BATCH, _POOL = 500_000, 64, 2048, 20
 _NARROW_DIM = 16  #: second width of the fused lookup fit (``fit_fused_lookup``)
+_IDIST_POOL = 80  #: ids per bag of the input-dist calibration batch (``input_dist_bw_gbps``)
+_POOLED_GROUPS = 2  #: groups (sharding types) of the output-dist calibration (``output_dist_bw_gbps``)
 #: calls per median of the fused pair (dev VM, 3 back-to-back runs: 30 calls gave 8.5-13.2 ns per id, 200 gave
 #: 11.6-13.0; two full calibrations minutes apart still gave 12.3 and 8.6)
 _SPLIT_ITERS = 200
@@ -393,7 +403,7 @@ def _comm_rank(env) -> dict[str, list[float]]:
     per figure, :data:`REPEATS` medians in seconds."""
     import torch
 
-    from dlrmctl.distributed.comm import all_to_all_ints, barrier
+    from dlrmctl.distributed.comm import all_to_all_ints, barrier, pooled_all_to_all
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
@@ -420,8 +430,32 @@ def _comm_rank(env) -> dict[str, list[float]]:
     for sebc in sebcs.values():
         for _ in range(10):
             sebc(kjt).values().sum().backward()
+    # the input dist of the one-type EBC: _BATCH samples x _IDIST_POOL ids per feature vs the two
+    # samples above (its fixed part); the difference is what its bytes cost (input_dist_bw)
+    gen = torch.Generator().manual_seed(env.rank)
+    kjt_big = KeyedJaggedTensor(["f0", "f1"], torch.randint(0, 16, (2 * _BATCH * _IDIST_POOL,), generator=gen),
+                                lengths=torch.full((2 * _BATCH,), _IDIST_POOL))
+    one = sebcs["one"]
+    for _ in range(5):
+        one.input_dist(kjt_big).wait()
+    idist_bytes = float(one.input_dist_bytes[1])  # data bytes sent = received per rank (symmetric batch)
+    # the output dist's path: pooled_all_to_all forward + backward of _POOLED_GROUPS groups, 4 MiB per rank
+    bs = [2 * _BATCH // world] * world
+    width = (4 << 20) // 4 // sum(bs) // _POOLED_GROUPS
+    base = [torch.randn(sum(bs), width) for _ in range(_POOLED_GROUPS)]
+    widths = [[width] * _POOLED_GROUPS for _ in range(world)]
+
+    def pooled() -> None:
+        ins = [b.clone().requires_grad_() for b in base]
+        out = [t for row in pooled_all_to_all(ins, bs, widths, pg) for t in row]
+        torch.autograd.grad(out, ins, [torch.ones_like(t) for t in out])  # the gradient all-to-all, no .grad
+
+    pooled_leaving = float(sum(bs) * width * _POOLED_GROUPS * 4 * (world - 1) / world)  # bytes, per direction
+    _timed(pooled, 3, 1e9, warmup=0)
     res: dict[str, list[float]] = {"a2a_small_s": [], "a2a_8mib_s": [], "step_one_type_s": [],
-                                   "step_two_types_s": []}
+                                   "step_two_types_s": [], "idist_small_s": [], "idist_big_s": [],
+                                   "idist_extra_s": [], "idist_bytes": [], "pooled_a2a_s": [],
+                                   "pooled_bytes": []}
     for _ in range(REPEATS):
         barrier(pg)
         res["a2a_small_s"].append(statistics.median(
@@ -439,6 +473,21 @@ def _comm_rank(env) -> dict[str, list[float]]:
                 steps[name].append(time.perf_counter() - t)
         res["step_one_type_s"].append(statistics.median(steps["one"]))
         res["step_two_types_s"].append(statistics.median(steps["two"]))
+        idist: dict[str, list[float]] = {"small": [], "big": []}
+        barrier(pg)
+        for _ in range(20):  # alternate (as above): the difference is what the bytes cost
+            for name, x in (("small", kjt), ("big", kjt_big)):
+                t = time.perf_counter()
+                one.input_dist(x).wait()
+                idist[name].append(time.perf_counter() - t)
+        small_s, big_s = statistics.median(idist["small"]), statistics.median(idist["big"])
+        res["idist_small_s"].append(small_s)
+        res["idist_big_s"].append(big_s)
+        res["idist_extra_s"].append(max(big_s - small_s, 1e-5))  # >= 10 us: a noisy round cannot give an infinite rate
+        res["idist_bytes"].append(idist_bytes)
+        barrier(pg)
+        res["pooled_a2a_s"].append(statistics.fmean(_timed(pooled, 10, 1e9, warmup=0)))  # mean: as a2a_8mib_s
+        res["pooled_bytes"].append(pooled_leaving)
     return res
 
 
@@ -447,8 +496,11 @@ def measure_comm(world: int = 2, max_s: float = 30.0) -> dict[str, Sample]:
 
     Returns:
         per figure (seconds: ``a2a_small_s``, ``a2a_8mib_s``, ``step_one_type_s``,
-        ``step_two_types_s``), the :class:`Sample` over :data:`REPEATS` rounds of the slowest
-        rank's median in each round.
+        ``step_two_types_s``, ``idist_small_s``, ``idist_big_s``, ``idist_extra_s`` = big - small
+        of the same round, ``pooled_a2a_s``: ``pooled_all_to_all`` forward + backward, 4 MiB per
+        rank; bytes: ``idist_bytes``, the id all-to-all bytes each rank receives in the big input
+        dist, ``pooled_bytes``, the bytes leaving a rank in each direction of the pooled one), the :class:`Sample` over :data:`REPEATS` rounds of the slowest
+        rank's figure in each round.
 
     Raises:
         RuntimeError: a rank failed or did not finish within ``max_s`` (its processes are ended).
@@ -610,6 +662,28 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         measured[name], spread[name] = round(comm[key].median * k, 3), _range(comm[key], k)
     measured["gloo_a2a_gbps"] = round(a2a_bw / GB, 4)
     spread["gloo_a2a_gbps"] = _range(comm["a2a_8mib_s"].inverse(half), 1 / GB, 4)
+    idist_bytes = comm["idist_bytes"].median
+    idist = comm["idist_extra_s"].inverse(idist_bytes)  # bytes/s (median of the rounds' differences)
+    for name, key in (("input_dist_small_ms", "idist_small_s"), ("input_dist_big_ms", "idist_big_s")):
+        measured[name], spread[name] = round(comm[key].median * 1e3, 3), _range(comm[key], 1e3)
+    measured["input_dist_bytes"] = int(idist_bytes)
+    measured["input_dist_gbps"], spread["input_dist_gbps"] = round(idist.median / GB, 4), _range(idist, 1 / GB, 4)
+    # output dist: bytes leaving a rank, forward and backward, per second of the whole path, its two
+    # collectives' fixed latency (step_latency) taken out
+    pooled_bytes = 2 * comm["pooled_bytes"].median
+    pooled_s = comm["pooled_a2a_s"].scaled(1.0)
+    pooled_net = Sample(max(pooled_s.median - 2 * coll, 1e-6), max(pooled_s.lo - 2 * coll, 1e-6),
+                        max(pooled_s.hi - 2 * coll, 1e-6)).inverse(pooled_bytes)
+    measured["pooled_a2a_ms"], spread["pooled_a2a_ms"] = round(pooled_s.median * 1e3, 3), _range(pooled_s, 1e3)
+    measured["output_dist_gbps"] = round(pooled_net.median / GB, 4)
+    spread["output_dist_gbps"] = _range(pooled_net, 1 / GB, 4)
+    log(f"output dist (pooled_all_to_all forward + backward, {_POOLED_GROUPS} groups, 4 MiB per rank): "
+        f"{pooled_s.median * 1e3:.3f} ms = {pooled_net.median / GB:.3f} GB/s leaving a rank after its 2 collectives' "
+        f"latency (repeats {pooled_net.lo / GB:.3f}-{pooled_net.hi / GB:.3f}; the bare all-to-all {a2a_bw / GB:.2f})")
+    log(f"input dist: {comm['idist_big_s'].median * 1e3:.3f} ms for {idist_bytes / 1e6:.3f} MB received per rank, "
+        f"{comm['idist_small_s'].median * 1e3:.3f} ms for two samples: {idist.median / GB:.3f} GB/s "
+        f"(repeats {idist.lo / GB:.3f}-{idist.hi / GB:.3f}; the wire model charges the same bytes at "
+        f"{a2a_bw / GB * 2:.2f} GB/s)")
     measured.update({
         "llc_detected": llc is not None,
         "cache_table_rows": cache_rows,
@@ -637,5 +711,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
         llc_mb=round(llc_bytes / MiB, 3),
         fused_cache_speedup=round(speedup["fused"], 3) if "fused" in speedup else None,
         dense_cache_speedup=round(speedup["dense"], 3),
+        input_dist_bw_gbps=round(idist.median / GB, 4),
+        output_dist_bw_gbps=round(pooled_net.median / GB, 4),
     )
     return preset, measured

@@ -58,7 +58,11 @@ several hosts: a flat all-to-all is bounded by its slowest link).
                   #  it contains the optimizer step)
                 + ids*fused_bwd_id_s + bags*fused_bwd_bag_s        # fused kernel only (bags = B*R; unpooled: ids)
                 + ids*c*(2*4 + 2*bpw) / bw_k                       # dense kernel, uncalibrated only
-    fwd_comms   = a2a*(in + out) / net;   bwd_comms = a2a*out / net
+    fwd_comms   = input_dist + a2a*out / out_bw;   bwd_comms = a2a*out / out_bw
+    out_bw      = min(Topology.output_dist_bw, net)  # calibrated: comm.pooled_all_to_all's whole path
+                | net                                # presets
+    input_dist  = in / Topology.input_dist_bw      # calibrated (plan --calibrate)
+                | a2a*in / net                     # presets: the wire bytes only
 
 with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
 ``in_local`` the ids + lengths it reads.  data_parallel (dense kernel, local batch
@@ -74,6 +78,30 @@ with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
                   # local ids, so only the other rows' optimizer pass is added
     bwd_comms   = 2*(W-1)/W*grad / net    (all-reduce, ring)
                 | (W-1)*grad / net        (all-gather: W-1 other ranks' rows arrive)
+
+``input_dist_bw`` (``Topology``; 0 = not calibrated) is the rate at which the whole input dist
+handles the id all-to-all bytes a rank receives: routing and packing the ids per destination,
+the all-to-all, the int32 / int64 casts on both sides, splitting the receive buffer and
+building the lookup KJT (``ShardedEmbeddingBagCollection._input_dist`` then ``wait()``).
+Profiled on the dev VM (2 gloo ranks, the 8 tables of ``scripts/bench_planner_accuracy.py``,
+per-phase timers, 2026-12-01): ``input_dist`` + ``wait()`` took 2.0-2.2 ms per step of all
+column_wise (1.23 MB received per rank; 0.77 ms charged as wire bytes) while the same EBC's
+input dist of a two-sample batch (its fixed part) takes 0.7-0.9 ms; ``plan --calibrate`` times ``input_dist(kjt).wait()`` of a two-table table_wise EBC
+with 20 ids per bag against the same EBC with two samples (the fixed part, already in
+``lookup_fixed_s``), alternating within each repeat, and divides the bytes received per rank
+by the difference: 0.3-1.0 GB/s on the dev VM depending on the other load on its 2 cores,
+i.e. 2-5x the wire model's charge.  The wire bytes are inside the calibrated figure (not
+charged twice).  On the dev VM this comes out at 1.5-1.8 GB/s against the wire model's 2.0-2.2:
+the input dist costs about its wire bytes (the term changes an estimate by ~0.1 ms).
+
+``output_dist_bw`` (``Topology``; 0 = ``net``) is the same for the pooled output dist: the bytes
+leaving a rank per second of ``comm.pooled_all_to_all`` forward + backward (packing, the
+asynchronous all-to-all and its wait, the receive-buffer split, the gradient copy into the
+backward send buffer) on 2 gloo ranks, 4 MiB per rank, minus the two collectives' fixed latency
+(in :func:`step_latency`).  The dev VM (2026-12-01, three runs): 0.50-0.56 GB/s through this
+path where a bare 8 MiB ``all_to_all_single`` of the calibration reaches 0.88-1.03 GB/s — the
+bare figure charged every communicating plan of ``scripts/bench_planner_accuracy.py`` 10-40%
+too little while data_parallel (whose gradient sync keeps ``net``) came out at ~1.0.
 
 ``fused_fwd_bag_s`` / ``fused_bwd_bag_s`` (``Topology``; 0 unless calibrated) are paid per
 bag (pooled output row; every shard of a table runs every bag of the global batch): the
@@ -449,8 +477,27 @@ def estimate_shard(
         bags = B * R if table.is_pooled else ids
         fwd += ids * topology.fused_fwd_id_s + bags * topology.fused_fwd_bag_s  # index loads; bag loop (docstring)
         bwd += ids * topology.fused_bwd_id_s + bags * topology.fused_bwd_bag_s  # csr2csc, optimizer prologue; per bag
-    return (Perf(fwd * scale, a2a * (cb.input + cb.output) / net, bwd * scale, a2a * cb.output / net),
+    out_s = a2a * cb.output / topology.output_bw  # pooled all-to-all, forward and again backward
+    return (Perf(fwd * scale, input_dist_seconds(topology, cb.input) + out_s, bwd * scale, out_s),
             ids, int(cb.input), int(cb.output))
+
+
+def input_dist_seconds(topology: Topology, input_bytes: float) -> float:
+    """Seconds the input dist of one shard costs its rank per step (module docstring).
+
+    Args:
+        input_bytes: the shard's id all-to-all bytes per step, all sources together
+            (:attr:`CommBytes.input`: lengths + ids it receives, ``I``-byte elements).
+
+    Returns:
+        ``input_bytes / Topology.input_dist_bw`` when calibrated (the whole input dist:
+        routing, packing, the all-to-all, casts and unpacking, per byte received), else the
+        wire bytes that leave the ranks, ``(W-1)/W * input_bytes / comm_bw``.
+    """
+    if topology.input_dist_bw > 0:
+        return input_bytes / topology.input_dist_bw
+    W = topology.world_size
+    return (W - 1) / W * input_bytes / topology.comm_bw
 
 
 # ----------------------------------------------------------------------------- fixed latencies

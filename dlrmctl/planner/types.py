@@ -150,6 +150,22 @@ class DevicePreset:
         fused_cache_speedup, dense_cache_speedup: (lookup + backward + update step time of a
             table in DRAM / HBM) / (the same ids on a table that fits ``llc_mb``), >= 1 in
             practice; ``None`` = :data:`dlrmctl.planner.perf.DEFAULT_CACHE_SPEEDUP`.
+        input_dist_bw_gbps: GB/s (1e9 bytes) at which dlrmctl's whole input dist handles the
+            bytes of the id all-to-all a rank *receives* (lengths + ids of every source, its
+            own included): routing and packing the ids, the all-to-all, the int32/int64 casts
+            and the unpacking into the lookup KJT (``ShardedEmbeddingBagCollection.input_dist``
+            then ``wait()``).  ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 0.3-1 GB/s
+            against the 1.6 GB/s the wire model charges the same bytes).  When set, a shard's
+            input dist costs ``input bytes / input_dist_bw`` instead of ``(W-1)/W * input bytes
+            / link bandwidth`` (``perf`` module docstring); ``None`` = the wire model.
+        output_dist_bw_gbps: GB/s (1e9 bytes) of pooled-embedding bytes *leaving* a rank through
+            dlrmctl's output dist, ``comm.pooled_all_to_all`` forward and backward with its
+            packing (the send-buffer cast / copy, the asynchronous all-to-all and its wait, the
+            split of the receive buffer, the gradient copy into the backward send buffer):
+            ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 0.50-0.56 GB/s where a bare
+            8 MiB ``all_to_all_single`` reaches 0.8-1.1).  When set, the output dist's bytes are
+            charged at ``min(output_dist_bw, link bandwidth)``; the other collectives (the
+            data_parallel gradient sync) keep the link bandwidth.  ``None`` = the link bandwidth.
     """
 
     compute_device: str
@@ -176,6 +192,8 @@ class DevicePreset:
     llc_mb: float | None = None
     fused_cache_speedup: float | None = None
     dense_cache_speedup: float | None = None
+    input_dist_bw_gbps: float | None = None
+    output_dist_bw_gbps: float | None = None
 
 
 #: last-level cache per cache domain in MiB when a preset / topology file gives none: cuda is the smallest
@@ -289,6 +307,12 @@ class Topology:
             HBM rate).  :meth:`from_preset` fills it in.
         cache_speedup: ``{"fused": s, "dense": s}``: step-time ratio DRAM / in-cache of a lookup
             kernel (missing keys: ``perf.DEFAULT_CACHE_SPEEDUP``).
+        input_dist_bw: bytes/s at which the whole input dist (route, pack, all-to-all, unpack)
+            handles the id all-to-all bytes a rank receives (``DevicePreset.input_dist_bw_gbps``);
+            0 = not calibrated: the input dist is charged its wire bytes at :attr:`comm_bw`.
+        output_dist_bw: bytes/s of pooled-embedding bytes leaving a rank through the whole output
+            dist, forward and backward each (``DevicePreset.output_dist_bw_gbps``); 0 = :attr:`comm_bw`
+            (:attr:`output_bw`).
 
     The fixed costs default (``None``) to :data:`DEFAULT_FIXED_US` of the compute device.
     """
@@ -316,6 +340,8 @@ class Topology:
     fused_bwd_bag_s: float = 0.0
     llc_bytes: int = 0
     cache_speedup: dict[str, float] = field(default_factory=dict)
+    input_dist_bw: float = 0.0
+    output_dist_bw: float = 0.0
     topology_file: str | None = None
     calibrated: bool = False
 
@@ -345,6 +371,10 @@ class Topology:
                 raise PlannerError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.llc_bytes < 0:
             raise PlannerError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
+        for name in ("input_dist_bw", "output_dist_bw"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise PlannerError(f"{name} must be a finite number >= 0 bytes/s (0: the link bandwidth), got {v}")
         bad = {k: v for k, v in self.cache_speedup.items() if not v > 0}
         if bad:
             raise PlannerError(f"cache_speedup must be > 0, got {bad}")
@@ -396,6 +426,13 @@ class Topology:
         local_world_size else intra_host_bw`` (the slowest link bounds the collective).
         """
         return self.inter_host_bw if self.num_hosts > 1 else self.intra_host_bw
+
+    @property
+    def output_bw(self) -> float:
+        """Bandwidth the pooled output dist's bytes are charged at, bytes/s: the calibrated
+        :attr:`output_dist_bw` (the whole path, packing included), never above :attr:`comm_bw`;
+        :attr:`comm_bw` when not calibrated."""
+        return min(self.output_dist_bw, self.comm_bw) if self.output_dist_bw > 0 else self.comm_bw
 
     @property
     def hardware(self) -> str:
@@ -517,6 +554,8 @@ class Topology:
             llc_bytes=llc,
             cache_speedup={k: v for k, v in (("fused", p.fused_cache_speedup), ("dense", p.dense_cache_speedup))
                            if v is not None},
+            input_dist_bw=0.0 if p.input_dist_bw_gbps is None else p.input_dist_bw_gbps * GB,
+            output_dist_bw=0.0 if p.output_dist_bw_gbps is None else p.output_dist_bw_gbps * GB,
             topology_file=topology_file,
             calibrated=topology_file is not None and str(p.source or "").startswith("dlrmctl plan --calibrate"),
         )
@@ -561,7 +600,8 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
         raise PlannerError(f"topology file {path}: source must be a string (a one-line citation), got {d['source']!r}")
     # the planner divides by these (bytes / bandwidth, bandwidth * efficiency): they must be > 0
     divisors = {"ddr_bw_gbps", "intra_host_bw_gbps", "inter_host_bw_gbps", "fused_efficiency", "dense_efficiency",
-                "fused_cache_speedup", "dense_cache_speedup"}
+                "fused_cache_speedup", "dense_cache_speedup", "input_dist_bw_gbps",
+                "output_dist_bw_gbps"}
     if d["compute_device"] == "cuda":
         divisors.add("hbm_bw_gbps")
     for k, v in d.items():

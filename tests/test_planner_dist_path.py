@@ -1,0 +1,135 @@
+"""The calibrated input / output dist rates of the perf model (``Topology.input_dist_bw``,
+``Topology.output_dist_bw``) and their calibration.
+
+What is checked: each sharding type is charged its own input bytes at ``input_dist_bw``
+(all of them, the rank's own included: the whole input dist handles them) and its pooled
+output bytes that leave the rank at ``min(output_dist_bw, comm_bw)``, forward and backward;
+data_parallel is charged neither (its gradient sync keeps the link bandwidth); without the
+figures the wire model is unchanged; topology files round-trip the keys, files without them
+load with the wire model, bad values are refused naming the file and the key; the 2-rank
+calibration writes both figures, with their spread, and the file loads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from dlrmctl.distributed.types import ComputeKernel as CK
+from dlrmctl.distributed.types import ShardingType as ST
+from dlrmctl.planner.perf import estimate_shard, input_dist_seconds, shard_comm_bytes
+from dlrmctl.planner.types import GB, PlannerError, TableSpec, Topology, load_topology_file, save_topology_file
+
+B, W = 4096, 4
+TABLE = TableSpec("t", 100_000, 64, [4.0, 1.0])  # two features: B*F lengths, B*P ids
+
+
+def _topo(**kw) -> Topology:
+    return Topology(world_size=W, local_world_size=W, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
+                    hbm_mem_bw=0.0, ddr_mem_bw=20e9, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=0, **kw)
+
+
+SHARDS = [  # (sharding type, shard rows, cols, row shards)
+    (ST.TABLE_WISE, 100_000, 64, 1),
+    (ST.COLUMN_WISE, 100_000, 32, 1),
+    (ST.TABLE_COLUMN_WISE, 100_000, 16, 1),
+    (ST.ROW_WISE, 25_000, 64, W),
+    (ST.TABLE_ROW_WISE, 25_000, 64, W),
+]
+
+
+@pytest.mark.parametrize("st,rows,cols,n", SHARDS)
+def test_each_sharding_type_pays_its_input_bytes_at_the_input_dist_rate(st, rows, cols, n):
+    base = _topo()
+    cal = _topo(input_dist_bw=0.25e9)
+    cb = shard_comm_bytes(TABLE, st, cols, n, B, W)
+    p0, *_ = estimate_shard(base, TABLE, st, CK.FUSED, rows, cols, n, B)
+    p1, _, inp, out = estimate_shard(cal, TABLE, st, CK.FUSED, rows, cols, n, B)
+    assert inp == int(cb.input) and cb.input > 0
+    wire = (W - 1) / W * cb.input / 1e9
+    # calibrated: all input bytes (the rank's own too) at the input-dist rate instead of the leaving ones on the wire
+    assert p1.fwd_comms - p0.fwd_comms == pytest.approx(cb.input / 0.25e9 - wire)
+    assert input_dist_seconds(cal, cb.input) == pytest.approx(cb.input / 0.25e9)
+    assert input_dist_seconds(base, cb.input) == pytest.approx(wire)
+    # nothing else moves
+    assert (p1.fwd_compute, p1.bwd_compute, p1.bwd_comms) == (p0.fwd_compute, p0.bwd_compute, p0.bwd_comms)
+
+
+@pytest.mark.parametrize("st,rows,cols,n", SHARDS)
+def test_each_sharding_type_pays_its_output_bytes_at_the_output_dist_rate_both_ways(st, rows, cols, n):
+    base = _topo()
+    cal = _topo(output_dist_bw=0.5e9)
+    cb = shard_comm_bytes(TABLE, st, cols, n, B, W)
+    p0, *_ = estimate_shard(base, TABLE, st, CK.FUSED, rows, cols, n, B)
+    p1, *_ = estimate_shard(cal, TABLE, st, CK.FUSED, rows, cols, n, B)
+    leaving = (W - 1) / W * cb.output
+    assert cb.output == B * TABLE.output_rows_per_sample * cols * 4  # row shards send full-width partial sums
+    assert p1.bwd_comms == pytest.approx(leaving / 0.5e9)
+    assert p0.bwd_comms == pytest.approx(leaving / 1e9)
+    assert p1.fwd_comms - p0.fwd_comms == pytest.approx(leaving / 0.5e9 - leaving / 1e9)
+    # a calibrated rate above the link's is capped by the link (several hosts: the slower inter-host link)
+    fast = _topo(output_dist_bw=5e9)
+    assert fast.output_bw == 1e9
+    p2, *_ = estimate_shard(fast, TABLE, st, CK.FUSED, rows, cols, n, B)
+    assert p2.bwd_comms == pytest.approx(p0.bwd_comms)
+
+
+def test_data_parallel_keeps_the_link_bandwidth_for_its_gradient_sync():
+    small = TableSpec("s", 1000, 64, [1.0])  # densified all-reduce
+    big = TableSpec("b", 1_000_000, 64, [1.0])  # all-gathered rows
+    for t in (small, big):
+        p0, *_ = estimate_shard(_topo(), t, ST.DATA_PARALLEL, CK.DENSE, t.num_embeddings, 64, 1, B)
+        p1, *_ = estimate_shard(_topo(input_dist_bw=0.1e9, output_dist_bw=0.1e9), t, ST.DATA_PARALLEL, CK.DENSE,
+                                t.num_embeddings, 64, 1, B)
+        assert p0 == p1 and p1.fwd_comms == 0.0 and p1.bwd_comms > 0
+
+
+@pytest.mark.parametrize("name", ["input_dist_bw", "output_dist_bw"])
+def test_a_negative_rate_is_refused_naming_the_field(name):
+    with pytest.raises(PlannerError, match=f"{name} must be a finite number >= 0"):
+        _topo(**{name: -1.0})
+    with pytest.raises(PlannerError, match=f"{name} must be a finite number >= 0"):
+        _topo(**{name: float("inf")})
+
+
+FILE = {"compute_device": "cpu", "hbm_gb": 0.0, "ddr_gb": None, "hbm_bw_gbps": 0.0, "ddr_bw_gbps": 17.5,
+        "intra_host_bw_gbps": 0.9, "inter_host_bw_gbps": 0.9, "default_gpus_per_host": None, "source": "test"}
+
+
+def test_topology_files_round_trip_the_rates_and_older_files_keep_the_wire_model(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(FILE))
+    t = Topology.from_preset(load_topology_file(path), 2)
+    assert (t.input_dist_bw, t.output_dist_bw, t.output_bw) == (0.0, 0.0, 0.9 * GB)
+    p = dataclasses.replace(load_topology_file(path), input_dist_bw_gbps=1.6, output_dist_bw_gbps=0.55)
+    save_topology_file(tmp_path / "new.yaml", p, {"output_dist_gbps": 0.55, "spread": {"output_dist_gbps": [0.5, 0.6]}})
+    back = load_topology_file(tmp_path / "new.yaml")
+    assert back == p
+    t = Topology.from_preset(back, 2)
+    assert t.input_dist_bw == pytest.approx(1.6 * GB) and t.output_bw == pytest.approx(0.55 * GB)
+    assert Topology.from_preset("h100", 8).output_dist_bw == 0.0  # presets: the link bandwidth
+
+
+@pytest.mark.parametrize("key,value", [("input_dist_bw_gbps", 0.0), ("output_dist_bw_gbps", -0.5),
+                                       ("output_dist_bw_gbps", "fast")])
+def test_bad_rates_in_a_file_are_refused_naming_the_file_and_key(tmp_path, key, value):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(dict(FILE, **{key: value})))
+    with pytest.raises(PlannerError, match=f"topology file {path}: {key} must be a finite number > 0"):
+        load_topology_file(path)
+
+
+def test_the_two_rank_calibration_measures_both_paths():
+    """``measure_comm`` on 2 real gloo ranks: the input dist of the big batch costs more than the
+    two-sample one, the pooled all-to-all path is timed, and the byte counts are those of the
+    calibration's shapes."""
+    from dlrmctl.planner import calibrate as cal
+
+    got = cal.measure_comm(2, max_s=60.0)
+    assert got["idist_big_s"].median > got["idist_small_s"].median > 0
+    # table_wise, 2 tables on 2 ranks: each rank's table receives every source's lengths + ids (int32)
+    assert got["idist_bytes"].median == 2 * (cal._BATCH + cal._BATCH * cal._IDIST_POOL) * 4
+    assert got["pooled_bytes"].median == (4 << 20) // 2  # half of each rank's 4 MiB leaves it
+    assert got["pooled_a2a_s"].median > 0 and got["idist_extra_s"].lo >= 1e-5
