@@ -133,3 +133,47 @@ def test_the_two_rank_calibration_measures_both_paths():
     assert got["idist_bytes"].median == 2 * (cal._BATCH + cal._BATCH * cal._IDIST_POOL) * 4
     assert got["pooled_bytes"].median == (4 << 20) // 2  # half of each rank's 4 MiB leaves it
     assert got["pooled_a2a_s"].median > 0 and got["idist_extra_s"].lo >= 1e-5
+
+
+# ---------------------------------------------------------------------------- enumerator / evaluate_plan
+def test_a_dense_option_faster_on_a_calibrated_machine_is_kept():
+    """The fused kernel's efficiency is higher, but its per-id cost makes it slower here: the dense
+    option survives enumeration (``prune_dominated`` decides by the shards' times, not the efficiencies)."""
+    from dlrmctl.planner.enumerator import enumerate_options
+
+    topo = _topo(kernel_efficiency={"fused": 1.0, "dense": 0.5}, fused_fwd_id_s=2e-6, fused_bwd_id_s=2e-6)
+    opts, _ = enumerate_options(TableSpec("t", 10_000, 64, [2.0]), topo, B, int(8e9))
+    by = {(o.sharding_type, o.compute_kernel): o for o in opts if o.sharding_type == ST.TABLE_WISE}
+    assert (ST.TABLE_WISE, CK.DENSE) in by
+    assert by[(ST.TABLE_WISE, CK.DENSE)].shards[0].time < by[(ST.TABLE_WISE, CK.FUSED)].shards[0].time
+    # where fused is faster on every shard and no larger, the dense option is still pruned
+    plain = _topo(kernel_efficiency={"fused": 1.0, "dense": 0.5})
+    opts, _ = enumerate_options(TableSpec("t", 10_000, 64, [2.0]), plain, B, int(8e9))
+    assert all(o.compute_kernel == CK.FUSED for o in opts if o.sharding_type == ST.TABLE_WISE)
+
+
+def test_evaluate_plan_applies_the_placed_cache_hits_without_rebuilding():
+    """``evaluate_plan`` on a cache-aware topology charges every shard what ``build_option`` charges it
+    at that shard's hit fraction (``cache_hit_fractions`` of the placement)."""
+    from dlrmctl.distributed.model_parallel import plan_from_types
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.planner.enumerator import build_option
+    from dlrmctl.planner.perf import cache_hit_fractions
+    from dlrmctl.planner.planner import evaluate_plan
+
+    topo = dataclasses.replace(_topo(), world_size=2, local_world_size=2, llc_bytes=2 << 20,
+                               cache_speedup={"fused": 3.0, "dense": 2.0})
+    rows = [4000, 200_000, 50_000]
+    specs = [TableSpec(f"t{i}", n, 64, [3.0]) for i, n in enumerate(rows)]
+    cfgs = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=64) for i, n in enumerate(rows)]
+    plan = plan_from_types(cfgs, {"t0": "data_parallel", "t1": "row_wise", "t2": "column_wise"}, 2, 2)
+    part = evaluate_plan(plan, specs, topo, B)
+    hits = cache_hit_fractions(topo, part.options, part.ranks, B)
+    assert any(0 < h < 1 for hs in hits for h in hs)
+    for o, rk, h in zip(part.options, part.ranks, hits):
+        cols = [s.size[1] for s in o.shards] if o.sharding_type == ST.COLUMN_WISE else None
+        ref = build_option(topo, o.table, o.sharding_type, o.compute_kernel, B,
+                           None if o.sharding_type == ST.DATA_PARALLEL else rk, cols, hit=h)
+        assert [s.perf for s in o.shards] == [s.perf for s in ref.shards]
+        assert [s.time for s in o.shards] == [s.time for s in ref.shards]
+        assert [s.storage for s in o.shards] == [s.storage for s in ref.shards]

@@ -41,10 +41,11 @@ from dlrmctl.distributed.types import (
     construct_parameter_sharding,
     row_wise_shard_sizes,
 )
-from dlrmctl.planner.perf import estimate_shard, kernel_efficiency
+from dlrmctl.planner.perf import estimate_shard
 from dlrmctl.planner.storage import shard_bytes, to_storage
 from dlrmctl.planner.types import (
     UNPOOLED_SHARDING_TYPES,
+    Perf,
     PlannerError,
     Shard,
     ShardingOption,
@@ -131,6 +132,29 @@ def _make_option(
             c = cache[key] = (storage, perf, inp, out, b.weights, b.optimizer, perf.total, b.total)
         shards.append(Shard(size, off, *c[:6], r, c[6], c[7]))  # size/off lists are never mutated
     return ShardingOption(table, st, kernel, shards, host_bound)
+
+
+def apply_cache_hits(topology: Topology, option: ShardingOption, hits: list[float], batch_size: int) -> None:
+    """Re-estimate ``option``'s shards in place at the given last-level cache hit fractions (one per
+    shard, in shard order): their ``perf`` and ``time`` change, their storage does not (it does not
+    depend on the hits), so a placed plan is not built twice (``planner.evaluate_plan``).
+
+    Raises:
+        ValueError: ``len(hits)`` differs from the number of shards, or a fraction outside [0, 1].
+    """
+    if len(hits) != len(option.shards):
+        raise ValueError(f"table '{option.table.name}': {len(hits)} cache hit fractions for "
+                         f"{len(option.shards)} shards")
+    st = option.sharding_type
+    n_row = len(option.shards) if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
+    cache: dict[tuple[int, int, float], Perf] = {}
+    for s, h in zip(option.shards, hits):
+        key = (s.size[0], s.size[1], float(h))
+        perf = cache.get(key)
+        if perf is None:
+            perf = cache[key] = estimate_shard(topology, option.table, st, option.compute_kernel, s.size[0],
+                                               s.size[1], n_row, batch_size, float(h))[0]
+        s.perf, s.time = perf, perf.total
 
 
 def build_option(
@@ -277,15 +301,12 @@ def enumerate_options(
         if not table.is_pooled:
             types = [t for t in types if t in UNPOOLED_SHARDING_TYPES]
         kernels = list(table.compute_kernels) if table.compute_kernels is not None else list(ALL_KERNELS)
-        # dense next to fused is dominated (slower, plus a sparse gradient) wherever its kernel
-        # efficiency is not higher: skip building it (prune_dominated would drop it anyway)
-        dense_dominated = ComputeKernel.FUSED in kernels and (
-            kernel_efficiency(topology, ComputeKernel.DENSE) <= kernel_efficiency(topology, ComputeKernel.FUSED))
+        # dense next to fused is built too: on a calibrated machine (a fitted fused efficiency, per-id
+        # and per-bag terms, a dense multiplier of its own) either can be faster for a given shard;
+        # prune_dominated drops the one that is slower and no smaller on every shard
         for st in types:
             for k in kernels:
                 if st == ShardingType.DATA_PARALLEL and k != ComputeKernel.DENSE:
-                    continue
-                if st != ShardingType.DATA_PARALLEL and k == ComputeKernel.DENSE and dense_dominated:
                     continue
                 if st == ShardingType.DATA_PARALLEL:
                     if pinned is None or len(pinned) == W:

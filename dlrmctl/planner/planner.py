@@ -30,7 +30,7 @@ from dlrmctl.distributed.types import (
     ShardingType,
     construct_parameter_sharding,
 )
-from dlrmctl.planner.enumerator import Rejected, build_option, enumerate_options
+from dlrmctl.planner.enumerator import Rejected, apply_cache_hits, build_option, enumerate_options
 from dlrmctl.planner.partitioner import Partition, partition, refine
 from dlrmctl.planner.perf import cache_hit_fractions, cache_hit_prior
 from dlrmctl.planner.proposer import (
@@ -143,26 +143,21 @@ def evaluate_plan(plan: ShardingPlan, tables: list[TableSpec], topology: Topolog
         :meth:`EmbeddingShardingPlanner.plan` makes its final choice and reports its
         estimate with this function, so for a plan it chose the two agree.
     """
-    def build(hits: list[list[float]] | None) -> tuple[list, list]:
-        options, ranks = [], []
-        for i, t in enumerate(tables):
-            ps = plan.plan[t.name]
-            st = ps.sharding_type
-            h = hits[i] if hits is not None else 0.0
-            if st == ShardingType.DATA_PARALLEL:
-                opt = build_option(topology, t, st, ComputeKernel.DENSE, batch_size, hit=h)
-            else:
-                cols = [s.sizes[1] for s in ps.shards or []] if st in (
-                    ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else None
-                opt = build_option(topology, t, st, ps.compute_kernel, batch_size, [s.rank for s in ps.shards or []],
-                                   cols, hit=h)
-            options.append(opt)
-            ranks.append([s.rank for s in opt.shards])
-        return options, ranks
-
-    options, ranks = build(None)
+    options, ranks = [], []
+    for t in tables:
+        ps = plan.plan[t.name]
+        st = ps.sharding_type
+        if st == ShardingType.DATA_PARALLEL:
+            opt = build_option(topology, t, st, ComputeKernel.DENSE, batch_size)
+        else:
+            cols = [s.sizes[1] for s in ps.shards or []] if st in (
+                ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) else None
+            opt = build_option(topology, t, st, ps.compute_kernel, batch_size, [s.rank for s in ps.shards or []], cols)
+        options.append(opt)
+        ranks.append([s.rank for s in opt.shards])
     if topology.llc_bytes > 0:  # the placement is known: hit fractions per cache domain (perf module docstring)
-        options, ranks = build(cache_hit_fractions(topology, options, ranks, batch_size))
+        for opt, h in zip(options, cache_hit_fractions(topology, options, ranks, batch_size)):
+            apply_cache_hits(topology, opt, h, batch_size)  # perf only: the shards are not built twice
     W = topology.world_size
     loads, mem = [0.0] * W, [0] * W
     for o, rk in zip(options, ranks):
