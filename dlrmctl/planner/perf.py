@@ -86,22 +86,25 @@ building the lookup KJT (``ShardedEmbeddingBagCollection._input_dist`` then ``wa
 Profiled on the dev VM (2 gloo ranks, the 8 tables of ``scripts/bench_planner_accuracy.py``,
 per-phase timers, 2026-12-01): ``input_dist`` + ``wait()`` took 2.0-2.2 ms per step of all
 column_wise (1.23 MB received per rank; 0.77 ms charged as wire bytes) while the same EBC's
-input dist of a two-sample batch (its fixed part) takes 0.7-0.9 ms; ``plan --calibrate`` times ``input_dist(kjt).wait()`` of a two-table table_wise EBC
-with 20 ids per bag against the same EBC with two samples (the fixed part, already in
-``lookup_fixed_s``), alternating within each repeat, and divides the bytes received per rank
-by the difference: 0.3-1.0 GB/s on the dev VM depending on the other load on its 2 cores,
-i.e. 2-5x the wire model's charge.  The wire bytes are inside the calibrated figure (not
-charged twice).  On the dev VM this comes out at 1.5-1.8 GB/s against the wire model's 2.0-2.2:
-the input dist costs about its wire bytes (the term changes an estimate by ~0.1 ms).
+input dist of a two-sample batch (its fixed part) takes 0.7-0.9 ms.  ``plan --calibrate``
+times ``input_dist(kjt).wait()`` of a two-table table_wise EBC with 80 ids per bag against the
+same EBC with two samples (the fixed part, already in ``lookup_fixed_s``), alternating within
+each repeat, and divides the bytes received per rank by the difference (with 20 ids per bag
+the difference was too small against the noise: 0.5-2.6 GB/s over one calibration's repeats).
+The wire bytes are inside the calibrated figure (not charged twice).  On the dev VM it comes
+out at 1.4-1.8 GB/s against the wire model's 2.0-2.7: the input dist costs about its wire bytes
+(the term moves the bench plans' estimates by ~0.1 ms).
 
 ``output_dist_bw`` (``Topology``; 0 = ``net``) is the same for the pooled output dist: the bytes
 leaving a rank per second of ``comm.pooled_all_to_all`` forward + backward (packing, the
 asynchronous all-to-all and its wait, the receive-buffer split, the gradient copy into the
 backward send buffer) on 2 gloo ranks, 4 MiB per rank, minus the two collectives' fixed latency
-(in :func:`step_latency`).  The dev VM (2026-12-01, three runs): 0.50-0.56 GB/s through this
-path where a bare 8 MiB ``all_to_all_single`` of the calibration reaches 0.88-1.03 GB/s — the
+(in :func:`step_latency`).  The dev VM (2026-12-01, seven calibrations): 0.55-0.75 GB/s through
+this path where the calibration's bare 8 MiB ``all_to_all_single`` reached 1.0-1.4 GB/s — the
 bare figure charged every communicating plan of ``scripts/bench_planner_accuracy.py`` 10-40%
-too little while data_parallel (whose gradient sync keeps ``net``) came out at ~1.0.
+too little while data_parallel (whose gradient sync keeps ``net``) came out at ~1.0.  The path's
+copies (the gradient copy into the backward send buffer, the receive-buffer split) are inside
+the calibrated figure; the column reassembly after the output dist (``_AssembleColumns``) is not.
 
 ``fused_fwd_bag_s`` / ``fused_bwd_bag_s`` (``Topology``; 0 unless calibrated) are paid per
 bag (pooled output row; every shard of a table runs every bag of the global batch): the
@@ -176,7 +179,8 @@ Not modelled: the size of a collective (gloo moves one large buffer far slower t
 the same bytes in pieces; ``comm.sync_sparse_grads`` gathers in ``GLOO_GATHER_CHUNK_BYTES``
 pieces), per-id weights of weighted features (they travel with the ids and add
 ``B*P*I`` input bytes), the tiny size exchange all-to-all (its latency is in
-:func:`step_latency`), and the source-side sum / copy of received blocks.
+:func:`step_latency`), and, without a calibrated ``output_dist_bw``, the copies of the output
+dist's buffers (with it they are in the calibrated rate).
 """
 
 from __future__ import annotations

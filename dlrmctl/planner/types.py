@@ -154,16 +154,16 @@ class DevicePreset:
             bytes of the id all-to-all a rank *receives* (lengths + ids of every source, its
             own included): routing and packing the ids, the all-to-all, the int32/int64 casts
             and the unpacking into the lookup KJT (``ShardedEmbeddingBagCollection.input_dist``
-            then ``wait()``).  ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 0.3-1 GB/s
-            against the 1.6 GB/s the wire model charges the same bytes).  When set, a shard's
+            then ``wait()``).  ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 1.4-1.8 GB/s
+            against the 2.0-2.7 GB/s at which the wire model charges the same bytes).  When set, a shard's
             input dist costs ``input bytes / input_dist_bw`` instead of ``(W-1)/W * input bytes
             / link bandwidth`` (``perf`` module docstring); ``None`` = the wire model.
         output_dist_bw_gbps: GB/s (1e9 bytes) of pooled-embedding bytes *leaving* a rank through
             dlrmctl's output dist, ``comm.pooled_all_to_all`` forward and backward with its
             packing (the send-buffer cast / copy, the asynchronous all-to-all and its wait, the
             split of the receive buffer, the gradient copy into the backward send buffer):
-            ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 0.50-0.56 GB/s where a bare
-            8 MiB ``all_to_all_single`` reaches 0.8-1.1).  When set, the output dist's bytes are
+            ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 0.55-0.75 GB/s where a bare
+            8 MiB ``all_to_all_single`` reaches 1.0-1.4).  When set, the output dist's bytes are
             charged at ``min(output_dist_bw, link bandwidth)``; the other collectives (the
             data_parallel gradient sync) keep the link bandwidth.  ``None`` = the link bandwidth.
     """
