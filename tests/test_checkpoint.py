@@ -403,3 +403,30 @@ def test_resuming_mid_epoch_with_another_batch_order_is_refused_naming_the_setti
             _train(None, _cfg(data, runs, "s", 4, *extra), os.path.join(runs, "s"), True, None)
     t = _train(None, _cfg(data, runs, "s", 4), os.path.join(runs, "s"), True, None)  # the saved settings resume
     assert t.step == 2 and t.train_loader.state_dict() == {"epoch": 0, "batches_yielded": 2}
+
+
+def test_resume_of_a_checkpoint_written_by_the_per_parameter_loop_runs_foreach(data, tmp_path, monkeypatch):
+    """A checkpoint written when the dense optimizer ran torch's per-parameter loop (param_groups
+    with ``foreach: None``/``False``, as before dlrmctl chose ``foreach`` on the CPU) resumes on
+    the multi-tensor form (the implementation is not state), with the same losses as a straight run."""
+    from dlrmctl.train import loop, optim
+
+    runs = str(tmp_path)
+    _train(None, _cfg(data, runs, "s", STRAIGHT), os.path.join(runs, "s"), False, None).train()
+    real = optim.dense_optimizer
+
+    def loop_optimizer(params, cfg):
+        opt = real(params, cfg)
+        for g in opt.param_groups:
+            g["foreach"] = None  # what a checkpoint of the old code recorded
+        return opt
+
+    monkeypatch.setattr(loop, "dense_optimizer", loop_optimizer)
+    _train(None, _cfg(data, runs, "r", INTERRUPTED_AT), os.path.join(runs, "r"), False, None).train()
+    monkeypatch.setattr(loop, "dense_optimizer", real)
+    t = _train(None, _cfg(data, runs, "r", RESUMED_TO), os.path.join(runs, "r"), True, None)
+    assert all(g["foreach"] is True for g in t.dense_opt.param_groups)
+    t.train()
+    straight, resumed = _losses(os.path.join(runs, "s")), _losses(os.path.join(runs, "r"))
+    for step in range(INTERRUPTED_AT + 1, RESUMED_TO + 1):
+        assert resumed[step] == straight[step], step

@@ -104,3 +104,19 @@ def test_predict_on_an_empty_file(trained, tmp_path):
     # the exported model on an empty split of its data
     _, data, _ = trained
     one_error_line(["evaluate", tmp_path / "m", "--data", data, "--split", "test"], "split 'test' has 0 rows")
+
+
+def test_a_bad_topology_file_fails_before_any_rank_starts(trained, tmp_path):
+    """sharding.topology_file is read by the trainer's planner on rank 0 after the launch: the
+    launcher checks it first (one error line naming the file and the key), for --nproc and for
+    sharding.force, and writes nothing."""
+    _, data, _ = trained
+    base = ["train", "configs/demo.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={tmp_path / 'r'}"]
+    bad = tmp_path / "topo.yaml"
+    bad.write_text("compute_device: cpu\nsource: x\nddr_gb: 8\nddr_bw_gbps: 10\nintra_host_bw_gbps: 1\n"
+                   "inter_host_bw_gbps: 1\nhbm_gb: 0\nhbm_bw_gbps: 0\ndefault_gpus_per_host: null\n"
+                   "output_dist_bw_gbps: 0\n")
+    one_error_line(base + ["--set", f"sharding.topology_file={bad}", "--nproc", "2"], bad, "output_dist_bw_gbps")
+    one_error_line(base + ["--set", f"sharding.topology_file={tmp_path / 'missing.yaml'}", "--set",
+                           "sharding.force=true"], tmp_path / "missing.yaml")
+    assert not (tmp_path / "r").exists()

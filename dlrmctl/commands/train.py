@@ -101,7 +101,8 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     directory already holds a run (without ``--resume``/``--overwrite``), resuming on other data
     than the run's (fingerprint) or from a checkpoint it does not have, ``data.path`` has no
     (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
-    plan does not fit the model or the world size.
+    plan does not fit the model or the world size, or (no stored plan) the ``sharding.topology_file``
+    the trainer's planner would read is missing or invalid.
     """
     from dlrmctl.config import ConfigError, read_data_meta
     from dlrmctl.data.columnar import DataError
@@ -122,6 +123,13 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
     if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
         _check_plan_before_launch(cfg, world)
+    elif cfg.sharding.topology_file and (world > 1 or cfg.sharding.force):  # the trainer's planner reads it
+        from dlrmctl.planner.types import PlannerError, load_topology_file
+
+        try:
+            load_topology_file(cfg.sharding.topology_file)
+        except (PlannerError, OSError) as e:
+            fail(f"sharding.topology_file: {e}")
 
 
 def _check_plan_before_launch(cfg, world: int) -> None:

@@ -92,7 +92,7 @@ same EBC with two samples (the fixed part, already in ``lookup_fixed_s``), alter
 each repeat, and divides the bytes received per rank by the difference (with 20 ids per bag
 the difference was too small against the noise: 0.5-2.6 GB/s over one calibration's repeats).
 The wire bytes are inside the calibrated figure (not charged twice).  On the dev VM it comes
-out at 1.4-1.8 GB/s against the wire model's 2.0-2.7: the input dist costs about its wire bytes
+out at 1.4-2.1 GB/s against the wire model's 2.0-2.7: the input dist costs about its wire bytes
 (the term moves the bench plans' estimates by ~0.1 ms).
 
 ``output_dist_bw`` (``Topology``; 0 = ``net``) is the same for the pooled output dist: the bytes

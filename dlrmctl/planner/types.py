@@ -154,7 +154,7 @@ class DevicePreset:
             bytes of the id all-to-all a rank *receives* (lengths + ids of every source, its
             own included): routing and packing the ids, the all-to-all, the int32/int64 casts
             and the unpacking into the lookup KJT (``ShardedEmbeddingBagCollection.input_dist``
-            then ``wait()``).  ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 1.4-1.8 GB/s
+            then ``wait()``).  ``plan --calibrate`` times it on 2 gloo ranks (dev VM: 1.4-2.1 GB/s
             against the 2.0-2.7 GB/s at which the wire model charges the same bytes).  When set, a shard's
             input dist costs ``input bytes / input_dist_bw`` instead of ``(W-1)/W * input bytes
             / link bandwidth`` (``perf`` module docstring); ``None`` = the wire model.

@@ -1130,6 +1130,10 @@ def load_dense_state_dict(model: Any, state: dict[str, torch.Tensor], where: str
         raise ckpt.CheckpointError(f"{where}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
 
 
+#: torch optimizer param_group keys that pick an implementation, not hyper-parameters or state
+_OPTIMIZER_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
 def _param_names(model: Any, opt: torch.optim.Optimizer) -> list[str]:
     names = {id(p): n for n, p in _dlrm(model).named_parameters()}
     return [names.get(id(p), f"param{i}") for i, p in enumerate(p for g in opt.param_groups for p in g["params"])]
@@ -1262,10 +1266,15 @@ def restore_checkpoint(path: str, model: Any, dense_opt: torch.optim.Optimizer |
         for n, sc in o["scalars"].items():
             if n in idx:
                 st.setdefault(idx[n], {}).update(sc)
+        # how the update runs (foreach / fused) is this process's choice, not state: a checkpoint
+        # written with torch's per-parameter loop resumes on the multi-tensor form (bit-identical)
+        impl = [{k: g[k] for k in _OPTIMIZER_IMPL_KEYS if k in g} for g in dense_opt.param_groups]
         try:
             dense_opt.load_state_dict({"state": st, "param_groups": o["param_groups"]})
         except (ValueError, KeyError) as e:
             raise ckpt.CheckpointError(f"{path}: dense optimizer state does not match the model: {e}") from e
+        for g, keep in zip(dense_opt.param_groups, impl):
+            g.update(keep)
     groups = ckpt.unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
     per_rank = ckpt.unpack(req[f"rank/{src_rank}"], f"rank/{src_rank}")
     if emb_dense_opt is not None:
