@@ -244,11 +244,6 @@ class TrainConfig:
     (``bf16``: CPU and CUDA; ``fp16``: CUDA only, with a ``torch.amp.GradScaler``); the
     loss, the metrics, the parameters and the optimizers stay fp32; embeddings follow
     ``model.embedding_precision``.
-    ``overlap_embedding_backward`` (default true): on the CPU with more than one intra-op
-    thread and an unsharded model, the embedding lookup's backward (FBGEMM's single-threaded
-    TBE backward with its fused optimizer update) runs on a worker thread while the bottom
-    MLP's backward runs on the others (:mod:`dlrmctl.modules.backward_overlap`); bit-identical
-    results either way.
     ``malloc_tuning`` (default true): on Linux with glibc, freed tensors below 32 MiB are kept
     for reuse instead of being unmapped and page-faulted in again every step
     (:mod:`dlrmctl.train.malloc_tuning`; no effect with another C library).
@@ -269,7 +264,6 @@ class TrainConfig:
     progress: bool = True
     progress_every_s: float = 10.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    overlap_embedding_backward: bool = True
     malloc_tuning: bool = True
 
 

@@ -34,7 +34,6 @@ from dlrmctl import run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
-from dlrmctl.modules.backward_overlap import EmbeddingBackwardOverlap
 from dlrmctl.modules.dlrm import DLRM
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.sparse import KeyedTensor
@@ -183,9 +182,6 @@ class Trainer:
                              f"{self.device}; use bf16 on the CPU")
         #: fp16: loss scaling for the dense optimizer (torch.amp.GradScaler); None otherwise
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.train.precision == "fp16" else None
-        #: train.overlap_embedding_backward (unsharded model): the lookup's backward on a worker thread
-        self._emb_bwd = (EmbeddingBackwardOverlap() if cfg.train.overlap_embedding_backward and not env.sharded
-                         else None)
         #: fp16: 1 when this step's pooled-embedding gradient was non-finite (set by _UnscaleGrad)
         self._emb_found_inf = torch.zeros((), dtype=torch.float32, device=self.device)
         self.schedule = WarmupPolyDecay(cfg.optimizer.lr_schedule)
@@ -381,11 +377,6 @@ class Trainer:
             sparse_ctx = self.model.sparse_input_dist(batch.sparse_features).wait()
         if sparse_ctx is None:
             embedded = self.model.sparse_arch(batch.sparse_features)
-            if self._emb_bwd is not None and self._emb_bwd.active_for(embedded.values()):
-                # wrapped when dense_forward waits, after the dense arch (see EmbeddingBackwardOverlap)
-                kt, wrap = embedded, self._emb_bwd.wrap
-                embedded = comm.LazyAwaitable(
-                    [], lambda: KeyedTensor(kt.keys(), kt.length_per_key(), wrap(kt.values())))
         else:
             # with sharding.overlap_output_dist an Awaitable[KeyedTensor]: dense_forward waits on
             # it after the dense arch (the GradScaler path below needs the values now)
@@ -742,8 +733,6 @@ class Trainer:
         if self.step != last_eval_step or final is None:
             final = self._eval_and_log("final")
         self._checkpoint(True)
-        if self._emb_bwd is not None:
-            self._emb_bwd.close()
         elapsed = time.perf_counter() - t_start
         summary = {"final": final, "best": self.best, "steps": self.step, "train_seconds": elapsed,
                    "early_stopped": stopped}

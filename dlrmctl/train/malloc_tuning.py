@@ -49,9 +49,9 @@ def tune_glibc_malloc() -> bool:
     """Apply the settings of the module docstring to this process, once.
 
     Returns:
-        True when glibc accepted both (also on a repeated call), False when the C library is not
-        glibc or refused a value (nothing is changed then; the reason is logged at debug level).
-        Never raises.
+        True when glibc accepted both (also on a repeated call); False when the C library is not
+        glibc (nothing is changed) or glibc refused a value (if it refused only the second,
+        ``M_MMAP_THRESHOLD`` stays set); the reason is logged at debug level.  Never raises.
     """
     global _done
     if _done:
