@@ -121,6 +121,29 @@ def test_bad_rates_in_a_file_are_refused_naming_the_file_and_key(tmp_path, key, 
         load_topology_file(path)
 
 
+@pytest.mark.parametrize("key,value", [("input_dist_bw_gbps", 1.0e300), ("output_dist_bw_gbps", 1.0e-320),
+                                       ("intra_host_bw_gbps", 1.0e-300), ("ddr_gb", 1.0e300)])
+def test_rates_that_would_overflow_or_underflow_in_the_planner_are_refused(tmp_path, key, value):
+    """Finite but absurd values (the planner scales GB/s to bytes/s and divides by them: 1e300
+    GB/s overflows to inf, 1e-320 divides to inf) are refused at load, naming file, key and range."""
+    path = tmp_path / "absurd.yaml"
+    path.write_text(yaml.safe_dump(dict(FILE, **{key: value})))
+    with pytest.raises(PlannerError, match=f"topology file {path}: {key} must be between"):
+        load_topology_file(path)
+
+
+def test_a_calibrated_input_dist_is_never_charged_below_the_wire():
+    """The input-dist rate is calibrated on one host: on a link slower than it (a second host at
+    0.01 GB/s) the input bytes still take their wire time."""
+    cb = shard_comm_bytes(TABLE, ST.TABLE_WISE, 64, 1, B, W)
+    slow = _topo(input_dist_bw=1.5e9)
+    slow = dataclasses.replace(slow, intra_host_bw=0.01e9, inter_host_bw=0.01e9)
+    wire = (W - 1) / W * cb.input / 0.01e9
+    assert input_dist_seconds(slow, cb.input) == pytest.approx(wire)
+    assert input_dist_seconds(_topo(input_dist_bw=1.5e9), cb.input) == pytest.approx(
+        max(cb.input / 1.5e9, (W - 1) / W * cb.input / 1e9))
+
+
 def test_the_two_rank_calibration_measures_both_paths():
     """``measure_comm`` on 2 real gloo ranks: the input dist of the big batch costs more than the
     two-sample one, the pooled all-to-all path is timed, and the byte counts are those of the

@@ -61,7 +61,7 @@ several hosts: a flat all-to-all is bounded by its slowest link).
     fwd_comms   = input_dist + a2a*out / out_bw;   bwd_comms = a2a*out / out_bw
     out_bw      = min(Topology.output_dist_bw, net)  # calibrated: comm.pooled_all_to_all's whole path
                 | net                                # presets
-    input_dist  = in / Topology.input_dist_bw      # calibrated (plan --calibrate)
+    input_dist  = max(in / Topology.input_dist_bw, a2a*in / net)   # calibrated (plan --calibrate)
                 | a2a*in / net                     # presets: the wire bytes only
 
 with ``ids`` = ``B*P`` (column / table kinds) or ``B*P/n`` (row kinds) and
@@ -494,14 +494,17 @@ def input_dist_seconds(topology: Topology, input_bytes: float) -> float:
             (:attr:`CommBytes.input`: lengths + ids it receives, ``I``-byte elements).
 
     Returns:
-        ``input_bytes / Topology.input_dist_bw`` when calibrated (the whole input dist:
-        routing, packing, the all-to-all, casts and unpacking, per byte received), else the
-        wire bytes that leave the ranks, ``(W-1)/W * input_bytes / comm_bw``.
+        the wire time of the bytes that leave the ranks, ``(W-1)/W * input_bytes / comm_bw``;
+        when calibrated, ``input_bytes / Topology.input_dist_bw`` (the whole input dist:
+        routing, packing, the all-to-all, casts and unpacking, per byte received) if that is
+        larger: a calibration on one host says nothing of a slower link between hosts, and the
+        bytes cannot cross a link faster than it carries them.
     """
-    if topology.input_dist_bw > 0:
-        return input_bytes / topology.input_dist_bw
     W = topology.world_size
-    return (W - 1) / W * input_bytes / topology.comm_bw
+    wire = (W - 1) / W * input_bytes / topology.comm_bw
+    if topology.input_dist_bw > 0:
+        return max(input_bytes / topology.input_dist_bw, wire)
+    return wire
 
 
 # ----------------------------------------------------------------------------- fixed latencies

@@ -371,10 +371,10 @@ class Topology:
                 raise PlannerError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.llc_bytes < 0:
             raise PlannerError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
-        for name in ("input_dist_bw", "output_dist_bw"):
+        for name, off in (("input_dist_bw", "the wire model"), ("output_dist_bw", "the link bandwidth")):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
-                raise PlannerError(f"{name} must be a finite number >= 0 bytes/s (0: the link bandwidth), got {v}")
+                raise PlannerError(f"{name} must be a finite number >= 0 bytes/s (0: {off}), got {v}")
         bad = {k: v for k, v in self.cache_speedup.items() if not v > 0}
         if bad:
             raise PlannerError(f"cache_speedup must be > 0, got {bad}")
@@ -565,6 +565,12 @@ class Topology:
 TOPOLOGY_FILE_KEYS = tuple(f.name for f in dataclasses.fields(DevicePreset))
 
 
+#: smallest bandwidth (GB/s), efficiency or speedup a topology file may give (1 kB/s)
+TOPOLOGY_DIVISOR_MIN = 1e-6
+#: largest number a topology file may give (GB, GB/s, us: no machine is near it)
+TOPOLOGY_VALUE_MAX = 1e9
+
+
 def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     """Read a topology file (YAML, written by ``dlrmctl plan --calibrate``) as a :class:`DevicePreset`.
 
@@ -579,9 +585,10 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     Raises:
         PlannerError: unreadable file, not a mapping, unknown or missing key, or a value of
             the wrong type or range (the message names the file and the key): every number
-            finite and >= 0; the bandwidths the planner divides by (``ddr_bw_gbps``,
-            ``intra_host_bw_gbps``, ``inter_host_bw_gbps``, ``hbm_bw_gbps`` on cuda) and the
-            kernel efficiencies > 0; ``default_gpus_per_host`` an integer >= 1 or null.
+            finite, >= 0 and <= :data:`TOPOLOGY_VALUE_MAX`; the bandwidths the planner divides by
+            (``ddr_bw_gbps``, ``intra_host_bw_gbps``, ``inter_host_bw_gbps``, ``hbm_bw_gbps`` on
+            cuda, the dist rates) and the kernel efficiencies / cache speedups
+            >= :data:`TOPOLOGY_DIVISOR_MIN`; ``default_gpus_per_host`` an integer >= 1 or null.
     """
     from dlrmctl.yaml_file import read_yaml_mapping
 
@@ -619,6 +626,11 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
                 k in divisors and v == 0):
             raise PlannerError(f"topology file {path}: {k} must be a finite number "
                                f"{'> 0' if k in divisors else '>= 0'}, got {v!r}")
+        # the planner scales these (GB -> bytes, us -> s) and divides by the divisors: a value that
+        # would overflow or underflow there is a typo, not a machine
+        lo, hi = (TOPOLOGY_DIVISOR_MIN, TOPOLOGY_VALUE_MAX) if k in divisors else (0.0, TOPOLOGY_VALUE_MAX)
+        if not lo <= v <= hi:
+            raise PlannerError(f"topology file {path}: {k} must be between {lo:g} and {hi:g}, got {v!r}")
     return DevicePreset(**d)
 
 
