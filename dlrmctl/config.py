@@ -522,7 +522,8 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str 
     """Build and validate an :class:`ExperimentConfig` from a raw mapping.
 
     Raises:
-        ConfigError: with ``source: key.path: problem``.
+        ConfigError: with ``source: key.path: problem`` (``source with --set KEY=VALUE: ...`` when
+            the bad value came from an override).
     """
     raw = copy.deepcopy(raw) if raw is not None else {}
     for ov in overrides or []:
@@ -534,7 +535,11 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str 
         cfg = _build_dataclass(ExperimentConfig, raw, "")
         validate(cfg)
     except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        msg = str(e)
+        # name the --set that gave the bad value (the file may not even have the key)
+        given = [ov for ov in overrides or [] if msg.startswith(tuple(ov.split("=", 1)[0].strip() + c for c in ":.["))]
+        where = f"{source} with --set {given[-1]}" if given else source
+        raise ConfigError(f"{where}: {msg}") from None
     return cfg
 
 

@@ -107,3 +107,18 @@ def test_every_yaml_file_reader_names_the_file_and_line_and_wants_a_mapping(tmp_
     lst.write_text("- 1\n- 2\n")
     with pytest.raises(err, match=r"list.yaml: expected a mapping at the top level of the .*got list"):
         load(lst)
+
+
+def test_a_bad_value_from_set_names_the_override(tmp_path):
+    """A type or range error in a value given by --set names that override, not just the file."""
+    from dlrmctl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"demo.yaml with --set train.malloc_tuning=1: train.malloc_tuning: expected bool"):
+        load_config("configs/demo.yaml", ["train.max_steps=3", "train.malloc_tuning=1"])
+    with pytest.raises(ConfigError, match=r"with --set data.batch_size=-4: data.batch_size: must be > 0"):
+        load_config("configs/demo.yaml", ["data.batch_size=-4"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {batch_size: -4}\n")
+    with pytest.raises(ConfigError) as e:  # the file's own value: no --set named
+        load_config(bad, ["train.max_steps=3"])
+    assert "--set" not in str(e.value) and str(e.value).startswith(f"{bad}: data.batch_size")
