@@ -14,6 +14,16 @@ def require_shared(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def tiny_synthetic(tmp_path_factory, name: str, rows: int = 3000, seed: int = 2) -> str:
+    """A small synthetic Criteo-schema dataset (26 tables of 40 ids) in a fresh temp directory
+    ``name``: what the Trainer-level tests of one module share (call it from a module fixture)."""
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    d = tmp_path_factory.mktemp(name)
+    generate_synthetic(d, rows=rows, seed=seed, num_embeddings=[40] * 26)
+    return str(d)
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
     import torch

@@ -12,14 +12,12 @@ from dlrmctl.config import config_from_dict
 from dlrmctl.train import loop, malloc_tuning
 from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
 
+from tests.conftest import tiny_synthetic
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dlrmctl.data.synthetic import generate_synthetic
-
-    d = tmp_path_factory.mktemp("tiny_malloc")
-    generate_synthetic(d, rows=1500, seed=3, num_embeddings=[40] * 26)
-    return str(d)
+    return tiny_synthetic(tmp_path_factory, "tiny_malloc", rows=1500, seed=3)
 
 
 def test_tuning_applies_on_glibc_once():

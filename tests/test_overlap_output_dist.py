@@ -15,14 +15,12 @@ import torch
 from dlrmctl.config import config_from_dict
 from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
 
+from tests.conftest import tiny_synthetic
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dlrmctl.data.synthetic import generate_synthetic
-
-    d = tmp_path_factory.mktemp("tiny_overlap")
-    generate_synthetic(d, rows=3000, seed=3, num_embeddings=[40] * 26)
-    return str(d)
+    return tiny_synthetic(tmp_path_factory, "tiny_overlap", rows=3000, seed=3)
 
 
 def _raw(data, run_root, name, overlap, comm, precision):

@@ -40,13 +40,17 @@ SHARDS = [  # (sharding type, shard rows, cols, row shards)
 ]
 
 
+def _uncalibrated_and_calibrated(st, rows, cols, n, **rates):
+    """(comm bytes, uncalibrated estimate, calibrated estimate tuple) of one shard."""
+    cb = shard_comm_bytes(TABLE, st, cols, n, B, W)
+    p0, *_ = estimate_shard(_topo(), TABLE, st, CK.FUSED, rows, cols, n, B)
+    return cb, p0, estimate_shard(_topo(**rates), TABLE, st, CK.FUSED, rows, cols, n, B)
+
+
 @pytest.mark.parametrize("st,rows,cols,n", SHARDS)
 def test_each_sharding_type_pays_its_input_bytes_at_the_input_dist_rate(st, rows, cols, n):
-    base = _topo()
-    cal = _topo(input_dist_bw=0.25e9)
-    cb = shard_comm_bytes(TABLE, st, cols, n, B, W)
-    p0, *_ = estimate_shard(base, TABLE, st, CK.FUSED, rows, cols, n, B)
-    p1, _, inp, out = estimate_shard(cal, TABLE, st, CK.FUSED, rows, cols, n, B)
+    base, cal = _topo(), _topo(input_dist_bw=0.25e9)
+    cb, p0, (p1, _, inp, out) = _uncalibrated_and_calibrated(st, rows, cols, n, input_dist_bw=0.25e9)
     assert inp == int(cb.input) and cb.input > 0
     wire = (W - 1) / W * cb.input / 1e9
     # calibrated: all input bytes (the rank's own too) at the input-dist rate instead of the leaving ones on the wire
@@ -59,11 +63,7 @@ def test_each_sharding_type_pays_its_input_bytes_at_the_input_dist_rate(st, rows
 
 @pytest.mark.parametrize("st,rows,cols,n", SHARDS)
 def test_each_sharding_type_pays_its_output_bytes_at_the_output_dist_rate_both_ways(st, rows, cols, n):
-    base = _topo()
-    cal = _topo(output_dist_bw=0.5e9)
-    cb = shard_comm_bytes(TABLE, st, cols, n, B, W)
-    p0, *_ = estimate_shard(base, TABLE, st, CK.FUSED, rows, cols, n, B)
-    p1, *_ = estimate_shard(cal, TABLE, st, CK.FUSED, rows, cols, n, B)
+    cb, p0, (p1, *_) = _uncalibrated_and_calibrated(st, rows, cols, n, output_dist_bw=0.5e9)
     leaving = (W - 1) / W * cb.output
     assert cb.output == B * TABLE.output_rows_per_sample * cols * 4  # row shards send full-width partial sums
     assert p1.bwd_comms == pytest.approx(leaving / 0.5e9)

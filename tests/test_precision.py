@@ -45,14 +45,12 @@ def learnable(tmp_path_factory):
     generate_synthetic(d, rows=300_000, seed=0, num_embeddings=100)
     return str(d)
 
+from tests.conftest import tiny_synthetic
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dlrmctl.data.synthetic import generate_synthetic
-
-    d = tmp_path_factory.mktemp("tiny")
-    generate_synthetic(d, rows=3000, seed=2, num_embeddings=[40] * 26)
-    return str(d)
+    return tiny_synthetic(tmp_path_factory, "tiny", rows=3000, seed=2)
 
 
 # ------------------------------------------------------------------ config
