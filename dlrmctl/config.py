@@ -244,6 +244,11 @@ class TrainConfig:
     (``bf16``: CPU and CUDA; ``fp16``: CUDA only, with a ``torch.amp.GradScaler``); the
     loss, the metrics, the parameters and the optimizers stay fp32; embeddings follow
     ``model.embedding_precision``.
+    ``cpu_linear`` (default ``aten``): the GEMM library of the MLPs' Linear layers when training
+    on the CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds) or ``onednn``
+    (oneDNN's fp32 GEMM with the bias and ReLU fused, :class:`dlrmctl.modules.dlrm._OneDNNLinear`:
+    2.0-2.4x MKL's rate on this project's AMD CPU; fp32-accurate, not the same bits).  Evaluation,
+    bf16 autocast, CUDA and the export always use ``F.linear``.
     ``malloc_tuning`` (default true): on Linux with glibc, freed tensors below 32 MiB are kept
     for reuse instead of being unmapped and page-faulted in again every step
     (:mod:`dlrmctl.train.malloc_tuning`; no effect with another C library).
@@ -265,6 +270,7 @@ class TrainConfig:
     progress_every_s: float = 10.0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     malloc_tuning: bool = True
+    cpu_linear: Literal["aten", "onednn"] = "aten"
 
 
 @dataclass

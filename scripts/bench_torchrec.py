@@ -17,7 +17,9 @@ kernel: FBGEMM's CPU TBE, as dlrmctl's ``fused`` kernel); the dense parameters t
 ``torch.optim.Adagrad`` (lr 0.05) through ``KeyedOptimizerWrapper``.  Batches are pre-generated
 (``--num-batches`` distinct ones, cycled; uniform ids, dense features N(0, 1), Bernoulli(0.5)
 labels), so TorchRec has no loader cost; dlrmctl runs its real loader through
-``scripts/bench_train.py``.  Variants: ``fp32``, and ``bf16``: for TorchRec the forward under
+``scripts/bench_train.py``.  Variants: ``fp32``; ``fp32_onednn``: dlrmctl with
+``train.cpu_linear: onednn`` (the MLPs on oneDNN's fp32 GEMM) against TorchRec fp32 (a TorchRec fp32
+run of its own); and ``bf16``: for TorchRec the forward under
 ``torch.autocast("cpu", dtype=torch.bfloat16)``, for dlrmctl ``train.precision: bf16``.
 
 samples/s = ``(steps - warmup) x 2048 / seconds`` over the steps after ``--warmup``.  Runs
@@ -25,7 +27,7 @@ alternate dlrmctl / TorchRec per config, ``--repeat`` times, and the table gives
 all runs of each side and the ratio of the bests.
 
     python scripts/bench_torchrec.py [--venv .venv-torchrec] [--steps 60] [--warmup 10] [--repeat 2]
-                                     [--variants fp32,bf16] [--worlds 1,2]
+                                     [--variants fp32,fp32_onednn,bf16] [--worlds 1,2]
 
 World size > 1 (``--worlds``): TorchRec starts one process per rank (gloo, ``OMP_NUM_THREADS=1``,
 every table ``table_wise``, ``2048 / world`` samples per rank per step); dlrmctl runs
@@ -255,7 +257,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=2, help="alternated runs per side and config")
-    ap.add_argument("--variants", default="fp32,bf16", help="fp32, bf16 (TorchRec: autocast; dlrmctl: train.precision)")
+    ap.add_argument("--variants", default="fp32,bf16", help="fp32, fp32_onednn (dlrmctl with train.cpu_linear: onednn "
+                                                            "against TorchRec fp32), bf16 (TorchRec: autocast; dlrmctl: "
+                                                            "train.precision)")
     ap.add_argument("--worlds", default="1", help="world sizes, e.g. 1,2 (> 1: gloo, all tables table_wise, "
                                                   "1 thread per rank)")
     ap.add_argument("--num-batches", type=int, default=16, help="distinct pre-generated TorchRec batches, cycled")
@@ -268,9 +272,9 @@ def main() -> None:
         print(json.dumps(torchrec_worker(a.precision, a.steps, a.warmup, a.num_batches, seed=0)), flush=True)
         return
     variants = a.variants.split(",")
-    bad = [v for v in variants if v not in ("fp32", "bf16")]
+    bad = [v for v in variants if v not in ("fp32", "fp32_onednn", "bf16")]
     if bad:
-        ap.error(f"--variants: unknown {bad}; expected fp32 and/or bf16")
+        ap.error(f"--variants: unknown {bad}; expected fp32, fp32_onednn and/or bf16")
     py = ensure_venv(a.venv)
     worlds = [int(w) for w in a.worlds.split(",")]
     configs = [(w, v) for w in worlds for v in variants]
@@ -282,10 +286,11 @@ def main() -> None:
             gemm = gemm or line
             res[w, v]["dlrmctl"].append(sps)
             print(f"[{r}] ws{w} dlrmctl  {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
-            sps = run_torchrec(py, v, w, a)
+            sps = run_torchrec(py, "fp32" if v == "fp32_onednn" else v, w, a)
             res[w, v]["torchrec"].append(sps)
             print(f"[{r}] ws{w} torchrec {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
-    names = {"fp32": ("fp32", "fp32"), "bf16": ("bf16 (train.precision)", "bf16 autocast")}
+    names = {"fp32": ("fp32", "fp32"), "fp32_onednn": ("fp32 (train.cpu_linear: onednn)", "fp32"),
+             "bf16": ("bf16 (train.precision)", "bf16 autocast")}
     print(f"\nSame run, {os.cpu_count()} CPU cores; {a.steps} steps, first {a.warmup} excluded; "
           f"{a.repeat} alternated runs per side (best, then all); world size > 1: gloo, all tables table_wise, "
           f"1 thread per rank.\n{gemm}\n")

@@ -9,10 +9,13 @@ through ``dlrmctl train --nproc``, i.e. torchx) with the ``base`` and
 steady state: the first ``--warmup`` steps are excluded) with the share of
 step time spent waiting on data and on the input_dist all-to-all.
 
-    python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2] [--variants fp32,bf16,comm_bf16]
+    python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2] [--variants fp32,fp32_onednn,bf16,comm_bf16]
                                   [--emb-optimizer adam]
 
-Rows per ``--variants``: ``fp32``; ``bf16`` (``train.precision: bf16``, the dense part under
+Rows per ``--variants``: ``fp32``; ``fp32_onednn`` (``train.cpu_linear: onednn``: the MLPs on
+oneDNN's fp32 GEMM; its share uses oneDNN's own GEMM rate, measured at start by the same
+microbenchmark through ``torch.ops.mkldnn._linear_pointwise``, and a line after the table gives its
+share of torch.mm's rate too); ``bf16`` (``train.precision: bf16``, the dense part under
 ``torch.autocast``); ``comm_bf16`` (``sharding.comm_precision: bf16``, world size > 1 only).
 Each row also gives the share of the machine's arithmetic limit:
 ``samples/s x model FLOPs per sample / GEMM rate``, the GEMM rate measured at start by a
@@ -62,17 +65,25 @@ def model_flops_per_sample(bottom: list[int], top_hidden: list[int], num_tables:
     return flops + 4 * n * n * dim
 
 
-def gemm_rate(dtype, n: int, seconds: float = 1.0) -> float:
-    """FLOP/s of ``torch.mm`` on two ``n x n`` matrices of ``dtype`` (best of repeated timings)."""
+def gemm_rate(dtype, n: int, seconds: float = 1.0, onednn: bool = False) -> float:
+    """FLOP/s of ``torch.mm`` on two ``n x n`` matrices of ``dtype`` (best of repeated timings);
+    ``onednn``: of oneDNN's fp32 linear instead (``torch.ops.mkldnn._linear_pointwise``, what
+    ``train.cpu_linear: onednn`` runs)."""
     import torch
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    if onednn:
+        def mm():
+            torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    else:
+        def mm():
+            torch.mm(a, b)
     for _ in range(3):
-        torch.mm(a, b)
+        mm()
     best, t_end = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        mm()
         best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
 
@@ -86,6 +97,8 @@ def run(cfg_path: str, data: str, runs: str, world: int, pipeline: str, steps: i
            "--set", f"model.compute_kernel={kernel}"]
     if variant == "bf16":
         cmd += ["--set", "train.precision=bf16"]
+    elif variant == "fp32_onednn":
+        cmd += ["--set", "train.cpu_linear=onednn"]
     elif variant == "comm_bf16":
         cmd += ["--set", "sharding.comm_precision=bf16"]
     if sharding:
@@ -126,7 +139,8 @@ def main() -> None:
                     choices=["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", "adam", "partial_rowwise_adam",
                              "lamb", "partial_rowwise_lamb"], help="optimizer.embedding.type")
     ap.add_argument("--variants", default="fp32,bf16,comm_bf16",
-                    help="rows per world size and pipeline: fp32, bf16 (train.precision), comm_bf16 "
+                    help="rows per world size and pipeline: fp32, fp32_onednn (train.cpu_linear: onednn), "
+                         "bf16 (train.precision), comm_bf16 "
                          "(sharding.comm_precision; world size > 1 only)")
     ap.add_argument("--gemm-n", type=int, default=1024, help="matrix size of the torch.mm GEMM-rate microbenchmark")
     ap.add_argument("--emb-lr", type=float, default=None, help="optimizer.embedding.lr (default 0.05; Adam family 0.001)")
@@ -135,11 +149,19 @@ def main() -> None:
     batch = 2048
     import torch
 
+    from dlrmctl.modules.dlrm import onednn_linear_available
+
     rates = {"fp32": gemm_rate(torch.float32, a.gemm_n), "bf16": gemm_rate(torch.bfloat16, a.gemm_n)}
+    if "fp32_onednn" in a.variants.split(","):
+        if not onednn_linear_available():
+            ap.error("--variants fp32_onednn: this torch build has no oneDNN linear")
+        rates["fp32_onednn"] = gemm_rate(torch.float32, a.gemm_n, onednn=True)
     flops = model_flops_per_sample(BOTTOM, TOP_HIDDEN, NUM_TABLES, DIM)
+    onednn_note = (f", fp32 oneDNN {rates['fp32_onednn'] / 1e9:,.0f} GFLOP/s (limit {rates['fp32_onednn'] / flops:,.0f})"
+                   if "fp32_onednn" in rates else "")
     print(f"GEMM rate (torch.mm {a.gemm_n}^3): fp32 {rates['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {rates['bf16'] / 1e9:,.0f} "
           f"GFLOP/s; model {flops / 1e6:.2f} MFLOP/sample -> limit {rates['fp32'] / flops:,.0f} samples/s fp32, "
-          f"{rates['bf16'] / flops:,.0f} bf16", file=sys.stderr, flush=True)
+          f"{rates['bf16'] / flops:,.0f} bf16{onednn_note}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         from dlrmctl.data.synthetic import generate_synthetic
@@ -171,20 +193,25 @@ train: {{epochs: 1, log_every: 1, progress: false}}
                         tries.append(steady(res["records"], a.warmup, batch))
                         print(f"world {w} {p:<11} {v:<9} {tries[-1][0]:>10,.0f} samples/s", file=sys.stderr, flush=True)
                     sps, dw, cw = max(tries)
-                    share = sps * flops / rates["bf16" if v == "bf16" else "fp32"]
+                    share = sps * flops / rates.get(v, rates["fp32"])
                     rows.append((w, p, v, sps, share, dw, cw, [t[0] for t in tries]))
     print(f"\nCriteo-shaped DLRM: 26 x 100,000 x 64, bottom 512-256-64, top 512-256-1, global batch {batch}, "
           f"{a.kernel} kernel, embedding optimizer {a.emb_optimizer} (lr {emb_lr}); {a.steps} steps, first {a.warmup} excluded; "
           f"{os.cpu_count()} CPU cores; GEMM rate fp32 {rates['fp32'] / 1e9:,.0f} / bf16 {rates['bf16'] / 1e9:,.0f} GFLOP/s "
-          f"(torch.mm {a.gemm_n}^3), model {flops / 1e6:.2f} MFLOP/sample\n")
+          f"(torch.mm {a.gemm_n}^3){onednn_note}, model {flops / 1e6:.2f} MFLOP/sample\n")
     print("| world size | pipeline | precision | samples/s (best) | all runs | share of arithmetic limit "
           "| waiting on data | waiting on input_dist |")
     print("|---:|---|---|---:|---|---:|---:|---:|")
-    names = {"fp32": "fp32", "bf16": "bf16 (train.precision)", "comm_bf16": "fp32, comm_precision bf16"}
+    names = {"fp32": "fp32", "bf16": "bf16 (train.precision)", "comm_bf16": "fp32, comm_precision bf16",
+             "fp32_onednn": "fp32, train.cpu_linear onednn"}
     for w, p, v, sps, share, dw, cw, all_ in rows:
         note = " (no input_dist on 1 rank: same as base)" if w == 1 and p == "sparse_dist" else ""
         print(f"| {w} | {p}{note} | {names.get(v, v)} | {sps:,.0f} | {', '.join(f'{x:,.0f}' for x in all_)} "
               f"| {100 * share:.0f}% | {100 * dw:.1f}% | {100 * cw:.1f}% |")
+    for w, p, v, sps, *_ in rows:
+        if v == "fp32_onednn":
+            print(f"\nworld size {w} {p} fp32 with train.cpu_linear onednn: {100 * sps * flops / rates['fp32']:.0f}% of the "
+                  f"limit by torch.mm's (MKL) fp32 rate; the table's share uses oneDNN's own rate")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,90 @@ class _WeightGradOnlyLinear(torch.autograd.Function):
         return None, dw, db
 
 
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's fp32 linear (``torch.ops.mkldnn._linear_pointwise``)
+    for :class:`MLP`'s ``cpu_linear = "onednn"``."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _lp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = False) -> torch.Tensor:
+    """oneDNN ``x @ w^T + b`` (then ReLU): ``x [M, K]``, ``w [N, K]`` (any strides) -> ``[M, N]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "relu" if relu else "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    """One MLP layer on the CPU through oneDNN's fp32 GEMM: ``x [B, in]``, ``W [out, in]``,
+    ``bias [out]`` float32 -> ``relu?(x W^T + bias)`` ``[B, out]``.
+
+    oneDNN's AVX-512 fp32 kernels run this machine's MLP GEMMs 2.0-2.4x faster than the MKL
+    ``sgemm`` ATen's ``addmm`` calls (2-core AMD EPYC, B 2048: 487 vs 216 GFLOP/s on 2 threads,
+    251 vs 111 on 1; MKL takes a generic path on non-Intel CPUs).  Same formula in fp32
+    arithmetic (max relative error 1.2e-6 against float64 where MKL's is 4.7e-7), not the same
+    bits: the two libraries block the sums differently.
+
+    Forward: one call with the bias and (``relu``) the ReLU fused.  Backward, with ``g`` the
+    output gradient (after the ReLU's mask when fused): ``dx = g W`` (skipped when ``x`` needs no
+    gradient), ``dW = g^T x`` (``(x^T g)^T`` when ``in < out / 4``, the faster shape for a narrow
+    input such as Criteo's 13 dense features), ``d bias = g.sum(0)`` as autograd's addmm backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
+                relu: bool) -> torch.Tensor:
+        y = _lp(x, weight, bias, relu)
+        ctx.relu = relu
+        ctx.save_for_backward(x, weight, y if relu else None)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):  # type: ignore[override]
+        x, weight, y = ctx.saved_tensors
+        if ctx.relu:
+            g = torch.ops.aten.threshold_backward(g, y, 0)
+        g = g.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = _lp(g, weight.t(), None)
+        if ctx.needs_input_grad[1]:
+            n_in, n_out = weight.shape[1], weight.shape[0]
+            dw = _lp(x.t(), g.t(), None).t().contiguous() if 4 * n_in < n_out else _lp(g.t(), x.t(), None)
+        if ctx.needs_input_grad[2]:
+            db = g.sum(0)
+        return dx, dw, db, None
+
+
+CPU_LINEAR_CHOICES = ("aten", "onednn")
+
+
+def set_cpu_linear(model: nn.Module, kind: str) -> int:
+    """Pick the GEMM library of every :class:`MLP` in ``model`` for CPU training
+    (``train.cpu_linear``): ``aten`` (``F.linear``: MKL on x86 builds) or ``onednn``
+    (:class:`_OneDNNLinear`).  Evaluation, ``no_grad``, autocast, CUDA and TorchScript tracing
+    always use ``F.linear``, so evaluation and export give the same values whatever is picked.
+
+    Returns:
+        the number of MLPs set.
+
+    Raises:
+        ValueError: ``kind`` not in :data:`CPU_LINEAR_CHOICES`, or ``onednn`` on a torch build
+            without oneDNN's linear.
+    """
+    if kind not in CPU_LINEAR_CHOICES:
+        raise ValueError(f"train.cpu_linear: expected one of {list(CPU_LINEAR_CHOICES)}, got {kind!r}")
+    if kind == "onednn" and not onednn_linear_available():
+        raise ValueError("train.cpu_linear: onednn needs a torch build with oneDNN (torch.backends.mkldnn) and its "
+                         "linear op (torch.ops.mkldnn._linear_pointwise); use aten")
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    for m in mlps:
+        m.cpu_linear = kind
+    return len(mlps)
+
+
 class MLP(nn.Module):
     """Linear + ReLU stack.
 
@@ -92,8 +176,31 @@ class MLP(nn.Module):
         # indices in self.model of the ReLUs that feed another Linear (dropout goes after them)
         self._drop_after = [i for i, m in enumerate(layers) if isinstance(m, nn.ReLU) and i < len(layers) - 1]
 
+    #: GEMM library for CPU training (:func:`set_cpu_linear`, ``train.cpu_linear``)
+    cpu_linear: str = "aten"
+
+    def _onednn_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Training forward through :class:`_OneDNNLinear`, each Linear with its following ReLU
+        fused (dropout, when on, after the ReLU as in :meth:`forward`)."""
+        layers = list(self.model)
+        drop = self.dropout > 0.0
+        i = 0
+        while i < len(layers):
+            lin = layers[i]
+            relu = i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU)
+            x = _OneDNNLinear.apply(x, lin.weight, lin.bias, relu)
+            i += 2 if relu else 1
+            if drop and relu and (i - 1) in self._drop_after:
+                x = torch.nn.functional.dropout(x, self.dropout, training=True)
+        return x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self.training and self.dropout > 0.0
+        if (self.cpu_linear == "onednn" and self.training and x.dim() == 2 and x.device.type == "cpu"
+                and x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+                and not torch.jit.is_tracing() and not torch.jit.is_scripting()
+                and all(isinstance(m, (nn.Linear, nn.ReLU)) for m in self.model)):
+            return self._onednn_forward(x)
         # training on the CPU with an input that needs no gradient (the dense arch): the first
         # layer skips dx and computes dW in the faster GEMM shape (_WeightGradOnlyLinear)
         first = (self.training and x.dim() == 2 and x.device.type == "cpu" and not x.requires_grad

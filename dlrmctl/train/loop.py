@@ -34,7 +34,7 @@ from dlrmctl import run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
-from dlrmctl.modules.dlrm import DLRM
+from dlrmctl.modules.dlrm import DLRM, set_cpu_linear
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.sparse import KeyedTensor
 from dlrmctl.train import checkpoint as ckpt
@@ -170,6 +170,11 @@ class Trainer:
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: Any = build_model(cfg, self.tables, self.num_dense, device=self.device,
                                       sparse_placeholder=env.sharded, check_ids=False)
+        if cfg.train.cpu_linear != "aten":
+            try:
+                set_cpu_linear(self.model, cfg.train.cpu_linear)
+            except ValueError as e:
+                raise TrainError(str(e)) from None
         if not (resume and (checkpoint is not None or ckpt.latest_checkpoint(run_dir) is not None)):
             # a resumed run's checkpoint holds these values: no pass over the train split for nothing
             init_from_train_split(self.model, cfg, self.meta)
