@@ -13,7 +13,7 @@ from dlrmctl.config import config_from_dict
 from dlrmctl.modules import dlrm as dlrm_mod
 from dlrmctl.modules.dlrm import MLP, _OneDNNLinear, onednn_linear_available, set_cpu_linear
 from dlrmctl.train.loop import RunEnv, Trainer, TrainError, prepare_run_dir
-from tests.conftest import tiny_synthetic
+from tests.conftest import REPO, tiny_synthetic
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")
 
@@ -140,3 +140,44 @@ def test_unavailable_onednn_stops_the_trainer_with_one_message(tiny, tmp_path, m
     monkeypatch.setattr(dlrm_mod, "onednn_linear_available", lambda: False)
     with pytest.raises(TrainError, match="train.cpu_linear: onednn needs"):
         _trainer(tiny, tmp_path, "cl_x", "onednn")
+
+
+def test_an_empty_batch_falls_back_and_trains():
+    """A rank's empty last batch (B = 0; oneDNN has no empty GEMM): the MLP runs it on F.linear,
+    [0, out] and zero gradients, as with aten."""
+    m = MLP(13, [64, 16])
+    set_cpu_linear(m, "onednn")
+    y = m(torch.zeros(0, 13))
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+
+
+def test_double_backward_is_an_error_not_zeros():
+    m = MLP(6, [8, 1], final_activation=False)
+    set_cpu_linear(m, "onednn")
+    x = torch.randn(5, 6, requires_grad=True)
+    (g,) = torch.autograd.grad(m(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|double backward|does not require grad"):
+        torch.autograd.grad((g ** 2).sum(), list(m.parameters()), allow_unused=True)
+
+
+def test_two_ranks_with_an_empty_last_local_batch_train(tiny, tmp_path):
+    """`dlrmctl train --nproc 2` where the last global batch has one row, so rank 1's local batch
+    is empty (data.drop_last false): with onednn the run finishes as with aten (breaker: oneDNN
+    has no empty GEMM)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = json.load(open(os.path.join(tiny, "meta.json")))["splits"]["train"]["rows"]
+    bs = next((b for b in range(100, 600) if n % b == 1), None)
+    if bs is None:
+        pytest.skip(f"no batch size in 100..599 leaves one row of {n}")
+    cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
+           "--set", f"data.path={tiny}", "--set", f"train.run_dir={tmp_path}", "--set", "name=empty_rank",
+           "--set", f"data.batch_size={bs}", "--set", "data.drop_last=false", "--set", "train.epochs=1",
+           "--set", "train.cpu_linear=onednn", "--set", "train.progress=false", "--set", "train.max_steps=null"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]

@@ -77,6 +77,8 @@ class _OneDNNLinear(torch.autograd.Function):
     output gradient (after the ReLU's mask when fused): ``dx = g W`` (skipped when ``x`` needs no
     gradient), ``dW = g^T x`` (``(x^T g)^T`` when ``in < out / 4``, the faster shape for a narrow
     input such as Criteo's 13 dense features), ``d bias = g.sum(0)`` as autograd's addmm backward.
+    Once differentiable (a ``create_graph`` double backward raises instead of giving zeros).
+    :class:`MLP` never sends it an empty batch (oneDNN has no empty GEMM: ``F.linear`` runs it).
     """
 
     @staticmethod
@@ -88,6 +90,7 @@ class _OneDNNLinear(torch.autograd.Function):
         return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # oneDNN's op has no derivative: a double backward is an error
     def backward(ctx, g: torch.Tensor):  # type: ignore[override]
         x, weight, y = ctx.saved_tensors
         if ctx.relu:
@@ -197,6 +200,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self.training and self.dropout > 0.0
         if (self.cpu_linear == "onednn" and self.training and x.dim() == 2 and x.device.type == "cpu"
+                and x.shape[0] > 0 and x.shape[1] > 0  # oneDNN has no empty GEMM (a rank's empty last batch)
                 and x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
                 and not torch.jit.is_tracing() and not torch.jit.is_scripting()
                 and all(isinstance(m, (nn.Linear, nn.ReLU)) for m in self.model)):
