@@ -119,4 +119,6 @@ def test_a_bad_topology_file_fails_before_any_rank_starts(trained, tmp_path):
     one_error_line(base + ["--set", f"sharding.topology_file={bad}", "--nproc", "2"], bad, "output_dist_bw_gbps")
     one_error_line(base + ["--set", f"sharding.topology_file={tmp_path / 'missing.yaml'}", "--set",
                            "sharding.force=true"], tmp_path / "missing.yaml")
+    # no topology file: the device preset (and its hbm_gb / ddr_gb) the planner would build
+    one_error_line(base + ["--set", "sharding.device=tpu9", "--nproc", "2"], "sharding.device", "tpu9")
     assert not (tmp_path / "r").exists()

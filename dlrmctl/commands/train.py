@@ -101,8 +101,9 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     directory already holds a run (without ``--resume``/``--overwrite``), resuming on other data
     than the run's (fingerprint) or from a checkpoint it does not have, ``data.path`` has no
     (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
-    plan does not fit the model or the world size, or (no stored plan) the ``sharding.topology_file``
-    the trainer's planner would read is missing or invalid.
+    plan does not fit the model or the world size, or (no stored plan) the topology the trainer's
+    planner would build (``sharding.topology_file`` or the ``sharding.device`` preset with
+    ``hbm_gb`` / ``ddr_gb``) is missing or invalid.
     """
     from dlrmctl.config import ConfigError, read_data_meta
     from dlrmctl.data.columnar import DataError
@@ -123,13 +124,15 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
     if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
         _check_plan_before_launch(cfg, world)
-    elif cfg.sharding.topology_file and (world > 1 or cfg.sharding.force):  # the trainer's planner reads it
-        from dlrmctl.planner.types import PlannerError, load_topology_file
+    elif world > 1 or cfg.sharding.force:  # the trainer's planner builds this topology on rank 0
+        from dlrmctl.planner.types import PlannerError, Topology
 
+        s = cfg.sharding
         try:
-            load_topology_file(cfg.sharding.topology_file)
+            Topology.from_device_or_file(s.device, s.topology_file, world, s.local_world_size or world, s.hbm_gb,
+                                         s.ddr_gb)
         except (PlannerError, OSError) as e:
-            fail(f"sharding.topology_file: {e}")
+            fail(f"sharding.{'topology_file' if s.topology_file else 'device'}: {e}")
 
 
 def _check_plan_before_launch(cfg, world: int) -> None:

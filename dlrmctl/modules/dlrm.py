@@ -178,6 +178,10 @@ class MLP(nn.Module):
         self.out_features = prev
         # indices in self.model of the ReLUs that feed another Linear (dropout goes after them)
         self._drop_after = [i for i, m in enumerate(layers) if isinstance(m, nn.ReLU) and i < len(layers) - 1]
+        #: (Linear, ReLU after it, dropout after that ReLU) per layer: the fused oneDNN training forward
+        self._fused_layers = [(m, i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU),
+                               self.dropout > 0.0 and i + 1 in self._drop_after)
+                              for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
 
     #: GEMM library for CPU training (:func:`set_cpu_linear`, ``train.cpu_linear``)
     cpu_linear: str = "aten"
@@ -185,31 +189,23 @@ class MLP(nn.Module):
     def _onednn_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward through :class:`_OneDNNLinear`, each Linear with its following ReLU
         fused (dropout, when on, after the ReLU as in :meth:`forward`)."""
-        layers = list(self.model)
-        drop = self.dropout > 0.0
-        i = 0
-        while i < len(layers):
-            lin = layers[i]
-            relu = i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU)
+        for lin, relu, drop in self._fused_layers:
             x = _OneDNNLinear.apply(x, lin.weight, lin.bias, relu)
-            i += 2 if relu else 1
-            if drop and relu and (i - 1) in self._drop_after:
+            if drop:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self.training and self.dropout > 0.0
-        if (self.cpu_linear == "onednn" and self.training and x.dim() == 2 and x.device.type == "cpu"
-                and x.shape[0] > 0 and x.shape[1] > 0  # oneDNN has no empty GEMM (a rank's empty last batch)
-                and x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                and not torch.jit.is_tracing() and not torch.jit.is_scripting()
-                and all(isinstance(m, (nn.Linear, nn.ReLU)) for m in self.model)):
+        cpu_fp32_training = (self.training and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
+                             and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+                             and not torch.jit.is_tracing() and not torch.jit.is_scripting())
+        # oneDNN has no empty GEMM (a rank's empty last batch): F.linear runs those
+        if cpu_fp32_training and self.cpu_linear == "onednn" and x.shape[0] > 0 and x.shape[1] > 0:
             return self._onednn_forward(x)
         # training on the CPU with an input that needs no gradient (the dense arch): the first
         # layer skips dx and computes dW in the faster GEMM shape (_WeightGradOnlyLinear)
-        first = (self.training and x.dim() == 2 and x.device.type == "cpu" and not x.requires_grad
-                 and x.dtype == torch.float32 and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                 and not torch.jit.is_tracing() and not torch.jit.is_scripting()
+        first = (cpu_fp32_training and not x.requires_grad
                  and isinstance(self.model[0], nn.Linear) and self.model[0].bias is not None
                  and self.model[0].weight.requires_grad and self.model[0].bias.requires_grad)
         if not (drop or first):

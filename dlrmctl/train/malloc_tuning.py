@@ -27,7 +27,6 @@ Other C libraries (musl, macOS, Windows) are left alone.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 __all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "tune_glibc_malloc"]
@@ -57,7 +56,7 @@ def tune_glibc_malloc() -> bool:
     if _done:
         return True
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = ctypes.CDLL(None)  # the symbols already loaded in this process (libc among them)
         version = getattr(libc, "gnu_get_libc_version", None)
         if version is None:
             log.debug("malloc tuning skipped: the C library is not glibc")
