@@ -482,8 +482,9 @@ def _split_path(key: str) -> list[str | int]:
     return parts
 
 
-def apply_override(raw: dict, assignment: str) -> None:
-    """Apply one ``a.b[2].c=value`` override to the raw YAML dict in place.
+def apply_override(raw: dict, assignment: str) -> str:
+    """Apply one ``a.b[2].c=value`` override to the raw YAML dict in place; returns the key
+    path as written (``a.b[2].c``).
 
     The value is parsed as YAML (``32`` -> int, ``[1, 2]`` -> list,
     ``true`` -> bool).  Type checking happens when the dataclasses are built.
@@ -522,6 +523,7 @@ def apply_override(raw: dict, assignment: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {key}: '{last}' is not inside a mapping")
         node[last] = value
+    return key
 
 
 def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str = "<dict>") -> ExperimentConfig:
@@ -532,9 +534,10 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str 
             the bad value came from an override).
     """
     raw = copy.deepcopy(raw) if raw is not None else {}
+    keys = []  # (key path, the --set as given)
     for ov in overrides or []:
         try:
-            apply_override(raw, ov)
+            keys.append((apply_override(raw, ov), ov))
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
     try:
@@ -543,7 +546,7 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None, source: str 
     except ConfigError as e:
         msg = str(e)
         # name the --set that gave the bad value (the file may not even have the key)
-        given = [ov for ov in overrides or [] if msg.startswith(tuple(ov.split("=", 1)[0].strip() + c for c in ":.["))]
+        given = [ov for key, ov in keys if msg.startswith(tuple(key + c for c in ":.["))]
         where = f"{source} with --set {given[-1]}" if given else source
         raise ConfigError(f"{where}: {msg}") from None
     return cfg
