@@ -244,8 +244,8 @@ class TrainConfig:
     (``bf16``: CPU and CUDA; ``fp16``: CUDA only, with a ``torch.amp.GradScaler``); the
     loss, the metrics, the parameters and the optimizers stay fp32; embeddings follow
     ``model.embedding_precision``.
-    ``cpu_linear`` (default ``aten``): the GEMM library of the MLPs' Linear layers when training
-    on the CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds) or ``onednn``
+    ``cpu_linear`` (default ``aten``): the GEMM library of the MLPs' Linear layers and of DCN's
+    cross net when training on the CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds) or ``onednn``
     (oneDNN's fp32 GEMM with the bias and ReLU fused, :class:`dlrmctl.modules.dlrm._OneDNNLinear`:
     2.0-2.4x MKL's rate on this project's AMD CPU; fp32-accurate, not the same bits).  Evaluation,
     bf16 autocast, CUDA and the export always use ``F.linear``.

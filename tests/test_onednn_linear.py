@@ -96,7 +96,7 @@ def test_the_choice_reaches_every_mlp_of_a_wrapped_model():
 
     wrapper = torch.nn.Sequential(torch.nn.ModuleDict({"dense": MLP(13, [8]), "over": MLP(40, [8, 1]),
                                                         "inter": InteractionProjectionArch(4, 8, [16], [16])}))
-    assert set_cpu_linear(wrapper, "onednn") == 4
+    assert set_cpu_linear(wrapper, "onednn") == 4  # dense, over, the projection's two branches
     assert all(m.cpu_linear == "onednn" for m in wrapper.modules() if isinstance(m, MLP))
 
 
@@ -181,3 +181,27 @@ def test_two_ranks_with_an_empty_last_local_batch_train(tiny, tmp_path):
            "--set", "train.cpu_linear=onednn", "--set", "train.progress=false", "--set", "train.max_steps=null"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+
+
+def test_dcn_cross_net_trains_on_onednn_like_aten():
+    """DCN-v2's low-rank cross net (DLRMv2's interaction) takes the choice too: V and W through
+    oneDNN, outputs and every gradient to fp32 rounding; evaluation stays on F.linear."""
+    from dlrmctl.modules.interactions import LowRankCrossNet
+
+    torch.manual_seed(3)
+    a, b = LowRankCrossNet(240, 3, 64), LowRankCrossNet(240, 3, 64)
+    b.load_state_dict(a.state_dict())
+    assert set_cpu_linear(b, "onednn") == 1
+    x0 = torch.randn(128, 240)
+    xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+    ya, yb = a(xa), b(xb)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(yb, ya, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-4, atol=1e-4)
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-3, msg=n)
+    a.eval(), b.eval()
+    assert torch.equal(a(x0), b(x0))
+    assert b(torch.zeros(0, 240)).shape == (0, 240)  # empty batch: F.linear

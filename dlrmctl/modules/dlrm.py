@@ -110,14 +110,24 @@ class _OneDNNLinear(torch.autograd.Function):
 CPU_LINEAR_CHOICES = ("aten", "onednn")
 
 
+def cpu_fp32_training(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``module`` runs a CPU fp32 training step on ``x [B, in]``: training mode, grad
+    enabled, a 2-D float32 CPU input, no autocast, not tracing / scripting (the case the CPU
+    training kernels of this module — :class:`_OneDNNLinear`, :class:`_WeightGradOnlyLinear` — are for)."""
+    return (module.training and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
+            and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+            and not torch.jit.is_tracing() and not torch.jit.is_scripting())
+
+
 def set_cpu_linear(model: nn.Module, kind: str) -> int:
-    """Pick the GEMM library of every :class:`MLP` in ``model`` for CPU training
+    """Pick the GEMM library of every :class:`MLP` (and DCN ``LowRankCrossNet``: every module
+    class with a ``cpu_linear`` attribute) in ``model`` for CPU training
     (``train.cpu_linear``): ``aten`` (``F.linear``: MKL on x86 builds) or ``onednn``
     (:class:`_OneDNNLinear`).  Evaluation, ``no_grad``, autocast, CUDA and TorchScript tracing
     always use ``F.linear``, so evaluation and export give the same values whatever is picked.
 
     Returns:
-        the number of MLPs set.
+        the number of modules set.
 
     Raises:
         ValueError: ``kind`` not in :data:`CPU_LINEAR_CHOICES`, or ``onednn`` on a torch build
@@ -128,10 +138,10 @@ def set_cpu_linear(model: nn.Module, kind: str) -> int:
     if kind == "onednn" and not onednn_linear_available():
         raise ValueError("train.cpu_linear: onednn needs a torch build with oneDNN (torch.backends.mkldnn) and its "
                          "linear op (torch.ops.mkldnn._linear_pointwise); use aten")
-    mlps = [m for m in model.modules() if isinstance(m, MLP)]
-    for m in mlps:
+    mods = [m for m in model.modules() if hasattr(type(m), "cpu_linear")]
+    for m in mods:
         m.cpu_linear = kind
-    return len(mlps)
+    return len(mods)
 
 
 class MLP(nn.Module):
@@ -197,15 +207,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self.training and self.dropout > 0.0
-        cpu_fp32_training = (self.training and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
-                             and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-                             and not torch.jit.is_tracing() and not torch.jit.is_scripting())
+        training = cpu_fp32_training(self, x)
         # oneDNN has no empty GEMM (a rank's empty last batch): F.linear runs those
-        if cpu_fp32_training and self.cpu_linear == "onednn" and x.shape[0] > 0 and x.shape[1] > 0:
+        if training and self.cpu_linear == "onednn" and x.shape[0] > 0 and x.shape[1] > 0:
             return self._onednn_forward(x)
         # training on the CPU with an input that needs no gradient (the dense arch): the first
         # layer skips dx and computes dW in the faster GEMM shape (_WeightGradOnlyLinear)
-        first = (cpu_fp32_training and not x.requires_grad
+        first = (training and not x.requires_grad
                  and isinstance(self.model[0], nn.Linear) and self.model[0].bias is not None
                  and self.model[0].weight.requires_grad and self.model[0].bias.requires_grad)
         if not (drop or first):

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dlrmctl.modules.dlrm import MLP, InteractionArch
+from dlrmctl.modules.dlrm import MLP, InteractionArch, _OneDNNLinear, cpu_fp32_training
 from dlrmctl.sparse import KeyedTensor
 
 __all__ = [
@@ -95,9 +95,16 @@ class LowRankCrossNet(nn.Module):
         )
         self.bias = nn.ParameterList([nn.Parameter(torch.zeros(in_features)) for _ in range(num_layers)])
 
+    #: GEMM library for CPU fp32 training (``train.cpu_linear``, :func:`dlrmctl.modules.dlrm.set_cpu_linear`)
+    cpu_linear: str = "aten"
+
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         """``x0 [B, N]`` -> ``x_L [B, N]`` (see the class docstring)."""
         x = x0
+        if self.cpu_linear == "onednn" and cpu_fp32_training(self, x0) and x0.shape[0] > 0:
+            for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
+                x = x0 * _OneDNNLinear.apply(_OneDNNLinear.apply(x, V, None, False), W, b, False) + x
+            return x
         for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
             x = x0 * (nn.functional.linear(nn.functional.linear(x, V), W) + b) + x
         return x
