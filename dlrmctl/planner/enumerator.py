@@ -45,7 +45,6 @@ from dlrmctl.planner.perf import estimate_shard
 from dlrmctl.planner.storage import shard_bytes, to_storage
 from dlrmctl.planner.types import (
     UNPOOLED_SHARDING_TYPES,
-    Perf,
     PlannerError,
     Shard,
     ShardingOption,
@@ -119,19 +118,35 @@ def _make_option(
     hits: list[float] | None = None,
 ) -> ShardingOption:
     """Estimate perf and storage of each shard (cached per distinct shard shape and cache hit fraction)."""
-    n_row = len(sizes) if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
+    estimate = _shard_estimator(topology, table, st, kernel, len(sizes), batch_size)
     cache: dict[tuple[int, int, float], tuple] = {}
     shards = []
     for size, off, r, h in zip(sizes, offsets, ranks, hits or [0.0] * len(sizes)):
         key = (size[0], size[1], h)
         c = cache.get(key)
         if c is None:
-            perf, ids, inp, out = estimate_shard(topology, table, st, kernel, size[0], size[1], n_row, batch_size, h)
+            perf, ids, inp, out = estimate(size[0], size[1], h)
             b = shard_bytes(st, kernel, size[0], size[1], table.weight_bytes, table.optimizer, ids, inp, out)
             storage = to_storage(topology, b)
             c = cache[key] = (storage, perf, inp, out, b.weights, b.optimizer, perf.total, b.total)
         shards.append(Shard(size, off, *c[:6], r, c[6], c[7]))  # size/off lists are never mutated
     return ShardingOption(table, st, kernel, shards, host_bound)
+
+
+def _shard_estimator(topology: Topology, table: TableSpec, st: ShardingType, kernel: ComputeKernel,
+                     num_shards: int, batch_size: int):
+    """``(rows, cols, hit) -> estimate_shard(...)`` for the shards of one option, memoised per
+    distinct ``(rows, cols, hit)``; row kinds split the ids over their ``num_shards`` row shards."""
+    n_row = num_shards if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
+    memo: dict[tuple[int, int, float], tuple] = {}
+
+    def estimate(rows: int, cols: int, hit: float) -> tuple:
+        key = (rows, cols, hit)
+        if key not in memo:
+            memo[key] = estimate_shard(topology, table, st, kernel, rows, cols, n_row, batch_size, hit)
+        return memo[key]
+
+    return estimate
 
 
 def apply_cache_hits(topology: Topology, option: ShardingOption, hits: list[float], batch_size: int) -> None:
@@ -145,15 +160,10 @@ def apply_cache_hits(topology: Topology, option: ShardingOption, hits: list[floa
     if len(hits) != len(option.shards):
         raise ValueError(f"table '{option.table.name}': {len(hits)} cache hit fractions for "
                          f"{len(option.shards)} shards")
-    st = option.sharding_type
-    n_row = len(option.shards) if st in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE) else 1
-    cache: dict[tuple[int, int, float], Perf] = {}
+    estimate = _shard_estimator(topology, option.table, option.sharding_type, option.compute_kernel,
+                                len(option.shards), batch_size)
     for s, h in zip(option.shards, hits):
-        key = (s.size[0], s.size[1], float(h))
-        perf = cache.get(key)
-        if perf is None:
-            perf = cache[key] = estimate_shard(topology, option.table, st, option.compute_kernel, s.size[0],
-                                               s.size[1], n_row, batch_size, float(h))[0]
+        perf = estimate(s.size[0], s.size[1], float(h))[0]
         s.perf, s.time = perf, perf.total
 
 
