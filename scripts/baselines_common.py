@@ -26,12 +26,21 @@ DEFAULT_CS = (0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
 
 
 def cli_main(description: str, data_help: str, run, argv=None) -> dict:
-    """The baselines scripts' ``main``: the shared arguments (``data_dir``, ``--val-split``,
-    ``--test-split``, ``--C``, ``--seed``), :func:`parse_args_and_run`, and the elapsed seconds on
-    stderr.  ``data_help`` describes ``data_dir`` (which preprocess output the script reads)."""
+    """The baselines scripts' ``main``: parse ``argv`` (``data_dir``, ``--val-split``,
+    ``--test-split``, ``--C``, ``--seed``), call ``run(data_dir, val_split, test_split, cs, seed)``,
+    print the elapsed seconds on stderr and return ``run``'s result.  ``data_help`` describes
+    ``data_dir`` (which preprocess output the script reads).
+
+    A bad ``--C`` (not numbers, none, a value not finite and > 0), ``--test-split`` equal to
+    ``--val-split`` (the split C is chosen on would be reported as the held-out result), a missing
+    directory or split, or a single-class train split end the program with the usage line and a
+    one-line message (exit status 2), not a traceback.
+    """
     import argparse
     import sys
     import time
+
+    from dlrmctl.data.columnar import DataError
 
     p = argparse.ArgumentParser(description=description)
     p.add_argument("data_dir", help=data_help)
@@ -41,7 +50,18 @@ def cli_main(description: str, data_help: str, run, argv=None) -> dict:
                    help="comma-separated inverse L2 strengths to try")
     p.add_argument("--seed", type=int, default=0)
     t0 = time.perf_counter()
-    res = parse_args_and_run(p, argv, run)
+    a = p.parse_args(argv)
+    try:
+        cs = parse_cs(a.C)
+    except ValueError as e:
+        p.error(str(e))
+    if a.val_split == a.test_split:
+        p.error(f"--test-split {a.test_split!r} is the split C is chosen on (--val-split): the test result "
+                "must come from rows no choice was made on")
+    try:
+        res = run(a.data_dir, a.val_split, a.test_split, cs, a.seed)
+    except (DataError, ValueError) as e:
+        p.error(str(e))
     print(f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr)
     return res
 
@@ -69,31 +89,6 @@ def parse_cs(text: str) -> tuple[float, ...]:
     except ValueError:
         raise ValueError(f"--C: expected comma-separated numbers, got {text!r}") from None
     return check_cs(cs)
-
-
-def parse_args_and_run(parser, argv, run):
-    """The baselines scripts' ``main``: parse ``argv`` (``data_dir``, ``--val-split``, ``--test-split``,
-    ``--C``, ``--seed``), call ``run(data_dir, val_split, test_split, cs, seed)`` and return its result.
-
-    A bad ``--C`` (not numbers, none, a value not finite and > 0), ``--test-split`` equal to
-    ``--val-split`` (the split C is chosen on would be reported as the held-out result), a missing
-    directory or split, or a single-class train split end the program with the usage line and a
-    one-line message (exit status 2), not a traceback.
-    """
-    from dlrmctl.data.columnar import DataError
-
-    a = parser.parse_args(argv)
-    try:
-        cs = parse_cs(a.C)
-    except ValueError as e:
-        parser.error(str(e))
-    if a.val_split == a.test_split:
-        parser.error(f"--test-split {a.test_split!r} is the split C is chosen on (--val-split): the test result "
-                     "must come from rows no choice was made on")
-    try:
-        return run(a.data_dir, a.val_split, a.test_split, cs, a.seed)
-    except (DataError, ValueError) as e:
-        parser.error(str(e))
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:

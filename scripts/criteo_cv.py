@@ -60,6 +60,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -315,7 +316,8 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
     torch.set_num_threads(threads)
     work_p = Path(work)
     rows = []
-    sets = "".join(f" --set {o}" for o in overrides)
+    set_args = [a for o in overrides for a in ("--set", o)]
+    sets = (" " + shlex.join(set_args)) if set_args else ""
     for seed in range(first_seed, first_seed + splits):
         t0 = time.perf_counter()
         try:
@@ -332,9 +334,11 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
             f"{work_p / 'runs' / f'split_{seed}'}{'_m*' if ensemble > 1 else ''})")
         rows.append(r)
     s = summarize(rows)
-    command = "python scripts/criteo_cv.py --input {} --config {} --splits {}{}{}".format(
-        input_file, config, splits, f" --ensemble {ensemble}" if ensemble > 1 else "",
-        "".join(f" --set {o}" for o in overrides))
+    # every option that changes the figures, quoted: running the recorded command gives this table again
+    command = shlex.join(["python", "scripts/criteo_cv.py", "--input", str(input_file), "--config", str(config),
+                          "--splits", str(splits), "--first-seed", str(first_seed), "--val-ratio", f"{val_ratio:g}",
+                          "--test-ratio", f"{test_ratio:g}", "--C", ",".join(f"{c:g}" for c in cs)]
+                         + (["--ensemble", str(ensemble)] if ensemble > 1 else []) + set_args)
     text = render(rows, s, command)
     print(text, end="")
     plain = [{k: v for k, v in r.items() if not isinstance(v, np.ndarray)} for r in rows]

@@ -82,6 +82,13 @@ def test_two_splits_pair_dlrm_and_lr_on_the_same_test_rows(head_tsv, tmp_path, c
     # written through temp files: the table and the JSON, no .tmp left behind
     assert out.read_text() in printed
     assert json.loads(out.with_suffix(".json").read_text())["summary"]["diff_mean"] == pytest.approx(s["diff_mean"])
+    # the recorded command carries every option that changes the figures, quoted
+    import shlex
+
+    cmd = shlex.split(json.loads(out.with_suffix(".json").read_text())["command"])
+    opts = dict(zip(cmd[2::2], cmd[3::2]))
+    assert opts["--first-seed"] == "3" and opts["--C"] == "0.03,0.3" and opts["--splits"] == "2"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"] == list(FAST)
     assert sorted(p.name for p in out.parent.iterdir()) == ["cv.json", "cv.md"]
 
 

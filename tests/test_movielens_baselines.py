@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import pathlib
 
 import numpy as np
 import pytest
@@ -12,22 +10,12 @@ import pytest
 pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip install -e '.[test]'")
 
 from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(path: pathlib.Path, name: str):
-    """Import a file by path (works whether or not tests/ is a package)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-make_ml100k = _load(REPO / "tests" / "test_movielens.py", "_movielens_fixtures").make_ml100k
+from tests.helpers.scripts import load_script
+from tests.test_movielens import make_ml100k
 
 
 def _script():
-    return _load(REPO / "scripts" / "movielens_baselines.py", "movielens_baselines")
+    return load_script("movielens_baselines")
 
 
 def test_auc_matches_pairwise_count_with_ties():

@@ -132,7 +132,12 @@ def test_trainer_with_onednn_trains_like_aten(tiny, tmp_path):
         t = _trainer(tiny, tmp_path, f"cl_{kind}", kind)
         mlps = [m for m in t.model.modules() if isinstance(m, MLP)]
         assert mlps and all(m.cpu_linear == kind for m in mlps)
-        out[kind] = t.train()["final"]["auc"]
+        calls = []
+        real = _OneDNNLinear.apply
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(_OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
+            out[kind] = t.train()["final"]["auc"]
+        assert bool(calls) is (kind == "onednn")
     assert abs(out["onednn"] - out["aten"]) < 0.002, out
 
 
@@ -183,18 +188,25 @@ def test_two_ranks_with_an_empty_last_local_batch_train(tiny, tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
 
 
-def test_dcn_cross_net_trains_on_onednn_like_aten():
+def test_dcn_cross_net_trains_on_onednn_like_aten(monkeypatch):
     """DCN-v2's low-rank cross net (DLRMv2's interaction) takes the choice too: V and W through
-    oneDNN, outputs and every gradient to fp32 rounding; evaluation stays on F.linear."""
+    oneDNN (two calls per layer), outputs and every gradient to fp32 rounding; evaluation stays on F.linear."""
+    from dlrmctl.modules import interactions
     from dlrmctl.modules.interactions import LowRankCrossNet
 
     torch.manual_seed(3)
     a, b = LowRankCrossNet(240, 3, 64), LowRankCrossNet(240, 3, 64)
     b.load_state_dict(a.state_dict())
     assert set_cpu_linear(b, "onednn") == 1
+    calls = []
+    real = _OneDNNLinear.apply
+    monkeypatch.setattr(interactions._OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
     x0 = torch.randn(128, 240)
     xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
-    ya, yb = a(xa), b(xb)
+    ya = a(xa)
+    assert calls == []
+    yb = b(xb)
+    assert len(calls) == 2 * 3
     g = torch.randn_like(ya)
     ya.backward(g)
     yb.backward(g)
@@ -204,4 +216,6 @@ def test_dcn_cross_net_trains_on_onednn_like_aten():
         torch.testing.assert_close(pb.grad, pa.grad, rtol=1e-4, atol=1e-3, msg=n)
     a.eval(), b.eval()
     assert torch.equal(a(x0), b(x0))
+    b.train()
     assert b(torch.zeros(0, 240)).shape == (0, 240)  # empty batch: F.linear
+    assert len(calls) == 2 * 3

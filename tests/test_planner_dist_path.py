@@ -155,7 +155,7 @@ def test_the_two_rank_calibration_measures_both_paths():
     # table_wise, 2 tables on 2 ranks: each rank's table receives every source's lengths + ids (int32)
     assert got["idist_bytes"].median == 2 * (cal._BATCH + cal._BATCH * cal._IDIST_POOL) * 4
     assert got["pooled_bytes"].median == (4 << 20) // 2  # half of each rank's 4 MiB leaves it
-    assert got["pooled_a2a_s"].median > 0 and got["idist_extra_s"].lo >= 1e-5
+    assert got["pooled_a2a_s"].median > 0
 
 
 # ---------------------------------------------------------------------------- enumerator / evaluate_plan
@@ -175,7 +175,7 @@ def test_a_dense_option_faster_on_a_calibrated_machine_is_kept():
     assert all(o.compute_kernel == CK.FUSED for o in opts if o.sharding_type == ST.TABLE_WISE)
 
 
-def test_evaluate_plan_applies_the_placed_cache_hits_without_rebuilding():
+def test_evaluate_plan_applies_the_placed_cache_hits_without_rebuilding(monkeypatch):
     """``evaluate_plan`` on a cache-aware topology charges every shard what ``build_option`` charges it
     at that shard's hit fraction (``cache_hit_fractions`` of the placement)."""
     from dlrmctl.distributed.model_parallel import plan_from_types
@@ -190,7 +190,13 @@ def test_evaluate_plan_applies_the_placed_cache_hits_without_rebuilding():
     specs = [TableSpec(f"t{i}", n, 64, [3.0]) for i, n in enumerate(rows)]
     cfgs = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=64) for i, n in enumerate(rows)]
     plan = plan_from_types(cfgs, {"t0": "data_parallel", "t1": "row_wise", "t2": "column_wise"}, 2, 2)
+    from dlrmctl.planner import planner as planner_mod
+
+    built = []
+    monkeypatch.setattr(planner_mod, "build_option", lambda *a, **k: built.append(a[1].name) or build_option(*a, **k))
     part = evaluate_plan(plan, specs, topo, B)
+    monkeypatch.undo()
+    assert sorted(built) == ["t0", "t1", "t2"]  # each placed option built once, its hits applied in place
     hits = cache_hit_fractions(topo, part.options, part.ranks, B)
     assert any(0 < h < 1 for hs in hits for h in hs)
     for o, rk, h in zip(part.options, part.ranks, hits):

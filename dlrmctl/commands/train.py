@@ -125,14 +125,13 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
         _check_plan_before_launch(cfg, world)
     elif world > 1 or cfg.sharding.force:  # the trainer's planner builds this topology on rank 0
-        from dlrmctl.planner.types import PlannerError, Topology
+        from dlrmctl.planner.planner import topology_for_config
+        from dlrmctl.planner.types import PlannerError
 
-        s = cfg.sharding
         try:
-            Topology.from_device_or_file(s.device, s.topology_file, world, s.local_world_size or world, s.hbm_gb,
-                                         s.ddr_gb)
+            topology_for_config(cfg, world)
         except (PlannerError, OSError) as e:
-            fail(f"sharding.{'topology_file' if s.topology_file else 'device'}: {e}")
+            fail(f"sharding.{'topology_file' if cfg.sharding.topology_file else 'device'}: {e}")
 
 
 def _check_plan_before_launch(cfg, world: int) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -244,19 +243,13 @@ class ShardingPlan:
         )
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as YAML (temp file + rename, so a crash never leaves half a plan)."""
+        """Write the plan as YAML (:func:`dlrmctl.fileio.write_text_atomic`: temp file, fsync,
+        rename, so a crash never leaves half a plan)."""
         import yaml
 
-        path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".plan.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False, default_flow_style=None)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; readable like any other output file
-        os.replace(tmp, path)
+        from dlrmctl.fileio import write_text_atomic
+
+        write_text_atomic(path, yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
 
     @staticmethod
     def load(path: str | os.PathLike) -> "ShardingPlan":

@@ -636,10 +636,9 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                 measured[f"fused_fwd_dim{_NARROW_DIM}_ms"] = round(f_n.median * 1e3, 3)
                 spread[f"fused_fwd_dim{_NARROW_DIM}_ms"] = _range(f_n, 1e3)
                 log(f"fused lookup fit: forward {fwd_per_id * 1e9:.2f} ns per id + {bag_fwd * 1e9:.2f} ns per bag + "
-                    f"bytes at {eff[kernel] * mem_bw / GB:.1f} GB/s; backward {per_id * 1e9:.2f} ns per id + "
-                    f"{bag_bwd * 1e9:.2f} ns per bag + {mults[kernel]:.2f} x the bytes' forward (measured forward "
+                    f"bytes at {eff[kernel] * mem_bw / GB:.1f} GB/s (measured forward "
                     f"{f_d.median * 1e3:.3f} / {f_n.median * 1e3:.3f} / {f_p.median * 1e3:.3f} ms at {_DIM} / "
-                    f"{_NARROW_DIM} columns / one id per bag, same ids)")
+                    f"{_NARROW_DIM} columns / one id per bag, same ids); backward on the next line")
                 measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
                 spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
                 log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel], bag_bwd))
@@ -671,7 +670,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
     # output dist: bytes leaving a rank, forward and backward, per second of the whole path, its two
     # collectives' fixed latency (step_latency) taken out
     pooled_bytes = 2 * comm["pooled_bytes"].median
-    pooled_s = comm["pooled_a2a_s"].scaled(1.0)
+    pooled_s = comm["pooled_a2a_s"]
     pooled_net = Sample(max(pooled_s.median - 2 * coll, 1e-6), max(pooled_s.lo - 2 * coll, 1e-6),
                         max(pooled_s.hi - 2 * coll, 1e-6)).inverse(pooled_bytes)
     measured["pooled_a2a_ms"], spread["pooled_a2a_ms"] = round(pooled_s.median * 1e3, 3), _range(pooled_s, 1e3)

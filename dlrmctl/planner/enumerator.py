@@ -117,19 +117,20 @@ def _make_option(
     host_bound: bool = False,
     hits: list[float] | None = None,
 ) -> ShardingOption:
-    """Estimate perf and storage of each shard (cached per distinct shard shape and cache hit fraction)."""
+    """Estimate perf (memoised per distinct shard shape and cache hit fraction) and storage (per
+    distinct shard shape: bytes do not depend on the hits) of each shard."""
     estimate = _shard_estimator(topology, table, st, kernel, len(sizes), batch_size)
-    cache: dict[tuple[int, int, float], tuple] = {}
+    stored: dict[tuple[int, int], tuple] = {}
     shards = []
     for size, off, r, h in zip(sizes, offsets, ranks, hits or [0.0] * len(sizes)):
-        key = (size[0], size[1], h)
-        c = cache.get(key)
+        perf, ids, inp, out = estimate(size[0], size[1], h)
+        c = stored.get((size[0], size[1]))
         if c is None:
-            perf, ids, inp, out = estimate(size[0], size[1], h)
             b = shard_bytes(st, kernel, size[0], size[1], table.weight_bytes, table.optimizer, ids, inp, out)
-            storage = to_storage(topology, b)
-            c = cache[key] = (storage, perf, inp, out, b.weights, b.optimizer, perf.total, b.total)
-        shards.append(Shard(size, off, *c[:6], r, c[6], c[7]))  # size/off lists are never mutated
+            c = stored[size[0], size[1]] = (to_storage(topology, b), b)
+        storage, b = c
+        # size/off lists are never mutated
+        shards.append(Shard(size, off, storage, perf, inp, out, b.weights, b.optimizer, r, perf.total, b.total))
     return ShardingOption(table, st, kernel, shards, host_bound)
 
 

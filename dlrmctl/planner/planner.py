@@ -580,6 +580,19 @@ def plan_config(
     return EmbeddingShardingPlanner(topology, batch_size or cfg.data.batch_size, res).plan(specs)
 
 
+def topology_for_config(cfg: Any, world_size: int, local_world_size: int | None = None) -> Topology:
+    """The topology the trainer plans on: ``sharding.topology_file`` when set, else the
+    ``sharding.device`` preset, with ``sharding.hbm_gb`` / ``ddr_gb``; ``local_world_size``
+    defaults to ``sharding.local_world_size``, then to ``world_size``.
+
+    Raises:
+        PlannerError: an unknown device, a bad or unreadable topology file (named), inconsistent sizes.
+    """
+    s = cfg.sharding
+    lws = local_world_size or s.local_world_size or world_size
+    return Topology.from_device_or_file(s.device, s.topology_file, world_size, lws, s.hbm_gb, s.ddr_gb)
+
+
 def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = None, meta: dict | None = None) -> ShardingPlan:
     """The plan ``dlrmctl train --nproc N`` applies when no plan is given (rank 0 plans, then broadcasts).
 
@@ -597,9 +610,7 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     Raises:
         PlannerError: infeasible (the message says what would fit).
     """
-    lws = local_world_size or cfg.sharding.local_world_size or world_size
-    topo = Topology.from_device_or_file(cfg.sharding.device, cfg.sharding.topology_file, world_size, lws,
-                                        cfg.sharding.hbm_gb, cfg.sharding.ddr_gb)
+    topo = topology_for_config(cfg, world_size, local_world_size)
     from dlrmctl import _fbgemm
 
     # without fbgemm_gpu training runs every table on the dense kernel: plan (and cost) that

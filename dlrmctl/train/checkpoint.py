@@ -75,8 +75,8 @@ refused with its version named.
 
 from __future__ import annotations
 
-from dlrmctl.fileio import write_text_atomic
 import base64
+import collections
 import bisect
 import glob
 import io
@@ -94,6 +94,8 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from dlrmctl.fileio import write_text_atomic
 
 CKPT_DIR = "checkpoints"
 FORMAT = "dcp-v2"
@@ -395,9 +397,7 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
             return "it has no checkpoint"
         best = best_checkpoint(run_dir)
         last = latest_checkpoint(run_dir)
-        counts: dict[int, int] = {}
-        for s, _ in have:
-            counts[s] = counts.get(s, 0) + 1
+        counts = collections.Counter(s for s, _ in have)
         tags = []
         for s, p in have:
             marks = [os.path.basename(p)] if counts[s] > 1 else []  # a repeated step: its name selects it
@@ -441,8 +441,6 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
     # several (a re-save step_X.1, a reshard step_X_wsN): the one LATEST names, else the newest
     last = latest_checkpoint(run_dir)
     return (last if last in matches else matches[-1]), f"step {step}"
-
-
 
 
 def _fsync_dir(path: str) -> None:

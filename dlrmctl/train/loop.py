@@ -29,11 +29,11 @@ import numpy as np
 import torch
 import yaml
 
-from dlrmctl.fileio import write_text_atomic
 from dlrmctl import run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
+from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.dlrm import DLRM, set_cpu_linear
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.sparse import KeyedTensor
