@@ -8,7 +8,8 @@ key, a missing required key or a value of the wrong type is a
 same way.
 
 Top-level sections: ``name``, ``data``, ``model``, ``optimizer``, ``train``,
-``sharding``.  See ``README.md`` ("Configuration") for every key.
+``sharding``.  Every key is listed in ``docs/configuration.md`` (its key reference is generated
+from these dataclasses by ``scripts/gen_config_docs.py``).
 """
 
 from __future__ import annotations

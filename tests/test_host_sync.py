@@ -3,7 +3,7 @@
 value on the host (``.item()``, ``.tolist()``, ``int()``, ``float()``, ``bool()``).
 
 On CUDA each of these calls blocks the host until the device catches up, so the pipeline can
-no longer run ahead.  The budget, per step (README "Host-sync budget"):
+no longer run ahead.  The budget, per step (docs/distributed.md, "Host-sync budget"):
 
 * 1: the input_dist size exchange (one ``tolist`` of the sizes every rank sends; it sizes the
   buffers of the id all-to-all); none with an all-data_parallel plan;
@@ -23,7 +23,7 @@ import torch
 
 from tests.dist_utils import run_multiprocess
 
-#: budget named in the README ("Host-sync budget")
+#: budget named in docs/distributed.md ("Host-sync budget")
 SYNC_BUDGET_PER_STEP = 2
 STEPS = 20
 LOG_EVERY = 10
