@@ -494,10 +494,12 @@ def apply_override(raw: dict, assignment: str) -> str:
     """
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. model.embedding_dim=32")
+    from dlrmctl.yaml_file import load_yaml_text
+
     key, _, text = assignment.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = load_yaml_text(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"--set {key}: cannot parse value {text!r}: {e}") from e
     parts = _split_path(key)

@@ -1504,12 +1504,12 @@ def run_config(run_dir: str) -> ExperimentConfig:
         TrainError: no config.yaml (not a run directory).
     """
     from dlrmctl.config import config_from_dict
+    from dlrmctl.yaml_file import read_yaml
 
     cpath = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cpath):
         raise TrainError(f"{run_dir}: no config.yaml; not a dlrmctl run directory")
-    with open(cpath) as f:
-        return config_from_dict(yaml.safe_load(f), source=cpath)
+    return config_from_dict(read_yaml(cpath, TrainError, "run's recorded config"), source=cpath)
 
 
 @torch.no_grad()
