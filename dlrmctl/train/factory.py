@@ -77,7 +77,7 @@ def check_tables_fit(cfg: ExperimentConfig, tables: Sequence[EmbeddingBagConfig]
         f"model.tables: the tables need {fmt_bytes(total)} (weights + {cfg.optimizer.embedding.type} state) in one "
         f"process but there is {fmt_bytes(have)} {what}; the largest, '{big.name}' ({big.num_embeddings:,} rows x "
         f"{big.embedding_dim}), needs {fmt_bytes(need[big.name])}: shard the tables over ranks (--nproc N; "
-        f"`dlrmctl plan CONFIG --gpus N` shows how many), use fp16 weights (model.embedding_precision) or fewer rows")
+        f"`dlrmctl plan CONFIG --gpus N --device cpu` shows how many), use fp16 weights (model.embedding_precision) or fewer rows")
 
 
 def build_model(
