@@ -501,7 +501,9 @@ def apply_override(raw: dict, assignment: str) -> str:
     try:
         value = load_yaml_text(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: cannot parse value {text!r}: {e}") from e
+        mark = getattr(e, "problem_mark", None)  # one line: the problem and its column, not YAML's 4-line excerpt
+        at = f" (column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"--set {key}: cannot parse value {text!r}: {getattr(e, 'problem', None) or e}{at}") from e
     parts = _split_path(key)
     node: Any = raw
     for i, p in enumerate(parts[:-1]):
