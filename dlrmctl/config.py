@@ -495,12 +495,16 @@ def apply_override(raw: dict, assignment: str) -> str:
     """
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. model.embedding_dim=32")
+    from dlrmctl.yaml_file import load_yaml_text
+
     key, _, text = assignment.partition("=")
     key = key.strip()
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = load_yaml_text(text) if text.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {key}: cannot parse value {text!r}: {e}") from e
+        mark = getattr(e, "problem_mark", None)  # one line: the problem and its column, not YAML's 4-line excerpt
+        at = f" (column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"--set {key}: cannot parse value {text!r}: {getattr(e, 'problem', None) or e}{at}") from e
     parts = _split_path(key)
     node: Any = raw
     for i, p in enumerate(parts[:-1]):
@@ -574,8 +578,70 @@ def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     return config_from_dict(raw, overrides, source=path)
 
 
+#: largest value of any integer key (int64: tensors of sizes, steps and counts are int64)
+INT64_MAX = 2**63 - 1
+
+#: upper bounds of the integer keys whose size is memory (key name -> (limit, what it is));
+#: every other integer key is bounded by :data:`INT64_MAX`.  Each bound is far above any real
+#: configuration and far below what would overflow int64 arithmetic (rows x dim x bytes) or
+#: ask for more memory than any machine has.
+INT_LIMITS: dict[str, tuple[int, str]] = {
+    "batch_size": (2**24, "samples per global batch; a batch's dense features alone are 52 bytes a sample"),
+    "eval_batch_size": (2**24, "samples per evaluation batch"),
+    "num_embeddings": (2**44, "rows of one table; 2**44 rows x 4 bytes is 70 TB a column"),
+    "embedding_dim": (2**14, "columns of one table"),
+    "dense_arch_layer_sizes": (2**16, "units of one MLP layer"),
+    "over_arch_layer_sizes": (2**16, "units of one MLP layer"),
+    "interaction_branch1_layer_sizes": (2**16, "units of one MLP layer"),
+    "interaction_branch2_layer_sizes": (2**16, "units of one MLP layer"),
+    "dcn_low_rank_dim": (2**16, "the rank of a cross layer"),
+    "dcn_num_layers": (2**10, "cross layers"),
+    "multi_hot_sizes": (2**16, "ids per sample of one feature"),
+    "prefetch": (2**10, "batches held in memory ahead of the step"),
+    "shuffle_window_rows": (2**40, "rows held in memory for the shuffle"),
+    "shuffle_block_rows": (2**40, "rows of a shuffle block"),
+    "column_sizes": (2**14, "columns of one shard (<= embedding_dim)"),
+    "min_column_shard_dim": (2**14, "columns of one shard (<= embedding_dim)"),
+    "ranks": (2**20, "a rank number"),
+    "local_world_size": (2**20, "ranks per host"),
+}
+
+
+def _check_bounds(value: Any, path: str) -> None:
+    """Every integer of the config tree within its :data:`INT_LIMITS` bound (else ``INT64_MAX``),
+    every float finite.
+
+    Raises:
+        ConfigError: naming the key path, the value and the limit.
+    """
+    if dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            _check_bounds(getattr(value, f.name), f"{path}.{f.name}" if path else f.name)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_bounds(v, f"{path}.{k}")
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_bounds(v, f"{path}[{i}]")
+        return
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        key = re.sub(r"\[\d+\]$", "", path).rsplit(".", 1)[-1]
+        limit, what = INT_LIMITS.get(key, (INT64_MAX, "the int64 range"))
+        if abs(value) > limit:
+            raise ConfigError(f"{path}: {value:,} is beyond the limit of {limit:,} ({what}); give a smaller value")
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{path}: must be a finite number, got {value}")
+
+
 def validate(cfg: ExperimentConfig) -> None:
     """Cross-field checks that types alone cannot express.
+
+    Besides the rules below, every integer key is bounded (:data:`INT_LIMITS`, else int64) and
+    every float key must be finite.
 
     Raises:
         ConfigError: naming the key path.
@@ -584,6 +650,7 @@ def validate(cfg: ExperimentConfig) -> None:
         if v is not None and (v < 0 or (v == 0 and not allow_zero)):
             raise ConfigError(f"{p}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
 
+    _check_bounds(cfg, "")
     if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or "\\" in cfg.name or "\0" in cfg.name:
         raise ConfigError(f"name: must be one directory name (the run is train.run_dir/<name>), got {cfg.name!r}")
     pos(cfg.data.batch_size, "data.batch_size")
@@ -687,6 +754,9 @@ def validate(cfg: ExperimentConfig) -> None:
     if it == "dcn":
         pos(cfg.model.dcn_num_layers, "model.dcn_num_layers")
         pos(cfg.model.dcn_low_rank_dim, "model.dcn_low_rank_dim")
+    pos(cfg.sharding.hbm_gb, "sharding.hbm_gb")
+    pos(cfg.sharding.ddr_gb, "sharding.ddr_gb")
+    pos(cfg.sharding.local_world_size, "sharding.local_world_size")
     for tname, ts in cfg.sharding.tables.items():
         p = f"sharding.tables.{tname}"
         if ts.column_sizes is not None and (not ts.column_sizes or any(c < 1 for c in ts.column_sizes)):

@@ -16,6 +16,27 @@ def fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def check_number(option: str, value: int | float | None, minimum: int | float = 0, maximum: float | None = None,
+                 positive: bool = True, what: str = "") -> None:
+    """A numeric command-line option's value is finite, > 0 (``positive``) or >= ``minimum``, and
+    <= ``maximum``; else one ``error: OPTION must be ..., got VALUE`` line and exit 2 (:func:`fail`).
+    ``None`` (the option not given) passes.
+
+    Args:
+        option: the option as typed (``--batch-size``), for the message.
+        minimum: smallest accepted value when ``positive`` is False (0: a count that may be zero).
+        what: what the value is ("GB per rank"), added to the message.
+    """
+    if value is None:
+        return
+    ok = math.isfinite(value) and (value > 0 if positive else value >= minimum) and (maximum is None or value <= maximum)
+    if not ok:
+        rng = "> 0" if positive else f">= {minimum:g}"
+        if maximum is not None:
+            rng += f" and <= {maximum:,}" if isinstance(maximum, int) else f" and <= {maximum:g}"
+        fail(f"{option} must be a finite number {rng}{f' ({what})' if what else ''}, got {value}")
+
+
 def show_path(path: str | os.PathLike) -> str:
     """How dlrmctl prints a path: relative to the working directory when it is below it, else absolute."""
     p = os.path.abspath(os.fspath(path))

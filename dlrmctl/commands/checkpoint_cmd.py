@@ -50,8 +50,6 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     Raises:
         CheckpointError / PlanError: no checkpoint, or a plan that does not fit the tables.
     """
-    import yaml
-
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.train import checkpoint as ckpt
 
@@ -65,8 +63,10 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
         from dlrmctl.config import config_from_dict
         from dlrmctl.planner.planner import plan_for_config
 
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            cfg = config_from_dict(yaml.safe_load(f), source=os.path.join(run_dir, "config.yaml"))
+        from dlrmctl.yaml_file import read_yaml
+
+        cpath = os.path.join(run_dir, "config.yaml")
+        cfg = config_from_dict(read_yaml(cpath, ckpt.CheckpointError, "run's recorded config"), source=cpath)
         with open(os.path.join(run_dir, "data_meta.json")) as f:
             dmeta = json.load(f)
         plan = plan_for_config(cfg, nproc, None, dmeta)

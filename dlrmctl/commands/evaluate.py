@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import echo, fail, print_metrics, setup_logging, user_errors
+from dlrmctl.commands._common import check_number, echo, fail, print_metrics, setup_logging, user_errors
 
 
 def evaluate(
@@ -24,10 +24,15 @@ def evaluate(
                                                                          "the run kept one, else last)"),
     any_split: bool = typer.Option(False, "--any-split", help="accept data whose split differs from the training "
                                                               "data's (same schema and vocabularies)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="samples per evaluation batch (default: the "
+                                                                         "run's data.eval_batch_size; 8192 for an "
+                                                                         "exported model)"),
     output_json: bool = typer.Option(False, "--json", help="print the metrics as JSON"),
 ) -> None:
     """Metrics (AUC, logloss, NE, calibration, accuracy) of a trained or exported model."""
+    from dlrmctl.config import INT_LIMITS
+
+    check_number("--batch-size", batch_size, maximum=INT_LIMITS["eval_batch_size"][0], what="samples per batch")
     setup_logging()
     exported = os.path.exists(os.path.join(run_dir, "manifest.json"))
     if exported and data is None:
@@ -41,7 +46,7 @@ def evaluate(
         if exported:
             from dlrmctl.inference.export import evaluate_exported
 
-            m = evaluate_exported(run_dir, data, split, batch_size or 8192, any_split=any_split, progress=progress)
+            m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size, any_split=any_split, progress=progress)
             which = "exported model"
         else:
             from dlrmctl.train.checkpoint import resolve_checkpoint

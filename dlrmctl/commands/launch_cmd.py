@@ -8,13 +8,30 @@ import typer
 
 
 def _parse_scheduler_cfg(items: list[str]) -> dict[str, str]:
+    """``--scheduler-arg KEY=VALUE`` items as a dict (one ``error:`` line, exit 2, for an item without ``=``)."""
+    from dlrmctl.commands._common import fail
+
     out = {}
     for it in items:
         if "=" not in it:
-            raise typer.BadParameter(f"--scheduler-arg {it!r}: expected KEY=VALUE, e.g. queue=default")
+            fail(f"--scheduler-arg {it!r}: expected KEY=VALUE, e.g. queue=default")
         k, _, v = it.partition("=")
         out[k.strip()] = v.strip()
     return out
+
+
+def check_scheduler(scheduler: str) -> None:
+    """``--scheduler`` names a torchx scheduler this installation has (torchx's
+    ``get_scheduler_factories``); else one ``error:`` line listing them, exit 2."""
+    from dlrmctl.commands._common import fail
+
+    try:
+        from torchx.schedulers import get_scheduler_factories
+    except ImportError as e:
+        fail(f"cannot launch on {scheduler}: torchx is not installed ({e}); install dlrmctl's dependencies")
+    names = sorted(get_scheduler_factories())
+    if scheduler not in names:
+        fail(f"--scheduler {scheduler!r}: unknown torchx scheduler; expected one of {', '.join(names)}")
 
 
 def default_gpus_per_proc(config: str, overrides: list[str]) -> tuple[int, str]:
@@ -53,9 +70,14 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="print the AppDef and the scheduler's request; submit nothing"),
     ) -> None:
         """Run `dlrmctl train` as a torchx dist.ddp job on SCHEDULER (prints the job spec with --dry-run)."""
+        from dlrmctl.commands._common import check_number
+        from dlrmctl.config import INT_LIMITS
         from dlrmctl.console import echo
         from dlrmctl.launch import build_appdef, launch
 
+        check_number("--nnodes", nnodes, maximum=INT_LIMITS["ranks"][0], what="nodes")
+        check_number("--gpus-per-proc", gpus_per_proc, positive=False, maximum=64, what="GPUs per process")
+        check_scheduler(scheduler)
         if gpus_per_proc is None:
             gpus_per_proc, why = default_gpus_per_proc(config, set_)
             echo(f"GPUs per process: {gpus_per_proc} ({why})", err=True)

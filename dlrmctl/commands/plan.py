@@ -1,12 +1,16 @@
 """``dlrmctl plan``: compute a sharding plan for a config on a (possibly imaginary) cluster.
 
 Planning is arithmetic only (no GPU, no tensors of table size): it prints which
-hardware preset it plans for (loudly when ``--gpus`` is given without
-``--device`` and the config's ``sharding.device`` is ``cpu``), the report, and
+hardware preset it plans for, the report, and
 writes ``plan.yaml`` (:meth:`ShardingPlan.save`) and the report next to it
 (``<plan name>_report.txt``: ``plan_report.txt`` for ``plan.yaml``); an existing plan
 file is replaced only with ``--force``.
-Errors are one ``error: ...`` line, exit code 2.
+``--gpus N`` without ``--device`` / ``--topology`` plans the config's ``sharding.device``
+(or ``sharding.topology_file``); when that is the ``cpu`` preset it is refused (``--gpus``
+means GPUs: ask for ``--device cpu`` to plan CPU processes).  A plan that does not fit then
+says which hardware the config gave and how to plan another.
+Errors are one ``error: ...`` line (a plan that does not fit: the planner's explanation of the
+largest table that cannot be placed and the remedies), exit code 2.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ from typing import Optional
 import typer
 
 from dlrmctl.planner.types import DEVICE_PRESETS
+
+
+#: the GPU presets, for messages that ask for --device
+_GPU_PRESETS = sorted(k for k, v in DEVICE_PRESETS.items() if v.compute_device == "cuda")
 
 
 def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws: Optional[int]) -> Optional[int]:
@@ -97,12 +105,21 @@ def plan_command(
     """Plan how the config's embedding tables are sharded over GPUS ranks; print the report and write the plan.
 
     With ``--calibrate``: measure this machine and write a topology file instead (no config)."""
-    from dlrmctl.commands._common import echo, fail, show_path
+    from dlrmctl.commands._common import check_number, echo, fail, show_path
+    from dlrmctl.config import INT_LIMITS
+    from dlrmctl.planner.types import TOPOLOGY_VALUE_MAX
 
+    # every numeric option before anything else: finite, > 0, and no larger than the config key it stands for
+    check_number("--gpus", gpus, maximum=INT_LIMITS["ranks"][0], what="ranks in the job")
+    check_number("--hosts", hosts, maximum=INT_LIMITS["ranks"][0], what="hosts")
+    check_number("--gpus-per-host", gpus_per_host, maximum=INT_LIMITS["ranks"][0], what="ranks per host")
+    check_number("--hbm-gb", hbm_gb, maximum=TOPOLOGY_VALUE_MAX, what="device memory per rank, GB")
+    check_number("--ddr-gb", ddr_gb, maximum=TOPOLOGY_VALUE_MAX, what="host memory per rank, GB")
+    check_number("--batch-size", batch_size, maximum=INT_LIMITS["batch_size"][0], what="samples per global batch")
     if calibrate:
         _calibrate(config, gpus, topology, device, out or Path("topology.yaml"), force)
         return
-    from dlrmctl.config import ConfigError, load_config, read_data_meta
+    from dlrmctl.config import ConfigError, ShardingConfig, load_config, read_data_meta, resolve_tables
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.planner.planner import plan_config
@@ -116,17 +133,16 @@ def plan_command(
     # the report is named after the plan (plan.yaml -> plan_report.txt, tw.yaml -> tw_report.txt):
     # two plans written to one directory keep their own reports
     rpath = report or Path(os.path.abspath(out)).with_name(f"{Path(out).stem}_report.txt")
+    defaulted = device is None and topology is None  # the hardware comes from the config
+    preset = topo_file = None
     try:
-        if gpus <= 0:
-            raise ValueError(f"--gpus must be > 0, got {gpus}")
         if device is not None and topology is not None:
             raise ValueError("--device and --topology both give the hardware: pass one")
         if weights_precision is not None and weights_precision not in ("fp32", "fp16"):
             raise ValueError(f"--weights-precision must be fp32 or fp16, got {weights_precision!r}")
-        if batch_size is not None and batch_size <= 0:
-            raise ValueError(f"--batch-size must be > 0, got {batch_size}")
         cfg = load_config(config, set_ or [])
         meta = read_data_meta(cfg)
+        resolve_tables(cfg, meta)  # the data's errors (no meta.json, a feature missing) before the hardware's
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
         _check_out(out, force, "plan.yaml")
         if rpath.is_dir():
@@ -141,6 +157,13 @@ def plan_command(
                              f"another file")
         topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
         preset = device or cfg.sharding.device  # (a topology file, when given, replaces the preset)
+        if defaulted and topo_file is None and getattr(DEVICE_PRESETS.get(preset), "compute_device", "") == "cpu":
+            # --gpus means GPUs: planning GPUS CPU processes (tables in host memory) must be asked for
+            raise ValueError(
+                f"--gpus {gpus} without --device: {show_path(config)} gives sharding.device '{preset}'"
+                f"{' (its default)' if preset == ShardingConfig.device else ''}, which plans {gpus} CPU processes "
+                f"with the tables in host memory; pass --device "
+                f"{' | '.join(_GPU_PRESETS)} to plan {gpus} GPUs, or --device {preset} for CPU processes")
         topo = Topology.from_device_or_file(
             preset, topo_file, gpus, lws,
             hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
@@ -155,7 +178,17 @@ def plan_command(
              for t in res.tables],
             topo.world_size,
         )
-    except (ConfigError, PlannerError, PlanError, ValueError) as e:
+    except PlannerError as e:
+        # a plan that does not fit: when the hardware came from the config, say so and how to plan another
+        hint = ""
+        if defaulted and preset is not None:
+            src = (f"sharding.topology_file {show_path(topo_file)}" if topo_file
+                   else f"the '{preset}' preset of sharding.device")
+            hint = (f"\n  (planned for {src} in {show_path(config)}; --device {' | '.join(_GPU_PRESETS)} or "
+                    f"--topology FILE plans other hardware)")
+        echo(f"error: {e}{hint}", err=True)
+        raise typer.Exit(2)
+    except (ConfigError, PlanError, ValueError) as e:
         echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     origin = ("--topology" if topology is not None else "--device" if device
@@ -164,10 +197,6 @@ def plan_command(
     # a preset is named once here ("Preset: h100 (--device): ..., device h100 (cuda)"); a topology file
     # only inside describe() ("Topology (--topology): ..., topology FILE (calibrated cpu)")
     echo(f"Topology ({origin}): {topo.describe()}" if topo_file else f"Preset: {preset} ({origin}): {topo.describe()}")
-    if device is None and topo_file is None and topo.compute_device == "cpu":
-        echo(f"warning: --gpus {gpus} without --device plans {gpus} CPU processes (the '{preset}' preset from "
-             f"sharding.device in {show_path(config)}: tables in host memory, no HBM). For GPUs pass --device "
-             f"{' | '.join(sorted(k for k, v in DEVICE_PRESETS.items() if v.compute_device == 'cuda'))}.", err=True)
     text = res.report()
     echo(text.rstrip("\n"))
     res.plan.save(out)  # makes the plan's directory

@@ -10,23 +10,44 @@ from typing import Any
 import typer
 
 
+#: fields of a metrics.jsonl record that the report formats as numbers (each a number or null)
+NUMERIC_FIELDS = ("auc", "logloss", "ne", "calibration", "loss", "loss_avg", "samples_per_s")
+
+
 def read_metrics(run_dir: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(train_records, eval_records)`` from ``run_dir/metrics.jsonl``.
 
+    Every record must be a JSON object with an integer ``step``; :data:`NUMERIC_FIELDS`, when
+    present, are numbers or null.
+
     Raises:
         FileNotFoundError: no metrics.jsonl.
-        ValueError: a line is not JSON (names file and line).
+        ValueError: a line that is not UTF-8, not JSON, not an object, or a field of the wrong
+            type (``<path>:<line>: ...``, naming the field).
     """
     path = os.path.join(run_dir, "metrics.jsonl")
     train, evals = [], []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{i}: not UTF-8 text; metrics.jsonl holds one JSON object a line "
+                                 f"(written by dlrmctl train)") from None
             if not line.strip():
                 continue
             try:
                 r = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+            if not isinstance(r, dict):
+                raise ValueError(f"{path}:{i}: expected a JSON object (one record a line), got {type(r).__name__}")
+            if isinstance(r.get("step"), bool) or not isinstance(r.get("step"), int):
+                raise ValueError(f"{path}:{i}: 'step' must be an integer, got {r.get('step')!r}")
+            for k in NUMERIC_FIELDS:
+                v = r.get(k)
+                if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                    raise ValueError(f"{path}:{i}: '{k}' must be a number or null, got {v!r}")
             (evals if r.get("kind") == "eval" else train).append(r)
     return train, evals
 

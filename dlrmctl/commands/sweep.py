@@ -34,7 +34,7 @@ from typing import List, Optional
 
 import typer
 
-from dlrmctl.commands._common import echo, fail, show_path
+from dlrmctl.commands._common import check_number, echo, fail, show_path
 from dlrmctl.fileio import write_text_atomic
 
 #: metrics of the best validation evaluation copied into the summary, in column order
@@ -192,8 +192,7 @@ def sweep(
     """Train every point of a --grid of config values; rank the points on validation (never test)."""
     from dlrmctl.config import ConfigError, load_config
 
-    if jobs < 1:
-        fail(f"--jobs: must be >= 1, got {jobs}")
+    check_number("--jobs", jobs, maximum=1024, what="points trained at once")
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
         fail(f"--name: must be one directory name (the sweep is train.run_dir/<name>), got {name!r}")
     try:

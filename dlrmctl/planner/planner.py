@@ -222,7 +222,7 @@ class EmbeddingShardingPlanner:
             if rej is not None:
                 rejected.append(rej)
         if rejected:
-            raise PlannerError("\n\n".join(self._explain_table(r) for r in rejected))
+            raise PlannerError(self._explain_tables(rejected))
         need = sum(min(o.total_storage for o in opts) for opts in options)
         have = self.usable * self.topology.world_size
         if need > have:
@@ -333,6 +333,24 @@ class EmbeddingShardingPlanner:
             kernel = ComputeKernel.FUSED
         opt = build_option(topo, table, ShardingType.ROW_WISE, kernel, self.batch_size, list(range(topo.world_size)))
         return opt.max_shard_storage
+
+    @staticmethod
+    def _one_rank_bytes(rej: Rejected) -> int:
+        """Bytes the largest shard of a rejected table's smallest allowed sharding needs on one rank."""
+        return max(s.storage.hbm + s.storage.ddr for s in rej.option.shards)
+
+    def _explain_tables(self, rejected: list[Rejected], listed: int = 8) -> str:
+        """The rejected table needing the most memory explained in full (:meth:`_explain_table`: what it
+        needs, what a rank has, what would make it fit); the others one line, by name and bytes."""
+        order = sorted(rejected, key=self._one_rank_bytes, reverse=True)
+        text = self._explain_table(order[0])
+        rest = order[1:]
+        if rest:
+            names = ", ".join(f"'{r.option.table.name}' {fmt_bytes(self._one_rank_bytes(r))}" for r in rest[:listed])
+            more = f" and {len(rest) - listed} more" if len(rest) > listed else ""
+            text += (f"\n  {len(rest)} more table(s) cannot be placed either (on one rank in their smallest "
+                     f"sharding): {names}{more}; the remedies above apply to them in turn")
+        return text
 
     def _explain_table(self, rej: Rejected) -> str:
         o, t, topo = rej.option, rej.option.table, self.topology

@@ -592,19 +592,24 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     """
     from dlrmctl.yaml_file import read_yaml_mapping
 
-    d = read_yaml_mapping(path, PlannerError, "topology file", f"keys {', '.join(TOPOLOGY_FILE_KEYS)}")
+    lines: dict[str, int] = {}
+    d = read_yaml_mapping(path, PlannerError, "topology file", f"keys {', '.join(TOPOLOGY_FILE_KEYS)}", lines)
+
+    def at(key: str | None = None) -> str:  # "topology file FILE:LINE" of a key's line (FILE alone: no key)
+        return f"topology file {path}:{lines[key]}" if key in lines else f"topology file {path}"
+
     d = {k: v for k, v in d.items() if k != "measured"}
     unknown = sorted(set(d) - set(TOPOLOGY_FILE_KEYS))
     if unknown:
-        raise PlannerError(f"topology file {path}: unknown key(s) {unknown}; expected {list(TOPOLOGY_FILE_KEYS)}")
+        raise PlannerError(f"{at(unknown[0])}: unknown key(s) {unknown}; expected {list(TOPOLOGY_FILE_KEYS)}")
     required = [f.name for f in dataclasses.fields(DevicePreset) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in d]
     if missing:
         raise PlannerError(f"topology file {path}: missing key(s) {missing}")
     if d["compute_device"] not in ("cuda", "cpu"):
-        raise PlannerError(f"topology file {path}: compute_device must be cuda or cpu, got {d['compute_device']!r}")
+        raise PlannerError(f"{at('compute_device')}: compute_device must be cuda or cpu, got {d['compute_device']!r}")
     if not isinstance(d["source"], str):
-        raise PlannerError(f"topology file {path}: source must be a string (a one-line citation), got {d['source']!r}")
+        raise PlannerError(f"{at('source')}: source must be a string (a one-line citation), got {d['source']!r}")
     # the planner divides by these (bytes / bandwidth, bandwidth * efficiency): they must be > 0
     divisors = {"ddr_bw_gbps", "intra_host_bw_gbps", "inter_host_bw_gbps", "fused_efficiency", "dense_efficiency",
                 "fused_cache_speedup", "dense_cache_speedup", "input_dist_bw_gbps",
@@ -619,18 +624,18 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
             continue
         if k == "default_gpus_per_host":
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlannerError(f"topology file {path}: default_gpus_per_host must be an integer >= 1 (ranks per "
+                raise PlannerError(f"{at(k)}: default_gpus_per_host must be an integer >= 1 (ranks per "
                                    f"host) or null, got {v!r}")
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
                 k in divisors and v == 0):
-            raise PlannerError(f"topology file {path}: {k} must be a finite number "
+            raise PlannerError(f"{at(k)}: {k} must be a finite number "
                                f"{'> 0' if k in divisors else '>= 0'}, got {v!r}")
         # the planner scales these (GB -> bytes, us -> s) and divides by the divisors: a value that
         # would overflow or underflow there is a typo, not a machine
         lo, hi = (TOPOLOGY_DIVISOR_MIN, TOPOLOGY_VALUE_MAX) if k in divisors else (0.0, TOPOLOGY_VALUE_MAX)
         if not lo <= v <= hi:
-            raise PlannerError(f"topology file {path}: {k} must be between {lo:g} and {hi:g}, got {v!r}")
+            raise PlannerError(f"{at(k)}: {k} must be between {lo:g} and {hi:g}, got {v!r}")
     return DevicePreset(**d)
 
 

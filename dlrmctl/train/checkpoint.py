@@ -341,11 +341,29 @@ def checkpoint_root(run_dir: str) -> str:
 
 
 def _marked(run_dir: str, marker: str) -> str | None:
+    """The checkpoint directory the marker file ``checkpoints/<marker>`` (``LATEST`` / ``BEST``)
+    names, or None when there is no marker.
+
+    Raises:
+        CheckpointError: the marker is unreadable, not UTF-8 text, not one checkpoint name
+            (one printable line without a path separator), or names a checkpoint that does not exist (the message names the file).
+    """
     p = os.path.join(checkpoint_root(run_dir), marker)
     if not os.path.exists(p):
         return None
-    with open(p) as f:
-        name = f.read().strip()
+    try:
+        with open(p, "rb") as f:
+            data = f.read(4096)
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read: {e.strerror or e}") from None
+    try:
+        name = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0\n") or not name.isprintable():
+        raise CheckpointError(f"{p}: expected one line naming a checkpoint of {checkpoint_root(run_dir)} "
+                              f"(e.g. step_00000080), got {'binary data' if name is None else repr(name[:60])}; "
+                              f"restore the file or delete it (then --checkpoint STEP picks a checkpoint)")
     path = os.path.join(checkpoint_root(run_dir), name)
     if not os.path.isdir(path):
         raise CheckpointError(f"{p} points at {name}, which does not exist")

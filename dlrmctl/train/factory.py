@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from dlrmctl.config import ExperimentConfig, weighted_features
+from dlrmctl.config import ConfigError, ExperimentConfig, weighted_features
 from dlrmctl.modules.dlrm import DLRM, InteractionArch
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
@@ -25,6 +25,59 @@ def build_interaction(cfg: ExperimentConfig, num_sparse_features: int, embedding
     from dlrmctl.modules import interactions  # DCN-v2 / projection
 
     return interactions.build_interaction(cfg.model, num_sparse_features, embedding_dim)
+
+
+def available_memory_bytes(device: torch.device | str) -> tuple[int, str]:
+    """Bytes free for new tensors on ``device`` and what they are, for messages.
+
+    CUDA: ``torch.cuda.mem_get_info`` (free device memory); CPU: ``MemAvailable`` of
+    ``/proc/meminfo`` (else the machine's physical memory).
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free), f"free on {dev}"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "of host memory available"
+    except (OSError, ValueError, IndexError):
+        pass
+    from dlrmctl.planner.types import host_memory_bytes
+
+    return host_memory_bytes(), "of host memory"
+
+
+def check_tables_fit(cfg: ExperimentConfig, tables: Sequence[EmbeddingBagConfig], device: torch.device | str) -> None:
+    """Before allocating an unsharded collection: its tables' weights and embedding optimizer
+    state (the planner's byte counts, :func:`dlrmctl.planner.storage.optimizer_state_bytes`) must
+    fit the memory free on ``device`` (:func:`available_memory_bytes`).
+
+    Raises:
+        ConfigError: naming the largest table, the bytes needed and the bytes available, and the remedy.
+    """
+    from dlrmctl.modules.embedding_configs import DataType
+    from dlrmctl.planner.storage import optimizer_state_bytes
+    from dlrmctl.planner.types import fmt_bytes
+
+    if not tables:
+        return
+    need = {}
+    for t in tables:
+        wb = 2 if t.data_type == DataType.FP16 else 4
+        need[t.name] = (t.num_embeddings * t.embedding_dim * wb
+                        + optimizer_state_bytes(cfg.optimizer.embedding.type, t.num_embeddings, t.embedding_dim))
+    total = sum(need.values())
+    have, what = available_memory_bytes(device)
+    if total <= have:
+        return
+    big = max(tables, key=lambda t: need[t.name])
+    raise ConfigError(
+        f"model.tables: the tables need {fmt_bytes(total)} (weights + {cfg.optimizer.embedding.type} state) in one "
+        f"process but there is {fmt_bytes(have)} {what}; the largest, '{big.name}' ({big.num_embeddings:,} rows x "
+        f"{big.embedding_dim}), needs {fmt_bytes(need[big.name])}: shard the tables over ranks (--nproc N; "
+        f"`dlrmctl plan CONFIG --gpus N --device cpu` shows how many), use fp16 weights (model.embedding_precision) or fewer rows")
 
 
 def build_model(
@@ -69,6 +122,7 @@ def build_model(
 
     Raises:
         ValueError: the dot interaction with tables of different dims (not ``auto``).
+        ConfigError: the tables do not fit the memory of ``device`` (:func:`check_tables_fit`).
     """
     dims = {t.embedding_dim for t in tables}
     d = cfg.model.dense_arch_layer_sizes[-1]
@@ -86,6 +140,8 @@ def build_model(
 
         ebc: torch.nn.Module = TableConfigs(tables, is_weighted, on_invalid_id=cfg.model.on_invalid_id)
     else:
+        if torch.device(device).type != "meta":
+            check_tables_fit(cfg, tables, device)
         ebc = EmbeddingBagCollection(
             tables,
             is_weighted=is_weighted,

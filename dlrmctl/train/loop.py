@@ -124,9 +124,21 @@ class RunEnv:
 
 
 def resolve_device(cfg: ExperimentConfig) -> torch.device:
-    """``train.device``: ``cuda`` (current device) when asked or when ``auto`` finds CUDA, else ``cpu``."""
+    """``train.device``: ``cuda`` (current device) when asked or when ``auto`` finds CUDA, else ``cpu``.
+
+    Raises:
+        TrainError: ``cuda`` asked for, but this torch build has no CUDA or sees no GPU.
+    """
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise TrainError(f"train.device=cuda but this torch build has no CUDA (torch {torch.__version__}); "
+                             f"install the gpu extra (pip install 'dlrmctl[gpu]' with a CUDA torch) or use "
+                             f"--set train.device=cpu")
+        raise TrainError(f"train.device=cuda but torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU "
+                         f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); run on a "
+                         f"machine with a GPU or use --set train.device=cpu")
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -1504,12 +1516,12 @@ def run_config(run_dir: str) -> ExperimentConfig:
         TrainError: no config.yaml (not a run directory).
     """
     from dlrmctl.config import config_from_dict
+    from dlrmctl.yaml_file import read_yaml
 
     cpath = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(cpath):
         raise TrainError(f"{run_dir}: no config.yaml; not a dlrmctl run directory")
-    with open(cpath) as f:
-        return config_from_dict(yaml.safe_load(f), source=cpath)
+    return config_from_dict(read_yaml(cpath, TrainError, "run's recorded config"), source=cpath)
 
 
 @torch.no_grad()
