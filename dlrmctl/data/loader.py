@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from dlrmctl.data.batch import Batch
-from dlrmctl.data.columnar import DataError, SplitData, _jagged_gather, read_meta, weight_column
+from dlrmctl.data.columnar import DataError, SplitData, _jagged_gather, check_rows, read_meta, weight_column
 from dlrmctl.data.multi_hot import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
@@ -119,7 +119,9 @@ class BatchLoader:
 
     Raises:
         DataError: missing/corrupt meta, unknown split or feature (names the alternatives), a
-            weighted feature without a weight column, weight bags whose lengths differ from the ids'.
+            weighted feature without a weight column, weight bags whose lengths differ from the ids';
+            (while iterating) a label other than 0 / 1 or a NaN / inf dense value
+            (:func:`dlrmctl.data.columnar.check_rows`: names the shard, split, row, column and value).
         ValueError: bad batch_size / rank / world_size / num_samples / shuffle_window_rows /
             shuffle_block_rows.
         EmbeddingIdError: (while iterating, with ``id_bounds`` and ``on_invalid_id="error"``) an id
@@ -302,6 +304,7 @@ class BatchLoader:
             shard = self.data.shards[s]
             loc = shard.locate(local)
             scalar = {c: shard.take(c, loc) for c in self._scalar_cols}
+            check_rows(shard.path, self.split, local, scalar, self.label_name, self.dense_names)
             lists = {}
             for c in self._list_cols:
                 v, ln = shard.take_list(c, loc)
@@ -443,6 +446,8 @@ class BatchLoader:
         s, chunk, row0 = self._blocks.locate(block)
         shard = self.data.shards[s]
         scalar = {c: shard.read_range(c, chunk, row0 + start, n) for c in self._scalar_cols}
+        check_rows(shard.path, self.split, int(shard._starts[chunk]) + row0 + start, scalar, self.label_name,
+                   self.dense_names)
         lists = {}
         for c in self._list_cols:
             v, ln = shard.read_range(c, chunk, row0 + start, n)
