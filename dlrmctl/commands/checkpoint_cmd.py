@@ -48,12 +48,22 @@ def reshard(run_dir: str, nproc: int, plan_path: str | None = None, out: str | N
     ranks; returns the new checkpoint directory.
 
     Raises:
-        CheckpointError / PlanError: no checkpoint, or a plan that does not fit the tables.
+        CheckpointError / PlanError: no checkpoint, or a plan that does not fit the tables; the
+            chosen checkpoint was pruned by the run while it was read (after one re-resolve of
+            best / last, see :func:`dlrmctl.train.checkpoint.read_checkpoint`).
     """
+    from dlrmctl.train import checkpoint as ckpt
+
+    # read_checkpoint: a source the run prunes (keep_last) meanwhile is re-resolved / named as pruned
+    return ckpt.read_checkpoint(run_dir, checkpoint or "last",
+                                lambda src, _label: _reshard_from(run_dir, src, nproc, plan_path, out))
+
+
+def _reshard_from(run_dir: str, src: str, nproc: int, plan_path: str | None, out: str | None) -> str:
+    """:func:`reshard` of the resolved checkpoint directory ``src``."""
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.train import checkpoint as ckpt
 
-    src, _ = ckpt.resolve_checkpoint(run_dir, checkpoint or "last")
     meta = ckpt.load_checkpoint_meta(src)
     tables = [SimpleNamespace(name=n, num_embeddings=r, embedding_dim=d) for n, (r, d) in meta["tables"].items()]
     plan = None

@@ -49,13 +49,14 @@ def evaluate(
             m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size, any_split=any_split, progress=progress)
             which = "exported model"
         else:
-            from dlrmctl.train.checkpoint import resolve_checkpoint
+            from dlrmctl.train.checkpoint import read_checkpoint
             from dlrmctl.train.loop import evaluate_run, run_config
 
             run_config(run_dir)  # a run directory at all?
-            path, which = resolve_checkpoint(run_dir, checkpoint)
-            m = evaluate_run(run_dir, split, data, batch_size, checkpoint=path, any_split=any_split,
-                             progress=progress)
+            # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
+            m, which = read_checkpoint(run_dir, checkpoint, lambda path, label: (
+                evaluate_run(run_dir, split, data, batch_size, checkpoint=path, any_split=any_split,
+                             progress=progress), label))
             m = dict(m, checkpoint=which)
     except errors as e:
         fail(str(e))

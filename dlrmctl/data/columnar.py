@@ -9,7 +9,13 @@ Layout of a preprocessed directory::
 Every shard holds one column per feature, no nulls:
 
 * ``label``: float32 ``[rows]`` (0.0 / 1.0); absent for unlabelled data.
-* one float32 ``[rows]`` column per dense feature (already transformed, e.g. log(x+1)).
+* one float32 ``[rows]`` column per dense feature (already transformed, e.g. log(x+1)), finite.
+
+Values are checked where they enter training and evaluation (:func:`check_rows`, called by the
+loader on every piece of a shard it reads, vectorised): a label other than 0 or 1 (NaN included)
+or a dense value that is NaN or infinite is a :class:`DataError` naming the shard, the split,
+the row, the column and the value.  No value is ever silently replaced: missing dense values
+are the preprocessor's business (Criteo's empty field -> 0 before ``log(x+1)``).
 * one int64 ``[rows]`` column per one-hot sparse feature (ids in ``[0, num_embeddings)``).
 * one ``list<int64>`` column per multi-hot sparse feature (bags of ids).
 * optional per-id weights of a sparse feature ``F`` (weighted features, see ``model.tables[].weighted``):
@@ -68,6 +74,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MappedShard",
     "SplitData",
+    "check_rows",
     "open_split",
     "read_meta",
     "shard_schema",
@@ -502,6 +509,53 @@ class MappedShard:
         """Whole float32 / int64 column ``[rows]`` (a copy)."""
         rows = np.arange(self.rows, dtype=np.int64)
         return self.take(name, self.locate(rows))
+
+
+def check_rows(path: str | os.PathLike, split: str, rows: np.ndarray | int, scalar: Mapping[str, np.ndarray],
+               label: str | None, dense: Sequence[str]) -> None:
+    """Refuse labels outside {0, 1} and non-finite dense values in rows read from one shard.
+
+    One vectorised pass per column (no per-element Python): what the loader calls on every
+    piece of a shard it reads, before the rows become a batch.
+
+    Args:
+        path: the shard file the rows come from (named in the error).
+        split: the split's name (named in the error).
+        rows: ``[n]`` int64 row indices of the rows inside that shard (0-based), or the index of
+            the first of ``n`` contiguous rows.
+        scalar: column name -> ``[n]`` values (float32) of those rows; must hold ``label`` (when
+            not None) and every name of ``dense``.
+        label: the label column, or None for unlabelled data (not checked).
+        dense: the dense columns.
+
+    Raises:
+        DataError: ``<shard>: field <column>: <split> split, row <r> of the shard: ...`` with the
+            value, what was expected and the remedy, and how many rows of the piece are bad.
+    """
+    if label is not None:
+        y = scalar[label]
+        bad = (y != 0) & (y != 1)  # NaN compares unequal to both
+        if bad.any():
+            _raise_bad(path, split, rows, y, bad, label,
+                       "a label must be 0 or 1 (clicked or not); fix the source data (or its preprocessing) and "
+                       "re-run `dlrmctl preprocess`")
+    for name in dense:
+        x = scalar[name]
+        bad = ~np.isfinite(x)
+        if bad.any():
+            _raise_bad(path, split, rows, x, bad, name,
+                       "a dense value must be a finite number (NaN and inf are refused, not treated as missing); "
+                       "fix the source data (or its preprocessing) and re-run `dlrmctl preprocess`")
+
+
+def _raise_bad(path, split: str, rows: np.ndarray | int, values: np.ndarray, bad: np.ndarray, column: str,
+               expected: str) -> None:
+    i = int(np.flatnonzero(bad)[0])
+    n = int(np.count_nonzero(bad))
+    more = f" (and {n - 1} more of the {len(values)} rows read with it)" if n > 1 else ""
+    row = rows + i if isinstance(rows, (int, np.integer)) else int(rows[i])
+    raise DataError(f"{split} split, row {row} of the shard (0-based): value {float(values[i])!r}{more}; "
+                    f"{expected}", path=path, field=column)
 
 
 def _jagged_gather(src: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from dlrmctl.data.batch import Batch
-from dlrmctl.data.columnar import DataError, SplitData, _jagged_gather, read_meta, weight_column
+from dlrmctl.data.columnar import DataError, SplitData, _jagged_gather, check_rows, read_meta, weight_column
 from dlrmctl.data.multi_hot import multi_hot_expand
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
@@ -104,6 +104,8 @@ class BatchLoader:
         on_invalid_id: ``error`` (raise) or ``zero`` (drop invalid ids from their bags; a
             feature feeding tables of different sizes then comes as one key per table,
             ``feature@table``), see :mod:`dlrmctl.sparse.validation`.
+        require_labels: refuse data without a label column (training and evaluation) instead of
+            yielding NaN labels.
         weighted_features: features whose per-id weights (the data's ``<feature>__weight``
             column, see :mod:`dlrmctl.data.columnar`) are read into the KJT's ``weights()``; the
             other features get weight 1.0 (ignoring any weight column they have).  Empty / None:
@@ -118,8 +120,11 @@ class BatchLoader:
         ``labels [B] f32`` (NaN when the data has no label).
 
     Raises:
-        DataError: missing/corrupt meta, unknown split or feature (names the alternatives), a
-            weighted feature without a weight column, weight bags whose lengths differ from the ids'.
+        DataError: missing/corrupt meta, unknown split or feature (names the alternatives), no label
+            column with ``require_labels``, a
+            weighted feature without a weight column, weight bags whose lengths differ from the ids';
+            (while iterating) a label other than 0 / 1 or a NaN / inf dense value
+            (:func:`dlrmctl.data.columnar.check_rows`: names the shard, split, row, column and value).
         ValueError: bad batch_size / rank / world_size / num_samples / shuffle_window_rows /
             shuffle_block_rows.
         EmbeddingIdError: (while iterating, with ``id_bounds`` and ``on_invalid_id="error"``) an id
@@ -134,7 +139,7 @@ class BatchLoader:
                  id_bounds: dict[str, tuple[str, int] | list[IdBound]] | None = None,
                  on_invalid_id: str = "error", weighted_features: Sequence[str] | None = None,
                  shuffle_window_rows: int = DEFAULT_SHUFFLE_WINDOW_ROWS,
-                 shuffle_block_rows: int = DEFAULT_SHUFFLE_BLOCK_ROWS) -> None:
+                 shuffle_block_rows: int = DEFAULT_SHUFFLE_BLOCK_ROWS, require_labels: bool = False) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -195,6 +200,10 @@ class BatchLoader:
         self.multi_hot_distribution = multi_hot_distribution
         self.dense_names = list(self.meta["dense_features"])
         self.label_name = self.meta["label"]
+        if require_labels and self.label_name is None:
+            raise DataError(f"the {split} split has no labels (meta.json \"label\": null, e.g. Criteo's test.txt "
+                            "preprocessed as unlabelled data); training and evaluation need labelled data: "
+                            "preprocess labelled files", path=Path(data_dir) / "meta.json")
         self.pin_memory = pin_memory and torch.cuda.is_available()
         if pin_memory and not self.pin_memory:
             warnings.warn("BatchLoader(pin_memory=True) ignored: CUDA is not available", stacklevel=2)
@@ -302,6 +311,7 @@ class BatchLoader:
             shard = self.data.shards[s]
             loc = shard.locate(local)
             scalar = {c: shard.take(c, loc) for c in self._scalar_cols}
+            check_rows(shard.path, self.split, local, scalar, self.label_name, self.dense_names)
             lists = {}
             for c in self._list_cols:
                 v, ln = shard.take_list(c, loc)
@@ -443,6 +453,8 @@ class BatchLoader:
         s, chunk, row0 = self._blocks.locate(block)
         shard = self.data.shards[s]
         scalar = {c: shard.read_range(c, chunk, row0 + start, n) for c in self._scalar_cols}
+        check_rows(shard.path, self.split, int(shard._starts[chunk]) + row0 + start, scalar, self.label_name,
+                   self.dense_names)
         lists = {}
         for c in self._list_cols:
             v, ln = shard.read_range(c, chunk, row0 + start, n)

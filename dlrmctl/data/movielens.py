@@ -12,7 +12,11 @@ Context", ACM TiiS 5(4):19, 2015; each release's README describes its files):
   ``users.dat`` (``UserID::Gender::Age::Occupation::Zip-code``) and ``tags.dat``
   (``UserID::MovieID::Tag::Timestamp``).  latin-1 (movies.dat has non-UTF-8 bytes).
 * ``ml-latest`` layout (ml-latest-small, ml-20m, ml-25m, ml-latest): ``ratings.csv``,
-  ``movies.csv``, optional ``tags.csv``, each with a header row; quoted fields; CRLF or LF.
+  ``movies.csv``, optional ``tags.csv``, each with a header row; CRLF or LF; standard CSV
+  quoting in every file, header included (``"..."``, a ``"`` inside doubled: what Python's
+  ``csv`` module writes with any ``quoting``, e.g. ``QUOTE_ALL`` / ``QUOTE_NONNUMERIC``, and
+  pandas' ``to_csv``).  The TAB / ``::`` files of ml-100k / ml-1m have no quoting (a ``"`` there
+  is part of the field, e.g. of a title).
   UTF-8 (a file that is not valid UTF-8 is read as latin-1 and says so in meta).
 
 Every rated movie must be in the movies file and every rater in the users file (when there
@@ -326,13 +330,13 @@ def _check_csv_header(path: Path, row: list[str], lineno: int) -> None:
 # --------------------------------------------------------------------------- ratings
 def _scan_ratings(path: Path, sep: str, header: bool) -> None:
     """Slow path: find and raise the first bad line of a ratings file (after a fast-path failure)."""
-    text, _ = _decode(path, "latin-1")
     names = ("userId", "movieId", "rating", "timestamp")
-    for lineno, line in _lines(text):
-        if header and lineno == 1:
-            _check_csv_header(path, line.split(","), lineno)
-            continue
-        parts = line.split(sep)
+    if header:  # CSV: quoted fields (csv.QUOTE_ALL / QUOTE_NONNUMERIC writers) read like the fast path
+        rows: Iterator[tuple[int, list[str]]] = _csv_data_rows(path)[0]
+    else:
+        rows = ((lineno, line.split(sep)) for lineno, line in _lines(_decode(path, "latin-1")[0]))
+    for lineno, parts in rows:
+        line = sep.join(parts)
         if len(parts) != 4:
             raise DataError(f"expected 4 {sep!r}-separated fields (userId, movieId, rating, timestamp), got "
                             f"{len(parts)}: {line[:100]!r}", path=path, line=lineno)
@@ -375,7 +379,9 @@ def _read_ratings(path: Path, release: str) -> tuple[np.ndarray, np.ndarray, np.
             pa.BufferReader(raw),
             read_options=pa_csv.ReadOptions(column_names=None if header else names, skip_rows=0,
                                             use_threads=False, block_size=16 << 20),
-            parse_options=pa_csv.ParseOptions(delimiter="," if header else "\t", quote_char=False),
+            # CSV quoting (RFC 4180: "..." with "" inside) in ratings.csv; none in the TAB / '::' files
+            parse_options=pa_csv.ParseOptions(delimiter="," if header else "\t",
+                                              quote_char='"' if header else False, double_quote=True),
             convert_options=pa_csv.ConvertOptions(column_types=types, strings_can_be_null=False,
                                                   quoted_strings_can_be_null=False),
         )
@@ -545,12 +551,11 @@ def _read_tags(path: Path, release: str) -> tuple[tuple[np.ndarray, np.ndarray, 
 
 def _first_line_of_row(path: Path, release: str, row: int) -> int:
     """1-based line of the ``row``-th (0-based) data row of a ratings file (blank lines skipped)."""
-    text, _ = _decode(path, "latin-1")
-    k = -1
-    for lineno, _line in _lines(text):
-        if release == "ml-latest" and lineno == 1:
-            continue
-        k += 1
+    if release == "ml-latest":
+        lines: Iterator[int] = (lineno for lineno, _row in _csv_data_rows(path)[0])
+    else:
+        lines = (lineno for lineno, _line in _lines(_decode(path, "latin-1")[0]))
+    for k, lineno in enumerate(lines):
         if k == row:
             return lineno
     return -1  # pragma: no cover - row beyond the file

@@ -679,14 +679,16 @@ def export_run(
         quantize_dense, force: see :func:`export_model`.
 
     Raises:
-        TrainError / CheckpointError: not a run directory, no such checkpoint.
+        TrainError / CheckpointError: not a run directory, no such checkpoint, or the chosen
+            checkpoint was pruned by the run while it was read (after one re-resolve of best / last,
+            see :func:`dlrmctl.train.checkpoint.read_checkpoint`).
         DataMismatchError: ``data_dir`` holds other data than the run was trained on.
         plus everything :func:`export_model` raises.
     """
     require_fbgemm("dlrmctl export")
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
-    from dlrmctl.train.checkpoint import resolve_checkpoint
+    from dlrmctl.train.checkpoint import read_checkpoint
     from dlrmctl.train.loop import load_table_weight, load_trained_model_with_checkpoint, multi_hot_kwargs, run_config
 
     run = Path(run_dir)
@@ -695,29 +697,33 @@ def export_run(
     if (vocab_dir / "meta.json").is_file():  # the vocabularies to copy are the run's
         check_run_data(recorded, vocab_dir, ("schema", "vocabulary"),
                        hint="Pass --data DIR with the data the run was trained on")
-    ckpt_path, which = resolve_checkpoint(str(run), checkpoint)
-    # tables on the meta device: each is read from the checkpoint only when export quantizes it
-    # the checkpoint's meta.json and .metadata: read and verified once, for the dense part and every table
-    cfg, model, meta, cmeta, dcp_md = load_trained_model_with_checkpoint(
-        str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path, materialize=False)
-    out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
-    ck_eval = cmeta.get("eval")
-    source = {
-        "run_dir": str(run.resolve()),
-        "name": cfg.name,
-        "checkpoint": ckpt_path,
-        "checkpoint_choice": which,
-        "metrics": ck_eval if ck_eval is not None else _last_eval_metrics(run),
-        "data_path": cfg.data.path,
-        # the training loader's on-the-fly multi-hot expansion: evaluate_exported repeats it
-        "multi_hot": {k: v for k, v in multi_hot_kwargs(cfg, meta).items() if k.startswith("multi_hot")},
-    }
-    data_record = {"meta": meta, "fingerprint": data_fingerprint(meta), "source": str(recorded)}
-    return export_model(
-        model, out, embedding_dtype, data_meta=meta, data_dir=vocab_dir, source=source,
-        quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
-        data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta, dcp_md),
-    )
+
+    def export_from(ckpt_path: str, which: str) -> ExportResult:
+        # tables on the meta device: each is read from the checkpoint only when export quantizes it
+        # the checkpoint's meta.json and .metadata: read and verified once, for the dense part and every table
+        cfg, model, meta, cmeta, dcp_md = load_trained_model_with_checkpoint(
+            str(run), device="cpu", compute_kernel="dense", checkpoint=ckpt_path, materialize=False)
+        out = Path(out_dir) if out_dir is not None else run / (f"export-{embedding_dtype}" + ("-dq" if quantize_dense else ""))
+        ck_eval = cmeta.get("eval")
+        source = {
+            "run_dir": str(run.resolve()),
+            "name": cfg.name,
+            "checkpoint": ckpt_path,
+            "checkpoint_choice": which,
+            "metrics": ck_eval if ck_eval is not None else _last_eval_metrics(run),
+            "data_path": cfg.data.path,
+            # the training loader's on-the-fly multi-hot expansion: evaluate_exported repeats it
+            "multi_hot": {k: v for k, v in multi_hot_kwargs(cfg, meta).items() if k.startswith("multi_hot")},
+        }
+        data_record = {"meta": meta, "fingerprint": data_fingerprint(meta), "source": str(recorded)}
+        return export_model(
+            model, out, embedding_dtype, data_meta=meta, data_dir=vocab_dir, source=source,
+            quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
+            data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta, dcp_md),
+        )
+
+    # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
+    return read_checkpoint(str(run), checkpoint, export_from)
 
 
 # ----------------------------------------------------------------------------- loading

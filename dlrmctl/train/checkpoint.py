@@ -61,6 +61,13 @@ checkpoint and ``LATEST`` intact; ``keep_last`` older checkpoints are pruned
 only after the new one is visible (the one ``BEST`` names is always kept), and a
 published directory is never rewritten (a second save of a step becomes ``step_XXXXXXXX.1``).
 
+Readers and pruning: nothing is locked (a reader's lock file would outlive a killed reader and
+block pruning, and no process can tell whether a reader on another host of a shared file system
+still lives).  Instead readers go through :func:`read_checkpoint`: a checkpoint pruned while it
+is read is noticed by its missing files, ``best`` / ``last`` are resolved again (pruning only
+ever follows the publication of a newer complete checkpoint, so they then name one) and read
+once more, and a fixed step that went is reported as pruned, not as corrupt.
+
 Integrity without extra reads: a loading rank checks the sizes of the files it
 opens, reads of each saved chunk only the rows its blocks overlap (rounded out to
 whole checksum blocks, ~1/4096 of a file) and verifies exactly those blocks, so a
@@ -81,6 +88,7 @@ import bisect
 import glob
 import io
 import json
+import logging
 import math
 import os
 import pickle
@@ -90,12 +98,15 @@ import sys
 import warnings
 import zlib
 from array import array
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from dlrmctl.fileio import write_text_atomic
+
+log = logging.getLogger("dlrmctl.checkpoint")
+T = TypeVar("T")
 
 CKPT_DIR = "checkpoints"
 FORMAT = "dcp-v2"
@@ -459,6 +470,77 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
     # several (a re-save step_X.1, a reshard step_X_wsN): the one LATEST names, else the newest
     last = latest_checkpoint(run_dir)
     return (last if last in matches else matches[-1]), f"step {step}"
+
+
+#: ``--checkpoint`` choices that name whatever ``LATEST`` / ``BEST`` point at *now* (a training run moves them)
+_MOVING = ("auto", "best", "last", "latest")
+
+
+def _files_of(path: str) -> list[str]:
+    """The files of checkpoint ``path`` that exist now (meta.json and those it lists)."""
+    try:
+        names = ["meta.json", *load_checkpoint_meta(path)["files"]]
+    except CheckpointError:
+        names = ["meta.json"]
+    return [n for n in names if os.path.exists(os.path.join(path, n))]
+
+
+def _removed(path: str, files: Sequence[str]) -> bool:
+    """Checkpoint ``path`` lost its directory or one of ``files`` (which it had) since they were listed."""
+    return not os.path.isdir(path) or any(not os.path.exists(os.path.join(path, n)) for n in files)
+
+
+def read_checkpoint(run_dir: str, which: str | None, read: Callable[[str, str], T]) -> T:
+    """``read(path, label)`` of the checkpoint ``which`` selects (:func:`resolve_checkpoint`), safe
+    against the pruning of a training run writing to ``run_dir`` meanwhile.
+
+    A run saving with ``train.keep_last_checkpoints`` deletes an older checkpoint right after it has
+    published a newer one, so a reader (evaluate, export, checkpoint reshard) may lose the step
+    directory it chose while it reads it.  When ``read`` fails and that checkpoint has lost its
+    directory or a file it had when chosen, it was pruned: a moving choice (``None``, ``best``,
+    ``last``) is resolved again (``LATEST`` / ``BEST`` then name a newer, complete checkpoint) and
+    read once more; a fixed one (a step number or name), or a second loss, is reported as
+    pruning, not as corruption.  A failure of a checkpoint that kept its files is re-raised as is.
+    Nothing is locked: pruning never waits for readers (see the module docstring).
+
+    Args:
+        run_dir: the run directory.
+        which: as :func:`resolve_checkpoint`.
+        read: reads the checkpoint at ``path`` (``label`` e.g. ``"last (step 63)"``); may be called
+            twice, so it must leave nothing behind when it fails (write outputs to a temp path).
+
+    Returns:
+        what ``read`` returns.
+
+    Raises:
+        CheckpointError: no such checkpoint (as :func:`resolve_checkpoint`), or ``checkpoint ...
+            was removed by the run's pruning (train.keep_last_checkpoints) while it was being read``.
+        Whatever ``read`` raises for a checkpoint that was not removed.
+    """
+    moving = which is None or str(which).strip().lower() in _MOVING
+    for attempt in (0, 1):
+        try:
+            path, label = resolve_checkpoint(run_dir, which)
+        except CheckpointError:
+            if attempt == 0 and moving:  # LATEST / BEST moved and the old step went while resolving
+                continue
+            raise
+        files = _files_of(path)
+        try:
+            return read(path, label)
+        except Exception:
+            if not _removed(path, files):
+                raise
+            if attempt == 0 and moving:
+                log.warning("checkpoint %s (%s) was removed by the run's pruning while it was being read; "
+                            "reading the one %s names now", label, path, "LATEST" if "last" in label else "BEST")
+                continue
+            how = ("; choose a newer one (--checkpoint last)" if not moving
+                   else ": the run is saving checkpoints faster than this read; retry")
+            raise CheckpointError(
+                f"checkpoint {label} ({path}) was removed by the run's pruning (train.keep_last_checkpoints) "
+                f"while it was being read{how}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _fsync_dir(path: str) -> None:

@@ -209,7 +209,7 @@ class Trainer:
             shuffle=cfg.data.shuffle, seed=cfg.train.seed, drop_last=cfg.data.drop_last, prefetch=cfg.data.prefetch,
             shuffle_window_rows=cfg.data.shuffle_window_rows, shuffle_block_rows=cfg.data.shuffle_block_rows,
             num_samples=cfg.data.num_samples, features=feats, pin_memory=self.device.type == "cuda",
-            **self._id_policy(), **multi_hot_kwargs(cfg, self.meta),
+            **self._id_policy(), **multi_hot_kwargs(cfg, self.meta), require_labels=True,
         )
         self.feature_names = feats
         if len(self.train_loader) == 0:
@@ -474,7 +474,7 @@ class Trainer:
         loader = BatchLoader(
             data_dir or self.cfg.data.path, split, self.cfg.data.eval_batch_size, rank=self.env.rank,
             world_size=self.env.world_size, shuffle=False, prefetch=self.cfg.data.prefetch, features=self.feature_names,
-            **self._id_policy(), **multi_hot_kwargs(self.cfg, self.meta),
+            **self._id_policy(), **multi_hot_kwargs(self.cfg, self.meta), require_labels=True,
         )
         self.model.eval()
         rows: list[torch.Tensor] = []  # [b, 2] float32: logit, label (on the device)
@@ -1571,7 +1571,7 @@ def run_logits(run_dir: str, split: str = "val", data_dir: str | None = None, ba
     cfg, model, meta = load_trained_model(run_dir, checkpoint=checkpoint)
     feats = model.sparse_arch.feature_names()  # each input feature once (the model applies on_invalid_id)
     loader = BatchLoader(data, split, batch_size or cfg.data.eval_batch_size, shuffle=False,
-                         features=feats, **multi_hot_kwargs(cfg, meta))
+                         features=feats, require_labels=True, **multi_hot_kwargs(cfg, meta))
     logits, labels = [], []
     with Progress(len(loader), f"eval {split}", "batch", enabled=progress, every_s=cfg.train.progress_every_s,
                   final_line=False, leave=False) as bar, torch.no_grad():

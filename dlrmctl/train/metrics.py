@@ -35,6 +35,10 @@ bit-identical.
   undefined; it is reported as **0.5** (TorchRec's convention) and a one-line warning is
   logged (logger ``dlrmctl.metrics``).  No rows at all: ``nan``.
 
+**Labels are 0 or 1.**  Every public function refuses any other label (2, -1, 0.5, NaN) with a
+``ValueError`` naming how many there are and the first one (one vectorised check): a log loss of
+labels outside {0, 1} can be negative and its NE meaningless, so none is computed from them.
+
 Every metric takes optional per-sample ``weights`` (as TorchRec's metrics do):
 the weighted metric equals the unweighted one on the data with each row
 repeated ``w`` times (integer ``w``).
@@ -194,6 +198,21 @@ def _host_f64(x) -> np.ndarray:
     if hasattr(x, "detach") and hasattr(x, "device"):  # a torch tensor: no torch import needed here
         x = x.detach().to("cpu").double().numpy()
     return np.asarray(x, dtype=np.float64).ravel()
+
+
+def _labels(labels) -> np.ndarray:
+    """Labels ``[N]`` as float64, each exactly 0 or 1 (one vectorised check).
+
+    Raises:
+        ValueError: naming how many labels are not 0 or 1 (NaN included) and the first of them.
+    """
+    y = _host_f64(labels)
+    bad = (y != 0) & (y != 1)  # NaN compares unequal to both
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"labels must be 0 or 1: {int(np.count_nonzero(bad))} of {y.size} are not "
+                         f"(e.g. {float(y[i])!r} at index {i})")
+    return y
 
 
 def _weights(weights: np.ndarray | None, n: int) -> np.ndarray | None:
@@ -369,7 +388,7 @@ def auc(preds: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None
 
     Args:
         preds: ``[N]`` scores (any monotone scale: probabilities or logits).
-        labels: ``[N]`` in {0, 1} (> 0.5 is positive).
+        labels: ``[N]``, each 0 or 1 (anything else, NaN included, is a ValueError).
         weights: optional ``[N]`` non-negative sample weights (default all 1).
 
     Returns:
@@ -377,10 +396,11 @@ def auc(preds: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = None
         or the negatives have zero total weight (one class only); ``nan`` with no rows.
 
     Raises:
-        ValueError: weights of another length, negative or not finite.
+        ValueError: a label other than 0 or 1 (NaN included); weights of another length, negative
+            or not finite.
     """
     z = _host_f64(preds)
-    pos = _host_f64(labels) > 0.5
+    pos = _labels(labels) > 0.5
     w = _weights(weights, z.size)
     ww = np.ones(z.size) if w is None else w
     p = MetricPartials(num_samples=z.size, num_pos=int(pos.sum()),
@@ -422,10 +442,10 @@ def logloss(probs: np.ndarray, labels: np.ndarray, weights: np.ndarray | None = 
     """(Weighted) mean binary cross-entropy (natural log) of probabilities ``[N]`` vs labels ``[N]``.
 
     Raises:
-        ValueError: invalid weights (see :func:`auc`).
+        ValueError: a label other than 0 or 1, invalid weights (see :func:`auc`).
     """
     p = np.clip(_host_f64(probs), _EPS, 1 - _EPS)
-    y = _host_f64(labels)
+    y = _labels(labels)
     ll = -(y * np.log(p) + (1 - y) * np.log(1 - p))
     w = _weights(weights, p.size)
     if w is None:
@@ -482,7 +502,7 @@ def _finish(p: MetricPartials, pair_total: Callable[[bool], Fraction | float], w
 
 def _prepare(scores, labels, weights, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     z = _host_f64(scores)
-    y = _host_f64(labels)
+    y = _labels(labels)
     if z.size != y.size:
         raise ValueError(f"{what}: {z.size} values for {y.size} labels")
     return z, y, _weights(weights, y.size)
@@ -514,7 +534,7 @@ def compute_metrics_from_logits(
     Args:
         logits: ``[N]`` (any float dtype; cast to float64): numpy, or a torch tensor on any device
             (copied to the host; also with ``requires_grad``); labels and weights likewise.
-        labels: ``[N]`` in {0, 1}.
+        labels: ``[N]``, each 0 or 1 (anything else, NaN included, is a ValueError).
         weights: optional ``[N]`` >= 0 sample weights (see :func:`compute_metrics`); with ``pg``,
             all ranks or none must pass weights.
         pg: process group (None: these rows are all the rows).
@@ -526,7 +546,8 @@ def compute_metrics_from_logits(
         logged warning) when a logit is nan or infinite.
 
     Raises:
-        ValueError: ``logits`` and ``labels`` of different lengths, invalid weights, inputs that
+        ValueError: ``logits`` and ``labels`` of different lengths, a label other than 0 or 1 (NaN
+            included: names the count and the first bad value), invalid weights, inputs that
             cannot be read as numbers (with ``pg``: on every rank, naming the rank at fault, so no
             rank waits in a collective), weights on some ranks only.
     """
@@ -603,7 +624,7 @@ def compute_metrics(probs: np.ndarray, labels: np.ndarray, weights: np.ndarray |
         / ``num_samples`` ``nan`` (and a logged warning) when a probability is nan or infinite.
 
     Raises:
-        ValueError: invalid weights (see :func:`auc`).
+        ValueError: a label other than 0 or 1, invalid weights (see :func:`auc`).
     """
     p, y, w = _prepare(probs, labels, weights, "probs")
     pos = y > 0.5

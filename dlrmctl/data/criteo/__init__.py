@@ -7,7 +7,10 @@ Transforms (all recorded in ``meta["transforms"]``):
 
 * dense ``I1..I13``: empty -> 0, negative -> 0, then ``log(x + 1)`` as float32
   (Naumov et al. 2019, DLRM reference ``data_utils.py``: ``X_int[X_int < 0] = 0; log(X_int + 1)``).
-  A negative input therefore gives 0.0, never ``-inf`` / NaN.
+  A negative input therefore gives 0.0, never ``-inf`` / NaN.  Only an *empty* field is missing:
+  any other non-integer (``nan``, ``inf``, ``NA``, ``1.5``) is a bad line (named ``file:line: field
+  I4: ...``; dropped with ``on_bad_line="skip"``), the same policy as columnar data, where a NaN / inf
+  dense value is refused (:func:`dlrmctl.data.columnar.check_rows`).
 * categorical ``C1..C26``: 8 hex digits -> 32-bit integer ``h`` (``int(s, 16)``), then
     - hashing (``num_embeddings=N``): id ``h mod N``; empty -> the dedicated missing id ``N``;
       the table has ``N + 1`` rows.

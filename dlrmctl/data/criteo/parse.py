@@ -316,6 +316,14 @@ def count_lines(path: Path) -> int:
 _CONV_RE = re.compile(r"column #(\d+): Row #(\d+): CSV conversion error to \w+: invalid value '(.*)'", re.S)
 
 
+def _non_finite_hint(got: str) -> str:
+    """The policy, when a dense / label field holds a NaN or inf spelling (one policy for raw and
+    columnar data: non-finite values are refused, never read as missing)."""
+    if got.strip().lstrip("+-").lower() in ("nan", "inf", "infinity"):
+        return " (NaN / inf are refused, not read as missing: leave the field empty for a missing value)"
+    return ""
+
+
 class _NeedCareful(Exception):
     """Internal: the fast path met a non-integer dense value in skip mode; redo the file carefully."""
 
@@ -376,7 +384,7 @@ class BlockReader:
             raise _NeedCareful() from None
         field = self.names[int(m.group(1))]
         what = "0 or 1" if field == LABEL_COLUMN else "an integer"
-        raise DataError(f"expected {what}, got '{m.group(3)}'", path=self.path,
+        raise DataError(f"expected {what}, got '{m.group(3)}'{_non_finite_hint(m.group(3))}", path=self.path,
                         line=int(m.group(2)), field=field) from None
 
     def __iter__(self) -> Iterator[Block]:
@@ -390,8 +398,11 @@ class BlockReader:
                 parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,
                                                   ignore_empty_lines=False,
                                                   invalid_row_handler=self._invalid_row),
+                # only an empty field is missing: Arrow's default null spellings ("nan", "NaN", "NA",
+                # "null", ...) would make `nan` a missing count while `inf` is refused
                 convert_options=pa_csv.ConvertOptions(column_types=types, strings_can_be_null=False,
-                                                      check_utf8=False, quoted_strings_can_be_null=False),
+                                                      null_values=[""], check_utf8=False,
+                                                      quoted_strings_can_be_null=False),
             )
         except pa.ArrowInvalid as e:
             if num_fields(self.path) is None:  # a file (or .gz / .bz2 member) with no lines: no blocks
@@ -439,7 +450,8 @@ class BlockReader:
             i = int(np.flatnonzero(mask)[0])
             got = values[i].as_py()
             got = got.decode("utf-8", "replace") if isinstance(got, bytes) else got
-            raise DataError(f"expected {what}, got '{got}'", path=self.path, line=int(lines[i]), field=field)
+            raise DataError(f"expected {what}, got '{got}'{_non_finite_hint(str(got))}", path=self.path,
+                            line=int(lines[i]), field=field)
         return mask
 
     def _convert(self, rb: pa.RecordBatch, lines: np.ndarray) -> Block:
