@@ -24,11 +24,13 @@ def evaluate(
                                                                          "the run kept one, else last)"),
     any_split: bool = typer.Option(False, "--any-split", help="accept data whose split differs from the training "
                                                               "data's (same schema and vocabularies)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="rows per evaluation batch (>= 1)"),
     output_json: bool = typer.Option(False, "--json", help="print the metrics as JSON"),
 ) -> None:
     """Metrics (AUC, logloss, NE, calibration, accuracy) of a trained or exported model."""
     setup_logging()
+    if batch_size is not None and batch_size < 1:
+        fail(f"--batch-size must be >= 1 (rows per evaluation batch), got {batch_size}")
     exported = os.path.exists(os.path.join(run_dir, "manifest.json"))
     if exported and data is None:
         fail(f"{run_dir} is an exported model: give --data DIR (the preprocessed data to evaluate on), e.g. "
