@@ -96,6 +96,8 @@ def kind_of(directory: str | os.PathLike) -> str | None:
     m = _json(d / "meta.json")
     if m is not None and "format_version" in m and "splits" in m and "dataset" in m:
         return "dataset"
+    if (d / "parts").is_dir() and set(os.listdir(d)) <= {"parts", "vocab", ".counts", ".decoded", "meta.json"}:
+        return "dataset"  # an unfinished criteo preprocess of an older dlrmctl
     if (d / "config.yaml").is_file() and ((d / "checkpoints").is_dir() or (d / ".dlrmctl_attempt").exists()
                                           or (d / "summary.json").is_file()):
         return "run"
@@ -265,3 +267,101 @@ def place_error(e: OSError, path: str | os.PathLike, remedy: str) -> OutputError
         return None
     where = e.filename if e.filename else path
     return OutputError(f"{where}: cannot write ({why}); {remedy}")
+
+
+def _normal(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (tuples -> lists, paths -> str), for comparing recipes."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+class DatasetTarget:
+    """Where ``preprocess`` builds a dataset for ``out`` (:func:`dataset_target`).
+
+    Attributes:
+        out: the dataset directory asked for.
+        build_dir: where to write: ``out`` itself (new, or resuming the same recipe) or a marked
+            temporary sibling swapped in by :meth:`commit` (replacing another dataset).
+        state: ``"new"``, ``"resume"`` (same recipe, unfinished or made by an older dlrmctl),
+            ``"complete"`` (same recipe, finished: nothing to do) or ``"replace"``.
+        recipe: the inputs and options of the build (recorded in the marker).
+    """
+
+    def __init__(self, out: Path, build_dir: Path, state: str, recipe: dict, created: bool = False) -> None:
+        self.out, self.build_dir, self.state, self.recipe = out, build_dir, state, recipe
+        self._created = created
+
+    def commit(self) -> None:
+        """The build succeeded: mark it complete and, for ``"replace"``, swap it in at ``out``."""
+        write_marker(self.build_dir, "dataset", recipe=self.recipe, complete=True)
+        if self.build_dir != self.out:
+            swap_in(self.build_dir, self.out)
+
+    def abort(self) -> None:
+        """The build failed: a replacement's temporary is removed (``out`` untouched); an in-place
+        build stays, resumable."""
+        if self.build_dir != self.out:
+            shutil.rmtree(self.build_dir, ignore_errors=True)
+        elif self.state == "new":  # nothing built yet (e.g. bad input): leave no trace
+            try:
+                if os.listdir(self.out) == [MARKER_NAME]:
+                    os.remove(self.out / MARKER_NAME)
+                    if self._created:
+                        os.rmdir(self.out)
+            except OSError:
+                pass
+
+
+def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> DatasetTarget:
+    """Decide where a dataset made by ``recipe`` goes (see :class:`DatasetTarget`).
+
+    ``out`` absent or empty: built in place.  A dlrmctl dataset of the same recipe (its marker):
+    resumed in place, or nothing to do when complete.  A dataset of ours without a marker (an older
+    dlrmctl): resumed in place when ``recipe["legacy_same"]`` (the caller's own test) is true.
+    Any other dataset of ours: refused without ``force``; with it, built in a temporary sibling
+    and swapped in when complete (:meth:`DatasetTarget.commit`).
+
+    Raises:
+        OutputError: ``out`` holds another dataset (no ``force``), is not a dlrmctl dataset (a file,
+            a directory of other files), or is protected (:func:`check_replaceable`).
+        OSError: the temporary cannot be created.
+    """
+    out = Path(out)
+    legacy_same = bool(recipe.pop("legacy_same", False))
+    recipe = _normal(recipe)
+    if os.path.lexists(out) and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory; --out a new or empty directory")
+    if not out.exists() or not any(out.iterdir()):
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        write_marker(out, "dataset", recipe=recipe, complete=False)
+        return DatasetTarget(out, out, "new", recipe, created)
+    kind = kind_of(out)
+    if kind != "dataset":
+        raise OutputError(f"{out}: exists and is not a dlrmctl dataset ("
+                          + (f"it is a dlrmctl {kind}" if kind else f"no {MARKER_NAME} marker, no meta.json")
+                          + "); nothing there is replaced: --out a new or empty directory")
+    rec = read_marker(out)
+    same = rec.get("recipe") == recipe if rec is not None else legacy_same
+    if same:
+        if rec is None:
+            write_marker(out, "dataset", recipe=recipe, complete=False)  # adopt it (older dlrmctl)
+        done = rec is not None and rec.get("complete") and (out / "meta.json").is_file()
+        return DatasetTarget(out, out, "complete" if done else "resume", recipe)
+    made = (rec or {}).get("recipe") or {}
+    src = made.get("inputs") or made.get("input")
+    how = f"made from {_short(src)} or with other options" if src else "made with other inputs or options"
+    if not force:
+        raise OutputError(f"{out}: holds another dataset ({how}); pass "
+                          "--force to replace it (runs trained on it will then fail their data fingerprint check) "
+                          "or --out another directory")
+    check_replaceable(out, "dataset", "--force", "--out another directory")
+    reclaim_stale(out)
+    tmp = make_temp_dir(out, "dataset")
+    return DatasetTarget(out, tmp, "replace", recipe)
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, list):
+        names = [i.get("path") if isinstance(i, dict) else str(i) for i in x]
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return str(x)
