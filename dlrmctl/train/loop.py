@@ -1365,9 +1365,9 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
     """
     run_dir = check_run_dir(cfg, resume, overwrite)
     settle_replacement(run_dir)  # an --overwrite attempt killed before its first checkpoint: the old run is back
+    clear_unsaved_attempt(run_dir)  # a failed attempt's files must not mix into this run's
     if overwrite and not resume and os.path.exists(run_dir):
         _set_aside(run_dir)  # kept until this run's first complete checkpoint (finish_replacement)
-    clear_unsaved_attempt(run_dir)  # a failed attempt's files must not mix into this run's
     cpath = os.path.join(run_dir, "config.yaml")
     if (os.path.exists(cpath) and not os.path.exists(os.path.join(run_dir, ATTEMPT_MARKER))
             and not os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR))):
@@ -1496,6 +1496,8 @@ def clear_unsaved_attempt(run_dir: str) -> bool:
             os.remove(p)
             removed = True
     os.remove(marker)
+    if os.listdir(run_dir) == [outputs.MARKER_NAME]:  # only this attempt's ownership marker is left
+        os.remove(os.path.join(run_dir, outputs.MARKER_NAME))
     if not os.listdir(run_dir):
         os.rmdir(run_dir)
     return removed
