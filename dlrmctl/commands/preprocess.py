@@ -73,10 +73,13 @@ def _stat_inputs(input: List[str]) -> list[dict]:
     """The input files of a criteo preprocess (path, size, mtime): its recipe's ``inputs``."""
     from dlrmctl.data.criteo.parse import expand_inputs
 
+    from dlrmctl.data.columnar import DataError
+
     try:
         files = expand_inputs(input if len(input) > 1 else input[0])
-    except Exception:  # the preprocess reports it (one error line)
-        return [{"path": str(x)} for x in input]
+    except DataError as e:  # the input's own error comes before any question about --out
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
     out = []
     for f in files:
         st = f.stat()

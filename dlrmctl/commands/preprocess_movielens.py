@@ -47,6 +47,9 @@ def register(preprocess_app: typer.Typer) -> None:
 
         from dlrmctl.commands.preprocess import _already_complete, _build, _target
 
+        if not os.path.isdir(input):  # the input's own error comes before any question about --out
+            typer.echo(f"error: {input}: not a directory (expected an unpacked MovieLens release)", err=True)
+            raise typer.Exit(2)
         target = _target(Path(out), {"dataset": "movielens", "input": os.path.abspath(input),
                                      "options": dataclasses.asdict(opts)}, force)
         if target.state == "complete":

@@ -1496,7 +1496,8 @@ def clear_unsaved_attempt(run_dir: str) -> bool:
             os.remove(p)
             removed = True
     os.remove(marker)
-    if os.listdir(run_dir) == [outputs.MARKER_NAME]:  # only this attempt's ownership marker is left
+    left = set(os.listdir(run_dir)) - {run_lock.LOCK_NAME}
+    if outputs.MARKER_NAME in left and left <= {outputs.MARKER_NAME, "logs"}:  # no run left: the failure's logs at most
         os.remove(os.path.join(run_dir, outputs.MARKER_NAME))
     if not os.listdir(run_dir):
         os.rmdir(run_dir)
