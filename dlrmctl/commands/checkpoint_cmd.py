@@ -86,6 +86,10 @@ def _reshard_from(run_dir: str, src: str, nproc: int, plan_path: str | None, out
     if out:
         out_run, name = out, f"step_{step:08d}"
         ckpt.copy_run_files(run_dir, out_run)
+        from dlrmctl import outputs
+
+        if outputs.read_marker(out_run) is None:  # a run directory dlrmctl made (--overwrite may replace it)
+            outputs.write_marker(out_run, "run")
         if plan is not None:
             plan.save(os.path.join(out_run, "plan.yaml"))
     else:

@@ -73,9 +73,11 @@ def predict_command(
     model_dir: Path = typer.Argument(..., help="exported model directory (dlrmctl export)"),
     input: Path = typer.Option(..., "--input", help="raw log file (Criteo: 40 fields with label, or 39)"),
     output: Optional[Path] = typer.Option(None, "--output", help="scores CSV (default: stdout)"),
-    batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch"),
+    batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch (>= 1)"),
 ) -> None:
     """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""
+    if batch_rows < 1:
+        _fail(f"--batch-rows must be >= 1 (rows scored per batch), got {batch_rows}")
     from dlrmctl.inference.predict import predict_file
 
     try:

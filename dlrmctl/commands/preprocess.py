@@ -6,6 +6,8 @@ Other datasets (e.g. movielens) register their own command on :data:`app` from t
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 from typing import List, Optional
 
@@ -32,7 +34,65 @@ def _int_list(value: Optional[str], name: str, n: int) -> Optional[list[int]]:
     return xs
 
 
+def _target(out: Path, recipe: dict, force: bool):
+    """Where to build (:func:`dlrmctl.outputs.dataset_target`); a refusal is one error line, exit 2."""
+    from dlrmctl import outputs
+
+    try:
+        return outputs.dataset_target(out, recipe, force)
+    except outputs.OutputError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except OSError as e:
+        typer.echo(f"error: {e.filename or out}: cannot create the dataset directory ({e.strerror}); "
+                   "--out a writable directory", err=True)
+        raise typer.Exit(2) from None
+
+
+def _build(target, fn):
+    """Run ``fn(build_dir)`` for ``target``; commit it when it returns, abort it on any failure."""
+    try:
+        rep = fn(target.build_dir)
+    except BaseException:
+        target.abort()
+        raise
+    target.commit()
+    return rep
+
+
+def _already_complete(out: Path) -> None:
+    """The message of a re-run of the same inputs and options on a finished dataset."""
+    import json
+
+    meta = json.loads((out / "meta.json").read_text())
+    rows = ", ".join(f"{s} {v.get('rows', 0):,}" for s, v in (meta.get("splits") or {}).items())
+    typer.echo(f"{out}: already complete ({rows} rows), nothing to do; --force rebuilds it")
+
+
+def _stat_inputs(input: List[str]) -> list[dict]:
+    """The input files of a criteo preprocess (path, size, mtime): its recipe's ``inputs``."""
+    from dlrmctl.data.criteo.parse import expand_inputs
+
+    from dlrmctl.data.columnar import DataError
+
+    try:
+        files = expand_inputs(input if len(input) > 1 else input[0])
+    except DataError as e:  # the input's own error comes before any question about --out
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append({"path": os.path.abspath(f), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
 def _summary(rep, out: Path) -> None:
+    if not rep.files_processed and rep.files_skipped:
+        rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
+        typer.echo(f"{out}: already complete ({rows} rows), nothing to do"
+                   + (f"; {rep.bad_lines:,} bad lines skipped" if rep.bad_lines else ""))
+        return
     rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
     typer.echo(f"wrote {out}: {rows} rows; {rep.rows_per_s:,.0f} rows/s over {rep.seconds:.1f} s"
                + (f"; {rep.bad_lines:,} bad lines skipped" if rep.bad_lines else "")
@@ -61,6 +121,8 @@ def criteo(
     multi_hot_distribution: str = typer.Option("uniform", help="'uniform' or 'pareto' multi-hot offsets"),
     workers: int = typer.Option(1, help="worker processes (parallel across input files)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
+    force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/options "
+                               "(built beside it, swapped in when complete)"),
 ) -> None:
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
     from dlrmctl.data.columnar import DataError
@@ -78,12 +140,36 @@ def criteo(
         opts.validate()
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    inputs = _stat_inputs(input)
+    recipe = {"dataset": "criteo", "inputs": inputs,
+              "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "workers"}}
+    recipe["legacy_same"] = _legacy_criteo_same(out, inputs)
+    target = _target(out, recipe, force)
+    if target.state == "complete":
+        _already_complete(out)
+        return
     try:
-        rep = preprocess_criteo(input if len(input) > 1 else input[0], out, opts, progress=not quiet)
+        rep = _build(target, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d, opts,
+                                                         progress=not quiet))
     except DataError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     _summary(rep, out)
+
+
+def _legacy_criteo_same(out: Path, inputs: list[dict]) -> bool:
+    """A criteo dataset of an older dlrmctl (no marker) may be resumed: unfinished, or its meta.json
+    lists the same input files (its parts' own fingerprints decide what is redone)."""
+    import json
+
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except FileNotFoundError:
+        return (out / "parts").is_dir()
+    except (OSError, ValueError):
+        return False
+    return meta.get("dataset") == "criteo" and [os.path.abspath(p) for p in meta.get("inputs", [])] == \
+        [i["path"] for i in inputs]
 
 
 @app.command("synthetic")
@@ -99,15 +185,24 @@ def synthetic(
     weighted_features: Optional[str] = typer.Option(
         None, help="comma-separated features (e.g. C1,C2) that get per-id weights U(0.5, 2) in a <feature>__weight "
         "column; their effect on the label is weight * effect (train them with `weighted: true` tables)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing dataset made with other options "
+                               "(built beside it, swapped in when complete)"),
 ) -> None:
     """Criteo-schema synthetic data with a planted logistic signal; meta.json has its bayes_auc."""
     from dlrmctl.data.synthetic import generate_synthetic
 
+    cards = _int_list(num_embeddings, "--num-embeddings", 26)
+    wf = [f.strip() for f in (weighted_features or "").split(",") if f.strip()]
+    target = _target(out, {"dataset": "synthetic", "rows": rows, "seed": seed, "val_ratio": val_ratio,
+                           "test_ratio": test_ratio, "num_embeddings": cards, "zipf_alpha": zipf_alpha,
+                           "weighted_features": wf}, force)
+    if target.state == "complete":
+        _already_complete(out)
+        return
     try:
-        rep = generate_synthetic(out, rows=rows, seed=seed, val_ratio=val_ratio, test_ratio=test_ratio,
-                                 num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
-                                 zipf_alpha=zipf_alpha,
-                                 weighted_features=[f.strip() for f in (weighted_features or "").split(",") if f.strip()])
+        rep = _build(target, lambda d: generate_synthetic(d, rows=rows, seed=seed, val_ratio=val_ratio,
+                                                          test_ratio=test_ratio, num_embeddings=cards,
+                                                          zipf_alpha=zipf_alpha, weighted_features=wf))
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     _summary(rep, out)

@@ -29,6 +29,8 @@ def register(preprocess_app: typer.Typer) -> None:
         min_tag_count: int = typer.Option(2, "--min-tag-count", help="tags seen fewer times are dropped"),
         max_tags_per_item: int = typer.Option(16, "--max-tags-per-item", help="cap of a movie's tag bag"),
         zip_prefix_len: int = typer.Option(3, "--zip-prefix-len", help="zip code characters kept (user feature)"),
+        force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/"
+                                   "options (built beside it, swapped in when complete)"),
     ) -> None:
         """MovieLens ratings -> click-style label (rating >= threshold), per-user time-ordered split."""
         from dlrmctl.data.columnar import DataError
@@ -39,12 +41,27 @@ def register(preprocess_app: typer.Typer) -> None:
                                 zip_prefix_len=zip_prefix_len)
         from dlrmctl.console import echo
 
+        import dataclasses
+        import os
+        from pathlib import Path
+
+        from dlrmctl.commands.preprocess import _already_complete, _build, _target
+
+        if not os.path.isdir(input):  # the input's own error comes before any question about --out
+            typer.echo(f"error: {input}: not a directory (expected an unpacked MovieLens release)", err=True)
+            raise typer.Exit(2)
+        target = _target(Path(out), {"dataset": "movielens", "input": os.path.abspath(input),
+                                     "options": dataclasses.asdict(opts)}, force)
+        if target.state == "complete":
+            _already_complete(Path(out))
+            return
         try:
-            rep = preprocess_movielens(input, out, opts, progress=lambda msg: echo(msg, err=True))
+            rep = _build(target, lambda d: preprocess_movielens(input, d, opts,
+                                                                progress=lambda msg: echo(msg, err=True)))
         except (DataError, ValueError, OSError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
-        typer.echo(f"{rep.release} -> {rep.out_dir} in {rep.seconds:.1f}s")
+        typer.echo(f"{rep.release} -> {out} in {rep.seconds:.1f}s")
         for split in ("train", "val", "test"):
             c = rep.ctr.get(split)
             typer.echo(f"  {split:<5} {rep.rows[split]:>10,} rows  positive rate "

@@ -34,6 +34,7 @@ from typing import List, Optional
 
 import typer
 
+from dlrmctl import outputs
 from dlrmctl.commands._common import check_number, echo, fail, show_path
 from dlrmctl.fileio import write_text_atomic
 
@@ -216,7 +217,11 @@ def sweep(
         if os.path.exists(run_dir) and not overwrite:
             fail(f"{show_path(run_dir)} exists: pass --overwrite to train the sweep again, or --name for a new one")
         runs.append((pname, assignment, overrides, run_dir))
+    if os.path.isdir(sweep_dir) and os.listdir(sweep_dir) and outputs.kind_of(sweep_dir) not in ("sweep", None):
+        fail(f"{show_path(sweep_dir)} is a dlrmctl {outputs.kind_of(sweep_dir)}, not a sweep; --name another sweep")
     os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
+    if outputs.read_marker(sweep_dir) is None:
+        outputs.write_marker(sweep_dir, "sweep")
     env = dict(os.environ)
     jobs = min(jobs, len(runs))  # no idle workers: the threads per point come from the points run at once
     if jobs > 1 and "OMP_NUM_THREADS" not in env:

@@ -25,7 +25,8 @@ def train(
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                              help="with --resume: the checkpoint to continue from, best | last | "
                                                   "<step> | <name> (default last)"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run (kept until the new one has "
+                                                               "its first complete checkpoint)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the torchx AppDef instead of launching"),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
@@ -67,7 +68,7 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
 
     if world > 1:
         from dlrmctl.launch import build_appdef, launch, omp_threads_per_rank
-        from dlrmctl.train.loop import clear_unsaved_attempt, prepare_run_dir
+        from dlrmctl.train.loop import clear_unsaved_attempt, finish_replacement, prepare_run_dir
 
         _check_before_launch(cfg, world, resume, overwrite, checkpoint)
         # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
@@ -77,9 +78,16 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
         threads, why = omp_threads_per_rank(nproc)
         echo(f"{world} ranks ({nnodes} x {nproc}), {threads} OpenMP thread(s) per rank ({why}; OMP_NUM_THREADS "
              "overrides); rank 0's output follows, every rank's log is in " + show_path(os.path.join(run_dir, "logs")))
-        rc = launch(app, log_dir=os.path.join(run_dir, "logs"))
+        try:
+            rc = launch(app, log_dir=os.path.join(run_dir, "logs"))
+        except BaseException:  # Ctrl-C of the launcher: as a failed launch
+            clear_unsaved_attempt(run_dir)
+            raise
         if rc != 0:
-            clear_unsaved_attempt(run_dir)  # failed before any checkpoint: a retry starts clean (logs/ stay)
+            # failed before any checkpoint: a retry starts clean (logs/ stay); an --overwrite's old run is back
+            clear_unsaved_attempt(run_dir)
+        else:
+            finish_replacement(run_dir, done=True)
         raise typer.Exit(rc)
     _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
     from dlrmctl.commands._common import user_errors

@@ -73,12 +73,13 @@ from __future__ import annotations
 
 import copy
 import datetime
+import errno
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dlrmctl import outputs
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
     empty_intnbit_tbe,
@@ -358,30 +360,51 @@ def _sha256(path: Path) -> str:
 
 @contextmanager
 def _atomic_dir(out: Path, force: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of ``out``; on success rename it to ``out`` (replacing an
-    existing ``out`` only when ``force``); on failure remove it."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # like a directory made with mkdir (0755 under umask 022), not mkdtemp's 0700
+    """Yield a temporary sibling of ``out`` (:func:`dlrmctl.outputs.make_temp_dir`); on success
+    swap it in at ``out`` (replacing an existing ``out`` only with ``force`` and only when it is an
+    export of ours, :func:`dlrmctl.outputs.check_replaceable`); on any failure remove it, the old
+    ``out`` untouched.  Temporaries of killed exports to ``out`` are reclaimed first."""
+    _check_out(out, force)
+    outputs.reclaim_stale(out)
+    tmp = outputs.make_temp_dir(out, "export")
     try:
         yield tmp
-        if out.exists():
-            if (out / "checkpoints").exists() or (out / "config.yaml").exists() and not (out / MANIFEST_FILE).exists():
-                raise ExportError(f"{out} is a training run directory, not an export; --out another directory "
-                                  "(--force never replaces a run)")
-            if not force:
-                raise ExportError(f"{out} already exists; pass --force to replace it or --out another directory")
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "x")
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        outputs.finish_marker(tmp, "export")
+        _check_out(out, force)  # again: it may have appeared meanwhile
+        outputs.swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """``out`` may receive a new export: absent, or (with ``force``) an export of ours.
+
+    Raises:
+        ExportError: ``out`` exists (without ``force``), is a training run, or may not be replaced.
+    """
+    if not os.path.lexists(out):
+        return
+    if outputs.kind_of(out) == "run":
+        raise ExportError(f"{out} is a training run directory, not an export; --out another directory "
+                          "(--force never replaces a run)")
+    if not force:
+        raise ExportError(f"{out} already exists; pass --force to replace it or --out another directory")
+    try:
+        outputs.check_replaceable(out, "export", "--force", "--out another directory")
+    except outputs.OutputError as e:
+        raise ExportError(str(e)) from None
+
+
+def _write_bytes(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` from Python in 4 MiB chunks (a full disk is an ``OSError`` here,
+    not an abort inside the C++ writer), flushed to disk."""
+    with open(path, "wb") as f:
+        view = memoryview(data)
+        for i in range(0, len(view), 1 << 22):
+            f.write(view[i:i + (1 << 22)])
+        f.flush()
+        os.fsync(f.fileno())
 
 
 @contextmanager
@@ -481,8 +504,7 @@ def export_model(
     if embedding_dtype not in EMBEDDING_DTYPES:
         raise ExportError(f"embedding dtype must be one of {list(EMBEDDING_DTYPES)}, got {embedding_dtype!r}")
     out = Path(out_dir)
-    if out.exists() and not force:
-        raise ExportError(f"{out} already exists; pass --force to replace it or --out another directory")
+    _check_out(out, force)
     ebc = model.sparse_arch
     if not hasattr(ebc, "embedding_bag_configs"):
         raise ExportError(f"model.sparse_arch is a {type(ebc).__name__}; export needs an unsharded EmbeddingBagCollection")
@@ -598,6 +620,18 @@ def export_model(
         "versions": _versions(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    try:
+        return _write_artifact(out, force, meta, data_dir, manifest, scripted, stored, fp32_bytes)
+    except OSError as e:
+        err = outputs.place_error(e, out, "free space or --out a writable directory, then export again")
+        if err is None:
+            raise
+        raise ExportError(str(err)) from None
+
+
+def _write_artifact(out: Path, force: bool, meta: dict | None, data_dir: Any, manifest: dict,
+                    scripted: torch.jit.ScriptModule, stored: int, fp32_bytes: int) -> "ExportResult":
+    """Write the artifact directory (vocabularies, model.pt, manifest.json) through :func:`_atomic_dir`."""
     with _atomic_dir(out, force) as tmp:
         if meta:
             vocab_files = {}
@@ -624,13 +658,18 @@ def export_model(
                 "vocab_files": vocab_files,
                 "meta": {k: v for k, v in meta.items() if k not in ("splits", "vocab_files")},
             }
+        buf = io.BytesIO()  # serialised in memory: TorchScript's C++ writer aborts the process on a full disk
         with _quiet_jit():
-            scripted.save(str(tmp / MODEL_FILE))
-        manifest["model_bytes"] = (tmp / MODEL_FILE).stat().st_size
-        manifest["model_sha256"] = _sha256(tmp / MODEL_FILE)
-        with open(tmp / MANIFEST_FILE, "w") as f:
-            json.dump(manifest, f, indent=2, default=str)
-            f.write("\n")
+            torch.jit.save(scripted, buf)
+        data = buf.getbuffer()
+        free = shutil.disk_usage(tmp).free
+        if free < len(data):
+            raise OSError(errno.ENOSPC, f"{len(data):,} bytes needed, {free:,} free", str(tmp / MODEL_FILE))
+        _write_bytes(tmp / MODEL_FILE, data)
+        manifest["model_bytes"] = len(data)
+        manifest["model_sha256"] = hashlib.sha256(data).hexdigest()
+        del data
+        _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
     return ExportResult(out, manifest, stored, fp32_bytes)
 
 
@@ -815,7 +854,8 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
-            missing or of another size than recorded (truncated copy).
+            missing, of another size than recorded (truncated copy) or with another SHA-256 than
+            ``manifest["model_sha256"]`` (damaged; hashed in 4 MiB chunks).
         RuntimeError: fbgemm_gpu missing (its operators are needed to run the module).
     """
     d = Path(model_dir)
@@ -835,6 +875,15 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
         raise ExportError(
             f"{model_path}: {model_path.stat().st_size} bytes but the manifest records {manifest['model_bytes']}; truncated copy?"
         )
+    want = manifest.get("model_sha256")
+    if want:
+        got = _sha256(model_path)
+        if got != want:
+            raise ExportError(
+                f"{model_path}: SHA-256 {got} differs from {want} recorded in {mpath}: the file is damaged or "
+                "was changed after export; export the run again (`dlrmctl export RUN_DIR --force --out "
+                f"{d}`) or copy the artifact again"
+            )
     require_fbgemm(f"loading {model_path}")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -236,10 +236,13 @@ def predict_file(
     Raises:
         ExportError, DataError: see :func:`iter_scores`; an empty input file or a directory;
         DataMismatchError: a vocabulary file differs from the one exported; FileNotFoundError: no input.
+        ValueError: ``batch_rows`` < 1.
     """
     from dlrmctl.data.columnar import DataError
     from dlrmctl.train.metrics import compute_metrics_from_logits
 
+    if int(batch_rows) < 1:
+        raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
     p = Path(input_path)
     if not p.exists():
         raise FileNotFoundError(f"{input_path}: no such file")

@@ -22,7 +22,8 @@ from dlrmctl.distributed.types import PlanError
 from dlrmctl.run_lock import RunInUseError
 from dlrmctl.sparse.validation import EmbeddingIdError
 from dlrmctl.train.checkpoint import CheckpointError
-from dlrmctl.train.loop import RunEnv, Trainer, TrainError, clear_unsaved_attempt, prepare_run_dir, resolve_device
+from dlrmctl.train.loop import (RunEnv, Trainer, TrainError, clear_unsaved_attempt, finish_replacement, prepare_run_dir,
+                                resolve_device)
 
 #: errors that are the user's input, reported as one line without a traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
@@ -80,7 +81,10 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
         run_dir = os.path.join(cfg.train.run_dir, cfg.name)
         torch.manual_seed(cfg.train.seed)
         try:
-            return Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint).train()
+            summary = Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint).train()
+            if env.is_main:  # ended successfully: an --overwrite's old run goes
+                finish_replacement(run_dir, done=True)
+            return summary
         except BaseException:
             if env.is_main:  # nothing saved: leave nothing that would mix into a retry
                 clear_unsaved_attempt(run_dir)

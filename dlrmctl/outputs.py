@@ -1,0 +1,367 @@
+"""Output directories that dlrmctl owns: the ownership marker, the refusal to replace what is not
+ours, the atomic swap of a completed replacement, and the reclaiming of a killed run's temporaries.
+
+Every output directory dlrmctl creates (a dataset of ``preprocess``, a training run, an export
+artifact, a sweep) gets a marker file :data:`MARKER_NAME` (``.dlrmctl``), JSON::
+
+    {"kind": "dataset" | "run" | "export" | "sweep", "version": 1, "created": ISO-8601, ...}
+
+(a dataset's marker also records its ``recipe``: the inputs and options it was made from).
+``--force`` / ``--overwrite`` replace only a directory of the same kind that is ours: it carries
+the marker, or it is a dlrmctl output made before the marker existed (:func:`kind_of` recognises
+a dataset by its ``meta.json``, an export by its ``manifest.json``, a run by its ``config.yaml``
+with checkpoints or an attempt marker, a sweep by its ``sweep.csv``).  Never the working
+directory or one of its parents, ``/`` or the home directory (:func:`check_replaceable`).
+
+A replacement is built complete in a sibling temporary directory (:func:`make_temp_dir`:
+``.<name>.tmp-XXXX``, marked with the building process's pid and host) and swapped in by
+:func:`swap_in`: old renamed aside, new renamed in, old deleted; a failure at any point leaves the
+old one in place.  :func:`reclaim_stale` removes the temporaries of killed runs (ours, and their
+process gone) at the next build of the same output.
+
+Torch-free (imported by the command modules before torch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dlrmctl.fileio import write_text_atomic
+
+MARKER_NAME = ".dlrmctl"
+MARKER_VERSION = 1
+KINDS = ("dataset", "run", "export", "sweep")
+#: a temporary without a marker (made by a dlrmctl older than the marker) is reclaimed only when untouched this long
+LEGACY_TEMP_AGE_S = 3600.0
+
+
+class OutputError(RuntimeError):
+    """An output directory that must not be replaced (not ours, the working directory, ...) or
+    cannot be written; the message names the path, the reason and the remedy."""
+
+
+def write_marker(directory: str | os.PathLike, kind: str, **extra: Any) -> None:
+    """Write ``directory/.dlrmctl`` (atomically): ``{"kind", "version", "created", **extra}``.
+
+    Raises:
+        ValueError: unknown ``kind``.
+        OSError: the directory cannot be written.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown output kind {kind!r} (one of {KINDS})")
+    rec = {"kind": kind, "version": MARKER_VERSION,
+           "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+    write_text_atomic(Path(directory) / MARKER_NAME, json.dumps(rec, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def read_marker(directory: str | os.PathLike) -> dict | None:
+    """The marker of ``directory`` as a dict, or None (no marker, unreadable, or not ours)."""
+    try:
+        rec = json.loads((Path(directory) / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("kind") in KINDS else None
+
+
+def _json(path: Path) -> dict | None:
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def kind_of(directory: str | os.PathLike) -> str | None:
+    """What dlrmctl output ``directory`` is (``"dataset"``, ``"run"``, ``"export"``, ``"sweep"``),
+    from its marker or, for outputs of an older dlrmctl, from the files only dlrmctl writes; None
+    when it is not ours (or does not exist)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    rec = read_marker(d)
+    if rec is not None:
+        return rec["kind"]
+    m = _json(d / "manifest.json")
+    if m is not None and "format_version" in m and "model_file" in m:
+        return "export"
+    m = _json(d / "meta.json")
+    if m is not None and "format_version" in m and "splits" in m and "dataset" in m:
+        return "dataset"
+    if (d / "parts").is_dir() and set(os.listdir(d)) <= {"parts", "vocab", ".counts", ".decoded", "meta.json"}:
+        return "dataset"  # an unfinished criteo preprocess of an older dlrmctl
+    if (d / "config.yaml").is_file() and ((d / "checkpoints").is_dir() or (d / ".dlrmctl_attempt").exists()
+                                          or (d / "summary.json").is_file()):
+        return "run"
+    if (d / "sweep.csv").is_file() and (d / "logs").is_dir():
+        return "sweep"
+    return None
+
+
+def _protected(path: Path) -> str | None:
+    """Why ``path`` may never be replaced (None when it may)."""
+    p = os.path.realpath(path)
+    if p == os.path.realpath(os.sep):
+        return "it is the root directory"
+    if p == os.path.realpath(os.path.expanduser("~")):
+        return "it is the home directory"
+    cwd = os.path.realpath(os.getcwd())
+    if p == cwd:
+        return "it is the working directory"
+    if cwd.startswith(p.rstrip(os.sep) + os.sep):
+        return "it holds the working directory"
+    return None
+
+
+def check_replaceable(path: str | os.PathLike, kind: str, what: str, remedy: str) -> None:
+    """Raise unless ``path`` (existing) may be replaced by a new ``kind`` output.
+
+    Args:
+        path: the existing directory (or file) to be replaced.
+        kind: the kind of output replacing it (:data:`KINDS`).
+        what: the option that asked for it, for the message (``"--force"``).
+        remedy: what the user can do instead, ending the message (``"--out another directory"``).
+
+    Raises:
+        OutputError: ``path`` is the working directory or holds it, ``/``, the home directory, not
+            a directory, or not a dlrmctl output of ``kind``.
+    """
+    p = Path(path)
+    why = _protected(p)
+    if why is None:
+        if not p.is_dir() or p.is_symlink():
+            why = "it is not a directory dlrmctl made"
+        else:
+            k = kind_of(p)
+            if k is None:
+                why = f"it is not a dlrmctl {kind} (no {MARKER_NAME} marker) and {what} replaces only what dlrmctl made"
+            elif k != kind:
+                why = f"it is a dlrmctl {k}, not a {kind}"
+    if why is not None:
+        raise OutputError(f"{p}: refusing to replace it ({what}): {why}; {remedy}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def make_temp_dir(out: str | os.PathLike, kind: str, tag: str = "tmp") -> Path:
+    """A new sibling ``.<name>.<tag>-XXXX`` of ``out`` (its parent created), with the mode of a
+    plain ``mkdir`` and a marker naming this process (``temp: true``, ``pid``, ``host``), so that
+    :func:`reclaim_stale` can tell a killed run's leftovers from a live one's.
+
+    Raises:
+        OSError: the parent cannot be created or written (ENOSPC, EROFS, EACCES, ...).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag}-", dir=out.parent))
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # like mkdir (0755 under umask 022), not mkdtemp's 0700
+        write_marker(tmp, kind, temp=True, pid=os.getpid(), host=socket.gethostname())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def finish_marker(directory: str | os.PathLike, kind: str, **extra: Any) -> None:
+    """Turn a temporary's marker into the final one (drops ``temp``/``pid``/``host``)."""
+    write_marker(directory, kind, **extra)
+
+
+def reclaim_stale(out: str | os.PathLike) -> list[Path]:
+    """Remove the leftover temporaries of ``out`` (``.<name>.tmp-*`` / ``.<name>.old-*``) of killed
+    runs: ours (marked ``temp`` by a process of this host that is gone) or, without a marker (an
+    older dlrmctl), untouched for :data:`LEGACY_TEMP_AGE_S` seconds and holding only what an export
+    writes.  A temporary of a live process, of another host, or of unknown origin stays.
+
+    Returns:
+        The directories removed.
+    """
+    out = Path(out)
+    removed: list[Path] = []
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return removed
+    host = socket.gethostname()
+    for n in names:
+        if not (n.startswith(f".{out.name}.tmp-") or n.startswith(f".{out.name}.old-")):
+            continue
+        p = out.parent / n
+        if not p.is_dir() or p.is_symlink():
+            continue
+        rec = read_marker(p)
+        if rec is not None:
+            if not rec.get("temp") or rec.get("host") != host or not isinstance(rec.get("pid"), int):
+                continue
+            if _pid_alive(rec["pid"]):
+                continue
+        else:
+            try:
+                entries = set(os.listdir(p))
+                age = time.time() - p.stat().st_mtime
+            except OSError:
+                continue
+            if not entries <= {"vocab", "model.pt", "manifest.json", "x"} or age < LEGACY_TEMP_AGE_S:
+                continue
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            removed.append(p)
+    return removed
+
+
+def swap_in(new: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Put the complete directory ``new`` at ``out``: when ``out`` exists it is renamed aside
+    (into a marked ``.<name>.old-XXXX`` sibling), ``new`` renamed in, then the old one deleted.
+    A failure before ``new`` is in place puts the old one back; the caller has checked that the
+    old one may be replaced (:func:`check_replaceable`).
+
+    Raises:
+        OSError: a rename failed (the old ``out`` is in place again).
+    """
+    new, out = Path(new), Path(out)
+    if not os.path.lexists(out):
+        os.rename(new, out)
+        return
+    rec = read_marker(new) or {}
+    aside = make_temp_dir(out, rec.get("kind", "dataset"), tag="old")
+    os.rename(out, aside / "x")
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(aside / "x", out)
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+#: errno values of a write that failed because of the place, not the data: one line with a remedy
+PLACE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+                errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                errno.EPERM: "operation not permitted"}
+
+
+def place_error(e: OSError, path: str | os.PathLike, remedy: str) -> OutputError | None:
+    """An :class:`OutputError` naming ``path``, the cause and ``remedy`` when ``e`` is a full disk,
+    a read-only file system or a permission problem (:data:`PLACE_ERRNOS`); else None."""
+    why = PLACE_ERRNOS.get(e.errno)
+    if why is None:
+        return None
+    where = e.filename if e.filename else path
+    return OutputError(f"{where}: cannot write ({why}); {remedy}")
+
+
+def _normal(obj: Any) -> Any:
+    """``obj`` as it reads back from JSON (tuples -> lists, paths -> str), for comparing recipes."""
+    return json.loads(json.dumps(obj, sort_keys=True, default=str))
+
+
+class DatasetTarget:
+    """Where ``preprocess`` builds a dataset for ``out`` (:func:`dataset_target`).
+
+    Attributes:
+        out: the dataset directory asked for.
+        build_dir: where to write: ``out`` itself (new, or resuming the same recipe) or a marked
+            temporary sibling swapped in by :meth:`commit` (replacing another dataset).
+        state: ``"new"``, ``"resume"`` (same recipe, unfinished or made by an older dlrmctl),
+            ``"complete"`` (same recipe, finished: nothing to do) or ``"replace"``.
+        recipe: the inputs and options of the build (recorded in the marker).
+    """
+
+    def __init__(self, out: Path, build_dir: Path, state: str, recipe: dict, created: bool = False) -> None:
+        self.out, self.build_dir, self.state, self.recipe = out, build_dir, state, recipe
+        self._created = created
+
+    def commit(self) -> None:
+        """The build succeeded: mark it complete and, for ``"replace"``, swap it in at ``out``."""
+        write_marker(self.build_dir, "dataset", recipe=self.recipe, complete=True)
+        if self.build_dir != self.out:
+            swap_in(self.build_dir, self.out)
+
+    def abort(self) -> None:
+        """The build failed: a replacement's temporary is removed (``out`` untouched); an in-place
+        build stays, resumable."""
+        if self.build_dir != self.out:
+            shutil.rmtree(self.build_dir, ignore_errors=True)
+        elif self.state == "new":  # nothing built yet (e.g. bad input): leave no trace
+            try:
+                if os.listdir(self.out) == [MARKER_NAME]:
+                    os.remove(self.out / MARKER_NAME)
+                    if self._created:
+                        os.rmdir(self.out)
+            except OSError:
+                pass
+
+
+def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> DatasetTarget:
+    """Decide where a dataset made by ``recipe`` goes (see :class:`DatasetTarget`).
+
+    ``out`` absent or empty: built in place.  A dlrmctl dataset of the same recipe (its marker):
+    resumed in place, or nothing to do when complete.  A dataset of ours without a marker (an older
+    dlrmctl): resumed in place when ``recipe["legacy_same"]`` (the caller's own test) is true.
+    Any other dataset of ours: refused without ``force``; with it, built in a temporary sibling
+    and swapped in when complete (:meth:`DatasetTarget.commit`).
+
+    Raises:
+        OutputError: ``out`` holds another dataset (no ``force``), is not a dlrmctl dataset (a file,
+            a directory of other files), or is protected (:func:`check_replaceable`).
+        OSError: the temporary cannot be created.
+    """
+    out = Path(out)
+    legacy_same = bool(recipe.pop("legacy_same", False))
+    recipe = _normal(recipe)
+    if os.path.lexists(out) and not out.is_dir():
+        raise OutputError(f"{out}: exists and is not a directory; --out a new or empty directory")
+    if not out.exists() or not any(out.iterdir()):
+        created = not out.exists()
+        out.mkdir(parents=True, exist_ok=True)
+        write_marker(out, "dataset", recipe=recipe, complete=False)
+        return DatasetTarget(out, out, "new", recipe, created)
+    kind = kind_of(out)
+    if kind != "dataset":
+        raise OutputError(f"{out}: exists and is not a dlrmctl dataset ("
+                          + (f"it is a dlrmctl {kind}" if kind else f"no {MARKER_NAME} marker, no meta.json")
+                          + "); nothing there is replaced: --out a new or empty directory")
+    rec = read_marker(out)
+    same = rec.get("recipe") == recipe if rec is not None else legacy_same
+    if same:
+        if rec is None:
+            write_marker(out, "dataset", recipe=recipe, complete=False)  # adopt it (older dlrmctl)
+        done = rec is not None and rec.get("complete") and (out / "meta.json").is_file()
+        return DatasetTarget(out, out, "complete" if done else "resume", recipe)
+    made = (rec or {}).get("recipe") or {}
+    src = made.get("inputs") or made.get("input")
+    how = f"made from {_short(src)} or with other options" if src else "made with other inputs or options"
+    if not force:
+        raise OutputError(f"{out}: holds another dataset ({how}); pass "
+                          "--force to replace it (runs trained on it will then fail their data fingerprint check) "
+                          "or --out another directory")
+    check_replaceable(out, "dataset", "--force", "--out another directory")
+    reclaim_stale(out)
+    tmp = make_temp_dir(out, "dataset")
+    return DatasetTarget(out, tmp, "replace", recipe)
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, list):
+        names = [i.get("path") if isinstance(i, dict) else str(i) for i in x]
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return str(x)

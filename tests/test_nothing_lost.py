@@ -1,0 +1,287 @@
+"""Issue 23 group B: nothing is deleted or replaced unless it is dlrmctl's and the replacement is
+complete; every artifact read is verified against its manifest's hashes; size options refuse < 1.
+
+Each test goes through the CLI (typer's CliRunner) and asserts one error line, no traceback.
+"""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dlrmctl import HAS_FBGEMM
+from dlrmctl.cli import app
+
+needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
+
+
+def _criteo_lines(path, n=120, seed=0):
+    """``n`` raw Criteo lines (label, I1-I13, C1-C26 as 8 hex digits; some fields missing)."""
+    import random
+
+    g = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            dense = ["" if g.random() < 0.1 else str(g.randint(0, 50)) for _ in range(13)]
+            sparse = ["" if g.random() < 0.1 else f"{g.randint(0, 7) * 0x1111111:08x}" for _ in range(26)]
+            f.write("\t".join([str(g.randint(0, 1)), *dense, *sparse]) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory):
+    return _criteo_lines(tmp_path_factory.mktemp("raw") / "day.tsv")
+
+
+def _cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def _one_error(r, *needles):
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output, r.output
+    errs = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert len(errs) == 1, r.output
+    for n in needles:
+        assert n in errs[0], r.output
+    return errs[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, raw):
+    """A run trained for one short epoch on 120 raw Criteo lines, and its int8 export."""
+    if not HAS_FBGEMM:
+        pytest.skip("export needs fbgemm_gpu")
+    root = tmp_path_factory.mktemp("lost")
+    data = root / "data"
+    r = _cli("preprocess", "criteo", "--input", raw, "--out", data, "--frequency-threshold", 2, "--val-ratio", 0.3,
+             "-q")
+    assert r.exit_code == 0, r.output
+    cfg = {
+        "name": "tiny",
+        "data": {"path": str(data), "batch_size": 16, "eval_batch_size": 64, "prefetch": 0},
+        "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]},
+        "train": {"epochs": 1, "run_dir": str(root / "runs"), "progress": False, "pipeline": "none", "device": "cpu"},
+    }
+    (root / "tiny.yaml").write_text(yaml.safe_dump(cfg))
+    r = _cli("train", root / "tiny.yaml")
+    assert r.exit_code == 0, r.output
+    run_dir = root / "runs" / "tiny"
+    r = _cli("export", run_dir, "--int8", "--out", root / "m")
+    assert r.exit_code == 0, r.output
+    return root, data, run_dir, root / "m"
+
+
+# ----------------------------------------------------------------------------- item 5, 14: export --force
+@needs_fbgemm
+def test_export_force_replaces_only_an_export_of_ours(run, tmp_path, monkeypatch):
+    root, data, run_dir, m = run
+    notes = tmp_path / "syncopy"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    _one_error(_cli("export", run_dir, "--int8", "--out", notes, "--force"), str(notes), "not a dlrmctl export")
+    assert (notes / "todo.txt").read_text() == "mine"
+    _one_error(_cli("export", run_dir, "--int8", "--out", data, "--force"), "dlrmctl dataset")
+    assert (data / "meta.json").is_file()
+    monkeypatch.chdir(tmp_path)  # the working directory, even when it is an export, is never replaced
+    r = _cli("export", run_dir, "--int8", "--out", tmp_path / "e")
+    assert r.exit_code == 0, r.output
+    monkeypatch.chdir(tmp_path / "e")
+    _one_error(_cli("export", run_dir, "--int8", "--out", ".", "--force"), "working directory")
+    _one_error(_cli("export", run_dir, "--int8", "--out", "..", "--force"), "holds the working directory")
+    monkeypatch.chdir(tmp_path)
+    r = _cli("export", run_dir, "--fp16", "--out", tmp_path / "e", "--force")  # an export of ours: replaced
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "e" / "manifest.json").read_text())["quantization"]["embeddings"] == "fp16"
+    assert json.loads((tmp_path / "e" / ".dlrmctl").read_text())["kind"] == "export"
+    assert sorted(os.listdir(tmp_path)) == ["e", "syncopy"]
+
+
+# ----------------------------------------------------------------------------- item 14: disk full, read-only
+@needs_fbgemm
+def test_export_disk_full_or_read_only_is_one_line_and_keeps_the_old_export(run, tmp_path, monkeypatch):
+    import dlrmctl.inference.export as ex
+    from dlrmctl import outputs
+
+    root, data, run_dir, m = run
+    out = tmp_path / "m"
+    assert _cli("export", run_dir, "--int8", "--out", out).exit_code == 0
+    before = (out / "model.pt").read_bytes()
+    real = ex._write_bytes
+
+    def full(path, data):
+        real(path, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ex, "_write_bytes", full)
+    _one_error(_cli("export", run_dir, "--int4", "--out", out, "--force"), "disk is full", "model.pt")
+    assert (out / "model.pt").read_bytes() == before  # the last good export is intact
+    assert sorted(os.listdir(tmp_path)) == ["m"]  # no temporary left behind
+    monkeypatch.setattr(ex, "_write_bytes", real)
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(run_dir))
+
+    monkeypatch.setattr(outputs.tempfile, "mkdtemp", read_only)
+    _one_error(_cli("export", run_dir, "--int8", "--force"), "read-only", "--out a writable directory")
+
+
+# ----------------------------------------------------------------------------- item 13: stale temporaries
+@needs_fbgemm
+def test_export_reclaims_temporaries_of_killed_exports_only(run, tmp_path):
+    from dlrmctl import outputs
+
+    root, data, run_dir, m = run
+    out = tmp_path / "m"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / ".m.tmp-killed"
+    stale.mkdir()
+    outputs.write_marker(stale, "export", temp=True, pid=int(dead.stdout), host=__import__("socket").gethostname())
+    (stale / "model.pt").write_bytes(b"x" * 1000)
+    legacy = tmp_path / ".m.tmp-old"  # made by a dlrmctl before the marker, untouched for a day
+    (legacy / "vocab").mkdir(parents=True)
+    os.utime(legacy, (0, 0))
+    live = tmp_path / ".m.tmp-live"
+    live.mkdir()
+    outputs.write_marker(live, "export", temp=True, pid=os.getpid(), host=__import__("socket").gethostname())
+    foreign = tmp_path / ".m.tmp-notes"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("x")
+    os.utime(foreign, (0, 0))
+    r = _cli("export", run_dir, "--int8", "--out", out)
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert not stale.exists() and not legacy.exists()
+    assert live.exists() and (foreign / "mine.txt").exists()  # in use, or not ours: kept
+
+
+# ----------------------------------------------------------------------------- item 8: verified reads
+@needs_fbgemm
+def test_a_damaged_model_file_is_refused_naming_both_hashes(run, raw, tmp_path):
+    root, data, run_dir, m = run
+    bad = tmp_path / "m"
+    assert _cli("export", run_dir, "--int8", "--out", bad).exit_code == 0
+    blob = bytearray((bad / "model.pt").read_bytes())
+    for i in range(len(blob) // 2, len(blob) // 2 + 64):
+        blob[i] ^= 0xFF  # same size: the size check does not see it
+    (bad / "model.pt").write_bytes(bytes(blob))
+    want = json.loads((bad / "manifest.json").read_text())["model_sha256"]
+    line = _one_error(_cli("predict", bad, "--input", raw, "--output", tmp_path / "s.csv"), "model.pt", want,
+                      "export the run again")
+    assert "SHA-256" in line
+    assert not (tmp_path / "s.csv").exists()
+    _one_error(_cli("evaluate", bad, "--data", data), want)
+
+
+# ----------------------------------------------------------------------------- item 9: sizes < 1
+@needs_fbgemm
+def test_sizes_below_one_are_refused(run, raw, tmp_path):
+    root, data, run_dir, m = run
+    for v in (-1, 0):
+        _one_error(_cli("predict", m, "--input", raw, "--output", tmp_path / "s.csv", "--batch-rows", v),
+                   "--batch-rows must be >= 1")
+        _one_error(_cli("evaluate", m, "--data", data, "--batch-size", v), "--batch-size must be a finite number > 0")
+    assert not (tmp_path / "s.csv").exists()
+
+
+# ----------------------------------------------------------------------------- item 6: preprocess
+def test_preprocess_refuses_another_dataset_and_force_swaps_it_in(tmp_path):
+    d = tmp_path / "data"
+    r = _cli("preprocess", "synthetic", "--out", d, "--rows", 2000, "--num-embeddings", 30)
+    assert r.exit_code == 0, r.output
+    meta = (d / "meta.json").read_text()
+    _one_error(_cli("preprocess", "synthetic", "--out", d, "--rows", 100, "--num-embeddings", 30),
+               str(d), "another dataset", "--force")
+    assert (d / "meta.json").read_text() == meta  # 2000 rows still
+    r = _cli("preprocess", "synthetic", "--out", d, "--rows", 2000, "--num-embeddings", 30)
+    assert r.exit_code == 0 and "already complete" in r.output and "0 rows/s" not in r.output, r.output
+    r = _cli("preprocess", "synthetic", "--out", d, "--rows", 100, "--num-embeddings", 30, "--force")
+    assert r.exit_code == 0, r.output
+    assert sum(s["rows"] for s in json.loads((d / "meta.json").read_text())["splits"].values()) == 100
+    assert sorted(os.listdir(tmp_path)) == ["data"]  # built beside it, swapped in, old one deleted
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("mine")
+    _one_error(_cli("preprocess", "synthetic", "--out", notes, "--rows", 100, "--force"), "not a dlrmctl dataset")
+    assert os.listdir(notes) == ["a.txt"]
+
+
+def test_preprocess_force_that_fails_keeps_the_old_dataset(tmp_path, monkeypatch):
+    import dlrmctl.data.synthetic as syn
+
+    d = tmp_path / "data"
+    assert _cli("preprocess", "synthetic", "--out", d, "--rows", 500).exit_code == 0
+    meta = (d / "meta.json").read_text()
+
+    def boom(out, **k):
+        (out / "parts").mkdir()
+        raise ValueError("--rows: simulated failure half-way")
+
+    monkeypatch.setattr(syn, "generate_synthetic", boom)
+    r = _cli("preprocess", "synthetic", "--out", d, "--rows", 100, "--force")
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert (d / "meta.json").read_text() == meta
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+
+def test_criteo_rerun_says_already_complete(tmp_path, raw):
+    d = tmp_path / "c"
+    assert _cli("preprocess", "criteo", "--input", raw, "--out", d, "--num-embeddings", 50, "-q").exit_code == 0
+    r = _cli("preprocess", "criteo", "--input", raw, "--out", d, "--num-embeddings", 50, "-q")
+    assert r.exit_code == 0 and "already complete" in r.output and "rows/s" not in r.output, r.output
+    _one_error(_cli("preprocess", "criteo", "--input", raw, "--out", d, "--num-embeddings", 40, "-q"),
+               "another dataset", raw.name)
+
+
+# ----------------------------------------------------------------------------- item 7: train --overwrite
+def _train_args(data, runs, *extra):
+    return ["train", "configs/demo.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={runs}",
+            "--set", "name=a", "--set", "train.progress=false", "--set", "data.batch_size=256",
+            "--set", "model.compute_kernel=dense", "--set", "train.max_steps=3", "--set", "train.log_every=1", *extra]
+
+
+def _snapshot(d):
+    return {os.path.relpath(os.path.join(p, f), d): open(os.path.join(p, f), "rb").read()
+            for p, _, fs in os.walk(d) for f in fs if f != ".lock"}
+
+
+def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path):
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.loop import REPLACED_DIR, _set_aside
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
+    runs = tmp_path / "runs"
+    r = CliRunner().invoke(app, _train_args(data, runs))
+    assert r.exit_code == 0, r.output
+    old = _snapshot(runs / "a")
+    assert any(k.startswith("checkpoints") for k in old)
+    # a replacement failing at its first batch (tables smaller than the ids): the old run is as it was
+    bad = ["--set", "model.tables=[{name: t, num_embeddings: 5, feature_names: [C1]}]"]
+    r = CliRunner().invoke(app, _train_args(data, runs, "--overwrite", *bad))
+    assert r.exit_code == 2 and "out of range" in r.output and "Traceback" not in r.output, r.output
+    assert _snapshot(runs / "a") == old
+    # a replacement killed after it set the old run aside (no cleanup ran): the next train restores it
+    _set_aside(str(runs / "a"))
+    assert (runs / "a" / REPLACED_DIR).is_dir()
+    r = CliRunner().invoke(app, _train_args(data, runs, "--resume", "--set", "train.max_steps=4"))
+    assert r.exit_code == 0, r.output
+    steps = [json.loads(x)["step"] for x in open(runs / "a" / "metrics.jsonl") if '"train"' in x]
+    assert steps == [1, 2, 3, 4]  # the old run came back and was continued
+    # a replacement that succeeds: the old run is gone, nothing set aside is left
+    r = CliRunner().invoke(app, _train_args(data, runs, "--overwrite", "--set", "train.max_steps=2"))
+    assert r.exit_code == 0, r.output
+    assert not (runs / "a" / REPLACED_DIR).exists()
+    steps = [json.loads(x)["step"] for x in open(runs / "a" / "metrics.jsonl") if '"train"' in x]
+    assert steps == [1, 2]
+    # --overwrite of a directory that is not a dlrmctl run is refused, nothing removed
+    (runs / "b").mkdir()
+    (runs / "b" / "notes.txt").write_text("mine")
+    (runs / "b" / "checkpoints").mkdir()
+    _one_error(CliRunner().invoke(app, _train_args(data, runs, "--overwrite", "--set", "name=b")),
+               "not a dlrmctl run")
+    assert (runs / "b" / "notes.txt").read_text() == "mine"
