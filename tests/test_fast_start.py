@@ -32,6 +32,7 @@ def _run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     ["--help"],
     ["train", "--help"], ["evaluate", "--help"], ["plan", "--help"], ["export", "--help"], ["predict", "--help"],
     ["report", "--help"], ["launch", "--help"], ["sweep", "--help"], ["checkpoint", "reshard", "--help"],
+    ["checkpoint", "inspect", "--help"],
     ["preprocess", "criteo", "--help"], ["preprocess", "movielens", "--help"],
 ])
 def test_help_does_not_import_torch(args):
