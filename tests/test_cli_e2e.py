@@ -93,3 +93,30 @@ def test_real_criteo_sample_preprocess_train_evaluate(tmp_path):
     assert summary["best"]["auc"] >= summary["final"]["auc"]
     assert m["num_samples"] == json.load(open(data / "meta.json"))["splits"]["val"]["rows"]
     assert m["auc"] > 0.70
+
+
+def test_single_process_train_prints_the_model_size_line(synthetic_dir, tmp_path):
+    """Issue 23: `dlrmctl train` in one process prints the line a sharded run's rank 0 prints too:
+    total parameters, embeddings (rows x dim over the tables) vs dense, and their weight bytes."""
+    import re
+
+    from dlrmctl.config import load_config, read_data_meta, resolve_tables
+    from dlrmctl.train.factory import build_model
+
+    out = invoke(*_train_args(synthetic_dir, tmp_path, "size", "--set", "train.max_steps=2"))
+    assert "Traceback" not in out
+    line = next((ln for ln in out.splitlines() if ln.startswith("model: ")), None)
+    assert line is not None, out
+    cfg = load_config("configs/demo.yaml", [f"data.path={synthetic_dir}"])
+    meta = read_data_meta(cfg)
+    tables = resolve_tables(cfg, meta)
+    model = build_model(cfg, tables, len(meta["dense_features"]))
+    emb = sum(t.num_embeddings * t.embedding_dim for t in tables)
+    dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
+    assert emb > 0 and dense > 0
+    m = re.match(r"model: ([\d,]+) parameters, ([\d.]+) MB of weights: embeddings ([\d,]+) \((\d+) tables, "
+                 r"([\d.]+) MB fp32\), dense ([\d,]+) \(([\d.]+) MB fp32\)$", line)
+    assert m, line
+    n = [int(g.replace(",", "")) for g in (m[1], m[3], m[6])]
+    assert n == [emb + dense, emb, dense] and int(m[4]) == len(tables), line
+    assert float(m[2]) == pytest.approx(4 * (emb + dense) / 1e6, abs=0.006) and float(m[5]) == pytest.approx(4 * emb / 1e6, abs=0.006)

@@ -281,6 +281,8 @@ class Trainer:
             emb_dense = m.sparse_arch.lookup.dense_parameters()
             dense_params = [p for n, p in m.named_parameters() if not n.startswith("sparse_arch.")]
         self.dense_opt = dense_optimizer(dense_params, self.cfg.optimizer.dense)
+        if self.env.is_main:  # one line on every world size (a sharded run prints its plan beside it)
+            echo(model_size_line(self.tables, dense_params, self.cfg.model.embedding_precision))
         e = self.cfg.optimizer.embedding
         self.emb_dense_opt = (embedding_optimizer_for_dense(emb_dense, e.type, e.lr, e.eps, e.weight_decay, tuple(e.betas))
                               if emb_dense else None)
@@ -807,6 +809,27 @@ class _Progress:
 
     def close(self) -> None:
         self.p.close()
+
+
+def model_size_line(tables: list, dense_params: list, embedding_precision: str = "fp32") -> str:
+    """The model's size as rank 0 prints it at start (any world size): total parameters, the
+    embedding tables' (rows x dim over all tables, whole: not a rank's shards) and the dense
+    layers' (MLPs, interaction, projections: replicated on every rank), and their weight bytes
+    (embeddings at ``model.embedding_precision``, dense at their dtype; optimizer state not
+    counted; MB = 10^6 bytes).
+
+    Args:
+        tables: the EmbeddingBagConfigs (``num_embeddings``, ``embedding_dim``).
+        dense_params: the dense parameters (tensors; their ``numel`` / ``element_size``).
+    """
+    emb = sum(int(t.num_embeddings) * int(t.embedding_dim) for t in tables)
+    emb_bytes = emb * (2 if embedding_precision in ("fp16", "bf16") else 4)
+    dense = sum(p.numel() for p in dense_params)
+    dense_bytes = sum(p.numel() * p.element_size() for p in dense_params)
+    dtypes = sorted({str(p.dtype).replace("torch.float32", "fp32").replace("torch.", "") for p in dense_params})
+    return (f"model: {emb + dense:,} parameters, {(emb_bytes + dense_bytes) / 1e6:,.2f} MB of weights: "
+            f"embeddings {emb:,} ({len(tables)} tables, {emb_bytes / 1e6:,.2f} MB {embedding_precision}), "
+            f"dense {dense:,} ({dense_bytes / 1e6:,.3f} MB {'/'.join(dtypes) or 'fp32'})")
 
 
 def plan_rank_summary(plan: Any, tables: list, origin: str, full: str) -> str:
