@@ -155,6 +155,7 @@ class Trainer:
 
         if cfg.train.malloc_tuning:
             tune_glibc_malloc()
+        check_tensorboard(cfg.train.tensorboard)  # before any work: not at the first metrics record
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
@@ -618,7 +619,7 @@ class Trainer:
             return
         if self._metrics_f is None:
             self._metrics_f = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
-            self._tb = _tensorboard_writer(self.run_dir)
+            self._tb = _tensorboard_writer(self.run_dir, self.cfg.train.tensorboard)
         self._metrics_f.write(json.dumps(_jsonable(record)) + "\n")
         self._metrics_f.flush()
         if self._tb is not None:
@@ -881,8 +882,29 @@ def _better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bool
     return m["auc"] > best["auc"]
 
 
-def _tensorboard_writer(run_dir: str) -> Any:
-    """A TensorBoard SummaryWriter on ``run_dir/tensorboard`` when tensorboard is installed, else None."""
+def check_tensorboard(setting: bool | str) -> None:
+    """``train.tensorboard: true`` needs TensorBoard (``torch.utils.tensorboard`` and the
+    ``tensorboard`` package); ``auto`` / ``false`` need nothing.
+
+    Raises:
+        TrainError: ``true`` and it does not import (names the key, the import error and the remedy).
+    """
+    if setting is not True:
+        return
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as e:
+        raise TrainError(f"train.tensorboard: true, but TensorBoard logging cannot start ({e}); install it "
+                         "(`pip install tensorboard`), or set train.tensorboard: auto (log when it is installed) "
+                         "or false") from None
+
+
+def _tensorboard_writer(run_dir: str, setting: bool | str = "auto") -> Any:
+    """A TensorBoard SummaryWriter on ``run_dir/tensorboard`` (``train.tensorboard``: ``auto`` when
+    tensorboard is installed, ``true`` always, see :func:`check_tensorboard`), else None."""
+    if setting is False:
+        return None
+    check_tensorboard(setting)
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
