@@ -285,10 +285,10 @@ def inspect(run_dir: str, checkpoint: str | None = None, verify: bool = False) -
         echo(f"  {r['name']:<20} {'-' if r['step'] is None else r['step']:>7}  {r['saved']:<19}  "
              f"{'-' if r['bytes'] is None else _fmt_bytes(r['bytes']):>9}  {r['world_size'] or '-':>5}  "
              f"{r['plan']:<{pw}}  {auc:>7}  {ll:>7}  {marks}")
-    for marker in (ckpt.LATEST, ckpt.BEST):
+    for marked in (ckpt.latest_checkpoint, ckpt.best_checkpoint):
         try:
-            ckpt._marked(run_dir, marker)
-        except ckpt.CheckpointError as e:
+            marked(run_dir)
+        except ckpt.CheckpointError as e:  # a marker naming a missing checkpoint
             echo(f"warning: {e}", err=True)
     for name in stale:
         echo(f"note: {name} in {show_path(root)} is a save that was interrupted (ignored; the next save removes it)")
