@@ -253,6 +253,10 @@ class TrainConfig:
     ``malloc_tuning`` (default true): on Linux with glibc, freed tensors below 32 MiB are kept
     for reuse instead of being unmapped and page-faulted in again every step
     (:mod:`dlrmctl.train.malloc_tuning`; no effect with another C library).
+    ``tensorboard`` (default ``auto``): rank 0 also writes every metrics.jsonl record as
+    TensorBoard scalars under ``<run_dir>/tensorboard`` (``train/<key>``, ``eval_<split>/<key>``
+    by step): ``auto`` when the ``tensorboard`` package is installed, ``true`` always (a run
+    without the package is refused before it starts), ``false`` never.
     """
 
     epochs: int = 1
@@ -272,6 +276,7 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     malloc_tuning: bool = True
     cpu_linear: Literal["aten", "onednn"] = "aten"
+    tensorboard: bool | Literal["auto"] = "auto"
 
 
 @dataclass

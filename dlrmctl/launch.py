@@ -35,6 +35,24 @@ LOCAL_SCHEDULER = "local_cwd"
 _RANK0_PREFIX = "[0]:"
 #: key of dlrmctl's fields inside a torchelastic error file's ``extraInfo``
 _RECORD_KEY = "dlrmctl"
+#: torchx schedulers that run every rank in a container image: they need ``image`` (torchx's
+#: default image, ``ghcr.io/pytorch/torchx:<version>``, has no dlrmctl, so its ranks could not start)
+CONTAINER_SCHEDULERS = frozenset({"kubernetes", "kubernetes_mcad", "aws_batch", "aws_sagemaker", "gcp_batch",
+                                  "local_docker"})
+
+
+def check_image(scheduler: str, image: str | None) -> None:
+    """A container scheduler (:data:`CONTAINER_SCHEDULERS`) needs an image with dlrmctl installed.
+
+    Raises:
+        ValueError: ``scheduler`` runs containers and ``image`` is empty (names the scheduler,
+            torchx's default image and the remedy).
+    """
+    if scheduler in CONTAINER_SCHEDULERS and not (image and image.strip()):
+        raise ValueError(f"--scheduler {scheduler} runs every rank in a container image and torchx's default "
+                         "(ghcr.io/pytorch/torchx) has no dlrmctl installed: pass --image IMAGE, an image with "
+                         "dlrmctl and its dependencies (e.g. a torch image + `pip install .` of this checkout) "
+                         "where the config path is readable")
 
 
 def build_appdef(
@@ -60,7 +78,8 @@ def build_appdef(
         nproc: processes per node; nnodes: nodes.
         resume, overwrite: passed through to every rank as ``--resume`` / ``--overwrite``.
         checkpoint: with ``resume``, passed as ``--checkpoint`` (best | last | step).
-        image: container image for cluster schedulers (ignored by local_cwd).
+        image: container image for cluster schedulers (ignored by local_cwd); required by the
+            container schedulers (:func:`check_image`: ValueError without it).
         cpu_per_proc, gpu_per_proc, mem_mb_per_proc: resources per process
             (the role asks for ``nproc`` times these, in CPUs / GPUs / MB).
         name: job name.
@@ -74,6 +93,7 @@ def build_appdef(
     """
     from torchx.components.dist import ddp
 
+    check_image(scheduler, image)
     args = [config]
     for ov in overrides:
         args += ["--set", ov]

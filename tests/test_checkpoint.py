@@ -430,3 +430,67 @@ def test_resume_of_a_checkpoint_written_by_the_per_parameter_loop_runs_foreach(d
     straight, resumed = _losses(os.path.join(runs, "s")), _losses(os.path.join(runs, "r"))
     for step in range(INTERRUPTED_AT + 1, RESUMED_TO + 1):
         assert resumed[step] == straight[step], step
+
+
+def test_checkpoint_inspect_lists_steps_markers_metrics_and_integrity(data, tmp_path):
+    """Issue 23: `dlrmctl checkpoint inspect RUN` lists every checkpoint (step, size, world size, plan,
+    the val metrics recorded at its step, LATEST / BEST) and checks integrity from sizes (``--verify``:
+    every block); `--checkpoint` describes one; damaged / incomplete checkpoints are flagged (exit 1),
+    a wrong run or step is one error line (exit 2); never a traceback."""
+    runs = str(tmp_path)
+    run = os.path.join(runs, "i")
+    _train(None, _cfg(data, runs, "i", 6, "train.eval_every=3"), run, False,
+           None).train()
+    evals = {r["step"]: r for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if r["kind"] == "eval"}
+    have = ckpt.list_checkpoints(run)
+    assert [s for s, _ in have] == [3, 6]
+    best = os.path.basename(ckpt.best_checkpoint(run))
+
+    def cli(*args):
+        r = runner.invoke(app, ["checkpoint", "inspect", *map(str, args)])
+        assert "Traceback" not in r.output and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
+        return r
+
+    r = cli(run)
+    assert r.exit_code == 0, r.output
+    rows = {ln.split()[0]: ln for ln in r.output.splitlines() if ln.strip().startswith("step_")}
+    assert set(rows) == {"step_00000003", "step_00000006"}, r.output
+    assert "LATEST" in rows["step_00000006"] and "LATEST" not in rows["step_00000003"], r.output
+    assert "BEST" in rows[best] and all("BEST" not in v for k, v in rows.items() if k != best)
+    for s in (3, 6):
+        ln = rows[f"step_{s:08d}"]
+        assert f" {s} " in ln and f"{evals[s]['auc']:.4f}" in ln and f"{evals[s]['logloss']:.4f}" in ln, ln
+        assert " 1 " in ln and "none" in ln  # world size 1, no plan
+    assert "all files present with their recorded sizes" in r.output
+
+    r = cli(run, "--checkpoint", "3", "--verify")
+    assert r.exit_code == 0, r.output
+    nbytes = sum(f["bytes"] for f in ckpt.load_checkpoint_meta(have[0][1])["files"].values())
+    assert "step 3" in r.output and f"{nbytes:,} bytes" in r.output and "world size   1" in r.output
+    assert f"auc {evals[3]['auc']:.4f}" in r.output and "checksum blocks" in r.output and "verified" in r.output
+
+    # a flipped byte keeps the size: only --verify reads it; a truncated file shows in the listing
+    f = os.path.join(have[0][1], "__0_0.distcp")
+    orig = open(f, "rb").read()
+    bad = bytearray(orig)
+    bad[len(bad) // 2] ^= 0xFF
+    open(f, "wb").write(bytes(bad))
+    assert cli(run).exit_code == 0
+    r = cli(run, "--verify")
+    assert r.exit_code == 1 and "DAMAGED" in r.output and f in r.output and "CRC-32" in r.output, r.output
+    open(f, "wb").write(orig[:100])
+    r = cli(run)
+    assert r.exit_code == 1 and "DAMAGED" in r.output and "truncated" in r.output, r.output
+    os.makedirs(os.path.join(run, "checkpoints", "step_00000009"))  # no meta.json: not a complete checkpoint
+    r = cli(run)
+    assert r.exit_code == 1 and "step_00000009" in r.output and "not a complete checkpoint" in r.output, r.output
+
+    for args, want in (([os.path.join(runs, "nope")], "no such run directory"),
+                       ([run, "--checkpoint", "99"], "no checkpoint of step 99; it has steps 3")):
+        r = cli(*args)
+        assert r.exit_code == 2 and r.output.startswith("error: ") and want in r.output, r.output
+        assert len(r.output.strip().splitlines()) == 1, r.output
+    empty = os.path.join(runs, "empty")
+    os.makedirs(os.path.join(empty, "checkpoints", ".step_00000001.tmp"))
+    r = cli(empty)
+    assert r.exit_code == 2 and "no checkpoint" in r.output and "interrupted" in r.output, r.output

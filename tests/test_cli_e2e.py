@@ -93,3 +93,78 @@ def test_real_criteo_sample_preprocess_train_evaluate(tmp_path):
     assert summary["best"]["auc"] >= summary["final"]["auc"]
     assert m["num_samples"] == json.load(open(data / "meta.json"))["splits"]["val"]["rows"]
     assert m["auc"] > 0.70
+
+
+def test_single_process_train_prints_the_model_size_line(synthetic_dir, tmp_path):
+    """Issue 23: `dlrmctl train` in one process prints the line a sharded run's rank 0 prints too:
+    total parameters, embeddings (rows x dim over the tables) vs dense, and their weight bytes."""
+    import re
+
+    from dlrmctl.config import load_config, read_data_meta, resolve_tables
+    from dlrmctl.train.factory import build_model
+
+    out = invoke(*_train_args(synthetic_dir, tmp_path, "size", "--set", "train.max_steps=2"))
+    assert "Traceback" not in out
+    line = next((ln for ln in out.splitlines() if ln.startswith("model: ")), None)
+    assert line is not None, out
+    cfg = load_config("configs/demo.yaml", [f"data.path={synthetic_dir}"])
+    meta = read_data_meta(cfg)
+    tables = resolve_tables(cfg, meta)
+    model = build_model(cfg, tables, len(meta["dense_features"]))
+    emb = sum(t.num_embeddings * t.embedding_dim for t in tables)
+    dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch."))
+    assert emb > 0 and dense > 0
+    m = re.match(r"model: ([\d,]+) parameters, ([\d.]+) MB of weights: embeddings ([\d,]+) \((\d+) tables, "
+                 r"([\d.]+) MB fp32\), dense ([\d,]+) \(([\d.]+) MB fp32\)$", line)
+    assert m, line
+    n = [int(g.replace(",", "")) for g in (m[1], m[3], m[6])]
+    assert n == [emb + dense, emb, dense] and int(m[4]) == len(tables), line
+    assert float(m[2]) == pytest.approx(4 * (emb + dense) / 1e6, abs=0.006) and float(m[5]) == pytest.approx(4 * emb / 1e6, abs=0.006)
+
+
+def test_train_tensorboard_true_writes_scalars_and_without_the_package_is_one_error_line(synthetic_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Issue 23: `train.tensorboard: true` writes every metrics.jsonl record as scalars through
+    torch.utils.tensorboard's SummaryWriter (here a recording stand-in: the package is optional);
+    without the package the run is refused before anything is written (one line, exit 2)."""
+    import sys
+    import types
+
+    import torch.utils
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` fails, as when not installed
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    if hasattr(torch.utils, "tensorboard"):
+        monkeypatch.delattr(torch.utils, "tensorboard")
+    r = runner.invoke(app, _train_args(synthetic_dir, tmp_path, "tb_missing", "--set", "train.max_steps=2",
+                                       "--set", "train.tensorboard=true"))
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.startswith("error: train.tensorboard: true") and "pip install tensorboard" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "tb_missing").exists()
+
+    calls = []
+
+    class Writer:
+        def __init__(self, log_dir):
+            calls.append(("init", log_dir))
+
+        def add_scalar(self, tag, value, step):
+            calls.append((tag, value, step))
+
+        def close(self):
+            calls.append(("close",))
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=Writer))
+    out = invoke(*_train_args(synthetic_dir, tmp_path, "tb", "--set", "train.max_steps=4", "--set", "train.log_every=2",
+                              "--set", "train.tensorboard=true"))
+    assert "Traceback" not in out
+    assert calls[0] == ("init", str(tmp_path / "tb" / "tensorboard")) and calls[-1] == ("close",)
+    recs = read_jsonl(tmp_path / "tb" / "metrics.jsonl")
+    losses = {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+    assert losses and {(c[0], c[2]): c[1] for c in calls if len(c) == 3 and c[0] == "train/loss"} == \
+        {("train/loss", s): v for s, v in losses.items()}
+    ev = [r for r in recs if r["kind"] == "eval"][-1]
+    assert ("eval_val/auc", ev["auc"], ev["step"]) in calls and ("eval_val/logloss", ev["logloss"], ev["step"]) in calls
+    calls.clear()
+    invoke(*_train_args(synthetic_dir, tmp_path, "tb_off", "--set", "train.max_steps=2", "--set", "train.tensorboard=false"))
+    assert calls == []

@@ -32,6 +32,7 @@ def _run(*args: str, cwd=REPO) -> subprocess.CompletedProcess:
     ["--help"],
     ["train", "--help"], ["evaluate", "--help"], ["plan", "--help"], ["export", "--help"], ["predict", "--help"],
     ["report", "--help"], ["launch", "--help"], ["sweep", "--help"], ["checkpoint", "reshard", "--help"],
+    ["checkpoint", "inspect", "--help"],
     ["preprocess", "criteo", "--help"], ["preprocess", "movielens", "--help"],
 ])
 def test_help_does_not_import_torch(args):
@@ -63,3 +64,19 @@ def test_cli_module_is_only_the_app_and_registrations():
     assert funcs <= {"_register", "main"}, funcs
     for mod in ("train", "evaluate"):
         assert (REPO / "dlrmctl" / "commands" / f"{mod}.py").is_file()
+
+
+def test_version_names_dlrmctl_torch_and_fbgemm_without_importing_them():
+    """Issue 23: `dlrmctl --version` prints dlrmctl's version and the libraries' from their metadata
+    (torch, fbgemm_gpu and torchx are not imported); exit 0, one line, no traceback."""
+    from importlib import metadata
+
+    import dlrmctl
+
+    p = _run("--version")
+    assert "EXIT 0 HEAVY -" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1, p.stdout
+    assert lines[0].startswith(f"dlrmctl {dlrmctl.__version__} (python "), lines[0]
+    assert f"torch {metadata.version('torch')}" in lines[0], lines[0]
+    assert "fbgemm_gpu " in lines[0] and "torchx " in lines[0], lines[0]

@@ -183,7 +183,7 @@ def test_a_failing_rank_is_reported_in_one_line_naming_it_and_its_log(small_data
     (line,) = r.stderr.strip().splitlines()
     assert line.startswith(("error: rank 1 failed: ", "error: rank 1: ")) and "1000000" in line, line
     assert "runs/demo/logs/" in line and line.endswith("/1/stderr.log)")
-    assert len(r.stdout.strip().splitlines()) < 5
+    assert len(r.stdout.strip().splitlines()) < 6  # launch, plan (3 lines), model size
     logs = tmp_path / "runs" / "demo" / "logs"
     rank_logs = {p.parent.name: p.read_text() for p in logs.rglob("stderr.log") if p.parent.parent.name == "attempt_0"}
     assert set(rank_logs) == {"0", "1"} and "1000000" in rank_logs["1"]
@@ -298,3 +298,19 @@ def test_a_signal_cancels_the_job_every_rank_ends_and_a_second_train_is_refused_
             os.killpg(p.pid, signal.SIGKILL)
         for pid in _pids_running(name):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("scheduler", ["kubernetes", "aws_batch", "local_docker"])
+def test_a_container_scheduler_without_image_is_one_error_line(scheduler):
+    """Issue 23: torchx's default image has no dlrmctl, so a container scheduler needs --image: without it
+    `launch` refuses (even --dry-run) in one line naming the scheduler and the remedy; slurm needs none."""
+    r = runner.invoke(app, ["launch", "configs/criteo_kaggle.yaml", "--scheduler", scheduler, "--dry-run", "--nproc", "8"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot launch on {scheduler}: --scheduler {scheduler} "), r.output
+    assert "--image IMAGE" in lines[0] and "no dlrmctl" in lines[0], lines[0]
+    with pytest.raises(ValueError, match="--image IMAGE"):
+        build_appdef("configs/demo.yaml", [], nproc=2, scheduler=scheduler)
+    assert build_appdef("configs/demo.yaml", [], nproc=2, scheduler=scheduler, image="reg/dlrmctl:1").roles[0].image \
+        == "reg/dlrmctl:1"
+    assert build_appdef("configs/demo.yaml", [], nproc=2, scheduler="slurm").roles

@@ -40,3 +40,41 @@ def test_report_names_a_corrupt_metrics_line(tmp_path):
         f.write("{not json\n")
     r = CliRunner().invoke(app, ["report", str(run), "--no-plots"])
     assert r.exit_code == 2 and "metrics.jsonl:8: not JSON" in r.output
+
+
+def test_report_plots_are_titled_and_mark_val_loss_best_step_early_stop_and_epochs(tmp_path):
+    """Issue 23: each plot is titled with the run's name (config.yaml), loss.png has the validation
+    log loss beside the training loss, and every plot marks the best step (summary.json's, i.e. the
+    checkpoint 'best'), the early stop and the epoch boundaries (what the PNG's text chunks record)."""
+    pytest.importorskip("matplotlib", reason="matplotlib (dlrmctl[report]) is not installed")
+    from PIL import Image
+
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [{"kind": "train", "step": s, "epoch": 1 + (s > 12), "loss": 0.7 - 0.01 * s, "loss_avg": 0.7 - 0.01 * s,
+             "samples_per_s": 1000.0} for s in range(2, 21, 2)]
+    recs += [{"kind": "eval", "split": "val", "step": s, "epoch": 1 + (s > 12), "auc": a, "logloss": ll, "ne": 0.9,
+              "calibration": 1.0} for s, a, ll in ((6, 0.70, 0.50), (12, 0.74, 0.47), (18, 0.72, 0.49), (20, 0.71, 0.5))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(recs, key=lambda r: r["step"])))
+    (run / "config.yaml").write_text("name: my_run\ntrain:\n  keep_best: auc\n")
+    (run / "summary.json").write_text(json.dumps({"best": {"auc": 0.74, "step": 12}, "steps": 20,
+                                                  "early_stopped": True}))
+    r = CliRunner().invoke(app, ["report", str(run)])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    texts = {n: Image.open(run / n).text for n in ("loss.png", "auc.png", "throughput.png")}
+    assert texts["loss.png"]["Title"] == "my_run: loss"
+    assert texts["auc.png"]["Title"] == "my_run: val AUC"
+    assert "val log loss" in texts["loss.png"]["Description"] and "training" in texts["loss.png"]["Description"]
+    for n, t in texts.items():
+        d = t["Description"]
+        assert "best step 12" in d and "early stop at step 20" in d and "epoch ends at steps 12" in d, (n, d)
+
+    # without summary.json (a run still training): the best by train.keep_best, no early stop
+    (run / "summary.json").unlink()
+    (run / "config.yaml").write_text("name: my_run\ntrain:\n  keep_best: ne\n")
+    recs[-1]["ne"] = 0.8  # step 20 has the lowest NE
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sorted(recs, key=lambda r: r["step"])))
+    r = CliRunner().invoke(app, ["report", str(run)])
+    assert r.exit_code == 0, r.output
+    d = Image.open(run / "auc.png").text["Description"]
+    assert "best step 20" in d and "early stop" not in d, d

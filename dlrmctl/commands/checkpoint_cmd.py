@@ -1,5 +1,11 @@
 """``dlrmctl checkpoint``: inspect and reshard run-directory checkpoints.
 
+``dlrmctl checkpoint inspect RUN [--checkpoint best|last|STEP|NAME] [--verify]`` lists RUN's
+checkpoints (step, time saved, size, saving world size and plan, the validation metrics recorded
+at that step, which one ``LATEST`` / ``BEST`` names, integrity), or describes the chosen one.  It
+reads only meta.json files, metrics.jsonl and file sizes (``--verify``: also every checksum
+block of the data files).
+
 ``dlrmctl checkpoint reshard RUN --nproc N [--plan plan.yaml] [--out DIR] [--checkpoint best|last|STEP]``
 rewrites RUN's newest (or the chosen) checkpoint for N ranks: N gloo processes on this machine
 each read only their target shards' slices (DCP reads the overlapping parts of
@@ -139,6 +145,191 @@ def _carry_best(run_dir: str, src: str, out: str | None, path: str) -> None:
         except ckpt.CheckpointError:
             return
         seen += 1
+
+
+def _plan_text(meta: dict) -> str:
+    """``"table_wise 20, row_wise 6"`` (tables per sharding type) from meta.json's plan; ``"none"``
+    without one (every table whole in each process)."""
+    from collections import Counter
+
+    plan = meta.get("plan")
+    if not isinstance(plan, dict) or not isinstance(plan.get("tables"), dict):
+        return "none"
+    kinds = Counter(str((t or {}).get("sharding_type", "?")) for t in plan["tables"].values())
+    return ", ".join(f"{k} {n}" for k, n in kinds.most_common())
+
+
+def _recorded_evals(run_dir: str) -> dict[int, dict]:
+    """The last evaluation record per step in ``run_dir/metrics.jsonl`` (``{}`` when there is none;
+    unreadable lines are skipped: this is a listing, the file is the trainer's log)."""
+    out: dict[int, dict] = {}
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(r, dict) and r.get("kind") == "eval" and isinstance(r.get("step"), int):
+                    out[r["step"]] = r
+    except OSError:
+        pass
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, k in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= k:
+            return f"{n / k:,.1f} {unit}"
+    return f"{n} B"
+
+
+def checkpoint_rows(run_dir: str, verify: bool = False, only: str | None = None) -> list[dict]:
+    """One dict per checkpoint directory of ``run_dir`` (``only``: that directory), oldest first:
+    ``name, path, step`` (None when meta.json is unreadable), ``saved`` (meta.json's mtime, local
+    time text), ``bytes`` (recorded sizes of its files), ``world_size``, ``plan`` (text),
+    ``markers`` (``["LATEST", "BEST"]`` subset), ``eval`` (metrics recorded at its step: meta.json's
+    ``eval``, else the run's metrics.jsonl; None), ``ok`` / ``integrity`` (:func:`check_integrity`),
+    and ``meta`` (meta.json, None when unreadable).  Reads no data file unless ``verify``."""
+    import glob
+    import time
+
+    from dlrmctl.train import checkpoint as ckpt
+
+    root = ckpt.checkpoint_root(run_dir)
+    marks: dict[str, list[str]] = {}
+    for marker in (ckpt.LATEST, ckpt.BEST):
+        try:
+            with open(os.path.join(root, marker)) as f:
+                marks.setdefault(f.read().strip(), []).append(marker)
+        except OSError:
+            pass
+    evals = _recorded_evals(run_dir)
+    dirs = [only] if only else sorted(d for d in glob.glob(os.path.join(root, "step_*")) if os.path.isdir(d))
+    rows = []
+    for d in dirs:
+        name = os.path.basename(os.path.normpath(d))
+        ok, integrity = ckpt.check_integrity(d, verify=verify)
+        try:
+            meta = ckpt.load_checkpoint_meta(d)
+        except ckpt.CheckpointError:
+            meta = None
+        mp = os.path.join(d, "meta.json")
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(mp))) if os.path.exists(mp) else "-"
+        step = None if meta is None else int(meta["step"])
+        ev = None if meta is None else meta.get("eval")
+        if not isinstance(ev, dict) or ev.get("step") != step:
+            ev = evals.get(step) if step is not None else None
+        rows.append({
+            "name": name, "path": d, "step": step, "saved": saved, "meta": meta,
+            "bytes": None if meta is None else sum(int(f["bytes"]) for f in meta["files"].values()),
+            "world_size": None if meta is None else meta.get("world_size"),
+            "plan": "-" if meta is None else _plan_text(meta),
+            "markers": marks.get(name, []), "eval": ev, "ok": ok, "integrity": integrity,
+        })
+    return rows
+
+
+def inspect(run_dir: str, checkpoint: str | None = None, verify: bool = False) -> int:
+    """Print the checkpoints of ``run_dir`` (a table; ``checkpoint``: the details of the one
+    ``--checkpoint`` selects, see :func:`~dlrmctl.train.checkpoint.resolve_checkpoint`).
+
+    Returns:
+        the exit code: 0, or 1 when a checkpoint shown failed its integrity check.
+
+    Raises:
+        CheckpointError: no run directory / no checkpoint, or ``checkpoint`` selects none.
+    """
+    import glob
+
+    from dlrmctl.commands._common import echo, show_path
+    from dlrmctl.train import checkpoint as ckpt
+
+    if not os.path.isdir(run_dir):
+        raise ckpt.CheckpointError(f"{run_dir}: no such run directory (expected runs/<name> written by "
+                                   "`dlrmctl train`)")
+    root = ckpt.checkpoint_root(run_dir)
+    if checkpoint is not None:
+        path, label = ckpt.resolve_checkpoint(run_dir, checkpoint)
+        r = checkpoint_rows(run_dir, verify, only=path)[0]
+        m = r["meta"]
+        echo(f"{show_path(path)}: {label}" + (f"  [{', '.join(r['markers'])}]" if r["markers"] else ""))
+        echo(f"  saved        {r['saved']}")
+        echo(f"  size         {r['bytes']:,} bytes in {len(m['files'])} files")
+        echo(f"  world size   {r['world_size']}")
+        echo(f"  plan         {r['plan']}" + (" (every table whole in each process)" if r["plan"] == "none" else ""))
+        echo(f"  tables       {len(m.get('tables', {}))} ({sum(a * b for a, b in m.get('tables', {}).values()):,} "
+             f"embedding parameters)")
+        echo(f"  optimizer    {m.get('embedding_optimizer', '-')} (embeddings)")
+        if isinstance(m.get("precision"), dict):
+            echo("  precision    " + ", ".join(f"{k} {v}" for k, v in m["precision"].items()))
+        src = m.get("resharded_from")
+        if isinstance(src, dict):
+            echo(f"  resharded    from {src.get('checkpoint')} ({src.get('world_size')} rank(s))")
+        ev = r["eval"]
+        if ev:
+            echo(f"  {ev.get('split', 'val')} metrics  " + "  ".join(
+                f"{k} {ev[k]:.4f}" for k in ("auc", "logloss", "ne", "calibration", "accuracy")
+                if isinstance(ev.get(k), float)) + (f"  (n={ev['num_samples']})" if "num_samples" in ev else ""))
+        else:
+            echo("  metrics      none recorded at this step")
+        echo(f"  integrity    {r['integrity']}")
+        return 0 if r["ok"] else 1
+    rows = checkpoint_rows(run_dir, verify)
+    stale = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, ".step_*.tmp")))
+    if not rows:
+        raise ckpt.CheckpointError(f"{run_dir}: no checkpoint ({root} holds none"
+                                   + (f"; {', '.join(stale)} is a save that was interrupted" if stale else "")
+                                   + "); `dlrmctl train` writes them (train.checkpoint_every, and at the end)")
+    total = sum(r["bytes"] or 0 for r in rows)
+    echo(f"{show_path(run_dir)}: {len(rows)} checkpoint(s), {_fmt_bytes(total)}")
+    pw = max(4, *(len(r["plan"]) for r in rows))
+    head = f"  {'name':<20} {'step':>7}  {'saved':<19}  {'size':>9}  {'ranks':>5}  {'plan':<{pw}}  " \
+           f"{'val AUC':>7}  {'logloss':>7}  marks"
+    echo(head)
+    bad = []
+    for r in rows:
+        ev = r["eval"] or {}
+        auc = f"{ev['auc']:.4f}" if isinstance(ev.get("auc"), float) else "-"
+        ll = f"{ev['logloss']:.4f}" if isinstance(ev.get("logloss"), float) else "-"
+        marks = ", ".join(r["markers"])
+        if not r["ok"]:
+            bad.append(r)
+            marks = (marks + ", " if marks else "") + "DAMAGED"
+        echo(f"  {r['name']:<20} {'-' if r['step'] is None else r['step']:>7}  {r['saved']:<19}  "
+             f"{'-' if r['bytes'] is None else _fmt_bytes(r['bytes']):>9}  {r['world_size'] or '-':>5}  "
+             f"{r['plan']:<{pw}}  {auc:>7}  {ll:>7}  {marks}")
+    for marked in (ckpt.latest_checkpoint, ckpt.best_checkpoint):
+        try:
+            marked(run_dir)
+        except ckpt.CheckpointError as e:  # a marker naming a missing checkpoint
+            echo(f"warning: {e}", err=True)
+    for name in stale:
+        echo(f"note: {name} in {show_path(root)} is a save that was interrupted (ignored; the next save removes it)")
+    for r in bad:
+        echo(f"integrity {r['name']}: {r['integrity']}", err=True)
+    if not bad:
+        echo("integrity: " + ("every block of every checkpoint verified" if verify else
+                              "all files present with their recorded sizes (--verify reads and checks every block)"))
+    return 1 if bad else 0
+
+
+@app.command("inspect")
+def inspect_command(
+    run_dir: str = typer.Argument(..., help="training run directory (runs/<name>)"),
+    checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
+                                             help="describe one: best | last | <step> | <name, e.g. step_00000080.1>"),
+    verify: bool = typer.Option(False, "--verify", help="also read every data file and check each block's CRC-32"),
+) -> None:
+    """List the checkpoints of RUN_DIR: step, time, size, world size, plan, val metrics, LATEST / BEST, integrity."""
+    from dlrmctl.train.checkpoint import CheckpointError
+
+    try:
+        code = inspect(run_dir, checkpoint, verify)
+    except CheckpointError as e:
+        _fail(str(e))
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("reshard")

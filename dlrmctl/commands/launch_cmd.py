@@ -63,7 +63,8 @@ def register(app: typer.Typer) -> None:
         nnodes: int = typer.Option(1, "--nnodes", help="nodes"),
         gpus_per_proc: Optional[int] = typer.Option(None, "--gpus-per-proc",
                                                     help="GPUs per process (default: 1 unless train.device is cpu)"),
-        image: Optional[str] = typer.Option(None, "--image", help="container image (kubernetes / aws_batch)"),
+        image: Optional[str] = typer.Option(None, "--image", help="container image with dlrmctl installed (required "
+                                            "by kubernetes, aws_batch and the other container schedulers)"),
         scheduler_arg: List[str] = typer.Option([], "--scheduler-arg", help="scheduler run option KEY=VALUE, e.g. queue=default"),
         set_: List[str] = typer.Option([], "--set", help="config override passed to every rank"),
         resume: bool = typer.Option(False, "--resume"),
@@ -73,11 +74,16 @@ def register(app: typer.Typer) -> None:
         from dlrmctl.commands._common import check_number
         from dlrmctl.config import INT_LIMITS
         from dlrmctl.console import echo
-        from dlrmctl.launch import build_appdef, launch
+        from dlrmctl.launch import build_appdef, check_image, launch
 
         check_number("--nnodes", nnodes, maximum=INT_LIMITS["ranks"][0], what="nodes")
         check_number("--gpus-per-proc", gpus_per_proc, positive=False, maximum=64, what="GPUs per process")
         check_scheduler(scheduler)
+        try:
+            check_image(scheduler, image)  # before anything is printed: the one line of the error
+        except ValueError as e:
+            typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
+            raise typer.Exit(2)
         if gpus_per_proc is None:
             gpus_per_proc, why = default_gpus_per_proc(config, set_)
             echo(f"GPUs per process: {gpus_per_proc} ({why})", err=True)

@@ -111,15 +111,16 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
     plan does not fit the model or the world size, or (no stored plan) the topology the trainer's
     planner would build (``sharding.topology_file`` or the ``sharding.device`` preset with
-    ``hbm_gb`` / ``ddr_gb``) is missing or invalid.
+    ``hbm_gb`` / ``ddr_gb``) is missing or invalid, or ``train.tensorboard: true`` without TensorBoard.
     """
     from dlrmctl.config import ConfigError, read_data_meta
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.fingerprint import DataMismatchError
     from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
-    from dlrmctl.train.loop import TrainError, check_run_dir, check_train_splits
+    from dlrmctl.train.loop import TrainError, check_run_dir, check_tensorboard, check_train_splits
 
     try:
+        check_tensorboard(cfg.train.tensorboard)
         run_dir = check_run_dir(cfg, resume, overwrite)
         if resume and checkpoint is not None:
             resolve_checkpoint(run_dir, checkpoint)

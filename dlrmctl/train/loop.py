@@ -167,6 +167,7 @@ class Trainer:
 
         if cfg.train.malloc_tuning:
             tune_glibc_malloc()
+        check_tensorboard(cfg.train.tensorboard)  # before any work: not at the first metrics record
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
@@ -293,6 +294,8 @@ class Trainer:
             emb_dense = m.sparse_arch.lookup.dense_parameters()
             dense_params = [p for n, p in m.named_parameters() if not n.startswith("sparse_arch.")]
         self.dense_opt = dense_optimizer(dense_params, self.cfg.optimizer.dense)
+        if self.env.is_main:  # one line on every world size (a sharded run prints its plan beside it)
+            echo(model_size_line(self.tables, dense_params, self.cfg.model.embedding_precision))
         e = self.cfg.optimizer.embedding
         self.emb_dense_opt = (embedding_optimizer_for_dense(emb_dense, e.type, e.lr, e.eps, e.weight_decay, tuple(e.betas))
                               if emb_dense else None)
@@ -630,7 +633,7 @@ class Trainer:
             return
         if self._metrics_f is None:
             self._metrics_f = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
-            self._tb = _tensorboard_writer(self.run_dir)
+            self._tb = _tensorboard_writer(self.run_dir, self.cfg.train.tensorboard)
         self._metrics_f.write(json.dumps(_jsonable(record)) + "\n")
         self._metrics_f.flush()
         if self._tb is not None:
@@ -823,6 +826,27 @@ class _Progress:
         self.p.close()
 
 
+def model_size_line(tables: list, dense_params: list, embedding_precision: str = "fp32") -> str:
+    """The model's size as rank 0 prints it at start (any world size): total parameters, the
+    embedding tables' (rows x dim over all tables, whole: not a rank's shards) and the dense
+    layers' (MLPs, interaction, projections: replicated on every rank), and their weight bytes
+    (embeddings at ``model.embedding_precision``, dense at their dtype; optimizer state not
+    counted; MB = 10^6 bytes).
+
+    Args:
+        tables: the EmbeddingBagConfigs (``num_embeddings``, ``embedding_dim``).
+        dense_params: the dense parameters (tensors; their ``numel`` / ``element_size``).
+    """
+    emb = sum(int(t.num_embeddings) * int(t.embedding_dim) for t in tables)
+    emb_bytes = emb * (2 if embedding_precision in ("fp16", "bf16") else 4)
+    dense = sum(p.numel() for p in dense_params)
+    dense_bytes = sum(p.numel() * p.element_size() for p in dense_params)
+    dtypes = sorted({str(p.dtype).replace("torch.float32", "fp32").replace("torch.", "") for p in dense_params})
+    return (f"model: {emb + dense:,} parameters, {(emb_bytes + dense_bytes) / 1e6:,.2f} MB of weights: "
+            f"embeddings {emb:,} ({len(tables)} tables, {emb_bytes / 1e6:,.2f} MB {embedding_precision}), "
+            f"dense {dense:,} ({dense_bytes / 1e6:,.3f} MB {'/'.join(dtypes) or 'fp32'})")
+
+
 def plan_rank_summary(plan: Any, tables: list, origin: str, full: str) -> str:
     """The applied plan per rank, as rank 0 prints it at start: tables by sharding type and
     weight bytes on each rank (the per-table plan is in ``full``, plan.txt)."""
@@ -872,8 +896,29 @@ def _better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bool
     return m["auc"] > best["auc"]
 
 
-def _tensorboard_writer(run_dir: str) -> Any:
-    """A TensorBoard SummaryWriter on ``run_dir/tensorboard`` when tensorboard is installed, else None."""
+def check_tensorboard(setting: bool | str) -> None:
+    """``train.tensorboard: true`` needs TensorBoard (``torch.utils.tensorboard`` and the
+    ``tensorboard`` package); ``auto`` / ``false`` need nothing.
+
+    Raises:
+        TrainError: ``true`` and it does not import (names the key, the import error and the remedy).
+    """
+    if setting is not True:
+        return
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError as e:
+        raise TrainError(f"train.tensorboard: true, but TensorBoard logging cannot start ({e}); install it "
+                         "(`pip install tensorboard`), or set train.tensorboard: auto (log when it is installed) "
+                         "or false") from None
+
+
+def _tensorboard_writer(run_dir: str, setting: bool | str = "auto") -> Any:
+    """A TensorBoard SummaryWriter on ``run_dir/tensorboard`` (``train.tensorboard``: ``auto`` when
+    tensorboard is installed, ``true`` always, see :func:`check_tensorboard`), else None."""
+    if setting is False:
+        return None
+    check_tensorboard(setting)
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
