@@ -11,6 +11,8 @@ from typing import List, Optional
 
 import typer
 
+from dlrmctl.commands._common import fail, show_path
+
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
 
@@ -66,6 +68,7 @@ def criteo(
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.criteo.parse import CriteoOptions
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
+    from dlrmctl.procs import FanoutError, Interrupted, check_local_fanout
 
     opts = CriteoOptions(
         num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
@@ -79,10 +82,16 @@ def criteo(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     try:
+        check_local_fanout(workers, f"--workers {workers}")
+    except FanoutError as e:
+        fail(str(e))
+    try:
         rep = preprocess_criteo(input if len(input) > 1 else input[0], out, opts, progress=not quiet)
     except DataError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
+    except Interrupted as e:
+        fail(f"interrupted ({e.args[0].split()[-1]}): preprocessing of {show_path(out)} stopped and its worker "
+             "processes ended; run the same command again to resume it", code=e.exit_code)
     _summary(rep, out)
 
 
