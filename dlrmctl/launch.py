@@ -106,21 +106,17 @@ def build_appdef(
 def omp_threads_per_rank(nproc: int, scheduler: str = LOCAL_SCHEDULER, cpu_per_proc: int = 1) -> tuple[int, str]:
     """OpenMP threads of each rank (``OMP_NUM_THREADS`` in the job's environment), and why.
 
-    ``OMP_NUM_THREADS`` set in this environment wins; else on this machine the CPUs this
-    process may use divided among the ``nproc`` local ranks (at least 1), and on a cluster the
-    CPUs each process asks for (``cpu_per_proc``).  Set deliberately, torchrun does not print
-    its ``Setting OMP_NUM_THREADS ... to be 1`` banner.
+    ``OMP_NUM_THREADS`` set in this environment wins; else on this machine the idle CPUs this
+    process may use divided among the ``nproc`` local ranks (:func:`dlrmctl.procs.intra_op_threads`,
+    at least 1), and on a cluster the CPUs each process asks for (``cpu_per_proc``).  Set
+    deliberately, torchrun does not print its ``Setting OMP_NUM_THREADS ... to be 1`` banner.
     """
+    from dlrmctl.procs import intra_op_threads
+
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env), "OMP_NUM_THREADS is set"
-    if scheduler != LOCAL_SCHEDULER:
+    if scheduler != LOCAL_SCHEDULER and not (env.isdigit() and int(env) > 0):
         return max(1, cpu_per_proc), f"{cpu_per_proc} CPU(s) requested per process"
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(nproc, 1)), f"{cpus} CPUs / {nproc} ranks"
+    return intra_op_threads(nproc)
 
 
 def _run_torchrun_through_this_interpreter(role: Any, nnodes: int) -> None:
@@ -178,6 +174,11 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
         info = runner.dryrun(app, scheduler, cfg=cfg)
         print(f"\n# {scheduler} request:\n{info}")
         return 0
+    if scheduler == LOCAL_SCHEDULER:  # the ranks end with this process, even when it is SIGKILLed
+        from dlrmctl.procs import LAUNCHER_ENV, process_token
+
+        for r in app.roles:
+            r.env[LAUNCHER_ENV] = process_token()
     handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
     try:

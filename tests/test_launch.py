@@ -38,6 +38,8 @@ def test_ranks_get_their_openmp_threads_deliberately(monkeypatch):
     CPUs over the local ranks, the CPUs asked per process on a cluster, or the user's own value."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine
+    monkeypatch.setattr("dlrmctl.procs._cgroup_cpu_quota", lambda: None)
     (role,) = build_appdef("configs/demo.yaml", [], nproc=4).roles
     assert role.env["OMP_NUM_THREADS"] == "2"
     (role,) = build_appdef("configs/demo.yaml", [], nproc=16).roles

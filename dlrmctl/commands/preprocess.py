@@ -61,7 +61,7 @@ def criteo(
     multi_hot_sizes: Optional[str] = typer.Option(None, help="26 comma-separated bag sizes: materialise "
                                                   "MLPerf-DLRMv2 multi-hot bags"),
     multi_hot_distribution: str = typer.Option("uniform", help="'uniform' or 'pareto' multi-hot offsets"),
-    workers: int = typer.Option(1, help="worker processes (parallel across input files)"),
+    workers: int = typer.Option(1, min=1, help="worker processes (parallel across input files)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
 ) -> None:
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
