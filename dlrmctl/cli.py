@@ -12,6 +12,7 @@ import importlib
 import typer
 import typer.core
 
+
 class _OneLineErrors(typer.core.TyperGroup):
     """The root command: a usage error (a bad option value, an unknown option or command, a missing
     argument; ``typer.BadParameter`` from a command) is printed as ONE line,

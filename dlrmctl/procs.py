@@ -235,6 +235,11 @@ class Interrupted(BaseException):
         self.signum = signum
 
     @property
+    def signame(self) -> str:
+        """The signal's name, e.g. ``"SIGTERM"``."""
+        return signal.Signals(self.signum).name
+
+    @property
     def exit_code(self) -> int:
         """The shell's convention for a process ended by the signal: 128 + its number (130, 143)."""
         return 128 + self.signum

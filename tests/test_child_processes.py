@@ -113,3 +113,84 @@ def test_sigterm_of_preprocess_stops_the_workers_and_says_so_in_one_line(two_big
                         "--workers", "2", "--num-embeddings", "100", "-q"], cwd=REPO, capture_output=True, text=True,
                        timeout=180)
     assert r.returncode == 0 and "train 400,000" in r.stdout, r.stdout + r.stderr
+
+
+_RANKS_PARENT = """
+import sys, time
+from dlrmctl.distributed.local_ranks import run_local_ranks
+from tests.test_child_processes import sleep_rank
+print("started", flush=True)
+run_local_ranks(sleep_rank, 2, (float(sys.argv[1]),), what="probe")
+"""
+
+
+def sleep_rank(env, seconds: float) -> int:
+    """A rank that outlives the test unless it ends with its parent."""
+    import time
+
+    time.sleep(seconds)
+    return env.rank
+
+
+def test_local_ranks_end_with_a_sigkilled_parent():
+    """run_local_ranks (checkpoint reshard --nproc, the planner's calibration) spawns ranks: they
+    end with the process that spawned them."""
+    p = subprocess.Popen([sys.executable, "-c", _RANKS_PARENT, "600"], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[int] = []
+        while time.monotonic() < deadline and p.poll() is None:
+            ranks = [c for c in _children(p.pid) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+            if len(ranks) == 2:
+                break
+            time.sleep(0.1)
+        assert len(ranks) == 2, (p.poll(), ranks)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    left = _wait_gone(ranks)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their SIGKILLed parent"
+
+
+@pytest.mark.multiprocess
+def test_train_nproc_ranks_and_torchrun_end_with_a_sigkilled_launcher(tmp_path):
+    """torchrun runs in its own session (torchx): a SIGKILLed `dlrmctl train --nproc 2` takes its
+    ranks with it (they watch the launcher), and torchrun ends with its ranks."""
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path / "data", rows=3000, seed=0, num_embeddings=[50] * 26)
+    name = f"orphan{os.getpid()}"
+    cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
+           "--set", f"data.path={tmp_path / 'data'}", "--set", f"train.run_dir={tmp_path / 'runs'}",
+           "--set", f"name={name}", "--set", "data.batch_size=2", "--set", "train.epochs=50"]
+    p = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    metrics = tmp_path / "runs" / name / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"train"' in metrics.read_text()) and time.monotonic() < deadline:
+        assert p.poll() is None
+        time.sleep(0.2)
+    job = [pid for pid in _procs_with(name) if pid != p.pid]
+    assert len(job) >= 3, job  # torchrun and 2 ranks
+    p.kill()
+    p.wait(timeout=30)
+    left = _wait_gone(job, timeout_s=30)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{left} outlived the SIGKILLed launcher"
+
+
+def _procs_with(marker: str) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit() and int(e) != os.getpid():
+            try:
+                cmd = open(f"/proc/{e}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmd and _alive(int(e)):
+                out.append(int(e))
+    return out

@@ -138,9 +138,8 @@ def reshard_command(
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta
-    from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
-
     from dlrmctl.procs import FanoutError, check_local_fanout
+    from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
 
     try:  # the reshard runs --nproc local processes
         check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")

@@ -90,7 +90,7 @@ def criteo(
     except DataError as e:
         fail(str(e))
     except Interrupted as e:
-        fail(f"interrupted ({e.args[0].split()[-1]}): preprocessing of {show_path(out)} stopped and its worker "
+        fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
              "processes ended; run the same command again to resume it", code=e.exit_code)
     _summary(rep, out)
 
