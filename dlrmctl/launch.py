@@ -11,8 +11,9 @@ On ``local_cwd`` torchrun is started as ``sys.executable -m torch.distributed.ru
 (so no ``torchrun`` on PATH is needed), every rank's stdout and stderr go to log
 files, and only local rank 0's output is copied to the console.  A failing rank
 records its error (:func:`record_rank_failure`) in the error file torchrun gives
-it; after the job, :func:`first_failure` reads those records back and the
-launcher prints one line naming the rank that failed first.
+it; after the job, :func:`first_failure` reads those records back, with torchrun's
+report of the ranks that died without one (a signal), and the launcher prints one
+line naming the rank that failed first (not the first that noticed).
 """
 
 from __future__ import annotations
@@ -126,21 +127,17 @@ def build_appdef(
 def omp_threads_per_rank(nproc: int, scheduler: str = LOCAL_SCHEDULER, cpu_per_proc: int = 1) -> tuple[int, str]:
     """OpenMP threads of each rank (``OMP_NUM_THREADS`` in the job's environment), and why.
 
-    ``OMP_NUM_THREADS`` set in this environment wins; else on this machine the CPUs this
-    process may use divided among the ``nproc`` local ranks (at least 1), and on a cluster the
-    CPUs each process asks for (``cpu_per_proc``).  Set deliberately, torchrun does not print
-    its ``Setting OMP_NUM_THREADS ... to be 1`` banner.
+    ``OMP_NUM_THREADS`` set in this environment wins; else on this machine the idle CPUs this
+    process may use divided among the ``nproc`` local ranks (:func:`dlrmctl.procs.intra_op_threads`,
+    at least 1), and on a cluster the CPUs each process asks for (``cpu_per_proc``).  Set
+    deliberately, torchrun does not print its ``Setting OMP_NUM_THREADS ... to be 1`` banner.
     """
+    from dlrmctl.procs import intra_op_threads
+
     env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env), "OMP_NUM_THREADS is set"
-    if scheduler != LOCAL_SCHEDULER:
+    if scheduler != LOCAL_SCHEDULER and not (env.isdigit() and int(env) > 0):
         return max(1, cpu_per_proc), f"{cpu_per_proc} CPU(s) requested per process"
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, cpus // max(nproc, 1)), f"{cpus} CPUs / {nproc} ranks"
+    return intra_op_threads(nproc)
 
 
 def _run_torchrun_through_this_interpreter(role: Any, nnodes: int) -> None:
@@ -198,6 +195,11 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
         info = runner.dryrun(app, scheduler, cfg=cfg)
         print(f"\n# {scheduler} request:\n{info}")
         return 0
+    if scheduler == LOCAL_SCHEDULER:  # the ranks end with this process, even when it is SIGKILLed
+        from dlrmctl.procs import LAUNCHER_ENV, process_token
+
+        for r in app.roles:
+            r.env[LAUNCHER_ENV] = process_token()
     handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
     try:
@@ -405,11 +407,14 @@ def _is_peer_failure(error: BaseException) -> bool:
 
 
 def first_failure(app_log_dir: str, role: str) -> tuple[str, str | None] | None:
-    """The root failure of a finished local job, from the logs under ``app_log_dir``.
+    """The root failure of a finished local job, from the logs under ``app_log_dir``: the rank that
+    failed FIRST, not the first rank that noticed.
 
-    Among the ranks' records (:func:`record_rank_failure`) the earliest that is not a
-    communication error wins (else the earliest); without records (e.g. a rank killed by a
-    signal), the root cause torchrun reported in its own output.
+    In order: the earliest rank record (:func:`record_rank_failure`) that is not a communication
+    error (a rank that lost a peer did not cause the failure); else a rank that ended without a
+    record, killed by a signal or exiting non-zero (from torchrun's per-rank failure report, its
+    own signal before a SIGTERM, which is how torchrun stops the others; then torchrun's time, then
+    the rank); else the earliest communication error.
 
     Args:
         app_log_dir: torchx's log directory of the app (``LOG_DIR/<session>/<app id>``).
@@ -417,8 +422,8 @@ def first_failure(app_log_dir: str, role: str) -> tuple[str, str | None] | None:
 
     Returns:
         ``(description, log)``: e.g. ``("rank 1 failed: ValueError: ...", ".../1/stderr.log")``
-        (user errors: ``"rank 1: <message>"``); ``log`` is that rank's stderr log or None.
-        None when nothing in the logs names a failed rank.
+        (user errors: ``"rank 1: <message>"``; no record: ``"rank 1 failed: killed by SIGKILL"``);
+        ``log`` is that rank's stderr log or None.  None when nothing in the logs names a failed rank.
     """
     records = []
     for path in glob.glob(os.path.join(app_log_dir, "**", "error.json"), recursive=True):
@@ -430,19 +435,63 @@ def first_failure(app_log_dir: str, role: str) -> tuple[str, str | None] | None:
             records.append((bool(info["peer"]), float(info["time"]), int(info["rank"]), info, message))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    real = [r for r in records if not r[0]]
+    if real:
+        return _describe_record(min(real, key=lambda r: r[:3]))
+    recorded = {r[2] for r in records}
+    unrecorded = [f for f in _torchrun_failures(app_log_dir, role) if f["rank"] not in recorded]
+    if unrecorded:
+        f = min(unrecorded, key=lambda f: (f["signal"] == "SIGTERM", f["time"], f["rank"]))
+        how = f"killed by {f['signal']}" if f["signal"] else f"exit code {f['exitcode']} without an error report"
+        logs = glob.glob(os.path.join(app_log_dir, "**", "attempt_*", str(f["local_rank"]), "stderr.log"),
+                         recursive=True)
+        return f"rank {f['rank']} failed: {how}", (logs[0] if len(logs) == 1 else None)
     if records:
-        _, _, rank, info, message = min(records, key=lambda r: r[:3])
-        first_line = (message.strip().splitlines() or [""])[0]
-        what = f"rank {rank}: {first_line}" if info["user_error"] else f"rank {rank} failed: {first_line}"
-        return what, info.get("log")
-    for path in glob.glob(os.path.join(app_log_dir, role, "*", "stderr.log")):  # torchrun's ChildFailedError report
-        with open(path, errors="replace") as f:
-            m = re.search(r"Root Cause \(first observed failure\):.*?\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)"
-                          r"[^\n]*?(?:\((SIG\w+)\))?\s*$", f.read(), re.S | re.M)
-        if m:
-            how = f"killed by {m.group(3)}" if m.group(3) else f"exit code {m.group(2)}"
-            return f"rank {m.group(1)} failed: {how}", None
+        return _describe_record(min(records, key=lambda r: r[:3]))
     return None
+
+
+def _describe_record(record: tuple) -> tuple[str, str | None]:
+    """``(description, log)`` of one rank record of :func:`first_failure`."""
+    _, _, rank, info, message = record
+    first_line = (message.strip().splitlines() or [""])[0]
+    what = f"rank {rank}: {first_line}" if info["user_error"] else f"rank {rank} failed: {first_line}"
+    return what, info.get("log")
+
+
+def _torchrun_failures(app_log_dir: str, role: str) -> list[dict[str, Any]]:
+    """Every failed rank of torchrun's ``ChildFailedError`` report (its ``Failures:`` and ``Root Cause``
+    blocks) in the torchrun logs ``<app_log_dir>/<role>/<replica>/stderr.log``.
+
+    Returns:
+        ``[{"rank", "local_rank", "exitcode", "signal" (e.g. "SIGKILL" or None), "time" (torchrun's
+        text, sortable)}]``, one per rank.
+    """
+    out: dict[int, dict[str, Any]] = {}
+    for path in glob.glob(os.path.join(app_log_dir, role, "*", "stderr.log")):
+        try:
+            with open(path, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            continue
+        for block in re.split(r"^\s*\[\d+\]:\s*$", text, flags=re.M)[1:]:
+            m = re.search(r"^\s*rank\s*:\s*(\d+)(?:\s*\(local_rank:\s*(\d+)\))?", block, re.M)
+            code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", block, re.M)
+            if not m or not code:
+                continue
+            exitcode = int(code.group(1))
+            sig = re.search(r"\((SIG[A-Z0-9]+)\)", block)
+            name = sig.group(1) if sig else None
+            if name is None and exitcode < 0:
+                try:
+                    name = signal.Signals(-exitcode).name
+                except ValueError:
+                    name = f"signal {-exitcode}"
+            when = re.search(r"^\s*time\s*:\s*(\S+)", block, re.M)
+            rank = int(m.group(1))
+            out.setdefault(rank, {"rank": rank, "local_rank": int(m.group(2) or rank), "exitcode": exitcode,
+                                  "signal": name, "time": when.group(1) if when else ""})
+    return list(out.values())
 
 
 def format_appdef(app: Any) -> str:

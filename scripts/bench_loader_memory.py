@@ -59,7 +59,7 @@ def generate(data: Path, rows: int, val_rows: int) -> float:
     return time.perf_counter() - t
 
 
-def measure(rows: int, steps: int = 50, config: str = "configs/demo.yaml", data_root: str | None = None,
+def measure(rows: int, steps: int = 50, config: str = str(REPO / "configs" / "demo.yaml"), data_root: str | None = None,
             val_rows: int = 20_000, extra: list[str] | None = None) -> dict:
     """Generate (or reuse) a ``rows``-row dataset and train ``steps`` shuffled steps in a child process.
 
@@ -98,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[2_000_000, 10_000_000])
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--config", default="configs/demo.yaml")
+    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
     ap.add_argument("--val-rows", type=int, default=20_000)
     ap.add_argument("--data-root", default=None, help="keep the generated datasets here (reused when present)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="extra config override key=value")

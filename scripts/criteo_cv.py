@@ -76,7 +76,13 @@ from dlrmctl.fileio import write_text_atomic  # noqa: E402
 
 import baselines_common as bc  # noqa: E402
 
-DEFAULT_INPUT = "../shared/data/criteo/criteo_kaggle_sample_10k.tsv"
+REPO = Path(__file__).resolve().parents[1]
+#: the real sample next to this checkout (``$DLRMCTL_SHARED_DATA`` or ``../shared/data``), whatever the cwd
+DEFAULT_INPUT = str(Path(os.environ.get("DLRMCTL_SHARED_DATA") or REPO.parent / "shared" / "data")
+                    / "criteo" / "criteo_kaggle_sample_10k.tsv")
+
+#: the default experiment, the repository's (not the working directory's) configs/criteo_sample.yaml
+DEFAULT_CONFIG = "configs/criteo_sample.yaml"
 
 #: config keys the script sets for every run (a ``--set`` of one would be silently overridden)
 CONTROLLED_KEYS = {
@@ -373,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     """CLI entry: see the module docstring."""
     p = argparse.ArgumentParser(description=_description(), formatter_class=_DefaultsHelp)
     p.add_argument("--input", default=DEFAULT_INPUT, help="Criteo TSV to split")
-    p.add_argument("--config", default="configs/criteo_sample.yaml", help="experiment YAML every split trains")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML every split trains")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every split's training (repeatable; not data.path, name, "
                         "train.run_dir, train.progress, nor train.seed with --ensemble: the script sets them)")
@@ -392,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="show each run's training output instead of writing it to WORK/logs/")
     a = p.parse_args(argv)
+    if a.config == DEFAULT_CONFIG:  # the repository's, from whatever directory the script is run
+        a.config = str(REPO / DEFAULT_CONFIG)
     from dlrmctl.config import ConfigError
 
     try:

@@ -143,11 +143,12 @@ print(json.dumps(env))
 PY
 
 # ------------------------------------------------------------------ imports
-run_step import 120 "$PY" -c "
-import dlrmctl, dlrmctl.cli
+GPU_CHECK_REPO="$REPO" run_step import 120 "$PY" -c "
+import os, dlrmctl, dlrmctl.cli
 print('HAS_FBGEMM', dlrmctl.HAS_FBGEMM)
 print('dlrmctl from', dlrmctl.__file__)
-assert dlrmctl.__file__.startswith('$REPO/'), 'dlrmctl is not imported from this checkout'
+repo = os.path.realpath(os.environ['GPU_CHECK_REPO'])  # any clone path (quotes, symlinks) compares right
+assert os.path.realpath(dlrmctl.__file__).startswith(repo + os.sep), 'dlrmctl is not imported from this checkout'
 "
 
 run_step import_nofbgemm 120 "$PY" - "$DEV" <<'PY'

@@ -1,17 +1,31 @@
+import os
 import pathlib
 
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+#: the real-data samples: ``$DLRMCTL_SHARED_DATA`` when set, else ``../shared/data`` next to this
+#: checkout (whatever the checkout's directory is called or wherever it lives)
+SHARED_DATA = pathlib.Path(os.environ.get("DLRMCTL_SHARED_DATA") or REPO.parent / "shared" / "data").resolve()
 CRITEO_10K = SHARED_DATA / "criteo" / "criteo_kaggle_sample_10k.tsv"
 
 
 def require_shared(path: pathlib.Path) -> pathlib.Path:
-    """Skip the calling test when a ../shared/data fixture is absent."""
+    """Skip the calling test when a real-data fixture under :data:`SHARED_DATA` is absent."""
     if not path.exists():
-        pytest.skip(f"real-data fixture {path} is absent (../shared/data is not next to this checkout)")
+        pytest.skip(f"real-data fixture {path} is absent (../shared/data is not next to this checkout; "
+                    "point DLRMCTL_SHARED_DATA at it)")
     return path
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cwd_is_the_repository():
+    """Tests name files relative to the repository (``configs/demo.yaml``): run them from its root,
+    whatever directory pytest was started in (tests that need another cwd use ``monkeypatch.chdir``)."""
+    before = os.getcwd()
+    os.chdir(REPO)
+    yield
+    os.chdir(before)
 
 
 def tiny_synthetic(tmp_path_factory, name: str, rows: int = 3000, seed: int = 2) -> str:

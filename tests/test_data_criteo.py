@@ -16,7 +16,9 @@ from dlrmctl.data.criteo.parse import CriteoOptions, _decode_hex8, dense_log1p, 
 from dlrmctl.data.criteo.preprocess import preprocess_criteo
 from dlrmctl.data.multi_hot import multi_hot_expand
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "criteo"
+from tests.conftest import SHARED_DATA
+
+SHARED = SHARED_DATA / "criteo"
 HASH = CriteoOptions(num_embeddings=[1000] * 26)
 
 

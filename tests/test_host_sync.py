@@ -29,6 +29,22 @@ STEPS = 20
 LOG_EVERY = 10
 
 
+def package_dir() -> str:
+    """The directory of the imported ``dlrmctl`` package (symlinks resolved)."""
+    import dlrmctl
+
+    return os.path.realpath(os.path.dirname(dlrmctl.__file__))
+
+
+def owned_by_dlrmctl(filename: str, pkg_dir: str | None = None) -> bool:
+    """Whether code of ``filename`` (a frame's ``co_filename``) is dlrmctl's own: the file lies inside
+    the imported package's directory ``pkg_dir`` (default :func:`package_dir`).  Decided by ownership,
+    not by a substring of the path: torch's and FBGEMM's files in a venv inside a clone called
+    ``dlrmctl`` (``.../dlrmctl/.venv/lib/.../fbgemm_gpu/...``) are not dlrmctl's."""
+    pkg = pkg_dir or package_dir()
+    return os.path.realpath(filename).startswith(pkg + os.sep)
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     from dlrmctl.data.synthetic import generate_synthetic
@@ -51,6 +67,14 @@ class SyncCounter:
         self.active = False
         self._thread = threading.get_ident()
         self._orig = {}
+        self._pkg = package_dir()
+        self._owned: dict[str, bool] = {}  # co_filename -> owned_by_dlrmctl (realpath once per file)
+
+    def owns(self, filename: str) -> bool:
+        """:func:`owned_by_dlrmctl`, memoised per file."""
+        if filename not in self._owned:
+            self._owned[filename] = owned_by_dlrmctl(filename, self._pkg)
+        return self._owned[filename]
 
     def __enter__(self):
         for m in self.METHODS:
@@ -60,7 +84,7 @@ class SyncCounter:
             def wrap(t, *a, _m=m, _o=orig, **kw):
                 if self.active and threading.get_ident() == self._thread:
                     caller = sys._getframe(1)
-                    if os.sep + "dlrmctl" + os.sep in caller.f_code.co_filename:
+                    if self.owns(caller.f_code.co_filename):
                         key = f"{_m} at {os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
                         self.calls[key] = self.calls.get(key, 0) + 1
                 return _o(t, *a, **kw)

@@ -38,6 +38,8 @@ def test_ranks_get_their_openmp_threads_deliberately(monkeypatch):
     CPUs over the local ranks, the CPUs asked per process on a cluster, or the user's own value."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine
+    monkeypatch.setattr("dlrmctl.procs._cgroup_cpu_quota", lambda: None)
     (role,) = build_appdef("configs/demo.yaml", [], nproc=4).roles
     assert role.env["OMP_NUM_THREADS"] == "2"
     (role,) = build_appdef("configs/demo.yaml", [], nproc=16).roles
@@ -314,3 +316,73 @@ def test_a_container_scheduler_without_image_is_one_error_line(scheduler):
     assert build_appdef("configs/demo.yaml", [], nproc=2, scheduler=scheduler, image="reg/dlrmctl:1").roles[0].image \
         == "reg/dlrmctl:1"
     assert build_appdef("configs/demo.yaml", [], nproc=2, scheduler="slurm").roles
+
+
+def _rank_pid(marker: str, rank: int) -> int | None:
+    """Pid of the live training rank ``rank`` (its ``RANK`` in /proc/<pid>/environ) of the job ``marker``."""
+    for pid in _pids_running(marker):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"dlrmctl.train.worker" in cmd and f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def test_first_failure_prefers_a_rank_killed_without_a_record_to_a_peer_that_lost_it(tmp_path, monkeypatch):
+    from dlrmctl.launch import first_failure, record_rank_failure
+
+    d = tmp_path / "torchelastic" / "worker" / "run_x" / "attempt_0" / "0"
+    d.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(d / "error.json"))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:1234: Connection reset by peer")
+    except RuntimeError as e:
+        record_rank_failure(e, False)
+    (tmp_path / "worker" / "0").mkdir(parents=True)
+    (tmp_path / "worker" / "0" / "stderr.log").write_text(  # torchrun saw rank 0's record first
+        "Failures:\n[1]:\n  time      : 2026-01-01_00:00:02\n  host      : h\n  rank      : 1 (local_rank: 1)\n"
+        "  exitcode  : -9 (pid: 8)\n  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 8\n"
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-01-01_00:00:01\n  host      : h\n"
+        "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 7)\n  error_file: /x/error.json\n")
+    (tmp_path / "torchelastic" / "worker" / "run_x" / "attempt_0" / "1").mkdir()
+    (tmp_path / "torchelastic" / "worker" / "run_x" / "attempt_0" / "1" / "stderr.log").write_text("")
+    what, log = first_failure(str(tmp_path), "worker")
+    assert what == "rank 1 failed: killed by SIGKILL" and log.endswith("attempt_0/1/stderr.log")
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_while_checkpointing_is_the_one_reported(small_data, tmp_path):
+    """Issue 23 item 16: rank 1 SIGKILLed while the ranks train and write a checkpoint every step;
+    rank 0 then fails on the lost connection.  The one error line names rank 1 and the signal."""
+    import signal
+
+    name = f"kill{os.getpid()}"
+    runs = tmp_path / "runs"
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "PYTHONPATH": REPO}
+    cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
+           "--set", f"data.path={small_data}", "--set", f"train.run_dir={runs}", "--set", f"name={name}",
+           "--set", "data.batch_size=2", "--set", "train.epochs=50", "--set", "train.checkpoint_every=1",
+           "--set", "train.log_every=1"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        ckpts = runs / name / "checkpoints"
+        deadline = time.monotonic() + 120
+        while not (ckpts.is_dir() and len(list(ckpts.iterdir())) >= 2):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        pid = _rank_pid(name, 1)
+        assert pid is not None, _pids_running(name)
+        os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 1, out + err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("error: rank 1 failed: killed by SIGKILL"), err
+        assert _pids_running(name) == []
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)

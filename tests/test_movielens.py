@@ -22,9 +22,10 @@ from dlrmctl.data.movielens import (
     time_ordered_split,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, SHARED_DATA
+
 # real-data fixture next to the checkout: ../shared/data (not in the repository, see PROVENANCE.md)
-ML_LATEST_SMALL = REPO.parent / "shared" / "data" / "movielens" / "ml-latest-small"
+ML_LATEST_SMALL = SHARED_DATA / "movielens" / "ml-latest-small"
 
 
 def _write(path: Path, data: str | bytes, encoding: str = "utf-8") -> Path:

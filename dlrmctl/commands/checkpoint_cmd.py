@@ -335,7 +335,7 @@ def inspect_command(
 @app.command("reshard")
 def reshard_command(
     run_dir: str = typer.Argument(..., help="training run directory (runs/<name>)"),
-    nproc: int = typer.Option(..., "--nproc", help="ranks of the target job"),
+    nproc: int = typer.Option(..., "--nproc", min=1, help="ranks of the target job"),
     plan: Optional[str] = typer.Option(None, "--plan", help="target sharding plan (dlrmctl plan); default: the planner's"),
     out: Optional[str] = typer.Option(None, "--out", help="new run directory (default: a new checkpoint in RUN_DIR)"),
     checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step> | <name, e.g. step_00000080.1>"),
@@ -343,10 +343,13 @@ def reshard_command(
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta
+    from dlrmctl.procs import FanoutError, check_local_fanout
     from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
 
-    if nproc < 1:
-        _fail("--nproc must be >= 1")
+    try:  # the reshard runs --nproc local processes
+        check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")
+    except FanoutError as e:
+        _fail(str(e))
     try:
         path = reshard(run_dir, nproc, plan, out, checkpoint)
     except (CheckpointError, PlanError, FileNotFoundError) as e:

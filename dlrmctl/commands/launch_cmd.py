@@ -59,8 +59,8 @@ def register(app: typer.Typer) -> None:
         config: str = typer.Argument(..., help="experiment YAML (path as seen by the job)"),
         scheduler: str = typer.Option("local_cwd", "--scheduler", "-s",
                                       help="torchx scheduler: local_cwd | slurm | kubernetes | aws_batch | ..."),
-        nproc: int = typer.Option(1, "--nproc", help="processes per node"),
-        nnodes: int = typer.Option(1, "--nnodes", help="nodes"),
+        nproc: int = typer.Option(1, "--nproc", min=1, help="processes per node"),
+        nnodes: int = typer.Option(1, "--nnodes", min=1, help="nodes"),
         gpus_per_proc: Optional[int] = typer.Option(None, "--gpus-per-proc",
                                                     help="GPUs per process (default: 1 unless train.device is cpu)"),
         image: Optional[str] = typer.Option(None, "--image", help="container image with dlrmctl installed (required "

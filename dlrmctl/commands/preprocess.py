@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from dlrmctl.commands._common import fail, show_path
+
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
 
@@ -119,7 +121,7 @@ def criteo(
     multi_hot_sizes: Optional[str] = typer.Option(None, help="26 comma-separated bag sizes: materialise "
                                                   "MLPerf-DLRMv2 multi-hot bags"),
     multi_hot_distribution: str = typer.Option("uniform", help="'uniform' or 'pareto' multi-hot offsets"),
-    workers: int = typer.Option(1, help="worker processes (parallel across input files)"),
+    workers: int = typer.Option(1, min=1, help="worker processes (parallel across input files)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
     force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/options "
                                "(built beside it, swapped in when complete)"),
@@ -128,6 +130,7 @@ def criteo(
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.criteo.parse import CriteoOptions
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
+    from dlrmctl.procs import FanoutError, Interrupted, check_local_fanout
 
     opts = CriteoOptions(
         num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
@@ -140,6 +143,10 @@ def criteo(
         opts.validate()
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    try:
+        check_local_fanout(workers, f"--workers {workers}")
+    except FanoutError as e:
+        fail(str(e))
     inputs = _stat_inputs(input)
     recipe = {"dataset": "criteo", "inputs": inputs,
               "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "workers"}}
@@ -152,8 +159,10 @@ def criteo(
         rep = _build(target, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d, opts,
                                                          progress=not quiet))
     except DataError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(e))
+    except Interrupted as e:
+        fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
+             "processes ended; run the same command again to resume it", code=e.exit_code)
     _summary(rep, out)
 
 

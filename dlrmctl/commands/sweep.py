@@ -5,8 +5,9 @@ interpreter: no state leaks between points) with its own run directory
 ``<train.run_dir>/<name>/<point>`` (``<name>``: ``--name``, default ``<config name>_sweep``); its
 console output goes to ``<train.run_dir>/<name>/logs/<point>.log``.
 The points run one after another, or ``--jobs N`` at a time (each then gets
-``max(1, CPUs // N)`` OpenMP threads unless ``OMP_NUM_THREADS`` is set; N is capped at the
-number of points).  ``--name`` is one directory name.  The keys the sweep sets for every point
+the idle CPUs // N OpenMP threads (:func:`dlrmctl.procs.intra_op_threads`) unless
+``OMP_NUM_THREADS`` is set; N is capped at the number of points, and at what this machine runs,
+:func:`dlrmctl.procs.check_local_fanout`).  Every point's process ends with the sweep.  ``--name`` is one directory name.  The keys the sweep sets for every point
 (``name``, ``train.run_dir``, ``train.progress``) and ``train.keep_best`` (the ranking metric) cannot
 be gridded (:data:`RESERVED_KEYS`).
 
@@ -185,7 +186,7 @@ def sweep(
     grid: List[str] = typer.Option(..., "--grid", help="KEY=V1,V2,...: values of one config key (repeatable; "
                                                          "the grid is their product), e.g. --grid model.dropout=0,0.1"),
     set_: List[str] = typer.Option([], "--set", help="override a config key for every point"),
-    jobs: int = typer.Option(1, "--jobs", help="points trained at once"),
+    jobs: int = typer.Option(1, "--jobs", min=1, help="points trained at once"),
     name: Optional[str] = typer.Option(None, "--name", help="sweep directory under train.run_dir (default: "
                                                              "<config name>_sweep, apart from the config's own run)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace the points' existing run directories"),
@@ -194,6 +195,8 @@ def sweep(
     from dlrmctl.config import ConfigError, load_config
 
     check_number("--jobs", jobs, maximum=1024, what="points trained at once")
+    from dlrmctl.procs import FanoutError, LAUNCHER_ENV, check_local_fanout, intra_op_threads, process_token
+
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
         fail(f"--name: must be one directory name (the sweep is train.run_dir/<name>), got {name!r}")
     try:
@@ -219,13 +222,18 @@ def sweep(
         runs.append((pname, assignment, overrides, run_dir))
     if os.path.isdir(sweep_dir) and os.listdir(sweep_dir) and outputs.kind_of(sweep_dir) not in ("sweep", None):
         fail(f"{show_path(sweep_dir)} is a dlrmctl {outputs.kind_of(sweep_dir)}, not a sweep; --name another sweep")
+    jobs = min(jobs, len(runs))  # no idle workers: the threads per point come from the points run at once
+    try:  # each point is a process of this machine
+        check_local_fanout(jobs, f"--jobs {jobs}")
+    except FanoutError as e:
+        fail(str(e))
     os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
     if outputs.read_marker(sweep_dir) is None:
         outputs.write_marker(sweep_dir, "sweep")
     env = dict(os.environ)
-    jobs = min(jobs, len(runs))  # no idle workers: the threads per point come from the points run at once
+    env[LAUNCHER_ENV] = process_token()  # every point's process ends with this one, even a SIGKILLed one
     if jobs > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+        env["OMP_NUM_THREADS"] = str(intra_op_threads(jobs)[0])
     echo(f"sweep {sweep_name}: {len(runs)} point(s) of {' x '.join(f'{k} ({len(v)})' for k, v in parsed)}, "
          f"{jobs} at a time; run directories in {show_path(sweep_dir)}")
 

@@ -18,8 +18,8 @@ from dlrmctl.commands._common import echo, fail, setup_logging, show_path
 def train(
     config: str = typer.Argument(..., help="experiment YAML (configs/*.yaml)"),
     set_: List[str] = typer.Option([], "--set", help="override a config key: --set model.embedding_dim=32"),
-    nproc: int = typer.Option(1, "--nproc", help="processes (ranks) per node; > 1 shards the tables"),
-    nnodes: int = typer.Option(1, "--nnodes", help="nodes (torchx dist.ddp -j NNODESxNPROC)"),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="processes (ranks) per node; > 1 shards the tables"),
+    nnodes: int = typer.Option(1, "--nnodes", min=1, help="nodes (torchx dist.ddp -j NNODESxNPROC)"),
     plan: Optional[str] = typer.Option(None, "--plan", help="sharding plan file written by `dlrmctl plan`"),
     resume: bool = typer.Option(False, "--resume", help="continue the run from its newest checkpoint"),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
@@ -49,6 +49,13 @@ def train(
 
         raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint),
                                 dry_run=True))
+    from dlrmctl.procs import FanoutError, check_local_fanout
+
+    try:  # every node of a local launch runs on this machine
+        check_local_fanout(world, f"--nproc {nproc}" + (f" x --nnodes {nnodes}" if nnodes > 1 else ""),
+                           "or run the job on a cluster (`dlrmctl launch --scheduler slurm|kubernetes`)")
+    except FanoutError as e:
+        fail(str(e))
     from dlrmctl import run_lock
 
     try:  # held for the whole run: a second `train` of this run directory is refused before it touches it
@@ -91,10 +98,14 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
         raise typer.Exit(rc)
     _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
     from dlrmctl.commands._common import user_errors
+    from dlrmctl.procs import intra_op_threads
+
+    threads, why = intra_op_threads(1)
+    echo(f"{threads} intra-op thread(s) ({why}; OMP_NUM_THREADS overrides)")
     from dlrmctl.train.worker import run_training
 
     try:
-        run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint)
+        run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint, threads=threads)
     except Exception as e:  # user-facing errors: one clear line, no traceback
         if isinstance(e, user_errors()):
             fail(str(e))

@@ -43,7 +43,10 @@ def _free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, threads: int, pg_timeout_s: float,
-               fn: Callable[..., Any], args: Sequence[Any], q: Any) -> None:
+               fn: Callable[..., Any], args: Sequence[Any], q: Any, parent: int | None = None) -> None:
+    from dlrmctl.procs import die_with_parent
+
+    die_with_parent(parent=parent)  # a SIGKILLed parent leaves no rank behind
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import torch
     from multiprocessing.reduction import ForkingPickler
@@ -97,7 +100,8 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, threads, pg_timeout_s, fn, tuple(args), q),
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, threads, pg_timeout_s, fn, tuple(args), q,
+                                                           os.getpid()),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -65,10 +65,14 @@ def _make_env(cfg) -> RunEnv:
 
 
 def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False,
-                 checkpoint: str | None = None) -> dict:
+                 checkpoint: str | None = None, threads: int | None = None) -> dict:
     """Load the config, set up this rank, train; returns the trainer's summary.
 
-    ``checkpoint`` (with ``resume``): ``best``, ``last`` (default) or a step to resume from."""
+    ``checkpoint`` (with ``resume``): ``best``, ``last`` (default) or a step to resume from.
+    ``threads``: intra-op threads of this process (``torch.set_num_threads``); None: torch's
+    (``OMP_NUM_THREADS``, which the launcher sets for each rank)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     cfg = load_config(config, overrides)
     ensure_checked()  # the torch / fbgemm_gpu pair loads (a mismatch is one error line)
     env = _make_env(cfg)
@@ -116,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None)
     a = p.parse_args(argv)
     from dlrmctl.console import setup_logging
+    from dlrmctl.procs import die_with_launcher, die_with_parent
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ:  # a rank started by torchrun
+        die_with_parent()  # torchrun ends: so does this rank
+        die_with_launcher()  # `dlrmctl train --nproc` SIGKILLed (torchrun runs in its own session): too
 
     setup_logging()
     try:

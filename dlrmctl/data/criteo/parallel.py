@@ -3,6 +3,9 @@
 Each task is one input file (:class:`~dlrmctl.data.criteo.parse.FileTask`).  Workers report the
 rows they have read through a queue (:func:`report_rows`); the parent prints rows/s on stderr.
 With one worker (or one file) the tasks run in the calling process.
+
+The workers end with the parent, even when it is SIGKILLed (:func:`dlrmctl.procs.die_with_parent`);
+a SIGINT / SIGTERM of the parent stops them at once and raises :class:`dlrmctl.procs.Interrupted`.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ __all__ = ["Progress", "report_rows", "run_tasks"]
 _PROGRESS_Q = None
 
 
-def init_worker(q) -> None:
-    """Pool initializer: route :func:`report_rows` to the queue ``q``; one Arrow thread per worker."""
+def init_worker(q, parent: int | None = None) -> None:
+    """Pool initializer: end with the parent process ``parent`` (its pid), leave SIGINT to it (it stops
+    the pool), route :func:`report_rows` to the queue ``q``; one Arrow thread per worker."""
+    import signal
+
+    from dlrmctl.procs import die_with_parent
+
     global _PROGRESS_Q
+    die_with_parent(signal.SIGKILL, parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _PROGRESS_Q = q
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)
@@ -65,7 +75,12 @@ class Progress:
 
 def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int,
                progress: Progress) -> list[Any]:
-    """Run ``fn`` over tasks, in-process (1 worker) or in a process pool, with progress."""
+    """Run ``fn`` over tasks, in-process (1 worker) or in a process pool, with progress.
+
+    Raises:
+        dlrmctl.procs.Interrupted: SIGINT / SIGTERM of this process (the workers were killed first).
+        Whatever ``fn`` raised in a worker (e.g. DataError); the other tasks are cancelled.
+    """
     if not tasks:
         return []
     if workers == 1 or len(tasks) == 1:
@@ -85,6 +100,9 @@ def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int,
         finally:
             _PROGRESS_Q = None
     import multiprocessing as mp
+    import os
+
+    from dlrmctl.procs import Interrupted, interruptible
 
     # fork where available: workers start in milliseconds with everything already imported
     # (spawn re-imports torch in every worker, seconds each); the parent runs no torch/OpenMP
@@ -92,11 +110,12 @@ def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int,
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() and sys.platform == "linux" else "spawn")
     q = ctx.Queue()
     results: dict[int, Any] = {}
-    with ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx,
-                             initializer=init_worker, initargs=(q,)) as ex:
-        futs = {ex.submit(fn, t): i for i, t in enumerate(tasks)}
-        pending = set(futs)
-        try:
+    ex = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx,
+                             initializer=init_worker, initargs=(q, os.getpid()))
+    try:
+        with interruptible():
+            futs = {ex.submit(fn, t): i for i, t in enumerate(tasks)}
+            pending = set(futs)
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 _drain(q, progress)
@@ -104,12 +123,27 @@ def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int,
                     results[futs[f]] = f.result()  # re-raises a worker's DataError
                     progress.files_done += 1
                 progress.show()
-        except BaseException:
-            for f in pending:
-                f.cancel()
-            raise
-        _drain(q, progress)
+            _drain(q, progress)
+    except Interrupted:
+        _stop(ex)
+        raise
+    except BaseException:  # a task failed: cancel the rest, let the running ones finish cleanly
+        ex.shutdown(wait=True, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
     return [results[i] for i in range(len(tasks))]
+
+
+def _stop(ex: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and kill the pool's workers now (their tasks write to temporary
+    paths that a re-run clears: no half-written output), then reap them."""
+    procs = list((getattr(ex, "_processes", None) or {}).values())  # concurrent.futures internals
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.join(timeout=10)
 
 
 def _drain(q, progress: Progress) -> None:
