@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the key reference of docs/configuration.md from dlrmctl/config.py.
+"""Generate the key reference of docs/configuration.md from the dataclasses of dlrmctl/config/schema.py.
 
 Every key of the YAML schema comes from the config dataclasses (name, type, default) and each
 section's prose from the dataclass docstring, so the page cannot miss a key.  The generated
@@ -96,7 +96,7 @@ def generate() -> str:
             if dataclasses.is_dataclass(tp):
                 lines.append(f"| `{key}` | section | see below |")
                 continue
-            type_name = config._type_name(tp).replace("|", "\\|")
+            type_name = config.type_name(tp).replace("|", "\\|")
             lines.append(f"| `{key}` | {type_name} | {_yaml(_default(f))} |")
         lines.append("")
     lines.append(END)
