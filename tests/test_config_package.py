@@ -5,6 +5,8 @@ and the table resolution are separate modules; every public name is still ``dlrm
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from dlrmctl.config.validation import (
 )
 
 PKG = Path(config.__file__).parent
+REPO = PKG.parent.parent
 
 
 @pytest.mark.parametrize("check, section, path, match", [
@@ -103,3 +106,64 @@ def test_every_public_name_is_exported_from_the_package():
                  "DenseOptimizerConfig", "LRScheduleConfig", "ShardingConfig", "DataConfig"):
         assert name in config.__all__, name
     assert config.ConfigError is config.schema.ConfigError is config.loading.ConfigError
+
+
+def _config_dataclasses() -> list[type]:
+    from dlrmctl.config import schema
+
+    out = [v for v in vars(schema).values() if isinstance(v, type) and dataclasses.is_dataclass(v)
+           and v.__module__ == schema.__name__]
+    assert len(out) >= 12, out
+    return out
+
+
+@pytest.mark.parametrize("cls", _config_dataclasses(), ids=lambda c: c.__name__)
+def test_every_key_is_documented_once_in_its_dataclass(cls):
+    """Each field has an attribute docstring (the key's one documentation, which the
+    configuration reference shows), and each section a docstring."""
+    from dlrmctl.config.schema import field_docs
+
+    docs = field_docs(cls)
+    missing = [f.name for f in dataclasses.fields(cls) if len(docs.get(f.name, "").strip()) < 10]
+    assert not missing, f"{cls.__name__}: fields without a docstring: {missing}"
+    assert cls.__doc__ and cls.__doc__.strip()
+
+
+def test_field_docs_finds_a_missing_docstring():
+    @dataclasses.dataclass
+    class Section:
+        a: int = 1
+        """The documented key."""
+        b: int = 2
+        c: list[int] = dataclasses.field(default_factory=list)
+        """Another one,
+        on two lines."""
+
+    from dlrmctl.config.schema import field_docs
+
+    assert field_docs(Section) == {"a": "The documented key.", "c": "Another one,\non two lines."}
+
+
+def _gen():
+    spec = importlib.util.spec_from_file_location("gen_config_docs", REPO / "scripts" / "gen_config_docs.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+def test_reference_shows_each_keys_docstring_and_links_docs_pages():
+    from dlrmctl.config.schema import TrainConfig, field_docs
+
+    gen = _gen()
+    page = gen.PAGE.read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| `train.keep_best` |"))
+    assert row.endswith(" | " + gen._cell(field_docs(TrainConfig)["keep_best"]) + " |")
+    assert "[checkpoints: Best checkpoint](checkpoints.md#best-checkpoint)" in row
+    assert "## Key details" not in page  # the meanings live in the dataclasses only
+    assert gen._cell("see docs/configuration.md#embedding-optimizers.") == \
+        "see [Embedding optimizers](#embedding-optimizers)."
+    assert gen._cell("a ``x|y`` b") == "a `x\\|y` b"
+    with pytest.raises(SystemExit, match="no heading #nope in docs/data.md"):
+        gen._cell("docs/data.md#nope")
+    with pytest.raises(SystemExit, match="no such page"):
+        gen._cell("docs/missing.md")
