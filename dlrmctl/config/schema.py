@@ -151,7 +151,8 @@ class ModelConfig:
     """Add a linear ("wide") term ``w_dense^T x + sum_f w_f^T e_f`` over the raw dense features
     and every pooled embedding to the logit (:class:`~dlrmctl.modules.dlrm.FirstOrder`): the
     linear part of FM (Rendle 2010), DeepFM (Guo et al. 2017) and Wide & Deep (Cheng et al.
-    2016). Zero-initialised, trained by the dense optimizer and exported."""
+    2016). The per-id scalar is read from the id's own row through one weight vector per
+    feature. Zero-initialised, trained by the dense optimizer and exported."""
     embedding_init_max: Optional[float] = None
     """Every table starts ``U(-a, a)`` with ``a`` this value (> 0, finite in
     ``embedding_precision``). null: the DLRM reference's ``a = sqrt(1 / num_embeddings)`` per
