@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Generate the key reference of docs/configuration.md from dlrmctl/config.py.
+"""Generate the key reference of docs/configuration.md from the dataclasses of dlrmctl/config/schema.py.
 
-Every key of the YAML schema comes from the config dataclasses (name, type, default) and each
-section's prose from the dataclass docstring, so the page cannot miss a key.  The generated
-part sits between two marker lines in docs/configuration.md; the hand-written text around it
-is kept.
+Every key of the YAML schema comes from the config dataclasses (name, type, default, and its
+meaning: the attribute docstring under the field, :func:`dlrmctl.config.schema.field_docs`) and
+each section's prose from the dataclass docstring, so the page cannot miss a key and each key is
+documented once.  A ``docs/<page>.md#<anchor>`` in a docstring becomes a link titled by that
+heading.  The generated part sits between two marker lines in docs/configuration.md; the
+hand-written text around it is kept.
 
     python scripts/gen_config_docs.py           # rewrite docs/configuration.md in place
     python scripts/gen_config_docs.py --check   # exit 1 when the page is out of date
@@ -51,13 +53,57 @@ def _yaml(value: Any) -> str:
 
 
 def _prose(doc: str | None) -> str:
-    """The docstring as markdown: RST double backticks become single ones, roles are dropped."""
+    """The docstring as markdown: RST double backticks become single ones, roles are dropped,
+    ``docs/<page>.md#<anchor>`` references become links."""
     if not doc:
         return ""
     text = inspect.cleandoc(doc)
-    text = re.sub(r":(?:class|func|mod|meth|attr):`~?([^`]+)`", r"`\1`", text)
+    text = re.sub(r":(?:class|func|mod|meth|attr|data):`~?([^`]+)`", r"`\1`", text)
     text = text.replace("``", "`")
-    return text
+    return DOC_REF.sub(_link, text)
+
+
+#: a reference to a docs page (and heading) in a docstring
+DOC_REF = re.compile(r"\bdocs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def _headings(page: Path) -> dict[str, str]:
+    """GitHub's heading anchors of ``page`` (as tests/test_docs_links.py computes them) -> heading text."""
+    out: dict[str, str] = {}
+    seen: dict[str, int] = {}
+    for line in re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M).splitlines():
+        m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.setdefault(slug if n == 0 else f"{slug}-{n}", m.group(1))
+    return out
+
+
+def _link(m: re.Match) -> str:
+    """A markdown link for ``docs/<page>.md#<anchor>``, relative to docs/configuration.md.
+
+    Raises:
+        SystemExit: the page or the heading does not exist.
+    """
+    name, anchor = m.group(1), m.group(2)
+    dest = PAGE.parent / name
+    if not dest.exists():
+        raise SystemExit(f"{m.group(0)}: no such page (named in a config docstring)")
+    title = dest.stem
+    if anchor:
+        heading = _headings(dest).get(anchor)
+        if heading is None:
+            raise SystemExit(f"{m.group(0)}: no heading #{anchor} in docs/{name} (named in a config docstring)")
+        title = heading if dest == PAGE else f"{dest.stem}: {heading}"
+    target = (f"#{anchor}" if dest == PAGE else f"{name}#{anchor}") if anchor else name
+    return f"[{title}]({target})"
+
+
+def _cell(doc: str) -> str:
+    """A field's docstring as one markdown table cell (one line, ``|`` escaped)."""
+    return " ".join(_prose(doc).split()).replace("|", "\\|")
 
 
 def _sections(cls: type, path: str) -> list[tuple[str, type]]:
@@ -78,26 +124,36 @@ def _sections(cls: type, path: str) -> list[tuple[str, type]]:
 
 
 def generate() -> str:
-    """The generated block (markers included), from :class:`dlrmctl.config.ExperimentConfig`."""
+    """The generated block (markers included), from :class:`dlrmctl.config.ExperimentConfig`.
+
+    Raises:
+        SystemExit: a field has no attribute docstring, or a docstring names a missing page/heading.
+    """
     from dlrmctl import config
+    from dlrmctl.config.schema import field_docs
 
     lines = [BEGIN, ""]
     for path, cls in _sections(config.ExperimentConfig, ""):
         hints = typing.get_type_hints(cls)
+        docs = field_docs(cls)
         lines.append(f"### `{path}`" if path else "### top level")
         lines.append("")
         prose = _prose(cls.__doc__)
         if prose:
             lines += [prose, ""]
-        lines += ["| key | type | default |", "| --- | --- | --- |"]
+        lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
             tp = hints[f.name]
             key = f"{path}.{f.name}" if path else f.name
+            if f.name not in docs:
+                raise SystemExit(f"{cls.__name__}.{f.name} ({key}): no attribute docstring in "
+                                 "dlrmctl/config/schema.py; document the key under its field")
+            meaning = _cell(docs[f.name])
             if dataclasses.is_dataclass(tp):
-                lines.append(f"| `{key}` | section | see below |")
+                lines.append(f"| `{key}` | section | see below | {meaning} |")
                 continue
-            type_name = config._type_name(tp).replace("|", "\\|")
-            lines.append(f"| `{key}` | {type_name} | {_yaml(_default(f))} |")
+            type_name = config.type_name(tp).replace("|", "\\|")
+            lines.append(f"| `{key}` | {type_name} | {_yaml(_default(f))} | {meaning} |")
         lines.append("")
     lines.append(END)
     return "\n".join(lines)

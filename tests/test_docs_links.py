@@ -1,6 +1,6 @@
 """User docs stay navigable: README.md is short, every relative link in README.md, docs/*.md and
 benchmarks/*.md points to an existing file (and heading, for ``#anchor`` links), and the key
-reference of docs/configuration.md matches dlrmctl/config.py."""
+reference of docs/configuration.md matches dlrmctl/config/schema.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""What a config resolves to with the data: the data's ``meta.json``, the embedding tables
+(:func:`resolve_tables`, sized by :func:`auto_embedding_dim` for ``model.embedding_dim: auto``)
+and the weighted features.  Imports torch only inside :func:`resolve_tables` (for the
+EmbeddingBagConfig it returns).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from dlrmctl.config.schema import ConfigError, ExperimentConfig
+
+
+def weighted_features(cfg: ExperimentConfig) -> list[str]:
+    """Features of the ``weighted: true`` tables of ``model.tables``, in table order (empty:
+    the model is unweighted; tables derived from the data are never weighted)."""
+    out: list[str] = []
+    for t in cfg.model.tables:
+        if t.weighted:
+            out.extend(f for f in t.feature_names or [t.name] if f not in out)
+    return out
+
+
+def read_data_meta(cfg: ExperimentConfig) -> dict | None:
+    """The preprocessed data's ``meta.json`` at ``data.path``, or None if there is none.
+
+    Raises:
+        ConfigError: meta.json exists but is not valid JSON.
+    """
+    import json
+
+    p = os.path.join(cfg.data.path, "meta.json")
+    if not os.path.exists(p):
+        return None
+    try:
+        with open(p) as f:
+            text = f.read()
+        if not text.strip():
+            raise ConfigError(f"{p}: empty file; re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
+        return json.loads(text)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read data meta: {e}") from e
+
+
+def auto_embedding_dim(num_embeddings: int, factor: float, max_dim: int) -> int:
+    """``model.embedding_dim: auto``: the width of a table of ``num_embeddings`` rows.
+
+    ``min(max_dim, 4 * ceil(factor * num_embeddings ** 0.25 / 4))``: the fourth-root rule of
+    thumb for embedding widths (Google's TensorFlow feature-column guidance, "Introducing
+    TensorFlow Feature Columns", Google Developers Blog, Nov 2017: ``embedding_dimensions =
+    number_of_categories ** 0.25``, i.e. ``factor`` 1; the default ``factor`` 6 is the widely
+    quoted ``6 * n ** 0.25`` variant, a tunable constant), rounded up to a multiple of 4 (FBGEMM's
+    int8 TBE needs it for ``dlrmctl export --int8``) and capped at ``max_dim``
+    (``dense_arch_layer_sizes[-1]``, the width every table is projected to).  Mixed-dimension
+    embeddings (Ginart et al., "Mixed Dimension Embeddings with Application to Memory-Efficient
+    Recommendation Systems", ISIT 2021, arXiv:1909.11810) motivate smaller widths for rarer /
+    smaller features with a projection to a common width.
+
+    Examples (factor 6): 5 rows -> 12, 100 -> 20, 685 -> 32, 10**6 -> 192 (before the cap).
+
+    Raises:
+        ConfigError: ``num_embeddings`` < 1, ``factor`` <= 0 or ``max_dim`` < 1.
+    """
+    if num_embeddings < 1 or not factor > 0 or max_dim < 1:
+        raise ConfigError(f"model.embedding_dim auto: needs num_embeddings >= 1, embedding_dim_factor > 0 and "
+                          f"dense_arch_layer_sizes[-1] >= 1, got {num_embeddings}, {factor}, {max_dim}")
+    return int(min(max_dim, 4 * math.ceil(factor * num_embeddings ** 0.25 / 4)))
+
+
+def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
+    """Turn ``model.tables`` (+ the data's meta.json) into EmbeddingBagConfigs.
+
+    * ``model.tables`` empty: one table ``t_<feature>`` per sparse feature of
+      meta.json, ``model.embedding_dim`` wide, rows = the feature's ``num_embeddings``.
+    * a table with ``num_embeddings: null``: the largest cardinality among its
+      features in meta.json.
+    * every table's ``data_type`` is ``model.embedding_precision`` (FP32 / FP16), its init
+      bounds ``+-model.embedding_init_max`` when set (else the EBC's ``+-sqrt(1 / rows)``).
+
+    Args:
+        meta: parsed meta.json (``sparse_features: [{name, num_embeddings, ...}]``).
+
+    Returns:
+        list of :class:`dlrmctl.modules.embedding_configs.EmbeddingBagConfig`.
+
+    Raises:
+        ConfigError: tables must come from data but there is no meta.json, or a
+            feature/table cannot be sized.
+    """
+    from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
+
+    data_type = DataType.FP16 if cfg.model.embedding_precision == "fp16" else DataType.FP32
+    a = cfg.model.embedding_init_max  # None: each table's sqrt(1 / num_embeddings)
+    init = {} if a is None else {"weight_init_min": -float(a), "weight_init_max": float(a)}
+    feats = {f["name"]: f for f in (meta or {}).get("sparse_features", [])}
+    out = []
+    if not cfg.model.tables:
+        if meta is None:
+            raise ConfigError(
+                f"model.tables is empty, so tables are derived from the data, but {cfg.data.path}/meta.json "
+                "does not exist: run `dlrmctl preprocess` first or list model.tables"
+            )
+        for f in meta["sparse_features"]:
+            rows = int(f["num_embeddings"])
+            dim = (auto_embedding_dim(rows, cfg.model.embedding_dim_factor, cfg.model.dense_arch_layer_sizes[-1])
+                   if cfg.model.embedding_dim == "auto" else cfg.model.embedding_dim)
+            out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=rows,
+                                          embedding_dim=dim, feature_names=[f["name"]],
+                                          data_type=data_type, **init))
+        return out
+    for i, t in enumerate(cfg.model.tables):
+        fnames = t.feature_names or [t.name]
+        rows = t.num_embeddings
+        if rows is None:
+            missing = [n for n in fnames if n not in feats]
+            if meta is None or missing:
+                raise ConfigError(
+                    f"model.tables[{i}].num_embeddings: null means 'from the data', but "
+                    f"{'there is no meta.json at ' + cfg.data.path if meta is None else 'features ' + str(missing) + ' are not in meta.json'}"
+                )
+            rows = max(int(feats[n]["num_embeddings"]) for n in fnames)
+        out.append(EmbeddingBagConfig(name=t.name, num_embeddings=rows,
+                                      embedding_dim=t.embedding_dim or cfg.model.embedding_dim,
+                                      feature_names=list(fnames), pooling=t.pooling, data_type=data_type, **init))
+    return out
