@@ -8,10 +8,51 @@ errors answer without importing torch.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
+from typer.core import TyperGroup
+
+from dlrmctl.errors import EXIT_USER, interrupt_exit_code, interrupt_of, user_error_message
+
+
+def report_failure(e: BaseException) -> int | None:
+    """The one place a failure of a verb becomes what the user sees: an interrupt (Ctrl-C, a
+    SIGTERM a command turned into one, or either wrapped by a library such as DCP) is one
+    ``interrupted`` line (exit code 130, 143 for SIGTERM); a :class:`~dlrmctl.errors.UserError`
+    or an OSError of the user's environment (also wrapped) is one ``error: ...`` line (exit code 2),
+    both on stderr.  Returns the exit code, or None for anything else (a bug: the caller lets it
+    propagate with its traceback)."""
+    ki = interrupt_of(e)
+    if ki is not None:
+        print("interrupted", file=sys.stderr, flush=True)
+        return interrupt_exit_code(ki)
+    msg = user_error_message(e)
+    if msg is None:
+        return None
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    return EXIT_USER
+
+
+class _Group(TyperGroup):
+    """The root command group: every verb runs inside :meth:`invoke`, so its user errors, OS
+    conditions and interrupts are reported once, here (:func:`report_failure`) — also under
+    ``typer.testing.CliRunner``, which calls the group, not :func:`main`."""
+
+    def invoke(self, ctx):  # noqa: D102
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException, SystemExit):  # typer's own exits and usage errors
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported as one line, or re-raised as it is
+            code = report_failure(e)
+            if code is None:
+                raise
+            raise typer.Exit(code) from None
+
 
 app = typer.Typer(
+    cls=_Group,
     help="Train, shard, plan and ship DLRM recommendation models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

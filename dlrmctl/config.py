@@ -26,8 +26,10 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from dlrmctl.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(ValueError, UserError):
     """Invalid configuration; the message names the file and the key path."""
 
 

@@ -82,15 +82,10 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
             clear_unsaved_attempt(run_dir)  # failed before any checkpoint: a retry starts clean (logs/ stay)
         raise typer.Exit(rc)
     _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
-    from dlrmctl.commands._common import user_errors
     from dlrmctl.train.worker import run_training
 
-    try:
-        run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint)
-    except Exception as e:  # user-facing errors: one clear line, no traceback
-        if isinstance(e, user_errors()):
-            fail(str(e))
-        raise
+    # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli as one line
+    run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint)
 
 
 def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpoint: str | None = None) -> None:

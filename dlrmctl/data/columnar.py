@@ -54,6 +54,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from dlrmctl.errors import UserError
 from dlrmctl.fileio import write_text_atomic
 
 FORMAT_VERSION = 1
@@ -77,7 +78,7 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
+class DataError(ValueError, UserError):
     """Bad input data or a bad preprocessed directory.
 
     The message always names the file, and the line and field when known, in the form

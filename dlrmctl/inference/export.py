@@ -89,6 +89,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dlrmctl.errors import UserError
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
     empty_intnbit_tbe,
@@ -119,7 +120,7 @@ __all__ = [
 ]
 
 
-class ExportError(RuntimeError):
+class ExportError(RuntimeError, UserError):
     """Export or artifact loading failed for a reason the user can fix (message says how)."""
 
 

@@ -95,6 +95,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from dlrmctl.errors import UserError
 from dlrmctl.fileio import write_text_atomic
 
 CKPT_DIR = "checkpoints"
@@ -115,7 +116,7 @@ LATEST = "LATEST"
 BEST = "BEST"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, UserError):
     """A checkpoint is missing, truncated or does not match the model."""
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import yaml
 
+from dlrmctl.errors import UserError
 from dlrmctl import run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
@@ -86,7 +87,7 @@ class _UnscaleGrad(torch.autograd.Function):
         return torch.where(bad > 0, torch.zeros((), dtype=g.dtype, device=g.device), g), None, None, None
 
 
-class TrainError(RuntimeError):
+class TrainError(RuntimeError, UserError):
     """A run cannot start (bad run directory, missing data, ...)."""
 
 
