@@ -17,7 +17,7 @@ import torch
 from dlrmctl import run_lock
 from dlrmctl._fbgemm import ensure_checked
 from dlrmctl.config import load_config
-from dlrmctl.errors import UserError, user_error_message
+from dlrmctl.errors import UserError, interrupt_of, user_error_message
 from dlrmctl.train.loop import RunEnv, Trainer, clear_unsaved_attempt, prepare_run_dir, resolve_device
 
 
@@ -53,8 +53,11 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
         torch.manual_seed(cfg.train.seed)
         try:
             return Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint).train()
-        except BaseException:
-            if env.is_main:  # nothing saved: leave nothing that would mix into a retry
+        except BaseException as e:
+            # nothing saved: leave nothing that would mix into a retry.  An interrupted attempt keeps its
+            # config and logs (the directory does not vanish); the next `train` clears them
+            # (prepare_run_dir -> clear_unsaved_attempt) and starts over
+            if env.is_main and interrupt_of(e) is None:
                 clear_unsaved_attempt(run_dir)
             raise
     finally:
