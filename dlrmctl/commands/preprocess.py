@@ -11,6 +11,8 @@ from typing import List, Optional
 
 import typer
 
+from dlrmctl.errors import UserError, check_output_dir
+
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
 
@@ -78,6 +80,7 @@ def criteo(
         opts.validate()
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
     try:
         rep = preprocess_criteo(input if len(input) > 1 else input[0], out, opts, progress=not quiet)
     except DataError as e:
@@ -103,12 +106,15 @@ def synthetic(
     """Criteo-schema synthetic data with a planted logistic signal; meta.json has its bayes_auc."""
     from dlrmctl.data.synthetic import generate_synthetic
 
+    check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
     try:
         rep = generate_synthetic(out, rows=rows, seed=seed, val_ratio=val_ratio, test_ratio=test_ratio,
                                  num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
                                  zipf_alpha=zipf_alpha,
                                  weighted_features=[f.strip() for f in (weighted_features or "").split(",") if f.strip()])
     except ValueError as e:
+        if isinstance(e, UserError):  # e.g. DataError of a full disk: one line (dlrmctl.cli), not a usage error
+            raise
         raise typer.BadParameter(str(e)) from None
     _summary(rep, out)
     import json

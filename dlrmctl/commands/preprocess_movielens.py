@@ -38,7 +38,9 @@ def register(preprocess_app: typer.Typer) -> None:
                                 min_tag_count=min_tag_count, max_tags_per_item=max_tags_per_item,
                                 zip_prefix_len=zip_prefix_len)
         from dlrmctl.console import echo
+        from dlrmctl.errors import check_output_dir
 
+        check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
         try:
             rep = preprocess_movielens(input, out, opts, progress=lambda msg: echo(msg, err=True))
         except (DataError, ValueError, OSError) as e:

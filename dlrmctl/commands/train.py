@@ -49,7 +49,11 @@ def train(
         raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint),
                                 dry_run=True))
     from dlrmctl import run_lock
+    from dlrmctl.errors import check_output_dir
 
+    # train.run_dir/<name> a file, under a file, read-only: one line before the lock creates anything
+    check_output_dir(cfg.train.run_dir, "train.run_dir")
+    check_output_dir(os.path.join(cfg.train.run_dir, cfg.name), "the run directory")
     try:  # held for the whole run: a second `train` of this run directory is refused before it touches it
         run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
     except run_lock.RunInUseError as e:
