@@ -73,10 +73,11 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _children(e: BaseException) -> list[BaseException]:
-    """The exceptions ``e`` wraps: ``__cause__``, ``__context__``, and the values of a
-    ``failures`` dict (DCP's ``CheckpointException``: rank -> exception or (exception, traceback))."""
-    out = [x for x in (e.__cause__, e.__context__) if x is not None]
+def _children(e: BaseException, implicit: bool = True) -> list[BaseException]:
+    """The exceptions ``e`` wraps: ``__cause__``, ``__context__`` (with ``implicit``), and the
+    values of a ``failures`` dict (DCP's ``CheckpointException``: rank -> exception or
+    (exception, traceback))."""
+    out = [x for x in (e.__cause__, e.__context__ if implicit else None) if x is not None]
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict):
         for f in failures.values():
@@ -87,10 +88,11 @@ def _children(e: BaseException) -> list[BaseException]:
     return out
 
 
-def find_in_chain(e: BaseException, match: type | tuple[type, ...] | Callable[[BaseException], bool]
-                  ) -> BaseException | None:
-    """The first exception in ``e`` or anything it wraps (breadth first over :func:`_children`)
-    that is an instance of ``match`` (or for which the predicate ``match`` is true); None if none."""
+def find_in_chain(e: BaseException, match: type | tuple[type, ...] | Callable[[BaseException], bool],
+                  implicit: bool = True) -> BaseException | None:
+    """The first exception in ``e`` or anything it wraps (breadth first over :func:`_children`;
+    ``implicit=False``: not through ``__context__``, only explicit wrapping) that is an instance
+    of ``match`` (or for which the predicate ``match`` is true); None if none."""
     pred = match if callable(match) and not isinstance(match, (type, tuple)) else (lambda x: isinstance(x, match))
     seen: set[int] = set()
     todo = [e]
@@ -101,7 +103,7 @@ def find_in_chain(e: BaseException, match: type | tuple[type, ...] | Callable[[B
         seen.add(id(x))
         if pred(x):
             return x
-        todo.extend(_children(x))
+        todo.extend(_children(x, implicit))
     return None
 
 
@@ -168,15 +170,18 @@ def os_error_message(e: BaseException, path: str | os.PathLike | None = None) ->
 
 
 def user_error_message(e: BaseException) -> str | None:
-    """The one line (without ``error: ``) for a :class:`UserError` or a mapped OSError found in
-    ``e`` or what it wraps; None when ``e`` is neither (a bug, shown with its traceback)."""
+    """The one line (without ``error: ``) for a :class:`UserError` or a mapped OSError that is
+    ``e`` or that ``e`` explicitly wraps; None when ``e`` is neither (a bug, shown with its traceback)."""
     if isinstance(e, UserError):
         return str(e)
     if isinstance(e, OSError):
         msg = os_error_message(e)
         if msg is not None:
             return msg
-    inner = find_in_chain(e, lambda x: x is not e and (isinstance(x, UserError) or os_errno(x) is not None))
+    # explicit wrapping only (``raise X from e``, DCP's failures): an error raised while handling
+    # another one (``__context__``) may be a bug, shown with its traceback
+    inner = find_in_chain(e, lambda x: x is not e and (isinstance(x, UserError) or os_errno(x) is not None),
+                          implicit=False)
     return None if inner is None else user_error_message(inner)
 
 

@@ -40,13 +40,20 @@ def test_an_interrupt_or_a_full_disk_wrapped_by_dcp_is_found():
     assert errors.interrupt_of(_dcp_wrapped(RuntimeError("unexpected pos 704 vs 598"))) is None
     msg = errors.user_error_message(_dcp_wrapped(OSError(errno.ENOSPC, "No space left on device", "/x/y")))
     assert msg.startswith("/x/y: no space left on device;"), msg
-    try:  # __context__ chains too
+    try:  # explicit wrapping (raise ... from) too
         try:
             raise OSError(errno.EROFS, "Read-only file system", "/ro/f")
-        except OSError:
-            raise RuntimeError("wrapped")
+        except OSError as e:
+            raise RuntimeError("wrapped") from e
     except RuntimeError as e:
         assert "read-only file system" in errors.user_error_message(e)
+    try:  # not a bug raised while handling an OSError
+        try:
+            raise FileNotFoundError(errno.ENOENT, "No such file", "/nope")
+        except OSError:
+            raise AttributeError("a bug")
+    except AttributeError as e:
+        assert errors.user_error_message(e) is None
 
 
 @pytest.mark.parametrize("e, words", [
