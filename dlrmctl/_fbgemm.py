@@ -21,6 +21,8 @@ from __future__ import annotations
 import importlib.metadata as md
 import importlib.util
 
+from dlrmctl.errors import UserError
+
 #: torch minor release -> fbgemm-gpu release known to load against it.
 KNOWN_GOOD_PAIRS: dict[str, str] = {"2.13": "1.8.0"}
 
@@ -29,7 +31,7 @@ KNOWN_GOOD_PAIRS: dict[str, str] = {"2.13": "1.8.0"}
 _CHECKED = False
 
 
-class FbgemmTorchMismatchError(ImportError):
+class FbgemmTorchMismatchError(ImportError, UserError):
     """Raised when ``fbgemm_gpu`` is installed but cannot load against ``torch``."""
 
 

@@ -8,17 +8,40 @@ errors answer without importing torch.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
-import typer.core
+from typer.core import TyperGroup
+
+from dlrmctl.errors import EXIT_USER, interrupt_exit_code, interrupt_of, user_error_message
 
 
-class _OneLineErrors(typer.core.TyperGroup):
-    """The root command: a usage error (a bad option value, an unknown option or command, a missing
-    argument; ``typer.BadParameter`` from a command) is printed as ONE line,
-    ``error: <command>: <message> (see <command> --help)``, exit code 2, like every other user error."""
+def report_failure(e: BaseException) -> int | None:
+    """The one place a failure of a verb becomes what the user sees: an interrupt (Ctrl-C, a
+    SIGTERM a command turned into one, or either wrapped by a library such as DCP) is one
+    ``interrupted`` line (exit code 130, 143 for SIGTERM); a :class:`~dlrmctl.errors.UserError`
+    or an OSError of the user's environment (also wrapped) is one ``error: ...`` line (exit code 2),
+    both on stderr.  Returns the exit code, or None for anything else (a bug: the caller lets it
+    propagate with its traceback)."""
+    ki = interrupt_of(e)
+    if ki is not None:
+        print("interrupted", file=sys.stderr, flush=True)
+        return interrupt_exit_code(ki)
+    msg = user_error_message(e)
+    if msg is None:
+        return None
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    return EXIT_USER
 
-    def invoke(self, ctx):
+
+class _Group(TyperGroup):
+    """The root command group: every verb runs inside :meth:`invoke`, so its user errors, OS
+    conditions and interrupts are reported once, here (:func:`report_failure`) — also under
+    ``typer.testing.CliRunner``, which calls the group, not :func:`main`.  A usage error (a bad
+    option value, an unknown option or command, a missing argument, ``typer.BadParameter`` from a
+    command) is ONE line too, ``error: <command>: <message> (see <command> --help)``, exit code 2."""
+
+    def invoke(self, ctx):  # noqa: D102
         from typer import _click
 
         try:
@@ -30,10 +53,17 @@ class _OneLineErrors(typer.core.TyperGroup):
             msg = " ".join(line.strip() for line in e.format_message().splitlines() if line.strip())
             typer.echo(f"error: {where}: {msg} (see `{where} --help`)", err=True)
             raise typer.Exit(e.exit_code) from None
+        except (typer.Exit, typer.Abort, typer.TyperException, SystemExit):  # typer's own exits
+            raise
+        except BaseException as e:  # noqa: BLE001 - reported as one line, or re-raised as it is
+            code = report_failure(e)
+            if code is None:
+                raise
+            raise typer.Exit(code) from None
 
 
 app = typer.Typer(
-    cls=_OneLineErrors,
+    cls=_Group,
     help="Train, shard, plan and ship DLRM recommendation models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -16,6 +16,7 @@ for ``--help`` and configuration errors):
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -44,6 +45,13 @@ class ConsoleHandler(logging.Handler):
             echo(self.format(record), err=True)
         except Exception:  # pragma: no cover - logging's own convention
             self.handleError(record)
+
+
+def show_path(path: "str | os.PathLike") -> str:
+    """How dlrmctl prints a path: relative to the working directory when it is below it, else absolute."""
+    p = os.path.abspath(os.fspath(path))
+    rel = os.path.relpath(p)
+    return p if rel == ".." or rel.startswith(".." + os.sep) else rel
 
 
 def setup_logging(verbose: bool = False) -> None:

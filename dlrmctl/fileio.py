@@ -24,7 +24,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     The directory is created when missing; the file gets :func:`default_file_mode`.
 
     Raises:
-        OSError: the directory cannot be created or written (the temporary file is removed).
+        OSError: the directory cannot be created or written (the temporary file is removed; the
+            error's ``filename`` is ``path`` when the failing call named none, e.g. a write to a full disk).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,6 +37,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, default_file_mode())  # mkstemp makes 0600; readable like any other output file
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # a failed write (full disk) names no file: name ours
+            e.filename = str(path)
         raise

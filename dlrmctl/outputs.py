@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dlrmctl.errors import UserError
 from dlrmctl.fileio import write_text_atomic
 
 MARKER_NAME = ".dlrmctl"
@@ -44,7 +45,7 @@ KINDS = ("dataset", "run", "export", "sweep")
 LEGACY_TEMP_AGE_S = 3600.0
 
 
-class OutputError(RuntimeError):
+class OutputError(RuntimeError, UserError):
     """An output directory that must not be replaced (not ours, the working directory, ...) or
     cannot be written; the message names the path, the reason and the remedy."""
 

@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+from dlrmctl.errors import UserError
+
 #: local processes allowed per usable CPU (the suite runs 2-4 gloo ranks on 2 CPUs)
 OVERSUBSCRIBE = 4
 #: resident memory assumed per local process that imports torch (MiB)
@@ -30,7 +32,7 @@ MAX_PROCS_ENV = "DLRMCTL_MAX_LOCAL_PROCS"
 LAUNCHER_ENV = "DLRMCTL_LAUNCHER"
 
 
-class FanoutError(ValueError):
+class FanoutError(ValueError, UserError):
     """More local processes were asked for than this machine runs (a user error: one line)."""
 
 

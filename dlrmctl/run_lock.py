@@ -14,6 +14,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+from dlrmctl.errors import UserError
+
 LOCK_NAME = ".lock"
 #: environment variable naming the pid that holds the lock on behalf of this process (a rank of ``--nproc``)
 ENV_HOLDER = "DLRMCTL_RUN_LOCK_HOLDER"
@@ -23,7 +25,7 @@ ENV_HOLDER = "DLRMCTL_RUN_LOCK_HOLDER"
 _held: dict[str, tuple[int, list[str]]] = {}
 
 
-class RunInUseError(RuntimeError):
+class RunInUseError(RuntimeError, UserError):
     """The run directory is locked by another running dlrmctl."""
 
 

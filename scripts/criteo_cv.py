@@ -312,7 +312,7 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
         SplitError: a split's preprocessing, training or scoring refused the data or the
             configuration (the message names the split, the ``--set`` overrides and the run's log).
     """
-    from dlrmctl.train.worker import USER_ERRORS
+    from dlrmctl.errors import UserError
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     cfg = check_args(input_file, config, overrides, splits, first_seed, val_ratio, test_ratio, cs, ensemble,
@@ -329,7 +329,7 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
         try:
             r = run_split(config, overrides, input_file, work_p, seed, val_ratio, test_ratio, cs,
                           log=lambda s: None, ensemble=ensemble, verbose=verbose, base_seed=cfg.train.seed)
-        except USER_ERRORS + (ValueError,) as e:
+        except (UserError, ValueError) as e:
             msg = " ".join(str(e).split())  # one line, whatever the error's own layout
             logs = sorted((work_p / "logs").glob(f"split_{seed}.log" if ensemble == 1 else f"split_{seed}_m*.log"),
                           key=lambda f: f.stat().st_mtime)  # the failed run's log: the newest of this split

@@ -341,23 +341,15 @@ def reshard_command(
     checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step> | <name, e.g. step_00000080.1>"),
 ) -> None:
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
-    from dlrmctl.distributed.types import PlanError
-    from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta
     from dlrmctl.procs import FanoutError, check_local_fanout
+    from dlrmctl.train.checkpoint import load_checkpoint_meta
     from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
 
     try:  # the reshard runs --nproc local processes
         check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")
     except FanoutError as e:
         _fail(str(e))
-    try:
-        path = reshard(run_dir, nproc, plan, out, checkpoint)
-    except (CheckpointError, PlanError, FileNotFoundError) as e:
-        _fail(str(e))
-    except Exception as e:  # planner errors
-        if type(e).__name__ == "PlannerError":
-            _fail(str(e))
-        raise
+    path = reshard(run_dir, nproc, plan, out, checkpoint)  # user errors: reported by dlrmctl.cli
     m = load_checkpoint_meta(path)
     src = m.get("resharded_from", {})
     nbytes = sum(f["bytes"] for f in m["files"].values())

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import check_number, echo, fail, print_metrics, setup_logging, user_errors
+from dlrmctl.commands._common import check_number, echo, fail, print_metrics, setup_logging
 
 
 def evaluate(
@@ -40,26 +40,24 @@ def evaluate(
              f"dlrmctl evaluate {run_dir} --data data/<name> --split val")
     if exported and checkpoint is not None:
         fail(f"{run_dir} is an exported model (one set of weights): --checkpoint applies to a run directory")
-    errors = user_errors()
     progress = not output_json
-    try:
-        if exported:
-            from dlrmctl.inference.export import evaluate_exported
+    # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli, once for every verb
+    if exported:
+        from dlrmctl.inference.export import evaluate_exported
 
-            m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size, any_split=any_split, progress=progress)
-            which = "exported model"
-        else:
-            from dlrmctl.train.checkpoint import read_checkpoint
-            from dlrmctl.train.loop import evaluate_run, run_config
+        m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size, any_split=any_split,
+                              progress=progress)
+        which = "exported model"
+    else:
+        from dlrmctl.train.checkpoint import read_checkpoint
+        from dlrmctl.train.loop import evaluate_run, run_config
 
-            run_config(run_dir)  # a run directory at all?
-            # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
-            m, which = read_checkpoint(run_dir, checkpoint, lambda path, label: (
-                evaluate_run(run_dir, split, data, batch_size, checkpoint=path, any_split=any_split,
-                             progress=progress), label))
-            m = dict(m, checkpoint=which)
-    except errors as e:
-        fail(str(e))
+        run_config(run_dir)  # a run directory at all?
+        # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
+        m, which = read_checkpoint(run_dir, checkpoint, lambda path, label: (
+            evaluate_run(run_dir, split, data, batch_size, checkpoint=path, any_split=any_split,
+                         progress=progress), label))
+        m = dict(m, checkpoint=which)
     if output_json:
         echo(json.dumps(m))
     else:

@@ -11,21 +11,12 @@ from typing import Optional
 
 import typer
 
+from dlrmctl.errors import UserError
+
 
 def _fail(msg: str, code: int = 2) -> None:
     typer.echo(f"error: {msg}", err=True)
     raise typer.Exit(code)
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from dlrmctl.data.columnar import DataError
-    from dlrmctl.data.fingerprint import DataMismatchError
-    from dlrmctl.inference.export import ExportError
-    from dlrmctl.inference.quantize import QuantizationError
-    from dlrmctl.train.checkpoint import CheckpointError
-    from dlrmctl.train.loop import TrainError
-
-    return (ExportError, QuantizationError, DataError, DataMismatchError, CheckpointError, TrainError, FileNotFoundError)
 
 
 def export_command(
@@ -50,9 +41,9 @@ def export_command(
     try:
         res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force,
                          checkpoint=checkpoint)
-    except _user_errors() as e:
-        _fail(str(e))
-    except RuntimeError as e:  # fbgemm_gpu missing
+    except RuntimeError as e:  # fbgemm_gpu missing (user errors: dlrmctl.cli reports them)
+        if isinstance(e, UserError):
+            raise
         _fail(str(e))
     from dlrmctl.commands._common import show_path
 
@@ -82,9 +73,9 @@ def predict_command(
 
     try:
         rep = predict_file(model_dir, input, output, batch_rows)
-    except _user_errors() as e:
-        _fail(str(e))
     except RuntimeError as e:
+        if isinstance(e, UserError):
+            raise
         _fail(str(e))
     err = output is None or str(output) == "-"
     typer.echo(f"scored {rep.rows} lines" + ("" if err else f" -> {rep.output}"), err=err)

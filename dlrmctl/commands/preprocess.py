@@ -14,6 +14,7 @@ from typing import List, Optional
 import typer
 
 from dlrmctl.commands._common import fail, show_path
+from dlrmctl.errors import UserError, check_output_dir
 
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
@@ -143,6 +144,7 @@ def criteo(
         opts.validate()
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
     try:
         check_local_fanout(workers, f"--workers {workers}")
     except FanoutError as e:
@@ -200,6 +202,7 @@ def synthetic(
     """Criteo-schema synthetic data with a planted logistic signal; meta.json has its bayes_auc."""
     from dlrmctl.data.synthetic import generate_synthetic
 
+    check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
     cards = _int_list(num_embeddings, "--num-embeddings", 26)
     wf = [f.strip() for f in (weighted_features or "").split(",") if f.strip()]
     target = _target(out, {"dataset": "synthetic", "rows": rows, "seed": seed, "val_ratio": val_ratio,
@@ -213,6 +216,8 @@ def synthetic(
                                                           test_ratio=test_ratio, num_embeddings=cards,
                                                           zipf_alpha=zipf_alpha, weighted_features=wf))
     except ValueError as e:
+        if isinstance(e, UserError):  # e.g. DataError of a full disk: one line (dlrmctl.cli), not a usage error
+            raise
         raise typer.BadParameter(str(e)) from None
     _summary(rep, out)
     import json

@@ -40,6 +40,7 @@ def register(preprocess_app: typer.Typer) -> None:
                                 min_tag_count=min_tag_count, max_tags_per_item=max_tags_per_item,
                                 zip_prefix_len=zip_prefix_len)
         from dlrmctl.console import echo
+        from dlrmctl.errors import check_output_dir
 
         import dataclasses
         import os
@@ -47,6 +48,7 @@ def register(preprocess_app: typer.Typer) -> None:
 
         from dlrmctl.commands.preprocess import _already_complete, _build, _target
 
+        check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
         if not os.path.isdir(input):  # the input's own error comes before any question about --out
             typer.echo(f"error: {input}: not a directory (expected an unpacked MovieLens release)", err=True)
             raise typer.Exit(2)

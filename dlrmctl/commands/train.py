@@ -57,7 +57,11 @@ def train(
     except FanoutError as e:
         fail(str(e))
     from dlrmctl import run_lock
+    from dlrmctl.errors import check_output_dir
 
+    # train.run_dir/<name> a file, under a file, read-only: one line before the lock creates anything
+    check_output_dir(cfg.train.run_dir, "train.run_dir")
+    check_output_dir(os.path.join(cfg.train.run_dir, cfg.name), "the run directory")
     try:  # held for the whole run: a second `train` of this run directory is refused before it touches it
         run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
     except run_lock.RunInUseError as e:
@@ -97,19 +101,48 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
             finish_replacement(run_dir, done=True)
         raise typer.Exit(rc)
     _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
-    from dlrmctl.commands._common import user_errors
+    from dlrmctl.errors import interrupt_exit_code, interrupt_of, sigterm_as_interrupt
     from dlrmctl.procs import intra_op_threads
+    from dlrmctl.train.loop import resolve_device
 
+    resolve_device(cfg)  # a CUDA run on a CPU build is one error line before anything is printed
     threads, why = intra_op_threads(1)
     echo(f"{threads} intra-op thread(s) ({why}; OMP_NUM_THREADS overrides)")
     from dlrmctl.train.worker import run_training
 
+    # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli as one line; a SIGTERM
+    # takes the Ctrl-C path (the partial checkpoint is removed, the last good one stays)
     try:
-        run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint, threads=threads)
-    except Exception as e:  # user-facing errors: one clear line, no traceback
-        if isinstance(e, user_errors()):
-            fail(str(e))
-        raise
+        with sigterm_as_interrupt():
+            run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint,
+                         threads=threads)
+    except BaseException as e:  # noqa: BLE001 - only interrupts are handled here
+        ki = interrupt_of(e)
+        if ki is None:
+            raise
+        echo(interrupted_line(config, set_, os.path.join(cfg.train.run_dir, cfg.name)), err=True)
+        raise typer.Exit(interrupt_exit_code(ki)) from None
+
+
+def interrupted_line(config: str, overrides: list[str], run_dir: str) -> str:
+    """What an interrupted ``train`` prints: the checkpoint the run keeps and how to resume, or
+    that nothing was saved (the directory keeps the attempt's config and logs; a plain ``train``
+    starts over)."""
+    import shlex
+
+    from dlrmctl.train import checkpoint as ckpt
+
+    cmd = " ".join(["dlrmctl train", shlex.quote(config)] + [f"--set {shlex.quote(o)}" for o in overrides])
+    try:
+        last = ckpt.latest_checkpoint(run_dir)
+        step = None if last is None else ckpt.load_checkpoint_meta(last).get("step")
+    except ckpt.CheckpointError:
+        last, step = None, None
+    if last is None:
+        return (f"interrupted before the first checkpoint: nothing saved ({show_path(run_dir)} keeps this attempt's "
+                f"config and logs); start over with {cmd}")
+    return (f"interrupted: {show_path(run_dir)} kept its last checkpoint (step {step}); resume with "
+            f"{cmd} --resume")
 
 
 def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpoint: str | None = None) -> None:

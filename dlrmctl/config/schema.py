@@ -19,8 +19,10 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from dlrmctl.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(ValueError, UserError):
     """Invalid configuration; the message names the file and the key path."""
 
 

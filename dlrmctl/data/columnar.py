@@ -60,6 +60,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from dlrmctl.errors import UserError
 from dlrmctl.fileio import write_text_atomic
 
 FORMAT_VERSION = 1
@@ -84,7 +85,7 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
+class DataError(ValueError, UserError):
     """Bad input data or a bad preprocessed directory.
 
     The message always names the file, and the line and field when known, in the form
@@ -157,9 +158,12 @@ class ShardWriter:
         self.schema = schema
         self.rows = 0
         self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._tmp.parent.mkdir(parents=True, exist_ok=True)
-        self._sink = pa.OSFile(str(self._tmp), "wb")
-        self._writer = ipc.new_file(self._sink, schema)
+        try:
+            self._tmp.parent.mkdir(parents=True, exist_ok=True)
+            self._sink = pa.OSFile(str(self._tmp), "wb")
+            self._writer = ipc.new_file(self._sink, schema)
+        except OSError as e:
+            raise _write_error(e, self.path) from None
 
     def write(self, columns: Mapping[str, Any]) -> None:
         """Append rows.
@@ -190,23 +194,48 @@ class ShardWriter:
             arrays.append(a)
         if not n:
             return
-        self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        try:
+            self._writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+        except OSError as e:
+            raise _write_error(e, self.path) from None
         self.rows += n
 
     def close(self) -> Path:
-        """Finish the file and rename it into place; returns the final path."""
-        self._writer.close()
-        self._sink.close()
-        os.replace(self._tmp, self.path)
-        return self.path
+        """Finish the file and rename it into place; returns the final path.
 
-    def abort(self) -> None:
-        """Drop the partial file."""
+        Raises:
+            DataError: the file system refused the write (full, read-only, ...; named with the path).
+        """
         try:
             self._writer.close()
             self._sink.close()
-        finally:
-            self._tmp.unlink(missing_ok=True)
+            os.replace(self._tmp, self.path)
+        except OSError as e:
+            raise _write_error(e, self.path) from None
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the partial file (an error closing it, e.g. a full disk, is ignored: the error that
+        made the caller abort is the one to report)."""
+        for close in (self._writer.close, self._sink.close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - already closed, or the disk that failed the write
+                pass
+        self._tmp.unlink(missing_ok=True)
+
+
+def _write_error(e: OSError, path: Path) -> Exception:
+    """A write of ``path`` refused by the file system (pyarrow raises ``OSError: ... No space left
+    on device`` without an errno) as a :class:`DataError` naming the file, the condition and the
+    remedy; any other OSError is returned as it is."""
+    from dlrmctl.errors import OS_CONDITIONS, os_errno
+
+    code = os_errno(e)
+    if code is None:
+        return e
+    what, remedy = OS_CONDITIONS[code]
+    return DataError(f"cannot write: {what}; {remedy} (re-running the command resumes / rewrites it)", path=path)
 
 
 def write_split_shard(path: str | os.PathLike, columns: Mapping[str, Any], schema: pa.Schema) -> Path:

@@ -28,6 +28,8 @@ import json
 import os
 from typing import Any, Iterable, Sequence
 
+from dlrmctl.errors import UserError
+
 PARTS = ("schema", "vocabulary", "split")
 #: sparse-feature keys that describe the input's kind (schema part)
 _KIND_KEYS = ("multi_hot", "weighted", "dtype")
@@ -35,7 +37,7 @@ _KIND_KEYS = ("multi_hot", "weighted", "dtype")
 _ID_KEYS = ("num_embeddings", "oov_id", "missing_id")
 
 
-class DataMismatchError(ValueError):
+class DataMismatchError(ValueError, UserError):
     """The data given is not the data the model was trained on (message: both sources and what differs)."""
 
 

@@ -28,8 +28,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from dlrmctl.errors import UserError
 
-class PlanError(ValueError):
+
+class PlanError(ValueError, UserError):
     """A sharding plan is malformed or does not match the model / world size."""
 
 

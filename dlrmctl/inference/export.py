@@ -91,6 +91,7 @@ import torch
 from torch import nn
 
 from dlrmctl import outputs
+from dlrmctl.errors import UserError
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
     empty_intnbit_tbe,
@@ -121,7 +122,7 @@ __all__ = [
 ]
 
 
-class ExportError(RuntimeError):
+class ExportError(RuntimeError, UserError):
     """Export or artifact loading failed for a reason the user can fix (message says how)."""
 
 

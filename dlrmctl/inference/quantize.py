@@ -60,6 +60,7 @@ from typing import Sequence
 
 import torch
 
+from dlrmctl.errors import UserError
 from dlrmctl import _fbgemm
 
 #: Embedding storage types accepted by :func:`quantize_table` / ``dlrmctl export``.
@@ -72,7 +73,7 @@ CHUNK_ROWS = 1 << 18
 _FP16_MAX = 65504.0
 
 
-class QuantizationError(ValueError):
+class QuantizationError(ValueError, UserError):
     """A table cannot be quantized (NaN/inf, fp16 overflow, unsupported dim or dtype).
 
     The message names the table and, for bad values, the first bad row.

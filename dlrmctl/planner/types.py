@@ -74,6 +74,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from dlrmctl.errors import UserError
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
 from dlrmctl.fileio import write_text_atomic
 
@@ -96,7 +97,7 @@ UNPOOLED_SHARDING_TYPES: tuple[ShardingType, ...] = (
 BWD_COMPUTE_MULTIPLIER = 2.0
 
 
-class PlannerError(ValueError):
+class PlannerError(ValueError, UserError):
     """No plan satisfies the memory and the constraints.
 
     The message names the table(s) that cannot be placed, the bytes needed and

@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from dlrmctl.errors import UserError
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor, SparseInputError
 
 __all__ = ["ON_INVALID_ID", "EmbeddingIdError", "IdBound", "apply_id_policy", "check_ids", "normalize_id_bounds",
@@ -43,7 +44,7 @@ __all__ = ["ON_INVALID_ID", "EmbeddingIdError", "IdBound", "apply_id_policy", "c
 ON_INVALID_ID = ("error", "zero")
 
 
-class EmbeddingIdError(SparseInputError):
+class EmbeddingIdError(SparseInputError, UserError):
     """An id is outside ``[0, num_embeddings)`` of its table."""
 
 

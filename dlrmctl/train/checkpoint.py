@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import errno
 import bisect
 import glob
 import io
@@ -103,6 +104,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import numpy as np
 import torch
 
+from dlrmctl.errors import OS_CONDITIONS, UserError, find_in_chain, free_bytes, interrupt_of, os_errno
 from dlrmctl.fileio import write_text_atomic
 
 log = logging.getLogger("dlrmctl.checkpoint")
@@ -126,7 +128,7 @@ LATEST = "LATEST"
 BEST = "BEST"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, UserError):
     """A checkpoint is missing, truncated or does not match the model."""
 
 
@@ -880,6 +882,58 @@ def _raise_from_dcp(e: BaseException, where: str) -> None:
     raise CheckpointError(f"{where}: {'; '.join(msgs) or f'{type(e).__name__}: {e}'}") from e
 
 
+def _state_nbytes(state: dict[str, Any]) -> int:
+    """Bytes of this rank's tensors in a checkpoint state (plain tensors and :class:`Blocks`)."""
+    n = 0
+    for v in state.values():
+        for t in ([b for _, b in v.blocks] if isinstance(v, Blocks) else [v]):
+            n += t.numel() * t.element_size()
+    return n
+
+
+def _save_failed(e: BaseException, run_dir: str, tmp: str, final: str, rank: int, needed: int) -> None:
+    """A checkpoint save failed before its rename: remove the partial directory (rank 0), then
+    raise what it was, found in whatever DCP wrapped it in (a ``CheckpointException`` holds each
+    rank's exception; see :func:`dlrmctl.errors.find_in_chain`):
+
+    - an interrupt (Ctrl-C, SIGTERM): the ``KeyboardInterrupt`` itself;
+    - a :class:`CheckpointError`: re-raised;
+    - an OS condition of the target (errno ENOSPC, EDQUOT, EROFS, EACCES, ...), or a write that
+      lost its errno (torch's zip writer: ``unexpected pos 704 vs 598``) while the file system
+      has less free space than this rank's ``needed`` bytes (statvfs, after the partial
+      directory is gone): a :class:`CheckpointError` naming the checkpoint, the condition, the
+      remedy and the last good checkpoint;
+    - anything else: ``e`` as it is (a bug).
+    """
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    ki = interrupt_of(e)
+    if ki is not None:
+        raise ki
+    inner = find_in_chain(e, CheckpointError)
+    if inner is not None:
+        raise CheckpointError(str(inner)) from None
+    oserr = find_in_chain(e, lambda x: os_errno(x) is not None)
+    code = None if oserr is None else os_errno(oserr)
+    free = free_bytes(checkpoint_root(run_dir))
+    space = ""
+    if code is None and free is not None and free < needed:  # the zip writer's failure on a full disk
+        code = errno.ENOSPC
+    if code in (errno.ENOSPC, errno.EDQUOT) and free is not None:
+        space = f" ({needed:,} bytes to write, {free:,} free)"
+    if code is None:
+        raise e
+    try:
+        last = latest_checkpoint(run_dir)
+    except CheckpointError:
+        last = None
+    kept = (f"the last good checkpoint {os.path.basename(last)} is intact" if last
+            else "no earlier checkpoint of this run")
+    what, remedy = OS_CONDITIONS[code]
+    raise CheckpointError(f"{final}: cannot write the checkpoint: {what}{space}; {remedy} (then --resume); "
+                          f"{kept}") from None
+
+
 def save_checkpoint(
     run_dir: str,
     step: int,
@@ -911,6 +965,10 @@ def save_checkpoint(
 
     Raises:
         TypeError: a value that is neither a tensor nor :class:`Blocks` (DCP would pickle it).
+        CheckpointError: the target is full, read-only, not writable, ... (named, with the last
+            good checkpoint, which stays intact as ``LATEST`` does; the partial directory is removed).
+        KeyboardInterrupt: interrupted while writing (also when DCP wrapped the interrupt); the
+            partial directory is removed.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -944,24 +1002,30 @@ def save_checkpoint(
         comm.barrier(process_group)
     SavePlanner, _ = _planners()
     writer = _writer(tmp)
-    cm = _quiet()
-    try:
-        dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group, no_dist=not dist_on)
-    finally:
-        cm.__exit__(None, None, None)
-    # each rank's files were checksummed while DCP wrote them (block CRCs; nothing is read back)
-    if dist_on:
-        allf: list[Any] = comm.all_gather_object(writer.files, process_group)
-    else:
-        allf = [writer.files]
+    try:  # until the rename, a failure (full disk, Ctrl-C) removes the partial directory: LATEST and the
+        # last complete checkpoint are untouched (see _save_failed)
+        cm = _quiet()
+        try:
+            dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
+                     no_dist=not dist_on)
+        finally:
+            cm.__exit__(None, None, None)
+        # each rank's files were checksummed while DCP wrote them (block CRCs; nothing is read back)
+        if dist_on:
+            allf: list[Any] = comm.all_gather_object(writer.files, process_group)
+        else:
+            allf = [writer.files]
+        if rank == 0:
+            files = {k: v for d in allf for k, v in sorted(d.items())}
+            meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder}
+            meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
+            meta.update(files=files, files_crc32=_files_crc(files))
+            write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
+            _fsync_dir(tmp)
+            os.replace(tmp, final)
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        _save_failed(e, run_dir, tmp, final, rank, _state_nbytes(state))
     if rank == 0:
-        files = {k: v for d in allf for k, v in sorted(d.items())}
-        meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder}
-        meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
-        meta.update(files=files, files_crc32=_files_crc(files))
-        write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-        _fsync_dir(tmp)
-        os.replace(tmp, final)
         _fsync_dir(root)
         if publish_latest:
             write_text_atomic(os.path.join(root, LATEST), name + "\n")

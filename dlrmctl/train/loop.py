@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from dlrmctl import outputs, run_lock
+from dlrmctl.errors import UserError, check_output_dir
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, to_dict, weighted_features
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed import comm
@@ -86,7 +87,7 @@ class _UnscaleGrad(torch.autograd.Function):
         return torch.where(bad > 0, torch.zeros((), dtype=g.dtype, device=g.device), g), None, None, None
 
 
-class TrainError(RuntimeError):
+class TrainError(RuntimeError, UserError):
     """A run cannot start (bad run directory, missing data, ...)."""
 
 
@@ -1378,10 +1379,14 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
 
     Raises:
         TrainError: the run directory holds checkpoints and neither flag was given.
+        OutputPathError: the run directory is a file, lies under one, or cannot be written (read-only).
         RunInUseError: another running dlrmctl holds the run directory's lock (:mod:`dlrmctl.run_lock`).
         DataMismatchError: resuming on other data than the run was trained on (fingerprints differ).
     """
     run_dir = os.path.join(cfg.train.run_dir, cfg.name)
+    # a file, under a file, read-only or not writable: one line before anything is written
+    check_output_dir(cfg.train.run_dir, "train.run_dir")
+    check_output_dir(run_dir, "the run directory")
     run_lock.check_not_in_use(run_dir)  # another dlrmctl is training it: refuse before anything else
     if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
         raise TrainError(

@@ -15,39 +15,11 @@ import traceback
 import torch
 
 from dlrmctl import run_lock
-from dlrmctl._fbgemm import FbgemmTorchMismatchError, ensure_checked
-from dlrmctl.config import ConfigError, load_config
-from dlrmctl.data.fingerprint import DataMismatchError
-from dlrmctl.distributed.types import PlanError
-from dlrmctl.run_lock import RunInUseError
-from dlrmctl.sparse.validation import EmbeddingIdError
-from dlrmctl.train.checkpoint import CheckpointError
-from dlrmctl.train.loop import (RunEnv, Trainer, TrainError, clear_unsaved_attempt, finish_replacement, prepare_run_dir,
-                                resolve_device)
-
-#: errors that are the user's input, reported as one line without a traceback
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
-                                               EmbeddingIdError, FbgemmTorchMismatchError, DataMismatchError,
-                                               RunInUseError)
-try:  # optional modules add their own user-facing errors
-    from dlrmctl.data.columnar import DataError
-
-    USER_ERRORS += (DataError,)
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from dlrmctl.planner.types import PlannerError
-
-    USER_ERRORS += (PlannerError,)
-except ImportError:  # pragma: no cover
-    pass
-try:
-    from dlrmctl.inference.export import ExportError
-    from dlrmctl.inference.quantize import QuantizationError
-
-    USER_ERRORS += (ExportError, QuantizationError)
-except ImportError:  # pragma: no cover
-    pass
+from dlrmctl._fbgemm import ensure_checked
+from dlrmctl.config import load_config
+from dlrmctl.errors import UserError, interrupt_of, user_error_message
+from dlrmctl.train.loop import (REPLACED_DIR, RunEnv, Trainer, clear_unsaved_attempt, finish_replacement,
+                                prepare_run_dir, resolve_device)
 
 
 def _make_env(cfg) -> RunEnv:
@@ -89,8 +61,12 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
             if env.is_main:  # ended successfully: an --overwrite's old run goes
                 finish_replacement(run_dir, done=True)
             return summary
-        except BaseException:
-            if env.is_main:  # nothing saved: leave nothing that would mix into a retry
+        except BaseException as e:
+            # nothing saved: leave nothing that would mix into a retry.  An interrupted attempt keeps its
+            # config and logs (the directory does not vanish; the next `train` clears them through
+            # prepare_run_dir -> clear_unsaved_attempt), except that an interrupted --overwrite gives
+            # the old run back at once
+            if env.is_main and (interrupt_of(e) is None or os.path.isdir(os.path.join(run_dir, REPLACED_DIR))):
                 clear_unsaved_attempt(run_dir)
             raise
     finally:
@@ -110,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     (:func:`dlrmctl.launch.record_rank_failure`).
 
     Returns:
-        exit code: 0 on success, 2 on user errors (:data:`USER_ERRORS`), 1 on any other error.
+        exit code: 0 on success, 2 on user errors (:class:`dlrmctl.errors.UserError`, or an OSError
+        of the user's environment such as a full disk), 1 on any other error.
     """
     p = argparse.ArgumentParser(prog="python -m dlrmctl.train.worker")
     p.add_argument("config")
@@ -132,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # reported here (and recorded for the launcher), not as an uncaught traceback
         from dlrmctl.launch import record_rank_failure
 
-        user_error = isinstance(e, USER_ERRORS)
+        msg = user_error_message(e)
+        user_error = msg is not None
         if user_error:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {msg}", file=sys.stderr)
         else:
             traceback.print_exc()
-        record_rank_failure(e, user_error)
+        # (a mapped OSError, e.g. a full disk, is recorded with its one line, as a UserError)
+        record_rank_failure(UserError(msg) if user_error and not isinstance(e, UserError) else e, user_error)
         return 2 if user_error else 1
     return 0
 

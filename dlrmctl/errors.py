@@ -1,0 +1,254 @@
+"""The errors a user can cause, and how the command line reports them (no torch imported here).
+
+Every error that is the user's input or the user's environment subclasses :class:`UserError`
+(``ConfigError``, ``PlanError``, ``PlannerError``, ``CheckpointError``, ``TrainError``,
+``DataError``, ``DataMismatchError``, ``EmbeddingIdError``, ``RunInUseError``, ``ExportError``,
+``QuantizationError``, ``FbgemmTorchMismatchError``); each keeps its other base (``ValueError``,
+``RuntimeError``, ...) so ``except ValueError`` callers keep working.  ``dlrmctl/cli.py`` catches
+them once and prints one ``error: ...`` line (exit :data:`EXIT_USER`).
+
+Conditions of the operating system that the user fixes (a full disk, a read-only file system,
+a file where a directory is expected, ...) arrive as ``OSError``; :func:`os_error_message` turns
+them into the same one line, naming the path and the remedy.  Libraries that wrap them
+(``torch.distributed.checkpoint``'s ``CheckpointException``, pyarrow's ``ArrowIOError``) keep
+the original in ``__cause__`` / ``__context__`` or in a ``failures`` dict:
+:func:`find_in_chain` walks all of them.
+
+A Ctrl-C (``KeyboardInterrupt``) or, where a command installs :func:`sigterm_as_interrupt`,
+a SIGTERM (:class:`Interrupted`) ends the command with one ``interrupted ...`` line and
+exit code 128 + the signal's number (:data:`EXIT_INTERRUPTED` = 130 for SIGINT, 143 for SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import threading
+from typing import Any, Callable, Iterator
+
+#: exit code of a user error (also of a mapped OSError)
+EXIT_USER = 2
+#: exit code of a Ctrl-C (128 + SIGINT); a SIGTERM exits 143 (128 + SIGTERM)
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+
+
+class UserError(Exception):
+    """An error the user can fix: its message is one line naming the file / key / feature, what
+    was expected, and the remedy.  Reported as ``error: <message>``, exit code 2, no traceback."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGTERM (or SIGINT) turned into a ``KeyboardInterrupt`` by :func:`sigterm_as_interrupt`;
+    ``signum`` gives the exit code (128 + signum)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupt_exit_code(e: BaseException) -> int:
+    """128 + the signal's number of an interrupt (130 for a plain ``KeyboardInterrupt``)."""
+    return 128 + int(getattr(e, "signum", signal.SIGINT))
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, a SIGTERM raises :class:`Interrupted` in the main thread (the path a Ctrl-C
+    takes), so a terminated run reports and cleans up as an interrupted one.  No-op off the main
+    thread; the previous handler comes back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _children(e: BaseException, implicit: bool = True) -> list[BaseException]:
+    """The exceptions ``e`` wraps: ``__cause__``, ``__context__`` (with ``implicit``), and the
+    values of a ``failures`` dict (DCP's ``CheckpointException``: rank -> exception or
+    (exception, traceback))."""
+    out = [x for x in (e.__cause__, e.__context__ if implicit else None) if x is not None]
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        for f in failures.values():
+            f = f[0] if isinstance(f, tuple) and f else f
+            if isinstance(f, BaseException):
+                out.append(f)
+    out.extend(x for x in getattr(e, "exceptions", ()) or () if isinstance(x, BaseException))  # ExceptionGroup
+    return out
+
+
+def find_in_chain(e: BaseException, match: type | tuple[type, ...] | Callable[[BaseException], bool],
+                  implicit: bool = True) -> BaseException | None:
+    """The first exception in ``e`` or anything it wraps (breadth first over :func:`_children`;
+    ``implicit=False``: not through ``__context__``, only explicit wrapping) that is an instance
+    of ``match`` (or for which the predicate ``match`` is true); None if none."""
+    pred = match if callable(match) and not isinstance(match, (type, tuple)) else (lambda x: isinstance(x, match))
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop(0)
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if pred(x):
+            return x
+        todo.extend(_children(x, implicit))
+    return None
+
+
+#: errno -> (the condition in words, the remedy)
+OS_CONDITIONS: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("no space left on device", "free space on that file system or write to another one"),
+    errno.EDQUOT: ("disk quota exceeded", "free space within your quota or write to another file system"),
+    errno.EROFS: ("read-only file system", "write to a writable location"),
+    errno.EACCES: ("permission denied", "fix the permissions or write to another location"),
+    errno.EPERM: ("operation not permitted", "fix the permissions or write to another location"),
+    errno.ENOTDIR: ("a file, expected a directory (or a path under a file)", "remove the file or choose another path"),
+    errno.EISDIR: ("a directory, expected a file", "give a file path"),
+    errno.EBUSY: ("device or resource busy", "close what uses it and retry"),
+    errno.EEXIST: ("already exists", "remove it or choose another path"),
+}
+
+#: messages of libraries that raise an OSError without an errno (pyarrow: "IOError: ... No space left on device")
+_MESSAGES: tuple[tuple[str, int], ...] = (
+    ("no space left on device", errno.ENOSPC),
+    ("disk quota exceeded", errno.EDQUOT),
+    ("read-only file system", errno.EROFS),
+    ("permission denied", errno.EACCES),
+    ("not a directory", errno.ENOTDIR),
+    ("is a directory", errno.EISDIR),
+)
+
+
+def os_errno(e: BaseException) -> int | None:
+    """The errno of an OSError (also of one that lost it, recognised by its message, e.g.
+    pyarrow's ``OSError: ... No space left on device``), when it is one of :data:`OS_CONDITIONS`."""
+    if not isinstance(e, OSError):
+        return None
+    if e.errno in OS_CONDITIONS:
+        return e.errno
+    text = str(e).lower()
+    for words, code in _MESSAGES:
+        if words in text:
+            return code
+    return None
+
+
+def os_error_message(e: BaseException, path: str | os.PathLike | None = None) -> str | None:
+    """One line for an OSError that is the user's environment: the path (``e.filename`` /
+    ``e.filename2``, else ``path``), the condition in words and the remedy, e.g.
+    ``runs/demo/checkpoints: no space left on device; free space on that file system or write to
+    another one``.  ``FileNotFoundError`` keeps its own text (``[Errno 2] No such file or
+    directory: 'x'``).  None for any other exception (a bug: the caller shows it as it is)."""
+    if isinstance(e, FileNotFoundError):
+        return str(e)
+    code = os_errno(e)
+    if code is None:
+        return None
+    from dlrmctl.console import show_path
+
+    what, remedy = OS_CONDITIONS[code]
+    names = [n for n in (getattr(e, "filename", None), getattr(e, "filename2", None)) if n not in (None, "")]
+    where = " -> ".join(show_path(os.fsdecode(n)) if isinstance(n, (str, bytes, os.PathLike)) else str(n)
+                        for n in names)
+    if not where and path is not None:
+        where = show_path(path)
+    if code in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST):
+        what = f"is {what}" if code != errno.EEXIST else what
+    return f"{where}: {what}; {remedy}" if where else f"{what}; {remedy}"
+
+
+def user_error_message(e: BaseException) -> str | None:
+    """The one line (without ``error: ``) for a :class:`UserError` or a mapped OSError that is
+    ``e`` or that ``e`` explicitly wraps; None when ``e`` is neither (a bug, shown with its traceback)."""
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, OSError):
+        msg = os_error_message(e)
+        if msg is not None:
+            return msg
+    # explicit wrapping only (``raise X from e``, DCP's failures): an error raised while handling
+    # another one (``__context__``) may be a bug, shown with its traceback
+    inner = find_in_chain(e, lambda x: x is not e and (isinstance(x, UserError) or os_errno(x) is not None),
+                          implicit=False)
+    return None if inner is None else user_error_message(inner)
+
+
+def is_interrupt(e: BaseException) -> bool:
+    """``e`` is, or wraps, a ``KeyboardInterrupt`` (DCP wraps one raised in its writer into a
+    ``CheckpointException``)."""
+    return find_in_chain(e, KeyboardInterrupt) is not None
+
+
+def interrupt_of(e: BaseException) -> KeyboardInterrupt | None:
+    """The ``KeyboardInterrupt`` in ``e`` or what it wraps, or None."""
+    x = find_in_chain(e, KeyboardInterrupt)
+    return x if isinstance(x, KeyboardInterrupt) else None
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes available to this user on the file system holding ``path`` (its nearest existing
+    ancestor); None when it cannot be asked."""
+    p = os.path.abspath(os.fspath(path))
+    while p and not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> None:
+    """Fail before any work when the output directory ``path`` cannot be written: it is an
+    existing file, lies under a file, or its nearest existing ancestor is read-only or not
+    writable.  Nothing is created.
+
+    Raises:
+        OutputPathError: naming ``what`` (e.g. ``--out``, ``train.run_dir``), the path, the
+            condition and the remedy.
+    """
+    from dlrmctl.console import show_path
+
+    p = os.path.abspath(os.fspath(path))
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise OutputPathError(f"{what} {show_path(p)} is a file, expected a directory; remove it or choose "
+                              "another path")
+    q = p
+    while not os.path.exists(q):
+        parent = os.path.dirname(q)
+        if parent == q:
+            break
+        q = parent
+    if not os.path.isdir(q):
+        raise OutputPathError(f"{what} {show_path(p)} lies under the file {show_path(q)}, expected a directory; "
+                              "choose another path")
+    try:
+        ro = bool(os.statvfs(q).f_flag & os.ST_RDONLY)
+    except OSError:
+        ro = False
+    if ro:
+        raise OutputPathError(f"{what} {show_path(p)}: {show_path(q)} is on a read-only file system; write to a "
+                              "writable location")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{what} {show_path(p)}: {show_path(q)} is not writable (permission denied); fix "
+                              "its permissions or choose another path")
+
+
+class OutputPathError(UserError):
+    """An output path that cannot be written (a file where a directory is expected, a read-only
+    or non-writable location), found before any work starts (:func:`check_output_dir`)."""

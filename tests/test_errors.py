@@ -1,0 +1,81 @@
+"""dlrmctl.errors: one UserError base; OS conditions and wrapped interrupts found and worded once."""
+
+import errno
+
+import pytest
+
+from dlrmctl import errors
+
+
+def test_every_user_facing_error_is_a_user_error_and_keeps_its_base():
+    from dlrmctl._fbgemm import FbgemmTorchMismatchError
+    from dlrmctl.config import ConfigError
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.fingerprint import DataMismatchError
+    from dlrmctl.distributed.types import PlanError
+    from dlrmctl.inference.export import ExportError
+    from dlrmctl.inference.quantize import QuantizationError
+    from dlrmctl.planner.types import PlannerError
+    from dlrmctl.run_lock import RunInUseError
+    from dlrmctl.sparse.validation import EmbeddingIdError
+    from dlrmctl.train.checkpoint import CheckpointError
+    from dlrmctl.train.loop import TrainError
+
+    for cls, base in ((ConfigError, ValueError), (PlanError, ValueError), (PlannerError, ValueError),
+                      (CheckpointError, RuntimeError), (TrainError, RuntimeError), (DataError, ValueError),
+                      (DataMismatchError, ValueError), (EmbeddingIdError, ValueError), (RunInUseError, RuntimeError),
+                      (ExportError, RuntimeError), (QuantizationError, ValueError),
+                      (FbgemmTorchMismatchError, ImportError)):
+        assert issubclass(cls, errors.UserError) and issubclass(cls, base), cls
+
+
+def _dcp_wrapped(inner: BaseException) -> BaseException:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException("write", {0: (inner, [])})
+
+
+def test_an_interrupt_or_a_full_disk_wrapped_by_dcp_is_found():
+    assert errors.interrupt_of(_dcp_wrapped(KeyboardInterrupt())) is not None
+    assert errors.interrupt_of(_dcp_wrapped(RuntimeError("unexpected pos 704 vs 598"))) is None
+    msg = errors.user_error_message(_dcp_wrapped(OSError(errno.ENOSPC, "No space left on device", "/x/y")))
+    assert msg.startswith("/x/y: no space left on device;"), msg
+    try:  # explicit wrapping (raise ... from) too
+        try:
+            raise OSError(errno.EROFS, "Read-only file system", "/ro/f")
+        except OSError as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as e:
+        assert "read-only file system" in errors.user_error_message(e)
+    try:  # not a bug raised while handling an OSError
+        try:
+            raise FileNotFoundError(errno.ENOENT, "No such file", "/nope")
+        except OSError:
+            raise AttributeError("a bug")
+    except AttributeError as e:
+        assert errors.user_error_message(e) is None
+
+
+@pytest.mark.parametrize("e, words", [
+    (OSError(errno.ENOTDIR, "Not a directory", "/a/f/x"), "is a file, expected a directory"),
+    (OSError(errno.EDQUOT, "Disk quota exceeded", "/q"), "disk quota exceeded"),
+    (OSError("IOError: [errno 28] No space left on device"), "no space left on device"),  # pyarrow: no errno
+])
+def test_os_conditions_are_one_line_naming_the_condition(e, words):
+    assert words in errors.os_error_message(e)
+
+
+def test_other_errors_are_not_user_errors():
+    assert errors.user_error_message(RuntimeError("a bug")) is None
+    assert errors.user_error_message(OSError(errno.EIO, "I/O error")) is None
+
+
+def test_the_cli_reports_an_os_condition_and_an_interrupt_as_one_line(capsys):
+    from dlrmctl.cli import report_failure
+
+    assert report_failure(OSError(errno.ENOSPC, "No space left on device", "out/x")) == 2
+    assert capsys.readouterr().err.startswith("error: out/x: no space left on device")
+    assert report_failure(_dcp_wrapped(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert report_failure(errors.Interrupted(15)) == 143
+    assert report_failure(ValueError("a bug")) is None
