@@ -318,8 +318,9 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
     ``out`` absent or empty: built in place.  A dlrmctl dataset of the same recipe (its marker):
     resumed in place, or nothing to do when complete.  A dataset of ours without a marker (an older
     dlrmctl): resumed in place when ``recipe["legacy_same"]`` (the caller's own test) is true.
-    Any other dataset of ours: refused without ``force``; with it, built in a temporary sibling
-    and swapped in when complete (:meth:`DatasetTarget.commit`).
+    Any other dataset of ours: refused without ``force``.  With ``force`` any dataset of ours (the
+    same recipe too: a rebuild) is built in a temporary sibling and swapped in when complete
+    (:meth:`DatasetTarget.commit`).
 
     Raises:
         OutputError: ``out`` holds another dataset (no ``force``), is not a dlrmctl dataset (a file,
@@ -343,7 +344,7 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
                           + "); nothing there is replaced: --out a new or empty directory")
     rec = read_marker(out)
     same = rec.get("recipe") == recipe if rec is not None else legacy_same
-    if same:
+    if same and not force:
         if rec is None:
             write_marker(out, "dataset", recipe=recipe, complete=False)  # adopt it (older dlrmctl)
         done = rec is not None and rec.get("complete") and (out / "meta.json").is_file()

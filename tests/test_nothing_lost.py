@@ -199,6 +199,10 @@ def test_preprocess_refuses_another_dataset_and_force_swaps_it_in(tmp_path):
     assert (d / "meta.json").read_text() == meta  # 2000 rows still
     r = _cli("preprocess", "synthetic", "--out", d, "--rows", 2000, "--num-embeddings", 30)
     assert r.exit_code == 0 and "already complete" in r.output and "0 rows/s" not in r.output, r.output
+    stamp = (d / "meta.json").stat().st_mtime_ns
+    r = _cli("preprocess", "synthetic", "--out", d, "--rows", 2000, "--num-embeddings", 30, "--force")
+    assert r.exit_code == 0 and "already complete" not in r.output, r.output  # --force rebuilds the same recipe
+    assert (d / "meta.json").stat().st_mtime_ns != stamp and sorted(os.listdir(tmp_path)) == ["data"]
     r = _cli("preprocess", "synthetic", "--out", d, "--rows", 100, "--num-embeddings", 30, "--force")
     assert r.exit_code == 0, r.output
     assert sum(s["rows"] for s in json.loads((d / "meta.json").read_text())["splits"].values()) == 100
