@@ -198,7 +198,7 @@ def _train(data, runs, name, *extra):
 
 def _scripted_evaluate(monkeypatch, aucs):
     """Trainer.evaluate returns the validation AUCs ``aucs`` in turn (then 0.5)."""
-    from dlrmctl.train.loop import Trainer
+    from dlrmctl.train.trainer import Trainer
 
     seq = iter(aucs)
 

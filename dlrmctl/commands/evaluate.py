@@ -45,7 +45,7 @@ def evaluate(
             which = "exported model"
         else:
             from dlrmctl.train.checkpoint import resolve_checkpoint
-            from dlrmctl.train.loop import evaluate_run, run_config
+            from dlrmctl.train.reload import evaluate_run, run_config
 
             run_config(run_dir)  # a run directory at all?
             path, which = resolve_checkpoint(run_dir, checkpoint)

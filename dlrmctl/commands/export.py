@@ -23,7 +23,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dlrmctl.inference.export import ExportError
     from dlrmctl.inference.quantize import QuantizationError
     from dlrmctl.train.checkpoint import CheckpointError
-    from dlrmctl.train.loop import TrainError
+    from dlrmctl.train.run_dir import TrainError
 
     return (ExportError, QuantizationError, DataError, DataMismatchError, CheckpointError, TrainError, FileNotFoundError)
 

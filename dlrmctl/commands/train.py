@@ -67,7 +67,7 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
 
     if world > 1:
         from dlrmctl.launch import build_appdef, launch, omp_threads_per_rank
-        from dlrmctl.train.loop import clear_unsaved_attempt, prepare_run_dir
+        from dlrmctl.train.run_dir import clear_unsaved_attempt, prepare_run_dir
 
         _check_before_launch(cfg, world, resume, overwrite, checkpoint)
         # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
@@ -109,7 +109,7 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.fingerprint import DataMismatchError
     from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
-    from dlrmctl.train.loop import TrainError, check_run_dir, check_train_splits
+    from dlrmctl.train.run_dir import TrainError, check_run_dir, check_train_splits
 
     try:
         run_dir = check_run_dir(cfg, resume, overwrite)
