@@ -687,8 +687,8 @@ def export_run(
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
     from dlrmctl.train.checkpoint import resolve_checkpoint
-    from dlrmctl.train.reload import load_table_weight, load_trained_model_with_checkpoint, run_config
     from dlrmctl.train.data import multi_hot_kwargs
+    from dlrmctl.train.reload import load_table_weight, load_trained_model_with_checkpoint, run_config
 
     run = Path(run_dir)
     vocab_dir = Path(data_dir or run_config(str(run)).data.path)

@@ -307,10 +307,16 @@ class Checkpointer:
         every = self.cfg.train.checkpoint_every
         return bool(every and step % every == 0)
 
-    def save(self, step: int, best: bool = False, eval_record: dict[str, Any] | None = None) -> str:
+    def keeps(self, new_best: bool) -> bool:
+        """A new best evaluation is kept as checkpoint ``best`` (``train.keep_best`` not ``none``)."""
+        return new_best and self.cfg.train.keep_best != "none"
+
+    def save(self, step: int, new_best: bool = False, eval_record: dict[str, Any] | None = None) -> str:
         """Write a checkpoint of step ``step`` (collective: every rank writes its own shards); it
-        becomes the run's best with ``best``.  ``eval_record``: the latest evaluation (recorded in
-        meta.json when it is of this step).  Returns the checkpoint directory."""
+        becomes the run's best when ``new_best`` (this step's evaluation improved on the best) and
+        :meth:`keeps` it.  ``eval_record``: the latest evaluation (recorded in meta.json when it is
+        of this step).  Returns the checkpoint directory."""
+        best = self.keeps(new_best)
         extra = checkpoint_meta(self.model, self.plan, self.optimizers)
         # what the run trained in (a resume may change any of them: tables are cast on load)
         extra["precision"] = {"train": self.cfg.train.precision, "embedding": self.cfg.model.embedding_precision,
@@ -325,11 +331,13 @@ class Checkpointer:
         self.saved_step, self.saved_path = step, path
         return path
 
-    def maybe_save(self, step: int, *, last_step: bool = False, best: bool = False,
+    def maybe_save(self, step: int, *, last_step: bool = False, new_best: bool = False,
                    eval_record: dict[str, Any] | None = None) -> str | None:
         """Save step ``step`` when it is due (:meth:`is_due`, or ``last_step``) or when its
-        evaluation is a new ``best``.  A step saved already is not written twice: a new best then
-        only points ``BEST`` at it (rank 0).  Returns the step's checkpoint, or None."""
+        evaluation is a new best that :meth:`keeps` applies to.  A step saved already is not
+        written twice: a new best then only points ``BEST`` at it (rank 0).  Returns the step's
+        checkpoint, or None."""
+        best = self.keeps(new_best)
         if not (last_step or self.is_due(step) or best):
             return None
         if self.saved_step != step:

@@ -102,12 +102,10 @@ class Evaluator:
         return bool(p) and self.evals_since_best >= p
 
     def take_new_best(self) -> bool:
-        """The latest evaluation is a new best that ``train.keep_best`` keeps (same on every
-        rank); the flag is cleared: the checkpoint that keeps it is asked once."""
-        due = self._improved and self.cfg.train.keep_best != "none"
-        if due:
-            self._improved = False
-        return due
+        """The latest evaluation is a new best (same on every rank); the flag is cleared, so the
+        checkpoint that may keep it (:meth:`Checkpointer.maybe_save`) is told once."""
+        improved, self._improved = self._improved, False
+        return improved
 
     # --------------------------------------------------------- evaluate
     @torch.no_grad()

@@ -243,7 +243,7 @@ class Trainer:
         return self.checkpointer.save(self.step, self.evaluator.take_new_best(), self.evaluator.last_eval)
 
     def _maybe_checkpoint(self, last_step: bool = False) -> None:
-        self.checkpointer.maybe_save(self.step, last_step=last_step, best=self.evaluator.take_new_best(),
+        self.checkpointer.maybe_save(self.step, last_step=last_step, new_best=self.evaluator.take_new_best(),
                                      eval_record=self.evaluator.last_eval)
 
     def _restore(self, which: str | None) -> None:

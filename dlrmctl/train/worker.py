@@ -23,8 +23,8 @@ from dlrmctl.run_lock import RunInUseError
 from dlrmctl.sparse.validation import EmbeddingIdError
 from dlrmctl.train.checkpoint import CheckpointError
 from dlrmctl.distributed.env import RunEnv
-from dlrmctl.train.trainer import Trainer, resolve_device
 from dlrmctl.train.run_dir import TrainError, clear_unsaved_attempt, prepare_run_dir
+from dlrmctl.train.trainer import Trainer, resolve_device
 
 #: errors that are the user's input, reported as one line without a traceback
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, PlanError, CheckpointError, TrainError, FileNotFoundError,
