@@ -58,6 +58,7 @@ class _FusedMember:
         self.opt = opt
 
     def entries(self, step: int) -> dict[str, Any]:
+        """``{"meta/fused_optimizer": packed {type, lr, eps, weight_decay, step}}``."""
         spec = self.opt.spec
         # the trainer's step, for every optimizer: FBGEMM's own counter (TBE ``iter``) is not it
         # (exact_adagrad / exact_sgd never advance it; exact_rowwise_adagrad counts every forward,
@@ -67,6 +68,7 @@ class _FusedMember:
         return {"meta/fused_optimizer": ckpt.pack(fused, "meta/fused_optimizer")}
 
     def check_saved_type(self, meta: dict[str, Any], path: str) -> None:
+        """Raises CheckpointError when the checkpoint's embedding optimizer type differs."""
         saved_type = meta.get("embedding_optimizer")
         if saved_type and saved_type != self.opt.spec.type:
             raise ckpt.CheckpointError(
@@ -75,6 +77,7 @@ class _FusedMember:
             )
 
     def load(self, req: dict[str, Any]) -> None:
+        """lr and step from a filled request; eps / weight_decay stay the config's (a warning if they differ)."""
         fused = ckpt.unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
         self.opt.set_lr(float(fused["lr"]))
         self.opt.set_optimizer_step(int(fused["step"]))
@@ -92,10 +95,12 @@ class _DenseMember:
         self._names = names
 
     def param_names(self) -> list[str]:
+        """The model's name of each parameter, in the optimizer's order (``param<i>`` if unnamed)."""
         return [self._names.get(id(p), f"param{i}")
                 for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])]
 
     def entries(self) -> dict[str, Any]:
+        """``dense_opt/<param>/<key>`` state tensors (live) and ``meta/dense_optimizer``."""
         names = self.param_names()
         sd = self.opt.state_dict()
         tensors: dict[str, Any] = {}
@@ -111,6 +116,7 @@ class _DenseMember:
         return tensors
 
     def load_request(self, md: Any) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """The keys to read (``md``: the checkpoint's DCP metadata) and the state tensors they fill."""
         req: dict[str, Any] = {"meta/dense_optimizer": None}
         opt_state: dict[str, dict[str, torch.Tensor]] = {}
         for k, m in md.state_dict_metadata.items():
@@ -122,6 +128,11 @@ class _DenseMember:
         return req, opt_state
 
     def load(self, req: dict[str, Any], opt_state: dict[str, dict[str, torch.Tensor]], path: str) -> None:
+        """Load the filled request into the optimizer (its foreach / fused choice kept).
+
+        Raises:
+            CheckpointError: state for parameters the model lacks, or that does not fit.
+        """
         o = ckpt.unpack(req["meta/dense_optimizer"], "meta/dense_optimizer")
         idx = {n: i for i, n in enumerate(self.param_names())}
         unknown = sorted(set(opt_state) - set(idx))
@@ -153,12 +164,14 @@ class _EmbeddingDenseMember:
         self._names = names
 
     def entries(self) -> dict[str, Any]:
+        """``{"meta/embedding_dense_optimizer": packed param_groups (no params) or None}``."""
         groups = None
         if self.opt is not None:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
         return {"meta/embedding_dense_optimizer": ckpt.pack(groups, "meta/embedding_dense_optimizer")}
 
     def rank_scalars(self) -> dict[str, Any]:
+        """Parameter name -> its scalar (0-d) state entries on this rank."""
         scalars: dict[str, Any] = {}
         if self.opt is not None:
             for p, st in self.opt.state.items():
@@ -169,6 +182,8 @@ class _EmbeddingDenseMember:
         return scalars
 
     def load(self, req: dict[str, Any], per_rank: dict[str, Any], same_layout: bool, step: int) -> None:
+        """Hyper-parameters (eps / weight_decay stay the config's), this rank's scalars when the
+        layout is the same, and the Adam family's step = ``step``."""
         groups = ckpt.unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
         if self.opt is None:
             return

@@ -155,4 +155,5 @@ class EpochProgress:
                             "loss": "-" if loss is None else f"{loss:.4f} (step {loss_step})"})
 
     def close(self) -> None:
+        """End the bar (or print the last line)."""
         self.p.close()
