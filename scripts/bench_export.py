@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dlrmctl.inference.export import evaluate_exported, export_run
     from dlrmctl.inference.quantize import tbe_row_bytes
-    from dlrmctl.train.loop import evaluate_run
+    from dlrmctl.train.reload import evaluate_run
 
     t0 = time.perf_counter()
     eager = evaluate_run(args.run_dir, args.split, args.data_dir, args.batch_size)

@@ -12,7 +12,7 @@ For each split seed ``s = first_seed .. first_seed + K - 1``:
 2. ``dlrmctl train CONFIG --set data.path=WORK/data_s ...`` with the ``--set`` overrides
    (:func:`dlrmctl.train.worker.run_training`; ``train.keep_best`` keeps the best-on-val
    checkpoint, early stopping reads val);
-3. the best-on-val checkpoint scored once on test (:func:`dlrmctl.train.loop.run_logits`, what
+3. the best-on-val checkpoint scored once on test (:func:`dlrmctl.train.reload.run_logits`, what
    ``dlrmctl evaluate RUN --split test`` computes);
 4. the logistic regression of ``scripts/criteo_baselines.py`` on the same split (C chosen on val,
    :func:`baselines_common.run_baselines`).
@@ -224,7 +224,7 @@ def run_split(config: str, overrides: list[str], input_file: str, work: Path, se
         ``{"seed", "test_rows", "dlrm_val_auc", "dlrm_test_auc", "lr_val_auc", "lr_test_auc", "C",
         "dlrm_test_logits", "lr_test_logits", "test_labels"}`` (the arrays ``[n]`` float64).
     """
-    from dlrmctl.train.loop import run_logits
+    from dlrmctl.train.reload import run_logits
     from dlrmctl.train.metrics import compute_metrics_from_logits
     from dlrmctl.train.worker import run_training
 

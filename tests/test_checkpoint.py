@@ -58,19 +58,21 @@ def _cfg(data, runs, name, max_steps, *extra):
 def _snapshot(trainer):
     """This rank's shards (weight + moments), dense state, dense-optimizer state and the embedding
     optimizer's step (the Adam family's bias-correction step) as numpy."""
-    from dlrmctl.train.loop import dense_state_dict, local_embedding_shards
+    from dlrmctl.train.checkpoint_state import dense_state_dict, local_embedding_shards
 
     shards = [(n, tuple(o), tuple(s), w.detach().cpu().numpy().copy(), [m.detach().cpu().numpy().copy() for m in st])
-              for n, o, s, w, st in local_embedding_shards(trainer.model, trainer.emb_dense_opt)]
+              for n, o, s, w, st in local_embedding_shards(trainer.model, trainer.optimizers.embedding_dense)]
     dense = {k: v.cpu().numpy().copy() for k, v in dense_state_dict(trainer.model).items()}
     opt = {i: {k: (v.cpu().numpy().copy() if torch.is_tensor(v) else v) for k, v in st.items()}
-           for i, st in trainer.dense_opt.state_dict()["state"].items()}
-    emb_step = None if trainer.emb_dense_opt is None else trainer.emb_dense_opt.param_groups[0].get("step")
+           for i, st in trainer.optimizers.dense.state_dict()["state"].items()}
+    emb_step = None if trainer.optimizers.embedding_dense is None else trainer.optimizers.embedding_dense.param_groups[0].get("step")
     return {"shards": shards, "dense": dense, "dense_opt": opt, "step": trainer.step, "emb_step": emb_step}
 
 
 def _train(env, cfg, run_dir, resume, plan):
-    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from dlrmctl.train.run_dir import prepare_run_dir
 
     renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
     if renv.is_main:
@@ -99,8 +101,8 @@ def _two_rank_job(env, data, runs, plan_dict, optimizer):
     _train(env, _cfg(data, runs, "resumed", INTERRUPTED_AT, *o), os.path.join(runs, "resumed"), False, plan).train()
     t = _train(env, _cfg(data, runs, "resumed", RESUMED_TO, *o), os.path.join(runs, "resumed"), True, plan)
     assert t.step == INTERRUPTED_AT
-    if t.emb_dense_opt is not None and "adam" in optimizer:
-        assert t.emb_dense_opt.param_groups[0]["step"] == INTERRUPTED_AT  # bias correction continues
+    if t.optimizers.embedding_dense is not None and "adam" in optimizer:
+        assert t.optimizers.embedding_dense.param_groups[0]["step"] == INTERRUPTED_AT  # bias correction continues
     t.train()
     return _snapshot(t)
 
@@ -254,7 +256,7 @@ def test_2_rank_checkpoint_loads_exactly_into_3_ranks_rw_cw_directly_and_after_o
 
 
 def test_2_rank_checkpoint_loads_exactly_into_1_process_directly_offline_and_for_export(data, two_rank, tmp_path):
-    from dlrmctl.train.loop import load_trained_model
+    from dlrmctl.train.reload import load_trained_model
 
     tables, runs, opt = two_rank["tables"], two_rank["runs"], two_rank["optimizer"]
     ns = N_STATES[opt]
@@ -392,7 +394,7 @@ def test_resuming_mid_epoch_with_another_batch_order_is_refused_naming_the_setti
     # data.batch_size or shuffle setting those are other rows (repeated or skipped ones), silently
     import shutil
 
-    from dlrmctl.train.loop import TrainError
+    from dlrmctl.train.run_dir import TrainError
 
     runs = str(tmp_path)
     shutil.copytree(os.path.join(small_run, "s"), os.path.join(runs, "s"))
@@ -409,7 +411,7 @@ def test_resume_of_a_checkpoint_written_by_the_per_parameter_loop_runs_foreach(d
     """A checkpoint written when the dense optimizer ran torch's per-parameter loop (param_groups
     with ``foreach: None``/``False``, as before dlrmctl chose ``foreach`` on the CPU) resumes on
     the multi-tensor form (the implementation is not state), with the same losses as a straight run."""
-    from dlrmctl.train import loop, optim
+    from dlrmctl.train import optim, optimizers
 
     runs = str(tmp_path)
     _train(None, _cfg(data, runs, "s", STRAIGHT), os.path.join(runs, "s"), False, None).train()
@@ -421,11 +423,11 @@ def test_resume_of_a_checkpoint_written_by_the_per_parameter_loop_runs_foreach(d
             g["foreach"] = None  # what a checkpoint of the old code recorded
         return opt
 
-    monkeypatch.setattr(loop, "dense_optimizer", loop_optimizer)
+    monkeypatch.setattr(optimizers, "dense_optimizer", loop_optimizer)
     _train(None, _cfg(data, runs, "r", INTERRUPTED_AT), os.path.join(runs, "r"), False, None).train()
-    monkeypatch.setattr(loop, "dense_optimizer", real)
+    monkeypatch.setattr(optimizers, "dense_optimizer", real)
     t = _train(None, _cfg(data, runs, "r", RESUMED_TO), os.path.join(runs, "r"), True, None)
-    assert all(g["foreach"] is True for g in t.dense_opt.param_groups)
+    assert all(g["foreach"] is True for g in t.optimizers.dense.param_groups)
     t.train()
     straight, resumed = _losses(os.path.join(runs, "s")), _losses(os.path.join(runs, "r"))
     for step in range(INTERRUPTED_AT + 1, RESUMED_TO + 1):

@@ -25,7 +25,7 @@ _PROBE = textwrap.dedent("""
     import os, sys
     import dlrmctl, fbgemm_gpu, torch
     from fbgemm_gpu import split_table_batched_embeddings_ops_training as tbe
-    from dlrmctl.train import loop
+    from dlrmctl.train import trainer as loop
     from tests.test_host_sync import owned_by_dlrmctl, package_dir
 
     clone = os.path.realpath(sys.argv[1])

@@ -60,7 +60,7 @@ def test_two_splits_pair_dlrm_and_lr_on_the_same_test_rows(head_tsv, tmp_path, c
     assert [m["splits"]["test"]["rows"] for m in metas] == [r["test_rows"] for r in rows]
     assert [m["transforms"]["split"]["seed"] for m in metas] == [3, 4]
     # DLRM: the best-on-val checkpoint scored on test = `dlrmctl evaluate RUN --split test`
-    from dlrmctl.train.loop import evaluate_run
+    from dlrmctl.train.reload import evaluate_run
 
     for r in rows:
         run = tmp_path / "work" / "runs" / f"split_{r['seed']}"
@@ -120,7 +120,7 @@ def test_an_ensemble_scores_the_mean_logit_of_its_seeds(head_tsv, tmp_path, caps
         argv += ["--set", o]
     rows = cv.main(argv)["rows"]
     assert "--ensemble 2" in capsys.readouterr().out
-    from dlrmctl.train.loop import run_config, run_logits
+    from dlrmctl.train.reload import run_config, run_logits
     from dlrmctl.train.metrics import compute_metrics_from_logits
 
     for r in rows:
@@ -224,7 +224,7 @@ def test_train_seed_is_free_without_an_ensemble_and_logs_go_to_work(head_100, tm
     work = tmp_path / "w"
     rows = cv.main(_argv(head_100, work, "--set", "train.seed=3"))["rows"]
     cap = capsys.readouterr()
-    from dlrmctl.train.loop import run_config
+    from dlrmctl.train.reload import run_config
 
     assert run_config(str(work / "runs" / "split_0")).train.seed == 3
     # one line per split; logged warnings (e.g. a 100-line split whose test rows are all one class,

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from dlrmctl.cli import app
 from dlrmctl.config import load_config
 from dlrmctl.data.loader import BatchLoader
-from dlrmctl.train.loop import multi_hot_kwargs
+from dlrmctl.train.data import multi_hot_kwargs
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CFG = REPO / "configs" / "criteo_1tb_dlrmv2.yaml"

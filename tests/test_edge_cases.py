@@ -87,7 +87,8 @@ def _planner_plan_losses(env, data, run_root):
     import os
 
     from dlrmctl.config import load_config
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
     from tests.conftest import REPO
 
     cfg = load_config(REPO / "configs" / "criteo_sample.yaml",
@@ -144,7 +145,9 @@ def test_feature_names_with_at_are_reserved_for_shared_feature_outputs():
 def test_a_split_too_small_for_one_batch_with_drop_last_is_a_clear_error(tmp_path):
     from dlrmctl.config import config_from_dict
     from dlrmctl.data.synthetic import generate_synthetic
-    from dlrmctl.train.loop import RunEnv, Trainer, TrainError
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from dlrmctl.train.run_dir import TrainError
 
     generate_synthetic(tmp_path / "d", rows=300, seed=0, num_embeddings=[20] * 26)
     cfg = config_from_dict({"data": {"path": str(tmp_path / "d"), "batch_size": 1000, "drop_last": True},

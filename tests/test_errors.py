@@ -19,7 +19,7 @@ def test_every_user_facing_error_is_a_user_error_and_keeps_its_base():
     from dlrmctl.run_lock import RunInUseError
     from dlrmctl.sparse.validation import EmbeddingIdError
     from dlrmctl.train.checkpoint import CheckpointError
-    from dlrmctl.train.loop import TrainError
+    from dlrmctl.train.run_dir import TrainError
 
     for cls, base in ((ConfigError, ValueError), (PlanError, ValueError), (PlannerError, ValueError),
                       (CheckpointError, RuntimeError), (TrainError, RuntimeError), (DataError, ValueError),

@@ -227,17 +227,18 @@ def test_ring_shift_moves_uneven_rows_to_the_next_rank():
 # --------------------------------------------------------- Trainer.evaluate
 def _trainer_eval(env, data, run_dir):
     from dlrmctl.config import config_from_dict
-    from dlrmctl.train import loop
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.train import evaluator
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
 
     seen = []
-    real = loop.compute_metrics_from_logits
+    real = evaluator.compute_metrics_from_logits
 
     def spy(z, y, w=None, **kw):
         seen.append((np.array(z), np.array(y)))
         return real(z, y, w, **kw)
 
-    loop.compute_metrics_from_logits = spy
+    evaluator.compute_metrics_from_logits = spy
     cfg = config_from_dict({
         "name": "ev", "data": {"path": data, "batch_size": 64, "eval_batch_size": 37, "prefetch": 0},
         "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]},

@@ -11,7 +11,10 @@ from torch import nn
 
 from dlrmctl import HAS_FBGEMM
 from dlrmctl.config import config_from_dict
-from dlrmctl.train.loop import RunEnv, Trainer, evaluate_run, prepare_run_dir
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
+from dlrmctl.train.reload import evaluate_run
+from dlrmctl.train.run_dir import prepare_run_dir
 from dlrmctl.train.metrics import compute_metrics, compute_metrics_from_logits
 
 SHIFT = 40.0

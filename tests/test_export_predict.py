@@ -154,7 +154,8 @@ def _old_path_model(run_dir, checkpoint=None):
     from dlrmctl.config import resolve_tables
     from dlrmctl.train import checkpoint as ckpt
     from dlrmctl.train.factory import build_model
-    from dlrmctl.train.loop import dense_state_dict, embedding_load_request, run_config
+    from dlrmctl.train.checkpoint_state import dense_state_dict, embedding_load_request
+    from dlrmctl.train.reload import run_config
 
     cfg = run_config(str(run_dir))
     with open(os.path.join(run_dir, "data_meta.json")) as f:
@@ -182,7 +183,7 @@ def test_export_from_the_meta_device_equals_the_full_model_export_bit_for_bit(ru
     from dlrmctl.config import weighted_features
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.inference.export import export_model, export_run, load_exported
-    from dlrmctl.train.loop import load_trained_model
+    from dlrmctl.train.reload import load_trained_model
 
     _, data, run_dir = run
     new = export_run(run_dir, dtype, tmp_path / "new", data_dir=data)
@@ -214,14 +215,14 @@ def test_export_from_the_meta_device_equals_the_full_model_export_bit_for_bit(ru
 def test_evaluate_run_on_a_materialized_meta_model_equals_the_full_model(run, monkeypatch):
     """evaluate_run (meta build, empty tables, checkpoint loaded once) gives the metrics and the
     weights of the old path (random init, then the checkpoint over it)."""
-    import dlrmctl.train.loop as loop
+    import dlrmctl.train.reload as reload
 
     _, data, run_dir = run
-    new = loop.evaluate_run(str(run_dir), "val", str(data))
-    _, new_model, _ = loop.load_trained_model(str(run_dir), checkpoint=None)
+    new = reload.evaluate_run(str(run_dir), "val", str(data))
+    _, new_model, _ = reload.load_trained_model(str(run_dir), checkpoint=None)
     _, old_model, _ = _old_path_model(run_dir)
     sd_new, sd_old = new_model.state_dict(), old_model.state_dict()
     assert sd_new.keys() == sd_old.keys()
     assert all(torch.equal(sd_new[k], sd_old[k]) for k in sd_new)
-    monkeypatch.setattr(loop, "load_trained_model", lambda run_dir, checkpoint=None: _old_path_model(run_dir, checkpoint))
-    assert loop.evaluate_run(str(run_dir), "val", str(data)) == new
+    monkeypatch.setattr(reload, "load_trained_model", lambda run_dir, checkpoint=None: _old_path_model(run_dir, checkpoint))
+    assert reload.evaluate_run(str(run_dir), "val", str(data)) == new

@@ -103,7 +103,8 @@ class SyncCounter:
 
 def _count_syncs(env, data, run_root, plan_types, log_every):
     from dlrmctl.config import config_from_dict
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
 
     raw = {
         "name": "sync",
@@ -119,7 +120,8 @@ def _count_syncs(env, data, run_root, plan_types, log_every):
     os.makedirs(run, exist_ok=True)
     tr = Trainer(cfg, RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env), run)
     counter = SyncCounter()
-    orig_eval, orig_save = tr._eval_and_log, tr.save
+    # the trainer's public components, wrapped on this instance
+    orig_eval, orig_save = tr.evaluator.validate, tr.checkpointer.save
 
     def paused(fn):
         def run_paused(*a, **kw):
@@ -130,16 +132,16 @@ def _count_syncs(env, data, run_root, plan_types, log_every):
                 counter.active = True
         return run_paused
 
-    tr._eval_and_log, tr.save = paused(orig_eval), paused(orig_save)
+    tr.evaluator.validate, tr.checkpointer.save = paused(orig_eval), paused(orig_save)
     per_step: list[int] = []  # syncs from the start of a step to the start of the next one
     marks: list[int] = []
-    orig_step = tr._run_step
+    orig_step = tr.run_step
 
     def marked_step(*a, **kw):
         marks.append(counter.total)
         return orig_step(*a, **kw)
 
-    tr._run_step = marked_step
+    tr.run_step = marked_step
     with counter:
         counter.active = True
         tr.train()

@@ -34,7 +34,9 @@ def _cfg(data, runs, sharding=None, **model):
 
 
 def _trainer(cfg):
-    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from dlrmctl.train.run_dir import prepare_run_dir
 
     return Trainer(cfg, RunEnv(), prepare_run_dir(cfg, resume=False, overwrite=False))
 
@@ -59,7 +61,7 @@ def test_dense_column_stats_equal_numpy_over_blocks(data):
 
 
 def test_standardised_train_inputs_have_mean_0_std_1_and_the_stats_survive_a_checkpoint(data, tmp_path):
-    from dlrmctl.train.loop import load_trained_model
+    from dlrmctl.train.reload import load_trained_model
 
     t = _trainer(_cfg(data, tmp_path, dense_standardize=True))
     norm = t.model.dense_norm
@@ -105,7 +107,7 @@ def test_a_nan_or_inf_dense_column_is_named_by_the_trainer(data, tmp_path):
     import pyarrow.ipc as ipc
 
     from dlrmctl.data.columnar import read_meta
-    from dlrmctl.train.loop import TrainError
+    from dlrmctl.train.run_dir import TrainError
 
     d = tmp_path / "nan_data"
     shutil.copytree(data, d)
@@ -197,7 +199,9 @@ def _rank_run(env, data, runs):
     """One rank of a 2-rank table-wise run with the three keys: its dense statistics, bias, final AUC."""
     import os
 
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.distributed.env import RunEnv
+
+    from dlrmctl.train.trainer import Trainer
 
     cfg = _cfg(data, runs, sharding={"tables": {f"t_C{i}": {"sharding_type": "table_wise"} for i in range(1, 27)}},
                **KEYS)
@@ -249,7 +253,9 @@ def test_a_resumed_run_takes_the_statistics_from_its_checkpoint_without_reading_
     """--resume restores the standardisation statistics and the output bias from the checkpoint, so
     the pass over the train split's dense columns is not made again (it would be overwritten)."""
     from dlrmctl.data import columnar
-    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from dlrmctl.train.run_dir import prepare_run_dir
 
     cfg = _cfg(data, tmp_path, dense_standardize=True)
     t = _trainer(cfg)

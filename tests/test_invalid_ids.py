@@ -212,7 +212,8 @@ def test_the_loader_applies_the_policy_on_the_cpu_batch(wide_data, prefetch):
 def test_trainer_with_zero_trains_on_data_with_ids_beyond_the_tables(wide_data, tmp_path):
     from dlrmctl.config import config_from_dict
     from dlrmctl.sparse.validation import EmbeddingIdError
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
 
     def cfg(policy):
         return config_from_dict({
@@ -224,7 +225,7 @@ def test_trainer_with_zero_trains_on_data_with_ids_beyond_the_tables(wide_data, 
         })
     t = Trainer(cfg("zero"), RunEnv(), os.path.join(tmp_path, "zero"))
     t.train()
-    assert np.isfinite(t.last_loss)
+    assert np.isfinite(t.loss_window.last_loss)
     with pytest.raises(EmbeddingIdError, match=r"train split, epoch 1, batch 1: table 't\d+', feature 'C\d+'"):
         Trainer(cfg("error"), RunEnv(), os.path.join(tmp_path, "error")).train()
 

@@ -158,15 +158,15 @@ def _umask():
 
 
 def test_an_undefined_score_is_never_kept_as_best():
-    from dlrmctl.train.loop import _better, _defined
+    from dlrmctl.train.evaluator import is_better, is_defined
 
     nan, one_class, good, better = ({"auc": float("nan"), "ne": float("nan"), "ctr": 0.2},
                                     {"auc": 0.5, "ne": float("nan"), "ctr": 0.0},
                                     {"auc": 0.7, "ne": 0.9, "ctr": 0.2}, {"auc": 0.8, "ne": 0.8, "ctr": 0.2})
-    assert not _defined(nan, "auc") and not _defined(one_class, "auc") and _defined(good, "auc")
+    assert not is_defined(nan, "auc") and not is_defined(one_class, "auc") and is_defined(good, "auc")
     for undefined in (nan, one_class):
-        assert _better(good, undefined, "auc") and not _better(undefined, good, "auc")
-    assert _better(better, good, "auc") and _better(better, good, "ne") and not _better(good, better, "ne")
+        assert is_better(good, undefined, "auc") and not is_better(undefined, good, "auc")
+    assert is_better(better, good, "auc") and is_better(better, good, "ne") and not is_better(good, better, "ne")
 
 
 def test_checkpoint_paths_of_another_run_and_odd_steps_are_refused(tmp_path):
@@ -190,7 +190,7 @@ def test_reshard_with_a_dangling_best_and_of_an_in_place_copy_of_the_best(data, 
     import shutil
     from types import SimpleNamespace
 
-    from dlrmctl.train.loop import Trainer
+    from dlrmctl.train.checkpoint_state import Checkpointer
 
     _train(data, tmp_path, "a", "--set", "train.checkpoint_every=4")
     run = tmp_path / "a"
@@ -210,7 +210,7 @@ def test_reshard_with_a_dangling_best_and_of_an_in_place_copy_of_the_best(data, 
         for extra in ([], ["--out", tmp_path / "o"]):
             r = cli("checkpoint", "reshard", dangling, "--nproc", 1, "--checkpoint", "last", *extra)
             assert r.exit_code == 0, r.output
-    note = Trainer._best_kept_note(SimpleNamespace(run_dir=str(dangling)), best_step)
+    note = Checkpointer.best_kept_note(SimpleNamespace(run_dir=str(dangling)), best_step)
     assert "unusable" in note and "does not exist" in note
 
 

@@ -194,7 +194,7 @@ def test_a_failing_rank_is_reported_in_one_line_naming_it_and_its_log(small_data
     run = tmp_path / "runs" / "demo"
     assert sorted(p.name for p in run.iterdir()) == ["logs"]
     from dlrmctl.config import load_config
-    from dlrmctl.train.loop import check_run_dir
+    from dlrmctl.train.run_dir import check_run_dir
 
     cfg = load_config("configs/demo.yaml", [f"data.path={small_data}", f"train.run_dir={tmp_path / 'runs'}"])
     assert check_run_dir(cfg, resume=False, overwrite=False) == str(run)

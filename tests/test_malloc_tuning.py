@@ -9,8 +9,10 @@ import platform
 import pytest
 
 from dlrmctl.config import config_from_dict
-from dlrmctl.train import loop, malloc_tuning
-from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+from dlrmctl.train import malloc_tuning, trainer
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
+from dlrmctl.train.run_dir import prepare_run_dir
 
 from tests.conftest import tiny_synthetic
 
@@ -52,7 +54,7 @@ def test_another_c_library_is_left_alone(monkeypatch):
 
 def test_the_trainer_calls_it_only_when_the_key_is_on(tiny, tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(loop, "tune_glibc_malloc", lambda: calls.append(1))
+    monkeypatch.setattr(trainer, "tune_glibc_malloc", lambda: calls.append(1))
     for on in (True, False):
         cfg = config_from_dict({
             "name": f"mt_{on}", "data": {"path": tiny, "batch_size": 256},

@@ -255,7 +255,7 @@ def _snapshot(d):
 
 def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path):
     from dlrmctl.data.synthetic import generate_synthetic
-    from dlrmctl.train.loop import REPLACED_DIR, _set_aside
+    from dlrmctl.train.run_dir import REPLACED_DIR, set_aside
 
     data = tmp_path / "data"
     generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
@@ -270,7 +270,7 @@ def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tm
     assert r.exit_code == 2 and "out of range" in r.output and "Traceback" not in r.output, r.output
     assert _snapshot(runs / "a") == old
     # a replacement killed after it set the old run aside (no cleanup ran): the next train restores it
-    _set_aside(str(runs / "a"))
+    set_aside(str(runs / "a"))
     assert (runs / "a" / REPLACED_DIR).is_dir()
     r = CliRunner().invoke(app, _train_args(data, runs, "--resume", "--set", "train.max_steps=4"))
     assert r.exit_code == 0, r.output

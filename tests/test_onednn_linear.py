@@ -12,7 +12,9 @@ import torch
 from dlrmctl.config import config_from_dict
 from dlrmctl.modules import dlrm as dlrm_mod
 from dlrmctl.modules.dlrm import MLP, _OneDNNLinear, onednn_linear_available, set_cpu_linear
-from dlrmctl.train.loop import RunEnv, Trainer, TrainError, prepare_run_dir
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
+from dlrmctl.train.run_dir import TrainError, prepare_run_dir
 from tests.conftest import REPO, tiny_synthetic
 
 pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torch build has no oneDNN linear")

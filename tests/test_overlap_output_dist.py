@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from dlrmctl.config import config_from_dict
-from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
+from dlrmctl.train.run_dir import prepare_run_dir
 
 from tests.conftest import tiny_synthetic
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from dlrmctl.config import config_from_dict
-from dlrmctl.train.loop import RunEnv, Trainer
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
 from tests.dist_utils import run_multiprocess
 
 
@@ -84,7 +85,7 @@ def test_pipelines_match_the_plain_loop_on_two_ranks_and_one_rank(tiny_data, tmp
 def _uneven(env, steps_per_rank):
     import torch
 
-    from dlrmctl.train.loop import _empty_batch_like, _exactly
+    from dlrmctl.train.data import empty_batch_like, exactly
     from dlrmctl.train.pipeline import make_pipeline
 
     seen = []
@@ -107,7 +108,7 @@ def _uneven(env, steps_per_rank):
     n = max(steps_per_rank)
     pipe = make_pipeline("base", torch.device("cpu"), step)
     for _epoch in range(2):  # the pipeline is reused for a second epoch
-        pipe.reset(_exactly(fake_batches(steps_per_rank[env.rank]), n, lambda: _empty_batch_like(1, ["f"])))
+        pipe.reset(exactly(fake_batches(steps_per_rank[env.rank]), n, lambda: empty_batch_like(1, ["f"])))
         while pipe.progress() is not None:
             pass
     return seen
@@ -122,7 +123,7 @@ def test_two_ranks_with_three_and_two_batches_finish_the_epoch_without_hanging()
 def test_ten_samples_batch_four_is_three_steps_of_4_4_2(tmp_path):
     import torch
 
-    from dlrmctl.train.loop import _exactly
+    from dlrmctl.train.data import exactly
     from dlrmctl.train.pipeline import make_pipeline
 
     sizes = []
@@ -135,7 +136,7 @@ def test_ten_samples_batch_four_is_three_steps_of_4_4_2(tmp_path):
         def to(self, d, non_blocking=False):
             return self
 
-    pipe.reset(_exactly(iter([B(4), B(4), B(2)]), 3, None))
+    pipe.reset(exactly(iter([B(4), B(4), B(2)]), 3, None))
     while pipe.progress() is not None:
         pass
     assert sizes == [4, 4, 2] and pipe.stats.steps == 3 and pipe.stats.samples == 10
@@ -301,7 +302,7 @@ def test_sparse_dist_pipeline_drains_short_epochs_without_losing_batches():
 
 
 def test_a_non_finite_loss_stops_training_before_any_checkpoint_or_evaluation(tiny_data, tmp_path):
-    from dlrmctl.train.loop import TrainError
+    from dlrmctl.train.run_dir import TrainError
 
     cfg = _cfg(tiny_data, str(tmp_path), "sparse_dist", optimizer={"dense": {"type": "sgd", "lr": 1e30}},
                train={"log_every": 0, "checkpoint_every": 2, "eval_every": 2, "max_steps": 10})

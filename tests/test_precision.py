@@ -11,7 +11,10 @@ import torch
 
 from dlrmctl import _fbgemm
 from dlrmctl.config import ConfigError, config_from_dict
-from dlrmctl.train.loop import RunEnv, Trainer, TrainError, load_trained_model, prepare_run_dir
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
+from dlrmctl.train.run_dir import TrainError, prepare_run_dir
+from dlrmctl.train.reload import load_trained_model
 
 needs_fbgemm = pytest.mark.skipif(not _fbgemm.HAS_FBGEMM, reason="fbgemm_gpu is not installed")
 
@@ -265,7 +268,7 @@ def test_fp16_overflow_in_the_embedding_grad_skips_the_step_and_backs_off_the_sc
 
     tr = _trainer(_raw(tiny, str(tmp_path), "ovf", model={"compute_kernel": "fused" if kernel == "fbgemm" else "dense"},
                        optimizer={"embedding": {"type": opt, "lr": 0.05}, "dense": {"lr": 0.05}}))
-    tr.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    tr.amp.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     batch = next(iter(tr.train_loader))
     real_forward = tr.model.dense_forward
     calls = []
@@ -283,14 +286,14 @@ def test_fp16_overflow_in_the_embedding_grad_skips_the_step_and_backs_off_the_sc
     after = tr.model.state_dict()
     changed = [k for k, v in before.items() if not torch.equal(v, after[k])]
     assert changed == [], f"an overflowing step changed {changed}"
-    assert tr.scaler.get_scale() == 512.0
+    assert tr.amp.scaler.get_scale() == 512.0
     tr.train_step(batch)  # finite: tables and dense weights move, the scale holds
     after = tr.model.state_dict()
     moved = [k for k, v in before.items() if not torch.equal(v, after[k])]
     assert any("sparse_arch" in k or "embedding" in k for k in moved), moved
     assert any("over_arch" in k for k in moved), moved
     assert all(torch.isfinite(v).all() for v in after.values() if torch.is_tensor(v) and v.is_floating_point())
-    assert tr.scaler.get_scale() == 512.0
+    assert tr.amp.scaler.get_scale() == 512.0
 
 
 def _overflow_on_rank0_worker(env, data, run_root):
@@ -304,7 +307,7 @@ def _overflow_on_rank0_worker(env, data, run_root):
     run = prepare_run_dir(cfg, resume=False, overwrite=False) if env.rank == 0 else os.path.join(run_root, "ovf2")
     torch.distributed.barrier()
     tr = Trainer(cfg, renv, run)
-    tr.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    tr.amp.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     real_forward = tr.model.dense_forward
 
     def poisoned(dense, embedded):  # only rank 0's pooled-embedding gradient overflows
@@ -316,7 +319,7 @@ def _overflow_on_rank0_worker(env, data, run_root):
     before = {k: v.detach().clone() for k, v in tr.model.state_dict().items() if torch.is_tensor(v)}
     tr.train_step(next(iter(tr.train_loader)))
     after = tr.model.state_dict()
-    return [k for k, v in before.items() if not torch.equal(v, after[k])], tr.scaler.get_scale()
+    return [k for k, v in before.items() if not torch.equal(v, after[k])], tr.amp.scaler.get_scale()
 
 
 @pytest.mark.multiprocess
@@ -334,7 +337,7 @@ def test_bf16_training_evaluates_in_fp32_as_dlrmctl_evaluate_does(tiny, tmp_path
     """The val metrics that pick ``keep_best`` (and stop early) under ``train.precision: bf16`` are
     computed with the fp32 dense part: they equal ``evaluate_run`` of the saved checkpoint (the
     figure ``dlrmctl evaluate`` and the fp32 export give), not a bf16 re-scoring of it."""
-    from dlrmctl.train.loop import evaluate_run
+    from dlrmctl.train.reload import evaluate_run
 
     raw = _raw(tiny, str(tmp_path), "bf16eval", data={"batch_size": 256},
                train={"precision": "bf16", "max_steps": 4, "checkpoint_every": 4})
@@ -348,8 +351,8 @@ def test_bf16_training_evaluates_in_fp32_as_dlrmctl_evaluate_does(tiny, tmp_path
     batch = next(iter(t.train_loader)).to(t.device)
     t.model.eval()
     with torch.no_grad():
-        z16 = t._logits(batch, None)
-        z32 = t._logits(batch, None, autocast=False)
+        z16 = t.logits(batch, None)
+        z32 = t.logits(batch, None, autocast=False)
     assert not torch.equal(z16, z32)
 
 
@@ -375,7 +378,7 @@ def test_sharded_eval_sends_full_precision_and_matches_dlrmctl_evaluate(tiny, tm
     """``sharding.comm_precision: bf16`` speeds training's output_dist; evaluation on 2 ranks
     (table-wise all-to-all and row-wise reduce-scatter) sends fp32, so its metrics equal the
     single-process ``evaluate_run`` of the checkpoint, and the bf16 wire is back afterwards."""
-    from dlrmctl.train.loop import evaluate_run
+    from dlrmctl.train.reload import evaluate_run
     from tests.dist_utils import run_multiprocess
 
     res = run_multiprocess(_qcomm_eval_worker, 2, tiny, str(tmp_path), timeout_s=240)

@@ -197,8 +197,9 @@ def _train(data, runs, name, *extra):
 
 
 def _scripted_evaluate(monkeypatch, aucs):
-    """Trainer.evaluate returns the validation AUCs ``aucs`` in turn (then 0.5)."""
-    from dlrmctl.train.loop import Trainer
+    """The trainer's evaluator (:class:`~dlrmctl.train.evaluator.Evaluator`, the component every
+    validation goes through) returns the validation AUCs ``aucs`` in turn (then 0.5)."""
+    from dlrmctl.train.evaluator import Evaluator
 
     seq = iter(aucs)
 
@@ -207,7 +208,7 @@ def _scripted_evaluate(monkeypatch, aucs):
         return {"auc": a, "logloss": 0.5, "ne": 1.0 - a, "calibration": 1.0, "accuracy": 0.7, "ctr": 0.25,
                 "num_samples": 100}
 
-    monkeypatch.setattr(Trainer, "evaluate", fake)
+    monkeypatch.setattr(Evaluator, "evaluate", fake)
 
 
 def test_early_stopping_stops_after_patience_evaluations_without_improvement(data, tmp_path, monkeypatch):

@@ -66,9 +66,9 @@ def test_a_second_train_of_a_locked_run_directory_is_refused_before_touching_it(
 def test_the_lock_is_held_during_a_run_and_released_after_it(data, tmp_path, monkeypatch):
     runs = tmp_path / "runs"
     seen = {}
-    import dlrmctl.train.loop as loop
+    import dlrmctl.train.trainer as trainer_mod
 
-    real = loop.Trainer.train
+    real = trainer_mod.Trainer.train
 
     def train(self):  # while training: the lock is held by this process, with its pid in the file
         lock = runs / "a" / ".lock"
@@ -81,13 +81,13 @@ def test_the_lock_is_held_during_a_run_and_released_after_it(data, tmp_path, mon
             os.close(fd)
         return real(self)
 
-    monkeypatch.setattr(loop.Trainer, "train", train)
+    monkeypatch.setattr(trainer_mod.Trainer, "train", train)
     r = runner.invoke(app, _args(data, runs))
     assert r.exit_code == 0, r.output
     assert seen["pid"] == str(os.getpid())
     assert not (runs / "a" / ".lock").exists() and not run_lock._held
     # released: the next run of the same directory (here: --resume) is accepted
-    monkeypatch.setattr(loop.Trainer, "train", real)
+    monkeypatch.setattr(trainer_mod.Trainer, "train", real)
     r = runner.invoke(app, _args(data, runs, "--resume", "--set", "train.max_steps=3"))
     assert r.exit_code == 0, r.output
 

@@ -145,7 +145,8 @@ def _run_case(env, case: Case) -> str | None:
     from types import SimpleNamespace
 
     from dlrmctl.distributed.model_parallel import plan_from_types
-    from dlrmctl.train.loop import _ensure_optimizer_state, local_embedding_shards
+    from dlrmctl.train.optimizers import ensure_optimizer_state
+    from dlrmctl.train.checkpoint_state import local_embedding_shards
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.train.optim import embedding_optimizer_for_dense
@@ -199,7 +200,7 @@ def _run_case(env, case: Case) -> str | None:
     # every rank's own shards too (data_parallel replicas must all stay equal to the reference),
     # and their optimizer moments: per-element ones are the reference's block, per-row ones its rows
     # (except on a column shard, which keeps its own per-row state by design)
-    _ensure_optimizer_state(s_opt)
+    ensure_optimizer_state(s_opt)
     ref_states = {n: st for n, _, _, _, st in local_embedding_shards(SimpleNamespace(sparse_arch=ref), ref_opt)}
     for name, shards in sebc.local_shards(s_opt).items():
         D = ref_w[name].shape[1]

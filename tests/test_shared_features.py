@@ -223,7 +223,10 @@ def _shared_cfg(data, run_dir, **model):
 
 def test_yaml_with_a_shared_feature_trains_reads_it_once_and_exports_like_eager(tiny_data, tmp_path):
     from dlrmctl.config import load_config
-    from dlrmctl.train.loop import RunEnv, Trainer, load_trained_model, prepare_run_dir
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from dlrmctl.train.reload import load_trained_model
+    from dlrmctl.train.run_dir import prepare_run_dir
 
     y = tmp_path / "shared.yaml"
     y.write_text(
@@ -241,7 +244,7 @@ def test_yaml_with_a_shared_feature_trains_reads_it_once_and_exports_like_eager(
     assert t.model.sparse_arch.embedding_names() == ["C1@T1", "C1@T2", "C2", "C3"]
     assert t.model.inter_arch.F == 4
     t.train()
-    assert t.last_loss is not None and t.last_loss == t.last_loss
+    assert t.loss_window.last_loss is not None and t.loss_window.last_loss == t.loss_window.last_loss
 
     _, model, _ = load_trained_model(run)
     assert model.sparse_arch.embedding_names() == ["C1@T1", "C1@T2", "C2", "C3"]

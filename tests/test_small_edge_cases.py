@@ -106,7 +106,8 @@ def test_exported_out_of_range_id_error_names_the_table(tmp_path):
 @pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"])
 def test_checkpoint_stores_the_true_optimizer_step_for_every_embedding_optimizer(tiny_data, tmp_path, opt):
     from dlrmctl.train import checkpoint as ckpt
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
 
     N = 3
     cfg = config_from_dict(_raw(tiny_data, str(tmp_path), optimizer={"embedding": {"type": opt, "lr": 0.05}},
@@ -122,12 +123,13 @@ def test_checkpoint_stores_the_true_optimizer_step_for_every_embedding_optimizer
     assert fused["type"] == opt and fused["step"] == N  # was TBE iter: 0 (adagrad, sgd); 7 (row-wise: + 4 eval batches)
     # resuming puts the step into every TBE's counter
     t = Trainer(cfg, RunEnv(), run, resume=True)
-    tbes = [tbe for tbe, _ in t.fused_opt._tbes]
-    assert tbes and all(int(tbe.iter[0]) == N for tbe in tbes)
+    steps = t.optimizers.fused.optimizer_steps()
+    assert steps and all(s == N for s in steps)
 
 
 def test_data_drop_last_drops_the_last_partial_train_batch_but_evaluation_keeps_every_row(tiny_data, tmp_path):
-    from dlrmctl.train.loop import RunEnv, Trainer
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
 
     steps = {}
     for drop in (False, True):

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from dlrmctl.config import load_config
-from dlrmctl.train.loop import RunEnv, Trainer
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
 from tests.conftest import CRITEO_10K, REPO, require_shared
 from tests.dist_utils import run_multiprocess
 

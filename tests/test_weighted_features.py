@@ -276,7 +276,9 @@ def test_synthetic_weighted_features_flag_writes_weight_columns_and_leaves_the_r
 # ------------------------------------------------------- training / resume
 def _trainer(env, cfg_dict, resume=False, plan=None):
     from dlrmctl.config import config_from_dict
-    from dlrmctl.train.loop import RunEnv, Trainer, prepare_run_dir
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from dlrmctl.train.run_dir import prepare_run_dir
 
     cfg = config_from_dict(cfg_dict)
     renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
@@ -475,7 +477,7 @@ def test_unweighted_export_keeps_its_interface_and_refuses_weights(tmp_path):
 def test_export_run_evaluate_and_predict_of_a_weighted_run(data, tmp_path):
     from dlrmctl.inference.export import ExportError, evaluate_exported, export_run, load_exported
     from dlrmctl.inference.predict import predict_file
-    from dlrmctl.train.loop import evaluate_run
+    from dlrmctl.train.reload import evaluate_run
 
     runs = str(tmp_path)
     _trainer(None, _cfg_dict(data, runs, "e", max_steps=6)).train()

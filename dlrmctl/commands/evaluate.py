@@ -50,7 +50,7 @@ def evaluate(
         which = "exported model"
     else:
         from dlrmctl.train.checkpoint import read_checkpoint
-        from dlrmctl.train.loop import evaluate_run, run_config
+        from dlrmctl.train.reload import evaluate_run, run_config
 
         run_config(run_dir)  # a run directory at all?
         # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned

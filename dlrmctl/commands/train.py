@@ -79,7 +79,7 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
 
     if world > 1:
         from dlrmctl.launch import build_appdef, launch, omp_threads_per_rank
-        from dlrmctl.train.loop import clear_unsaved_attempt, finish_replacement, prepare_run_dir
+        from dlrmctl.train.run_dir import clear_unsaved_attempt, finish_replacement, prepare_run_dir
 
         _check_before_launch(cfg, world, resume, overwrite, checkpoint)
         # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
@@ -103,7 +103,7 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
     _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
     from dlrmctl.errors import interrupt_exit_code, interrupt_of, sigterm_as_interrupt
     from dlrmctl.procs import intra_op_threads
-    from dlrmctl.train.loop import resolve_device
+    from dlrmctl.train.trainer import resolve_device
 
     resolve_device(cfg)  # a CUDA run on a CPU build is one error line before anything is printed
     threads, why = intra_op_threads(1)
@@ -161,7 +161,8 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.fingerprint import DataMismatchError
     from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
-    from dlrmctl.train.loop import TrainError, check_run_dir, check_tensorboard, check_train_splits
+    from dlrmctl.train.run_dir import TrainError, check_run_dir, check_train_splits
+    from dlrmctl.train.train_log import check_tensorboard
 
     try:
         check_tensorboard(cfg.train.tensorboard)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -206,3 +208,47 @@ def init_distributed(
         )
     lws = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(ws)))
     return ShardingEnv(dist.get_world_size(), dist.get_rank(), dist.group.WORLD, local_world_size=lws, device=device)
+
+
+@dataclass
+class RunEnv:
+    """Where one training process runs: rank, world, device and (world > 1, or a one-rank group
+    under ``sharding.force``) the :class:`ShardingEnv` whose process group the sharded model uses.
+
+    Kept beside :class:`ShardingEnv` rather than merged into it: a plain single process has no
+    ShardingEnv at all (``sharding_env`` None: the model is not wrapped), which is what
+    :attr:`sharded` tells the trainer."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: ShardingEnv: with world_size > 1, or a one-rank group (sharding.force)
+    sharding_env: Any = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def pg(self) -> Any:
+        """The process group (``None`` for a plain single process)."""
+        return getattr(self.sharding_env, "pg", None)
+
+    @property
+    def sharded(self) -> bool:
+        """The model runs through DistributedModelParallel (several ranks, or one rank with a group)."""
+        return self.world_size > 1 or self.pg is not None
+
+    def barrier(self) -> None:
+        """Wait for every rank (no-op without a group)."""
+        from dlrmctl.distributed import comm
+
+        comm.barrier(self.pg)
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """SUM ``x`` over the ranks in place (on ``x``'s device); returns ``x``."""
+        from dlrmctl.distributed import comm
+
+        comm.all_reduce(x, self.pg)
+        return x

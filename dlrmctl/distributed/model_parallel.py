@@ -26,7 +26,7 @@ already updated inside backward (:meth:`fused_optimizer` gives their lr and stat
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from dlrmctl.distributed.types import ComputeKernel, PlanError, ShardingPlan, Sh
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+
+if TYPE_CHECKING:
+    from dlrmctl.modules.dlrm import DLRM
 
 
 class TableConfigs(TableFeatures):
@@ -235,6 +238,18 @@ class DistributedModelParallel(nn.Module):
         if self.plan is None:
             return "no sharding plan: unsharded model on one process"
         return describe_plan(self.plan, self.module.sparse_arch.embedding_bag_configs())
+
+
+#: what the trainer, the checkpoint layout and reload take as "the model": a DLRM, or one rank's
+#: DistributedModelParallel around it; both offer ``dense_parameters()``,
+#: ``embedding_dense_parameters()``, ``fused_optimizer()``, ``sparse_arch`` and ``dense_forward``
+TrainModel = Union["DLRM", "DistributedModelParallel"]
+
+
+def unwrap_dlrm(model: TrainModel) -> "DLRM":
+    """The DLRM of ``model``: the module inside a DistributedModelParallel, or the model itself
+    (its parameter names and state dict are the checkpoint's, whatever the wrapping)."""
+    return model.module if isinstance(model, DistributedModelParallel) else model
 
 
 # ------------------------------------------------------------------ plans

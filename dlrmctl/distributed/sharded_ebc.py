@@ -171,8 +171,7 @@ class ShardedTables:
             for lk, lay in zip(g.lookups, g.layouts[self.env.rank].lookups):
                 key = {s.table.name: (s.table.name if counts[s.table.name] == 1 else f"{s.table.name}@{s.shard_index}")
                        for s in lay.shards}
-                for tbe, names in lk.fused_optimizer()._tbes:
-                    tbes.append((tbe, [key[n] for n in names]))
+                tbes.extend(lk.fused_optimizer().renamed(key))
         return FusedOptimizer(tbes, self._spec)
 
     def embedding_dense_parameters(self) -> list[nn.Parameter]:
@@ -268,7 +267,8 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         comm_precision: str = "fp32",
     ) -> None:
         super().__init__(tables, is_weighted, check_ids, on_invalid_id)
-        #: wire dtype of the pooled embeddings' output_dist and its gradient (None: fp32, no cast)
+        #: wire dtype of the pooled embeddings' output_dist and its gradient in training (None: fp32,
+        #: no cast); in eval mode the output_dist is always fp32 (:attr:`output_dist_dtype`)
         self.comm_dtype = comm_dtype(comm_precision)
         plan.validate(self._tables, env.world_size)
         if plan.local_world_size != env.local_world_size:
@@ -307,14 +307,24 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         # (lengths, local ids and float32 weight bits then all fit), else int64
         self.input_dist_dtype = input_dist_dtype
         #: data_parallel tables up to this many fp32 bytes get a dense gradient all-reduce (no host
-        #: sync); set 0 to keep sparse gradients (e.g. with embedding weight decay, which must only
-        #: touch the rows looked up).  0 by default for the Adam family: a densified gradient would
-        #: drop a looked-up row whose summed gradient is zero, which Adam still updates
-        self.dense_grad_max_bytes = 0 if self._spec.type in ADAM_FAMILY else DENSE_GRAD_MAX_BYTES
+        #: sync); 0 keeps sparse gradients, decided here from the optimizer settings: under the Adam
+        #: family (a densified gradient would drop a looked-up row whose summed gradient is zero,
+        #: which Adam still updates) and under embedding weight decay (it must only touch the rows
+        #: looked up; a densified gradient would let it reach every row)
+        self.dense_grad_max_bytes = (0 if self._spec.type in ADAM_FAMILY or self._spec.weight_decay
+                                     else DENSE_GRAD_MAX_BYTES)
         #: send / receive buffers of the data_parallel row all-gather, reused between steps
         self._grad_sync_workspace: dict = {}
         #: bytes this rank sent in its last input_dist: (size exchange, data)
         self.input_dist_bytes: tuple[int, int] = (0, 0)
+
+    @property
+    def output_dist_dtype(self) -> torch.dtype | None:
+        """The pooled embeddings' wire dtype now: :attr:`comm_dtype` in training; None (full
+        precision) in eval mode, since ``sharding.comm_precision`` is a training-speed setting and
+        evaluation (with fp32 dense arithmetic) must score the model as ``dlrmctl evaluate`` and
+        the fp32 export do."""
+        return self.comm_dtype if self.training else None
 
     # ---------------------------------------------------------- input dist
     @property
@@ -471,14 +481,14 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             widths = [[groups[i].layouts[d].width for i in self._a2a_out] for d in range(W)]
             if self.env.pg is not None:
                 a2a = pooled_all_to_all_async([looked[i] for i in self._a2a_out], bs, widths, self.env.pg,
-                                              self.comm_dtype)
+                                              self.output_dist_dtype)
             else:
                 a2a = DoneAwaitable([[looked[i] for i in self._a2a_out]])
         for i in self._comm:
             if i in self._a2a_out:
                 continue
             g = groups[i]
-            reduced = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True, qdtype=self.comm_dtype)
+            reduced = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True, qdtype=self.output_dist_dtype)
             results[i] = [g.apply_mean(reduced, ctx.local_kjts[i])]  # type: ignore[attr-defined]
         for i, g in enumerate(groups):
             if not g.needs_comm:

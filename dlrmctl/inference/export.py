@@ -488,7 +488,7 @@ def export_model(
         load_table: ``load_table(config) -> [rows, dim]`` float32 CPU tensor: the weights of
             one table (:class:`~dlrmctl.modules.embedding_configs.EmbeddingBagConfig`), called
             once per table in table order, the result dropped once quantized (e.g.
-            :func:`dlrmctl.train.loop.load_table_weight`).  None: the model's own weights.
+            :func:`dlrmctl.train.reload.load_table_weight`).  None: the model's own weights.
 
     Returns:
         :class:`ExportResult`.
@@ -708,7 +708,7 @@ def export_run(
 
     The model is built on the meta device and its tables are read from the checkpoint one at a
     time, each quantized into the artifact and dropped before the next is read
-    (:func:`~dlrmctl.train.loop.load_table_weight`): peak memory is about the largest float32
+    (:func:`~dlrmctl.train.reload.load_table_weight`): peak memory is about the largest float32
     table (plus DCP's read buffer of its saved chunk) plus the artifact, not the whole model.
 
     Args:
@@ -729,7 +729,8 @@ def export_run(
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
     from dlrmctl.train.checkpoint import read_checkpoint
-    from dlrmctl.train.loop import load_table_weight, load_trained_model_with_checkpoint, multi_hot_kwargs, run_config
+    from dlrmctl.train.data import multi_hot_kwargs
+    from dlrmctl.train.reload import load_table_weight, load_trained_model_with_checkpoint, run_config
 
     run = Path(run_dir)
     vocab_dir = Path(data_dir or run_config(str(run)).data.path)

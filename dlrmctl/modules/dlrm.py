@@ -12,7 +12,7 @@ The interaction is pluggable (``dot``; ``dcn`` and ``projection`` live in
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -541,6 +541,19 @@ class DLRM(nn.Module):
         ``over_arch``, and ``first_order`` / ``dense_norm`` when the model has them): what moves,
         copies or exports as the dense part."""
         return {n: m for n, m in self.named_children() if n != "sparse_arch"}
+
+    # the parameter interface DistributedModelParallel also offers (one for the trainer)
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Dense-layer parameters (MLPs, interaction, ...: everything but ``sparse_arch``) for the dense optimizer."""
+        return [p for n, p in self.named_parameters() if not n.startswith("sparse_arch.")]
+
+    def embedding_dense_parameters(self) -> list[nn.Parameter]:
+        """Weights of the dense-kernel tables, for a torch embedding optimizer."""
+        return self.sparse_arch.lookup.dense_parameters()
+
+    def fused_optimizer(self) -> Any:
+        """lr / state of the optimizers fused into the tables' TBEs (``FusedOptimizer``)."""
+        return self.sparse_arch.fused_optimizer()
 
     def dense_forward(self, dense_features: torch.Tensor, embedded: KeyedTensor) -> torch.Tensor:
         """Everything after the embedding lookup: ``-> logits [B, 1]``.

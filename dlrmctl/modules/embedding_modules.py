@@ -671,6 +671,23 @@ class FusedOptimizer:
         for tbe, _ in self._tbes:
             tbe.set_learning_rate(lr)
 
+    def set_optimizer_step(self, step: int) -> None:
+        """Set every TBE's optimizer step counter (FBGEMM's ``iter``: the Adam family's bias
+        correction) to ``step``, the trainer's global step (on resume)."""
+        for tbe, _ in self._tbes:
+            if hasattr(tbe, "set_optimizer_step"):
+                tbe.set_optimizer_step(int(step))
+
+    def optimizer_steps(self) -> list[int]:
+        """Each TBE's optimizer step counter (FBGEMM's ``iter``), for TBEs that keep one."""
+        return [int(tbe.iter[0]) for tbe, _ in self._tbes if getattr(tbe, "iter", None) is not None]
+
+    def renamed(self, key: dict[str, str]) -> list[tuple[nn.Module, list[str]]]:
+        """``(tbe, table keys)`` of every fused TBE, each table name mapped through ``key``
+        (names not in ``key`` unchanged): the parts of a combined :class:`FusedOptimizer` over
+        several collections, e.g. a sharded collection's (``"<table>@<shard index>"`` keys)."""
+        return [(tbe, [key.get(n, n) for n in names]) for tbe, names in self._tbes]
+
     def step(self) -> None:
         """No-op: FBGEMM applies the update inside backward."""
 

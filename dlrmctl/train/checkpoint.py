@@ -18,7 +18,7 @@ Layout::
     runs/<name>/checkpoints/BEST     name of the checkpoint with the best validation metric
                                      (``train.keep_best``; never pruned by ``keep_last``)
 
-Keys of the DCP state dict (the format; see ``dlrmctl.train.loop.checkpoint_state``)::
+Keys of the DCP state dict (the format; see ``dlrmctl.train.checkpoint_state.checkpoint_state``)::
 
     emb/<table>/weight              [rows, dim]  chunks = the shards of the plan that saved it
     emb/<table>/state<i>            i-th embedding-optimizer moment: [rows] (row-wise
@@ -99,7 +99,7 @@ import sys
 import warnings
 import zlib
 from array import array
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -1342,6 +1342,31 @@ def copy_run_files(src_run: str, dst_run: str, names: Sequence[str] = ("config.y
 
 
 
+# ------------------------------------------------------ column-wise key rule
+class RowMomentKeys(NamedTuple):
+    """Where a per-row moment of one shard goes: ``save``, the keys it is written under;
+    ``load``, the key it is read from."""
+
+    save: tuple[str, ...]
+    load: str
+
+
+def row_moment_keys(key: str, col: int, cols: int, dim: int, saved: Any = ()) -> RowMomentKeys:
+    """THE column-wise rule for a per-row moment ``key`` (``emb/<t>/state<i>``, ``[rows]``) of a
+    shard at column ``col``, ``cols`` wide, of a ``dim``-wide table; used by save, load and
+    reshard alike.
+
+    A row-wise moment is one value per row for the whole row; under column-wise sharding each
+    column shard keeps its own.  Saved: the shard at column 0 gives ``key`` (the table's
+    per-row moment) and every column shard ``[a, b)`` narrower than the table also gives
+    ``key@cols<a>-<b>``.  Loaded: ``key@cols<a>-<b>`` when ``saved`` (the checkpoint's keys)
+    has it (same column split: exact), else ``key`` (copied into each column shard).
+    """
+    own = f"{key}@cols{col}-{col + cols}" if cols != dim else None
+    save = ((key,) if col == 0 else ()) + ((own,) if own is not None else ())
+    return RowMomentKeys(save, own if own is not None and own in saved else key)
+
+
 # -------------------------------------------------------------- reshard
 def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: Any = None,
                  process_group: Any = None, name: str | None = None, publish_latest: bool = True) -> str:
@@ -1350,8 +1375,8 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
 
     No model is built: the keys come from the checkpoint.  Each rank allocates
     only its target shards (data_parallel tables and the dense / object entries:
-    rank 0 only).  Moments follow :func:`dlrmctl.train.loop.embedding_load_request`'s
-    rule (exact per row / element; column shards get their own moment when the
+    rank 0 only).  Moments follow :func:`row_moment_keys`, as
+    :func:`dlrmctl.train.checkpoint_state.embedding_load_request` does (exact per row / element; column shards get their own moment when the
     column split is unchanged, else the row's).  Rank ``r`` keeps the saving job's
     rank-``r`` RNG states (rank 0's for new ranks).
 
@@ -1410,7 +1435,7 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
                     lblocks[(k, (R, D))].append(((r0, c0), x))
                     sblocks[(k, (R, D))].append(((r0, c0), x))
                     continue
-                exact = f"{k}@cols{c0}-{c0 + nc}"
+                keys = row_moment_keys(k, c0, nc, D, saved)
 
                 def rows() -> torch.Tensor:
                     if (k, r0, nr) not in rows_of:
@@ -1418,15 +1443,15 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
                         lblocks[(k, (R,))].append(((r0,), rows_of[(k, r0, nr)]))
                     return rows_of[(k, r0, nr)]
 
-                if c0 == 0:
-                    sblocks[(k, (R,))].append(((r0,), rows()))
-                if nc != D:
-                    if exact in saved:
+                for sk in keys.save:
+                    if sk == k:  # the table's per-row moment: the row block this rank reads
+                        sblocks[(k, (R,))].append(((r0,), rows()))
+                    elif keys.load == sk:  # the shard's own moment, read as saved
                         x = alloc(k, (nr,))
-                        lblocks[(exact, (R,))].append(((r0,), x))
-                    else:
-                        x = rows()
-                    sblocks[(exact, (R,))].append(((r0,), x))
+                        lblocks[(sk, (R,))].append(((r0,), x))
+                        sblocks[(sk, (R,))].append(((r0,), x))
+                    else:  # a new column split: the row's moment
+                        sblocks[(sk, (R,))].append(((r0,), rows()))
     for (k, size), bl in lblocks.items():
         load[k] = Blocks(size, bl)
     for (k, size), bl in sblocks.items():

@@ -105,7 +105,7 @@ def build_model(
             DistributedModelParallel), so no rank ever allocates a whole table.
         device: where the model lives.  ``meta``: the tables are built on the meta device
             (no storage, no init: for a checkpoint to be loaded into, see
-            :func:`materialize_model` and :func:`dlrmctl.train.loop.load_trained_model`); the
+            :func:`materialize_model` and :func:`dlrmctl.train.reload.load_trained_model`); the
             dense part (MLPs, interaction: small) is built on the CPU as for any device.
 
     Initialisation is deterministic in ``train.seed`` (MLPs via

@@ -17,9 +17,10 @@ import torch
 from dlrmctl import run_lock
 from dlrmctl._fbgemm import ensure_checked
 from dlrmctl.config import load_config
+from dlrmctl.distributed.env import RunEnv
 from dlrmctl.errors import UserError, interrupt_of, user_error_message
-from dlrmctl.train.loop import (REPLACED_DIR, RunEnv, Trainer, clear_unsaved_attempt, finish_replacement,
-                                prepare_run_dir, resolve_device)
+from dlrmctl.train.run_dir import REPLACED_DIR, clear_unsaved_attempt, finish_replacement, prepare_run_dir
+from dlrmctl.train.trainer import Trainer, resolve_device
 
 
 def _make_env(cfg) -> RunEnv:

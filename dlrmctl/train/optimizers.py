@@ -1,0 +1,324 @@
+"""ONE container over a trainer's optimizers (TorchRec's ``CombinedOptimizer`` idea):
+
+* the fused optimizer of the FBGEMM tables (:class:`~dlrmctl.modules.embedding_modules.FusedOptimizer`,
+  its update runs inside the lookup's backward),
+* the torch optimizer of the dense-kernel embedding shards (data_parallel replicas, dense-kernel
+  tables; :func:`~dlrmctl.train.optim.embedding_optimizer_for_dense`), absent when there are none,
+* the dense optimizer of the MLPs / interaction (:func:`~dlrmctl.train.optim.dense_optimizer`),
+
+and the LR schedule (``optimizer.lr_schedule``) that sets all of them.  Each member owns its
+checkpoint keys (format: :mod:`dlrmctl.train.checkpoint`); the embedding moments themselves
+travel with the table shards (:mod:`dlrmctl.train.checkpoint_state`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from dlrmctl.config import ExperimentConfig, to_dict
+from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
+from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
+
+log = logging.getLogger("dlrmctl.train")
+
+#: torch optimizer param_group keys that pick an implementation, not hyper-parameters or state
+_OPTIMIZER_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
+    """Create the lazily-made state of :class:`~dlrmctl.train.optim.RowWiseAdagrad` (per row) and
+    :class:`~dlrmctl.train.optim.SparseAdagrad` (per element) (zeros: identical to absent), so every
+    dense-kernel shard has its moment tensor to save / load into."""
+    if opt is None:
+        return
+    if hasattr(opt, "ensure_state"):  # the Adam family (dlrmctl.train.optim.EmbeddingAdam)
+        opt.ensure_state()
+        return
+    from dlrmctl.train.optim import RowWiseAdagrad, SparseAdagrad
+
+    for g in opt.param_groups:
+        for p in g["params"]:
+            st = opt.state[p]
+            if isinstance(opt, RowWiseAdagrad) and "momentum1" not in st:
+                st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
+            if isinstance(opt, SparseAdagrad) and "sum" not in st:
+                st["sum"] = torch.zeros_like(p, dtype=torch.float32)
+
+
+class _FusedMember:
+    """The fused TBE optimizer; checkpoint key ``meta/fused_optimizer`` = ``{type, lr, eps,
+    weight_decay, step}`` (``step``: the trainer's, restored into each TBE's ``iter``)."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+
+    def entries(self, step: int) -> dict[str, Any]:
+        """``{"meta/fused_optimizer": packed {type, lr, eps, weight_decay, step}}``."""
+        spec = self.opt.spec
+        # the trainer's step, for every optimizer: FBGEMM's own counter (TBE ``iter``) is not it
+        # (exact_adagrad / exact_sgd never advance it; exact_rowwise_adagrad counts every forward,
+        # evaluation batches included)
+        fused = {"type": spec.type, "lr": self.opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
+                 "step": int(step)}
+        return {"meta/fused_optimizer": ckpt.pack(fused, "meta/fused_optimizer")}
+
+    def check_saved_type(self, meta: dict[str, Any], path: str) -> None:
+        """Raises CheckpointError when the checkpoint's embedding optimizer type differs."""
+        saved_type = meta.get("embedding_optimizer")
+        if saved_type and saved_type != self.opt.spec.type:
+            raise ckpt.CheckpointError(
+                f"{os.path.join(path, 'meta.json')}: saved with embedding optimizer {saved_type}, the model uses "
+                f"{self.opt.spec.type}; their moments are not interchangeable"
+            )
+
+    def load(self, req: dict[str, Any]) -> None:
+        """lr and step from a filled request; eps / weight_decay stay the config's (a warning if they differ)."""
+        fused = ckpt.unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
+        self.opt.set_lr(float(fused["lr"]))
+        self.opt.set_optimizer_step(int(fused["step"]))
+        if (fused["eps"], fused["weight_decay"]) != (self.opt.spec.eps, self.opt.spec.weight_decay):
+            log.warning("checkpoint's embedding optimizer eps / weight_decay %s differ from the config's %s; using the config's",
+                        (fused["eps"], fused["weight_decay"]), (self.opt.spec.eps, self.opt.spec.weight_decay))
+
+
+class _DenseMember:
+    """The replicated dense optimizer; checkpoint keys ``dense_opt/<param>/<key>`` (tensors) and
+    ``meta/dense_optimizer`` (param_groups and per-parameter scalars)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:
+        self.opt = opt
+        self._names = names
+
+    def param_names(self) -> list[str]:
+        """The model's name of each parameter, in the optimizer's order (``param<i>`` if unnamed)."""
+        return [self._names.get(id(p), f"param{i}")
+                for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])]
+
+    def entries(self) -> dict[str, Any]:
+        """``dense_opt/<param>/<key>`` state tensors (live) and ``meta/dense_optimizer``."""
+        names = self.param_names()
+        sd = self.opt.state_dict()
+        tensors: dict[str, Any] = {}
+        scalars: dict[str, Any] = {}
+        for idx, st in sd["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v):
+                    tensors[f"dense_opt/{names[idx]}/{k}"] = v
+                else:
+                    scalars.setdefault(names[idx], {})[k] = v
+        tensors["meta/dense_optimizer"] = ckpt.pack({"param_groups": sd["param_groups"], "scalars": scalars},
+                                                    "meta/dense_optimizer")
+        return tensors
+
+    def load_request(self, md: Any) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+        """The keys to read (``md``: the checkpoint's DCP metadata) and the state tensors they fill."""
+        req: dict[str, Any] = {"meta/dense_optimizer": None}
+        opt_state: dict[str, dict[str, torch.Tensor]] = {}
+        for k, m in md.state_dict_metadata.items():
+            if k.startswith("dense_opt/"):
+                pname, skey = k[len("dense_opt/"):].rsplit("/", 1)
+                t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+                opt_state.setdefault(pname, {})[skey] = t
+                req[k] = t
+        return req, opt_state
+
+    def load(self, req: dict[str, Any], opt_state: dict[str, dict[str, torch.Tensor]], path: str) -> None:
+        """Load the filled request into the optimizer (its foreach / fused choice kept).
+
+        Raises:
+            CheckpointError: state for parameters the model lacks, or that does not fit.
+        """
+        o = ckpt.unpack(req["meta/dense_optimizer"], "meta/dense_optimizer")
+        idx = {n: i for i, n in enumerate(self.param_names())}
+        unknown = sorted(set(opt_state) - set(idx))
+        if unknown:
+            raise ckpt.CheckpointError(f"{path}: dense optimizer state for parameters the model lacks: {unknown}")
+        st = {idx[n]: dict(v) for n, v in opt_state.items()}
+        for n, sc in o["scalars"].items():
+            if n in idx:
+                st.setdefault(idx[n], {}).update(sc)
+        # how the update runs (foreach / fused) is this process's choice, not state: a checkpoint
+        # written with torch's per-parameter loop resumes on the multi-tensor form (bit-identical)
+        impl = [{k: g[k] for k in _OPTIMIZER_IMPL_KEYS if k in g} for g in self.opt.param_groups]
+        try:
+            self.opt.load_state_dict({"state": st, "param_groups": o["param_groups"]})
+        except (ValueError, KeyError) as e:
+            raise ckpt.CheckpointError(f"{path}: dense optimizer state does not match the model: {e}") from e
+        for g, keep in zip(self.opt.param_groups, impl):
+            g.update(keep)
+
+
+class _EmbeddingDenseMember:
+    """The dense-kernel embedding shards' torch optimizer (may be None: no such shards).
+    Checkpoint keys: ``meta/embedding_dense_optimizer`` (param_groups without params) and, in
+    this rank's ``rank/<r>`` entry, ``embedding_dense_scalars`` (per-parameter scalar state);
+    its moments travel with the shards (``emb/<t>/state<i>``)."""
+
+    def __init__(self, opt: torch.optim.Optimizer | None, names: dict[int, str]) -> None:
+        self.opt = opt
+        self._names = names
+
+    def entries(self) -> dict[str, Any]:
+        """``{"meta/embedding_dense_optimizer": packed param_groups (no params) or None}``."""
+        groups = None
+        if self.opt is not None:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
+        return {"meta/embedding_dense_optimizer": ckpt.pack(groups, "meta/embedding_dense_optimizer")}
+
+    def rank_scalars(self) -> dict[str, Any]:
+        """Parameter name -> its scalar (0-d) state entries on this rank."""
+        scalars: dict[str, Any] = {}
+        if self.opt is not None:
+            for p, st in self.opt.state.items():
+                sc = {k: (v.item() if torch.is_tensor(v) else v) for k, v in st.items()
+                      if not (torch.is_tensor(v) and v.dim() > 0)}
+                if sc:
+                    scalars[self._names.get(id(p), "?")] = sc
+        return scalars
+
+    def load(self, req: dict[str, Any], per_rank: dict[str, Any], same_layout: bool, step: int) -> None:
+        """Hyper-parameters (eps / weight_decay stay the config's), this rank's scalars when the
+        layout is the same, and the Adam family's step = ``step``."""
+        groups = ckpt.unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
+        if self.opt is None:
+            return
+        for g, sg in zip(self.opt.param_groups, groups or []):
+            # eps / weight_decay come from the config (as for the fused tables, see the warning above)
+            g.update({k: v for k, v in sg.items() if k not in ("params", "eps", "weight_decay")})
+        if same_layout:
+            for p, st in self.opt.state.items():
+                for k, v in per_rank["embedding_dense_scalars"].get(self._names.get(id(p), "?"), {}).items():
+                    if torch.is_tensor(st.get(k)):
+                        st[k].fill_(v)
+                    else:
+                        st[k] = v
+        if hasattr(self.opt, "set_step"):
+            # the Adam family's bias-correction step is the global step: one optimizer step per trainer step
+            self.opt.set_step(int(step))
+
+
+class TrainOptimizers:
+    """The fused, dense-kernel embedding and dense optimizers of one model, and their LR schedule.
+
+    Args:
+        model: the DLRM or its DistributedModelParallel (parameter names for the checkpoint keys).
+        fused: the fused TBE optimizer (``model.fused_optimizer()``).
+        dense: the dense optimizer.
+        embedding_dense: the dense-kernel embedding shards' optimizer, or None.
+        schedule: the LR schedule; each member's base lr is its configured lr.
+        dense_lr / embedding_lr: the base lrs.
+        schedule_config: ``optimizer.lr_schedule`` as a dict (recorded in checkpoints).
+    """
+
+    def __init__(self, model: TrainModel, fused: Any, dense: torch.optim.Optimizer,
+                 embedding_dense: torch.optim.Optimizer | None, schedule: WarmupPolyDecay,
+                 dense_lr: float, embedding_lr: float, schedule_config: Any = None) -> None:
+        names = {id(p): n for n, p in unwrap_dlrm(model).named_parameters()}
+        self._fused = _FusedMember(fused)
+        self._dense = _DenseMember(dense, names)
+        self._embedding_dense = _EmbeddingDenseMember(embedding_dense, names)
+        self.schedule = schedule
+        self._schedule_config = schedule_config
+        self._lr_targets: list[tuple[Any, float]] = [(fused, embedding_lr), (dense, dense_lr)]
+        if embedding_dense is not None:
+            self._lr_targets.append((embedding_dense, embedding_lr))
+
+    @classmethod
+    def for_model(cls, model: TrainModel, cfg: ExperimentConfig) -> "TrainOptimizers":
+        """The optimizers ``cfg.optimizer`` gives ``model`` (sharded or not)."""
+        fused = model.fused_optimizer()
+        emb_dense = model.embedding_dense_parameters()
+        dense = dense_optimizer(model.dense_parameters(), cfg.optimizer.dense)
+        e = cfg.optimizer.embedding
+        emb_opt = (embedding_optimizer_for_dense(emb_dense, e.type, e.lr, e.eps, e.weight_decay, tuple(e.betas))
+                   if emb_dense else None)
+        return cls(model, fused, dense, emb_opt, WarmupPolyDecay(cfg.optimizer.lr_schedule),
+                   cfg.optimizer.dense.lr, e.lr, to_dict(cfg.optimizer.lr_schedule))
+
+    # ------------------------------------------------------------ members
+    @property
+    def fused(self) -> Any:
+        """The fused TBE optimizer (:class:`~dlrmctl.modules.embedding_modules.FusedOptimizer`)."""
+        return self._fused.opt
+
+    @property
+    def dense(self) -> torch.optim.Optimizer:
+        """The dense (MLP / interaction) optimizer."""
+        return self._dense.opt
+
+    @property
+    def embedding_dense(self) -> torch.optim.Optimizer | None:
+        """The dense-kernel embedding shards' optimizer, or None."""
+        return self._embedding_dense.opt
+
+    # ----------------------------------------------------------- stepping
+    def set_lr(self, step: int) -> float:
+        """lr = base * schedule factor(``step``) on every member; returns the factor."""
+        return self.schedule.apply(step, self._lr_targets)
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's factor at ``step`` (nothing is set)."""
+        return self.schedule.factor(step)
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (to None) of the dense and dense-kernel embedding parameters
+        (fused tables have none)."""
+        self.dense.zero_grad(set_to_none=True)
+        if self.embedding_dense is not None:
+            self.embedding_dense.zero_grad(set_to_none=True)
+
+    def step(self, dense: bool = True, embedding_dense: bool = True) -> None:
+        """Step the members (the fused one is a no-op: its update ran in backward); ``dense`` /
+        ``embedding_dense`` False: skip that member (fp16 overflow, :mod:`dlrmctl.train.amp`)."""
+        self.fused.step()
+        if dense:
+            self.dense.step()
+        if embedding_dense and self.embedding_dense is not None:
+            self.embedding_dense.step()
+
+    # --------------------------------------------------------- checkpoint
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The members' checkpoint entries at trainer step ``step`` (flat DCP keys; tensors are
+        live views), the LR schedule's (``meta/lr_schedule``) included."""
+        out = self._dense.entries()
+        out.update(self._fused.entries(step))
+        out.update(self._embedding_dense.entries())
+        out["meta/lr_schedule"] = ckpt.pack({"step": step, "config": self._schedule_config}, "meta/lr_schedule")
+        return out
+
+    def rank_state(self) -> dict[str, Any]:
+        """What the members keep per rank (inside ``rank/<r>``): ``{"embedding_dense_scalars"}``."""
+        return {"embedding_dense_scalars": self._embedding_dense.rank_scalars()}
+
+    def check_saved_type(self, meta: dict[str, Any], path: str) -> None:
+        """Refuse a checkpoint whose embedding optimizer type differs (moments not interchangeable).
+
+        Raises:
+            CheckpointError
+        """
+        self._fused.check_saved_type(meta, path)
+
+    def load_request(self, md: Any) -> tuple[dict[str, Any], Any]:
+        """``(request, token)``: the checkpoint keys to read (for :func:`ckpt.load_checkpoint`)
+        and what :meth:`load_state_dict` needs back."""
+        req, opt_state = self._dense.load_request(md)
+        req.update({"meta/fused_optimizer": None, "meta/embedding_dense_optimizer": None})
+        return req, opt_state
+
+    def load_state_dict(self, req: dict[str, Any], token: Any, per_rank: dict[str, Any], step: int,
+                        same_layout: bool, path: str) -> None:
+        """Restore every member from a filled :meth:`load_request` (``per_rank``: the saving rank's
+        ``rank/<r>`` entry; ``same_layout``: same world size and plan, so per-parameter scalars of
+        the dense-kernel shards are this rank's own).
+
+        Raises:
+            CheckpointError: dense optimizer state that does not match the model (named).
+        """
+        self._fused.load(req)
+        self._dense.load(req, token, path)
+        self._embedding_dense.load(req, per_rank, same_layout, step)
