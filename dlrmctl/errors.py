@@ -40,12 +40,23 @@ class UserError(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A SIGTERM (or SIGINT) turned into a ``KeyboardInterrupt`` by :func:`sigterm_as_interrupt`;
-    ``signum`` gives the exit code (128 + signum)."""
+    """A SIGINT / SIGTERM turned into an exception by :func:`interruptible` (a ``KeyboardInterrupt``,
+    so no ``except Exception`` swallows it and every Ctrl-C path handles it); ``signum`` gives the
+    exit code (128 + signum)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+    @property
+    def signame(self) -> str:
+        """The signal's name, e.g. ``"SIGTERM"``."""
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for a process ended by the signal: 128 + its number (130, 143)."""
+        return 128 + self.signum
 
 
 def interrupt_exit_code(e: BaseException) -> int:
@@ -54,23 +65,36 @@ def interrupt_exit_code(e: BaseException) -> int:
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While inside, a SIGTERM raises :class:`Interrupted` in the main thread (the path a Ctrl-C
-    takes), so a terminated run reports and cleans up as an interrupted one.  No-op off the main
-    thread; the previous handler comes back afterwards."""
+def interruptible(signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+                  keep_ignoring: bool = False) -> Iterator[None]:
+    """While inside, each of ``signals`` raises :class:`Interrupted` in the main thread (the path a
+    Ctrl-C takes), so a terminated command stops its work, cleans up and reports as an interrupted
+    one.  After the first signal further ones are ignored, so the clean-up is not interrupted in
+    turn; the previous handlers come back on exit, unless ``keep_ignoring`` (the caller's clean-up
+    runs after the block, e.g. cancelling a cluster job, and the process then exits).  No-op off
+    the main thread."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals}
+    fired: list[int] = []
 
     def handler(signum: int, frame: Any) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        for s in signals:
+            signal.signal(s, signal.SIG_IGN)
         raise Interrupted(signum)
 
-    signal.signal(signal.SIGTERM, handler)
+    for s in signals:
+        signal.signal(s, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not (fired and keep_ignoring):
+            for s, h in previous.items():
+                signal.signal(s, h)
 
 
 def _children(e: BaseException, implicit: bool = True) -> list[BaseException]:

@@ -18,7 +18,6 @@ line naming the rank that failed first (not the first that noticed).
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import os
@@ -29,6 +28,8 @@ import sys
 import threading
 import time
 from typing import Any, TextIO
+
+from dlrmctl.errors import Interrupted, interruptible
 
 WORKER_MODULE = "dlrmctl.train.worker"
 LOCAL_SCHEDULER = "local_cwd"
@@ -203,13 +204,15 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
     handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
     try:
-        with _interruptible():
+        # torchx's own handlers raise a SignalException that the log echo would swallow; a second
+        # Ctrl-C must not interrupt the cancel that follows (keep_ignoring)
+        with interruptible(keep_ignoring=True):
             if scheduler == LOCAL_SCHEDULER:
                 _echo_rank0(runner, handle, role)
             else:
                 _echo(runner, handle, role, None, sys.stdout, prefix="")
             status = runner.wait(handle, wait_interval=1)
-    except JobInterrupted as e:
+    except Interrupted as e:
         return _cancel(runner, handle, scheduler, e.signum, log_dir)
     if status is not None and status.state == AppState.SUCCEEDED:
         return 0
@@ -224,44 +227,6 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
     if status is not None and status.msg and status.msg.strip() not in ("<NONE>", ""):
         print(status.msg, file=sys.stderr)
     return 1
-
-
-class JobInterrupted(BaseException):
-    """SIGINT / SIGTERM while :func:`launch` waits for a job (a BaseException: no ``except Exception`` swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"signal {signum}")
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _interruptible():
-    """Turn SIGINT / SIGTERM into :class:`JobInterrupted` in the main thread (replacing torchx's
-    handlers, whose ``SignalException`` the log echo would swallow); once one arrived, further
-    ones are ignored until the job is cancelled.  The previous handlers come back afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    sigs = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.getsignal(s) for s in sigs}
-    fired = []
-
-    def handler(signum, frame):
-        if fired:
-            return
-        fired.append(signum)
-        for s in sigs:  # the cancel that follows must not be interrupted by a second Ctrl-C
-            signal.signal(s, signal.SIG_IGN)
-        raise JobInterrupted(signum)
-
-    for s in sigs:
-        signal.signal(s, handler)
-    try:
-        yield
-    finally:
-        if not fired:
-            for s, h in previous.items():
-                signal.signal(s, h)
 
 
 def _cancel(runner: Any, handle: str, scheduler: str, signum: int, log_dir: str | None) -> int:

@@ -131,7 +131,8 @@ def criteo(
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.criteo.parse import CriteoOptions
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
-    from dlrmctl.procs import FanoutError, Interrupted, check_local_fanout
+    from dlrmctl.errors import Interrupted, interruptible
+    from dlrmctl.procs import FanoutError, check_local_fanout
 
     opts = CriteoOptions(
         num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
@@ -157,9 +158,10 @@ def criteo(
     if target.state == "complete":
         _already_complete(out)
         return
-    try:
-        rep = _build(target, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d, opts,
-                                                         progress=not quiet))
+    try:  # a signal anywhere in the work (not only while the workers run) is the one line below
+        with interruptible():
+            rep = _build(target, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d, opts,
+                                                             progress=not quiet))
     except DataError as e:
         fail(str(e))
     except Interrupted as e:

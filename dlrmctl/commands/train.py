@@ -101,21 +101,20 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
             finish_replacement(run_dir, done=True)
         raise typer.Exit(rc)
     _check_before_launch(cfg, 1, resume, overwrite, checkpoint)  # the same one-line errors, before torch
-    from dlrmctl.errors import interrupt_exit_code, interrupt_of, sigterm_as_interrupt
-    from dlrmctl.procs import intra_op_threads
-    from dlrmctl.train.trainer import resolve_device
+    import signal
 
-    resolve_device(cfg)  # a CUDA run on a CPU build is one error line before anything is printed
-    threads, why = intra_op_threads(1)
-    echo(f"{threads} intra-op thread(s) ({why}; OMP_NUM_THREADS overrides)")
+    from dlrmctl.errors import interrupt_exit_code, interrupt_of, interruptible
+    from dlrmctl.procs import intra_op_threads
     from dlrmctl.train.worker import run_training
+
+    threads, why = intra_op_threads(1)  # printed once the model is built (an error before it is the only line)
 
     # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli as one line; a SIGTERM
     # takes the Ctrl-C path (the partial checkpoint is removed, the last good one stays)
     try:
-        with sigterm_as_interrupt():
+        with interruptible((signal.SIGTERM,)):  # Ctrl-C is a KeyboardInterrupt already
             run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint,
-                         threads=threads)
+                         threads=threads, threads_why=why)
     except BaseException as e:  # noqa: BLE001 - only interrupts are handled here
         ki = interrupt_of(e)
         if ki is None:

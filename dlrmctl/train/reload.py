@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 
 from dlrmctl.config import ExperimentConfig, resolve_tables
 from dlrmctl.console import Progress

@@ -38,12 +38,14 @@ def _make_env(cfg) -> RunEnv:
 
 
 def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False,
-                 checkpoint: str | None = None, threads: int | None = None) -> dict:
+                 checkpoint: str | None = None, threads: int | None = None, threads_why: str | None = None) -> dict:
     """Load the config, set up this rank, train; returns the trainer's summary.
 
     ``checkpoint`` (with ``resume``): ``best``, ``last`` (default) or a step to resume from.
     ``threads``: intra-op threads of this process (``torch.set_num_threads``); None: torch's
-    (``OMP_NUM_THREADS``, which the launcher sets for each rank)."""
+    (``OMP_NUM_THREADS``, which the launcher sets for each rank).  ``threads_why``: how the count
+    was chosen (:func:`dlrmctl.procs.intra_op_threads`); with it, rank 0 prints
+    ``N intra-op thread(s) (why; OMP_NUM_THREADS overrides)`` once the model is built."""
     if threads is not None:
         torch.set_num_threads(threads)
     cfg = load_config(config, overrides)
@@ -58,7 +60,12 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
         run_dir = os.path.join(cfg.train.run_dir, cfg.name)
         torch.manual_seed(cfg.train.seed)
         try:
-            summary = Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint).train()
+            trainer = Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint)
+            if threads_why is not None and env.is_main:
+                from dlrmctl.console import echo
+
+                echo(f"{torch.get_num_threads()} intra-op thread(s) ({threads_why}; OMP_NUM_THREADS overrides)")
+            summary = trainer.train()
             if env.is_main:  # ended successfully: an --overwrite's old run goes
                 finish_replacement(run_dir, done=True)
             return summary

@@ -5,7 +5,7 @@ rows they have read through a queue (:func:`report_rows`); the parent prints row
 With one worker (or one file) the tasks run in the calling process.
 
 The workers end with the parent, even when it is SIGKILLed (:func:`dlrmctl.procs.die_with_parent`);
-a SIGINT / SIGTERM of the parent stops them at once and raises :class:`dlrmctl.procs.Interrupted`.
+a SIGINT / SIGTERM of the parent stops them at once and raises :class:`dlrmctl.errors.Interrupted`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int,
     """Run ``fn`` over tasks, in-process (1 worker) or in a process pool, with progress.
 
     Raises:
-        dlrmctl.procs.Interrupted: SIGINT / SIGTERM of this process (the workers were killed first).
+        dlrmctl.errors.Interrupted: SIGINT / SIGTERM of this process (the workers were killed first).
         Whatever ``fn`` raised in a worker (e.g. DataError); the other tasks are cancelled.
     """
     if not tasks:
@@ -102,7 +102,7 @@ def run_tasks(fn: Callable[[Any], Any], tasks: list[Any], workers: int,
     import multiprocessing as mp
     import os
 
-    from dlrmctl.procs import Interrupted, interruptible
+    from dlrmctl.errors import Interrupted, interruptible
 
     # fork where available: workers start in milliseconds with everything already imported
     # (spawn re-imports torch in every worker, seconds each); the parent runs no torch/OpenMP
