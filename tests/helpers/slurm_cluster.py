@@ -78,7 +78,20 @@ class Cluster:
         return "\n".join(out)
 
     def stop(self) -> None:
-        """End every daemon this cluster started (SIGTERM, SIGKILL after 10 s), newest first."""
+        """Cancel every job still on the cluster (and wait up to 20 s for them to end), end every
+        daemon this cluster started (SIGTERM, SIGKILL after 10 s), newest first, then kill any job
+        process left (those whose environment names this cluster's ``SLURM_CONF``)."""
+        if self.procs and all(p.poll() is None for p in self.procs):
+            try:
+                jobs = self.run("squeue", "-h", "-o", "%A", check=False, timeout=10).stdout.split()
+                if jobs:
+                    self.run("scancel", *jobs, check=False, timeout=10)
+                deadline = time.monotonic() + 20
+                while jobs and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    jobs = self.run("squeue", "-h", "-o", "%A", check=False, timeout=10).stdout.split()
+            except (subprocess.SubprocessError, OSError):
+                pass
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -90,6 +103,21 @@ class Cluster:
                 p.kill()
                 p.wait(timeout=10)
         self.procs.clear()
+        self._kill_leftovers()
+
+    def _kill_leftovers(self) -> None:
+        """SIGKILL every process whose environment has this cluster's ``SLURM_CONF`` (slurmstepd and
+        the job's tasks inherit it from slurmd), except this one."""
+        marker = f"SLURM_CONF={self.conf}".encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if marker in f.read().split(b"\0"):
+                        os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                continue
 
 
 def write_conf(root: str, node: str, ports: list[int], real_memory_mb: int, munge_socket: str) -> str:
