@@ -324,7 +324,7 @@ def wait_job(runner: Any, handle: str, role: str = ROLE) -> int:
 
     try:
         with _interruptible():
-            _echo_rank0(runner, handle, role, stop_at_failure=False)
+            _echo_rank0(runner, handle, role)  # up to a failing rank 0's report: the line below says it
             status = runner.wait(handle, wait_interval=2)
     except JobInterrupted as e:
         return _cancel(runner, handle, "", e.signum, None)
@@ -341,7 +341,9 @@ def job_outcome(runner: Any, handle: str, status: Any, role: str = ROLE) -> str:
 
     state = status.state if status is not None else AppState.UNKNOWN
     msg = (status.msg or "").strip() if status is not None else ""
-    detail = f" ({msg})" if msg and msg not in ("<NONE>", str(state)) else ""
+    for word in (str(state), "FAILED", "CANCELLED", "COMPLETED"):  # scontrol's "FAILED (NonZeroExitCode)"
+        msg = msg[len(word):].strip(" ()") if msg.startswith(word) else msg
+    detail = f" ({msg})" if msg and msg != "<NONE>" else ""
     if state == AppState.CANCELLED:
         return f"training job {handle} was cancelled{detail}; its run directory keeps what it wrote (resume with --resume)"
     why = _first_rank_error(runner, handle, role)

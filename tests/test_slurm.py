@@ -96,6 +96,14 @@ def test_an_oversized_mem_is_refused_by_sbatch_in_one_line(cluster, work):
     assert not (work / "runs_mem").exists()
 
 
+def test_a_failing_job_under_wait_is_one_line_naming_the_rank_and_its_error(cluster, work):
+    r = _dlrmctl(cluster, work, *_launch_args(work, "runs_fail", "--wait", "--set", f"data.path={work / 'nodata'}"))
+    assert r.returncode == 1, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("GPUs per process")]
+    assert len(err) == 1 and err[0].startswith("error: training job slurm://dlrmctl/"), err
+    assert "ended FAILED (NonZeroExitCode): rank " in err[0] and "has no meta.json" in err[0], err
+
+
 def test_a_job_cancelled_mid_run_ends_cancelled_and_its_waiting_launch_exits_cleanly(cluster, work):
     import subprocess
     import sys
