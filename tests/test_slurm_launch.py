@@ -109,3 +109,16 @@ def test_status_of_an_unknown_job_and_an_unreachable_controller_are_one_line(fak
 def test_a_malformed_handle_is_one_line():
     r = runner.invoke(app, ["jobs", "logs", "slurm-42"])
     assert r.exit_code == 2 and r.output.startswith("error: job handle 'slurm-42': expected SCHEDULER://SESSION/ID")
+
+
+def test_a_missing_scheduler_extra_is_one_line(monkeypatch):
+    import dlrmctl.launch
+
+    def no_client(*a, **k):
+        raise ModuleNotFoundError("No module named 'kubernetes'")
+
+    monkeypatch.setattr(dlrmctl.launch, "launch", no_client)
+    r = runner.invoke(app, ["launch", "configs/demo.yaml", "--scheduler", "kubernetes", "--image", "i",
+                            "--gpus-per-proc", "0"])
+    assert r.exit_code == 2 and "pip install 'dlrmctl[cluster]'" in r.output and "kubernetes" in r.output
+    assert len([ln for ln in r.output.splitlines() if ln.startswith("error:")]) == 1

@@ -105,7 +105,11 @@ def register(app: typer.Typer) -> None:
             app = build_appdef(config, set_, nproc, nnodes, resume=resume, image=image, gpu_per_proc=gpus_per_proc,
                                cpu_per_proc=cpus_per_proc, mem_mb_per_proc=mem_mb, scheduler=scheduler)
             rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run, wait=wait)
-        except (ValueError, ImportError) as e:
+        except ImportError as e:  # a torchx scheduler whose client library (an extra) is not installed
+            typer.echo(f"error: cannot launch on {scheduler}: its client library is missing ({e}); install "
+                       "dlrmctl's `cluster` extra: pip install 'dlrmctl[cluster]'", err=True)
+            raise typer.Exit(2)
+        except ValueError as e:
             typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
             raise typer.Exit(2)
         raise typer.Exit(rc)
