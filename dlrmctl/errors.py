@@ -3,7 +3,7 @@
 Every error that is the user's input or the user's environment subclasses :class:`UserError`
 (``ConfigError``, ``PlanError``, ``PlannerError``, ``CheckpointError``, ``TrainError``,
 ``DataError``, ``DataMismatchError``, ``EmbeddingIdError``, ``RunInUseError``, ``ExportError``,
-``QuantizationError``, ``FbgemmTorchMismatchError``); each keeps its other base (``ValueError``,
+``QuantizationError``, ``FbgemmTorchMismatchError``, ``LaunchError``); each keeps its other base (``ValueError``,
 ``RuntimeError``, ...) so ``except ValueError`` callers keep working.  ``dlrmctl/cli.py`` catches
 them once and prints one ``error: ...`` line (exit :data:`EXIT_USER`).
 

@@ -18,6 +18,7 @@ line naming the rank that failed first (not the first that noticed).
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -29,7 +30,7 @@ import threading
 import time
 from typing import Any, TextIO
 
-from dlrmctl.errors import Interrupted, interruptible
+from dlrmctl.errors import Interrupted, UserError, interruptible
 
 WORKER_MODULE = "dlrmctl.train.worker"
 LOCAL_SCHEDULER = "local_cwd"
@@ -41,6 +42,54 @@ _RECORD_KEY = "dlrmctl"
 #: default image, ``ghcr.io/pytorch/torchx:<version>``, has no dlrmctl, so its ranks could not start)
 CONTAINER_SCHEDULERS = frozenset({"kubernetes", "kubernetes_mcad", "aws_batch", "aws_sagemaker", "gcp_batch",
                                   "local_docker"})
+
+
+#: torchrun's console-line prefix on a cluster: the GLOBAL rank (``[3]:``), so one node's log tells its ranks apart
+_RANK_PREFIX_TEMPLATE = "[${rank}]:"
+#: the role's name in dist.ddp AppDefs
+ROLE = "worker"
+#: the torchx session name of dlrmctl's jobs (handles read ``slurm://dlrmctl/<job id>``)
+SESSION = "dlrmctl"
+
+
+class LaunchError(UserError):
+    """A scheduler refused the job, cannot be reached, or the job failed / was cancelled: one line
+    naming the scheduler's own message and what to change."""
+
+
+def get_runner() -> Any:
+    """torchx's ``Runner`` with dlrmctl's Slurm scheduler (:mod:`dlrmctl.slurm`: one-line refusals,
+    status without accounting storage) in place of torchx's; every other scheduler is torchx's."""
+    from torchx.runner import Runner
+    from torchx.schedulers import get_scheduler_factories
+
+    factories = dict(get_scheduler_factories())
+    if "slurm" in factories:
+        from dlrmctl import slurm
+
+        factories["slurm"] = slurm.create_scheduler
+    return Runner(SESSION, factories)
+
+
+def default_mem_mb_per_proc(scheduler: str) -> int:
+    """Memory (MB) asked per process when ``--mem`` is not given: none on Slurm (0: no ``--mem``, the
+    partition's ``DefMemPerCPU`` / whole-node default applies, which every partition accepts); 4096
+    on the container schedulers (a pod needs a request)."""
+    return 4096 if scheduler in CONTAINER_SCHEDULERS else 0
+
+
+def parse_mem(text: str) -> int:
+    """``--mem`` as MB: a number of MB, or with a K/M/G/T suffix (sbatch's units, powers of 1024), e.g. ``6G``.
+
+    Raises:
+        LaunchError: not such a size, or not positive.
+    """
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", str(text), re.I)
+    mb = float(m.group(1)) * {"K": 1 / 1024, "": 1, "M": 1, "G": 1024, "T": 1024 ** 2}[m.group(2).upper()] if m else 0
+    if mb < 1:
+        raise LaunchError(f"--mem {text!r}: expected the memory per process in MB or with a unit (e.g. 4000, 6G), "
+                          "at least 1M")
+    return int(mb)
 
 
 def check_image(scheduler: str, image: str | None) -> None:
@@ -67,7 +116,7 @@ def build_appdef(
     image: str | None = None,
     cpu_per_proc: int = 1,
     gpu_per_proc: int = 0,
-    mem_mb_per_proc: int = 4096,
+    mem_mb_per_proc: int | None = None,
     name: str = "dlrmctl-train",
     scheduler: str = LOCAL_SCHEDULER,
     checkpoint: str | None = None,
@@ -83,12 +132,17 @@ def build_appdef(
         image: container image for cluster schedulers (ignored by local_cwd); required by the
             container schedulers (:func:`check_image`: ValueError without it).
         cpu_per_proc, gpu_per_proc, mem_mb_per_proc: resources per process
-            (the role asks for ``nproc`` times these, in CPUs / GPUs / MB).
+            (the role asks for ``nproc`` times these, in CPUs / GPUs / MB; memory 0: none asked;
+            None: :func:`default_mem_mb_per_proc`).
         name: job name.
         scheduler: the torchx scheduler the AppDef is for.  On ``local_cwd`` the role
             runs ``sys.executable -m torch.distributed.run`` directly (no ``torchrun``
             on PATH needed), writes every rank's output to log files and tees local
-            rank 0's to the console; elsewhere it is ddp's ``bash -c "torchrun ..."``.
+            rank 0's to the console; on Slurm and the other schedulers that run on the nodes' own
+            environment ddp's ``bash -c "torchrun ..."`` runs ``<this interpreter> -m
+            torch.distributed.run ...`` instead (the same path must exist on the nodes: a shared
+            filesystem or the same install), and every console line is prefixed with the
+            GLOBAL rank (``[3]:``); container schedulers keep the image's ``torchrun``.
 
     Returns:
         ``torchx.specs.AppDef`` with one role running torchrun -m dlrmctl.train.worker.
@@ -108,6 +162,11 @@ def build_appdef(
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(omp_threads_per_rank(nproc, scheduler, cpu_per_proc)[0])}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    if mem_mb_per_proc is None:
+        mem_mb_per_proc = default_mem_mb_per_proc(scheduler)
+    node_env = scheduler != LOCAL_SCHEDULER and scheduler not in CONTAINER_SCHEDULERS
+    if node_env:
+        env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = _RANK_PREFIX_TEMPLATE
     kw: dict[str, Any] = dict(
         m=WORKER_MODULE,
         j=f"{nnodes}x{nproc}",
@@ -120,9 +179,24 @@ def build_appdef(
     if image:
         kw["image"] = image
     app = ddp(*args, **kw)
+    if mem_mb_per_proc == 0:  # torchx turns 0 into its 1024 MB default: ask for none
+        for r in app.roles:
+            r.resource = dataclasses.replace(r.resource, memMB=0)
     if scheduler == LOCAL_SCHEDULER:
         _run_torchrun_through_this_interpreter(app.roles[0], nnodes)
+    elif node_env:
+        _torchrun_of_this_interpreter_in_bash(app.roles[0])
     return app
+
+
+def _torchrun_of_this_interpreter_in_bash(role: Any) -> None:
+    """In ddp's ``bash -c "torchrun ..."`` (kept: its rendezvous endpoint is a shell expansion of
+    the first node's name), run ``<sys.executable> -m torch.distributed.run`` instead of whatever
+    ``torchrun`` the node's PATH has."""
+    cmd = role.args[-1]
+    if role.entrypoint != "bash" or not cmd.startswith("torchrun "):
+        raise ValueError(f"unexpected dist.ddp command: {role.entrypoint} {role.args}")
+    role.args[-1] = f"{shlex.quote(sys.executable)} -m torch.distributed.run " + cmd[len("torchrun "):]
 
 
 def omp_threads_per_rank(nproc: int, scheduler: str = LOCAL_SCHEDULER, cpu_per_proc: int = 1) -> tuple[int, str]:
@@ -161,7 +235,7 @@ def _run_torchrun_through_this_interpreter(role: Any, nnodes: int) -> None:
 
 
 def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, Any] | None = None,
-           dry_run: bool = False, log_dir: str | None = None) -> int:
+           dry_run: bool = False, log_dir: str | None = None, wait: bool = True) -> int:
     """Run (or, with ``dry_run``, print) the AppDef from :func:`build_appdef` on a torchx scheduler.
 
     On ``local_cwd`` local rank 0's output is copied to this process's stdout / stderr
@@ -176,6 +250,11 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
         log_dir: ``local_cwd`` only: directory that keeps every rank's and torchrun's logs
             (torchx's ``log_dir``: ``LOG_DIR/<session>/<app id>/...``); default: a
             temporary directory torchx deletes when this process exits.
+        wait: cluster schedulers only (``local_cwd`` always waits): False prints the job's handle
+            on stdout and returns at once; True prints it, then streams rank 0's output until the
+            job ends (:func:`wait_job`).
+
+    A scheduler's refusal (sbatch's message, an unreachable controller) raises :class:`LaunchError`.
 
     The first SIGINT / SIGTERM while the job runs cancels it (every rank and torchrun end) and
     is reported as one line (:func:`_cancel`).
@@ -184,7 +263,6 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
         process exit code: 0 when the app SUCCEEDED (or was only printed), 1 otherwise;
         128 + the signal's number when a SIGINT / SIGTERM cancelled it (130, 143).
     """
-    from torchx.runner import get_runner
     from torchx.specs import AppState
 
     runner = get_runner()
@@ -203,14 +281,18 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
             r.env[LAUNCHER_ENV] = process_token()
     handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
+    if scheduler != LOCAL_SCHEDULER:
+        print(handle, flush=True)
+        if not wait:
+            print(f"submitted {handle}: `dlrmctl jobs status|logs|cancel {handle}` (logs: add --follow; run them "
+                  "in this directory)", file=sys.stderr, flush=True)
+            return 0
+        return wait_job(runner, handle, role)
     try:
         # torchx's own handlers raise a SignalException that the log echo would swallow; a second
         # Ctrl-C must not interrupt the cancel that follows (keep_ignoring)
         with interruptible(keep_ignoring=True):
-            if scheduler == LOCAL_SCHEDULER:
-                _echo_rank0(runner, handle, role)
-            else:
-                _echo(runner, handle, role, None, sys.stdout, prefix="")
+            _echo_rank0(runner, handle, role)
             status = runner.wait(handle, wait_interval=1)
     except Interrupted as e:
         return _cancel(runner, handle, scheduler, e.signum, log_dir)
@@ -227,6 +309,81 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
     if status is not None and status.msg and status.msg.strip() not in ("<NONE>", ""):
         print(status.msg, file=sys.stderr)
     return 1
+
+
+def wait_job(runner: Any, handle: str, role: str = ROLE) -> int:
+    """Stream rank 0's stdout / stderr (its ``[0]:`` prefix removed) of a cluster job until it ends.
+
+    A first SIGINT / SIGTERM cancels the job (one line, 128 + the signal's number).  A job that
+    did not succeed is one ``error:`` line on stderr: its handle, the scheduler's state (e.g.
+    ``FAILED``, ``CANCELLED``) and, when a rank's log says why, that rank's first ``error:`` line.
+
+    Returns:
+        0 when the job SUCCEEDED, 1 when it failed or was cancelled, 130 / 143 when interrupted.
+    """
+    from torchx.specs import AppState
+
+    try:
+        with interruptible(keep_ignoring=True):
+            _echo_rank0(runner, handle, role)  # up to a failing rank 0's report: the line below says it
+            status = runner.wait(handle, wait_interval=2)
+    except Interrupted as e:
+        return _cancel(runner, handle, "", e.signum, None)
+    if status is not None and status.state == AppState.SUCCEEDED:
+        return 0
+    print(f"error: {job_outcome(runner, handle, status, role)}", file=sys.stderr, flush=True)
+    return 1
+
+
+def job_outcome(runner: Any, handle: str, status: Any, role: str = ROLE) -> str:
+    """One line on a cluster job that did not succeed: ``training job H ended FAILED (...): rank 1: <its
+    error line>; logs: dlrmctl jobs logs H --rank N`` or ``training job H was cancelled (...)``."""
+    from torchx.specs import AppState
+
+    state = status.state if status is not None else AppState.UNKNOWN
+    msg = (status.msg or "").strip() if status is not None else ""
+    for word in (str(state), "FAILED", "CANCELLED", "COMPLETED"):  # scontrol's "FAILED (NonZeroExitCode)"
+        msg = msg[len(word):].strip(" ()") if msg.startswith(word) else msg
+    detail = f" ({msg})" if msg and msg != "<NONE>" else ""
+    if state == AppState.CANCELLED:
+        return f"training job {handle} was cancelled{detail}; its run directory keeps what it wrote (resume with --resume)"
+    why = _first_rank_error(runner, handle, role)
+    what = f"training job {handle} ended {state}{detail}" + (f": {why}" if why else "")
+    return f"{what}; see `dlrmctl jobs logs {handle} --rank N` (run where it was submitted)"
+
+
+_RANK_LINE = re.compile(r"^\[(\d+)\]:(.*)$")
+
+
+def _first_rank_error(runner: Any, handle: str, role: str) -> str | None:
+    """``rank N: <message>`` of the first rank ``error:`` line (else the last exception line) in a
+    finished job's stderr logs, when the scheduler's logs can be read here; else None."""
+    from torchx.schedulers.api import Stream
+
+    errors, exceptions = [], []
+    for k in range(_replicas(runner, handle, role)):
+        try:
+            for line in runner.log_lines(handle, role, k=k, streams=Stream.STDERR):
+                m = _RANK_LINE.match(line.rstrip("\n"))
+                if not m:
+                    continue
+                text = m.group(2).strip()
+                if text.startswith("error: "):
+                    errors.append(f"rank {m.group(1)}: {text[len('error: '):]}")
+                elif re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", text):
+                    exceptions.append(f"rank {m.group(1)} failed: {text}")
+        except Exception:  # the logs are best-effort; the state decides
+            continue
+    return (errors or exceptions[-1:] or [None])[0]
+
+
+def _replicas(runner: Any, handle: str, role: str) -> int:
+    """Replicas (nodes) of ``role`` in a job, from its status (1 when unknown)."""
+    try:
+        status = runner.status(handle)
+        return max(1, sum(len(r.replicas) for r in status.roles if r.role == role)) if status else 1
+    except Exception:
+        return 1
 
 
 def _cancel(runner: Any, handle: str, scheduler: str, signum: int, log_dir: str | None) -> int:
@@ -294,7 +451,7 @@ def _same_process(pid: int, start: str) -> bool:
     return st is not None and st[19] == start and st[0] != "Z"
 
 
-def _echo_rank0(runner: Any, handle: str, role: str) -> None:
+def _echo_rank0(runner: Any, handle: str, role: str, stop_at_failure: bool = True) -> None:
     """Copy local rank 0's teed stdout / stderr lines (torchrun's ``[0]:`` prefix removed) to ours until the job ends.
 
     torchrun's own messages (no prefix) stay in the logs only, and so does a failing rank 0's
@@ -302,20 +459,23 @@ def _echo_rank0(runner: Any, handle: str, role: str) -> None:
     """
     from torchx.schedulers.api import Stream
 
-    err = threading.Thread(target=_echo, args=(runner, handle, role, Stream.STDERR, sys.stderr), daemon=True)
+    err = threading.Thread(target=_echo, args=(runner, handle, role, Stream.STDERR, sys.stderr),
+                           kwargs={"stop_at_failure": stop_at_failure}, daemon=True)
     err.start()
-    _echo(runner, handle, role, Stream.STDOUT, sys.stdout)
+    _echo(runner, handle, role, Stream.STDOUT, sys.stdout, stop_at_failure=stop_at_failure)
     err.join()
 
 
-def _echo(runner: Any, handle: str, role: str, stream: Any, out: TextIO, prefix: str = _RANK0_PREFIX) -> None:
-    """Copy node 0's log ``stream`` of the job to ``out``: lines starting with ``prefix``, the prefix removed."""
+def _echo(runner: Any, handle: str, role: str, stream: Any, out: TextIO, prefix: str = _RANK0_PREFIX,
+          stop_at_failure: bool = True) -> None:
+    """Copy node 0's log ``stream`` of the job to ``out``: lines starting with ``prefix``, the prefix
+    removed (with ``stop_at_failure``, up to a failing rank's first ``Traceback`` / ``error:`` line)."""
     try:
         for line in runner.log_lines(handle, role, k=0, should_tail=True, streams=stream):
             if not line.startswith(prefix):
                 continue
             line = line[len(prefix):]
-            if prefix and line.startswith(("Traceback (most recent call last)", "error: ")):
+            if stop_at_failure and line.startswith(("Traceback (most recent call last)", "error: ")):
                 return  # the rank is failing: the rest is in its log, the launcher prints a summary
             out.write(line if line.endswith("\n") else line + "\n")
             out.flush()

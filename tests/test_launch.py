@@ -27,10 +27,13 @@ def test_local_appdef_runs_torchrun_through_this_interpreter_with_the_worker_mod
     assert role.num_replicas == 2 and role.resource.cpu == 4
 
 
-def test_cluster_appdef_keeps_torchrun_from_the_image():
+def test_slurm_appdef_runs_this_interpreter_and_containers_keep_torchrun_from_the_image():
     (role,) = build_appdef("configs/demo.yaml", [], nproc=8, nnodes=2, scheduler="slurm").roles
-    assert role.entrypoint == "bash" and role.args[1].startswith("torchrun ")
+    assert role.entrypoint == "bash" and role.args[1].startswith(f"{sys.executable} -m torch.distributed.run ")
+    assert "$${${rank0_env}:=localhost}:29500" in role.args[1]  # the first node's name, expanded by bash there
     assert "--nproc_per_node 8" in role.args[1] and "-m dlrmctl.train.worker configs/demo.yaml" in role.args[1]
+    (role,) = build_appdef("configs/demo.yaml", [], nproc=8, nnodes=2, scheduler="kubernetes", image="i").roles
+    assert role.entrypoint == "bash" and role.args[1].startswith("torchrun ")
 
 
 def test_ranks_get_their_openmp_threads_deliberately(monkeypatch):

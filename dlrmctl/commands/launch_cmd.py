@@ -63,21 +63,32 @@ def register(app: typer.Typer) -> None:
         nnodes: int = typer.Option(1, "--nnodes", min=1, help="nodes"),
         gpus_per_proc: Optional[int] = typer.Option(None, "--gpus-per-proc",
                                                     help="GPUs per process (default: 1 unless train.device is cpu)"),
+        cpus_per_proc: int = typer.Option(1, "--cpus-per-proc", help="CPUs per process (OMP_NUM_THREADS of each rank)"),
+        mem: Optional[str] = typer.Option(None, "--mem", help="memory per process, MB or with a unit (e.g. 4000, 6G); "
+                                          "default: none asked on slurm (the partition's default), 4096 MB on "
+                                          "container schedulers"),
         image: Optional[str] = typer.Option(None, "--image", help="container image with dlrmctl installed (required "
                                             "by kubernetes, aws_batch and the other container schedulers)"),
         scheduler_arg: List[str] = typer.Option([], "--scheduler-arg", help="scheduler run option KEY=VALUE, e.g. queue=default"),
         set_: List[str] = typer.Option([], "--set", help="config override passed to every rank"),
         resume: bool = typer.Option(False, "--resume"),
         dry_run: bool = typer.Option(False, "--dry-run", help="print the AppDef and the scheduler's request; submit nothing"),
+        wait: bool = typer.Option(False, "--wait", help="cluster schedulers: stream rank 0's output until the job "
+                                  "ends (exit 0 only when it succeeded); default: print the job's handle and return"),
     ) -> None:
-        """Run `dlrmctl train` as a torchx dist.ddp job on SCHEDULER (prints the job spec with --dry-run)."""
+        """Run `dlrmctl train` as a torchx dist.ddp job on SCHEDULER (prints the job spec with --dry-run).
+
+        On a cluster scheduler the job's handle (e.g. slurm://dlrmctl/42) is printed on stdout; follow
+        it with `dlrmctl jobs status|logs|cancel HANDLE`."""
         from dlrmctl.commands._common import check_number
         from dlrmctl.config import INT_LIMITS
         from dlrmctl.console import echo
-        from dlrmctl.launch import build_appdef, check_image, launch
+        from dlrmctl.launch import build_appdef, check_image, launch, parse_mem
 
         check_number("--nnodes", nnodes, maximum=INT_LIMITS["ranks"][0], what="nodes")
         check_number("--gpus-per-proc", gpus_per_proc, positive=False, maximum=64, what="GPUs per process")
+        check_number("--cpus-per-proc", cpus_per_proc, maximum=4096, what="CPUs per process")
+        mem_mb = parse_mem(mem) if mem is not None else None
         check_scheduler(scheduler)
         try:
             check_image(scheduler, image)  # before anything is printed: the one line of the error
@@ -92,9 +103,13 @@ def register(app: typer.Typer) -> None:
             cfg.setdefault("queue", "default")
         try:
             app = build_appdef(config, set_, nproc, nnodes, resume=resume, image=image, gpu_per_proc=gpus_per_proc,
-                               scheduler=scheduler)
-            rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run)
-        except (ValueError, ImportError) as e:
+                               cpu_per_proc=cpus_per_proc, mem_mb_per_proc=mem_mb, scheduler=scheduler)
+            rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run, wait=wait)
+        except ImportError as e:  # a torchx scheduler whose client library (an extra) is not installed
+            typer.echo(f"error: cannot launch on {scheduler}: its client library is missing ({e}); install "
+                       "dlrmctl's `cluster` extra: pip install 'dlrmctl[cluster]'", err=True)
+            raise typer.Exit(2)
+        except ValueError as e:
             typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
             raise typer.Exit(2)
         raise typer.Exit(rc)
