@@ -122,7 +122,7 @@ def test_manifest_describes_features_tables_quantization_and_bytes(trained, tmp_
     meta = {"dataset": "toy", "dense_features": [f"I{i}" for i in range(1, 14)], "label": "label",
             "sparse_features": [{"name": f, "num_embeddings": 10, "multi_hot": False} for f in FEATS],
             "transforms": {"dense": "log1p"}, "splits": {"train": {"rows": 1, "files": []}}}
-    res = export_model(trained, tmp_path / "m", "int4", data_meta=meta, source={"run_dir": "runs/x", "metrics": {"auc": 0.8}})
+    res = export_model(trained, tmp_path / "m", "int4", data_meta=meta, source={"run_dir": "runs/x", "metrics": {"auc": 0.8}}, artifact="torchscript")
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert man == json.loads(json.dumps(res.manifest))
     assert man["sparse_features"] == FEATS
@@ -143,7 +143,7 @@ def test_manifest_describes_features_tables_quantization_and_bytes(trained, tmp_
 def test_bad_inputs_are_rejected_with_the_feature_and_sample_named(trained, tmp_path):
     from dlrmctl.inference.export import ExportError, export_model, load_exported
 
-    export_model(trained, tmp_path / "m", "int8")
+    export_model(trained, tmp_path / "m", "int8", artifact="torchscript")
     m = load_exported(tmp_path / "m")
     g = torch.Generator().manual_seed(5)
     dense, kjt = _batch(4, g)
@@ -164,10 +164,10 @@ def test_export_is_atomic_and_refuses_to_overwrite(trained, tmp_path):
     from dlrmctl.inference.quantize import QuantizationError
 
     out = tmp_path / "m"
-    export_model(trained, out, "int8")
+    export_model(trained, out, "int8", artifact="torchscript")
     before = (out / "model.pt").read_bytes()
     with pytest.raises(ExportError, match="already exists; pass --force"):
-        export_model(trained, out, "int4")
+        export_model(trained, out, "int4", artifact="torchscript")
     assert (out / "model.pt").read_bytes() == before
     # a failing export (NaN weight) leaves neither the target nor temp directories behind
     bad = type(trained)  # same class, weights copied then poisoned
@@ -177,9 +177,9 @@ def test_export_is_atomic_and_refuses_to_overwrite(trained, tmp_path):
     with torch.no_grad():
         poisoned.sparse_arch.embedding_weights()["t_c"][17, 3] = float("nan")
     with pytest.raises(QuantizationError, match=r"table 't_c', row 17: contains NaN"):
-        export_model(poisoned, tmp_path / "p", "int8")
+        export_model(poisoned, tmp_path / "p", "int8", artifact="torchscript")
     assert not (tmp_path / "p").exists()
-    export_model(trained, out, "int4", force=True)
+    export_model(trained, out, "int4", force=True, artifact="torchscript")
     assert json.loads((out / "manifest.json").read_text())["quantization"]["embeddings"] == "int4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     del bad
@@ -188,7 +188,7 @@ def test_export_is_atomic_and_refuses_to_overwrite(trained, tmp_path):
 def test_dynamic_int8_dense_layers(trained, tmp_path):
     from dlrmctl.inference.export import export_model, load_exported
 
-    res = export_model(trained, tmp_path / "m", "int8", quantize_dense=True)
+    res = export_model(trained, tmp_path / "m", "int8", quantize_dense=True, artifact="torchscript")
     assert res.manifest["quantization"]["dense"] == "dynamic_int8"
     m = load_exported(tmp_path / "m")
     code = m.module.dense_part.inlined_graph.__str__() if hasattr(m.module.dense_part, "inlined_graph") else ""
@@ -238,7 +238,7 @@ def test_export_without_fbgemm_fails_clearly(trained, tmp_path, monkeypatch):
 
     monkeypatch.setattr(_fbgemm, "HAS_FBGEMM", False)
     with pytest.raises(RuntimeError, match="dlrmctl export needs fbgemm_gpu"):
-        export_model(trained, tmp_path / "m", "int8")
+        export_model(trained, tmp_path / "m", "int8", artifact="torchscript")
     assert not (tmp_path / "m").exists()
 
 
@@ -247,7 +247,7 @@ def test_load_rejects_non_artifacts_and_truncated_models(trained, tmp_path):
 
     with pytest.raises(ExportError, match="not an exported model"):
         load_exported(tmp_path)
-    export_model(trained, tmp_path / "m", "int8")
+    export_model(trained, tmp_path / "m", "int8", artifact="torchscript")
     p = tmp_path / "m" / "model.pt"
     p.write_bytes(p.read_bytes()[:-10])
     with pytest.raises(ExportError, match="truncated"):

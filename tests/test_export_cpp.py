@@ -76,7 +76,7 @@ def test_cpp_scores_match_python_to_1e5(cpp_binary, tmp_path, dtype):
     from dlrmctl.inference.export import export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
-    export_model(_model(), tmp_path / "m", dtype, quantize_dense=(dtype == "int4"))
+    export_model(_model(), tmp_path / "m", dtype, quantize_dense=(dtype == "int4"), artifact="torchscript")
     dense, values, lengths = _inputs(257, seed=1)
     py = load_exported(tmp_path / "m").score(dense, values, lengths).numpy()
     assert float(py.std()) > 1e-3  # not a constant output
@@ -94,7 +94,7 @@ def test_cpp_reports_bad_input_and_out_of_range_ids(cpp_binary, tmp_path):
     from dlrmctl.inference.export import export_model
     from dlrmctl.inference.predict import write_cpp_input
 
-    export_model(_model(), tmp_path / "m", "int8")
+    export_model(_model(), tmp_path / "m", "int8", artifact="torchscript")
     dense, values, lengths = _inputs(4, seed=2)
     write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
     data = (tmp_path / "in.bin").read_bytes()
@@ -120,7 +120,7 @@ def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
 
     from tests.test_weighted_features import LOGIT, setup_dlrm, setup_inputs
 
-    export_model(setup_dlrm(), tmp_path / "m", "int8")
+    export_model(setup_dlrm(), tmp_path / "m", "int8", artifact="torchscript")
     dense, values, lengths, weights = setup_inputs()
     py = load_exported(tmp_path / "m").score(dense, values, lengths, weights).numpy()
     np.testing.assert_allclose(py, [1 / (1 + math.exp(-LOGIT))], rtol=0, atol=1e-6)

@@ -31,16 +31,24 @@ def export_command(
     force: bool = typer.Option(False, "--force", help="replace an existing artifact directory"),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> | <name> (default: best when "
                                                                          "the run kept one, else last)"),
+    torchscript: bool = typer.Option(False, "--torchscript", help="legacy TorchScript model.pt on FBGEMM's IntNBit TBE "
+                                                                  "instead of the torch.export model.pt2"),
+    aot: bool = typer.Option(False, "--aot", help="also an AOTInductor package (model_aoti.pt2) for C++ "
+                                                  "(AOTIModelPackageLoader); compiles for tens of seconds"),
+    parity_split: str = typer.Option("val", "--parity-split", help="split of --data for the parity report"),
 ) -> None:
-    """Export a checkpoint of RUN_DIR (the best by default) as TorchScript + manifest.json, embeddings on FBGEMM's IntNBit TBE."""
+    """Export a checkpoint of RUN_DIR (the best by default) as a torch.export program (model.pt2) + manifest.json."""
     chosen = [n for n, f in (("int8", int8), ("int4", int4), ("fp16", fp16), ("fp32", fp32)) if f]
     if len(chosen) != 1:
         _fail("choose exactly one of --int8, --int4, --fp16, --fp32")
+    if aot and torchscript:
+        _fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
     from dlrmctl.inference.export import export_run
 
     try:
         res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force,
-                         checkpoint=checkpoint)
+                         checkpoint=checkpoint, artifact="torchscript" if torchscript else "pt2", aot=aot,
+                         parity_split=parity_split)
     except RuntimeError as e:  # fbgemm_gpu missing (user errors: dlrmctl.cli reports them)
         if isinstance(e, UserError):
             raise
@@ -57,7 +65,25 @@ def export_command(
                f"{res.embedding_bytes:,} bytes = {res.embedding_bytes / max(res.embedding_bytes_fp32, 1):.3f}x fp32 "
                f"{res.embedding_bytes_fp32:,})")
     typer.echo(f"  dense        {m['quantization']['dense']}")
-    typer.echo(f"  model.pt     {m['model_bytes']:,} bytes")
+    for rel, rec in (m.get("files") or {}).items():
+        typer.echo(f"  {rel:<14} {rec['bytes']:,} bytes")
+    _print_parity(m.get("parity") or {})
+
+
+def _print_parity(p: dict) -> None:
+    """The parity report (manifest["parity"]) as a few lines."""
+    if p.get("artifact"):
+        line = f"  parity       {p['split']} ({p['rows']:,} rows): AUC {p['artifact']['auc']:.6f}, logloss {p['artifact']['logloss']:.6f}"
+        if p.get("float"):
+            line += (f"; float AUC {p['float']['auc']:.6f}, logloss {p['float']['logloss']:.6f}; "
+                     f"max |dlogit| {p['max_abs_dlogit']:.3g}")
+        typer.echo(line)
+    lat = p.get("latency_ms") or {}
+    if lat:
+        typer.echo("  latency ms   " + ", ".join(f"B={b}: p50 {v['p50']:.3f} p99 {v['p99']:.3f}" for b, v in lat.items())
+                   + f" ({p.get('threads')} threads)")
+    if p.get("note"):
+        typer.echo(f"  note         {p['note']}")
 
 
 def predict_command(

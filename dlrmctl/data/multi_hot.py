@@ -6,7 +6,7 @@ import numpy as np
 
 MULTI_HOT_CACHE_VECTORS = 1024  # rows of the cached offset table (MLPerf DLRMv2 multi_hot.py)
 
-__all__ = ["MULTI_HOT_CACHE_VECTORS", "multi_hot_expand"]
+__all__ = ["MULTI_HOT_CACHE_VECTORS", "multi_hot_expand", "multi_hot_offsets"]
 
 
 def multi_hot_expand(ids: np.ndarray, num_embeddings: int, size: int,
@@ -47,15 +47,21 @@ def multi_hot_expand(ids: np.ndarray, num_embeddings: int, size: int,
     lengths = np.full(n, size, dtype=np.int64)
     if size == 1:
         return ids.copy(), lengths
-    rng = np.random.default_rng(seed)
-    shape = (MULTI_HOT_CACHE_VECTORS, size - 1)
-    if distribution == "uniform":
-        offsets = rng.integers(0, num_embeddings, size=shape, dtype=np.int64)
-    else:
-        p = np.minimum(rng.pareto(0.25, size=shape), float(1 << 62))
-        offsets = p.astype(np.int64) % num_embeddings
+    offsets = multi_hot_offsets(num_embeddings, size, distribution, seed)
     out = np.empty((n, size), dtype=np.int64)
     out[:, 0] = ids
     out[:, 1:] = (ids[:, None] + offsets[ids % MULTI_HOT_CACHE_VECTORS]) % num_embeddings
     return out.reshape(-1), lengths
 
+
+
+def multi_hot_offsets(num_embeddings: int, size: int, distribution: str = "uniform", seed: int = 0) -> np.ndarray:
+    """The cached offset table of :func:`multi_hot_expand`: ``[1024, size - 1]`` int64 in
+    ``[0, num_embeddings)`` (id ``i``'s bag is ``i`` then ``(i + offsets[i % 1024]) % num_embeddings``).
+    The exported inference program carries it to expand one-hot ids the same way."""
+    rng = np.random.default_rng(seed)
+    shape = (MULTI_HOT_CACHE_VECTORS, size - 1)
+    if distribution == "uniform":
+        return rng.integers(0, num_embeddings, size=shape, dtype=np.int64)
+    p = np.minimum(rng.pareto(0.25, size=shape), float(1 << 62))
+    return p.astype(np.int64) % num_embeddings

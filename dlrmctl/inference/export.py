@@ -94,7 +94,11 @@ from dlrmctl import outputs
 from dlrmctl.errors import UserError
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
+    TBE_DIM_ALIGN,
     empty_intnbit_tbe,
+    pad_columns,
+    padded_dim,
+    quantize_table,
     require_fbgemm,
     tbe_row_bytes,
     tbe_storage_bytes,
@@ -107,7 +111,13 @@ log = logging.getLogger("dlrmctl.export")
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
-MODEL_FILE = "model.pt"
+MODEL_FILE = "model.pt"  # TorchScript (--torchscript)
+PROGRAM_FILE = "model.pt2"  # torch.export program (default)
+AOTI_FILE = "model_aoti.pt2"  # AOTInductor package (--aot)
+ARTIFACTS = ("pt2", "torchscript")
+#: The export parity report builds the float model only up to this many bytes of float32 tables
+#: (export itself holds one table at a time; see benchmarks/export.md, peak memory).
+PARITY_FLOAT_BYTES = 1 << 30
 
 __all__ = [
     "ExportError",
@@ -115,6 +125,8 @@ __all__ = [
     "ExportedModel",
     "MANIFEST_FILE",
     "MODEL_FILE",
+    "PROGRAM_FILE",
+    "AOTI_FILE",
     "evaluate_exported",
     "export_model",
     "export_run",
@@ -162,7 +174,7 @@ class ExportedDLRM(nn.Module):
         dense_part: traced :class:`_DensePart` (fp32 or dynamic-int8).
         feature_names: sparse features in input order (``F``).
         feature_rows: rows of each lookup's table ``[L]`` (a lookup = one (table, feature)).
-        feature_dims: dims of each lookup's table ``[L]``.
+        feature_dims: dims of each lookup's table in the TBE ``[L]`` (padded to its alignment).
         feature_mean: per lookup, mean pooling (divide by the bag's valid ids; empty bag -> 0).
         num_dense: ``D_in``.
         lookup_src: input feature index of each lookup (default: lookup ``i`` reads feature ``i``).
@@ -171,6 +183,8 @@ class ExportedDLRM(nn.Module):
         feature_weighted: per input feature (``F``), its per-id weights are used (default:
             none; then the module takes no weights).  A feature feeding several tables is
             weighted in all of them or in none (config validation).
+        keep_cols: the TBE output columns of the real dims, when tables were padded (the
+            pooled output ``[B, sum padded dims]`` is sliced to them); None: no padding.
     """
 
     def __init__(
@@ -186,6 +200,7 @@ class ExportedDLRM(nn.Module):
         lookup_tables: Sequence[str] | None = None,
         on_invalid_id: str = "error",
         feature_weighted: Sequence[bool] | None = None,
+        keep_cols: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.tbe = tbe
@@ -209,6 +224,9 @@ class ExportedDLRM(nn.Module):
         self.register_buffer("feature_dims", torch.tensor(list(feature_dims), dtype=torch.int64))
         self.register_buffer("feature_mean", torch.tensor(list(feature_mean), dtype=torch.bool))
         self.register_buffer("feature_weighted", torch.tensor(fw, dtype=torch.bool))
+        # tables padded to the TBE's dim alignment: the pooled columns of the real dims
+        self.sliced = keep_cols is not None
+        self.register_buffer("keep_cols", torch.tensor(list(keep_cols or []), dtype=torch.int64))
 
     def forward(
         self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None
@@ -315,6 +333,8 @@ class ExportedDLRM(nn.Module):
             lens = lengths.view(self.num_lookups, B).t().to(pooled.dtype)
             div = torch.where(self.feature_mean, lens.clamp(min=1.0), torch.ones_like(lens))
             pooled = pooled / torch.repeat_interleave(div, self.feature_dims, dim=1)
+        if self.sliced:
+            pooled = pooled.index_select(1, self.keep_cols)
         return pooled
 
 
@@ -454,6 +474,10 @@ def export_model(
     weighted_features: Sequence[str] | None = None,
     data_record: dict | None = None,
     load_table: Callable[[Any], torch.Tensor] | None = None,
+    artifact: str = "pt2",
+    aot: bool = False,
+    multi_hot: dict | None = None,
+    parity: Callable[[Any], dict] | None = None,
 ) -> ExportResult:
     """Write the inference artifact of ``model`` to ``out_dir`` (atomically).
 
@@ -489,21 +513,37 @@ def export_model(
             one table (:class:`~dlrmctl.modules.embedding_configs.EmbeddingBagConfig`), called
             once per table in table order, the result dropped once quantized (e.g.
             :func:`dlrmctl.train.reload.load_table_weight`).  None: the model's own weights.
+        artifact: ``pt2`` (default): a ``torch.export`` program, ``model.pt2``
+            (:mod:`dlrmctl.inference.program`); ``torchscript`` (legacy): ``model.pt`` on FBGEMM's
+            IntNBit TBE.  Either way every embedding dim exports: TBE tables are padded to
+            :data:`~dlrmctl.inference.quantize.TBE_DIM_ALIGN` and the pooled output sliced back.
+        aot: also an AOTInductor package ``model_aoti.pt2`` of the program (``pt2`` only) for
+            C++ (``AOTIModelPackageLoader``); compiling takes tens of seconds.
+        multi_hot: the training loader's multi-hot expansion ``{"multi_hot_sizes": {feature:
+            size}, "multi_hot_distribution", "multi_hot_seed"}`` (with ``data_meta`` for the rows
+            and feature order); the ``pt2`` program expands one-hot ids itself.
+        parity: ``parity(loaded ExportedModel) -> dict`` run on the finished artifact before it is
+            swapped in (e.g. :func:`dlrmctl.inference.parity.parity_report`); its result is
+            stored as ``manifest["parity"]``.
 
     Returns:
         :class:`ExportResult`.
 
     Raises:
         RuntimeError: fbgemm_gpu is not installed (no fallback).
-        QuantizationError: NaN/inf weights (table and row named), fp16 overflow, dims not
-            multiple of 4.
+        QuantizationError: NaN/inf weights (table and row named), fp16 overflow.
         ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part,
             ``weighted_features`` that are not the model's features or disagree with its EBC
             (weights given to an unweighted EBC, or none for a weighted one).
     """
-    require_fbgemm("dlrmctl export")
     if embedding_dtype not in EMBEDDING_DTYPES:
         raise ExportError(f"embedding dtype must be one of {list(EMBEDDING_DTYPES)}, got {embedding_dtype!r}")
+    if artifact not in ARTIFACTS:
+        raise ExportError(f"artifact must be one of {list(ARTIFACTS)}, got {artifact!r}")
+    if aot and artifact != "pt2":
+        raise ExportError("--aot compiles the torch.export program; it cannot be combined with --torchscript")
+    if artifact == "torchscript":
+        require_fbgemm("dlrmctl export")  # --torchscript: FBGEMM TBE
     out = Path(out_dir)
     _check_out(out, force)
     ebc = model.sparse_arch
@@ -535,14 +575,6 @@ def export_model(
             raise ExportError(f"tables {on_meta} are on the meta device (no weights): pass load_table, "
                               "or materialize the model and load its checkpoint first")
     ftm = [i for i, t in enumerate(tables) for _ in t.feature_names]
-    tbe = empty_intnbit_tbe([(t.name, t.num_embeddings, t.embedding_dim, embedding_dtype) for t in tables], ftm, "cpu")
-    for i, t in enumerate(tables):  # one table at a time: load, quantize into the TBE, drop
-        w = load_table(t) if load_table is not None else weights[t.name]
-        if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
-            raise ExportError(f"table '{t.name}': weight shape {tuple(w.shape)} != ({t.num_embeddings}, {t.embedding_dim})")
-        write_intnbit_table(tbe, i, w.detach().cpu(), embedding_dtype, t.name)
-        del w
-
     dims = [t.embedding_dim for t in tables for _ in t.feature_names]
     num_dense = model.dense_arch.model.model[0].in_features
     # only the dense part is copied (never the tables: they may be on the meta device)
@@ -554,31 +586,71 @@ def export_model(
             warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
             part = torch.ao.quantization.quantize_dynamic(part, {nn.Linear}, dtype=torch.qint8)
         dense_mode = "dynamic_int8"
-    traced = _trace_dense(part, num_dense, sum(dims))
-    module = ExportedDLRM(
-        tbe,
-        traced,
-        feature_names,
-        [t.num_embeddings for t in tables for _ in t.feature_names],
-        dims,
-        [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names],
-        num_dense,
-        lookup_src,
-        [t.name for t in tables for _ in t.feature_names],
-        policy,
-        [f in wf for f in feature_names],
-    ).eval()
-    with _quiet_jit():
-        scripted = torch.jit.script(module)
+    lookup_rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+    lookup_mean = [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names]
+    lookup_tables = [t.name for t in tables for _ in t.feature_names]
+    if artifact == "pt2":
+        from dlrmctl.inference.program import InferenceProgram, export_program
 
-    stored = tbe_storage_bytes(tbe)
+        qtables = []
+        for t in tables:  # one table at a time: load, quantize (int4 odd dims: one pad code), drop
+            w = _table_weight(t, load_table, weights)
+            pd = padded_dim(t.embedding_dim, 2) if embedding_dtype == "int4" else t.embedding_dim
+            q = quantize_table(pad_columns(w.detach().cpu(), pd), embedding_dtype, t.name)
+            q.embedding_dim = t.embedding_dim  # the program reads only the real columns
+            qtables.append(q)
+            del w
+        program = InferenceProgram(
+            qtables, ftm, lookup_src, lookup_mean, list(zip(lookup_tables, [f for t in tables for f in t.feature_names])),
+            part, feature_names, num_dense, policy, [f in wf for f in feature_names],
+            _multi_hot_tables(multi_hot, data_meta, feature_names))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                saved: Any = export_program(program, num_dense)
+        except Exception as e:  # torch.export refusing the dense part (e.g. an untraceable custom interaction)
+            raise ExportError(
+                f"torch.export cannot trace this model ({type(e).__name__}: {str(e).strip().splitlines()[0]}); "
+                "export it as TorchScript with --torchscript") from None
+        stored = sum(_qtable_bytes(q) for q in qtables)
+        row_align = 1
+        kernel = ("torch.export program of ATen ops (gather + row-wise dequantize + index_add; "
+                  "dlrmctl.inference.program)")
+    else:
+        align = TBE_DIM_ALIGN[embedding_dtype]
+        pdims = [padded_dim(t.embedding_dim, align) for t in tables]
+        tbe = empty_intnbit_tbe([(t.name, t.num_embeddings, p, embedding_dtype) for t, p in zip(tables, pdims)],
+                                ftm, "cpu")
+        for i, t in enumerate(tables):  # one table at a time: load, quantize into the TBE, drop
+            w = _table_weight(t, load_table, weights)
+            write_intnbit_table(tbe, i, pad_columns(w.detach().cpu(), pdims[i]), embedding_dtype, t.name)
+            del w
+        lookup_pdims = [pdims[i] for i in ftm]
+        keep = None
+        if lookup_pdims != dims:  # padded: keep each lookup's first `dim` columns of its padded block
+            starts = [sum(lookup_pdims[:i]) for i in range(len(dims))]
+            keep = [s0 + c for s0, d in zip(starts, dims) for c in range(d)]
+        traced = _trace_dense(part, num_dense, sum(dims))
+        module = ExportedDLRM(
+            tbe, traced, feature_names, lookup_rows, lookup_pdims, lookup_mean, num_dense, lookup_src,
+            lookup_tables, policy, [f in wf for f in feature_names], keep,
+        ).eval()
+        with _quiet_jit():
+            saved = torch.jit.script(module)
+        stored = tbe_storage_bytes(tbe)
+        row_align = tbe.row_alignment
+        kernel = "fbgemm IntNBitTableBatchedEmbeddingBagsCodegen (SUM pooling, fp32 output)"
     fp32_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
     table_entries = []
     for t in tables:
-        rb = tbe_row_bytes(t.embedding_dim, embedding_dtype, tbe.row_alignment)
+        sd = padded_dim(t.embedding_dim, TBE_DIM_ALIGN[embedding_dtype] if artifact == "torchscript" else
+                        (2 if embedding_dtype == "int4" else 1))
+        rb = tbe_row_bytes(sd, embedding_dtype, row_align)
+        if artifact == "pt2" and embedding_dtype in ("int8", "int4"):
+            rb += 4  # float32 scale + bias (the fp16 values, widened) instead of fp16
         table_entries.append({
             "name": t.name, "features": list(t.feature_names), "num_embeddings": t.num_embeddings,
-            "embedding_dim": t.embedding_dim, "pooling": t.pooling.value,
+            "embedding_dim": t.embedding_dim, "stored_dim": sd, "pooling": t.pooling.value,
             "weighted": any(f in wf for f in t.feature_names), "dtype": embedding_dtype,
             "row_bytes": rb, "bytes": rb * t.num_embeddings,
         })
@@ -588,7 +660,8 @@ def export_model(
         raise ExportError(f"data meta lists {len(dense_names)} dense features but the model takes {num_dense}")
     manifest: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        "model_file": MODEL_FILE,
+        "artifact": artifact,
+        "model_file": PROGRAM_FILE if artifact == "pt2" else MODEL_FILE,
         "inputs": {
             "dense": {"shape": ["B", num_dense], "dtype": "float32", "features": dense_names},
             "values": {"shape": ["N"], "dtype": "int64", "layout": "key-major ids of all bags"},
@@ -597,7 +670,12 @@ def export_model(
                             "layout": "one per id, aligned with values; required; entries of features not in "
                                       "'features' are ignored (1.0)"}} if wf else {}),
         },
-        "output": {"shape": ["B"], "dtype": "float32", "meaning": "sigmoid(logit): click probability"},
+        "output": {"shape": ["B"], "dtype": "float32", "meaning": "sigmoid(logit): click probability"}
+        if artifact == "torchscript" else
+        {"shape": [["B"], ["B"]], "dtype": "float32", "meaning": "(scores = sigmoid(logit), logits)"},
+        "dynamic": {"batch": [1, 1 << 24], "ids": [0, 1 << 31]} if artifact == "pt2" else None,
+        "in_program": (["dense_standardize", "on_invalid_id", "multi_hot"] if artifact == "pt2" else
+                       ["dense_standardize", "on_invalid_id"]),
         "dense_features": dense_names,
         "sparse_features": feature_names,
         "weighted_features": wf,
@@ -612,7 +690,9 @@ def export_model(
             "formula": "bias = fp16_down(min(row)); scale = fp16_up((max(row) - bias) / (2^bits - 1)); "
                        "q = clamp(round((x - bias) / scale), 0, 2^bits - 1) (q = 0 if scale == 0); x' = q*scale + bias",
             "source": "FBGEMM FloatToFusedNBitRowwiseQuantizedSBHalf / IntNBitTableBatchedEmbeddingBagsCodegen row layout",
-            "kernel": "fbgemm IntNBitTableBatchedEmbeddingBagsCodegen (SUM pooling, fp32 output)",
+            "kernel": kernel,
+            "padding": "rows padded to the kernel's dim alignment with the row's minimum (scale and bias "
+                       "unchanged), pooled output sliced back to the real dims",
         },
         "embedding_bytes": {"stored": stored, "fp32": fp32_bytes, "ratio": stored / fp32_bytes if fp32_bytes else None},
         "preprocessing": None,
@@ -622,7 +702,7 @@ def export_model(
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     try:
-        return _write_artifact(out, force, meta, data_dir, manifest, scripted, stored, fp32_bytes)
+        return _write_artifact(out, force, meta, data_dir, manifest, saved, stored, fp32_bytes, aot, parity)
     except OSError as e:
         err = outputs.place_error(e, out, "free space or --out a writable directory, then export again")
         if err is None:
@@ -630,9 +710,75 @@ def export_model(
         raise ExportError(str(err)) from None
 
 
+def _table_weight(t: Any, load_table: Callable[[Any], torch.Tensor] | None, weights: dict) -> torch.Tensor:
+    """Table ``t``'s float weights (from ``load_table`` or the model), shape-checked."""
+    w = load_table(t) if load_table is not None else weights[t.name]
+    if tuple(w.shape) != (t.num_embeddings, t.embedding_dim):
+        raise ExportError(f"table '{t.name}': weight shape {tuple(w.shape)} != ({t.num_embeddings}, {t.embedding_dim})")
+    return w
+
+
+def _qtable_bytes(q: Any) -> int:
+    """Bytes a quantized table takes in the program (codes + float32 scale/bias)."""
+    n = q.data.numel() * q.data.element_size()
+    return n + (q.num_embeddings * 8 if q.scale is not None else 0)
+
+
+def _multi_hot_tables(multi_hot: dict | None, data_meta: dict | None,
+                      feature_names: Sequence[str]) -> list | None:
+    """Per input feature ``(rows, offsets [1024, size-1])`` of the loader's multi-hot expansion
+    (same rows, seed and distribution as :class:`dlrmctl.data.loader.BatchLoader`), or None."""
+    sizes = (multi_hot or {}).get("multi_hot_sizes") or {}
+    if not any(int(v) > 1 for v in sizes.values()):
+        return None
+    from dlrmctl.data.multi_hot import multi_hot_offsets
+
+    sparse = list((data_meta or {}).get("sparse_features") or [])
+    names = [f["name"] for f in sparse]
+    out: list = []
+    for f in feature_names:
+        size = int(sizes.get(f, 1))
+        if size <= 1:
+            out.append(None)
+            continue
+        if f not in names:
+            raise ExportError(f"multi-hot feature '{f}' is not in the data meta's sparse features {names}")
+        rows = int(sparse[names.index(f)]["num_embeddings"])
+        seed = int(multi_hot.get("multi_hot_seed", 0)) + names.index(f)
+        off = multi_hot_offsets(rows, size, multi_hot.get("multi_hot_distribution", "uniform"), seed)
+        out.append((rows, torch.from_numpy(off)))
+    return out
+
+
+def _compile_aoti(ep: Any, path: Path) -> None:
+    """AOTInductor package of the exported program at ``path`` (CPU; the program's buffers inside).
+
+    Raises:
+        ExportError: no C++ compiler, or Inductor failed (its first line).
+    """
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        raise ExportError("--aot compiles C++ with the system compiler; none found (install g++), or export "
+                          "without --aot")
+    import torch._inductor
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    except OSError:
+        raise
+    except Exception as e:
+        raise ExportError(f"AOTInductor failed to compile the program ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+
 def _write_artifact(out: Path, force: bool, meta: dict | None, data_dir: Any, manifest: dict,
-                    scripted: torch.jit.ScriptModule, stored: int, fp32_bytes: int) -> "ExportResult":
-    """Write the artifact directory (vocabularies, model.pt, manifest.json) through :func:`_atomic_dir`."""
+                    saved: Any, stored: int, fp32_bytes: int, aot: bool = False,
+                    parity: Callable[[Any], dict] | None = None) -> "ExportResult":
+    """Write the artifact directory (vocabularies, model.pt or model.pt2 [+ model_aoti.pt2],
+    manifest.json) through :func:`_atomic_dir`; every model file is listed in
+    ``manifest["files"]`` with its size and SHA-256.  ``parity`` runs on the written artifact
+    (loaded back, its hashes checked) before the swap."""
     with _atomic_dir(out, force) as tmp:
         if meta:
             vocab_files = {}
@@ -660,16 +806,31 @@ def _write_artifact(out: Path, force: bool, meta: dict | None, data_dir: Any, ma
                 "meta": {k: v for k, v in meta.items() if k not in ("splits", "vocab_files")},
             }
         buf = io.BytesIO()  # serialised in memory: TorchScript's C++ writer aborts the process on a full disk
-        with _quiet_jit():
-            torch.jit.save(scripted, buf)
+        model_file = manifest["model_file"]
+        if manifest["artifact"] == "pt2":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                torch.export.save(saved, buf)
+        else:
+            with _quiet_jit():
+                torch.jit.save(saved, buf)
         data = buf.getbuffer()
         free = shutil.disk_usage(tmp).free
         if free < len(data):
-            raise OSError(errno.ENOSPC, f"{len(data):,} bytes needed, {free:,} free", str(tmp / MODEL_FILE))
-        _write_bytes(tmp / MODEL_FILE, data)
+            raise OSError(errno.ENOSPC, f"{len(data):,} bytes needed, {free:,} free", str(tmp / model_file))
+        _write_bytes(tmp / model_file, data)
         manifest["model_bytes"] = len(data)
         manifest["model_sha256"] = hashlib.sha256(data).hexdigest()
-        del data
+        manifest["files"] = {model_file: {"bytes": len(data), "sha256": manifest["model_sha256"]}}
+        del data, buf
+        manifest["aoti_package"] = None
+        if aot:
+            _compile_aoti(saved, tmp / AOTI_FILE)
+            manifest["aoti_package"] = AOTI_FILE
+            manifest["files"][AOTI_FILE] = {"bytes": (tmp / AOTI_FILE).stat().st_size, "sha256": _sha256(tmp / AOTI_FILE)}
+        if parity is not None:
+            _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
+            manifest["parity"] = parity(load_exported(tmp))
         _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
     return ExportResult(out, manifest, stored, fp32_bytes)
 
@@ -698,6 +859,9 @@ def export_run(
     quantize_dense: bool = False,
     force: bool = False,
     checkpoint: str | None = None,
+    artifact: str = "pt2",
+    aot: bool = False,
+    parity_split: str | None = "val",
 ) -> ExportResult:
     """Export a checkpoint of a training run (``dlrmctl export``): ``checkpoint`` ``best``, ``last``,
     a step, or None (best when the run kept one, else last).
@@ -716,7 +880,10 @@ def export_run(
         embedding_dtype: ``fp32`` | ``fp16`` | ``int8`` | ``int4``.
         out_dir: default ``<run_dir>/export-<dtype>`` (``-dq`` appended with ``quantize_dense``).
         data_dir: preprocessed data dir holding the vocabularies (default: the run's ``data.path``).
-        quantize_dense, force: see :func:`export_model`.
+        quantize_dense, force, artifact, aot: see :func:`export_model`.
+        parity_split: split of ``data_dir`` for the parity report (AUC / logloss vs the float
+            model, max |Δlogit|, latency; :func:`dlrmctl.inference.parity.parity_report`) stored
+            in the manifest; None, or data without that split: latency only, on synthetic ids.
 
     Raises:
         TrainError / CheckpointError: not a run directory, no such checkpoint, or the chosen
@@ -725,7 +892,8 @@ def export_run(
         DataMismatchError: ``data_dir`` holds other data than the run was trained on.
         plus everything :func:`export_model` raises.
     """
-    require_fbgemm("dlrmctl export")
+    if artifact == "torchscript":
+        require_fbgemm("dlrmctl export")  # --torchscript: FBGEMM TBE
     from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
     from dlrmctl.train.checkpoint import read_checkpoint
@@ -757,10 +925,23 @@ def export_run(
             "multi_hot": {k: v for k, v in multi_hot_kwargs(cfg, meta).items() if k.startswith("multi_hot")},
         }
         data_record = {"meta": meta, "fingerprint": data_fingerprint(meta), "source": str(recorded)}
+        from dlrmctl.inference.parity import parity_report
+
+        fp32_total = sum(t.num_embeddings * t.embedding_dim * 4 for t in model.sparse_arch.embedding_bag_configs())
+
+        def reference() -> nn.Module:  # the float model: this checkpoint, its tables materialised
+            return load_trained_model_with_checkpoint(str(run), device="cpu", compute_kernel="dense",
+                                                      checkpoint=ckpt_path)[1]
+
+        def parity(m: ExportedModel) -> dict:
+            return parity_report(m, reference if fp32_total <= PARITY_FLOAT_BYTES else None,
+                                 vocab_dir if parity_split else None, parity_split or "val", source["multi_hot"])
+
         return export_model(
             model, out, embedding_dtype, data_meta=meta, data_dir=vocab_dir, source=source,
             quantize_dense=quantize_dense, force=force, weighted_features=weighted_features(cfg),
             data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta, dcp_md),
+            artifact=artifact, aot=aot, multi_hot=source["multi_hot"], parity=parity,
         )
 
     # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
@@ -769,12 +950,14 @@ def export_run(
 
 # ----------------------------------------------------------------------------- loading
 class ExportedModel:
-    """A loaded artifact: the scripted module plus its manifest.
+    """A loaded artifact (TorchScript module or torch.export program) plus its manifest.
 
     Attributes:
         model_dir: the artifact directory.
         manifest: the parsed manifest.
-        module: the ``torch.jit.ScriptModule``.
+        module: the ``torch.jit.ScriptModule`` (``artifact`` ``torchscript``) or the program's
+            ``ExportedProgram.module()`` (``pt2``: returns ``(scores, logits)``).
+        artifact: ``pt2`` | ``torchscript`` (``manifest["artifact"]``; older manifests: torchscript).
         feature_names: sparse features in input order.
         weighted_features: features whose per-id weights the model uses (empty: it takes none).
         num_dense: ``D_in``.
@@ -785,6 +968,7 @@ class ExportedModel:
         self.model_dir = model_dir
         self.manifest = manifest
         self.module = module
+        self.artifact = manifest.get("artifact", "torchscript")
         self.device = torch.device(device)
         self.feature_names: list[str] = list(manifest["sparse_features"])
         self.weighted_features: list[str] = list(manifest.get("weighted_features") or [])
@@ -800,6 +984,8 @@ class ExportedModel:
         Raises:
             ExportError: inputs rejected by the module (message from the module).
         """
+        if self.artifact == "pt2":
+            return self._call(self.module, dense, values, lengths, weights)[0]
         return self._call(self.module, dense, values, lengths, weights)
 
     def score_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
@@ -817,6 +1003,8 @@ class ExportedModel:
         Raises:
             ExportError: inputs rejected by the module (message from the module).
         """
+        if self.artifact == "pt2":
+            return self._call(self.module, dense, values, lengths, weights)[1]
         return self._call(self.module.logits, dense, values, lengths, weights)
 
     def _call(self, fn: Any, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -825,16 +1013,48 @@ class ExportedModel:
         a rejected input becomes an :class:`ExportError` carrying the module's own message."""
         dev = self.device
         dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
+        if self.artifact == "pt2":
+            self._check_program_inputs(dense, values, lengths, weights)
         try:
             if weights is None:  # the 3-input call every artifact accepts
                 return fn(dense, values, lengths)
             return fn(dense, values, lengths, weights.to(dev))
-        except (RuntimeError, torch.jit.Error) as e:
-            lines = str(e).strip().splitlines()
+        except (RuntimeError, AssertionError, ValueError, torch.jit.Error) as e:
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            if self.artifact == "pt2":  # aten._assert_async: the message is on the first line
+                lines = [next((ln for ln in lines if "out of range" in ln or "lengths" in ln),
+                              lines[0] if lines else str(e))]
             msg = lines[-1] if lines else str(e)
             for prefix in ("builtins.ValueError: ", "RuntimeError: "):
                 msg = msg.removeprefix(prefix)
             raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
+
+    def _check_program_inputs(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+                              weights: torch.Tensor | None) -> None:
+        """The torch.export program's input contract, checked with messages like the TorchScript
+        module's (the program itself guards shapes too, with terser messages)."""
+        F = len(self.feature_names)
+        if dense.dim() != 2 or dense.size(1) != self.num_dense or dense.dtype != torch.float32:
+            raise ExportError(f"{self.model_dir}: bad model input: dense must be [B, {self.num_dense}] float32, got "
+                              f"shape {list(dense.shape)} {dense.dtype}")
+        if values.dtype != torch.int64 or lengths.dtype != torch.int64 or values.dim() != 1 or lengths.dim() != 1:
+            raise ExportError(f"{self.model_dir}: bad model input: values and lengths must be 1-d int64")
+        B = dense.size(0)
+        if B < 1:
+            raise ExportError(f"{self.model_dir}: bad model input: the batch is empty (B = 0)")
+        if lengths.numel() != F * B:
+            raise ExportError(f"{self.model_dir}: bad model input: lengths must have num_features * B = {F} * {B} "
+                              f"entries (key-major), got {lengths.numel()}")
+        if weights is None and self.weighted_features:
+            raise ExportError(f"{self.model_dir}: bad model input: this model has weighted features "
+                              f"{self.weighted_features}: pass weights [N] float32, one per id aligned with values")
+        if weights is not None:
+            if not self.weighted_features:
+                raise ExportError(f"{self.model_dir}: bad model input: this model has no weighted features (it was "
+                                  "trained without per-id weights); it takes no weights, they would be ignored")
+            if weights.dtype != torch.float32 or weights.dim() != 1 or weights.numel() != values.numel():
+                raise ExportError(f"{self.model_dir}: bad model input: weights must be [N] float32 with N = "
+                                  f"len(values) = {values.numel()}, got shape {list(weights.shape)} {weights.dtype}")
 
     def logits_kjt(self, dense: torch.Tensor, kjt: Any) -> torch.Tensor:
         """Logits ``[B]`` float32 of ``dense [B, D_in]`` + a KeyedJaggedTensor (any key order;
@@ -850,15 +1070,16 @@ class ExportedModel:
 
 
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
-    """Load ``model_dir/manifest.json`` and ``model.pt`` onto ``device`` (``cpu``, or ``cuda[:i]``:
+    """Load ``model_dir/manifest.json`` and its model -- ``model.pt2`` (``torch.export.load``; needs
+    no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device`` (``cpu``, or ``cuda[:i]``:
     the quantized TBE's tables and the dense part are mapped to the GPU; needs fbgemm_gpu's
     CUDA build; not run on a GPU yet).
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
             missing, of another size than recorded (truncated copy) or with another SHA-256 than
-            ``manifest["model_sha256"]`` (damaged; hashed in 4 MiB chunks).
-        RuntimeError: fbgemm_gpu missing (its operators are needed to run the module).
+            recorded (``manifest["files"]``, every model file; damaged; hashed in 4 MiB chunks).
+        RuntimeError: fbgemm_gpu missing for a TorchScript artifact (its operators run the module).
     """
     d = Path(model_dir)
     mpath = d / MANIFEST_FILE
@@ -870,26 +1091,40 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
         raise ExportError(f"{mpath}: corrupt manifest: {e}") from None
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{mpath}: format_version {manifest.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
+    artifact = manifest.get("artifact", "torchscript")
+    if artifact not in ARTIFACTS:
+        raise ExportError(f"{mpath}: artifact {artifact!r} is not one of {list(ARTIFACTS)}")
     model_path = d / manifest.get("model_file", MODEL_FILE)
-    if not model_path.is_file():
-        raise ExportError(f"{model_path}: missing")
-    if "model_bytes" in manifest and model_path.stat().st_size != manifest["model_bytes"]:
-        raise ExportError(
-            f"{model_path}: {model_path.stat().st_size} bytes but the manifest records {manifest['model_bytes']}; truncated copy?"
-        )
-    want = manifest.get("model_sha256")
-    if want:
-        got = _sha256(model_path)
-        if got != want:
-            raise ExportError(
-                f"{model_path}: SHA-256 {got} differs from {want} recorded in {mpath}: the file is damaged or "
-                "was changed after export; export the run again (`dlrmctl export RUN_DIR --force --out "
-                f"{d}`) or copy the artifact again"
-            )
-    require_fbgemm(f"loading {model_path}")
+    files = dict(manifest.get("files") or {})
+    if not files:  # manifests before "files": the model file alone
+        files = {model_path.name: {"bytes": manifest.get("model_bytes"), "sha256": manifest.get("model_sha256")}}
+    for rel, rec in files.items():  # every artifact file the manifest lists: present, same size and SHA-256
+        f = d / rel
+        if not f.is_file():
+            raise ExportError(f"{f}: missing")
+        if rec.get("bytes") is not None and f.stat().st_size != rec["bytes"]:
+            raise ExportError(f"{f}: {f.stat().st_size} bytes but the manifest records {rec['bytes']}; truncated copy?")
+        want = rec.get("sha256")
+        if want:
+            got = _sha256(f)
+            if got != want:
+                raise ExportError(
+                    f"{f}: SHA-256 {got} differs from {want} recorded in {mpath}: the file is damaged or "
+                    "was changed after export; export the run again (`dlrmctl export RUN_DIR --force --out "
+                    f"{d}`) or copy the artifact again"
+                )
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExportError(f"{model_path}: device {device} requested but CUDA is not available")
+    if artifact == "pt2":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.load(str(model_path))
+        module = ep.module()
+        if device.type != "cpu":
+            module = module.to(device)
+        return ExportedModel(d, manifest, module, device)
+    require_fbgemm(f"loading {model_path}")
     with _quiet_jit():
         module = torch.jit.load(str(model_path), map_location=device)
     module.eval()
@@ -942,7 +1177,8 @@ def evaluate_exported(
     split_rows(dmeta, str(data_dir), split)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names,
                          weighted_features=m.weighted_features,
-                         **(m.manifest.get("source") or {}).get("multi_hot", {}))
+                         **({} if "multi_hot" in (m.manifest.get("in_program") or [])
+                            else (m.manifest.get("source") or {}).get("multi_hot", {})))
     logits, labels = [], []
     bar = Progress(len(loader), f"eval {split}", "batch", enabled=progress, final_line=False, leave=False)
     for batch in loader:

@@ -343,8 +343,9 @@ def empty_intnbit_tbe(
 
     Raises:
         RuntimeError: fbgemm_gpu missing (see :func:`require_fbgemm`).
-        QuantizationError: a dim that is not a multiple of 4 (FBGEMM TBE requirement), an
-            unknown dtype.
+        QuantizationError: a dim that is not a multiple of :data:`TBE_DIM_ALIGN` (FBGEMM TBE
+            requirement; :func:`dlrmctl.inference.export.export_model` pads every table to it),
+            an unknown dtype.
     """
     require_fbgemm("building an IntNBit TBE")
     from fbgemm_gpu.split_embedding_configs import SparseType
@@ -357,10 +358,10 @@ def empty_intnbit_tbe(
     for name, _, dim, dtype in tables:
         if dtype not in sparse_type:
             raise QuantizationError(f"table '{name}': dtype must be one of {list(EMBEDDING_DTYPES)}, got {dtype!r}")
-        if dim % 4:
+        if dim % TBE_DIM_ALIGN[dtype]:
             raise QuantizationError(
-                f"table '{name}': embedding_dim {dim} is not a multiple of 4, which FBGEMM's "
-                "IntNBit TBE requires; retrain with a dim divisible by 4"
+                f"table '{name}': embedding_dim {dim} is not a multiple of {TBE_DIM_ALIGN[dtype]}, which FBGEMM's "
+                f"IntNBit TBE requires for {dtype}; pad the table (pad_columns) and slice the pooled output"
             )
     specs = [(name, rows, dim, sparse_type[dtype], loc) for name, rows, dim, dtype in tables]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
@@ -442,3 +443,29 @@ def tbe_storage_bytes(tbe: torch.nn.Module) -> int:
     """Bytes actually allocated for the weights of an IntNBit TBE (host + device + UVM),
     including FBGEMM's row and 128-byte table padding."""
     return int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel())
+
+
+#: Dim multiple FBGEMM's IntNBit TBE needs per storage type (its kernels read rows in 4-element
+#: vectors; an int4 row is two codes per byte, so 8 codes = 4 bytes).
+TBE_DIM_ALIGN = {"fp32": 4, "fp16": 4, "int8": 4, "int4": 8}
+
+
+def padded_dim(dim: int, align: int) -> int:
+    """``dim`` rounded up to a multiple of ``align``."""
+    return -(-int(dim) // align) * align
+
+
+def pad_columns(weight: torch.Tensor, dim: int) -> torch.Tensor:
+    """``weight [R, D]`` widened to ``[R, dim]`` (``dim >= D``) for a kernel's alignment.
+
+    The pad columns repeat each row's minimum, so a row-wise quantized row keeps the scale and
+    bias of the unpadded row (its real columns quantize to the same codes); fp32/fp16 rows are
+    unaffected either way.  The pad is never read back: callers slice the pooled output (or
+    mask the columns) to the real ``D``.  ``dim == D`` returns ``weight`` itself.
+    """
+    R, D = weight.shape
+    if dim == D:
+        return weight
+    w = weight.detach().float()
+    fill = w.amin(dim=1, keepdim=True) if D > 0 else torch.zeros(R, 1)
+    return torch.cat([w, fill.expand(R, dim - D)], dim=1)

@@ -610,7 +610,8 @@ class KeyedJaggedTensor:
                 stride = lengths.numel() // nk
             else:
                 stride = 0
-        stride = int(stride)
+        if not isinstance(stride, torch.SymInt):  # a symbolic batch size (torch.export) stays symbolic
+            stride = int(stride)
         if stride < 0:
             raise SparseInputError(f"{who}: stride must be >= 0, got {stride}")
         given_lengths = lengths is not None

@@ -1,0 +1,145 @@
+"""The torch.export artifact (model.pt2, the default): fresh-process load, parity with the
+TorchScript artifact, dynamic batch, every embedding dim, in-program id policy, pytree nodes."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dlrmctl import HAS_FBGEMM
+from dlrmctl.modules.dlrm import DLRM
+from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
+from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+
+#: |Δlogit| bound between the pt2 program and the TorchScript artifact of the same quantized
+#: tables (same codes, scale and bias; only the float32 summation order differs): docs/export.md
+QUANT_LOGIT_BOUND = 1e-5
+
+
+def _model(dims=(6, 13), rows=(40, 30)):
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=rows[0], embedding_dim=dims[0], feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="t1", num_embeddings=rows[1], embedding_dim=dims[1], feature_names=["f2"],
+                                 pooling="mean")]
+    ebc = EmbeddingBagCollection(tables, compute_kernel="dense", seed=3)
+    with torch.no_grad():
+        for w in ebc.embedding_weights().values():
+            w.mul_(10)
+    from dlrmctl.modules.dlrm import InteractionArch, ProjectedInteraction
+
+    inter = ProjectedInteraction(InteractionArch(3), ["f0", "f1", "f2"], [dims[0], dims[0], dims[1]], 16)
+    return DLRM(ebc, 13, [16, 16], [16, 1], 3, 16, interaction=inter).eval()
+
+
+def _inputs(B, seed, rows=(40, 30)):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (3 * B,), generator=g)
+    n01, n2 = int(lengths[: 2 * B].sum()), int(lengths[2 * B:].sum())
+    values = torch.cat([torch.randint(0, rows[0], (n01,), generator=g), torch.randint(0, rows[1], (n2,), generator=g)])
+    return torch.randn(B, 13, generator=g), values, lengths
+
+
+def _eager(model, dense, values, lengths):
+    with torch.no_grad():
+        return model(dense, KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths=lengths)).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+def test_dims_6_and_13_export_and_score_at_every_precision(tmp_path, dtype):
+    from dlrmctl.inference.export import export_model, load_exported
+
+    model = _model()
+    export_model(model, tmp_path / "m", dtype)
+    m = load_exported(tmp_path / "m")
+    assert m.artifact == "pt2" and (tmp_path / "m" / "model.pt2").is_file()
+    dense, values, lengths = _inputs(50, 1)
+    z = m.logits(dense, values, lengths)
+    ref = _eager(model, dense, values, lengths)
+    tol = {"fp32": 1e-5, "fp16": 0.05, "int8": 0.2, "int4": 2.0}[dtype]
+    assert float((z - ref).abs().max()) <= tol
+    if HAS_FBGEMM:  # the TorchScript artifact pads the tables to the TBE's alignment and slices back
+        export_model(model, tmp_path / "ts", dtype, artifact="torchscript")
+        zt = load_exported(tmp_path / "ts").logits(dense, values, lengths)
+        bound = 1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND
+        assert float((z - zt).abs().max()) <= bound
+
+
+def test_batch_of_1_and_10000_through_one_program_loaded_without_dlrmctl(tmp_path):
+    from dlrmctl.inference.export import export_model, load_exported
+
+    export_model(_model(), tmp_path / "m", "int8")
+    m = load_exported(tmp_path / "m")
+    for B, seed in ((1, 2), (10_000, 3)):
+        d, v, ln = _inputs(B, seed)
+        torch.save((d, v, ln, m.logits(d, v, ln)), tmp_path / f"b{B}.pt")
+    code = (
+        "import sys, torch\n"
+        f"ep = torch.export.load({str(tmp_path / 'm' / 'model.pt2')!r})\n"
+        "f = ep.module()\n"
+        "for B in (1, 10000):\n"
+        f"    d, v, ln, want = torch.load({str(tmp_path)!r} + f'/b{{B}}.pt')\n"
+        "    s, z = f(d, v, ln)\n"
+        "    assert z.shape == (B,) and torch.equal(z, want), B\n"
+        "    assert torch.allclose(s, torch.sigmoid(want))\n"
+        "assert not [n for n in sys.modules if n.startswith(('dlrmctl', 'fbgemm_gpu'))]\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={"PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
+    from dlrmctl.inference.export import ExportError, export_model, load_exported
+
+    model = _model()
+    export_model(model, tmp_path / "e", "fp32")
+    dense, values, lengths = _inputs(8, 4)
+    bad = values.clone()
+    bad[-1] = 30  # the last id is f2's (table t1, 30 rows) when f2 has ids
+    assert int(lengths[16:].sum()) > 0
+    with pytest.raises(ExportError, match=r"table 't1', feature 'f2': an id is out of range; expected 0 <= id < 30"):
+        load_exported(tmp_path / "e").logits(dense, bad, lengths)
+    model.sparse_arch.on_invalid_id = "zero"
+    export_model(model, tmp_path / "z", "fp32", on_invalid_id="zero")
+    z = load_exported(tmp_path / "z").logits(dense, bad, lengths)
+    # zero: the id is dropped from its (mean-pooled) bag, as the eager model does
+    ref = _eager(model, dense, bad, lengths)
+    assert float((z - ref).abs().max()) <= 1e-5
+
+
+def test_every_listed_file_is_hashed_and_checked(tmp_path):
+    import json
+
+    from dlrmctl.inference.export import ExportError, export_model, load_exported
+
+    export_model(_model(), tmp_path / "m", "int4")
+    man = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert man["artifact"] == "pt2" and list(man["files"]) == ["model.pt2"]
+    p = tmp_path / "m" / "model.pt2"
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="SHA-256"):
+        load_exported(tmp_path / "m")
+
+
+def test_kjt_and_keyed_tensor_are_pytree_nodes_for_torch_export(tmp_path):
+    class Pool(torch.nn.Module):
+        def forward(self, kjt):
+            n = kjt.lengths().numel()
+            bag = torch.repeat_interleave(torch.arange(n), kjt.lengths(), output_size=kjt.values().numel())
+            s = torch.zeros(n).index_add_(0, bag, kjt.values().float() * kjt.weights())
+            return KeyedTensor(kjt.keys(), [1, 1], s.view(2, -1).t())
+
+    k = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3, 4, 5]), weights=torch.ones(5), lengths=torch.tensor([1, 2, 1, 1]))
+    N, B = torch.export.Dim("N"), torch.export.Dim("B")
+    ep = torch.export.export(Pool(), (k,), dynamic_shapes=([{0: N}, {0: N}, {0: 2 * B}, None],))
+    torch.export.save(ep, tmp_path / "p.pt2")
+    f = torch.export.load(tmp_path / "p.pt2").module()
+    k3 = KeyedJaggedTensor(["a", "b"], torch.tensor([1, 2, 3]), weights=torch.tensor([1.0, 2.0, 3.0]),
+                           lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    out = f(k3)
+    assert isinstance(out, KeyedTensor) and out.keys() == ["a", "b"]
+    assert torch.equal(out.values(), torch.tensor([[1.0, 0.0], [0.0, 9.0], [4.0, 0.0]]))
