@@ -18,6 +18,7 @@ checked object, or from inside a traced program where contents are symbolic.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch.utils._pytree as pytree
@@ -64,16 +65,29 @@ def _with_keys(flatten, names):
     return fn
 
 
+def _kt_context_from_json(ctx: Any) -> tuple[list[str], list[int], int]:
+    keys, lpk, key_dim = ctx
+    return list(keys), [int(n) for n in lpk], int(key_dim)
+
+
 def register() -> None:
-    """Register the three types with ``torch.utils._pytree`` (idempotent)."""
-    for cls, flat, unflat, names in (
-        (JaggedTensor, _jt_flatten, _jt_unflatten, _JT_FIELDS),
-        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _JT_FIELDS),
-        (KeyedTensor, _kt_flatten, _kt_unflatten, ("values",)),
+    """Register the three types with ``torch.utils._pytree`` (idempotent).  Their contexts (keys,
+    lengths per key) are JSON, so a saved program's tree spec loads under ``torch.export.load``'s
+    weights-only unpickler; the three classes are also allowed to that unpickler
+    (``torch.serialization.add_safe_globals``), since a saved program keeps its example inputs."""
+    import torch.serialization
+
+    torch.serialization.add_safe_globals([JaggedTensor, KeyedJaggedTensor, KeyedTensor])
+    for cls, flat, unflat, names, from_json in (
+        (JaggedTensor, _jt_flatten, _jt_unflatten, _JT_FIELDS, lambda c: None),
+        (KeyedJaggedTensor, _kjt_flatten, _kjt_unflatten, _JT_FIELDS, lambda c: [str(k) for k in c]),
+        (KeyedTensor, _kt_flatten, _kt_unflatten, ("values",), _kt_context_from_json),
     ):
         if cls in pytree.SUPPORTED_NODES:
             continue
         pytree.register_pytree_node(cls, flat, unflat, serialized_type_name=f"dlrmctl.sparse.{cls.__name__}",
+                                    to_dumpable_context=lambda c: json.dumps(c),
+                                    from_dumpable_context=lambda s, _f=from_json: _f(json.loads(s)),
                                     flatten_with_keys_fn=_with_keys(flat, names))
 
 
