@@ -19,17 +19,12 @@ dlrmctl`` stays light).
 
 __version__ = "0.1.0"
 
-_TORCHREC_NAMES = {
-    "JaggedTensor": "dlrmctl.sparse.jagged_tensor",
-    "KeyedJaggedTensor": "dlrmctl.sparse.jagged_tensor",
-    "KeyedTensor": "dlrmctl.sparse.jagged_tensor",
-    "EmbeddingBagCollection": "dlrmctl.modules.embedding_modules",
-    "EmbeddingBagConfig": "dlrmctl.modules.embedding_configs",
-    "EmbeddingCollection": "dlrmctl.modules.sequence_embeddings",
-    "EmbeddingConfig": "dlrmctl.modules.embedding_configs",
-    "PoolingType": "dlrmctl.modules.embedding_configs",
-    "DataType": "dlrmctl.modules.embedding_configs",
-}
+def _torchrec_names() -> dict[str, str]:
+    """Name -> defining module: the sparse types, and ``dlrmctl.modules``' own lazy table (no torch import)."""
+    from dlrmctl.modules import _NAMES as modules
+
+    sparse = dict.fromkeys(("JaggedTensor", "KeyedJaggedTensor", "KeyedTensor"), "dlrmctl.sparse.jagged_tensor")
+    return {**sparse, **modules}
 
 
 def __getattr__(name: str):  # PEP 562: TorchRec-compatible names, imported on first use
@@ -37,7 +32,7 @@ def __getattr__(name: str):  # PEP 562: TorchRec-compatible names, imported on f
         from dlrmctl import _fbgemm
 
         return _fbgemm.HAS_FBGEMM
-    mod = _TORCHREC_NAMES.get(name)
+    mod = _torchrec_names().get(name)
     if mod is None:
         raise AttributeError(f"module 'dlrmctl' has no attribute {name!r}")
     import importlib
@@ -47,4 +42,4 @@ def __getattr__(name: str):  # PEP 562: TorchRec-compatible names, imported on f
     return value
 
 
-__all__ = ["HAS_FBGEMM", "__version__", *_TORCHREC_NAMES]
+__all__ = ["HAS_FBGEMM", "__version__", *_torchrec_names()]

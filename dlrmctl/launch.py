@@ -31,6 +31,7 @@ import time
 from typing import Any, TextIO
 
 from dlrmctl.errors import Interrupted, UserError, interruptible
+from dlrmctl.procs import proc_stat
 
 WORKER_MODULE = "dlrmctl.train.worker"
 LOCAL_SCHEDULER = "local_cwd"
@@ -421,33 +422,22 @@ def _job_processes(runner: Any, handle: str) -> list[tuple[int, str]]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if entry.isdigit():
-            st = _proc_stat(int(entry))
+            st = proc_stat(int(entry))
             if st:
                 children.setdefault(int(st[1]), []).append(int(entry))
     out, todo = [], list(roots)
     while todo:
         pid = todo.pop()
-        st = _proc_stat(pid)
+        st = proc_stat(pid)
         if st:
             out.append((pid, st[19]))
             todo += children.get(pid, [])
     return out
 
 
-def _proc_stat(pid: int) -> list[str] | None:
-    """Fields of ``/proc/<pid>/stat`` after the command (index 0: state, 1: ppid, 19: start time); None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return fields if len(fields) > 19 else None
-
-
 def _same_process(pid: int, start: str) -> bool:
     """``pid`` is still the process that started at ``start`` and has not exited (zombies count as gone)."""
-    st = _proc_stat(pid)
+    st = proc_stat(pid)
     return st is not None and st[19] == start and st[0] != "Z"
 
 

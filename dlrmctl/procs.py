@@ -179,15 +179,22 @@ def process_token(pid: int | None = None) -> str:
     return f"{pid}:{_start_time(pid) or ''}"
 
 
-def _start_time(pid: int) -> str | None:
-    """The start time field of ``/proc/<pid>/stat``; None when the process is gone (or a zombie) or unknown."""
+def proc_stat(pid: int) -> list[str] | None:
+    """Fields of ``/proc/<pid>/stat`` after the command (index 0: state, 1: ppid, 19: start time);
+    None when the process is gone or the file is unreadable (not Linux)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             text = f.read()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()
-    return None if len(fields) < 20 or fields[0] == "Z" else fields[19]
+    return fields if len(fields) > 19 else None
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time field of ``/proc/<pid>/stat``; None when the process is gone (or a zombie) or unknown."""
+    st = proc_stat(pid)
+    return None if st is None or st[0] == "Z" else st[19]
 
 
 def alive(token: str) -> bool:

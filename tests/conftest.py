@@ -44,3 +44,20 @@ def _torch_threads():
 
     torch.manual_seed(0)
     yield
+
+
+def one_error_line(args, *names) -> str:
+    """Run ``dlrmctl ARGS`` in-process: exit 2, one ``error:`` line naming every one of ``names``,
+    no traceback; returns the line."""
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    out = r.output.strip()
+    assert r.exit_code == 2, (args, r.exit_code, out, r.exception)
+    assert "Traceback" not in out and len(out.splitlines()) == 1, out
+    assert out.startswith("error: "), out
+    for n in names:
+        assert str(n) in out, (n, out)
+    return out

@@ -11,21 +11,9 @@ import yaml
 from typer.testing import CliRunner
 
 from dlrmctl.cli import app
-from tests.conftest import tiny_synthetic
+from tests.conftest import one_error_line, tiny_synthetic
 
 runner = CliRunner()
-
-
-def one_error_line(args, *names):
-    """Run ``dlrmctl ARGS``: exit 2, one ``error:`` line naming every one of ``names``, no traceback."""
-    r = runner.invoke(app, [str(a) for a in args])
-    out = r.output.strip()
-    assert r.exit_code == 2, (args, r.exit_code, out, r.exception)
-    assert "Traceback" not in out and len(out.splitlines()) == 1, out
-    assert out.startswith("error: "), out
-    for n in names:
-        assert str(n) in out, (n, out)
-    return out
 
 
 @pytest.fixture(scope="module")

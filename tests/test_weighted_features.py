@@ -404,8 +404,9 @@ needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gp
 
 
 @needs_fbgemm
+@pytest.mark.parametrize("artifact", ["pt2", "torchscript"])
 @pytest.mark.parametrize("dtype", ["fp32", "int8", "int4"])
-def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype):
+def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype, artifact):
     import math
 
     from dlrmctl.inference.export import ExportError, export_model, load_exported
@@ -415,15 +416,16 @@ def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype):
     with torch.no_grad():
         eager = torch.sigmoid(model(dense, setup_kjt())).item()
     assert eager == pytest.approx(1 / (1 + math.exp(-LOGIT)), abs=1e-6)
-    res = export_model(model, tmp_path / "m", dtype)
+    res = export_model(model, tmp_path / "m", dtype, artifact=artifact)
     man = res.manifest
     assert man["weighted_features"] == ["f0"] and man["tables"][0]["weighted"] is True
     assert man["inputs"]["weights"]["features"] == ["f0"] and man["inputs"]["weights"]["dtype"] == "float32"
     m = load_exported(tmp_path / "m")
     assert m.weighted_features == ["f0"]
-    # rows [i]*4 are constant rows: exact in int8 / int4 (scale 0, bias = i)
-    assert m.module.embeddings(values, lengths, weights).tolist() == WANT
-    assert m.module.logits(dense, values, lengths, weights).tolist() == pytest.approx([LOGIT], abs=1e-6)
+    if artifact == "torchscript":  # the TorchScript module's parts (the .pt2 program is one graph)
+        # rows [i]*4 are constant rows: exact in int8 / int4 (scale 0, bias = i)
+        assert m.module.embeddings(values, lengths, weights).tolist() == WANT
+        assert m.module.logits(dense, values, lengths, weights).tolist() == pytest.approx([LOGIT], abs=1e-6)
     assert m.score(dense, values, lengths, weights).tolist() == pytest.approx([eager], abs=1e-6)
     assert m.score_kjt(dense, setup_kjt()).tolist() == pytest.approx([eager], abs=1e-6)
     with pytest.raises(ExportError, match=r"has weighted features \['f0'\]: pass weights \[N\] float32"):
@@ -435,16 +437,18 @@ def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype):
 
 
 @needs_fbgemm
-def test_weighted_export_ignores_the_weights_of_unweighted_tables(tmp_path):
+@pytest.mark.parametrize("artifact", ["pt2", "torchscript"])
+def test_weighted_export_ignores_the_weights_of_unweighted_tables(tmp_path, artifact):
     from dlrmctl.inference.export import export_model, load_exported
 
     model = setup_dlrm(extra=True)
     dense, values, lengths, weights = setup_inputs(extra=True)
-    export_model(model, tmp_path / "m", "int8", weighted_features=["f0"])
+    export_model(model, tmp_path / "m", "int8", weighted_features=["f0"], artifact=artifact)
     m = load_exported(tmp_path / "m")
     assert m.manifest["weighted_features"] == ["f0"]
     assert [t["weighted"] for t in m.manifest["tables"]] == [True, False]
-    assert m.module.embeddings(values, lengths, weights).tolist() == [[210.0] * 4 + [2.0] * 4]
+    if artifact == "torchscript":
+        assert m.module.embeddings(values, lengths, weights).tolist() == [[210.0] * 4 + [2.0] * 4]
     # what the loader gives the weighted EBC: 1.0 for the unweighted table's ids
     kjt = KeyedJaggedTensor(["f0", "f1"], values, lengths=lengths, weights=torch.tensor([10.0, 100.0, 1.0]))
     with torch.no_grad():
@@ -454,17 +458,19 @@ def test_weighted_export_ignores_the_weights_of_unweighted_tables(tmp_path):
 
 
 @needs_fbgemm
-def test_unweighted_export_keeps_its_interface_and_refuses_weights(tmp_path):
+@pytest.mark.parametrize("artifact", ["pt2", "torchscript"])
+def test_unweighted_export_keeps_its_interface_and_refuses_weights(tmp_path, artifact):
     from dlrmctl.inference.export import ExportError, export_model, load_exported
 
     model = setup_dlrm(weighted=False)
     dense, values, lengths, weights = setup_inputs()
-    res = export_model(model, tmp_path / "m", "int8")
+    res = export_model(model, tmp_path / "m", "int8", artifact=artifact)
     assert res.manifest["weighted_features"] == [] and "weights" not in res.manifest["inputs"]
     assert res.manifest["format_version"] == 1
     m = load_exported(tmp_path / "m")
-    assert m.module.embeddings(values, lengths).tolist() == [[3.0] * 4]
-    assert m.module(dense, values, lengths).tolist() == pytest.approx(m.score(dense, values, lengths).tolist())
+    if artifact == "torchscript":
+        assert m.module.embeddings(values, lengths).tolist() == [[3.0] * 4]
+        assert m.module(dense, values, lengths).tolist() == pytest.approx(m.score(dense, values, lengths).tolist())
     with pytest.raises(ExportError, match=r"no weighted features .* takes no weights"):
         m.score(dense, values, lengths, weights)
     with pytest.raises(ExportError, match=r"EmbeddingBagCollection is unweighted but weighted_features is \['f0'\]"):

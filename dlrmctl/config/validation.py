@@ -14,20 +14,8 @@ import math
 import re
 from typing import Any
 
-from dlrmctl.config.schema import (
-    ConfigError,
-    DataConfig,
-    DenseOptimizerConfig,
-    EmbeddingOptimizerConfig,
-    ExperimentConfig,
-    LRScheduleConfig,
-    ModelConfig,
-    OptimizerConfig,
-    ShardingConfig,
-    TableConfig,
-    TableShardingConfig,
-    TrainConfig,
-)
+from dlrmctl.config import schema
+from dlrmctl.config.schema import ConfigError
 
 #: largest value of any integer key (int64: tensors of sizes, steps and counts are int64)
 INT64_MAX = 2**63 - 1
@@ -119,7 +107,7 @@ def _validate_rates(o: Any, path: str) -> None:
 
 
 # ------------------------------------------------------------------ sections
-def validate_table(t: TableConfig, path: str) -> None:
+def validate_table(t: schema.TableConfig, path: str) -> None:
     """Checks of one table (``path``: ``model.tables[i]``); the checks across tables are
     :func:`validate_model`'s.
 
@@ -133,7 +121,7 @@ def validate_table(t: TableConfig, path: str) -> None:
     _positive(t.embedding_dim, f"{path}.embedding_dim")
 
 
-def validate_data(d: DataConfig, path: str = "data") -> None:
+def validate_data(d: schema.DataConfig, path: str = "data") -> None:
     """Bounds (:func:`check_bounds`), positive batch sizes and row counts.
 
     Raises:
@@ -150,7 +138,7 @@ def validate_data(d: DataConfig, path: str = "data") -> None:
         raise ConfigError(f"{path}.multi_hot_sizes: every size must be > 0, got {d.multi_hot_sizes}")
 
 
-def validate_model(m: ModelConfig, path: str = "model") -> None:
+def validate_model(m: schema.ModelConfig, path: str = "model") -> None:
     """Bounds, value ranges, layer sizes, the tables (:func:`validate_table`, unique
     names, one ``weighted`` per feature) and the one embedding width every interaction needs.
 
@@ -178,7 +166,7 @@ def validate_model(m: ModelConfig, path: str = "model") -> None:
     _validate_model_interaction(m, path)
 
 
-def _validate_model_init_max(m: ModelConfig, path: str) -> None:
+def _validate_model_init_max(m: schema.ModelConfig, path: str) -> None:
     a = m.embedding_init_max
     if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and a > 0)):
         raise ConfigError(f"{path}.embedding_init_max: must be a finite number > 0 (tables start U(-a, a)) or null "
@@ -191,7 +179,7 @@ def _validate_model_init_max(m: ModelConfig, path: str) -> None:
                           f"{m.embedding_precision}: the tables would start with inf")
 
 
-def _validate_model_tables(m: ModelConfig, path: str) -> None:
+def _validate_model_tables(m: schema.ModelConfig, path: str) -> None:
     names: set[str] = set()
     feature_weighted: dict[str, tuple[bool, str]] = {}
     for i, t in enumerate(m.tables):
@@ -210,7 +198,7 @@ def _validate_model_tables(m: ModelConfig, path: str) -> None:
                 )
 
 
-def _validate_model_interaction(m: ModelConfig, path: str) -> None:
+def _validate_model_interaction(m: schema.ModelConfig, path: str) -> None:
     # every interaction stacks [dense, e_1..e_F] as F+1 vectors of one width d
     it = m.interaction
     if m.embedding_dim == "auto":
@@ -240,7 +228,7 @@ def _validate_model_interaction(m: ModelConfig, path: str) -> None:
         _positive(m.dcn_low_rank_dim, f"{path}.dcn_low_rank_dim")
 
 
-def validate_embedding_optimizer(o: EmbeddingOptimizerConfig, path: str = "optimizer.embedding") -> None:
+def validate_embedding_optimizer(o: schema.EmbeddingOptimizerConfig, path: str = "optimizer.embedding") -> None:
     """Finite rates (lr, weight_decay >= 0; eps > 0) and two betas in [0, 1).
 
     Raises:
@@ -251,7 +239,7 @@ def validate_embedding_optimizer(o: EmbeddingOptimizerConfig, path: str = "optim
         raise ConfigError(f"{path}.betas: expected two floats in [0, 1), got {o.betas}")
 
 
-def validate_dense_optimizer(o: DenseOptimizerConfig, path: str = "optimizer.dense") -> None:
+def validate_dense_optimizer(o: schema.DenseOptimizerConfig, path: str = "optimizer.dense") -> None:
     """Finite rates (lr, weight_decay >= 0; eps > 0) and two betas.
 
     Raises:
@@ -262,7 +250,7 @@ def validate_dense_optimizer(o: DenseOptimizerConfig, path: str = "optimizer.den
         raise ConfigError(f"{path}.betas: expected two floats, got {o.betas}")
 
 
-def validate_lr_schedule(s: LRScheduleConfig, path: str = "optimizer.lr_schedule") -> None:
+def validate_lr_schedule(s: schema.LRScheduleConfig, path: str = "optimizer.lr_schedule") -> None:
     """What the DLRM reference's ``LRPolicyScheduler`` refuses, plus the values its formula
     cannot take.
 
@@ -295,7 +283,7 @@ def validate_lr_schedule(s: LRScheduleConfig, path: str = "optimizer.lr_schedule
         )
 
 
-def validate_optimizer(o: OptimizerConfig, path: str = "optimizer") -> None:
+def validate_optimizer(o: schema.OptimizerConfig, path: str = "optimizer") -> None:
     """Bounds, then each subsection's check.
 
     Raises:
@@ -307,7 +295,7 @@ def validate_optimizer(o: OptimizerConfig, path: str = "optimizer") -> None:
     validate_lr_schedule(o.lr_schedule, f"{path}.lr_schedule")
 
 
-def validate_train(t: TrainConfig, path: str = "train") -> None:
+def validate_train(t: schema.TrainConfig, path: str = "train") -> None:
     """Bounds, positive counts, early stopping with a ``keep_best`` metric, no fp16 autocast
     on ``device: cpu``.
 
@@ -329,7 +317,7 @@ def validate_train(t: TrainConfig, path: str = "train") -> None:
         raise ConfigError(f"{path}.precision: fp16 autocast needs CUDA (a GradScaler on a GPU); on the CPU use bf16")
 
 
-def validate_table_sharding(ts: TableShardingConfig, path: str) -> None:
+def validate_table_sharding(ts: schema.TableShardingConfig, path: str) -> None:
     """Column shards at least 1 wide, ranks >= 0 (``path``: ``sharding.tables.<name>``).
 
     Raises:
@@ -341,7 +329,7 @@ def validate_table_sharding(ts: TableShardingConfig, path: str) -> None:
         raise ConfigError(f"{path}.ranks: ranks are >= 0, got {ts.ranks}")
 
 
-def validate_sharding(s: ShardingConfig, path: str = "sharding") -> None:
+def validate_sharding(s: schema.ShardingConfig, path: str = "sharding") -> None:
     """Bounds, positive memory sizes and host size, each :func:`validate_table_sharding`.  That
     the tables named exist is :func:`validate`'s (a cross-section check).
 
@@ -358,7 +346,7 @@ def validate_sharding(s: ShardingConfig, path: str = "sharding") -> None:
 
 # ------------------------------------------------------------ whole config
 
-def validate(cfg: ExperimentConfig) -> None:
+def validate(cfg: schema.ExperimentConfig) -> None:
     """Check a whole config: the top-level ``name``, each section (its ``validate_<section>``:
     bounds of every integer key, :data:`INT_LIMITS` else int64, finite floats, then the section's
     ranges and consistency), then the checks that span sections: ``sharding.tables`` names tables

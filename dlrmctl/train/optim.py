@@ -36,7 +36,40 @@ from torch import nn
 from dlrmctl.config import DenseOptimizerConfig, LRScheduleConfig
 
 
-class RowWiseAdagrad(torch.optim.Optimizer):
+class _RowUpdateOptimizer(torch.optim.Optimizer):
+    """Base of the dense-kernel table optimizers below: :meth:`step` visits every parameter that
+    has a gradient, with its group's hyper-parameters and its state (created by :meth:`new_state`
+    on first use, or up front by :meth:`ensure_state`), and applies :meth:`update`."""
+
+    def new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The zero state of parameter ``p`` (identical to absent state)."""
+        return {}
+
+    def ensure_state(self) -> None:
+        """Create every parameter's state now (so a checkpoint has each moment tensor to save / load into)."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                for k, v in self.new_state(p).items():
+                    st.setdefault(k, v)
+
+    def update(self, p: torch.Tensor, grad: torch.Tensor, st: dict, group: dict) -> None:
+        """Apply one step to ``p`` from ``grad`` (float32, dense or sparse COO)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(self.new_state(p))
+                self.update(p, _grad32(p), st, group)
+
+
+class RowWiseAdagrad(_RowUpdateOptimizer):
     """Row-wise Adagrad (one accumulator per row) for ``[rows, dim]`` parameters.
 
     Args:
@@ -49,42 +82,36 @@ class RowWiseAdagrad(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 0.1, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "momentum1" not in st:
-                    st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
-                m = st["momentum1"]
-                g = _grad32(p)
-                D = p.shape[1]
-                if g.is_sparse:
-                    g = g.coalesce()
-                    rows = g.indices()[0]
-                    gv = g.values()
-                    if rows.numel() == 0:
-                        continue
-                    if wd:
-                        gv = gv + wd * _rows32(p, rows)
-                    m.index_add_(0, rows, gv.pow(2).sum(1) / D)
-                    _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
-                else:
-                    # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
-                    # same arithmetic per row as the sparse branch (bit-identical updates)
-                    if wd:
-                        touched = (g != 0).any(dim=1)
-                        g = g + wd * p.float() * touched.unsqueeze(1)
-                    m.add_(g.pow(2).sum(1) / D)
-                    den = (m.sqrt() + eps).unsqueeze(1)
-                    # untouched rows (g = 0) get exactly +0, also when eps = 0 and their m is 0
-                    _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+    def new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"momentum1": torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)}
+
+    def update(self, p: torch.Tensor, g: torch.Tensor, st: dict, group: dict) -> None:
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        m = st["momentum1"]
+        D = p.shape[1]
+        if g.is_sparse:
+            g = g.coalesce()
+            rows = g.indices()[0]
+            gv = g.values()
+            if rows.numel() == 0:
+                return
+            if wd:
+                gv = gv + wd * _rows32(p, rows)
+            m.index_add_(0, rows, gv.pow(2).sum(1) / D)
+            _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
+        else:
+            # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
+            # same arithmetic per row as the sparse branch (bit-identical updates)
+            if wd:
+                touched = (g != 0).any(dim=1)
+                g = g + wd * p.float() * touched.unsqueeze(1)
+            m.add_(g.pow(2).sum(1) / D)
+            den = (m.sqrt() + eps).unsqueeze(1)
+            # untouched rows (g = 0) get exactly +0, also when eps = 0 and their m is 0
+            _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
-class SparseAdagrad(torch.optim.Optimizer):
+class SparseAdagrad(_RowUpdateOptimizer):
     """FBGEMM's ``EXACT_ADAGRAD`` for dense-kernel tables (per-element accumulator).
 
     Per touched row ``r`` with (duplicate-summed) gradient ``g_r [D]`` (FBGEMM
@@ -102,58 +129,42 @@ class SparseAdagrad(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 0.1, eps: float = 1e-8, weight_decay: float = 0.0) -> None:
         super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if "sum" not in st:
-                    st["sum"] = torch.zeros_like(p, dtype=torch.float32)
-                acc = st["sum"]
-                grad = _grad32(p)
-                if not grad.is_sparse and not wd:  # untouched rows: +0 exactly, no row selection
-                    g = grad
-                    acc.add_(g * g)
-                    den = acc.sqrt() + eps
-                    _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
-                    continue
-                rows, g = _touched_rows(grad)
-                if rows is None:
-                    continue
-                if wd:
-                    g = g + wd * _rows32(p, rows)
-                acc.index_add_(0, rows, g * g)
-                den = acc[rows].sqrt() + eps
-                _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+    def new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"sum": torch.zeros_like(p, dtype=torch.float32)}
+
+    def update(self, p: torch.Tensor, grad: torch.Tensor, st: dict, group: dict) -> None:
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        acc = st["sum"]
+        if not grad.is_sparse and not wd:  # untouched rows: +0 exactly, no row selection
+            g = grad
+            acc.add_(g * g)
+            den = acc.sqrt() + eps
+            _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+            return
+        rows, g = _touched_rows(grad, p, wd)
+        if rows is None:
+            return
+        acc.index_add_(0, rows, g * g)
+        den = acc[rows].sqrt() + eps
+        _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
-class SparseSGD(torch.optim.Optimizer):
+class SparseSGD(_RowUpdateOptimizer):
     """FBGEMM's ``EXACT_SGD`` for dense-kernel tables: ``w_r -= lr * (g_r + weight_decay * w_r)``
     for each row ``r`` in the batch (duplicate ids summed first); other rows are untouched."""
 
     def __init__(self, params, lr: float = 0.1, weight_decay: float = 0.0) -> None:
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
 
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = _grad32(p)
-                if not grad.is_sparse and not wd:
-                    _add_all(p, -lr * grad)
-                    continue
-                rows, g = _touched_rows(grad)
-                if rows is None:
-                    continue
-                if wd:
-                    g = g + wd * _rows32(p, rows)
-                _add_rows(p, rows, -lr * g)
+    def update(self, p: torch.Tensor, grad: torch.Tensor, st: dict, group: dict) -> None:
+        lr, wd = group["lr"], group["weight_decay"]
+        if not grad.is_sparse and not wd:
+            _add_all(p, -lr * grad)
+            return
+        rows, g = _touched_rows(grad, p, wd)
+        if rows is None:
+            return
+        _add_rows(p, rows, -lr * g)
 
 
 #: the Adam family: one step counter for bias correction (FBGEMM's ``iter``), two moments
@@ -374,15 +385,22 @@ def _summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]
     return _touched_rows(grad)
 
 
-def _touched_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+def _touched_rows(grad: torch.Tensor, p: torch.Tensor | None = None,
+                  weight_decay: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``(rows, summed gradient rows)`` of a sparse gradient (coalesced), or of a dense one
-    (rows with a non-zero gradient); ``(None, _)`` when no row is touched."""
+    (rows with a non-zero gradient); ``(None, _)`` when no row is touched.  With
+    ``weight_decay``, ``weight_decay * p[rows]`` (float32) is added to the gradient rows (L2 decay
+    of the rows in the batch only)."""
     if grad.is_sparse:
         g = grad.coalesce()
         rows = g.indices()[0]
-        return (rows if rows.numel() else None), g.values()
-    rows = torch.nonzero(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)).reshape(-1)
-    return (rows if rows.numel() else None), grad[rows]
+        rows, g = (rows if rows.numel() else None), g.values()
+    else:
+        rows = torch.nonzero(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)).reshape(-1)
+        rows, g = (rows if rows.numel() else None), grad[rows]
+    if rows is not None and weight_decay:
+        g = g + weight_decay * _rows32(p, rows)
+    return rows, g
 
 
 def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float,

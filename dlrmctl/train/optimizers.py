@@ -31,23 +31,11 @@ _OPTIMIZER_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 
 def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
-    """Create the lazily-made state of :class:`~dlrmctl.train.optim.RowWiseAdagrad` (per row) and
-    :class:`~dlrmctl.train.optim.SparseAdagrad` (per element) (zeros: identical to absent), so every
-    dense-kernel shard has its moment tensor to save / load into."""
-    if opt is None:
-        return
-    if hasattr(opt, "ensure_state"):  # the Adam family (dlrmctl.train.optim.EmbeddingAdam)
+    """Create the lazily-made state of a dense-kernel table optimizer (``ensure_state`` of
+    :mod:`dlrmctl.train.optim`'s optimizers: zeros, identical to absent), so every dense-kernel
+    shard has its moment tensor to save / load into."""
+    if opt is not None and hasattr(opt, "ensure_state"):
         opt.ensure_state()
-        return
-    from dlrmctl.train.optim import RowWiseAdagrad, SparseAdagrad
-
-    for g in opt.param_groups:
-        for p in g["params"]:
-            st = opt.state[p]
-            if isinstance(opt, RowWiseAdagrad) and "momentum1" not in st:
-                st["momentum1"] = torch.zeros(p.shape[0], dtype=torch.float32, device=p.device)
-            if isinstance(opt, SparseAdagrad) and "sum" not in st:
-                st["sum"] = torch.zeros_like(p, dtype=torch.float32)
 
 
 class _FusedMember:
