@@ -339,6 +339,7 @@ def merge(rows: list[Rows], features: int, weighted: bool) -> tuple[torch.Tensor
     ``lengths [F * sum B]`` int64 (key-major: feature, then request, then row) and ``weights [N]``
     float32 (``weighted``: unweighted features' entries 1.0) or None."""
     dense = np.concatenate([r.dense for r in rows]) if len(rows) > 1 else rows[0].dense
+    dense = np.require(dense, np.float32, ["C", "W"])  # a binary request's arrays are read-only views
     vals, lens, ws = [], [], []
     for j in range(features):
         for r in rows:
