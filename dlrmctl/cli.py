@@ -71,7 +71,7 @@ app = typer.Typer(
 )
 
 #: command modules with ``register(app)``, in the order ``--help`` lists them
-COMMANDS = ("version", "train", "sweep", "evaluate", "plan", "export", "report", "checkpoint_cmd", "launch_cmd", "jobs_cmd")
+COMMANDS = ("version", "train", "sweep", "evaluate", "plan", "export", "serve", "report", "checkpoint_cmd", "launch_cmd", "jobs_cmd")
 
 
 def _register() -> None:

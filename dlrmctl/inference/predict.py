@@ -3,7 +3,8 @@
 Raw lines go through the *training* preprocessing, recorded in the artifact's manifest
 (``preprocessing``: the training data's meta.json transforms + vocabularies copied into
 ``MODEL_DIR/vocab``), using the preprocessing module's own transform function
-(:data:`RAW_TRANSFORMS`: dataset name -> ``module:function``) so the two can never drift apart.
+(:data:`RAW_TRANSFORMS`: dataset name -> ``module:Class``) so the two can never drift apart;
+``dlrmctl serve`` applies the same transformer to raw lines in a request (:func:`raw_transformer`).
 
 Also the small binary format shared with the C++ example (``scripts/cpp_inference``):
 :func:`write_cpp_input` / :func:`read_cpp_output`.
@@ -33,15 +34,16 @@ __all__ = [
     "RAW_TRANSFORMS",
     "PredictReport",
     "predict_file",
+    "raw_transformer",
     "read_cpp_output",
     "to_model_inputs",
     "write_cpp_input",
 ]
 
-#: dataset (``meta["dataset"]``) -> ``"module:function"`` transforming raw lines with a data meta.
-#: Signature: ``fn(path, meta, data_dir, batch_rows) -> iterator of (dense [n, 13] float32,
-#: ids [n, 26] int64, labels [n] float32 or None)``.
-RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo.raw_transform:transform_raw_file"}
+#: dataset (``meta["dataset"]``) -> ``"module:Class"`` transforming raw lines with a data meta:
+#: ``Class(meta, data_dir)`` with ``.file(path, batch_rows)`` -> iterator of and ``.lines(list of
+#: bytes, name)`` -> one ``(dense [n, 13] float32, ids [n, 26] int64, labels [n] float32 or None)``.
+RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo.raw_transform:RawTransformer"}
 
 _IN_MAGIC = b"DLRMIN01"
 _IN_MAGIC_WEIGHTED = b"DLRMIN02"
@@ -133,7 +135,16 @@ class PredictReport:
         self.rows, self.labelled, self.metrics, self.output = rows, labelled, metrics, output
 
 
-def _raw_transform(model: ExportedModel):
+def raw_transformer(model: ExportedModel) -> tuple[object, list[str]]:
+    """The training preprocessing of raw lines for ``model`` (its manifest's ``preprocessing``,
+    vocabularies from the artifact): ``(transformer, data_features)`` -- the
+    :data:`RAW_TRANSFORMS` class built once (``.file(path, batch_rows)``, ``.lines(lines, name)``)
+    and the column names of the ids it yields.
+
+    Raises:
+        ExportError: no preprocessing in the manifest, unsupported dataset.
+        DataError: a meta the transform cannot apply (multi-hot, unknown mode).
+    """
     pre = model.manifest.get("preprocessing")
     if not pre:
         raise ExportError(
@@ -143,10 +154,10 @@ def _raw_transform(model: ExportedModel):
     dataset = pre.get("dataset")
     target = RAW_TRANSFORMS.get(dataset)
     if target is None:
-        raise ExportError(f"predict on raw lines supports datasets {sorted(RAW_TRANSFORMS)}, this model was trained on {dataset!r}")
+        raise ExportError(f"raw lines can be scored for datasets {sorted(RAW_TRANSFORMS)}, this model was trained on {dataset!r}")
     mod_name, fn_name = target.split(":")
-    fn = getattr(importlib.import_module(mod_name), fn_name, None)
-    if fn is None:
+    cls = getattr(importlib.import_module(mod_name), fn_name, None)
+    if cls is None:
         raise ExportError(f"{mod_name}.{fn_name} is not available in this dlrmctl; cannot preprocess raw {dataset} lines")
     meta = dict(pre.get("meta") or {})
     meta.update({
@@ -157,7 +168,7 @@ def _raw_transform(model: ExportedModel):
         "transforms": pre.get("transforms"),
         "vocab_files": pre.get("vocab_files") or {},
     })
-    return fn, meta, [sf["name"] for sf in pre.get("sparse") or []]
+    return cls(meta, model.model_dir, source=Path(model.model_dir) / "manifest.json"), [sf["name"] for sf in pre.get("sparse") or []]
 
 
 @torch.no_grad()
@@ -178,8 +189,8 @@ def iter_scores(
             "weights, which raw log lines do not carry; score preprocessed data with weight columns "
             "(`dlrmctl evaluate MODEL_DIR --data DIR`) or pass weights to ExportedModel.score / the C++ loader"
         )
-    fn, meta, data_features = _raw_transform(model)
-    for dense, ids, labels in fn(Path(input_path), meta, model.model_dir, batch_rows):
+    transformer, data_features = raw_transformer(model)
+    for dense, ids, labels in transformer.file(Path(input_path), batch_rows):
         d, v, ln = to_model_inputs(dense, ids, model.feature_names, data_features)
         yield (model.logits(d, v, ln) if logits else model.score(d, v, ln)).numpy(), labels
 

@@ -349,10 +349,14 @@ class BlockReader:
         on_bad_line: "error" raises :class:`DataError` at the first bad line; "skip" drops it.
         careful: read dense fields as bytes and validate them (needed to *skip* bad integers;
             the default fast path lets Arrow convert them and reports the first error).
+        data: the lines themselves (``b"\\n"``-joined, in memory, e.g. a served request); then
+            ``path`` only names them in messages.
     """
 
-    def __init__(self, path: Path, labelled: bool, on_bad_line: str, careful: bool, block_size: int):
+    def __init__(self, path: Path, labelled: bool, on_bad_line: str, careful: bool, block_size: int,
+                 data: bytes | None = None):
         self.path = path
+        self.data = data
         self.labelled = labelled
         self.on_bad_line = on_bad_line
         self.careful = careful
@@ -392,7 +396,7 @@ class BlockReader:
         types = {n: (pa.binary() if n.startswith("C") else int_t) for n in self.names}
         try:
             reader = pa_csv.open_csv(
-                str(self.path),
+                str(self.path) if self.data is None else pa.BufferReader(self.data),
                 read_options=pa_csv.ReadOptions(column_names=self.names, use_threads=False,
                                                 block_size=self.block_size),
                 parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,
@@ -405,7 +409,8 @@ class BlockReader:
                                                       quoted_strings_can_be_null=False),
             )
         except pa.ArrowInvalid as e:
-            if num_fields(self.path) is None:  # a file (or .gz / .bz2 member) with no lines: no blocks
+            empty = not self.data.strip() if self.data is not None else num_fields(self.path) is None
+            if empty:  # a file (or .gz / .bz2 member) with no lines: no blocks
                 return
             self._arrow_error(e)
         next_line = 1

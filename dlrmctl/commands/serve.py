@@ -1,0 +1,63 @@
+"""``dlrmctl serve MODEL_DIR``: an exported model behind the Open Inference Protocol (KServe v2)
+with dynamic batching; the server is :mod:`dlrmctl.inference.serve`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from dlrmctl.commands._common import check_number, echo, fail, show_path
+
+
+def serve_command(
+    model_dir: Path = typer.Argument(..., help="exported model directory (dlrmctl export)"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8080, "--port", help="TCP port (0: any free port, printed)"),
+    max_batch_rows: int = typer.Option(4096, "--max-batch-rows", help="rows merged into one forward at most "
+                                                                       "(1: no dynamic batching)"),
+    max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="how long the oldest queued request waits "
+                                                                   "for others to join its batch"),
+    max_queue_rows: int = typer.Option(65536, "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After"),
+    workers: int = typer.Option(1, "--workers", help="forward threads (each takes the next batch; the intra-op "
+                                                     "threads are divided among them)"),
+    name: Optional[str] = typer.Option(None, "--name", help="model name in /v2/models/{name} (default: the run's name)"),
+) -> None:
+    """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM."""
+    check_number("--port", port, minimum=0, maximum=65535, positive=False, what="TCP port")
+    check_number("--max-batch-rows", max_batch_rows, what="rows")
+    check_number("--max-delay-ms", max_delay_ms, minimum=0, maximum=60000.0, positive=False, what="milliseconds")
+    check_number("--max-queue-rows", max_queue_rows, what="rows")
+    check_number("--workers", workers, maximum=256, what="forward threads")
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        fail(f"dlrmctl serve needs the serve extra ({e.name} is not installed): pip install 'dlrmctl[serve]'")
+    import torch
+
+    from dlrmctl.inference.export import load_exported
+    from dlrmctl.inference.predict import check_vocabularies
+    from dlrmctl.inference.serve import bind, serve
+    from dlrmctl.procs import intra_op_threads
+
+    model = load_exported(model_dir)
+    check_vocabularies(model)
+    threads, why = intra_op_threads(workers)
+    torch.set_num_threads(threads)
+    served = name or (model.manifest.get("source") or {}).get("name") or Path(model_dir).resolve().name
+    sock = bind(host, port)
+    addr = sock.getsockname()
+    h = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    echo(f"serving {show_path(model_dir)} as model {served!r} at http://{h}:{addr[1]}/v2/models/{served} "
+         f"(batches of <= {max_batch_rows:,} rows or {max_delay_ms:g} ms; queue {max_queue_rows:,} rows; "
+         f"{workers} worker(s) x {threads} thread(s): {why})")
+    stopped = serve(model, served, sock, max_batch_rows, max_delay_ms, max_queue_rows, workers)
+    echo(f"stopped{f' ({stopped})' if stopped else ''}: every request received was answered")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the main ``dlrmctl`` app."""
+    app.command("serve")(serve_command)
