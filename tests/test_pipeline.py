@@ -221,8 +221,7 @@ class _FakeBatch:
         return _FakeBatch(self.i, self.streams, self.log, on_device=True)
 
 
-def test_sparse_dist_stream_order_copy_i_plus_2_dist_i_plus_1_compute_i():
-
+def _order_run(calls_hook=True, n=5, steps_n=3):
     from dlrmctl.train.pipeline import make_pipeline
 
     log = []
@@ -240,17 +239,29 @@ def test_sparse_dist_stream_order_copy_i_plus_2_dist_i_plus_1_compute_i():
         log.append(("dist_start", kjt.name, streams.on()))
         return Aw(kjt.name)
 
-    def run_step(batch, ctx):
-        log.append(("compute", batch.name, ctx.name, streams.on()))
+    def run_step(batch, ctx, after_forward=None):
+        log.append(("forward", batch.name, ctx.name, streams.on()))
+        if calls_hook:
+            after_forward()
+        log.append(("backward", batch.name, streams.on()))
         return 0.0
 
     pipe = make_pipeline("sparse_dist", torch.device("cpu"), run_step, start, streams=streams)
-    pipe.reset(iter([_FakeBatch(i, streams, log) for i in range(5)]))
+    pipe.reset(iter([_FakeBatch(i, streams, log) for i in range(n)]))
     steps = []
-    for _ in range(3):
+    for _ in range(steps_n):
         log.clear()
         assert pipe.progress() is not None
         steps.append(list(log))
+    return steps
+
+
+def test_sparse_dist_stream_order_wait_i_forward_i_then_dist_i_plus_1_then_backward_i():
+    # TorchRec's order: batch i's input_dist is waited on and its forward queued BEFORE batch
+    # i+1's input_dist starts (its size exchange is a blocking read that NCCL would queue behind
+    # step i-1's backward collectives), and the default stream's wait event is recorded on the
+    # data-dist stream before any of batch i+1's work is queued there
+    steps = _order_run()
     # priming (step 0 only): b0 copied, b0's input_dist started after its copy event, b1 copied
     assert steps[0][:7] == [
         ("copy", "b0", "memcpy", True), ("record_event", "memcpy", "ev1@memcpy"),
@@ -265,17 +276,48 @@ def test_sparse_dist_stream_order_copy_i_plus_2_dist_i_plus_1_compute_i():
         ev_copy_next, ev_copy_cur = copy_event[f"b{i + 1}"], copy_event[f"b{i}"]
         names = [e[0] for e in s]
         assert names == ["copy", "record_event",  # 1. batch i+2 host->device on memcpy
-                         "wait_event", "record_stream", "dist_start",  # 2. batch i+1 input_dist on data_dist
-                         "dist_wait", "record_event", "wait_event", "record_stream",  # 3. default waits for i's dist
-                         "wait_event", "record_stream", "compute"], s  # ... and i's copy, then computes
+                         "dist_wait", "record_event", "wait_event", "record_stream",  # 2. default waits for i's dist
+                         "wait_event", "record_stream",  # ... and i's copy
+                         "forward",  # 3. forward i queued
+                         "wait_event", "record_stream", "dist_start",  # ... then batch i+1's input_dist
+                         "backward"], s  # 4. backward i
         assert s[0] == ("copy", f"b{i + 2}", "memcpy", True)
-        assert s[2] == ("wait_event", "data_dist", ev_copy_next)
-        assert s[3] == ("record_stream", f"kjt{i + 1}", "data_dist") and s[4] == ("dist_start", f"kjt{i + 1}", "data_dist")
-        assert s[5] == ("dist_wait", f"kjt{i}", "data_dist")
-        assert s[6][:2] == ("record_event", "data_dist") and s[7] == ("wait_event", "default", s[6][2])
-        assert s[8] == ("record_stream", f"ctx_kjt{i}", "default")
-        assert s[9] == ("wait_event", "default", ev_copy_cur) and s[10] == ("record_stream", f"b{i}", "default")
-        assert s[11] == ("compute", f"b{i}", f"ctx_kjt{i}", "default")
+        assert s[2] == ("dist_wait", f"kjt{i}", "data_dist")
+        assert s[3][:2] == ("record_event", "data_dist") and s[4] == ("wait_event", "default", s[3][2])
+        assert s[5] == ("record_stream", f"ctx_kjt{i}", "default")
+        assert s[6] == ("wait_event", "default", ev_copy_cur) and s[7] == ("record_stream", f"b{i}", "default")
+        assert s[8] == ("forward", f"b{i}", f"ctx_kjt{i}", "default")
+        assert s[9] == ("wait_event", "data_dist", ev_copy_next)
+        assert s[10] == ("record_stream", f"kjt{i + 1}", "data_dist") and s[11] == ("dist_start", f"kjt{i + 1}", "data_dist")
+        assert s[12] == ("backward", f"b{i}", "default")
+
+
+def test_sparse_dist_starts_the_next_input_dist_after_a_run_step_that_ignores_the_hook():
+    for s in _order_run(calls_hook=False)[1:]:
+        names = [e[0] for e in s]
+        assert names.index("dist_wait") < names.index("forward") < names.index("backward") < names.index("dist_start")
+
+
+def test_comm_wait_counts_the_blocking_start_of_an_input_dist():
+    import time
+
+    from dlrmctl.train.pipeline import make_pipeline
+
+    class Aw:
+        def wait(self):
+            return _FakeKJT("ctx")
+
+    def start(kjt):
+        time.sleep(0.05)  # the size exchange's blocking host read
+        return Aw()
+
+    log = []
+    streams = _RecordingStreams(log)
+    pipe = make_pipeline("sparse_dist", torch.device("cpu"), lambda b, c, **kw: 0.0, start, streams=streams)
+    pipe.reset(iter([_FakeBatch(i, streams, log) for i in range(3)]))
+    while pipe.progress() is not None:
+        pass
+    assert pipe.stats.steps == 3 and pipe.stats.comm_wait_s >= 3 * 0.05  # every batch's start counted
 
 
 def test_sparse_dist_pipeline_drains_short_epochs_without_losing_batches():
@@ -293,7 +335,7 @@ def test_sparse_dist_pipeline_drains_short_epochs_without_losing_batches():
                 return _FakeKJT(f"ctx_{self.name}")
 
         done = []
-        pipe = make_pipeline("sparse_dist", torch.device("cpu"), lambda b, c: done.append((b.name, c.name)) or 0.0,
+        pipe = make_pipeline("sparse_dist", torch.device("cpu"), lambda b, c, **kw: done.append((b.name, c.name)) or 0.0,
                              lambda k: Aw(k.name), streams=streams)
         pipe.reset(iter([_FakeBatch(i, streams, log) for i in range(n)]))
         while pipe.progress() is not None:

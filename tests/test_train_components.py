@@ -40,14 +40,16 @@ def _sebc(weight_decay=0.0, opt="exact_rowwise_adagrad", comm_precision="fp32"):
                                          comm_precision=comm_precision)
 
 
-def test_the_sharded_collection_keeps_sparse_data_parallel_grads_under_weight_decay_by_itself():
-    """Densifying a data_parallel gradient would let weight decay reach rows not looked up: the
-    collection decides that from its own optimizer spec (the trainer used to override it)."""
+def test_the_sharded_collection_tracks_looked_up_rows_under_weight_decay_and_adam_by_itself():
+    """A densified data_parallel gradient alone would let weight decay reach rows not looked up (and
+    Adam skip a looked-up row whose gradient sums to zero): the collection decides from its own
+    optimizer spec to carry a lookup count per row with it (issue 25: no sparse path, no host sync)."""
     from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES
 
     assert _sebc(weight_decay=0.0).dense_grad_max_bytes == DENSE_GRAD_MAX_BYTES
-    assert _sebc(weight_decay=0.01).dense_grad_max_bytes == 0
-    assert _sebc(opt="adam").dense_grad_max_bytes == 0
+    assert not _sebc(weight_decay=0.0).track_touched_rows
+    assert _sebc(weight_decay=0.01).track_touched_rows and _sebc(opt="adam").track_touched_rows
+    assert _sebc(weight_decay=0.01).dense_grad_max_bytes == DENSE_GRAD_MAX_BYTES
 
 
 def test_the_output_dist_is_full_precision_in_eval_mode():

@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dlrmctl.sparse.jagged_tensor import host_to_device
+
 T = TypeVar("T")
 
 # torch 2.13 renamed the flat collectives (``*_into_tensor`` / ``*_tensor`` are deprecated aliases)
@@ -531,10 +533,15 @@ def _gathered_pos(rank: torch.Tensor, row: torch.Tensor, M: int, k: int, ws: int
     return ws * s + rank * kc + (row - s)
 
 
+#: attribute a data_parallel table gets from :func:`sync_sparse_grads` (``track_touched``): bool
+#: ``[rows]``, the rows looked up on any rank this step (read by ``dlrmctl.train.optim``)
+TOUCHED_ROWS_ATTR = "dlrmctl_touched_rows"
+
+
 @torch.no_grad()
 def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup | None,
                       dense_max_bytes: int = DENSE_GRAD_MAX_BYTES, workspace: dict | None = None,
-                      chunk_bytes: int | None = None) -> None:
+                      chunk_bytes: int | None = None, track_touched: bool = False) -> None:
     """SUM the sparse (row) gradients of replicated 2-D ``params`` over ranks.
 
     * Tables of at most ``dense_max_bytes`` (the small tables the planner makes
@@ -564,6 +571,11 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
             the row all-gather live there (grow-only) instead of being allocated each step.
         chunk_bytes: bytes per rank per all-gather piece (default: ``GLOO_GATHER_CHUNK_BYTES``
             on gloo, one piece on other backends).
+        track_touched: densified tables also all-reduce, in the same buffer, how many times each
+            row was looked up; ``p.<TOUCHED_ROWS_ATTR>`` becomes a bool ``[rows]`` mask of the rows
+            looked up on any rank, which the embedding optimizers use instead of "gradient != 0"
+            (the Adam family and weight decay: a looked-up row whose gradient sums to zero is
+            still updated).  No host sync either way.
     """
     if pg is None or not params:
         return
@@ -571,27 +583,39 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
     if small:
         dev = small[0].device
         dt = torch.promote_types(small[0].dtype, torch.float32) if len({p.dtype for p in small}) > 1 else small[0].dtype
-        flat = torch.zeros(sum(p.numel() for p in small), dtype=dt, device=dev)
+        extra = [p.shape[0] if track_touched else 0 for p in small]  # lookup counts per row
+        flat = torch.zeros(sum(p.numel() + e for p, e in zip(small, extra)), dtype=dt, device=dev)
         off = 0
-        for p in small:
+        for p, e in zip(small, extra):
             n = p.numel()
             view = flat[off: off + n].view(p.shape)
+            seen = flat[off + n: off + n + e]
             g = p.grad
             if g is not None:
                 if g.is_sparse:
                     if g.sparse_dim() == 1 and g.dense_dim() == 1:
                         view.index_add_(0, g._indices()[0], g._values().to(dt))
+                        if e:
+                            seen.index_add_(0, g._indices()[0], torch.ones_like(g._indices()[0], dtype=dt))
                     else:
                         view.copy_(g.to_dense())
+                        if e:
+                            seen.copy_(view.ne(0).any(dim=1))
                 else:
                     view.copy_(g)
-            off += n
+                    if e:
+                        seen.copy_(view.ne(0).any(dim=1))
+            off += n + e
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
         off = 0
-        for p in small:
+        for p, e in zip(small, extra):
             n = p.numel()
             p.grad = flat[off: off + n].view_as(p).to(p.dtype)
-            off += n
+            if e:
+                setattr(p, TOUCHED_ROWS_ATTR, flat[off + n: off + n + e] > 0)
+            else:
+                p.__dict__.pop(TOUCHED_ROWS_ATTR, None)
+            off += n + e
     params = [p for p in params if p.numel() * 4 > dense_max_bytes]
     if not params:
         return
@@ -612,10 +636,11 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
         # uncoalesced is fine (duplicates are summed after the gather)
         idx_parts.append(g._indices()[0])
         val_parts.append(g._values().reshape(-1, p.shape[1]))
-    cnt = torch.tensor([t.numel() for t in idx_parts], dtype=torch.int64, device=dev)
+    cnt = host_to_device([t.numel() for t in idx_parts], torch.int64, dev)  # pinned, non-blocking
     all_cnt = cnt.new_empty(ws * len(params))
     _all_gather_flat(all_cnt, cnt, group=pg)
-    all_cnt_l = all_cnt.view(ws, len(params)).tolist()  # the one host sync
+    all_cnt_dev = all_cnt.view(ws, len(params))
+    all_cnt_l = all_cnt_dev.tolist()  # the one host sync
     max_cnt = [max(all_cnt_l[r][j] for r in range(ws)) for j in range(len(params))]
     # groups of tables with the same (dim, dtype); table j at rows row_off[j] of its group
     groups: dict[tuple[int, torch.dtype], list[int]] = {}
@@ -662,10 +687,10 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
                 p.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64, device=dev),
                                                  recv.new_zeros(0, key[0]), p.shape, is_coalesced=True)
                 continue
-            rank = torch.repeat_interleave(torch.arange(ws, device=dev), torch.tensor(counts, device=dev),
-                                           output_size=total)
-            starts = torch.tensor([0] + counts[:-1], device=dev).cumsum(0)
-            row = torch.arange(total, device=dev) - torch.repeat_interleave(starts, torch.tensor(counts, device=dev),
+            counts_t = all_cnt_dev[:, j]  # the same counts, already on the device (no host->device copy)
+            rank = torch.repeat_interleave(torch.arange(ws, device=dev), counts_t, output_size=total)
+            starts = counts_t.cumsum(0) - counts_t
+            row = torch.arange(total, device=dev) - torch.repeat_interleave(starts, counts_t,
                                                                             output_size=total) + row_off[j]
             ids = ids_recv.index_select(0, _gathered_pos(rank, row + id_off[key], n_ids, k_ids, ws))
             pos = _gathered_pos(rank, row, M, k, ws)

@@ -151,7 +151,7 @@ def destroy_distributed() -> None:
 def init_distributed(
     backend: str | None = None,
     local_world_size: int | None = None,
-    timeout_s: float = 1800.0,
+    timeout_s: float | None = None,
     single_rank_group: bool = False,
     device: torch.device | str | None = None,
 ) -> ShardingEnv:
@@ -162,7 +162,8 @@ def init_distributed(
         local_world_size: ranks per host; default ``LOCAL_WORLD_SIZE`` (or
             ``world_size``).  A smaller value makes one machine act as several
             hosts for the ``table_*_wise`` sharding types.
-        timeout_s: collective timeout.
+        timeout_s: collective timeout (default: ``$DLRMCTL_COLLECTIVE_TIMEOUT_S``, else 1800 s;
+            ``scripts/gpu_check.sh`` sets 120 so a hung collective fails inside its slot).
         single_rank_group: with ``WORLD_SIZE`` unset or 1, still create a group
             (of one rank, in-process store, no ports) so every collective runs.
         device: the rank's device (default: ``cuda:<LOCAL_RANK>`` for nccl, else cpu).
@@ -174,6 +175,8 @@ def init_distributed(
     Raises:
         ValueError: ``nccl`` without CUDA, or an inconsistent local world size.
     """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("DLRMCTL_COLLECTIVE_TIMEOUT_S", "1800"))
     ws = int(os.environ.get("WORLD_SIZE", "1"))
     if backend is None:
         backend = default_backend(device)
@@ -252,3 +255,22 @@ class RunEnv:
 
         comm.all_reduce(x, self.pg)
         return x
+
+
+#: substrings of ``torch.cuda.get_device_name`` -> the planner preset of that GPU
+_GPU_PRESET_BY_NAME = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+
+
+def device_planning_preset(device: torch.device) -> tuple[str, float | None] | None:
+    """The planner preset for training on ``device``: ``None`` for a CPU device; for a CUDA
+    device ``(preset, hbm_gb)``: the preset whose GPU name matches ``torch.cuda.get_device_name``
+    (``h200`` / ``h100`` / ``a100``, else ``h100``'s bandwidths) and the device's own memory in GB
+    (1e9 bytes, from ``torch.cuda.get_device_properties``), so a plan never assumes more HBM
+    than the GPU has.  The one place the planner's view of a GPU is read (CUDA-specific code
+    lives in this module)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    preset = next((p for key, p in _GPU_PRESET_BY_NAME if key in name), "h100")
+    return preset, torch.cuda.get_device_properties(device).total_memory / 1e9

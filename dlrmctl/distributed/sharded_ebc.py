@@ -307,12 +307,13 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         # (lengths, local ids and float32 weight bits then all fit), else int64
         self.input_dist_dtype = input_dist_dtype
         #: data_parallel tables up to this many fp32 bytes get a dense gradient all-reduce (no host
-        #: sync); 0 keeps sparse gradients, decided here from the optimizer settings: under the Adam
-        #: family (a densified gradient would drop a looked-up row whose summed gradient is zero,
-        #: which Adam still updates) and under embedding weight decay (it must only touch the rows
-        #: looked up; a densified gradient would let it reach every row)
-        self.dense_grad_max_bytes = (0 if self._spec.type in ADAM_FAMILY or self._spec.weight_decay
-                                     else DENSE_GRAD_MAX_BYTES)
+        #: sync), whatever the optimizer
+        self.dense_grad_max_bytes = DENSE_GRAD_MAX_BYTES
+        #: the densified gradient also carries each row's lookup count (same all-reduce), so the
+        #: optimizer updates exactly the rows looked up: decided here from the optimizer settings,
+        #: under the Adam family (it updates a looked-up row whose summed gradient is zero) and
+        #: under embedding weight decay (it must reach only the rows looked up)
+        self.track_touched_rows = bool(self._spec.type in ADAM_FAMILY or self._spec.weight_decay)
         #: send / receive buffers of the data_parallel row all-gather, reused between steps
         self._grad_sync_workspace: dict = {}
         #: bytes this rank sent in its last input_dist: (size exchange, data)
@@ -520,7 +521,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         to :attr:`dense_grad_max_bytes` are densified and all-reduced (see ``sync_sparse_grads``)."""
         if self.env.is_distributed:
             sync_sparse_grads(self.replicated_parameters(), self.env.pg, self.dense_grad_max_bytes,
-                              workspace=self._grad_sync_workspace)
+                              workspace=self._grad_sync_workspace, track_touched=self.track_touched_rows)
 
     def local_shards(
         self, dense_optimizer: torch.optim.Optimizer | None = None

@@ -198,8 +198,9 @@ OUTPUT_ELEM_BYTES = 4  #: fp32 pooled embeddings / their gradients
 MIN_ROW_READ_BYTES = {"cuda": 128, "cpu": 64}
 #: ``comm.DENSE_GRAD_MAX_BYTES`` (kept here so the planner does not import torch; a test checks they agree)
 DENSE_GRAD_MAX_BYTES = 8 << 20
-#: optimizers whose data_parallel gradients stay sparse (``ShardedEmbeddingBagCollection.dense_grad_max_bytes = 0``;
-#: ``embedding_modules.ADAM_FAMILY``)
+#: optimizers whose densified data_parallel gradient also carries a per-row lookup count (one more fp32
+#: per row in the same all-reduce: Adam updates a looked-up row whose summed gradient is zero;
+#: ``ShardedEmbeddingBagCollection.track_touched_rows``; ``embedding_modules.ADAM_FAMILY``)
 SPARSE_GRAD_OPTIMIZERS = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
 
 #: Fraction of the memory bandwidth a kernel reaches on a device (``Topology.kernel_efficiency``
@@ -347,8 +348,7 @@ def input_id_bytes(table: TableSpec) -> int:
 
 def dp_dense_grad(table: TableSpec) -> bool:
     """True when a data_parallel table's gradient is densified and all-reduced (``sync_sparse_grads``)."""
-    return (table.optimizer not in SPARSE_GRAD_OPTIMIZERS
-            and table.num_embeddings * table.embedding_dim * 4 <= DENSE_GRAD_MAX_BYTES)
+    return table.num_embeddings * table.embedding_dim * 4 <= DENSE_GRAD_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -385,7 +385,8 @@ def shard_comm_bytes(table: TableSpec, sharding_type: ShardingType, cols: int, n
     st = sharding_type
     if st == ShardingType.DATA_PARALLEL:
         ids = B * P / world_size
-        grad = table.num_embeddings * d * 4 if dp_dense_grad(table) else ids * (8 + 4 * d) + 8
+        touched_count = table.num_embeddings * 4 if table.optimizer in SPARSE_GRAD_OPTIMIZERS else 0
+        grad = table.num_embeddings * d * 4 + touched_count if dp_dense_grad(table) else ids * (8 + 4 * d) + 8
         return CommBytes(0.0, 0.0, float(grad), ids)
     if st in _ROW_TYPES:
         n = max(1, num_row_shards)

@@ -44,6 +44,7 @@ from dlrmctl.planner.proposer import (
 )
 from dlrmctl.planner.storage import HeuristicStorageReservation, dense_model_bytes
 from dlrmctl.planner.types import (
+    DEVICE_PRESETS,
     GB,
     PlannerError,
     ShardingOption,
@@ -598,20 +599,34 @@ def plan_config(
     return EmbeddingShardingPlanner(topology, batch_size or cfg.data.batch_size, res).plan(specs)
 
 
-def topology_for_config(cfg: Any, world_size: int, local_world_size: int | None = None) -> Topology:
+def topology_for_config(cfg: Any, world_size: int, local_world_size: int | None = None,
+                        train_preset: tuple[str, float | None] | None = None) -> Topology:
     """The topology the trainer plans on: ``sharding.topology_file`` when set, else the
     ``sharding.device`` preset, with ``sharding.hbm_gb`` / ``ddr_gb``; ``local_world_size``
     defaults to ``sharding.local_world_size``, then to ``world_size``.
+
+    ``train_preset``: ``(preset, hbm_gb)`` of the GPU training runs on
+    (:func:`dlrmctl.distributed.env.device_planning_preset`), or ``None`` (CPU training, or
+    ``dlrmctl plan``).  When given and ``sharding.device`` is a CPU preset (its default), a GPU
+    run is planned on that GPU preset with the GPU's own memory (``sharding.hbm_gb`` still
+    wins): tables are costed in HBM with NCCL bandwidths, as training places them.
 
     Raises:
         PlannerError: an unknown device, a bad or unreadable topology file (named), inconsistent sizes.
     """
     s = cfg.sharding
     lws = local_world_size or s.local_world_size or world_size
-    return Topology.from_device_or_file(s.device, s.topology_file, world_size, lws, s.hbm_gb, s.ddr_gb)
+    device, hbm_gb = s.device, s.hbm_gb
+    if (train_preset is not None and not s.topology_file
+            and getattr(DEVICE_PRESETS.get(device), "compute_device", None) == "cpu"):
+        device = train_preset[0]
+        if hbm_gb is None:
+            hbm_gb = train_preset[1]
+    return Topology.from_device_or_file(device, s.topology_file, world_size, lws, hbm_gb, s.ddr_gb)
 
 
-def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = None, meta: dict | None = None) -> ShardingPlan:
+def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = None, meta: dict | None = None,
+                    train_preset: tuple[str, float | None] | None = None) -> ShardingPlan:
     """The plan ``dlrmctl train --nproc N`` applies when no plan is given (rank 0 plans, then broadcasts).
 
     Topology: ``sharding.topology_file`` when set (``dlrmctl plan --calibrate``), else the
@@ -620,7 +635,7 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     ``sharding.hbm_gb`` / ``sharding.ddr_gb`` overrides; ``local_world_size``
     defaults to ``sharding.local_world_size``, then to ``world_size``.  Without ``fbgemm_gpu``
     in this process every table is planned (and costed) on the dense kernel, the one
-    training will run.
+    training will run.  ``train_preset``: the training GPU's preset (:func:`topology_for_config`).
 
     Returns:
         a :class:`ShardingPlan` that passes ``validate(resolve_tables(cfg, meta), world_size)``.
@@ -628,7 +643,7 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     Raises:
         PlannerError: infeasible (the message says what would fit).
     """
-    topo = topology_for_config(cfg, world_size, local_world_size)
+    topo = topology_for_config(cfg, world_size, local_world_size, train_preset)
     from dlrmctl import _fbgemm
 
     # without fbgemm_gpu training runs every table on the dense kernel: plan (and cost) that

@@ -74,7 +74,7 @@ def host_to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
     copies from pageable memory, which waits for the device)."""
     device = torch.device(device)
     if device.type != "cuda":
-        return torch.tensor(list(values), dtype=dtype, device=device)
+        return torch.tensor(list(values), dtype=dtype).to(device)  # (host memory: a no-op move)
     return torch.tensor(list(values), dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 

@@ -73,7 +73,9 @@ def aligned_num_batches(env: "RunEnv", n: int) -> int:
     ``n`` (one int64 all-reduce; ``n`` itself without sharding)."""
     if not env.sharded:
         return n
-    t = torch.tensor([n], dtype=torch.int64, device=env.device)
+    from dlrmctl.sparse.jagged_tensor import host_to_device
+
+    t = host_to_device([n], torch.int64, env.device)  # pinned, non-blocking: the read below is the one sync
     comm.all_reduce(t, env.pg, op="max")
     return int(t.item())
 

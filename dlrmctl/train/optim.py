@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlrmctl.config import DenseOptimizerConfig, LRScheduleConfig
+from dlrmctl.distributed.comm import TOUCHED_ROWS_ATTR
 
 
 class _RowUpdateOptimizer(torch.optim.Optimizer):
@@ -103,7 +104,9 @@ class RowWiseAdagrad(_RowUpdateOptimizer):
             # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
             # same arithmetic per row as the sparse branch (bit-identical updates)
             if wd:
-                touched = (g != 0).any(dim=1)
+                touched = _touched_mask(p)
+                if touched is None:
+                    touched = (g != 0).any(dim=1)
                 g = g + wd * p.float() * touched.unsqueeze(1)
             m.add_(g.pow(2).sum(1) / D)
             den = (m.sqrt() + eps).unsqueeze(1)
@@ -135,8 +138,9 @@ class SparseAdagrad(_RowUpdateOptimizer):
     def update(self, p: torch.Tensor, grad: torch.Tensor, st: dict, group: dict) -> None:
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         acc = st["sum"]
-        if not grad.is_sparse and not wd:  # untouched rows: +0 exactly, no row selection
-            g = grad
+        mask = _touched_mask(p)
+        if not grad.is_sparse and (not wd or mask is not None):  # untouched rows: +0 exactly, no row selection
+            g = grad if not wd else grad + wd * p.float() * mask.unsqueeze(1)
             acc.add_(g * g)
             den = acc.sqrt() + eps
             _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
@@ -158,8 +162,9 @@ class SparseSGD(_RowUpdateOptimizer):
 
     def update(self, p: torch.Tensor, grad: torch.Tensor, st: dict, group: dict) -> None:
         lr, wd = group["lr"], group["weight_decay"]
-        if not grad.is_sparse and not wd:
-            _add_all(p, -lr * grad)
+        mask = _touched_mask(p)
+        if not grad.is_sparse and (not wd or mask is not None):
+            _add_all(p, -lr * (grad if not wd else grad + wd * p.float() * mask.unsqueeze(1)))
             return
         rows, g = _touched_rows(grad, p, wd)
         if rows is None:
@@ -253,6 +258,10 @@ class EmbeddingAdam(torch.optim.Optimizer):
                 st = self._init_state(p)
                 if p.grad is None:
                     continue
+                mask = _touched_mask(p)
+                if mask is not None:
+                    self._step_masked(p, st, mask, lr, eps, wd, b1, b2, bc1, bc2)
+                    continue
                 rows, g = _summed_rows(p.grad)
                 if rows is None:
                     continue
@@ -288,6 +297,38 @@ class EmbeddingAdam(torch.optim.Optimizer):
                     p.index_copy_(0, rows, w.to(p.dtype))
                 else:
                     p.index_add_(0, rows, m.div_(den).to(p.dtype))
+
+
+    def _step_masked(self, p: torch.Tensor, st: dict, mask: torch.Tensor, lr: float, eps: float, wd: float,
+                     b1: float, b2: float, bc1: float, bc2: float) -> None:
+        """The step on the rows in ``mask`` (bool ``[rows]``) of a dense gradient, over the whole
+        table with no row selection (no host sync: the table is small, ``comm.DENSE_GRAD_MAX_BYTES``);
+        per row the same arithmetic as the row path."""
+        g = _grad32(p)
+        mk = mask.unsqueeze(1)
+        m1, m2 = st["momentum1"], st["momentum2"]
+        m = torch.where(mk, m1.lerp(g, 1.0 - b1), m1)
+        m1.copy_(m)
+        gg = (g * g).mean(dim=1) if self._ROWWISE_V else g * g
+        v = torch.where(mask if self._ROWWISE_V else mk, m2.lerp(gg, 1.0 - b2), m2)
+        m2.copy_(v)
+        if self._ROWWISE_V:
+            v = v.unsqueeze(1)
+        w = p.float()
+        if self._LAMB:
+            r = (m / bc1).div_((v / bc2).sqrt_().add_(eps))
+            if wd:
+                r.add_(w, alpha=wd)
+            wn, rn = w.norm(dim=1), r.norm(dim=1)
+            ratio = torch.where(rn > 0, wn / rn, torch.zeros((), dtype=wn.dtype, device=wn.device))
+            new = w - r * (lr * ratio).unsqueeze(1)
+        elif lr == 0:
+            return
+        else:
+            sb2 = math.sqrt(bc2)
+            den = v.sqrt().add_(eps * sb2).mul_(-bc1 / (lr * sb2))
+            new = (w * (1.0 - lr * wd)).add_(m / den) if wd else w + m / den
+        p.copy_(torch.where(mk, new.to(p.dtype), p))
 
 
 class PartialRowWiseAdam(EmbeddingAdam):
@@ -335,6 +376,14 @@ class PartialRowWiseLamb(EmbeddingAdam):
 
 _ADAM_CLASSES = {"adam": EmbeddingAdam, "partial_rowwise_adam": PartialRowWiseAdam, "lamb": EmbeddingLamb,
                  "partial_rowwise_lamb": PartialRowWiseLamb}
+
+
+def _touched_mask(p: torch.Tensor) -> torch.Tensor | None:
+    """Bool ``[rows]``: the rows of a data_parallel table looked up on any rank this step, when
+    its gradient sync tracked them (:data:`dlrmctl.distributed.comm.TOUCHED_ROWS_ATTR`, with a dense
+    ``p.grad``), else ``None`` (a row is then "touched" when its gradient is non-zero)."""
+    m = getattr(p, TOUCHED_ROWS_ATTR, None)
+    return m if m is not None and p.grad is not None and not p.grad.is_sparse else None
 
 
 def _grad32(p: torch.Tensor) -> torch.Tensor:

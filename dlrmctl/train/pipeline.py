@@ -13,11 +13,15 @@ Names and structure follow TorchRec's ``torchrec.distributed.train_pipeline``:
 
   1. batch ``i+2`` is fetched from the loader (whose own thread assembled it) and
      copied host->device on the **memcpy** stream;
-  2. batch ``i+1``'s input_dist (the id all-to-all) starts on the **data-dist**
-     stream, which first waits for batch ``i+1``'s copy (an event);
-  3. batch ``i`` computes on the **default** stream, which waits for the
-     data-dist stream (batch ``i``'s input_dist) only when its embeddings are
-     needed, and for batch ``i``'s copy.
+  2. batch ``i``'s input_dist (started in step ``i-1``) is finished on the
+     **data-dist** stream and the **default** stream waits for it (an event recorded
+     before anything of batch ``i+1`` is queued there) and for batch ``i``'s copy;
+  3. batch ``i``'s forward is queued on the default stream; then (``after_forward``,
+     called by ``run_step`` between its forward and backward) batch ``i+1``'s
+     input_dist starts on the data-dist stream, after its copy; its size exchange is a
+     blocking host read, which now waits behind forward ``i``'s collectives only (NCCL
+     runs one communicator's operations in order), while the GPU computes forward ``i``;
+  4. batch ``i``'s backward and optimizer step are queued.
 
   Tensors that cross streams are ``record_stream``-ed on the stream that uses
   them.  No fx tracing is needed: the sharded model exposes ``sparse_input_dist``
@@ -36,8 +40,9 @@ next epoch's iterator.  Equal step counts across ranks are the trainer's job
 (it pads a rank that runs out with empty batches, so collectives always match).
 
 Timing: ``stats`` accumulates seconds spent waiting for the loader
-(``data_wait_s``), waiting for the input_dist all-to-all (``comm_wait_s``) and
-in whole steps (``step_s``), as seen by the host.
+(``data_wait_s``), in the input_dist (``comm_wait_s``: the blocking size-exchange read
+when a batch's input_dist starts, plus the wait for its id all-to-all) and in whole
+steps (``step_s``), as seen by the host.
 """
 
 from __future__ import annotations
@@ -191,8 +196,11 @@ class TrainPipelinePlain:
 
     Args:
         device: where batches go.
-        run_step: ``run_step(batch, sparse_ctx) -> loss`` (any value; the trainer's is a
-            device tensor); ``sparse_ctx`` is ``None`` here (the model runs its own input_dist).
+        run_step: ``run_step(batch, sparse_ctx, after_forward=None) -> loss`` (any value; the
+            trainer's is a device tensor); ``sparse_ctx`` is ``None`` here (the model runs its own
+            input_dist).  ``after_forward`` (``sparse_dist`` only, a no-argument callable) is to be
+            called once the forward is queued and before the backward; a ``run_step`` that does
+            not call it gets it called after it returns.
         start_sparse_dist: ``start_sparse_dist(kjt) -> Awaitable`` (sparse_dist only).
         streams: stream provider (tests inject a recording one); default per device.
     """
@@ -224,8 +232,8 @@ class TrainPipelinePlain:
         self.stats.data_wait_s += time.perf_counter() - t0
         return b
 
-    def _timed_step(self, batch: Any, ctx: Any) -> Any:
-        loss = self.run_step(batch, ctx)
+    def _timed_step(self, batch: Any, ctx: Any, after_forward: Optional[Callable[[], None]] = None) -> Any:
+        loss = self.run_step(batch, ctx) if after_forward is None else self.run_step(batch, ctx, after_forward=after_forward)
         self.stats.steps += 1
         self.stats.samples += batch.labels.numel()
         return loss
@@ -304,23 +312,35 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         if not self._primed:
             # fill: batch 0 copied and its input_dist started, batch 1 copying
             if self._enqueue():
-                self._start_dist(self._queue[0])
+                self._timed_dist(self._queue[0])
                 self._enqueue()
             self._primed = True
         if not self._queue:
             return None
         self._enqueue()  # 1. batch i+2: host->device on the memcpy stream
-        if len(self._queue) > 1:
-            self._start_dist(self._queue[1])  # 2. batch i+1: input_dist on the data-dist stream
         cur = self._queue.pop(0)
+        self._timed_dist(cur)  # (already started, except for a one-batch epoch start)
         tw = time.perf_counter()
-        self._start_dist(cur)  # (already started, except for a one-batch epoch start)
-        ctx = self.streams.wait_input_dist(cur.dist)  # 3. batch i: default waits for its input_dist
+        ctx = self.streams.wait_input_dist(cur.dist)  # 2. batch i: default waits for its input_dist
         self.stats.comm_wait_s += time.perf_counter() - tw
         batch = self.streams.ready_for_compute(cur.batch, cur.copy_event)
-        loss = self._timed_step(batch, ctx)
+        nxt = self._queue[0] if self._queue else None
+
+        def after_forward() -> None:  # 3. forward i queued: batch i+1's input_dist starts
+            if nxt is not None:
+                self._timed_dist(nxt)
+
+        loss = self._timed_step(batch, ctx, after_forward)  # 3./4. forward, backward, update of batch i
+        after_forward()  # (a no-op when run_step called it)
         self.stats.step_s += time.perf_counter() - t0
         return loss
+
+    def _timed_dist(self, f: _InFlight) -> None:
+        """Start ``f``'s input_dist (once); its blocking size exchange counts as ``comm_wait_s``."""
+        if f.dist is None:
+            tw = time.perf_counter()
+            self._start_dist(f)
+            self.stats.comm_wait_s += time.perf_counter() - tw
 
 
 PIPELINES = {"none": TrainPipelinePlain, "base": TrainPipelineBase, "sparse_dist": TrainPipelineSparseDist}

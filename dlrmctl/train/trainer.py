@@ -188,7 +188,7 @@ class Trainer:
         sizes = getattr(sparse_ctx, "full_batch_sizes", None)
         if sizes is not None and len(sizes) == self.env.world_size:
             return int(sum(sizes))
-        t = torch.tensor(float(local), dtype=torch.float32, device=self.device)  # 0-d: the loss stays 0-d
+        t = torch.full((), float(local), dtype=torch.float32, device=self.device)  # 0-d, filled on the device
         self.env.all_reduce_sum(t)
         return t
 
@@ -201,9 +201,10 @@ class Trainer:
         """
         return self.run_step(batch.to(self.device, non_blocking=True), None)
 
-    def run_step(self, batch: Batch, sparse_ctx: Any) -> torch.Tensor:
-        """One step on a device-resident batch (what the pipeline calls; a test may wrap it);
-        ``sparse_ctx``: its finished input_dist (pipelined) or None.
+    def run_step(self, batch: Batch, sparse_ctx: Any, after_forward: Any = None) -> torch.Tensor:
+        """One step on a device-resident batch (what the pipeline calls; a test may wrap it); ``sparse_ctx``:
+        its finished input_dist (pipelined) or None; ``after_forward``: called once the forward is
+        queued, before the backward (the sparse_dist pipeline starts the next batch's input_dist there).
 
         No host reads: the loss stays on the device (see :class:`~dlrmctl.train.train_log.LossWindow`)."""
         self.optimizers.set_lr(self.step)
@@ -212,6 +213,8 @@ class Trainer:
         gbs = self._global_batch_size(batch.labels.numel(), sparse_ctx)
         logits = self.logits(batch, sparse_ctx)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / gbs
+        if after_forward is not None:
+            after_forward()
         self.optimizers.zero_grad()
         self.amp.backward_and_step(loss, self.optimizers)
         self.step += 1
@@ -454,15 +457,33 @@ def plan_rank_summary(plan: Any, tables: list, origin: str, full: str) -> str:
 
 
 def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | None) -> Any:
-    """The sharding plan for this job: ``sharding.plan_file``, else the planner on rank 0, broadcast."""
+    """The sharding plan for this job: ``sharding.plan_file``, else the planner on rank 0, broadcast.
+
+    A GPU run is planned for its GPU (:func:`dlrmctl.distributed.env.device_planning_preset`:
+    HBM and NCCL bandwidths), not for the ``cpu`` preset ``sharding.device`` defaults to.  When
+    the planner fails on rank 0, the failure is broadcast in place of the plan: rank 0 raises its
+    error, every other rank a :class:`TrainError` naming it (none waits out the collective timeout).
+    """
+    from dlrmctl.distributed.env import device_planning_preset
     from dlrmctl.distributed.types import ShardingPlan
 
     if cfg.sharding.plan_file:
         return ShardingPlan.load(cfg.sharding.plan_file)
     obj: Any = None
+    failure: BaseException | None = None
     if env.is_main:
         from dlrmctl.planner.planner import plan_for_config
 
-        obj = plan_for_config(cfg, env.world_size, env.local_world_size, meta).to_dict()
-    return ShardingPlan.from_dict(comm.broadcast_object(obj, 0, env.pg))
+        try:
+            obj = {"plan": plan_for_config(cfg, env.world_size, env.local_world_size, meta,
+                                           device_planning_preset(env.device)).to_dict()}
+        except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
+            failure = e
+            obj = {"error": f"{type(e).__name__}: {e}"}
+    obj = comm.broadcast_object(obj, 0, env.pg)
+    if failure is not None:
+        raise failure
+    if "error" in obj:
+        raise TrainError(f"rank {env.rank}: the sharding planner failed on rank 0 ({obj['error']})")
+    return ShardingPlan.from_dict(obj["plan"])
 
