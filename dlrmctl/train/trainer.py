@@ -37,7 +37,7 @@ from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.dlrm import set_cpu_linear
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.amp import MixedPrecision
-from dlrmctl.train.checkpoint_state import Checkpointer
+from dlrmctl.train.checkpoint import Checkpointer
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.evaluator import Evaluator
 from dlrmctl.train.factory import build_model
