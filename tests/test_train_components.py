@@ -73,7 +73,7 @@ def test_one_column_wise_moment_key_rule():
     assert row_moment_keys(k, 4, 4, 8, saved={k, f"{k}@cols4-8"}).load == f"{k}@cols4-8"  # same split: exact
 
 
-def _trainer(tiny, tmp_path, **opt):
+def _trainer(tiny, tmp_path, resume=False, **opt):
     from dlrmctl.train.trainer import Trainer
 
     cfg = config_from_dict({
@@ -86,7 +86,7 @@ def _trainer(tiny, tmp_path, **opt):
     })
     run = os.path.join(str(tmp_path), cfg.name)
     os.makedirs(run, exist_ok=True)
-    return Trainer(cfg, RunEnv(), run)
+    return Trainer(cfg, RunEnv(), run, resume=resume)
 
 
 def test_one_optimizer_container_steps_sets_lr_and_owns_its_checkpoint_keys(tiny, tmp_path):
@@ -154,3 +154,25 @@ def test_no_test_imports_a_private_name_of_the_train_package():
         for m in pat.finditer(p.read_text()):
             names = [n.strip(" ()") for n in m.group(1).split(",")]
             assert not [n for n in names if n.startswith("_")], f"{p.name}: {m.group(0)}"
+
+
+def test_a_resume_reads_latest_once(tiny, tmp_path, monkeypatch):
+    """Issue 25: the checkpoint a resume restores is resolved once (LATEST was read at Trainer.__init__
+    and twice more while restoring: a run publishing meanwhile could split those answers)."""
+    from dlrmctl.train import checkpoint as ckpt
+    from dlrmctl.train.checkpoint import store
+
+    t = _trainer(tiny, tmp_path)
+    t.train_step(next(iter(t.train_loader)))
+    path = t.save()
+    reads = []
+    real = store._marked
+
+    def counting(run_dir, marker):
+        reads.append(marker)
+        return real(run_dir, marker)
+
+    monkeypatch.setattr(store, "_marked", counting)
+    r = _trainer(tiny, tmp_path, resume=True)
+    assert reads.count(ckpt.LATEST) == 1, reads
+    assert r.step == 1 and r.checkpointer.saved_path == path  # resumed from it, known as the newest

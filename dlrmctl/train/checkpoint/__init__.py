@@ -107,14 +107,14 @@ from dlrmctl.train.checkpoint.layout import (RowMomentKeys, check_tables, checkp
                                              load_dense_state_dict, local_embedding_shards, restore_checkpoint,
                                              row_moment_keys)
 from dlrmctl.train.checkpoint.reshard import reshard_rank
-from dlrmctl.train.checkpoint.checkpointer import Checkpointer
+from dlrmctl.train.checkpoint.checkpointer import Checkpointer, ResumePoint, resolve_resume
 
 __all__ = [
     "BEST", "BLOCK_BYTES", "BLOCKS_PER_FILE", "CKPT_DIR", "FORMAT", "LATEST", "MIN_BLOCK_BYTES", "OLD_FORMATS",
-    "READ_SLAB_BYTES", "Blocks", "CheckpointError", "Checkpointer", "RowMomentKeys", "best_checkpoint",
+    "READ_SLAB_BYTES", "Blocks", "CheckpointError", "Checkpointer", "ResumePoint", "RowMomentKeys", "best_checkpoint",
     "check_integrity", "check_tables", "checkpoint_meta", "checkpoint_root", "checkpoint_state", "copy_run_files",
     "dense_state_dict", "embedding_load_request", "embedding_state", "latest_checkpoint", "list_checkpoints",
     "load_checkpoint", "load_checkpoint_meta", "load_dense_state_dict", "local_embedding_shards", "mark_best",
-    "pack", "read_checkpoint", "read_metadata", "reshard_rank", "resolve_checkpoint", "restore_checkpoint",
+    "pack", "read_checkpoint", "read_metadata", "reshard_rank", "resolve_checkpoint", "resolve_resume", "restore_checkpoint",
     "rng_state", "row_moment_keys", "save_checkpoint", "saved_size", "set_rng_state", "unpack",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.checkpoint.layout import checkpoint_meta, checkpoint_state, restore_checkpoint
@@ -16,6 +16,31 @@ if TYPE_CHECKING:
     from dlrmctl.train.optimizers import TrainOptimizers
 
 log = logging.getLogger("dlrmctl.train")
+
+
+class ResumePoint(NamedTuple):
+    """The checkpoint a resume restores, resolved once (:func:`resolve_resume`): ``path``; ``latest``,
+    whether ``LATEST`` named it at that moment (then it IS the run's newest state)."""
+
+    path: str
+    latest: bool
+
+
+def resolve_resume(run_dir: str, which: str | None = None) -> ResumePoint | None:
+    """The checkpoint ``--resume [--checkpoint WHICH]`` restores, reading ``LATEST`` once: ``which``
+    None, the newest (what ``LATEST`` names; None when the run has none); else ``best``, ``last``, a
+    step or a name (:func:`~dlrmctl.train.checkpoint.resolve_checkpoint`).
+
+    Raises:
+        CheckpointError: ``which`` names no checkpoint of the run, or a marker file is damaged.
+    """
+    latest = ckpt.latest_checkpoint(run_dir)
+    if which is None or str(which).strip().lower() in ("last", "latest"):
+        if latest is None and which is not None:
+            raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{ckpt.LATEST} is missing)")
+        return None if latest is None else ResumePoint(latest, True)
+    path, _ = ckpt.resolve_checkpoint(run_dir, which)
+    return ResumePoint(path, latest is not None and os.path.realpath(path) == os.path.realpath(latest))
 
 
 class Checkpointer:
@@ -68,7 +93,8 @@ class Checkpointer:
         if eval_record is not None and eval_record["step"] == step:
             extra["eval"] = eval_record
         path = ckpt.save_checkpoint(
-            self.run_dir, step, checkpoint_state(self.model, self.optimizers, self.env.rank, self.trainer_state()),
+            self.run_dir, step,
+            checkpoint_state(self.model, self.optimizers, self.env.rank, self.trainer_state(), self.env.device),
             rank=self.env.rank, world_size=self.env.world_size, process_group=self.env.pg,
             keep_last=self.cfg.train.keep_last_checkpoints, extra_meta=extra, best=best,
         )
@@ -94,32 +120,30 @@ class Checkpointer:
             ckpt.mark_best(self.run_dir, self.saved_path, eval_record)
         return self.saved_path
 
-    def load(self, which: str | None = None) -> dict[str, Any] | None:
-        """Restore ``which`` (``best``, ``last``, a step; None: the newest) into the model and
+    def load(self, which: "str | ResumePoint | None" = None) -> dict[str, Any] | None:
+        """Restore ``which`` (``best``, ``last``, a step; None: the newest; or a :class:`ResumePoint`
+        already resolved by :func:`resolve_resume`, not resolved again) into the model and
         optimizers: any world size / plan (DCP reads only this rank's slices).  Collective.
 
         Returns:
             None when the run has no checkpoint (``which`` None), else :func:`restore_checkpoint`'s
-            dict plus ``path`` and ``eval`` (the validation record meta.json holds, or None).
+            dict (``eval``: the validation record meta.json holds, or None) plus ``path``.
 
         Raises:
             CheckpointError: no such checkpoint, damaged files, other tables / optimizer.
         """
-        if which is not None:  # --checkpoint best|last|<step>
-            path, _ = ckpt.resolve_checkpoint(self.run_dir, which)
-        else:
-            path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None:
+        point = which if isinstance(which, ResumePoint) else resolve_resume(self.run_dir, which)
+        if point is None:
             log.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return None
-        saved = restore_checkpoint(path, self.model, self.optimizers, self.env.rank, self.env.world_size,
-                                   self.env.pg, plan=self.plan)
-        if os.path.realpath(path) == os.path.realpath(ckpt.latest_checkpoint(self.run_dir) or ""):
+        saved = restore_checkpoint(point.path, self.model, self.optimizers, self.env.rank, self.env.world_size,
+                                   self.env.pg, plan=self.plan, device=self.env.device)
+        if point.latest:
             # the newest checkpoint IS this state: a resume with nothing left to train (a finished or
             # early-stopped run) must not write it again as step_X.1 (the same on every rank: the
             # path was resolved from the same files)
-            self.saved_step, self.saved_path = int(saved["trainer"]["step"]), path
-        saved.update(path=path, eval=ckpt.load_checkpoint_meta(path).get("eval"))
+            self.saved_step, self.saved_path = int(saved["trainer"]["step"]), point.path
+        saved.update(path=point.path)
         return saved
 
     def best_kept_note(self, step: int) -> str:

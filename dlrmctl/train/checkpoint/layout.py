@@ -241,17 +241,18 @@ def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], whe
 
 
 def checkpoint_state(model: TrainModel, optimizers: "TrainOptimizers", rank: int,
-                     trainer: dict[str, Any]) -> dict[str, Any]:
+                     trainer: dict[str, Any], device: torch.device | str | None = None) -> dict[str, Any]:
     """Everything one rank contributes to a checkpoint, as a flat DCP state dict (format:
     :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made.
 
     ``trainer``: ``{step, epoch, best, evals_since_best, data}`` (``meta/trainer``); the
-    optimizers' entries are theirs (:meth:`TrainOptimizers.state_dict` at ``trainer["step"]``)."""
+    optimizers' entries are theirs (:meth:`TrainOptimizers.state_dict` at ``trainer["step"]``).
+    ``device``: this rank's device (its CUDA generator is saved with the CPU ones, no other GPU's)."""
     state: dict[str, Any] = embedding_state(model, optimizers.embedding_dense)
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
     state.update(optimizers.state_dict(int(trainer["step"])))
     state["meta/trainer"] = ckpt.pack(trainer, "meta/trainer")
-    state[f"rank/{rank}"] = ckpt.pack({"rng": ckpt.rng_state(), **optimizers.rank_state()}, f"rank/{rank}")
+    state[f"rank/{rank}"] = ckpt.pack({"rng": ckpt.rng_state(device), **optimizers.rank_state()}, f"rank/{rank}")
     return state
 
 
@@ -264,17 +265,19 @@ def checkpoint_meta(model: TrainModel, plan: Any, optimizers: "TrainOptimizers")
 
 
 def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizers", rank: int = 0,
-                       world_size: int = 1, process_group: Any = None, plan: Any = None) -> dict[str, Any]:
+                       world_size: int = 1, process_group: Any = None, plan: Any = None,
+                       device: torch.device | str | None = None) -> dict[str, Any]:
     """Load a checkpoint (saved by any world size / plan) into this rank's model and optimizers.  Collective.
 
     Restores weights and moments (see :func:`embedding_load_request` for the
     column-wise moment rule), dense layers, every optimizer (:meth:`TrainOptimizers.load_state_dict`:
     the dense optimizer, the fused optimizer's lr and step, the embedding-dense optimizer's
     hyper-parameters) and this rank's RNG states (rank ``r`` of the saving job; rank 0's when
-    the job had fewer ranks).
+    the job had fewer ranks; the CUDA generator of ``device`` only, see :func:`~.rng.set_rng_state`).
 
     Returns:
-        ``{"trainer": {step, epoch, best, data}, "world_size": saving job's ranks}``.
+        ``{"trainer": {step, epoch, best, data}, "world_size": saving job's ranks, "eval": the
+        validation record meta.json holds, or None}``.
 
     Raises:
         CheckpointError: damaged files (named), different tables / shapes / optimizer type.
@@ -302,7 +305,7 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     trainer = ckpt.unpack(req["meta/trainer"], "meta/trainer")
     same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())
     optimizers.load_state_dict(req, opt_token, per_rank, int(trainer["step"]), same_layout, path)
-    ckpt.set_rng_state(per_rank["rng"])
-    return {"trainer": trainer, "world_size": int(meta["world_size"])}
+    ckpt.set_rng_state(per_rank["rng"], device)
+    return {"trainer": trainer, "world_size": int(meta["world_size"]), "eval": meta.get("eval")}
 
 
