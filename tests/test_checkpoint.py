@@ -58,7 +58,7 @@ def _cfg(data, runs, name, max_steps, *extra):
 def _snapshot(trainer):
     """This rank's shards (weight + moments), dense state, dense-optimizer state and the embedding
     optimizer's step (the Adam family's bias-correction step) as numpy."""
-    from dlrmctl.train.checkpoint_state import dense_state_dict, local_embedding_shards
+    from dlrmctl.train.checkpoint import dense_state_dict, local_embedding_shards
 
     shards = [(n, tuple(o), tuple(s), w.detach().cpu().numpy().copy(), [m.detach().cpu().numpy().copy() for m in st])
               for n, o, s, w, st in local_embedding_shards(trainer.model, trainer.optimizers.embedding_dense)]

@@ -340,3 +340,55 @@ def test_reshard_2_to_3_ranks_reads_at_most_1_2x_the_checkpoint_and_is_exact(tmp
         w, m = torch.zeros(R, D), torch.zeros(R)
         ckpt.load_checkpoint(path, {f"emb/{name}/weight": w, f"emb/{name}/state0": m})
         assert torch.equal(w, _full(name)) and torch.equal(m, _full(name)[:, 0]), name
+
+
+class _FakeGPUs:
+    """torch.cuda with ``n`` visible GPUs, each generator a 16-byte state; the all-GPU calls fail."""
+
+    def __init__(self, monkeypatch, n: int) -> None:
+        self.n = n
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(n)}
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.n)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", self.get)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", self.set)
+
+        def every_gpu(*a, **k):
+            raise AssertionError("the RNG state of every visible GPU was touched")
+
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_gpu)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_gpu)
+
+    def _index(self, device) -> int:
+        i = torch.device(device).index
+        if not 0 <= i < self.n:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {i} ({self.n} visible)")
+        return i
+
+    def get(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set(self, state, device="cuda"):
+        self.states[self._index(device)] = state.clone()
+
+
+def test_rng_state_holds_only_this_ranks_gpu_and_resumes_with_fewer_visible_gpus(tmp_path, monkeypatch):
+    """Item 10: a rank saves the CPU generators and its own CUDA device's (one state, no per-GPU list)
+    and restores only its own device's, so a job saved on 8 GPUs resumes on a machine with 2."""
+    gpus = _FakeGPUs(monkeypatch, 8)
+    st = ckpt.rng_state(torch.device("cuda", 5))  # rank 5 of an 8-GPU node
+    assert isinstance(st["cuda"], torch.Tensor) and torch.equal(st["cuda"], gpus.states[5])
+    assert ckpt.rng_state("cpu").keys() == {"torch", "numpy", "python"}  # a CPU rank saves no CUDA state
+    saved = ckpt.unpack(ckpt.pack({"rng": st}))["rng"]  # as a checkpoint stores it
+    assert not isinstance(saved["cuda"], (list, tuple))
+    fewer = _FakeGPUs(monkeypatch, 2)  # the resume: 2 visible GPUs, this rank on cuda:1
+    ckpt.set_rng_state(saved, torch.device("cuda", 1))
+    assert torch.equal(fewer.states[1], gpus.states[5]) and torch.equal(fewer.states[0], torch.zeros(16, dtype=torch.uint8))
+    ckpt.set_rng_state(saved, "cpu")  # a CPU resume of a GPU run: the CUDA state is not applied
+    # a checkpoint of the previous layout (every visible GPU's state from every rank): own entry only
+    old = dict(saved, cuda=[torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)])
+    ckpt.set_rng_state(old, torch.device("cuda", 1))
+    assert torch.equal(fewer.states[1], old["cuda"][1])
+    ckpt.set_rng_state(dict(old, cuda=old["cuda"][:1]), torch.device("cuda", 1))  # none for this device: skipped
+    assert torch.equal(fewer.states[1], old["cuda"][1])

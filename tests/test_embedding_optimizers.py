@@ -111,7 +111,7 @@ def _states(ebc, opt) -> dict[str, list[torch.Tensor]]:
     """Table -> its moments (fused: the TBE's; dense: the torch optimizer's), on the CPU."""
     from types import SimpleNamespace
 
-    from dlrmctl.train.checkpoint_state import local_embedding_shards
+    from dlrmctl.train.checkpoint import local_embedding_shards
 
     model = SimpleNamespace(sparse_arch=ebc)  # what the checkpoint code reads of a DLRM
     return {n: [m.detach().cpu() for m in st] for n, _, _, _, st in local_embedding_shards(model, opt)}

@@ -154,7 +154,7 @@ def _old_path_model(run_dir, checkpoint=None):
     from dlrmctl.config import resolve_tables
     from dlrmctl.train import checkpoint as ckpt
     from dlrmctl.train.factory import build_model
-    from dlrmctl.train.checkpoint_state import dense_state_dict, embedding_load_request
+    from dlrmctl.train.checkpoint import dense_state_dict, embedding_load_request
     from dlrmctl.train.reload import run_config
 
     cfg = run_config(str(run_dir))

@@ -190,7 +190,7 @@ def test_reshard_with_a_dangling_best_and_of_an_in_place_copy_of_the_best(data, 
     import shutil
     from types import SimpleNamespace
 
-    from dlrmctl.train.checkpoint_state import Checkpointer
+    from dlrmctl.train.checkpoint import Checkpointer
 
     _train(data, tmp_path, "a", "--set", "train.checkpoint_every=4")
     run = tmp_path / "a"

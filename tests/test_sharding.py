@@ -146,7 +146,7 @@ def _run_case(env, case: Case) -> str | None:
 
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.train.optimizers import ensure_optimizer_state
-    from dlrmctl.train.checkpoint_state import local_embedding_shards
+    from dlrmctl.train.checkpoint import local_embedding_shards
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.train.optim import embedding_optimizer_for_dense

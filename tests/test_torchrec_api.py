@@ -463,7 +463,7 @@ def test_ebc_init_fn_and_weight_init_bounds(kernel):
 
 def test_dlrm_state_dict_has_torchrec_keys_and_checkpoint_helpers_still_split_it():
     from dlrmctl.modules.dlrm import DLRM
-    from dlrmctl.train.checkpoint_state import dense_state_dict
+    from dlrmctl.train.checkpoint import dense_state_dict
 
     tables = [EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name=f"t{i}", feature_names=[f"f{i}"])
               for i in range(3)]

@@ -16,9 +16,10 @@ from dlrmctl.distributed.env import RunEnv
 from tests.conftest import REPO, tiny_synthetic
 
 TRAIN = REPO / "dlrmctl" / "train"
-#: the modules issue 24 split dlrmctl/train/loop.py into
-SPLIT = ("trainer.py", "optimizers.py", "amp.py", "evaluator.py", "train_log.py", "checkpoint_state.py",
-         "run_dir.py", "reload.py", "data.py")
+#: the modules issue 24 split dlrmctl/train/loop.py and train/checkpoint.py into
+SPLIT = ("trainer.py", "optimizers.py", "amp.py", "evaluator.py", "train_log.py", "run_dir.py", "reload.py", "data.py",
+         *(f"checkpoint/{m}.py" for m in ("__init__", "format", "rng", "codec", "store", "integrity", "storage",
+                                          "save", "load", "reshard", "layout", "checkpointer")))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_one_column_wise_moment_key_rule():
     assert row_moment_keys(k, 4, 4, 8, saved={k, f"{k}@cols4-8"}).load == f"{k}@cols4-8"  # same split: exact
 
 
-def _trainer(tiny, tmp_path, **opt):
+def _trainer(tiny, tmp_path, resume=False, **opt):
     from dlrmctl.train.trainer import Trainer
 
     cfg = config_from_dict({
@@ -87,7 +88,7 @@ def _trainer(tiny, tmp_path, **opt):
     })
     run = os.path.join(str(tmp_path), cfg.name)
     os.makedirs(run, exist_ok=True)
-    return Trainer(cfg, RunEnv(), run)
+    return Trainer(cfg, RunEnv(), run, resume=resume)
 
 
 def test_one_optimizer_container_steps_sets_lr_and_owns_its_checkpoint_keys(tiny, tmp_path):
@@ -122,9 +123,13 @@ def _function_lines(path: pathlib.Path, cls: str, name: str) -> int:
 
 def test_the_train_package_is_split_by_concern():
     assert not (TRAIN / "loop.py").exists()
+    assert not (TRAIN / "checkpoint.py").exists() and not (TRAIN / "checkpoint_state.py").exists()
     for name in SPLIT:
         n = len((TRAIN / name).read_text().splitlines())
         assert n <= 500, f"dlrmctl/train/{name}: {n} lines"
+    for path in (TRAIN / "checkpoint").rglob("*.py"):  # any module the checkpoint package grows
+        n = len(path.read_text().splitlines())
+        assert n <= 500, f"{path.relative_to(TRAIN.parent.parent)}: {n} lines"
     assert _function_lines(TRAIN / "trainer.py", "Trainer", "train") <= 40
     assert _function_lines(TRAIN / "trainer.py", "Trainer", "train_step") <= 20
     assert _function_lines(TRAIN / "trainer.py", "Trainer", "run_step") <= 20
@@ -151,3 +156,25 @@ def test_no_test_imports_a_private_name_of_the_train_package():
         for m in pat.finditer(p.read_text()):
             names = [n.strip(" ()") for n in m.group(1).split(",")]
             assert not [n for n in names if n.startswith("_")], f"{p.name}: {m.group(0)}"
+
+
+def test_a_resume_reads_latest_once(tiny, tmp_path, monkeypatch):
+    """Issue 25: the checkpoint a resume restores is resolved once (LATEST was read at Trainer.__init__
+    and twice more while restoring: a run publishing meanwhile could split those answers)."""
+    from dlrmctl.train import checkpoint as ckpt
+    from dlrmctl.train.checkpoint import store
+
+    t = _trainer(tiny, tmp_path)
+    t.train_step(next(iter(t.train_loader)))
+    path = t.save()
+    reads = []
+    real = store._marked
+
+    def counting(run_dir, marker):
+        reads.append(marker)
+        return real(run_dir, marker)
+
+    monkeypatch.setattr(store, "_marked", counting)
+    r = _trainer(tiny, tmp_path, resume=True)
+    assert reads.count(ckpt.LATEST) == 1, reads
+    assert r.step == 1 and r.checkpointer.saved_path == path  # resumed from it, known as the newest

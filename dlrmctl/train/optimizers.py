@@ -8,7 +8,7 @@
 
 and the LR schedule (``optimizer.lr_schedule``) that sets all of them.  Each member owns its
 checkpoint keys (format: :mod:`dlrmctl.train.checkpoint`); the embedding moments themselves
-travel with the table shards (:mod:`dlrmctl.train.checkpoint_state`).
+travel with the table shards (:mod:`dlrmctl.train.checkpoint.layout`).
 """
 
 from __future__ import annotations

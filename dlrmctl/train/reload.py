@@ -18,7 +18,7 @@ from dlrmctl.config import ExperimentConfig, resolve_tables
 from dlrmctl.console import Progress
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.train import checkpoint as ckpt
-from dlrmctl.train.checkpoint_state import check_tables, dense_state_dict, embedding_load_request
+from dlrmctl.train.checkpoint import check_tables, dense_state_dict, embedding_load_request
 from dlrmctl.train.data import make_loader
 from dlrmctl.train.factory import build_model
 from dlrmctl.train.metrics import compute_metrics_from_logits

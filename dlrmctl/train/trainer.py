@@ -35,9 +35,8 @@ from dlrmctl.distributed.env import RunEnv
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.dlrm import set_cpu_linear
-from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.amp import MixedPrecision
-from dlrmctl.train.checkpoint_state import Checkpointer
+from dlrmctl.train.checkpoint import Checkpointer, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.evaluator import Evaluator
 from dlrmctl.train.factory import build_model
@@ -114,7 +113,9 @@ class Trainer:
                 set_cpu_linear(self.model, cfg.train.cpu_linear)
             except ValueError as e:
                 raise TrainError(str(e)) from None
-        if not (resume and (checkpoint is not None or ckpt.latest_checkpoint(run_dir) is not None)):
+        # the checkpoint a resume restores, resolved once (LATEST may move meanwhile: a run writing beside it)
+        resume_from = resolve_resume(run_dir, checkpoint) if resume else None
+        if resume_from is None:
             # a resumed run's checkpoint holds these values: no pass over the train split for nothing
             init_from_train_split(self.model, cfg, self.meta)
         self.plan = None
@@ -143,7 +144,7 @@ class Trainer:
         self.epoch = 0
         self._batches_done = 0  # batches of the current epoch trained
         if resume:
-            self._restore(checkpoint)
+            self._restore(resume_from)
 
     # ------------------------------------------------------------- set-up
     def _shard(self, plan: Any) -> None:
@@ -264,11 +265,13 @@ class Trainer:
         self.checkpointer.maybe_save(self.step, last_step=last_step, new_best=self.evaluator.take_new_best(),
                                      eval_record=self.evaluator.last_eval)
 
-    def _restore(self, which: str | None) -> None:
-        """Load the newest checkpoint (or ``which``): any world size / plan."""
-        saved = self.checkpointer.load(which)
-        if saved is None:
+    def _restore(self, which: Any) -> None:
+        """Load the checkpoint ``which`` (:class:`~dlrmctl.train.checkpoint.ResumePoint`; None: nothing to
+        resume from): any world size / plan."""
+        if which is None:
+            log.info("no checkpoint in %s: starting from scratch", self.run_dir)
             return
+        saved = self.checkpointer.load(which)
         tr = saved["trainer"]
         try:
             self.train_loader.load_state_dict(tr["data"])

@@ -1,30 +1,59 @@
-"""The mapping between a model's (and its optimizers') state and the checkpoint's keys
-(format: :mod:`dlrmctl.train.checkpoint`), used by save, load and reload alike, and the
-:class:`Checkpointer` that decides when a trainer saves and what it restores.
+"""THE shard-key layout of a checkpoint, used by save, load, reload and the offline reshard alike:
+which keys a model's (and its optimizers') state is written under (format: :mod:`dlrmctl.train.checkpoint`),
+what a rank requests to fill its shards on load, and the column-wise per-row moment rule
+(:func:`row_moment_keys`).
 
-The column-wise per-row moment rule is :func:`dlrmctl.train.checkpoint.row_moment_keys`
-(shared with the offline reshard).
+Model / optimizer modules are imported where they are used: reading or resharding a checkpoint
+does not load the embedding kernels.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.train import checkpoint as ckpt
-from dlrmctl.train.optimizers import ensure_optimizer_state
-from dlrmctl.train.run_dir import finish_replacement
 
 if TYPE_CHECKING:
-    from dlrmctl.config import ExperimentConfig
-    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.distributed.model_parallel import TrainModel
     from dlrmctl.train.optimizers import TrainOptimizers
 
 log = logging.getLogger("dlrmctl.train")
+
+
+def _unwrap(model: "TrainModel") -> Any:
+    """The DLRM inside a (possibly DistributedModelParallel-wrapped) model."""
+    from dlrmctl.distributed.model_parallel import unwrap_dlrm
+
+    return unwrap_dlrm(model)
+
+
+# ------------------------------------------------------ column-wise key rule
+class RowMomentKeys(NamedTuple):
+    """Where a per-row moment of one shard goes: ``save``, the keys it is written under;
+    ``load``, the key it is read from."""
+
+    save: tuple[str, ...]
+    load: str
+
+
+def row_moment_keys(key: str, col: int, cols: int, dim: int, saved: Any = ()) -> RowMomentKeys:
+    """THE column-wise rule for a per-row moment ``key`` (``emb/<t>/state<i>``, ``[rows]``) of a
+    shard at column ``col``, ``cols`` wide, of a ``dim``-wide table; used by save, load and
+    reshard alike.
+
+    A row-wise moment is one value per row for the whole row; under column-wise sharding each
+    column shard keeps its own.  Saved: the shard at column 0 gives ``key`` (the table's
+    per-row moment) and every column shard ``[a, b)`` narrower than the table also gives
+    ``key@cols<a>-<b>``.  Loaded: ``key@cols<a>-<b>`` when ``saved`` (the checkpoint's keys)
+    has it (same column split: exact), else ``key`` (copied into each column shard).
+    """
+    own = f"{key}@cols{col}-{col + cols}" if cols != dim else None
+    save = ((key,) if col == 0 else ()) + ((own,) if own is not None else ())
+    return RowMomentKeys(save, own if own is not None and own in saved else key)
 
 
 def local_embedding_shards(model: TrainModel, emb_dense_opt: torch.optim.Optimizer | None = None):
@@ -36,8 +65,10 @@ def local_embedding_shards(model: TrainModel, emb_dense_opt: torch.optim.Optimiz
     optimizer's per-row / per-element state for dense-kernel tables (created
     here if the optimizer has not stepped yet) — the same layout for both kernels.
     """
+    from dlrmctl.train.optimizers import ensure_optimizer_state
+
     ensure_optimizer_state(emb_dense_opt)
-    sa = unwrap_dlrm(model).sparse_arch
+    sa = _unwrap(model).sparse_arch
     out = []
     if hasattr(sa, "local_shards"):
         for name, shards in sa.local_shards(emb_dense_opt).items():
@@ -60,7 +91,7 @@ def _replicated_tables(model: TrainModel) -> set[str]:
     """Tables every rank holds whole (data_parallel, or all tables of an unsharded model)."""
     from dlrmctl.distributed.types import ShardingType
 
-    sa = unwrap_dlrm(model).sparse_arch
+    sa = _unwrap(model).sparse_arch
     plan = getattr(sa, "plan", None) if hasattr(sa, "local_shards") else None
     if plan is None:
         return {t.name for t in sa.embedding_bag_configs()}
@@ -81,7 +112,7 @@ def embedding_state(model: TrainModel, emb_dense_opt: torch.optim.Optimizer | No
     """
     out, blocks, row_states = _embedding_entries(model, emb_dense_opt, skip_empty=False)
     for key, (r0, c0), (nr, nc), (R, D), m in row_states:
-        for k in ckpt.row_moment_keys(key, c0, nc, D).save:
+        for k in row_moment_keys(key, c0, nc, D).save:
             blocks[(k, (R,))].append(((r0,), m))
     for (key, size), bl in blocks.items():
         out[key] = ckpt.Blocks(size, bl)
@@ -99,7 +130,7 @@ def _embedding_entries(model: TrainModel, emb_dense_opt: Any, skip_empty: bool):
     """
     from collections import defaultdict
 
-    sa = unwrap_dlrm(model).sparse_arch
+    sa = _unwrap(model).sparse_arch
     dims = {t.name: (t.num_embeddings, t.embedding_dim) for t in sa.embedding_bag_configs()}
     repl = _replicated_tables(model)
     plain: dict[str, Any] = {}
@@ -144,7 +175,7 @@ def embedding_load_request(model: TrainModel, md: Any, emb_dense_opt: Any = None
     first: dict[tuple[str, int, int], torch.Tensor] = {}
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     for key, (r0, c0), (nr, nc), (R, D), m in row_states:
-        load = ckpt.row_moment_keys(key, c0, nc, D, saved).load
+        load = row_moment_keys(key, c0, nc, D, saved).load
         if load != key:  # this column shard's own moment (same column split)
             blocks[(load, (R,))].append(((r0,), m))
             continue
@@ -190,7 +221,7 @@ def check_tables(meta: dict[str, Any], tables: list, ckpt_dir: str) -> None:
 
 def dense_state_dict(model: TrainModel) -> dict[str, torch.Tensor]:
     """State of everything but the embeddings (MLPs, interaction): identical on every rank (live views)."""
-    return {k: v for k, v in unwrap_dlrm(model).state_dict().items() if not k.startswith("sparse_arch.")}
+    return {k: v for k, v in _unwrap(model).state_dict().items() if not k.startswith("sparse_arch.")}
 
 
 def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], where: str) -> None:
@@ -199,7 +230,7 @@ def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], whe
     Raises:
         CheckpointError: keys or shapes do not match the model.
     """
-    m = unwrap_dlrm(model)
+    m = _unwrap(model)
     try:
         missing, unexpected = m.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch
@@ -210,46 +241,49 @@ def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], whe
 
 
 def checkpoint_state(model: TrainModel, optimizers: "TrainOptimizers", rank: int,
-                     trainer: dict[str, Any]) -> dict[str, Any]:
+                     trainer: dict[str, Any], device: torch.device | str | None = None) -> dict[str, Any]:
     """Everything one rank contributes to a checkpoint, as a flat DCP state dict (format:
     :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made.
 
     ``trainer``: ``{step, epoch, best, evals_since_best, data}`` (``meta/trainer``); the
-    optimizers' entries are theirs (:meth:`TrainOptimizers.state_dict` at ``trainer["step"]``)."""
+    optimizers' entries are theirs (:meth:`TrainOptimizers.state_dict` at ``trainer["step"]``).
+    ``device``: this rank's device (its CUDA generator is saved with the CPU ones, no other GPU's)."""
     state: dict[str, Any] = embedding_state(model, optimizers.embedding_dense)
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
     state.update(optimizers.state_dict(int(trainer["step"])))
     state["meta/trainer"] = ckpt.pack(trainer, "meta/trainer")
-    state[f"rank/{rank}"] = ckpt.pack({"rng": ckpt.rng_state(), **optimizers.rank_state()}, f"rank/{rank}")
+    state[f"rank/{rank}"] = ckpt.pack({"rng": ckpt.rng_state(device), **optimizers.rank_state()}, f"rank/{rank}")
     return state
 
 
 def checkpoint_meta(model: TrainModel, plan: Any, optimizers: "TrainOptimizers") -> dict[str, Any]:
     """Descriptive fields of meta.json: table shapes, plan, embedding optimizer type."""
-    tables = unwrap_dlrm(model).sparse_arch.embedding_bag_configs()
+    tables = _unwrap(model).sparse_arch.embedding_bag_configs()
     return {"tables": {t.name: [t.num_embeddings, t.embedding_dim] for t in tables},
             "plan": None if plan is None else plan.to_dict(),
             "embedding_optimizer": optimizers.fused.spec.type}
 
 
 def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizers", rank: int = 0,
-                       world_size: int = 1, process_group: Any = None, plan: Any = None) -> dict[str, Any]:
+                       world_size: int = 1, process_group: Any = None, plan: Any = None,
+                       device: torch.device | str | None = None) -> dict[str, Any]:
     """Load a checkpoint (saved by any world size / plan) into this rank's model and optimizers.  Collective.
 
     Restores weights and moments (see :func:`embedding_load_request` for the
     column-wise moment rule), dense layers, every optimizer (:meth:`TrainOptimizers.load_state_dict`:
     the dense optimizer, the fused optimizer's lr and step, the embedding-dense optimizer's
     hyper-parameters) and this rank's RNG states (rank ``r`` of the saving job; rank 0's when
-    the job had fewer ranks).
+    the job had fewer ranks; the CUDA generator of ``device`` only, see :func:`~.rng.set_rng_state`).
 
     Returns:
-        ``{"trainer": {step, epoch, best, data}, "world_size": saving job's ranks}``.
+        ``{"trainer": {step, epoch, best, data}, "world_size": saving job's ranks, "eval": the
+        validation record meta.json holds, or None}``.
 
     Raises:
         CheckpointError: damaged files (named), different tables / shapes / optimizer type.
     """
     meta = ckpt.load_checkpoint_meta(path)
-    check_tables(meta, unwrap_dlrm(model).sparse_arch.embedding_bag_configs(), path)
+    check_tables(meta, _unwrap(model).sparse_arch.embedding_bag_configs(), path)
     optimizers.check_saved_type(meta, path)
     md = ckpt.read_metadata(path, meta)
     req, finish = embedding_load_request(model, md, optimizers.embedding_dense)
@@ -271,125 +305,7 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     trainer = ckpt.unpack(req["meta/trainer"], "meta/trainer")
     same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())
     optimizers.load_state_dict(req, opt_token, per_rank, int(trainer["step"]), same_layout, path)
-    ckpt.set_rng_state(per_rank["rng"])
-    return {"trainer": trainer, "world_size": int(meta["world_size"])}
+    ckpt.set_rng_state(per_rank["rng"], device)
+    return {"trainer": trainer, "world_size": int(meta["world_size"]), "eval": meta.get("eval")}
 
 
-class Checkpointer:
-    """When a trainer saves (``train.checkpoint_every``, a new best under ``train.keep_best``,
-    the end of the run; a step already saved is not written twice) and what it restores.
-
-    Args:
-        cfg: the experiment (``train.*``, the precision keys recorded in meta.json).
-        env: this rank.
-        run_dir: the run directory (``checkpoints/`` inside it).
-        model / optimizers / plan: what is saved and restored.
-        trainer_state: ``() -> {step, epoch, best, evals_since_best, data}`` at save time.
-
-    Attributes:
-        saved_step / saved_path: the newest checkpoint this run wrote or resumed from
-            (``-1`` / None: none yet).
-    """
-
-    def __init__(self, cfg: "ExperimentConfig", env: "RunEnv", run_dir: str, model: TrainModel,
-                 optimizers: "TrainOptimizers", plan: Any, trainer_state: Callable[[], dict[str, Any]]) -> None:
-        self.cfg = cfg
-        self.env = env
-        self.run_dir = run_dir
-        self.model = model
-        self.optimizers = optimizers
-        self.plan = plan
-        self.trainer_state = trainer_state
-        self.saved_step = -1
-        self.saved_path: str | None = None
-
-    def is_due(self, step: int) -> bool:
-        """``train.checkpoint_every`` says step ``step`` is saved."""
-        every = self.cfg.train.checkpoint_every
-        return bool(every and step % every == 0)
-
-    def keeps(self, new_best: bool) -> bool:
-        """A new best evaluation is kept as checkpoint ``best`` (``train.keep_best`` not ``none``)."""
-        return new_best and self.cfg.train.keep_best != "none"
-
-    def save(self, step: int, new_best: bool = False, eval_record: dict[str, Any] | None = None) -> str:
-        """Write a checkpoint of step ``step`` (collective: every rank writes its own shards); it
-        becomes the run's best when ``new_best`` (this step's evaluation improved on the best) and
-        :meth:`keeps` it.  ``eval_record``: the latest evaluation (recorded in meta.json when it is
-        of this step).  Returns the checkpoint directory."""
-        best = self.keeps(new_best)
-        extra = checkpoint_meta(self.model, self.plan, self.optimizers)
-        # what the run trained in (a resume may change any of them: tables are cast on load)
-        extra["precision"] = {"train": self.cfg.train.precision, "embedding": self.cfg.model.embedding_precision,
-                              "comm": self.cfg.sharding.comm_precision}
-        if eval_record is not None and eval_record["step"] == step:
-            extra["eval"] = eval_record
-        path = ckpt.save_checkpoint(
-            self.run_dir, step, checkpoint_state(self.model, self.optimizers, self.env.rank, self.trainer_state()),
-            rank=self.env.rank, world_size=self.env.world_size, process_group=self.env.pg,
-            keep_last=self.cfg.train.keep_last_checkpoints, extra_meta=extra, best=best,
-        )
-        self.saved_step, self.saved_path = step, path
-        if self.env.is_main:
-            finish_replacement(self.run_dir)  # the first complete checkpoint: an --overwrite's old run goes
-        return path
-
-    def maybe_save(self, step: int, *, last_step: bool = False, new_best: bool = False,
-                   eval_record: dict[str, Any] | None = None) -> str | None:
-        """Save step ``step`` when it is due (:meth:`is_due`, or ``last_step``) or when its
-        evaluation is a new best that :meth:`keeps` applies to.  A step saved already is not
-        written twice: a new best then only points ``BEST`` at it (rank 0).  Returns the step's
-        checkpoint, or None."""
-        best = self.keeps(new_best)
-        if not (last_step or self.is_due(step) or best):
-            return None
-        if self.saved_step != step:
-            return self.save(step, best, eval_record)
-        if best and self.env.is_main:
-            ckpt.mark_best(self.run_dir, self.saved_path, eval_record)
-        return self.saved_path
-
-    def load(self, which: str | None = None) -> dict[str, Any] | None:
-        """Restore ``which`` (``best``, ``last``, a step; None: the newest) into the model and
-        optimizers: any world size / plan (DCP reads only this rank's slices).  Collective.
-
-        Returns:
-            None when the run has no checkpoint (``which`` None), else :func:`restore_checkpoint`'s
-            dict plus ``path`` and ``eval`` (the validation record meta.json holds, or None).
-
-        Raises:
-            CheckpointError: no such checkpoint, damaged files, other tables / optimizer.
-        """
-        if which is not None:  # --checkpoint best|last|<step>
-            path, _ = ckpt.resolve_checkpoint(self.run_dir, which)
-        else:
-            path = ckpt.latest_checkpoint(self.run_dir)
-        if path is None:
-            log.info("no checkpoint in %s: starting from scratch", self.run_dir)
-            return None
-        saved = restore_checkpoint(path, self.model, self.optimizers, self.env.rank, self.env.world_size,
-                                   self.env.pg, plan=self.plan)
-        if os.path.realpath(path) == os.path.realpath(ckpt.latest_checkpoint(self.run_dir) or ""):
-            # the newest checkpoint IS this state: a resume with nothing left to train (a finished or
-            # early-stopped run) must not write it again as step_X.1 (the same on every rank: the
-            # path was resolved from the same files)
-            self.saved_step, self.saved_path = int(saved["trainer"]["step"]), path
-        saved.update(path=path, eval=ckpt.load_checkpoint_meta(path).get("eval"))
-        return saved
-
-    def best_kept_note(self, step: int) -> str:
-        """What the end-of-run line says about the best step's checkpoint: only what ``BEST``
-        really names (a run resumed from a resharded copy of a non-best checkpoint has found its
-        best before the copy: no checkpoint of this directory holds it)."""
-        try:  # a BEST naming a missing / incomplete checkpoint must not fail a finished run
-            path = ckpt.best_checkpoint(self.run_dir)
-            best_step = None if path is None else int(ckpt.load_checkpoint_meta(path)["step"])
-        except ckpt.CheckpointError as e:
-            return f" (checkpoint 'best' is unusable: {e})"
-        if best_step is not None and best_step == int(step):
-            return ", kept as checkpoint 'best'"
-        if best_step is not None:
-            return f" (checkpoint 'best' is step {best_step})"
-        return (f" (no checkpoint of {self.run_dir} holds step {step}: it was found before this run's "
-                f"checkpoints were made, e.g. by the run a reshard --out copied; evaluate and export "
-                f"take the last checkpoint)")
