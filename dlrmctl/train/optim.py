@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlrmctl.config import DenseOptimizerConfig, LRScheduleConfig
+from dlrmctl.config import DenseOptimizerConfig
 from dlrmctl.distributed.comm import TOUCHED_ROWS_ATTR
 
 
@@ -495,46 +495,3 @@ def dense_optimizer(params: list[nn.Parameter], cfg: DenseOptimizerConfig) -> to
     if cfg.type == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
     raise ValueError(f"unknown dense optimizer {cfg.type!r}; expected adagrad | adam | sgd")
-
-
-class WarmupPolyDecay:
-    """LR factor schedule of the DLRM reference (``LRPolicyScheduler``).
-
-    ``factor(step)``:
-
-    * ``step < warmup_steps``: ``(step + 1) / warmup_steps`` (linear warmup);
-    * ``decay_start_step <= step < decay_start_step + decay_steps``:
-      ``max(end_lr_factor, ((decay_steps - (step - decay_start_step)) / decay_steps) ** decay_power)``;
-    * after the decay window: ``end_lr_factor``;
-    * otherwise 1.
-
-    The factor multiplies each optimizer's base lr; :meth:`apply` sets them.
-    """
-
-    def __init__(self, cfg: LRScheduleConfig) -> None:
-        self.cfg = cfg
-
-    def factor(self, step: int) -> float:
-        c = self.cfg
-        if c.warmup_steps and step < c.warmup_steps:
-            return (step + 1) / c.warmup_steps
-        if c.decay_steps and step >= c.decay_start_step:
-            s = step - c.decay_start_step
-            if s >= c.decay_steps:
-                return c.end_lr_factor
-            return max(c.end_lr_factor, ((c.decay_steps - s) / c.decay_steps) ** c.decay_power)
-        return 1.0
-
-    def apply(self, step: int, optimizers: list[tuple[object, float]]) -> float:
-        """Set lr = base * factor(step) on each ``(optimizer, base_lr)``; returns the factor.
-
-        ``optimizer`` is a torch optimizer (its param groups) or anything with ``set_lr``.
-        """
-        f = self.factor(step)
-        for opt, base in optimizers:
-            if hasattr(opt, "set_lr"):
-                opt.set_lr(base * f)  # type: ignore[attr-defined]
-            else:
-                for g in opt.param_groups:  # type: ignore[attr-defined]
-                    g["lr"] = base * f
-        return f

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from dlrmctl.config import ExperimentConfig, to_dict
+from dlrmctl.config import ExperimentConfig, LRScheduleConfig, to_dict
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.train import checkpoint as ckpt
-from dlrmctl.train.optim import WarmupPolyDecay, dense_optimizer, embedding_optimizer_for_dense
+from dlrmctl.train.optim import dense_optimizer, embedding_optimizer_for_dense
 
 log = logging.getLogger("dlrmctl.train")
 
@@ -36,6 +36,49 @@ def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
     shard has its moment tensor to save / load into."""
     if opt is not None and hasattr(opt, "ensure_state"):
         opt.ensure_state()
+
+
+class WarmupPolyDecay:
+    """LR factor schedule of the DLRM reference (``LRPolicyScheduler``).
+
+    ``factor(step)``:
+
+    * ``step < warmup_steps``: ``(step + 1) / warmup_steps`` (linear warmup);
+    * ``decay_start_step <= step < decay_start_step + decay_steps``:
+      ``max(end_lr_factor, ((decay_steps - (step - decay_start_step)) / decay_steps) ** decay_power)``;
+    * after the decay window: ``end_lr_factor``;
+    * otherwise 1.
+
+    The factor multiplies each optimizer's base lr; :meth:`apply` sets them.
+    """
+
+    def __init__(self, cfg: LRScheduleConfig) -> None:
+        self.cfg = cfg
+
+    def factor(self, step: int) -> float:
+        c = self.cfg
+        if c.warmup_steps and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.decay_steps and step >= c.decay_start_step:
+            s = step - c.decay_start_step
+            if s >= c.decay_steps:
+                return c.end_lr_factor
+            return max(c.end_lr_factor, ((c.decay_steps - s) / c.decay_steps) ** c.decay_power)
+        return 1.0
+
+    def apply(self, step: int, optimizers: list[tuple[object, float]]) -> float:
+        """Set lr = base * factor(step) on each ``(optimizer, base_lr)``; returns the factor.
+
+        ``optimizer`` is a torch optimizer (its param groups) or anything with ``set_lr``.
+        """
+        f = self.factor(step)
+        for opt, base in optimizers:
+            if hasattr(opt, "set_lr"):
+                opt.set_lr(base * f)  # type: ignore[attr-defined]
+            else:
+                for g in opt.param_groups:  # type: ignore[attr-defined]
+                    g["lr"] = base * f
+        return f
 
 
 class _FusedMember:
