@@ -4,6 +4,12 @@ test-AUC difference DLRM - LR with its standard error.
     python scripts/criteo_cv.py --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
         --config configs/criteo_sample.yaml [--splits 5] [--set model.dropout=0.3 ...] [--out cv.md] [--verbose]
 
+``--input`` may be repeated (or a glob): the files are preprocessed together, as ``dlrmctl
+preprocess criteo --input A --input B`` does, e.g. the 18k-line recipe of ``configs/criteo_18k.yaml``::
+
+    python scripts/criteo_cv.py --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
+        --input ../shared/data/criteo/criteo_kaggle_train_lines2000_10000.tsv --config configs/criteo_18k.yaml
+
 For each split seed ``s = first_seed .. first_seed + K - 1``:
 
 1. ``dlrmctl preprocess criteo --input FILE --out WORK/data_s --val-ratio R --test-ratio R --seed s``
@@ -126,7 +132,7 @@ def _controlled_key(assignment: str, keys: dict) -> str | None:
     return None
 
 
-def check_args(input_file: str, config: str, overrides: list[str], splits: int, first_seed: int,
+def check_args(input_file: str | list[str], config: str, overrides: list[str], splits: int, first_seed: int,
                val_ratio: float, test_ratio: float, cs, ensemble: int, threads: int = 1,
                out: str | None = None) -> Any:
     """Every argument checked before any work (nothing is preprocessed or trained before this).
@@ -166,8 +172,11 @@ def check_args(input_file: str, config: str, overrides: list[str], splits: int, 
         k = _controlled_key(o, keys)
         if k is not None:
             raise ValueError(f"--set {o}: the script sets {k} itself ({keys[k]}); drop this --set")
-    if not os.path.isfile(input_file):
-        raise FileNotFoundError(f"--input {input_file}: no such file (the Criteo TSV to split)")
+    import glob
+
+    for f in ([input_file] if isinstance(input_file, str) else input_file):
+        if not (os.path.isfile(f) or glob.glob(f)):
+            raise FileNotFoundError(f"--input {f}: no such file (the Criteo TSV to split)")
     if not os.path.isfile(config):
         raise FileNotFoundError(f"--config {config}: no such file")
     return load_config(config, list(overrides))  # a bad --set fails before any split is preprocessed
@@ -197,15 +206,16 @@ def paired_stats(diffs) -> tuple[float, float]:
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(d.size))
 
 
-def preprocess_split(input_file: str, out_dir: Path, seed: int, val_ratio: float, test_ratio: float) -> None:
-    """``dlrmctl preprocess criteo`` of ``input_file`` with split ``seed`` into ``out_dir`` (replaced
-    whole: written to ``out_dir.tmp``, then renamed)."""
+def preprocess_split(input_file: str | list[str], out_dir: Path, seed: int, val_ratio: float, test_ratio: float) -> None:
+    """``dlrmctl preprocess criteo`` of ``input_file`` (one file / glob, or a list of them,
+    preprocessed together) with split ``seed`` into ``out_dir`` (replaced whole: written to
+    ``out_dir.tmp``, then renamed)."""
     from dlrmctl.data.criteo.parse import CriteoOptions
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    preprocess_criteo(input_file, tmp, CriteoOptions(val_ratio=val_ratio, test_ratio=test_ratio, seed=seed),
+    preprocess_criteo(input_file if isinstance(input_file, str) or len(input_file) > 1 else input_file[0], tmp, CriteoOptions(val_ratio=val_ratio, test_ratio=test_ratio, seed=seed),
                       progress=False)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -341,7 +351,9 @@ def run(input_file: str, config: str, overrides: list[str], splits: int = 5, fir
         rows.append(r)
     s = summarize(rows)
     # every option that changes the figures, quoted: running the recorded command gives this table again
-    command = shlex.join(["python", "scripts/criteo_cv.py", "--input", str(input_file), "--config", str(config),
+    inputs = [input_file] if isinstance(input_file, str) else list(input_file)
+    command = shlex.join(["python", "scripts/criteo_cv.py"] + [a for f in inputs for a in ("--input", str(f))]
+                         + ["--config", str(config),
                           "--splits", str(splits), "--first-seed", str(first_seed), "--val-ratio", f"{val_ratio:g}",
                           "--test-ratio", f"{test_ratio:g}", "--C", ",".join(f"{c:g}" for c in cs)]
                          + (["--ensemble", str(ensemble)] if ensemble > 1 else []) + set_args)
@@ -378,7 +390,9 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
 def main(argv: list[str] | None = None) -> dict:
     """CLI entry: see the module docstring."""
     p = argparse.ArgumentParser(description=_description(), formatter_class=_DefaultsHelp)
-    p.add_argument("--input", default=DEFAULT_INPUT, help="Criteo TSV to split")
+    p.add_argument("--input", action="append", default=None,
+                   help=f"Criteo TSV to split (repeatable or a glob: the files preprocessed together; "
+                        f"default {DEFAULT_INPUT})")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="experiment YAML every split trains")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every split's training (repeatable; not data.path, name, "
@@ -398,6 +412,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="show each run's training output instead of writing it to WORK/logs/")
     a = p.parse_args(argv)
+    a.input = a.input or [DEFAULT_INPUT]
     if a.config == DEFAULT_CONFIG:  # the repository's, from whatever directory the script is run
         a.config = str(REPO / DEFAULT_CONFIG)
     from dlrmctl.config import ConfigError

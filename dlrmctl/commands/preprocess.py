@@ -198,25 +198,49 @@ def synthetic(
     weighted_features: Optional[str] = typer.Option(
         None, help="comma-separated features (e.g. C1,C2) that get per-id weights U(0.5, 2) in a <feature>__weight "
         "column; their effect on the label is weight * effect (train them with `weighted: true` tables)"),
+    interaction_features: Optional[str] = typer.Option(
+        None, help="comma-separated features (>= 2, e.g. C1,C2,C3,C4) whose every pair adds <v_a[id_a], v_b[id_b]> "
+        "of per-id latent vectors to the label logit: interactions a linear model cannot learn"),
+    interaction_dim: int = typer.Option(4, help="width K of the planted latent vectors (with --interaction-features)"),
+    interaction_std: float = typer.Option(1.5, help="standard deviation of the planted interaction term of the "
+                                          "logit (with --interaction-features)"),
     force: bool = typer.Option(False, "--force", help="replace an existing dataset made with other options "
                                "(built beside it, swapped in when complete)"),
 ) -> None:
-    """Criteo-schema synthetic data with a planted logistic signal; meta.json has its bayes_auc."""
+    """Criteo-schema synthetic data with a planted logistic signal (optionally pairwise interactions);
+    meta.json has its bayes_auc."""
     from dlrmctl.data.synthetic import generate_synthetic
 
     check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
     cards = _int_list(num_embeddings, "--num-embeddings", 26)
     wf = [f.strip() for f in (weighted_features or "").split(",") if f.strip()]
-    target = _target(out, {"dataset": "synthetic", "rows": rows, "seed": seed, "val_ratio": val_ratio,
-                           "test_ratio": test_ratio, "num_embeddings": cards, "zipf_alpha": zipf_alpha,
-                           "weighted_features": wf}, force)
+    inf = [f.strip() for f in (interaction_features or "").split(",") if f.strip()]
+    recipe = {"dataset": "synthetic", "rows": rows, "seed": seed, "val_ratio": val_ratio,
+              "test_ratio": test_ratio, "num_embeddings": cards, "zipf_alpha": zipf_alpha, "weighted_features": wf}
+    if inf:  # only then: a dataset made before the option existed keeps its recipe
+        recipe.update(interaction_features=inf, interaction_dim=interaction_dim, interaction_std=interaction_std)
+    if inf:  # every argument checked before the output directory is touched
+        from dlrmctl.data.synthetic import _interaction_tables
+
+        try:
+            if len(_interaction_tables(inf)) < 2:
+                raise ValueError(f"--interaction-features: a pairwise interaction needs at least 2 features, got {inf}")
+            if interaction_dim < 1:
+                raise ValueError(f"--interaction-dim must be >= 1, got {interaction_dim}")
+            if not (interaction_std > 0 and interaction_std < float("inf")):
+                raise ValueError(f"--interaction-std must be > 0, got {interaction_std}")
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    target = _target(out, recipe, force)
     if target.state == "complete":
         _already_complete(out)
         return
     try:
         rep = _build(target, lambda d: generate_synthetic(d, rows=rows, seed=seed, val_ratio=val_ratio,
                                                           test_ratio=test_ratio, num_embeddings=cards,
-                                                          zipf_alpha=zipf_alpha, weighted_features=wf))
+                                                          zipf_alpha=zipf_alpha, weighted_features=wf,
+                                                          interaction_features=inf, interaction_dim=interaction_dim,
+                                                          interaction_std=interaction_std))
     except ValueError as e:
         if isinstance(e, UserError):  # e.g. DataError of a full disk: one line (dlrmctl.cli), not a usage error
             raise
