@@ -2,7 +2,8 @@
 
 Each rank keeps its own rows; the AUC's rarer class travels around a ring of point-to-point
 shifts and every sum is exact, so the metrics of 2 or 3 ranks (uneven, empty, one-class ranks)
-equal the 1-process metrics bit for bit (weighted AUC: 1e-12 relative, see train/metrics.py).
+equal the 1-process metrics bit for bit (weighted AUC: 1e-12 relative, see train/metrics.py and
+train/metrics_exact.py).
 """
 
 import itertools
@@ -14,15 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlrmctl.train.metrics import (
-    PairCounter,
-    _circulating_rows,
-    auc,
-    compute_metrics_from_logits,
-    exact_sum,
-    from_pieces,
-    sum_pieces,
-)
+from dlrmctl.train.metrics import auc, compute_metrics_from_logits
+from dlrmctl.train.metrics_exact import PairCounter, circulating_rows, exact_sum, from_pieces, sum_pieces
 from tests.dist_utils import run_multiprocess
 
 KEYS = ("auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples")
@@ -49,7 +43,7 @@ def _ring_auc(z, y, w, parts: list[np.ndarray]) -> float:
     pos = y > 0.5
     circulate_pos = pos.sum() <= (~pos).sum()
     total = Fraction(0)
-    travelling = [_circulating_rows(z[p], pos[p], None if w is None else w[p], circulate_pos) for p in parts]
+    travelling = [circulating_rows(z[p], pos[p], None if w is None else w[p], circulate_pos) for p in parts]
     for p in parts:
         c = PairCounter(z[p], pos[p], None if w is None else w[p], circulate_pos)
         for rows in travelling:

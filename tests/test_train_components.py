@@ -19,6 +19,9 @@ TRAIN = REPO / "dlrmctl" / "train"
 #: the modules issue 24 split dlrmctl/train/loop.py into
 SPLIT = ("trainer.py", "optimizers.py", "amp.py", "evaluator.py", "train_log.py", "checkpoint_state.py",
          "run_dir.py", "reload.py", "data.py")
+#: the train modules held to the issue's 500-line limit: the split above, and metrics.py with the
+#: exact-summation / pair-counting machinery it was split into
+AT_MOST_500_LINES = SPLIT + ("metrics.py", "metrics_exact.py")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,7 @@ def _function_lines(path: pathlib.Path, cls: str, name: str) -> int:
 
 def test_the_train_package_is_split_by_concern():
     assert not (TRAIN / "loop.py").exists()
-    for name in SPLIT:
+    for name in AT_MOST_500_LINES:
         n = len((TRAIN / name).read_text().splitlines())
         assert n <= 500, f"dlrmctl/train/{name}: {n} lines"
     assert _function_lines(TRAIN / "trainer.py", "Trainer", "train") <= 40
