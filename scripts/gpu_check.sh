@@ -11,10 +11,10 @@
 #
 #   env            python / torch / CUDA version, GPU name, fbgemm present, package versions
 #   import         `python -c "import dlrmctl, dlrmctl.cli"` (records HAS_FBGEMM)
-#   import_nofbgemm  import dlrmctl with fbgemm_gpu hidden (the way tests/test_no_fbgemm.py
+#   import_nofbgemm  import dlrmctl with fbgemm_gpu hidden (the way tests/commands/test_no_fbgemm.py
 #                  hides it) and run an EBC asked for the `fused` kernel on the device: it
 #                  must fall back to `dense`
-#   pytest         `python -m pytest -m cuda -q` (tests/test_cuda.py: dense-kernel EBC, DLRM
+#   pytest         `python -m pytest -m cuda -q` (tests/modules/test_cuda.py: dense-kernel EBC, DLRM
 #                  steps device == CPU, sharded EBC on a one-rank nccl/gloo group for all six
 #                  sharding types, fp16 export scoring); the cuda variants skip without CUDA
 #   data           a synthetic Criteo-schema data set (dlrmctl.data.synthetic.generate_synthetic):

@@ -1,6 +1,6 @@
 """Every ``torch.distributed`` collective dlrmctl issues, with autograd where gradients flow.
 
-Rule (checked by ``tests/test_comm_rule.py``, an AST scan of the package): no
+Rule (checked by ``tests/distributed/test_comm_rule.py``, an AST scan of the package): no
 other module calls ``torch.distributed`` collectives; process-group creation and
 teardown live in :mod:`dlrmctl.distributed.env`, and the checkpoint's DCP
 save/load calls are DCP's own.

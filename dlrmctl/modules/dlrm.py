@@ -31,7 +31,7 @@ class _WeightGradOnlyLinear(torch.autograd.Function):
     1 thread, 0.54 vs 0.27 ms on 2 (B 2048, ``out`` 512, best of 40 alternated, 2-core AMD EPYC).
     Every entry is the same length-``B`` dot product; this machine's CPU GEMM gives the same bits
     both ways (another BLAS may sum in another order: the result then differs by rounding only;
-    ``tests/test_dlrm.py`` compares the gradients with autograd's).
+    ``tests/modules/test_dlrm.py`` compares the gradients with autograd's).
     """
 
     @staticmethod
@@ -256,7 +256,7 @@ def _dot_row_pad(dense: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) 
     ``B >= 256`` times ``N`` rows against ``N`` rounded up to a multiple of 4 and of 8 (best of 3
     each on ``t`` itself, ~10 bmms once) and keeps the fastest.  The padding adds only zero rows:
     ``Z[:N, :N]`` is the same dot products, bit for bit (each is the same length-``d`` product in
-    the same order; tests/test_dlrm.py checks it for the pads tried).  CUDA / other devices: 0.
+    the same order; tests/modules/test_dlrm.py checks it for the pads tried).  CUDA / other devices: 0.
 
     Returns:
         the number of zero rows (0 when unpadded is fastest, on other devices and for small batches).

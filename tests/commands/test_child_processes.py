@@ -118,7 +118,7 @@ def test_sigterm_of_preprocess_stops_the_workers_and_says_so_in_one_line(two_big
 _RANKS_PARENT = """
 import sys, time
 from dlrmctl.distributed.local_ranks import run_local_ranks
-from tests.test_child_processes import sleep_rank
+from tests.commands.test_child_processes import sleep_rank
 print("started", flush=True)
 run_local_ranks(sleep_rank, 2, (float(sys.argv[1]),), what="probe")
 """

@@ -1,5 +1,5 @@
 """Issue 14 item 11: a run that fails before it saved a checkpoint leaves nothing that blocks or
-mixes into a retry (a --nproc launch: tests/test_launch.py, the failing-rank test)."""
+mixes into a retry (a --nproc launch: tests/commands/test_launch.py, the failing-rank test)."""
 
 import json
 

@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 from dlrmctl.cli import app
 from dlrmctl.launch import build_appdef
 
+from tests import conftest
+
 runner = CliRunner()
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(conftest.REPO)
 
 
 def test_local_appdef_runs_torchrun_through_this_interpreter_with_the_worker_module_and_overrides():

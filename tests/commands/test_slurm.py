@@ -7,6 +7,7 @@ import os
 import pytest
 
 from tests.helpers import slurm_cluster
+from tests import conftest
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -37,7 +38,7 @@ def test_the_private_cluster_runs_a_batch_job(cluster, tmp_path):
     assert os.environ.get("SLURM_CONF") != cluster.conf  # the tests' own environment is untouched
 
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(conftest.REPO)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """`launch --scheduler slurm` and `jobs` against stand-in Slurm clients (scripts on PATH): what the
 generated job asks for, sbatch refusals and an unreachable controller as one line, status without
-accounting storage.  The real cluster is tests/test_slurm.py."""
+accounting storage.  The real cluster is tests/commands/test_slurm.py."""
 
 import os
 import stat

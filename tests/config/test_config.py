@@ -1,12 +1,11 @@
 """Config schema: every shipped YAML loads; errors name the key path."""
 
-import pathlib
-
 import pytest
 
 from dlrmctl.config import ConfigError, config_from_dict, load_config
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from dlrmctl.data.columnar import MappedShard
 from dlrmctl.data.loader import BatchLoader
-from tests.test_data_loader import make_dataset, rows_of
+from tests.data.test_data_loader import make_dataset, rows_of
 
 # (window, block): window < block, window = a few blocks, window > the data
 SHAPES = [(3, 8), (8, 3), (1000, 4), (5, 1)]

@@ -7,7 +7,9 @@ checkpoint's DCP calls are ``torch.distributed.checkpoint``'s, not collectives).
 import ast
 import pathlib
 
-PKG = pathlib.Path(__file__).resolve().parents[1] / "dlrmctl"
+from tests.conftest import REPO
+
+PKG = REPO / "dlrmctl"
 ALLOWED_FILES = {PKG / "distributed" / "comm.py", PKG / "distributed" / "env.py"}
 #: read-only queries any module may call
 QUERIES = {"get_rank", "get_world_size", "is_initialized", "is_available", "get_backend", "get_global_rank",

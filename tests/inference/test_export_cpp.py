@@ -18,7 +18,8 @@ import torch
 
 from dlrmctl import HAS_FBGEMM
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 SRC = REPO / "scripts" / "cpp_inference"
 
 pytestmark = [
@@ -118,7 +119,7 @@ def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
     from dlrmctl.inference.export import export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
-    from tests.test_weighted_features import LOGIT, setup_dlrm, setup_inputs
+    from tests.modules.test_weighted_features import LOGIT, setup_dlrm, setup_inputs
 
     export_model(setup_dlrm(), tmp_path / "m", "int8", artifact="torchscript")
     dense, values, lengths, weights = setup_inputs()

@@ -18,7 +18,7 @@ runs the same checks on CPU / gloo (and ``scripts/gpu_check.sh`` runs them on a 
   sharding types, weighted and not: the real collectives run (all-to-all, all-gather,
   ...).  Outputs over three steps and the weights after the fused / dense embedding
   optimizer updates equal the unsharded CPU EmbeddingBagCollection's (the case runner of
-  ``tests/test_sharding.py``, atol 1e-5); and a batch of 0 samples / of only empty bags
+  ``tests/distributed/test_sharding.py``, atol 1e-5); and a batch of 0 samples / of only empty bags
   goes through every collective, pools to zeros and leaves the group usable;
 * an fp16 export artifact of a briefly trained DLRM loads and scores (needs fbgemm_gpu;
   the CUDA variant needs an export / load API that takes a device).
@@ -249,7 +249,7 @@ def test_dlrm_training_steps_on_device_equal_cpu(device, kernel):
 
 # ------------------------------------------------------------ sharded EBC on a one-rank group
 def _one_rank_cases():
-    from tests.test_sharding import ALL_TYPES, cases
+    from tests.distributed.test_sharding import ALL_TYPES, cases
 
     return [c for c in cases(1) if c.types in ALL_TYPES]
 
@@ -277,7 +277,7 @@ def one_rank_group(request, monkeypatch):
 @pytest.mark.parametrize("case", _one_rank_cases(), ids=lambda c: c.name)
 @pytest.mark.parametrize("device", DEVICES)
 def test_sharded_ebc_on_one_rank_group_matches_unsharded_cpu_ebc(device, case, one_rank_group):
-    from tests.test_sharding import _run_case
+    from tests.distributed.test_sharding import _run_case
 
     assert one_rank_group.device.type == device
     # no empty global batch here: without fbgemm the reference is the dense kernel, whose
@@ -297,7 +297,7 @@ def test_sharded_ebc_on_one_rank_group_handles_empty_batches(device, sharding_ty
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
-    from tests.test_sharding import TABLES
+    from tests.distributed.test_sharding import TABLES
 
     spec = EmbeddingOptimizerSpec("exact_adagrad", lr=0.1)
     plan = plan_from_types(TABLES, sharding_type, 1)

@@ -13,6 +13,8 @@ from dlrmctl.modules.interactions import (
 )
 from dlrmctl.sparse import KeyedTensor
 
+from tests.conftest import REPO
+
 
 def _kt(B: int, F: int, d: int) -> KeyedTensor:
     return KeyedTensor([f"f{i}" for i in range(F)], [d] * F, torch.randn(B, F * d))
@@ -122,11 +124,9 @@ def test_build_interaction_plugs_into_dlrm_and_backpropagates(kind, cls, out_dim
 
 
 def test_criteo_1tb_dlrmv2_config_is_the_mlperf_setup():
-    import pathlib
-
     from dlrmctl.config import load_config
 
-    cfg = load_config(pathlib.Path(__file__).resolve().parents[1] / "configs" / "criteo_1tb_dlrmv2.yaml")
+    cfg = load_config(REPO / "configs" / "criteo_1tb_dlrmv2.yaml")
     m = cfg.model
     assert [t.num_embeddings for t in m.tables] == [
         40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209, 11938,

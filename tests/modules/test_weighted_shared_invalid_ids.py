@@ -134,7 +134,7 @@ def test_loader_with_weights_and_zero_gives_the_eager_output(tmp_path):
     ids >= 2 and their weights; the trusting EBC then equals the EBC applying the policy itself."""
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, table_id_bounds
-    from tests.test_weighted_features import write_data
+    from tests.modules.test_weighted_features import write_data
 
     data = write_data(tmp_path)
     tabs = [EmbeddingBagConfig(name="TA", num_embeddings=2, embedding_dim=4, feature_names=["f0"]),

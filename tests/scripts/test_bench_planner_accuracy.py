@@ -9,14 +9,10 @@ window or one slow rank's outlier window does not set it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
 from tests.helpers.scripts import load_script
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _script():

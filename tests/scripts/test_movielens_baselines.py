@@ -11,7 +11,7 @@ pytest.importorskip("sklearn", reason="scikit-learn is the bench/test extra: pip
 
 from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
 from tests.helpers.scripts import load_script
-from tests.test_movielens import make_ml100k
+from tests.data.test_movielens import make_ml100k
 
 
 def _script():

@@ -9,7 +9,7 @@ import torch
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.sparse import KeyedJaggedTensor
 from tests.dist_utils import run_multiprocess
-from tests.test_sharding import ALL_TYPES, TABLES
+from tests.distributed.test_sharding import ALL_TYPES, TABLES
 
 ATOL = 1e-5
 

@@ -25,6 +25,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from tests import conftest
+
 try:
     from tests.dist_utils import run_multiprocess
 except ImportError:  # pragma: no cover - tests run as a plain directory
@@ -35,7 +37,7 @@ from dlrmctl.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not installed")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(conftest.REPO)
 runner = CliRunner()
 STRAIGHT, INTERRUPTED_AT, RESUMED_TO = 14, 4, 14  # 10 steps after the resume
 

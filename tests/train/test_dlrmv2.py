@@ -2,7 +2,6 @@
 data of the same schema with on-the-fly multi-hot bags."""
 
 import json
-import pathlib
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +11,8 @@ from dlrmctl.config import load_config
 from dlrmctl.data.loader import BatchLoader
 from dlrmctl.train.data import multi_hot_kwargs
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 CFG = REPO / "configs" / "criteo_1tb_dlrmv2.yaml"
 runner = CliRunner()
 

@@ -87,6 +87,6 @@ def test_metrics_of_logits_shifted_by_40_match_the_logits_on_every_evaluation_pa
         assert m["num_samples"] == y.size, path
     # the figure does not depend on the eval batch size beyond the logits' own float32 rounding: the
     # BLAS may pick another GEMM kernel for 7 rows than for 256 (MKL on Intel CPUs does), which moves
-    # a logit by an ulp or so; the metrics of equal logits are exact (tests/test_metrics.py)
+    # a logit by an ulp or so; the metrics of equal logits are exact (tests/train/test_metrics.py)
     assert got["evaluate_run batch 7"]["auc"] == got["evaluate_run"]["auc"]
     assert got["evaluate_run batch 7"]["logloss"] == pytest.approx(got["evaluate_run"]["logloss"], rel=1e-6)

@@ -1,6 +1,6 @@
 """Mixed precision (issue 17): ``train.precision`` (bf16 autocast of the dense part on the CPU),
 ``model.embedding_precision: fp16`` tables (FBGEMM TBE ``weights_precision=FP16`` and the dense
-kernel), checkpoints across precisions, and the config checks.  qcomm: tests/test_comm.py."""
+kernel), checkpoints across precisions, and the config checks.  qcomm: tests/distributed/test_comm.py."""
 
 from __future__ import annotations
 
