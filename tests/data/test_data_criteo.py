@@ -12,7 +12,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dlrmctl.data.columnar import DataError, MappedShard, read_meta
-from dlrmctl.data.criteo.parse import CriteoOptions, _decode_hex8, dense_log1p, hex_to_uint32
+from dlrmctl.data.criteo.parse import CriteoOptions, decode_hex8, dense_log1p, hex_to_uint32
 from dlrmctl.data.criteo.preprocess import preprocess_criteo
 from dlrmctl.data.multi_hot import multi_hot_expand
 
@@ -52,7 +52,7 @@ def test_hex_decode_matches_int_base16_for_random_values_and_every_single_byte_c
         for c in range(256):
             b = bytearray(b"0a1B2c3D")
             b[pos] = c
-            x, badm = _decode_hex8(np.frombuffer(bytes(b), np.uint8).copy())
+            x, badm = decode_hex8(np.frombuffer(bytes(b), np.uint8).copy())
             assert bool(badm[0]) == (c not in valid), (pos, c)
             if c in valid:
                 assert int(x[0]) == int(bytes(b), 16)

@@ -155,10 +155,10 @@ def _qcomm_worker(env):
 
 
 def test_qcomm_fp16_saturates_and_keeps_small_gradients():
-    from dlrmctl.distributed.comm import FP16_MAX, _grad_wire_scale
+    from dlrmctl.distributed.comm import FP16_MAX, grad_wire_scale
 
-    assert _grad_wire_scale(torch.float16, 65536) == 65536.0 and _grad_wire_scale(torch.float16, 2500) == 2048.0
-    assert _grad_wire_scale(torch.bfloat16, 65536) == 1.0 and _grad_wire_scale(None, 8) == 1.0
+    assert grad_wire_scale(torch.float16, 65536) == 65536.0 and grad_wire_scale(torch.float16, 2500) == 2048.0
+    assert grad_wire_scale(torch.bfloat16, 65536) == 1.0 and grad_wire_scale(None, 8) == 1.0
     for *_, edges in run_multiprocess(_qcomm_worker, 2, timeout_s=180):
         assert all(torch.equal(o, torch.full_like(o, FP16_MAX)) for o in edges["sat"])
         assert torch.equal(edges["rs_sat"], torch.full_like(edges["rs_sat"], 2 * FP16_MAX))
@@ -174,12 +174,12 @@ def test_qcomm_fp16_saturates_and_keeps_small_gradients():
 def test_fp16_wire_scales_an_fp16_gradient_too():
     """The receiver always divides by the wire scale, so an fp16 tensor (already in the wire dtype)
     must still be multiplied by it: returned unscaled, an fp16 gradient arrived divided by ~the batch."""
-    from dlrmctl.distributed.comm import _wire
+    from dlrmctl.distributed.comm import to_wire
 
     g = torch.full((3, 2), 1e-3, dtype=torch.float16)
-    assert torch.equal(_wire(g, torch.float16, 8.0), g * 8)
-    assert torch.equal(_wire(g, torch.float16), g)
-    assert torch.equal(_wire(torch.full((2,), 4e4, dtype=torch.float16), torch.float16, 4.0),
+    assert torch.equal(to_wire(g, torch.float16, 8.0), g * 8)
+    assert torch.equal(to_wire(g, torch.float16), g)
+    assert torch.equal(to_wire(torch.full((2,), 4e4, dtype=torch.float16), torch.float16, 4.0),
                        torch.full((2,), 65504.0, dtype=torch.float16))  # saturates, no inf
 
 

@@ -141,7 +141,9 @@ def local_range(B: int, ws: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < rem else 0)
 
 
-def _run_case(env, case: Case) -> str | None:
+def run_case(env, case: Case) -> str | None:
+    """Run ``case`` on this rank of ``env``: None when the sharded module matches the unsharded one,
+    else what differs (also what tests/modules/test_cuda.py runs on one rank)."""
     from types import SimpleNamespace
 
     from dlrmctl.distributed.model_parallel import plan_from_types
@@ -232,7 +234,7 @@ def _parity_worker(env, case_list: list[Case]) -> dict[str, str | None]:
     out = {}
     for c in case_list:
         try:
-            out[c.name] = _run_case(env, c)
+            out[c.name] = run_case(env, c)
         except Exception:  # noqa: BLE001 - keep the process group in step? a failure here is fatal anyway
             out[c.name] = traceback.format_exc()
             break
@@ -347,7 +349,7 @@ def test_dlrm_on_2_ranks_matches_one_process_losses_and_weights_after_3_steps():
 
 # ------------------------------------------------------------------- NCCL (GPU only)
 def _nccl_worker(env):
-    return _run_case(env, Case("nccl_mixed", {"t_sum": "row_wise", "t_mean": "table_wise",
+    return run_case(env, Case("nccl_mixed", {"t_sum": "row_wise", "t_mean": "table_wise",
                                               "t_tiny": "data_parallel", "t_odd": "column_wise"}, True, {}, "exact_adagrad"))
 
 

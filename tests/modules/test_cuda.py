@@ -277,14 +277,14 @@ def one_rank_group(request, monkeypatch):
 @pytest.mark.parametrize("case", _one_rank_cases(), ids=lambda c: c.name)
 @pytest.mark.parametrize("device", DEVICES)
 def test_sharded_ebc_on_one_rank_group_matches_unsharded_cpu_ebc(device, case, one_rank_group):
-    from tests.distributed.test_sharding import _run_case
+    from tests.distributed.test_sharding import run_case
 
     assert one_rank_group.device.type == device
     # no empty global batch here: without fbgemm the reference is the dense kernel, whose
     # output for a batch without any id has no grad_fn (its backward raises); empty batches
     # of the sharded module are checked below
     case = dataclasses.replace(case, batch_sizes=[5, 2, 1])
-    err = _run_case(one_rank_group, case)
+    err = run_case(one_rank_group, case)
     assert err is None, f"{case.name} on {one_rank_group.backend}: {err}"
 
 

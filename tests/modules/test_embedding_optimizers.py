@@ -137,11 +137,11 @@ def test_fbgemm_cpu_tbe_refuses_the_adam_family_so_the_fused_kernel_uses_the_den
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from dlrmctl.modules.embedding_modules import _OPT_TYPES, fused_supports_optimizer
+    from dlrmctl.modules.embedding_modules import FBGEMM_OPT_TYPES, fused_supports_optimizer
 
     with pytest.raises(AssertionError, match="not supported in CPU mode"):
         SplitTableBatchedEmbeddingBagsCodegen([(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                              optimizer=getattr(EmbOptimType, _OPT_TYPES[kind]))
+                                              optimizer=getattr(EmbOptimType, FBGEMM_OPT_TYPES[kind]))
     assert not fused_supports_optimizer(kind, "cpu") and fused_supports_optimizer(kind, "cuda")
     assert fused_supports_optimizer("exact_rowwise_adagrad", "cpu")
     ebc, opt = _ebc(kind, "fused", "cpu", 0.0)

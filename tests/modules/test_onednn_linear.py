@@ -11,7 +11,7 @@ import torch
 
 from dlrmctl.config import config_from_dict
 from dlrmctl.modules import dlrm as dlrm_mod
-from dlrmctl.modules.dlrm import MLP, _OneDNNLinear, onednn_linear_available, set_cpu_linear
+from dlrmctl.modules.dlrm import MLP, OneDNNLinear, onednn_linear_available, set_cpu_linear
 from dlrmctl.distributed.env import RunEnv
 from dlrmctl.train.trainer import Trainer
 from dlrmctl.train.run_dir import TrainError, prepare_run_dir
@@ -31,7 +31,7 @@ def test_onednn_linear_matches_f_linear(n_in, n_out, relu, x_grad):
     xb, wb, bb = (t.clone().requires_grad_(r) for t, r in ((x0, x_grad), (w0, True), (b0, True)))
     ya = torch.nn.functional.linear(xa, wa, ba)
     ya = torch.relu(ya) if relu else ya
-    yb = _OneDNNLinear.apply(xb, wb, bb, relu)
+    yb = OneDNNLinear.apply(xb, wb, bb, relu)
     ya.backward(g)
     yb.backward(g)
     torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
@@ -75,8 +75,8 @@ def test_evaluation_no_grad_autocast_and_tracing_stay_on_f_linear(monkeypatch):
     b.load_state_dict(a.state_dict())
     set_cpu_linear(b, "onednn")
     calls = []
-    real = _OneDNNLinear.apply
-    monkeypatch.setattr(_OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
+    real = OneDNNLinear.apply
+    monkeypatch.setattr(OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
     x = torch.randn(16, 13)
     a.eval(), b.eval()
     assert torch.equal(a(x), b(x))
@@ -135,9 +135,9 @@ def test_trainer_with_onednn_trains_like_aten(tiny, tmp_path):
         mlps = [m for m in t.model.modules() if isinstance(m, MLP)]
         assert mlps and all(m.cpu_linear == kind for m in mlps)
         calls = []
-        real = _OneDNNLinear.apply
+        real = OneDNNLinear.apply
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(_OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
+            mp.setattr(OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
             out[kind] = t.train()["final"]["auc"]
         assert bool(calls) is (kind == "onednn")
     assert abs(out["onednn"] - out["aten"]) < 0.002, out
@@ -201,8 +201,8 @@ def test_dcn_cross_net_trains_on_onednn_like_aten(monkeypatch):
     b.load_state_dict(a.state_dict())
     assert set_cpu_linear(b, "onednn") == 1
     calls = []
-    real = _OneDNNLinear.apply
-    monkeypatch.setattr(interactions._OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
+    real = OneDNNLinear.apply
+    monkeypatch.setattr(interactions.OneDNNLinear, "apply", lambda *args: calls.append(1) or real(*args))
     x0 = torch.randn(128, 240)
     xa, xb = x0.clone().requires_grad_(), x0.clone().requires_grad_()
     ya = a(xa)

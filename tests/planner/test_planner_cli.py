@@ -304,7 +304,7 @@ def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, inte
     interaction width and adds the per-table projections: it equals the built model's dense parameters."""
     from dlrmctl.config import read_data_meta
     from dlrmctl.data.synthetic import generate_synthetic
-    from dlrmctl.planner.planner import _count_dense_params, plan_for_config
+    from dlrmctl.planner.planner import count_dense_params, plan_for_config
     from dlrmctl.train.factory import build_model
 
     data = tmp_path / "d"
@@ -321,7 +321,7 @@ def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, inte
     emb = {id(p) for p in model.sparse_arch.parameters()}
     dense = sum(p.numel() for p in model.parameters() if id(p) not in emb)
     key_dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-    assert _count_dense_params(cfg, len(key_dims), len(meta["dense_features"]), key_dims) == dense
+    assert count_dense_params(cfg, len(key_dims), len(meta["dense_features"]), key_dims) == dense
     plan = plan_for_config(cfg, 2, meta=meta)
     plan.validate(tables, 2)
     r = CliRunner().invoke(plan_cmd.app, [str(tmp_path / "exp.yaml"), "--gpus", "2", "--device", "cpu",

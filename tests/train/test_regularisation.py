@@ -155,7 +155,7 @@ def test_auto_gives_the_documented_table_dims_and_projects_the_narrow_ones():
 def test_auto_plans_a_sharded_run_counting_the_projections():
     # the planner's dense-model reservation did `embedding_dim + ...` with embedding_dim == "auto":
     # TypeError in `dlrmctl train --nproc N`, `dlrmctl plan` and `dlrmctl checkpoint reshard`
-    from dlrmctl.planner.planner import _count_dense_params, plan_for_config
+    from dlrmctl.planner.planner import count_dense_params, plan_for_config
 
     meta = _meta([5, 100, 685, 10 ** 6])
     for model_kw in (dict(embedding_dim="auto"), dict(embedding_dim=32), dict(embedding_dim="auto", first_order=True),
@@ -164,7 +164,7 @@ def test_auto_plans_a_sharded_run_counting_the_projections():
         tables = resolve_tables(cfg, meta)
         model = build_model(cfg, tables, 2, device="meta")
         dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch"))
-        assert _count_dense_params(cfg, len(tables), 2, [t.embedding_dim for t in tables]) == dense
+        assert count_dense_params(cfg, len(tables), 2, [t.embedding_dim for t in tables]) == dense
         plan = plan_for_config(cfg, 2, meta=meta)
         assert sorted(plan.plan) == sorted(t.name for t in tables)
 
