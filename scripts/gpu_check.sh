@@ -14,7 +14,7 @@
 # the later steps (they would only repeat the failure).  Per-step limits add up to 8 minutes.
 #
 #   env        versions, CUDA device, fbgemm present                               (30 s)
-#   pytest     tests/test_cuda.py -v, the CUDA variants only (ids with cuda); skipped without CUDA (150 s)
+#   pytest     tests/modules/test_cuda.py -v, the CUDA variants only (ids with cuda); skipped without CUDA (150 s)
 #   data       a small synthetic Criteo-schema data set                            (30 s)
 #   demo       the plain user command `dlrmctl train configs/demo.yaml` (one device,
 #              unsharded, 50 steps) in-process: samples/s labelled with its kernel
@@ -100,7 +100,7 @@ fig = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': 
 print(fig); json.dump(fig, open(os.environ['FIG'], 'w'))"
 
 if [ "$CUDA" = 1 ]; then
-    run_step pytest 150 "$PY" -m pytest tests/test_cuda.py -v -p no:cacheprovider -k "[cuda or -cuda- or -cuda]"
+    run_step pytest 150 "$PY" -m pytest tests/modules/test_cuda.py -v -p no:cacheprovider -k "[cuda or -cuda- or -cuda]"
 else
     echo "gpu_check: pytest skipped (no CUDA: the CPU variants run in CI)" | tee "$DIR/logs/pytest.log"
     record pytest skipped 0 150

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-time install of what the real-Slurm tests (tests/test_slurm.py) need: Debian's slurm-wlm and
+# One-time install of what the real-Slurm tests (tests/commands/test_slurm.py) need: Debian's slurm-wlm and
 # munge.  Idempotent and quiet: does nothing when slurmctld, slurmd, munged and sbatch are already
 # there.  Needs root (apt-get).  The tests start their own private cluster; nothing is started here.
 set -euo pipefail

@@ -26,7 +26,7 @@ _PROBE = textwrap.dedent("""
     import dlrmctl, fbgemm_gpu, torch
     from fbgemm_gpu import split_table_batched_embeddings_ops_training as tbe
     from dlrmctl.train import trainer as loop
-    from tests.test_host_sync import owned_by_dlrmctl, package_dir
+    from tests.train.test_host_sync import owned_by_dlrmctl, package_dir
 
     clone = os.path.realpath(sys.argv[1])
     assert package_dir() == os.path.join(clone, "dlrmctl"), (dlrmctl.__file__, clone)
@@ -90,7 +90,7 @@ def test_host_sync_counter_owns_only_the_packages_files_in_a_clone_named_dlrmctl
 def test_host_sync_test_passes_from_a_clone_named_dlrmctl_started_in_another_directory(clone_named_dlrmctl):
     clone, python, env = clone_named_dlrmctl
     # table_row_mix: FBGEMM's TBE (whose training op reads .item() itself) on every sharded table
-    p = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "../tests/test_host_sync.py",
+    p = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "../tests/train/test_host_sync.py",
                         "-k", "table_row_mix"], cwd=clone / "tests", env=env, capture_output=True, text=True,
                        timeout=240)
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-4000:] + p.stderr[-2000:]

@@ -365,7 +365,7 @@ class TrainConfig:
     cpu_linear: Literal["aten", "onednn"] = "aten"
     """The GEMM library of the MLPs' Linear layers and of DCN's cross net when training on the
     CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds) or ``onednn`` (oneDNN's fp32
-    GEMM with the bias and ReLU fused, :class:`dlrmctl.modules.dlrm._OneDNNLinear`: 2.0-2.4x
+    GEMM with the bias and ReLU fused, :class:`dlrmctl.modules.dlrm.OneDNNLinear`: 2.0-2.4x
     MKL's rate on this project's AMD CPU; fp32-accurate, not the same bits). Evaluation, bf16
     autocast, CUDA and the export always use ``F.linear``. See
     docs/training.md#the-cpu-gemm-library-traincpu_linear."""

@@ -1,6 +1,6 @@
 """Every ``torch.distributed`` collective dlrmctl issues, with autograd where gradients flow.
 
-Rule (checked by ``tests/test_comm_rule.py``, an AST scan of the package): no
+Rule (checked by ``tests/distributed/test_comm_rule.py``, an AST scan of the package): no
 other module calls ``torch.distributed`` collectives; process-group creation and
 teardown live in :mod:`dlrmctl.distributed.env`, and the checkpoint's DCP
 save/load calls are DCP's own.
@@ -183,13 +183,13 @@ def comm_dtype(precision: str) -> torch.dtype | None:
 FP16_MAX = 65504.0
 
 
-def _wire(t: torch.Tensor, qdtype: torch.dtype | None, scale: float = 1.0) -> torch.Tensor:
+def to_wire(t: torch.Tensor, qdtype: torch.dtype | None, scale: float = 1.0) -> torch.Tensor:
     """``t`` encoded for the wire (TorchRec qcomm's codec ``encode``: a cast to ``qdtype``).
 
     fp16 (TorchRec's ``_fp32_to_fp16_with_clamp``): ``t * scale`` clamped to ``±FP16_MAX`` before
     the cast, so a value beyond the fp16 range saturates instead of arriving as inf; ``scale`` (a
     power of two, so exact) lifts small gradients out of fp16's subnormal range (see
-    :func:`_grad_wire_scale`).  bf16 has fp32's exponent range: a plain cast."""
+    :func:`grad_wire_scale`).  bf16 has fp32's exponent range: a plain cast."""
     if qdtype is None or (t.dtype == qdtype and scale == 1.0):
         return t
     if qdtype == torch.float16:  # also an fp16 ``t``: the receiver divides by ``scale`` whatever came in
@@ -197,7 +197,7 @@ def _wire(t: torch.Tensor, qdtype: torch.dtype | None, scale: float = 1.0) -> to
     return t.to(qdtype)
 
 
-def _grad_wire_scale(qdtype: torch.dtype | None, global_batch: int) -> float:
+def grad_wire_scale(qdtype: torch.dtype | None, global_batch: int) -> float:
     """The power of two the gradients of pooled embeddings are multiplied by on an fp16 wire.
 
     The loss is a mean over the global batch, so a pooled-embedding gradient is about
@@ -242,12 +242,12 @@ class _PooledAllToAllStart(torch.autograd.Function):
         req.dtype = inputs[0].dtype
         W, G = len(bs), len(inputs)
         if G == 1:
-            send = _wire(inputs[0].contiguous().view(-1), qdtype)
+            send = to_wire(inputs[0].contiguous().view(-1), qdtype)
         else:
             row_off = [0]
             for b in bs:
                 row_off.append(row_off[-1] + b)
-            send = _wire(torch.cat([inputs[g][row_off[s] : row_off[s + 1]].reshape(-1)
+            send = to_wire(torch.cat([inputs[g][row_off[s] : row_off[s + 1]].reshape(-1)
                                     for s in range(W) for g in range(G)]), qdtype)
         req.in_splits = [bs[s] * sum(widths[me]) for s in range(W)]
         req.out_splits = [bs[me] * sum(widths[d]) for d in range(W)]
@@ -264,7 +264,7 @@ class _PooledAllToAllStart(torch.autograd.Function):
         req.grad_work.wait()
         back = req.grad_recv.to(req.dtype)
         req.grad_send = req.grad_recv = req.grad_work = None
-        gscale = _grad_wire_scale(qdtype, sum(bs))
+        gscale = grad_wire_scale(qdtype, sum(bs))
         if gscale != 1.0:
             back.mul_(1.0 / gscale)  # exact: a power of two
         if G == 1:
@@ -309,12 +309,12 @@ class _PooledAllToAllWait(torch.autograd.Function):
         # one copy of each (often strided: a slice of the next layer's grad) block into the send
         # buffer, encoded for the wire by the same copy
         flat = grads[0].new_empty(sum(req.out_splits), dtype=qdtype or req.dtype)
-        gscale = _grad_wire_scale(qdtype, sum(bs))
+        gscale = grad_wire_scale(qdtype, sum(bs))
         off = 0
         for g in grads:
             n = g.numel()
             flat[off : off + n].view(g.shape).copy_(g if gscale == 1.0 and qdtype != torch.float16
-                                                    else _wire(g, qdtype, gscale))
+                                                    else to_wire(g, qdtype, gscale))
             off += n
         req.grad_send = flat
         req.grad_recv = flat.new_empty(sum(req.in_splits))
@@ -364,7 +364,7 @@ def pooled_all_to_all(
             inputs' dtype on arrival — half the bytes, each value rounded once per
             direction (relative error <= 2^-8 for bf16, 2^-11 for fp16 within its range).
             fp16 saturates at ``±FP16_MAX`` (never inf) and sends gradients multiplied by
-            :func:`_grad_wire_scale` (about the global batch), so mean-loss gradients stay
+            :func:`grad_wire_scale` (about the global batch), so mean-loss gradients stay
             out of fp16's subnormal range.  None: sent as they are.
 
     Returns:
@@ -385,7 +385,7 @@ class _ReduceScatterV(torch.autograd.Function):
         ctx.qdtype, ctx.dtype = qdtype, inp.dtype
         D = inp.shape[1]
         mine = batch_sizes[rank]
-        send = _wire(inp.contiguous(), qdtype)
+        send = to_wire(inp.contiguous(), qdtype)
         if use_collective:  # the sum runs in the wire dtype (as NCCL's reduce_scatter does for TorchRec's qcomm)
             out = send.new_empty(mine, D)
             if len(set(batch_sizes)) == 1:
@@ -402,8 +402,8 @@ class _ReduceScatterV(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         bs, pg = ctx.batch_sizes, ctx.pg
         ws, rank = len(bs), dist.get_rank(pg)
-        gscale = _grad_wire_scale(ctx.qdtype, sum(bs))
-        grad = _wire(grad.contiguous(), ctx.qdtype, gscale)
+        gscale = grad_wire_scale(ctx.qdtype, sum(bs))
+        grad = to_wire(grad.contiguous(), ctx.qdtype, gscale)
         D = grad.shape[1]
 
         def decode(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ class _WeightGradOnlyLinear(torch.autograd.Function):
     1 thread, 0.54 vs 0.27 ms on 2 (B 2048, ``out`` 512, best of 40 alternated, 2-core AMD EPYC).
     Every entry is the same length-``B`` dot product; this machine's CPU GEMM gives the same bits
     both ways (another BLAS may sum in another order: the result then differs by rounding only;
-    ``tests/test_dlrm.py`` compares the gradients with autograd's).
+    ``tests/modules/test_dlrm.py`` compares the gradients with autograd's).
     """
 
     @staticmethod
@@ -63,7 +63,7 @@ def _lp(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, relu: bool = F
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "relu" if relu else "none", [], "")
 
 
-class _OneDNNLinear(torch.autograd.Function):
+class OneDNNLinear(torch.autograd.Function):
     """One MLP layer on the CPU through oneDNN's fp32 GEMM: ``x [B, in]``, ``W [out, in]``,
     ``bias [out]`` float32 -> ``relu?(x W^T + bias)`` ``[B, out]``.
 
@@ -113,7 +113,7 @@ CPU_LINEAR_CHOICES = ("aten", "onednn")
 def cpu_fp32_training(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module`` runs a CPU fp32 training step on ``x [B, in]``: training mode, grad
     enabled, a 2-D float32 CPU input, no autocast, not tracing / scripting (the case the CPU
-    training kernels of this module — :class:`_OneDNNLinear`, :class:`_WeightGradOnlyLinear` — are for)."""
+    training kernels of this module — :class:`OneDNNLinear`, :class:`_WeightGradOnlyLinear` — are for)."""
     return (module.training and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32
             and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
             and not torch.jit.is_tracing() and not torch.jit.is_scripting())
@@ -123,7 +123,7 @@ def set_cpu_linear(model: nn.Module, kind: str) -> int:
     """Pick the GEMM library of every :class:`MLP` (and DCN ``LowRankCrossNet``: every module
     class with a ``cpu_linear`` attribute) in ``model`` for CPU training
     (``train.cpu_linear``): ``aten`` (``F.linear``: MKL on x86 builds) or ``onednn``
-    (:class:`_OneDNNLinear`).  Evaluation, ``no_grad``, autocast, CUDA and TorchScript tracing
+    (:class:`OneDNNLinear`).  Evaluation, ``no_grad``, autocast, CUDA and TorchScript tracing
     always use ``F.linear``, so evaluation and export give the same values whatever is picked.
 
     Returns:
@@ -197,10 +197,10 @@ class MLP(nn.Module):
     cpu_linear: str = "aten"
 
     def _onednn_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Training forward through :class:`_OneDNNLinear`, each Linear with its following ReLU
+        """Training forward through :class:`OneDNNLinear`, each Linear with its following ReLU
         fused (dropout, when on, after the ReLU as in :meth:`forward`)."""
         for lin, relu, drop in self._fused_layers:
-            x = _OneDNNLinear.apply(x, lin.weight, lin.bias, relu)
+            x = OneDNNLinear.apply(x, lin.weight, lin.bias, relu)
             if drop:
                 x = torch.nn.functional.dropout(x, self.dropout, training=True)
         return x
@@ -256,7 +256,7 @@ def _dot_row_pad(dense: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) 
     ``B >= 256`` times ``N`` rows against ``N`` rounded up to a multiple of 4 and of 8 (best of 3
     each on ``t`` itself, ~10 bmms once) and keeps the fastest.  The padding adds only zero rows:
     ``Z[:N, :N]`` is the same dot products, bit for bit (each is the same length-``d`` product in
-    the same order; tests/test_dlrm.py checks it for the pads tried).  CUDA / other devices: 0.
+    the same order; tests/modules/test_dlrm.py checks it for the pads tried).  CUDA / other devices: 0.
 
     Returns:
         the number of zero rows (0 when unpadded is fastest, on other devices and for small batches).

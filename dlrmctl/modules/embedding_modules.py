@@ -182,7 +182,7 @@ def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
                          "pruning_indices_remapping) is not supported")
 
 
-#: FBGEMM's Adam family: only its CUDA TBE implements them (``EmbOptimType`` names in ``_OPT_TYPES``)
+#: FBGEMM's Adam family: only its CUDA TBE implements them (``EmbOptimType`` names in ``FBGEMM_OPT_TYPES``)
 ADAM_FAMILY = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
 
 
@@ -245,12 +245,12 @@ def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], s
         specs.append((rows, cols, EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
                       ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU))
         ftm.extend([j] * len(cfg.feature_names))
-    if spec.type not in _OPT_TYPES:
-        raise ValueError(f"embedding optimizer must be one of {list(_OPT_TYPES)}, got {spec.type!r}")
+    if spec.type not in FBGEMM_OPT_TYPES:
+        raise ValueError(f"embedding optimizer must be one of {list(FBGEMM_OPT_TYPES)}, got {spec.type!r}")
     return SplitTableBatchedEmbeddingBagsCodegen(
         specs,
         feature_table_map=ftm,
-        optimizer=getattr(EmbOptimType, _OPT_TYPES[spec.type]),
+        optimizer=getattr(EmbOptimType, FBGEMM_OPT_TYPES[spec.type]),
         learning_rate=spec.lr,
         eps=spec.eps,
         weight_decay=spec.weight_decay,
@@ -725,7 +725,8 @@ class FusedOptimizer:
         return out
 
 
-_OPT_TYPES = {
+#: ``EmbeddingOptimizerSpec.type`` -> the name of FBGEMM's ``EmbOptimType`` member that implements it
+FBGEMM_OPT_TYPES = {
     "exact_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
     "exact_adagrad": "EXACT_ADAGRAD",
     "exact_sgd": "EXACT_SGD",

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dlrmctl.modules.dlrm import MLP, InteractionArch, _OneDNNLinear, cpu_fp32_training
+from dlrmctl.modules.dlrm import MLP, InteractionArch, OneDNNLinear, cpu_fp32_training
 from dlrmctl.sparse import KeyedTensor
 
 __all__ = [
@@ -103,7 +103,7 @@ class LowRankCrossNet(nn.Module):
         x = x0
         if self.cpu_linear == "onednn" and cpu_fp32_training(self, x0) and x0.shape[0] > 0:
             for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
-                x = x0 * _OneDNNLinear.apply(_OneDNNLinear.apply(x, V, None, False), W, b, False) + x
+                x = x0 * OneDNNLinear.apply(OneDNNLinear.apply(x, V, None, False), W, b, False) + x
             return x
         for V, W, b in zip(self.V_kernels, self.W_kernels, self.bias):
             x = x0 * (nn.functional.linear(nn.functional.linear(x, V), W) + b) + x

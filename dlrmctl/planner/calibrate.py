@@ -312,7 +312,7 @@ def kernel_figures(fwd_dram_s: float, bwd_dram_s: float, fwd_cache_s: float, bwd
         mem_bw: memory bandwidth, bytes/s.
 
     With these figures, ``perf.estimate_shard`` of a table_wise shard of the big table at hit
-    ``h0`` gives back ``fwd_dram_s`` and ``bwd_dram_s`` (``tests/test_planner_cache.py``).
+    ``h0`` gives back ``fwd_dram_s`` and ``bwd_dram_s`` (``tests/planner/test_planner_cache.py``).
 
     Raises:
         ZeroDivisionError: a zero forward or step time.

@@ -7,7 +7,7 @@ Reference for the approach: TorchRec ``planner/shard_estimators.py``
 *bytes moved / bandwidth* plus fixed per-op costs (:func:`step_latency`).  Unlike
 TorchRec's estimator, the communication bytes follow dlrmctl's implementation
 (``dlrmctl/distributed/sharded_ebc.py``, ``sharding/*.py``, ``comm.py``) exactly;
-:func:`shard_comm_bytes` gives them and ``tests/test_planner_comm_bytes.py`` checks
+:func:`shard_comm_bytes` gives them and ``tests/planner/test_planner_comm_bytes.py`` checks
 them against the bytes a 2-rank gloo run of every sharding type sends.
 
 Notation (one table, one step): ``B`` global batch, ``P`` ids per sample (sum of the

@@ -454,7 +454,7 @@ class EmbeddingShardingPlanner:
 
 
 # ------------------------------------------------------------ config bridge
-def _count_dense_params(cfg: Any, num_features: int, num_dense: int, key_dims: list[int] | None = None) -> int:
+def count_dense_params(cfg: Any, num_features: int, num_dense: int, key_dims: list[int] | None = None) -> int:
     """Parameters of the dense part of a DLRM config (bottom MLP, interaction, top MLP).
 
     Bottom MLP ``num_dense -> dense_arch_layer_sizes``; the top MLP's input is,
@@ -567,12 +567,12 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
 
 def reservation_for_config(cfg: Any, meta: dict | None, num_features: int, percentage: float = 0.15,
                            key_dims: list[int] | None = None) -> HeuristicStorageReservation:
-    """15% of each rank's memory plus the dense model (:func:`_count_dense_params`, ``key_dims``: the
+    """15% of each rank's memory plus the dense model (:func:`count_dense_params`, ``key_dims``: the
     pooled embeddings' widths) with its optimizer."""
     num_dense = 13
     if meta:
         num_dense = int(meta.get("num_dense_features", len(meta.get("dense_features", [])) or 13))
-    params = _count_dense_params(cfg, num_features, num_dense, key_dims)
+    params = count_dense_params(cfg, num_features, num_dense, key_dims)
     return HeuristicStorageReservation(percentage, dense_model_bytes(params, cfg.optimizer.dense.type))
 
 

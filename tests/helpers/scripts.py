@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from types import ModuleType
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO
 
 
 def load_script(name: str) -> ModuleType:

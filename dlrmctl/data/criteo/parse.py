@@ -59,7 +59,7 @@ _U = np.uint64
 _HIGH = _U(0x8080808080808080)
 
 
-def _decode_hex8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def decode_hex8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Flat ``[8k]`` uint8 bytes of ``k`` 8-character hex strings -> (uint64 ``[k]``, bad bool ``[k]``).
 
     SWAR on one big-endian 64-bit word per string (all steps are per byte, no carries):
@@ -115,7 +115,7 @@ def hex_to_uint32(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     start, end = int(offsets[0]), int(offsets[-1])
     if bool(((lens | 8) == 8).all()):
         raw = data[start:end]
-        vals, badv = _decode_hex8(raw)
+        vals, badv = decode_hex8(raw)
         h[present] = vals
         if not badv.any():
             return h, present, None
@@ -127,7 +127,7 @@ def hex_to_uint32(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray | N
     bad = present & ~ok8
     if ok8.any():
         idx = offsets[:-1][ok8].astype(np.int64)[:, None] + np.arange(8)
-        vals, badv = _decode_hex8(np.ascontiguousarray(data[idx]).reshape(-1))
+        vals, badv = decode_hex8(np.ascontiguousarray(data[idx]).reshape(-1))
         h[ok8] = vals
         bad[ok8] |= badv
     del k

@@ -17,7 +17,7 @@ Three steps, each bounded in memory:
    the first time it needs it, once per process, into an open-addressing hash table.
 
 The result is the same as counting every train row of every file at once (the merge is a sum;
-the order is a total order), which ``tests/test_data_criteo.py`` checks against a plain
+the order is a total order), which ``tests/data/test_data_criteo.py`` checks against a plain
 reference implementation.
 """
 
