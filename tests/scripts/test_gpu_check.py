@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import REPO
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_a_kill_during_a_step_leaves_the_finished_steps_records(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, PYTHON=sys.executable)
     env.pop("OUT", None)
-    p = subprocess.Popen(["bash", os.path.join(REPO, "scripts", "gpu_check.sh"), "--out", str(out)], env=env,
+    p = subprocess.Popen(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--out", str(out)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 240
