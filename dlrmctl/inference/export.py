@@ -1,9 +1,16 @@
-"""Export a trained DLRM as a self-contained inference artifact (TorchScript + manifest).
+"""Export a trained DLRM as a self-contained inference artifact (torch.export program or
+TorchScript, + manifest).
 
 Artifact layout (``model_dir``)::
 
-    model_dir/model.pt         TorchScript module (torch.jit.save); loads in Python or C++ libtorch
-                               once FBGEMM's operator libraries are loaded (fbgemm_gpu_py.so & co.)
+    model_dir/model.pt2        torch.export program (default; :mod:`dlrmctl.inference.program`):
+                               torch.export.load in any Python with torch, no dlrmctl / fbgemm_gpu
+    model_dir/model_aoti.pt2   with --aot: its AOTInductor package (compiled CPU code + weights);
+                               C++ loads it with torch::inductor::AOTIModelPackageLoader
+                               (scripts/cpp_inference), Python with torch._inductor.aoti_load_package
+    model_dir/model.pt         with --torchscript instead of model.pt2: the TorchScript module below
+                               (torch.jit.save); loads in Python or C++ libtorch once FBGEMM's
+                               operator libraries are loaded (fbgemm_gpu_py.so & co.)
     model_dir/manifest.json    everything needed to turn raw logs into inputs and to trust the scores
     model_dir/vocab/<f>.arrow  vocabularies of vocabulary-mapped features (copied from the data dir)
 
@@ -432,9 +439,9 @@ def _write_bytes(path: Path, data: bytes | memoryview) -> None:
 def _quiet_jit() -> Iterator[None]:
     """Silence torch 2.13's DeprecationWarnings on torch.jit.script / trace / load.
 
-    TorchScript stays the artifact format on purpose: it is what C++ libtorch loads without
-    Python and without a compiler (torch.export + AOTInductor would compile a .so per model and
-    needs FBGEMM's TBE ops as registered custom ops in the C++ build as well).
+    TorchScript stays available (``--torchscript``): C++ libtorch loads it without a compiler at
+    export time, where ``--aot`` compiles the torch.export program to a package with the system
+    C++ compiler.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
