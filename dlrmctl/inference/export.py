@@ -138,6 +138,7 @@ __all__ = [
     "export_model",
     "export_run",
     "load_exported",
+    "to_host",
 ]
 
 
@@ -1076,11 +1077,21 @@ class ExportedModel:
         return kjt.values().to(torch.int64), kjt.lengths().to(torch.int64), None if w is None else w.to(torch.float32)
 
 
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """A model output (scores / logits ``[B]`` on any device) as a NumPy array on the host:
+    detached and copied to the CPU first (``.numpy()`` refuses a CUDA tensor).  Every consumer of
+    :class:`ExportedModel` outputs (predict, evaluate, the parity report) goes through it."""
+    return t.detach().cpu().numpy()
+
+
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
     """Load ``model_dir/manifest.json`` and its model -- ``model.pt2`` (``torch.export.load``; needs
-    no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device`` (``cpu``, or ``cuda[:i]``:
-    the quantized TBE's tables and the dense part are mapped to the GPU; needs fbgemm_gpu's
-    CUDA build; not run on a GPU yet).
+    no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device``
+    (``cpu``, or ``cuda[:i]``; not run on a GPU yet): the program's buffers are moved there
+    (``ep.module().to(device)``); a TorchScript artifact's IntNBit TBE is rebuilt for the device
+    (DEVICE placement, 16-byte rows: :func:`_torchscript_for_device`; needs fbgemm_gpu's CUDA
+    build), its module then an eager :class:`ExportedDLRM` with the same ``forward`` / ``logits``.
+    Outputs stay on ``device``: :func:`to_host` brings them to NumPy.
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
@@ -1132,10 +1143,37 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
             module = module.to(device)
         return ExportedModel(d, manifest, module, device)
     require_fbgemm(f"loading {model_path}")
-    with _quiet_jit():
-        module = torch.jit.load(str(model_path), map_location=device)
+    with _quiet_jit():  # the TBE was built on the CPU: loaded there, rebuilt for another device
+        module = torch.jit.load(str(model_path), map_location="cpu")
     module.eval()
+    if device.type != "cpu":
+        module = _torchscript_for_device(module, manifest, device)
     return ExportedModel(d, manifest, module, device)
+
+
+def _torchscript_for_device(module: Any, manifest: dict, device: torch.device) -> nn.Module:
+    """The loaded TorchScript artifact (CPU) as an eager :class:`ExportedDLRM` for ``device``: its
+    IntNBit TBE rebuilt there (:func:`~dlrmctl.inference.quantize.intnbit_tbe_for_device`: DEVICE
+    placement and the CUDA kernel's row alignment, the same table bytes), its traced dense part
+    and buffers moved.  ``map_location`` alone would move the bytes but keep the HOST placement
+    and 1-byte rows, which FBGEMM's CUDA kernel reads through empty UVM weights.
+
+    Raises:
+        QuantizationError: the artifact's TBE and manifest disagree.
+    """
+    from dlrmctl.inference.quantize import intnbit_tbe_for_device
+
+    tables = [(t["name"], int(t["num_embeddings"]), int(t.get("stored_dim") or t["embedding_dim"]), t["dtype"])
+              for t in manifest["tables"]]
+    names = [t[0] for t in tables]
+    ftm = [names.index(lk["table"]) for lk in manifest["lookups"]]
+    tbe = intnbit_tbe_for_device(module.tbe, tables, ftm, device)
+    eager = ExportedDLRM(
+        tbe, module.dense_part, list(module.feature_names), module.feature_rows.tolist(),
+        module.feature_dims.tolist(), module.feature_mean.tolist(), int(module.num_dense),
+        module.lookup_src.tolist(), list(module.lookup_tables), "zero" if module.zero_invalid else "error",
+        module.feature_weighted.tolist(), module.keep_cols.tolist() if module.sliced else None)
+    return eager.to(device).eval()
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -1191,7 +1229,7 @@ def evaluate_exported(
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):
             raise ExportError(f"{data_dir}: split '{split}' has no labels; cannot compute metrics")
-        logits.append(m.logits_kjt(batch.dense_features.float(), batch.sparse_features).cpu().numpy())
+        logits.append(to_host(m.logits_kjt(batch.dense_features.float(), batch.sparse_features)))
         labels.append(batch.labels.numpy())
         bar.update(1)
     bar.close()
