@@ -291,3 +291,14 @@ def test_pt2_export_of_the_run_scores_like_its_torchscript_export(run, tmp_path)
         zt = ts.logits_kjt(batch.dense_features.float(), batch.sparse_features)
         assert z2.shape == zt.shape == (batch.batch_size,)
         assert float((z2 - zt).abs().max()) <= (1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND), dtype
+
+
+def test_quantize_dense_needs_torchscript_one_line(run, tmp_path):
+    _, _, run_dir = run
+    r = _cli("export", run_dir, "--int8", "--quantize-dense", "--out", tmp_path / "dq")
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --quantize-dense") and "--torchscript" in lines[0], r.output
+    assert not (tmp_path / "dq").exists()
+    r = _cli("export", run_dir, "--int8", "--quantize-dense", "--torchscript", "--out", tmp_path / "dq")
+    assert r.exit_code == 0 and "dynamic_int8" in r.output, r.output

@@ -506,7 +506,8 @@ def export_model(
             raw lines is refused (the tensor interface still works).
         data_dir: where ``data_meta["vocab_files"]`` live (copied into ``out_dir/vocab``).
         source: recorded as ``manifest["source"]`` (run dir, checkpoint, metrics).
-        quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part.
+        quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part (``torchscript`` only:
+            torch.export cannot trace them; refused with ``pt2``).
         force: replace an existing ``out_dir``.
         on_invalid_id: ``error`` | ``zero``; default the EBC's own (``model.on_invalid_id``).
         weighted_features: features whose per-id weights the artifact uses (the features of
@@ -541,6 +542,7 @@ def export_model(
         RuntimeError: fbgemm_gpu is not installed (no fallback).
         QuantizationError: NaN/inf weights (table and row named), fp16 overflow.
         ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part,
+            ``quantize_dense`` with the ``pt2`` artifact,
             ``weighted_features`` that are not the model's features or disagree with its EBC
             (weights given to an unweighted EBC, or none for a weighted one).
     """
@@ -550,6 +552,11 @@ def export_model(
         raise ExportError(f"artifact must be one of {list(ARTIFACTS)}, got {artifact!r}")
     if aot and artifact != "pt2":
         raise ExportError("--aot compiles the torch.export program; it cannot be combined with --torchscript")
+    if quantize_dense and artifact == "pt2":  # torch.export cannot trace the dynamic-int8 Linear's packed params
+        raise ExportError("--quantize-dense makes the MLPs' nn.Linear dynamic int8 (torch.ao quantize_dynamic), "
+                          "which torch.export cannot trace (its packed weights are a TorchScript class); add "
+                          "--torchscript for a dynamic-int8 dense part, or drop --quantize-dense for the "
+                          "torch.export program")
     if artifact == "torchscript":
         require_fbgemm("dlrmctl export")  # --torchscript: FBGEMM TBE
     out = Path(out_dir)
