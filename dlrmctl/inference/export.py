@@ -970,7 +970,8 @@ class ExportedModel:
     Attributes:
         model_dir: the artifact directory.
         manifest: the parsed manifest.
-        module: the ``torch.jit.ScriptModule`` (``artifact`` ``torchscript``) or the program's
+        module: the ``torch.jit.ScriptModule`` (``artifact`` ``torchscript``; loaded for a non-CPU
+            device: an eager :class:`ExportedDLRM` with its TBE rebuilt there) or the program's
             ``ExportedProgram.module()`` (``pt2``: returns ``(scores, logits)``).
         artifact: ``pt2`` | ``torchscript`` (``manifest["artifact"]``; older manifests: torchscript).
         feature_names: sparse features in input order.
