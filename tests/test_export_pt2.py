@@ -99,7 +99,8 @@ def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
     bad = values.clone()
     bad[-1] = 30  # the last id is f2's (table t1, 30 rows) when f2 has ids
     assert int(lengths[16:].sum()) > 0
-    with pytest.raises(ExportError, match=r"table 't1', feature 'f2': an id is out of range; expected 0 <= id < 30"):
+    with pytest.raises(ExportError, match=r"table 't1', feature 'f2', sample 7: id 30 is out of range; "
+                                          r"expected 0 <= id < 30"):
         load_exported(tmp_path / "e").logits(dense, bad, lengths)
     model.sparse_arch.on_invalid_id = "zero"
     export_model(model, tmp_path / "z", "fp32", on_invalid_id="zero")

@@ -1043,7 +1043,33 @@ class ExportedModel:
             msg = lines[-1] if lines else str(e)
             for prefix in ("builtins.ValueError: ", "RuntimeError: "):
                 msg = msg.removeprefix(prefix)
+            if self.artifact == "pt2":
+                msg = self._locate_bad_id(msg, values, lengths, dense.size(0))
             raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
+
+    def _locate_bad_id(self, msg: str, values: torch.Tensor, lengths: torch.Tensor, B: int) -> str:
+        """The program's ``table 'T', feature 'f': an id is out of range; expected 0 <= id < R``
+        (``aten._assert_async`` carries no values) made as precise as the TorchScript module's:
+        ``table 'T', feature 'f', sample s: id v is out of range; expected 0 <= id < R``, the first
+        such id of that feature in the input.  ``msg`` unchanged when it is another message or no
+        input id is out of range (e.g. an expanded multi-hot id)."""
+        import re
+
+        hit = re.match(r"table '(.+)', feature '(.+)': an id is out of range; expected 0 <= id < (\d+)$", msg)
+        if not hit or hit.group(2) not in self.feature_names:
+            return msg
+        table, feat, rows = hit.group(1), hit.group(2), int(hit.group(3))
+        f = self.feature_names.index(feat)
+        ln = lengths.detach().cpu()
+        start = int(ln[: f * B].sum())
+        seg = values.detach().cpu()[start: start + int(ln[f * B:(f + 1) * B].sum())]
+        bad = torch.nonzero((seg < 0) | (seg >= rows))
+        if bad.numel() == 0:
+            return msg
+        i = int(bad[0])
+        sample = int(torch.searchsorted(torch.cumsum(ln[f * B:(f + 1) * B], 0), torch.tensor([i]), right=True)[0])
+        return (f"table '{table}', feature '{feat}', sample {sample}: id {int(seg[i])} is out of range; "
+                f"expected 0 <= id < {rows}")
 
     def _check_program_inputs(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                               weights: torch.Tensor | None) -> None:
