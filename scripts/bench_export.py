@@ -15,6 +15,18 @@ artifact on DATA_DIR's split with :func:`dlrmctl.inference.export.evaluate_expor
 * the eager (training-code) model's AUC, which the fp32 artifact must reproduce;
 * the bytes-per-row ratio to fp32 by embedding dim (int8 ``(D+4)/4D``, int4 ``(D/2+4)/4D``).
 
+``--artifacts``: the artifacts of one precision side by side (issue 26): the torch.export
+program (``model.pt2``, the default), its AOTInductor package (``--aot``, run from Python with
+``torch._inductor.aoti_load_package``), the TorchScript model on FBGEMM's IntNBit TBE
+(``--torchscript``) and, int8 only, a variant of the program whose lookups are
+``torch.ops.quantized.embedding_bag_byte_rowwise_offsets`` (one call per lookup, same codes and
+float32 scale/bias, same dense part; built here, not shipped).  Prints max |Δlogit| of each
+against the pt2 program on DATA_DIR's split (and the float model's, from the parity report),
+p50 / p99 latency at batch 1 / 64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per
+feature, one call timed), file bytes, the machine, threads and load average.
+
+    python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N]
+
 ``--peak-rss``: peak memory of ``dlrmctl export`` (issue 13: export builds the model on the meta
 device and reads, quantizes and drops one table at a time).  It makes a run whose table C1 is
 ``--rows x --dim`` (default 10M x 64: 2.56 GB float32; the 25 other tables have 10 rows) by
@@ -103,9 +115,158 @@ def peak_rss(rows: int, dim: int, dtype: str, work: str | None) -> int:
     return 0
 
 
+class _Scorer:
+    """What :func:`dlrmctl.inference.parity.latency` needs of a model: the pt2 artifact's input
+    description and a ``logits(dense, values, lengths, weights=None)``."""
+
+    def __init__(self, like, logits) -> None:
+        self.manifest, self.feature_names = like.manifest, like.feature_names
+        self.num_dense, self.weighted_features = like.num_dense, like.weighted_features
+        self.logits = logits
+
+
+def _int8_op_program(run_dir: str, manifest: dict):
+    """The pt2 program's computation with each lookup done by
+    ``torch.ops.quantized.embedding_bag_byte_rowwise_offsets`` (sum pooling; the tables quantized
+    as export does; no id-range check, no mean pooling, no multi-hot: the criteo_sample model
+    needs none) -> an eager module ``(dense, values, lengths) -> logits [B]``, and it exported."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    from dlrmctl.inference.export import _DensePart
+    from dlrmctl.inference.quantize import quantize_table
+    from dlrmctl.train.reload import load_trained_model_with_checkpoint
+
+    model = load_trained_model_with_checkpoint(run_dir, checkpoint=manifest["source"]["checkpoint"])[1].eval()
+    ebc = model.sparse_arch
+    tables = list(ebc.embedding_bag_configs())
+    if any(t.pooling.value != "sum" for t in tables) or manifest["source"].get("multi_hot", {}).get("multi_hot_sizes"):
+        raise SystemExit("--artifacts int8-op variant: sum pooling and no multi-hot only")
+    feats = list(manifest["sparse_features"])
+    keys = list(ebc.embedding_names())
+    dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+    part = _DensePart(copy.deepcopy(nn.ModuleDict(model.dense_parts())).eval(), keys, dims)
+    packed, src = [], []
+    w = ebc.embedding_weights()
+    for t in tables:
+        q = quantize_table(w[t.name].detach().float(), "int8", t.name)
+        sb = torch.stack([q.scale.float(), q.bias.float()], 1).contiguous().view(torch.uint8)  # [R, 8]
+        packed.append(torch.cat([q.data, sb], 1).contiguous())  # FBGEMM fused 8-bit rowwise: codes, scale, bias
+        src += [feats.index(f) for f in t.feature_names]
+
+    class Int8Op(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.part = part
+            for i, p in enumerate(packed):
+                self.register_buffer(f"w{i}", p)
+            self.src, self.F = src, len(feats)
+            self.tab = [i for i, t in enumerate(tables) for _ in t.feature_names]
+
+        def forward(self, dense, values, lengths):
+            B = dense.size(0)
+            lens = lengths.view(self.F, B)
+            ends = torch.cumsum(lens.sum(1), 0)
+            starts = ends - lens.sum(1)
+            outs = []
+            for i, f in enumerate(self.src):
+                idx = values[starts[f]:ends[f]]
+                off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[f], 0)])
+                outs.append(torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
+                    getattr(self, f"w{self.tab[i]}"), idx, off, False, 0, False, None, None, True))
+            return self.part(dense, torch.cat(outs, 1)).reshape(-1)
+
+    return Int8Op().eval()
+
+
+def artifacts(run_dir: str, data_dir: str, dtype: str, split: str) -> int:
+    """``--artifacts``: parity and latency of every artifact of ``dtype`` (module doc)."""
+    import datetime
+    import os
+    import platform
+
+    import numpy as np
+    import torch
+
+    from dlrmctl.data.loader import BatchLoader
+    from dlrmctl.inference.export import export_run, load_exported
+    from dlrmctl.inference.parity import LATENCY_BATCHES, latency
+
+    t0 = time.perf_counter()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    print(f"{datetime.date.today()}  {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; load average before {os.getloadavg()[0]:.2f} "
+          f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+    with tempfile.TemporaryDirectory(prefix="bench_export_") as tmp:
+        t = time.perf_counter()
+        r2 = export_run(run_dir, dtype, Path(tmp) / "pt2", data_dir=data_dir, aot=True)
+        t_pt2 = time.perf_counter() - t
+        t = time.perf_counter()
+        export_run(run_dir, dtype, Path(tmp) / "ts", data_dir=data_dir, artifact="torchscript", parity_split=None)
+        t_ts = time.perf_counter() - t
+        p2, ts = load_exported(Path(tmp) / "pt2"), load_exported(Path(tmp) / "ts")
+        aoti = torch._inductor.aoti_load_package(str(Path(tmp) / "pt2" / "model_aoti.pt2"))
+        variants = [("pt2 program (torch.export.load)", p2.logits, r2.manifest["files"]["model.pt2"]["bytes"]),
+                    ("AOTInductor package (--aot)", lambda d, v, ln, w=None: aoti(d, v, ln)[1],
+                     r2.manifest["files"]["model_aoti.pt2"]["bytes"]),
+                    ("TorchScript + FBGEMM TBE (--torchscript)", ts.logits, ts.manifest["model_bytes"])]
+        if dtype == "int8":
+            op = _int8_op_program(run_dir, r2.manifest)
+            variants.append(("pt2 with quantized::embedding_bag_byte_rowwise_offsets", lambda d, v, ln, w=None: op(d, v, ln),
+                             None))
+            g = torch.Generator().manual_seed(0)
+            from dlrmctl.inference.parity import _synthetic
+
+            ex = _synthetic(p2, 3, g)[:3]
+            B = torch.export.Dim("batch", min=1, max=1 << 20)
+            N = torch.export.Dim("ids", min=0, max=1 << 30)
+            with torch.no_grad():
+                ep = torch.export.export(op, ex, dynamic_shapes=({0: B}, {0: N}, {0: len(p2.feature_names) * B}))
+            print(f"  the int8-op variant exports with torch.export: {len(ep.graph.nodes)} graph nodes")
+        loader = BatchLoader(str(data_dir), split, 8192, shuffle=False, features=p2.feature_names, prefetch=0)
+        ref = {}
+        for name, fn, _ in variants:
+            with torch.no_grad():
+                ref[name] = np.concatenate([fn(b.dense_features.float(), *p2._kjt_inputs(b.sparse_features)[:2]).cpu().numpy()
+                                            for b in loader])
+        base = ref[variants[0][0]]
+        par = r2.manifest.get("parity") or {}
+        print(f"  export (pt2 + aot) {t_pt2:.0f} s, torchscript {t_ts:.0f} s; {split}: {len(base):,} rows; "
+              f"pt2 vs float model max |dlogit| {par.get('max_abs_dlogit', float('nan')):.3g} "
+              f"(AUC {par.get('artifact', {}).get('auc', float('nan')):.6f} vs {par.get('float', {}).get('auc', float('nan')):.6f})")
+        print()
+        print("| artifact | file bytes | max \|Δlogit\| vs pt2 | " + " | ".join(f"B={b} p50 / p99 ms" for b in LATENCY_BATCHES) + " |")
+        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in LATENCY_BATCHES) + " |")
+        for name, fn, nbytes in variants:
+            lat = latency(_Scorer(p2, fn))
+            d = float(np.max(np.abs(ref[name].astype(np.float64) - base)))
+            print(f"| {name} | {f'{nbytes:,}' if nbytes else '-'} | {d:.3g} | "
+                  + " | ".join(f"{lat[str(b)]['p50']:.3f} / {lat[str(b)]['p99']:.3f}" for b in LATENCY_BATCHES) + " |")
+    print(f"\n{time.perf_counter() - t0:.0f} s; load average after {os.getloadavg()[0]:.2f} "
+          f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+    if "--artifacts" in argv:
+        ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        ap.add_argument("--artifacts", action="store_true")
+        ap.add_argument("run_dir")
+        ap.add_argument("data_dir")
+        ap.add_argument("--dtype", default="int8", choices=["fp32", "fp16", "int8", "int4"])
+        ap.add_argument("--split", default="val")
+        ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+        a = ap.parse_args(argv)
+        if a.threads:
+            import torch
+
+            torch.set_num_threads(a.threads)
+        return artifacts(a.run_dir, a.data_dir, a.dtype, a.split)
     if "--peak-rss" in argv:
         ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--peak-rss", action="store_true")

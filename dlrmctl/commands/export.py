@@ -25,7 +25,7 @@ def export_command(
     int4: bool = typer.Option(False, "--int4", help="row-wise int4 embeddings (fp16 scale + bias per row)"),
     fp16: bool = typer.Option(False, "--fp16", help="fp16 embeddings"),
     fp32: bool = typer.Option(False, "--fp32", help="fp32 embeddings (reference artifact)"),
-    quantize_dense: bool = typer.Option(False, "--quantize-dense", help="dynamic int8 nn.Linear layers in the MLPs"),
+    quantize_dense: bool = typer.Option(False, "--quantize-dense", help="dynamic int8 nn.Linear layers in the MLPs (needs --torchscript: torch.export cannot trace them)"),
     out: Optional[Path] = typer.Option(None, "--out", help="artifact directory (default: RUN_DIR/export-<dtype>)"),
     data: Optional[Path] = typer.Option(None, "--data", help="preprocessed data dir holding the vocabularies (default: the run's data.path)"),
     force: bool = typer.Option(False, "--force", help="replace an existing artifact directory"),

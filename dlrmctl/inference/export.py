@@ -1,9 +1,16 @@
-"""Export a trained DLRM as a self-contained inference artifact (TorchScript + manifest).
+"""Export a trained DLRM as a self-contained inference artifact (torch.export program or
+TorchScript, + manifest).
 
 Artifact layout (``model_dir``)::
 
-    model_dir/model.pt         TorchScript module (torch.jit.save); loads in Python or C++ libtorch
-                               once FBGEMM's operator libraries are loaded (fbgemm_gpu_py.so & co.)
+    model_dir/model.pt2        torch.export program (default; :mod:`dlrmctl.inference.program`):
+                               torch.export.load in any Python with torch, no dlrmctl / fbgemm_gpu
+    model_dir/model_aoti.pt2   with --aot: its AOTInductor package (compiled CPU code + weights);
+                               C++ loads it with torch::inductor::AOTIModelPackageLoader
+                               (scripts/cpp_inference), Python with torch._inductor.aoti_load_package
+    model_dir/model.pt         with --torchscript instead of model.pt2: the TorchScript module below
+                               (torch.jit.save); loads in Python or C++ libtorch once FBGEMM's
+                               operator libraries are loaded (fbgemm_gpu_py.so & co.)
     model_dir/manifest.json    everything needed to turn raw logs into inputs and to trust the scores
     model_dir/vocab/<f>.arrow  vocabularies of vocabulary-mapped features (copied from the data dir)
 
@@ -131,6 +138,7 @@ __all__ = [
     "export_model",
     "export_run",
     "load_exported",
+    "to_host",
 ]
 
 
@@ -432,9 +440,9 @@ def _write_bytes(path: Path, data: bytes | memoryview) -> None:
 def _quiet_jit() -> Iterator[None]:
     """Silence torch 2.13's DeprecationWarnings on torch.jit.script / trace / load.
 
-    TorchScript stays the artifact format on purpose: it is what C++ libtorch loads without
-    Python and without a compiler (torch.export + AOTInductor would compile a .so per model and
-    needs FBGEMM's TBE ops as registered custom ops in the C++ build as well).
+    TorchScript stays available (``--torchscript``): C++ libtorch loads it without a compiler at
+    export time, where ``--aot`` compiles the torch.export program to a package with the system
+    C++ compiler.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -498,7 +506,8 @@ def export_model(
             raw lines is refused (the tensor interface still works).
         data_dir: where ``data_meta["vocab_files"]`` live (copied into ``out_dir/vocab``).
         source: recorded as ``manifest["source"]`` (run dir, checkpoint, metrics).
-        quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part.
+        quantize_dense: dynamic int8 ``nn.Linear`` layers in the dense part (``torchscript`` only:
+            torch.export cannot trace them; refused with ``pt2``).
         force: replace an existing ``out_dir``.
         on_invalid_id: ``error`` | ``zero``; default the EBC's own (``model.on_invalid_id``).
         weighted_features: features whose per-id weights the artifact uses (the features of
@@ -533,6 +542,7 @@ def export_model(
         RuntimeError: fbgemm_gpu is not installed (no fallback).
         QuantizationError: NaN/inf weights (table and row named), fp16 overflow.
         ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part,
+            ``quantize_dense`` with the ``pt2`` artifact,
             ``weighted_features`` that are not the model's features or disagree with its EBC
             (weights given to an unweighted EBC, or none for a weighted one).
     """
@@ -542,6 +552,11 @@ def export_model(
         raise ExportError(f"artifact must be one of {list(ARTIFACTS)}, got {artifact!r}")
     if aot and artifact != "pt2":
         raise ExportError("--aot compiles the torch.export program; it cannot be combined with --torchscript")
+    if quantize_dense and artifact == "pt2":  # torch.export cannot trace the dynamic-int8 Linear's packed params
+        raise ExportError("--quantize-dense makes the MLPs' nn.Linear dynamic int8 (torch.ao quantize_dynamic), "
+                          "which torch.export cannot trace (its packed weights are a TorchScript class); add "
+                          "--torchscript for a dynamic-int8 dense part, or drop --quantize-dense for the "
+                          "torch.export program")
     if artifact == "torchscript":
         require_fbgemm("dlrmctl export")  # --torchscript: FBGEMM TBE
     out = Path(out_dir)
@@ -955,7 +970,8 @@ class ExportedModel:
     Attributes:
         model_dir: the artifact directory.
         manifest: the parsed manifest.
-        module: the ``torch.jit.ScriptModule`` (``artifact`` ``torchscript``) or the program's
+        module: the ``torch.jit.ScriptModule`` (``artifact`` ``torchscript``; loaded for a non-CPU
+            device: an eager :class:`ExportedDLRM` with its TBE rebuilt there) or the program's
             ``ExportedProgram.module()`` (``pt2``: returns ``(scores, logits)``).
         artifact: ``pt2`` | ``torchscript`` (``manifest["artifact"]``; older manifests: torchscript).
         feature_names: sparse features in input order.
@@ -1027,7 +1043,33 @@ class ExportedModel:
             msg = lines[-1] if lines else str(e)
             for prefix in ("builtins.ValueError: ", "RuntimeError: "):
                 msg = msg.removeprefix(prefix)
+            if self.artifact == "pt2":
+                msg = self._locate_bad_id(msg, values, lengths, dense.size(0))
             raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
+
+    def _locate_bad_id(self, msg: str, values: torch.Tensor, lengths: torch.Tensor, B: int) -> str:
+        """The program's ``table 'T', feature 'f': an id is out of range; expected 0 <= id < R``
+        (``aten._assert_async`` carries no values) made as precise as the TorchScript module's:
+        ``table 'T', feature 'f', sample s: id v is out of range; expected 0 <= id < R``, the first
+        such id of that feature in the input.  ``msg`` unchanged when it is another message or no
+        input id is out of range (e.g. an expanded multi-hot id)."""
+        import re
+
+        hit = re.match(r"table '(.+)', feature '(.+)': an id is out of range; expected 0 <= id < (\d+)$", msg)
+        if not hit or hit.group(2) not in self.feature_names:
+            return msg
+        table, feat, rows = hit.group(1), hit.group(2), int(hit.group(3))
+        f = self.feature_names.index(feat)
+        ln = lengths.detach().cpu()
+        start = int(ln[: f * B].sum())
+        seg = values.detach().cpu()[start: start + int(ln[f * B:(f + 1) * B].sum())]
+        bad = torch.nonzero((seg < 0) | (seg >= rows))
+        if bad.numel() == 0:
+            return msg
+        i = int(bad[0])
+        sample = int(torch.searchsorted(torch.cumsum(ln[f * B:(f + 1) * B], 0), torch.tensor([i]), right=True)[0])
+        return (f"table '{table}', feature '{feat}', sample {sample}: id {int(seg[i])} is out of range; "
+                f"expected 0 <= id < {rows}")
 
     def _check_program_inputs(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                               weights: torch.Tensor | None) -> None:
@@ -1069,11 +1111,21 @@ class ExportedModel:
         return kjt.values().to(torch.int64), kjt.lengths().to(torch.int64), None if w is None else w.to(torch.float32)
 
 
+def to_host(t: torch.Tensor) -> np.ndarray:
+    """A model output (scores / logits ``[B]`` on any device) as a NumPy array on the host:
+    detached and copied to the CPU first (``.numpy()`` refuses a CUDA tensor).  Every consumer of
+    :class:`ExportedModel` outputs (predict, evaluate, the parity report) goes through it."""
+    return t.detach().cpu().numpy()
+
+
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
     """Load ``model_dir/manifest.json`` and its model -- ``model.pt2`` (``torch.export.load``; needs
-    no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device`` (``cpu``, or ``cuda[:i]``:
-    the quantized TBE's tables and the dense part are mapped to the GPU; needs fbgemm_gpu's
-    CUDA build; not run on a GPU yet).
+    no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device``
+    (``cpu``, or ``cuda[:i]``; not run on a GPU yet): the program's buffers are moved there
+    (``ep.module().to(device)``); a TorchScript artifact's IntNBit TBE is rebuilt for the device
+    (DEVICE placement, 16-byte rows: :func:`_torchscript_for_device`; needs fbgemm_gpu's CUDA
+    build), its module then an eager :class:`ExportedDLRM` with the same ``forward`` / ``logits``.
+    Outputs stay on ``device``: :func:`to_host` brings them to NumPy.
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
@@ -1125,10 +1177,37 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
             module = module.to(device)
         return ExportedModel(d, manifest, module, device)
     require_fbgemm(f"loading {model_path}")
-    with _quiet_jit():
-        module = torch.jit.load(str(model_path), map_location=device)
+    with _quiet_jit():  # the TBE was built on the CPU: loaded there, rebuilt for another device
+        module = torch.jit.load(str(model_path), map_location="cpu")
     module.eval()
+    if device.type != "cpu":
+        module = _torchscript_for_device(module, manifest, device)
     return ExportedModel(d, manifest, module, device)
+
+
+def _torchscript_for_device(module: Any, manifest: dict, device: torch.device) -> nn.Module:
+    """The loaded TorchScript artifact (CPU) as an eager :class:`ExportedDLRM` for ``device``: its
+    IntNBit TBE rebuilt there (:func:`~dlrmctl.inference.quantize.intnbit_tbe_for_device`: DEVICE
+    placement and the CUDA kernel's row alignment, the same table bytes), its traced dense part
+    and buffers moved.  ``map_location`` alone would move the bytes but keep the HOST placement
+    and 1-byte rows, which FBGEMM's CUDA kernel reads through empty UVM weights.
+
+    Raises:
+        QuantizationError: the artifact's TBE and manifest disagree.
+    """
+    from dlrmctl.inference.quantize import intnbit_tbe_for_device
+
+    tables = [(t["name"], int(t["num_embeddings"]), int(t.get("stored_dim") or t["embedding_dim"]), t["dtype"])
+              for t in manifest["tables"]]
+    names = [t[0] for t in tables]
+    ftm = [names.index(lk["table"]) for lk in manifest["lookups"]]
+    tbe = intnbit_tbe_for_device(module.tbe, tables, ftm, device)
+    eager = ExportedDLRM(
+        tbe, module.dense_part, list(module.feature_names), module.feature_rows.tolist(),
+        module.feature_dims.tolist(), module.feature_mean.tolist(), int(module.num_dense),
+        module.lookup_src.tolist(), list(module.lookup_tables), "zero" if module.zero_invalid else "error",
+        module.feature_weighted.tolist(), module.keep_cols.tolist() if module.sliced else None)
+    return eager.to(device).eval()
 
 
 # ----------------------------------------------------------------------------- evaluate
@@ -1184,7 +1263,7 @@ def evaluate_exported(
     for batch in loader:
         if bool(torch.isnan(batch.labels).any()):
             raise ExportError(f"{data_dir}: split '{split}' has no labels; cannot compute metrics")
-        logits.append(m.logits_kjt(batch.dense_features.float(), batch.sparse_features).cpu().numpy())
+        logits.append(to_host(m.logits_kjt(batch.dense_features.float(), batch.sparse_features)))
         labels.append(batch.labels.numpy())
         bar.update(1)
     bar.close()

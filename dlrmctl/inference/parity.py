@@ -84,6 +84,7 @@ def parity_report(m: Any, reference: Callable[[], torch.nn.Module] | None, data_
         return rep
     from dlrmctl.data.fingerprint import read_meta_json
     from dlrmctl.data.loader import BatchLoader
+    from dlrmctl.inference.export import to_host
 
     import os
 
@@ -104,7 +105,7 @@ def parity_report(m: Any, reference: Callable[[], torch.nn.Module] | None, data_
         if bool(torch.isnan(b.labels).any()):
             rep["note"] = f"split '{split}' has no labels: parity not measured"
             return rep
-        z_art.append(m.logits_kjt(b.dense_features.float(), b.sparse_features).numpy())
+        z_art.append(to_host(m.logits_kjt(b.dense_features.float(), b.sparse_features)))
         labels.append(b.labels.numpy())
     if not z_art:
         rep["note"] = f"split '{split}' is empty"

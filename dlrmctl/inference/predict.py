@@ -28,7 +28,7 @@ from typing import Iterator, TextIO
 import numpy as np
 import torch
 
-from dlrmctl.inference.export import ExportError, ExportedModel, load_exported
+from dlrmctl.inference.export import ExportError, ExportedModel, load_exported, to_host
 
 __all__ = [
     "RAW_TRANSFORMS",
@@ -89,10 +89,10 @@ def write_cpp_input(path: str | os.PathLike, dense: torch.Tensor, values: torch.
     Raises:
         ValueError: ``weights`` not of ``values``' length.
     """
-    d = dense.detach().to(torch.float32).contiguous().numpy()
-    v = values.detach().to(torch.int64).contiguous().numpy()
-    ln = lengths.detach().to(torch.int64).contiguous().numpy()
-    w = None if weights is None else weights.detach().to(torch.float32).contiguous().numpy()
+    d = dense.detach().cpu().to(torch.float32).contiguous().numpy()
+    v = values.detach().cpu().to(torch.int64).contiguous().numpy()
+    ln = lengths.detach().cpu().to(torch.int64).contiguous().numpy()
+    w = None if weights is None else weights.detach().cpu().to(torch.float32).contiguous().numpy()
     if w is not None and w.shape != v.shape:
         raise ValueError(f"weights must have one entry per value ({v.size}), got shape {tuple(w.shape)}")
     with open(path, "wb") as f:
@@ -192,7 +192,7 @@ def iter_scores(
     transformer, data_features = raw_transformer(model)
     for dense, ids, labels in transformer.file(Path(input_path), batch_rows):
         d, v, ln = to_model_inputs(dense, ids, model.feature_names, data_features)
-        yield (model.logits(d, v, ln) if logits else model.score(d, v, ln)).numpy(), labels
+        yield to_host(model.logits(d, v, ln) if logits else model.score(d, v, ln)), labels
 
 
 def _is_empty(path: Path) -> bool:

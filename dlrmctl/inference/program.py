@@ -17,6 +17,9 @@ torch (no dlrmctl, no fbgemm_gpu) and AOTInductor compiles it for C++.
 
 The on-invalid-id policy is inside: ``error`` fails the call (``RuntimeError`` naming the table,
 the feature and the valid range, from ``aten._assert_async``), ``zero`` drops the id from its bag.
+A multi-hot feature's one-hot id is checked against its expansion's rows first (``error``: fails
+naming the feature; ``zero``: the id is dropped with its whole expanded bag), then each expanded
+id against its table, as training's loader + EBC do.
 
 Embedding lookup (why plain ATen ops, measured in docs/export.md): every table lives in one flat
 buffer of its storage type -- fp32, fp16, int8 codes or int4 packed codes (two per byte, low nibble
@@ -81,6 +84,7 @@ class InferenceProgram(nn.Module):
         self.dtype = dtypes.pop()
         self.dense_part = dense_part
         self.num_features = len(feature_names)
+        self.feature_names = [str(f) for f in feature_names]
         self.num_dense = int(num_dense)
         self.zero_invalid = on_invalid_id == "zero"
         self.lookup_names = [tuple(n) for n in lookup_names]
@@ -138,6 +142,7 @@ class InferenceProgram(nn.Module):
             self.register_buffer("mh_offsets", off)
             self.register_buffer("mh_size", torch.tensor(sizes, dtype=torch.int64))
             self.register_buffer("mh_rows", torch.tensor([1 if m is None else int(m[0]) for m in mh], dtype=torch.int64))
+            self.mh_limits = [None if m is None else int(m[0]) for m in mh]  # python ints: messages
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                 weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,14 +168,26 @@ class InferenceProgram(nn.Module):
         ids = values
         valid = torch.ones(N, dtype=torch.bool, device=values.device)
         if self.s_max > 1:  # multi-hot expansion of one-hot ids: S slots per id, those past its size masked
+            # A one-hot id outside [0, rows) of its expansion has no bag: ``error`` fails the call (the
+            # training loader raises on it too), ``zero`` drops the id with its whole bag (no slot of it
+            # counts, for mean pooling neither).  The expanded ids then meet the tables' check below,
+            # as the expanded bags meet the EBC's in training.
             S = self.s_max
             rows = self.mh_rows[feat]
-            base = torch.where((ids >= 0) & (ids < rows), ids, torch.zeros_like(ids))
+            oh_bad = (self.mh_size[feat] > 1) & ((ids < 0) | (ids >= rows))
+            if not self.zero_invalid:
+                n_oh = torch.zeros(F, dtype=torch.int64, device=values.device).index_add_(0, feat, oh_bad.to(torch.int64))
+                for f in range(F):
+                    lim = self.mh_limits[f]
+                    if lim is not None:
+                        torch._assert_async(n_oh[f] == 0, f"feature '{self.feature_names[f]}': a one-hot id is out "
+                                                          f"of range of its multi-hot expansion; expected 0 <= id < {lim}")
+            base = torch.where(oh_bad | (ids < 0) | (ids >= rows), torch.zeros_like(ids), ids)
             off = self.mh_offsets[feat, base % 1024]  # [N, S-1]
             more = (base[:, None] + off) % rows[:, None]
             ids = torch.cat([ids[:, None], more], 1).reshape(-1)
             slot = torch.arange(S, dtype=torch.int64, device=values.device)
-            valid = (slot[None, :] < self.mh_size[feat][:, None]).reshape(-1)
+            valid = ((slot[None, :] < self.mh_size[feat][:, None]) & ~oh_bad[:, None]).reshape(-1)
             feat, sample, w = feat.repeat_interleave(S), sample.repeat_interleave(S), w.repeat_interleave(S)
         K = self.k_max
         lk = self.f_lookups[feat]  # [M, K]

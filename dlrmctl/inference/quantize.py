@@ -354,7 +354,8 @@ def empty_intnbit_tbe(
 
     sparse_type = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}
     dev = torch.device(device)
-    loc = EmbeddingLocation.HOST if dev.type == "cpu" else EmbeddingLocation.DEVICE
+    placement, row_alignment = tbe_placement(dev)
+    loc = getattr(EmbeddingLocation, placement)
     for name, _, dim, dtype in tables:
         if dtype not in sparse_type:
             raise QuantizationError(f"table '{name}': dtype must be one of {list(EMBEDDING_DTYPES)}, got {dtype!r}")
@@ -371,9 +372,63 @@ def empty_intnbit_tbe(
         device=dev,
         bounds_check_mode=BoundsCheckMode.FATAL,
         output_dtype=SparseType.FP32,
+        row_alignment=row_alignment,
     )
     tbe.initialize_weights()
     return tbe
+
+
+def tbe_placement(device: str | torch.device) -> tuple[str, int]:
+    """``(EmbeddingLocation name, row alignment in bytes)`` of an IntNBit TBE built for ``device``:
+    ``("HOST", 1)`` on the CPU (FBGEMM's CPU kernel reads ``weights_host``), ``("DEVICE", 16)``
+    on CUDA (the CUDA kernel reads ``weights_dev`` with 16-byte rows; a HOST table moved there
+    with ``map_location`` would be read through empty UVM weights)."""
+    return ("HOST", 1) if torch.device(device).type == "cpu" else ("DEVICE", 16)
+
+
+@torch.no_grad()
+def intnbit_tbe_for_device(
+    src: torch.nn.Module,
+    tables: Sequence[tuple[str, int, int, str]],
+    feature_table_map: Sequence[int],
+    device: str | torch.device,
+) -> torch.nn.Module:
+    """A new IntNBit TBE built for ``device`` (:func:`empty_intnbit_tbe`: its placement and row
+    alignment) holding the table bytes of ``src``, a TBE built on the CPU (HOST placement; eager
+    or loaded from TorchScript: its ``weights_host``, ``weights_physical_offsets`` and
+    ``row_alignment`` are read), each table copied row by row without its padding.
+
+    Args:
+        src: the CPU TBE (e.g. ``torch.jit.load(model.pt).tbe``).
+        tables: ``(name, rows, stored dim, dtype)`` per table, ``src``'s table order
+            (``manifest["tables"]``: ``name, num_embeddings, stored_dim, dtype``).
+        feature_table_map: feature -> table index, as ``src``'s.
+        device: the target device (``cuda[:i]`` in practice).
+
+    Raises:
+        QuantizationError: ``src`` is not a HOST-placed TBE, or its storage is smaller than
+            ``tables`` need (another artifact's manifest).
+    """
+    placements = [int(p) for p in src.weights_physical_placements]
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+    if any(p != EmbeddingLocation.HOST.value for p in placements):
+        raise QuantizationError(f"the source TBE's placements {placements} are not all HOST (a CPU-built TBE)")
+    host, offsets, align = src.weights_host, [int(o) for o in src.weights_physical_offsets], int(src.row_alignment)
+    dst = empty_intnbit_tbe(tables, feature_table_map, device)
+    views = dst.split_embedding_weights()
+    for i, (name, rows, dim, dtype) in enumerate(tables):
+        rb = tbe_row_bytes(dim, dtype, align)
+        if offsets[i] + rows * rb > host.numel():
+            raise QuantizationError(f"table '{name}': {rows} rows of {rb} bytes at {offsets[i]} exceed the source "
+                                    f"TBE's {host.numel()} bytes")
+        raw = host[offsets[i]: offsets[i] + rows * rb].view(rows, rb)
+        w, sb = views[i]
+        head = 0 if sb is None else SCALE_BIAS_BYTES
+        if sb is not None:
+            sb.copy_(raw[:, :SCALE_BIAS_BYTES].to(sb.device))
+        w.copy_(raw[:, head: head + w.shape[1]].to(w.device))
+    return dst
 
 
 @torch.no_grad()

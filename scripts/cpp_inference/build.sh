@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build dlrm_infer against the libtorch inside the active Python's torch wheel.
 #   scripts/cpp_inference/build.sh [BUILD_DIR]     (default: scripts/cpp_inference/build)
-# Prints the binary path and the fbgemm_gpu directory to pass as its 4th argument.
+# Prints the binary path and the fbgemm_gpu directory to pass as its 4th argument (TorchScript
+# models only; an AOTInductor package of `dlrmctl export --aot` needs none):
+#   dlrm_infer MODEL_DIR INPUT.bin OUTPUT.bin [FBGEMM_GPU_DIR]
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-$here/build}"

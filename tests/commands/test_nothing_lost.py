@@ -111,7 +111,7 @@ def test_export_disk_full_or_read_only_is_one_line_and_keeps_the_old_export(run,
     root, data, run_dir, m = run
     out = tmp_path / "m"
     assert _cli("export", run_dir, "--int8", "--out", out).exit_code == 0
-    before = (out / "model.pt").read_bytes()
+    before = (out / "model.pt2").read_bytes()
     real = ex._write_bytes
 
     def full(path, data):
@@ -120,7 +120,7 @@ def test_export_disk_full_or_read_only_is_one_line_and_keeps_the_old_export(run,
 
     monkeypatch.setattr(ex, "_write_bytes", full)
     _one_error(_cli("export", run_dir, "--int4", "--out", out, "--force"), "disk is full", "model.pt")
-    assert (out / "model.pt").read_bytes() == before  # the last good export is intact
+    assert (out / "model.pt2").read_bytes() == before  # the last good export is intact
     assert sorted(os.listdir(tmp_path)) == ["m"]  # no temporary left behind
     monkeypatch.setattr(ex, "_write_bytes", real)
 
@@ -165,10 +165,10 @@ def test_a_damaged_model_file_is_refused_naming_both_hashes(run, raw, tmp_path):
     root, data, run_dir, m = run
     bad = tmp_path / "m"
     assert _cli("export", run_dir, "--int8", "--out", bad).exit_code == 0
-    blob = bytearray((bad / "model.pt").read_bytes())
+    blob = bytearray((bad / "model.pt2").read_bytes())
     for i in range(len(blob) // 2, len(blob) // 2 + 64):
         blob[i] ^= 0xFF  # same size: the size check does not see it
-    (bad / "model.pt").write_bytes(bytes(blob))
+    (bad / "model.pt2").write_bytes(bytes(blob))
     want = json.loads((bad / "manifest.json").read_text())["model_sha256"]
     line = _one_error(_cli("predict", bad, "--input", raw, "--output", tmp_path / "s.csv"), "model.pt", want,
                       "export the run again")

@@ -1,6 +1,8 @@
-"""Build scripts/cpp_inference and check that C++ libtorch scores an exported model like Python.
+"""Build scripts/cpp_inference and check that C++ libtorch scores an exported model like Python:
+the AOTInductor package of ``export --aot`` (AOTIModelPackageLoader, no fbgemm_gpu) and the
+TorchScript model of ``--torchscript`` (torch::jit::load + FBGEMM), picked from the manifest.
 
-Skipped cleanly when cmake or a C++ compiler is absent.  The build directory is cached under
+Skipped cleanly when cmake or a C++ compiler is absent (the TorchScript tests also without fbgemm_gpu).  The build directory is cached under
 pytest's temp root (``<basetemp>/../dlrmctl-cpp-<hash>``), keyed by the sources and the torch
 version, so only the first run pays the ~30 s compile.
 """
@@ -22,14 +24,16 @@ from tests.conftest import REPO
 
 SRC = REPO / "scripts" / "cpp_inference"
 
+needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="the TorchScript artifact needs fbgemm_gpu")
 pytestmark = [
-    pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu"),
     pytest.mark.skipif(shutil.which("cmake") is None or (shutil.which("c++") or shutil.which("g++")) is None,
                        reason="cmake and a C++ compiler are needed to build the C++ example"),
 ]
 
 
 def _fbgemm_dir() -> str:
+    if not HAS_FBGEMM:
+        return "/nonexistent-fbgemm_gpu"
     return os.path.dirname(importlib.util.find_spec("fbgemm_gpu").origin)
 
 
@@ -72,6 +76,7 @@ def _inputs(B: int, seed: int):
     return torch.randn(B, 13, generator=g), values, lengths
 
 
+@needs_fbgemm
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_cpp_scores_match_python_to_1e5(cpp_binary, tmp_path, dtype):
     from dlrmctl.inference.export import export_model, load_exported
@@ -82,15 +87,17 @@ def test_cpp_scores_match_python_to_1e5(cpp_binary, tmp_path, dtype):
     py = load_exported(tmp_path / "m").score(dense, values, lengths).numpy()
     assert float(py.std()) > 1e-3  # not a constant output
     write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
-    r = subprocess.run([str(cpp_binary), str(tmp_path / "m" / "model.pt"), str(tmp_path / "in.bin"),
+    # the model directory: its manifest ("artifact": "torchscript") picks torch::jit::load
+    r = subprocess.run([str(cpp_binary), str(tmp_path / "m"), str(tmp_path / "in.bin"),
                         str(tmp_path / "out.bin"), _fbgemm_dir()], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "scored 257 samples" in r.stdout
+    assert "scored 257 samples" in r.stdout and "TorchScript" in r.stdout
     cpp = read_cpp_output(tmp_path / "out.bin")
     assert cpp.shape == (257,)
     np.testing.assert_allclose(cpp, py, rtol=0, atol=1e-5)
 
 
+@needs_fbgemm
 def test_cpp_reports_bad_input_and_out_of_range_ids(cpp_binary, tmp_path):
     from dlrmctl.inference.export import export_model
     from dlrmctl.inference.predict import write_cpp_input
@@ -111,6 +118,7 @@ def test_cpp_reports_bad_input_and_out_of_range_ids(cpp_binary, tmp_path):
     assert "table 't0'" in r.stderr  # bad[0] is an id of f0 or f1, both in table t0
 
 
+@needs_fbgemm
 def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
     """The weighted-features setup (T0 row i = [i]*4, ids [1, 2], weights [10, 100]): pooled
     [210]*4, logit 2.1, in Python and in C++ (DLRMIN02 input); without weights it is refused."""
@@ -135,3 +143,50 @@ def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
     r = subprocess.run(run + [str(tmp_path / "plain.bin"), str(tmp_path / "o.bin"), _fbgemm_dir()],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 4 and "has weighted features ['f0']" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
+    """export --aot: the AOTInductor package is hashed in the manifest, and the C++ example (picking
+    AOTIModelPackageLoader from the manifest, no fbgemm_gpu) scores batches of 1 and 257 like the
+    Python torch.export program within 1e-5, rejecting an out-of-range id with the program's
+    message; a plain .pt2 artifact (no package) is refused with the remedy."""
+    import json
+
+    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
+
+    model = _model()
+    export_model(model, tmp_path / "m", "int8", aot=True)  # one AOTInductor compile (tens of seconds)
+    man = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert man["aoti_package"] == "model_aoti.pt2" and set(man["files"]) == {"model.pt2", "model_aoti.pt2"}
+    pkg = tmp_path / "m" / "model_aoti.pt2"
+    assert man["files"]["model_aoti.pt2"]["bytes"] == pkg.stat().st_size
+    assert man["files"]["model_aoti.pt2"]["sha256"] == hashlib.sha256(pkg.read_bytes()).hexdigest()
+    m = load_exported(tmp_path / "m")
+    run = [str(cpp_binary), str(tmp_path / "m")]  # no FBGEMM_GPU_DIR: the package needs none
+    for B, seed in ((1, 5), (257, 1)):
+        dense, values, lengths = _inputs(B, seed)
+        py = m.score(dense, values, lengths).numpy()
+        write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
+        r = subprocess.run(run + [str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"scored {B} samples" in r.stdout and "AOTInductor package" in r.stdout
+        cpp = read_cpp_output(tmp_path / "out.bin")
+        assert cpp.shape == (B,)
+        np.testing.assert_allclose(cpp, py, rtol=0, atol=1e-5)
+    assert float(py.std()) > 1e-3  # not a constant output
+    bad = values.clone()
+    bad[-1] = 40  # the last id is f2's (table t1, 40 rows)
+    assert int(lengths[2 * 257:].sum()) > 0
+    write_cpp_input(tmp_path / "bad.bin", dense, bad, lengths)
+    r = subprocess.run(run + [str(tmp_path / "bad.bin"), str(tmp_path / "o.bin")], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 4, r.stderr
+    assert "table 't1', feature 'f2': an id is out of range; expected 0 <= id < 40" in r.stderr
+
+    export_model(model, tmp_path / "plain", "int8")  # no --aot: nothing C++ can run
+    r = subprocess.run([str(cpp_binary), str(tmp_path / "plain"), str(tmp_path / "in.bin"), str(tmp_path / "o.bin")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--aot" in r.stderr and "aoti_package is null" in r.stderr, r.stderr

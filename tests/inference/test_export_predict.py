@@ -228,3 +228,77 @@ def test_evaluate_run_on_a_materialized_meta_model_equals_the_full_model(run, mo
     assert all(torch.equal(sd_new[k], sd_old[k]) for k in sd_new)
     monkeypatch.setattr(reload, "load_trained_model", lambda run_dir, checkpoint=None: _old_path_model(run_dir, checkpoint))
     assert reload.evaluate_run(str(run_dir), "val", str(data)) == new
+
+
+class _OnDevice:
+    """A model output left on an accelerator: ``.numpy()`` refuses (as torch does for CUDA tensors)
+    until ``.cpu()`` brought it to the host."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self.t
+
+    def numpy(self):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                        "to host memory first.")
+
+    def __getattr__(self, name):  # anything else (shape, indexing) is a device-side use: refused too
+        raise TypeError(f"device tensor used on the host: .{name}")
+
+
+def test_export_predict_evaluate_read_device_outputs_through_to_host(run, tmp_path, monkeypatch):
+    """With the model's outputs on a device (faked: .numpy() refuses), export's parity report,
+    predict and evaluate still work: every output goes through to_host (.cpu() first)."""
+    from dlrmctl.inference.export import ExportedModel
+
+    _, data, run_dir = run
+    score, logits = ExportedModel.score, ExportedModel.logits
+    monkeypatch.setattr(ExportedModel, "score", lambda self, *a: _OnDevice(score(self, *a)))
+    monkeypatch.setattr(ExportedModel, "logits", lambda self, *a: _OnDevice(logits(self, *a)))
+    r = _cli("export", run_dir, "--int8", "--out", tmp_path / "m")
+    assert r.exit_code == 0, r.output
+    assert "parity       val" in r.output
+    r = _cli("predict", tmp_path / "m", "--input", RAW, "--output", tmp_path / "scores.csv")
+    assert r.exit_code == 0 and "scored 100 lines" in r.output, r.output
+    r = _cli("evaluate", tmp_path / "m", "--data", data, "--json")
+    assert r.exit_code == 0 and '"auc"' in r.output, r.output
+
+
+def test_pt2_export_of_the_run_scores_like_its_torchscript_export(run, tmp_path):
+    """`dlrmctl export RUN --fp32|--int8|--int4` (torch.export program) vs `--torchscript` of the
+    same checkpoint on the run's val rows: logits within 1e-6 at fp32 and QUANT_LOGIT_BOUND when
+    quantized (same codes, scale and bias; only the float32 summation order differs)."""
+    from dlrmctl.data.loader import BatchLoader
+    from dlrmctl.inference.export import load_exported
+
+    from tests.test_export_pt2 import QUANT_LOGIT_BOUND
+
+    _, data, run_dir = run
+    for dtype in ("fp32", "int8", "int4"):
+        for art in ("pt2", "torchscript"):
+            r = _cli("export", run_dir, f"--{dtype}", "--out", tmp_path / f"{dtype}-{art}",
+                     *(["--torchscript"] if art == "torchscript" else []))
+            assert r.exit_code == 0, r.output
+        p2, ts = load_exported(tmp_path / f"{dtype}-pt2"), load_exported(tmp_path / f"{dtype}-torchscript")
+        assert (p2.artifact, ts.artifact) == ("pt2", "torchscript")
+        batch = next(iter(BatchLoader(data, "val", 1000, shuffle=False, features=p2.feature_names, prefetch=0)))
+        z2 = p2.logits_kjt(batch.dense_features.float(), batch.sparse_features)
+        zt = ts.logits_kjt(batch.dense_features.float(), batch.sparse_features)
+        assert z2.shape == zt.shape == (batch.batch_size,)
+        assert float((z2 - zt).abs().max()) <= (1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND), dtype
+
+
+def test_quantize_dense_needs_torchscript_one_line(run, tmp_path):
+    _, _, run_dir = run
+    r = _cli("export", run_dir, "--int8", "--quantize-dense", "--out", tmp_path / "dq")
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --quantize-dense") and "--torchscript" in lines[0], r.output
+    assert not (tmp_path / "dq").exists()
+    r = _cli("export", run_dir, "--int8", "--quantize-dense", "--torchscript", "--out", tmp_path / "dq")
+    assert r.exit_code == 0 and "dynamic_int8" in r.output, r.output

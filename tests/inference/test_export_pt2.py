@@ -99,7 +99,8 @@ def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
     bad = values.clone()
     bad[-1] = 30  # the last id is f2's (table t1, 30 rows) when f2 has ids
     assert int(lengths[16:].sum()) > 0
-    with pytest.raises(ExportError, match=r"table 't1', feature 'f2': an id is out of range; expected 0 <= id < 30"):
+    with pytest.raises(ExportError, match=r"table 't1', feature 'f2', sample 7: id 30 is out of range; "
+                                          r"expected 0 <= id < 30"):
         load_exported(tmp_path / "e").logits(dense, bad, lengths)
     model.sparse_arch.on_invalid_id = "zero"
     export_model(model, tmp_path / "z", "fp32", on_invalid_id="zero")
@@ -143,3 +144,80 @@ def test_kjt_and_keyed_tensor_are_pytree_nodes_for_torch_export(tmp_path):
     out = f(k3)
     assert isinstance(out, KeyedTensor) and out.keys() == ["a", "b"]
     assert torch.equal(out.values(), torch.tensor([[1.0, 0.0], [0.0, 9.0], [4.0, 0.0]]))
+
+
+def _multi_hot_export(tmp_path, policy, name):
+    """Export _model() with f2 (table t1, 30 rows) expanded in the program into bags of 3
+    (multi_hot_sizes, the training loader's seed and distribution); the data meta says f2 has 30 rows."""
+    from dlrmctl.inference.export import export_model
+
+    model = _model()
+    model.sparse_arch.on_invalid_id = policy
+    meta = {"dense_features": [f"I{i}" for i in range(13)],
+            "sparse_features": [{"name": "f0", "num_embeddings": 40}, {"name": "f1", "num_embeddings": 40},
+                                {"name": "f2", "num_embeddings": 30}]}
+    mh = {"multi_hot_sizes": {"f2": 3}, "multi_hot_distribution": "uniform", "multi_hot_seed": 7}
+    export_model(model, tmp_path / name, "fp32", data_meta=meta, multi_hot=mh, on_invalid_id=policy)
+    return model
+
+
+def _expand_f2(values, lengths, B, drop=()):
+    """The loader's expansion of f2's one-hot ids (seed 7 + index 2), ids at positions ``drop``
+    (of values) removed with their bag first."""
+    import numpy as np
+
+    from dlrmctl.data.multi_hot import multi_hot_expand
+
+    keep = torch.ones(values.numel(), dtype=torch.bool)
+    keep[list(drop)] = False
+    bag = torch.repeat_interleave(torch.arange(3 * B), lengths)
+    lengths = lengths - torch.bincount(bag[~keep], minlength=3 * B)
+    values = values[keep]
+    n01 = int(lengths[: 2 * B].sum())
+    v2, _ = multi_hot_expand(values[n01:].numpy(), 30, 3, "uniform", 7 + 2)
+    return torch.cat([values[:n01], torch.from_numpy(np.asarray(v2))]), torch.cat([lengths[: 2 * B], lengths[2 * B:] * 3])
+
+
+def test_multi_hot_expansion_in_the_program_equals_the_loaders(tmp_path):
+    from dlrmctl.inference.export import load_exported
+
+    model = _multi_hot_export(tmp_path, "error", "m")
+    m = load_exported(tmp_path / "m")
+    assert "multi_hot" in m.manifest["in_program"]
+    dense, values, lengths = _inputs(40, 5)
+    z = m.logits(dense, values, lengths)  # one-hot ids in, expanded inside
+    ve, le = _expand_f2(values, lengths, 40)
+    assert int(le[80:].sum()) == 3 * int(lengths[80:].sum()) > 0
+    ref = _eager(model, dense, ve, le)
+    assert float((z - ref).abs().max()) <= 1e-5
+    assert float((z - _eager(model, dense, values, lengths)).abs().max()) > 1e-3  # the expansion matters
+
+
+@pytest.mark.parametrize("bad_id", [30, -1])
+def test_an_out_of_range_one_hot_id_of_a_multi_hot_feature_errors_or_drops_its_whole_bag(tmp_path, bad_id):
+    """error: the call fails naming the feature and the expansion's range (the loader raises on it
+    too); zero: the id is dropped with its whole expanded bag, the same as leaving it out (no slot
+    of an expansion of some other id remains)."""
+    from dlrmctl.inference.export import ExportError, load_exported
+
+    _multi_hot_export(tmp_path, "error", "e")
+    dense, values, lengths = _inputs(8, 4)
+    assert int(lengths[16:].sum()) > 0
+    bad = values.clone()
+    bad[-1] = bad_id  # the last id is f2's
+    with pytest.raises(ExportError, match=r"feature 'f2': a one-hot id is out of range of its multi-hot expansion; "
+                                          r"expected 0 <= id < 30"):
+        load_exported(tmp_path / "e").logits(dense, bad, lengths)
+    model = _multi_hot_export(tmp_path, "zero", "z")
+    z = load_exported(tmp_path / "z").logits(dense, bad, lengths)
+    ve, le = _expand_f2(values, lengths, 8, drop=[values.numel() - 1])
+    ref = _eager(model, dense, ve, le)
+    assert float((z - ref).abs().max()) <= 1e-5
+
+
+def test_quantize_dense_with_the_pt2_program_is_refused_with_the_remedy(tmp_path):
+    from dlrmctl.inference.export import ExportError, export_model
+
+    with pytest.raises(ExportError, match=r"--quantize-dense.*--torchscript"):
+        export_model(_model(), tmp_path / "m", "int8", quantize_dense=True)
+    assert not (tmp_path / "m").exists()
