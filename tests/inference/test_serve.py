@@ -286,3 +286,34 @@ def test_serve_cli_errors(model, tmp_path):
     finally:
         s.close()
     assert r.exit_code == 2 and f"error: cannot listen on 127.0.0.1:{port}" in r.output, r.output
+
+
+def test_accepted_connections_have_tcp_nodelay():
+    """`bind`'s socket under asyncio's `create_server(sock=...)` (how uvicorn runs it): every accepted
+    connection has TCP_NODELAY, so an answer written as two segments (headers, then body) is not held
+    back by Nagle until the client's delayed ACK (~40 ms on every kept-alive request after the first)."""
+    import asyncio
+    import socket
+
+    from dlrmctl.inference.serve import bind
+
+    sock = bind("127.0.0.1", 0)
+    got: list[int] = []
+
+    class Probe(asyncio.Protocol):
+        def connection_made(self, transport):
+            got.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main():
+        srv = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(*sock.getsockname()), 10)
+            await asyncio.wait_for(reader.read(), 10)  # the server closes it
+            writer.close()
+        finally:
+            srv.close()
+            await srv.wait_closed()
+
+    asyncio.run(main())
+    assert len(got) == 1 and got[0] != 0
