@@ -82,6 +82,25 @@ def run_client(argv: list[str], what: str, timeout: float = 60, check: bool = Tr
 class SlurmScheduler(_tx.SlurmScheduler):
     """torchx's Slurm scheduler with one-line errors and a ``scontrol`` fallback for status."""
 
+    def _partition_memmb(self, partition: str | None) -> int | None:
+        """The memory per node (MB) of ``partition`` (None: the default partition) from ``sinfo``,
+        as torchx's, but with sinfo's stderr kept: on a machine with the Slurm client and no
+        cluster, ``launch --dry-run`` printed sinfo's "Could not establish a configuration source".
+        None when sinfo is missing, fails or does not list the partition."""
+        try:
+            p = subprocess.run(["sinfo", "--format", "%P,%m", "--noconvert"], capture_output=True, text=True,
+                               timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if p.returncode != 0:
+            return None
+        for line in p.stdout.strip().splitlines()[1:]:
+            part, _, mem = line.partition(",")
+            default = "*" in part
+            if (part.strip("*") == partition or (partition is None and default)) and mem.strip("M+").isdigit():
+                return int(mem.strip("M+"))
+        return None
+
     def schedule(self, dryrun_info: Any) -> str:  # noqa: D102 - torchx's, with sbatch's stderr captured
         import tempfile
 
