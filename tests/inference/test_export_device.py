@@ -8,7 +8,7 @@ import torch
 
 from dlrmctl import HAS_FBGEMM
 
-from tests.test_export_pt2 import _inputs, _model
+from tests.inference.test_export_pt2 import example_inputs, example_model
 
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="the IntNBit TBE needs fbgemm_gpu")
 
@@ -52,9 +52,9 @@ def test_torchscript_loaded_for_a_device_rebuilds_its_tbe_there(tmp_path, monkey
     import dlrmctl.inference.export as ex
     import dlrmctl.inference.quantize as qz
 
-    ex.export_model(_model(), tmp_path / "m", dtype, artifact="torchscript")
+    ex.export_model(example_model(), tmp_path / "m", dtype, artifact="torchscript")
     m = ex.load_exported(tmp_path / "m")
-    dense, values, lengths = _inputs(33, 7)
+    dense, values, lengths = example_inputs(33, 7)
     want = m.logits(dense, values, lengths)
     asked = []
     real = qz.intnbit_tbe_for_device
@@ -90,7 +90,7 @@ def test_rebuild_refuses_a_tbe_that_is_not_host_placed():
 def test_pt2_program_loaded_for_a_device_has_its_buffers_there(tmp_path):
     from dlrmctl.inference.export import export_model, load_exported
 
-    export_model(_model(), tmp_path / "m", "int8")
+    export_model(example_model(), tmp_path / "m", "int8")
     m = load_exported(tmp_path / "m", device="meta")
     assert m.device == torch.device("meta")
     bufs = dict(m.module.named_buffers())

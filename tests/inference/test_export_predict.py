@@ -276,7 +276,7 @@ def test_pt2_export_of_the_run_scores_like_its_torchscript_export(run, tmp_path)
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.inference.export import load_exported
 
-    from tests.test_export_pt2 import QUANT_LOGIT_BOUND
+    from tests.inference.test_export_pt2 import QUANT_LOGIT_BOUND
 
     _, data, run_dir = run
     for dtype in ("fp32", "int8", "int4"):

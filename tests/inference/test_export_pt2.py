@@ -18,7 +18,7 @@ from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 QUANT_LOGIT_BOUND = 1e-5
 
 
-def _model(dims=(6, 13), rows=(40, 30)):
+def example_model(dims=(6, 13), rows=(40, 30)):
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name="t0", num_embeddings=rows[0], embedding_dim=dims[0], feature_names=["f0", "f1"]),
               EmbeddingBagConfig(name="t1", num_embeddings=rows[1], embedding_dim=dims[1], feature_names=["f2"],
@@ -33,7 +33,7 @@ def _model(dims=(6, 13), rows=(40, 30)):
     return DLRM(ebc, 13, [16, 16], [16, 1], 3, 16, interaction=inter).eval()
 
 
-def _inputs(B, seed, rows=(40, 30)):
+def example_inputs(B, seed, rows=(40, 30)):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (3 * B,), generator=g)
     n01, n2 = int(lengths[: 2 * B].sum()), int(lengths[2 * B:].sum())
@@ -50,11 +50,11 @@ def _eager(model, dense, values, lengths):
 def test_dims_6_and_13_export_and_score_at_every_precision(tmp_path, dtype):
     from dlrmctl.inference.export import export_model, load_exported
 
-    model = _model()
+    model = example_model()
     export_model(model, tmp_path / "m", dtype)
     m = load_exported(tmp_path / "m")
     assert m.artifact == "pt2" and (tmp_path / "m" / "model.pt2").is_file()
-    dense, values, lengths = _inputs(50, 1)
+    dense, values, lengths = example_inputs(50, 1)
     z = m.logits(dense, values, lengths)
     ref = _eager(model, dense, values, lengths)
     tol = {"fp32": 1e-5, "fp16": 0.05, "int8": 0.2, "int4": 2.0}[dtype]
@@ -69,10 +69,10 @@ def test_dims_6_and_13_export_and_score_at_every_precision(tmp_path, dtype):
 def test_batch_of_1_and_10000_through_one_program_loaded_without_dlrmctl(tmp_path):
     from dlrmctl.inference.export import export_model, load_exported
 
-    export_model(_model(), tmp_path / "m", "int8")
+    export_model(example_model(), tmp_path / "m", "int8")
     m = load_exported(tmp_path / "m")
     for B, seed in ((1, 2), (10_000, 3)):
-        d, v, ln = _inputs(B, seed)
+        d, v, ln = example_inputs(B, seed)
         torch.save((d, v, ln, m.logits(d, v, ln)), tmp_path / f"b{B}.pt")
     code = (
         "import sys, torch\n"
@@ -93,9 +93,9 @@ def test_batch_of_1_and_10000_through_one_program_loaded_without_dlrmctl(tmp_pat
 def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
     from dlrmctl.inference.export import ExportError, export_model, load_exported
 
-    model = _model()
+    model = example_model()
     export_model(model, tmp_path / "e", "fp32")
-    dense, values, lengths = _inputs(8, 4)
+    dense, values, lengths = example_inputs(8, 4)
     bad = values.clone()
     bad[-1] = 30  # the last id is f2's (table t1, 30 rows) when f2 has ids
     assert int(lengths[16:].sum()) > 0
@@ -115,7 +115,7 @@ def test_every_listed_file_is_hashed_and_checked(tmp_path):
 
     from dlrmctl.inference.export import ExportError, export_model, load_exported
 
-    export_model(_model(), tmp_path / "m", "int4")
+    export_model(example_model(), tmp_path / "m", "int4")
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert man["artifact"] == "pt2" and list(man["files"]) == ["model.pt2"]
     p = tmp_path / "m" / "model.pt2"
@@ -147,11 +147,11 @@ def test_kjt_and_keyed_tensor_are_pytree_nodes_for_torch_export(tmp_path):
 
 
 def _multi_hot_export(tmp_path, policy, name):
-    """Export _model() with f2 (table t1, 30 rows) expanded in the program into bags of 3
+    """Export example_model() with f2 (table t1, 30 rows) expanded in the program into bags of 3
     (multi_hot_sizes, the training loader's seed and distribution); the data meta says f2 has 30 rows."""
     from dlrmctl.inference.export import export_model
 
-    model = _model()
+    model = example_model()
     model.sparse_arch.on_invalid_id = policy
     meta = {"dense_features": [f"I{i}" for i in range(13)],
             "sparse_features": [{"name": "f0", "num_embeddings": 40}, {"name": "f1", "num_embeddings": 40},
@@ -184,7 +184,7 @@ def test_multi_hot_expansion_in_the_program_equals_the_loaders(tmp_path):
     model = _multi_hot_export(tmp_path, "error", "m")
     m = load_exported(tmp_path / "m")
     assert "multi_hot" in m.manifest["in_program"]
-    dense, values, lengths = _inputs(40, 5)
+    dense, values, lengths = example_inputs(40, 5)
     z = m.logits(dense, values, lengths)  # one-hot ids in, expanded inside
     ve, le = _expand_f2(values, lengths, 40)
     assert int(le[80:].sum()) == 3 * int(lengths[80:].sum()) > 0
@@ -201,7 +201,7 @@ def test_an_out_of_range_one_hot_id_of_a_multi_hot_feature_errors_or_drops_its_w
     from dlrmctl.inference.export import ExportError, load_exported
 
     _multi_hot_export(tmp_path, "error", "e")
-    dense, values, lengths = _inputs(8, 4)
+    dense, values, lengths = example_inputs(8, 4)
     assert int(lengths[16:].sum()) > 0
     bad = values.clone()
     bad[-1] = bad_id  # the last id is f2's
@@ -219,5 +219,5 @@ def test_quantize_dense_with_the_pt2_program_is_refused_with_the_remedy(tmp_path
     from dlrmctl.inference.export import ExportError, export_model
 
     with pytest.raises(ExportError, match=r"--quantize-dense.*--torchscript"):
-        export_model(_model(), tmp_path / "m", "int8", quantize_dense=True)
+        export_model(example_model(), tmp_path / "m", "int8", quantize_dense=True)
     assert not (tmp_path / "m").exists()
