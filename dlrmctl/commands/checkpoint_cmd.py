@@ -349,6 +349,10 @@ def reshard_command(
         check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")
     except FanoutError as e:
         _fail(str(e))
+    if out and os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        # --out makes a new run directory: never one that holds anything (another run, a user's files)
+        _fail(f"--out {out}: exists and is not empty; the resharded copy goes to a new directory "
+              "(--out a new path), or omit --out to add the checkpoint to the run itself")
     path = reshard(run_dir, nproc, plan, out, checkpoint)  # user errors: reported by dlrmctl.cli
     m = load_checkpoint_meta(path)
     src = m.get("resharded_from", {})

@@ -6,6 +6,7 @@ score raw logs with it.  The lead's ``dlrmctl/cli.py`` calls :func:`register`;
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -91,10 +92,18 @@ def predict_command(
     input: Path = typer.Option(..., "--input", help="raw log file (Criteo: 40 fields with label, or 39)"),
     output: Optional[Path] = typer.Option(None, "--output", help="scores CSV (default: stdout)"),
     batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch (>= 1)"),
+    force: bool = typer.Option(False, "--force", help="replace an existing --output file"),
 ) -> None:
     """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""
     if batch_rows < 1:
         _fail(f"--batch-rows must be >= 1 (rows scored per batch), got {batch_rows}")
+    if output is not None and str(output) != "-":
+        out_real, model_real = os.path.realpath(output), os.path.realpath(model_dir)
+        if out_real == os.path.realpath(input) or out_real.startswith(model_real + os.sep):
+            _fail(f"--output {output}: is the input or inside the exported model {model_dir}; write the scores "
+                  "to another file")
+        if os.path.lexists(output) and not force:
+            _fail(f"--output {output}: exists; pass --force to replace it, or --output another file")
     from dlrmctl.inference.predict import predict_file
 
     try:

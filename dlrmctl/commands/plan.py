@@ -64,6 +64,25 @@ def _check_out(out: Path, force: bool, example: str) -> None:
                          f"--out {show_path(out / example)}")
     if out.exists() and not force:
         raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
+    if out.exists() and not _written_by_plan(out):
+        raise ValueError(f"{show_path(out)} exists and is not a plan or topology file dlrmctl wrote; --force replaces "
+                         "only those: --out another file")
+
+
+def _written_by_plan(path: Path) -> bool:
+    """``path`` is a plan file or topology file that ``dlrmctl plan`` (``--calibrate``) wrote: a
+    YAML mapping with their keys (a config, a data file or anything else: False)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+        import yaml
+
+        doc = yaml.safe_load(head.decode("utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    # a ShardingPlan.to_dict, or a save_topology_file (a DevicePreset)
+    return isinstance(doc, dict) and ({"world_size", "tables"} <= set(doc)
+                                      or {"compute_device", "hbm_gb", "intra_host_bw_gbps"} <= set(doc))
 
 
 def _is_plan_report(path: Path) -> bool:

@@ -1150,6 +1150,11 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
     files = dict(manifest.get("files") or {})
     if not files:  # manifests before "files": the model file alone
         files = {model_path.name: {"bytes": manifest.get("model_bytes"), "sha256": manifest.get("model_sha256")}}
+    if model_path.name not in files or not (files[model_path.name] or {}).get("sha256") \
+            or os.path.dirname(manifest.get("model_file", MODEL_FILE)):
+        # the file that is loaded must be one whose SHA-256 is checked below
+        raise ExportError(f"{mpath}: model_file {manifest.get('model_file')!r} is not a file the manifest records a "
+                          "SHA-256 for; the manifest was edited or damaged: export the run again")
     for rel, rec in files.items():  # every artifact file the manifest lists: present, same size and SHA-256
         f = d / rel
         if not f.is_file():

@@ -44,6 +44,15 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
     # a file, under a file, read-only or not writable: one line before anything is written
     check_output_dir(cfg.train.run_dir, "train.run_dir")
     check_output_dir(run_dir, "the run directory")
+    kind = outputs.kind_of(run_dir)
+    foreign = sorted(set(os.listdir(run_dir)) - {run_lock.LOCK_NAME, ATTEMPT_MARKER, "logs"}) \
+        if os.path.isdir(run_dir) and kind is None else []
+    if foreign or kind not in (None, "run"):
+        # a run never moves into (and --overwrite never deletes) what no dlrmctl run wrote
+        what = f"a dlrmctl {kind}" if kind else f"{', '.join(foreign[:3])}, which was not written by dlrmctl"
+        raise TrainError(f"{run_dir} exists and is not a dlrmctl run directory: it holds {what}; train.run_dir/name "
+                         "must name a new directory or a dlrmctl run (--set name=<other>), and keep experiment "
+                         "configs outside run directories")
     run_lock.check_not_in_use(run_dir)  # another dlrmctl is training it: refuse before anything else
     if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
         raise TrainError(

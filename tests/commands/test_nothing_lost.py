@@ -5,6 +5,7 @@ Each test goes through the CLI (typer's CliRunner) and asserts one error line, n
 """
 
 import errno
+import shutil
 import json
 import os
 import subprocess
@@ -289,3 +290,65 @@ def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tm
     _one_error(CliRunner().invoke(app, _train_args(data, runs, "--overwrite", "--set", "name=b")),
                "not a dlrmctl run")
     assert (runs / "b" / "notes.txt").read_text() == "mine"
+
+
+# ------------------------------------------------- breaker trial: other outputs that replaced what is not ours
+@needs_fbgemm
+def test_a_manifest_pointing_at_an_unhashed_model_file_is_refused(run, raw, tmp_path):
+    """A manifest whose model_file is not one of the files it hashes (an edited manifest pointing at
+    other weights) was loaded and scored silently."""
+    root, data, run_dir, m = run
+    d = tmp_path / "m"
+    assert _cli("export", run_dir, "--int8", "--out", d).exit_code == 0
+    shutil.copy(d / "model.pt2", d / "other.pt2")
+    man = json.loads((d / "manifest.json").read_text())
+    man["model_file"] = "other.pt2"
+    (d / "manifest.json").write_text(json.dumps(man))
+    _one_error(_cli("predict", d, "--input", raw, "--output", tmp_path / "s.csv"), "model_file", "other.pt2",
+               "export the run again")
+    assert not (tmp_path / "s.csv").exists()
+
+
+@needs_fbgemm
+def test_predict_output_never_replaces_a_file_without_force_nor_its_input_or_model(run, raw, tmp_path):
+    root, data, run_dir, m = run
+    inp = tmp_path / "in.tsv"
+    shutil.copy(raw, inp)
+    before = inp.read_bytes()
+    _one_error(_cli("predict", m, "--input", inp, "--output", inp, "--force"), "is the input")
+    _one_error(_cli("predict", m, "--input", inp, "--output", m / "model.pt2", "--force"), "inside the exported model")
+    assert inp.read_bytes() == before
+    notes = tmp_path / "notes.csv"
+    notes.write_text("mine\n")
+    _one_error(_cli("predict", m, "--input", inp, "--output", notes), "exists; pass --force")
+    assert notes.read_text() == "mine\n"
+    assert _cli("predict", m, "--input", inp, "--output", notes, "--force").exit_code == 0
+    assert notes.read_text().startswith("row,")
+
+
+def test_train_never_moves_into_a_directory_of_other_files(tmp_path):
+    """`train` used to make any existing directory a run (and `--overwrite` then deleted the user's files)."""
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=600, seed=0, num_embeddings=[20] * 26)
+    runs = tmp_path / "runs"
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "keep.txt").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        _one_error(_cli(*_train_args(data, runs, *extra)), "is not a dlrmctl run directory", "keep.txt")
+    assert sorted(os.listdir(runs / "a")) == ["keep.txt"] and (runs / "a" / "keep.txt").read_text() == "mine"
+
+
+def test_reshard_out_never_writes_into_a_directory_that_holds_anything(tmp_path):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=600, seed=0, num_embeddings=[20] * 26)
+    runs = tmp_path / "runs"
+    assert _cli(*_train_args(data, runs)).exit_code == 0
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    _one_error(_cli("checkpoint", "reshard", runs / "a", "--nproc", 1, "--out", other), "exists and is not empty")
+    assert os.listdir(other) == ["keep.txt"]

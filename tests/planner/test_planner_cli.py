@@ -125,9 +125,17 @@ def test_plan_does_not_overwrite_without_force_and_prints_paths_one_way(tmp_path
     r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64"])
     assert r.exit_code == 2 and "plan.yaml exists; pass --force" in r.output
     assert (tmp_path / "plan.yaml").read_text() == before
-    (tmp_path / "plan.yaml").write_text("# old\n")
+    r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64", "--ddr-gb", "9", "--force"])
+    assert r.exit_code == 0 and (tmp_path / "plan.yaml").is_file()  # a plan dlrmctl wrote is replaced
+    # --force replaces only a plan / topology file dlrmctl wrote: never the config it reads, or a user's file
+    (tmp_path / "plan.yaml").write_text("# my notes\n")
     r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64", "--force"])
-    assert r.exit_code == 0 and (tmp_path / "plan.yaml").read_text() == before
+    assert r.exit_code == 2 and "is not a plan or topology file dlrmctl wrote" in r.output, r.output
+    assert (tmp_path / "plan.yaml").read_text() == "# my notes\n"
+    cfg_text = cfg_path.read_text()
+    r = CliRunner().invoke(plan_cmd.app, args + ["--out", str(cfg_path), "--force"])
+    assert r.exit_code == 2 and "is not a plan or topology file dlrmctl wrote" in r.output, r.output
+    assert cfg_path.read_text() == cfg_text
 
 
 def test_plan_names_its_preset_loudly_and_reports_latency_and_why(tmp_path):
