@@ -94,6 +94,9 @@ def read_yaml(path: str | os.PathLike, error: type[Exception], what: str, lines:
                     f"is a YAML text file: is this the right file?") from None
     try:
         value = load_yaml_text(text)
+    except RecursionError:
+        raise error(f"{path}: nested too deeply for a {what} (a YAML document of that many levels of brackets "
+                    "is not a config); is this the right file?") from None
     except DuplicateKeyError as e:
         raise error(f"{path}:{e.problem_mark.line + 1}: duplicate key {e.key!r} in {what} (first given on line "
                     f"{e.first_line}; the second would silently replace it): keep one") from None

@@ -90,6 +90,15 @@ def register(app: typer.Typer) -> None:
         check_number("--cpus-per-proc", cpus_per_proc, maximum=4096, what="CPUs per process")
         mem_mb = parse_mem(mem) if mem is not None else None
         check_scheduler(scheduler)
+        if scheduler == "local_cwd" and not dry_run:  # the ranks are processes of this machine: as `train --nproc`
+            from dlrmctl.procs import FanoutError, check_local_fanout
+
+            try:
+                check_local_fanout(nproc * nnodes, f"--nproc {nproc} x --nnodes {nnodes}",
+                                   "or launch on a cluster scheduler")
+            except FanoutError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(2)
         try:
             check_image(scheduler, image)  # before anything is printed: the one line of the error
         except ValueError as e:

@@ -36,11 +36,24 @@ def read_data_meta(cfg: ExperimentConfig) -> dict | None:
     try:
         with open(p) as f:
             text = f.read()
-        if not text.strip():
-            raise ConfigError(f"{p}: empty file; re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
-        return json.loads(text)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{p}: cannot read data meta: {e}") from e
+    except (OSError, ValueError) as e:  # ValueError: UnicodeDecodeError
+        raise ConfigError(f"{p}: cannot read data meta: {e}") from None
+    if not text.strip():
+        raise ConfigError(f"{p}: empty file; re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{p}: cannot read data meta: {e}") from None
+    missing = [k for k in ("dense_features", "sparse_features") if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ConfigError(f"{p}: not a dlrmctl dataset meta.json (no {' / '.join(missing)}); re-run "
+                          f"`dlrmctl preprocess ... --out {cfg.data.path}`")
+    for f in meta["sparse_features"]:
+        n = f.get("num_embeddings") if isinstance(f, dict) else None
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigError(f"{p}: sparse feature {f.get('name')!r}: num_embeddings must be an int > 0, got {n!r}; "
+                              f"re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
+    return meta
 
 
 def auto_embedding_dim(num_embeddings: int, factor: float, max_dim: int) -> int:

@@ -236,13 +236,17 @@ class ShardingPlan:
         for k in ("world_size", "tables"):
             if k not in d:
                 raise PlanError(f"{where}: missing key '{k}'")
-        ws = int(d["world_size"])
-        lws = int(d.get("local_world_size", ws))
-        return ShardingPlan(
-            ws,
-            lws,
-            {n: ParameterSharding.from_dict(p, f"{where}: tables.{n}") for n, p in d["tables"].items()},
-        )
+        try:
+            ws = int(d["world_size"])
+            lws = int(d.get("local_world_size", ws))
+            tables = {n: ParameterSharding.from_dict(p, f"{where}: tables.{n}") for n, p in d["tables"].items()}
+        except (ValueError, TypeError, AttributeError, KeyError) as e:
+            if isinstance(e, PlanError):
+                raise
+            raise PlanError(f"{where}: not a sharding plan ({type(e).__name__}: {e}); expected world_size: <int>, "
+                            "local_world_size: <int>, tables: {<table>: {sharding_type, compute_kernel, ranks, "
+                            "shards}}, as `dlrmctl plan` writes") from None
+        return ShardingPlan(ws, lws, tables)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as YAML (:func:`dlrmctl.fileio.write_text_atomic`: temp file, fsync,

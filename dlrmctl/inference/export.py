@@ -1139,8 +1139,18 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
         raise ExportError(f"{mpath}: not found; {d} is not an exported model (create one with `dlrmctl export RUN_DIR`)")
     try:
         manifest = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ExportError(f"{mpath}: corrupt manifest: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ExportError(f"{mpath}: corrupt manifest: a JSON object expected, got {type(manifest).__name__}")
+    try:
+        return _load_checked(d, mpath, manifest, device)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field of the wrong shape
+        raise ExportError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e}); export the run again") from None
+
+
+def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.device) -> "ExportedModel":
+    """:func:`load_exported` once ``manifest`` parsed as a JSON object (same errors)."""
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{mpath}: format_version {manifest.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
     artifact = manifest.get("artifact", "torchscript")

@@ -146,6 +146,9 @@ def raw_transformer(model: ExportedModel) -> tuple[object, list[str]]:
         DataError: a meta the transform cannot apply (multi-hot, unknown mode).
     """
     pre = model.manifest.get("preprocessing")
+    if pre and not isinstance(pre, dict):
+        raise ExportError(f"{model.model_dir}/manifest.json: corrupt manifest: preprocessing is a {type(pre).__name__}, "
+                          "not an object; export the run again")
     if not pre:
         raise ExportError(
             f"{model.model_dir}: the manifest has no preprocessing (exported without the data meta); "
@@ -168,7 +171,12 @@ def raw_transformer(model: ExportedModel) -> tuple[object, list[str]]:
         "transforms": pre.get("transforms"),
         "vocab_files": pre.get("vocab_files") or {},
     })
-    return cls(meta, model.model_dir, source=Path(model.model_dir) / "manifest.json"), [sf["name"] for sf in pre.get("sparse") or []]
+    try:
+        return cls(meta, model.model_dir, source=Path(model.model_dir) / "manifest.json"), \
+            [sf["name"] for sf in pre.get("sparse") or []]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ExportError(f"{model.model_dir}/manifest.json: corrupt manifest: its preprocessing does not match its "
+                          f"vocabularies ({type(e).__name__}: {e}); export the run again") from None
 
 
 @torch.no_grad()

@@ -45,8 +45,9 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
     check_output_dir(cfg.train.run_dir, "train.run_dir")
     check_output_dir(run_dir, "the run directory")
     kind = outputs.kind_of(run_dir)
+    # (a checkpoints/ directory makes it a run: the checks below say what to do with it)
     foreign = sorted(set(os.listdir(run_dir)) - {run_lock.LOCK_NAME, ATTEMPT_MARKER, "logs"}) \
-        if os.path.isdir(run_dir) and kind is None else []
+        if os.path.isdir(run_dir) and kind is None and not os.path.isdir(os.path.join(run_dir, ckpt.CKPT_DIR)) else []
     if foreign or kind not in (None, "run"):
         # a run never moves into (and --overwrite never deletes) what no dlrmctl run wrote
         what = f"a dlrmctl {kind}" if kind else f"{', '.join(foreign[:3])}, which was not written by dlrmctl"

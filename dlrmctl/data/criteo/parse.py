@@ -289,10 +289,26 @@ def open_text(path: Path):
     return open(path, "rb")
 
 
+def decode_error(path: Path, e: BaseException) -> "DataError":
+    """A file that cannot be decoded (a truncated ``.gz``, a plain file named ``.gz``: an OSError
+    without an errno, EOFError) as the DataError naming it; an OS condition (errno) is re-raised."""
+    if isinstance(e, OSError) and e.errno is not None:
+        raise e
+    kind = "gzip" if str(path).endswith(".gz") else "bz2" if str(path).endswith(".bz2") else "text"
+    return DataError(f"cannot be read as a {kind} file ({e}); is it complete and of the kind its name says?",
+                     path=path)
+
+
 def num_fields(path: Path) -> int | None:
-    """Field count of the first line (None for an empty file)."""
-    with open_text(path) as f:
-        first = f.readline()
+    """Field count of the first line (None for an empty file).
+
+    Raises:
+        DataError: the file cannot be decoded (:func:`decode_error`)."""
+    try:
+        with open_text(path) as f:
+            first = f.readline()
+    except (OSError, EOFError) as e:
+        raise decode_error(path, e) from None
     if not first:
         return None
     return first.rstrip(b"\r\n").count(b"\t") + 1
@@ -378,6 +394,10 @@ class BlockReader:
             line, msg = self._first_error
             raise DataError(msg, path=self.path, line=line)
 
+    def _read_error(self, e: BaseException) -> None:
+        """:func:`decode_error` for this reader's file."""
+        raise decode_error(self.path, e) from None
+
     def _arrow_error(self, e: Exception) -> None:
         """Turn Arrow's parse/convert error into a DataError (or a careful-mode restart in skip mode)."""
         self._raise_parse_error()
@@ -409,10 +429,15 @@ class BlockReader:
                                                       quoted_strings_can_be_null=False),
             )
         except pa.ArrowInvalid as e:
-            empty = not self.data.strip() if self.data is not None else num_fields(self.path) is None
+            try:
+                empty = not self.data.strip() if self.data is not None else num_fields(self.path) is None
+            except (OSError, EOFError) as e2:
+                self._read_error(e2)
             if empty:  # a file (or .gz / .bz2 member) with no lines: no blocks
                 return
             self._arrow_error(e)
+        except (OSError, EOFError) as e:
+            self._read_error(e)
         next_line = 1
         sk_pos = 0
         while True:
@@ -422,6 +447,8 @@ class BlockReader:
                 break
             except pa.ArrowInvalid as e:
                 self._arrow_error(e)
+            except (OSError, EOFError) as e:
+                self._read_error(e)
             self._raise_parse_error()
             n = rb.num_rows
             # physical line numbers of this block's rows: skip lines the parser dropped

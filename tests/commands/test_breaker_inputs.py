@@ -1,0 +1,82 @@
+"""Damaged or hostile inputs found by a breaker trial: each is one ``error:`` line naming the file,
+exit code 2, never a traceback (deep YAML nesting, a truncated or mislabelled ``.gz`` input, a
+malformed plan file, a dataset meta.json of the wrong shape, a damaged export manifest, a local
+launch above the machine's process limit)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import pytest
+import yaml
+
+from tests.conftest import one_error_line, tiny_synthetic
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tiny_synthetic(tmp_path_factory, "breaker", rows=600)
+
+
+def _config(tmp_path, data, **train):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"name": "b", "data": {"path": str(data)},
+                                 "train": {"run_dir": str(tmp_path / "runs"), "max_steps": 1, **train}}))
+    return p
+
+
+def test_deeply_nested_yaml_is_one_line(tmp_path):
+    p = tmp_path / "deep.yaml"
+    p.write_text("name: " + "[" * 2000 + "]" * 2000 + "\n")
+    one_error_line(["train", p], str(p), "nested too deeply")
+
+
+def test_a_truncated_or_mislabelled_gz_input_is_one_line(tmp_path):
+    rows = "\n".join("\t".join(["1"] + ["1"] * 13 + ["68fd1e64"] * 26) for _ in range(200)) + "\n"
+    whole = gzip.compress(rows.encode())
+    (tmp_path / "cut.gz").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "plain.gz").write_text(rows)
+    for name in ("cut.gz", "plain.gz"):
+        one_error_line(["preprocess", "criteo", "--input", tmp_path / name, "--out", tmp_path / f"o_{name}", "-q"],
+                       name, "cannot be read as a gzip file")
+
+
+def test_a_malformed_plan_file_is_one_line(tmp_path, data):
+    cfg = _config(tmp_path, data)
+    for i, doc in enumerate(({"world_size": "two", "tables": {}}, {"world_size": 2, "tables": [1, 2]})):
+        plan = tmp_path / f"p{i}.yaml"
+        plan.write_text(yaml.safe_dump(doc))
+        one_error_line(["train", cfg, "--nproc", 2, "--plan", plan], str(plan), "not a sharding plan")
+
+
+def test_a_dataset_meta_of_the_wrong_shape_is_one_line(tmp_path, data):
+    for i, bad in enumerate((b"\xff\xfe", b"[]", None)):
+        d = tmp_path / f"d{i}"
+        shutil.copytree(data, d)
+        if bad is None:
+            meta = json.loads((d / "meta.json").read_text())
+            meta["sparse_features"][0]["num_embeddings"] = -5
+            (d / "meta.json").write_text(json.dumps(meta))
+        else:
+            (d / "meta.json").write_bytes(bad)
+        one_error_line(["train", _config(tmp_path, d)], str(d / "meta.json"))
+
+
+def test_a_damaged_export_manifest_is_one_line(tmp_path):
+    from dlrmctl import HAS_FBGEMM  # noqa: F401  (the export below needs only torch)
+    from dlrmctl.inference.export import export_model
+    from tests.inference.test_export_pt2 import example_model
+
+    m = tmp_path / "m"
+    export_model(example_model(), m, "int8")
+    good = (m / "manifest.json").read_text()
+    for bad in ("[]", json.dumps(dict(json.loads(good), format_version=1, files="x"))):
+        (m / "manifest.json").write_text(bad)
+        one_error_line(["evaluate", m, "--data", tmp_path], "manifest.json", "corrupt manifest")
+
+
+def test_a_local_launch_above_the_machines_limit_is_refused(tmp_path, data, monkeypatch):
+    monkeypatch.setenv("DLRMCTL_MAX_LOCAL_PROCS", "4")
+    one_error_line(["launch", _config(tmp_path, data), "--nproc", 64], "--nproc 64", "4")
