@@ -78,7 +78,7 @@ def test_bad_override_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 def test_real_criteo_sample_preprocess_train_evaluate(tmp_path):
     tsv = require_shared(CRITEO_10K)
-    data = tmp_path / "criteo_sample"
+    data = tmp_path / "data" / "criteo_sample"  # not the run directory: a run never moves into a dataset
     invoke("preprocess", "criteo", "--input", tsv, "--out", data, "--val-ratio", 0.2)
     invoke("train", "configs/criteo_sample.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={tmp_path}",
            "--set", "train.progress=false", "--set", "train.epochs=1")
