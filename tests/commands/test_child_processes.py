@@ -50,7 +50,7 @@ def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def two_big_files(tmp_path_factory):
-    """Two Criteo TSVs of 200,000 rows each (a few seconds of work per worker)."""
+    """Two Criteo TSVs of 400,000 rows each (a few seconds of work per worker, on an idle machine too)."""
     d = tmp_path_factory.mktemp("big")
     rng = np.random.default_rng(0)
     n = 10_000
@@ -61,7 +61,7 @@ def two_big_files(tmp_path_factory):
     paths = []
     for name in ("a.tsv", "b.tsv"):
         with open(d / name, "w") as f:
-            for _ in range(20):
+            for _ in range(40):
                 f.write(block)
         paths.append(str(d / name))
     return paths
@@ -81,7 +81,7 @@ def _start_preprocess(files, out):
     if len(workers) < 2:
         p.kill()
         pytest.fail(f"preprocess did not start 2 workers (exit {p.poll()}): {p.communicate()}")
-    time.sleep(0.5)  # the workers are inside their tasks
+    time.sleep(0.1)  # the workers are inside their tasks (and the work is far from done)
     return p, workers
 
 
@@ -112,7 +112,7 @@ def test_sigterm_of_preprocess_stops_the_workers_and_says_so_in_one_line(two_big
                         *(a for f in two_big_files for a in ("--input", f)), "--out", str(tmp_path / "out"),
                         "--workers", "2", "--num-embeddings", "100", "-q"], cwd=REPO, capture_output=True, text=True,
                        timeout=180)
-    assert r.returncode == 0 and "train 400,000" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and "train 800,000" in r.stdout, r.stdout + r.stderr
 
 
 _RANKS_PARENT = """
