@@ -61,3 +61,21 @@ def one_error_line(args, *names) -> str:
     for n in names:
         assert str(n) in out, (n, out)
     return out
+
+
+class OnDevice:
+    """A model output left on an accelerator: ``.numpy()`` refuses (as torch does for a CUDA
+    tensor) until ``.cpu()`` brought it to the host."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        return self.t
+
+    def numpy(self):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
+                        "to host memory first.")

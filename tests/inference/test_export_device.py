@@ -8,6 +8,7 @@ import torch
 
 from dlrmctl import HAS_FBGEMM
 
+from tests.conftest import OnDevice
 from tests.inference.test_export_pt2 import example_inputs, example_model
 
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="the IntNBit TBE needs fbgemm_gpu")
@@ -98,24 +99,8 @@ def test_pt2_program_loaded_for_a_device_has_its_buffers_there(tmp_path):
     assert all(p.device.type == "meta" for p in m.module.parameters())
 
 
-class _DeviceTensor:
-    """A model output on a device: ``.numpy()`` refuses, as torch does for a CUDA tensor."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self.t
-
-    def numpy(self):
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
-
-
 def test_to_host_copies_a_device_output_to_the_cpu_first():
     from dlrmctl.inference.export import to_host
 
-    out = to_host(_DeviceTensor(torch.tensor([0.25, 0.5])))
+    out = to_host(OnDevice(torch.tensor([0.25, 0.5])))
     assert out.tolist() == [0.25, 0.5]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from dlrmctl import HAS_FBGEMM
 
-from tests.conftest import SHARED_DATA, require_shared
+from tests.conftest import SHARED_DATA, OnDevice, require_shared
 
 pytestmark = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 
@@ -230,27 +230,6 @@ def test_evaluate_run_on_a_materialized_meta_model_equals_the_full_model(run, mo
     assert reload.evaluate_run(str(run_dir), "val", str(data)) == new
 
 
-class _OnDevice:
-    """A model output left on an accelerator: ``.numpy()`` refuses (as torch does for CUDA tensors)
-    until ``.cpu()`` brought it to the host."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        return self.t
-
-    def numpy(self):
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor "
-                        "to host memory first.")
-
-    def __getattr__(self, name):  # anything else (shape, indexing) is a device-side use: refused too
-        raise TypeError(f"device tensor used on the host: .{name}")
-
-
 def test_export_predict_evaluate_read_device_outputs_through_to_host(run, tmp_path, monkeypatch):
     """With the model's outputs on a device (faked: .numpy() refuses), export's parity report,
     predict and evaluate still work: every output goes through to_host (.cpu() first)."""
@@ -258,8 +237,8 @@ def test_export_predict_evaluate_read_device_outputs_through_to_host(run, tmp_pa
 
     _, data, run_dir = run
     score, logits = ExportedModel.score, ExportedModel.logits
-    monkeypatch.setattr(ExportedModel, "score", lambda self, *a: _OnDevice(score(self, *a)))
-    monkeypatch.setattr(ExportedModel, "logits", lambda self, *a: _OnDevice(logits(self, *a)))
+    monkeypatch.setattr(ExportedModel, "score", lambda self, *a: OnDevice(score(self, *a)))
+    monkeypatch.setattr(ExportedModel, "logits", lambda self, *a: OnDevice(logits(self, *a)))
     r = _cli("export", run_dir, "--int8", "--out", tmp_path / "m")
     assert r.exit_code == 0, r.output
     assert "parity       val" in r.output
