@@ -19,6 +19,10 @@ from dlrmctl.errors import UserError
 LOCK_NAME = ".lock"
 #: environment variable naming the pid that holds the lock on behalf of this process (a rank of ``--nproc``)
 ENV_HOLDER = "DLRMCTL_RUN_LOCK_HOLDER"
+#: set by the ``--nproc`` launcher for its ranks to the run directory it has set up (and will clear or
+#: settle after the job: :mod:`dlrmctl.commands.train`); rank 0 then leaves that directory's set-up
+#: and clean-up (``--overwrite``'s set-aside run included) to the launcher
+ENV_PREPARED = "DLRMCTL_RUN_DIR_PREPARED"
 
 #: run directories (real paths) locked by this process -> (the lock file's descriptor, the directories
 #: acquire created, innermost first: release removes those left empty)

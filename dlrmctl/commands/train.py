@@ -86,6 +86,9 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
         run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
         app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False, checkpoint=checkpoint)
         app.roles[0].env[run_lock.ENV_HOLDER] = str(os.getpid())  # the ranks run under this process's lock
+        # ... in the directory set up here: rank 0 must not set it up again (that would give an
+        # --overwrite's set-aside run back and delete the job's logs) nor clear it on failure (done below)
+        app.roles[0].env[run_lock.ENV_PREPARED] = os.path.abspath(run_dir)
         threads, why = omp_threads_per_rank(nproc)
         echo(f"{world} ranks ({nnodes} x {nproc}), {threads} OpenMP thread(s) per rank ({why}; OMP_NUM_THREADS "
              "overrides); rank 0's output follows, every rank's log is in " + show_path(os.path.join(run_dir, "logs")))

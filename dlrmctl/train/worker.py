@@ -52,12 +52,15 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
     ensure_checked()  # the torch / fbgemm_gpu pair loads (a mismatch is one error line)
     env = _make_env(cfg)
     locked = False
+    run_dir = os.path.join(cfg.train.run_dir, cfg.name)
+    # a rank of `dlrmctl train --nproc`: its launcher set the run directory up and clears it after a failure
+    launcher_prepared = os.environ.get(run_lock.ENV_PREPARED) == os.path.abspath(run_dir)
     try:
         if env.is_main:  # held for the whole run (unless this process or the --nproc launcher holds it)
-            locked = run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
-            run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
+            locked = run_lock.acquire(run_dir)
+            if not launcher_prepared:
+                prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
         env.barrier()
-        run_dir = os.path.join(cfg.train.run_dir, cfg.name)
         torch.manual_seed(cfg.train.seed)
         try:
             trainer = Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint)
@@ -74,7 +77,8 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
             # config and logs (the directory does not vanish; the next `train` clears them through
             # prepare_run_dir -> clear_unsaved_attempt), except that an interrupted --overwrite gives
             # the old run back at once
-            if env.is_main and (interrupt_of(e) is None or os.path.isdir(os.path.join(run_dir, REPLACED_DIR))):
+            if env.is_main and not launcher_prepared and (
+                    interrupt_of(e) is None or os.path.isdir(os.path.join(run_dir, REPLACED_DIR))):
                 clear_unsaved_attempt(run_dir)
             raise
     finally:

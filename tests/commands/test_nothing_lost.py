@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from dlrmctl import HAS_FBGEMM
 from dlrmctl.cli import app
+from tests.conftest import REPO
 
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 
@@ -290,6 +291,34 @@ def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tm
     _one_error(CliRunner().invoke(app, _train_args(data, runs, "--overwrite", "--set", "name=b")),
                "not a dlrmctl run")
     assert (runs / "b" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.multiprocess
+def test_train_nproc_overwrite_replaces_the_run_and_keeps_the_jobs_logs(tmp_path):
+    """`train --nproc 2 --overwrite` of an existing run: the launcher set the old run aside, then rank 0
+    set the run directory up again, which gave the old run back (its checkpoints mixed into the new
+    run's) and deleted the job's log directory under torchx: the run ended in `error: [Errno 2] No such
+    file or directory: '.../logs/dlrmctl/<app>/SUCCESS'` after training."""
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.run_dir import REPLACED_DIR
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
+    runs = tmp_path / "runs"
+    r = CliRunner().invoke(app, _train_args(data, runs, "--set", "train.max_steps=5"))
+    assert r.exit_code == 0, r.output
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "dlrmctl.cli", *_train_args(data, runs, "--overwrite", "--nproc", "2",
+                                                                         "--set", "train.max_steps=2")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "error" not in p.stderr, p.stdout + p.stderr
+    run = runs / "a"
+    assert not (run / REPLACED_DIR).exists()
+    steps = [json.loads(x)["step"] for x in open(run / "metrics.jsonl") if '"train"' in x]
+    assert steps == [1, 2]  # the new run's, not the old run's five
+    ckpts = sorted(n for n in os.listdir(run / "checkpoints") if n.startswith("step"))
+    assert ckpts and all(int(n.split("_")[-1]) <= 2 for n in ckpts), ckpts
+    assert list((run / "logs").rglob("SUCCESS")), "the job's torchx logs are gone"
 
 
 # ------------------------------------------------- breaker trial: other outputs that replaced what is not ours
