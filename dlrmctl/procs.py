@@ -70,6 +70,21 @@ def _cgroup_cpu_quota() -> int | None:
         return None
 
 
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's vendor string (``vendor_id`` of ``/proc/cpuinfo``: ``GenuineIntel``,
+    ``AuthenticAMD``, ...), or None where it cannot be read (not Linux, not x86)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip() or None
+                if not line.strip():  # the first processor's block ended without one
+                    return None
+    except OSError:
+        return None
+    return None
+
+
 def intra_op_threads(procs: int = 1) -> tuple[int, str]:
     """Intra-op (OpenMP) threads for each of ``procs`` processes about to start on this machine, and why.
 

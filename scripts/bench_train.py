@@ -12,7 +12,7 @@ step time spent waiting on data and on the input_dist all-to-all.
     python scripts/bench_train.py [--steps 60] [--warmup 10] [--worlds 1,2] [--variants fp32,fp32_onednn,bf16,comm_bf16]
                                   [--emb-optimizer adam]
 
-Rows per ``--variants``: ``fp32``; ``fp32_onednn`` (``train.cpu_linear: onednn``: the MLPs on
+Rows per ``--variants``: ``fp32`` (``train.cpu_linear: aten``, MKL's sgemm); ``fp32_onednn`` (``train.cpu_linear: onednn``: the MLPs on
 oneDNN's fp32 GEMM; its share uses oneDNN's own GEMM rate, measured at start by the same
 microbenchmark through ``torch.ops.mkldnn._linear_pointwise``, and a line after the table gives its
 share of torch.mm's rate too); ``bf16`` (``train.precision: bf16``, the dense part under
@@ -99,6 +99,8 @@ def run(cfg_path: str, data: str, runs: str, world: int, pipeline: str, steps: i
         cmd += ["--set", "train.precision=bf16"]
     elif variant == "fp32_onednn":
         cmd += ["--set", "train.cpu_linear=onednn"]
+    elif variant == "fp32":  # MKL's sgemm (F.linear) whatever train.cpu_linear auto picks on this CPU
+        cmd += ["--set", "train.cpu_linear=aten"]
     elif variant == "comm_bf16":
         cmd += ["--set", "sharding.comm_precision=bf16"]
     if sharding:

@@ -362,12 +362,14 @@ class TrainConfig:
     instead of being unmapped and page-faulted in again every step (bench model: about 3,000
     minor faults per step -> 140). The resident set stays at the peak step working set instead
     of shrinking between steps. No effect with another C library."""
-    cpu_linear: Literal["aten", "onednn"] = "aten"
+    cpu_linear: Literal["auto", "aten", "onednn"] = "auto"
     """The GEMM library of the MLPs' Linear layers and of DCN's cross net when training on the
-    CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds) or ``onednn`` (oneDNN's fp32
+    CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds), ``onednn`` (oneDNN's fp32
     GEMM with the bias and ReLU fused, :class:`dlrmctl.modules.dlrm.OneDNNLinear`: 2.0-2.4x
-    MKL's rate on this project's AMD CPU; fp32-accurate, not the same bits). Evaluation, bf16
-    autocast, CUDA and the export always use ``F.linear``. See
+    MKL's rate on an AMD EPYC, the same rate on an Intel Xeon; fp32-accurate, not the same bits)
+    or ``auto``: ``onednn`` on x86 CPUs other than Intel's, ``aten`` on Intel's and elsewhere
+    (by the CPU's vendor, never a timing: :func:`dlrmctl.modules.dlrm.resolve_cpu_linear`).
+    Evaluation, bf16 autocast, CUDA and the export always use ``F.linear``. See
     docs/training.md#the-cpu-gemm-library-traincpu_linear."""
     tensorboard: bool | Literal["auto"] = "auto"
     """Rank 0 also writes every metrics.jsonl record as TensorBoard scalars under

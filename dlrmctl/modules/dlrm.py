@@ -110,6 +110,41 @@ class OneDNNLinear(torch.autograd.Function):
 CPU_LINEAR_CHOICES = ("aten", "onednn")
 
 
+def resolve_cpu_linear(kind: str, vendor: str | None = None) -> tuple[str, str]:
+    """The GEMM library ``train.cpu_linear`` picks, and why.
+
+    ``aten`` and ``onednn`` are themselves.  ``auto`` is ``onednn`` on an x86 CPU that is not
+    Intel's (``vendor_id`` ``AuthenticAMD``, ``HygonGenuine``, ...) when the torch build has oneDNN's
+    linear, else ``aten``: MKL's sgemm, which ``F.linear`` calls on x86 builds, ran at 0.4-0.5x
+    oneDNN's fp32 GEMM on an AMD EPYC (the bench model trained 1.35-1.5x faster on oneDNN) and at
+    the same rate on an Intel Xeon (0.98x; benchmarks/training_throughput.md).  The choice depends
+    only on the machine, never on a timing, so a run is reproducible on it.
+
+    Args:
+        kind: ``auto``, ``aten`` or ``onednn``.
+        vendor: the CPU vendor string (default :func:`dlrmctl.procs.cpu_vendor`).
+
+    Returns:
+        ``(library, why)``: ``aten`` or ``onednn``, and a few words for the console.
+
+    Raises:
+        ValueError: ``kind`` is none of the three.
+    """
+    if kind in CPU_LINEAR_CHOICES:
+        return kind, f"train.cpu_linear {kind}"
+    if kind != "auto":
+        raise ValueError(f"train.cpu_linear: expected one of {['auto', *CPU_LINEAR_CHOICES]}, got {kind!r}")
+    if vendor is None:
+        from dlrmctl.procs import cpu_vendor
+
+        vendor = cpu_vendor()
+    if vendor is None or vendor == "GenuineIntel":
+        return "aten", f"train.cpu_linear auto: {vendor or 'CPU vendor unknown'}"
+    if not onednn_linear_available():
+        return "aten", f"train.cpu_linear auto: {vendor}, but this torch build has no oneDNN linear"
+    return "onednn", f"train.cpu_linear auto: {vendor} CPU"
+
+
 def cpu_fp32_training(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether ``module`` runs a CPU fp32 training step on ``x [B, in]``: training mode, grad
     enabled, a 2-D float32 CPU input, no autocast, not tracing / scripting (the case the CPU

@@ -34,7 +34,7 @@ from dlrmctl.distributed import comm
 from dlrmctl.distributed.env import RunEnv
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.fileio import write_text_atomic
-from dlrmctl.modules.dlrm import set_cpu_linear
+from dlrmctl.modules.dlrm import resolve_cpu_linear, set_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
 from dlrmctl.train.checkpoint import Checkpointer, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
@@ -108,9 +108,11 @@ class Trainer:
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: TrainModel = build_model(cfg, self.tables, self.num_dense, device=self.device,
                                              sparse_placeholder=env.sharded, check_ids=False)
-        if cfg.train.cpu_linear != "aten":
+        #: the GEMM library the MLPs train on (``train.cpu_linear`` resolved on this machine)
+        self.cpu_linear, cpu_linear_why = resolve_cpu_linear(cfg.train.cpu_linear)
+        if self.cpu_linear != "aten":
             try:
-                set_cpu_linear(self.model, cfg.train.cpu_linear)
+                set_cpu_linear(self.model, self.cpu_linear)
             except ValueError as e:
                 raise TrainError(str(e)) from None
         # the checkpoint a resume restores, resolved once (LATEST may move meanwhile: a run writing beside it)
@@ -124,6 +126,8 @@ class Trainer:
         self.optimizers = TrainOptimizers.for_model(self.model, cfg)
         if env.is_main:  # one line on every world size (a sharded run prints its plan beside it)
             echo(model_size_line(self.tables, self.model.dense_parameters(), cfg.model.embedding_precision))
+            if self.cpu_linear == "onednn" and self.device.type == "cpu" and cfg.train.precision == "fp32":
+                echo(f"the MLPs train on oneDNN's fp32 GEMM ({cpu_linear_why}; --set train.cpu_linear=aten: MKL's)")
         self.amp = MixedPrecision(cfg.train.precision, self.device, env.pg)
         # each input feature once, also when several tables look it up
         self.feature_names = loader_features(self.tables)

@@ -221,3 +221,54 @@ def test_dcn_cross_net_trains_on_onednn_like_aten(monkeypatch):
     b.train()
     assert b(torch.zeros(0, 240)).shape == (0, 240)  # empty batch: F.linear
     assert len(calls) == 2 * 3
+
+
+# ----------------------------------------------------------------- the default: train.cpu_linear auto
+@pytest.mark.parametrize("vendor, have_onednn, expected", [
+    ("GenuineIntel", True, "aten"),      # MKL's sgemm ran at oneDNN's rate on the Intel Xeon
+    ("AuthenticAMD", True, "onednn"),    # ... at 0.4-0.5x of it on the AMD EPYC
+    ("HygonGenuine", True, "onednn"),
+    ("AuthenticAMD", False, "aten"),     # no oneDNN linear in this torch build
+    (None, True, "aten"),                # not x86 / not Linux: torch's own default
+])
+def test_auto_picks_the_gemm_library_by_the_cpu_vendor(monkeypatch, vendor, have_onednn, expected):
+    from dlrmctl.modules.dlrm import resolve_cpu_linear
+
+    monkeypatch.setattr(dlrm_mod, "onednn_linear_available", lambda: have_onednn)
+    kind, why = resolve_cpu_linear("auto", vendor=vendor)
+    assert kind == expected and why.startswith("train.cpu_linear auto"), (kind, why)
+    assert resolve_cpu_linear("aten", vendor="AuthenticAMD")[0] == "aten"  # an explicit choice stays
+    assert resolve_cpu_linear("onednn", vendor="GenuineIntel")[0] == "onednn"
+    with pytest.raises(ValueError, match="expected one of"):
+        resolve_cpu_linear("mkl")
+
+
+def test_cpu_vendor_reads_the_first_processor(tmp_path):
+    from dlrmctl.procs import cpu_vendor
+
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n\nprocessor\t: 1\n"
+                 "vendor_id\t: AuthenticAMD\n")
+    assert cpu_vendor(str(f)) == "AuthenticAMD"
+    f.write_text("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n\n")  # aarch64: no vendor_id
+    assert cpu_vendor(str(f)) is None
+    assert cpu_vendor(str(tmp_path / "missing")) is None
+
+
+def test_the_default_config_trains_on_onednn_on_an_amd_cpu_and_says_so(tiny, tmp_path, monkeypatch, capsys):
+    """``train.cpu_linear`` defaults to ``auto``: on an AMD CPU the trainer's MLPs run oneDNN's
+    GEMM and the console says so, once, after the model line; on Intel's they stay on aten."""
+    from dlrmctl import procs
+    from dlrmctl.config import config_from_dict as cfd
+
+    assert cfd({"name": "x"}).train.cpu_linear == "auto"
+    for vendor, kind in (("AuthenticAMD", "onednn"), ("GenuineIntel", "aten")):
+        monkeypatch.setattr(procs, "cpu_vendor", lambda vendor=vendor: vendor)
+        t = _trainer(tiny, tmp_path, f"auto_{vendor}", "auto")
+        mlps = [m for m in t.model.modules() if isinstance(m, MLP)]
+        assert mlps and all(m.cpu_linear == kind for m in mlps), vendor
+        out = capsys.readouterr().out
+        lines = [x for x in out.splitlines() if "oneDNN" in x]
+        assert len(lines) == (kind == "onednn"), out
+        if lines:
+            assert "AuthenticAMD" in lines[0] and "train.cpu_linear=aten" in lines[0]
