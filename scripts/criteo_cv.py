@@ -27,6 +27,21 @@ For each split seed ``s = first_seed .. first_seed + K - 1``:
 0..N-1, run directories ``split_<s>_m<i>``) and score the mean of their logits on val and test
 (the ensemble's val AUC is then that of the mean logits at the members' best-on-val checkpoints).
 
+``--train-rows N[,N...]`` (repeatable; ``all`` = the split's whole train part, the default): a
+learning curve.  Each split is preprocessed once; for each size N, steps 2-4 run on
+``WORK/data_<s>_n<N>``, the split's directory with N of its train rows
+(:func:`derive_train_subsample`: the first N of a permutation seeded by the split seed, so the
+2,500 rows are a subset of the 5,000; the vocabulary rebuilt on the kept rows with the same
+frequency threshold, as preprocessing only them would build it; val and test rows unchanged).
+DLRM and LR both read that directory; the runs are ``split_<s>_n<N>``.  Every size is checked
+against each split's train rows (counted by the split rule) before any work.  The output then
+has one section per size and a learning-curve table: train rows, DLRM and LR mean test AUC ± SE,
+the paired difference ± SE, splits::
+
+    python scripts/criteo_cv.py --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
+        --input ../shared/data/criteo/criteo_kaggle_train_lines2000_10000.tsv --config configs/criteo_18k.yaml \\
+        --splits 10 --train-rows 2500,5000,10000,all
+
 The script sets ``data.path``, ``name``, ``train.run_dir`` and ``train.progress`` of every run
 itself (and ``train.seed`` with ``--ensemble`` > 1): a ``--set`` of one of them is refused.
 
@@ -37,7 +52,7 @@ console output (its epoch, evaluation and best-checkpoint lines, warnings) goes 
 
 Printed (and written to ``--out`` as Markdown, and as JSON next to it, each through a temp file
 renamed into place): one row per split (rows, DLRM val / test AUC, LR val / test AUC, test
-difference), then
+difference; a section per train size), then
 
 * the mean paired difference ``mean_s(DLRM_s - LR_s)`` and its standard error
   ``std_s(.) / sqrt(K)`` (sample std, ddof 1): both models see the same rows of a split, so the
@@ -48,12 +63,17 @@ difference), then
   can be a test row of several splits; the models of different splits are scored on one scale,
   so it also measures their calibration across splits).
 
+With ``--out`` the table of the splits done so far is written after each split from the second
+on (marked **partial**, ``"partial": true`` in the JSON), so a run stopped early leaves the
+table of its finished splits; the last split replaces it with the whole one.
+
 Errors (one ``error: ...`` line on stderr, exit status 2), all arguments checked before any split
 is preprocessed: a missing input file or config, ``--splits`` < 2 (no standard error from one
 split), ``--ensemble`` / ``--threads`` < 1, ``--first-seed`` < 0, ``--val-ratio`` or ``--test-ratio``
 not in (0, 1) or summing to >= 1 (both splits are needed: val chooses, test scores), a bad ``--C``,
 a bad ``--set`` (the config's own error) or one of the keys the script sets, an ``--out`` ending
-``.json``.  An error the
+``.json``, a ``--train-rows`` entry that is not an integer >= 1 or ``all``, or a size above the
+train rows of one of the splits.  An error the
 preprocessing, the trainer or the evaluator raises for the data or the configuration
 (``ConfigError``, ``TrainError``, ``PlannerError``, ``DataError``, ...) is one line naming the split
 and the ``--set`` overrides, exit status 2.  Needs scikit-learn.

@@ -392,3 +392,35 @@ def test_train_rows_out_of_range_is_one_line_before_any_work(head_100, tmp_path,
     from dlrmctl.data.columnar import read_meta
 
     assert read_meta(str(tmp_path / "d0"))["splits"]["train"]["rows"] == have[0]
+
+
+def test_a_run_stopped_early_leaves_the_table_of_its_finished_splits(tmp_path, capsys, monkeypatch):
+    """With --out, after each split from the second on the splits done so far are written (marked
+    partial): a run that fails (or is stopped) at split 2 of 3 leaves the table of splits 0 and 1."""
+    cv = _script()
+    tsv = tmp_path / "x.tsv"
+    tsv.write_text("".join(f"{i % 2}\t" + "\t" * 38 + "\n" for i in range(400)))
+    rng = np.random.default_rng(0)
+
+    def fake_split(config, overrides, input_file, work, seed, *a, train_rows=None, **k):
+        if seed == 2:
+            raise ValueError("stopped here")
+        y = rng.integers(0, 2, 50).astype(np.float64)
+        return {"seed": seed, "size": cv.size_label(train_rows), "train_rows": train_rows or 280, "test_rows": 50,
+                "dlrm_val_auc": 0.7, "dlrm_test_auc": 0.7 + seed / 100, "lr_val_auc": 0.7, "lr_test_auc": 0.7,
+                "C": 0.1, "dlrm_test_logits": rng.normal(size=50), "lr_test_logits": rng.normal(size=50),
+                "test_labels": y}
+
+    monkeypatch.setattr(cv, "run_split", fake_split)
+    out = tmp_path / "cv.md"
+    with pytest.raises(SystemExit) as e:
+        cv.main(_argv(tsv, tmp_path / "w", "--splits", "3", "--train-rows", "100,all", "--out", str(out)))
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress lines of splits 0, 1
+    assert last.startswith("error: split 2, --train-rows 100") and "stopped here" in last
+    text = out.read_text()
+    assert "**partial**: 2 of 3 splits" in text and "### learning curve" in text
+    assert "| 100 | 0.7050 ± 0.0050 | 0.7000 ± 0.0000 | +0.0050 ± 0.0050 | 2 |" in text
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["partial"] is True and [(r["seed"], r["size"]) for r in saved["rows"]] == [
+        (0, "100"), (0, "all"), (1, "100"), (1, "all")]
