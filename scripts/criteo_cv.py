@@ -369,59 +369,63 @@ def derive_train_subsample(src: str | os.PathLike, dst: str | os.PathLike, n: in
     vocab_mode = (meta.get("transforms") or {}).get("sparse", {}).get("mode") == "vocab"
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "vocab").mkdir(parents=True)
-    new_sparse, maps = [], {}
-    total = sum(t.num_rows for t in tables.values())
-    for f in sparse:
-        f = dict(f)
-        name, old_missing = f["name"], int(f["missing_id"])
-        if vocab_mode:
-            v = int(f["oov_id"])
-            t = int(meta["transforms"]["sparse"]["frequency_threshold"])
-            with pa.memory_map(str(src / meta["vocab_files"][name])) as fh:
-                vocab = ipc.open_file(fh).read_all()
-            values = vocab.column("value").to_numpy()
-            if len(values) != v:
-                raise ValueError(f"{src / meta['vocab_files'][name]}: {len(values)} values, but meta.json "
-                                 f"says oov_id {v} for {name}; re-run preprocessing")
-            counts = np.bincount(tables["train"].column(name).to_numpy(), minlength=v + 2)[:v]
-            ids = np.flatnonzero(counts >= t)
-            ids = ids[np.lexsort((values[ids], -counts[ids]))]  # most frequent first, ties by value
-            nv = len(ids)
-            m = np.full(v + 2, nv, dtype=np.int64)  # old in-vocab ids under the threshold, and old oov -> oov
-            m[ids] = np.arange(nv)
-            m[v + 1] = nv + 1  # missing stays missing
-            maps[name] = m
-            vt = pa.table({"value": pa.array(values[ids], pa.int64()), "count": pa.array(counts[ids], pa.int64())})
-            with pa.OSFile(str(tmp / meta["vocab_files"][name]), "wb") as sink, ipc.new_file(sink, vt.schema) as w:
-                w.write_table(vt)
-            f.update(num_embeddings=nv + 2, oov_id=nv, missing_id=nv + 1)
-            f.pop("distinct_train_values", None)
-        missing = sum(int(np.count_nonzero(tb.column(name).to_numpy() == old_missing)) for tb in tables.values())
-        f["missing_fraction"] = missing / total if total else 0.0
-        new_sparse.append(f)
-    out_meta = dict(meta)
-    out_meta["splits"] = {}
-    out_meta["ctr"] = dict(meta.get("ctr") or {})
-    for s, tb in tables.items():
-        cols = {c: tb.column(c).to_numpy() for c in tb.schema.names}
-        for name, m in maps.items():
-            cols[name] = m[cols[name]]
-        rel = f"parts/subsample/{s}.arrow"
-        write_split_shard(tmp / rel, cols, tb.schema)
-        out_meta["splits"][s] = {"rows": int(tb.num_rows), "files": [rel]}
-        if s == "train" and meta.get("label"):
-            out_meta["ctr"]["train"] = float(np.mean(cols[LABEL_COLUMN])) if tb.num_rows else None
-    out_meta["sparse_features"] = new_sparse
-    out_meta["transforms"] = dict(meta.get("transforms") or {}, train_subsample={
-        "rows": int(n), "of": int(of), "seed": int(seed), "source": str(src),
-        "rule": "train = the first `rows` of numpy.random.default_rng(seed).permutation(of) of the source's "
-                "train rows (file order kept); val, test = the source's"
-                + ("; vocabulary rebuilt on the kept train rows with the same frequency threshold" if vocab_mode
-                   else "")})
-    if not vocab_mode:
-        shutil.rmtree(tmp / "vocab")
-    write_meta(tmp, out_meta)
+    try:
+        (tmp / "vocab").mkdir(parents=True)
+        new_sparse, maps = [], {}
+        total = sum(t.num_rows for t in tables.values())
+        for f in sparse:
+            f = dict(f)
+            name, old_missing = f["name"], int(f["missing_id"])
+            if vocab_mode:
+                v = int(f["oov_id"])
+                t = int(meta["transforms"]["sparse"]["frequency_threshold"])
+                with pa.memory_map(str(src / meta["vocab_files"][name])) as fh:
+                    vocab = ipc.open_file(fh).read_all()
+                values = vocab.column("value").to_numpy()
+                if len(values) != v:
+                    raise ValueError(f"{src / meta['vocab_files'][name]}: {len(values)} values, but meta.json "
+                                     f"says oov_id {v} for {name}; re-run preprocessing")
+                counts = np.bincount(tables["train"].column(name).to_numpy(), minlength=v + 2)[:v]
+                ids = np.flatnonzero(counts >= t)
+                ids = ids[np.lexsort((values[ids], -counts[ids]))]  # most frequent first, ties by value
+                nv = len(ids)
+                m = np.full(v + 2, nv, dtype=np.int64)  # old in-vocab ids under the threshold, and old oov -> oov
+                m[ids] = np.arange(nv)
+                m[v + 1] = nv + 1  # missing stays missing
+                maps[name] = m
+                vt = pa.table({"value": pa.array(values[ids], pa.int64()), "count": pa.array(counts[ids], pa.int64())})
+                with pa.OSFile(str(tmp / meta["vocab_files"][name]), "wb") as sink, ipc.new_file(sink, vt.schema) as w:
+                    w.write_table(vt)
+                f.update(num_embeddings=nv + 2, oov_id=nv, missing_id=nv + 1)
+                f.pop("distinct_train_values", None)
+            missing = sum(int(np.count_nonzero(tb.column(name).to_numpy() == old_missing)) for tb in tables.values())
+            f["missing_fraction"] = missing / total if total else 0.0
+            new_sparse.append(f)
+        out_meta = dict(meta)
+        out_meta["splits"] = {}
+        out_meta["ctr"] = dict(meta.get("ctr") or {})
+        for s, tb in tables.items():
+            cols = {c: tb.column(c).to_numpy() for c in tb.schema.names}
+            for name, m in maps.items():
+                cols[name] = m[cols[name]]
+            rel = f"parts/subsample/{s}.arrow"
+            write_split_shard(tmp / rel, cols, tb.schema)
+            out_meta["splits"][s] = {"rows": int(tb.num_rows), "files": [rel]}
+            if s == "train" and meta.get("label"):
+                out_meta["ctr"]["train"] = float(np.mean(cols[LABEL_COLUMN])) if tb.num_rows else None
+        out_meta["sparse_features"] = new_sparse
+        out_meta["transforms"] = dict(meta.get("transforms") or {}, train_subsample={
+            "rows": int(n), "of": int(of), "seed": int(seed), "source": str(src),
+            "rule": "train = the first `rows` of numpy.random.default_rng(seed).permutation(of) of the source's "
+                    "train rows (file order kept); val, test = the source's"
+                    + ("; vocabulary rebuilt on the kept train rows with the same frequency threshold" if vocab_mode
+                       else "")})
+        if not vocab_mode:
+            shutil.rmtree(tmp / "vocab")
+        write_meta(tmp, out_meta)
+    except BaseException:  # no half-built copy left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(dst, ignore_errors=True)
     os.replace(tmp, dst)
     return {"rows": int(n), "of": int(of)}
@@ -555,13 +559,15 @@ def render(rows: list[dict], s: dict, command: str | None) -> str:
 
 def render_curve(curve: list[dict]) -> str:
     """The learning-curve table: one line per train size (``curve``: ``[{"size", "summary"}]``)."""
-    lines = ["| train rows | DLRM test AUC (mean ± SE) | LR test AUC (mean ± SE) | paired DLRM - LR (mean ± SE) | splits |",
+    lines = ["| train rows | DLRM test AUC (mean ± SE) | LR test AUC (mean ± SE) | "
+             "paired DLRM - LR (mean ± SE) | splits |",
              "|---|---|---|---|---|"]
     for c in curve:
         s = c["summary"]
         rows = _rows_text(s) + (" (all)" if c["size"] == ALL else "")
         lines.append(f"| {rows} | {s['dlrm_test_mean']:.4f} ± {s['dlrm_test_se']:.4f} | "
-                     f"{s['lr_test_mean']:.4f} ± {s['lr_test_se']:.4f} | {s['diff_mean']:+.4f} ± {s['diff_se']:.4f} | "
+                     f"{s['lr_test_mean']:.4f} ± {s['lr_test_se']:.4f} | "
+                     f"{s['diff_mean']:+.4f} ± {s['diff_se']:.4f} | "
                      f"{s['splits']} |")
     return "\n".join(lines) + "\n"
 

@@ -424,3 +424,20 @@ def test_a_run_stopped_early_leaves_the_table_of_its_finished_splits(tmp_path, c
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["partial"] is True and [(r["seed"], r["size"]) for r in saved["rows"]] == [
         (0, "100"), (0, "all"), (1, "100"), (1, "all")]
+
+
+def test_a_failed_subsample_leaves_no_partial_copy(head_100, tmp_path):
+    """A source whose vocabulary disagrees with its meta.json: one ValueError naming the file, and
+    neither the copy nor its temp directory left behind."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    cv = _script()
+    src = tmp_path / "data_0"
+    cv.preprocess_split(str(head_100), src, 0, 0.15, 0.15)
+    vt = pa.table({"value": pa.array([], pa.int64()), "count": pa.array([], pa.int64())})
+    with pa.OSFile(str(src / "vocab" / "C2.arrow"), "wb") as sink, ipc.new_file(sink, vt.schema) as w:
+        w.write_table(vt)
+    with pytest.raises(ValueError, match="C2.arrow: 0 values.*re-run preprocessing"):
+        cv.derive_train_subsample(src, tmp_path / "data_0_n10", 10, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data_0"]
