@@ -256,8 +256,8 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     check_split_ratios(val_ratio, test_ratio)
-    if zipf_alpha <= 0:
-        raise ValueError(f"--zipf-alpha must be > 0, got {zipf_alpha}")
+    if not zipf_alpha > 0 or zipf_alpha == float("inf"):  # nan and inf too
+        raise ValueError(f"--zipf-alpha must be a finite number > 0, got {zipf_alpha}")
     if num_embeddings is None:
         cards = list(DEFAULT_SYNTHETIC_CARDINALITIES)
     elif isinstance(num_embeddings, int):

@@ -80,3 +80,14 @@ def test_a_damaged_export_manifest_is_one_line(tmp_path):
 def test_a_local_launch_above_the_machines_limit_is_refused(tmp_path, data, monkeypatch):
     monkeypatch.setenv("DLRMCTL_MAX_LOCAL_PROCS", "4")
     one_error_line(["launch", _config(tmp_path, data), "--nproc", 64], "--nproc 64", "4")
+
+
+@pytest.mark.parametrize("option, value", [("--zipf-alpha", "nan"), ("--zipf-alpha", "inf"), ("--val-ratio", "nan"),
+                                           ("--interaction-std", "nan")])
+def test_a_non_finite_number_option_is_one_line(tmp_path, option, value):
+    """click's float type takes ``nan`` and ``inf``; ``--zipf-alpha nan`` passed the ``<= 0`` check and
+    made a dataset of nan sampling weights."""
+    extra = ["--interaction-features", "C1,C2"] if option == "--interaction-std" else []
+    one_error_line(["preprocess", "synthetic", "--out", str(tmp_path / "o"), "--rows", "10", option, value, *extra],
+                   option, value)
+    assert not (tmp_path / "o").exists()
