@@ -31,7 +31,7 @@ from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, wei
 from dlrmctl.console import echo
 from dlrmctl.data.batch import Batch
 from dlrmctl.distributed import comm
-from dlrmctl.distributed.env import RunEnv
+from dlrmctl.distributed.env import RunEnv, apply_matmul_precision
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.dlrm import set_cpu_linear
@@ -97,6 +97,7 @@ class Trainer:
         self.env = env
         self.run_dir = run_dir
         self.device = env.device
+        apply_matmul_precision(self.device, cfg.train.tf32)  # TF32 GEMMs on CUDA (train.tf32); cpu: nothing
         self.meta = read_data_meta(cfg)
         if self.meta is None:
             raise TrainError(
