@@ -466,6 +466,16 @@ def _served(local_rank: int, local_world_size: int, world_size: int) -> list[int
     return list(range(local_rank, world_size, local_world_size))
 
 
+def _block_permutation(starts: Sequence[int], lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 ``[sum(lengths)]``: rows ``starts[0] .. starts[0]+lengths[0]-1``, then block 1's, ...
+    built on ``device`` from two small host lists (one copy each, no host sync)."""
+    n = int(sum(lengths))
+    lens = host_to_device(lengths, torch.int64, device)
+    first = host_to_device(starts, torch.int64, device)
+    within = torch.arange(n, device=device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens, output_size=n)
+    return within + torch.repeat_interleave(first, lens, output_size=n)
+
+
 class _HierarchicalReduceAllToAll(torch.autograd.Function):
     """Forward / backward of :func:`hierarchical_reduce_all_to_all` (plan in its docstring)."""
 
@@ -484,8 +494,7 @@ class _HierarchicalReduceAllToAll(torch.autograd.Function):
         n_mine = sum(bs[r] for r in mine)
         # step 1 (inside the host): rows of the destinations each local peer serves, peer by peer
         order = [r for lp in range(L) for r in _served(lp, L, W)]
-        perm = torch.cat([torch.arange(row_off[r], row_off[r + 1], device=inp.device) for r in order]) \
-            if order else torch.zeros(0, dtype=torch.int64, device=inp.device)
+        perm = _block_permutation([row_off[r] for r in order], [bs[r] for r in order], inp.device)
         in1, out1 = [0] * W, [0] * W
         for lp in range(L):
             p = h * L + lp
