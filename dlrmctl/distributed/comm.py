@@ -523,9 +523,8 @@ class _HierarchicalReduceAllToAll(torch.autograd.Function):
         recv2 = recv2.to(inp.dtype)
         ctx.save_for_backward(perm)
         ctx.meta = (bs, L, peer_cols, host_widths, pg, qdtype, inp.dtype, in1, out1, in2, out2, n_mine, w_me)
-        blocks = [blk.view(bs[me], D) for blk, D in zip(torch.split(recv2, [out2[hp * L + l] for hp in range(len(host_widths))]),
-                                                         host_widths)]
-        return torch.cat(blocks, dim=1)
+        per_host = torch.split(recv2, [out2[hp * L + l] for hp in range(len(host_widths))])
+        return torch.cat([blk.view(bs[me], D) for blk, D in zip(per_host, host_widths)], dim=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]

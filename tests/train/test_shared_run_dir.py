@@ -48,7 +48,8 @@ def _trainer_worker(env, paths):
     from dlrmctl.errors import UserError
     from dlrmctl.train.trainer import Trainer
 
-    cfg = config_from_dict({"data": {"path": "/nonexistent/data"}, "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8]},
+    cfg = config_from_dict({"data": {"path": "/nonexistent/data"},
+                            "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8]},
                             "train": {"run_dir": os.path.dirname(paths[env.rank])}})
     try:
         Trainer(cfg, RunEnv(env.rank, 2, 1, torch.device("cpu"), env), paths[env.rank])
