@@ -53,6 +53,22 @@ def default_gpus_per_proc(config: str, overrides: list[str]) -> tuple[int, str]:
                + "; --gpus-per-proc 0 for CPU-only nodes")
 
 
+def shared_run_dir_note(config: str, overrides: list[str], nnodes: int) -> str | None:
+    """The pre-launch line of a job over several nodes: ``train.run_dir`` must be on a filesystem
+    every node mounts at the same path (every rank writes its checkpoint shards into the directory
+    rank 0 creates; the run checks it at start).  None for one node."""
+    if nnodes <= 1:
+        return None
+    from dlrmctl.config import ConfigError, load_config
+
+    try:
+        where = f"train.run_dir ({load_config(config, overrides).train.run_dir})"
+    except ConfigError:
+        where = "train.run_dir"
+    return (f"note: {nnodes} nodes: {where} must be on a filesystem every node mounts at the same path "
+            "(every rank writes its checkpoint shards there; the run checks it before the first step)")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def launch(
@@ -107,6 +123,9 @@ def register(app: typer.Typer) -> None:
         if gpus_per_proc is None:
             gpus_per_proc, why = default_gpus_per_proc(config, set_)
             echo(f"GPUs per process: {gpus_per_proc} ({why})", err=True)
+        note = shared_run_dir_note(config, set_, nnodes) if scheduler != "local_cwd" else None
+        if note:  # local_cwd: every "node" is this machine
+            echo(note, err=True)
         cfg = _parse_scheduler_cfg(scheduler_arg)
         if scheduler == "kubernetes":
             cfg.setdefault("queue", "default")

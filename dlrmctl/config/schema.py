@@ -346,6 +346,11 @@ class TrainConfig:
     model). Bit-identical losses. See docs/distributed.md#stream-ordering."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``cuda`` (an error without a GPU), ``cpu``, or ``auto``: CUDA when torch sees a GPU."""
+    tf32: bool = True
+    """Training on CUDA: fp32 GEMMs (the MLPs, DCN's cross net) and cuDNN run on TF32 tensor cores
+    (``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``); false:
+    plain fp32 (``"highest"``). The evaluation during training, ``dlrmctl evaluate`` and the export
+    run at full fp32 either way; ignored on the CPU. See docs/training.md#tf32-on-cuda."""
     progress: bool = True
     """Rank 0 shows progress: a tqdm bar on a terminal; without one, a line every
     ``progress_every_s`` seconds with step, samples/s and the latest loss read."""

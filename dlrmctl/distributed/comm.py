@@ -25,6 +25,9 @@ buffers on the current CUDA device for NCCL and on the CPU for gloo.
   (row-wise output dist).  On NCCL the real ``reduce_scatter``; elsewhere (gloo)
   an all-to-all of the row blocks followed by a local sum.  Backward is the
   matching all-gather.
+* :func:`hierarchical_reduce_all_to_all` — table_row_wise across hosts: partial sums are
+  added inside each host first (an all-to-all with intra-host splits only), then one summed
+  block per destination crosses hosts (``1/L`` of the flat scheme's inter-host bytes).
 * :func:`all_to_all_ints` — the (non-differentiable) exchange of ids / lengths,
   optionally asynchronous.
 * :class:`GradBucketReducer` — DDP-style bucketed SUM all-reduce of replicated
@@ -455,6 +458,150 @@ def reduce_scatter_v(
         # partial saturates below it: fp16 partial sums travel by all-to-all and are summed in fp32
         use_collective = False
     return _ReduceScatterV.apply(inp, [int(b) for b in batch_sizes], pg, bool(use_collective), qdtype)
+
+
+def _served(local_rank: int, local_world_size: int, world_size: int) -> list[int]:
+    """Global ranks served by the owner of local rank ``local_rank`` in the hierarchical
+    output dist: ``r`` with ``r mod L == local_rank`` (one per host, ascending)."""
+    return list(range(local_rank, world_size, local_world_size))
+
+
+def _block_permutation(starts: Sequence[int], lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 ``[sum(lengths)]``: rows ``starts[0] .. starts[0]+lengths[0]-1``, then block 1's, ...
+    built on ``device`` from two small host lists (one copy each, no host sync)."""
+    n = int(sum(lengths))
+    lens = host_to_device(lengths, torch.int64, device)
+    first = host_to_device(starts, torch.int64, device)
+    within = torch.arange(n, device=device) - torch.repeat_interleave(lens.cumsum(0) - lens, lens, output_size=n)
+    return within + torch.repeat_interleave(first, lens, output_size=n)
+
+
+class _HierarchicalReduceAllToAll(torch.autograd.Function):
+    """Forward / backward of :func:`hierarchical_reduce_all_to_all` (plan in its docstring)."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, bs: list[int], L: int, peer_cols: list[torch.Tensor],  # type: ignore[override]
+                host_widths: list[int], pg, qdtype: torch.dtype | None) -> torch.Tensor:
+        W, me = len(bs), dist.get_rank(pg)
+        h, l = divmod(me, L)
+        w_me = inp.shape[1]
+        D_h = host_widths[h]
+        peer_w = [int(c.numel()) for c in peer_cols]
+        row_off = [0]
+        for b in bs:
+            row_off.append(row_off[-1] + b)
+        mine = _served(l, L, W)
+        n_mine = sum(bs[r] for r in mine)
+        # step 1 (inside the host): rows of the destinations each local peer serves, peer by peer
+        order = [r for lp in range(L) for r in _served(lp, L, W)]
+        perm = _block_permutation([row_off[r] for r in order], [bs[r] for r in order], inp.device)
+        in1, out1 = [0] * W, [0] * W
+        for lp in range(L):
+            p = h * L + lp
+            in1[p] = sum(bs[r] for r in _served(lp, L, W)) * w_me
+            out1[p] = n_mine * peer_w[lp]
+        send1 = to_wire(inp.index_select(0, perm), qdtype).reshape(-1)
+        recv1 = send1.new_empty(sum(out1))
+        dist.all_to_all_single(recv1, send1, out1, in1, group=pg)
+        recv1 = recv1.to(inp.dtype)  # decoded: the partial sums are added at full precision
+        summed = inp.new_zeros(n_mine, D_h)
+        off = 0
+        for lp in range(L):
+            n = n_mine * peer_w[lp]
+            if n:
+                summed.index_add_(1, peer_cols[lp], recv1[off : off + n].view(n_mine, peer_w[lp]))
+            off += n
+        # step 2 (across hosts, one block per destination): the summed rows to the ranks served
+        in2, out2 = [0] * W, [0] * W
+        for r in mine:
+            in2[r] = bs[r] * D_h
+        for hp, D in enumerate(host_widths):
+            out2[hp * L + l] = bs[me] * D
+        send2 = to_wire(summed, qdtype).reshape(-1)
+        recv2 = send2.new_empty(sum(out2))
+        dist.all_to_all_single(recv2, send2, out2, in2, group=pg)
+        recv2 = recv2.to(inp.dtype)
+        ctx.save_for_backward(perm)
+        ctx.meta = (bs, L, peer_cols, host_widths, pg, qdtype, inp.dtype, in1, out1, in2, out2, n_mine, w_me)
+        per_host = torch.split(recv2, [out2[hp * L + l] for hp in range(len(host_widths))])
+        return torch.cat([blk.view(bs[me], D) for blk, D in zip(per_host, host_widths)], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (perm,) = ctx.saved_tensors
+        bs, L, peer_cols, host_widths, pg, qdtype, dtype, in1, out1, in2, out2, n_mine, w_me = ctx.meta
+        me = dist.get_rank(pg)
+        h = me // L
+        gscale = grad_wire_scale(qdtype, sum(bs))
+        g = to_wire(grad.contiguous(), qdtype, gscale)  # encoded once; forwarded as it is
+        # reverse step 2: each host's columns back to the owner that served this rank
+        send2 = torch.cat([blk.reshape(-1) for blk in torch.split(g, host_widths, dim=1)])
+        recv2 = send2.new_empty(sum(in2))
+        dist.all_to_all_single(recv2, send2, in2, out2, group=pg)
+        d_summed = recv2.view(n_mine, host_widths[h])
+        # reverse step 1: the gradient of a sum is the same block for every addend (its columns)
+        send1 = torch.cat([d_summed.index_select(1, c).reshape(-1) for c in peer_cols])
+        recv1 = send1.new_empty(sum(in1))
+        dist.all_to_all_single(recv1, send1, in1, out1, group=pg)
+        back = recv1.to(dtype)
+        if gscale != 1.0:
+            back.mul_(1.0 / gscale)  # exact: a power of two
+        out = back.new_empty(sum(bs), w_me)
+        out.index_copy_(0, perm, back.view(sum(bs), w_me))
+        return out, None, None, None, None, None, None
+
+
+def hierarchical_reduce_all_to_all(
+    inp: torch.Tensor, batch_sizes: Sequence[int], local_world_size: int, peer_cols: Sequence[torch.Tensor],
+    host_widths: Sequence[int], pg: dist.ProcessGroup | None, qdtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Differentiable two-level output dist of row-sharded partial sums (table_row_wise across
+    hosts; TorchRec's intra-host reduce-scatter + cross-host all-to-all).
+
+    The ``L = local_world_size`` ranks of a host each hold a row shard of the host's tables and
+    partial sums of their columns for every source's samples.  Destination rank ``r`` is served
+    by the owner of local rank ``r mod L`` of each host:
+
+    1. inside the host: every owner sends each local peer the rows of the destinations that peer
+       serves (an all-to-all whose splits are zero outside the host); the peer adds the ``L``
+       blocks into the host's column space;
+    2. across hosts: every owner sends each destination it serves its summed block (a non-zero
+       split only to the ``W / L`` ranks of its local rank, one of them itself).
+
+    Bytes leaving a host are ``1/L`` of the flat all-to-all of partial sums.  Backward is the
+    reverse (the summed block's gradient, selected per peer's columns, goes back through step 1).
+    Both steps use the collective's own group (``pg``) with zero splits, so no extra process
+    group is created.
+
+    Args:
+        inp: ``[sum(batch_sizes), w]`` float, this rank's partial sums (rows: every source's
+            samples in rank order, columns: its own ``w`` host columns).
+        batch_sizes: every rank's local batch size.
+        local_world_size: ``L``, ranks per host (contiguous blocks of ranks).
+        peer_cols: per local rank ``l`` of this rank's host, int64 ``[w_l]`` on ``inp``'s device:
+            the position of each of its columns in the host's column space (``host_widths[h]``);
+            ``peer_cols[this local rank].numel() == w``.
+        host_widths: ``D_h`` per host: the width of host ``h``'s column space.
+        qdtype: wire dtype (``sharding.comm_precision``, see :func:`pooled_all_to_all`): partial
+            sums are decoded and added at full precision and the sum encoded again (one rounding
+            per step forward); the gradient is encoded once (fp16: times
+            :func:`grad_wire_scale`) and decoded at the owners.
+
+    Returns:
+        ``[batch_sizes[rank], sum(host_widths)]`` in ``inp``'s dtype: host 0's summed columns
+        (in its column space order), then host 1's, ...
+
+    Raises:
+        ValueError: ``local_world_size`` does not divide the group size.
+    """
+    if pg is None:
+        return inp
+    W = dist.get_world_size(pg)
+    L = int(local_world_size)
+    if L <= 0 or W % L:
+        raise ValueError(f"local_world_size {L} must divide the group size {W}")
+    return _HierarchicalReduceAllToAll.apply(inp, [int(b) for b in batch_sizes], L, list(peer_cols),
+                                             [int(x) for x in host_widths], pg, qdtype)
 
 
 # ------------------------------------------------------- gradient all-reduce

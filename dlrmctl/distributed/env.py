@@ -23,6 +23,7 @@ so that one machine can pretend to be several hosts (4 ranks = 2 "hosts" x 2).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -274,3 +275,46 @@ def device_planning_preset(device: torch.device) -> tuple[str, float | None] | N
     name = torch.cuda.get_device_name(device)
     preset = next((p for key, p in _GPU_PRESET_BY_NAME if key in name), "h100")
     return preset, torch.cuda.get_device_properties(device).total_memory / 1e9
+
+
+def apply_matmul_precision(device: torch.device | str, tf32: bool) -> str | None:
+    """``train.tf32``: let fp32 GEMMs and convolutions of training on ``device`` use TF32 tensor cores.
+
+    On a CUDA device: ``torch.set_float32_matmul_precision("high")`` (fp32 matmuls, i.e. the
+    MLPs' and DCN's Linear layers, on TF32 tensor cores: 10-bit mantissa inputs, fp32
+    accumulation) and ``torch.backends.cudnn.allow_tf32 = True`` with ``tf32``; ``"highest"``
+    and ``False`` without (plain fp32 cores).  The setting is process-wide.  On any other device
+    nothing is changed (TF32 is a CUDA tensor-core format) and ``None`` is returned.
+
+    Args:
+        device: the training device.
+        tf32: allow TF32.
+
+    Returns:
+        the float32 matmul precision now in force on CUDA (``"high"`` | ``"highest"``), else ``None``.
+    """
+    if torch.device(device).type != "cuda":
+        return None
+    precision = "high" if tf32 else "highest"
+    torch.set_float32_matmul_precision(precision)
+    torch.backends.cudnn.allow_tf32 = bool(tf32)
+    return precision
+
+
+@contextlib.contextmanager
+def full_fp32_matmul(device: torch.device | str):
+    """Inside the block, fp32 GEMMs on a CUDA ``device`` run at full fp32 precision (``"highest"``,
+    cuDNN without TF32), whatever :func:`apply_matmul_precision` set; restored on exit.  The
+    evaluation during training uses it, so its metrics are those ``dlrmctl evaluate`` computes.
+    No-op on other devices."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    before, cudnn_before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.backends.cudnn.allow_tf32 = cudnn_before

@@ -16,7 +16,8 @@ One step, whatever the mix of sharding types (one group per type):
 2. lookup — each type's local :class:`GroupedEmbeddingLookup` (FBGEMM TBE with
    the optimizer fused in backward, or torch EmbeddingBag).
 3. ``output_dist`` — **one** differentiable all-to-all of the pooled blocks of
-   all types (on NCCL row-wise uses ``reduce_scatter`` instead); each type
+   all types (on NCCL row-wise uses ``reduce_scatter`` instead; table_row_wise
+   across hosts its own two-level reduce, ``twrw_sharding.py``); each type
    combines its blocks (concatenate / sum, then mean), one column permutation
    puts the result in table order.
 
@@ -239,6 +240,11 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         comm_precision: ``fp32`` | ``bf16`` | ``fp16``: quantized output_dist (TorchRec's qcomm):
             the pooled embeddings and, in backward, their gradients travel in this precision
             (:func:`~dlrmctl.distributed.comm.pooled_all_to_all`, ``reduce_scatter_v``).
+        twrw_hierarchical: table_row_wise output dist in two levels (sum inside the host, then
+            one block per destination across hosts:
+            :func:`~dlrmctl.distributed.comm.hierarchical_reduce_all_to_all`) instead of the
+            flat pooled all-to-all of partial sums.  Default (``None``): when the world spans
+            more than one host of more than one rank.
 
     Forward:
         ``features``: KJT with every feature of every table, int64 global ids,
@@ -265,6 +271,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         input_dist_dtype: torch.dtype | None = None,
         on_invalid_id: str = "error",
         comm_precision: str = "fp32",
+        twrw_hierarchical: bool | None = None,
     ) -> None:
         super().__init__(tables, is_weighted, check_ids, on_invalid_id)
         #: wire dtype of the pooled embeddings' output_dist and its gradient in training (None: fp32,
@@ -291,9 +298,17 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             for g in groups:
                 if g.row_wise:
                     g.use_reduce_scatter = bool(reduce_scatter and g._same_layout)  # type: ignore[attr-defined]
+        if twrw_hierarchical is not None:
+            for g in groups:
+                if isinstance(g, TwRwSharding):
+                    g.hierarchical = bool(twrw_hierarchical)
         self.groups = nn.ModuleList(groups)
         self._comm = [i for i, g in enumerate(groups) if g.needs_comm]
-        self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)]
+        #: groups with an output dist of their own (table_row_wise across hosts), done before returning
+        self._own_out = [i for i in self._comm if getattr(groups[i], "hierarchical", False)
+                         and not getattr(groups[i], "use_reduce_scatter", False)]
+        self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)
+                         and i not in self._own_out]
         self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
         self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._embedding_names)))
         # where each column of each group output tensor goes in the table-ordered output
@@ -485,8 +500,10 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
                                               self.output_dist_dtype)
             else:
                 a2a = DoneAwaitable([[looked[i] for i in self._a2a_out]])
+        for i in self._own_out:
+            results[i] = groups[i].output_dist(looked[i], bs, ctx.local_kjts[i], self.output_dist_dtype)
         for i in self._comm:
-            if i in self._a2a_out:
+            if i in self._a2a_out or i in self._own_out:
                 continue
             g = groups[i]
             reduced = reduce_scatter_v(looked[i], bs, self.env.pg, use_collective=True, qdtype=self.output_dist_dtype)

@@ -36,10 +36,19 @@ several hosts: a flat all-to-all is bounded by its slowest link).
 * output_dist — one differentiable all-to-all of fp32 pooled blocks forward, the
   same bytes back in backward (``pooled_all_to_all``).  A row shard sends *full*
   partial sums for every sample (flat all-to-all + local sum: table_row_wise on
-  every backend, row_wise on gloo; row_wise on NCCL uses ``reduce_scatter`` /
+  one host, row_wise on gloo; row_wise on NCCL uses ``reduce_scatter`` /
   ``all_gather`` of the same buffer)::
 
       out = B*R*c*O     (c = d for row shards)
+
+  Of these, the bytes that cross hosts (:attr:`CommBytes.output_inter_host`; ``H = W/L``
+  hosts) are ``out*(W-L)/W`` for a flat all-to-all (the samples of the other hosts' ranks).
+  table_row_wise across hosts of ``L > 1`` ranks is two-level
+  (``comm.hierarchical_reduce_all_to_all``): the ``out`` bytes are first summed inside the
+  host (``(L-1)/L*out`` leave the rank, none the host), then each owner sends the summed rows
+  of the ``B/L`` samples it serves to their ranks::
+
+      inter_host = out/L * (W-L)/W      (TWRW, H > 1, L > 1: 1/L of the flat scheme's)
 
 * data_parallel gradient sync (``comm.sync_sparse_grads``): a table of at most
   :data:`DENSE_GRAD_MAX_BYTES` fp32 bytes (not under an Adam-family optimizer) has its
@@ -58,9 +67,13 @@ several hosts: a flat all-to-all is bounded by its slowest link).
                   #  it contains the optimizer step)
                 + ids*fused_bwd_id_s + bags*fused_bwd_bag_s        # fused kernel only (bags = B*R; unpooled: ids)
                 + ids*c*(2*4 + 2*bpw) / bw_k                       # dense kernel, uncalibrated only
-    fwd_comms   = input_dist + a2a*out / out_bw;   bwd_comms = a2a*out / out_bw
+    fwd_comms   = input_dist + out_s;   bwd_comms = out_s
+    out_s       = a2a*out / out_bw                   # flat all-to-all
+                | (L-1)/L*out / min(out_cal, intra) + inter_host / min(out_cal, inter)
+                                                     # TWRW across hosts (two levels)
     out_bw      = min(Topology.output_dist_bw, net)  # calibrated: comm.pooled_all_to_all's whole path
                 | net                                # presets
+    out_cal     = Topology.output_dist_bw (0: no limit); intra / inter = Topology.intra_host_bw / inter_host_bw
     input_dist  = max(in / Topology.input_dist_bw, a2a*in / net)   # calibrated (plan --calibrate)
                 | a2a*in / net                     # presets: the wire bytes only
 
@@ -362,16 +375,26 @@ class CommBytes:
         grad_sync: data_parallel only: bytes this replica puts into the gradient collective
             (all-reduce buffer, or its all-gathered sparse rows).
         ids: ids the shard looks up per step (float: the row-block split is an expectation).
+        output_inter_host: the part of the output dist's bytes that crosses hosts, forward (the
+            same back in backward); 0 on one host.  table_row_wise across hosts: ``1/L`` of a
+            flat all-to-all's (module docstring).
     """
 
     input: float
     output: float
     grad_sync: float
     ids: float
+    output_inter_host: float = 0.0
+
+
+def twrw_hierarchical(world_size: int, local_world_size: int) -> bool:
+    """True when table_row_wise's output dist is two-level: several hosts of more than one rank
+    (``TwRwSharding.hierarchical``'s default)."""
+    return world_size > local_world_size > 1
 
 
 def shard_comm_bytes(table: TableSpec, sharding_type: ShardingType, cols: int, num_row_shards: int,
-                     batch_size: int, world_size: int) -> CommBytes:
+                     batch_size: int, world_size: int, local_world_size: int | None = None) -> CommBytes:
     """The bytes of one shard (formulas in the module docstring).
 
     Args:
@@ -379,7 +402,11 @@ def shard_comm_bytes(table: TableSpec, sharding_type: ShardingType, cols: int, n
         num_row_shards: ``n`` for row_wise / table_row_wise, else 1.
         batch_size: global batch ``B``.
         world_size: ``W`` (data_parallel's local batch is ``B/W``).
+        local_world_size: ``L`` ranks per host (default ``W``: one host); sets
+            :attr:`CommBytes.output_inter_host`.
     """
+    L = world_size if local_world_size is None else local_world_size
+    off_host = (world_size - L) / world_size
     B, P, F, R = float(batch_size), table.ids_per_sample, table.num_poolings, table.output_rows_per_sample
     d, I, O = table.embedding_dim, input_id_bytes(table), OUTPUT_ELEM_BYTES
     st = sharding_type
@@ -392,9 +419,13 @@ def shard_comm_bytes(table: TableSpec, sharding_type: ShardingType, cols: int, n
         n = max(1, num_row_shards)
         ids = B * P / n
         out = ids * d * O if not table.is_pooled else B * R * d * O
-        return CommBytes((B * F + ids) * I, out, 0.0, ids)
+        inter = out * off_host
+        if st == ShardingType.TABLE_ROW_WISE and twrw_hierarchical(world_size, L):
+            inter /= L
+        return CommBytes((B * F + ids) * I, out, 0.0, ids, inter)
     ids = B * P
-    return CommBytes((B * F + ids) * I, B * R * cols * O, 0.0, ids)
+    out = B * R * cols * O
+    return CommBytes((B * F + ids) * I, out, 0.0, ids, out * off_host)
 
 
 def estimate_shard(
@@ -449,7 +480,7 @@ def estimate_shard(
         mult = topology.dense_bwd_compute_multiplier
         dense_opt_pass = False
     st = sharding_type
-    cb = shard_comm_bytes(table, st, cols, num_row_shards, batch_size, W)
+    cb = shard_comm_bytes(table, st, cols, num_row_shards, batch_size, W, topology.local_world_size)
     ids = cb.ids
 
     if st == ShardingType.DATA_PARALLEL:
@@ -482,7 +513,14 @@ def estimate_shard(
         bags = B * R if table.is_pooled else ids
         fwd += ids * topology.fused_fwd_id_s + bags * topology.fused_fwd_bag_s  # index loads; bag loop (docstring)
         bwd += ids * topology.fused_bwd_id_s + bags * topology.fused_bwd_bag_s  # csr2csc, optimizer prologue; per bag
-    out_s = a2a * cb.output / topology.output_bw  # pooled all-to-all, forward and again backward
+    # the output dist, forward and again backward
+    if st == ShardingType.TABLE_ROW_WISE and twrw_hierarchical(W, topology.local_world_size):
+        L = topology.local_world_size
+        cal = topology.output_dist_bw if topology.output_dist_bw > 0 else math.inf
+        out_s = ((L - 1) / L * cb.output / min(cal, topology.intra_host_bw)
+                 + cb.output_inter_host / min(cal, topology.inter_host_bw))
+    else:
+        out_s = a2a * cb.output / topology.output_bw  # pooled all-to-all
     return (Perf(fwd * scale, input_dist_seconds(topology, cb.input) + out_s, bwd * scale, out_s),
             ids, int(cb.input), int(cb.output))
 
@@ -522,7 +560,8 @@ def step_latency(topology: Topology, options: list, ranks: list) -> tuple[float,
     * collectives (every rank, ``W > 1``), ``Topology.collective_s`` each: with any
       communicating type the size all-to-all and the data all-to-all of the input dist; the
       pooled all-to-all forward and backward (row_wise on CUDA/NCCL instead: its own
-      reduce-scatter forward and all-gather backward); data_parallel: one all-reduce for
+      reduce-scatter forward and all-gather backward; table_row_wise across hosts instead:
+      its two all-to-alls forward and two backward); data_parallel: one all-reduce for
       the densified small tables, three all-gathers (counts, rows, values) for the others.
 
     Args:
@@ -549,12 +588,16 @@ def step_latency(topology: Topology, options: list, ranks: list) -> tuple[float,
     if W > 1:
         comm_types = types - {ShardingType.DATA_PARALLEL}
         nccl_rs = topology.compute_device == "cuda" and ShardingType.ROW_WISE in comm_types
+        hier = ShardingType.TABLE_ROW_WISE in comm_types and twrw_hierarchical(W, topology.local_world_size)
         if comm_types:
             collectives += 2  # input dist: sizes + data
-            if comm_types - ({ShardingType.ROW_WISE} if nccl_rs else set()):
+            own = ({ShardingType.ROW_WISE} if nccl_rs else set()) | ({ShardingType.TABLE_ROW_WISE} if hier else set())
+            if comm_types - own:
                 collectives += 2  # pooled all-to-all forward + backward
             if nccl_rs:
                 collectives += 2  # reduce-scatter forward + all-gather backward
+            if hier:
+                collectives += 4  # intra-host + cross-host all-to-all, forward and backward
         dp = [o.table for o in options if o.sharding_type == ShardingType.DATA_PARALLEL]
         collectives += (1 if any(dp_dense_grad(t) for t in dp) else 0) + (3 if any(not dp_dense_grad(t) for t in dp) else 0)
     seconds = (len(types) * topology.lookup_fixed_s + kernels * topology.kernel_launch_s

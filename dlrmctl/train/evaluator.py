@@ -12,6 +12,7 @@ import torch
 
 from dlrmctl.config import ExperimentConfig
 from dlrmctl.console import Progress, echo
+from dlrmctl.distributed.env import full_fp32_matmul
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.metrics import compute_metrics_from_logits
 from dlrmctl.train.train_log import MetricsLog, jsonable
@@ -120,11 +121,16 @@ class Evaluator:
         (O(local rows), never all N rows).  The model runs in eval mode: the sharded collections
         then send pooled embeddings at full precision (``sharding.comm_precision`` is a
         training-speed setting), so the val metrics that pick ``keep_best`` and stop early are
-        those of the checkpoint as ``dlrmctl evaluate`` and the fp32 export compute them.
+        those of the checkpoint as ``dlrmctl evaluate`` and the fp32 export compute them; for the
+        same reason fp32 GEMMs run at full precision on CUDA (no TF32 whatever ``train.tf32`` says).
 
         Returns:
             ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}`` (every rank).
         """
+        with full_fp32_matmul(self.env.device):  # train.tf32 is a training-speed setting, as comm_precision
+            return self._evaluate(split, data_dir)
+
+    def _evaluate(self, split: str | None, data_dir: str | None) -> dict[str, float]:
         split = split or self.cfg.data.val_split
         loader = make_loader(self.cfg, self.meta, split, self.env, data_dir=data_dir, tables=self.tables)
         self.model.eval()

@@ -31,12 +31,12 @@ from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, wei
 from dlrmctl.console import echo
 from dlrmctl.data.batch import Batch
 from dlrmctl.distributed import comm
-from dlrmctl.distributed.env import RunEnv
+from dlrmctl.distributed.env import RunEnv, apply_matmul_precision
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.dlrm import resolve_cpu_linear, set_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
-from dlrmctl.train.checkpoint import Checkpointer, resolve_resume
+from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.evaluator import Evaluator
 from dlrmctl.train.factory import build_model
@@ -97,6 +97,11 @@ class Trainer:
         self.env = env
         self.run_dir = run_dir
         self.device = env.device
+        apply_matmul_precision(self.device, cfg.train.tf32)  # TF32 GEMMs on CUDA (train.tf32); cpu: nothing
+        # several nodes: every rank must see the directory rank 0 creates the checkpoints in (one host: no-op).
+        # torchrun's LOCAL_WORLD_SIZE counts the real nodes even when sharding.local_world_size says otherwise
+        per_node = min(env.local_world_size, int(os.environ.get("LOCAL_WORLD_SIZE") or env.local_world_size))
+        check_shared_checkpoint_dir(run_dir, env.rank, env.world_size, per_node, env.pg)
         self.meta = read_data_meta(cfg)
         if self.meta is None:
             raise TrainError(

@@ -60,6 +60,7 @@ class Case:
     ranks: dict | None = None
     reduce_scatter: bool | None = None
     batch_sizes: list | None = None
+    twrw_hierarchical: bool | None = None
 
 
 def cases(ws: int) -> list[Case]:
@@ -77,6 +78,16 @@ def cases(ws: int) -> list[Case]:
     if ws == 4:
         mixed4 = {"t_sum": "table_row_wise", "t_mean": "table_column_wise", "t_tiny": "row_wise", "t_odd": "table_wise"}
         out.append(Case("mixed_plan_twrw_twcw_rw_tw_on_2_hosts_x_2", mixed4, False, {}, "exact_adagrad", lws=2))
+        # table_row_wise across hosts: the two-level output dist is the default; the flat one
+        # stays correct; hosts of one rank; tables on some ranks of a host only (hosts whose
+        # ranks hold different columns)
+        out.append(Case("table_row_wise_flat_output_dist_on_2_hosts_x_2", "table_row_wise", True,
+                        {"t_mean": "dense"}, lws=2, twrw_hierarchical=False))
+        out.append(Case("table_row_wise_hierarchical_on_4_hosts_of_1_rank", "table_row_wise", True,
+                        {"t_mean": "dense"}, lws=1, twrw_hierarchical=True))
+        out.append(Case("table_row_wise_hierarchical_on_part_of_each_host", "table_row_wise", False,
+                        {"t_sum": "dense"}, "adam", lws=2,
+                        ranks={"t_sum": [0], "t_mean": [2, 3], "t_tiny": [1], "t_odd": [3]}))
     # the Adam family: adam (per-element moments) on every type, column kinds included; the
     # optimizers with per-row state / a per-row norm (which the planner keeps off column kinds)
     # on a plan of every other type
@@ -90,6 +101,9 @@ def cases(ws: int) -> list[Case]:
         out.append(Case("row_wise_reduce_scatter_collective_on_2_ranks", "row_wise", False, {}, reduce_scatter=True,
                         batch_sizes=[6, 4, 8]))
         out.append(Case("row_wise_sgd_fused_only_on_2_ranks", "row_wise", True, {}, "exact_sgd"))
+    if ws <= 2:  # the two-level output dist forced on one host (one rank: what tests/modules/test_cuda.py runs)
+        out.append(Case(f"table_row_wise_hierarchical_forced_on_one_host_of_{ws}", "table_row_wise", True,
+                        {"t_mean": "dense"}, lws=ws, twrw_hierarchical=True))
     return out
 
 
@@ -157,7 +171,12 @@ def run_case(env, case: Case) -> str | None:
     spec = EmbeddingOptimizerSpec(case.opt, lr=0.1, eps=1e-8)
     plan = plan_from_types(TABLES, case.types, ws, case.lws, case.kernels, case.column_sizes, case.ranks)
     sebc = ShardedEmbeddingBagCollection(TABLES, plan, env, case.weighted, spec, seed=3,
-                                         reduce_scatter=case.reduce_scatter)
+                                         reduce_scatter=case.reduce_scatter,
+                                         twrw_hierarchical=case.twrw_hierarchical)
+    if case.twrw_hierarchical is None and plan.world_size > plan.local_world_size > 1 and any(
+            plan.plan[t.name].sharding_type.value == "table_row_wise" for t in TABLES):
+        if not sebc._own_out:  # the default across hosts: the two-level output dist
+            return "table_row_wise across hosts did not take the hierarchical output dist"
     ref = EmbeddingBagCollection(TABLES, is_weighted=case.weighted, compute_kernel="fused", optimizer=spec, seed=3)
     gen = torch.Generator().manual_seed(1234)
     with torch.no_grad():

@@ -206,3 +206,57 @@ def test_evaluate_plan_applies_the_placed_cache_hits_without_rebuilding(monkeypa
         assert [s.perf for s in o.shards] == [s.perf for s in ref.shards]
         assert [s.time for s in o.shards] == [s.time for s in ref.shards]
         assert [s.storage for s in o.shards] == [s.storage for s in ref.shards]
+
+
+# ---------------------------------------------------------------------------- table_row_wise across hosts
+def _two_hosts(**kw) -> Topology:
+    """2 hosts x 4 ranks, the link between hosts 10x slower than inside one."""
+    return dataclasses.replace(_topo(**kw), world_size=8, local_world_size=4, intra_host_bw=10e9, inter_host_bw=1e9)
+
+
+def test_table_row_wise_across_hosts_sends_one_lth_of_the_flat_bytes_between_hosts():
+    from dlrmctl.planner.perf import twrw_hierarchical
+
+    W8, L = 8, 4
+    flat = shard_comm_bytes(TABLE, ST.ROW_WISE, 64, W8, B, W8, L)  # row_wise: a flat all-to-all over both hosts
+    twrw = shard_comm_bytes(TABLE, ST.TABLE_ROW_WISE, 64, L, B, W8, L)
+    assert twrw.output == flat.output == B * TABLE.output_rows_per_sample * 64 * 4  # partial sums of every sample
+    assert flat.output_inter_host == pytest.approx(flat.output * (W8 - L) / W8)
+    assert twrw.output_inter_host == pytest.approx(flat.output_inter_host / L)
+    # one host, or hosts of one rank: nothing crosses / the flat scheme
+    assert shard_comm_bytes(TABLE, ST.TABLE_ROW_WISE, 64, 4, B, 4, 4).output_inter_host == 0.0
+    one = shard_comm_bytes(TABLE, ST.TABLE_ROW_WISE, 64, 1, B, W8, 1)
+    assert one.output_inter_host == pytest.approx(one.output * (W8 - 1) / W8)
+    assert twrw_hierarchical(8, 4) and not twrw_hierarchical(4, 4) and not twrw_hierarchical(8, 1)
+
+
+@pytest.mark.parametrize("cal", [0.0, 2e9])
+def test_table_row_wise_across_hosts_is_charged_the_two_level_output_dist(cal):
+    topo = _two_hosts(output_dist_bw=cal)
+    L = 4
+    cb = shard_comm_bytes(TABLE, ST.TABLE_ROW_WISE, 64, L, B, 8, L)
+    p, *_ = estimate_shard(topo, TABLE, ST.TABLE_ROW_WISE, CK.FUSED, 25_000, 64, L, B)
+    cap = cal or float("inf")
+    want = (L - 1) / L * cb.output / min(cap, 10e9) + cb.output_inter_host / min(cap, 1e9)
+    assert p.bwd_comms == pytest.approx(want)
+    # the flat scheme over the slow link would have cost far more
+    assert p.bwd_comms < 7 / 8 * cb.output / topo.output_bw
+
+
+def test_step_latency_counts_the_two_level_collectives_of_table_row_wise_across_hosts():
+    from types import SimpleNamespace
+
+    from dlrmctl.planner.perf import step_latency
+
+    def placed(topo, types):
+        """Options as ``step_latency`` reads them (type, kernel, table) and their shards' ranks."""
+        opts = [SimpleNamespace(sharding_type=st, compute_kernel=CK.FUSED, table=TABLE) for st in types]
+        return opts, [list(range(topo.local_world_size if st == ST.TABLE_ROW_WISE else 1)) for st in types]
+
+    two, one = _two_hosts(), dataclasses.replace(_topo(), world_size=4, local_world_size=4)
+    for topo, types, want in [
+        (two, [ST.TABLE_ROW_WISE], 2 + 4),  # input dist + the two levels, forward and backward
+        (two, [ST.TABLE_ROW_WISE, ST.TABLE_WISE], 2 + 4 + 2),  # + the pooled all-to-all of table_wise
+        (one, [ST.TABLE_ROW_WISE], 2 + 2),  # one host: the shared pooled all-to-all
+    ]:
+        assert step_latency(topo, *placed(topo, types))[2] == want

@@ -92,3 +92,48 @@ def test_a_planner_error_on_rank_0_reaches_the_other_ranks_at_once():
     assert res[0] == ("PlannerError", "table 't0' does not fit")
     assert res[1][0] == "TrainError"
     assert "rank 1: the sharding planner failed on rank 0 (PlannerError: table 't0' does not fit)" in res[1][1]
+
+
+@pytest.fixture
+def _matmul_state():
+    """Restore the process-wide matmul / cuDNN precision flags the TF32 tests change."""
+    before = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(before[0])
+    torch.backends.cudnn.allow_tf32 = before[1]
+
+
+def test_train_tf32_sets_the_matmul_precision_for_a_cuda_device_only(_matmul_state):
+    from dlrmctl.distributed.env import apply_matmul_precision, full_fp32_matmul
+
+    cuda = torch.device("cuda", 0)  # a fake device: only its type is read
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    assert apply_matmul_precision(torch.device("cpu"), True) is None  # the CPU ignores the key
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("highest", False)
+    assert apply_matmul_precision(cuda, True) == "high"
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", True)
+    # evaluation during training: full fp32 inside, the training setting back after
+    with full_fp32_matmul(cuda):
+        assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("highest", False)
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("high", True)
+    with full_fp32_matmul("cpu"):
+        assert torch.get_float32_matmul_precision() == "high"  # cpu: untouched
+    assert apply_matmul_precision(cuda, False) == "highest"
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32) == ("highest", False)
+
+
+def test_the_trainer_applies_train_tf32_to_its_device(monkeypatch, _matmul_state):
+    """The Trainer hands its device and ``train.tf32`` to ``apply_matmul_precision`` before any
+    work (the data check that follows fails here: no data), default true."""
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.errors import UserError
+    from dlrmctl.train import trainer as trainer_mod
+
+    calls = []
+    monkeypatch.setattr(trainer_mod, "apply_matmul_precision", lambda dev, tf32: calls.append((dev, tf32)))
+    for overrides, want in (({}, True), ({"train": {"tf32": False}}, False)):
+        cfg = config_from_dict({**CONFIG, **overrides})
+        with pytest.raises(UserError):
+            trainer_mod.Trainer(cfg, RunEnv(0, 1, 1, torch.device("cuda", 0)), "/nonexistent/run")
+        assert calls[-1] == (torch.device("cuda", 0), want)

@@ -238,3 +238,18 @@ def test_training_step_stays_within_the_host_sync_budget(tiny_data, tmp_path, pl
             assert n <= budget, f"step {step}: {n} host syncs (budget {budget}); all steps {per_step}: {calls}"
         # + 1: the ranks agree on the epoch's number of steps before the first one
         assert total <= SYNC_BUDGET_PER_STEP * STEPS + 1 + (STEPS // LOG_EVERY if large_dp else 0), calls
+
+
+@pytest.mark.multiprocess
+def test_table_row_wise_across_hosts_stays_within_the_host_sync_budget(tiny_data, tmp_path):
+    """4 ranks as 2 hosts x 2: table_row_wise takes its two-level output dist (no host read of its
+    own: the split sizes come from the size exchange), beside table_wise and row_wise tables."""
+    kinds = ["table_row_wise", "table_wise", "row_wise"]
+    types = {f"t_C{i + 1}": kinds[i % len(kinds)] for i in range(25)}
+    types["t_C26"] = "row_wise"
+    res = run_multiprocess(_count_syncs, 4, tiny_data, str(tmp_path), types, LOG_EVERY, local_world_size=2,
+                           timeout_s=300)
+    for steps, total, calls, per_step in res:
+        assert steps == STEPS and len(per_step) == STEPS
+        assert max(per_step) <= SYNC_BUDGET_PER_STEP, (per_step, calls)
+        assert total <= SYNC_BUDGET_PER_STEP * STEPS + 1, calls

@@ -84,7 +84,8 @@ Modules: :mod:`.format` (constants, :class:`CheckpointError`), :mod:`.store` (st
 :func:`pack` / :func:`unpack`, the safe unpickler), :mod:`.integrity` (block CRCs,
 :func:`check_integrity`), :mod:`.storage` (the DCP storage writer / reader), :mod:`.save` /
 :mod:`.load`, :mod:`.reshard`, :mod:`.layout` (the shard-key layout of a model's state) and
-:mod:`.checkpointer` (:class:`Checkpointer`).  Every public name is re-exported here
+:mod:`.checkpointer` (:class:`Checkpointer`), :mod:`.shared_dir` (the multi-node run's check that every
+rank sees the checkpoint directory).  Every public name is re-exported here
 (``from dlrmctl.train import checkpoint as ckpt; ckpt.save_checkpoint(...)``); the tunables
 ``BLOCK_BYTES`` / ``READ_SLAB_BYTES`` are read from here at call time.
 """
@@ -108,11 +109,13 @@ from dlrmctl.train.checkpoint.layout import (RowMomentKeys, check_tables, checkp
                                              row_moment_keys)
 from dlrmctl.train.checkpoint.reshard import reshard_rank
 from dlrmctl.train.checkpoint.checkpointer import Checkpointer, ResumePoint, resolve_resume
+from dlrmctl.train.checkpoint.shared_dir import check_shared_checkpoint_dir
 
 __all__ = [
     "BEST", "BLOCK_BYTES", "BLOCKS_PER_FILE", "CKPT_DIR", "FORMAT", "LATEST", "MIN_BLOCK_BYTES", "OLD_FORMATS",
     "READ_SLAB_BYTES", "Blocks", "CheckpointError", "Checkpointer", "ResumePoint", "RowMomentKeys", "best_checkpoint",
-    "check_integrity", "check_tables", "checkpoint_meta", "checkpoint_root", "checkpoint_state", "copy_run_files",
+    "check_integrity", "check_shared_checkpoint_dir", "check_tables", "checkpoint_meta", "checkpoint_root",
+    "checkpoint_state", "copy_run_files",
     "dense_state_dict", "embedding_load_request", "embedding_state", "latest_checkpoint", "list_checkpoints",
     "load_checkpoint", "load_checkpoint_meta", "load_dense_state_dict", "local_embedding_shards", "mark_best",
     "pack", "read_checkpoint", "read_metadata", "reshard_rank", "resolve_checkpoint", "resolve_resume", "restore_checkpoint",
