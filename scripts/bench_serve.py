@@ -7,13 +7,20 @@ For each server setting (dynamic batching: the defaults, 4096 rows / 2 ms; witho
 it starts ``dlrmctl serve MODEL_DIR --port 0`` on 127.0.0.1, and for concurrency 1, 8, 64 and requests
 of 1 and 64 rows runs that many client threads (one ``InferenceServerClient`` each, the model's
 tensor inputs in the binary extension) for ``--seconds`` or ``--max-requests`` requests, whichever
-comes first; prints rows/s and p50/p99 request latency, then stops the server (SIGTERM).  Traffic
-goes to 127.0.0.1 only.
+comes first; prints rows/s, p50/p99 request latency and the CPU time per request of the client
+process (``getrusage``, all its threads) and of the server (its processes' ``utime + stime`` from
+``/proc``), then stops the server (SIGTERM).  From those two it prints the bound of the cell: the
+requests/s that the machine's CPUs could carry if client and server used every one of them
+(``cpus / (client + server CPU per request)``), as rows/s.  Traffic goes to 127.0.0.1 only.
+
+``--serve-args "--processes 2"``: extra ``dlrmctl serve`` options for every setting.
 """
 
 import argparse
 import os
 import re
+import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -71,8 +78,31 @@ def start(model_dir: str, *args: str):
     raise SystemExit("server not ready after 60 s")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its live child processes (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            f = stat[stat.rindex(")") + 2:].split()
+            total += (int(f[11]) + int(f[12])) / tick
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (t / "children").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def client_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, all threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def load(url: str, name: str, dense, ids, features, rows: int, conc: int, seconds: float, max_requests: int):
-    """``conc`` client threads -> (rows/s, p50 ms, p99 ms, requests)."""
+    """``conc`` client threads -> (rows/s, p50 ms, p99 ms, requests, client CPU s)."""
     import tritonclient.http as th
 
     lat: list[float] = []
@@ -109,17 +139,17 @@ def load(url: str, name: str, dense, ids, features, rows: int, conc: int, second
             lat.extend(mine)
         c.close()
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), client_cpu_s()
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(conc)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, ccpu = time.perf_counter() - t0, client_cpu_s() - c0
     if errors:
         print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     a = np.array(lat) * 1000
-    return len(a) * rows / wall, float(np.percentile(a, 50)), float(np.percentile(a, 99)), len(a)
+    return len(a) * rows / wall, float(np.percentile(a, 50)), float(np.percentile(a, 99)), len(a), ccpu
 
 
 def main() -> None:
@@ -130,20 +160,29 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=20000, help="per cell, at most")
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--serve-args", default="", help="extra dlrmctl serve options, e.g. '--processes 2'")
     a = ap.parse_args()
+    extra = shlex.split(a.serve_args)
+    cpus = len(os.sched_getaffinity(0))
     dense, ids, features = inputs(a.model_dir, a.input)
     ceiling = offline_rows_per_s(a.model_dir, a.input)
-    print(f"predict offline: {ceiling:,.0f} rows/s ({len(dense):,} rows of {a.input.name})")
-    print("| batching | concurrency | rows/request | rows/s | % of predict | p50 ms | p99 ms | requests |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"predict offline: {ceiling:,.0f} rows/s ({len(dense):,} rows of {a.input.name}); {cpus} CPUs; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| batching | concurrency | rows/request | rows/s | % of predict | p50 ms | p99 ms | requests "
+          "| client CPU ms/req | server CPU ms/req | bound rows/s (% of predict) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, args in (("dynamic (4096 rows / 2 ms)", ()), ("off (--max-batch-rows 1)", ("--max-batch-rows", "1"))):
-        p, url, name = start(a.model_dir, *args)
+        p, url, name = start(a.model_dir, *args, *extra)
         try:
             for rows in (int(x) for x in a.rows.split(",")):
                 for conc in (int(x) for x in a.concurrency.split(",")):
-                    rps, p50, p99, n = load(url, name, dense, ids, features, rows, conc, a.seconds, a.max_requests)
-                    print(f"| {label} | {conc} | {rows} | {rps:,.0f} | {100 * rps / ceiling:.1f}% | {p50:.2f} | {p99:.2f} | {n:,} |",
-                          flush=True)
+                    s0 = process_cpu_s(p.pid)
+                    rps, p50, p99, n, ccpu = load(url, name, dense, ids, features, rows, conc, a.seconds, a.max_requests)
+                    scpu = process_cpu_s(p.pid) - s0
+                    cm, sm = 1000 * ccpu / max(n, 1), 1000 * scpu / max(n, 1)
+                    bound = cpus * 1000 / max(cm + sm, 1e-9) * rows
+                    print(f"| {label} | {conc} | {rows} | {rps:,.0f} | {100 * rps / ceiling:.1f}% | {p50:.2f} | {p99:.2f} | {n:,} "
+                          f"| {cm:.2f} | {sm:.2f} | {bound:,.0f} ({100 * bound / ceiling:.0f}%) |", flush=True)
         finally:
             p.send_signal(signal.SIGTERM)
             try:
