@@ -185,9 +185,12 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int) -> tuple[str, str, li
     dt, shape = inp.get("datatype"), inp.get("shape")
     if not isinstance(dt, str):
         raise BadRequest(f"input '{name}': no 'datatype'")
-    if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:  # most inputs
+        count = shape[0]
+    elif isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape):
+        count = math.prod(shape)
+    else:
         raise BadRequest(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
-    count = shape[0] if len(shape) == 1 else math.prod(shape)
     par = inp.get("parameters")
     size = par.get("binary_data_size") if isinstance(par, dict) else None
     if size is not None:
@@ -499,7 +502,10 @@ class Batcher:
             self._q.append(_Item(rows, fut))
             self._queued += rows.n
             self.metrics.queue_rows.set(self._queued)
-            self._cond.notify()
+            # wake a forward thread only when it has something to do: the first request (it starts the
+            # delay) or a full batch; not once per request while it waits out the delay
+            if len(self._q) == 1 or self._queued >= self.max_batch_rows:
+                self._cond.notify()
         return fut
 
     def stop(self) -> None:
