@@ -14,6 +14,10 @@ requests/s that the machine's CPUs could carry if client and server used every o
 (``cpus / (client + server CPU per request)``), as rows/s.  Traffic goes to 127.0.0.1 only.
 
 ``--serve-args "--processes 2"``: extra ``dlrmctl serve`` options for every setting.
+
+Last, the floor of 1-row requests here: the same client at the highest concurrency against a *free*
+server (uvicorn on ``dlrmctl serve``'s HTTP stack answering a canned 1-row response, no model), whose
+client CPU per request bounds what any server can reach with this client on this machine.
 """
 
 import argparse
@@ -34,18 +38,19 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def offline_rows_per_s(model_dir: str, raw: Path, repeats: int = 3) -> float:
-    """``dlrmctl predict``'s scoring loop (transform + forward, 65,536-row batches) rows/s, best of ``repeats``."""
+def offline_rows_per_s(model_dir: str, raw: Path, repeats: int = 3) -> tuple[float, float]:
+    """``dlrmctl predict``'s scoring loop (transform + forward, 65,536-row batches): ``(rows/s, CPU µs
+    per row)``, each the best of ``repeats`` (the CPU time of every thread of this process)."""
     from dlrmctl.inference.export import load_exported
     from dlrmctl.inference.predict import iter_scores
 
     m = load_exported(model_dir)
-    best = 0.0
+    best, cpu = 0.0, float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), client_cpu_s()
         n = sum(len(s) for s, _ in iter_scores(m, raw))
-        best = max(best, n / (time.perf_counter() - t))
-    return best
+        best, cpu = max(best, n / (time.perf_counter() - t)), min(cpu, 1e6 * (client_cpu_s() - c) / n)
+    return best, cpu
 
 
 def inputs(model_dir: str, raw: Path):
@@ -58,10 +63,46 @@ def inputs(model_dir: str, raw: Path):
     return dense, ids[:, [cols.index(f) for f in m.feature_names]], m.feature_names
 
 
-def start(model_dir: str, *args: str):
+def canned_server() -> None:
+    """A free server: uvicorn on ``dlrmctl serve``'s HTTP stack and socket answering every request
+    with a canned 1-row infer response (binary outputs), no model; SIGTERM stops it."""
+    import json
+
+    import uvicorn
+
+    from dlrmctl.inference.serve import bind, http_stack
+
+    head = json.dumps({"model_name": "canned", "model_version": "1", "outputs": [
+        {"name": o, "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}} for o in ("score", "logit")]},
+        separators=(",", ":")).encode()
+    body = head + np.zeros(2, np.float32).tobytes()
+    answer = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(body)).encode()),
+              (b"inference-header-content-length", str(len(head)).encode())]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                await send({"type": m["type"] + ".complete"})
+                if m["type"] == "lifespan.shutdown":
+                    return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": answer})
+        await send({"type": "http.response.body", "body": body})
+
+    sock = bind("127.0.0.1", 0)
+    http, loop = http_stack()
+    print(f"serving a canned answer at http://127.0.0.1:{sock.getsockname()[1]}/v2/models/canned (HTTP {http} on {loop})",
+          flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http, loop=loop, lifespan="on")).run(sockets=[sock])
+
+
+def start(model_dir: str, *args: str, cmd: list[str] | None = None):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "dlrmctl.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", "0",
-                          *args], stdout=subprocess.PIPE, text=True, env=env)
+    cmd = cmd or [sys.executable, "-m", "dlrmctl.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", "0", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = p.stdout.readline()
     m = re.search(r"http://127\.0\.0\.1:(\d+)/v2/models/(\S+) ", line)
     if not m:
@@ -153,6 +194,9 @@ def load(url: str, name: str, dense, ids, features, rows: int, conc: int, second
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--canned-server"]:
+        canned_server()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir")
     ap.add_argument("--input", required=True, type=Path, help="raw lines (the rows sent, and predict's offline input)")
@@ -161,13 +205,14 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--serve-args", default="", help="extra dlrmctl serve options, e.g. '--processes 2'")
+    ap.add_argument("--skip-floor", action="store_true", help="no free-server cell at the end")
     a = ap.parse_args()
     extra = shlex.split(a.serve_args)
     cpus = len(os.sched_getaffinity(0))
     dense, ids, features = inputs(a.model_dir, a.input)
-    ceiling = offline_rows_per_s(a.model_dir, a.input)
-    print(f"predict offline: {ceiling:,.0f} rows/s ({len(dense):,} rows of {a.input.name}); {cpus} CPUs; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    ceiling, per_row = offline_rows_per_s(a.model_dir, a.input)
+    print(f"predict offline: {ceiling:,.0f} rows/s, {per_row:.1f} µs CPU per row ({len(dense):,} rows of "
+          f"{a.input.name}); {cpus} CPUs; load average {os.getloadavg()[0]:.1f}")
     print("| batching | concurrency | rows/request | rows/s | % of predict | p50 ms | p99 ms | requests "
           "| client CPU ms/req | server CPU ms/req | bound rows/s (% of predict) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -189,6 +234,23 @@ def main() -> None:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+    if a.skip_floor:
+        return
+    conc = max(int(x) for x in a.concurrency.split(","))
+    p, url, name = start(a.model_dir, cmd=[sys.executable, str(Path(__file__).resolve()), "--canned-server"])
+    try:
+        s0 = process_cpu_s(p.pid)
+        rps, p50, p99, n, ccpu = load(url, name, dense, ids, features, 1, conc, a.seconds, a.max_requests)
+        cm, sm = 1000 * ccpu / max(n, 1), 1000 * (process_cpu_s(p.pid) - s0) / max(n, 1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    print(f"free server (canned 1-row answer, no model), concurrency {conc}, 1 row/request: {rps:,.0f} rows/s, "
+          f"p50 {p50:.2f} ms; client CPU {cm:.2f} ms/req, server CPU {sm:.2f} ms/req; bound with any server: "
+          f"{cpus} CPUs / client CPU = {cpus * 1000 / cm:,.0f} rows/s ({100 * cpus * 1000 / cm / ceiling:.0f}% of predict), "
+          f"one client process (its GIL): {1000 / cm:,.0f} rows/s ({100 * 1000 / cm / ceiling:.0f}%); per CPU-second, "
+          f"1-row requests (client + free server) score {1000 / (cm + sm):,.0f} rows, predict {1e6 / per_row:,.0f} "
+          f"({100 * per_row / 1000 / (cm + sm):.1f}%)")
 
 
 if __name__ == "__main__":
