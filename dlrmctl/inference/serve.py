@@ -914,11 +914,11 @@ def start_processes(count: int, model_dir: str, name: str, host: str, port: int,
     return procs
 
 
-def stop_processes(procs: list, sig: int = signal.SIGTERM, wait: float = 90.0) -> list[int]:
-    """Send ``sig`` to each live process of :func:`start_processes`, wait up to ``wait`` seconds for
-    them (they drain), kill any left; returns their exit codes."""
+def stop_processes(procs: list, sig: int | None = signal.SIGTERM, wait: float = 90.0) -> list[int]:
+    """Send ``sig`` (None: none, they were told already) to each live process of :func:`start_processes`,
+    wait up to ``wait`` seconds for them (they drain), kill any left; returns their exit codes."""
     for p in procs:
-        if p.is_alive():
+        if sig is not None and p.is_alive():
             try:
                 os.kill(p.pid, sig)
             except ProcessLookupError:
@@ -954,11 +954,11 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
         return
     conn.send("")
     conn.close()
-    serve(model, name, sock, process=process, ignore_sigint=True, **options)
+    serve(model, name, sock, process=process, child=True, **options)
 
 
 def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
-          workers: int, process: str = "1 of 1", others: list | None = None, ignore_sigint: bool = False) -> str | None:
+          workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False) -> str | None:
     """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
     backlog) until SIGTERM / SIGINT; every request received is answered first.
 
@@ -966,7 +966,8 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
         process: this process's label (``"1 of 2"``) in ``dlrmctl_serve_process_info``.
         others: the processes of :func:`start_processes` serving the same port: sent SIGTERM as soon as
             this one is asked to stop (each drains its own requests), waited for before returning.
-        ignore_sigint: SIGINT does not stop this one (a child of ``--processes``: its parent sends SIGTERM).
+        child: one of ``others`` of another process: SIGINT (Ctrl-C reaches the whole process group)
+            does not stop it, its parent sends SIGTERM; a SIGTERM after it stopped is ignored.
 
     Returns:
         the name of the signal that stopped it (``SIGTERM``), or None.
@@ -984,7 +985,7 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if ignore_sigint and sig == signal.SIGINT:
+            if child and sig == signal.SIGINT:
                 return
             if others and not stopping:
                 stopping.append(sig)
@@ -1000,16 +1001,20 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
     caught: list[int] = []
 
     def after(sig, frame):  # uvicorn re-raises the signal it drained on: note it, do not die by it
+        if child and sig == signal.SIGINT:
+            return
         caught.append(sig)
+        server.should_exit = True  # one before uvicorn's own handlers are in: it stops right after starting
 
     old = {s: signal.signal(s, after) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if not child:  # a child keeps `after`: its parent's late SIGTERM must not kill it while it exits
+            for s, h in old.items():
+                signal.signal(s, h)
         sock.close()
-        codes = stop_processes(others) if others else []
+        codes = stop_processes(others, None if stopping else signal.SIGTERM) if others else []
     bad = [(p.name, c) for p, c in zip(others or [], codes) if c != 0]
     if bad:
         raise ServeError(f"server {bad[0][0]} exited with code {bad[0][1]}; requests it held may be unanswered")
