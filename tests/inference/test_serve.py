@@ -541,3 +541,16 @@ def test_processes_share_the_port_each_with_the_model_and_drain(model):
     child = int(next(x for x in pids if x != str(p.pid)))
     with pytest.raises(ProcessLookupError):
         os.kill(child, 0)  # ended and reaped with its parent
+
+
+def test_http_stack_falls_back_to_h11_and_asyncio(monkeypatch):
+    """httptools and uvloop where importable (the serve extra), h11 and asyncio otherwise."""
+    from dlrmctl.inference.serve import http_stack
+
+    for mod in ("httptools", "uvloop"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError
+    assert http_stack() == ("h11", "asyncio")
+    monkeypatch.undo()
+    pytest.importorskip("httptools")
+    pytest.importorskip("uvloop")
+    assert http_stack() == ("httptools", "uvloop")
