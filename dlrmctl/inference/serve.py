@@ -1,7 +1,10 @@
 """``dlrmctl serve MODEL_DIR``: an exported model behind the Open Inference Protocol (KServe v2, HTTP/REST).
 
 Built on FastAPI + uvicorn (the HTTP stack the ``kserve`` SDK's ``ModelServer`` runs on, without
-that SDK's 30-odd extra packages) and ``prometheus-client``.  Endpoints:
+that SDK's 30-odd extra packages; ``httptools`` + ``uvloop`` where installed) and ``prometheus-client``.
+``POST .../infer`` is a raw ASGI route ahead of FastAPI (:class:`App`): a request's CPU is its HTTP
+parsing, one JSON header parse and zero-copy views of its binary tensors, not per-request routing
+and validation.  Endpoints:
 
 * ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``;
 * ``GET /v2/models/{name}`` (metadata: inputs, outputs, dtypes, shapes), ``GET /v2/models/{name}/ready``;
@@ -28,7 +31,8 @@ rows: a request that does not fit gets 503 with ``Retry-After``.  A bad request 
 wrong dtype or shape, unknown or missing input, an id outside its table under the model's
 ``on_invalid_id: error``) gets 400 with one line naming the input; it never reaches a merged
 forward.  SIGTERM (or Ctrl-C) stops accepting connections and answers every request already
-received before the process exits.
+received before the process exits.  :func:`start_processes`: more server processes on the same
+port (``SO_REUSEPORT``), each with its own model, queue and metrics.
 
 The model comes from :func:`~dlrmctl.inference.export.load_exported` (either artifact kind,
 ``model.pt2`` or TorchScript ``model.pt``; the manifest's SHA-256 checked).
