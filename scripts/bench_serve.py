@@ -7,13 +7,24 @@ For each server setting (dynamic batching: the defaults, 4096 rows / 2 ms; witho
 it starts ``dlrmctl serve MODEL_DIR --port 0`` on 127.0.0.1, and for concurrency 1, 8, 64 and requests
 of 1 and 64 rows runs that many client threads (one ``InferenceServerClient`` each, the model's
 tensor inputs in the binary extension) for ``--seconds`` or ``--max-requests`` requests, whichever
-comes first; prints rows/s and p50/p99 request latency, then stops the server (SIGTERM).  Traffic
-goes to 127.0.0.1 only.
+comes first; prints rows/s, p50/p99 request latency and the CPU time per request of the client
+process (``getrusage``, all its threads) and of the server (its processes' ``utime + stime`` from
+``/proc``), then stops the server (SIGTERM).  From those two it prints the bound of the cell: the
+requests/s that the machine's CPUs could carry if client and server used every one of them
+(``cpus / (client + server CPU per request)``), as rows/s.  Traffic goes to 127.0.0.1 only.
+
+``--serve-args "--processes 2"``: extra ``dlrmctl serve`` options for every setting.
+
+Last, the floor of 1-row requests here: the same client at the highest concurrency against a *free*
+server (uvicorn on ``dlrmctl serve``'s HTTP stack answering a canned 1-row response, no model), whose
+client CPU per request bounds what any server can reach with this client on this machine.
 """
 
 import argparse
 import os
 import re
+import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -27,18 +38,19 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
-def offline_rows_per_s(model_dir: str, raw: Path, repeats: int = 3) -> float:
-    """``dlrmctl predict``'s scoring loop (transform + forward, 65,536-row batches) rows/s, best of ``repeats``."""
+def offline_rows_per_s(model_dir: str, raw: Path, repeats: int = 3) -> tuple[float, float]:
+    """``dlrmctl predict``'s scoring loop (transform + forward, 65,536-row batches): ``(rows/s, CPU µs
+    per row)``, each the best of ``repeats`` (the CPU time of every thread of this process)."""
     from dlrmctl.inference.export import load_exported
     from dlrmctl.inference.predict import iter_scores
 
     m = load_exported(model_dir)
-    best = 0.0
+    best, cpu = 0.0, float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), client_cpu_s()
         n = sum(len(s) for s, _ in iter_scores(m, raw))
-        best = max(best, n / (time.perf_counter() - t))
-    return best
+        best, cpu = max(best, n / (time.perf_counter() - t)), min(cpu, 1e6 * (client_cpu_s() - c) / n)
+    return best, cpu
 
 
 def inputs(model_dir: str, raw: Path):
@@ -51,10 +63,46 @@ def inputs(model_dir: str, raw: Path):
     return dense, ids[:, [cols.index(f) for f in m.feature_names]], m.feature_names
 
 
-def start(model_dir: str, *args: str):
+def canned_server() -> None:
+    """A free server: uvicorn on ``dlrmctl serve``'s HTTP stack and socket answering every request
+    with a canned 1-row infer response (binary outputs), no model; SIGTERM stops it."""
+    import json
+
+    import uvicorn
+
+    from dlrmctl.inference.serve import bind, http_stack
+
+    head = json.dumps({"model_name": "canned", "model_version": "1", "outputs": [
+        {"name": o, "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}} for o in ("score", "logit")]},
+        separators=(",", ":")).encode()
+    body = head + np.zeros(2, np.float32).tobytes()
+    answer = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(body)).encode()),
+              (b"inference-header-content-length", str(len(head)).encode())]
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                await send({"type": m["type"] + ".complete"})
+                if m["type"] == "lifespan.shutdown":
+                    return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": answer})
+        await send({"type": "http.response.body", "body": body})
+
+    sock = bind("127.0.0.1", 0)
+    http, loop = http_stack()
+    print(f"serving a canned answer at http://127.0.0.1:{sock.getsockname()[1]}/v2/models/canned (HTTP {http} on {loop})",
+          flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", http=http, loop=loop, lifespan="on")).run(sockets=[sock])
+
+
+def start(model_dir: str, *args: str, cmd: list[str] | None = None):
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.Popen([sys.executable, "-m", "dlrmctl.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", "0",
-                          *args], stdout=subprocess.PIPE, text=True, env=env)
+    cmd = cmd or [sys.executable, "-m", "dlrmctl.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", "0", *args]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = p.stdout.readline()
     m = re.search(r"http://127\.0\.0\.1:(\d+)/v2/models/(\S+) ", line)
     if not m:
@@ -71,8 +119,31 @@ def start(model_dir: str, *args: str):
     raise SystemExit("server not ready after 60 s")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its live child processes (Linux ``/proc``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            f = stat[stat.rindex(")") + 2:].split()
+            total += (int(f[11]) + int(f[12])) / tick
+            for t in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (t / "children").read_text().split())
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def client_cpu_s() -> float:
+    """CPU seconds (user + system) of this process, all threads."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def load(url: str, name: str, dense, ids, features, rows: int, conc: int, seconds: float, max_requests: int):
-    """``conc`` client threads -> (rows/s, p50 ms, p99 ms, requests)."""
+    """``conc`` client threads -> (rows/s, p50 ms, p99 ms, requests, client CPU s)."""
     import tritonclient.http as th
 
     lat: list[float] = []
@@ -109,20 +180,23 @@ def load(url: str, name: str, dense, ids, features, rows: int, conc: int, second
             lat.extend(mine)
         c.close()
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), client_cpu_s()
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(conc)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    wall = time.perf_counter() - t0
+    wall, ccpu = time.perf_counter() - t0, client_cpu_s() - c0
     if errors:
         print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     a = np.array(lat) * 1000
-    return len(a) * rows / wall, float(np.percentile(a, 50)), float(np.percentile(a, 99)), len(a)
+    return len(a) * rows / wall, float(np.percentile(a, 50)), float(np.percentile(a, 99)), len(a), ccpu
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--canned-server"]:
+        canned_server()
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir")
     ap.add_argument("--input", required=True, type=Path, help="raw lines (the rows sent, and predict's offline input)")
@@ -130,26 +204,53 @@ def main() -> None:
     ap.add_argument("--max-requests", type=int, default=20000, help="per cell, at most")
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--serve-args", default="", help="extra dlrmctl serve options, e.g. '--processes 2'")
+    ap.add_argument("--skip-floor", action="store_true", help="no free-server cell at the end")
     a = ap.parse_args()
+    extra = shlex.split(a.serve_args)
+    cpus = len(os.sched_getaffinity(0))
     dense, ids, features = inputs(a.model_dir, a.input)
-    ceiling = offline_rows_per_s(a.model_dir, a.input)
-    print(f"predict offline: {ceiling:,.0f} rows/s ({len(dense):,} rows of {a.input.name})")
-    print("| batching | concurrency | rows/request | rows/s | % of predict | p50 ms | p99 ms | requests |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ceiling, per_row = offline_rows_per_s(a.model_dir, a.input)
+    print(f"predict offline: {ceiling:,.0f} rows/s, {per_row:.1f} µs CPU per row ({len(dense):,} rows of "
+          f"{a.input.name}); {cpus} CPUs; load average {os.getloadavg()[0]:.1f}")
+    print("| batching | concurrency | rows/request | rows/s | % of predict | p50 ms | p99 ms | requests "
+          "| client CPU ms/req | server CPU ms/req | bound rows/s (% of predict) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, args in (("dynamic (4096 rows / 2 ms)", ()), ("off (--max-batch-rows 1)", ("--max-batch-rows", "1"))):
-        p, url, name = start(a.model_dir, *args)
+        p, url, name = start(a.model_dir, *args, *extra)
         try:
             for rows in (int(x) for x in a.rows.split(",")):
                 for conc in (int(x) for x in a.concurrency.split(",")):
-                    rps, p50, p99, n = load(url, name, dense, ids, features, rows, conc, a.seconds, a.max_requests)
-                    print(f"| {label} | {conc} | {rows} | {rps:,.0f} | {100 * rps / ceiling:.1f}% | {p50:.2f} | {p99:.2f} | {n:,} |",
-                          flush=True)
+                    s0 = process_cpu_s(p.pid)
+                    rps, p50, p99, n, ccpu = load(url, name, dense, ids, features, rows, conc, a.seconds, a.max_requests)
+                    scpu = process_cpu_s(p.pid) - s0
+                    cm, sm = 1000 * ccpu / max(n, 1), 1000 * scpu / max(n, 1)
+                    bound = cpus * 1000 / max(cm + sm, 1e-9) * rows
+                    print(f"| {label} | {conc} | {rows} | {rps:,.0f} | {100 * rps / ceiling:.1f}% | {p50:.2f} | {p99:.2f} | {n:,} "
+                          f"| {cm:.2f} | {sm:.2f} | {bound:,.0f} ({100 * bound / ceiling:.0f}%) |", flush=True)
         finally:
             p.send_signal(signal.SIGTERM)
             try:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 p.kill()
+    if a.skip_floor:
+        return
+    conc = max(int(x) for x in a.concurrency.split(","))
+    p, url, name = start(a.model_dir, cmd=[sys.executable, str(Path(__file__).resolve()), "--canned-server"])
+    try:
+        s0 = process_cpu_s(p.pid)
+        rps, p50, p99, n, ccpu = load(url, name, dense, ids, features, 1, conc, a.seconds, a.max_requests)
+        cm, sm = 1000 * ccpu / max(n, 1), 1000 * (process_cpu_s(p.pid) - s0) / max(n, 1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(60)
+    print(f"free server (canned 1-row answer, no model), concurrency {conc}, 1 row/request: {rps:,.0f} rows/s, "
+          f"p50 {p50:.2f} ms; client CPU {cm:.2f} ms/req, server CPU {sm:.2f} ms/req; bound with any server: "
+          f"{cpus} CPUs / client CPU = {cpus * 1000 / cm:,.0f} rows/s ({100 * cpus * 1000 / cm / ceiling:.0f}% of predict), "
+          f"one client process (its GIL): {1000 / cm:,.0f} rows/s ({100 * 1000 / cm / ceiling:.0f}%); per CPU-second, "
+          f"1-row requests (client + free server) score {1000 / (cm + sm):,.0f} rows, predict {1e6 / per_row:,.0f} "
+          f"({100 * per_row / 1000 / (cm + sm):.1f}%)")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ def serve_command(
     max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="how long the oldest queued request waits "
                                                                    "for others to join its batch"),
     max_queue_rows: int = typer.Option(65536, "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After"),
-    workers: int = typer.Option(1, "--workers", help="forward threads (each takes the next batch; the intra-op "
-                                                     "threads are divided among them)"),
+    workers: int = typer.Option(1, "--workers", help="forward threads per process (each takes the next batch; the "
+                                                     "intra-op threads are divided among them)"),
+    processes: int = typer.Option(1, "--processes", help="server processes sharing the port (SO_REUSEPORT), each with "
+                                                         "the model, its own queue and metrics; the kernel spreads "
+                                                         "connections over them"),
     name: Optional[str] = typer.Option(None, "--name", help="model name in /v2/models/{name} (default: the run's name)"),
 ) -> None:
     """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM."""
@@ -30,6 +33,7 @@ def serve_command(
     check_number("--max-delay-ms", max_delay_ms, minimum=0, maximum=60000.0, positive=False, what="milliseconds")
     check_number("--max-queue-rows", max_queue_rows, what="rows")
     check_number("--workers", workers, maximum=256, what="forward threads")
+    check_number("--processes", processes, maximum=256, what="server processes")
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -40,21 +44,31 @@ def serve_command(
 
     from dlrmctl.inference.export import load_exported
     from dlrmctl.inference.predict import check_vocabularies
-    from dlrmctl.inference.serve import bind, serve
+    from dlrmctl.inference.serve import ServeError, bind, http_stack, serve, start_processes
     from dlrmctl.procs import intra_op_threads
 
     model = load_exported(model_dir)
     check_vocabularies(model)
-    threads, why = intra_op_threads(workers)
+    threads, why = intra_op_threads(workers * processes)
     torch.set_num_threads(threads)
     served = name or (model.manifest.get("source") or {}).get("name") or Path(model_dir).resolve().name
-    sock = bind(host, port)
+    sock = bind(host, port, reuse_port=processes > 1)
     addr = sock.getsockname()
+    options = dict(max_batch_rows=max_batch_rows, max_delay_ms=max_delay_ms, max_queue_rows=max_queue_rows,
+                   workers=workers)
+    try:
+        others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options)
+    except ServeError:
+        sock.close()
+        raise
+    http, loop = http_stack()
     h = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
+    procs = f"{processes} processes x " if processes > 1 else ""
     echo(f"serving {show_path(model_dir)} as model {served!r} at http://{h}:{addr[1]}/v2/models/{served} "
-         f"(batches of <= {max_batch_rows:,} rows or {max_delay_ms:g} ms; queue {max_queue_rows:,} rows; "
-         f"{workers} worker(s) x {threads} thread(s): {why})")
-    stopped = serve(model, served, sock, max_batch_rows, max_delay_ms, max_queue_rows, workers)
+         f"(batches of <= {max_batch_rows:,} rows or {max_delay_ms:g} ms; queue {max_queue_rows:,} rows"
+         f"{' per process' if processes > 1 else ''}; {procs}{workers} worker(s) x {threads} thread(s): {why}; "
+         f"HTTP {http} on {loop})")
+    stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, **options)
     echo(f"stopped{f' ({stopped})' if stopped else ''}: every request received was answered")
 
 

@@ -1,7 +1,10 @@
 """``dlrmctl serve MODEL_DIR``: an exported model behind the Open Inference Protocol (KServe v2, HTTP/REST).
 
 Built on FastAPI + uvicorn (the HTTP stack the ``kserve`` SDK's ``ModelServer`` runs on, without
-that SDK's 30-odd extra packages) and ``prometheus-client``.  Endpoints:
+that SDK's 30-odd extra packages; ``httptools`` + ``uvloop`` where installed) and ``prometheus-client``.
+``POST .../infer`` is a raw ASGI route ahead of FastAPI (:class:`App`): a request's CPU is its HTTP
+parsing, one JSON header parse and zero-copy views of its binary tensors, not per-request routing
+and validation.  Endpoints:
 
 * ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``;
 * ``GET /v2/models/{name}`` (metadata: inputs, outputs, dtypes, shapes), ``GET /v2/models/{name}/ready``;
@@ -28,7 +31,8 @@ rows: a request that does not fit gets 503 with ``Retry-After``.  A bad request 
 wrong dtype or shape, unknown or missing input, an id outside its table under the model's
 ``on_invalid_id: error``) gets 400 with one line naming the input; it never reaches a merged
 forward.  SIGTERM (or Ctrl-C) stops accepting connections and answers every request already
-received before the process exits.
+received before the process exits.  :func:`start_processes`: more server processes on the same
+port (``SO_REUSEPORT``), each with its own model, queue and metrics.
 
 The model comes from :func:`~dlrmctl.inference.export.load_exported` (either artifact kind,
 ``model.pt2`` or TorchScript ``model.pt``; the manifest's SHA-256 checked).
@@ -41,6 +45,7 @@ import concurrent.futures
 import json
 import logging
 import math
+import os
 import signal
 import socket
 import struct
@@ -56,7 +61,8 @@ from dlrmctl.errors import UserError
 
 log = logging.getLogger("dlrmctl.serve")
 
-__all__ = ["BadRequest", "Batcher", "ModelSpec", "QueueFull", "ServeError", "build_app", "decode_request", "serve"]
+__all__ = ["App", "BadRequest", "Batcher", "ModelSpec", "QueueFull", "Rows", "ServeError", "bind", "build_app", "decode_request",
+           "http_stack", "merge", "serve", "start_processes", "stop_processes"]
 
 #: Open Inference Protocol datatype -> numpy dtype (the ones this server reads)
 _NP = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32, "BOOL": np.bool_}
@@ -98,6 +104,17 @@ class ModelSpec:
     rows: dict[str, int]
     on_invalid_id: str
     raw: bool
+    known: frozenset = field(init=False, repr=False)
+    length_names: list[str] = field(init=False, repr=False)
+    limits: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        #: every input name a request may carry; ``f.lengths`` per feature; ``[F]`` int64 table rows per
+        #: feature (ids must be below; int64's maximum where no table is known)
+        self.length_names = [f"{f}.lengths" for f in self.features]
+        self.known = frozenset({DENSE_INPUT, *self.features, *self.length_names,
+                                *(f"{f}.weights" for f in self.weighted)} | ({RAW_INPUT} if self.raw else set()))
+        self.limits = np.array([self.rows.get(f, np.iinfo(np.int64).max) for f in self.features], np.int64)
 
     @classmethod
     def of(cls, model: Any, name: str) -> "ModelSpec":
@@ -131,13 +148,23 @@ class ModelSpec:
 
 @dataclass
 class Rows:
-    """One decoded request: ``dense [B, D]`` float32; per feature ``ids [N_f]`` int64,
-    ``lengths [B]`` int64 and ``weights [N_f]`` float32 (weighted features only, else None)."""
+    """One decoded request of ``B`` rows and ``F`` features (the model's order).
+
+    Attributes:
+        dense: ``[B, D]`` float32 (may be a read-only view of the request body).
+        values: ``[N]`` int64 ids, feature-major (feature 0's ids, then feature 1's, ...).
+        lengths: ``[F, B]`` int64 bag lengths.
+        weights: ``[N]`` float32 per id (1.0 for an unweighted feature's ids) when the model has
+            weighted features, else None.
+        counts: ``[F]`` int64 ids per feature, or None when every feature has exactly ``B`` ids
+            (``values`` is then ``[F, B]`` flattened, whatever the bag lengths).
+    """
 
     dense: np.ndarray
-    ids: list[np.ndarray]
-    lengths: list[np.ndarray]
-    weights: list[np.ndarray | None]
+    values: np.ndarray
+    lengths: np.ndarray
+    weights: np.ndarray | None
+    counts: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -146,8 +173,14 @@ class Rows:
 
 
 # ----------------------------------------------------------------------------- decoding
-def _tensor(inp: dict, binary: memoryview | None, pos: list[int]) -> tuple[str, str, list[int], np.ndarray | list]:
-    """``(name, datatype, shape, data)`` of one request input (JSON ``data`` or a binary chunk)."""
+#: datatype -> little-endian numpy dtype of its binary chunk
+_LE = {k: np.dtype(v).newbyteorder("<") for k, v in _NP.items()}
+_ITEM = {k: v.itemsize for k, v in _LE.items()}
+
+
+def _tensor(inp: Any, binary: memoryview | None, pos: int) -> tuple[str, str, list[int], np.ndarray | list, int]:
+    """``(name, datatype, shape, data, pos after it)`` of one request input (JSON ``data`` or the
+    binary chunk at ``pos``: a zero-copy ``np.frombuffer`` view)."""
     if not isinstance(inp, dict):
         raise BadRequest("each element of 'inputs' must be an object with name, datatype, shape, data")
     name = inp.get("name")
@@ -156,17 +189,20 @@ def _tensor(inp: dict, binary: memoryview | None, pos: list[int]) -> tuple[str, 
     dt, shape = inp.get("datatype"), inp.get("shape")
     if not isinstance(dt, str):
         raise BadRequest(f"input '{name}': no 'datatype'")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:  # most inputs
+        count = shape[0]
+    elif isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape):
+        count = math.prod(shape)
+    else:
         raise BadRequest(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
-    count = math.prod(shape)
-    size = (inp.get("parameters") or {}).get("binary_data_size")
+    par = inp.get("parameters")
+    size = par.get("binary_data_size") if isinstance(par, dict) else None
     if size is not None:
-        if binary is None or not isinstance(size, int) or size < 0 or pos[0] + size > len(binary):
+        if binary is None or type(size) is not int or size < 0 or pos + size > len(binary):
             raise BadRequest(f"input '{name}': binary_data_size {size!r} does not fit the binary part of the request")
-        chunk = binary[pos[0]:pos[0] + size]
-        pos[0] += size
+        end = pos + size
         if dt == "BYTES":
-            out, off = [], 0
+            chunk, out, off = binary[pos:end], [], 0
             while off < len(chunk):
                 if off + 4 > len(chunk):
                     raise BadRequest(f"input '{name}': truncated BYTES element")
@@ -175,13 +211,17 @@ def _tensor(inp: dict, binary: memoryview | None, pos: list[int]) -> tuple[str, 
                 off += 4 + ln
             data: Any = out
         else:
-            if dt not in _NP:
+            item = _ITEM.get(dt)
+            if item is None:
                 raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
-            item = np.dtype(_NP[dt]).itemsize
             if size != count * item:
                 raise BadRequest(f"input '{name}': {size} bytes of binary data for shape {shape} {dt} "
                                  f"(expected {count * item})")
-            data = np.frombuffer(chunk, dtype=np.dtype(_NP[dt]).newbyteorder("<")).reshape(shape)
+            data = np.frombuffer(binary, _LE[dt], count, pos)
+            if len(shape) != 1:
+                data = data.reshape(shape)
+            return name, dt, shape, data, end
+        pos = end
     else:
         raw = inp.get("data")
         if raw is None:
@@ -209,7 +249,7 @@ def _tensor(inp: dict, binary: memoryview | None, pos: list[int]) -> tuple[str, 
         raise BadRequest(f"input '{name}': {got} values for shape {shape} ({count} expected)")
     if isinstance(data, np.ndarray):
         data = data.reshape(shape)
-    return name, dt, shape, data
+    return name, dt, shape, data, pos
 
 
 def _flatten(x: Any) -> list:
@@ -223,7 +263,9 @@ def _flatten(x: Any) -> list:
     raise BadRequest("tensor 'data' must be a (nested) list")
 
 
-def _want(name: str, dt: str, shape: list[int], data: Any, datatype: str, ndim: int) -> np.ndarray:
+def _want(name: str, got: tuple, datatype: str, ndim: int) -> np.ndarray:
+    """The data of input ``name`` (``got``: its ``(datatype, shape, data)``) after checking its datatype and rank."""
+    dt, shape, data = got
     if dt != datatype:
         raise BadRequest(f"input '{name}': datatype must be {datatype}, got {dt}")
     if len(shape) != ndim:
@@ -234,6 +276,9 @@ def _want(name: str, dt: str, shape: list[int], data: Any, datatype: str, ndim: 
 def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
                    transform: Callable[[list[bytes]], tuple[np.ndarray, np.ndarray]] | None) -> tuple[Rows, dict]:
     """Decode and check one ``/infer`` body against the model's contract.
+
+    The JSON header is parsed once; each binary tensor is a zero-copy view of the body; the ids of
+    all features are checked against their tables in one vectorized pass.
 
     Args:
         body: the HTTP body: JSON, or (``header_length`` given) a JSON header of that many bytes
@@ -258,97 +303,129 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         raise BadRequest(f"the request body is not JSON: {e}") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or not req["inputs"]:
         raise BadRequest("the request must be a JSON object with a non-empty 'inputs' list")
-    pos = [0]
+    pos = 0
     got: dict[str, tuple[str, list[int], Any]] = {}
     for inp in req["inputs"]:
-        name, dt, shape, data = _tensor(inp, binary, pos)
+        name, dt, shape, data, pos = _tensor(inp, binary, pos)
         if name in got:
             raise BadRequest(f"input '{name}' is given twice")
         got[name] = (dt, shape, data)
-    known = {DENSE_INPUT, *spec.features, *(f"{f}.lengths" for f in spec.features),
-             *(f"{f}.weights" for f in spec.weighted)} | ({RAW_INPUT} if spec.raw else set())
-    unknown = sorted(set(got) - known)
+    unknown = [k for k in got if k not in spec.known]
     if unknown:
         hint = f", {RAW_INPUT}" if spec.raw else ""
-        raise BadRequest(f"input '{unknown[0]}' is not an input of model {spec.name} (inputs: {DENSE_INPUT}, "
+        raise BadRequest(f"input '{min(unknown)}' is not an input of model {spec.name} (inputs: {DENSE_INPUT}, "
                          f"{spec.features[0]}..{spec.features[-1]} with .lengths{hint}; GET /v2/models/{spec.name})")
+    F = len(spec.features)
     if RAW_INPUT in got:
         if len(got) > 1:
             raise BadRequest(f"input '{RAW_INPUT}' (raw lines) replaces every other input; also got "
                              f"{sorted(set(got) - {RAW_INPUT})}")
-        dt, shape, lines = got[RAW_INPUT]
-        _want(RAW_INPUT, dt, shape, lines, "BYTES", 1)
+        lines = _want(RAW_INPUT, got[RAW_INPUT], "BYTES", 1)
         if not lines:
             raise BadRequest(f"input '{RAW_INPUT}': no lines")
         assert transform is not None
         dense, ids = transform(lines)
         n = dense.shape[0]
-        return Rows(dense, [np.ascontiguousarray(ids[:, j]) for j in range(ids.shape[1])],
-                    [np.ones(n, np.int64)] * len(spec.features), [None] * len(spec.features)), req
+        return Rows(dense, np.ascontiguousarray(ids.T, np.int64).reshape(-1), np.ones((F, n), np.int64), None), req
     if DENSE_INPUT not in got:
         raise BadRequest(f"input '{DENSE_INPUT}' (FP32 [B, {spec.num_dense}]) is missing"
                          + (f" (or send raw lines as '{RAW_INPUT}')" if spec.raw else ""))
-    dt, shape, dense = got[DENSE_INPUT]
-    _want(DENSE_INPUT, dt, shape, dense, "FP32", 2)
+    dense = _want(DENSE_INPUT, got[DENSE_INPUT], "FP32", 2)
+    shape = got[DENSE_INPUT][1]
     if shape[1] != spec.num_dense or shape[0] < 1:
         raise BadRequest(f"input '{DENSE_INPUT}': shape must be [B >= 1, {spec.num_dense}], got {shape}")
     if not np.isfinite(dense).all():
         raise BadRequest(f"input '{DENSE_INPUT}': holds NaN or infinity")
     B = shape[0]
-    ids_l, len_l, w_l = [], [], []
-    for f in spec.features:
-        if f not in got:
+    ids_l: list[np.ndarray] = []
+    lengths: np.ndarray | None = None  # [F, B], made at the first .lengths input
+    uniform = True
+    for j, f in enumerate(spec.features):
+        t = got.get(f)
+        if t is None:
             raise BadRequest(f"input '{f}' (INT64 ids, [N]) is missing")
-        dt, shape, ids = got[f]
-        ids = _want(f, dt, shape, ids, "INT64", 1)
-        if f"{f}.lengths" in got:
-            dt, shape, ln = got[f"{f}.lengths"]
-            ln = _want(f"{f}.lengths", dt, shape, ln, "INT64", 1)
-            if shape[0] != B:
-                raise BadRequest(f"input '{f}.lengths': shape must be [{B}] (one bag length per row of '{DENSE_INPUT}'), got {shape}")
+        ids = _want(f, t, "INT64", 1)
+        lk = spec.length_names[j]
+        if lk in got:
+            ln = _want(lk, got[lk], "INT64", 1)
+            if ln.shape[0] != B:
+                raise BadRequest(f"input '{lk}': shape must be [{B}] (one bag length per row of '{DENSE_INPUT}'), "
+                                 f"got {got[lk][1]}")
             if (ln < 0).any():
-                raise BadRequest(f"input '{f}.lengths': a negative bag length")
+                raise BadRequest(f"input '{lk}': a negative bag length")
             if int(ln.sum()) != ids.size:
-                raise BadRequest(f"input '{f}': {ids.size} ids but '{f}.lengths' sums to {int(ln.sum())}")
-        else:
-            if ids.size != B:
-                raise BadRequest(f"input '{f}': {ids.size} ids for {B} rows; give one id per row or '{f}.lengths'")
-            ln = np.ones(B, np.int64)
-        lim = spec.rows.get(f)
-        if spec.on_invalid_id == "error" and lim is not None and ids.size:
-            bad = np.flatnonzero((ids < 0) | (ids >= lim))
-            if bad.size:
-                raise BadRequest(f"input '{f}': id {int(ids[bad[0]])} at position {int(bad[0])} is outside the table's "
-                                 f"{lim} rows (ids 0..{lim - 1}; the model's on_invalid_id is 'error')")
-        w = None
-        if f in spec.weighted:
-            if f"{f}.weights" not in got:
-                raise BadRequest(f"input '{f}.weights' (FP32 [N], one per id of '{f}') is missing: {f} is a weighted feature")
-            dt, shape, w = got[f"{f}.weights"]
-            w = _want(f"{f}.weights", dt, shape, w, "FP32", 1)
-            if w.size != ids.size:
-                raise BadRequest(f"input '{f}.weights': shape must be [{ids.size}] (one per id), got {shape}")
-        ids_l.append(np.asarray(ids, np.int64))
-        len_l.append(np.asarray(ln, np.int64))
-        w_l.append(None if w is None else np.asarray(w, np.float32))
-    return Rows(np.ascontiguousarray(dense, np.float32), ids_l, len_l, w_l), req
+                raise BadRequest(f"input '{f}': {ids.size} ids but '{lk}' sums to {int(ln.sum())}")
+            if lengths is None:
+                lengths = np.ones((F, B), np.int64)
+            lengths[j] = ln
+        elif ids.size != B:
+            raise BadRequest(f"input '{f}': {ids.size} ids for {B} rows; give one id per row or '{f}.lengths'")
+        uniform = uniform and ids.size == B
+        ids_l.append(ids)
+    values = np.concatenate(ids_l) if F else np.zeros(0, np.int64)
+    counts = None if uniform else np.array([a.size for a in ids_l], np.int64)
+    if spec.on_invalid_id == "error" and values.size:
+        v = values.reshape(F, B) if uniform else values
+        lim = spec.limits[:, None] if uniform else np.repeat(spec.limits, counts)
+        bad = np.flatnonzero((v < 0) | (v >= lim))
+        if bad.size:
+            k = int(bad[0])
+            j = k // B if uniform else int(np.searchsorted(np.cumsum(counts), k, side="right"))
+            at = k - (j * B if uniform else int(counts[:j].sum()))
+            f, top = spec.features[j], int(spec.limits[j])
+            raise BadRequest(f"input '{f}': id {int(values[k])} at position {at} is outside the table's "
+                             f"{top} rows (ids 0..{top - 1}; the model's on_invalid_id is 'error')")
+    weights = None
+    if spec.weighted:
+        ws = []
+        for j, f in enumerate(spec.features):
+            if f in spec.weighted:
+                wk = f"{f}.weights"
+                if wk not in got:
+                    raise BadRequest(f"input '{wk}' (FP32 [N], one per id of '{f}') is missing: {f} is a weighted feature")
+                w = _want(wk, got[wk], "FP32", 1)
+                if w.size != ids_l[j].size:
+                    raise BadRequest(f"input '{wk}': shape must be [{ids_l[j].size}] (one per id), got {got[wk][1]}")
+                ws.append(w)
+            else:
+                ws.append(np.ones(ids_l[j].size, np.float32))
+        weights = np.concatenate(ws).astype(np.float32, copy=False)
+    if lengths is None:
+        lengths = np.ones((F, B), np.int64)
+    return Rows(dense, values.astype(np.int64, copy=False), lengths, weights, counts), req
 
 
 def merge(rows: list[Rows], features: int, weighted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Requests -> one forward's inputs: ``dense [sum B, D]`` float32, ``values [N]`` int64,
     ``lengths [F * sum B]`` int64 (key-major: feature, then request, then row) and ``weights [N]``
-    float32 (``weighted``: unweighted features' entries 1.0) or None."""
-    dense = np.concatenate([r.dense for r in rows]) if len(rows) > 1 else rows[0].dense
-    dense = np.require(dense, np.float32, ["C", "W"])  # a binary request's arrays are read-only views
-    vals, lens, ws = [], [], []
-    for j in range(features):
-        for r in rows:
-            vals.append(r.ids[j])
-            lens.append(r.lengths[j])
-            if weighted:
-                ws.append(r.weights[j] if r.weights[j] is not None else np.ones(r.ids[j].size, np.float32))
-    return (torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(np.concatenate(vals)),
-            torch.from_numpy(np.concatenate(lens)), torch.from_numpy(np.concatenate(ws)) if weighted else None)
+    float32 (``weighted``: unweighted features' entries 1.0) or None.
+
+    One concatenation per input: requests whose every feature has one id per row are joined as
+    ``[F, B]`` blocks along the rows; otherwise the ids are put in feature-major order with one
+    stable sort by feature.
+    """
+    if len(rows) == 1:
+        r = rows[0]
+        dense, values, lengths, weights = r.dense, r.values, r.lengths.reshape(-1), r.weights
+    else:
+        dense = np.concatenate([r.dense for r in rows])
+        lengths = np.concatenate([r.lengths for r in rows], axis=1).reshape(-1)
+        if all(r.counts is None for r in rows):
+            values = np.concatenate([r.values.reshape(features, -1) for r in rows], axis=1).reshape(-1)
+            weights = (np.concatenate([r.weights.reshape(features, -1) for r in rows], axis=1).reshape(-1)
+                       if weighted else None)
+        else:
+            key = np.concatenate([np.repeat(np.arange(features), r.counts if r.counts is not None else r.n)
+                                  for r in rows])
+            order = np.argsort(key, kind="stable")
+            values = np.concatenate([r.values for r in rows])[order]
+            weights = np.concatenate([r.weights for r in rows])[order] if weighted else None
+    # a binary request's arrays are read-only views of its body: torch wants writable memory
+    def own(a: np.ndarray, dt: Any) -> torch.Tensor:
+        return torch.from_numpy(np.require(a, dt, ["C", "W"]))
+
+    return (own(dense, np.float32), own(values, np.int64), own(lengths, np.int64),
+            own(weights, np.float32) if weighted else None)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -370,6 +447,8 @@ class Metrics:
         self.forward = Histogram("dlrmctl_serve_forward_seconds", "model forward time per batch",
                                  buckets=(.0001, .0005, .001, .002, .005, .01, .02, .05, .1, .5, 1), registry=r)
         self.queue_rows = Gauge("dlrmctl_serve_queue_rows", "rows waiting for a forward", registry=r)
+        self.process = Gauge("dlrmctl_serve_process_info", "this server process (pid; index of --processes)",
+                             ["pid", "process"], registry=r)
 
 
 # ----------------------------------------------------------------------------- dynamic batching
@@ -407,7 +486,8 @@ class Batcher:
             t.start()
 
     def submit(self, rows: Rows) -> concurrent.futures.Future:
-        """Queue one request; the future's result is its logits ``[B]`` float32 numpy.
+        """Queue one request; the future's result is its ``(scores, logits)``, each ``[B]`` float32 numpy
+        (``scores = sigmoid(logits)``, computed once per batch).
 
         Raises:
             QueueFull: its rows do not fit in the queue now.
@@ -426,7 +506,10 @@ class Batcher:
             self._q.append(_Item(rows, fut))
             self._queued += rows.n
             self.metrics.queue_rows.set(self._queued)
-            self._cond.notify()
+            # wake a forward thread only when it has something to do: the first request (it starts the
+            # delay) or a full batch; not once per request while it waits out the delay
+            if len(self._q) == 1 or self._queued >= self.max_batch_rows:
+                self._cond.notify()
         return fut
 
     def stop(self) -> None:
@@ -474,7 +557,7 @@ class Batcher:
     def _score(self, batch: list[_Item]) -> None:
         t0 = time.perf_counter()
         try:
-            z = self.forward(*merge([b.rows for b in batch], self.features, self.weighted)).cpu().numpy()
+            z = self.forward(*merge([b.rows for b in batch], self.features, self.weighted)).cpu().numpy().astype(np.float32, copy=False)
         except Exception as e:  # noqa: BLE001 - isolate the culprit: each request on its own
             if len(batch) == 1:
                 batch[0].future.set_exception(e)
@@ -482,27 +565,31 @@ class Batcher:
             for b in batch:
                 self._score([b])
             return
+        p = torch.sigmoid(torch.from_numpy(z)).numpy()  # once per batch; as dlrmctl predict
         self.metrics.forward.observe(time.perf_counter() - t0)
         self.metrics.batch_rows.observe(len(z))
         s = 0
         for b in batch:
-            b.future.set_result(z[s:s + b.rows.n])
+            b.future.set_result((p[s:s + b.rows.n], z[s:s + b.rows.n]))
             s += b.rows.n
 
 
 # ----------------------------------------------------------------------------- the app
-def _infer_response(req: dict, name: str, logits: np.ndarray) -> tuple[bytes, dict]:
-    """``(body, headers)`` of an infer answer: JSON, or binary outputs when the request asks
-    (``parameters.binary_data_output`` or an output's ``parameters.binary_data``)."""
-    scores = torch.sigmoid(torch.from_numpy(np.ascontiguousarray(logits))).numpy()  # as dlrmctl predict
-    outs = {"score": scores.astype(np.float32), "logit": logits.astype(np.float32)}
-    wanted = [o.get("name") for o in req.get("outputs") or [] if isinstance(o, dict)] or list(outs)
+def _infer_response(req: dict, name: str, scores: np.ndarray, logits: np.ndarray) -> tuple[bytes, bytes]:
+    """``(body, content-type + inference-header-content-length headers as raw bytes lines)`` of an
+    infer answer: JSON, or binary outputs when the request asks (``parameters.binary_data_output``
+    or an output's ``parameters.binary_data``).  ``scores``, ``logits``: ``[B]`` float32, this
+    request's slices of its batch's outputs."""
+    outs = {"score": scores, "logit": logits}
+    asked = req.get("outputs") or []
+    wanted = [o.get("name") for o in asked if isinstance(o, dict)] or list(outs)
     for w in wanted:
         if w not in outs:
             raise BadRequest(f"output '{w}' is not an output of model {name} (outputs: score, logit)")
-    all_bin = bool((req.get("parameters") or {}).get("binary_data_output"))
+    par = req.get("parameters")
+    all_bin = bool(par.get("binary_data_output")) if isinstance(par, dict) else False
     per = {o.get("name"): bool((o.get("parameters") or {}).get("binary_data", all_bin))
-           for o in req.get("outputs") or [] if isinstance(o, dict)}
+           for o in asked if isinstance(o, dict)}
     res: dict = {"model_name": name, "model_version": "1", "outputs": []}
     if req.get("id") is not None:
         res["id"] = req["id"]
@@ -511,7 +598,7 @@ def _infer_response(req: dict, name: str, logits: np.ndarray) -> tuple[bytes, di
         a = outs[w]
         o: dict = {"name": w, "datatype": "FP32", "shape": [int(a.shape[0])]}
         if per.get(w, all_bin):
-            b = a.astype("<f4").tobytes()
+            b = a.astype("<f4", copy=False).tobytes()
             o["parameters"] = {"binary_data_size": len(b)}
             blobs.append(b)
         else:
@@ -519,26 +606,69 @@ def _infer_response(req: dict, name: str, logits: np.ndarray) -> tuple[bytes, di
         res["outputs"].append(o)
     head = json.dumps(res, separators=(",", ":")).encode()
     if not blobs:
-        return head, {"content-type": "application/json"}
-    return head + b"".join(blobs), {"content-type": "application/octet-stream",
-                                    "inference-header-content-length": str(len(head))}
+        return head, [(b"content-type", b"application/json")]
+    return head + b"".join(blobs), [(b"content-type", b"application/octet-stream"),
+                                    (b"inference-header-content-length", str(len(head)).encode())]
+
+
+def _json_error(msg: str) -> bytes:
+    return json.dumps({"error": msg}, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class App:
+    """The ASGI app of :func:`build_app`: ``POST .../infer`` is answered here, as raw ASGI (no
+    per-request routing, validation or response classes); every other path and the lifespan go to
+    the FastAPI app :attr:`api`.
+
+    Attributes:
+        api: the FastAPI app (health, metadata, metrics; its lifespan runs the batcher).
+        state: ``api.state``: ``metrics`` (:class:`Metrics`) and ``spec`` (:class:`ModelSpec`).
+    """
+
+    _PREFIX = "/v2/models/"
+
+    def __init__(self, api: Any, infer: Callable[..., Any]) -> None:
+        self.api, self.state, self._infer = api, api.state, infer
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """ASGI 3 entry point."""
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.endswith("/infer") and path.startswith(self._PREFIX):
+            parts = path[len(self._PREFIX):-len("/infer")].split("/")
+            if len(parts) == 1 or (len(parts) == 3 and parts[1] == "versions"):
+                if scope["method"] != "POST":
+                    await _send(send, 405, _json_error(f"{path} takes POST"), [(b"allow", b"POST")])
+                    return
+                await self._infer(parts[0], scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+
+async def _send(send: Callable, code: int, body: bytes, headers: list | None = None) -> None:
+    """One whole HTTP answer (JSON unless ``headers`` give a content-type)."""
+    h = [(b"content-length", str(len(body)).encode())]
+    if not any(k == b"content-type" for k, _ in headers or ()):
+        h.append((b"content-type", b"application/json"))
+    await send({"type": "http.response.start", "status": code, "headers": h + list(headers or ())})
+    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
-              max_queue_rows: int = 65536, workers: int = 1):
-    """The FastAPI app serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`) as ``name``.
+              max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1") -> App:
+    """The ASGI app (:class:`App`) serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`) as ``name``.
 
     The batcher starts with the app's lifespan and drains on its shutdown.  ``app.state.metrics``
-    holds the :class:`Metrics`.
+    holds the :class:`Metrics`; ``process`` labels this server process in ``dlrmctl_serve_process_info``.
     """
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request, Response
+    from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     spec = ModelSpec.of(model, name)
     metrics = Metrics(max_batch_rows)
+    metrics.process.labels(str(os.getpid()), process).set(1)
     transform = None
     if spec.raw:
         from dlrmctl.inference.predict import raw_transformer
@@ -575,103 +705,141 @@ def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: f
         state["ready"] = False
         await asyncio.get_running_loop().run_in_executor(None, state["batcher"].stop)
 
-    app = FastAPI(title="dlrmctl serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.metrics = metrics
-    app.state.spec = spec
+    api = FastAPI(title="dlrmctl serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    api.state.metrics = metrics
+    api.state.spec = spec
 
     def err(code: int, msg: str, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": msg}, status_code=code, headers=headers)
 
-    def no_model(n: str) -> JSONResponse:
-        return err(404, f"model '{n}' is not served here (this server serves '{name}')")
+    def no_model(n: str) -> str:
+        return f"model '{n}' is not served here (this server serves '{name}')"
 
-    @app.get("/v2/health/live")
+    @api.get("/v2/health/live")
     async def live():
         return {"live": True}
 
-    @app.get("/v2/health/ready")
+    @api.get("/v2/health/ready")
     async def ready():
         ok = bool(state.get("ready"))
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
-    @app.get("/v2")
+    @api.get("/v2")
     async def server_meta():
         from dlrmctl import __version__
 
         return {"name": "dlrmctl", "version": __version__, "extensions": ["binary_tensor_data"]}
 
-    @app.get("/v2/models/{model_name}")
-    @app.get("/v2/models/{model_name}/versions/{version}")
+    @api.get("/v2/models/{model_name}")
+    @api.get("/v2/models/{model_name}/versions/{version}")
     async def model_meta(model_name: str, version: str | None = None):
         if model_name != name:
-            return no_model(model_name)
+            return err(404, no_model(model_name))
         return spec.metadata(f"pytorch_{model.artifact}")
 
-    @app.get("/v2/models/{model_name}/ready")
-    @app.get("/v2/models/{model_name}/versions/{version}/ready")
+    @api.get("/v2/models/{model_name}/ready")
+    @api.get("/v2/models/{model_name}/versions/{version}/ready")
     async def model_ready(model_name: str, version: str | None = None):
         if model_name != name:
-            return no_model(model_name)
+            return err(404, no_model(model_name))
         ok = bool(state.get("ready"))
         return JSONResponse({"name": name, "ready": ok}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     async def prom():
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v2/models/{model_name}/infer")
-    @app.post("/v2/models/{model_name}/versions/{version}/infer")
-    async def infer(model_name: str, request: Request, version: str | None = None):
+    requests_ok, latency, rows_total = metrics.requests.labels("200"), metrics.latency, metrics.rows
+
+    async def infer(model_name: str, scope: dict, receive: Callable, send: Callable) -> None:
+        """``POST /v2/models/{model_name}[/versions/{v}]/infer``: read the body, decode, queue, answer."""
         t0 = time.perf_counter()
-        code, reason = 200, None
+        code, reason, body, answered = 200, None, b"", False
         try:
+            more = True
+            chunks = []
+            while more:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    code, reason = 499, "disconnected"
+                    return
+                chunks.append(msg.get("body", b""))
+                more = msg.get("more_body", False)
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if model_name != name:
-                code, reason = 404, "unknown_model"
-                return no_model(model_name)
-            body = await request.body()
-            hl = request.headers.get("inference-header-content-length")
+                code, reason, body = 404, "unknown_model", _json_error(no_model(model_name))
+                return
+            hl = None
+            for k, v in scope["headers"]:
+                if k == b"inference-header-content-length":
+                    hl = v
             try:
                 hlen = None if hl is None else int(hl)
             except ValueError:
                 hlen = -1
             try:
-                rows, req = decode_request(body, hlen, spec, transform)
+                rows, req = decode_request(data, hlen, spec, transform)
                 fut = state["batcher"].submit(rows)
             except BadRequest as e:
-                code, reason = 400, "bad_request"
-                return err(400, str(e))
+                code, reason, body = 400, "bad_request", _json_error(str(e))
+                return
             except QueueFull as e:
-                code, reason = 503, "queue_full"
-                return err(503, f"{e}; retry after 1 s", headers={"Retry-After": "1"})
+                code, reason, body = 503, "queue_full", _json_error(f"{e}; retry after 1 s")
+                return
             try:
-                logits = await asyncio.wrap_future(fut)
+                scores, logits = await asyncio.wrap_future(fut)
             except Exception as e:  # noqa: BLE001 - the model refused this request's rows
                 from dlrmctl.inference.export import ExportError
 
                 if isinstance(e, ExportError):
-                    code, reason = 400, "bad_request"
-                    return err(400, str(e).split(": bad model input: ", 1)[-1])
+                    code, reason, body = 400, "bad_request", _json_error(str(e).split(": bad model input: ", 1)[-1])
+                    return
                 log.exception("forward failed")
                 code, reason = 500, "model_error"
-                return err(500, f"the model failed on this request: {type(e).__name__}: {e}")
+                body = _json_error(f"the model failed on this request: {type(e).__name__}: {e}")
+                return
             try:
-                out, headers = _infer_response(req, name, logits)
+                out, headers = _infer_response(req, name, scores, logits)
             except BadRequest as e:
-                code, reason = 400, "bad_request"
-                return err(400, str(e))
-            metrics.rows.inc(rows.n)
-            return Response(out, headers=headers, media_type=headers["content-type"])
+                code, reason, body = 400, "bad_request", _json_error(str(e))
+                return
+            rows_total.inc(rows.n)
+            answered = True
+            await _send(send, 200, out, headers)
+        except Exception as e:  # noqa: BLE001 - a bug (or the client went away): logged, the server keeps serving
+            log.exception("infer failed")
+            code, reason, body = 500, "server_error", _json_error(f"internal error: {type(e).__name__}: {e}")
         finally:
-            metrics.requests.labels(str(code)).inc()
+            if code != 200 and code != 499 and not answered:
+                await _send(send, code, body, [(b"retry-after", b"1")] if code == 503 else None)
+            (requests_ok if code == 200 else metrics.requests.labels(str(code))).inc()
             if reason:
                 metrics.errors.labels(reason).inc()
-            metrics.latency.observe(time.perf_counter() - t0)
+            latency.observe(time.perf_counter() - t0)
 
-    return app
+    return App(api, infer)
 
 
 # ----------------------------------------------------------------------------- running
-def bind(host: str, port: int) -> socket.socket:
+def http_stack() -> tuple[str, str]:
+    """uvicorn's ``(http, loop)`` implementations: ``httptools`` and ``uvloop`` where importable
+    (the ``serve`` extra installs both; several times cheaper per request), else ``h11`` and ``asyncio``."""
+    try:
+        import httptools  # noqa: F401
+
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    return http, loop
+
+
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free one the OS picks) whose accepted
     connections have ``TCP_NODELAY`` set.
 
@@ -681,12 +849,20 @@ def bind(host: str, port: int) -> socket.socket:
     on Linux) on every request of a kept-alive connection after its first.  ``TCP_NODELAY`` is
     also set on the listening socket (Linux passes it on to accepted connections).
 
+    ``reuse_port``: ``SO_REUSEPORT``, so that the other server processes of ``--processes`` bind the
+    same port and the kernel spreads new connections over them.
+
     Raises:
-        ServeError: the address cannot be bound (in use, not local), naming it.
+        ServeError: the address cannot be bound (in use, not local), naming it; ``reuse_port`` where
+            the platform has no ``SO_REUSEPORT``.
     """
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
+        raise ServeError("--processes above 1 needs SO_REUSEPORT, which this platform lacks; use --processes 1")
     sock = socket.socket(fam, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
@@ -699,30 +875,151 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def start_processes(count: int, model_dir: str, name: str, host: str, port: int, threads: int,
+                    options: dict) -> list:
+    """Start ``count`` more server processes (``multiprocessing`` spawn) on ``host:port``: each loads
+    the model from ``model_dir``, binds the port with ``SO_REUSEPORT`` (the first one's socket must
+    have it too, :func:`bind`), reports back and serves with ``options`` (:func:`serve`'s keyword
+    arguments) and ``threads`` intra-op threads.  Returns once every one is listening; each ends when
+    the process that started it does (SIGTERM from :func:`serve`, or on its death).
+
+    Raises:
+        ServeError: a process could not load the model or bind (its message), or did not report
+            within 10 minutes; the others are stopped.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    try:
+        for i in range(count):
+            here, there = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_serve_child, name=f"dlrmctl-serve-process-{i + 2}", daemon=False,
+                            args=(there, model_dir, name, host, port, threads, f"{i + 2} of {count + 1}", options))
+            p.start()
+            there.close()
+            procs.append(p)
+            conns.append(here)
+        for p, c in zip(procs, conns):
+            if not c.poll(600):
+                raise ServeError(f"server {p.name} did not start within 10 minutes")
+            try:
+                msg = c.recv()
+            except EOFError:
+                msg = f"exited with code {p.join(5) or p.exitcode} while starting"
+            if msg:
+                raise ServeError(f"server {p.name}: {msg}")
+    except BaseException:
+        stop_processes(procs)
+        raise
+    finally:
+        for c in conns:
+            c.close()
+    return procs
+
+
+def stop_processes(procs: list, sig: int | None = signal.SIGTERM, wait: float = 90.0) -> list[int]:
+    """Send ``sig`` (None: none, they were told already) to each live process of :func:`start_processes`,
+    wait up to ``wait`` seconds for them (they drain), kill any left; returns their exit codes."""
+    for p in procs:
+        if sig is not None and p.is_alive():
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + wait
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, threads: int, process: str,
+                 options: dict) -> None:
+    """One extra server process of :func:`start_processes`."""
+    try:  # end with the parent, whatever kills it (Linux)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent sends SIGTERM
+    torch.set_num_threads(threads)
+    try:
+        from dlrmctl.inference.export import load_exported
+
+        model = load_exported(model_dir)
+        sock = bind(host, port, reuse_port=True)
+    except Exception as e:  # noqa: BLE001 - reported by the parent as one line
+        conn.send(str(e) or type(e).__name__)
+        conn.close()
+        return
+    conn.send("")
+    conn.close()
+    serve(model, name, sock, process=process, child=True, **options)
+
+
 def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
-          workers: int) -> str | None:
+          workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False) -> str | None:
     """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
     backlog) until SIGTERM / SIGINT; every request received is answered first.
 
+    Args:
+        process: this process's label (``"1 of 2"``) in ``dlrmctl_serve_process_info``.
+        others: the processes of :func:`start_processes` serving the same port: sent SIGTERM as soon as
+            this one is asked to stop (each drains its own requests), waited for before returning.
+        child: one of ``others`` of another process: SIGINT (Ctrl-C reaches the whole process group)
+            does not stop it, its parent sends SIGTERM; a SIGTERM after it stopped is ignored.
+
     Returns:
         the name of the signal that stopped it (``SIGTERM``), or None.
+
+    Raises:
+        ServeError: one of ``others`` did not exit cleanly (some of its requests may be unanswered).
     """
     import uvicorn
 
-    app = build_app(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+    app = build_app(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process)
+    http, loop = http_stack()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=http, loop=loop,
                             timeout_graceful_shutdown=60, backlog=2048)
-    server = uvicorn.Server(config)
+    stopping: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if child and sig == signal.SIGINT:
+                return
+            if others and not stopping:
+                stopping.append(sig)
+                for p in others:
+                    if p.is_alive():
+                        try:
+                            os.kill(p.pid, signal.SIGTERM)
+                        except ProcessLookupError:
+                            pass
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     caught: list[int] = []
 
     def after(sig, frame):  # uvicorn re-raises the signal it drained on: note it, do not die by it
+        if child and sig == signal.SIGINT:
+            return
         caught.append(sig)
+        server.should_exit = True  # one before uvicorn's own handlers are in: it stops right after starting
 
     old = {s: signal.signal(s, after) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if not child:  # a child keeps `after`: its parent's late SIGTERM must not kill it while it exits
+            for s, h in old.items():
+                signal.signal(s, h)
         sock.close()
+        codes = stop_processes(others, None if stopping else signal.SIGTERM) if others else []
+    bad = [(p.name, c) for p, c in zip(others or [], codes) if c != 0]
+    if bad:
+        raise ServeError(f"server {bad[0][0]} exited with code {bad[0][1]}; requests it held may be unanswered")
     return signal.Signals(caught[0]).name if caught else None

@@ -62,6 +62,7 @@ def server(model_dir, *args):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = p.stdout.readline()
+        p.startup_line = line
         m = re.search(r"http://127\.0\.0\.1:(\d+)/", line)
         assert m, line + p.stderr.read()
         url = f"127.0.0.1:{m.group(1)}"
@@ -275,6 +276,8 @@ def test_serve_cli_errors(model, tmp_path):
     assert r.exit_code == 2 and "not an exported model" in r.output
     r = CliRunner().invoke(app, ["serve", str(model), "--max-batch-rows", "0"])
     assert r.exit_code == 2 and "--max-batch-rows must be" in r.output
+    r = CliRunner().invoke(app, ["serve", str(model), "--processes", "0"])
+    assert r.exit_code == 2 and "--processes must be" in r.output
     import socket
 
     s = socket.socket()
@@ -317,3 +320,237 @@ def test_accepted_connections_have_tcp_nodelay():
 
     asyncio.run(main())
     assert len(got) == 1 and got[0] != 0
+
+
+# ----------------------------------------------------------------------------- the per-request cost, as kinds
+def _spec(weighted=()):
+    from dlrmctl.inference.serve import ModelSpec
+
+    return ModelSpec(name="m", num_dense=2, features=["a", "b", "c"], weighted=list(weighted),
+                     rows={"a": 10, "b": 20, "c": 30}, on_invalid_id="error", raw=False)
+
+
+def _body(rng, B, multi, weighted, binary):
+    """(body, header length or None, per-feature (ids, lengths, weights) as the request means them)."""
+    ins, blobs, want = [], [], {}
+
+    def add(name, dt, arr):
+        arr = np.ascontiguousarray(arr)
+        d = {"name": name, "datatype": dt, "shape": list(arr.shape)}
+        if binary:
+            b = arr.tobytes()
+            d["parameters"] = {"binary_data_size": len(b)}
+            blobs.append(b)
+        else:
+            d["data"] = arr.tolist()
+        ins.append(d)
+
+    dense = rng.random((B, 2), dtype=np.float32)
+    add("dense", "FP32", dense)
+    for f in "abc":
+        ln = rng.integers(0, 3, B) if multi and f != "a" else np.ones(B, np.int64)
+        ids = rng.integers(0, 10, int(ln.sum()))
+        add(f, "INT64", ids)
+        if multi and f != "a":
+            add(f"{f}.lengths", "INT64", ln)
+        w = rng.random(ids.size, dtype=np.float32) if f in weighted else np.ones(ids.size, np.float32)
+        if f in weighted:
+            add(f"{f}.weights", "FP32", w)
+        want[f] = (ids, ln, w)
+    head = json.dumps({"inputs": ins}).encode()
+    return (head + b"".join(blobs), len(head), dense, want) if binary else (head, None, dense, want)
+
+
+@pytest.mark.parametrize("weighted", [(), ("b",)])
+def test_decode_and_merge_match_a_per_request_reference(weighted):
+    """Requests of one id per row, multi-id bags (some of 0 ids), weighted features, JSON and binary,
+    merged in one forward's key-major order (feature, then request, then row) exactly as a
+    per-request, per-feature reference builds it."""
+    import torch
+
+    from dlrmctl.inference.serve import decode_request, merge
+
+    rng = np.random.default_rng(0)
+    spec = _spec(weighted)
+    for trial in range(40):
+        reqs = [_body(rng, int(rng.integers(1, 5)), bool(rng.integers(0, 2)) and trial % 4 != 0, weighted,
+                      bool(rng.integers(0, 2))) for _ in range(int(rng.integers(1, 6)))]
+        rows = [decode_request(b, h, spec, None)[0] for b, h, _, _ in reqs]
+        dense, values, lengths, w = merge(rows, 3, bool(weighted))
+        np.testing.assert_array_equal(dense.numpy(), np.concatenate([d for _, _, d, _ in reqs]))
+        np.testing.assert_array_equal(values.numpy(), np.concatenate([r[3][f][0] for f in "abc" for r in reqs]))
+        np.testing.assert_array_equal(lengths.numpy(), np.concatenate([r[3][f][1] for f in "abc" for r in reqs]))
+        if weighted:
+            np.testing.assert_array_equal(w.numpy(), np.concatenate([r[3][f][2] for f in "abc" for r in reqs]))
+        else:
+            assert w is None
+        assert values.dtype == lengths.dtype == torch.int64 and dense.is_contiguous()
+
+
+def test_an_id_outside_its_table_is_named_with_its_feature_and_position():
+    """The one vectorized range check over every feature's ids names the same feature and position
+    as a per-feature check: one id per row, and multi-id bags."""
+    from dlrmctl.inference.serve import BadRequest, decode_request
+
+    spec = _spec()
+    base = [{"name": "dense", "datatype": "FP32", "shape": [2, 2], "data": [1, 2, 3, 4]},
+            {"name": "a", "datatype": "INT64", "shape": [2], "data": [1, 2]}]
+    one = base + [{"name": "b", "datatype": "INT64", "shape": [2], "data": [3, 4]},
+                  {"name": "c", "datatype": "INT64", "shape": [2], "data": [5, 30]}]
+    bags = base + [{"name": "b", "datatype": "INT64", "shape": [3], "data": [1, 20, 2]},
+                   {"name": "b.lengths", "datatype": "INT64", "shape": [2], "data": [1, 2]},
+                   {"name": "c", "datatype": "INT64", "shape": [2], "data": [-1, 3]}]
+    for inputs, msg in ((one, "input 'c': id 30 at position 1 is outside the table's 30 rows (ids 0..29;"),
+                        (bags, "input 'b': id 20 at position 1 is outside the table's 20 rows (ids 0..19;")):
+        with pytest.raises(BadRequest) as e:
+            decode_request(json.dumps({"inputs": inputs}).encode(), None, spec, None)
+        assert str(e.value).startswith(msg), str(e.value)
+
+
+def test_the_batcher_wakes_its_forward_thread_once_per_batch_not_per_request(monkeypatch):
+    """Requests that join a batch while its forward thread waits out --max-delay-ms do not each wake
+    that thread (a thread switch per request)."""
+    import torch
+
+    from dlrmctl.inference.serve import Batcher, Metrics, Rows
+
+    wakes = []
+
+    class Counting(threading.Condition):
+        def notify(self, n=1):
+            wakes.append(n)
+            super().notify(n)
+
+    def fwd(dense, values, lengths, weights):
+        return dense[:, 0].clone()
+
+    monkeypatch.setattr(threading, "Condition", Counting)  # the Batcher's own condition
+    b = Batcher(fwd, 1, False, max_batch_rows=64, max_delay_ms=200, max_queue_rows=1024, workers=1, metrics=Metrics(64))
+    monkeypatch.undo()
+    assert isinstance(b._cond, Counting)
+    futs = [b.submit(Rows(np.full((1, 1), float(i), np.float32), np.zeros(1, np.int64), np.ones((1, 1), np.int64), None))
+            for i in range(20)]
+    got = [f.result(30) for f in futs]
+    b.stop()
+    assert [float(s[1][0]) for s in got] == list(range(20))  # (scores, logits), each its own row
+    assert float(got[3][0][0]) == pytest.approx(float(torch.sigmoid(torch.tensor(3.0))))
+    assert len(wakes) <= 3, wakes  # the first request (and the stop), not 20
+
+
+def _asgi(app, method, path, body=b"", headers=()):
+    """(status, headers dict, body) of one request driven straight through an ASGI app."""
+    import asyncio
+
+    sent, chunks = [], [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive():
+        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    scope = {"type": "http", "method": method, "path": path, "headers": [(k.encode(), v.encode()) for k, v in headers],
+             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2), "root_path": ""}
+
+    asyncio.get_event_loop().run_until_complete(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start", sent
+    return (sent[0]["status"], {k.decode(): v.decode() for k, v in sent[0]["headers"]},
+            b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_infer_is_answered_without_the_fastapi_stack(model):
+    """POST .../infer is a raw ASGI route: with the FastAPI app (routing, validation, middleware)
+    replaced by one that fails, infer still scores (binary and JSON), answers bad requests with
+    their one line, and a GET on it is a 405."""
+    import asyncio
+
+    from dlrmctl.inference.export import load_exported
+    from dlrmctl.inference.serve import build_app
+
+    m = load_exported(model)
+    app = build_app(m, "tiny", max_delay_ms=0)
+    lines = RAW100.read_text().splitlines()[:3]
+    dense, ids, features = _model_inputs(model, RAW100)
+    ins = _tensor_inputs(dense[:3], ids[:3], features)
+    from tritonclient.http._utils import _get_inference_request
+
+    body, hl = _get_inference_request(ins, None, None, None, None, None, None, None, None)
+    import torch
+
+    want = torch.sigmoid(m.logits(torch.from_numpy(dense[:3]), torch.from_numpy(np.ascontiguousarray(ids[:3].T).reshape(-1)),
+                                  torch.ones(3 * len(features), dtype=torch.int64))).numpy()
+
+    async def boom(scope, receive, send):
+        raise AssertionError(f"FastAPI reached for {scope['type']} {scope.get('path')}")
+
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        cm = app.api.router.lifespan_context(app.api)
+        loop.run_until_complete(cm.__aenter__())
+        api, app.api = app.api, boom
+        try:
+            code, hdr, out = _asgi(app, "POST", "/v2/models/tiny/infer", body, [("inference-header-content-length", str(hl))])
+            assert code == 200 and hdr["content-type"] == "application/octet-stream", (code, out)
+            n = int(hdr["inference-header-content-length"])
+            res = json.loads(out[:n])
+            assert [o["name"] for o in res["outputs"]] == ["score", "logit"]
+            np.testing.assert_allclose(np.frombuffer(out[n:n + 12], "<f4"), want, atol=1e-6, rtol=0)
+            raw = {"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [3], "data": lines}]}
+            code, hdr, out = _asgi(app, "POST", "/v2/models/tiny/versions/1/infer", json.dumps(raw).encode())
+            assert code == 200 and hdr["content-type"] == "application/json"
+            np.testing.assert_allclose(json.loads(out)["outputs"][0]["data"], want, atol=1e-6, rtol=0)
+            code, _, out = _asgi(app, "POST", "/v2/models/tiny/infer", b"{nope")
+            assert code == 400 and json.loads(out)["error"].startswith("the request body is not JSON")
+            code, hdr, _ = _asgi(app, "GET", "/v2/models/tiny/infer")
+            assert code == 405 and hdr["allow"] == "POST"
+            code, _, out = _asgi(app, "POST", "/v2/models/other/infer", body, [("inference-header-content-length", str(hl))])
+            assert code == 404 and "this server serves 'tiny'" in json.loads(out)["error"]
+        finally:
+            app.api = api
+            loop.run_until_complete(cm.__aexit__(None, None, None))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+
+
+def test_processes_share_the_port_each_with_the_model_and_drain(model):
+    """--processes 2: two server processes on one port (SO_REUSEPORT), both answering (their pids
+    in dlrmctl_serve_process_info over fresh connections), scores right from either; the startup
+    line names the HTTP stack; SIGTERM stops both, each answering what it received."""
+    from dlrmctl.inference.serve import http_stack
+
+    lines = RAW100.read_text().splitlines()
+    with server(model, "--processes", "2", "--max-delay-ms", "0") as (url, p):
+        pids, scores = set(), []
+        for i in range(40):  # a fresh connection each: the kernel hashes each onto one of the two sockets
+            text = urllib.request.urlopen(f"http://{url}/metrics", timeout=10).read().decode()
+            pids |= set(re.findall(r'dlrmctl_serve_process_info\{pid="(\d+)",process="\d of 2"\} 1\.0', text))
+            code, body, _ = _post(url, {"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [2], "data": lines[:2]}]})
+            assert code == 200
+            scores.append(body["outputs"][0]["data"])
+        assert len(pids) == 2 and str(p.pid) in pids, pids
+        np.testing.assert_allclose(np.array(scores), np.array(scores[:1] * 40), atol=1e-6, rtol=0)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        out = p.startup_line + p.stdout.read()
+    http, loop = http_stack()
+    assert "2 processes x 1 worker(s)" in out and f"HTTP {http} on {loop}" in out, out
+    assert "stopped (SIGTERM): every request received was answered" in out
+    child = int(next(x for x in pids if x != str(p.pid)))
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # ended and reaped with its parent
+
+
+def test_http_stack_falls_back_to_h11_and_asyncio(monkeypatch):
+    """httptools and uvloop where importable (the serve extra), h11 and asyncio otherwise."""
+    from dlrmctl.inference.serve import http_stack
+
+    for mod in ("httptools", "uvloop"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError
+    assert http_stack() == ("h11", "asyncio")
+    monkeypatch.undo()
+    pytest.importorskip("httptools")
+    pytest.importorskip("uvloop")
+    assert http_stack() == ("httptools", "uvloop")
