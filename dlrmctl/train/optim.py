@@ -91,15 +91,15 @@ class RowWiseAdagrad(_RowUpdateOptimizer):
         m = st["momentum1"]
         D = p.shape[1]
         if g.is_sparse:
-            g = g.coalesce()
-            rows = g.indices()[0]
-            gv = g.values()
-            if rows.numel() == 0:
+            rows, gv = _row_runs(g)
+            if rows is None:
                 return
             if wd:
                 gv = gv + wd * _rows32(p, rows)
-            m.index_add_(0, rows, gv.pow(2).sum(1) / D)
-            _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
+            # m_r + mean(g_r ** 2) written back by copy (equal writes for the padding repeats of _row_runs)
+            mr = m.index_select(0, rows).add_(gv.pow(2).sum(1) / D)
+            m.index_copy_(0, rows, mr)
+            _add_rows(p, rows, -lr * gv / (mr.sqrt() + eps).unsqueeze(1))
         else:
             # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
             # same arithmetic per row as the sparse branch (bit-identical updates)
@@ -148,8 +148,9 @@ class SparseAdagrad(_RowUpdateOptimizer):
         rows, g = _touched_rows(grad, p, wd)
         if rows is None:
             return
-        acc.index_add_(0, rows, g * g)
-        den = acc[rows].sqrt() + eps
+        acc_r = acc.index_select(0, rows).add_(g * g)
+        acc.index_copy_(0, rows, acc_r)
+        den = acc_r.sqrt() + eps
         _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
 
 
@@ -262,7 +263,7 @@ class EmbeddingAdam(torch.optim.Optimizer):
                 if mask is not None:
                     self._step_masked(p, st, mask, lr, eps, wd, b1, b2, bc1, bc2)
                     continue
-                rows, g = _summed_rows(p.grad)
+                rows, g = _row_runs(p.grad)
                 if rows is None:
                     continue
                 g = g.float()
@@ -296,7 +297,7 @@ class EmbeddingAdam(torch.optim.Optimizer):
                     w = p.index_select(0, rows).mul_(1.0 - lr * wd).add_(m.div_(den))
                     p.index_copy_(0, rows, w.to(p.dtype))
                 else:
-                    p.index_add_(0, rows, m.div_(den).to(p.dtype))
+                    p.index_copy_(0, rows, p.index_select(0, rows).add_(m.div_(den).to(p.dtype)))
 
 
     def _step_masked(self, p: torch.Tensor, st: dict, mask: torch.Tensor, lr: float, eps: float, wd: float,
@@ -399,11 +400,12 @@ def _rows32(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-    """``p[rows] += delta`` (``rows`` unique, ``delta`` float32 ``[len(rows), D]``): in place for
-    fp32 tables; for fp16 tables the sum is formed in fp32 and rounded once to fp16 (round to
-    nearest, FBGEMM's TBE without stochastic rounding)."""
+    """``p[rows] += delta`` (``delta`` float32 ``[len(rows), D]``; a row listed twice must carry the
+    same delta each time, as :func:`_row_runs`' padding does: the sum is gathered, formed and
+    written back by copy, so repeats write equal values).  For fp16 tables the sum is formed in
+    fp32 and rounded once to fp16 (round to nearest, FBGEMM's TBE without stochastic rounding)."""
     if p.dtype == delta.dtype:
-        p.index_add_(0, rows, delta)
+        p.index_copy_(0, rows, p.index_select(0, rows).add_(delta))
     else:
         p.index_copy_(0, rows, (p[rows].float() + delta).to(p.dtype))
 
@@ -416,34 +418,56 @@ def _add_all(p: torch.Tensor, delta: torch.Tensor) -> None:
         p.copy_(p.float() + delta)
 
 
-def _summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """:func:`_touched_rows` (rows sorted, duplicates summed), cheaper than ``coalesce()`` for the
-    uncoalesced ``[N, D]`` sparse gradient of ``nn.EmbeddingBag``: one stable sort of the ids and
-    the duplicates summed by ``embedding_bag`` (sum mode, in input order) over the values."""
-    if grad.is_sparse and not grad.is_coalesced() and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
+def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """``(rows int64 [K], summed gradient rows [K, D])`` of a sparse ``[R, D]`` gradient without
+    a host sync (no ``coalesce()``, ``unique`` or ``nonzero``, whose output sizes the host must read
+    on CUDA), so a dense-kernel table costs no device round trip in the optimizer step.
+
+    An uncoalesced gradient (``nn.EmbeddingBag(sparse=True)``: one row per id, ``N`` ids): one
+    stable sort of the ids; the duplicates of each run of equal ids summed by ``embedding_bag``
+    (sum mode, in input order) over the values; ``K = N``: the ``U`` distinct rows first (sorted),
+    then ``N - U`` repeats of the last distinct row with its sum (the row count stays a host
+    shape).  Every row's sum is the one a compact pass would give; an update that writes each row
+    back by copy from the gathered values (:func:`_add_rows`, ``index_copy_``) writes equal values
+    for the repeats, so the result is the compact update's.  A coalesced gradient (the
+    data_parallel sync's) gives its own rows and values (``K = U``); a dense one,
+    :func:`_touched_rows`.  ``(None, _)``: no id at all.
+    """
+    if grad.is_sparse and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
+        if grad.is_coalesced():
+            rows = grad.indices()[0]
+            return (rows if rows.numel() else None), grad.values()
         idx, vals = grad._indices()[0], grad._values()
-        if idx.numel() == 0:
+        n = idx.numel()
+        if n == 0:
             return None, vals
         sorted_idx, perm = torch.sort(idx, stable=True)
-        rows, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
-        if rows.numel() == idx.numel():
-            return rows, vals.index_select(0, perm)
-        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=idx.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        return rows, F.embedding_bag(perm, vals, offsets, mode="sum", include_last_offset=True)
+        new_run = torch.ones(n, dtype=torch.bool, device=idx.device)
+        torch.ne(sorted_idx[1:], sorted_idx[:-1], out=new_run[1:])
+        run = torch.cumsum(new_run, 0) - 1  # run of each sorted position: 0 .. U - 1
+        pos = torch.arange(n, device=idx.device)
+        # run j's first sorted position; the runs past the last (j >= U) start at n: empty bags
+        starts = torch.full((n + 1,), n, dtype=torch.int64, device=idx.device)
+        starts.scatter_reduce_(0, run, pos, reduce="amin")
+        sums = F.embedding_bag(perm, vals, starts, mode="sum", include_last_offset=True)  # [n, D]: run j, then 0
+        j = torch.minimum(pos, run[-1])  # positions past the last run repeat the last run
+        return sorted_idx.index_select(0, starts.index_select(0, j)), sums.index_select(0, j)
+    if grad.is_sparse:  # not an embedding's [rows, D] row gradient
+        g = grad.coalesce()
+        rows = g.indices()[0]
+        return (rows if rows.numel() else None), g.values()
     return _touched_rows(grad)
 
 
 def _touched_rows(grad: torch.Tensor, p: torch.Tensor | None = None,
                   weight_decay: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(rows, summed gradient rows)`` of a sparse gradient (coalesced), or of a dense one
-    (rows with a non-zero gradient); ``(None, _)`` when no row is touched.  With
+    """``(rows, summed gradient rows)`` of a sparse gradient (:func:`_row_runs`: no host sync,
+    repeats of the last row as padding), or of a dense one (rows with a non-zero gradient, unique;
+    a ``nonzero``: one host sync); ``(None, _)`` when no row is touched.  With
     ``weight_decay``, ``weight_decay * p[rows]`` (float32) is added to the gradient rows (L2 decay
     of the rows in the batch only)."""
     if grad.is_sparse:
-        g = grad.coalesce()
-        rows = g.indices()[0]
-        rows, g = (rows if rows.numel() else None), g.values()
+        rows, g = _row_runs(grad)
     else:
         rows = torch.nonzero(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)).reshape(-1)
         rows, g = (rows if rows.numel() else None), grad[rows]
