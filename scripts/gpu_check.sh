@@ -167,7 +167,10 @@ for p in ("none", "sparse_dist"):
         losses[p] = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
 same = losses["none"] == losses["sparse_dist"] and len(losses["none"]) == 30
 first = next((i + 1 for i, (a, b) in enumerate(zip(*losses.values())) if a != b), None)
-fig = {"steps": len(losses["none"]), "identical": same, "first_differing_step": first, "losses": losses}
+from dlrmctl import _fbgemm
+kernel = "fused (FBGEMM TBE)" if _fbgemm.HAS_FBGEMM else "dense fallback (no fbgemm_gpu)"
+fig = {"steps": len(losses["none"]), "identical": same, "first_differing_step": first, "kernel": kernel,
+       "losses": losses}
 json.dump(fig, open(os.environ["FIG"], "w"))
 print({k: v for k, v in fig.items() if k != "losses"})
 sys.exit(0 if same else 1)
