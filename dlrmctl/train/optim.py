@@ -91,15 +91,13 @@ class RowWiseAdagrad(_RowUpdateOptimizer):
         m = st["momentum1"]
         D = p.shape[1]
         if g.is_sparse:
-            rows, gv = _row_runs(g)
+            rows, gv, first = _row_runs(g)
             if rows is None:
                 return
             if wd:
                 gv = gv + wd * _rows32(p, rows)
-            # m_r + mean(g_r ** 2) written back by copy (equal writes for the padding repeats of _row_runs)
-            mr = m.index_select(0, rows).add_(gv.pow(2).sum(1) / D)
-            m.index_copy_(0, rows, mr)
-            _add_rows(p, rows, -lr * gv / (mr.sqrt() + eps).unsqueeze(1))
+            m.index_add_(0, rows, _once(gv.pow(2).sum(1) / D, first))
+            _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1), first)
         else:
             # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
             # same arithmetic per row as the sparse branch (bit-identical updates)
@@ -145,13 +143,12 @@ class SparseAdagrad(_RowUpdateOptimizer):
             den = acc.sqrt() + eps
             _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
             return
-        rows, g = _touched_rows(grad, p, wd)
+        rows, g, first = _touched_rows(grad, p, wd)
         if rows is None:
             return
-        acc_r = acc.index_select(0, rows).add_(g * g)
-        acc.index_copy_(0, rows, acc_r)
-        den = acc_r.sqrt() + eps
-        _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+        acc.index_add_(0, rows, _once(g * g, first))
+        den = acc[rows].sqrt() + eps
+        _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)), first)
 
 
 class SparseSGD(_RowUpdateOptimizer):
@@ -167,10 +164,10 @@ class SparseSGD(_RowUpdateOptimizer):
         if not grad.is_sparse and (not wd or mask is not None):
             _add_all(p, -lr * (grad if not wd else grad + wd * p.float() * mask.unsqueeze(1)))
             return
-        rows, g = _touched_rows(grad, p, wd)
+        rows, g, first = _touched_rows(grad, p, wd)
         if rows is None:
             return
-        _add_rows(p, rows, -lr * g)
+        _add_rows(p, rows, -lr * g, first)
 
 
 #: the Adam family: one step counter for bias correction (FBGEMM's ``iter``), two moments
@@ -263,7 +260,9 @@ class EmbeddingAdam(torch.optim.Optimizer):
                 if mask is not None:
                     self._step_masked(p, st, mask, lr, eps, wd, b1, b2, bc1, bc2)
                     continue
-                rows, g = _row_runs(p.grad)
+                # the moments are gathered, formed and written back by copy: the repeats of a row
+                # (_row_runs' padding) carry its sum and write equal values
+                rows, g, first = _row_runs(p.grad)
                 if rows is None:
                     continue
                 g = g.float()
@@ -297,7 +296,7 @@ class EmbeddingAdam(torch.optim.Optimizer):
                     w = p.index_select(0, rows).mul_(1.0 - lr * wd).add_(m.div_(den))
                     p.index_copy_(0, rows, w.to(p.dtype))
                 else:
-                    p.index_copy_(0, rows, p.index_select(0, rows).add_(m.div_(den).to(p.dtype)))
+                    p.index_add_(0, rows, _once(m.div_(den), first).to(p.dtype))
 
 
     def _step_masked(self, p: torch.Tensor, st: dict, mask: torch.Tensor, lr: float, eps: float, wd: float,
@@ -399,27 +398,29 @@ def _rows32(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return p[rows] if p.dtype == torch.float32 else p[rows].float()
 
 
-def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-    """``p[rows] += delta`` (``delta`` float32 ``[len(rows), D]``; a row listed twice must carry the
-    same delta each time, as :func:`_row_runs`' padding does: the sum is gathered, formed and
-    written back by copy, so repeats write equal values).  For fp16 tables the sum is formed in
-    fp32 and rounded once to fp16 (round to nearest, FBGEMM's TBE without stochastic rounding)."""
+def _once(x: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    """``x [K, ...]`` with the rows where ``first [K]`` (bool) is False set to +0: what an
+    ``index_add_`` over :func:`_row_runs`' rows may add (each distinct row once; its repeats add
+    zero).  ``first`` None (distinct rows): ``x``."""
+    if first is None:
+        return x
+    return torch.where(first.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor, first: torch.Tensor | None = None) -> None:
+    """``p[rows] += delta`` (``delta`` float32 ``[len(rows), D]``) for :func:`_row_runs`' rows
+    (``first``: the one entry of each distinct row; its repeats carry the same delta).  fp32
+    tables: one ``index_add_`` of the first entries' deltas (repeats add +0).  fp16 tables: the
+    sum is formed in fp32 and rounded once to fp16 (round to nearest, FBGEMM's TBE without
+    stochastic rounding), written back by copy (the repeats write equal values)."""
     if p.dtype == delta.dtype:
-        p.index_copy_(0, rows, p.index_select(0, rows).add_(delta))
+        p.index_add_(0, rows, _once(delta, first))
     else:
         p.index_copy_(0, rows, (p[rows].float() + delta).to(p.dtype))
 
 
-def _add_all(p: torch.Tensor, delta: torch.Tensor) -> None:
-    """``p += delta`` (float32 ``delta`` of ``p``'s shape), summed in fp32 for an fp16 ``p``."""
-    if p.dtype == delta.dtype:
-        p.add_(delta)
-    else:
-        p.copy_(p.float() + delta)
-
-
-def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(rows int64 [K], summed gradient rows [K, D])`` of a sparse ``[R, D]`` gradient without
+def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(rows int64 [K], summed gradient rows [K, D], first)`` of a sparse ``[R, D]`` gradient without
     a host sync (no ``coalesce()``, ``unique`` or ``nonzero``, whose output sizes the host must read
     on CUDA), so a dense-kernel table costs no device round trip in the optimizer step.
 
@@ -427,20 +428,21 @@ def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
     stable sort of the ids; the duplicates of each run of equal ids summed by ``embedding_bag``
     (sum mode, in input order) over the values; ``K = N``: the ``U`` distinct rows first (sorted),
     then ``N - U`` repeats of the last distinct row with its sum (the row count stays a host
-    shape).  Every row's sum is the one a compact pass would give; an update that writes each row
-    back by copy from the gathered values (:func:`_add_rows`, ``index_copy_``) writes equal values
-    for the repeats, so the result is the compact update's.  A coalesced gradient (the
-    data_parallel sync's) gives its own rows and values (``K = U``); a dense one,
-    :func:`_touched_rows`.  ``(None, _)``: no id at all.
+    shape); ``first`` bool ``[K]``: True on the ``U`` distinct entries.  Every row's sum is the one
+    a compact pass would give.  An update either adds only the first entries (``index_add_`` of
+    :func:`_once`) or writes each row back by copy from gathered values (``index_copy_``: the
+    repeats write equal values); either way the result is the compact update's.  A coalesced
+    gradient (the data_parallel sync's) gives its own rows and values (``K = U``, ``first``
+    None); a dense one, :func:`_touched_rows`.  ``(None, _, None)``: no id at all.
     """
     if grad.is_sparse and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
         if grad.is_coalesced():
             rows = grad.indices()[0]
-            return (rows if rows.numel() else None), grad.values()
+            return (rows if rows.numel() else None), grad.values(), None
         idx, vals = grad._indices()[0], grad._values()
         n = idx.numel()
         if n == 0:
-            return None, vals
+            return None, vals, None
         sorted_idx, perm = torch.sort(idx, stable=True)
         new_run = torch.ones(n, dtype=torch.bool, device=idx.device)
         torch.ne(sorted_idx[1:], sorted_idx[:-1], out=new_run[1:])
@@ -450,30 +452,31 @@ def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         starts = torch.full((n + 1,), n, dtype=torch.int64, device=idx.device)
         starts.scatter_reduce_(0, run, pos, reduce="amin")
         sums = F.embedding_bag(perm, vals, starts, mode="sum", include_last_offset=True)  # [n, D]: run j, then 0
-        j = torch.minimum(pos, run[-1])  # positions past the last run repeat the last run
-        return sorted_idx.index_select(0, starts.index_select(0, j)), sums.index_select(0, j)
+        last = run[-1]
+        j = torch.minimum(pos, last)  # positions past the last run repeat the last run
+        return sorted_idx.index_select(0, starts.index_select(0, j)), sums.index_select(0, j), pos <= last
     if grad.is_sparse:  # not an embedding's [rows, D] row gradient
         g = grad.coalesce()
         rows = g.indices()[0]
-        return (rows if rows.numel() else None), g.values()
+        return (rows if rows.numel() else None), g.values(), None
     return _touched_rows(grad)
 
 
 def _touched_rows(grad: torch.Tensor, p: torch.Tensor | None = None,
-                  weight_decay: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(rows, summed gradient rows)`` of a sparse gradient (:func:`_row_runs`: no host sync,
-    repeats of the last row as padding), or of a dense one (rows with a non-zero gradient, unique;
-    a ``nonzero``: one host sync); ``(None, _)`` when no row is touched.  With
+                  weight_decay: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(rows, summed gradient rows, first)`` of a sparse gradient (:func:`_row_runs`: no host
+    sync, repeats of the last row as padding), or of a dense one (rows with a non-zero gradient,
+    distinct, ``first`` None; a ``nonzero``: one host sync); ``(None, _, None)`` when no row is touched.  With
     ``weight_decay``, ``weight_decay * p[rows]`` (float32) is added to the gradient rows (L2 decay
     of the rows in the batch only)."""
     if grad.is_sparse:
-        rows, g = _row_runs(grad)
+        rows, g, first = _row_runs(grad)
     else:
         rows = torch.nonzero(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)).reshape(-1)
-        rows, g = (rows if rows.numel() else None), grad[rows]
+        rows, g, first = (rows if rows.numel() else None), grad[rows], None
     if rows is not None and weight_decay:
         g = g + weight_decay * _rows32(p, rows)
-    return rows, g
+    return rows, g, first
 
 
 def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float,
