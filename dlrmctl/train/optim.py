@@ -419,6 +419,14 @@ def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor, first: t
         p.index_copy_(0, rows, (p[rows].float() + delta).to(p.dtype))
 
 
+def _add_all(p: torch.Tensor, delta: torch.Tensor) -> None:
+    """``p += delta`` (float32 ``delta`` of ``p``'s shape), summed in fp32 for an fp16 ``p``."""
+    if p.dtype == delta.dtype:
+        p.add_(delta)
+    else:
+        p.copy_(p.float() + delta)
+
+
 def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """``(rows int64 [K], summed gradient rows [K, D], first)`` of a sparse ``[R, D]`` gradient without
     a host sync (no ``coalesce()``, ``unique`` or ``nonzero``, whose output sizes the host must read
