@@ -13,7 +13,8 @@
 # its log; collectives time out after 120 s (DLRMCTL_COLLECTIVE_TIMEOUT_S).  A failed step skips
 # the later steps (they would only repeat the failure).  Per-step limits add up to 8 minutes.
 #
-#   env        versions, CUDA device, fbgemm present                               (30 s)
+#   env        versions, CUDA device, fbgemm present (the later steps read the device from
+#              its figures: no second torch import to ask)                         (30 s)
 #   pytest     tests/modules/test_cuda.py -v, the CUDA variants only (ids with cuda); skipped without CUDA (150 s)
 #   data       a small synthetic Criteo-schema data set                            (30 s)
 #   demo       the plain user command `dlrmctl train configs/demo.yaml` (one device,
@@ -21,8 +22,12 @@
 #              ("dense fallback" without fbgemm), torch.cuda.max_memory_allocated,
 #              a step time measured with device synchronisation                    (90 s)
 #   parity     `pipeline: none` vs `sparse_dist` on the sharded path (one-rank group,
-#              nccl on CUDA / gloo on CPU), 30 steps, log_every 1: the per-step losses
-#              must be identical (a stream race shows here)                        (180 s)
+#              nccl on CUDA / gloo on CPU), 30 steps, log_every 1, both runs in one
+#              process: the per-step losses must be identical (a stream race shows here) (180 s)
+#
+# Its cost is mostly Python start-up (importing torch and torch._dynamo: about 2/3 of the CPU
+# time on a 2-core CPU machine), so the steps share processes where the records allow: 3 torch
+# imports in all (env, demo, parity; data imports no torch; before: 6).
 #
 # On a CPU-only machine the same steps run on CPU / gloo, the CUDA ones are skipped, exit 0.
 set -uo pipefail
