@@ -27,7 +27,7 @@
 #
 # Its cost is mostly Python start-up (importing torch and torch._dynamo: about 2/3 of the CPU
 # time on a 2-core CPU machine), so the steps share processes where the records allow: 3 torch
-# imports in all (env, demo, parity; data imports no torch; before: 6).
+# imports in all (env, demo, parity; data imports no torch; before: 5).
 #
 # On a CPU-only machine the same steps run on CPU / gloo, the CUDA ones are skipped, exit 0.
 set -uo pipefail
