@@ -13,7 +13,8 @@
 # its log; collectives time out after 120 s (DLRMCTL_COLLECTIVE_TIMEOUT_S).  A failed step skips
 # the later steps (they would only repeat the failure).  Per-step limits add up to 8 minutes.
 #
-#   env        versions, CUDA device, fbgemm present                               (30 s)
+#   env        versions, CUDA device, fbgemm present (the later steps read the device from
+#              its figures: no second torch import to ask)                         (30 s)
 #   pytest     tests/modules/test_cuda.py -v, the CUDA variants only (ids with cuda); skipped without CUDA (150 s)
 #   data       a small synthetic Criteo-schema data set                            (30 s)
 #   demo       the plain user command `dlrmctl train configs/demo.yaml` (one device,
@@ -21,8 +22,12 @@
 #              ("dense fallback" without fbgemm), torch.cuda.max_memory_allocated,
 #              a step time measured with device synchronisation                    (90 s)
 #   parity     `pipeline: none` vs `sparse_dist` on the sharded path (one-rank group,
-#              nccl on CUDA / gloo on CPU), 30 steps, log_every 1: the per-step losses
-#              must be identical (a stream race shows here)                        (180 s)
+#              nccl on CUDA / gloo on CPU), 30 steps, log_every 1, both runs in one
+#              process: the per-step losses must be identical (a stream race shows here) (180 s)
+#
+# Its cost is mostly Python start-up (importing torch and torch._dynamo: about 2/3 of the CPU
+# time on a 2-core CPU machine), so the steps share processes where the records allow: 3 torch
+# imports in all (env, demo, parity; data imports no torch; before: 5).
 #
 # On a CPU-only machine the same steps run on CPU / gloo, the CUDA ones are skipped, exit 0.
 set -uo pipefail
@@ -45,8 +50,6 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1 && [ -x "$REPO/.venv/bin/python" ];
 mkdir -p "$DIR/logs" "$DIR/steps" || exit 2
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
-DEV=cpu; [ "$CUDA" = 1 ] && DEV=cuda
 FAILED=""
 
 record() {  # record STEP STATUS SECONDS LIMIT [FIGURES_JSON_FILE]: DIR/steps/STEP.json, then the merge
@@ -98,6 +101,10 @@ fig = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': 
        'cuda_available': cuda, 'device_name': torch.cuda.get_device_name(0) if cuda else None,
        'fbgemm': _fbgemm.HAS_FBGEMM}
 print(fig); json.dump(fig, open(os.environ['FIG'], 'w'))"
+# the device, from the env step's figures (one torch import less than asking torch again)
+CUDA=0
+grep -q '"cuda_available": true' "$WORK/env.fig.json" 2>/dev/null && CUDA=1
+DEV=cpu; [ "$CUDA" = 1 ] && DEV=cuda
 
 if [ "$CUDA" = 1 ]; then
     run_step pytest 150 "$PY" -m pytest tests/modules/test_cuda.py -v -p no:cacheprovider -k "[cuda or -cuda- or -cuda]"
@@ -124,14 +131,16 @@ run_dir, args = sys.argv[1], sys.argv[2:]
 cuda = torch.cuda.is_available()
 t0 = time.perf_counter()
 try:
-    app(args, standalone_mode=False)
+    rc = app(args, standalone_mode=False)  # a one-line error returns its exit code here
 finally:
     if cuda:
         torch.cuda.synchronize()
+if rc:
+    sys.exit(rc)
 wall = time.perf_counter() - t0
 recs = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
 train = [r for r in recs if r["kind"] == "train"]
-steps = train[-1]["step"] if train else 0
+steps = json.load(open(os.path.join(run_dir, "summary.json")))["steps"]  # all steps, not the last logged one
 kernel = "fused (FBGEMM TBE)" if _fbgemm.HAS_FBGEMM else "dense fallback (no fbgemm_gpu)"
 fig = {"device": "cuda" if cuda else "cpu", "steps": steps, "last_loss": train[-1]["loss"] if train else None,
        "kernel": kernel, "samples_per_s": train[-1]["samples_per_s"] if train else None,
@@ -147,23 +156,31 @@ run_step demo 90 "$PY" "$WORK/demo.py" "$WORK/runs/gpu_demo" train configs/demo.
     --set name=gpu_demo --set train.max_steps=50 --set train.log_every=10 --set "train.device=$DEV" --overwrite
 
 cat > "$WORK/parity.py" <<'PYEOF'
-"""Per-step losses of `pipeline: none` and `sparse_dist` (sharded path, one-rank group): identical."""
-import json, os, subprocess, sys
-runs, py, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+"""Per-step losses of `pipeline: none` and `sparse_dist` (sharded path, one-rank group): identical.
+Both runs in this one process (`dlrmctl train` in-process, its process group torn down after each):
+one torch import, not two."""
+import json, os, sys
+from dlrmctl.cli import app
+runs, args = sys.argv[1], sys.argv[2:]
 losses = {}
 for p in ("none", "sparse_dist"):
-    subprocess.run([py, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", *args, "--set", f"name=parity_{p}",
-                    "--set", f"train.pipeline={p}", "--overwrite"], check=True, timeout=90)
+    rc = app(["train", "configs/demo.yaml", *args, "--set", f"name=parity_{p}", "--set", f"train.pipeline={p}",
+              "--overwrite"], standalone_mode=False)
+    if rc:  # a one-line error (already printed) returns its exit code here
+        sys.exit(rc)
     with open(os.path.join(runs, f"parity_{p}", "metrics.jsonl")) as f:
         losses[p] = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
 same = losses["none"] == losses["sparse_dist"] and len(losses["none"]) == 30
 first = next((i + 1 for i, (a, b) in enumerate(zip(*losses.values())) if a != b), None)
-fig = {"steps": len(losses["none"]), "identical": same, "first_differing_step": first, "losses": losses}
+from dlrmctl import _fbgemm
+kernel = "fused (FBGEMM TBE)" if _fbgemm.HAS_FBGEMM else "dense fallback (no fbgemm_gpu)"
+fig = {"steps": len(losses["none"]), "identical": same, "first_differing_step": first, "kernel": kernel,
+       "losses": losses}
 json.dump(fig, open(os.environ["FIG"], "w"))
 print({k: v for k, v in fig.items() if k != "losses"})
 sys.exit(0 if same else 1)
 PYEOF
-run_step parity 180 "$PY" "$WORK/parity.py" "$WORK/runs" "$PY" "${COMMON[@]}" --set sharding.force=true \
+run_step parity 180 "$PY" "$WORK/parity.py" "$WORK/runs" "${COMMON[@]}" --set sharding.force=true \
     --set train.max_steps=30 --set train.log_every=1 --set "train.device=$DEV" --set data.batch_size=512
 
 echo "gpu_check: records in $DIR/steps, logs in $DIR/logs, summary $DIR/gpu_check.json"

@@ -91,15 +91,13 @@ class RowWiseAdagrad(_RowUpdateOptimizer):
         m = st["momentum1"]
         D = p.shape[1]
         if g.is_sparse:
-            g = g.coalesce()
-            rows = g.indices()[0]
-            gv = g.values()
-            if rows.numel() == 0:
+            rows, gv, first = _row_runs(g)
+            if rows is None:
                 return
             if wd:
                 gv = gv + wd * _rows32(p, rows)
-            m.index_add_(0, rows, gv.pow(2).sum(1) / D)
-            _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1))
+            m.index_add_(0, rows, _once(gv.pow(2).sum(1) / D, first))
+            _add_rows(p, rows, -lr * gv / (m[rows].sqrt() + eps).unsqueeze(1), first)
         else:
             # rows not looked up have a zero gradient: they get +0 (as in TBE), with the
             # same arithmetic per row as the sparse branch (bit-identical updates)
@@ -145,12 +143,12 @@ class SparseAdagrad(_RowUpdateOptimizer):
             den = acc.sqrt() + eps
             _add_all(p, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
             return
-        rows, g = _touched_rows(grad, p, wd)
+        rows, g, first = _touched_rows(grad, p, wd)
         if rows is None:
             return
-        acc.index_add_(0, rows, g * g)
+        acc.index_add_(0, rows, _once(g * g, first))
         den = acc[rows].sqrt() + eps
-        _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)))
+        _add_rows(p, rows, torch.where(den > 0, -lr * g / den, torch.zeros((), dtype=g.dtype, device=g.device)), first)
 
 
 class SparseSGD(_RowUpdateOptimizer):
@@ -166,10 +164,10 @@ class SparseSGD(_RowUpdateOptimizer):
         if not grad.is_sparse and (not wd or mask is not None):
             _add_all(p, -lr * (grad if not wd else grad + wd * p.float() * mask.unsqueeze(1)))
             return
-        rows, g = _touched_rows(grad, p, wd)
+        rows, g, first = _touched_rows(grad, p, wd)
         if rows is None:
             return
-        _add_rows(p, rows, -lr * g)
+        _add_rows(p, rows, -lr * g, first)
 
 
 #: the Adam family: one step counter for bias correction (FBGEMM's ``iter``), two moments
@@ -262,7 +260,9 @@ class EmbeddingAdam(torch.optim.Optimizer):
                 if mask is not None:
                     self._step_masked(p, st, mask, lr, eps, wd, b1, b2, bc1, bc2)
                     continue
-                rows, g = _summed_rows(p.grad)
+                # the moments are gathered, formed and written back by copy: the repeats of a row
+                # (_row_runs' padding) carry its sum and write equal values
+                rows, g, first = _row_runs(p.grad)
                 if rows is None:
                     continue
                 g = g.float()
@@ -296,7 +296,7 @@ class EmbeddingAdam(torch.optim.Optimizer):
                     w = p.index_select(0, rows).mul_(1.0 - lr * wd).add_(m.div_(den))
                     p.index_copy_(0, rows, w.to(p.dtype))
                 else:
-                    p.index_add_(0, rows, m.div_(den).to(p.dtype))
+                    p.index_add_(0, rows, _once(m.div_(den), first).to(p.dtype))
 
 
     def _step_masked(self, p: torch.Tensor, st: dict, mask: torch.Tensor, lr: float, eps: float, wd: float,
@@ -398,12 +398,23 @@ def _rows32(p: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return p[rows] if p.dtype == torch.float32 else p[rows].float()
 
 
-def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-    """``p[rows] += delta`` (``rows`` unique, ``delta`` float32 ``[len(rows), D]``): in place for
-    fp32 tables; for fp16 tables the sum is formed in fp32 and rounded once to fp16 (round to
-    nearest, FBGEMM's TBE without stochastic rounding)."""
+def _once(x: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    """``x [K, ...]`` with the rows where ``first [K]`` (bool) is False set to +0: what an
+    ``index_add_`` over :func:`_row_runs`' rows may add (each distinct row once; its repeats add
+    zero).  ``first`` None (distinct rows): ``x``."""
+    if first is None:
+        return x
+    return torch.where(first.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _add_rows(p: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor, first: torch.Tensor | None = None) -> None:
+    """``p[rows] += delta`` (``delta`` float32 ``[len(rows), D]``) for :func:`_row_runs`' rows
+    (``first``: the one entry of each distinct row; its repeats carry the same delta).  fp32
+    tables: one ``index_add_`` of the first entries' deltas (repeats add +0).  fp16 tables: the
+    sum is formed in fp32 and rounded once to fp16 (round to nearest, FBGEMM's TBE without
+    stochastic rounding), written back by copy (the repeats write equal values)."""
     if p.dtype == delta.dtype:
-        p.index_add_(0, rows, delta)
+        p.index_add_(0, rows, _once(delta, first))
     else:
         p.index_copy_(0, rows, (p[rows].float() + delta).to(p.dtype))
 
@@ -416,40 +427,64 @@ def _add_all(p: torch.Tensor, delta: torch.Tensor) -> None:
         p.copy_(p.float() + delta)
 
 
-def _summed_rows(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """:func:`_touched_rows` (rows sorted, duplicates summed), cheaper than ``coalesce()`` for the
-    uncoalesced ``[N, D]`` sparse gradient of ``nn.EmbeddingBag``: one stable sort of the ids and
-    the duplicates summed by ``embedding_bag`` (sum mode, in input order) over the values."""
-    if grad.is_sparse and not grad.is_coalesced() and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
+def _row_runs(grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(rows int64 [K], summed gradient rows [K, D], first)`` of a sparse ``[R, D]`` gradient without
+    a host sync (no ``coalesce()``, ``unique`` or ``nonzero``, whose output sizes the host must read
+    on CUDA), so a dense-kernel table costs no device round trip in the optimizer step.
+
+    An uncoalesced gradient (``nn.EmbeddingBag(sparse=True)``: one row per id, ``N`` ids): one
+    stable sort of the ids; the duplicates of each run of equal ids summed by ``embedding_bag``
+    (sum mode, in input order) over the values; ``K = N``: the ``U`` distinct rows first (sorted),
+    then ``N - U`` repeats of the last distinct row with its sum (the row count stays a host
+    shape); ``first`` bool ``[K]``: True on the ``U`` distinct entries.  Every row's sum is the one
+    a compact pass would give.  An update either adds only the first entries (``index_add_`` of
+    :func:`_once`) or writes each row back by copy from gathered values (``index_copy_``: the
+    repeats write equal values); either way the result is the compact update's.  A coalesced
+    gradient (the data_parallel sync's) gives its own rows and values (``K = U``, ``first``
+    None); a dense one, :func:`_touched_rows`.  ``(None, _, None)``: no id at all.
+    """
+    if grad.is_sparse and grad.sparse_dim() == 1 and grad.dense_dim() == 1:
+        if grad.is_coalesced():
+            rows = grad.indices()[0]
+            return (rows if rows.numel() else None), grad.values(), None
         idx, vals = grad._indices()[0], grad._values()
-        if idx.numel() == 0:
-            return None, vals
+        n = idx.numel()
+        if n == 0:
+            return None, vals, None
         sorted_idx, perm = torch.sort(idx, stable=True)
-        rows, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
-        if rows.numel() == idx.numel():
-            return rows, vals.index_select(0, perm)
-        offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=idx.device)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        return rows, F.embedding_bag(perm, vals, offsets, mode="sum", include_last_offset=True)
+        new_run = torch.ones(n, dtype=torch.bool, device=idx.device)
+        torch.ne(sorted_idx[1:], sorted_idx[:-1], out=new_run[1:])
+        run = torch.cumsum(new_run, 0) - 1  # run of each sorted position: 0 .. U - 1
+        pos = torch.arange(n, device=idx.device)
+        # run j's first sorted position; the runs past the last (j >= U) start at n: empty bags
+        starts = torch.full((n + 1,), n, dtype=torch.int64, device=idx.device)
+        starts.scatter_reduce_(0, run, pos, reduce="amin")
+        sums = F.embedding_bag(perm, vals, starts, mode="sum", include_last_offset=True)  # [n, D]: run j, then 0
+        last = run[-1]
+        j = torch.minimum(pos, last)  # positions past the last run repeat the last run
+        return sorted_idx.index_select(0, starts.index_select(0, j)), sums.index_select(0, j), pos <= last
+    if grad.is_sparse:  # not an embedding's [rows, D] row gradient
+        g = grad.coalesce()
+        rows = g.indices()[0]
+        return (rows if rows.numel() else None), g.values(), None
     return _touched_rows(grad)
 
 
 def _touched_rows(grad: torch.Tensor, p: torch.Tensor | None = None,
-                  weight_decay: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``(rows, summed gradient rows)`` of a sparse gradient (coalesced), or of a dense one
-    (rows with a non-zero gradient); ``(None, _)`` when no row is touched.  With
+                  weight_decay: float = 0.0) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """``(rows, summed gradient rows, first)`` of a sparse gradient (:func:`_row_runs`: no host
+    sync, repeats of the last row as padding), or of a dense one (rows with a non-zero gradient,
+    distinct, ``first`` None; a ``nonzero``: one host sync); ``(None, _, None)`` when no row is touched.  With
     ``weight_decay``, ``weight_decay * p[rows]`` (float32) is added to the gradient rows (L2 decay
     of the rows in the batch only)."""
     if grad.is_sparse:
-        g = grad.coalesce()
-        rows = g.indices()[0]
-        rows, g = (rows if rows.numel() else None), g.values()
+        rows, g, first = _row_runs(grad)
     else:
         rows = torch.nonzero(grad.reshape(grad.shape[0], -1).ne(0).any(dim=1)).reshape(-1)
-        rows, g = (rows if rows.numel() else None), grad[rows]
+        rows, g, first = (rows if rows.numel() else None), grad[rows], None
     if rows is not None and weight_decay:
         g = g + weight_decay * _rows32(p, rows)
-    return rows, g
+    return rows, g, first
 
 
 def embedding_optimizer_for_dense(params: list[nn.Parameter], type: str, lr: float, eps: float, weight_decay: float,

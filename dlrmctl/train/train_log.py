@@ -184,6 +184,20 @@ def model_size_line(tables: list, dense_params: list, embedding_precision: str =
             f"dense {dense:,} ({dense_bytes / 1e6:,.3f} MB {'/'.join(dtypes) or 'fp32'})")
 
 
+def dense_fallback_line(num_dense_tables: int, has_fbgemm: bool, device: torch.device | str) -> str | None:
+    """What rank 0 prints at start when the tables run on the ``dense`` kernel because fbgemm_gpu is
+    absent (a GPU machine without it: every table), or None (FBGEMM present, or no dense table).
+
+    ``num_dense_tables``: this rank's dense-kernel table shards (``embedding_dense_parameters()``).
+    The fallback is one ``nn.EmbeddingBag`` lookup and one optimizer pass per table each step, so
+    its throughput is not FBGEMM's: the line, and the epoch line's ``dense fallback``, say so."""
+    if has_fbgemm or num_dense_tables == 0:
+        return None
+    return (f"embeddings: dense fallback (fbgemm_gpu is not installed): {num_dense_tables} table shard(s) on "
+            f"torch.nn.EmbeddingBag on {torch.device(device).type}, one lookup and one optimizer pass per table "
+            "each step; this run's samples/s are the fallback's, not FBGEMM's")
+
+
 class EpochProgress:
     """Rank-0 progress of one epoch (:class:`dlrmctl.console.Progress`): a bar on a terminal, a line
     every ``train.progress_every_s`` seconds otherwise.  Counts global steps; shows samples/s and the

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from dlrmctl import _fbgemm
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, weighted_features
 from dlrmctl.console import echo
 from dlrmctl.data.batch import Batch
@@ -44,7 +45,8 @@ from dlrmctl.train.malloc_tuning import tune_glibc_malloc
 from dlrmctl.train.optimizers import TrainOptimizers
 from dlrmctl.train.pipeline import make_pipeline
 from dlrmctl.train.run_dir import TrainError, check_train_splits
-from dlrmctl.train.train_log import EpochProgress, LossWindow, MetricsLog, check_tensorboard, jsonable, model_size_line
+from dlrmctl.train.train_log import (EpochProgress, LossWindow, MetricsLog, check_tensorboard, dense_fallback_line, jsonable,
+                                     model_size_line)
 
 log = logging.getLogger("dlrmctl.train")
 
@@ -129,10 +131,15 @@ class Trainer:
         if env.sharded:
             self._shard(plan)
         self.optimizers = TrainOptimizers.for_model(self.model, cfg)
+        #: "dense fallback" when the tables run on nn.EmbeddingBag for want of fbgemm_gpu (in the figures)
+        self.kernel_note = "dense fallback" if dense_fallback_line(
+            len(self.model.embedding_dense_parameters()), _fbgemm.HAS_FBGEMM, self.device) else None
         if env.is_main:  # one line on every world size (a sharded run prints its plan beside it)
             echo(model_size_line(self.tables, self.model.dense_parameters(), cfg.model.embedding_precision))
             if self.cpu_linear == "onednn" and self.device.type == "cpu" and cfg.train.precision == "fp32":
                 echo(f"the MLPs train on oneDNN's fp32 GEMM ({cpu_linear_why}; --set train.cpu_linear=aten: MKL's)")
+            if self.kernel_note:
+                echo(dense_fallback_line(len(self.model.embedding_dense_parameters()), False, self.device))
         self.amp = MixedPrecision(cfg.train.precision, self.device, env.pg)
         # each input feature once, also when several tables look it up
         self.feature_names = loader_features(self.tables)
@@ -357,7 +364,7 @@ class Trainer:
         sh = pipe.stats.shares()
         if self.env.is_main and pipe.stats.steps:
             echo(f"epoch {self.epoch + 1}/{cfg.epochs}: {pipe.stats.steps} steps, {sh['samples_per_s'] * self.env.world_size:,.0f} "
-                 f"samples/s ({cfg.pipeline} pipeline), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
+                 f"samples/s ({cfg.pipeline} pipeline{', ' + self.kernel_note if self.kernel_note else ''}), waiting on data {100 * sh['data_wait_share']:.1f}% and on "
                  f"input_dist {100 * sh['comm_wait_share']:.1f}% of step time")
         return stopped, self._batches_done >= n
 

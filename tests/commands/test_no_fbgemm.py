@@ -20,12 +20,17 @@ def test_trains_with_the_dense_kernel_when_fbgemm_is_absent(tmp_path):
                         "--set", "name=nofbgemm"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "HAS_FBGEMM False" in p.stdout and "using the dense" in p.stderr
+    # every figure of the fallback says so: the startup line and the epoch's samples/s
+    out = p.stdout + p.stderr
+    assert "embeddings: dense fallback (fbgemm_gpu is not installed): 26 table shard(s)" in out, out
+    assert "pipeline, dense fallback)" in next(line for line in out.splitlines() if line.startswith("epoch 1/1")), out
     from typer.testing import CliRunner
 
     from dlrmctl.cli import app
 
     r = CliRunner().invoke(app, common + ["--set", "name=fused"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    assert "dense fallback" not in r.output  # FBGEMM's run
 
     def losses(name):
         return [x["loss"] for x in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if x["kind"] == "train"]

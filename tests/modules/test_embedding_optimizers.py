@@ -293,3 +293,50 @@ def test_infeasibility_advice_suggests_partial_rowwise_adam_where_it_would_fit()
     with pytest.raises(PlannerError) as e:
         EmbeddingShardingPlanner(Topology.from_preset("h100", 4), 16384).plan([big])
     assert "partial_rowwise_adam" not in str(e.value).split("what would make it fit")[1]
+
+
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", *TYPES])
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_sync_free_row_pass_updates_as_the_coalesced_gradient_does(opt, wd, dtype):
+    # the dense kernel's uncoalesced EmbeddingBag gradient goes through a sort-based pass with no
+    # host sync (rows padded with repeats of the last one) instead of coalesce() / unique: over 8
+    # steps with many duplicate ids, weights and state equal those of the compact pass (each
+    # distinct row once, duplicates summed in input order) bit for bit, and coalesce()'s sums
+    # (another summation order) to float rounding
+    import torch.nn.functional as F
+
+    from dlrmctl.train.optim import embedding_optimizer_for_dense
+
+    def compact(grad):  # the distinct rows once, duplicates summed in input order, as a coalesced gradient
+        idx, vals = grad._indices()[0], grad._values().float()
+        if idx.numel() == 0:
+            return grad.float().coalesce()
+        sidx, perm = torch.sort(idx, stable=True)
+        rows, counts = torch.unique_consecutive(sidx, return_counts=True)
+        offs = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+        sums = F.embedding_bag(perm, vals, offs, mode="sum", include_last_offset=True)
+        return torch.sparse_coo_tensor(rows[None], sums, grad.shape, is_coalesced=True)
+
+    if dtype == torch.float16 and opt in TYPES:
+        pytest.skip("fp16 tables train with the Adagrads and SGD only")
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(20, 6, generator=g).to(dtype)
+    pa, pb, pc = (torch.nn.Parameter(w0.clone()) for _ in range(3))
+    oa, ob, oc = (embedding_optimizer_for_dense([p], opt, 0.05, 1e-8, wd) for p in (pa, pb, pc))
+    pb.grad_dtype = None  # the compact reference: fp32 sums (the optimizers sum an fp16 gradient in fp32)
+    for step in range(8):
+        n = 0 if step == 4 else 40  # a step without any id: no update
+        idx = torch.randint(0, 20 if step % 2 else 5, (1, n), generator=g)  # odd steps: few duplicates
+        vals = torch.randn(n, 6, generator=g).to(dtype)
+        grad = torch.sparse_coo_tensor(idx, vals, (20, 6))
+        assert n == 0 or not grad.is_coalesced()
+        pa.grad, pb.grad, pc.grad = grad, compact(grad), grad.coalesce()
+        for o in (oa, ob, oc):
+            o.step()
+        assert torch.equal(pa, pb), (step, (pa.float() - pb.float()).abs().max())
+        torch.testing.assert_close(pa.float(), pc.float(), rtol=1e-6 if dtype == torch.float32 else 1e-3,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-3)
+    for k, v in ob.state[pb].items():
+        if torch.is_tensor(v):
+            assert torch.equal(oa.state[pa][k], v), k

@@ -253,3 +253,114 @@ def test_table_row_wise_across_hosts_stays_within_the_host_sync_budget(tiny_data
         assert steps == STEPS and len(per_step) == STEPS
         assert max(per_step) <= SYNC_BUDGET_PER_STEP, (per_step, calls)
         assert total <= SYNC_BUDGET_PER_STEP * STEPS + 1, calls
+
+
+class OpSyncCounter(SyncCounter):
+    """:class:`SyncCounter`, plus the torch ops whose output size the host must read on CUDA (a
+    device sync inside the op): ``coalesce``, ``unique`` / ``unique_consecutive``, ``nonzero``,
+    ``masked_select``, and ``repeat_interleave`` of tensor repeats without ``output_size``.  On the
+    CPU they cost nothing, so this counts what the same code would wait for on a GPU."""
+
+    TENSOR_OPS = ("coalesce", "unique", "unique_consecutive", "nonzero", "masked_select")
+    TORCH_OPS = ("unique", "unique_consecutive", "nonzero", "masked_select", "repeat_interleave")
+
+    def __enter__(self):
+        super().__enter__()
+        self._orig_ops = []
+        for owner, names in ((torch.Tensor, self.TENSOR_OPS), (torch, self.TORCH_OPS)):
+            for m in names:
+                orig = getattr(owner, m)
+                self._orig_ops.append((owner, m, orig))
+
+                def wrap(*a, _m=m, _o=orig, **kw):
+                    if _m != "repeat_interleave" or (len(a) > 1 and torch.is_tensor(a[1])
+                                                     and kw.get("output_size") is None):
+                        self._count(_m)
+                    return _o(*a, **kw)
+
+                setattr(owner, m, wrap)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, m, orig in self._orig_ops:
+            setattr(owner, m, orig)
+        return super().__exit__(*exc)
+
+
+def test_the_op_sync_counter_counts_ops_that_size_their_output_on_the_host():
+    def dlrmctl_like_code():
+        g = torch.sparse_coo_tensor(torch.tensor([[3, 1, 3]]), torch.ones(3, 2), (5, 2))
+        g.coalesce()
+        torch.unique_consecutive(torch.tensor([1, 1, 2]))
+        torch.nonzero(torch.tensor([0, 1]))
+        torch.repeat_interleave(torch.ones(2), torch.tensor([1, 2]))
+        torch.repeat_interleave(torch.ones(2), torch.tensor([1, 2]), output_size=3)  # sized: no sync
+
+    with OpSyncCounter("meta") as c:
+        c.owns = lambda filename: filename == __file__
+        c.active = True
+        dlrmctl_like_code()
+    assert sorted(k.split(" at ")[0] for k in c.calls) == ["coalesce", "nonzero", "repeat_interleave",
+                                                            "unique_consecutive"]
+
+
+def _dense_kernel_syncs(data, run_root, num_tables, opt):
+    """Per-step host syncs (:class:`OpSyncCounter` on the training device) of ``num_tables`` tables on
+    the ``dense`` kernel, one process (no process group): the dense fallback a GPU without
+    fbgemm_gpu runs."""
+    from dlrmctl.config import config_from_dict
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+
+    tables = [{"name": f"t_C{i + 1}", "feature_names": [f"C{i + 1}"]} for i in range(num_tables)]
+    raw = {
+        "name": f"dense{num_tables}_{opt}",
+        "data": {"path": data, "batch_size": 128, "eval_batch_size": 4096},
+        "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1],
+                  "compute_kernel": "dense", "tables": tables},
+        "optimizer": {"embedding": OPTIMIZERS.get(opt, {"type": opt})},
+        "train": {"epochs": 1, "max_steps": STEPS, "log_every": LOG_EVERY, "seed": 0, "run_dir": run_root,
+                  "pipeline": "sparse_dist", "progress": False, "eval_every": 0, "checkpoint_every": 0},
+    }
+    cfg = config_from_dict(raw)
+    run = os.path.join(run_root, cfg.name)
+    os.makedirs(run, exist_ok=True)
+    tr = Trainer(cfg, RunEnv(device=torch.device("cpu")), run)
+    assert tr.optimizers.embedding_dense is not None and not tr.optimizers.fused.optimizer_steps()
+    counter = OpSyncCounter("cpu")
+    tr.evaluator.validate = (lambda fn: lambda *a, **kw: _paused(counter, fn, *a, **kw))(tr.evaluator.validate)
+    tr.checkpointer.save = (lambda fn: lambda *a, **kw: _paused(counter, fn, *a, **kw))(tr.checkpointer.save)
+    marks: list[int] = []
+    orig_step = tr.run_step
+
+    def marked_step(*a, **kw):
+        marks.append(counter.total)
+        return orig_step(*a, **kw)
+
+    tr.run_step = marked_step
+    with counter:
+        counter.active = True
+        tr.train()
+        marks.append(counter.total)
+        counter.active = False
+    return tr.step, [b - a for a, b in zip(marks, marks[1:])], counter.calls
+
+
+def _paused(counter, fn, *a, **kw):
+    counter.active = False
+    try:
+        return fn(*a, **kw)
+    finally:
+        counter.active = True
+
+
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "sgd_weight_decay", "adam"])
+def test_the_dense_kernel_step_syncs_do_not_grow_with_the_number_of_tables(tiny_data, tmp_path, opt):
+    # the dense fallback ran a coalesce() (or unique_consecutive) per table per step in the embedding
+    # optimizer: 26 device syncs a step for the demo's 26 tables on a GPU without fbgemm_gpu
+    res = {n: _dense_kernel_syncs(tiny_data, str(tmp_path), n, opt) for n in (2, 26)}
+    for n, (steps, per_step, calls) in res.items():
+        print(f"{opt}, {n} dense tables: per step {per_step}: {calls}")
+        assert steps == STEPS and len(per_step) == STEPS
+        assert not [k for k in calls if "optim.py" in k], calls  # the embedding optimizer step: none
+    assert res[2][1] == res[26][1], (res[2][2], res[26][2])
