@@ -179,6 +179,23 @@ def set_cpu_linear(model: nn.Module, kind: str) -> int:
     return len(mods)
 
 
+def apply_cpu_linear(model: nn.Module, kind: str, device: torch.device, precision: str) -> str | None:
+    """Resolve ``train.cpu_linear`` on this machine (:func:`resolve_cpu_linear`) and set it on
+    ``model`` (:func:`set_cpu_linear`).  Returns the console line to print when the MLPs train on
+    oneDNN (CPU fp32 training), else None.
+
+    Raises:
+        ValueError: as :func:`resolve_cpu_linear` and :func:`set_cpu_linear`.
+    """
+    lib, why = resolve_cpu_linear(kind)
+    if lib == "aten":
+        return None
+    set_cpu_linear(model, lib)
+    if torch.device(device).type != "cpu" or precision != "fp32":
+        return None
+    return f"the MLPs train on oneDNN's fp32 GEMM ({why}; --set train.cpu_linear=aten: MKL's)"
+
+
 class MLP(nn.Module):
     """Linear + ReLU stack.
 

@@ -35,7 +35,7 @@ from dlrmctl.distributed import comm
 from dlrmctl.distributed.env import RunEnv, apply_matmul_precision
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.fileio import write_text_atomic
-from dlrmctl.modules.dlrm import resolve_cpu_linear, set_cpu_linear
+from dlrmctl.modules.dlrm import apply_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
 from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
@@ -95,10 +95,7 @@ class Trainer:
         if cfg.train.malloc_tuning:
             tune_glibc_malloc()
         check_tensorboard(cfg.train.tensorboard)  # before any work: not at the first metrics record
-        self.cfg = cfg
-        self.env = env
-        self.run_dir = run_dir
-        self.device = env.device
+        self.cfg, self.env, self.run_dir, self.device = cfg, env, run_dir, env.device
         apply_matmul_precision(self.device, cfg.train.tf32)  # TF32 GEMMs on CUDA (train.tf32); cpu: nothing
         # several nodes: every rank must see the directory rank 0 creates the checkpoints in (one host: no-op).
         # torchrun's LOCAL_WORLD_SIZE counts the real nodes even when sharding.local_world_size says otherwise
@@ -115,13 +112,10 @@ class Trainer:
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: TrainModel = build_model(cfg, self.tables, self.num_dense, device=self.device,
                                              sparse_placeholder=env.sharded, check_ids=False)
-        #: the GEMM library the MLPs train on (``train.cpu_linear`` resolved on this machine)
-        self.cpu_linear, cpu_linear_why = resolve_cpu_linear(cfg.train.cpu_linear)
-        if self.cpu_linear != "aten":
-            try:
-                set_cpu_linear(self.model, self.cpu_linear)
-            except ValueError as e:
-                raise TrainError(str(e)) from None
+        try:  # train.cpu_linear, resolved on this machine; a line when the MLPs train on oneDNN
+            cpu_linear_line = apply_cpu_linear(self.model, cfg.train.cpu_linear, self.device, cfg.train.precision)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
         # the checkpoint a resume restores, resolved once (LATEST may move meanwhile: a run writing beside it)
         resume_from = resolve_resume(run_dir, checkpoint) if resume else None
         if resume_from is None:
@@ -131,15 +125,13 @@ class Trainer:
         if env.sharded:
             self._shard(plan)
         self.optimizers = TrainOptimizers.for_model(self.model, cfg)
+        fallback = dense_fallback_line(len(self.model.embedding_dense_parameters()), _fbgemm.HAS_FBGEMM, self.device)
         #: "dense fallback" when the tables run on nn.EmbeddingBag for want of fbgemm_gpu (in the figures)
-        self.kernel_note = "dense fallback" if dense_fallback_line(
-            len(self.model.embedding_dense_parameters()), _fbgemm.HAS_FBGEMM, self.device) else None
+        self.kernel_note = "dense fallback" if fallback else None
         if env.is_main:  # one line on every world size (a sharded run prints its plan beside it)
             echo(model_size_line(self.tables, self.model.dense_parameters(), cfg.model.embedding_precision))
-            if self.cpu_linear == "onednn" and self.device.type == "cpu" and cfg.train.precision == "fp32":
-                echo(f"the MLPs train on oneDNN's fp32 GEMM ({cpu_linear_why}; --set train.cpu_linear=aten: MKL's)")
-            if self.kernel_note:
-                echo(dense_fallback_line(len(self.model.embedding_dense_parameters()), False, self.device))
+            for line in filter(None, (cpu_linear_line, fallback)):
+                echo(line)
         self.amp = MixedPrecision(cfg.train.precision, self.device, env.pg)
         # each input feature once, also when several tables look it up
         self.feature_names = loader_features(self.tables)

@@ -298,7 +298,8 @@ def test_infeasibility_advice_suggests_partial_rowwise_adam_where_it_would_fit()
 @pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", *TYPES])
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_sync_free_row_pass_updates_as_the_coalesced_gradient_does(opt, wd, dtype):
+@pytest.mark.parametrize("sync_free", [True, False], ids=["device_pass", "cpu_compact_pass"])
+def test_the_sync_free_row_pass_updates_as_the_coalesced_gradient_does(opt, wd, dtype, sync_free, monkeypatch):
     # the dense kernel's uncoalesced EmbeddingBag gradient goes through a sort-based pass with no
     # host sync (rows padded with repeats of the last one) instead of coalesce() / unique: over 8
     # steps with many duplicate ids, weights and state equal those of the compact pass (each
@@ -306,7 +307,10 @@ def test_the_sync_free_row_pass_updates_as_the_coalesced_gradient_does(opt, wd, 
     # (another summation order) to float rounding
     import torch.nn.functional as F
 
+    from dlrmctl.train import optim
     from dlrmctl.train.optim import embedding_optimizer_for_dense
+
+    monkeypatch.setattr(optim, "SYNC_FREE_ROWS_ON_CPU", sync_free)  # the CUDA path's pass, or the CPU's
 
     def compact(grad):  # the distinct rows once, duplicates summed in input order, as a coalesced gradient
         idx, vals = grad._indices()[0], grad._values().float()

@@ -355,7 +355,10 @@ def _paused(counter, fn, *a, **kw):
 
 
 @pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "sgd_weight_decay", "adam"])
-def test_the_dense_kernel_step_syncs_do_not_grow_with_the_number_of_tables(tiny_data, tmp_path, opt):
+def test_the_dense_kernel_step_syncs_do_not_grow_with_the_number_of_tables(tiny_data, tmp_path, opt, monkeypatch):
+    from dlrmctl.train import optim
+
+    monkeypatch.setattr(optim, "SYNC_FREE_ROWS_ON_CPU", True)  # the pass a CUDA device takes
     # the dense fallback ran a coalesce() (or unique_consecutive) per table per step in the embedding
     # optimizer: 26 device syncs a step for the demo's 26 tables on a GPU without fbgemm_gpu
     res = {n: _dense_kernel_syncs(tiny_data, str(tmp_path), n, opt) for n in (2, 26)}
