@@ -258,6 +258,31 @@ class EmbeddingSharding(nn.Module):
         """
         raise NotImplementedError
 
+    # the vectorized send side (the sharded EBC): this rank's ids as segments, and which segments
+    # each destination receives -- a plan constant the EBC turns into one segment permutation
+    def num_source_segments(self) -> int:
+        """``S``: the segments :meth:`input_dist_source` cuts its lengths / values into."""
+        raise NotImplementedError
+
+    def send_segments(self, d: int) -> list[int]:
+        """Static: the source segment of each feature rank ``d`` receives (``layouts[d].features`` order)."""
+        raise NotImplementedError
+
+    def input_dist_source(
+        self, kjt: KeyedJaggedTensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """This rank's ids as ``S = num_source_segments()`` segments, nothing read to the host.
+
+        Args:
+            kjt: ``self.features`` (in order), local batch ``B``, global ids.
+
+        Returns:
+            ``(lengths [S * B], values [N], weights [N] float32 or None, counts [S])``: segment
+            ``j`` is ``lengths[j*B:(j+1)*B]`` and ``counts[j]`` consecutive values (ids already
+            local to the destination's shard) and weights; ``counts`` on the device.
+        """
+        raise NotImplementedError
+
     def input_dist_send(self, kjt: KeyedJaggedTensor) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
         """Both halves at once (reads device counts back itself): ``(chunks, counts per d)``."""
         state, counts = self.input_dist_counts(kjt)
@@ -387,6 +412,16 @@ class TableWiseLikeSharding(EmbeddingSharding):
             chunks.append(ch)
         return chunks
 
+    def num_source_segments(self) -> int:
+        return len(self.features)
+
+    def send_segments(self, d: int) -> list[int]:
+        return list(self.layouts[d].features)
+
+    def input_dist_source(self, kjt):
+        counts = kjt.lengths_2d().sum(dim=1) if self.features else kjt.lengths()[:0]
+        return kjt.lengths(), kjt.values(), kjt.weights_or_none() if self.is_weighted else None, counts
+
     def output_cols(self) -> list[list[int]]:
         return [lay.out_cols for lay in self.layouts]
 
@@ -478,6 +513,16 @@ class RowWiseLikeSharding(EmbeddingSharding):
     def input_dist_counts(self, kjt):
         new_lengths, new_values, new_weights = self.bucketize(kjt)
         return (new_lengths, new_values, new_weights), new_lengths.sum(dim=2)  # [W, F] on the device
+
+    def num_source_segments(self) -> int:
+        return self.env.world_size * len(self.features)
+
+    def send_segments(self, d: int) -> list[int]:
+        return [d * len(self.features) + f for f in self.layouts[d].features]
+
+    def input_dist_source(self, kjt):
+        new_lengths, new_values, new_weights = self.bucketize(kjt)
+        return new_lengths.reshape(-1), new_values, new_weights, new_lengths.sum(dim=2).reshape(-1)
 
     def input_dist_chunks(self, state, per_feat_l):
         W = self.env.world_size
