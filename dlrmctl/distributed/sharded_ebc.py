@@ -417,6 +417,12 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         self._idist = InputDistPlan([groups[i] for i in self._comm], env.world_size, env.rank, is_weighted, env.device)
         self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
         self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._embedding_names)))
+        #: per group: its features' rows of the EBC's [F, B] lengths and their segment permutation
+        self._group_perms = [
+            (torch.tensor(idx, dtype=torch.int64, device=env.device),
+             SegmentPermutation(idx, len(self._embedding_names), env.device))
+            for idx in self._group_feat_idx
+        ]
         # where each column of each group output tensor goes in the table-ordered output
         labels: list[list[int]] = []
         for g, gf in zip(groups, self._group_feat_idx):
@@ -478,9 +484,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         # pooled output is expanded back with the inverse indices after the output dist
         features, inv = split_variable_batch(self.prepare_features(features))
         groups = self.groups
-        local = [
-            features if self._single_identity else features.permute(idx) for idx in self._group_feat_idx
-        ]
+        local = [features] if self._single_identity else self._group_inputs(features)
         B = features.stride()
         W = self.env.world_size
         B_full = B if inv is None else int(inv[1].shape[1])
@@ -530,6 +534,26 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             return ShardedEBCContext(recv.batch_sizes, local, lookup_kjts, inv, recv.full_batch_sizes)
 
         return LazyAwaitable([work], finish)
+
+    def _group_inputs(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """Each group's features of the local batch (``KJT [B]`` per group, group feature order):
+        per group one row gather of the ``[F, B]`` lengths and one segment permutation of the
+        ids and of the weights (plan constants: :attr:`_group_perms`), no loop over features."""
+        lpk = features.length_per_key()  # host ints (the loader's KJT carries them: no sync)
+        lens2d = features.lengths_2d()
+        counts = lens2d.sum(dim=1)
+        values, weights = features.values(), features.weights_or_none()
+        keys = features.keys()
+        out = []
+        for idx, (rows, perm) in zip(self._group_feat_idx, self._group_perms):
+            n = sum(lpk[f] for f in idx)
+            out.append(KeyedJaggedTensor(
+                [keys[f] for f in idx], perm.apply(counts, values, n),
+                lengths=lens2d.index_select(0, rows).reshape(-1),
+                weights=None if weights is None else perm.apply(counts, weights, n),
+                stride=features.stride(), length_per_key=[lpk[f] for f in idx], validate=False,
+            ))
+        return out
 
     # ------------------------------------------------ lookup + output dist
     def compute_and_output_dist(self, ctx: ShardedEBCContext) -> KeyedTensor:
