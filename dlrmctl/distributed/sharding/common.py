@@ -52,6 +52,8 @@ from dlrmctl.distributed.types import (
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, GroupedEmbeddingLookup
 from dlrmctl.sparse import KeyedJaggedTensor
+from dlrmctl.sparse.jagged_tensor import host_to_device
+from dlrmctl.sparse.permute import SegmentPermutation
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,8 @@ class EmbeddingSharding(nn.Module):
         me = self.layouts[env.rank]
         self.lookups = nn.ModuleList(self.make_lookup(lk, optimizer, seed) for lk in me.lookups)
         self._lookup_identity = [lk.feature_pos == list(range(len(me.features))) for lk in me.lookups]
+        #: world size -> the receive side's segment permutation (:meth:`input_dist_recv`)
+        self._recv_perms: dict[int, SegmentPermutation] = {}
 
     def make_lookup(self, lk: LookupLayout, optimizer: EmbeddingOptimizerSpec, seed: int) -> nn.Module:
         """The local lookup over ``lk.shards``: a pooled :class:`GroupedEmbeddingLookup` (sum
@@ -310,25 +314,25 @@ class EmbeddingSharding(nn.Module):
         F = len(me.features)
         keys = [self.features[f] for f in me.features]
         W = len(chunks)
-        lens_parts, val_parts, w_parts = [], [[] for _ in range(F)], [[] for _ in range(F)]
+        kinds = 3 if self.is_weighted else 2
+        # (source, lengths|ids|weights, feature) segments -> (kind, feature, source): one segment
+        # permutation (a plan constant, cached per world size) instead of a split per (source, feature)
+        perm = self._recv_perms.get(W)
+        if perm is None:
+            order = [(s * kinds + k) * F + f for k in range(kinds) for f in range(F) for s in range(W)]
+            perm = self._recv_perms[W] = SegmentPermutation(order, W * kinds * F, self.device)
+        seg: list[int] = []
         for s in range(W):
-            B, c, ch = batch_sizes[s], counts[s], chunks[s]
-            n = sum(c)
-            lens_parts.append(ch[: F * B].view(F, B))
-            vals = ch[F * B : F * B + n]
-            for f, v in enumerate(torch.split(vals, list(c))):
-                val_parts[f].append(v)
-            if self.is_weighted:
-                ws = ch[F * B + n : F * B + 2 * n]
-                for f, w in enumerate(torch.split(ws, list(c))):
-                    w_parts[f].append(w)
+            seg.extend([int(batch_sizes[s])] * F)
+            c = [int(x) for x in counts[s]]
+            seg.extend(c * (kinds - 1))
+        data = torch.cat(list(chunks)) if W > 1 else chunks[0]
+        out = perm.apply(host_to_device(seg, torch.int64, data.device), data, data.numel())
         stride = int(sum(batch_sizes))
-        lengths = torch.cat(lens_parts, dim=1).reshape(-1) if W > 1 else lens_parts[0].reshape(-1)
-        values = torch.cat([v for vs in val_parts for v in vs]) if F else chunks[0][:0]
-        weights = int64_to_weights(torch.cat([w for ws in w_parts for w in ws])) if self.is_weighted and F else None
-        if self.is_weighted and weights is None:
-            weights = torch.zeros(0, dtype=torch.float32, device=self.device)
         lpk = [sum(int(counts[s][f]) for s in range(W)) for f in range(F)]
+        n = sum(lpk)
+        lengths, values = out[: F * stride], out[F * stride : F * stride + n]
+        weights = int64_to_weights(out[F * stride + n : F * stride + 2 * n]) if self.is_weighted else None
         return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False,
                                  length_per_key=lpk)
 
