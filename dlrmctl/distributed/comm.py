@@ -607,25 +607,55 @@ def hierarchical_reduce_all_to_all(
 # ------------------------------------------------------- gradient all-reduce
 @torch.no_grad()
 def sync_dense_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup | None) -> None:
-    """SUM-all-reduce the dense gradients of ``params`` in one flat bucket.
+    """SUM-all-reduce the dense gradients of ``params`` in one flat bucket per dtype and device,
+    in place.
 
-    A missing gradient counts as zeros (and becomes a zeros tensor), so every
-    rank takes part in the same collective.
+    The gradients become views of that bucket (gradient as bucket view): when they already are
+    consecutive views of one buffer (the previous call's, kept by an in-place ``zero_grad``)
+    the all-reduce runs on it with no copy at all; otherwise one buffer is allocated, each
+    gradient is copied into its slice once and ``p.grad`` re-pointed there (no copy back).
+    A missing gradient counts as zeros (and becomes a zeroed view), so every rank takes part
+    in the same collectives.  :class:`GradBucketReducer` keeps its buffers between steps.
     """
     if pg is None or not params:
         return
-    grads = []
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
     for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
-    off = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[off : off + n].view_as(g))
-        off += n
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), ps in groups.items():
+        flat = _grads_as_one_buffer(ps)
+        if flat is None:
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=dtype, device=device)
+            off = 0
+            for p in ps:
+                view = flat[off: off + p.numel()].view(p.shape)
+                if p.grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(p.grad)
+                p.grad = view
+                off += p.numel()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+
+
+def _grads_as_one_buffer(ps: Sequence[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The flat buffer ``[sum numel]`` whose consecutive contiguous slices the gradients of ``ps``
+    are (in order), or ``None`` when they are not (a gradient missing, elsewhere, strided)."""
+    g0 = ps[0].grad
+    if g0 is None:
+        return None
+    base = g0._base if g0._base is not None else g0
+    n = sum(p.numel() for p in ps)
+    if base.dim() != 1 or base.numel() != n or base.data_ptr() != g0.data_ptr():
+        return None
+    ptr, size = base.data_ptr(), base.element_size()
+    for p in ps:
+        g = p.grad
+        if g is None or g.dtype != base.dtype or not g.is_contiguous() or g.data_ptr() != ptr \
+                or (g._base is not None and g._base is not base):
+            return None
+        ptr += g.numel() * size
+    return base
 
 
 #: replicated tables up to this size (bytes of fp32 weights) have their gradients
@@ -851,25 +881,37 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
 
 
 class GradBucketReducer:
-    """DDP-style SUM all-reduce of replicated gradients, overlapped with backward.
+    """DDP-style SUM all-reduce of replicated gradients, overlapped with backward, with the
+    gradients as views of the buckets (DDP's ``gradient_as_bucket_view=True``).
 
     Parameters are put into buckets of at most ``bucket_cap_mb`` MiB, in reverse
     registration order (the order backward produces their gradients, as in
-    ``torch.nn.parallel.DistributedDataParallel``).  A hook on each parameter
-    (``register_post_accumulate_grad_hook``) marks it ready; when every gradient
-    of bucket ``k`` is ready and buckets ``0..k-1`` are launched, bucket ``k`` is
-    flattened and its ``all_reduce`` launched asynchronously, while backward goes
-    on.  :meth:`finish` (queued by the caller at the end of backward) launches the
-    buckets still pending — a parameter that got no gradient counts as zeros, so
-    every rank issues the same collectives in the same order — waits for all of
-    them and copies the sums back into ``p.grad``.
+    ``torch.nn.parallel.DistributedDataParallel``); a bucket holds one dtype on one device.
+    Each bucket's flat buffer (:attr:`flats`) is allocated once, here, and every
+    parameter's ``.grad`` is a view of its slice: backward accumulates into the bucket and
+    the ``all_reduce`` runs on it in place (no ``torch.cat`` into a send buffer, no copy back).
+
+    A hook on each parameter (``register_post_accumulate_grad_hook``) marks it ready; when
+    every gradient of bucket ``k`` is ready and buckets ``0..k-1`` are launched, bucket ``k``'s
+    ``all_reduce`` is launched asynchronously, while backward goes on.  :meth:`finish` (queued
+    by the caller at the end of backward) launches the buckets still pending, waits for all
+    of them and leaves the sums in ``p.grad`` (the views).
+
+    Gradients that are not views when a bucket is launched are made views again: ``None``
+    (``zero_grad(set_to_none=True)``, a parameter that got no gradient this step) becomes a
+    zeroed view — so every rank issues the same collectives in the same order — and any
+    other tensor (assigned by someone else) is copied into the view first.  :meth:`arm`
+    (the start of a backward) re-points and zeroes ``None`` gradients *before* backward
+    accumulates, so the optimizer's ``zero_grad(set_to_none=True)`` costs one ``zero_()`` per
+    bucket and no copy.  Code that reads or updates ``p.grad`` in place (optimizers, AMP's
+    unscale, gradient clipping) works on the bucket directly.
 
     The result equals :func:`sync_dense_grads` (each element is the same sum over
     ranks); only the moment of the communication differs.
 
     Args:
         params: replicated parameters (dense layers), identical on every rank.
-        pg: the process group (``None``: everything is a no-op).
+        pg: the process group (``None``: everything is a no-op, no buffers).
         bucket_cap_mb: bucket size in MiB (DDP's default: 25).
     """
 
@@ -891,17 +933,57 @@ class GradBucketReducer:
         if cur:
             self.buckets.append(cur)
         self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        #: per bucket, its flat gradient buffer ``[sum numel]`` (the parameters' dtype and device)
+        self.flats: list[torch.Tensor] = []
+        #: per bucket, per parameter, the ``p.shape`` view of the flat buffer that ``p.grad`` is
+        self.views: list[list[torch.Tensor]] = []
         self._handles = []
         #: buckets the last backward launched from its hooks, i.e. before its end (overlapped)
         self.launched_during_backward = 0
         self._reset()
         if pg is not None:
+            with torch.no_grad():
+                for b in self.buckets:
+                    flat = torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                    views, off = [], 0
+                    for p in b:
+                        views.append(flat[off: off + p.numel()].view(p.shape))
+                        off += p.numel()
+                    self.flats.append(flat)
+                    self.views.append(views)
+                for k in range(len(self.buckets)):
+                    self._point_grads(k)  # an existing gradient (e.g. a resumed step) is kept
             for p in ps:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    @torch.no_grad()
+    def _point_grads(self, k: int, zero_missing_first: bool = False) -> None:
+        """Make every ``p.grad`` of bucket ``k`` its view: ``None`` -> zeros, a foreign tensor is
+        copied in.  ``zero_missing_first``: when no gradient of the bucket is set (after
+        ``zero_grad(set_to_none=True)``), one ``zero_()`` of the whole buffer."""
+        b, views = self.buckets[k], self.views[k]
+        if zero_missing_first and all(p.grad is None for p in b):
+            self.flats[k].zero_()
+            for p, v in zip(b, views):
+                p.grad = v
+            return
+        for p, v in zip(b, views):
+            g = p.grad
+            if g is None:
+                v.zero_()
+                p.grad = v
+            elif g.data_ptr() != v.data_ptr() or g.stride() != v.stride():
+                v.copy_(g)
+                p.grad = v
+
     def arm(self) -> None:
         """Let the hooks launch buckets during the backward that has just started (the
-        caller queues :meth:`finish` for its end); unarmed, gradients are only counted."""
+        caller queues :meth:`finish` for its end); unarmed, gradients are only counted.
+        Re-points gradients that were set to ``None`` at their (zeroed) bucket views first,
+        so that backward accumulates straight into the buckets."""
+        if self.pg is not None:
+            for k in range(len(self.buckets)):
+                self._point_grads(k, zero_missing_first=True)
         self._armed = True
 
     def _reset(self) -> None:
@@ -910,7 +992,7 @@ class GradBucketReducer:
         self._pending = [len(b) for b in self.buckets]
         self._ready: set[int] = set()
         self._next = 0
-        self._works: list[tuple[object, torch.Tensor, int]] = []
+        self._works: list[object] = []
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if id(p) in self._ready:  # accumulated twice in one backward: still one contribution
@@ -924,30 +1006,20 @@ class GradBucketReducer:
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.buckets) and (force or self._pending[self._next] == 0):
             k = self._next
-            grads = []
-            for p in self.buckets[k]:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad.reshape(-1))
-            flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
-            self._works.append((work, flat, k))
+            self._point_grads(k)
+            self._works.append(dist.all_reduce(self.flats[k], op=dist.ReduceOp.SUM, group=self.pg, async_op=True))
             self._next += 1
 
     @torch.no_grad()
     def finish(self) -> None:
-        """Launch what is pending, wait for every bucket and write the sums into ``p.grad``."""
+        """Launch what is pending and wait for every bucket: ``p.grad`` (views of the buckets)
+        then hold the sums over ranks."""
         if self.pg is None:
             return
         self.launched_during_backward = self._launched_early
         self._launch_ready(force=True)
-        for work, flat, k in self._works:
+        for work in self._works:
             work.wait()  # type: ignore[attr-defined]
-            off = 0
-            for p in self.buckets[k]:
-                n = p.numel()
-                p.grad.copy_(flat[off : off + n].view_as(p.grad))
-                off += n
         self._reset()
 
     def remove_hooks(self) -> None:

@@ -43,7 +43,7 @@ from dlrmctl.distributed.comm import (Awaitable, DoneAwaitable, LazyAwaitable, a
                                       pooled_all_to_all_async)
 from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES, all_reduce, reduce_scatter_v, sync_sparse_grads
 from dlrmctl.distributed.env import ShardingEnv
-from dlrmctl.distributed.sharding.common import EmbeddingSharding
+from dlrmctl.distributed.sharding.common import EmbeddingSharding, int64_to_weights
 from dlrmctl.distributed.sharding.cw_sharding import CwSharding
 from dlrmctl.distributed.sharding.dp_sharding import DpSharding
 from dlrmctl.distributed.sharding.rw_sharding import RwSharding
@@ -54,6 +54,7 @@ from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import ADAM_FAMILY, EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
+from dlrmctl.sparse.permute import SegmentPermutation
 from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, host_to_device, split_variable_batch
 
 #: sharding type -> implementation (one file per type).
@@ -149,6 +150,124 @@ class _AssembleColumns(torch.autograd.Function):
             else:
                 grads.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1))
         return (None, *grads)
+
+
+def weights_to_wire(w: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """float32 weights ``[N]`` -> their bits as ``wire`` ints (int32: a view; int64: widened)."""
+    bits = w.contiguous().view(torch.int32)
+    return bits if wire == torch.int32 else bits.to(wire)
+
+
+@dataclass
+class RecvLayout:
+    """Host sizes of one step's received data (after the size exchange).
+
+    Attributes:
+        batch_sizes / full_batch_sizes: every source's local batch (lookup batch / full).
+        stride: ``sum(batch_sizes)``.
+        slices: per comm group, ``(lengths offset, lengths numel, values offset, values numel,
+            length_per_key)`` in the permuted receive buffer (weights follow the values).
+    """
+
+    batch_sizes: list[int]
+    full_batch_sizes: list[int]
+    stride: int
+    slices: list[tuple[int, int, int, int, list[int]]]
+
+
+class InputDistPlan:
+    """What the input dist of a sharding plan needs every step, built once per plan.
+
+    Send side: the comm groups' sources (:meth:`EmbeddingSharding.input_dist_source`) are
+    concatenated as ``[lengths_0, values_0, (weights_0), lengths_1, ...]`` — segments of ``B``
+    lengths and of ``counts`` ids each; :attr:`send_perm` puts them in destination order
+    (per destination ``d``, per group: d's features' lengths, ids, weights: the wire format),
+    with a feature repeated for every rank holding a shard of its table.  The size row of
+    ``d`` is ``[B, full B, counts of d's features]``: :attr:`meta_idx` gathers it from
+    ``[B, full B, counts of every group]``.  Receive side: :attr:`recv_perm` turns the
+    ``(source, group, lengths|ids|weights, feature)`` segments into ``(group, kind, feature,
+    source)`` order, the lookup KJTs' layout, with segment lengths gathered from the received
+    size rows by :attr:`recv_seg_idx` (nothing goes host -> device but ``[B, full B]``).
+
+    Args:
+        groups: the communicating groups, in the EBC's order.
+        world_size / rank: this rank.
+        weighted: weights travel with the ids.
+        device: where the index tensors live.
+    """
+
+    def __init__(self, groups: Sequence[EmbeddingSharding], world_size: int, rank: int, weighted: bool,
+                 device: torch.device) -> None:
+        W = world_size
+        kinds = 3 if weighted else 2
+        self.mult = kinds - 1
+        S = [g.num_source_segments() for g in groups]
+        cbase = [2 + sum(S[:k]) for k in range(len(groups))]  # group k's counts in [B, B_full, counts...]
+        sbase = [kinds * sum(S[:k]) for k in range(len(groups))]  # group k's first source segment
+        self.send_feats = [[g.send_segments(d) for g in groups] for d in range(W)]  # [d][k] -> segments
+        meta_idx: list[int] = []
+        self.meta_in: list[int] = []
+        perm: list[int] = []
+        for d in range(W):
+            meta_idx.extend([0, 1])
+            for k, fs in enumerate(self.send_feats[d]):
+                meta_idx.extend(cbase[k] + j for j in fs)
+                for kind in range(kinds):
+                    perm.extend(sbase[k] + kind * S[k] + j for j in fs)
+            self.meta_in.append(2 + sum(len(fs) for fs in self.send_feats[d]))
+        send_seg_idx = [0 if kind == 0 else cbase[k] + j
+                        for k in range(len(groups)) for kind in range(kinds) for j in range(S[k])]
+        self.n_recv = [len(g.layouts[rank].features) for g in groups]
+        M = 2 + sum(self.n_recv)
+        self.meta_out = [M] * W
+        moff = [2 + sum(self.n_recv[:k]) for k in range(len(groups))]
+        # received segments in arrival order (s, k, kind, f); their lengths in the size rows
+        seg_of: dict[tuple[int, int, int, int], int] = {}
+        recv_seg_idx: list[int] = []
+        for s in range(W):
+            for k, n in enumerate(self.n_recv):
+                for kind in range(kinds):
+                    for f in range(n):
+                        seg_of[s, k, kind, f] = len(recv_seg_idx)
+                        recv_seg_idx.append(s * M + (0 if kind == 0 else moff[k] + f))
+        recv_perm = [seg_of[s, k, kind, f] for k, n in enumerate(self.n_recv) for kind in range(kinds)
+                     for f in range(n) for s in range(W)]
+        self.moff = moff
+        self.M = M
+        self.meta_idx = torch.tensor(meta_idx, dtype=torch.int64, device=device)
+        self.send_seg_idx = torch.tensor(send_seg_idx, dtype=torch.int64, device=device)
+        self.recv_seg_idx = torch.tensor(recv_seg_idx, dtype=torch.int64, device=device)
+        self.send_perm = SegmentPermutation(perm, len(send_seg_idx), device)
+        self.recv_perm = SegmentPermutation(recv_perm, len(recv_seg_idx), device)
+
+    def sizes(self, sent: list[int], received: list[int], B: int) -> tuple[list[int], list[int], RecvLayout]:
+        """Host split sizes from the size rows: ``(in_splits, out_splits, receive layout)``.
+
+        Args:
+            sent: the flat size rows this rank sent (``meta_in`` row lengths).
+            received: the flat size rows received, ``W`` rows of ``M``.
+            B: this rank's lookup batch.
+        """
+        mult = self.mult
+        in_splits, pos = [], 0
+        for d, row_len in enumerate(self.meta_in):
+            row = sent[pos + 2 : pos + row_len]
+            nf = row_len - 2
+            in_splits.append(nf * B + mult * sum(row))
+            pos += row_len
+        M, W = self.M, len(self.meta_out)
+        rows = [received[s * M : (s + 1) * M] for s in range(W)]
+        bs = [r[0] for r in rows]
+        stride = sum(bs)
+        out_splits = [(M - 2) * r[0] + mult * sum(r[2:]) for r in rows]
+        slices, off = [], 0
+        for k, n in enumerate(self.n_recv):
+            a = self.moff[k]
+            lpk = [sum(r[a + f] for r in rows) for f in range(n)]
+            n_v = sum(lpk)
+            slices.append((off, n * stride, off + n * stride, n_v, lpk))
+            off += n * stride + mult * n_v
+        return in_splits, out_splits, RecvLayout(bs, [r[1] for r in rows], stride, slices)
 
 
 class ShardedTables:
@@ -309,8 +428,16 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
                          and not getattr(groups[i], "use_reduce_scatter", False)]
         self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)
                          and i not in self._own_out]
+        #: the input dist's plan constants (index tensors and segment permutations), built once
+        self._idist = InputDistPlan([groups[i] for i in self._comm], env.world_size, env.rank, is_weighted, env.device)
         self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
         self._single_identity = len(groups) == 1 and self._group_feat_idx[0] == list(range(len(self._embedding_names)))
+        #: per group: its features' rows of the EBC's [F, B] lengths and their segment permutation
+        self._group_perms = [
+            (torch.tensor(idx, dtype=torch.int64, device=env.device),
+             SegmentPermutation(idx, len(self._embedding_names), env.device))
+            for idx in self._group_feat_idx
+        ]
         # where each column of each group output tensor goes in the table-ordered output
         labels: list[list[int]] = []
         for g, gf in zip(groups, self._group_feat_idx):
@@ -372,103 +499,76 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         # pooled output is expanded back with the inverse indices after the output dist
         features, inv = split_variable_batch(self.prepare_features(features))
         groups = self.groups
-        local = [
-            features if self._single_identity else features.permute(idx) for idx in self._group_feat_idx
-        ]
+        local = [features] if self._single_identity else self._group_inputs(features)
         B = features.stride()
-        W, me = self.env.world_size, self.env.rank
+        W = self.env.world_size
+        B_full = B if inv is None else int(inv[1].shape[1])
         if not self._comm:
-            B_full = B if inv is None else int(inv[1].shape[1])
             return DoneAwaitable(ShardedEBCContext([B], local, [None] * len(groups), inv, None if W > 1 else [B_full]))
         dev = features.values().device
-        prep = {i: groups[i].input_dist_counts(local[i]) for i in self._comm}
-        # 1) sizes: row d = [B, full B, ids per d-received feature of each comm group]; host
-        #    counts are written directly, device counts (row-wise bucketizing) are scattered in
-        meta_send: list[int] = []
-        meta_in = []
-        dev_pos: list[int] = []
-        dev_vals: list[torch.Tensor] = []
-        where: dict[int, list[tuple[int, int, int]]] = {}  # group -> (dest, feature, position in meta_send)
-        B_full = B if inv is None else int(inv[1].shape[1])
-        for d in range(W):
-            row_start = len(meta_send)
-            meta_send.extend([B, B_full])
-            for i in self._comm:
-                fs = groups[i].layouts[d].features
-                c = prep[i][1]
-                if torch.is_tensor(c):
-                    if fs:
-                        where.setdefault(i, []).extend((d, f, len(meta_send) + k) for k, f in enumerate(fs))
-                        dev_pos.extend(range(len(meta_send), len(meta_send) + len(fs)))
-                        dev_vals.append(c[d] if fs == list(range(c.shape[1])) else c[d, fs])
-                    meta_send.extend([0] * len(fs))
-                else:
-                    meta_send.extend(c[d])
-            meta_in.append(len(meta_send) - row_start)
-        n_recv_feat = [len(groups[i].layouts[me].features) for i in self._comm]
-        meta_out = [2 + sum(n_recv_feat)] * W
-        meta_t = host_to_device(meta_send, torch.int64, dev)
-        if dev_vals:
-            meta_t[host_to_device(dev_pos, torch.int64, dev)] = torch.cat(dev_vals).to(torch.int64)
-        meta_r, _ = all_to_all_ints(meta_t, meta_in, meta_out, self.env.pg)
-        # the one host sync of the step: what we receive (and, for row-wise kinds, what we send)
-        if dev_vals:
-            both = torch.cat([meta_r, meta_t]).tolist()
-            meta_flat, sent = both[: meta_r.numel()], both[meta_r.numel():]
-        else:
-            meta_flat, sent = meta_r.tolist(), meta_send
-        meta = [meta_flat[s * meta_out[0] : (s + 1) * meta_out[0]] for s in range(W)]
-        batch_sizes = [row[0] for row in meta]
-        full_batch_sizes = [row[1] for row in meta]
-        counts: dict[int, list[list[int]]] = {}
-        off = 2
-        for i, nf in zip(self._comm, n_recv_feat):
-            counts[i] = [row[off : off + nf] for row in meta]
-            off += nf
-        # 2) data: lengths, ids, weights of every comm group, in one all-to-all
-        sends: dict[int, list[list[torch.Tensor]]] = {}
-        for i in self._comm:
-            state, c = prep[i]
-            if torch.is_tensor(c):  # [W][F] host counts, read back from what we sent
-                full = [[0] * c.shape[1] for _ in range(W)]
-                for d, f, pos in where.get(i, []):
-                    full[d][f] = sent[pos]
-                c = full
-            sends[i] = groups[i].input_dist_chunks(state, c)
-        mult = 2 if self._is_weighted else 1
+        plan = self._idist
+        wire = self._wire_dtype
+        # every comm group's ids as segments (row-wise kinds bucketize here), counts on the device
+        srcs = [groups[i].input_dist_source(local[i]) for i in self._comm]
+        # 1) sizes: row d = [B, full B, ids per d-received feature of each comm group], gathered
+        #    from [B, full B, every group's counts] by one plan-constant index
+        counts = torch.cat([host_to_device([B, B_full], torch.int64, dev)] + [c for *_, c in srcs])
+        meta_t = counts.index_select(0, plan.meta_idx)
+        meta_r, _ = all_to_all_ints(meta_t, plan.meta_in, plan.meta_out, self.env.pg)
+        # the one host sync of the step: what we receive and what we send
+        both = torch.cat([meta_r, meta_t]).tolist()
+        in_splits, out_splits, recv = plan.sizes(both[meta_r.numel():], both[: meta_r.numel()], B)
+        # 2) data: lengths, ids, weights of every comm group, in one all-to-all, put in destination
+        #    order by one segment permutation of the groups' concatenated sources
         pieces: list[torch.Tensor] = []
-        in_splits = []
-        for d in range(W):
-            n = 0
-            for i in self._comm:
-                for t in sends[i][d]:
-                    pieces.append(t)
-                    n += t.numel()
-            in_splits.append(n)
-        recv_sizes = {
-            i: [nf * batch_sizes[s] + mult * sum(counts[i][s]) for s in range(W)] for i, nf in zip(self._comm, n_recv_feat)
-        }
-        out_splits = [sum(recv_sizes[i][s] for i in self._comm) for s in range(W)]
-        send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=dev)
-        if self._wire_dtype != torch.int64:
-            send = send.to(self._wire_dtype)  # ids, lengths and weight bits all fit in 32 bits
+        for lengths, values, weights, _ in srcs:
+            pieces.append(lengths.to(wire))
+            pieces.append(values.to(wire))
+            if self._is_weighted:
+                pieces.append(weights_to_wire(weights, wire))
+        src = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        seg_lengths = counts.index_select(0, plan.send_seg_idx)
+        send = plan.send_perm.apply(seg_lengths, src, sum(in_splits))
         self.input_dist_bytes = (meta_t.numel() * meta_t.element_size(), send.numel() * send.element_size())
-        recv, work = all_to_all_ints(send, in_splits, out_splits, self.env.pg, async_op=True)
+        data_r, work = all_to_all_ints(send, in_splits, out_splits, self.env.pg, async_op=True)
 
         def finish() -> ShardedEBCContext:
-            data = recv if recv.dtype == torch.int64 else recv.to(torch.int64)
-            per_src = torch.split(data, out_splits)
-            chunks: dict[int, list[torch.Tensor]] = {i: [] for i in self._comm}
-            for s in range(W):
-                parts = torch.split(per_src[s], [recv_sizes[i][s] for i in self._comm])
-                for i, p in zip(self._comm, parts):
-                    chunks[i].append(p)
+            data = data_r if data_r.dtype == torch.int64 else data_r.to(torch.int64)
+            # (source, group, kind, feature) segments -> (group, kind, feature, source): key-major,
+            # every source's samples in rank order; the lengths come from the received sizes
+            out = plan.recv_perm.apply(meta_r.index_select(0, plan.recv_seg_idx), data, data.numel())
             lookup_kjts: list[KeyedJaggedTensor | None] = [None] * len(groups)
-            for i in self._comm:
-                lookup_kjts[i] = groups[i].input_dist_recv(batch_sizes, counts[i], chunks[i])
-            return ShardedEBCContext(batch_sizes, local, lookup_kjts, inv, full_batch_sizes)
+            for i, (off_l, n_l, off_v, n_v, lpk) in zip(self._comm, recv.slices):
+                g = groups[i]
+                keys = [g.features[f] for f in g.layouts[self.env.rank].features]
+                weights = int64_to_weights(out[off_v + n_v : off_v + 2 * n_v]) if self._is_weighted else None
+                lookup_kjts[i] = KeyedJaggedTensor(
+                    keys, out[off_v : off_v + n_v], lengths=out[off_l : off_l + n_l], weights=weights,
+                    stride=recv.stride, validate=False, length_per_key=lpk,
+                )
+            return ShardedEBCContext(recv.batch_sizes, local, lookup_kjts, inv, recv.full_batch_sizes)
 
         return LazyAwaitable([work], finish)
+
+    def _group_inputs(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """Each group's features of the local batch (``KJT [B]`` per group, group feature order):
+        per group one row gather of the ``[F, B]`` lengths and one segment permutation of the
+        ids and of the weights (plan constants: :attr:`_group_perms`), no loop over features."""
+        lpk = features.length_per_key()  # host ints (the loader's KJT carries them: no sync)
+        lens2d = features.lengths_2d()
+        counts = lens2d.sum(dim=1)
+        values, weights = features.values(), features.weights_or_none()
+        keys = features.keys()
+        out = []
+        for idx, (rows, perm) in zip(self._group_feat_idx, self._group_perms):
+            n = sum(lpk[f] for f in idx)
+            out.append(KeyedJaggedTensor(
+                [keys[f] for f in idx], perm.apply(counts, values, n),
+                lengths=lens2d.index_select(0, rows).reshape(-1),
+                weights=None if weights is None else perm.apply(counts, weights, n),
+                stride=features.stride(), length_per_key=[lpk[f] for f in idx], validate=False,
+            ))
+        return out
 
     # ------------------------------------------------ lookup + output dist
     def compute_and_output_dist(self, ctx: ShardedEBCContext) -> KeyedTensor:

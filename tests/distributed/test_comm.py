@@ -51,6 +51,103 @@ def test_bucketed_all_reduce_overlaps_backward_and_sums_like_one_bucket():
         assert same and same2
 
 
+def _in_bucket(g, flat):
+    """``g`` lies inside ``flat``'s storage range (a view of the bucket)."""
+    lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    return lo <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= hi
+
+
+def _bucket_view_worker(env):
+    """Gradient as bucket view: over 4 steps (zero_grad to None, in place, and a parameter without
+    a gradient), every ``p.grad`` is a view of its bucket after the reduce, the buffers are never
+    reallocated, no ``torch.cat`` runs while reducing, and the sums equal ``sync_dense_grads``'s."""
+    from dlrmctl.distributed.comm import GradBucketReducer, sync_dense_grads
+
+    ref_model, model = _mlp(0), _mlp(0)
+    # a float64 parameter (its own bucket: one dtype per bucket) and one that never gets a gradient
+    ref_model.register_parameter("scale", torch.nn.Parameter(torch.ones(3, dtype=torch.float64)))
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(3, dtype=torch.float64)))
+    ref_model.register_parameter("unused", torch.nn.Parameter(torch.zeros(5)))
+    model.register_parameter("unused", torch.nn.Parameter(torch.zeros(5)))
+    red = GradBucketReducer(list(model.parameters()), env.pg, bucket_cap_mb=0.016)
+    ptrs = [f.data_ptr() for f in red.flats]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    cats = []
+    real_cat = torch.cat
+
+    def counting_cat(*a, **k):
+        cats.append(1)
+        return real_cat(*a, **k)
+
+    def arm(g):
+        red.arm()
+        torch.autograd.Variable._execution_engine.queue_callback(red.finish)
+        return g
+
+    def loss_of(m, x):
+        return m(x).sum() * m.scale.sum().float()
+
+    checks = []
+    for step in range(4):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + env.rank))
+        ref_opt.zero_grad(set_to_none=True)
+        loss_of(ref_model, x).backward()
+        sync_dense_grads(list(ref_model.parameters()), env.pg)
+        opt.zero_grad(set_to_none=step % 2 == 0)
+        out = loss_of(model, x)
+        out.register_hook(arm)
+        torch.cat = counting_cat
+        try:
+            out.backward()
+        finally:
+            torch.cat = real_cat
+        views = all(_in_bucket(p.grad, red.flats[red._bucket_of[id(p)]]) for p in model.parameters())
+        same = all(torch.equal(a.grad, b.grad) for a, b in zip(ref_model.parameters(), model.parameters()))
+        checks.append((views, same, model.unused.grad is not None and not model.unused.grad.any().item()))
+        ref_opt.step()
+        opt.step()
+    n_dtypes = sorted({str(f.dtype) for f in red.flats})
+    return checks, [f.data_ptr() for f in red.flats] == ptrs, len(cats), n_dtypes, len(red.buckets)
+
+
+def test_gradients_are_views_of_the_buckets_across_steps_and_zero_grad():
+    for checks, same_buffers, n_cat, dtypes, n_buckets in run_multiprocess(_bucket_view_worker, 2, timeout_s=120):
+        assert n_buckets >= 3
+        assert dtypes == ["torch.float32", "torch.float64"]
+        for step, (views, same, unused_zero) in enumerate(checks):
+            assert views, f"step {step}: a p.grad is not a view of its bucket"
+            assert same, f"step {step}: the bucketed sums differ from sync_dense_grads"
+            assert unused_zero, f"step {step}: the parameter without a gradient is not a zero view"
+        assert same_buffers, "bucket buffers were reallocated between steps"
+        assert n_cat == 0, f"{n_cat} torch.cat calls during backward + reduce"
+
+
+def _sync_dense_view_worker(env):
+    """sync_dense_grads: the second call on gradients that are its views (zeroed in place) copies
+    nothing and allocates nothing: the all-reduce runs on the same buffer."""
+    from dlrmctl.distributed.comm import sync_dense_grads
+
+    model = _mlp(0)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(env.rank))
+    model(x).sum().backward()
+    expect = [p.grad.clone() for p in model.parameters()]
+    sync_dense_grads(list(model.parameters()), env.pg)
+    base = model[0].weight.grad._base
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    sync_dense_grads(list(model.parameters()), env.pg)
+    same_base = all(p.grad._base is base for p in model.parameters())
+    again = all(torch.equal(a, p.grad) for a, p in zip(first, model.parameters()))
+    return same_base, again, [e.shape == f.shape for e, f in zip(expect, first)]
+
+
+def test_sync_dense_grads_reuses_its_bucket_when_grads_are_its_views():
+    for same_base, again, shapes in run_multiprocess(_sync_dense_view_worker, 2, timeout_s=120):
+        assert same_base and again and all(shapes)
+
+
 def _wire_worker(env):
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection

@@ -247,9 +247,12 @@ def run_case(env, case: Case) -> str | None:
     return None
 
 
-def _parity_worker(env, case_list: list[Case]) -> dict[str, str | None]:
+def _parity_worker(env, case_list: list[Case], permute_path: str = "fbgemm") -> dict[str, str | None]:
     import traceback
 
+    from dlrmctl.sparse import permute
+
+    permute.USE_FBGEMM = permute_path == "fbgemm"  # "torch": the GPU machine's path (no FBGEMM)
     out = {}
     for c in case_list:
         try:
@@ -261,8 +264,8 @@ def _parity_worker(env, case_list: list[Case]) -> dict[str, str | None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _results(ws: int) -> dict[str, str | None]:
-    per_rank = run_multiprocess(_parity_worker, ws, cases(ws), timeout_s=240)
+def _results(ws: int, permute_path: str = "fbgemm") -> dict[str, str | None]:
+    per_rank = run_multiprocess(_parity_worker, ws, cases(ws), permute_path, timeout_s=240)
     merged: dict[str, str | None] = {}
     for c in cases(ws):
         errs = [f"rank {r}: {res.get(c.name, 'not run (an earlier case failed)')}" for r, res in enumerate(per_rank)
@@ -272,9 +275,10 @@ def _results(ws: int) -> dict[str, str | None]:
 
 
 @pytest.mark.skipif(not HAS_FBGEMM, reason="reference uses the fused kernel")
+@pytest.mark.parametrize("permute_path", ["fbgemm", "torch"])
 @pytest.mark.parametrize("ws,case", [(ws, c.name) for ws in (2, 3, 4) for c in cases(ws)], ids=lambda x: str(x))
-def test_sharded_ebc_matches_single_process_reference(ws, case):
-    err = _results(ws)[case]
+def test_sharded_ebc_matches_single_process_reference(ws, case, permute_path):
+    err = _results(ws, permute_path)[case]
     assert err is None, err
 
 
@@ -308,9 +312,13 @@ def _dlrm_batch(gen, B):
     return torch.randn(B, 5, generator=gen), kjt, torch.randint(0, 2, (B,), generator=gen).float()
 
 
-def _dlrm_worker(env, batch_sizes):
+def _dlrm_worker(env, batch_sizes, permute_path="fbgemm"):
     import torch.distributed as dist
     import torch.nn.functional as Fn
+
+    from dlrmctl.sparse import permute
+
+    permute.USE_FBGEMM = permute_path == "fbgemm"
 
     from dlrmctl.distributed.env import ShardingEnv
     from dlrmctl.distributed.model_parallel import DistributedModelParallel, plan_from_types
@@ -352,10 +360,11 @@ def _dlrm_worker(env, batch_sizes):
     return runs
 
 
-def test_dlrm_on_2_ranks_matches_one_process_losses_and_weights_after_3_steps():
+@pytest.mark.parametrize("permute_path", ["fbgemm", "torch"])
+def test_dlrm_on_2_ranks_matches_one_process_losses_and_weights_after_3_steps(permute_path):
     if not HAS_FBGEMM:
         pytest.skip("reference uses the fused kernel")
-    res = run_multiprocess(_dlrm_worker, 2, [9, 8, 5], timeout_s=120)
+    res = run_multiprocess(_dlrm_worker, 2, [9, 8, 5], permute_path, timeout_s=120)
     for rank, runs in enumerate(res):
         ref_l, ref_e, ref_d = runs["ref"]
         l, e, d = runs["dmp"]

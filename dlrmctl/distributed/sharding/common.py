@@ -52,6 +52,8 @@ from dlrmctl.distributed.types import (
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, GroupedEmbeddingLookup
 from dlrmctl.sparse import KeyedJaggedTensor
+from dlrmctl.sparse.jagged_tensor import host_to_device
+from dlrmctl.sparse.permute import SegmentPermutation
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +160,8 @@ class EmbeddingSharding(nn.Module):
         me = self.layouts[env.rank]
         self.lookups = nn.ModuleList(self.make_lookup(lk, optimizer, seed) for lk in me.lookups)
         self._lookup_identity = [lk.feature_pos == list(range(len(me.features))) for lk in me.lookups]
+        #: world size -> the receive side's segment permutation (:meth:`input_dist_recv`)
+        self._recv_perms: dict[int, SegmentPermutation] = {}
 
     def make_lookup(self, lk: LookupLayout, optimizer: EmbeddingOptimizerSpec, seed: int) -> nn.Module:
         """The local lookup over ``lk.shards``: a pooled :class:`GroupedEmbeddingLookup` (sum
@@ -258,6 +262,31 @@ class EmbeddingSharding(nn.Module):
         """
         raise NotImplementedError
 
+    # the vectorized send side (the sharded EBC): this rank's ids as segments, and which segments
+    # each destination receives -- a plan constant the EBC turns into one segment permutation
+    def num_source_segments(self) -> int:
+        """``S``: the segments :meth:`input_dist_source` cuts its lengths / values into."""
+        raise NotImplementedError
+
+    def send_segments(self, d: int) -> list[int]:
+        """Static: the source segment of each feature rank ``d`` receives (``layouts[d].features`` order)."""
+        raise NotImplementedError
+
+    def input_dist_source(
+        self, kjt: KeyedJaggedTensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """This rank's ids as ``S = num_source_segments()`` segments, nothing read to the host.
+
+        Args:
+            kjt: ``self.features`` (in order), local batch ``B``, global ids.
+
+        Returns:
+            ``(lengths [S * B], values [N], weights [N] float32 or None, counts [S])``: segment
+            ``j`` is ``lengths[j*B:(j+1)*B]`` and ``counts[j]`` consecutive values (ids already
+            local to the destination's shard) and weights; ``counts`` on the device.
+        """
+        raise NotImplementedError
+
     def input_dist_send(self, kjt: KeyedJaggedTensor) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
         """Both halves at once (reads device counts back itself): ``(chunks, counts per d)``."""
         state, counts = self.input_dist_counts(kjt)
@@ -285,25 +314,25 @@ class EmbeddingSharding(nn.Module):
         F = len(me.features)
         keys = [self.features[f] for f in me.features]
         W = len(chunks)
-        lens_parts, val_parts, w_parts = [], [[] for _ in range(F)], [[] for _ in range(F)]
+        kinds = 3 if self.is_weighted else 2
+        # (source, lengths|ids|weights, feature) segments -> (kind, feature, source): one segment
+        # permutation (a plan constant, cached per world size) instead of a split per (source, feature)
+        perm = self._recv_perms.get(W)
+        if perm is None:
+            order = [(s * kinds + k) * F + f for k in range(kinds) for f in range(F) for s in range(W)]
+            perm = self._recv_perms[W] = SegmentPermutation(order, W * kinds * F, self.device)
+        seg: list[int] = []
         for s in range(W):
-            B, c, ch = batch_sizes[s], counts[s], chunks[s]
-            n = sum(c)
-            lens_parts.append(ch[: F * B].view(F, B))
-            vals = ch[F * B : F * B + n]
-            for f, v in enumerate(torch.split(vals, list(c))):
-                val_parts[f].append(v)
-            if self.is_weighted:
-                ws = ch[F * B + n : F * B + 2 * n]
-                for f, w in enumerate(torch.split(ws, list(c))):
-                    w_parts[f].append(w)
+            seg.extend([int(batch_sizes[s])] * F)
+            c = [int(x) for x in counts[s]]
+            seg.extend(c * (kinds - 1))
+        data = torch.cat(list(chunks)) if W > 1 else chunks[0]
+        out = perm.apply(host_to_device(seg, torch.int64, data.device), data, data.numel())
         stride = int(sum(batch_sizes))
-        lengths = torch.cat(lens_parts, dim=1).reshape(-1) if W > 1 else lens_parts[0].reshape(-1)
-        values = torch.cat([v for vs in val_parts for v in vs]) if F else chunks[0][:0]
-        weights = int64_to_weights(torch.cat([w for ws in w_parts for w in ws])) if self.is_weighted and F else None
-        if self.is_weighted and weights is None:
-            weights = torch.zeros(0, dtype=torch.float32, device=self.device)
         lpk = [sum(int(counts[s][f]) for s in range(W)) for f in range(F)]
+        n = sum(lpk)
+        lengths, values = out[: F * stride], out[F * stride : F * stride + n]
+        weights = int64_to_weights(out[F * stride + n : F * stride + 2 * n]) if self.is_weighted else None
         return KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False,
                                  length_per_key=lpk)
 
@@ -386,6 +415,16 @@ class TableWiseLikeSharding(EmbeddingSharding):
                     ch.extend(wbits[opk[f] : opk[f + 1]] for f in fs)
             chunks.append(ch)
         return chunks
+
+    def num_source_segments(self) -> int:
+        return len(self.features)
+
+    def send_segments(self, d: int) -> list[int]:
+        return list(self.layouts[d].features)
+
+    def input_dist_source(self, kjt):
+        counts = kjt.lengths_2d().sum(dim=1) if self.features else kjt.lengths()[:0]
+        return kjt.lengths(), kjt.values(), kjt.weights_or_none() if self.is_weighted else None, counts
 
     def output_cols(self) -> list[list[int]]:
         return [lay.out_cols for lay in self.layouts]
@@ -478,6 +517,16 @@ class RowWiseLikeSharding(EmbeddingSharding):
     def input_dist_counts(self, kjt):
         new_lengths, new_values, new_weights = self.bucketize(kjt)
         return (new_lengths, new_values, new_weights), new_lengths.sum(dim=2)  # [W, F] on the device
+
+    def num_source_segments(self) -> int:
+        return self.env.world_size * len(self.features)
+
+    def send_segments(self, d: int) -> list[int]:
+        return [d * len(self.features) + f for f in self.layouts[d].features]
+
+    def input_dist_source(self, kjt):
+        new_lengths, new_values, new_weights = self.bucketize(kjt)
+        return new_lengths.reshape(-1), new_values, new_weights, new_lengths.sum(dim=2).reshape(-1)
 
     def input_dist_chunks(self, state, per_feat_l):
         W = self.env.world_size
