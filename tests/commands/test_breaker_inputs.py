@@ -91,3 +91,13 @@ def test_a_non_finite_number_option_is_one_line(tmp_path, option, value):
     one_error_line(["preprocess", "synthetic", "--out", str(tmp_path / "o"), "--rows", "10", option, value, *extra],
                    option, value)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_label_is_named_as_such(tmp_path):
+    """A missing label read back as pyarrow's null and was reported as ``got 'None'``."""
+    good = "\t".join(["1"] + ["1"] * 13 + ["abcdef01"] * 26)
+    p = tmp_path / "day.tsv"
+    p.write_text(good + "\n" + "\t".join([""] + ["1"] * 13 + ["abcdef01"] * 26) + "\n")
+    line = one_error_line(["preprocess", "criteo", "--input", str(p), "--out", str(tmp_path / "o"), "-q"],
+                          f"{p}:2", "field label", "got an empty field")
+    assert "None" not in line

@@ -482,7 +482,8 @@ class BlockReader:
             i = int(np.flatnonzero(mask)[0])
             got = values[i].as_py()
             got = got.decode("utf-8", "replace") if isinstance(got, bytes) else got
-            raise DataError(f"expected {what}, got '{got}'{_non_finite_hint(str(got))}", path=self.path,
+            shown = "an empty field" if got is None or got == "" else f"'{got}'"  # (a missing value reads as None)
+            raise DataError(f"expected {what}, got {shown}{_non_finite_hint(str(got or ''))}", path=self.path,
                             line=int(lines[i]), field=field)
         return mask
 
