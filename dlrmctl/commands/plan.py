@@ -163,17 +163,6 @@ def plan_command(
         meta = read_data_meta(cfg)
         resolve_tables(cfg, meta)  # the data's errors (no meta.json, a feature missing) before the hardware's
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
-        _check_out(out, force, "plan.yaml")
-        if rpath.is_dir():
-            raise ValueError(f"--report {show_path(rpath)} is a directory; give a file path, e.g. "
-                             f"--report {show_path(rpath / 'plan_report.txt')}")
-        # realpath: a --report symlink (dangling too) or a symlinked directory naming the plan file
-        if os.path.realpath(rpath) == os.path.realpath(out):
-            raise ValueError(f"--report {show_path(rpath)} is the plan file itself; give another --report")
-        if rpath.exists() and not force and not _is_plan_report(rpath):
-            raise ValueError(f"the report would replace {show_path(rpath)}, which is not a plan report (a plan "
-                             f"written as --out {show_path(rpath)}?); pass --force to replace it, or --report "
-                             f"another file")
         topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
         preset = device or cfg.sharding.device  # (a topology file, when given, replaces the preset)
         if defaulted and topo_file is None and getattr(DEVICE_PRESETS.get(preset), "compute_device", "") == "cpu":
@@ -189,6 +178,18 @@ def plan_command(
             ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
             shown_as=show_path(topo_file) if topo_file else None,
         )
+        # the outputs once every input is known good (a bad --device is named before an existing plan.yaml)
+        _check_out(out, force, "plan.yaml")
+        if rpath.is_dir():
+            raise ValueError(f"--report {show_path(rpath)} is a directory; give a file path, e.g. "
+                             f"--report {show_path(rpath / 'plan_report.txt')}")
+        # realpath: a --report symlink (dangling too) or a symlinked directory naming the plan file
+        if os.path.realpath(rpath) == os.path.realpath(out):
+            raise ValueError(f"--report {show_path(rpath)} is the plan file itself; give another --report")
+        if rpath.exists() and not force and not _is_plan_report(rpath):
+            raise ValueError(f"the report would replace {show_path(rpath)}, which is not a plan report (a plan "
+                             f"written as --out {show_path(rpath)}?); pass --force to replace it, or --report "
+                             f"another file")
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4)
         # the plan must be what train --nproc will accept

@@ -141,8 +141,9 @@ def interrupted_line(config: str, overrides: list[str], run_dir: str) -> str:
     except ckpt.CheckpointError:
         last, step = None, None
     if last is None:
+        kept = "config and logs" if os.path.isdir(os.path.join(run_dir, "logs")) else "config"  # (logs: --nproc runs)
         return (f"interrupted before the first checkpoint: nothing saved ({show_path(run_dir)} keeps this attempt's "
-                f"config and logs); start over with {cmd}")
+                f"{kept}); start over with {cmd}")
     return (f"interrupted: {show_path(run_dir)} kept its last checkpoint (step {step}); resume with "
             f"{cmd} --resume")
 

@@ -76,20 +76,27 @@ def test_a_plan_that_does_not_fit_is_short_and_names_the_defaulted_device(tmp_pa
     assert r.exit_code == 2 and "planned for" not in r.output  # --device given: no hint
 
 
-def test_topology_file_errors_name_file_and_line(tmp_path, data):
+def test_topology_file_errors_name_file_and_line(tmp_path, data, monkeypatch):
     from dlrmctl.planner.types import DEVICE_PRESETS
 
     import dataclasses
+
+    # an earlier plan in the working directory (the README's workflow leaves one): the inputs' errors
+    # come first, not "plan.yaml exists" (the run ended on that line before the bad input was named)
+    config = small_config(tmp_path, data)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.yaml").write_text("plan: {}\n")
 
     d = dataclasses.asdict(DEVICE_PRESETS["h100"])
     d["hbm_gb"] = -1.0
     topo = tmp_path / "topo.yaml"
     topo.write_text(yaml.safe_dump(d, sort_keys=False))
     line = next(i for i, s in enumerate(topo.read_text().splitlines(), 1) if s.startswith("hbm_gb:"))
-    one_error_line(["plan", small_config(tmp_path, data), "--gpus", "2", "--topology", topo],
+    one_error_line(["plan", config, "--gpus", "2", "--topology", topo],
                    f"topo.yaml:{line}: hbm_gb must be a finite number >= 0")
+    one_error_line(["plan", config, "--gpus", "2", "--device", "h101"], "h101")
     topo.write_text(topo.read_text() + "hbm_gb: 80\n")
-    one_error_line(["plan", small_config(tmp_path, data), "--gpus", "2", "--topology", topo],
+    one_error_line(["plan", config, "--gpus", "2", "--topology", topo],
                    "topo.yaml:", "duplicate key 'hbm_gb' in topology file", f"first given on line {line}")
 
 

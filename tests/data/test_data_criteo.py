@@ -16,7 +16,7 @@ from dlrmctl.data.criteo.parse import CriteoOptions, decode_hex8, dense_log1p, h
 from dlrmctl.data.criteo.preprocess import preprocess_criteo
 from dlrmctl.data.multi_hot import multi_hot_expand
 
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, require_shared
 
 SHARED = SHARED_DATA / "criteo"
 HASH = CriteoOptions(num_embeddings=[1000] * 26)
@@ -324,8 +324,7 @@ def test_multi_hot_sizes_materialise_list_columns_with_exact_bag_sizes(tmp_path)
 
 def test_real_kaggle_sample_preprocesses_with_val_ratio_via_the_cli(tmp_path):
     sample = SHARED / "criteo_kaggle_sample_10k.tsv"
-    if not sample.is_file():
-        pytest.skip(f"real Criteo sample not present at {sample} (../shared/data is outside the repo)")
+    require_shared(sample)
     import typer
     from typer.testing import CliRunner
 

@@ -22,7 +22,7 @@ from dlrmctl.data.movielens import (
     time_ordered_split,
 )
 
-from tests.conftest import REPO, SHARED_DATA
+from tests.conftest import REPO, SHARED_DATA, require_shared
 
 # real-data fixture next to the checkout: ../shared/data (not in the repository, see PROVENANCE.md)
 ML_LATEST_SMALL = SHARED_DATA / "movielens" / "ml-latest-small"
@@ -354,8 +354,7 @@ def test_cli_command_preprocesses_and_reports_errors(tmp_path):
 
 # ---------------------------------------------------------------------------------- real data
 def test_end_to_end_on_ml_latest_small(tmp_path):
-    if not (ML_LATEST_SMALL / "ratings.csv").is_file():
-        pytest.skip(f"real-data fixture {ML_LATEST_SMALL} is absent (../shared/data is not next to this checkout)")
+    require_shared(ML_LATEST_SMALL / "ratings.csv")
     src = ML_LATEST_SMALL
     out = tmp_path / "ml"
     rep = preprocess_movielens(src, out)
@@ -454,8 +453,7 @@ def test_csv_files_with_every_field_quoted_preprocess_like_the_plain_ones(tmp_pa
 def test_quoted_ml_latest_small_reads_like_the_original(tmp_path):
     import csv
 
-    if not (ML_LATEST_SMALL / "ratings.csv").is_file():
-        pytest.skip(f"real-data fixture {ML_LATEST_SMALL} is absent (../shared/data is not next to this checkout)")
+    require_shared(ML_LATEST_SMALL / "ratings.csv")
     src = tmp_path / "src"
     src.mkdir()
     for name in ("ratings.csv", "movies.csv", "tags.csv"):
