@@ -24,7 +24,8 @@ class TrainError(RuntimeError, UserError):
 
 
 def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
-    """The run directory ``train.run_dir/<name>``, checked (nothing is written) for use by a new run.
+    """The run directory ``train.run_dir/<name>``, checked for use by a new run.  Nothing is written,
+    except that an ``--overwrite`` a kill left half-way is settled first (:func:`settle_replacement`).
 
     Args:
         cfg: the experiment config.
@@ -55,6 +56,9 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
                          "must name a new directory or a dlrmctl run (--set name=<other>), and keep experiment "
                          "configs outside run directories")
     run_lock.check_not_in_use(run_dir)  # another dlrmctl is training it: refuse before anything else
+    # an --overwrite attempt killed half-way: its old run comes back (or goes, past the new one's first
+    # checkpoint) before the checks below look at what the directory holds
+    settle_replacement(run_dir)
     if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
         raise TrainError(
             f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
@@ -126,18 +130,20 @@ RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metric
 
 #: where ``--overwrite`` keeps the run it replaces until the replacement has a complete checkpoint
 REPLACED_DIR = ".dlrmctl_replaced"
-#: entries of a run directory that never move with the run (the lock of the live attempt, the aside dir)
-_STAYS = (run_lock.LOCK_NAME, REPLACED_DIR)
+#: what a run writes in its directory: all that ``--overwrite`` sets aside and replaces; anything else
+#: (an export written into the run directory, the user's notes) stays where it is
+RUN_ENTRIES = frozenset((*RUN_OUTPUTS, ckpt.CKPT_DIR, "logs", ATTEMPT_MARKER, outputs.MARKER_NAME))
 
 
 def set_aside(run_dir: str) -> None:
-    """Move the run in ``run_dir`` (everything but the lock) into ``run_dir/.dlrmctl_replaced``.
+    """Move the run in ``run_dir`` (what a run writes: :data:`RUN_ENTRIES`; the lock, an export
+    written into the directory and the user's own files stay) into ``run_dir/.dlrmctl_replaced``.
 
     Raises:
         TrainError: ``run_dir`` holds files that are not a dlrmctl run's (``--overwrite`` replaces
             only what dlrmctl made), or is the working directory, home or ``/``.
     """
-    names = [n for n in os.listdir(run_dir) if n not in _STAYS]
+    names = [n for n in os.listdir(run_dir) if n in RUN_ENTRIES]
     if not names:
         return
     if not set(names) <= {"logs", outputs.MARKER_NAME, ATTEMPT_MARKER}:  # more than a cleared attempt's logs
@@ -169,19 +175,45 @@ def finish_replacement(run_dir: str, done: bool = False) -> bool:
 
 
 def _restore_replaced(run_dir: str) -> bool:
-    """Put back the run an ``--overwrite`` attempt set aside: the attempt's own files (all but the
-    lock) go, the old run's come back as they were.  Returns True when restored."""
+    """Put back the run an ``--overwrite`` attempt set aside: the attempt's own outputs
+    (:data:`RUN_ENTRIES`) go, except its logs, which are merged into the restored run's ``logs/`` (the
+    failure's record); the old run's come back as they were.  Returns True when restored."""
     aside = os.path.join(run_dir, REPLACED_DIR)
     if not os.path.isdir(aside):
         return False
+    attempt_logs = os.path.join(aside, ".attempt_logs")
+    if os.path.isdir(os.path.join(run_dir, "logs")) and not os.path.exists(attempt_logs):
+        os.rename(os.path.join(run_dir, "logs"), attempt_logs)  # the failure's record: kept
     for n in os.listdir(run_dir):
-        if n not in _STAYS:
+        if n in RUN_ENTRIES:
             p = os.path.join(run_dir, n)
             shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
     for n in os.listdir(aside):
-        os.rename(os.path.join(aside, n), os.path.join(run_dir, n))
-    os.rmdir(aside)
+        if n != ".attempt_logs":
+            os.rename(os.path.join(aside, n), os.path.join(run_dir, n))
+    if os.path.isdir(attempt_logs):
+        _merge_into(attempt_logs, os.path.join(run_dir, "logs"))
+    shutil.rmtree(aside)
     return True
+
+
+def _merge_into(src: str, dst: str) -> None:
+    """Move the tree ``src`` into ``dst``: entries ``dst`` lacks move as they are, directories on both
+    sides merge, and a file on both sides keeps ``dst``'s, ``src``'s beside it as ``<name>.attempt``."""
+    os.makedirs(dst, exist_ok=True)
+    for n in os.listdir(src):
+        s, d = os.path.join(src, n), os.path.join(dst, n)
+        if not os.path.lexists(d):
+            os.rename(s, d)
+        elif os.path.isdir(s) and os.path.isdir(d) and not os.path.islink(d):
+            _merge_into(s, d)
+        else:
+            k, alt = 0, d + ".attempt"
+            while os.path.lexists(alt):
+                k += 1
+                alt = f"{d}.attempt{k}"
+            os.rename(s, alt)
+    shutil.rmtree(src, ignore_errors=True)
 
 
 def settle_replacement(run_dir: str) -> None:

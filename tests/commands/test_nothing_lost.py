@@ -293,6 +293,55 @@ def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tm
     assert (runs / "b" / "notes.txt").read_text() == "mine"
 
 
+def test_a_killed_overwrite_never_lets_a_plain_train_mix_two_runs(tmp_path):
+    """After an --overwrite killed before its first checkpoint, a plain `train` passed the "already
+    holds a run" check (the old run was still set aside), then the old run came back and the new one
+    trained into it: old and new checkpoints side by side, metrics appended."""
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.run_dir import REPLACED_DIR, set_aside
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(app, _train_args(data, runs)).exit_code == 0
+    old = _snapshot(runs / "a")
+    set_aside(str(runs / "a"))  # the --overwrite attempt, SIGKILLed before anything else happened
+    (runs / "a" / "logs").mkdir()
+    (runs / "a" / "logs" / "attempt.log").write_text("the killed attempt's record")
+    _one_error(CliRunner().invoke(app, _train_args(data, runs, "--set", "train.max_steps=2")), "already holds a run")
+    assert not (runs / "a" / REPLACED_DIR).exists()
+    now = _snapshot(runs / "a")
+    assert now.pop(os.path.join("logs", "attempt.log")) == b"the killed attempt's record"  # kept, beside the old run
+    assert now == old
+
+
+def test_overwrite_replaces_only_what_a_run_writes(tmp_path):
+    """--overwrite set aside, then deleted, everything in the run directory: the user's notes and an
+    export written into it (the default place of `dlrmctl export RUN`) went with the old run."""
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.run_dir import clear_unsaved_attempt, set_aside
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(app, _train_args(data, runs)).exit_code == 0
+    (runs / "a" / "notes.txt").write_text("mine")
+    (runs / "a" / "export-int8").mkdir()
+    (runs / "a" / "export-int8" / "model.pt2").write_bytes(b"x")
+    r = CliRunner().invoke(app, _train_args(data, runs, "--overwrite", "--set", "train.max_steps=2"))
+    assert r.exit_code == 0, r.output
+    assert (runs / "a" / "notes.txt").read_text() == "mine"
+    assert (runs / "a" / "export-int8" / "model.pt2").read_bytes() == b"x"
+    steps = [json.loads(x)["step"] for x in open(runs / "a" / "metrics.jsonl") if '"train"' in x]
+    assert steps == [1, 2]
+    # a failed replacement gives the old run back and leaves the user's files as they were
+    set_aside(str(runs / "a"))
+    (runs / "a" / "config.yaml").write_text("the attempt's")
+    assert clear_unsaved_attempt(str(runs / "a"))
+    assert (runs / "a" / "notes.txt").read_text() == "mine" and (runs / "a" / "export-int8").is_dir()
+    assert (runs / "a" / "config.yaml").read_text() != "the attempt's"
+
+
 @pytest.mark.multiprocess
 def test_train_nproc_overwrite_replaces_the_run_and_keeps_the_jobs_logs(tmp_path):
     """`train --nproc 2 --overwrite` of an existing run: the launcher set the old run aside, then rank 0
