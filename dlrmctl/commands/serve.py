@@ -20,6 +20,8 @@ def serve_command(
     max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="how long the oldest queued request waits "
                                                                    "for others to join its batch"),
     max_queue_rows: int = typer.Option(65536, "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After"),
+    max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="largest infer request body in MiB; "
+                                                                         "beyond, 413"),
     workers: int = typer.Option(1, "--workers", help="forward threads per process (each takes the next batch; the "
                                                      "intra-op threads are divided among them)"),
     processes: int = typer.Option(1, "--processes", help="server processes sharing the port (SO_REUSEPORT), each with "
@@ -32,6 +34,7 @@ def serve_command(
     check_number("--max-batch-rows", max_batch_rows, what="rows")
     check_number("--max-delay-ms", max_delay_ms, minimum=0, maximum=60000.0, positive=False, what="milliseconds")
     check_number("--max-queue-rows", max_queue_rows, what="rows")
+    check_number("--max-request-mb", max_request_mb, maximum=65536.0, what="MiB")
     check_number("--workers", workers, maximum=256, what="forward threads")
     check_number("--processes", processes, maximum=256, what="server processes")
     try:
@@ -55,7 +58,7 @@ def serve_command(
     sock = bind(host, port, reuse_port=processes > 1)
     addr = sock.getsockname()
     options = dict(max_batch_rows=max_batch_rows, max_delay_ms=max_delay_ms, max_queue_rows=max_queue_rows,
-                   workers=workers)
+                   workers=workers, max_request_mb=max_request_mb)
     try:
         others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options)
     except ServeError:

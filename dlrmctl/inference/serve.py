@@ -127,7 +127,7 @@ class ModelSpec:
         return cls(name=name, num_dense=model.num_dense, features=list(model.feature_names),
                    weighted=list(model.weighted_features), rows=rows,
                    on_invalid_id=str(m.get("on_invalid_id", "error")),
-                   raw=bool(m.get("preprocessing")) and not model.weighted_features)
+                   raw=_has_raw_transform(m) and not model.weighted_features)
 
     def metadata(self, platform: str) -> dict:
         """The ``GET /v2/models/{name}`` body (Open Inference Protocol model metadata)."""
@@ -144,6 +144,16 @@ class ModelSpec:
                 "outputs": [{"name": "score", "datatype": "FP32", "shape": [-1]},
                             {"name": "logit", "datatype": "FP32", "shape": [-1]}],
                 "parameters": {"on_invalid_id": self.on_invalid_id}}
+
+
+def _has_raw_transform(manifest: dict) -> bool:
+    """Whether raw lines of the model's dataset can be preprocessed here (the ``raw`` input): a
+    manifest with its training preprocessing, of a dataset :data:`~dlrmctl.inference.predict.RAW_TRANSFORMS`
+    knows (Criteo); a synthetic or MovieLens model is served from tensors only."""
+    from dlrmctl.inference.predict import RAW_TRANSFORMS
+
+    pre = manifest.get("preprocessing")
+    return isinstance(pre, dict) and pre.get("dataset") in RAW_TRANSFORMS
 
 
 @dataclass
@@ -654,8 +664,12 @@ async def _send(send: Callable, code: int, body: bytes, headers: list | None = N
 
 
 def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
-              max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1") -> App:
+              max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
+              max_request_mb: float = 64.0) -> App:
     """The ASGI app (:class:`App`) serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`) as ``name``.
+
+    An infer request body over ``max_request_mb`` MiB is refused with 413 before it is read whole
+    (a body is held twice while it is decoded: without a bound a few large posts exhaust memory).
 
     The batcher starts with the app's lifespan and drains on its shutdown.  ``app.state.metrics``
     holds the :class:`Metrics`; ``process`` labels this server process in ``dlrmctl_serve_process_info``.
@@ -667,6 +681,7 @@ def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: f
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     spec = ModelSpec.of(model, name)
+    max_body = int(max_request_mb * 2**20)
     metrics = Metrics(max_batch_rows)
     metrics.process.labels(str(os.getpid()), process).set(1)
     transform = None
@@ -757,14 +772,23 @@ def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: f
         code, reason, body, answered = 200, None, b"", False
         try:
             more = True
-            chunks = []
-            while more:
+            chunks, size = [], 0
+            for k, v in scope["headers"]:
+                if k == b"content-length" and v.isdigit() and int(v) > max_body:
+                    size = int(v)
+            while more and size <= max_body:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     code, reason = 499, "disconnected"
                     return
                 chunks.append(msg.get("body", b""))
+                size += len(chunks[-1])
                 more = msg.get("more_body", False)
+            if size > max_body:
+                code, reason = 413, "too_large"
+                body = _json_error(f"the request body is over {max_request_mb:g} MiB (--max-request-mb); "
+                                   "send its rows in several requests")
+                return
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             if model_name != name:
                 code, reason, body = 404, "unknown_model", _json_error(no_model(model_name))
@@ -782,6 +806,9 @@ def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: f
                 fut = state["batcher"].submit(rows)
             except BadRequest as e:
                 code, reason, body = 400, "bad_request", _json_error(str(e))
+                return
+            except RecursionError:  # json.loads of (or a walk over) arrays nested thousands deep
+                code, reason, body = 400, "bad_request", _json_error("the request JSON is nested too deeply")
                 return
             except QueueFull as e:
                 code, reason, body = 503, "queue_full", _json_error(f"{e}; retry after 1 s")
@@ -839,7 +866,7 @@ def http_stack() -> tuple[str, str]:
     return http, loop
 
 
-def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False, join: bool = False) -> socket.socket:
     """A listening TCP socket on ``host:port`` (port 0: a free one the OS picks) whose accepted
     connections have ``TCP_NODELAY`` set.
 
@@ -850,7 +877,9 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     also set on the listening socket (Linux passes it on to accepted connections).
 
     ``reuse_port``: ``SO_REUSEPORT``, so that the other server processes of ``--processes`` bind the
-    same port and the kernel spreads new connections over them.
+    same port and the kernel spreads new connections over them.  Unless ``join`` (one of those other
+    processes), the port must be free first: ``SO_REUSEPORT`` alone would let this server share a
+    port another ``--processes`` server of the same user listens on, each answering some requests.
 
     Raises:
         ServeError: the address cannot be bound (in use, not local), naming it; ``reuse_port`` where
@@ -859,6 +888,8 @@ def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
         raise ServeError("--processes above 1 needs SO_REUSEPORT, which this platform lacks; use --processes 1")
+    if reuse_port and not join and port != 0:  # free? (a plain bind fails where any listener holds it)
+        bind(host, port).close()
     sock = socket.socket(fam, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
@@ -951,7 +982,7 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
         from dlrmctl.inference.export import load_exported
 
         model = load_exported(model_dir)
-        sock = bind(host, port, reuse_port=True)
+        sock = bind(host, port, reuse_port=True, join=True)
     except Exception as e:  # noqa: BLE001 - reported by the parent as one line
         conn.send(str(e) or type(e).__name__)
         conn.close()
@@ -962,7 +993,8 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
 
 
 def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
-          workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False) -> str | None:
+          workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False,
+          max_request_mb: float = 64.0) -> str | None:
     """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
     backlog) until SIGTERM / SIGINT; every request received is answered first.
 
@@ -981,7 +1013,7 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
     """
     import uvicorn
 
-    app = build_app(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process)
+    app = build_app(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb)
     http, loop = http_stack()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=http, loop=loop,
                             timeout_graceful_shutdown=60, backlog=2048)

@@ -505,6 +505,16 @@ def test_infer_is_answered_without_the_fastapi_stack(model):
             assert code == 400 and json.loads(out)["error"].startswith("the request body is not JSON")
             code, hdr, _ = _asgi(app, "GET", "/v2/models/tiny/infer")
             assert code == 405 and hdr["allow"] == "POST"
+            # arrays nested 100,000 deep: a RecursionError in json.loads was a 500 and a logged traceback
+            code, _, out = _asgi(app, "POST", "/v2/models/tiny/infer", b"[" * 100000 + b"]" * 100000)
+            assert code == 400 and "nested too deeply" in json.loads(out)["error"], out
+            # a body over --max-request-mb: 413 (it was buffered whole, twice, before any check)
+            small = build_app(m, "tiny", max_request_mb=0.001)
+            small.api = boom
+            code, _, out = _asgi(small, "POST", "/v2/models/tiny/infer", b" " * 2000)
+            assert code == 413 and "--max-request-mb" in json.loads(out)["error"], out
+            code, _, out = _asgi(small, "POST", "/v2/models/tiny/infer", b"", [("content-length", "999999999")])
+            assert code == 413, out
             code, _, out = _asgi(app, "POST", "/v2/models/other/infer", body, [("inference-header-content-length", str(hl))])
             assert code == 404 and "this server serves 'tiny'" in json.loads(out)["error"]
         finally:
@@ -554,3 +564,52 @@ def test_http_stack_falls_back_to_h11_and_asyncio(monkeypatch):
     pytest.importorskip("httptools")
     pytest.importorskip("uvloop")
     assert http_stack() == ("httptools", "uvloop")
+
+
+def test_a_model_of_data_without_a_raw_transform_is_served_from_tensors(tmp_path_factory, tmp_path):
+    """`serve` of a model trained on synthetic (or MovieLens) data stopped at start with `raw lines can
+    be scored for datasets ['criteo']`: every exported manifest has a preprocessing record, and the
+    server took that for a raw-line transform."""
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+    from tests.conftest import tiny_synthetic
+
+    data = tiny_synthetic(tmp_path_factory, "serve_synth", rows=2000)
+    r = CliRunner().invoke(app, ["train", "configs/demo.yaml", "--set", f"data.path={data}", "--set",
+                                 f"train.run_dir={tmp_path}", "--set", "name=syn", "--set", "train.max_steps=5",
+                                 "--set", "train.progress=false", "--set", "data.batch_size=256"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "syn"), "--fp32", "--out", str(tmp_path / "m")])
+    assert r.exit_code == 0, r.output
+    with server(tmp_path / "m") as (url, _):
+        with urllib.request.urlopen(f"http://{url}/v2/models/syn", timeout=10) as resp:
+            meta = json.loads(resp.read())
+        names = [i["name"] for i in meta["inputs"]]
+        assert "raw" not in names and "dense" in names
+        features = [n for n in names if n.startswith("C") and "." not in n]
+        rng = np.random.default_rng(0)
+        dense = rng.random((3, 13), dtype=np.float32)
+        body = {"inputs": [{"name": "dense", "datatype": "FP32", "shape": [3, 13], "data": dense.ravel().tolist()}]
+                + [{"name": f, "datatype": "INT64", "shape": [3], "data": [0, 1, 2]} for f in features]}
+        code, out, _ = _post(url, body, "/v2/models/syn/infer")
+        assert code == 200 and len(out["outputs"][0]["data"]) == 3, out
+        code, out, _ = _post(url, {"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [1], "data": ["x"]}]},
+                             "/v2/models/syn/infer")
+        assert code == 400 and "raw" in out["error"], out
+
+
+def test_a_second_processes_server_cannot_share_a_port_in_use():
+    """Two `--processes 2` servers on one port both bound it (SO_REUSEPORT, same user) and answered
+    each other's requests; the second must be refused as a port in use, while the first's own
+    processes still join it."""
+    from dlrmctl.inference.serve import ServeError, bind
+
+    first = bind("127.0.0.1", 0, reuse_port=True)
+    port = first.getsockname()[1]
+    try:
+        with pytest.raises(ServeError, match="Address already in use"):
+            bind("127.0.0.1", port, reuse_port=True)
+        bind("127.0.0.1", port, reuse_port=True, join=True).close()
+    finally:
+        first.close()
