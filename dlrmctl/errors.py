@@ -194,14 +194,19 @@ def os_error_message(e: BaseException, path: str | os.PathLike | None = None) ->
 
 
 def user_error_message(e: BaseException) -> str | None:
-    """The one line (without ``error: ``) for a :class:`UserError` or a mapped OSError that is
-    ``e`` or that ``e`` explicitly wraps; None when ``e`` is neither (a bug, shown with its traceback)."""
+    """The one line (without ``error: ``) for a :class:`UserError`, a mapped OSError or an
+    out-of-memory error (``MemoryError``, torch's ``OutOfMemoryError``) that is ``e`` or that ``e``
+    explicitly wraps; None when ``e`` is none of them (a bug, shown with its traceback)."""
     if isinstance(e, UserError):
         return str(e)
     if isinstance(e, OSError):
         msg = os_error_message(e)
         if msg is not None:
             return msg
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # numpy's, torch's (CUDA)
+        what = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return (f"out of memory: {what}; ask for less (rows, table sizes, dimensions, batch size) "
+                "or use a machine with more memory")
     # explicit wrapping only (``raise X from e``, DCP's failures): an error raised while handling
     # another one (``__context__``) may be a bug, shown with its traceback
     inner = find_in_chain(e, lambda x: x is not e and (isinstance(x, UserError) or os_errno(x) is not None),

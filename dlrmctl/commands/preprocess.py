@@ -220,15 +220,10 @@ def synthetic(
     if inf:  # only then: a dataset made before the option existed keeps its recipe
         recipe.update(interaction_features=inf, interaction_dim=interaction_dim, interaction_std=interaction_std)
     if inf:  # every argument checked before the output directory is touched
-        from dlrmctl.data.synthetic import _interaction_tables
+        from dlrmctl.data.synthetic import check_interaction_options
 
         try:
-            if len(_interaction_tables(inf)) < 2:
-                raise ValueError(f"--interaction-features: a pairwise interaction needs at least 2 features, got {inf}")
-            if interaction_dim < 1:
-                raise ValueError(f"--interaction-dim must be >= 1, got {interaction_dim}")
-            if not (interaction_std > 0 and interaction_std < float("inf")):
-                raise ValueError(f"--interaction-std must be > 0, got {interaction_std}")
+            check_interaction_options(inf, interaction_dim, interaction_std)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
     target = _target(out, recipe, force)

@@ -197,6 +197,33 @@ class _Model:
         return label, dense, ids, prob, weights, inter
 
 
+#: the largest ``--interaction-std``: a logit term of standard deviation 100 already makes the labels
+#: all but deterministic (Bayes AUC ~1); beyond it the planted scale's fourth root overflows float64
+MAX_INTERACTION_STD = 100.0
+#: the largest ``--interaction-dim`` (the latent vectors take rows x dim x 8 bytes per table)
+MAX_INTERACTION_DIM = 1024
+
+
+def check_interaction_options(features: Sequence[str] | None, dim: int, std: float) -> list[int]:
+    """The tables of ``--interaction-features`` (indices into C1..C26), with ``--interaction-dim`` and
+    ``--interaction-std`` checked when there are any.
+
+    Raises:
+        ValueError: an unknown feature or only one, ``dim`` not in [1, :data:`MAX_INTERACTION_DIM`],
+            ``std`` not a finite number in (0, :data:`MAX_INTERACTION_STD`]; naming the option.
+    """
+    itables = _interaction_tables(features or ())
+    if len(itables) == 1:
+        raise ValueError(f"--interaction-features: a pairwise interaction needs at least 2 features, got "
+                         f"{SPARSE_FEATURES[itables[0]]}")
+    if itables:
+        if not 1 <= dim <= MAX_INTERACTION_DIM:
+            raise ValueError(f"--interaction-dim must be in [1, {MAX_INTERACTION_DIM}], got {dim}")
+        if not (np.isfinite(std) and 0 < std <= MAX_INTERACTION_STD):
+            raise ValueError(f"--interaction-std must be a finite number in (0, {MAX_INTERACTION_STD:g}], got {std}")
+    return itables
+
+
 def planted_model(seed: int = 0, num_embeddings: Sequence[int] | None = None, zipf_alpha: float = 1.05,
                   interaction_features: Sequence[str] = (), interaction_dim: int = DEFAULT_INTERACTION_DIM,
                   interaction_std: float = DEFAULT_INTERACTION_STD) -> _Model:
@@ -273,15 +300,7 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
     if unknown:
         raise ValueError(f"--weighted-features: unknown feature(s) {unknown}; expected some of C1..C26")
     wtables = sorted(SPARSE_FEATURES.index(f) for f in wfeats)
-    itables = _interaction_tables(interaction_features or ())
-    if len(itables) == 1:
-        raise ValueError(f"--interaction-features: a pairwise interaction needs at least 2 features, got "
-                         f"{SPARSE_FEATURES[itables[0]]}")
-    if itables:
-        if interaction_dim < 1:
-            raise ValueError(f"--interaction-dim must be >= 1, got {interaction_dim}")
-        if not (np.isfinite(interaction_std) and interaction_std > 0):
-            raise ValueError(f"--interaction-std must be > 0, got {interaction_std}")
+    itables = check_interaction_options(interaction_features, interaction_dim, interaction_std)
     model = _Model(seed, cards, zipf_alpha, itables, interaction_dim, interaction_std)
     out = Path(out_dir)
     part = out / "parts" / "synthetic"

@@ -101,3 +101,9 @@ def test_an_empty_label_is_named_as_such(tmp_path):
     line = one_error_line(["preprocess", "criteo", "--input", str(p), "--out", str(tmp_path / "o"), "-q"],
                           f"{p}:2", "field label", "got an empty field")
     assert "None" not in line
+
+
+def test_out_of_memory_is_one_line(tmp_path):
+    """numpy's MemoryError (``Unable to allocate 728. TiB``) was a traceback."""
+    one_error_line(["preprocess", "synthetic", "--out", str(tmp_path / "o"), "--rows", "100",
+                    "--num-embeddings", "100000000000000"], "out of memory: Unable to allocate", "ask for less")

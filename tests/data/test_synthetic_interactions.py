@@ -82,8 +82,12 @@ def test_no_interaction_features_leaves_the_output_unchanged(tmp_path):
 @pytest.mark.parametrize("args, msg", [
     (["--interaction-features", "C1"], "at least 2 features"),
     (["--interaction-features", "C1,C99"], "unknown feature"),
-    (["--interaction-features", "C1,C2", "--interaction-dim", "0"], "--interaction-dim must be >= 1"),
-    (["--interaction-features", "C1,C2", "--interaction-std", "0"], "--interaction-std must be > 0"),
+    (["--interaction-features", "C1,C2", "--interaction-dim", "0"], "--interaction-dim must be in [1, 1024]"),
+    (["--interaction-features", "C1,C2", "--interaction-dim", "100000000"], "--interaction-dim must be in [1, 1024]"),
+    (["--interaction-features", "C1,C2", "--interaction-std", "0"], "--interaction-std must be a finite number in (0, 100]"),
+    # 1e300 overflowed float64 in the planted scale (an OverflowError traceback)
+    (["--interaction-features", "C1,C2", "--interaction-std", "1e300"], "--interaction-std must be a finite number"),
+    (["--interaction-features", "C1,C2", "--interaction-std", "inf"], "--interaction-std must be a finite number"),
 ])
 def test_bad_interaction_options_are_one_usage_error_before_any_output(tmp_path, args, msg):
     out = tmp_path / "d"
