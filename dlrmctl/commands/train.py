@@ -40,6 +40,8 @@ def train(
         fail(str(e))
     if checkpoint is not None and not resume:
         fail("--checkpoint selects the checkpoint to resume from: it needs --resume")
+    if resume and overwrite:  # (it silently resumed)
+        fail("--resume continues the run and --overwrite replaces it: pass one of them")
     if plan:
         set_ = list(set_) + [f"sharding.plan_file={plan}"]
         cfg.sharding.plan_file = plan

@@ -616,6 +616,9 @@ def topology_for_config(cfg: Any, world_size: int, local_world_size: int | None 
     """
     s = cfg.sharding
     lws = local_world_size or s.local_world_size or world_size
+    if local_world_size is None and s.local_world_size and world_size % s.local_world_size:
+        raise PlannerError(f"sharding.local_world_size {s.local_world_size} (ranks per host) must divide the "
+                           f"world size {world_size}; set it to a divisor or leave it unset (the launch's hosts)")
     device, hbm_gb = s.device, s.hbm_gb
     if (train_preset is not None and not s.topology_file
             and getattr(DEVICE_PRESETS.get(device), "compute_device", None) == "cpu"):

@@ -107,3 +107,20 @@ def test_out_of_memory_is_one_line(tmp_path):
     """numpy's MemoryError (``Unable to allocate 728. TiB``) was a traceback."""
     one_error_line(["preprocess", "synthetic", "--out", str(tmp_path / "o"), "--rows", "100",
                     "--num-embeddings", "100000000000000"], "out of memory: Unable to allocate", "ask for less")
+
+
+def test_resume_with_overwrite_is_refused(tmp_path):
+    """`train --resume --overwrite` silently resumed."""
+    one_error_line(["train", "configs/demo.yaml", "--resume", "--overwrite"], "--resume", "--overwrite", "one of them")
+
+
+def test_a_local_world_size_that_does_not_divide_the_world_names_its_key(tmp_path):
+    """It read `sharding.device: ranks per host (3) must divide the world size (2)`."""
+    from dlrmctl.config import config_from_dict
+    from dlrmctl.planner.planner import topology_for_config
+    from dlrmctl.planner.types import PlannerError
+
+    cfg = config_from_dict({"name": "x", "sharding": {"local_world_size": 3}})
+    with pytest.raises(PlannerError, match=r"sharding.local_world_size 3 \(ranks per host\) must divide the world size 2"):
+        topology_for_config(cfg, 2)
+    assert topology_for_config(cfg, 6).local_world_size == 3
