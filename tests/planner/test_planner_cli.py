@@ -289,7 +289,7 @@ def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_pat
     measured.clear()
     cfg_path = write_config(tmp_path)
     for args in (["--out", str(d), "--force"], ["--out", str(tmp_path / "p.yaml"), "--report", str(d)]):
-        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", *args])
+        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", *args])
         assert r.exit_code == 2 and "is a directory" in r.output, r.output
     assert list(d.iterdir()) == [] and not (tmp_path / "p.yaml").exists()
     assert not [p.name for p in tmp_path.rglob("*") if ".tmp" in p.name]
