@@ -315,6 +315,33 @@ def test_a_killed_overwrite_never_lets_a_plain_train_mix_two_runs(tmp_path):
     assert now == old
 
 
+def test_an_overwrite_killed_while_moving_the_old_run_loses_none_of_it(tmp_path):
+    """A kill inside set_aside's (or the restore's) rename loop left part of the old run in place: the
+    next train took the old checkpoints still there for the new run's and deleted the rest of the old
+    run with the set-aside directory."""
+    from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.train.run_dir import REPLACED_DIR, _RESTORING, set_aside
+
+    data = tmp_path / "data"
+    generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
+    runs = tmp_path / "runs"
+    assert CliRunner().invoke(app, _train_args(data, runs)).exit_code == 0
+    run = runs / "a"
+    old = _snapshot(run)
+    # killed in set_aside after two of its renames: checkpoints/ still in place, no "complete" mark
+    (run / REPLACED_DIR).mkdir()
+    for n in ("metrics.jsonl", "config.yaml"):
+        os.rename(run / n, run / REPLACED_DIR / n)
+    _one_error(CliRunner().invoke(app, _train_args(data, runs)), "already holds a run")
+    assert _snapshot(run) == old and not (run / REPLACED_DIR).exists()
+    # killed in the restore after it moved checkpoints/ back but before the rest
+    set_aside(str(run))
+    (run / REPLACED_DIR / _RESTORING).write_text("")
+    os.rename(run / REPLACED_DIR / "checkpoints", run / "checkpoints")
+    _one_error(CliRunner().invoke(app, _train_args(data, runs)), "already holds a run")
+    assert _snapshot(run) == old and not (run / REPLACED_DIR).exists()
+
+
 def test_overwrite_replaces_only_what_a_run_writes(tmp_path):
     """--overwrite set aside, then deleted, everything in the run directory: the user's notes and an
     export written into it (the default place of `dlrmctl export RUN`) went with the old run."""
