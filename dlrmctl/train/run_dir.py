@@ -153,20 +153,20 @@ def set_aside(run_dir: str) -> None:
             raise TrainError(str(e)) from None
     aside = os.path.join(run_dir, REPLACED_DIR)
     os.makedirs(aside)
-    # a kill in this loop leaves a half-moved run: without _ASIDE_DONE the next train moves it all back
+    # a kill in this loop leaves a half-moved run: without ASIDE_DONE the next train moves it all back
     # (settle_replacement) instead of taking the old checkpoints still in place for the new run's
     for n in names:
         os.rename(os.path.join(run_dir, n), os.path.join(aside, n))
     if os.path.exists(os.path.join(aside, outputs.MARKER_NAME)):
         shutil.copy2(os.path.join(aside, outputs.MARKER_NAME), os.path.join(run_dir, outputs.MARKER_NAME))
-    open(os.path.join(aside, _ASIDE_DONE), "w").close()
+    open(os.path.join(aside, ASIDE_DONE), "w").close()
 
 
 #: in the set-aside directory: every entry of the old run is in it (set_aside finished)
-_ASIDE_DONE = ".set_aside_complete"
+ASIDE_DONE = ".set_aside_complete"
 #: in the set-aside directory: the attempt's entries are gone, the old run's are moving back
-_RESTORING = ".restoring"
-_ASIDE_MARKS = (_ASIDE_DONE, _RESTORING, ".attempt_logs")
+RESTORING = ".restoring"
+ASIDE_MARKS = (ASIDE_DONE, RESTORING, ".attempt_logs")
 
 
 def _move_back(run_dir: str) -> None:
@@ -174,7 +174,7 @@ def _move_back(run_dir: str) -> None:
     name there, the attempt's, gives way), the attempt's logs merged into ``logs/``, the directory gone."""
     aside = os.path.join(run_dir, REPLACED_DIR)
     for n in os.listdir(aside):
-        if n not in _ASIDE_MARKS:
+        if n not in ASIDE_MARKS:
             dst = os.path.join(run_dir, n)
             if os.path.lexists(dst) and n != outputs.MARKER_NAME:
                 shutil.rmtree(dst) if os.path.isdir(dst) and not os.path.islink(dst) else os.remove(dst)
@@ -188,8 +188,8 @@ def finish_replacement(run_dir: str, done: bool = False) -> bool:
     """Delete the run an ``--overwrite`` set aside once the new run has a complete checkpoint
     (call after a save, rank 0) or is ``done`` (it ended successfully).  Returns True when deleted."""
     aside = os.path.join(run_dir, REPLACED_DIR)
-    if not os.path.isdir(aside) or not os.path.exists(os.path.join(aside, _ASIDE_DONE)) \
-            or os.path.exists(os.path.join(aside, _RESTORING)):  # half set aside, or coming back: never deleted
+    if not os.path.isdir(aside) or not os.path.exists(os.path.join(aside, ASIDE_DONE)) \
+            or os.path.exists(os.path.join(aside, RESTORING)):  # half set aside, or coming back: never deleted
         return False
     try:
         if not done and ckpt.latest_checkpoint(run_dir) is None:
@@ -207,7 +207,7 @@ def _restore_replaced(run_dir: str) -> bool:
     aside = os.path.join(run_dir, REPLACED_DIR)
     if not os.path.isdir(aside):
         return False
-    if os.path.exists(os.path.join(aside, _ASIDE_DONE)) and not os.path.exists(os.path.join(aside, _RESTORING)):
+    if os.path.exists(os.path.join(aside, ASIDE_DONE)) and not os.path.exists(os.path.join(aside, RESTORING)):
         attempt_logs = os.path.join(aside, ".attempt_logs")
         if os.path.isdir(os.path.join(run_dir, "logs")) and not os.path.exists(attempt_logs):
             os.rename(os.path.join(run_dir, "logs"), attempt_logs)  # the failure's record: kept
@@ -215,8 +215,8 @@ def _restore_replaced(run_dir: str) -> bool:
             if n in RUN_ENTRIES and n != outputs.MARKER_NAME:
                 p = os.path.join(run_dir, n)
                 shutil.rmtree(p) if os.path.isdir(p) and not os.path.islink(p) else os.remove(p)
-        open(os.path.join(aside, _RESTORING), "w").close()  # a kill from here on: the next train goes on
-    # (no _ASIDE_DONE: a set_aside killed half-way; everything still in run_dir is the old run's too)
+        open(os.path.join(aside, RESTORING), "w").close()  # a kill from here on: the next train goes on
+    # (no ASIDE_DONE: a set_aside killed half-way; everything still in run_dir is the old run's too)
     _move_back(run_dir)
     return True
 

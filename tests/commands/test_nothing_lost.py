@@ -320,7 +320,7 @@ def test_an_overwrite_killed_while_moving_the_old_run_loses_none_of_it(tmp_path)
     next train took the old checkpoints still there for the new run's and deleted the rest of the old
     run with the set-aside directory."""
     from dlrmctl.data.synthetic import generate_synthetic
-    from dlrmctl.train.run_dir import REPLACED_DIR, _RESTORING, set_aside
+    from dlrmctl.train.run_dir import REPLACED_DIR, RESTORING, set_aside
 
     data = tmp_path / "data"
     generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
@@ -336,7 +336,7 @@ def test_an_overwrite_killed_while_moving_the_old_run_loses_none_of_it(tmp_path)
     assert _snapshot(run) == old and not (run / REPLACED_DIR).exists()
     # killed in the restore after it moved checkpoints/ back but before the rest
     set_aside(str(run))
-    (run / REPLACED_DIR / _RESTORING).write_text("")
+    (run / REPLACED_DIR / RESTORING).write_text("")
     os.rename(run / REPLACED_DIR / "checkpoints", run / "checkpoints")
     _one_error(CliRunner().invoke(app, _train_args(data, runs)), "already holds a run")
     assert _snapshot(run) == old and not (run / REPLACED_DIR).exists()

@@ -143,17 +143,19 @@ def save_checkpoint(
         name = comm.broadcast_object(name, 0, process_group)
     tmp = os.path.join(root, f".{name}.tmp")
     final = os.path.join(root, name)
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        for stale in glob.glob(os.path.join(root, ".step_*.tmp")):  # left by a killed save
-            shutil.rmtree(stale, ignore_errors=True)
-        os.makedirs(tmp)
-    if dist_on:
-        comm.barrier(process_group)
-    SavePlanner, _ = _planners()
-    writer = _writer(tmp)
-    try:  # until the rename, a failure (full disk, Ctrl-C) removes the partial directory: LATEST and the
-        # last complete checkpoint are untouched (see _save_failed)
+    # from the partial directory's creation to its rename, a failure (full disk, Ctrl-C: also one
+    # arriving before DCP starts writing) removes it: LATEST and the last complete checkpoint are
+    # untouched (see _save_failed)
+    try:
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            for stale in glob.glob(os.path.join(root, ".step_*.tmp")):  # left by a killed save
+                shutil.rmtree(stale, ignore_errors=True)
+            os.makedirs(tmp)
+        if dist_on:
+            comm.barrier(process_group)
+        SavePlanner, _ = _planners()
+        writer = _writer(tmp)
         cm = _quiet()
         try:
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
