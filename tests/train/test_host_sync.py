@@ -142,9 +142,14 @@ def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None)
     os.makedirs(run, exist_ok=True)
     tr = Trainer(cfg, RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env), run)
     counter = SyncCounter(env.device)
-    # the trainer's public components, wrapped on this instance
-    orig_eval, orig_save = tr.evaluator.validate, tr.checkpointer.save
+    per_step = _syncs_per_step(tr, counter)
+    return tr.step, counter.total, counter.calls, per_step
 
+
+def _syncs_per_step(tr, counter) -> list[int]:
+    """Train ``tr`` under ``counter``: the syncs from the start of each step to the start of the next
+    (the last: to the end of training, its last loss read); evaluation and checkpoint saves, wrapped
+    on this trainer instance, are not counted."""
     def paused(fn):
         def run_paused(*a, **kw):
             counter.active = False
@@ -154,8 +159,7 @@ def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None)
                 counter.active = True
         return run_paused
 
-    tr.evaluator.validate, tr.checkpointer.save = paused(orig_eval), paused(orig_save)
-    per_step: list[int] = []  # syncs from the start of a step to the start of the next one
+    tr.evaluator.validate, tr.checkpointer.save = paused(tr.evaluator.validate), paused(tr.checkpointer.save)
     marks: list[int] = []
     orig_step = tr.run_step
 
@@ -167,10 +171,9 @@ def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None)
     with counter:
         counter.active = True
         tr.train()
-        marks.append(counter.total)  # up to the end of training (the last loss read)
+        marks.append(counter.total)
         counter.active = False
-    per_step = [b - a for a, b in zip(marks, marks[1:])]
-    return tr.step, counter.total, counter.calls, per_step
+    return [b - a for a, b in zip(marks, marks[1:])]
 
 
 def test_the_sync_counter_counts_host_copies_and_device_reads():
@@ -328,30 +331,8 @@ def _dense_kernel_syncs(data, run_root, num_tables, opt):
     tr = Trainer(cfg, RunEnv(device=torch.device("cpu")), run)
     assert tr.optimizers.embedding_dense is not None and not tr.optimizers.fused.optimizer_steps()
     counter = OpSyncCounter("cpu")
-    tr.evaluator.validate = (lambda fn: lambda *a, **kw: _paused(counter, fn, *a, **kw))(tr.evaluator.validate)
-    tr.checkpointer.save = (lambda fn: lambda *a, **kw: _paused(counter, fn, *a, **kw))(tr.checkpointer.save)
-    marks: list[int] = []
-    orig_step = tr.run_step
-
-    def marked_step(*a, **kw):
-        marks.append(counter.total)
-        return orig_step(*a, **kw)
-
-    tr.run_step = marked_step
-    with counter:
-        counter.active = True
-        tr.train()
-        marks.append(counter.total)
-        counter.active = False
-    return tr.step, [b - a for a, b in zip(marks, marks[1:])], counter.calls
-
-
-def _paused(counter, fn, *a, **kw):
-    counter.active = False
-    try:
-        return fn(*a, **kw)
-    finally:
-        counter.active = True
+    per_step = _syncs_per_step(tr, counter)
+    return tr.step, per_step, counter.calls
 
 
 @pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "exact_adagrad", "sgd_weight_decay", "adam"])
