@@ -18,6 +18,10 @@ the row, the column and the value.  No value is ever silently replaced: missing 
 are the preprocessor's business (Criteo's empty field -> 0 before ``log(x+1)``).
 * one int64 ``[rows]`` column per one-hot sparse feature (ids in ``[0, num_embeddings)``).
 * one ``list<int64>`` column per multi-hot sparse feature (bags of ids).
+* a *raw-id* sparse feature (meta.json ``"ids": "raw"``, :data:`IDS_KEY` = :data:`IDS_RAW`) holds raw
+  64-bit ids from :func:`dlrmctl.data.ids.raw_ids` instead (int64 in ``[0, 2**63)``, 0 = missing),
+  not bounded by ``num_embeddings``; its ``num_embeddings`` is the exact number of distinct raw ids
+  in the train split (informational).  Only a managed-collision table may read such a feature.
 * optional per-id weights of a sparse feature ``F`` (weighted features, see ``model.tables[].weighted``):
   a column ``F__weight`` (:func:`weight_column`), float32 ``[rows]`` for a one-hot feature,
   ``list<float32>`` with the same bag lengths as ``F`` for a multi-hot one; meta.json marks the
@@ -37,7 +41,8 @@ FORMAT (``meta.json``, ``format_version`` 1)::
       "dense_features": ["I1", ...],
       "sparse_features": [{"name": "C1", "num_embeddings": N, "multi_hot": false,
                            "mean_pooling_factor": 1.0, "max_pooling_factor": 1,
-                           "weighted": false (optional: true when the shards have C1__weight), ...}, ...],
+                           "weighted": false (optional: true when the shards have C1__weight),
+                           "ids": "raw" (optional: raw 64-bit ids; absent = index ids), ...}, ...],
       "label": "label" | null,
       "splits": {"train": {"rows": n, "files": ["parts/x/train.arrow", ...]}, "val": ..., "test": ...},
       "ctr": {"train": 0.25, ...},            # mean label per split (null when no rows / no label)
@@ -69,13 +74,20 @@ LABEL_COLUMN = "label"
 #: suffix of a sparse feature's optional per-id weight column (``C1`` -> ``C1__weight``)
 WEIGHT_SUFFIX = "__weight"
 SPLITS = ("train", "val", "test")
+#: key of a ``sparse_features`` entry in meta.json that says how its ids are stored
+IDS_KEY = "ids"
+#: value of :data:`IDS_KEY` for raw 64-bit ids (:mod:`dlrmctl.data.ids`); absent = index ids
+IDS_RAW = "raw"
 
 __all__ = [
     "DataError",
     "FORMAT_VERSION",
+    "IDS_KEY",
+    "IDS_RAW",
     "MappedShard",
     "SplitData",
     "check_rows",
+    "is_raw_feature",
     "open_split",
     "read_meta",
     "shard_schema",
@@ -111,6 +123,11 @@ class DataError(ValueError, UserError):
 
 
 # ---------------------------------------------------------------------------- writing
+def is_raw_feature(sparse_feature: Mapping[str, Any]) -> bool:
+    """Whether a meta.json ``sparse_features`` entry holds raw 64-bit ids (``"ids": "raw"``)."""
+    return sparse_feature.get(IDS_KEY) == IDS_RAW
+
+
 def weight_column(feature: str) -> str:
     """Name of the per-id weight column of sparse feature ``feature`` (``C1`` -> ``C1__weight``)."""
     return feature + WEIGHT_SUFFIX
@@ -308,6 +325,9 @@ def _validate_meta(meta: dict, path: Path) -> None:
         for k in ("name", "num_embeddings", "multi_hot"):
             if k not in sf:
                 raise DataError(f"sparse_features[{i}] is missing '{k}'", path=path)
+        if IDS_KEY in sf and sf[IDS_KEY] != IDS_RAW:
+            raise DataError(f"sparse_features[{i}] ({sf['name']}): '{IDS_KEY}' must be "
+                            f"{IDS_RAW!r} or absent, got {sf[IDS_KEY]!r}", path=path)
     for name, s in meta["splits"].items():
         if "rows" not in s or "files" not in s:
             raise DataError(f"splits.{name} needs 'rows' and 'files'", path=path)

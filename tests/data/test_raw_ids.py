@@ -59,3 +59,17 @@ def test_floats_are_refused_and_buckets_are_in_range():
     assert b.min() >= 0 and b.max() < 97
     with pytest.raises(ValueError):
         hash_buckets(ids, 0)
+
+
+def test_meta_json_marks_raw_features_with_ids_raw_and_refuses_another_ids_value(tmp_path):
+    from dlrmctl.data.columnar import IDS_KEY, IDS_RAW, DataError, is_raw_feature, read_meta, write_meta
+
+    meta = {"format_version": 1, "dataset": "t", "dense_features": [], "label": "label", "splits": {},
+            "sparse_features": [{"name": "C1", "num_embeddings": 5, "multi_hot": False, IDS_KEY: IDS_RAW},
+                                {"name": "C2", "num_embeddings": 5, "multi_hot": False}]}
+    write_meta(tmp_path, meta)
+    sf = read_meta(tmp_path)["sparse_features"]
+    assert [is_raw_feature(s) for s in sf] == [True, False]
+    meta["sparse_features"][1][IDS_KEY] = "vocab"
+    with pytest.raises(DataError, match=r"sparse_features\[1\] \(C2\): 'ids' must be 'raw' or absent"):
+        write_meta(tmp_path, meta)
