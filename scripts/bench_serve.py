@@ -70,7 +70,7 @@ def canned_server() -> None:
 
     import uvicorn
 
-    from dlrmctl.inference.serve import bind, http_stack
+    from dlrmctl.inference.serve.processes import bind, http_stack
 
     head = json.dumps({"model_name": "canned", "model_version": "1", "outputs": [
         {"name": o, "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}} for o in ("score", "logit")]},

@@ -47,7 +47,8 @@ def serve_command(
 
     from dlrmctl.inference.export import load_exported
     from dlrmctl.inference.predict import check_vocabularies
-    from dlrmctl.inference.serve import ServeError, bind, http_stack, serve, start_processes
+    from dlrmctl.inference.serve.processes import bind, http_stack, serve, start_processes
+    from dlrmctl.inference.serve.protocol import ServeError
     from dlrmctl.procs import intra_op_threads
 
     model = load_exported(model_dir)

@@ -298,7 +298,7 @@ def test_accepted_connections_have_tcp_nodelay():
     import asyncio
     import socket
 
-    from dlrmctl.inference.serve import bind
+    from dlrmctl.inference.serve.processes import bind
 
     sock = bind("127.0.0.1", 0)
     got: list[int] = []
@@ -324,7 +324,7 @@ def test_accepted_connections_have_tcp_nodelay():
 
 # ----------------------------------------------------------------------------- the per-request cost, as kinds
 def _spec(weighted=()):
-    from dlrmctl.inference.serve import ModelSpec
+    from dlrmctl.inference.serve.protocol import ModelSpec
 
     return ModelSpec(name="m", num_dense=2, features=["a", "b", "c"], weighted=list(weighted),
                      rows={"a": 10, "b": 20, "c": 30}, on_invalid_id="error", raw=False)
@@ -368,7 +368,8 @@ def test_decode_and_merge_match_a_per_request_reference(weighted):
     per-request, per-feature reference builds it."""
     import torch
 
-    from dlrmctl.inference.serve import decode_request, merge
+    from dlrmctl.inference.serve.batcher import merge
+    from dlrmctl.inference.serve.protocol import decode_request
 
     rng = np.random.default_rng(0)
     spec = _spec(weighted)
@@ -390,7 +391,7 @@ def test_decode_and_merge_match_a_per_request_reference(weighted):
 def test_an_id_outside_its_table_is_named_with_its_feature_and_position():
     """The one vectorized range check over every feature's ids names the same feature and position
     as a per-feature check: one id per row, and multi-id bags."""
-    from dlrmctl.inference.serve import BadRequest, decode_request
+    from dlrmctl.inference.serve.protocol import BadRequest, decode_request
 
     spec = _spec()
     base = [{"name": "dense", "datatype": "FP32", "shape": [2, 2], "data": [1, 2, 3, 4]},
@@ -412,7 +413,8 @@ def test_the_batcher_wakes_its_forward_thread_once_per_batch_not_per_request(mon
     that thread (a thread switch per request)."""
     import torch
 
-    from dlrmctl.inference.serve import Batcher, Metrics, Rows
+    from dlrmctl.inference.serve.batcher import Batcher, Metrics
+    from dlrmctl.inference.serve.protocol import Rows
 
     wakes = []
 
@@ -466,7 +468,7 @@ def test_infer_is_answered_without_the_fastapi_stack(model):
     import asyncio
 
     from dlrmctl.inference.export import load_exported
-    from dlrmctl.inference.serve import build_app
+    from dlrmctl.inference.serve.app import build_app
 
     m = load_exported(model)
     app = build_app(m, "tiny", max_delay_ms=0)
@@ -529,7 +531,7 @@ def test_processes_share_the_port_each_with_the_model_and_drain(model):
     """--processes 2: two server processes on one port (SO_REUSEPORT), both answering (their pids
     in dlrmctl_serve_process_info over fresh connections), scores right from either; the startup
     line names the HTTP stack; SIGTERM stops both, each answering what it received."""
-    from dlrmctl.inference.serve import http_stack
+    from dlrmctl.inference.serve.processes import http_stack
 
     lines = RAW100.read_text().splitlines()
     with server(model, "--processes", "2", "--max-delay-ms", "0") as (url, p):
@@ -555,7 +557,7 @@ def test_processes_share_the_port_each_with_the_model_and_drain(model):
 
 def test_http_stack_falls_back_to_h11_and_asyncio(monkeypatch):
     """httptools and uvloop where importable (the serve extra), h11 and asyncio otherwise."""
-    from dlrmctl.inference.serve import http_stack
+    from dlrmctl.inference.serve.processes import http_stack
 
     for mod in ("httptools", "uvloop"):
         monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError
@@ -603,7 +605,8 @@ def test_a_second_processes_server_cannot_share_a_port_in_use():
     """Two `--processes 2` servers on one port both bound it (SO_REUSEPORT, same user) and answered
     each other's requests; the second must be refused as a port in use, while the first's own
     processes still join it."""
-    from dlrmctl.inference.serve import ServeError, bind
+    from dlrmctl.inference.serve.processes import bind
+    from dlrmctl.inference.serve.protocol import ServeError
 
     first = bind("127.0.0.1", 0, reuse_port=True)
     port = first.getsockname()[1]

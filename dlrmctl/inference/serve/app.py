@@ -1,0 +1,232 @@
+"""The ASGI app of ``dlrmctl serve`` (:class:`App`): ``POST .../infer`` answered as raw ASGI (no
+per-request routing, validation or response classes), every other endpoint (health, metadata,
+metrics) and the lifespan (which runs the :class:`~dlrmctl.inference.serve.batcher.Batcher`) on FastAPI."""
+
+import asyncio
+import logging
+import os
+import time
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from dlrmctl.inference.serve.batcher import Batcher, Metrics, QueueFull
+from dlrmctl.inference.serve.protocol import BadRequest, ModelSpec, RawTransform, decode_request, infer_response, json_error
+
+log = logging.getLogger("dlrmctl.serve")
+
+
+async def _send(send: Callable, code: int, body: bytes, headers: list | None = None) -> None:
+    """One whole HTTP answer (JSON unless ``headers`` give a content-type)."""
+    h = [(b"content-length", str(len(body)).encode())]
+    if not any(k == b"content-type" for k, _ in headers or ()):
+        h.append((b"content-type", b"application/json"))
+    await send({"type": "http.response.start", "status": code, "headers": h + list(headers or ())})
+    await send({"type": "http.response.body", "body": body})
+
+
+class App:
+    """The ASGI app serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`) as ``name``.
+
+    An infer request body over ``max_request_mb`` MiB is refused with 413 before it is read whole
+    (a body is held twice while it is decoded: without a bound a few large posts exhaust memory).
+    The batcher starts with the app's lifespan and drains on its shutdown.
+
+    Attributes:
+        api: the FastAPI app (health, metadata, metrics; its lifespan runs the batcher).
+        state: ``api.state``: ``metrics`` (:class:`~dlrmctl.inference.serve.batcher.Metrics`) and
+            ``spec`` (:class:`~dlrmctl.inference.serve.protocol.ModelSpec`).
+        spec, metrics: the same objects.
+        batcher: the running :class:`~dlrmctl.inference.serve.batcher.Batcher` (None outside the lifespan).
+        ready: whether the batcher takes requests (``/v2/health/ready``).
+    """
+
+    _PREFIX = "/v2/models/"
+
+    def __init__(self, model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
+                 max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
+                 max_request_mb: float = 64.0) -> None:
+        from fastapi import FastAPI
+
+        self.model, self.name = model, name
+        self.max_batch_rows, self.max_delay_ms, self.max_queue_rows = max_batch_rows, max_delay_ms, max_queue_rows
+        self.workers, self.max_request_mb = workers, max_request_mb
+        self.max_body = int(max_request_mb * 2**20)
+        self.spec = ModelSpec.of(model, name)
+        self.metrics = Metrics(max_batch_rows)
+        self.metrics.process.labels(str(os.getpid()), process).set(1)
+        self._ok = self.metrics.requests.labels("200")
+        self.transform = RawTransform(model, self.spec) if self.spec.raw else None
+        self.batcher: Batcher | None = None
+        self.ready = False
+        self.api = FastAPI(title="dlrmctl serve", lifespan=self._lifespan, docs_url=None, redoc_url=None)
+        self.api.state.metrics = self.metrics
+        self.api.state.spec = self.spec
+        self.state = self.api.state
+        for path, handler in (("/v2/health/live", self.live), ("/v2/health/ready", self.health_ready),
+                              ("/v2", self.server_metadata),
+                              ("/v2/models/{model_name}", self.model_metadata),
+                              ("/v2/models/{model_name}/versions/{version}", self.model_metadata),
+                              ("/v2/models/{model_name}/ready", self.model_ready),
+                              ("/v2/models/{model_name}/versions/{version}/ready", self.model_ready),
+                              ("/metrics", self.prometheus)):
+            self.api.get(path)(handler)
+
+    # ------------------------------------------------------------------------- ASGI
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """ASGI 3 entry point."""
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.endswith("/infer") and path.startswith(self._PREFIX):
+            parts = path[len(self._PREFIX):-len("/infer")].split("/")
+            if len(parts) == 1 or (len(parts) == 3 and parts[1] == "versions"):
+                if scope["method"] != "POST":
+                    await _send(send, 405, json_error(f"{path} takes POST"), [(b"allow", b"POST")])
+                    return
+                await self.infer(parts[0], scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+    @asynccontextmanager
+    async def _lifespan(self, api: Any):
+        self.batcher = Batcher(self._forward, len(self.spec.features), bool(self.spec.weighted), self.max_batch_rows,
+                               self.max_delay_ms, self.max_queue_rows, self.workers, self.metrics)
+        self.ready = True
+        yield
+        self.ready = False
+        await asyncio.get_running_loop().run_in_executor(None, self.batcher.stop)
+
+    def _forward(self, dense, values, lengths, weights):
+        return self.model.logits(dense, values, lengths, weights)
+
+    # ------------------------------------------------------------------------- FastAPI endpoints
+    def _error(self, code: int, msg: str):
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": msg}, status_code=code)
+
+    def _no_model(self, n: str) -> str:
+        return f"model '{n}' is not served here (this server serves '{self.name}')"
+
+    async def live(self):
+        """``GET /v2/health/live``."""
+        return {"live": True}
+
+    async def health_ready(self):
+        """``GET /v2/health/ready``: 200 while the batcher takes requests, else 503."""
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"ready": self.ready}, status_code=200 if self.ready else 503)
+
+    async def server_metadata(self):
+        """``GET /v2``."""
+        from dlrmctl import __version__
+
+        return {"name": "dlrmctl", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+    async def model_metadata(self, model_name: str, version: str | None = None):
+        """``GET /v2/models/{name}[/versions/{v}]``: inputs, outputs, dtypes, shapes."""
+        if model_name != self.name:
+            return self._error(404, self._no_model(model_name))
+        return self.spec.metadata(f"pytorch_{self.model.artifact}")
+
+    async def model_ready(self, model_name: str, version: str | None = None):
+        """``GET /v2/models/{name}[/versions/{v}]/ready``."""
+        from fastapi.responses import JSONResponse
+
+        if model_name != self.name:
+            return self._error(404, self._no_model(model_name))
+        return JSONResponse({"name": self.name, "ready": self.ready}, status_code=200 if self.ready else 503)
+
+    async def prometheus(self):
+        """``GET /metrics``: Prometheus text."""
+        from fastapi.responses import PlainTextResponse
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------------- infer
+    async def infer(self, model_name: str, scope: dict, receive: Callable, send: Callable) -> None:
+        """``POST /v2/models/{model_name}[/versions/{v}]/infer``: read the body, decode, queue, answer."""
+        t0 = time.perf_counter()
+        metrics, max_body = self.metrics, self.max_body
+        code, reason, body, answered = 200, None, b"", False
+        try:
+            more = True
+            chunks, size = [], 0
+            for k, v in scope["headers"]:
+                if k == b"content-length" and v.isdigit() and int(v) > max_body:
+                    size = int(v)
+            while more and size <= max_body:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    code, reason = 499, "disconnected"
+                    return
+                chunks.append(msg.get("body", b""))
+                size += len(chunks[-1])
+                more = msg.get("more_body", False)
+            if size > max_body:
+                code, reason = 413, "too_large"
+                body = json_error(f"the request body is over {self.max_request_mb:g} MiB (--max-request-mb); "
+                                  "send its rows in several requests")
+                return
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            if model_name != self.name:
+                code, reason, body = 404, "unknown_model", json_error(self._no_model(model_name))
+                return
+            hl = None
+            for k, v in scope["headers"]:
+                if k == b"inference-header-content-length":
+                    hl = v
+            try:
+                hlen = None if hl is None else int(hl)
+            except ValueError:
+                hlen = -1
+            try:
+                rows, req = decode_request(data, hlen, self.spec, self.transform)
+                fut = self.batcher.submit(rows)
+            except BadRequest as e:
+                code, reason, body = 400, "bad_request", json_error(str(e))
+                return
+            except RecursionError:  # json.loads of (or a walk over) arrays nested thousands deep
+                code, reason, body = 400, "bad_request", json_error("the request JSON is nested too deeply")
+                return
+            except QueueFull as e:
+                code, reason, body = 503, "queue_full", json_error(f"{e}; retry after 1 s")
+                return
+            try:
+                scores, logits = await asyncio.wrap_future(fut)
+            except Exception as e:  # noqa: BLE001 - the model refused this request's rows
+                from dlrmctl.inference.export import ExportError
+
+                if isinstance(e, ExportError):
+                    code, reason, body = 400, "bad_request", json_error(str(e).split(": bad model input: ", 1)[-1])
+                    return
+                log.exception("forward failed")
+                code, reason = 500, "model_error"
+                body = json_error(f"the model failed on this request: {type(e).__name__}: {e}")
+                return
+            try:
+                out, headers = infer_response(req, self.name, scores, logits)
+            except BadRequest as e:
+                code, reason, body = 400, "bad_request", json_error(str(e))
+                return
+            metrics.rows.inc(rows.n)
+            answered = True
+            await _send(send, 200, out, headers)
+        except Exception as e:  # noqa: BLE001 - a bug (or the client went away): logged, the server keeps serving
+            log.exception("infer failed")
+            code, reason, body = 500, "server_error", json_error(f"internal error: {type(e).__name__}: {e}")
+        finally:
+            if code != 200 and code != 499 and not answered:
+                await _send(send, code, body, [(b"retry-after", b"1")] if code == 503 else None)
+            (self._ok if code == 200 else metrics.requests.labels(str(code))).inc()
+            if reason:
+                metrics.errors.labels(reason).inc()
+            metrics.latency.observe(time.perf_counter() - t0)
+
+
+def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
+              max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
+              max_request_mb: float = 64.0) -> App:
+    """The ASGI app (:class:`App`) serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`)
+    as ``name``; ``process`` labels this server process in ``dlrmctl_serve_process_info``."""
+    return App(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb)

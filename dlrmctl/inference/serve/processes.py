@@ -1,0 +1,221 @@
+"""Running the server: the listening socket (:func:`bind`), uvicorn with a drain on SIGTERM
+(:func:`serve`) and the extra server processes of ``--processes`` (:func:`start_processes`)."""
+
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import torch
+
+from dlrmctl.inference.serve.app import build_app
+from dlrmctl.inference.serve.protocol import ServeError
+
+def http_stack() -> tuple[str, str]:
+    """uvicorn's ``(http, loop)`` implementations: ``httptools`` and ``uvloop`` where importable
+    (the ``serve`` extra installs both; several times cheaper per request), else ``h11`` and ``asyncio``."""
+    try:
+        import httptools  # noqa: F401
+
+        http = "httptools"
+    except ImportError:
+        http = "h11"
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    return http, loop
+
+
+def bind(host: str, port: int, reuse_port: bool = False, join: bool = False) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one the OS picks) whose accepted
+    connections have ``TCP_NODELAY`` set.
+
+    The protocol is given as ``IPPROTO_TCP`` (not 0): asyncio sets ``TCP_NODELAY`` on an accepted
+    connection only when its socket says so, and without it an answer written in two segments
+    (uvicorn writes the headers, then the body) waits for the client's delayed ACK (about 40 ms
+    on Linux) on every request of a kept-alive connection after its first.  ``TCP_NODELAY`` is
+    also set on the listening socket (Linux passes it on to accepted connections).
+
+    ``reuse_port``: ``SO_REUSEPORT``, so that the other server processes of ``--processes`` bind the
+    same port and the kernel spreads new connections over them.  Unless ``join`` (one of those other
+    processes), the port must be free first: ``SO_REUSEPORT`` alone would let this server share a
+    port another ``--processes`` server of the same user listens on, each answering some requests.
+
+    Raises:
+        ServeError: the address cannot be bound (in use, not local), naming it; ``reuse_port`` where
+            the platform has no ``SO_REUSEPORT``.
+    """
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if reuse_port and not hasattr(socket, "SO_REUSEPORT"):
+        raise ServeError("--processes above 1 needs SO_REUSEPORT, which this platform lacks; use --processes 1")
+    if reuse_port and not join and port != 0:  # free? (a plain bind fails where any listener holds it)
+        bind(host, port).close()
+    sock = socket.socket(fam, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+                         "(0: any free port) or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def start_processes(count: int, model_dir: str, name: str, host: str, port: int, threads: int,
+                    options: dict) -> list:
+    """Start ``count`` more server processes (``multiprocessing`` spawn) on ``host:port``: each loads
+    the model from ``model_dir``, binds the port with ``SO_REUSEPORT`` (the first one's socket must
+    have it too, :func:`bind`), reports back and serves with ``options`` (:func:`serve`'s keyword
+    arguments) and ``threads`` intra-op threads.  Returns once every one is listening; each ends when
+    the process that started it does (SIGTERM from :func:`serve`, or on its death).
+
+    Raises:
+        ServeError: a process could not load the model or bind (its message), or did not report
+            within 10 minutes; the others are stopped.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs, conns = [], []
+    try:
+        for i in range(count):
+            here, there = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_serve_child, name=f"dlrmctl-serve-process-{i + 2}", daemon=False,
+                            args=(there, model_dir, name, host, port, threads, f"{i + 2} of {count + 1}", options))
+            p.start()
+            there.close()
+            procs.append(p)
+            conns.append(here)
+        for p, c in zip(procs, conns):
+            if not c.poll(600):
+                raise ServeError(f"server {p.name} did not start within 10 minutes")
+            try:
+                msg = c.recv()
+            except EOFError:
+                msg = f"exited with code {p.join(5) or p.exitcode} while starting"
+            if msg:
+                raise ServeError(f"server {p.name}: {msg}")
+    except BaseException:
+        stop_processes(procs)
+        raise
+    finally:
+        for c in conns:
+            c.close()
+    return procs
+
+
+def stop_processes(procs: list, sig: int | None = signal.SIGTERM, wait: float = 90.0) -> list[int]:
+    """Send ``sig`` (None: none, they were told already) to each live process of :func:`start_processes`,
+    wait up to ``wait`` seconds for them (they drain), kill any left; returns their exit codes."""
+    for p in procs:
+        if sig is not None and p.is_alive():
+            try:
+                os.kill(p.pid, sig)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + wait
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, threads: int, process: str,
+                 options: dict) -> None:
+    """One extra server process of :func:`start_processes`."""
+    try:  # end with the parent, whatever kills it (Linux)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent sends SIGTERM
+    torch.set_num_threads(threads)
+    try:
+        from dlrmctl.inference.export import load_exported
+
+        model = load_exported(model_dir)
+        sock = bind(host, port, reuse_port=True, join=True)
+    except Exception as e:  # noqa: BLE001 - reported by the parent as one line
+        conn.send(str(e) or type(e).__name__)
+        conn.close()
+        return
+    conn.send("")
+    conn.close()
+    serve(model, name, sock, process=process, child=True, **options)
+
+
+def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
+          workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False,
+          max_request_mb: float = 64.0) -> str | None:
+    """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
+    backlog) until SIGTERM / SIGINT; every request received is answered first.
+
+    Args:
+        process: this process's label (``"1 of 2"``) in ``dlrmctl_serve_process_info``.
+        others: the processes of :func:`start_processes` serving the same port: sent SIGTERM as soon as
+            this one is asked to stop (each drains its own requests), waited for before returning.
+        child: one of ``others`` of another process: SIGINT (Ctrl-C reaches the whole process group)
+            does not stop it, its parent sends SIGTERM; a SIGTERM after it stopped is ignored.
+
+    Returns:
+        the name of the signal that stopped it (``SIGTERM``), or None.
+
+    Raises:
+        ServeError: one of ``others`` did not exit cleanly (some of its requests may be unanswered).
+    """
+    import uvicorn
+
+    app = build_app(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb)
+    http, loop = http_stack()
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=http, loop=loop,
+                            timeout_graceful_shutdown=60, backlog=2048)
+    stopping: list[int] = []
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if child and sig == signal.SIGINT:
+                return
+            if others and not stopping:
+                stopping.append(sig)
+                for p in others:
+                    if p.is_alive():
+                        try:
+                            os.kill(p.pid, signal.SIGTERM)
+                        except ProcessLookupError:
+                            pass
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    caught: list[int] = []
+
+    def after(sig, frame):  # uvicorn re-raises the signal it drained on: note it, do not die by it
+        if child and sig == signal.SIGINT:
+            return
+        caught.append(sig)
+        server.should_exit = True  # one before uvicorn's own handlers are in: it stops right after starting
+
+    old = {s: signal.signal(s, after) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if not child:  # a child keeps `after`: its parent's late SIGTERM must not kill it while it exits
+            for s, h in old.items():
+                signal.signal(s, h)
+        sock.close()
+        codes = stop_processes(others, None if stopping else signal.SIGTERM) if others else []
+    bad = [(p.name, c) for p, c in zip(others or [], codes) if c != 0]
+    if bad:
+        raise ServeError(f"server {bad[0][0]} exited with code {bad[0][1]}; requests it held may be unanswered")
+    return signal.Signals(caught[0]).name if caught else None

@@ -1,0 +1,433 @@
+"""The Open Inference Protocol (KServe v2) as this server reads and writes it: the model's contract
+(:class:`ModelSpec`), one request decoded and checked (:func:`decode_request` -> :class:`Rows`), raw
+log lines through ``dlrmctl predict``'s transform (:class:`RawTransform`) and the infer answer
+(:func:`infer_response`, JSON or Triton's binary tensor extension)."""
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from dlrmctl.errors import UserError
+
+
+#: Open Inference Protocol datatype -> numpy dtype (the ones this server reads)
+_NP = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64, "INT32": np.int32, "BOOL": np.bool_}
+RAW_INPUT = "raw"
+DENSE_INPUT = "dense"
+
+
+class ServeError(RuntimeError, UserError):
+    """A server that cannot start (bad option, port in use, model not loadable as served)."""
+
+
+class BadRequest(ValueError):
+    """A request the model cannot score: answered 400 with this one-line message (naming the input)."""
+
+
+
+
+# ----------------------------------------------------------------------------- the model's contract
+@dataclass
+class ModelSpec:
+    """What a request must carry, read from the manifest.
+
+    Attributes:
+        name: the served model name (``/v2/models/{name}``).
+        num_dense: ``D``, dense width.
+        features: sparse features, the model's input order.
+        weighted: features whose ``f.weights`` input is required.
+        rows: feature -> the smallest table row count it feeds (ids must be below it under ``error``).
+        on_invalid_id: ``error`` (an id outside its table is a 400) or ``zero`` (dropped by the model).
+        raw: whether raw lines can be scored (the manifest records the preprocessing, no weighted features).
+    """
+
+    name: str
+    num_dense: int
+    features: list[str]
+    weighted: list[str]
+    rows: dict[str, int]
+    on_invalid_id: str
+    raw: bool
+    known: frozenset = field(init=False, repr=False)
+    length_names: list[str] = field(init=False, repr=False)
+    limits: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        #: every input name a request may carry; ``f.lengths`` per feature; ``[F]`` int64 table rows per
+        #: feature (ids must be below; int64's maximum where no table is known)
+        self.length_names = [f"{f}.lengths" for f in self.features]
+        self.known = frozenset({DENSE_INPUT, *self.features, *self.length_names,
+                                *(f"{f}.weights" for f in self.weighted)} | ({RAW_INPUT} if self.raw else set()))
+        self.limits = np.array([self.rows.get(f, np.iinfo(np.int64).max) for f in self.features], np.int64)
+
+    @classmethod
+    def of(cls, model: Any, name: str) -> "ModelSpec":
+        """From an :class:`~dlrmctl.inference.export.ExportedModel`."""
+        m = model.manifest
+        rows: dict[str, int] = {}
+        for t in m.get("tables") or []:
+            for f in t.get("features") or []:
+                rows[f] = min(rows.get(f, 1 << 62), int(t["num_embeddings"]))
+        return cls(name=name, num_dense=model.num_dense, features=list(model.feature_names),
+                   weighted=list(model.weighted_features), rows=rows,
+                   on_invalid_id=str(m.get("on_invalid_id", "error")),
+                   raw=_has_raw_transform(m) and not model.weighted_features)
+
+    def metadata(self, platform: str) -> dict:
+        """The ``GET /v2/models/{name}`` body (Open Inference Protocol model metadata)."""
+        inputs = [{"name": DENSE_INPUT, "datatype": "FP32", "shape": [-1, self.num_dense]}]
+        for f in self.features:
+            inputs.append({"name": f, "datatype": "INT64", "shape": [-1]})
+            inputs.append({"name": f"{f}.lengths", "datatype": "INT64", "shape": [-1], "optional": True})
+            if f in self.weighted:
+                inputs.append({"name": f"{f}.weights", "datatype": "FP32", "shape": [-1]})
+        if self.raw:
+            inputs.append({"name": RAW_INPUT, "datatype": "BYTES", "shape": [-1],
+                           "note": "raw log lines instead of every other input"})
+        return {"name": self.name, "versions": ["1"], "platform": platform, "inputs": inputs,
+                "outputs": [{"name": "score", "datatype": "FP32", "shape": [-1]},
+                            {"name": "logit", "datatype": "FP32", "shape": [-1]}],
+                "parameters": {"on_invalid_id": self.on_invalid_id}}
+
+
+def _has_raw_transform(manifest: dict) -> bool:
+    """Whether raw lines of the model's dataset can be preprocessed here (the ``raw`` input): a
+    manifest with its training preprocessing, of a dataset :data:`~dlrmctl.inference.predict.RAW_TRANSFORMS`
+    knows (Criteo); a synthetic or MovieLens model is served from tensors only."""
+    from dlrmctl.inference.predict import RAW_TRANSFORMS
+
+    pre = manifest.get("preprocessing")
+    return isinstance(pre, dict) and pre.get("dataset") in RAW_TRANSFORMS
+
+
+@dataclass
+class Rows:
+    """One decoded request of ``B`` rows and ``F`` features (the model's order).
+
+    Attributes:
+        dense: ``[B, D]`` float32 (may be a read-only view of the request body).
+        values: ``[N]`` int64 ids, feature-major (feature 0's ids, then feature 1's, ...).
+        lengths: ``[F, B]`` int64 bag lengths.
+        weights: ``[N]`` float32 per id (1.0 for an unweighted feature's ids) when the model has
+            weighted features, else None.
+        counts: ``[F]`` int64 ids per feature, or None when every feature has exactly ``B`` ids
+            (``values`` is then ``[F, B]`` flattened, whatever the bag lengths).
+    """
+
+    dense: np.ndarray
+    values: np.ndarray
+    lengths: np.ndarray
+    weights: np.ndarray | None
+    counts: np.ndarray | None = None
+
+    @property
+    def n(self) -> int:
+        """Rows ``B``."""
+        return int(self.dense.shape[0])
+
+
+# ----------------------------------------------------------------------------- decoding
+#: datatype -> little-endian numpy dtype of its binary chunk
+_LE = {k: np.dtype(v).newbyteorder("<") for k, v in _NP.items()}
+_ITEM = {k: v.itemsize for k, v in _LE.items()}
+
+
+def _tensor(inp: Any, binary: memoryview | None, pos: int) -> tuple[str, str, list[int], np.ndarray | list, int]:
+    """``(name, datatype, shape, data, pos after it)`` of one request input (JSON ``data`` or the
+    binary chunk at ``pos``: a zero-copy ``np.frombuffer`` view)."""
+    if not isinstance(inp, dict):
+        raise BadRequest("each element of 'inputs' must be an object with name, datatype, shape, data")
+    name = inp.get("name")
+    if not isinstance(name, str):
+        raise BadRequest("an input has no 'name'")
+    dt, shape = inp.get("datatype"), inp.get("shape")
+    if not isinstance(dt, str):
+        raise BadRequest(f"input '{name}': no 'datatype'")
+    if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:  # most inputs
+        count = shape[0]
+    elif isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape):
+        count = math.prod(shape)
+    else:
+        raise BadRequest(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
+    par = inp.get("parameters")
+    size = par.get("binary_data_size") if isinstance(par, dict) else None
+    if size is not None:
+        if binary is None or type(size) is not int or size < 0 or pos + size > len(binary):
+            raise BadRequest(f"input '{name}': binary_data_size {size!r} does not fit the binary part of the request")
+        end = pos + size
+        if dt == "BYTES":
+            chunk, out, off = binary[pos:end], [], 0
+            while off < len(chunk):
+                if off + 4 > len(chunk):
+                    raise BadRequest(f"input '{name}': truncated BYTES element")
+                (ln,) = struct.unpack_from("<I", chunk, off)
+                out.append(bytes(chunk[off + 4:off + 4 + ln]))
+                off += 4 + ln
+            data: Any = out
+        else:
+            item = _ITEM.get(dt)
+            if item is None:
+                raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
+            if size != count * item:
+                raise BadRequest(f"input '{name}': {size} bytes of binary data for shape {shape} {dt} "
+                                 f"(expected {count * item})")
+            data = np.frombuffer(binary, _LE[dt], count, pos)
+            if len(shape) != 1:
+                data = data.reshape(shape)
+            return name, dt, shape, data, end
+        pos = end
+    else:
+        raw = inp.get("data")
+        if raw is None:
+            raise BadRequest(f"input '{name}': no 'data' (and no binary_data_size)")
+        if dt == "BYTES":
+            flat = _flatten(raw)
+            if not all(isinstance(x, str) for x in flat):
+                raise BadRequest(f"input '{name}': BYTES data must be strings")
+            data = [x.encode() for x in flat]
+        else:
+            if dt not in _NP:
+                raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
+            try:
+                arr = np.asarray(_flatten(raw), dtype=np.float64 if dt.startswith("FP") else object)
+                if dt.startswith("FP"):
+                    data = arr.astype(_NP[dt])
+                else:
+                    if not all(isinstance(x, int) and not isinstance(x, bool) for x in arr.tolist()) and dt != "BOOL":
+                        raise ValueError("not integers")
+                    data = np.asarray(arr.tolist(), dtype=_NP[dt])
+            except (ValueError, TypeError, OverflowError):
+                raise BadRequest(f"input '{name}': data is not a list of {dt} numbers") from None
+    got = data.size if isinstance(data, np.ndarray) else len(data)
+    if got != count:
+        raise BadRequest(f"input '{name}': {got} values for shape {shape} ({count} expected)")
+    if isinstance(data, np.ndarray):
+        data = data.reshape(shape)
+    return name, dt, shape, data, pos
+
+
+def _flatten(x: Any) -> list:
+    if isinstance(x, list):
+        if x and isinstance(x[0], list):
+            out: list = []
+            for e in x:
+                out.extend(_flatten(e))
+            return out
+        return x
+    raise BadRequest("tensor 'data' must be a (nested) list")
+
+
+def _want(name: str, got: tuple, datatype: str, ndim: int) -> np.ndarray:
+    """The data of input ``name`` (``got``: its ``(datatype, shape, data)``) after checking its datatype and rank."""
+    dt, shape, data = got
+    if dt != datatype:
+        raise BadRequest(f"input '{name}': datatype must be {datatype}, got {dt}")
+    if len(shape) != ndim:
+        raise BadRequest(f"input '{name}': shape must have {ndim} dimension(s), got {shape}")
+    return data
+
+
+def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
+                   transform: Callable[[list[bytes]], tuple[np.ndarray, np.ndarray]] | None) -> tuple[Rows, dict]:
+    """Decode and check one ``/infer`` body against the model's contract.
+
+    The JSON header is parsed once; each binary tensor is a zero-copy view of the body; the ids of
+    all features are checked against their tables in one vectorized pass.
+
+    Args:
+        body: the HTTP body: JSON, or (``header_length`` given) a JSON header of that many bytes
+            followed by the binary tensor data.
+        spec: the model's contract.
+        transform: raw lines -> ``(dense [n, D] float32, ids [n, F] int64 in spec.features order)``
+            (None: the model cannot score raw lines).
+
+    Returns:
+        ``(rows, request JSON)``.
+
+    Raises:
+        BadRequest: naming the input and what was expected.
+    """
+    if header_length is not None and not 0 <= header_length <= len(body):
+        raise BadRequest(f"Inference-Header-Content-Length {header_length} is outside the body's {len(body)} bytes")
+    head = body if header_length is None else body[:header_length]
+    binary = None if header_length is None else memoryview(body)[header_length:]
+    try:
+        req = json.loads(head)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not JSON: {e}") from None
+    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or not req["inputs"]:
+        raise BadRequest("the request must be a JSON object with a non-empty 'inputs' list")
+    pos = 0
+    got: dict[str, tuple[str, list[int], Any]] = {}
+    for inp in req["inputs"]:
+        name, dt, shape, data, pos = _tensor(inp, binary, pos)
+        if name in got:
+            raise BadRequest(f"input '{name}' is given twice")
+        got[name] = (dt, shape, data)
+    unknown = [k for k in got if k not in spec.known]
+    if unknown:
+        hint = f", {RAW_INPUT}" if spec.raw else ""
+        raise BadRequest(f"input '{min(unknown)}' is not an input of model {spec.name} (inputs: {DENSE_INPUT}, "
+                         f"{spec.features[0]}..{spec.features[-1]} with .lengths{hint}; GET /v2/models/{spec.name})")
+    F = len(spec.features)
+    if RAW_INPUT in got:
+        if len(got) > 1:
+            raise BadRequest(f"input '{RAW_INPUT}' (raw lines) replaces every other input; also got "
+                             f"{sorted(set(got) - {RAW_INPUT})}")
+        lines = _want(RAW_INPUT, got[RAW_INPUT], "BYTES", 1)
+        if not lines:
+            raise BadRequest(f"input '{RAW_INPUT}': no lines")
+        assert transform is not None
+        dense, ids = transform(lines)
+        n = dense.shape[0]
+        return Rows(dense, np.ascontiguousarray(ids.T, np.int64).reshape(-1), np.ones((F, n), np.int64), None), req
+    if DENSE_INPUT not in got:
+        raise BadRequest(f"input '{DENSE_INPUT}' (FP32 [B, {spec.num_dense}]) is missing"
+                         + (f" (or send raw lines as '{RAW_INPUT}')" if spec.raw else ""))
+    dense = _want(DENSE_INPUT, got[DENSE_INPUT], "FP32", 2)
+    shape = got[DENSE_INPUT][1]
+    if shape[1] != spec.num_dense or shape[0] < 1:
+        raise BadRequest(f"input '{DENSE_INPUT}': shape must be [B >= 1, {spec.num_dense}], got {shape}")
+    if not np.isfinite(dense).all():
+        raise BadRequest(f"input '{DENSE_INPUT}': holds NaN or infinity")
+    B = shape[0]
+    ids_l: list[np.ndarray] = []
+    lengths: np.ndarray | None = None  # [F, B], made at the first .lengths input
+    uniform = True
+    for j, f in enumerate(spec.features):
+        t = got.get(f)
+        if t is None:
+            raise BadRequest(f"input '{f}' (INT64 ids, [N]) is missing")
+        ids = _want(f, t, "INT64", 1)
+        lk = spec.length_names[j]
+        if lk in got:
+            ln = _want(lk, got[lk], "INT64", 1)
+            if ln.shape[0] != B:
+                raise BadRequest(f"input '{lk}': shape must be [{B}] (one bag length per row of '{DENSE_INPUT}'), "
+                                 f"got {got[lk][1]}")
+            if (ln < 0).any():
+                raise BadRequest(f"input '{lk}': a negative bag length")
+            if int(ln.sum()) != ids.size:
+                raise BadRequest(f"input '{f}': {ids.size} ids but '{lk}' sums to {int(ln.sum())}")
+            if lengths is None:
+                lengths = np.ones((F, B), np.int64)
+            lengths[j] = ln
+        elif ids.size != B:
+            raise BadRequest(f"input '{f}': {ids.size} ids for {B} rows; give one id per row or '{f}.lengths'")
+        uniform = uniform and ids.size == B
+        ids_l.append(ids)
+    values = np.concatenate(ids_l) if F else np.zeros(0, np.int64)
+    counts = None if uniform else np.array([a.size for a in ids_l], np.int64)
+    if spec.on_invalid_id == "error" and values.size:
+        v = values.reshape(F, B) if uniform else values
+        lim = spec.limits[:, None] if uniform else np.repeat(spec.limits, counts)
+        bad = np.flatnonzero((v < 0) | (v >= lim))
+        if bad.size:
+            k = int(bad[0])
+            j = k // B if uniform else int(np.searchsorted(np.cumsum(counts), k, side="right"))
+            at = k - (j * B if uniform else int(counts[:j].sum()))
+            f, top = spec.features[j], int(spec.limits[j])
+            raise BadRequest(f"input '{f}': id {int(values[k])} at position {at} is outside the table's "
+                             f"{top} rows (ids 0..{top - 1}; the model's on_invalid_id is 'error')")
+    weights = None
+    if spec.weighted:
+        ws = []
+        for j, f in enumerate(spec.features):
+            if f in spec.weighted:
+                wk = f"{f}.weights"
+                if wk not in got:
+                    raise BadRequest(f"input '{wk}' (FP32 [N], one per id of '{f}') is missing: {f} is a weighted feature")
+                w = _want(wk, got[wk], "FP32", 1)
+                if w.size != ids_l[j].size:
+                    raise BadRequest(f"input '{wk}': shape must be [{ids_l[j].size}] (one per id), got {got[wk][1]}")
+                ws.append(w)
+            else:
+                ws.append(np.ones(ids_l[j].size, np.float32))
+        weights = np.concatenate(ws).astype(np.float32, copy=False)
+    if lengths is None:
+        lengths = np.ones((F, B), np.int64)
+    return Rows(dense, values.astype(np.int64, copy=False), lengths, weights, counts), req
+
+
+
+def infer_response(req: dict, name: str, scores: np.ndarray, logits: np.ndarray) -> tuple[bytes, bytes]:
+    """``(body, content-type + inference-header-content-length headers as raw bytes lines)`` of an
+    infer answer: JSON, or binary outputs when the request asks (``parameters.binary_data_output``
+    or an output's ``parameters.binary_data``).  ``scores``, ``logits``: ``[B]`` float32, this
+    request's slices of its batch's outputs."""
+    outs = {"score": scores, "logit": logits}
+    asked = req.get("outputs") or []
+    wanted = [o.get("name") for o in asked if isinstance(o, dict)] or list(outs)
+    for w in wanted:
+        if w not in outs:
+            raise BadRequest(f"output '{w}' is not an output of model {name} (outputs: score, logit)")
+    par = req.get("parameters")
+    all_bin = bool(par.get("binary_data_output")) if isinstance(par, dict) else False
+    per = {o.get("name"): bool((o.get("parameters") or {}).get("binary_data", all_bin))
+           for o in asked if isinstance(o, dict)}
+    res: dict = {"model_name": name, "model_version": "1", "outputs": []}
+    if req.get("id") is not None:
+        res["id"] = req["id"]
+    blobs = []
+    for w in wanted:
+        a = outs[w]
+        o: dict = {"name": w, "datatype": "FP32", "shape": [int(a.shape[0])]}
+        if per.get(w, all_bin):
+            b = a.astype("<f4", copy=False).tobytes()
+            o["parameters"] = {"binary_data_size": len(b)}
+            blobs.append(b)
+        else:
+            o["data"] = a.tolist()
+        res["outputs"].append(o)
+    head = json.dumps(res, separators=(",", ":")).encode()
+    if not blobs:
+        return head, [(b"content-type", b"application/json")]
+    return head + b"".join(blobs), [(b"content-type", b"application/octet-stream"),
+                                    (b"inference-header-content-length", str(len(head)).encode())]
+
+
+def json_error(msg: str) -> bytes:
+    return json.dumps({"error": msg}, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+
+class RawTransform:
+    """Raw log lines (the ``raw`` input) -> the model's tensors, through ``dlrmctl predict``'s transform
+    (:func:`~dlrmctl.inference.predict.raw_transformer`) of the model's training preprocessing.
+
+    Args:
+        model: an :class:`~dlrmctl.inference.export.ExportedModel` whose spec has ``raw`` set.
+        spec: its :class:`ModelSpec` (the feature order of the ids returned).
+    """
+
+    def __init__(self, model: Any, spec: ModelSpec) -> None:
+        from dlrmctl.inference.predict import raw_transformer
+
+        self._tr, self._data_features = raw_transformer(model)
+        df = self._data_features
+        self._cols = [df.index(f) for f in spec.features] if all(f in df for f in spec.features) else None
+
+    def __call__(self, lines: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """``lines`` (``n`` raw lines) -> ``(dense [n, D] float32, ids [n, F] int64 in the model's feature order)``.
+
+        Raises:
+            BadRequest: a line the transform refuses (naming its element), or raw lines that lack
+                some of the model's features.
+        """
+        from dlrmctl.data.columnar import DataError
+
+        try:
+            dense, ids, _ = self._tr.lines(lines, RAW_INPUT)
+        except DataError as e:
+            msg = str(e)
+            for pre in (f"{e.path}:{e.line}: ", f"{e.path}: "):
+                msg = msg.removeprefix(pre)
+            where = f" element {e.line - 1}" if e.line is not None else ""
+            raise BadRequest(f"input '{RAW_INPUT}'{where}: {msg}") from None
+        if self._cols is None:
+            raise BadRequest(f"input '{RAW_INPUT}': the raw lines' features {self._data_features} lack some of the model's")
+        return dense, ids[:, self._cols]
