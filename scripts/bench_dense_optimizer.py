@@ -3,7 +3,7 @@
 ``--tables`` tables of ``--rows`` x ``--dim`` fp32, each with an uncoalesced sparse gradient of
 ``--ids`` ids per step (the ``nn.EmbeddingBag(sparse=True)`` gradient: one row per id), skewed ids
 (``rows * u ** 3``, ``u`` uniform: many duplicates), the optimizer of
-:func:`dlrmctl.train.optim.embedding_optimizer_for_dense`.  One thread; the figure is the CPU
+:func:`dlrmctl.optim.dense.embedding_optimizer_for_dense`.  One thread; the figure is the CPU
 time of this process per step (``time.process_time``), so the load of other processes on a
 shared machine changes it less than wall time.  The gradients are built once: only the
 optimizer's step is timed.
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=4)
     a = ap.parse_args()
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

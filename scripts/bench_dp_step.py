@@ -29,7 +29,7 @@ def _worker(env, pd: dict, batch: int, steps: int) -> dict:
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     rank, ws = env.rank, env.world_size
     tables = B._tables()

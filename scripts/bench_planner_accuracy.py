@@ -64,7 +64,7 @@ def _worker(env0, plans: dict, batch: int, steps: int, windows: int, warmup: int
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.distributed.types import ShardingPlan
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     rank, ws = env0.rank, env0.world_size
     tables = _tables()

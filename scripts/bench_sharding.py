@@ -52,7 +52,7 @@ def _rank_main(rank: int, args: argparse.Namespace, st: str, port: int, q) -> No
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     ws = 1 if st == "unsharded" else args.world_size
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ws,

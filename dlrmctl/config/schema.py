@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from dlrmctl.errors import UserError
+from dlrmctl.optim.registry import EMBEDDING_OPTIMIZERS
+
+#: ``optimizer.embedding.type``'s values: the registry's names
+EMBEDDING_OPTIMIZER_NAMES = tuple(EMBEDDING_OPTIMIZERS)
 
 
 class ConfigError(ValueError, UserError):
@@ -222,12 +226,12 @@ class EmbeddingOptimizerConfig:
     ``adam`` / ``lamb`` two per weight; ``partial_rowwise_adam`` / ``partial_rowwise_lamb``
     one per weight + one per row.  FBGEMM 1.8's CPU TBE implements only the Adagrads and SGD:
     on CPU the Adam family runs on the ``dense`` kernel with the same update rules
-    (:mod:`dlrmctl.train.optim`).  See docs/configuration.md#embedding-optimizers.
+    (:mod:`dlrmctl.optim`).  See docs/configuration.md#embedding-optimizers.
     """
 
-    type: Literal["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd", "adam", "partial_rowwise_adam", "lamb",
-                  "partial_rowwise_lamb"] = "exact_rowwise_adagrad"
-    """The update rule, by FBGEMM's name; the same on both compute kernels."""
+    type: Literal[EMBEDDING_OPTIMIZER_NAMES] = "exact_rowwise_adagrad"
+    """The update rule, by FBGEMM's name (a record of :mod:`dlrmctl.optim.registry`); the same on
+    both compute kernels."""
     lr: float = 0.1
     """Learning rate (>= 0), times the ``lr_schedule`` factor."""
     eps: float = 1e-8

@@ -16,6 +16,7 @@ from typing import Any
 
 from dlrmctl.config import schema
 from dlrmctl.config.schema import ConfigError
+from dlrmctl.optim.registry import FP16_EMBEDDING_OPTIMIZERS
 
 #: largest value of any integer key (int64: tensors of sizes, steps and counts are int64)
 INT64_MAX = 2**63 - 1
@@ -76,8 +77,6 @@ def check_bounds(value: Any, path: str) -> None:
         raise ConfigError(f"{path}: must be a finite number, got {value}")
 
 
-#: the embedding optimizers FBGEMM's TBE runs on fp16 weights (``model.embedding_precision: fp16``)
-FP16_EMBEDDING_OPTIMIZERS = ("exact_rowwise_adagrad", "exact_adagrad", "exact_sgd")
 
 
 def _positive(v: Any, path: str, allow_zero: bool = False) -> None:
@@ -370,6 +369,7 @@ def validate(cfg: schema.ExperimentConfig) -> None:
                 raise ConfigError(f"sharding.tables.{tname}: no such table in model.tables ({names})")
     if cfg.model.embedding_precision == "fp16" and cfg.optimizer.embedding.type not in FP16_EMBEDDING_OPTIMIZERS:
         raise ConfigError(
-            f"model.embedding_precision: fp16 tables train with exact_rowwise_adagrad, exact_adagrad or exact_sgd "
+            f"model.embedding_precision: fp16 tables train with {', '.join(FP16_EMBEDDING_OPTIMIZERS[:-1])} or "
+            f"{FP16_EMBEDDING_OPTIMIZERS[-1]} "
             f"(what FBGEMM's TBE runs on fp16 weights), not optimizer.embedding.type {cfg.optimizer.embedding.type!r}"
         )

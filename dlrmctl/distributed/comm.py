@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dlrmctl.optim.rows import TOUCHED_ROWS_ATTR
 from dlrmctl.sparse.jagged_tensor import host_to_device
 
 T = TypeVar("T")
@@ -710,11 +711,6 @@ def _gathered_pos(rank: torch.Tensor, row: torch.Tensor, M: int, k: int, ws: int
     return ws * s + rank * kc + (row - s)
 
 
-#: attribute a data_parallel table gets from :func:`sync_sparse_grads` (``track_touched``): bool
-#: ``[rows]``, the rows looked up on any rank this step (read by ``dlrmctl.train.optim``)
-TOUCHED_ROWS_ATTR = "dlrmctl_touched_rows"
-
-
 @torch.no_grad()
 def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGroup | None,
                       dense_max_bytes: int = DENSE_GRAD_MAX_BYTES, workspace: dict | None = None,
@@ -726,7 +722,7 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
       (``index_add_`` of its rows, duplicates summed) and SUM-all-reduced, as DDP does for
       TorchRec's data_parallel tables; no host sync.  Rows nobody looked up stay exactly
       zero, and the embedding optimizers update only rows with a non-zero gradient
-      (:class:`dlrmctl.train.optim.RowWiseAdagrad`).  ``p.grad`` becomes a dense view.
+      (:class:`dlrmctl.optim.adagrad.RowWiseAdagrad`).  ``p.grad`` becomes a dense view.
     * Larger tables: each rank contributes its ``(rows, values)`` — the ``EmbeddingBag``
       gradient as it is, one row per id, not coalesced.  Tables of the same dim and dtype
       share one ``[rows, dim]`` send buffer (each table padded to the most rows any rank

@@ -20,7 +20,7 @@ on the same global batch):
 
 After ``backward``, step the dense optimizer over :meth:`dense_parameters` and
 a torch embedding optimizer over :meth:`embedding_dense_parameters`
-(``dlrmctl.train.optim.embedding_optimizer_for_dense``); fused tables were
+(``dlrmctl.optim.dense.embedding_optimizer_for_dense``); fused tables were
 already updated inside backward (:meth:`fused_optimizer` gives their lr and state).
 """
 

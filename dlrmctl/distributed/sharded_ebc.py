@@ -52,7 +52,9 @@ from dlrmctl.distributed.sharding.twcw_sharding import TwCwSharding
 from dlrmctl.distributed.sharding.twrw_sharding import TwRwSharding
 from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
-from dlrmctl.modules.embedding_modules import ADAM_FAMILY, EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
+from dlrmctl.optim.dense import row_state_tensors
+from dlrmctl.optim.registry import embedding_optimizer
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 from dlrmctl.sparse.permute import SegmentPermutation
 from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, host_to_device, split_variable_batch
@@ -296,7 +298,7 @@ class ShardedTables:
 
     def embedding_dense_parameters(self) -> list[nn.Parameter]:
         """Weights of dense-kernel shards (incl. data_parallel replicas and tables whose dim is not
-        a multiple of 4): they need a torch optimizer (``dlrmctl.train.optim.embedding_optimizer_for_dense``)."""
+        a multiple of 4): they need a torch optimizer (``dlrmctl.optim.dense.embedding_optimizer_for_dense``)."""
         return [p for g in self.groups for lk in g.lookups for p in lk.dense_parameters()]
 
     @torch.no_grad()
@@ -455,7 +457,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         #: optimizer updates exactly the rows looked up: decided here from the optimizer settings,
         #: under the Adam family (it updates a looked-up row whose summed gradient is zero) and
         #: under embedding weight decay (it must reach only the rows looked up)
-        self.track_touched_rows = bool(self._spec.type in ADAM_FAMILY or self._spec.weight_decay)
+        self.track_touched_rows = bool(embedding_optimizer(self._spec.type).sparse_grads or self._spec.weight_decay)
         #: send / receive buffers of the data_parallel row all-gather, reused between steps
         self._grad_sync_workspace: dict = {}
         #: bytes this rank sent in its last input_dist: (size exchange, data)
@@ -656,8 +658,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         for g in self.groups:
             for s, w, states, _ in g.local_shards():
                 if not states and dense_optimizer is not None and isinstance(w, nn.Parameter):
-                    st = dense_optimizer.state.get(w, {})
-                    states = [v for _, v in sorted(st.items()) if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == w.shape[0]]
+                    states = row_state_tensors(dense_optimizer, w)
                 out.setdefault(s.table.name, []).append((s.meta, w, states))
         return out
 

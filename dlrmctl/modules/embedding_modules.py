@@ -9,7 +9,7 @@ Two compute kernels (TorchRec's names):
   by the ``dense`` kernel instead (logged once), with identical math.
 * ``dense``: one ``torch.nn.EmbeddingBag(mode="sum", sparse=True)`` per table;
   gradients are sparse and go to a regular optimizer
-  (:func:`dlrmctl.train.optim.embedding_optimizer_for_dense`), which implements
+  (:func:`dlrmctl.optim.dense.embedding_optimizer_for_dense`), which implements
   the same update rules as FBGEMM's fused optimizers.  This is also what runs
   when ``fbgemm_gpu`` is not installed.
 
@@ -49,6 +49,7 @@ from torch import nn
 
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from dlrmctl.optim.registry import embedding_optimizer
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor, SparseInputError
 from dlrmctl.sparse.jagged_tensor import expand_by_inverse_indices, split_variable_batch
 from dlrmctl.sparse.validation import EmbeddingIdError  # noqa: F401 (re-exported)
@@ -182,10 +183,6 @@ def _check_trainable(t: EmbeddingBagConfig, who: str) -> None:
                          "pruning_indices_remapping) is not supported")
 
 
-#: FBGEMM's Adam family: only its CUDA TBE implements them (``EmbOptimType`` names in ``FBGEMM_OPT_TYPES``)
-ADAM_FAMILY = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
-
-
 def fused_supports_optimizer(opt_type: str, device: torch.device | str) -> bool:
     """Whether FBGEMM's fused TBE implements ``opt_type`` on ``device``.
 
@@ -194,9 +191,10 @@ def fused_supports_optimizer(opt_type: str, device: torch.device | str) -> bool:
     asserts "Optimizer ... is not supported in CPU mode" for the rest); its CUDA TBE also
     has ``ADAM``, ``PARTIAL_ROWWISE_ADAM``, ``LAMB`` and ``PARTIAL_ROWWISE_LAMB``.  Where this
     is False, the lookup serves the table with the ``dense`` kernel and the same update
-    rule (:mod:`dlrmctl.train.optim`).
+    rule (:mod:`dlrmctl.optim`).
     """
-    return opt_type not in ADAM_FAMILY or torch.device(device).type == "cuda"
+    rec = embedding_optimizer(opt_type)
+    return rec.fbgemm is not None and (rec.fused_on_cpu or torch.device(device).type == "cuda")
 
 
 def fused_supports_weight_decay(opt_type: str, device: torch.device | str) -> bool:
@@ -208,7 +206,7 @@ def fused_supports_weight_decay(opt_type: str, device: torch.device | str) -> bo
     decay"; not run on a GPU here).  Where this is False, the lookup serves the table with the
     ``dense`` kernel.
     """
-    return torch.device(device).type == "cuda" and opt_type in ("exact_rowwise_adagrad", *ADAM_FAMILY)
+    return torch.device(device).type == "cuda" and embedding_optimizer(opt_type).fused_weight_decay
 
 
 def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], spec: EmbeddingOptimizerSpec,
@@ -245,12 +243,13 @@ def build_tbe(shards: Sequence[tuple[EmbeddingBagConfig, int, int, int, int]], s
         specs.append((rows, cols, EmbeddingLocation.DEVICE if on_cuda else EmbeddingLocation.HOST,
                       ComputeDevice.CUDA if on_cuda else ComputeDevice.CPU))
         ftm.extend([j] * len(cfg.feature_names))
-    if spec.type not in FBGEMM_OPT_TYPES:
-        raise ValueError(f"embedding optimizer must be one of {list(FBGEMM_OPT_TYPES)}, got {spec.type!r}")
+    fbgemm_type = embedding_optimizer(spec.type).fbgemm
+    if fbgemm_type is None:
+        raise ValueError(f"embedding optimizer {spec.type!r} has no FBGEMM TBE kernel; use the dense kernel")
     return SplitTableBatchedEmbeddingBagsCodegen(
         specs,
         feature_table_map=ftm,
-        optimizer=getattr(EmbOptimType, FBGEMM_OPT_TYPES[spec.type]),
+        optimizer=getattr(EmbOptimType, fbgemm_type),
         learning_rate=spec.lr,
         eps=spec.eps,
         weight_decay=spec.weight_decay,
@@ -502,7 +501,7 @@ class EmbeddingBagCollection(TableFeatures):
         compute_kernel: (keyword-only) ``dense`` (default: ``nn.EmbeddingBag``; backward
             puts sparse gradients on ``embedding_bags.<t>.weight`` and your optimizer
             updates them — TorchRec's unsharded semantics; use a sparse-capable optimizer
-            such as :func:`dlrmctl.train.optim.embedding_optimizer_for_dense`) or ``fused``
+            such as :func:`dlrmctl.optim.dense.embedding_optimizer_for_dense`) or ``fused``
             (FBGEMM TBE with the optimizer applied INSIDE backward, no ``.grad`` — what
             TorchRec's sharded modules and dlrmctl's trainer use).
         optimizer: (keyword-only) hyper-parameters of the fused optimizer
@@ -725,19 +724,6 @@ class FusedOptimizer:
         return out
 
 
-#: ``EmbeddingOptimizerSpec.type`` -> the name of FBGEMM's ``EmbOptimType`` member that implements it
-FBGEMM_OPT_TYPES = {
-    "exact_rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
-    "exact_adagrad": "EXACT_ADAGRAD",
-    "exact_sgd": "EXACT_SGD",
-    # CUDA TBE only (fused_supports_optimizer)
-    "adam": "ADAM",
-    "partial_rowwise_adam": "PARTIAL_ROWWISE_ADAM",
-    "lamb": "LAMB",
-    "partial_rowwise_lamb": "PARTIAL_ROWWISE_LAMB",
-}
-
-
 class _LookupTables:
     """Weight / optimizer access shared by the pooled and the sequence lookups: both keep
     ``tbes`` (FBGEMM TBEs) with ``_tbe_members`` (shard indices per TBE), ``dense_tables``
@@ -834,10 +820,10 @@ class GroupedEmbeddingLookup(_LookupTables, nn.Module):
             compute_kernel = "dense"
         # FBGEMM's TBE counts its step (`iter`, the Adam family's bias correction) in every forward,
         # evaluation included: eval forwards put it back (see _tbe_forward)
-        self._step_in_forward = optimizer.type in ADAM_FAMILY
+        self._step_in_forward = embedding_optimizer(optimizer.type).global_step
         if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
             # FBGEMM's CPU TBE (and exact_sgd everywhere) ignores weight_decay: the dense kernel
-            # applies the same L2 rule to the rows looked up (dlrmctl.train.optim)
+            # applies the same L2 rule to the rows looked up (dlrmctl.optim)
             log.warning("embedding weight_decay %g with %s on %s: FBGEMM's fused kernel would ignore it; "
                      "using the dense kernel", optimizer.weight_decay, optimizer.type, torch.device(device).type)
             compute_kernel = "dense"

@@ -15,7 +15,7 @@ Two compute kernels (TorchRec's names), with identical forward and updates:
   kernel, as in the EmbeddingBagCollection.
 * ``dense``: one ``torch.nn.Embedding(sparse=True)`` per table; sparse
   gradients go to the torch embedding optimizers of
-  :func:`dlrmctl.train.optim.embedding_optimizer_for_dense` (same update rules).
+  :func:`dlrmctl.optim.dense.embedding_optimizer_for_dense` (same update rules).
 
 Initial weights are the deterministic, sharding-independent values of
 :func:`dlrmctl.modules.embedding_modules.init_table_rows` (then the config's
@@ -167,7 +167,7 @@ class SequenceEmbeddingLookup(_LookupTables, nn.Module):
                         optimizer.type)
             compute_kernel = "dense"
         if compute_kernel == "fused" and not fused_supports_optimizer(optimizer.type, device):
-            compute_kernel = "dense"  # FBGEMM's CPU TBE has no Adam / LAMB (same rule in dlrmctl.train.optim)
+            compute_kernel = "dense"  # FBGEMM's CPU TBE has no Adam / LAMB (same rule in dlrmctl.optim)
         self._keys = [f for cfg, *_ in self._shards for f in cfg.feature_names]
         shard_keys: list[list[int]] = []
         k = 0
@@ -402,7 +402,7 @@ class EmbeddingCollection(SequenceTableFeatures):
 
     def embedding_dense_parameters(self) -> list[nn.Parameter]:
         """Weights of dense-kernel tables: they need a torch optimizer
-        (``dlrmctl.train.optim.embedding_optimizer_for_dense``)."""
+        (``dlrmctl.optim.dense.embedding_optimizer_for_dense``)."""
         return self.lookup.dense_parameters()
 
     def fused_optimizer(self) -> FusedOptimizer:

@@ -184,7 +184,7 @@ def _lookup_bench(kernel: str, dim: int, rows: int,
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     if kernel == "fused" and not _fbgemm.ensure_checked():
         raise RuntimeError("the fused kernel needs fbgemm_gpu")

@@ -41,6 +41,7 @@ from dlrmctl.distributed.types import (
     construct_parameter_sharding,
     row_wise_shard_sizes,
 )
+from dlrmctl.optim.registry import find_embedding_optimizer
 from dlrmctl.planner.perf import estimate_shard
 from dlrmctl.planner.storage import shard_bytes, to_storage
 from dlrmctl.planner.types import (
@@ -60,10 +61,6 @@ HOST_TYPES = (ShardingType.TABLE_ROW_WISE, ShardingType.TABLE_COLUMN_WISE)
 COLUMN_TYPES = (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE)
 
 
-#: optimizers whose update of a row depends on the whole row (see column_shards_change_training)
-ROW_COUPLED_OPTIMIZERS = ("rowwise_adagrad", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
-
-
 def column_shards_change_training(optimizer: str) -> bool:
     """True for optimizers whose update of a row depends on the whole row: one state value
     per ROW (row-wise Adagrad's accumulator, partial row-wise Adam / LAMB's second moment:
@@ -72,8 +69,10 @@ def column_shards_change_training(optimizer: str) -> bool:
     TorchRec, and FBGEMM's fused kernel cannot reduce across ranks), so a column-sharded
     table no longer trains like the unsharded one.  The planner then proposes column kinds
     only when a table's ``sharding.constraints.<t>.sharding_types`` (or ``sharding.tables``)
-    asks for them.  ``adam``, ``exact_adagrad``, ``exact_sgd`` are per element: exact."""
-    return optimizer.replace("exact_", "") in ROW_COUPLED_OPTIMIZERS
+    asks for them.  ``adam``, ``exact_adagrad``, ``exact_sgd`` are per element: exact (the
+    registry's ``row_coupled``; an unknown name: False)."""
+    rec = find_embedding_optimizer(optimizer)
+    return rec is not None and rec.row_coupled
 
 
 def default_min_column_shard_dim(dim: int) -> int:

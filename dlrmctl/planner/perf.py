@@ -179,7 +179,7 @@ rank's cache); the planner makes its final choice among its best placements, and
 reports the step time, that way (``planner.RERANK``).
 
 A dense-kernel shard of the other types runs an unfused optimizer step after its
-backward (``train.optim.embedding_optimizer_for_dense``).  With a calibrated
+backward (``optim.dense.embedding_optimizer_for_dense``).  With a calibrated
 ``Topology.dense_bwd_compute_multiplier`` that step is already inside the multiplier
 (``plan --calibrate`` times forward + backward + ``opt.step()`` of the dense kernel:
 ``calibrate.kernel_figures``), so nothing is added.  Without one (the presets; files
@@ -203,6 +203,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from dlrmctl.optim.registry import find_embedding_optimizer
 from dlrmctl.planner.storage import optimizer_state_bytes
 from dlrmctl.planner.types import Perf, TableSpec, Topology
 
@@ -211,10 +212,6 @@ OUTPUT_ELEM_BYTES = 4  #: fp32 pooled embeddings / their gradients
 MIN_ROW_READ_BYTES = {"cuda": 128, "cpu": 64}
 #: ``comm.DENSE_GRAD_MAX_BYTES`` (kept here so the planner does not import torch; a test checks they agree)
 DENSE_GRAD_MAX_BYTES = 8 << 20
-#: optimizers whose densified data_parallel gradient also carries a per-row lookup count (one more fp32
-#: per row in the same all-reduce: Adam updates a looked-up row whose summed gradient is zero;
-#: ``ShardedEmbeddingBagCollection.track_touched_rows``; ``embedding_modules.ADAM_FAMILY``)
-SPARSE_GRAD_OPTIMIZERS = ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")
 
 #: Fraction of the memory bandwidth a kernel reaches on a device (``Topology.kernel_efficiency``
 #: overrides it).  cuda: TorchRec ``kernel_bw_lookup`` (fused 1.0, dense 0.5).  cpu: measured on
@@ -412,7 +409,10 @@ def shard_comm_bytes(table: TableSpec, sharding_type: ShardingType, cols: int, n
     st = sharding_type
     if st == ShardingType.DATA_PARALLEL:
         ids = B * P / world_size
-        touched_count = table.num_embeddings * 4 if table.optimizer in SPARSE_GRAD_OPTIMIZERS else 0
+        # the registry's sparse_grads optimizers also all-reduce a per-row lookup count (one more fp32 per row:
+        # ``ShardedEmbeddingBagCollection.track_touched_rows``)
+        rec = find_embedding_optimizer(table.optimizer)
+        touched_count = table.num_embeddings * 4 if rec is not None and rec.sparse_grads else 0
         grad = table.num_embeddings * d * 4 + touched_count if dp_dense_grad(table) else ids * (8 + 4 * d) + 8
         return CommBytes(0.0, 0.0, float(grad), ids)
     if st in _ROW_TYPES:

@@ -42,6 +42,7 @@ from dlrmctl.planner.proposer import (
     threshold_proposals,
     uniform_proposals,
 )
+from dlrmctl.optim.registry import embedding_optimizer
 from dlrmctl.planner.storage import HeuristicStorageReservation, dense_model_bytes
 from dlrmctl.planner.types import (
     DEVICE_PRESETS,
@@ -395,14 +396,15 @@ class EmbeddingShardingPlanner:
                 n = n + max(1, n // 16)
             fixes.append(f"more ranks: >= {n} x {topo.device if topo.topology_file is None else topo.compute_device + ' rank'} split row-wise ({fmt_bytes(self._fits_rw(t, n))} per rank)")
         opt_now = optimizer_name(t.optimizer)
-        if opt_now in ("adam", "lamb"):
+        rec = embedding_optimizer(opt_now)
+        lighter = rec.row_wise_variant
+        if lighter is not None:
             # keep Adam's (LAMB's) first moment per weight, one second moment per row: about half the state
-            lighter = "partial_rowwise_" + opt_now
             b = self._fits_rw(dataclasses.replace(t, optimizer=lighter, ranks=None))
             if b <= usable:
                 fixes.append(f"{lighter} (first moment per weight, second moment one fp32 per row) instead of "
                              f"{opt_now}: {fmt_bytes(b)} per rank row-wise on {W} ranks")
-        if opt_now in ("adam", "exact_adagrad", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb"):
+        if rec.state_per_weight:  # state per weight: row-wise Adagrad keeps one value per row
             t2 = dataclasses.replace(t, optimizer="exact_rowwise_adagrad", ranks=None)
             b = self._fits_rw(t2)
             if b <= usable:

@@ -33,9 +33,9 @@ import math
 from dataclasses import dataclass
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from dlrmctl.optim.registry import embedding_optimizer
 from dlrmctl.planner.types import Storage, Topology, optimizer_name
 
-OPTIMIZER_STATE_BYTES = 4  #: fp32 accumulators
 GRAD_BYTES = 4  #: fp32 gradients
 INDEX_BYTES = 8  #: int64 ids / indices
 
@@ -45,18 +45,12 @@ def optimizer_state_bytes(optimizer: str, rows: int, cols: int) -> int:
 
     Example: 1000 x 64 with exact_rowwise_adagrad = 4,000 B; exact_adagrad =
     256,000 B; adam / lamb = 512,000 B; partial_rowwise_adam / partial_rowwise_lamb =
-    260,000 B; exact_sgd = 0.
+    260,000 B; exact_sgd = 0 (the registry's ``state_per_weight`` / ``state_per_row``).
+
+    Raises:
+        PlannerError: unknown optimizer.
     """
-    opt = optimizer_name(optimizer)
-    if opt == "exact_rowwise_adagrad":
-        return rows * OPTIMIZER_STATE_BYTES
-    if opt == "exact_adagrad":
-        return rows * cols * OPTIMIZER_STATE_BYTES
-    if opt in ("adam", "lamb"):
-        return 2 * rows * cols * OPTIMIZER_STATE_BYTES
-    if opt in ("partial_rowwise_adam", "partial_rowwise_lamb"):
-        return rows * cols * OPTIMIZER_STATE_BYTES + rows * OPTIMIZER_STATE_BYTES
-    return 0
+    return embedding_optimizer(optimizer_name(optimizer)).state_bytes(rows, cols)
 
 
 def dense_optimizer_states_per_param(dense_optimizer: str) -> int:

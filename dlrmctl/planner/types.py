@@ -77,6 +77,7 @@ from typing import Sequence
 from dlrmctl.errors import UserError
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
 from dlrmctl.fileio import write_text_atomic
+from dlrmctl.optim.registry import OPTIMIZER_ALIASES
 
 GB = 1e9  #: bytes in a (decimal, datasheet) gigabyte
 GiB = float(1 << 30)  #: bytes in a gibibyte
@@ -667,9 +668,8 @@ class TableSpec:
         pooling_factors: mean ids per sample of each feature looked up in this
             table (TorchRec ``ParameterConstraints.pooling_factors``); their sum
             is the ids per sample, their count the pooled outputs per sample.
-        optimizer: embedding optimizer: ``exact_rowwise_adagrad`` | ``exact_adagrad``
-            | ``adam`` | ``partial_rowwise_adam`` | ``lamb`` | ``partial_rowwise_lamb`` |
-            ``exact_sgd`` (short names ``rowwise_adagrad``, ``adagrad``, ``sgd`` accepted).
+        optimizer: embedding optimizer: a name of :data:`dlrmctl.optim.registry.EMBEDDING_OPTIMIZERS`
+            or one of its aliases (``rowwise_adagrad``, ``adagrad``, ``sgd``).
         weight_bytes: bytes per weight (4 fp32, 2 fp16).
         sharding_types: allowed sharding types (None: all).
         compute_kernels: allowed kernels (None: all).
@@ -854,20 +854,6 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-_OPTIMIZER_ALIASES = {
-    "exact_rowwise_adagrad": "exact_rowwise_adagrad",
-    "rowwise_adagrad": "exact_rowwise_adagrad",
-    "exact_adagrad": "exact_adagrad",
-    "adagrad": "exact_adagrad",
-    "adam": "adam",
-    "partial_rowwise_adam": "partial_rowwise_adam",
-    "lamb": "lamb",
-    "partial_rowwise_lamb": "partial_rowwise_lamb",
-    "exact_sgd": "exact_sgd",
-    "sgd": "exact_sgd",
-}
-
-
 def optimizer_name(name: str) -> str:
     """Canonical optimizer name (``rowwise_adagrad`` -> ``exact_rowwise_adagrad`` ...).
 
@@ -875,10 +861,10 @@ def optimizer_name(name: str) -> str:
         PlannerError: unknown optimizer.
     """
     try:
-        return _OPTIMIZER_ALIASES[name]
+        return OPTIMIZER_ALIASES[name]
     except KeyError:
         raise PlannerError(
-            f"unknown embedding optimizer {name!r}; expected one of {sorted(_OPTIMIZER_ALIASES)}"
+            f"unknown embedding optimizer {name!r}; expected one of {sorted(OPTIMIZER_ALIASES)}"
         ) from None
 
 

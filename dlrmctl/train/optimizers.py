@@ -3,8 +3,8 @@
 * the fused optimizer of the FBGEMM tables (:class:`~dlrmctl.modules.embedding_modules.FusedOptimizer`,
   its update runs inside the lookup's backward),
 * the torch optimizer of the dense-kernel embedding shards (data_parallel replicas, dense-kernel
-  tables; :func:`~dlrmctl.train.optim.embedding_optimizer_for_dense`), absent when there are none,
-* the dense optimizer of the MLPs / interaction (:func:`~dlrmctl.train.optim.dense_optimizer`),
+  tables; :func:`~dlrmctl.optim.dense.embedding_optimizer_for_dense`), absent when there are none,
+* the dense optimizer of the MLPs / interaction (:func:`~dlrmctl.optim.dense.dense_optimizer`),
 
 and the LR schedule (``optimizer.lr_schedule``) that sets all of them.  Each member owns its
 checkpoint keys (format: :mod:`dlrmctl.train.checkpoint`); the embedding moments themselves
@@ -22,7 +22,7 @@ import torch
 from dlrmctl.config import ExperimentConfig, LRScheduleConfig, to_dict
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
 from dlrmctl.train import checkpoint as ckpt
-from dlrmctl.train.optim import dense_optimizer, embedding_optimizer_for_dense
+from dlrmctl.optim.dense import dense_optimizer, embedding_optimizer_for_dense
 
 log = logging.getLogger("dlrmctl.train")
 
@@ -32,7 +32,7 @@ _OPTIMIZER_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
 
 def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
     """Create the lazily-made state of a dense-kernel table optimizer (``ensure_state`` of
-    :mod:`dlrmctl.train.optim`'s optimizers: zeros, identical to absent), so every dense-kernel
+    :mod:`dlrmctl.optim`'s optimizers: zeros, identical to absent), so every dense-kernel
     shard has its moment tensor to save / load into."""
     if opt is not None and hasattr(opt, "ensure_state"):
         opt.ensure_state()

@@ -165,7 +165,7 @@ def run_case(env, case: Case) -> str | None:
     from dlrmctl.train.checkpoint import local_embedding_shards
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     ws, rank = env.world_size, env.rank
     spec = EmbeddingOptimizerSpec(case.opt, lr=0.1, eps=1e-8)
@@ -322,7 +322,7 @@ def _dlrm_worker(env, batch_sizes, permute_path="fbgemm"):
 
     from dlrmctl.distributed.env import ShardingEnv
     from dlrmctl.distributed.model_parallel import DistributedModelParallel, plan_from_types
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     types = {"c0": "row_wise", "c1": "table_wise", "c2": "data_parallel", "c3": "column_wise"}
     plan = plan_from_types(_dlrm_tables(), types, env.world_size)

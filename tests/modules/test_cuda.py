@@ -124,7 +124,7 @@ EBC_TABLES = [
 @pytest.mark.parametrize("device", DEVICES)
 def test_dense_kernel_ebc_matches_explicit_cpu_reference(device, weighted, opt):
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     lr, eps, B = 0.1, 1e-8, 6
     ebc = EmbeddingBagCollection(EBC_TABLES, is_weighted=weighted, device=device, compute_kernel="dense", seed=5)
@@ -195,7 +195,7 @@ def _dlrm_run(device: str, kernel: str, batch_sizes=(32, 17, 1)):
     and the final dense parameters and tables, all on CPU."""
     from dlrmctl.config import resolve_tables
     from dlrmctl.train.factory import build_model
-    from dlrmctl.train.optim import dense_optimizer, embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import dense_optimizer, embedding_optimizer_for_dense
 
     cfg = _dlrm_cfg()
     tables = resolve_tables(cfg, None)

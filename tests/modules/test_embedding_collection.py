@@ -29,7 +29,7 @@ from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfi
 from dlrmctl.modules.embedding_modules import EmbeddingIdError, EmbeddingOptimizerSpec
 from dlrmctl.modules.sequence_embeddings import EmbeddingCollection
 from dlrmctl.sparse import KeyedJaggedTensor
-from dlrmctl.train.optim import embedding_optimizer_for_dense
+from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
 KERNELS = ["dense"] + (["fused"] if HAS_FBGEMM else [])
 OPTIMIZERS = ["exact_rowwise_adagrad", "exact_adagrad", "exact_sgd"]

@@ -15,7 +15,7 @@ from dlrmctl.modules.embedding_modules import (
     init_table_rows,
 )
 from dlrmctl.sparse import KeyedJaggedTensor
-from dlrmctl.train.optim import RowWiseAdagrad
+from dlrmctl.optim.adagrad import RowWiseAdagrad
 
 KERNELS = ["dense"] + (["fused"] if HAS_FBGEMM else [])
 
@@ -136,7 +136,7 @@ def test_init_is_independent_of_sharding():
 def test_all_empty_batches_stay_connected_to_the_weights(kernel, B):
     """Zero-size batches and all-empty bags: backward runs (as torch.nn.EmbeddingBag) and no row changes."""
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     tables = [EmbeddingBagConfig(num_embeddings=6, embedding_dim=4, name="T0", feature_names=["f0"]),
               EmbeddingBagConfig(num_embeddings=6, embedding_dim=8, name="T1", feature_names=["f1"])]

@@ -2,7 +2,7 @@
 ``partial_rowwise_lamb``): FBGEMM's update rules on the rows in the batch.
 
 * FBGEMM 1.8's CPU TBE refuses them, so the ``fused`` kernel on CPU serves such tables with the
-  ``dense`` kernel (``nn.EmbeddingBag(sparse=True)`` + :mod:`dlrmctl.train.optim`);
+  ``dense`` kernel (``nn.EmbeddingBag(sparse=True)`` + :mod:`dlrmctl.optim`);
 * the dense kernel equals an independent float64 reference written from FBGEMM's formulas
   (``fbgemm_gpu/codegen/genscript/optimizers.py``: duplicate ids summed, only rows in the batch
   updated, bias correction with the global step) to 1e-6 over 10 steps with duplicate ids,
@@ -98,7 +98,7 @@ def _reference_step(kind: str, W, M1, M2, grads: dict[int, np.ndarray], t: int, 
 
 def _ebc(kind: str, kernel: str, device: str, wd: float):
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     spec = EmbeddingOptimizerSpec(kind, lr=LR, eps=EPS, weight_decay=wd, betas=BETAS)
     ebc = EmbeddingBagCollection(TABLES, is_weighted=True, device=device, compute_kernel=kernel, optimizer=spec, seed=5)
@@ -137,11 +137,12 @@ def test_fbgemm_cpu_tbe_refuses_the_adam_family_so_the_fused_kernel_uses_the_den
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from dlrmctl.modules.embedding_modules import FBGEMM_OPT_TYPES, fused_supports_optimizer
+    from dlrmctl.modules.embedding_modules import fused_supports_optimizer
+    from dlrmctl.optim.registry import embedding_optimizer
 
     with pytest.raises(AssertionError, match="not supported in CPU mode"):
         SplitTableBatchedEmbeddingBagsCodegen([(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                              optimizer=getattr(EmbOptimType, FBGEMM_OPT_TYPES[kind]))
+                                              optimizer=getattr(EmbOptimType, embedding_optimizer(kind).fbgemm))
     assert not fused_supports_optimizer(kind, "cpu") and fused_supports_optimizer(kind, "cuda")
     assert fused_supports_optimizer("exact_rowwise_adagrad", "cpu")
     ebc, opt = _ebc(kind, "fused", "cpu", 0.0)
@@ -212,7 +213,7 @@ def test_fused_kernel_equals_dense_kernel_over_10_steps(kind, device):
 # ------------------------------------------------------------------ optimizer
 @pytest.mark.parametrize("kind", TYPES)
 def test_dense_gradients_update_the_nonzero_rows_like_sparse_ones_and_state_round_trips(kind):
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     g = torch.Generator().manual_seed(3)
     w0 = torch.randn(9, 4, generator=g)
@@ -243,7 +244,7 @@ def test_dense_gradients_update_the_nonzero_rows_like_sparse_ones_and_state_roun
 
 def test_unknown_type_and_bad_betas_are_refused():
     from dlrmctl.config import ConfigError, config_from_dict
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     p = torch.nn.Parameter(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="partial_rowwise_adam"):
@@ -307,8 +308,8 @@ def test_the_sync_free_row_pass_updates_as_the_coalesced_gradient_does(opt, wd, 
     # (another summation order) to float rounding
     import torch.nn.functional as F
 
-    from dlrmctl.train import optim
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim import rows as optim
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     monkeypatch.setattr(optim, "SYNC_FREE_ROWS_ON_CPU", sync_free)  # the CUDA path's pass, or the CPU's
 

@@ -141,7 +141,7 @@ def test_fused_and_dense_give_the_reference_under_zero_and_the_same_error_under_
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_dropped_id_gets_no_gradient_and_row_0_is_not_trained(kernel):
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     t = [EmbeddingBagConfig(name="T", num_embeddings=10, embedding_dim=4, feature_names=["f"], pooling="mean")]
     dirty = KeyedJaggedTensor(["f"], torch.tensor([3, 12, 5, -1, 4]), lengths=torch.tensor([3, 2]))

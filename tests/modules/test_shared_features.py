@@ -125,7 +125,7 @@ def _sharded_case(env, st: str) -> str | None:
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     ws, rank = env.world_size, env.rank
     spec = EmbeddingOptimizerSpec("exact_adagrad", lr=0.1, eps=1e-8)

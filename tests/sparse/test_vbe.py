@@ -54,7 +54,7 @@ def vbe_batch(gen: torch.Generator, B: int, weighted: bool, tables=TABLES):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_ebc_vbe_equals_the_expanded_batch_forward_backward_and_update(kernel, weighted):
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     spec = EmbeddingOptimizerSpec("exact_rowwise_adagrad", lr=0.1)
     ebcs = [EmbeddingBagCollection(TABLES, is_weighted=weighted, compute_kernel=kernel, optimizer=spec, seed=5)
@@ -108,7 +108,7 @@ def _sharded_vbe_worker(env, types):
     from dlrmctl.distributed.model_parallel import plan_from_types
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     out = {}
     for st in types:

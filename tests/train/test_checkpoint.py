@@ -413,7 +413,8 @@ def test_resume_of_a_checkpoint_written_by_the_per_parameter_loop_runs_foreach(d
     """A checkpoint written when the dense optimizer ran torch's per-parameter loop (param_groups
     with ``foreach: None``/``False``, as before dlrmctl chose ``foreach`` on the CPU) resumes on
     the multi-tensor form (the implementation is not state), with the same losses as a straight run."""
-    from dlrmctl.train import optim, optimizers
+    from dlrmctl.optim import dense as optim
+    from dlrmctl.train import optimizers
 
     runs = str(tmp_path)
     _train(None, _cfg(data, runs, "s", STRAIGHT), os.path.join(runs, "s"), False, None).train()

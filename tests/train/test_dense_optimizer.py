@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dlrmctl.config import DenseOptimizerConfig
-from dlrmctl.train.optim import dense_optimizer
+from dlrmctl.optim.dense import dense_optimizer
 
 _LOOP = {"adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
 

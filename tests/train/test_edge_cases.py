@@ -7,7 +7,7 @@ import torch
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
 from dlrmctl.sparse import KeyedJaggedTensor, SparseInputError
-from dlrmctl.train.optim import embedding_optimizer_for_dense
+from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
 
 def test_lengths_and_offsets_that_disagree_name_the_first_position():

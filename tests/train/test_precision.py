@@ -116,7 +116,7 @@ def test_fp16_tables_dense_kernel_updates_like_the_fp16_tbe(opt):
     from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     tables = [EmbeddingBagConfig(num_embeddings=20, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"],
                                  data_type=DataType.FP16) for i in range(2)]
@@ -213,7 +213,7 @@ def test_fp16_dense_kernel_table_with_several_features_and_a_shared_one_trains()
     from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
     from dlrmctl.sparse import KeyedJaggedTensor
-    from dlrmctl.train.optim import embedding_optimizer_for_dense
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
 
     tables = [EmbeddingBagConfig(num_embeddings=20, embedding_dim=8, name="t0", feature_names=["f0", "f1"],
                                  data_type=DataType.FP16),

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from dlrmctl.optim.dense import row_state_tensors
 from dlrmctl.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -81,8 +82,7 @@ def local_embedding_shards(model: TrainModel, emb_dense_opt: torch.optim.Optimiz
         w = weights[t.name]
         states = fused.get(t.name)
         if states is None:
-            st = emb_dense_opt.state.get(w, {}) if emb_dense_opt is not None else {}
-            states = [v for _, v in sorted(st.items()) if torch.is_tensor(v) and v.dim() >= 1 and v.shape[0] == w.shape[0]]
+            states = row_state_tensors(emb_dense_opt, w)
         out.append((t.name, [0, 0], [t.num_embeddings, t.embedding_dim], w, list(states)))
     return out
 
