@@ -19,24 +19,36 @@ A replacement is built complete in a sibling temporary directory (:func:`make_te
 old one in place.  :func:`reclaim_stale` removes the temporaries of killed runs (ours, and their
 process gone) at the next build of the same output.
 
+A finished build's marker lists the ``entries`` it wrote; ``--force`` refuses a directory where
+anything else has appeared since (:func:`foreign_entries`).
+
+Single output files (``predict --output``, ``plan --out`` / ``--report``) follow the same rule:
+:func:`check_file_replaceable` lets ``--force`` replace only a regular file the command's kind of
+writer made (recognised by its content), never a symbolic link, a device, a directory, a file
+inside a dlrmctl output, or the command's own input; :func:`atomic_file` writes a hidden
+``.<name>.tmp-<host>-<pid>`` sibling (within ``NAME_MAX``) renamed over the output when
+complete, and first removes such siblings of killed runs (:func:`reclaim_stale_files`).
+
 Torch-free (imported by the command modules before torch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Callable, Iterable, Iterator
 
 from dlrmctl.errors import UserError
-from dlrmctl.fileio import write_text_atomic
+from dlrmctl.fileio import temp_prefix, write_text_atomic
 
 MARKER_NAME = ".dlrmctl"
 MARKER_VERSION = 1
@@ -103,7 +115,12 @@ def kind_of(directory: str | os.PathLike) -> str | None:
                                           or (d / "summary.json").is_file()):
         return "run"
     if (d / "sweep.csv").is_file() and (d / "logs").is_dir():
-        return "sweep"
+        try:  # the header `dlrmctl sweep` writes, not any table called sweep.csv
+            with open(d / "sweep.csv", encoding="utf-8", errors="replace") as f:
+                if f.read(11) == "rank,point,":
+                    return "sweep"
+        except OSError:
+            pass
     return None
 
 
@@ -146,8 +163,53 @@ def check_replaceable(path: str | os.PathLike, kind: str, what: str, remedy: str
                 why = f"it is not a dlrmctl {kind} (no {MARKER_NAME} marker) and {what} replaces only what dlrmctl made"
             elif k != kind:
                 why = f"it is a dlrmctl {k}, not a {kind}"
+            else:
+                foreign = foreign_entries(p)
+                if foreign:
+                    why = (f"it holds {', '.join(foreign[:3])}{' and more' if len(foreign) > 3 else ''}, "
+                           f"which dlrmctl did not write (move them out first)")
     if why is not None:
         raise OutputError(f"{p}: refusing to replace it ({what}): {why}; {remedy}")
+
+
+def foreign_entries(directory: str | os.PathLike) -> list[str]:
+    """The names in ``directory`` that its dlrmctl build did not write (the ``entries`` its marker
+    recorded when it was finished, :func:`finish_marker`); [] when the marker recorded none (an
+    output of an older dlrmctl, or a run, whose ``--overwrite`` keeps such files)."""
+    rec = read_marker(directory) or {}
+    known = rec.get("entries")
+    if not isinstance(known, list):
+        return []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(set(names) - set(known) - {MARKER_NAME})
+
+
+def check_adoptable(directory: str | os.PathLike, kind: str, remedy: str) -> None:
+    """Raise unless a ``kind`` output may be written into ``directory``: absent, empty, or a dlrmctl
+    ``kind`` output already (a sweep run again), and not the working directory, one above it, ``/``
+    or the home directory.
+
+    Raises:
+        OutputError: naming the directory, what it is, and ``remedy``.
+    """
+    d = Path(directory)
+    why = _protected(d)
+    if why is None and os.path.lexists(d):
+        if not d.is_dir() or d.is_symlink():
+            why = "it is not a directory"
+        elif any(d.iterdir()):
+            k = kind_of(d)
+            if k is None:
+                names = sorted(os.listdir(d))
+                why = (f"it holds {', '.join(names[:3])}{' and more' if len(names) > 3 else ''}, which dlrmctl did "
+                       f"not write (no {MARKER_NAME} marker)")
+            elif k != kind:
+                why = f"it is a dlrmctl {k}, not a {kind}"
+    if why is not None:
+        raise OutputError(f"{d}: refusing to write a {kind} there: {why}; {remedy}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -170,7 +232,7 @@ def make_temp_dir(out: str | os.PathLike, kind: str, tag: str = "tmp") -> Path:
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{tag}-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out, tag, 8), dir=out.parent))
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -183,8 +245,11 @@ def make_temp_dir(out: str | os.PathLike, kind: str, tag: str = "tmp") -> Path:
 
 
 def finish_marker(directory: str | os.PathLike, kind: str, **extra: Any) -> None:
-    """Turn a temporary's marker into the final one (drops ``temp``/``pid``/``host``)."""
-    write_marker(directory, kind, **extra)
+    """Turn a temporary's marker into the final one (drops ``temp``/``pid``/``host``), recording
+    the ``entries`` the build wrote: ``--force`` later refuses to delete anything else found there
+    (:func:`foreign_entries`)."""
+    entries = sorted(set(os.listdir(directory)) - {MARKER_NAME})
+    write_marker(directory, kind, entries=entries, **extra)
 
 
 def reclaim_stale(out: str | os.PathLike) -> list[Path]:
@@ -203,8 +268,9 @@ def reclaim_stale(out: str | os.PathLike) -> list[Path]:
     except OSError:
         return removed
     host = socket.gethostname()
+    prefixes = (f".{out.name}.tmp-", f".{out.name}.old-", temp_prefix(out, "tmp", 8), temp_prefix(out, "old", 8))
     for n in names:
-        if not (n.startswith(f".{out.name}.tmp-") or n.startswith(f".{out.name}.old-")):
+        if not n.startswith(prefixes):
             continue
         p = out.parent / n
         if not p.is_dir() or p.is_symlink():
@@ -293,7 +359,7 @@ class DatasetTarget:
 
     def commit(self) -> None:
         """The build succeeded: mark it complete and, for ``"replace"``, swap it in at ``out``."""
-        write_marker(self.build_dir, "dataset", recipe=self.recipe, complete=True)
+        finish_marker(self.build_dir, "dataset", recipe=self.recipe, complete=True)
         if self.build_dir != self.out:
             swap_in(self.build_dir, self.out)
 
@@ -328,6 +394,7 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
         OSError: the temporary cannot be created.
     """
     out = Path(out)
+    reclaim_stale(out)  # a killed build's temporaries, whatever this one does
     legacy_same = bool(recipe.pop("legacy_same", False))
     recipe = _normal(recipe)
     if os.path.lexists(out) and not out.is_dir():
@@ -357,7 +424,6 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
                           "--force to replace it (runs trained on it will then fail their data fingerprint check) "
                           "or --out another directory")
     check_replaceable(out, "dataset", "--force", "--out another directory")
-    reclaim_stale(out)
     tmp = make_temp_dir(out, "dataset")
     return DatasetTarget(out, tmp, "replace", recipe)
 
@@ -367,3 +433,154 @@ def _short(x: Any) -> str:
         names = [i.get("path") if isinstance(i, dict) else str(i) for i in x]
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return str(x)
+
+
+# ----------------------------------------------------------------------------- single output files
+def _host_tag() -> str:
+    """6 hex digits naming this host in a temporary file's name (a shared directory's other hosts'
+    temporaries are never taken for this host's)."""
+    import hashlib
+
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:6]
+
+
+def temp_file(out: str | os.PathLike) -> Path:
+    """The hidden temporary sibling a single output file is written to before its rename:
+    ``.<name>.tmp-<host>-<pid>`` (shortened to fit ``NAME_MAX``, :func:`dlrmctl.fileio.temp_prefix`)."""
+    out = Path(out)
+    return out.with_name(f"{temp_prefix(out, 'tmp', 20)}{_host_tag()}-{os.getpid()}")
+
+
+def reclaim_stale_files(out: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files of ``out`` (:func:`temp_file`) left by killed runs of this host
+    whose process is gone, and those of an older dlrmctl (``.<name>.tmp-<pid>``) untouched for
+    :data:`LEGACY_TEMP_AGE_S` seconds whose pid is gone.  Returns the files removed."""
+    out = Path(out)
+    try:
+        names = os.listdir(out.parent)
+    except OSError:
+        return []
+    removed, host = [], _host_tag()
+    for n in names:
+        for prefix in {temp_prefix(out, "tmp", 20), f".{out.name}.tmp-"}:
+            rest = n[len(prefix):] if n.startswith(prefix) else ""
+            tag, _, pid = rest.rpartition("-")
+            if not pid.isdigit() or (tag and tag != host):
+                continue
+            p = out.parent / n
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            legacy_fresh = not tag and time.time() - st.st_mtime < LEGACY_TEMP_AGE_S
+            if not stat.S_ISREG(st.st_mode) or legacy_fresh or _pid_alive(int(pid)):
+                continue
+            p.unlink(missing_ok=True)
+            removed.append(p)
+            break
+    return removed
+
+
+#: the header lines of ``predict``'s scores CSV (unlabelled, labelled input)
+SCORES_HEADERS = (b"row,score\n", b"row,label,score\n")
+
+
+def is_scores_csv(path: str | os.PathLike) -> bool:
+    """``path`` (a regular file) starts as a scores CSV ``dlrmctl predict`` writes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(32).startswith(SCORES_HEADERS)
+    except OSError:
+        return False
+
+
+def _same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _not_ours(path: Path, kind: str, recognise: Callable[[Path], bool]) -> str | None:
+    """Why the existing ``path`` is not a ``kind`` file dlrmctl wrote (None when it is)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISREG(st.st_mode):
+        what = ("a directory" if stat.S_ISDIR(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "not a regular file")
+        return f"is {what}"
+    holder = kind_of(path.parent)
+    if holder is not None:
+        return f"is inside a dlrmctl {holder} ({path.parent})"
+    if not recognise(path):
+        return f"is not a {kind} dlrmctl wrote (its content differs)"
+    return None
+
+
+def check_file_replaceable(path: str | os.PathLike, kind: str, recognise: Callable[[Path], bool], *,
+                           force: bool, option: str, inputs: Iterable[str | os.PathLike | None] = ()) -> None:
+    """Raise unless a new ``kind`` file (a scores CSV, a plan, a report, ...) may be written at ``path``.
+
+    An absent ``path`` may be written.  An existing one is replaced only with ``force`` and only
+    when it is a regular file (not a symbolic link, a device such as ``/dev/null``, a FIFO or a
+    directory), not inside a dlrmctl run / dataset / export, and ``recognise`` (given the regular
+    file's path; it reads a bounded head) says dlrmctl wrote it.  Never one of ``inputs`` (the command's own input files).
+
+    Args:
+        path: the output file asked for.
+        kind: what the command writes, for the messages (``"scores CSV"``).
+        recognise: True when the file is a ``kind`` file dlrmctl wrote.
+        force: the command's ``--force``.
+        option: the option naming ``path`` (``"--output"``), for the messages.
+        inputs: the files the command reads (None entries are skipped).
+
+    Raises:
+        OutputError: one line naming ``path``, why it is not replaced, and the remedy.
+    """
+    p = Path(path)
+    for i in inputs:
+        if i is not None and os.path.lexists(p) and _same_file(p, i):
+            raise OutputError(f"{option} {p}: is an input of this command ({i}); {option} another file")
+    if not os.path.lexists(p):
+        return
+    why = _not_ours(p, kind, recognise)
+    if why is not None:
+        raise OutputError(f"{option} {p}: exists and {why}; --force replaces only a {kind} dlrmctl wrote: "
+                          f"{option} another file")
+    if not force:
+        raise OutputError(f"{option} {p}: exists; pass --force to replace it (a {kind} dlrmctl wrote), "
+                          f"or {option} another file")
+
+
+@contextlib.contextmanager
+def atomic_file(out: str | os.PathLike, mode: str = "w", recheck: Callable[[], None] | None = None,
+                **open_kw: Any) -> Iterator[IO]:
+    """Open a temporary sibling of ``out`` (:func:`temp_file`) for writing; when the block ends
+    without an exception it is closed and renamed to ``out`` (``recheck`` first, e.g.
+    :func:`check_file_replaceable` again), else removed.  Stale temporaries of killed runs are
+    reclaimed first (:func:`reclaim_stale_files`); the parent directory is created.
+
+    Raises:
+        OSError: the temporary cannot be created or written (its ``filename`` names it).
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    reclaim_stale_files(out)
+    tmp = temp_file(out)
+    f = open(tmp, mode, **open_kw)
+    try:
+        yield f
+        f.close()
+        if recheck is not None:
+            recheck()
+        os.replace(tmp, out)
+    except BaseException as e:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not e.filename:  # a write to a full disk names no file: name the output
+            e.filename = str(out)
+        raise

@@ -102,12 +102,14 @@ def predict_command(
         if out_real == os.path.realpath(input) or out_real.startswith(model_real + os.sep):
             _fail(f"--output {output}: is the input or inside the exported model {model_dir}; write the scores "
                   "to another file")
-        if os.path.lexists(output) and not force:
-            _fail(f"--output {output}: exists; pass --force to replace it, or --output another file")
+        from dlrmctl import outputs
+
+        outputs.check_file_replaceable(output, "scores CSV", outputs.is_scores_csv, force=force, option="--output",
+                                       inputs=(input,))
     from dlrmctl.inference.predict import predict_file
 
     try:
-        rep = predict_file(model_dir, input, output, batch_rows)
+        rep = predict_file(model_dir, input, output, batch_rows, force=force)
     except RuntimeError as e:
         if isinstance(e, UserError):
             raise

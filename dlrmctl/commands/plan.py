@@ -50,23 +50,25 @@ def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws:
 _REPORT_HEAD = "Sharding plan:"
 
 
-def _check_out(out: Path, force: bool, example: str) -> None:
+def _check_out(out: Path, force: bool, example: str, inputs: tuple = ()) -> None:
     """``--out`` names a file that may be written: not a directory, and not an existing file
-    without ``--force``.
+    unless ``--force`` and it is a plan or topology file dlrmctl wrote
+    (:func:`dlrmctl.outputs.check_file_replaceable`), never one of ``inputs``.
 
     Raises:
         ValueError: naming the option, the path and what to do (``example``: a file name to suggest).
     """
+    from dlrmctl import outputs
     from dlrmctl.commands._common import show_path
 
-    if out.is_dir():
+    if out.is_dir() and not out.is_symlink():
         raise ValueError(f"--out {show_path(out)} is a directory; give a file path, e.g. "
                          f"--out {show_path(out / example)}")
-    if out.exists() and not force:
-        raise ValueError(f"{show_path(out)} exists; pass --force to replace it, or --out another file")
-    if out.exists() and not _written_by_plan(out):
-        raise ValueError(f"{show_path(out)} exists and is not a plan or topology file dlrmctl wrote; --force replaces "
-                         "only those: --out another file")
+    try:
+        outputs.check_file_replaceable(out, "plan or topology file", _written_by_plan, force=force, option="--out",
+                                       inputs=inputs)
+    except outputs.OutputError as e:
+        raise ValueError(str(e)) from None
 
 
 def _written_by_plan(path: Path) -> bool:
@@ -179,17 +181,21 @@ def plan_command(
             shown_as=show_path(topo_file) if topo_file else None,
         )
         # the outputs once every input is known good (a bad --device is named before an existing plan.yaml)
-        _check_out(out, force, "plan.yaml")
+        _check_out(out, force, "plan.yaml", (config, topo_file))
         if rpath.is_dir():
             raise ValueError(f"--report {show_path(rpath)} is a directory; give a file path, e.g. "
                              f"--report {show_path(rpath / 'plan_report.txt')}")
         # realpath: a --report symlink (dangling too) or a symlinked directory naming the plan file
         if os.path.realpath(rpath) == os.path.realpath(out):
             raise ValueError(f"--report {show_path(rpath)} is the plan file itself; give another --report")
-        if rpath.exists() and not force and not _is_plan_report(rpath):
-            raise ValueError(f"the report would replace {show_path(rpath)}, which is not a plan report (a plan "
-                             f"written as --out {show_path(rpath)}?); pass --force to replace it, or --report "
-                             f"another file")
+        from dlrmctl import outputs
+
+        try:  # a report of ours is rewritten with its plan (as its plan is with --force); never anything else
+            outputs.check_file_replaceable(rpath, "plan report", _is_plan_report, force=force or _is_plan_report(rpath)
+                                           and not os.path.islink(rpath), option="--report",
+                                           inputs=(config, topo_file))
+        except outputs.OutputError as e:
+            raise ValueError(str(e)) from None
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4)
         # the plan must be what train --nproc will accept
@@ -221,8 +227,9 @@ def plan_command(
     echo(text.rstrip("\n"))
     res.plan.save(out)  # makes the plan's directory
     try:  # and --report's, as the plan's (a --report in a new directory died after the plan was written)
-        os.makedirs(os.path.dirname(os.path.abspath(rpath)), exist_ok=True)
-        rpath.write_text(text)
+        from dlrmctl.fileio import write_text_atomic
+
+        write_text_atomic(rpath, text)
     except OSError as e:
         fail(f"wrote {show_path(out)}, but not the report --report {show_path(rpath)}: {e.strerror or e}")
     echo(f"wrote {show_path(out)} and {show_path(rpath)}")

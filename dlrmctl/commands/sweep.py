@@ -220,8 +220,10 @@ def sweep(
         if os.path.exists(run_dir) and not overwrite:
             fail(f"{show_path(run_dir)} exists: pass --overwrite to train the sweep again, or --name for a new one")
         runs.append((pname, assignment, overrides, run_dir))
-    if os.path.isdir(sweep_dir) and os.listdir(sweep_dir) and outputs.kind_of(sweep_dir) not in ("sweep", None):
-        fail(f"{show_path(sweep_dir)} is a dlrmctl {outputs.kind_of(sweep_dir)}, not a sweep; --name another sweep")
+    try:  # a sweep writes sweep.csv, sweep.md and logs/ only into a new directory or a sweep of its own
+        outputs.check_adoptable(sweep_dir, "sweep", "--name a new sweep (a directory under train.run_dir)")
+    except outputs.OutputError as e:
+        fail(str(e))
     jobs = min(jobs, len(runs))  # no idle workers: the threads per point come from the points run at once
     try:  # each point is a process of this machine
         check_local_fanout(jobs, f"--jobs {jobs}")

@@ -18,6 +18,7 @@ whose loader reads the weight columns) or from C++ with a ``DLRMIN02`` input.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import struct
@@ -28,6 +29,7 @@ from typing import Iterator, TextIO
 import numpy as np
 import torch
 
+from dlrmctl import outputs
 from dlrmctl.inference.export import ExportError, ExportedModel, load_exported, to_host
 
 __all__ = [
@@ -239,13 +241,15 @@ def predict_file(
     input_path: str | os.PathLike,
     output: str | os.PathLike | None = None,
     batch_rows: int = 65536,
+    force: bool = False,
 ) -> PredictReport:
     """Score a raw log file (39 fields, or 40 with the label first) and write a CSV of scores.
 
     Output: a CSV with header ``row,score`` (``row,label,score`` when the input is labelled), one
     line per input line in order: ``row`` is the input line's number (from 1), scores have 8
     significant digits; to stdout when ``output`` is None or ``"-"``; a file output is written to
-    a temp file and renamed.  Before scoring, the artifact's vocabulary files are checked against
+    a temp file and renamed (:func:`dlrmctl.outputs.atomic_file`) over an existing ``output`` only
+    with ``force`` and when that is a scores CSV dlrmctl wrote (:func:`dlrmctl.outputs.check_file_replaceable`).  Before scoring, the artifact's vocabulary files are checked against
     the SHA-256 the export recorded (:func:`check_vocabularies`).
 
     Returns:
@@ -255,6 +259,7 @@ def predict_file(
     Raises:
         ExportError, DataError: see :func:`iter_scores`; an empty input file or a directory;
         DataMismatchError: a vocabulary file differs from the one exported; FileNotFoundError: no input.
+        OutputError: ``output`` exists and may not be replaced.
         ValueError: ``batch_rows`` < 1.
     """
     from dlrmctl.data.columnar import DataError
@@ -272,19 +277,15 @@ def predict_file(
     model = load_exported(model_dir)
     check_vocabularies(model)
     to_stdout = output is None or str(output) == "-"
-    tmp = None
-    f: TextIO
-    if to_stdout:
-        f = sys.stdout
-    else:
-        out = Path(output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        f = open(tmp, "w")
     rows = 0
     all_s, all_l = [], []
     labelled = None
-    try:
+    with contextlib.ExitStack() as stack:
+        if to_stdout:
+            f: TextIO = sys.stdout
+        else:  # a temporary sibling renamed over --output only when complete, and only over a scores CSV of ours
+            f = stack.enter_context(outputs.atomic_file(output, recheck=lambda: outputs.check_file_replaceable(
+                output, "scores CSV", outputs.is_scores_csv, force=force, option="--output", inputs=(input_path,))))
         for z, labels in iter_scores(model, input_path, batch_rows, logits=True):
             scores = torch.sigmoid(torch.from_numpy(z)).numpy()  # the module's forward: sigmoid(logits)
             if labelled is None:
@@ -299,13 +300,5 @@ def predict_file(
             rows += len(scores)
         if labelled is None:
             f.write("row,score\n")
-        if tmp is not None:
-            f.close()
-            os.replace(tmp, Path(output))
-    except BaseException:
-        if tmp is not None:
-            f.close()
-            tmp.unlink(missing_ok=True)
-        raise
     metrics = compute_metrics_from_logits(np.concatenate(all_s), np.concatenate(all_l)) if labelled and rows else None
     return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output))

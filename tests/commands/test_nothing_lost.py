@@ -425,10 +425,14 @@ def test_predict_output_never_replaces_a_file_without_force_nor_its_input_or_mod
     assert inp.read_bytes() == before
     notes = tmp_path / "notes.csv"
     notes.write_text("mine\n")
-    _one_error(_cli("predict", m, "--input", inp, "--output", notes), "exists; pass --force")
+    _one_error(_cli("predict", m, "--input", inp, "--output", notes, "--force"), "is not a scores CSV")
     assert notes.read_text() == "mine\n"
-    assert _cli("predict", m, "--input", inp, "--output", notes, "--force").exit_code == 0
-    assert notes.read_text().startswith("row,")
+    scores = tmp_path / "scores.csv"
+    assert _cli("predict", m, "--input", inp, "--output", scores).exit_code == 0
+    _one_error(_cli("predict", m, "--input", inp, "--output", scores), "exists", "pass --force")
+    assert _cli("predict", m, "--input", inp, "--output", scores, "--force").exit_code == 0
+    assert scores.read_text().startswith("row,")
+    assert sorted(os.listdir(tmp_path)) == ["in.tsv", "notes.csv", "scores.csv"]  # no temporary left
 
 
 def test_train_never_moves_into_a_directory_of_other_files(tmp_path):

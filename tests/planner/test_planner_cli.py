@@ -123,7 +123,7 @@ def test_plan_does_not_overwrite_without_force_and_prints_paths_one_way(tmp_path
     assert r.output.strip().splitlines()[-1] == "wrote plan.yaml and plan_report.txt"  # both relative to the cwd
     before = (tmp_path / "plan.yaml").read_text()
     r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64"])
-    assert r.exit_code == 2 and "plan.yaml exists; pass --force" in r.output
+    assert r.exit_code == 2 and "plan.yaml: exists; pass --force" in r.output
     assert (tmp_path / "plan.yaml").read_text() == before
     r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64", "--ddr-gb", "9", "--force"])
     assert r.exit_code == 0 and (tmp_path / "plan.yaml").is_file()  # a plan dlrmctl wrote is replaced
@@ -134,7 +134,7 @@ def test_plan_does_not_overwrite_without_force_and_prints_paths_one_way(tmp_path
     assert (tmp_path / "plan.yaml").read_text() == "# my notes\n"
     cfg_text = cfg_path.read_text()
     r = CliRunner().invoke(plan_cmd.app, args + ["--out", str(cfg_path), "--force"])
-    assert r.exit_code == 2 and "is not a plan or topology file dlrmctl wrote" in r.output, r.output
+    assert r.exit_code == 2 and "is an input of this command" in r.output, r.output
     assert cfg_path.read_text() == cfg_text
 
 
@@ -407,7 +407,7 @@ def test_the_calibration_labels_the_measured_and_the_all_dram_fused_backward():
 
 def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path):
     """`--out a_report.txt` then `--out a.yaml` would write a.yaml's report over the first plan:
-    refused (a report replaces only an earlier report, or anything with --force)."""
+    refused, with --force too (a report replaces only an earlier report)."""
     from dlrmctl.commands import plan as plan_cmd
 
     cfg_path = tmp_path / "c.yaml"
@@ -422,7 +422,9 @@ def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path
     r = run("--out", tmp_path / "a.yaml")
     assert r.exit_code == 2 and "not a plan report" in r.output
     assert (tmp_path / "a_report.txt").read_text() == first and not (tmp_path / "a.yaml").exists()
-    assert run("--out", tmp_path / "a.yaml", "--force").exit_code == 0
+    r = run("--out", tmp_path / "a.yaml", "--force")  # --force replaces only a report of ours, not a plan
+    assert r.exit_code == 2 and "not a plan report" in r.output
+    assert (tmp_path / "a_report.txt").read_text() == first and not (tmp_path / "a.yaml").exists()
     # a report replaces an earlier report of the same plan name
     assert run("--out", tmp_path / "b.yaml").exit_code == 0 and run("--out", tmp_path / "b.yaml", "--force").exit_code == 0
     r = run("--out", tmp_path / "c.yaml2", "--report", tmp_path / "c.yaml2")
