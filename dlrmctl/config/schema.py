@@ -116,7 +116,7 @@ class DataConfig:
     num_samples: Optional[int] = None
     """Row cap per epoch; null: all rows."""
     prefetch: int = 2
-    """Loader prefetch depth: batches assembled ahead of the step."""
+    """Loader prefetch depth (>= 0): batches assembled ahead of the step."""
     multi_hot_sizes: Optional[list[int]] = None
     """One size per sparse feature of meta.json: the 1-hot ids are expanded into
     MLPerf-DLRMv2-style multi-hot bags of that many ids on the fly (also a planner input).
@@ -161,7 +161,7 @@ class ModelConfig:
     feature. Zero-initialised, trained by the dense optimizer and exported."""
     embedding_init_max: Optional[float] = None
     """Every table starts ``U(-a, a)`` with ``a`` this value (> 0, finite in
-    ``embedding_precision``). null: the DLRM reference's ``a = sqrt(1 / num_embeddings)`` per
+    ``embedding_precision``, and ``embedding_dim * a**2`` finite in fp32). null: the DLRM reference's ``a = sqrt(1 / num_embeddings)`` per
     table (dlrm_s_pytorch.py ``create_emb``). A small ``a`` starts every id near zero, so an id
     seen a few times moves little from a neutral vector (as an L2-penalised per-id weight of a
     logistic regression does)."""
@@ -260,9 +260,9 @@ class DenseOptimizerConfig:
     eps: float = 1e-8
     """Added to the denominator of the Adagrad / Adam updates; > 0."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """``adam``'s (beta1, beta2)."""
+    """``adam``'s (beta1, beta2), each in [0, 1)."""
     momentum: float = 0.0
-    """``sgd``'s momentum."""
+    """``sgd``'s momentum, in [0, 1]."""
     weight_decay: float = 0.0
     """torch's ``weight_decay`` (L2 added to the gradient); >= 0."""
 

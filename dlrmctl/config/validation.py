@@ -130,6 +130,7 @@ def validate_data(d: schema.DataConfig, path: str = "data") -> None:
     _positive(d.batch_size, f"{path}.batch_size")
     _positive(d.eval_batch_size, f"{path}.eval_batch_size")
     _positive(d.num_samples, f"{path}.num_samples")
+    _positive(d.prefetch, f"{path}.prefetch", allow_zero=True)  # 0: no background thread
     for key in ("shuffle_window_rows", "shuffle_block_rows"):  # ints already (config_from_dict's type check)
         if getattr(d, key) < 1:
             raise ConfigError(f"{path}.{key}: must be an integer >= 1 (rows), got {getattr(d, key)!r}")
@@ -176,6 +177,12 @@ def _validate_model_init_max(m: schema.ModelConfig, path: str) -> None:
         raise ConfigError(f"{path}.embedding_init_max: {a!r} exceeds the largest finite "
                           f"{m.embedding_precision} value ({top:g}) of {path}.embedding_precision "
                           f"{m.embedding_precision}: the tables would start with inf")
+    # the dot interaction sums embedding_dim products of two rows: up to dim * a^2 must stay finite in fp32
+    dim = m.embedding_dim if isinstance(m.embedding_dim, int) and m.embedding_dim > 0 else 1
+    if a is not None and a * a * dim > 3.4028234663852886e38:
+        raise ConfigError(f"{path}.embedding_init_max: {a!r} is too large: a dot product of two rows of "
+                          f"{path}.embedding_dim {dim} (up to dim x a^2) overflows fp32 (at most "
+                          f"{math.sqrt(3.4028234663852886e38 / dim):.3g}; typical values are 0.01-0.1)")
 
 
 def _validate_model_tables(m: schema.ModelConfig, path: str) -> None:
@@ -219,6 +226,8 @@ def _validate_model_interaction(m: schema.ModelConfig, path: str) -> None:
     if it == "projection":
         for key in ("interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes"):
             sizes = getattr(m, key)
+            for i, n in enumerate(sizes or ()):
+                _positive(n, f"{path}.{key}[{i}]")
             if not sizes or sizes[-1] % d:
                 raise ConfigError(f"{path}.{key}: the last layer must be a multiple of the embedding dim {d}, "
                                   f"got {sizes}")
@@ -239,14 +248,16 @@ def validate_embedding_optimizer(o: schema.EmbeddingOptimizerConfig, path: str =
 
 
 def validate_dense_optimizer(o: schema.DenseOptimizerConfig, path: str = "optimizer.dense") -> None:
-    """Finite rates (lr, weight_decay >= 0; eps > 0) and two betas.
+    """Finite rates (lr, weight_decay >= 0; eps > 0), two betas in [0, 1) and a momentum in [0, 1].
 
     Raises:
         ConfigError: naming the key under ``path`` (``optimizer.dense``).
     """
     _validate_rates(o, path)
-    if len(o.betas) != 2:
-        raise ConfigError(f"{path}.betas: expected two floats, got {o.betas}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):  # torch.optim.Adam's own bounds
+        raise ConfigError(f"{path}.betas: expected two floats in [0, 1), got {o.betas}")
+    if not 0.0 <= o.momentum <= 1.0:  # torch.optim.SGD refuses < 0; above 1 the velocity grows without bound
+        raise ConfigError(f"{path}.momentum: must be in [0, 1], got {o.momentum}")
 
 
 def validate_lr_schedule(s: schema.LRScheduleConfig, path: str = "optimizer.lr_schedule") -> None:

@@ -15,6 +15,7 @@ from dlrmctl.console import Progress, echo
 from dlrmctl.distributed.env import full_fp32_matmul
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.metrics import compute_metrics_from_logits
+from dlrmctl.train.run_dir import TrainError
 from dlrmctl.train.train_log import MetricsLog, jsonable
 
 if TYPE_CHECKING:
@@ -154,8 +155,17 @@ class Evaluator:
 
     def validate(self, step: int, epoch: int, tag: str) -> dict[str, float]:
         """Evaluate ``data.val_split`` at ``step``, update the best and the early-stopping count,
-        log the record (``epoch``: numbered from 1) and print one line (rank 0)."""
+        log the record (``epoch``: numbered from 1) and print one line (rank 0).
+
+        Raises:
+            TrainError: the model's scores are not finite (the training diverged: its weights went
+                inf/nan after the last finite loss); nothing of this evaluation is recorded or kept.
+        """
         m = self.evaluate()
+        if m["num_samples"] > 0 and not math.isfinite(m["logloss"]):  # every rank: the same all-rank metrics
+            raise TrainError(f"the model diverged: its {self.cfg.data.val_split} scores at step {step} are not "
+                             "finite (nan/inf); lower the learning rate or model.embedding_init_max (no evaluation "
+                             "or checkpoint of this model was made)")
         kb = self.cfg.train.keep_best
         if (self.best is None and is_defined(m, kb)) or (self.best is not None and is_better(m, self.best, kb)):
             self.best = dict(m, step=step)

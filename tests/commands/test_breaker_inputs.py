@@ -124,3 +124,16 @@ def test_a_local_world_size_that_does_not_divide_the_world_names_its_key(tmp_pat
     with pytest.raises(PlannerError, match=r"sharding.local_world_size 3 \(ranks per host\) must divide the world size 2"):
         topology_for_config(cfg, 2)
     assert topology_for_config(cfg, 6).local_world_size == 3
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("data.prefetch", "-1", "data.prefetch: must be >= 0"),
+    ("optimizer.dense.momentum", "-1", "optimizer.dense.momentum: must be in [0, 1]"),
+    ("optimizer.dense.betas", "[1.0, 0.5]", "optimizer.dense.betas: expected two floats in [0, 1)"),
+    ("model.interaction_branch1_layer_sizes", "[-5, 8]", "interaction_branch1_layer_sizes[0]: must be > 0"),
+    ("model.interaction_branch2_layer_sizes", "[0, 16]", "interaction_branch2_layer_sizes[0]: must be > 0"),
+])
+def test_values_that_crashed_later_are_refused_by_validation(tmp_path, data, key, value, needle):
+    """Each of these passed validation and ended in a traceback (rc 1) once training started."""
+    extra = ["--set", "model.interaction=projection"] if "branch" in key else []
+    one_error_line(["train", _config(tmp_path, data), "--set", f"{key}={value}", *extra], needle)
