@@ -13,8 +13,11 @@
   (``exact_sgd``): the same formulas as FBGEMM; weight decay (L2) reaches only
   the rows in the batch, with sparse gradients too (``torch.optim.Adagrad`` refuses
   that combination and ``torch.optim.SGD`` would decay every row).
+* :class:`RMSprop` (``rmsprop``): Adagrad's sum of squares as a moving average
+  (``torch.optim.RMSprop``) on the rows in the batch; no FBGEMM kernel, so the ``dense``
+  kernel on every device.
 
-They also update fp16 tables (``model.embedding_precision: fp16``): the gradient, the update
+The Adagrads and SGD also update fp16 tables (``model.embedding_precision: fp16``): the gradient, the update
 and the new weight are computed in fp32 and the weight is rounded once to fp16; their state
 stays fp32.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from dlrmctl.optim.rows import add_all, add_rows, grad32, once, row_runs, rows32, touched_mask, touched_rows
+
 
 class RowUpdateOptimizer(torch.optim.Optimizer):
     """Base of the dense-kernel table optimizers below: :meth:`step` visits every parameter that
@@ -156,3 +160,54 @@ class SparseSGD(RowUpdateOptimizer):
         if rows is None:
             return
         add_rows(p, rows, -lr * g, first)
+
+
+class RMSprop(RowUpdateOptimizer):
+    """``rmsprop``: ``torch.optim.RMSprop`` (Tieleman & Hinton 2012; ``centered=False``,
+    ``momentum=0``) on the rows in the batch only.
+
+    Per touched row ``r`` with (duplicate-summed) gradient ``g_r [D]``, the formulas and their
+    order of ``torch/optim/rmsprop.py`` (``_single_tensor_rmsprop``)::
+
+        g_r += weight_decay * w_r                  (L2, if weight_decay > 0)
+        v_r = alpha * v_r + (1 - alpha) * g_r ** 2
+        w_r -= lr * g_r / (sqrt(v_r) + eps)
+
+    ``alpha`` is ``betas[1]`` (the decay of the squared-gradient average, Adam's ``beta2``;
+    ``betas[0]`` is unused).  Rows not looked up keep their weights and their ``v``
+    (``torch.optim.RMSprop`` decays every row's ``v`` each step: the two agree while every row
+    is looked up each step); a row looked up with a summed gradient of zero decays its ``v``
+    (the registry's ``sparse_grads``).  State: ``square_avg [rows, dim]`` float32; fp32 tables.
+
+    Raises:
+        ValueError: ``betas[1]`` outside ``[0, 1)``.
+    """
+
+    def __init__(self, params, lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.99), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        alpha = float(betas[1])
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"RMSprop's alpha (betas[1]) must be in [0, 1), got {alpha}")
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay))
+
+    def new_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"square_avg": torch.zeros_like(p, dtype=torch.float32)}
+
+    def update(self, p: torch.Tensor, grad: torch.Tensor, st: dict, group: dict) -> None:
+        lr, alpha, eps, wd = group["lr"], group["alpha"], group["eps"], group["weight_decay"]
+        v = st["square_avg"]
+        mask = touched_mask(p)
+        if mask is not None:  # a data_parallel table's dense gradient with the rows looked up marked
+            mk = mask.unsqueeze(1)
+            g = grad + wd * p.float() * mk if wd else grad
+            v.copy_(torch.where(mk, v.mul(alpha).addcmul_(g, g, value=1 - alpha), v))
+            delta = g / (v.sqrt() + eps) * -lr
+            add_all(p, torch.where(mk, delta, torch.zeros((), dtype=delta.dtype, device=delta.device)))
+            return
+        rows, g, first = touched_rows(grad, p, wd)
+        if rows is None:
+            return
+        # gathered, formed and written back by copy: the repeats of a row carry its sum and write equal values
+        vr = v.index_select(0, rows).mul_(alpha).addcmul_(g, g, value=1 - alpha)
+        v.index_copy_(0, rows, vr)
+        add_rows(p, rows, g / (vr.sqrt() + eps) * -lr, first)

@@ -105,6 +105,8 @@ EMBEDDING_OPTIMIZERS: dict[str, EmbeddingOptimizer] = {r.name: r for r in (
     _adam("partial_rowwise_adam", "adam.PartialRowWiseAdam", rowwise_v=True),
     _adam("lamb", "adam.EmbeddingLamb", rowwise_v=False, lighter="partial_rowwise_lamb"),
     _adam("partial_rowwise_lamb", "adam.PartialRowWiseLamb", rowwise_v=True),
+    EmbeddingOptimizer("rmsprop", "adagrad.RMSprop", fbgemm=None, fused_on_cpu=False, fused_weight_decay=False,
+                       state_per_weight=1, state_per_row=0, row_coupled=False, sparse_grads=True, uses_betas=True),
 )}
 
 #: FBGEMM's Adam family (bias correction with the global step; CUDA TBE only)
