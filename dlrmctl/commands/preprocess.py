@@ -113,6 +113,9 @@ def criteo(
     frequency_threshold: Optional[int] = typer.Option(
         None, help="vocabulary: values seen >= T times in train get their own row, rarer ones share one "
         "(default 3 when --num-embeddings is not given; best on small data)"),
+    raw_ids: bool = typer.Option(False, "--raw-ids", help="raw 64-bit ids (FNV-1a-64 of each value's 8 hex "
+                                 "digits), no vocabulary, no modulo: for managed-collision tables "
+                                 "(model.managed_collision)"),
     val_ratio: float = typer.Option(0.0, help="fraction of rows for validation (per-row hash split)"),
     test_ratio: float = typer.Option(0.0, help="fraction of rows for test (per-row hash split)"),
     seed: int = typer.Option(0, help="seed of the ratio split and of the multi-hot offsets"),
@@ -139,7 +142,7 @@ def criteo(
         frequency_threshold=frequency_threshold, val_ratio=val_ratio, test_ratio=test_ratio, seed=seed,
         split_by_day=split_by_day, on_bad_line=on_bad_line,
         multi_hot_sizes=_int_list(multi_hot_sizes, "--multi-hot-sizes", 26),
-        multi_hot_distribution=multi_hot_distribution, workers=workers,
+        multi_hot_distribution=multi_hot_distribution, workers=workers, raw_ids=raw_ids,
     )
     try:
         opts.validate()

@@ -34,6 +34,7 @@ from dlrmctl.config.schema import (
     EmbeddingOptimizerConfig,
     ExperimentConfig,
     LRScheduleConfig,
+    ManagedCollisionConfig,
     ModelConfig,
     OptimizerConfig,
     ShardingConfig,
@@ -42,7 +43,13 @@ from dlrmctl.config.schema import (
     TableShardingConfig,
     TrainConfig,
 )
-from dlrmctl.config.tables import auto_embedding_dim, read_data_meta, resolve_tables, weighted_features
+from dlrmctl.config.tables import (
+    auto_embedding_dim,
+    managed_collision_tables,
+    read_data_meta,
+    resolve_tables,
+    weighted_features,
+)
 from dlrmctl.config.validation import FP16_EMBEDDING_OPTIMIZERS, INT64_MAX, INT_LIMITS, check_bounds, validate
 
 __all__ = [
@@ -55,6 +62,7 @@ __all__ = [
     "INT64_MAX",
     "INT_LIMITS",
     "LRScheduleConfig",
+    "ManagedCollisionConfig",
     "ModelConfig",
     "OptimizerConfig",
     "ShardingConfig",
@@ -67,6 +75,7 @@ __all__ = [
     "check_bounds",
     "config_from_dict",
     "load_config",
+    "managed_collision_tables",
     "read_data_meta",
     "resolve_tables",
     "to_dict",

@@ -55,6 +55,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 return _convert(value, a, path)
             except ConfigError as e:
                 errors.append(e)
+        if len(errors) == 1 and isinstance(value, dict):  # a mapping or null: the mapping's own error
+            raise errors[0]
         raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)

@@ -50,6 +50,25 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 @dataclass
+class ManagedCollisionConfig:
+    """A managed-collision table (``model.managed_collision``, ``model.tables[].managed_collision``):
+    a table of ``size`` rows (plus one default row) and a remapper from raw 64-bit ids to rows,
+    so no vocabulary pass is needed (:mod:`dlrmctl.modules.managed_collision`; see
+    docs/training.md#ids-that-change-every-day)."""
+
+    size: int = 0
+    """Rows the ids can own, ``N``. An id the remapper holds keeps its row; a new id takes a free
+    row or evicts the least valuable held id. Every distinct id of one batch must fit a bucket:
+    ``size / buckets >= batch_size x features of the table x their max_pooling_factor``."""
+    eviction: Literal["lfu", "lru"] = "lfu"
+    """Which held id a new one evicts: ``lfu`` the least frequently seen (ties: least recently),
+    ``lru`` the least recently seen. The evicted row's embedding and optimizer state are reset."""
+    buckets: int = 1
+    """The rows are split into this many equal blocks and an id takes rows of block
+    ``id % buckets`` only; a divisor of ``size``."""
+
+
+@dataclass
 class TableConfig:
     """One embedding table (``model.tables[i]``).
 
@@ -75,6 +94,9 @@ class TableConfig:
     TorchRec) and the features of the other tables get weight 1.0 from the loader. A feature
     shared by several tables carries one weight per id, so those tables must agree on
     ``weighted``. See docs/modules.md#weighted-features."""
+    managed_collision: Optional[ManagedCollisionConfig] = None
+    """A managed-collision table over raw-id features (keys as ``model.managed_collision``);
+    null: ``model.managed_collision`` when the table's features hold raw ids."""
 
 
 @dataclass
@@ -178,6 +200,10 @@ class ModelConfig:
     blocks; std is 1 for a constant column. Held in the model as buffers
     (:class:`~dlrmctl.modules.dlrm.DenseStandardize`), so checkpoints, ``evaluate`` and
     ``export`` carry them."""
+    managed_collision: Optional[ManagedCollisionConfig] = None
+    """The managed-collision table of every raw-id feature (meta.json ``"ids": "raw"``, e.g.
+    ``preprocess criteo --raw-ids``) whose table gives none: ``{size: N, eviction: lfu | lru,
+    buckets: 1}``. null: a raw-id feature is an error."""
     tables: list[TableConfig] = field(default_factory=list)
     """The embedding tables (``model.tables[]`` below). ``[]``: one table ``t_<feature>`` per
     sparse feature of meta.json, ``embedding_dim`` wide, with the feature's cardinality."""

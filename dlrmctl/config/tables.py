@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 
-from dlrmctl.config.schema import ConfigError, ExperimentConfig
+from dlrmctl.config.schema import ConfigError, ExperimentConfig, ManagedCollisionConfig
 
 
 def weighted_features(cfg: ExperimentConfig) -> list[str]:
@@ -19,6 +19,47 @@ def weighted_features(cfg: ExperimentConfig) -> list[str]:
     for t in cfg.model.tables:
         if t.weighted:
             out.extend(f for f in t.feature_names or [t.name] if f not in out)
+    return out
+
+
+def managed_collision_tables(cfg: ExperimentConfig, meta: dict | None) -> dict[str, ManagedCollisionConfig]:
+    """Table name -> its managed-collision config, for every table that has one: a table of
+    ``model.tables`` with ``managed_collision``, and every table over a raw-id feature (meta.json
+    ``"ids": "raw"``) otherwise given ``model.managed_collision``.
+
+    Raises:
+        ConfigError: a table over a raw-id feature without a managed-collision config (naming the
+            feature and the key to set); a ``size`` whose buckets cannot hold the distinct ids of
+            one batch (``data.batch_size`` x the table's features x their ``max_pooling_factor``),
+            naming the key.
+    """
+    feats = {f["name"]: f for f in (meta or {}).get("sparse_features", [])}
+    default = cfg.model.managed_collision
+    if cfg.model.tables:
+        specs = [(t.name, t.feature_names or [t.name], t.managed_collision, f"model.tables[{i}].managed_collision")
+                 for i, t in enumerate(cfg.model.tables)]
+    else:
+        specs = [(f"t_{n}", [n], None, "model.managed_collision") for n in feats]
+    out = {}
+    for name, fnames, own, key in specs:
+        raw = [n for n in fnames if feats.get(n, {}).get("ids") == "raw"]
+        mc = own if own is not None else (default if raw else None)
+        if mc is None:
+            if raw:
+                raise ConfigError(
+                    f"{os.path.join(cfg.data.path, 'meta.json')}: feature '{raw[0]}' holds raw ids (\"ids\": \"raw\"), "
+                    f"so table '{name}' needs a managed-collision table: set model.managed_collision "
+                    f"(or {key}): {{size: N, eviction: lfu}}")
+            continue
+        where = key if own is not None else "model.managed_collision"
+        need = cfg.data.batch_size * sum(int(feats.get(n, {}).get("max_pooling_factor", 1)) for n in fnames)
+        per = mc.size // mc.buckets
+        if per < need:
+            raise ConfigError(
+                f"{where}.size: {mc.size} rows ({mc.buckets} bucket(s) of {per}) cannot hold the distinct ids of "
+                f"one batch of table '{name}': up to {need} (data.batch_size {cfg.data.batch_size} x its features' "
+                f"max_pooling_factor); give size >= {need * mc.buckets}")
+        out[name] = mc
     return out
 
 
@@ -88,6 +129,8 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
       meta.json, ``model.embedding_dim`` wide, rows = the feature's ``num_embeddings``.
     * a table with ``num_embeddings: null``: the largest cardinality among its
       features in meta.json.
+    * a managed-collision table (:func:`managed_collision_tables`): ``size + 1`` rows (the last
+      is the default row of ids the remapper does not hold).
     * every table's ``data_type`` is ``model.embedding_precision`` (FP32 / FP16), its init
       bounds ``+-model.embedding_init_max`` when set (else the EBC's ``+-sqrt(1 / rows)``).
 
@@ -107,6 +150,7 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
     a = cfg.model.embedding_init_max  # None: each table's sqrt(1 / num_embeddings)
     init = {} if a is None else {"weight_init_min": -float(a), "weight_init_max": float(a)}
     feats = {f["name"]: f for f in (meta or {}).get("sparse_features", [])}
+    mc = managed_collision_tables(cfg, meta)
     out = []
     if not cfg.model.tables:
         if meta is None:
@@ -115,7 +159,8 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
                 "does not exist: run `dlrmctl preprocess` first or list model.tables"
             )
         for f in meta["sparse_features"]:
-            rows = int(f["num_embeddings"])
+            t_mc = mc.get(f"t_{f['name']}")
+            rows = t_mc.size + 1 if t_mc is not None else int(f["num_embeddings"])
             dim = (auto_embedding_dim(rows, cfg.model.embedding_dim_factor, cfg.model.dense_arch_layer_sizes[-1])
                    if cfg.model.embedding_dim == "auto" else cfg.model.embedding_dim)
             out.append(EmbeddingBagConfig(name=f"t_{f['name']}", num_embeddings=rows,
@@ -125,6 +170,11 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
     for i, t in enumerate(cfg.model.tables):
         fnames = t.feature_names or [t.name]
         rows = t.num_embeddings
+        if t.name in mc:
+            if rows is not None and rows != mc[t.name].size + 1:
+                raise ConfigError(f"model.tables[{i}].num_embeddings: a managed-collision table has size + 1 rows "
+                                  f"({mc[t.name].size + 1}); got {rows} (leave it null)")
+            rows = mc[t.name].size + 1
         if rows is None:
             missing = [n for n in fnames if n not in feats]
             if meta is None or missing:

@@ -118,6 +118,21 @@ def validate_table(t: schema.TableConfig, path: str) -> None:
         raise ConfigError(f"{path}.feature_names: {twice} listed more than once in table '{t.name}'")
     _positive(t.num_embeddings, f"{path}.num_embeddings")
     _positive(t.embedding_dim, f"{path}.embedding_dim")
+    if t.managed_collision is not None:
+        validate_managed_collision(t.managed_collision, f"{path}.managed_collision")
+
+
+def validate_managed_collision(mc: schema.ManagedCollisionConfig, path: str) -> None:
+    """``size >= 1`` and ``buckets`` a divisor of it (the batch's needs are checked with the data,
+    :func:`dlrmctl.config.tables.resolve_tables`).
+
+    Raises:
+        ConfigError: naming ``path.size`` or ``path.buckets``.
+    """
+    if mc.size < 1:
+        raise ConfigError(f"{path}.size: the rows of the managed-collision table, an integer >= 1; got {mc.size}")
+    if mc.buckets < 1 or mc.size % mc.buckets:
+        raise ConfigError(f"{path}.buckets: must be >= 1 and divide {path}.size ({mc.size}); got {mc.buckets}")
 
 
 def validate_data(d: schema.DataConfig, path: str = "data") -> None:
@@ -154,6 +169,8 @@ def validate_model(m: schema.ModelConfig, path: str = "model") -> None:
         raise ConfigError(f"{path}.dropout: must be in [0, 1) (the probability of zeroing an activation), "
                           f"got {m.dropout}")
     _validate_model_init_max(m, path)
+    if m.managed_collision is not None:
+        validate_managed_collision(m.managed_collision, f"{path}.managed_collision")
     for i, n in enumerate(m.dense_arch_layer_sizes):
         _positive(n, f"{path}.dense_arch_layer_sizes[{i}]")
     for i, n in enumerate(m.over_arch_layer_sizes):

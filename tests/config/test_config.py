@@ -45,6 +45,11 @@ def test_criteo_kaggle_is_the_standard_dlrm():
         ({}, ["data.shuffle_window_rows=0"], r"data.shuffle_window_rows: must be an integer >= 1 \(rows\), got 0"),
         ({}, ["data.shuffle_block_rows=-5"], r"data.shuffle_block_rows: must be an integer >= 1 \(rows\), got -5"),
         ({}, ["data.shuffle_window_rows=1.5"], r"data.shuffle_window_rows: expected int"),
+        ({"model": {"managed_collision": {"size": 100, "eviction": "fifo"}}}, [],
+         r"model.managed_collision.eviction: expected one of \['lfu', 'lru'\], got 'fifo'"),
+        ({"model": {"managed_collision": {"size": 0}}}, [], r"model.managed_collision.size: .* integer >= 1; got 0"),
+        ({"model": {"tables": [{"name": "a", "managed_collision": {"size": 10, "buckets": 3}}]}}, [],
+         r"model.tables\[0\].managed_collision.buckets: must be >= 1 and divide"),
     ],
 )
 def test_config_errors_name_the_key_path(raw, overrides, match):
@@ -121,3 +126,44 @@ def test_a_bad_value_from_set_names_the_override(tmp_path):
     with pytest.raises(ConfigError) as e:  # the file's own value: no --set named
         load_config(bad, ["train.max_steps=3"])
     assert "--set" not in str(e.value) and str(e.value).startswith(f"{bad}: data.batch_size")
+
+
+def _raw_meta(tmp_path, pooling=1):
+    import json
+
+    meta = {"dense_features": ["I1"], "sparse_features": [
+        {"name": "C1", "num_embeddings": 5000, "multi_hot": pooling > 1, "max_pooling_factor": pooling, "ids": "raw"},
+        {"name": "C2", "num_embeddings": 7, "multi_hot": False}]}
+    (tmp_path / "meta.json").write_text(json.dumps(meta))
+    return meta
+
+
+def test_a_raw_id_feature_gets_a_managed_collision_table_of_size_plus_one_rows_or_an_error_naming_the_key(tmp_path):
+    from dlrmctl.config import managed_collision_tables, resolve_tables
+
+    meta = _raw_meta(tmp_path)
+    cfg = config_from_dict({"data": {"path": str(tmp_path), "batch_size": 64}})
+    with pytest.raises(ConfigError, match=r"meta.json: feature 'C1' holds raw ids .*set model.managed_collision"):
+        resolve_tables(cfg, meta)
+    cfg = config_from_dict({"data": {"path": str(tmp_path), "batch_size": 64},
+                            "model": {"managed_collision": {"size": 64, "eviction": "lru"}}})
+    assert {t.name: t.num_embeddings for t in resolve_tables(cfg, meta)} == {"t_C1": 65, "t_C2": 7}
+    assert managed_collision_tables(cfg, meta)["t_C1"].eviction == "lru"
+    cfg = config_from_dict({"data": {"path": str(tmp_path), "batch_size": 64},
+                            "model": {"tables": [{"name": "t", "feature_names": ["C1", "C2"]}]}})
+    with pytest.raises(ConfigError, match=r"model.tables\[0\].managed_collision"):
+        resolve_tables(cfg, meta)
+
+
+def test_a_managed_collision_size_below_one_batchs_distinct_ids_is_an_error_naming_the_key(tmp_path):
+    from dlrmctl.config import resolve_tables
+
+    meta = _raw_meta(tmp_path, pooling=3)
+    cfg = config_from_dict({"data": {"path": str(tmp_path), "batch_size": 64},
+                            "model": {"managed_collision": {"size": 400, "buckets": 2}}})
+    assert resolve_tables(cfg, meta)[0].num_embeddings == 401  # 2 buckets of 200 >= 64 x 3
+    cfg = config_from_dict({"data": {"path": str(tmp_path), "batch_size": 64},
+                            "model": {"tables": [{"name": "C1", "managed_collision": {"size": 300, "buckets": 2}}]}})
+    with pytest.raises(ConfigError, match=r"model.tables\[0\].managed_collision.size: 300 rows \(2 bucket\(s\) "
+                                          r"of 150\) .* up to 192 .* give size >= 384"):
+        resolve_tables(cfg, meta)

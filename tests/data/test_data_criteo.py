@@ -110,6 +110,34 @@ def test_hand_written_tsv_empty_fields_negatives_hex_mod_n_and_missing_id(tmp_pa
 
 
 
+def test_raw_ids_are_the_one_hash_of_the_lowercase_hex_text_missing_is_0_and_meta_counts_distinct(tmp_path):
+    from dlrmctl.data.criteo.raw_transform import transform_raw_file
+    from dlrmctl.data.ids import raw_id_of
+
+    cats = ["05DB9164", ""] + ["ffffffff"] * 24
+    f = tmp_path / "train.txt"
+    f.write_text(line("1", None, cats) + line("0") + line("0", None, ["05db9164"] * 26))
+    out = tmp_path / "out"
+    preprocess_criteo(f, out, CriteoOptions(raw_ids=True), progress=False)
+    cols = read_split(out, "train")
+    assert cols["C1"].tolist() == [raw_id_of("05db9164"), raw_id_of("00000001"), raw_id_of("05db9164")]
+    assert cols["C2"][0] == 0 and cols["C3"][0] == raw_id_of("ffffffff")
+    meta = read_meta(out)
+    from dlrmctl.data.columnar import is_raw_feature
+    assert all(is_raw_feature(s) for s in meta["sparse_features"])
+    assert [s["num_embeddings"] for s in meta["sparse_features"][:3]] == [2, 3, 3]
+    assert meta["transforms"]["sparse"]["mode"] == "raw"
+    chunks = list(transform_raw_file(f, meta, out))  # predict's raw lines: the same ids
+    assert np.array_equal(np.concatenate([c[1] for c in chunks])[:, 0], cols["C1"])
+
+
+@pytest.mark.parametrize("bad", [dict(num_embeddings=[10] * 26), dict(frequency_threshold=2),
+                                 dict(multi_hot_sizes=[2] * 26)], ids=["hash", "vocab", "multi_hot"])
+def test_raw_ids_with_another_id_mode_or_multi_hot_is_refused_naming_both_options(bad):
+    with pytest.raises(ValueError, match="--raw-ids"):
+        CriteoOptions(raw_ids=True, **bad).validate()
+
+
 @pytest.mark.parametrize("opts", [HASH, CriteoOptions(frequency_threshold=1, workers=2),
                                   CriteoOptions(frequency_threshold=1, split_by_day=True)], ids=["hash", "vocab", "by_day"])
 def test_day_files_with_no_lines_next_to_others_give_empty_parts(tmp_path, opts):

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from dlrmctl.data.columnar import LABEL_COLUMN, DataError, check_split_ratios
+from dlrmctl.data.ids import MISSING_RAW_ID, raw_ids
 
 if TYPE_CHECKING:
     from dlrmctl.data.criteo.vocab import VocabSet
@@ -176,8 +177,9 @@ def row_split_codes(lines: np.ndarray, file_name: str, seed: int, val_ratio: flo
 class CriteoOptions:
     """Options of :func:`preprocess_criteo` (see the module docstring for the semantics).
 
-    Exactly one of ``num_embeddings`` (hashing) and ``frequency_threshold`` (vocabulary) may be
-    set; with neither, a vocabulary with threshold :data:`DEFAULT_FREQUENCY_THRESHOLD` is built.
+    Exactly one of ``num_embeddings`` (hashing), ``frequency_threshold`` (vocabulary) and
+    ``raw_ids`` (raw 64-bit ids for managed-collision tables) may be set; with none, a vocabulary
+    with threshold :data:`DEFAULT_FREQUENCY_THRESHOLD` is built.
     """
 
     num_embeddings: list[int] | None = None  # 26 ints (one value is broadcast by the caller)
@@ -191,12 +193,19 @@ class CriteoOptions:
     multi_hot_distribution: str = "uniform"
     workers: int = 1
     block_size: int = DEFAULT_BLOCK_SIZE
+    raw_ids: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the option when an option is inconsistent."""
         if self.num_embeddings is not None and self.frequency_threshold is not None:
             raise ValueError("--num-embeddings (hashing) and --frequency-threshold (vocabulary) "
                              "are exclusive; give one")
+        if self.raw_ids and (self.num_embeddings is not None or self.frequency_threshold is not None):
+            raise ValueError("--raw-ids, --num-embeddings (hashing) and --frequency-threshold (vocabulary) "
+                             "are exclusive; give one")
+        if self.raw_ids and self.multi_hot_sizes is not None:
+            raise ValueError("--raw-ids and --multi-hot-sizes are exclusive (multi-hot bags are drawn "
+                             "around an index id)")
         if self.num_embeddings is not None:
             if len(self.num_embeddings) != NUM_SPARSE:
                 raise ValueError(f"--num-embeddings: expected 1 or {NUM_SPARSE} values, got "
@@ -221,6 +230,9 @@ class CriteoOptions:
 
     @property
     def mode(self) -> str:
+        """``"raw"`` (raw 64-bit ids), ``"hash"`` (modulo) or ``"vocab"`` (vocabulary)."""
+        if self.raw_ids:
+            return "raw"
         return "hash" if self.num_embeddings is not None else "vocab"
 
     @property
@@ -597,12 +609,15 @@ def ids_of(opts: CriteoOptions, sparse_h: list[np.ndarray], sparse_present: list
 
     Returns:
         26 x ``[n]`` int64: hashing ``h mod N`` (missing -> ``N``); vocabulary: the value's id,
-        ``V`` for a value outside the vocabulary, ``V + 1`` for a missing value.
+        ``V`` for a value outside the vocabulary, ``V + 1`` for a missing value; raw ids:
+        :func:`raw_ids_of_hex` (missing -> :data:`~dlrmctl.data.ids.MISSING_RAW_ID`).
     """
     out = []
     for f in range(NUM_SPARSE):
         h, present = sparse_h[f], sparse_present[f]
-        if opts.mode == "hash":
+        if opts.mode == "raw":
+            ids = raw_ids_of_hex(h, present)
+        elif opts.mode == "hash":
             nb = opts.num_embeddings[f]
             ids = (h % np.uint64(nb)).astype(np.int64)
             ids[~present] = nb
@@ -612,3 +627,32 @@ def ids_of(opts: CriteoOptions, sparse_h: list[np.ndarray], sparse_present: list
             ids[~present] = v.size + 1
         out.append(ids)
     return out
+
+
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_NIBBLE_SHIFTS = np.arange(28, -1, -4, dtype=np.uint64)
+
+
+def raw_ids_of_hex(h: np.ndarray, present: np.ndarray) -> np.ndarray:
+    """Raw 64-bit ids of Criteo categorical values (``--raw-ids``).
+
+    The canonical text of a Criteo value is its 8 lowercase hex digits (``f"{int(s, 16):08x}"``,
+    so ``68FD1E64`` and ``68fd1e64`` are one value, as in hashing and vocabulary modes); its raw
+    id is :func:`dlrmctl.data.ids.raw_ids` of that text (the one FNV-1a-64 hash, no other).  The
+    text is rebuilt vectorised as one fixed-width Arrow string buffer (no per-value Python).
+
+    Args:
+        h: ``[n]`` uint64/uint32 decoded values (< 2^32).
+        present: ``[n]`` bool, False where the field is empty.
+
+    Returns:
+        ``[n]`` int64 raw ids; missing fields are :data:`~dlrmctl.data.ids.MISSING_RAW_ID` (0).
+    """
+    n = len(h)
+    nib = (np.asarray(h, dtype=np.uint64)[:, None] >> _NIBBLE_SHIFTS[None, :]) & np.uint64(0xF)
+    data = _HEX_DIGITS[nib.astype(np.intp)].reshape(-1)
+    offsets = np.arange(0, 8 * n + 1, 8, dtype=np.int64)
+    text = pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
+    ids = raw_ids(text)
+    ids[~np.asarray(present, dtype=bool)] = MISSING_RAW_ID
+    return ids

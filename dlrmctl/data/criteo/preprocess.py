@@ -32,6 +32,8 @@ import pyarrow as pa
 
 from dlrmctl.data.columnar import (
     FORMAT_VERSION,
+    IDS_KEY,
+    IDS_RAW,
     LABEL_COLUMN,
     SPLITS,
     DataError,
@@ -288,7 +290,7 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     if o.mode == "hash":
         table_sizes = [n + 1 for n in o.num_embeddings]
     else:
-        table_sizes = None
+        table_sizes = None  # vocab: from the vocabulary; raw: distinct train ids, once written
 
     def fp_common() -> dict:
         return {"format_version": FORMAT_VERSION, "seed": o.seed, "val_ratio": o.val_ratio,
@@ -379,12 +381,17 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     missing = [sum(done_stats[f]["missing"][i] for f in files) for i in range(NUM_SPARSE)]
     bad_lines = sum(done_stats[f]["bad_lines"] for f in files)
     total = sum(rows.values())
+    if o.mode == "raw":
+        table_sizes = _distinct_train_ids(out, files)
     sparse_meta = []
     for i, name in enumerate(SPARSE_FEATURES):
         entry = {"name": name, "num_embeddings": int(table_sizes[i]), "multi_hot": mh[i] > 1,
                  "mean_pooling_factor": float(mh[i]), "max_pooling_factor": int(mh[i]),
-                 "missing_id": int(table_sizes[i] - 1),
                  "missing_fraction": (missing[i] / total) if total else 0.0}
+        if o.mode == "raw":
+            entry[IDS_KEY] = IDS_RAW
+        else:
+            entry["missing_id"] = int(table_sizes[i] - 1)
         if vocab_info is not None:
             entry["oov_id"] = int(table_sizes[i] - 2)
             entry["distinct_train_values"] = vocab_info[i]["distinct_train_values"]
@@ -392,7 +399,12 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     transforms = {
         "dense": {"missing": 0, "negative": "clamped to 0", "transform": "log(x+1)", "dtype": "float32",
                   "source": DLRM_LOG_SOURCE},
-        "sparse": ({"mode": "hash", "parse": "int(s, 16) of 8 hex digits",
+        "sparse": ({"mode": "raw", "parse": "int(s, 16) of 8 hex digits",
+                    "formula": "id = raw_ids(f'{int(s, 16):08x}') (dlrmctl.data.ids: FNV-1a-64 of the "
+                               "UTF-8 text, top bit cleared); missing -> 0",
+                    "num_embeddings": "distinct raw ids of the train split"}
+                   if o.mode == "raw" else
+                   {"mode": "hash", "parse": "int(s, 16) of 8 hex digits",
                     "formula": "id = h mod num_embeddings_arg; missing -> num_embeddings_arg",
                     "num_embeddings_arg": o.num_embeddings}
                    if o.mode == "hash" else
@@ -433,6 +445,23 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     return PreprocessReport(out, rows, bad_lines, len(tasks), len(skipped), elapsed,
                             rows_read / elapsed if elapsed > 0 else 0.0)
 
+
+
+def _distinct_train_ids(out: Path, files: Sequence[Path]) -> list[int]:
+    """Number of distinct raw ids of each sparse feature over every part's train shard (exact;
+    one feature's ids in memory at a time, 8 bytes per train row)."""
+    import pyarrow.ipc as ipc
+
+    tables = []  # memory-mapped: a column is read when it is taken
+    for f in files:
+        p = out / "parts" / f.name / "train.arrow"
+        if p.is_file():
+            tables.append(ipc.open_file(pa.memory_map(str(p))).read_all())
+    counts = []
+    for name in SPARSE_FEATURES:
+        cols = [t.column(name).to_numpy() for t in tables]
+        counts.append(int(np.unique(np.concatenate(cols)).size) if cols else 0)
+    return [max(1, c) for c in counts]
 
 
 def _sha_file(path: Path) -> str:

@@ -49,14 +49,17 @@ class RawTransformer:
         if any(sf.get("multi_hot") for sf in meta.get("sparse_features") or []):
             raise DataError("raw-line transform gives one-hot ids; this meta has multi-hot features", path=source)
         mode = sparse.get("mode")
-        if mode == "hash":
+        if mode == "raw":
+            self.opts = CriteoOptions(raw_ids=True)
+            self.vocabs = None
+        elif mode == "hash":
             self.opts = CriteoOptions(num_embeddings=list(sparse["num_embeddings_arg"]))
             self.vocabs = None
         elif mode == "vocab":
             self.opts = CriteoOptions(frequency_threshold=int(sparse.get("frequency_threshold", DEFAULT_FREQUENCY_THRESHOLD)))
             self.vocabs = VocabSet([Path(data_dir) / meta["vocab_files"][n] for n in SPARSE_FEATURES])
         else:
-            raise DataError(f"unknown sparse transform mode {mode!r} in meta (expected 'hash' or 'vocab')", path=source)
+            raise DataError(f"unknown sparse transform mode {mode!r} in meta (expected 'hash', 'vocab' or 'raw')", path=source)
 
     def _blocks(self, reader: BlockReader, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray | None]]:
         for blk in reader:

@@ -1,0 +1,235 @@
+"""Managed-collision tables: a remapper from raw 64-bit ids to the rows of a table of fixed size.
+
+A raw-id feature (meta.json ``"ids": "raw"``, :mod:`dlrmctl.data.ids`) has no vocabulary: its ids
+are 63-bit hashes.  A managed-collision (MCH, TorchRec's ``MCHManagedCollisionModule``) table of
+``size`` rows gives each id it holds a row of its own (zero collisions among the ids held) and
+takes a row for a new id from the free rows, else from the least valuable id held, under an
+eviction policy:
+
+* ``lfu``: the row whose id was seen the fewest times (ties: the least recently seen, then the
+  lowest row);
+* ``lru``: the row whose id was seen the longest ago (ties: the lowest row).
+
+Rows hit by the current batch are never evicted by it.  An evicted row's embedding and optimizer
+state are reset (:meth:`ManagedCollisionRemapper.reset_values`, the caller zeroes the optimizer
+state), so a newcomer inherits nothing from the id it replaces.
+
+State, all tensors (``N = size``; memory ``O(N)``, independent of the number of distinct ids in
+the log): ``row_ids [N+1]`` the raw id each row holds (``EMPTY`` when free; the last entry is a
+scratch slot), ``counts [N+1]`` how often, ``last_seen [N+1]`` the step it was last seen,
+``sorted_ids [N]`` / ``sorted_rows [N]`` the held ids in ascending order with their rows (the
+lookup: one ``torch.searchsorted``), and ``step`` (training remaps so far).
+
+The table has ``N + 1`` rows: row ``N`` is the *default row*, which no id owns.  In evaluation,
+export, ``predict`` and ``serve`` the remapper changes nothing and an id it does not hold maps to
+the default row (as TorchRec's MCH maps a miss to its last row); that row keeps its initial
+values.  In training every id gets a row of its own.
+
+Buckets: with ``buckets = B`` the rows are split into ``B`` equal blocks and an id may only take
+a row of block ``id % B``.  The remapper state of a block depends only on the ids of that block,
+so a table row_wise-sharded over ranks whose row blocks are unions of whole buckets keeps exactly
+the same state as one process.
+
+The training remap is vectorised: one sort of the batch's ids, ``searchsorted`` on the held ids,
+a sort of each bucket's rows by the policy (only the rows, ``[B, N/B]``), and scatters with a
+scratch slot for masked entries; no per-id Python loop and no read of a tensor value on the host.
+Cost per step: ``O(n log n + N log N)`` for ``n`` ids in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionRemapper", "reset_uniform"]
+
+#: the id of a free row (larger than any raw id: free rows sort after held ones)
+EMPTY = (1 << 63) - 1
+#: the eviction policies a remapper knows
+EVICTION_POLICIES = ("lfu", "lru")
+
+_MASK = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed int64 of the same bits."""
+    c &= _MASK
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _lshr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number
+    generators"; the constants of Vigna's ``splitmix64.c``) on int64 bits, wrapping."""
+    z = x + _i64(0x9E3779B97F4A7C15)
+    z = (z ^ _lshr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _lshr(z, 27)) * _i64(0x94D049BB133111EB)
+    return z ^ _lshr(z, 31)
+
+
+def reset_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: float) -> torch.Tensor:
+    """The values a row takes when a new id ``ids[i]`` gets it: ``U(low, high)`` per column from a
+    counter-based generator keyed by ``(seed, id, column)`` — the same on every rank and device,
+    whoever held the row before.
+
+    Args:
+        ids: ``[n]`` int64 raw ids.
+        dim: columns.
+        seed: ``train.seed`` (mixed with the table's name by the caller).
+        low, high: the table's init bounds.
+
+    Returns:
+        ``[n, dim]`` float32 on ``ids.device``.
+    """
+    key = _splitmix64(ids.to(torch.int64) ^ _i64(seed))
+    cols = torch.arange(dim, dtype=torch.int64, device=ids.device)
+    z = _splitmix64(key[:, None] + cols[None, :])
+    u = _lshr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+    return (low + (high - low) * u).to(torch.float32)
+
+
+class ManagedCollisionRemapper(nn.Module):
+    """The remapper of one managed-collision table (see the module docstring).
+
+    Args:
+        size: ``N``, the rows ids can own (the table has ``N + 1``: row ``N`` is the default row).
+        eviction: ``"lfu"`` or ``"lru"``.
+        buckets: ``B``, a divisor of ``size``; an id takes rows of block ``id % B`` only.
+        device: where the state lives.
+
+    Raises:
+        ValueError: ``size < 1``, ``buckets`` not a divisor of ``size``, or an unknown policy.
+    """
+
+    def __init__(self, size: int, eviction: str = "lfu", buckets: int = 1,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if size < 1:
+            raise ValueError(f"managed collision: size must be >= 1, got {size}")
+        if buckets < 1 or size % buckets:
+            raise ValueError(f"managed collision: buckets ({buckets}) must divide size ({size})")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"managed collision: eviction must be one of {list(EVICTION_POLICIES)}, got {eviction!r}")
+        self.size = int(size)
+        self.eviction = eviction
+        self.buckets = int(buckets)
+        kw = {"dtype": torch.int64, "device": device}
+        self.register_buffer("row_ids", torch.full((size + 1,), EMPTY, **kw))
+        self.register_buffer("counts", torch.zeros(size + 1, **kw))
+        self.register_buffer("last_seen", torch.full((size + 1,), -1, **kw))
+        self.register_buffer("sorted_ids", torch.full((size,), EMPTY, **kw))
+        self.register_buffer("sorted_rows", torch.arange(size, **kw))
+        self.register_buffer("step", torch.zeros((), **kw))
+
+    @property
+    def default_row(self) -> int:
+        """The row an id not held maps to outside training (``size``)."""
+        return self.size
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, eviction={self.eviction}, buckets={self.buckets}"
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``ids`` without changing the state.
+
+        Args:
+            ids: ``[n]`` int64 raw ids.
+
+        Returns:
+            ``(rows [n] int64, held [n] bool)``: the row of each held id, :attr:`default_row`
+            for the others.
+        """
+        pos = torch.searchsorted(self.sorted_ids, ids).clamp_(max=self.size - 1)
+        held = self.sorted_ids[pos] == ids
+        return torch.where(held, self.sorted_rows[pos], self.size), held
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`lookup`'s rows (what evaluation and the exported program run)."""
+        return self.lookup(ids)[0]
+
+    # ------------------------------------------------------------------ training
+    def _candidates(self, protected: torch.Tensor) -> torch.Tensor:
+        """``[B, N/B]`` rows of each bucket in eviction order: free rows first, then by the
+        policy; rows in ``protected`` (``[N]`` bool) last."""
+        n, b = self.size, self.buckets
+        rows = torch.arange(n, device=self.row_ids.device).view(b, n // b)
+        free = self.row_ids[:n] == EMPTY
+        big = torch.iinfo(torch.int64).max
+        last = torch.where(free, -1, self.last_seen[:n])
+        if self.eviction == "lfu":
+            keys = [last, torch.where(free, -1, self.counts[:n])]  # secondary first
+        else:
+            keys = [last]
+        order = rows
+        for k in keys:
+            k = torch.where(protected, big, k).view(b, n // b)
+            _, idx = torch.sort(torch.gather(k, 1, order - rows[:, :1]), dim=1, stable=True)
+            order = torch.gather(order, 1, idx)
+        return order
+
+    @torch.no_grad()
+    def remap_train(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of ``ids`` for a training step, giving every new id a row and updating the state.
+
+        Every id gets a row of its own: held ids keep theirs; each new id takes the first
+        candidate of its bucket (:meth:`_candidates`).  The batch's distinct ids of one bucket
+        must fit ``size / buckets`` rows (the config check guarantees it).
+
+        Args:
+            ids: ``[n]`` int64 raw ids (``>= 0``).
+
+        Returns:
+            ``(rows [n], taken_rows [n], taken_ids [n])``, int64: each id's row; and, at the
+            positions of the first occurrence of each new id, the row it took and the id
+            (elsewhere ``taken_rows`` is :attr:`default_row`, i.e. nothing to reset), so the
+            caller resets those rows' embedding (:func:`reset_uniform`) and optimizer state.
+        """
+        n_ids = ids.numel()
+        dev = ids.device
+        n, b = self.size, self.buckets
+        if n_ids == 0:
+            e = torch.zeros(0, dtype=torch.int64, device=dev)
+            return e, e, e
+        self.step += 1
+        s, perm = torch.sort(ids)
+        first = torch.ones(n_ids, dtype=torch.bool, device=dev)
+        first[1:] = s[1:] != s[:-1]
+        ar = torch.arange(n_ids, device=dev)
+        first_pos = torch.cummax(torch.where(first, ar, 0), 0).values  # position of each group's first
+        occ = torch.zeros(n_ids, dtype=torch.int64, device=dev).index_add_(
+            0, first_pos, torch.ones(n_ids, dtype=torch.int64, device=dev))  # count, at the first position
+        row, held = self.lookup(s)
+        new = first & ~held
+        protected = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+        protected[torch.where(held, row, n)] = True
+        cand = self._candidates(protected[:n]).reshape(-1)
+        # rank of each new id within its bucket: sort new first-positions by bucket
+        bucket = torch.where(new, s % b, b)
+        sb, order = torch.sort(bucket, stable=True)
+        rank = ar - torch.searchsorted(sb, sb)
+        slot = (sb * (n // b) + rank).clamp_(max=n - 1)
+        took = torch.full((n_ids,), n, dtype=torch.int64, device=dev)
+        took[order] = torch.where(sb < b, cand[slot], n)
+        row = torch.where(new, took, row)
+        row = row[first_pos]  # every occurrence: its group's row
+        # state: the first position of each group writes; the others write the scratch slot n
+        tgt = torch.where(first, row, n)
+        self.row_ids[tgt] = s
+        self.counts[tgt] = torch.where(new, 0, self.counts[tgt]) + occ
+        self.last_seen[tgt] = self.step
+        self.row_ids[n] = EMPTY
+        sid, spos = torch.sort(self.row_ids[:n])
+        self.sorted_ids.copy_(sid)
+        self.sorted_rows.copy_(spos)
+        out = torch.empty_like(row)
+        out[perm] = row
+        return out, torch.where(new, took, n), torch.where(new, s, 0)
+
+    def held(self) -> int:
+        """Number of rows that hold an id (a host read: for reports and tests, not the step)."""
+        return int((self.row_ids[: self.size] != EMPTY).sum())

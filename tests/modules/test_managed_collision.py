@@ -1,0 +1,134 @@
+"""Managed-collision remapper: zero collisions among held ids, LFU/LRU eviction against a plain
+reference, what a newcomer's row is reset to, buckets, the default row, O(N) state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dlrmctl.modules.managed_collision import EMPTY, ManagedCollisionRemapper, reset_uniform
+
+
+def reference_remap(state: dict, ids: list[int], size: int, buckets: int, policy: str) -> list[int]:
+    """The policy written out plainly, one id at a time (the vectorised remapper must agree)."""
+    state["step"] += 1
+    step = state["step"]
+    rows, count, last = state["rows"], state["count"], state["last"]  # row -> id / count / last step
+    held = {v: r for r, v in rows.items()}
+    per = size // buckets
+    protected = {held[v] for v in set(ids) if v in held}
+
+    def order(b: int) -> list[int]:
+        cand = [r for r in range(b * per, (b + 1) * per) if r not in protected]
+        free = [r for r in cand if r not in rows]
+        used = [r for r in cand if r in rows]
+        key = (lambda r: (count[r], last[r], r)) if policy == "lfu" else (lambda r: (last[r], r))
+        return free + sorted(used, key=key)
+
+    cands = {b: order(b) for b in range(buckets)}
+    for v in sorted(set(ids)):
+        n = ids.count(v)
+        if v in held:
+            r = held[v]
+            count[r] += n
+        else:
+            r = cands[v % buckets].pop(0)
+            rows[r] = v
+            count[r] = n
+            held[v] = r
+        last[r] = step
+    return [held[v] for v in ids]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_remap_and_eviction_equal_a_plain_per_id_reference_over_a_zipf_stream(policy, buckets):
+    size, rng = 16, np.random.default_rng(0)
+    m = ManagedCollisionRemapper(size, policy, buckets)
+    state = {"step": 0, "rows": {}, "count": {}, "last": {}}
+    for _ in range(60):
+        ids = (rng.zipf(1.3, size // buckets) * 7919 + rng.integers(0, 3)).tolist()  # fits a bucket
+        got, _, _ = m.remap_train(torch.tensor(ids))
+        assert got.tolist() == reference_remap(state, ids, size, buckets, policy)
+    held = {r: v for r, v in enumerate(m.row_ids[:size].tolist()) if v != EMPTY}
+    assert held == state["rows"]
+    assert {r: int(m.counts[r]) for r in held} == state["count"]
+
+
+def test_held_ids_never_share_a_row_and_keep_theirs_while_held():
+    rng = np.random.default_rng(1)
+    m = ManagedCollisionRemapper(64, "lfu")
+    before = {}
+    for _ in range(200):
+        ids = torch.from_numpy(rng.integers(1, 400, 40))
+        rows, _, _ = m.remap_train(ids)
+        pairs = set(zip(ids.tolist(), rows.tolist()))
+        assert len({r for _, r in pairs}) == len({v for v, _ in pairs})  # distinct ids, distinct rows
+        row_ids = m.row_ids[:64].tolist()
+        now = {v: r for r, v in enumerate(row_ids) if v != EMPTY}
+        assert len(now) == len([v for v in row_ids if v != EMPTY])  # no id held twice
+        for v, r in before.items():
+            if v in now:
+                assert now[v] == r  # an id still held never moved
+        before = now
+        looked, held = m.lookup(torch.tensor(list(now)))
+        assert held.all() and looked.tolist() == list(now.values())
+
+
+def test_new_ids_report_the_row_they_took_and_an_evicted_row_restarts_from_the_newcomers_values():
+    m = ManagedCollisionRemapper(2, "lru")
+    m.remap_train(torch.tensor([5, 7]))
+    m.remap_train(torch.tensor([7]))
+    rows, taken, taken_ids = m.remap_train(torch.tensor([9, 7, 9]))
+    assert rows.tolist() == [0, 1, 0]  # 9 evicts 5 (least recently seen); 7 keeps row 1
+    assert sorted(zip(taken.tolist(), taken_ids.tolist())) == [(0, 9), (2, 0), (2, 0)]  # 2 = nothing to reset
+    a = reset_uniform(torch.tensor([9, 9, 5]), 8, seed=3, low=-0.1, high=0.1)
+    assert torch.equal(a[0], a[1]) and not torch.equal(a[0], a[2])
+    assert (a.abs() <= 0.1).all() and a.dtype == torch.float32
+    assert not torch.equal(a, reset_uniform(torch.tensor([9, 9, 5]), 8, seed=4, low=-0.1, high=0.1))
+
+
+def test_unseen_ids_map_to_the_default_row_and_lookup_changes_nothing():
+    m = ManagedCollisionRemapper(4, "lfu")
+    m.remap_train(torch.tensor([11, 12]))
+    snap = {k: v.clone() for k, v in m.state_dict().items()}
+    assert m(torch.tensor([12, 99, 11, 0])).tolist() == [1, 4, 0, 4]
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in snap.items())
+
+
+def test_a_bucketed_remapper_is_the_union_of_one_remapper_per_bucket():
+    """What makes a row_wise-sharded remapper (whole buckets per rank) equal one process."""
+    rng = np.random.default_rng(2)
+    whole = ManagedCollisionRemapper(12, "lfu", buckets=3)
+    parts = [ManagedCollisionRemapper(4, "lfu") for _ in range(3)]
+    for _ in range(50):
+        ids = torch.from_numpy(rng.integers(1, 60, 4))  # fits one bucket
+        rows, _, _ = whole.remap_train(ids)
+        for b, p in enumerate(parts):
+            sel = ids % 3 == b
+            if sel.any():
+                r, _, _ = p.remap_train(ids[sel])
+                assert torch.equal(rows[sel], r + 4 * b)
+            else:
+                p.step += 1  # every bucket counts the step
+    for b, p in enumerate(parts):
+        assert torch.equal(whole.row_ids[4 * b:4 * b + 4], p.row_ids[:4])
+
+
+def test_state_is_o_of_size_whatever_the_number_of_distinct_ids():
+    m = ManagedCollisionRemapper(1000, "lfu")
+    nbytes = sum(b.numel() * b.element_size() for b in m.buffers())
+    for i in range(50):
+        m.remap_train(torch.arange(i * 1000, (i + 1) * 1000) * 104729 + 1)  # 50,000 distinct ids
+    assert sum(b.numel() * b.element_size() for b in m.buffers()) == nbytes <= 6 * 8 * 1001
+    assert m.held() == 1000
+
+
+def test_bad_arguments_name_what_is_wrong():
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        ManagedCollisionRemapper(0)
+    with pytest.raises(ValueError, match="buckets"):
+        ManagedCollisionRemapper(10, buckets=3)
+    with pytest.raises(ValueError, match="eviction"):
+        ManagedCollisionRemapper(10, "fifo")
