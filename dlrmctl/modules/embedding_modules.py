@@ -571,6 +571,17 @@ class EmbeddingBagCollection(TableFeatures):
         self.compute_kernel = compute_kernel
         self._build_lookup(init=True)
         self.register_state_dict_post_hook(_only_embedding_bags)
+        #: remappers of the managed-collision tables (raw ids -> rows before the lookup), or None
+        self.managed_collision: nn.Module | None = None
+
+    def set_managed_collision(self, mc: nn.Module) -> None:
+        """Run ``mc`` (a :class:`~dlrmctl.modules.managed_collision.ManagedCollisionCollection` over
+        some of the tables) on the input before every lookup; its features hold raw ids, so they are
+        no longer range-checked (the rows it gives always are in range)."""
+        self.managed_collision = mc
+        managed = set(mc.tables())
+        self._bounds = {e: [b for b in bs if b.table not in managed] for e, bs in self._bounds.items()}
+        self._bounds = {e: bs for e, bs in self._bounds.items() if bs}
 
     def _build_lookup(self, init: bool) -> None:
         """(Re)build ``lookup`` and the ``embedding_bags`` views on :attr:`device` with the compute
@@ -614,6 +625,8 @@ class EmbeddingBagCollection(TableFeatures):
         Raises:
             SparseInputError: a variable-batch KJT without inverse indices.
         """
+        if self.managed_collision is not None:
+            features = self.managed_collision(features, self)
         features, inv = split_variable_batch(self.prepare_features(features))
         out = KeyedTensor(self._embedding_names, self._length_per_key, self.lookup(features))
         return out if inv is None else expand_by_inverse_indices(out, inv)

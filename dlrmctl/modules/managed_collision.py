@@ -38,10 +38,12 @@ Cost per step: ``O(n log n + N log N)`` for ``n`` ids in the batch.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
-__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionRemapper", "reset_uniform"]
+__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionCollection", "ManagedCollisionRemapper", "reset_uniform"]
 
 #: the id of a free row (larger than any raw id: free rows sort after held ones)
 EMPTY = (1 << 63) - 1
@@ -233,3 +235,97 @@ class ManagedCollisionRemapper(nn.Module):
     def held(self) -> int:
         """Number of rows that hold an id (a host read: for reports and tests, not the step)."""
         return int((self.row_ids[: self.size] != EMPTY).sum())
+
+
+class ManagedCollisionCollection(nn.Module):
+    """The remappers of an EmbeddingBagCollection's managed-collision tables, run on its input KJT
+    before the lookup (TorchRec's ``ManagedCollisionCollection`` inside an MC-EBC).
+
+    In training (``self.training``) each table's ids (all its features, concatenated) go through
+    :meth:`ManagedCollisionRemapper.remap_train`; the rows new ids take are reset before the
+    lookup reads them: weights to :func:`reset_uniform` of the newcomer's id (the table's init
+    bounds, ``seed`` mixed with the table's name), and every optimizer state tensor with one entry
+    per row (the fused TBE's momentum, or the dense-kernel optimizer's state of the table's weight,
+    see :attr:`dense_optimizer`) to zero.  Outside training the ids are only looked up (an id not
+    held maps to the default row).
+
+    Args:
+        tables: the collection's tables (``EmbeddingBagConfig``) that are managed, each with
+            ``num_embeddings = size + 1``.
+        configs: table name -> ``(size, eviction, buckets)``.
+        seed: ``train.seed``.
+        device: where the remapper state lives (the tables' device).
+
+    Raises:
+        ValueError: a table whose ``num_embeddings`` is not ``size + 1``.
+    """
+
+    def __init__(self, tables: list, configs: dict[str, tuple[int, str, int]], seed: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.remappers = nn.ModuleDict()
+        self._features: dict[str, list[str]] = {}
+        self._init: dict[str, tuple[float, float, int]] = {}
+        for t in tables:
+            size, eviction, buckets = configs[t.name]
+            if t.num_embeddings != size + 1:
+                raise ValueError(f"managed-collision table '{t.name}' has {t.num_embeddings} rows; size + 1 = "
+                                 f"{size + 1} expected")
+            self.remappers[t.name] = ManagedCollisionRemapper(size, eviction, buckets, device)
+            self._features[t.name] = list(t.feature_names)
+            self._init[t.name] = (t.get_weight_init_min(), t.get_weight_init_max(),
+                                  _i64(int.from_bytes(hashlib.sha256(f"{seed}:{t.name}".encode()).digest()[:8], "little")))
+        #: the torch optimizer of dense-kernel tables (its per-row state is reset on eviction); set by the trainer
+        self.dense_optimizer: torch.optim.Optimizer | None = None
+
+    def tables(self) -> list[str]:
+        """Names of the managed tables."""
+        return list(self._features)
+
+    def features(self) -> list[str]:
+        """Input features of the managed tables."""
+        return [f for fs in self._features.values() for f in fs]
+
+    def forward(self, features, ebc: nn.Module):
+        """``features`` (a KeyedJaggedTensor of raw ids) with every managed feature's ids replaced by
+        rows; in training also resets the rows new ids took in ``ebc`` (the EmbeddingBagCollection
+        whose tables these are) and in its optimizers."""
+        from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+
+        values = features.values()
+        offs = features.offset_per_key()
+        idx = features.index_per_key()
+        out = values.clone()
+        for table, fnames in self._features.items():
+            segs = [(offs[idx[f]], offs[idx[f] + 1]) for f in fnames]
+            ids = torch.cat([values[s:e] for s, e in segs]) if len(segs) > 1 else values[segs[0][0]:segs[0][1]]
+            rm = self.remappers[table]
+            if self.training:
+                rows, taken, taken_ids = rm.remap_train(ids)
+                self._reset(ebc, table, rm.size, taken, taken_ids)
+            else:
+                rows = rm(ids)
+            p = 0
+            for s, e in segs:
+                out[s:e] = rows[p:p + e - s]
+                p += e - s
+        return KeyedJaggedTensor(features.keys(), out, weights=features.weights_or_none(),
+                                 lengths=features.lengths(), stride=features.stride(),
+                                 length_per_key=features.length_per_key_or_none())
+
+    @torch.no_grad()
+    def _reset(self, ebc: nn.Module, table: str, size: int, taken: torch.Tensor, taken_ids: torch.Tensor) -> None:
+        new = (taken != size)[:, None]
+        low, high, key = self._init[table]
+        w = ebc.embedding_weights()[table]
+        fresh = reset_uniform(taken_ids, w.shape[1], key, low, high).to(w.dtype)
+        w[taken] = torch.where(new, fresh, w[taken])
+        states: list[torch.Tensor] = []
+        if getattr(ebc, "compute_kernel", "") == "fused":
+            states = list(ebc.fused_optimizer().momentum().get(table, []))
+        elif self.dense_optimizer is not None:
+            states = [s for s in self.dense_optimizer.state.get(w, {}).values() if isinstance(s, torch.Tensor)]
+        for s in states:
+            if s.dim() >= 1 and s.shape[0] == w.shape[0]:
+                m = new.view(-1, *([1] * (s.dim() - 1)))
+                s[taken] = torch.where(m, torch.zeros_like(s[taken]), s[taken])

@@ -53,10 +53,13 @@ def make_loader(cfg: ExperimentConfig, meta: dict[str, Any], split: str, env: "R
     # every split a run reads is labelled (a label outside {0, 1}, or none, is a named DataError)
     kw: dict[str, Any] = {"features": loader_features(tables), "require_labels": True, **multi_hot_kwargs(cfg, meta)}
     if env is not None:
+        from dlrmctl.config import managed_collision_tables
         from dlrmctl.modules.embedding_modules import table_id_bounds
 
+        managed = managed_collision_tables(cfg, meta)  # raw ids: remapped in the model, not range-checked
+        bounds = {f: [b for b in bs if b.table not in managed] for f, bs in table_id_bounds(tables).items()}
         kw.update(rank=env.rank, world_size=env.world_size, prefetch=d.prefetch,
-                  id_bounds=table_id_bounds(tables), on_invalid_id=cfg.model.on_invalid_id)
+                  id_bounds={f: bs for f, bs in bounds.items() if bs}, on_invalid_id=cfg.model.on_invalid_id)
     if train:
         assert env is not None, "the training loader reads a rank's slice"
         kw.update(shuffle=d.shuffle, seed=cfg.train.seed, drop_last=d.drop_last,

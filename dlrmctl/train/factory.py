@@ -89,6 +89,7 @@ def build_model(
     is_weighted: bool | None = None,
     sparse_placeholder: bool = False,
     check_ids: bool = True,
+    meta: dict | None = None,
 ) -> DLRM:
     """A DLRM with an (unsharded) EmbeddingBagCollection over ``tables``.
 
@@ -103,6 +104,9 @@ def build_model(
         sparse_placeholder: build ``sparse_arch`` as a weightless
             :class:`~dlrmctl.distributed.model_parallel.TableConfigs` (to be sharded by
             DistributedModelParallel), so no rank ever allocates a whole table.
+        meta: the data's meta.json (default: read from ``data.path`` when there): which tables are
+            managed-collision tables (:func:`dlrmctl.config.managed_collision_tables`); their
+            collection runs a :class:`~dlrmctl.modules.managed_collision.ManagedCollisionCollection`.
         device: where the model lives.  ``meta``: the tables are built on the meta device
             (no storage, no init: for a checkpoint to be loaded into, see
             :func:`materialize_model` and :func:`dlrmctl.train.reload.load_trained_model`); the
@@ -152,6 +156,7 @@ def build_model(
             check_ids=check_ids,
             on_invalid_id=cfg.model.on_invalid_id,
         )
+    _attach_managed_collision(cfg, tables, ebc, meta, device, sparse_placeholder)
     # one sparse feature of the interaction per (table, feature) lookup: a feature shared by
     # two tables enters twice (feature@table)
     num_features = len(ebc.embedding_names())
@@ -184,6 +189,34 @@ def build_model(
     if torch.device(device).type != "meta":
         _dense_parts_to(model, device)
     return model
+
+
+def _attach_managed_collision(cfg: ExperimentConfig, tables: Sequence[EmbeddingBagConfig], ebc: torch.nn.Module,
+                              meta: dict | None, device: torch.device | str, sharded: bool) -> None:
+    """Give ``ebc`` the remappers of its managed-collision tables (none: nothing to do).
+
+    Raises:
+        ConfigError: managed-collision tables in a sharded run (one process only), or a feature
+            shared by a managed and an unmanaged table.
+    """
+    from dlrmctl.config import managed_collision_tables, read_data_meta
+
+    mc = managed_collision_tables(cfg, meta if meta is not None else read_data_meta(cfg))
+    if not mc:
+        return
+    if sharded:
+        raise ConfigError(f"model.managed_collision: managed-collision tables ({sorted(mc)}) train in one process; "
+                          "sharding them over ranks is not supported (run without --nproc / a launcher)")
+    managed = [t for t in tables if t.name in mc]
+    shared = {f for t in managed for f in t.feature_names} & {f for t in tables if t.name not in mc for f in t.feature_names}
+    if shared:
+        raise ConfigError(f"model.tables: feature(s) {sorted(shared)} feed a managed-collision table and another "
+                          "table; a raw-id feature feeds managed-collision tables only")
+    from dlrmctl.modules.managed_collision import ManagedCollisionCollection
+
+    dev = "cpu" if torch.device(device).type == "meta" else device
+    ebc.set_managed_collision(ManagedCollisionCollection(
+        managed, {n: (c.size, c.eviction, c.buckets) for n, c in mc.items()}, cfg.train.seed, dev))
 
 
 def _dense_parts_to(model: DLRM, device: torch.device | str) -> None:

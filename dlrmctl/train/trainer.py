@@ -111,7 +111,7 @@ class Trainer:
         self.num_dense = len(self.meta["dense_features"])
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
         self.model: TrainModel = build_model(cfg, self.tables, self.num_dense, device=self.device,
-                                             sparse_placeholder=env.sharded, check_ids=False)
+                                             sparse_placeholder=env.sharded, check_ids=False, meta=self.meta)
         try:  # train.cpu_linear, resolved on this machine; a line when the MLPs train on oneDNN
             cpu_linear_line = apply_cpu_linear(self.model, cfg.train.cpu_linear, self.device, cfg.train.precision)
         except ValueError as e:
@@ -125,6 +125,9 @@ class Trainer:
         if env.sharded:
             self._shard(plan)
         self.optimizers = TrainOptimizers.for_model(self.model, cfg)
+        mc = getattr(self.model.sparse_arch, "managed_collision", None)
+        if mc is not None:  # evictions reset the dense-kernel tables' optimizer rows too
+            mc.dense_optimizer = self.optimizers.embedding_dense
         fallback = dense_fallback_line(len(self.model.embedding_dense_parameters()), _fbgemm.HAS_FBGEMM, self.device)
         #: "dense fallback" when the tables run on nn.EmbeddingBag for want of fbgemm_gpu (in the figures)
         self.kernel_note = "dense fallback" if fallback else None

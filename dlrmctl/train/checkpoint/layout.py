@@ -224,6 +224,15 @@ def dense_state_dict(model: TrainModel) -> dict[str, torch.Tensor]:
     return {k: v for k, v in _unwrap(model).state_dict().items() if not k.startswith("sparse_arch.")}
 
 
+def managed_collision_state(model: TrainModel) -> dict[str, torch.Tensor]:
+    """The remappers of the managed-collision tables as ``mc/<table>.<buffer>`` entries (live
+    buffers: a load writes into them); empty without managed-collision tables."""
+    mc = getattr(_unwrap(model).sparse_arch, "managed_collision", None)
+    if mc is None:
+        return {}
+    return {f"mc/{k[len('remappers.'):]}": v for k, v in mc.state_dict(keep_vars=True).items()}
+
+
 def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], where: str) -> None:
     """Load :func:`dense_state_dict` output.
 
@@ -250,6 +259,7 @@ def checkpoint_state(model: TrainModel, optimizers: "TrainOptimizers", rank: int
     ``device``: this rank's device (its CUDA generator is saved with the CPU ones, no other GPU's)."""
     state: dict[str, Any] = embedding_state(model, optimizers.embedding_dense)
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
+    state.update(managed_collision_state(model))
     state.update(optimizers.state_dict(int(trainer["step"])))
     state["meta/trainer"] = ckpt.pack(trainer, "meta/trainer")
     state[f"rank/{rank}"] = ckpt.pack({"rng": ckpt.rng_state(device), **optimizers.rank_state()}, f"rank/{rank}")
@@ -295,6 +305,13 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
             f"unexpected {sorted(saved_dense - set(dense))}"
         )
     req.update({f"dense/{k}": v for k, v in dense.items()})
+    mc = managed_collision_state(model)
+    saved_mc = {k for k in md.state_dict_metadata if k.startswith("mc/")}
+    if saved_mc != set(mc):
+        raise ckpt.CheckpointError(
+            f"{path}: managed-collision remappers do not match the model: missing {sorted(set(mc) - saved_mc)}, "
+            f"unexpected {sorted(saved_mc - set(mc))}")
+    req.update(mc)
     opt_req, opt_token = optimizers.load_request(md)
     req.update(opt_req)
     src_rank = rank if rank < int(meta["world_size"]) else 0
