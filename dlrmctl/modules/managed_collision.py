@@ -320,11 +320,12 @@ class ManagedCollisionCollection(nn.Module):
         w = ebc.embedding_weights()[table]
         fresh = reset_uniform(taken_ids, w.shape[1], key, low, high).to(w.dtype)
         w[taken] = torch.where(new, fresh, w[taken])
-        states: list[torch.Tensor] = []
         if getattr(ebc, "compute_kernel", "") == "fused":
             states = list(ebc.fused_optimizer().momentum().get(table, []))
-        elif self.dense_optimizer is not None:
-            states = [s for s in self.dense_optimizer.state.get(w, {}).values() if isinstance(s, torch.Tensor)]
+        else:
+            from dlrmctl.optim.dense import row_state_tensors
+
+            states = row_state_tensors(self.dense_optimizer, w)
         for s in states:
             if s.dim() >= 1 and s.shape[0] == w.shape[0]:
                 m = new.view(-1, *([1] * (s.dim() - 1)))
