@@ -75,9 +75,12 @@ COMMANDS = ("version", "train", "sweep", "evaluate", "plan", "export", "serve", 
 
 
 def _register() -> None:
-    from dlrmctl.commands import preprocess, preprocess_movielens
+    from dlrmctl.commands import preprocess
+    from dlrmctl.data.datasets import DATASETS
 
-    preprocess_movielens.register(preprocess.app)
+    for ds in DATASETS.values():  # each dataset's own `preprocess <name>` verb
+        if ds.command_module:
+            importlib.import_module(ds.command_module).register(preprocess.app)
     app.add_typer(preprocess.app, name="preprocess", help="raw logs -> columnar shards + meta.json")
     for mod in COMMANDS:
         importlib.import_module(f"dlrmctl.commands.{mod}").register(app)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from dlrmctl import outputs
+from dlrmctl.data.datasets import raw_transforms
 from dlrmctl.inference.export import ExportError, ExportedModel, load_exported, to_host
 
 __all__ = [
@@ -42,10 +43,9 @@ __all__ = [
     "write_cpp_input",
 ]
 
-#: dataset (``meta["dataset"]``) -> ``"module:Class"`` transforming raw lines with a data meta:
-#: ``Class(meta, data_dir)`` with ``.file(path, batch_rows)`` -> iterator of and ``.lines(list of
-#: bytes, name)`` -> one ``(dense [n, 13] float32, ids [n, 26] int64, labels [n] float32 or None)``.
-RAW_TRANSFORMS: dict[str, str] = {"criteo": "dlrmctl.data.criteo.raw_transform:RawTransformer"}
+#: dataset (``meta["dataset"]``) -> ``"module:Class"`` transforming raw rows with a data meta, from
+#: the dataset registry (:func:`dlrmctl.data.datasets.raw_transforms`, which documents the interface).
+RAW_TRANSFORMS: dict[str, str] = raw_transforms()
 
 _IN_MAGIC = b"DLRMIN01"
 _IN_MAGIC_WEIGHTED = b"DLRMIN02"

@@ -35,7 +35,8 @@ from dlrmctl.data.criteo import decoded as _decoded
 from dlrmctl.data.criteo.parallel import report_rows
 from dlrmctl.data.criteo.parse import NUM_SPARSE, SPARSE_FEATURES, FileTask, read_blocks, split_of_block
 
-__all__ = ["COUNTS_FORMAT", "HashLookup", "VocabSet", "build_vocab", "clear_cache", "count_file"]
+__all__ = ["COUNTS_FORMAT", "HashLookup", "VocabSet", "build_vocab", "clear_cache", "count_file", "merge_counts",
+           "write_count_file"]
 
 #: version of the ``.counts/<part>.arrow`` layout (part of the count pass's resume fingerprint)
 COUNTS_FORMAT = 3  # 3: pass 1 also writes .decoded/<part>.arrow
@@ -258,46 +259,53 @@ def count_file(task: FileTask) -> str:
                 vc = pc.value_counts(pa.array(blk.sparse_h[f][sel].astype(np.int64)))
                 acc[f].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
                 if len(acc[f]) >= 64:
-                    acc[f] = [_merge_counts(acc[f])]
+                    acc[f] = [merge_counts(acc[f])]
             report_rows(len(blk.lines))
         writer.close()
     except BaseException:
         writer.abort()
         raise
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, _COUNT_SCHEMA) as w:
-        for f in range(NUM_SPARSE):
-            t = _merge_counts(acc[f]) if acc[f] else _COUNT_SCHEMA.empty_table()
-            acc[f] = []
-            batches = t.cast(_COUNT_SCHEMA).combine_chunks().to_batches()
-            w.write_batch(batches[0] if batches else
-                          pa.record_batch([pa.array([], pa.int64())] * 2, schema=_COUNT_SCHEMA))
-    os.replace(tmp, out)
+    write_count_file(out, acc)
     _decoded.write_marker(dec_marker, task.fingerprint, writer.rows, bad_lines)
     done.write_text(task.fingerprint)
     return str(out)
 
 
-def _merge_counts(tables: list[pa.Table]) -> pa.Table:
+def write_count_file(out: Path, acc: list[list[pa.Table]]) -> None:
+    """Write one count file atomically: batch ``f`` = the merged counts of ``acc[f]`` (tables of
+    ``value`` int64, ``count`` int64; emptied as they are written)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, _COUNT_SCHEMA) as w:
+        for f in range(len(acc)):
+            t = merge_counts(acc[f]) if acc[f] else _COUNT_SCHEMA.empty_table()
+            acc[f] = []
+            batches = t.cast(_COUNT_SCHEMA).combine_chunks().to_batches()
+            w.write_batch(batches[0] if batches else
+                          pa.record_batch([pa.array([], pa.int64())] * 2, schema=_COUNT_SCHEMA))
+    os.replace(tmp, out)
+
+
+def merge_counts(tables: list[pa.Table]) -> pa.Table:
     """Sum counts of equal values: ``value`` int64, ``count`` int64 (distinct values)."""
     t = pa.concat_tables(tables).group_by("value").aggregate([("count", "sum")])
     return pa.table({"value": t.column("value"), "count": t.column("count_sum")})
 
 
-def _feature_counts(count_file_path: str, f: int) -> pa.Table:
+def _feature_counts(count_file_path: str, f: int, num_features: int = NUM_SPARSE) -> pa.Table:
     """Batch ``f`` of a count file (memory-mapped: only that batch's pages are read)."""
     r = ipc.open_file(pa.memory_map(count_file_path))
-    if r.num_record_batches != NUM_SPARSE:
+    if r.num_record_batches != num_features:
         from dlrmctl.data.columnar import DataError
 
-        raise DataError(f"count file has {r.num_record_batches} record batches, expected {NUM_SPARSE} "
+        raise DataError(f"count file has {r.num_record_batches} record batches, expected {num_features} "
                         "(one per feature); delete the .counts directory and rerun", path=count_file_path)
     return pa.Table.from_batches([r.get_batch(f)])
 
 
 # =============================================================================== merge
-def build_vocab(count_files: list[str], vocab_dir: Path, threshold: int) -> list[dict]:
+def build_vocab(count_files: list[str], vocab_dir: Path, threshold: int | list[int | None],
+                features: list[str] | None = None) -> list[dict]:
     """Merge the per-file counts one feature at a time; write ``vocab/<feature>.arrow``.
 
     For each feature: the counts of all files are summed (``MERGE_FAN_IN`` files at a time),
@@ -307,7 +315,9 @@ def build_vocab(count_files: list[str], vocab_dir: Path, threshold: int) -> list
     Args:
         count_files: paths written by :func:`count_file`.
         vocab_dir: output directory (created).
-        threshold: minimum train count ``T`` (>= 1).
+        threshold: minimum train count ``T`` (>= 1), or one per feature; a feature whose threshold is
+            None is only counted (no file written: its ``size`` is 0).
+        features: the features, in the count files' batch order (default Criteo's ``C1..C26``).
 
     Returns:
         Per feature ``{"size": V, "distinct_train_values": distinct values seen in train rows}``.
@@ -316,12 +326,14 @@ def build_vocab(count_files: list[str], vocab_dir: Path, threshold: int) -> list
         DataError: a count file that does not have one batch per feature.
     """
     vocab_dir.mkdir(parents=True, exist_ok=True)
+    features = SPARSE_FEATURES if features is None else list(features)
+    thresholds = threshold if isinstance(threshold, list) else [threshold] * len(features)
     info = []
-    for f, name in enumerate(SPARSE_FEATURES):
+    for f, name in enumerate(features):
         merged: pa.Table | None = None
         for i in range(0, len(count_files), MERGE_FAN_IN):
-            group = [_feature_counts(cf, f) for cf in count_files[i:i + MERGE_FAN_IN]]
-            merged = _merge_counts(group + ([merged] if merged is not None else []))
+            group = [_feature_counts(cf, f, len(features)) for cf in count_files[i:i + MERGE_FAN_IN]]
+            merged = merge_counts(group + ([merged] if merged is not None else []))
         if merged is None or merged.num_rows == 0:
             values = np.zeros(0, np.int64)
             counts = np.zeros(0, np.int64)
@@ -330,7 +342,10 @@ def build_vocab(count_files: list[str], vocab_dir: Path, threshold: int) -> list
             counts = merged.column("count").to_numpy()
         del merged
         distinct = len(values)
-        keep = counts >= threshold
+        if thresholds[f] is None:
+            info.append({"size": 0, "distinct_train_values": int(distinct)})
+            continue
+        keep = counts >= thresholds[f]
         values, counts = values[keep], counts[keep]
         order = np.lexsort((values, -counts))  # most frequent first, ties by value
         values, counts = values[order], counts[order]

@@ -1,0 +1,76 @@
+"""``dlrmctl preprocess logs --schema S.yaml --input PATH... --out DIR``: any click log described by
+a schema -> columnar shards + meta.json.
+
+Thin: parses options and calls :func:`dlrmctl.data.logs.preprocess_logs`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import typer
+
+
+def register(preprocess_app: typer.Typer) -> None:
+    """Add the ``logs`` command to the ``preprocess`` sub-app."""
+
+    @preprocess_app.command("logs")
+    def logs(
+        schema: Path = typer.Option(..., "--schema", "-s", help="the log's schema (YAML: columns, label, dense "
+                                    "and categorical features; docs/data.md)"),
+        input: List[str] = typer.Option(..., "--input", "-i", help="CSV / TSV / Parquet / JSON-lines file(s), "
+                                        "plain or compressed; a file, a directory or a glob (repeatable)"),
+        out: Path = typer.Option(..., "--out", "-o", help="output directory (re-running it resumes)"),
+        val_ratio: float = typer.Option(0.0, help="fraction of rows for validation"),
+        test_ratio: float = typer.Option(0.0, help="fraction of rows for test"),
+        seed: int = typer.Option(0, help="seed of the row-hash split"),
+        split_by: str = typer.Option("row", help="'row' (hash of file and line) or 'time' (the latest slices of "
+                                     "the schema's time column are test, the ones before them val)"),
+        on_bad_line: str = typer.Option("error", help="'error' (stop, naming file:line and column) or 'skip' "
+                                        "(count)"),
+        workers: int = typer.Option(1, min=1, help="worker processes (parallel across input files)"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
+        force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/"
+                                   "options (built beside it, swapped in when complete)"),
+    ) -> None:
+        """Any click log (CSV / TSV / Parquet / JSON lines) described by a schema -> columnar shards +
+        meta.json."""
+        from dlrmctl.commands._common import fail, show_path
+        from dlrmctl.commands.preprocess import _already_complete, _build, _stat_inputs, _summary, _target
+        from dlrmctl.data.columnar import DataError
+        from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
+        from dlrmctl.errors import Interrupted, check_output_dir, interruptible
+        from dlrmctl.procs import FanoutError, check_local_fanout
+
+        sch = load_schema(schema)  # a bad schema: one line, before anything else
+        opts = LogOptions(val_ratio=val_ratio, test_ratio=test_ratio, seed=seed, split_by=split_by,
+                          on_bad_line=on_bad_line, workers=workers)
+        try:
+            opts.validate(sch)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+        check_output_dir(out, "--out")
+        try:
+            check_local_fanout(workers, f"--workers {workers}")
+        except FanoutError as e:
+            fail(str(e))
+        inputs = _stat_inputs(input)
+        for i in inputs:
+            sch.format_of(i["path"])
+        recipe = {"dataset": "logs", "schema": sch.to_dict(), "inputs": inputs,
+                  "options": {k: v for k, v in vars(opts).items() if k != "workers"}}
+        target = _target(out, recipe, force)
+        if target.state == "complete":
+            _already_complete(out)
+            return
+        try:
+            with interruptible():
+                rep = _build(target, lambda d: preprocess_logs(sch, input if len(input) > 1 else input[0], d, opts,
+                                                               progress=not quiet))
+        except DataError as e:
+            fail(str(e))
+        except Interrupted as e:
+            fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
+                 "processes ended; run the same command again to resume it", code=e.exit_code)
+        _summary(rep, out)

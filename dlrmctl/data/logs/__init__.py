@@ -1,0 +1,13 @@
+"""Any tabular click log (CSV, TSV, Parquet, JSON lines), described by a schema -> columnar shards +
+``meta.json`` (the format of :mod:`dlrmctl.data.columnar`, read by the same loader as Criteo).
+
+Modules: :mod:`.schema` (the YAML schema and its validation), :mod:`.read` (streaming readers that
+know every row's file and line), :mod:`.transform` (label, dense and categorical transforms of a
+block), :mod:`.preprocess` (the passes and ``meta.json``), :mod:`.raw_transform` (raw rows of the
+schema's format for ``predict`` and ``serve``).
+"""
+
+from dlrmctl.data.logs.preprocess import LogOptions, preprocess_logs
+from dlrmctl.data.logs.schema import LogSchema, SchemaError, load_schema, parse_schema
+
+__all__ = ["LogOptions", "LogSchema", "SchemaError", "load_schema", "parse_schema", "preprocess_logs"]

@@ -1,0 +1,471 @@
+"""``dlrmctl preprocess logs``: any click log described by a schema -> columnar shards + ``meta.json``.
+
+Passes, each one task per input file on the worker pool of :mod:`dlrmctl.data.criteo.parallel`
+(memory: one block per worker, plus one feature's counts while merging):
+
+0. with ``split_by='time'``: the time column's distinct values are counted; the latest ones make
+   the test split (``test_ratio`` of the rows), the ones before them val; a time value is never
+   cut between two splits.
+1. when a feature has ``vocab`` or ``ids: raw``, or a dense column ``standardize``: the train
+   rows' categorical keys are counted into ``.counts/<part>.arrow`` (one record batch per counted
+   feature) and the train rows' dense sums are returned; the counts are merged one feature at a
+   time into ``vocab/<feature>.arrow`` (:func:`dlrmctl.data.criteo.vocab.build_vocab`: ``value``
+   = the key, ``count``; row ``i`` = id ``i``, most frequent first, ties by key).
+2. every row is transformed (:mod:`dlrmctl.data.logs.transform`) and written to
+   ``parts/<part>/{train,val,test}.arrow`` with a ``done.json``; a finished part whose fingerprint
+   (schema, options, input size and mtime, vocabularies) matches is skipped (resume).
+
+Splits by row hash are Criteo's (:func:`dlrmctl.data.criteo.parse.row_split_codes` of the file's
+base name and the physical line, or Parquet's 1-based row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dlrmctl.data.columnar import (
+    FORMAT_VERSION,
+    LABEL_COLUMN,
+    SPLITS,
+    DataError,
+    ShardWriter,
+    check_split_ratios,
+    shard_schema,
+    write_json_atomic,
+    write_meta,
+)
+from dlrmctl.data.criteo import vocab as _vocab
+from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
+from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
+from dlrmctl.data.criteo.preprocess import PreprocessReport
+from dlrmctl.data.logs.read import file_columns, iter_batches
+from dlrmctl.data.logs.schema import LogSchema
+from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of, table_rows, vocab_path
+
+__all__ = ["LogOptions", "preprocess_logs"]
+
+
+@dataclasses.dataclass
+class LogOptions:
+    """Options of :func:`preprocess_logs` (those of ``preprocess criteo``, plus ``split_by``)."""
+
+    val_ratio: float = 0.0
+    test_ratio: float = 0.0
+    seed: int = 0
+    split_by: str = "row"  # "row" (hash of file and line) | "time" (latest time slices)
+    on_bad_line: str = "error"
+    workers: int = 1
+    block_size: int = 4 << 20
+
+    def validate(self, schema: LogSchema) -> None:
+        """Raise ValueError naming the option when an option is inconsistent (with the schema)."""
+        check_split_ratios(self.val_ratio, self.test_ratio)
+        if self.split_by not in ("row", "time"):
+            raise ValueError(f"--split-by must be 'row' or 'time', got {self.split_by!r}")
+        if self.split_by == "time" and not schema.time:
+            raise ValueError(f"--split-by time needs a `time:` column in the schema {schema.source}")
+        if self.on_bad_line not in ("error", "skip"):
+            raise ValueError(f"--on-bad-line must be 'error' or 'skip', got {self.on_bad_line!r}")
+        if schema.label is None and (self.val_ratio or self.test_ratio):
+            raise ValueError(f"the schema {schema.source} has no label: every row goes to the 'test' split; "
+                             "--val-ratio/--test-ratio do not apply")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
+
+
+@dataclasses.dataclass
+class LogTask:
+    """One input file's work in a pass (picklable: sent to the worker pool)."""
+
+    path: str
+    part: str
+    schema: LogSchema
+    opts: LogOptions
+    out_dir: str
+    fingerprint: str = ""
+    cutoffs: tuple[float, float] | None = None  # time split: (first val time, first test time)
+    dense_stats: dict | None = None
+    table_sizes: list[int] | None = None
+
+
+def _counted(schema: LogSchema) -> list[int]:
+    return [i for i, c in enumerate(schema.categorical) if c.mode in ("vocab", "raw")]
+
+
+def _split_codes(task: LogTask, d) -> np.ndarray:
+    n = len(d.keys)
+    if task.schema.label is None:
+        return np.full(n, 2, np.int8)
+    if task.opts.split_by == "time":
+        t_val, t_test = task.cutoffs
+        return np.where(d.time >= t_test, 2, np.where(d.time >= t_val, 1, 0)).astype(np.int8)
+    return row_split_codes(d.keys, task.part, task.opts.seed, task.opts.val_ratio, task.opts.test_ratio)
+
+
+def _blocks(task: LogTask):
+    for b in iter_batches(task.path, task.schema, task.opts.on_bad_line, task.opts.block_size):
+        d = decode(b, task.schema, task.opts.on_bad_line)
+        report_rows(b.num_rows + b.bad_skipped)
+        yield d
+
+
+# ----------------------------------------------------------------------------- pass 0 / 1
+def time_counts(task: LogTask) -> pa.Table:
+    """Pass 0: distinct values of the time column and their row counts (``value``, ``count`` int64)."""
+    acc = []
+    for d in _blocks(task):
+        vc = pc.value_counts(pa.array(d.time))
+        acc.append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
+        if len(acc) >= 64:
+            acc = [_vocab.merge_counts(acc)]
+    return _vocab.merge_counts(acc) if acc else pa.table({"value": pa.array([], pa.int64()),
+                                                          "count": pa.array([], pa.int64())})
+
+
+def count_task(task: LogTask) -> dict:
+    """Pass 1: count the train rows' keys of the counted features into ``.counts/<part>.arrow`` and
+    return the train rows' dense sums ``{name: [n, sum, sum of squares]}`` (reused when its
+    fingerprint matches)."""
+    out = Path(task.out_dir) / ".counts" / f"{task.part}.arrow"
+    done = out.with_suffix(".done.json")
+    if done.is_file() and out.is_file():
+        st = json.loads(done.read_text())
+        if st.get("fingerprint") == task.fingerprint:
+            report_rows(-1)
+            return st["dense"]
+    counted = _counted(task.schema)
+    acc: list[list[pa.Table]] = [[] for _ in counted]
+    sums = {d.name: [0, 0.0, 0.0] for d in task.schema.dense if d.transform == "standardize"}
+    for d in _blocks(task):
+        train = _split_codes(task, d) == 0
+        for spec, x in zip(task.schema.dense, d.dense):
+            if spec.name in sums:
+                xt = x[train]
+                s = sums[spec.name]
+                s[0] += int(len(xt))
+                s[1] += float(xt.sum())
+                s[2] += float(np.square(xt).sum())
+        for j, f in enumerate(counted):
+            v = d.categorical[f].select(train)
+            vc = pc.value_counts(pa.array(v.keys[v.present]))
+            acc[j].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
+            if len(acc[j]) >= 64:
+                acc[j] = [_vocab.merge_counts(acc[j])]
+    _vocab.write_count_file(out, acc)
+    write_json_atomic(done, {"fingerprint": task.fingerprint, "dense": sums})
+    return sums
+
+
+# ----------------------------------------------------------------------------- pass 2
+_LOOKUPS: dict[str, VocabLookup] = {}
+
+
+def _lookup(path: Path) -> VocabLookup:
+    st = path.stat()
+    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    if key not in _LOOKUPS:
+        if len(_LOOKUPS) > 256:
+            _LOOKUPS.clear()
+        _LOOKUPS[key] = VocabLookup.read(path)
+    return _LOOKUPS[key]
+
+
+def _bag_array(ids: np.ndarray, lengths: np.ndarray, dtype) -> pa.Array:
+    offs = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offs[1:])
+    return pa.ListArray.from_arrays(pa.array(offs), pa.array(ids, dtype))
+
+
+def write_task(task: LogTask) -> dict:
+    """Pass 2: transform one input file into ``parts/<part>/{train,val,test}.arrow`` + ``done.json``
+    (built in ``parts/<part>.tmp``, renamed when complete).
+
+    Returns:
+        The part's statistics (also in ``done.json``).
+
+    Raises:
+        DataError: a bad row (``on_bad_line='error'``), naming the file, line / row and column.
+    """
+    t0 = time.perf_counter()
+    s = task.schema
+    parts = Path(task.out_dir) / "parts"
+    final, tmp = parts / task.part, parts / (task.part + ".tmp")
+    dense_names = [d.name for d in s.dense]
+    names = [c.name for c in s.categorical]
+    schema = shard_schema(dense_names, names, [c.multi for c in s.categorical], labelled=s.label is not None,
+                          weighted=[c.weights is not None for c in s.categorical])
+    vocabs = [_lookup(vocab_path(task.out_dir, c.name)) if c.mode == "vocab" else None for c in s.categorical]
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writers = {sp: ShardWriter(tmp / f"{sp}.arrow", schema) for sp in SPLITS}
+    k = len(names)
+    stats: dict[str, Any] = {"rows": {sp: 0 for sp in SPLITS}, "positives": {sp: 0 for sp in SPLITS},
+                             "missing": [0] * k, "train_values": [0] * k, "max_len": [0] * k, "bad_lines": 0}
+    try:
+        for d in _blocks(task):
+            stats["bad_lines"] += d.bad
+            n = len(d.keys)
+            if n == 0:
+                continue
+            codes = _split_codes(task, d)
+            dense = dense_values(d, s, task.dense_stats or {})
+            for si, split in enumerate(SPLITS):
+                sel = codes == si
+                m = int(sel.sum())
+                if m == 0:
+                    continue
+                cols: dict[str, Any] = {}
+                if s.label is not None:
+                    cols[LABEL_COLUMN] = d.label[sel]
+                    stats["positives"][split] += int(d.label[sel].sum())
+                for name, x in zip(dense_names, dense):
+                    cols[name] = x[sel]
+                for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):
+                    v = v.select(sel)
+                    ids = ids_of(spec, v, vocabs[f])
+                    if spec.multi:
+                        cols[spec.name] = _bag_array(ids, v.lengths, pa.int64())
+                        stats["missing"][f] += int((v.lengths == 0).sum())
+                        if split == "train":
+                            stats["train_values"][f] += int(v.lengths.sum())
+                            stats["max_len"][f] = max(stats["max_len"][f], int(v.lengths.max(initial=0)))
+                        if spec.weights:
+                            cols[spec.name + "__weight"] = _bag_array(v.weights, v.lengths, pa.float32())
+                    else:
+                        cols[spec.name] = ids
+                        stats["missing"][f] += int((~v.present).sum())
+                        if spec.weights:
+                            cols[spec.name + "__weight"] = v.weights
+                writers[split].write(cols)
+                stats["rows"][split] += m
+        for w in writers.values():
+            w.close()
+        stats.update(seconds=time.perf_counter() - t0, fingerprint=task.fingerprint, input=task.path)
+        write_json_atomic(tmp / "done.json", stats)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return stats
+
+
+# ----------------------------------------------------------------------------- driver
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _time_cutoffs(counts: pa.Table, o: LogOptions, source: str) -> tuple[float, float]:
+    """``(first val time, first test time)``: the latest time values holding ``test_ratio`` of the
+    rows are test, the ones before them holding ``val_ratio`` val (``inf`` for an empty split)."""
+    t = counts.sort_by([("value", "descending")])
+    values, cnt = t.column("value").to_numpy(), t.column("count").to_numpy()
+    total = int(cnt.sum())
+    cum = np.cumsum(cnt)
+    inf = float("inf")
+    n_test = int(np.searchsorted(cum, o.test_ratio * total - 1e-6, side="left")) + 1 if o.test_ratio else 0
+    n_vt = int(np.searchsorted(cum, (o.val_ratio + o.test_ratio) * total - 1e-6,
+                                   side="left")) + 1 if o.val_ratio else n_test
+    t_test = float(values[n_test - 1]) if n_test else inf
+    t_val = float(values[n_vt - 1]) if n_vt > n_test else t_test
+    if n_vt >= len(values):
+        raise DataError(f"--split-by time: the {len(values)} distinct time values leave no rows to train on "
+                        f"with --val-ratio {o.val_ratio} --test-ratio {o.test_ratio}; use a finer time column or "
+                        "smaller ratios", path=source)
+    return t_val, t_test
+
+
+def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str | os.PathLike],
+                    out_dir: str | os.PathLike, options: LogOptions | None = None,
+                    progress: bool = True) -> PreprocessReport:
+    """Preprocess click logs described by ``schema`` into a columnar directory (module docstring).
+
+    Args:
+        schema: :func:`dlrmctl.data.logs.schema.load_schema`.
+        inputs: a file, a directory, a glob, or a list of those.
+        out_dir: output directory (created; re-running resumes).
+        options: :class:`LogOptions`.
+        progress: print a rows/s progress line on stderr.
+
+    Returns:
+        :class:`dlrmctl.data.criteo.PreprocessReport`.
+
+    Raises:
+        ValueError: inconsistent options.
+        DataError: no input, an empty input, a missing or unnamed column, a bad row
+            (``on_bad_line='error'``).
+    """
+    t0 = time.perf_counter()
+    o = dataclasses.replace(options) if options is not None else LogOptions()
+    o.validate(schema)
+    files = expand_inputs(inputs)
+    for f in files:
+        schema.format_of(f)
+    out = Path(out_dir)
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    common = {"format_version": FORMAT_VERSION, "schema": schema.to_dict(), "opts": {
+        k: v for k, v in dataclasses.asdict(o).items() if k not in ("workers",)}}
+
+    def fid(f: Path) -> dict:
+        st = f.stat()
+        return {"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+    def task(f: Path, **kw) -> LogTask:
+        return LogTask(str(f), f.name, schema, o, str(out), **kw)
+
+    rows_read = 0
+    cutoffs = None
+    if o.split_by == "time":
+        prog = Progress("logs pass 0 (time)", len(files), progress)
+        tables = run_tasks(time_counts, [task(f) for f in files], o.workers, prog)
+        prog.show(final=True)
+        rows_read += prog.rows
+        cutoffs = _time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
+    counted = _counted(schema)
+    dense_stats: dict[str, tuple[float, float]] = {}
+    vocab_info: dict[int, dict] = {}
+    if counted or any(d.transform == "standardize" for d in schema.dense):
+        tasks = [task(f, cutoffs=cutoffs, fingerprint=_fingerprint({**common, **fid(f), "cutoffs": cutoffs,
+                                                                     "pass": 1})) for f in files]
+        prog = Progress("logs pass 1 (count)", len(tasks), progress)
+        sums = run_tasks(count_task, tasks, o.workers, prog)
+        prog.show(final=True)
+        rows_read += prog.rows
+        for d in schema.dense:
+            if d.transform == "standardize":
+                n = sum(s[d.name][0] for s in sums)
+                mean = sum(s[d.name][1] for s in sums) / n if n else 0.0
+                var = sum(s[d.name][2] for s in sums) / n - mean * mean if n else 0.0
+                dense_stats[d.name] = (mean, float(np.sqrt(max(var, 0.0))))
+        if counted:
+            info = _vocab.build_vocab([str(out / ".counts" / f"{f.name}.arrow") for f in files], out / "vocab",
+                                      [schema.categorical[i].min_count if schema.categorical[i].mode == "vocab"
+                                       else None for i in counted], [schema.categorical[i].name for i in counted])
+            vocab_info = dict(zip(counted, info))
+    sizes = [table_rows(c, vocab_info.get(i, {}).get("size"), vocab_info.get(i, {}).get("distinct_train_values"))
+             for i, c in enumerate(schema.categorical)]
+    vocab_fp = _fingerprint([_sha_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"])
+    tasks, done_stats, skipped = [], {}, 0
+    for f in files:
+        fp = _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "vocab": vocab_fp, "dense": dense_stats,
+                           "pass": 2})
+        done = out / "parts" / f.name / "done.json"
+        if done.is_file():
+            try:
+                st = json.loads(done.read_text())
+            except json.JSONDecodeError:
+                st = {}
+            if st.get("fingerprint") == fp:
+                done_stats[f], skipped = st, skipped + 1
+                continue
+        tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, dense_stats=dense_stats, table_sizes=sizes))
+    prog = Progress("logs", len(tasks), progress)
+    for t, st in zip(tasks, run_tasks(write_task, tasks, o.workers, prog)):
+        done_stats[Path(t.path)] = st
+    prog.show(final=True)
+    rows_read += prog.rows
+    shutil.rmtree(out / ".counts", ignore_errors=True) if all(
+        (out / "parts" / f.name / "done.json").is_file() for f in files) else None
+    meta = _meta(schema, o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs)
+    meta["input_format"] = schema.format_of(files[0])
+    meta["input_columns"] = file_columns(files[0], schema)  # the order raw text rows are read in
+    if not sum(meta["splits"][s]["rows"] for s in SPLITS):
+        raise DataError("no rows to preprocess (empty input" + (f", {meta['bad_lines_skipped']:,} bad lines "
+                        "skipped)" if meta["bad_lines_skipped"] else ")"), path=str(inputs))
+    elapsed = time.perf_counter() - t0
+    meta["rows_per_s"] = rows_read / elapsed if elapsed > 0 else None
+    write_meta(out, meta)
+    return PreprocessReport(out, {s: meta["splits"][s]["rows"] for s in SPLITS}, meta["bad_lines_skipped"],
+                            len(tasks), skipped, elapsed, rows_read / elapsed if elapsed > 0 else 0.0)
+
+
+def _meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, sizes: list[int], vocab_info: dict,
+          dense_stats: dict, cutoffs) -> dict:
+    rows = {s: sum(st[f]["rows"][s] for f in files) for s in SPLITS}
+    pos = {s: sum(st[f]["positives"][s] for f in files) for s in SPLITS}
+    total = sum(rows.values())
+    labelled = schema.label is not None
+    sparse, tr_sparse = [], {}
+    for i, c in enumerate(schema.categorical):
+        missing = sum(st[f]["missing"][i] for f in files)
+        e: dict[str, Any] = {"name": c.name, "num_embeddings": int(sizes[i]), "multi_hot": c.multi}
+        if c.multi:
+            tv = sum(st[f]["train_values"][i] for f in files)
+            e["mean_pooling_factor"] = tv / rows["train"] if rows["train"] else 0.0
+            e["max_pooling_factor"] = max(st[f]["max_len"][i] for f in files)
+        else:
+            e["mean_pooling_factor"], e["max_pooling_factor"] = 1.0, 1
+        if c.mode == "vocab":
+            e["missing_id"] = int(sizes[i] - 1)
+        elif not c.multi:
+            e["missing_id"] = 0
+        e["missing_fraction"] = missing / total if total else 0.0
+        if c.mode == "vocab":
+            e["oov_id"] = int(sizes[i] - 2)
+        if c.mode in ("vocab", "raw"):
+            e["distinct_train_values"] = vocab_info[i]["distinct_train_values"]
+        if c.mode == "raw":
+            e["ids"] = "raw"
+        if c.weights:
+            e["weighted"] = True
+        sparse.append(e)
+        tr_sparse[c.name] = {
+            "vocab": {"mode": "vocab", "min_count": c.min_count, "built_on": "train split",
+                      "formula": "id = rank by descending train count (ties by key) for count >= min_count; "
+                                 "rarer/unseen -> oov_id = V; missing -> V + 1"},
+            "hash": {"mode": "hash", "buckets": c.buckets, "formula": "id = raw_id mod buckets (missing -> 0)"},
+            "raw": {"mode": "raw", "formula": "id = raw_id (missing -> 0)"},
+        }[c.mode] | {"key": "int(s, 16) of 8 hex digits" if c.parse == "hex" else
+                     "raw_id = FNV-1a-64 of the UTF-8 text & (2^63 - 1) (dlrmctl.data.ids)"}
+    split = ({"mode": "unlabelled", "test": "all rows"} if not labelled else
+             {"mode": "time", "column": schema.time, "val_ratio": o.val_ratio, "test_ratio": o.test_ratio,
+              "val_from": cutoffs[0], "test_from": cutoffs[1],
+              "rule": "test if time >= test_from, else val if time >= val_from, else train"}
+             if o.split_by == "time" else
+             {"mode": "ratio", "val_ratio": o.val_ratio, "test_ratio": o.test_ratio, "seed": o.seed,
+              "rule": "u = splitmix64(blake2b(seed:file) ^ line*0xD1B54A32D192ED03)/2^64; "
+                      "val if u < val_ratio, test if u < val_ratio+test_ratio"})
+    return {
+        "format_version": FORMAT_VERSION,
+        "dataset": "logs",
+        "schema_name": schema.name,
+        "schema": schema.to_dict(),
+        "dense_features": [d.name for d in schema.dense],
+        "sparse_features": sparse,
+        "label": LABEL_COLUMN if labelled else None,
+        "splits": {s: {"rows": rows[s], "files": [f"parts/{f.name}/{s}.arrow" for f in files]} for s in SPLITS},
+        "ctr": {s: (pos[s] / rows[s] if rows[s] and labelled else None) for s in SPLITS},
+        "transforms": {
+            "label": schema.label.describe() if labelled else None,
+            "dense": {d.name: {"transform": d.transform, "fill": d.fill, "dtype": "float32",
+                               **({"mean": dense_stats[d.name][0], "std": dense_stats[d.name][1]}
+                                  if d.name in dense_stats else {})} for d in schema.dense},
+            "sparse": tr_sparse,
+            "split": split,
+            "on_bad_line": o.on_bad_line,
+        },
+        "vocab_files": {c.name: f"vocab/{c.name}.arrow" for c in schema.categorical if c.mode == "vocab"},
+        "inputs": [str(f) for f in files],
+        "bad_lines_skipped": sum(st[f]["bad_lines"] for f in files),
+    }
+
+
+def _sha_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]

@@ -1,0 +1,172 @@
+"""Raw rows in a schema's format -> the ids and dense values of training, for ``predict`` and ``serve``.
+
+:class:`RawTransformer` is built from a dataset's (or an exported model's) ``meta.json``: the schema
+recorded there, the train statistics of ``standardize`` columns and the vocabulary files; it runs the
+very readers and transforms of the preprocess (:mod:`.read`, :mod:`.transform`), so a row scores
+with exactly the inputs it would have been trained on.  Rows come from a file in the schema's
+format (:meth:`~RawTransformer.file`), from text lines in memory (:meth:`~RawTransformer.lines`:
+CSV / TSV lines without a header, in the column order of the training input, or JSON objects) or
+from dicts keyed by column name (:meth:`~RawTransformer.records`).  The label, the time and ignored
+columns may be absent; with a label, its values are returned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from dlrmctl.data.columnar import DataError
+from dlrmctl.data.logs.read import RowBatch, file_columns, iter_batches
+from dlrmctl.data.logs.schema import LogSchema
+from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of
+
+__all__ = ["RawTransformer"]
+
+Chunk = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+
+
+class RawTransformer:
+    """A schema dataset's transforms, built once, applied to raw rows.
+
+    Args:
+        meta: the dataset's ``meta.json`` dict (``schema``, ``transforms``, ``vocab_files``,
+            ``input_columns``).
+        data_dir: the directory the vocabulary paths are relative to.
+        source: what the meta came from, for messages.
+
+    Raises:
+        DataError: no schema in the meta, a multi-valued feature (raw rows give one id per feature
+            here), a missing vocabulary file.
+    """
+
+    def __init__(self, meta: dict, data_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
+        if not isinstance(meta.get("schema"), dict):
+            raise DataError("no schema recorded in the data meta: raw rows cannot be transformed", path=source)
+        self.schema = LogSchema.from_dict(meta["schema"])
+        multi = [c.name for c in self.schema.categorical if c.multi or c.weights]
+        if multi:
+            raise DataError(f"raw rows give one id per feature; multi-valued or weighted features {multi} are "
+                            "scored from preprocessed data (`dlrmctl evaluate MODEL --data DIR`)", path=source)
+        dense = (meta.get("transforms") or {}).get("dense") or {}
+        self.stats = {n: (float(t["mean"]), float(t["std"])) for n, t in dense.items() if "mean" in t}
+        vf = meta.get("vocab_files") or {}
+        self.vocabs = [VocabLookup.read(Path(data_dir) / vf[c.name]) if c.mode == "vocab" else None
+                       for c in self.schema.categorical]
+        self.input_columns = list(meta.get("input_columns") or self.schema.columns or [])
+        self.input_format = self.schema.format or meta.get("input_format") or "csv"
+
+    # ------------------------------------------------------------------ schema of the rows to score
+    def _scoring_schema(self, columns: list[str]) -> LogSchema:
+        """The schema for rows with ``columns``: the label when present, no time, the ignored columns present."""
+        s = self.schema
+        have = set(columns)
+        drop = {s.time} if s.time else set()
+        label = s.label if s.label and s.label.column in have else None
+        if s.label and label is None:
+            drop.add(s.label.column)
+        ignore = tuple(c for c in (*s.ignore, *drop) if c in have)
+        return dataclasses.replace(s, label=label, time=None, ignore=ignore)
+
+    def _chunks(self, batches: Iterator[RowBatch], schema: LogSchema, batch_rows: int) -> Iterator[Chunk]:
+        for b in batches:
+            d = decode(b, schema, "error")
+            n = len(d.keys)
+            if n == 0:
+                continue
+            dense = np.stack(dense_values(d, schema, self.stats), axis=1) if schema.dense else np.zeros((n, 0), np.float32)
+            ids = np.stack([ids_of(c, v, voc) for c, v, voc in zip(schema.categorical, d.categorical, self.vocabs)],
+                           axis=1) if schema.categorical else np.zeros((n, 0), np.int64)
+            for s in range(0, n, batch_rows):
+                e = min(n, s + batch_rows)
+                yield dense[s:e], ids[s:e], (d.label[s:e] if d.label is not None else None)
+
+    def file(self, path: str | os.PathLike, batch_rows: int = 65536) -> Iterator[Chunk]:
+        """A file in the schema's format -> chunks of at most ``batch_rows`` rows:
+        ``(dense [n, D] float32, ids [n, S] int64, labels [n] float32 or None)`` in file order.
+
+        Raises:
+            DataError: a bad row (``file:line``, column), a missing or unnamed column.
+        """
+        cols = file_columns(path, self.schema)
+        if cols is None:
+            return
+        schema = self._scoring_schema(cols)
+        yield from self._chunks(iter_batches(path, schema, "error", columns=cols), schema, batch_rows)
+
+    def _one(self, parts: list[Chunk], n: int, name: str) -> Chunk:
+        got = sum(len(p[0]) for p in parts)
+        if got != n:  # pragma: no cover - the reader raises on a bad row first
+            raise DataError(f"parsed {got} of {n} rows", path=name)
+        if len(parts) == 1:
+            return parts[0]
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                None if parts[0][2] is None else np.concatenate([p[2] for p in parts]))
+
+    def lines(self, lines: list[bytes], name: str = "<lines>") -> Chunk:
+        """Raw text lines in memory: CSV / TSV lines without a header (the fields of the training
+        input, in its column order; the label may be left out) or JSON objects -> one chunk of
+        ``n = len(lines)`` rows.
+
+        Raises:
+            DataError: no lines, a line break inside a line, a bad row (``name:line``, column).
+        """
+        if not lines:
+            raise DataError("no lines", path=name)
+        for i, ln in enumerate(lines):
+            if b"\n" in ln.rstrip(b"\r\n") or b"\r" in ln.rstrip(b"\r\n"):
+                raise DataError("one raw row per element: this one holds a line break", path=name, line=i + 1)
+        body = b"\n".join(ln.rstrip(b"\r\n") for ln in lines) + b"\n"
+        fmt = self.input_format
+        if fmt == "parquet":
+            raise DataError("a Parquet schema's raw rows are JSON objects keyed by column name (records), not "
+                            "text lines", path=name)
+        if fmt == "jsonl":
+            schema = self.schema
+            cols = file_columns(Path(name), dataclasses.replace(schema, format="jsonl"), data=body)
+        else:
+            cols = list(self.input_columns)
+            nf = len(next(iter(_split_first(lines[0], "\t" if fmt == "tsv" else self.schema.delimiter or ","))))
+            if self.schema.label and nf == len(cols) - 1:
+                cols.remove(self.schema.label.column)
+            schema = dataclasses.replace(self.schema, header=False, columns=tuple(cols), format=fmt)
+        schema = self._scoring_schema(cols)
+        batches = iter_batches(Path(name), schema, "error", block_size=max(len(body) + 1, 1 << 16), data=body,
+                               columns=cols)
+        return self._one(list(self._chunks(batches, schema, len(lines))), len(lines), name)
+
+    def records(self, rows: list[dict], name: str = "<records>") -> Chunk:
+        """Rows as dicts keyed by column name (e.g. a JSON request) -> one chunk of ``len(rows)`` rows.
+
+        Raises:
+            DataError: no rows, a row that is not an object, a bad value (``name:row``, column).
+        """
+        if not rows:
+            raise DataError("no rows", path=name)
+        for i, r in enumerate(rows):
+            if not isinstance(r, dict):
+                raise DataError(f"expected an object keyed by column name, got {type(r).__name__}", path=name,
+                                line=i + 1)
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        try:
+            tab = pa.Table.from_pylist(rows)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise DataError(f"the rows' values do not form columns: {e}", path=name) from None
+        schema = self._scoring_schema(cols)
+        from dlrmctl.data.logs.read import check_columns
+
+        check_columns(name, schema, cols)
+        batch = RowBatch({c: tab.column(c).combine_chunks() for c in schema.used_columns()},
+                         np.arange(1, len(rows) + 1, dtype=np.int64), name)
+        return self._one(list(self._chunks(iter([batch]), schema, len(rows))), len(rows), name)
+
+
+def _split_first(line: bytes, delimiter: str):
+    import csv
+    import io
+
+    return csv.reader(io.StringIO(line.decode("utf-8", "replace").rstrip("\r\n")), delimiter=delimiter)

@@ -1,0 +1,286 @@
+"""Streaming readers of a click log in the schema's format: CSV / TSV (``pyarrow.csv``), JSON lines
+(``pyarrow.json``), Parquet (``pyarrow.parquet``, one row group at a time); plain or compressed
+(``.gz``, ``.bz2``, ``.zst``, ``.lz4``: detected from the name).  Each yields :class:`RowBatch`
+blocks (a few MB each: memory does not grow with the file) that know where every row came from,
+so an error names ``file:line`` (text formats: the physical line, the header being line 1) or
+``file: row group G, row R`` (Parquet) and the column.
+
+Columns: every column the schema uses must be in the file, and every column of the file must be
+named by the schema (a feature, the label, the time, a weight column, or ``ignore``): a file with
+other columns than expected is refused before any row is read (:func:`check_columns`).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import os
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from dlrmctl.data.columnar import DataError
+from dlrmctl.data.logs.schema import LogSchema
+
+__all__ = ["RowBatch", "check_columns", "file_columns", "iter_batches"]
+
+DEFAULT_BLOCK_SIZE = 4 << 20  # bytes of text per block (as the Criteo reader)
+PARQUET_BATCH_ROWS = 65536
+
+
+@dataclasses.dataclass
+class RowBatch:
+    """``n`` rows of one input file, the columns the schema uses, and where each row came from.
+
+    Attributes:
+        columns: column name -> ``pa.Array`` ``[n]`` (text formats: strings, null = empty field).
+        keys: ``[n]`` int64 row keys: the 1-based physical line (text formats) or the 1-based row of
+            the file (Parquet); the row-hash split hashes them.
+        path: the input file.
+        row_group: Parquet row group of every row, or None (text formats).
+        group_start: Parquet: the file row (0-based) of the row group's first row.
+        bad_skipped: rows the parser dropped before this batch (``on_bad_line='skip'``).
+    """
+
+    columns: dict[str, pa.Array]
+    keys: np.ndarray
+    path: str
+    row_group: int | None = None
+    group_start: int = 0
+    bad_skipped: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.keys)
+
+    def error(self, i: int, column: str | None, message: str) -> DataError:
+        """A :class:`DataError` naming row ``i`` of this batch (``file:line`` or row group / row)."""
+        if self.row_group is None:
+            return DataError(message, path=self.path, line=int(self.keys[i]), field=column)
+        row = int(self.keys[i]) - 1 - self.group_start
+        return DataError(message, path=f"{self.path}: row group {self.row_group}, row {row}", field=column)
+
+    def take(self, keep: np.ndarray) -> "RowBatch":
+        """The rows where ``keep`` (``[n]`` bool) is True."""
+        idx = pa.array(np.flatnonzero(keep))
+        return dataclasses.replace(self, columns={k: v.take(idx) for k, v in self.columns.items()},
+                                   keys=self.keys[keep])
+
+
+def _text_stream(path: str | os.PathLike, data: bytes | None):
+    if data is not None:
+        return pa.BufferReader(data)
+    return pa.input_stream(os.fspath(path), compression="detect")
+
+
+def _first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
+    try:
+        with _text_stream(path, data) as f:
+            buf = b""
+            while b"\n" not in buf:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                buf += chunk
+    except (OSError, EOFError, pa.ArrowInvalid) as e:
+        raise DataError(f"cannot be read (is it complete and of the kind its name says?): {e}", path=path) from None
+    if not buf:
+        return None
+    return buf.split(b"\n", 1)[0].rstrip(b"\r")
+
+
+def _delimiter(schema: LogSchema, fmt: str) -> str:
+    return "\t" if fmt == "tsv" else (schema.delimiter or ",")
+
+
+def file_columns(path: str | os.PathLike, schema: LogSchema, data: bytes | None = None) -> list[str] | None:
+    """The columns of an input file: the header (CSV / TSV with ``header: true``), the schema's
+    ``columns``, the first object's keys (JSON lines) or the Parquet schema; None for an empty file.
+
+    Raises:
+        DataError: the file cannot be read or decoded.
+    """
+    fmt = schema.format_of(path)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.ParquetFile(os.fspath(path)).schema_arrow.names)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise DataError(f"not a readable Parquet file: {e}", path=path) from None
+    first = _first_line(path, data)
+    if first is None or not first.strip():
+        return None
+    if fmt == "jsonl":
+        import json
+
+        try:
+            obj = json.loads(first)
+        except ValueError as e:
+            raise DataError(f"not a JSON object: {e}", path=path, line=1) from None
+        if not isinstance(obj, dict):
+            raise DataError(f"expected a JSON object per line, got a {type(obj).__name__}", path=path, line=1)
+        return list(obj)
+    if not schema.header:
+        return list(schema.columns or [])
+    try:
+        text = first.decode("utf-8")
+    except UnicodeDecodeError:
+        raise DataError("the header line is not UTF-8 text", path=path, line=1) from None
+    return next(csv.reader(io.StringIO(text), delimiter=_delimiter(schema, fmt)))
+
+
+def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]) -> None:
+    """Every column the schema names is in the file and every column of the file is named.
+
+    Raises:
+        DataError: naming the column, the file and the schema.
+    """
+    have = set(columns)
+    dup = sorted({c for c in columns if columns.count(c) > 1})
+    if dup:
+        raise DataError(f"the file names column(s) {dup} twice", path=path, line=1)
+    missing = [c for c in schema.named_columns() if c not in have]
+    if missing:
+        raise DataError(f"column '{missing[0]}' named by the schema {schema.source} is not in the file "
+                        f"(its columns: {', '.join(columns)})", path=path)
+    named = set(schema.named_columns())
+    extra = [c for c in columns if c not in named]
+    if extra:
+        raise DataError(f"column '{extra[0]}' of the file is not named by the schema {schema.source}: give it a "
+                        "role, or list it under `ignore:`", path=path)
+
+
+def iter_batches(path: str | os.PathLike, schema: LogSchema, on_bad_line: str = "error",
+                 block_size: int = DEFAULT_BLOCK_SIZE, data: bytes | None = None,
+                 columns: list[str] | None = None) -> Iterator[RowBatch]:
+    """Stream a file's rows, the schema's used columns only.
+
+    Args:
+        path: the input file (with ``data``: only its name, in messages).
+        on_bad_line: text formats: a line with the wrong number of fields raises ("error") or is
+            counted in ``bad_skipped`` ("skip").
+        block_size: bytes of text per block.
+        data: the file's bytes (a served request's lines), instead of reading ``path``.
+        columns: the file's columns (:func:`file_columns`), when known.
+
+    Raises:
+        DataError: an unreadable file, wrong columns, a line with the wrong number of fields.
+    """
+    fmt = schema.format_of(path)
+    cols = columns if columns is not None else file_columns(path, schema, data)
+    if cols is None:
+        return
+    check_columns(path, schema, cols)
+    used = schema.used_columns()
+    if fmt == "parquet":
+        yield from _parquet(path, used)
+    elif fmt == "jsonl":
+        yield from _jsonl(path, used, block_size, data)
+    else:
+        yield from _csv(path, schema, fmt, cols, used, on_bad_line, block_size, data)
+
+
+def _parquet(path: str | os.PathLike, used: list[str]) -> Iterator[RowBatch]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(os.fspath(path))
+    start = 0
+    for g in range(pf.num_row_groups):
+        off = start
+        try:
+            for rb in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=[g], columns=used):
+                n = rb.num_rows
+                yield RowBatch({c: rb.column(c) for c in used}, np.arange(off + 1, off + n + 1, dtype=np.int64),
+                               os.fspath(path), row_group=g, group_start=start)
+                off += n
+        except (OSError, pa.ArrowInvalid) as e:
+            raise DataError(f"row group {g}: cannot be read: {e}", path=path) from None
+        start += pf.metadata.row_group(g).num_rows
+
+
+def _jsonl(path: str | os.PathLike, used: list[str], block_size: int, data: bytes | None) -> Iterator[RowBatch]:
+    import pyarrow.json as pj
+
+    line = 1
+    try:
+        reader = pj.open_json(_text_stream(path, data), read_options=pj.ReadOptions(use_threads=False,
+                                                                                    block_size=block_size))
+        for rb in reader:
+            n = rb.num_rows
+            names = set(rb.schema.names)
+            cols = {c: (rb.column(c) if c in names else pa.nulls(n)) for c in used}
+            yield RowBatch(cols, np.arange(line, line + n, dtype=np.int64), os.fspath(path))
+            line += n
+    except (pa.ArrowInvalid, OSError, EOFError) as e:
+        raise DataError(f"cannot be read as JSON lines after line {line - 1}: {e}", path=path) from None
+
+
+def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on_bad_line: str, block_size: int,
+         data: bytes | None) -> Iterator[RowBatch]:
+    import pyarrow.csv as pa_csv
+
+    skipped: list[int] = []
+    first_error: list[tuple[int, str]] = []
+
+    def invalid(row) -> str:
+        if on_bad_line == "error" and not first_error:
+            first_error.append((row.number, f"expected {len(cols)} {fmt.upper()} fields, got {row.actual_columns}"))
+        skipped.append(row.number)
+        return "skip"
+
+    def raise_first() -> None:
+        if first_error:
+            ln, msg = first_error[0]
+            raise DataError(msg, path=path, line=ln)
+
+    try:
+        reader = pa_csv.open_csv(
+            _text_stream(path, data),
+            read_options=pa_csv.ReadOptions(column_names=cols, skip_rows=1 if schema.header else 0,
+                                            use_threads=False, block_size=block_size),
+            parse_options=pa_csv.ParseOptions(delimiter=_delimiter(schema, fmt), ignore_empty_lines=False,
+                                              invalid_row_handler=invalid,
+                                              quote_char=False if fmt == "tsv" else '"'),
+            convert_options=pa_csv.ConvertOptions(include_columns=used, column_types={c: pa.string() for c in used},
+                                                  strings_can_be_null=True, null_values=[""],
+                                                  quoted_strings_can_be_null=True, check_utf8=True))
+    except (pa.ArrowInvalid, OSError, EOFError) as e:
+        raise_first()
+        if "Empty CSV file" in str(e):
+            return
+        raise DataError(f"cannot be read as {fmt.upper()}: {e}", path=path) from None
+    next_line = 2 if schema.header else 1
+    pos = 0
+    while True:
+        try:
+            rb = reader.read_next_batch()
+        except StopIteration:
+            break
+        except (pa.ArrowInvalid, OSError, EOFError) as e:
+            raise_first()
+            raise DataError(f"cannot be read as {fmt.upper()} after line {next_line - 1}: {e}", path=path) from None
+        raise_first()
+        n = rb.num_rows
+        while pos < len(skipped) and skipped[pos] < next_line:
+            pos += 1
+        pending = skipped[pos:]
+        if not pending:
+            lines = np.arange(next_line, next_line + n, dtype=np.int64)
+        else:
+            cand = np.arange(next_line, next_line + n + len(pending), dtype=np.int64)
+            lines = cand[~np.isin(cand, np.asarray(pending, dtype=np.int64))][:n]
+        if n:
+            next_line = int(lines[-1]) + 1
+        consumed = pos
+        while consumed < len(skipped) and skipped[consumed] < next_line:
+            consumed += 1
+        bad, pos = consumed - pos, consumed
+        if n or bad:
+            yield RowBatch({c: rb.column(c) for c in used}, lines, os.fspath(path), bad_skipped=bad)
+    if len(skipped) > pos:
+        yield RowBatch({c: pa.array([], pa.string()) for c in used}, np.zeros(0, np.int64), os.fspath(path),
+                       bad_skipped=len(skipped) - pos)
+

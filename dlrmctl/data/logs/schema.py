@@ -1,0 +1,354 @@
+"""The schema of a click log: which columns are the label, dense and categorical features, how
+each is transformed, and how the file is read.  Loaded from YAML and validated like a config:
+an unknown key, a wrong type or a bad value is a :class:`SchemaError` naming the file and the
+key path (``categorical[3] (site_id).hash``), before any input is read.
+
+Keys (``docs/data.md`` documents each with an example)::
+
+    name: avazu                       # optional, recorded in meta.json
+    format: csv                       # csv | tsv | parquet | jsonl (default: from the file extension)
+    header: true                      # csv / tsv: the first line names the columns (default true)
+    columns: [a, b, ...]              # csv / tsv without a header: the column names, in file order
+    delimiter: ","                    # csv: one character (tsv: tab)
+    label: click                      # a 0/1 column, or {column: rating, positive: ">= 4"}
+    time: hour                        # optional: an integer or timestamp column (--split-by time)
+    defaults: {dense: {...}, categorical: {...}}   # merged into every entry below
+    dense:                            # float features
+      - {name: I1, transform: log1p, fill: 0}      # log1p (after clamping negatives) | standardize | none
+    categorical:                      # id features: exactly one of vocab / hash / ids
+      - {name: site_id, vocab: {min_count: 3}}     # values seen >= min_count times in train
+      - {name: device_ip, hash: 1000000}           # raw_id mod buckets (dlrmctl.data.ids)
+      - {name: user, ids: raw}                     # the 64-bit raw id itself (managed collisions)
+      - {name: tags, vocab: {}, multi: {delimiter: "|", max_len: 16}, weights: tag_weights}
+      - {name: C1, parse: hex}                     # 8 hex digits read as an integer (Criteo)
+    ignore: [id]                      # columns read and dropped
+
+A bare string in ``dense`` / ``categorical`` is ``{name: <it>}`` with the defaults.  Every column
+of the file must be named by the schema (as label, time, a feature, a weight column or in
+``ignore``), and every column the schema names must be in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from dlrmctl.errors import UserError
+
+__all__ = ["CategoricalSpec", "DenseSpec", "LabelSpec", "LogSchema", "SchemaError", "load_schema", "parse_schema"]
+
+FORMATS = ("csv", "tsv", "parquet", "jsonl")
+DENSE_TRANSFORMS = ("log1p", "standardize", "none")
+DEFAULT_MIN_COUNT = 3
+_EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".txt": "tsv", ".parquet": "parquet", ".pq": "parquet",
+               ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
+_COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
+_RULE_RE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+class SchemaError(ValueError, UserError):
+    """A schema file that cannot be used: the message names the file and the key path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSpec:
+    """The label: ``column`` read as 0/1, or turned into 0/1 by ``op value`` (``rating >= 4``)."""
+
+    column: str
+    op: str | None = None
+    value: float | None = None
+
+    def describe(self) -> str:
+        return f"{self.column} in {{0, 1}}" if self.op is None else f"1 if {self.column} {self.op} {self.value:g} else 0"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+    """A dense column: ``fill`` replaces a missing value, then ``transform``."""
+
+    name: str
+    transform: str = "none"
+    fill: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CategoricalSpec:
+    """A categorical column and its id mode (``vocab`` min count, ``hash`` buckets or raw ids)."""
+
+    name: str
+    mode: str = "vocab"  # vocab | hash | raw
+    min_count: int = DEFAULT_MIN_COUNT
+    buckets: int = 0
+    parse: str = "text"  # text | hex
+    multi: bool = False
+    delimiter: str | None = None  # multi-valued as delimited text (None: an Arrow list column)
+    max_len: int | None = None
+    weights: str | None = None  # column of per-value weights
+
+
+@dataclasses.dataclass(frozen=True)
+class LogSchema:
+    """A validated schema (see the module docstring)."""
+
+    name: str | None
+    format: str | None
+    header: bool
+    columns: tuple[str, ...] | None
+    delimiter: str | None
+    label: LabelSpec | None
+    time: str | None
+    dense: tuple[DenseSpec, ...]
+    categorical: tuple[CategoricalSpec, ...]
+    ignore: tuple[str, ...]
+    source: str = "<schema>"
+
+    def used_columns(self) -> list[str]:
+        """Every input column the features are made of (label, time, dense, categorical, weights)."""
+        out = [self.label.column] if self.label else []
+        out += [self.time] if self.time else []
+        out += [d.name for d in self.dense] + [c.name for c in self.categorical]
+        out += [c.weights for c in self.categorical if c.weights]
+        return out
+
+    def named_columns(self) -> list[str]:
+        """:meth:`used_columns` and the ignored ones: every column the file may have."""
+        return self.used_columns() + list(self.ignore)
+
+    def format_of(self, path: str | os.PathLike) -> str:
+        """The input format of ``path``: the schema's ``format``, else from its extension.
+
+        Raises:
+            SchemaError: no ``format`` and an extension that says none.
+        """
+        if self.format:
+            return self.format
+        name = os.path.basename(os.fspath(path)).lower()
+        for c in _COMPRESSED:
+            if name.endswith(c):
+                name = name[: -len(c)]
+        ext = os.path.splitext(name)[1]
+        if ext not in _EXTENSIONS:
+            raise SchemaError(f"{path}: cannot tell the format from the extension {ext or '(none)'!r}; set "
+                              f"`format:` ({' | '.join(FORMATS)}) in the schema {self.source}")
+        return _EXTENSIONS[ext]
+
+    def to_dict(self) -> dict:
+        """The normalised schema (every default filled in): what meta.json and exports record."""
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LogSchema":
+        """Inverse of :meth:`to_dict` (a schema recorded in meta.json or a model's manifest)."""
+        d = dict(d)
+        lab = d.get("label")
+        return cls(name=d.get("name"), format=d.get("format"), header=bool(d.get("header", True)),
+                   columns=tuple(d["columns"]) if d.get("columns") else None, delimiter=d.get("delimiter"),
+                   label=LabelSpec(**lab) if lab else None, time=d.get("time"),
+                   dense=tuple(DenseSpec(**x) for x in d.get("dense") or []),
+                   categorical=tuple(CategoricalSpec(**x) for x in d.get("categorical") or []),
+                   ignore=tuple(d.get("ignore") or []), source="<recorded schema>")
+
+
+# ----------------------------------------------------------------------------- validation
+class _V:
+    """Key-path-aware checks; every failure is one :class:`SchemaError` line."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, msg: str) -> SchemaError:
+        return SchemaError(f"{self.source}: schema key {path}: {msg}")
+
+    def mapping(self, v: Any, path: str, allowed: tuple[str, ...]) -> dict:
+        if not isinstance(v, dict):
+            raise self.fail(path, f"expected a mapping, got {_kind(v)}")
+        for k in v:
+            if k not in allowed:
+                import difflib
+
+                near = difflib.get_close_matches(str(k), allowed, n=1)
+                hint = f" (did you mean '{near[0]}'?)" if near else f" (allowed: {', '.join(allowed)})"
+                raise self.fail(f"{path}.{k}" if path else str(k), f"unknown key{hint}")
+        return v
+
+    def string(self, v: Any, path: str) -> str:
+        if not isinstance(v, str) or not v:
+            raise self.fail(path, f"expected a non-empty string, got {_kind(v)}")
+        return v
+
+    def integer(self, v: Any, path: str, lo: int = 1) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise self.fail(path, f"expected an integer >= {lo}, got {_kind(v)}")
+        return v
+
+    def number(self, v: Any, path: str) -> float:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v in (float("inf"), float("-inf")):
+            raise self.fail(path, f"expected a finite number, got {_kind(v)}")
+        return float(v)
+
+    def boolean(self, v: Any, path: str) -> bool:
+        if not isinstance(v, bool):
+            raise self.fail(path, f"expected true or false, got {_kind(v)}")
+        return v
+
+    def choice(self, v: Any, path: str, choices: tuple[str, ...]) -> str:
+        if v not in choices:
+            raise self.fail(path, f"expected one of {', '.join(choices)}, got {_kind(v)}")
+        return v
+
+    def names(self, v: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(v, list):
+            raise self.fail(path, f"expected a list of column names, got {_kind(v)}")
+        return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(v))
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "nothing (null)"
+    if isinstance(v, (dict, list)):
+        return f"a {type(v).__name__}"
+    return f"{type(v).__name__} {v!r}"
+
+
+_TOP = ("name", "format", "header", "columns", "delimiter", "label", "time", "defaults", "dense", "categorical",
+        "ignore")
+_DENSE_KEYS = ("name", "transform", "fill")
+_CAT_KEYS = ("name", "vocab", "hash", "ids", "parse", "multi", "weights")
+
+
+def _label(v: _V, x: Any) -> LabelSpec | None:
+    if x is None:
+        return None
+    if isinstance(x, str):
+        return LabelSpec(v.string(x, "label"))
+    d = v.mapping(x, "label", ("column", "positive"))
+    col = v.string(d.get("column"), "label.column")
+    if "positive" not in d:
+        return LabelSpec(col)
+    rule = d["positive"]
+    m = _RULE_RE.match(rule) if isinstance(rule, str) else None
+    if m is None:
+        raise v.fail("label.positive", f"expected a rule '<op> <number>' with op one of >=, >, <=, <, ==, != "
+                                       f"(e.g. \">= 4\"), got {_kind(rule)}")
+    return LabelSpec(col, m.group(1), float(m.group(2)))
+
+
+def _dense(v: _V, i: int, x: Any, defaults: dict) -> DenseSpec:
+    p = f"dense[{i}]"
+    if isinstance(x, str):
+        x = {"name": x}
+    d = {**defaults, **v.mapping(x, p, _DENSE_KEYS)}
+    name = v.string(d.get("name"), f"{p}.name")
+    p = f"{p} ({name})"
+    tr = v.choice(d.get("transform", "none"), f"{p}.transform", DENSE_TRANSFORMS)
+    fill = v.number(d.get("fill", 0.0), f"{p}.fill")
+    return DenseSpec(name, tr, fill)
+
+
+def _categorical(v: _V, i: int, x: Any, defaults: dict) -> CategoricalSpec:
+    p = f"categorical[{i}]"
+    if isinstance(x, str):
+        x = {"name": x}
+    own = v.mapping(x, p, _CAT_KEYS)
+    modes_own = [k for k in ("vocab", "hash", "ids") if k in own]
+    d = {**{k: val for k, val in defaults.items() if not (modes_own and k in ("vocab", "hash", "ids"))}, **own}
+    name = v.string(d.get("name"), f"{p}.name")
+    p = f"{p} ({name})"
+    modes = [k for k in ("vocab", "hash", "ids") if k in d]
+    if len(modes) > 1:
+        raise v.fail(p, f"give one of vocab, hash, ids; got {', '.join(modes)}")
+    kw: dict[str, Any] = {"name": name}
+    mode = modes[0] if modes else "vocab"
+    if mode == "vocab":
+        voc = d.get("vocab") or {}
+        voc = v.mapping(voc, f"{p}.vocab", ("min_count",))
+        kw.update(mode="vocab", min_count=v.integer(voc.get("min_count", DEFAULT_MIN_COUNT), f"{p}.vocab.min_count"))
+    elif mode == "hash":
+        kw.update(mode="hash", buckets=v.integer(d["hash"], f"{p}.hash"))
+    else:
+        v.choice(d["ids"], f"{p}.ids", ("raw",))
+        kw.update(mode="raw")
+    kw["parse"] = v.choice(d.get("parse", "text"), f"{p}.parse", ("text", "hex"))
+    if "multi" in d and d["multi"] is not None and d["multi"] is not False:
+        m = {} if d["multi"] is True else v.mapping(d["multi"], f"{p}.multi", ("delimiter", "max_len"))
+        kw["multi"] = True
+        if "delimiter" in m:
+            kw["delimiter"] = v.string(m["delimiter"], f"{p}.multi.delimiter")
+        if "max_len" in m:
+            kw["max_len"] = v.integer(m["max_len"], f"{p}.multi.max_len")
+    if d.get("weights") is not None:
+        kw["weights"] = v.string(d["weights"], f"{p}.weights")
+    return CategoricalSpec(**kw)
+
+
+def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
+    """Validate a schema's parsed YAML (see the module docstring for the keys).
+
+    Args:
+        raw: the YAML document (a mapping).
+        source: the file it came from (named in every message).
+
+    Returns:
+        :class:`LogSchema`.
+
+    Raises:
+        SchemaError: ``<source>: schema key <path>: <what was expected, what was given>``.
+    """
+    v = _V(source)
+    d = v.mapping(raw, "", _TOP)
+    name = v.string(d["name"], "name") if d.get("name") is not None else None
+    fmt = v.choice(d["format"], "format", FORMATS) if d.get("format") is not None else None
+    header = v.boolean(d.get("header", True), "header")
+    columns = v.names(d["columns"], "columns") if d.get("columns") is not None else None
+    if not header and columns is None and fmt in (None, "csv", "tsv"):
+        raise v.fail("columns", "header: false needs `columns:` (the column names in file order)")
+    delim = None
+    if d.get("delimiter") is not None:
+        delim = v.string(d["delimiter"], "delimiter")
+        if len(delim) != 1:
+            raise v.fail("delimiter", f"expected one character, got {delim!r}")
+    defaults = v.mapping(d.get("defaults") or {}, "defaults", ("dense", "categorical"))
+    dd = v.mapping(defaults.get("dense") or {}, "defaults.dense", _DENSE_KEYS[1:])
+    cd = v.mapping(defaults.get("categorical") or {}, "defaults.categorical", _CAT_KEYS[1:])
+    for key in ("dense", "categorical"):
+        if d.get(key) is not None and not isinstance(d[key], list):
+            raise v.fail(key, f"expected a list of columns, got {_kind(d[key])}")
+    dense = tuple(_dense(v, i, x, dd) for i, x in enumerate(d.get("dense") or []))
+    cats = tuple(_categorical(v, i, x, cd) for i, x in enumerate(d.get("categorical") or []))
+    if not dense and not cats:
+        raise v.fail("categorical", "the schema has no features: list `dense:` and/or `categorical:` columns")
+    s = LogSchema(name=name, format=fmt, header=header, columns=columns, delimiter=delim,
+                  label=_label(v, d.get("label")), time=v.string(d["time"], "time") if d.get("time") is not None else None,
+                  dense=dense, categorical=cats,
+                  ignore=v.names(d["ignore"], "ignore") if d.get("ignore") is not None else (), source=source)
+    seen: dict[str, str] = {}
+    roles = ([("label.column", s.label.column)] if s.label else []) + ([("time", s.time)] if s.time else []) + \
+        [(f"dense[{i}]", x.name) for i, x in enumerate(dense)] + \
+        [(f"categorical[{i}]", x.name) for i, x in enumerate(cats)] + \
+        [(f"categorical[{i}].weights", x.weights) for i, x in enumerate(cats) if x.weights] + \
+        [(f"ignore[{i}]", x) for i, x in enumerate(s.ignore)]
+    for path, col in roles:
+        if col in seen:
+            raise v.fail(path, f"column '{col}' is already used by {seen[col]}; a column has one role")
+        seen[col] = path
+    if columns is not None:
+        missing = [c for c in seen if c not in columns]
+        if missing:
+            raise v.fail("columns", f"does not list {missing}, which the schema uses")
+    return s
+
+
+def load_schema(path: str | os.PathLike) -> LogSchema:
+    """Read and validate a schema file (YAML, :mod:`dlrmctl.yaml_file`).
+
+    Raises:
+        SchemaError: unreadable file, invalid YAML, or an invalid key (named by its path).
+    """
+    from dlrmctl.yaml_file import read_yaml_mapping
+
+    raw = read_yaml_mapping(path, SchemaError, "schema", expected="keys format, label, dense, categorical, ...")
+    return parse_schema(raw, os.fspath(path))

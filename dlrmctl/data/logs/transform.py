@@ -1,0 +1,361 @@
+"""The schema's transforms of one block of rows, vectorised (no Python loop per value).
+
+* label: the column read as a number and required to be 0 or 1, or the rule ``op value`` applied
+  (``rating >= 4``); a missing or unparseable label is a bad row.
+* dense: a number (text is parsed; NaN / inf are refused, an empty field is missing); a missing
+  value takes ``fill``; ``log1p``: ``log(max(x, 0) + 1)`` (DLRM reference ``data_utils.py``);
+  ``standardize``: ``(x - mean) / std`` with the train split's mean and standard deviation
+  (``std`` 0 -> 1); ``none``: ``x``.  float32.
+* categorical: each value becomes a 63-bit key: its raw id (:func:`dlrmctl.data.ids.raw_ids`),
+  or with ``parse: hex`` its 8 hex digits as an integer (Criteo).  Then per mode:
+  ``vocab``: the key's rank in the train vocabulary (:class:`VocabLookup`), ``V`` for an unseen or
+  rare value, ``V + 1`` for a missing one (table ``V + 2`` rows, as Criteo's);
+  ``hash``: ``raw_id mod buckets`` (missing -> 0, the raw id of a missing value);
+  ``raw``: the raw id itself (``ids: raw``).
+* multi-valued: an Arrow list or text split at ``delimiter``; empty elements dropped; the first
+  ``max_len`` kept; a missing value is an empty bag.  The optional weight column gives one float
+  per value (the same number of elements, else a bad row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dlrmctl.data.columnar import DataError
+from dlrmctl.data.ids import hash_buckets, raw_ids
+from dlrmctl.data.logs.read import RowBatch
+from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
+
+__all__ = ["CategoricalValues", "Decoded", "VocabLookup", "decode", "dense_values", "ids_of"]
+
+_NUMBER = r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"
+
+
+@dataclasses.dataclass
+class CategoricalValues:
+    """One categorical column of ``n`` rows: ``m`` values (``m == n`` for a one-hot column).
+
+    Attributes:
+        keys: ``[m]`` int64 keys (raw ids, or hex integers with ``parse: hex``).
+        present: ``[m]`` bool (one-hot: False where missing; multi: all True).
+        lengths: ``[n]`` int64 bag lengths, or None (one-hot).
+        weights: ``[m]`` float32 per-value weights, or None.
+    """
+
+    keys: np.ndarray
+    present: np.ndarray
+    lengths: np.ndarray | None
+    weights: np.ndarray | None
+
+    def select(self, rows: np.ndarray) -> "CategoricalValues":
+        """The values of the rows ``rows`` (``[n]`` bool)."""
+        if self.lengths is None:
+            return CategoricalValues(self.keys[rows], self.present[rows], None,
+                                     None if self.weights is None else self.weights[rows])
+        elem = np.repeat(rows, self.lengths)
+        return CategoricalValues(self.keys[elem], self.present[elem], self.lengths[rows],
+                                 None if self.weights is None else self.weights[elem])
+
+
+@dataclasses.dataclass
+class Decoded:
+    """A block of good rows, parsed (bad rows dropped or raised).
+
+    Attributes:
+        keys: ``[n]`` int64 row keys (line / file row, for the split hash).
+        label: ``[n]`` float32 0/1, or None (no label in the schema).
+        dense: per dense column ``[n]`` float64 after ``fill`` and ``log1p`` (``standardize`` is
+            applied by :func:`dense_values` with the train statistics).
+        time: ``[n]`` int64, or None.
+        categorical: per categorical column, :class:`CategoricalValues`.
+        bad: rows dropped from this block (``on_bad_line='skip'``), the parser's included.
+    """
+
+    keys: np.ndarray
+    label: np.ndarray | None
+    dense: list[np.ndarray]
+    time: np.ndarray | None
+    categorical: list[CategoricalValues]
+    bad: int
+
+
+def _bad(batch: RowBatch, mask: np.ndarray, column: str, what: str, col: pa.Array, on_bad_line: str) -> np.ndarray:
+    """Rows ``mask`` are bad in ``column``: raise naming the first (error mode) or return the mask."""
+    if on_bad_line == "error" and mask.any():
+        i = int(np.flatnonzero(mask)[0])
+        v = col[i].as_py() if i < len(col) else None
+        shown = "an empty field" if v is None or v == "" else repr(v)
+        raise batch.error(i, column, f"expected {what}, got {shown}")
+    return mask
+
+
+def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, what: str = "a number"
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """A column as ``([n] float64, [n] bool missing)``; unparseable / non-finite values are bad."""
+    col = batch.columns[name]
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    missing = col.is_null().to_numpy(zero_copy_only=False)
+    t = col.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER), True).to_numpy(zero_copy_only=False)
+        drop |= _bad(batch, ~ok & ~drop, name, what, col, on_bad_line)
+        col = pc.if_else(pa.array(ok), col, pa.scalar("0"))
+        x = pc.cast(col, pa.float64())
+    elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t):
+        x = pc.cast(col, pa.float64())
+    else:
+        raise batch.error(0, name, f"expected {what}, got a column of Arrow type {t}")
+    v = pc.fill_null(x, 0.0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
+    drop |= _bad(batch, ~np.isfinite(v) & ~drop, name, f"{what} (NaN / inf are refused; leave the field empty "
+                 "for a missing value)", col, on_bad_line)
+    return np.where(np.isfinite(v), v, 0.0), missing
+
+
+def _label(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str) -> np.ndarray:
+    spec = schema.label
+    x, missing = _numbers(batch, spec.column, drop, on_bad_line, "a number" if spec.op else "0 or 1")
+    col = batch.columns[spec.column]
+    if spec.op is None:
+        bad = ((x != 0) & (x != 1)) | missing
+        drop |= _bad(batch, bad & ~drop, spec.column, "0 or 1 (the label)", col, on_bad_line)
+        return x.astype(np.float32)
+    drop |= _bad(batch, missing & ~drop, spec.column, f"a number (the label is {spec.describe()})", col, on_bad_line)
+    ops = {">=": np.greater_equal, ">": np.greater, "<=": np.less_equal, "<": np.less, "==": np.equal,
+           "!=": np.not_equal}
+    return ops[spec.op](x, spec.value).astype(np.float32)
+
+
+def _time(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str) -> np.ndarray:
+    col = batch.columns[name]
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    t = col.type
+    if pa.types.is_timestamp(t) or pa.types.is_date(t):
+        col = pc.cast(pc.cast(col, pa.timestamp("s")), pa.int64())
+    elif pa.types.is_string(t) or pa.types.is_large_string(t):
+        isint = pc.fill_null(pc.match_substring_regex(col, r"^\s*-?\d{1,18}\s*$"), False)
+        if pc.all(pc.or_(isint, col.is_null())).as_py():
+            col = pc.cast(pc.utf8_trim_whitespace(col), pa.int64())
+        else:
+            try:
+                col = pc.cast(pc.cast(col, pa.timestamp("s")), pa.int64())
+            except pa.ArrowInvalid:
+                ok = np.array([_parses_as_time(v) for v in col.to_pylist()])
+                _bad(batch, ~ok, name, "an integer or an ISO 8601 time (the time column)", col, "error")
+    elif not pa.types.is_integer(t):
+        raise batch.error(0, name, f"expected integers or timestamps (the time column), got Arrow type {t}")
+    missing = col.is_null().to_numpy(zero_copy_only=False)
+    drop |= _bad(batch, missing & ~drop, name, "a time (the time column)", batch.columns[name], on_bad_line)
+    return pc.fill_null(pc.cast(col, pa.int64()), 0).to_numpy(zero_copy_only=False)
+
+
+def _parses_as_time(v) -> bool:
+    if v is None:
+        return True
+    try:
+        pc.cast(pa.array([v]), pa.timestamp("s"))
+        return True
+    except pa.ArrowInvalid:
+        return False
+
+
+def _keys(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.ndarray, on_bad_line: str,
+          column: str) -> tuple[np.ndarray, np.ndarray]:
+    """Keys ``[m]`` int64 and present ``[m]`` bool of a flat array of values."""
+    if spec.parse == "hex":
+        from dlrmctl.data.criteo.parse import hex_to_uint32
+
+        if not (pa.types.is_string(values.type) or pa.types.is_binary(values.type) or pa.types.is_null(values.type)):
+            raise batch.error(0, column, f"parse: hex needs text values, got Arrow type {values.type}")
+        v = pc.fill_null(pc.cast(values, pa.string()), "")
+        h, present, bad = hex_to_uint32(v)
+        if bad is not None:
+            if spec.multi and bad.any():
+                raise DataError(f"field {column}: expected 8 hex digits in every element of a multi-valued column",
+                                path=batch.path)
+            if not spec.multi:
+                drop |= _bad(batch, bad & ~drop, column, "8 hex digits", values, on_bad_line)
+        return h.astype(np.int64), present
+    try:
+        k = raw_ids(values)
+    except TypeError as e:
+        raise batch.error(0, column, f"expected strings or integers: {e}") from None
+    return k, k != 0
+
+
+def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_bad_line: str) -> CategoricalValues:
+    col = batch.columns[spec.name]
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if not spec.multi:
+        keys, present = _keys(batch, spec, col, drop, on_bad_line, spec.name)
+        w = None
+        if spec.weights:
+            w, wmiss = _numbers(batch, spec.weights, drop, on_bad_line, "a weight")
+            drop |= _bad(batch, wmiss & present & ~drop, spec.weights, f"a weight (the value of {spec.name} is "
+                         "present)", batch.columns[spec.weights], on_bad_line)
+            w = w.astype(np.float32)
+        return CategoricalValues(keys, present, None, w)
+    lists = _as_list(batch, col, spec.delimiter, spec.name)
+    n = len(lists)
+    lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(lists)
+    keys, present = _keys(batch, spec, flat, drop, on_bad_line, spec.name)
+    weights = None
+    if spec.weights:
+        wl = _as_list(batch, batch.columns[spec.weights], spec.delimiter, spec.weights)
+        wlen = pc.fill_null(pc.list_value_length(wl), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        wflat = pc.list_flatten(wl)
+        match = wlen == lengths
+        drop |= _bad(batch, ~match & ~drop, spec.weights, f"one weight per value of {spec.name}",
+                     batch.columns[spec.weights], on_bad_line)
+        wflat = wflat.filter(pa.array(np.repeat(match, wlen)))
+        wtab = RowBatch({spec.weights: wflat}, np.repeat(batch.keys[match], lengths[match]), batch.path,
+                        batch.row_group, batch.group_start)
+        wv, wmiss = _numbers(wtab, spec.weights, np.zeros(len(wflat), bool), "error", "a weight")
+        _bad(wtab, wmiss, spec.weights, "a weight", wflat, "error")
+        weights = np.zeros(len(keys), np.float32)
+        weights[np.repeat(match, lengths)] = wv
+    row_of = np.repeat(np.arange(n), lengths)
+    keep = present.copy()
+    if spec.max_len is not None:
+        c = np.cumsum(keep)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        before = np.concatenate([[0], c])[starts]
+        rank = c - before[row_of]  # 1-based rank of a kept element within its row
+        keep &= rank <= spec.max_len
+    new_len = np.bincount(row_of[keep], minlength=n).astype(np.int64)
+    return CategoricalValues(keys[keep], np.ones(int(keep.sum()), bool), new_len,
+                             None if weights is None else weights[keep])
+
+
+def _as_list(batch: RowBatch, col, delimiter: str | None, name: str) -> pa.Array:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    t = col.type
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return col
+    if delimiter is not None and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
+        return pc.split_pattern(pc.cast(col, pa.string()), delimiter)
+    raise batch.error(0, name, f"a multi-valued column must be an Arrow list or text split at `multi.delimiter`, "
+                      f"got Arrow type {t}" + ("" if delimiter else " and no delimiter"))
+
+
+def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
+    """Parse a block: label, dense (before ``standardize``), time, categorical keys.
+
+    Raises:
+        DataError: a bad value (``on_bad_line='error'``), naming ``file:line`` (or Parquet row group
+            and row) and the column.
+    """
+    n = batch.num_rows
+    drop = np.zeros(n, dtype=bool)
+    label = _label(batch, schema, drop, on_bad_line) if schema.label else None
+    time = _time(batch, schema.time, drop, on_bad_line) if schema.time else None
+    dense = []
+    for d in schema.dense:
+        x, missing = _numbers(batch, d.name, drop, on_bad_line)
+        x = np.where(missing, d.fill, x)
+        if d.transform == "log1p":
+            x = np.log1p(np.maximum(x, 0.0))
+        dense.append(x)
+    cats = [_categorical(batch, c, drop, on_bad_line) for c in schema.categorical]
+    nbad = int(drop.sum())
+    if nbad:
+        keep = ~drop
+        return Decoded(batch.keys[keep], None if label is None else label[keep], [x[keep] for x in dense],
+                       None if time is None else time[keep], [c.select(keep) for c in cats], nbad + batch.bad_skipped)
+    return Decoded(batch.keys, label, dense, time, cats, batch.bad_skipped)
+
+
+def dense_values(decoded: Decoded, schema: LogSchema, stats: dict[str, tuple[float, float]]) -> list[np.ndarray]:
+    """The dense columns as float32 ``[n]``, ``standardize`` applied with ``stats[name] = (mean, std)``."""
+    out = []
+    for d, x in zip(schema.dense, decoded.dense):
+        if d.transform == "standardize":
+            mean, std = stats[d.name]
+            x = (x - mean) / (std if std > 0 else 1.0)
+        out.append(x.astype(np.float32))
+    return out
+
+
+# ----------------------------------------------------------------------------- ids
+class VocabLookup:
+    """A vocabulary (keys in id order) -> ids, by binary search over the sorted keys.
+
+    Args:
+        values: ``[V]`` int64 distinct keys; ``values[i]`` has id ``i``.
+    """
+
+    def __init__(self, values: np.ndarray) -> None:
+        values = np.asarray(values, dtype=np.int64)
+        self.size = len(values)
+        self._order = np.argsort(values, kind="stable")
+        self._sorted = values[self._order]
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """``[m]`` int64 keys -> ``[m]`` int64 ids; ``size`` (the out-of-vocabulary id) when absent."""
+        out = np.full(len(keys), self.size, dtype=np.int64)
+        if self.size == 0 or len(keys) == 0:
+            return out
+        pos = np.searchsorted(self._sorted, keys)
+        pos_c = np.minimum(pos, self.size - 1)
+        hit = self._sorted[pos_c] == keys
+        out[hit] = self._order[pos_c[hit]]
+        return out
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "VocabLookup":
+        """A ``vocab/<feature>.arrow`` file (``value`` int64 in id order).
+
+        Raises:
+            DataError: not such a file.
+        """
+        import pyarrow.ipc as ipc
+
+        try:
+            values = ipc.open_file(pa.memory_map(os.fspath(path))).read_all().column("value").to_numpy()
+        except (OSError, pa.ArrowInvalid, KeyError) as e:
+            raise DataError(f"cannot read vocabulary (expected an Arrow file with an int64 'value' column): {e}",
+                            path=path) from None
+        return cls(values)
+
+
+def _canonical_raw(spec: CategoricalSpec, v: CategoricalValues) -> np.ndarray:
+    if spec.parse != "hex":
+        return v.keys
+    out = raw_ids(pa.array(v.keys))
+    out[~v.present] = 0
+    return out
+
+
+def ids_of(spec: CategoricalSpec, v: CategoricalValues, vocab: VocabLookup | None) -> np.ndarray:
+    """``[m]`` int64 ids of a column's values by its mode (see the module docstring)."""
+    if spec.mode == "vocab":
+        ids = vocab.lookup(v.keys)
+        ids[~v.present] = vocab.size + 1
+        return ids
+    raw = _canonical_raw(spec, v)
+    if spec.mode == "hash":
+        return hash_buckets(raw, spec.buckets)
+    return raw
+
+
+def table_rows(spec: CategoricalSpec, vocab_size: int | None, distinct: int | None) -> int:
+    """``num_embeddings`` of a feature: ``V + 2`` (vocab), ``buckets`` (hash), distinct train raw ids (raw)."""
+    if spec.mode == "vocab":
+        return int(vocab_size) + 2
+    if spec.mode == "hash":
+        return spec.buckets
+    return max(int(distinct or 0), 1)
+
+
+def vocab_path(data_dir: str | os.PathLike, feature: str) -> Path:
+    return Path(data_dir) / "vocab" / f"{feature}.arrow"

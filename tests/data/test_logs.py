@@ -1,0 +1,214 @@
+"""``dlrmctl preprocess logs``: schema validation, readers, transforms, splits and bad input, on small
+logs written by the tests (CSV, TSV, Parquet, JSON lines)."""
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+
+from dlrmctl.data.ids import hash_buckets, raw_id_of
+from dlrmctl.data.logs import LogOptions, SchemaError, load_schema, parse_schema, preprocess_logs
+from tests.conftest import one_error_line
+
+SCHEMA = """
+name: toy
+label: click
+time: ts
+ignore: [id]
+dense:
+  - {name: price, transform: log1p, fill: 0}
+  - {name: age, transform: standardize, fill: 30}
+categorical:
+  - {name: user, vocab: {min_count: 1}}
+  - {name: site, hash: 97}
+  - {name: item, ids: raw}
+"""
+
+
+def _csv(path, rows, header="id,click,ts,price,age,user,site,item"):
+    path.write_text(header + "\n" + "".join(r + "\n" for r in rows))
+    return path
+
+
+def _rows(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    return [f"{i},{int(rng.random() < 0.3)},{1000 + i},{rng.integers(-5, 100)},{'' if i % 7 == 0 else rng.integers(18, 70)},"
+            f"u{rng.integers(0, 20)},s{rng.integers(0, 50)},{rng.integers(0, 1000)}" for i in range(n)]
+
+
+def _schema(tmp_path, text=SCHEMA, name="s.yaml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _read(d, split):
+    with open(d / "meta.json") as f:
+        meta = json.load(f)
+    tabs = [ipc.open_file(pa.memory_map(str(d / p))).read_all() for p in meta["splits"][split]["files"]]
+    return pa.concat_tables(tabs), meta
+
+
+def test_csv_log_becomes_the_columnar_format_with_every_mode(tmp_path):
+    src = _csv(tmp_path / "log.csv", _rows())
+    schema = load_schema(_schema(tmp_path))
+    rep = preprocess_logs(schema, src, tmp_path / "out", LogOptions(val_ratio=0.2, test_ratio=0.1), progress=False)
+    assert sum(rep.rows.values()) == 200
+    train, meta = _read(tmp_path / "out", "train")
+    feats = {f["name"]: f for f in meta["sparse_features"]}
+    assert meta["schema"]["name"] == "toy" and meta["dense_features"] == ["price", "age"]
+    assert feats["site"]["num_embeddings"] == 97 and feats["item"]["ids"] == "raw"
+    assert feats["user"]["num_embeddings"] == feats["user"]["distinct_train_values"] + 2
+    # hash: the documented raw id mod buckets; raw: the raw id itself
+    all_rows = {int(r.split(",")[2]): r.split(",") for r in _rows()}
+    del all_rows
+    t = train.to_pydict()
+    assert max(t["site"]) < 97 and min(t["item"]) > 0
+    src_rows = [r.split(",") for r in _rows()]
+    items = {raw_id_of(r[7]) for r in src_rows}
+    assert set(t["item"]) <= items
+    sites = {int(hash_buckets(np.array([raw_id_of(r[6])]), 97)[0]) for r in src_rows}
+    assert set(t["site"]) <= sites
+    # log1p after clamping negatives; standardize with the train mean/std (missing -> fill first)
+    assert min(t["price"]) == 0.0
+    mean, std = meta["transforms"]["dense"]["age"]["mean"], meta["transforms"]["dense"]["age"]["std"]
+    assert abs(np.mean(t["age"])) < 1e-4 and abs(np.std(t["age"]) - 1) < 1e-3 and std > 0 and mean > 18
+
+
+def test_same_rows_as_parquet_and_json_lines_give_the_same_ids(tmp_path):
+    rows = _rows(120)
+    src = _csv(tmp_path / "log.csv", rows)
+    schema = _schema(tmp_path)
+    preprocess_logs(load_schema(schema), src, tmp_path / "a", progress=False)
+    a, _ = _read(tmp_path / "a", "train")
+    tab = pa.csv.read_csv(src) if hasattr(pa, "csv") else None
+    import pyarrow.csv as pcsv
+
+    tab = pcsv.read_csv(src, convert_options=pcsv.ConvertOptions(column_types={"user": pa.string(),
+                                                                              "site": pa.string()}))
+    pq.write_table(tab, tmp_path / "log.parquet", row_group_size=50)
+    preprocess_logs(load_schema(schema), tmp_path / "log.parquet", tmp_path / "b", progress=False)
+    b, _ = _read(tmp_path / "b", "train")
+    with open(tmp_path / "log.jsonl", "w") as f:
+        for r in tab.to_pylist():
+            f.write(json.dumps(r) + "\n")
+    preprocess_logs(load_schema(schema), tmp_path / "log.jsonl", tmp_path / "c", progress=False)
+    c, _ = _read(tmp_path / "c", "train")
+    for col in ("user", "site", "item", "price", "age", "label"):
+        assert a[col].to_pylist() == b[col].to_pylist() == c[col].to_pylist(), col
+
+
+def test_time_split_puts_the_latest_rows_in_test_and_val(tmp_path):
+    src = _csv(tmp_path / "log.csv", _rows(300))
+    preprocess_logs(load_schema(_schema(tmp_path)), src, tmp_path / "out",
+                    LogOptions(val_ratio=0.1, test_ratio=0.2, split_by="time"), progress=False)
+    _, meta = _read(tmp_path / "out", "train")
+    assert meta["splits"]["test"]["rows"] == 60 and meta["splits"]["val"]["rows"] == 30
+    assert meta["transforms"]["split"]["test_from"] == 1000 + 240
+
+
+def test_multi_valued_weighted_parquet_column_becomes_weighted_bags(tmp_path):
+    tags = [["a", "b", "c"], [], None, ["b"], ["a", "c", "d", "e", "f"]] * 20
+    w = [[0.5, 1.0, 2.0], [], None, [3.0], [1.0] * 5] * 20
+    tab = pa.table({"y": [i % 2 for i in range(100)], "tags": tags, "tw": w})
+    pq.write_table(tab, tmp_path / "t.parquet")
+    s = _schema(tmp_path, "label: y\ncategorical:\n  - {name: tags, vocab: {min_count: 1}, multi: {max_len: 4},"
+                          " weights: tw}\n")
+    preprocess_logs(load_schema(s), tmp_path / "t.parquet", tmp_path / "out", progress=False)
+    t, meta = _read(tmp_path / "out", "train")
+    f = meta["sparse_features"][0]
+    assert f["multi_hot"] and f["weighted"] and f["max_pooling_factor"] == 4
+    assert t.schema.field("tags").type == pa.list_(pa.int64())
+    assert t.schema.field("tags__weight").type == pa.list_(pa.float32())
+    lens = [len(x) for x in t["tags"].to_pylist()]
+    assert lens == [len(x) for x in t["tags__weight"].to_pylist()] and set(lens) <= {0, 1, 3, 4}
+
+
+def test_delimited_multi_valued_text_column(tmp_path):
+    src = tmp_path / "l.tsv"
+    src.write_text("y\tg\n1\ta|b\n0\t\n1\tb\n")
+    s = _schema(tmp_path, "label: y\ncategorical: [{name: g, vocab: {min_count: 1}, multi: {delimiter: '|'}}]\n")
+    preprocess_logs(load_schema(s), src, tmp_path / "out", progress=False)
+    t, meta = _read(tmp_path / "out", "train")
+    assert [len(x) for x in t["g"].to_pylist()] == [2, 0, 1]
+    assert meta["sparse_features"][0]["missing_fraction"] == pytest.approx(1 / 3)
+
+
+def test_label_rule_makes_a_binary_label(tmp_path):
+    src = tmp_path / "r.csv"
+    src.write_text("rating,u\n5,a\n3,b\n4,a\n1,c\n")
+    s = _schema(tmp_path, "label: {column: rating, positive: '>= 4'}\ncategorical: [{name: u, hash: 8}]\n")
+    preprocess_logs(load_schema(s), src, tmp_path / "out", progress=False)
+    t, _ = _read(tmp_path / "out", "train")
+    assert t["label"].to_pylist() == [1.0, 0.0, 1.0, 0.0]
+
+
+def test_skip_counts_bad_lines(tmp_path):
+    rows = _rows(50)
+    rows[3] = "3,1,1003,abc,20,u1,s1,5"  # dense value that does not parse
+    rows[10] = "10,2,1010,1,20,u1,s1,5"  # label outside {0, 1}
+    rows[20] = "20,1,1020,1,20,u1"  # too few fields
+    src = _csv(tmp_path / "log.csv", rows)
+    rep = preprocess_logs(load_schema(_schema(tmp_path)), src, tmp_path / "out",
+                          LogOptions(on_bad_line="skip"), progress=False)
+    assert rep.bad_lines == 3 and sum(rep.rows.values()) == 47
+
+
+# ----------------------------------------------------------------------------- one error line at the CLI
+def _cli(tmp_path, schema_text, src, *names, extra=()):
+    s = _schema(tmp_path, schema_text, "bad.yaml")
+    out = tmp_path / f"o{len(list(tmp_path.glob('o*')))}"
+    return one_error_line(["preprocess", "logs", "--schema", s, "--input", src, "--out", out, "-q",
+                           *extra], *names)
+
+
+def test_schema_key_errors_name_the_key_path(tmp_path):
+    src = _csv(tmp_path / "log.csv", _rows(5))
+    _cli(tmp_path, SCHEMA.replace("ignore:", "ignroe:"), src, "bad.yaml", "ignroe", "did you mean 'ignore'")
+    _cli(tmp_path, SCHEMA.replace("hash: 97", "hash: many"), src, "categorical[1] (site).hash", "'many'")
+    _cli(tmp_path, SCHEMA.replace("transform: log1p", "transform: log"), src, "dense[0] (price).transform")
+    _cli(tmp_path, SCHEMA.replace("label: click", "label: {column: click, positive: big}"), src, "label.positive")
+    _cli(tmp_path, SCHEMA.replace("ignore: [id]", "ignore: [id, price]"), src, "ignore[1]", "price")
+    _cli(tmp_path, "dense: 3\n", src, "bad.yaml", "dense", "expected a list")
+
+
+def test_bad_values_name_file_line_and_column(tmp_path):
+    rows = _rows(20)
+    rows[4] = "4,1,1004,12x,20,u1,s1,5"
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "a.csv", rows), "a.csv:6", "price", "'12x'")
+    rows = _rows(20)
+    rows[2] = "2,3,1002,1,20,u1,s1,5"
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "b.csv", rows), "b.csv:4", "click", "0 or 1")
+    rows[2] = "2,1,1002,1,20,u1"
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "c.csv", rows), "c.csv:4", "expected 8 CSV fields, got 6")
+
+
+def test_missing_and_unnamed_columns_are_errors_naming_both(tmp_path):
+    src = _csv(tmp_path / "m.csv", ["1,0,5,1,20,u,s"], header="id,click,ts,price,age,user,site")
+    _cli(tmp_path, SCHEMA, src, "m.csv", "'item'", "bad.yaml")
+    src = _csv(tmp_path / "x.csv", ["1,0,5,1,20,u,s,3,9"], header="id,click,ts,price,age,user,site,item,extra")
+    _cli(tmp_path, SCHEMA, src, "x.csv", "'extra'", "ignore")
+
+
+def test_empty_input_is_an_error(tmp_path):
+    (tmp_path / "e.csv").write_text("")
+    _cli(tmp_path, SCHEMA, tmp_path / "e.csv", "no rows")
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "h.csv", []), "no rows")
+
+
+def test_parquet_errors_name_row_group_and_row(tmp_path):
+    tab = pa.table({"y": [0, 1] * 30, "u": ["a"] * 30 + ["b"] * 29 + ["c"], "x": ["1"] * 59 + ["oops"]})
+    pq.write_table(tab, tmp_path / "p.parquet", row_group_size=20)
+    _cli(tmp_path, "label: y\ndense: [x]\ncategorical: [u]\n", tmp_path / "p.parquet",
+         "p.parquet: row group 2, row 19", "field x", "'oops'")
+
+
+def test_parse_schema_fills_defaults():
+    s = parse_schema({"label": "y", "defaults": {"categorical": {"hash": 10}},
+                      "categorical": ["a", {"name": "b", "vocab": {"min_count": 2}}]})
+    assert [(c.mode, c.buckets, c.min_count) for c in s.categorical] == [("hash", 10, 3), ("vocab", 0, 2)]
+    with pytest.raises(SchemaError, match=r"categorical\[0\] \(a\): give one of"):
+        parse_schema({"categorical": [{"name": "a", "hash": 3, "ids": "raw"}]})
