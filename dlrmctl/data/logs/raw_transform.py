@@ -61,9 +61,10 @@ class RawTransformer:
         self.input_format = self.schema.format or meta.get("input_format") or "csv"
 
     # ------------------------------------------------------------------ schema of the rows to score
-    def _scoring_schema(self, columns: list[str]) -> LogSchema:
-        """The schema for rows with ``columns``: the label when present, no time, the ignored columns present."""
-        s = self.schema
+    def _scoring_schema(self, columns: list[str], base: LogSchema | None = None) -> LogSchema:
+        """The schema (``base``: how the rows are read) for rows with ``columns``: the label when
+        present, no time, the ignored columns present."""
+        s = base or self.schema
         have = set(columns)
         drop = {s.time} if s.time else set()
         label = s.label if s.label and s.label.column in have else None
@@ -126,15 +127,15 @@ class RawTransformer:
             raise DataError("a Parquet schema's raw rows are JSON objects keyed by column name (records), not "
                             "text lines", path=name)
         if fmt == "jsonl":
-            schema = self.schema
-            cols = file_columns(Path(name), dataclasses.replace(schema, format="jsonl"), data=body)
+            schema = dataclasses.replace(self.schema, format="jsonl")
+            cols = file_columns(Path(name), schema, data=body)
         else:
             cols = list(self.input_columns)
             nf = len(next(iter(_split_first(lines[0], "\t" if fmt == "tsv" else self.schema.delimiter or ","))))
             if self.schema.label and nf == len(cols) - 1:
                 cols.remove(self.schema.label.column)
             schema = dataclasses.replace(self.schema, header=False, columns=tuple(cols), format=fmt)
-        schema = self._scoring_schema(cols)
+        schema = self._scoring_schema(cols, schema)
         batches = iter_batches(Path(name), schema, "error", block_size=max(len(body) + 1, 1 << 16), data=body,
                                columns=cols)
         return self._one(list(self._chunks(batches, schema, len(lines))), len(lines), name)
