@@ -55,3 +55,41 @@ def test_avazu_schema_preprocess_train_evaluate_export_predict(tmp_path):
     np.testing.assert_array_equal(dense, d2)
     d3, i3, _ = tr.lines([r.encode() for r in rows[1:]])
     np.testing.assert_array_equal(ids, i3)
+
+
+def test_multi_valued_weighted_parquet_column_trains_and_exports(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    rng = np.random.default_rng(0)
+    n = 3000
+    lens = rng.integers(0, 6, n)
+    tags = [[f"t{x}" for x in rng.integers(0, 30, k)] for k in lens]
+    w = [list(rng.uniform(0.5, 2.0, k).round(3)) for k in lens]
+    logit = np.array([sum(wi * (1 if t in ("t1", "t2", "t3") else -0.2) for t, wi in zip(ts, ws))
+                      for ts, ws in zip(tags, w)])
+    y = (rng.random(n) < 1 / (1 + np.exp(-logit))).astype(int)
+    pq.write_table(pa.table({"y": y, "user": rng.integers(0, 50, n), "price": rng.uniform(0, 100, n),
+                             "tags": tags, "tag_w": w}), tmp_path / "log.parquet", row_group_size=1000)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({
+        "label": "y", "dense": [{"name": "price", "transform": "standardize"}],
+        "categorical": [{"name": "user", "hash": 64},
+                        {"name": "tags", "vocab": {"min_count": 1}, "multi": {"max_len": 4}, "weights": "tag_w"}]}))
+    data = tmp_path / "data"
+    invoke("preprocess", "logs", "--schema", tmp_path / "s.yaml", "--input", tmp_path / "log.parquet", "--out", data,
+           "--val-ratio", 0.2, "-q")
+    cfg = yaml.safe_load(open("configs/demo.yaml"))
+    cfg.update(name="weighted_tags")
+    cfg["data"].update(path=str(data), batch_size=128)
+    cfg["model"]["tables"] = [{"name": "t_user", "num_embeddings": None, "feature_names": ["user"]},
+                              {"name": "t_tags", "num_embeddings": None, "feature_names": ["tags"], "weighted": True}]
+    cfg["train"].update(max_steps=15, run_dir=str(tmp_path / "runs"), progress=False)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    invoke("train", tmp_path / "c.yaml")
+    ev = json.loads(invoke("evaluate", tmp_path / "runs" / "weighted_tags", "--split", "val", "--json")
+                    .strip().splitlines()[-1])
+    assert ev["num_samples"] == json.loads((data / "meta.json").read_text())["splits"]["val"]["rows"]
+    invoke("export", tmp_path / "runs" / "weighted_tags", "--out", tmp_path / "model", "--fp32")
+    man = json.loads((tmp_path / "model" / "manifest.json").read_text())
+    assert man["weighted_features"] == ["tags"]

@@ -1,6 +1,7 @@
 """``dlrmctl preprocess logs``: schema validation, readers, transforms, splits and bad input, on small
 logs written by the tests (CSV, TSV, Parquet, JSON lines)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -212,3 +213,43 @@ def test_parse_schema_fills_defaults():
     assert [(c.mode, c.buckets, c.min_count) for c in s.categorical] == [("hash", 10, 3), ("vocab", 0, 2)]
     with pytest.raises(SchemaError, match=r"categorical\[0\] \(a\): give one of"):
         parse_schema({"categorical": [{"name": "a", "hash": 3, "ids": "raw"}]})
+
+
+# ----------------------------------------------------------------------------- Criteo as a schema
+def test_criteo_schema_gives_the_rows_ids_splits_and_statistics_of_preprocess_criteo(tmp_path):
+    from dlrmctl.data.criteo import CriteoOptions, preprocess_criteo
+    from tests.conftest import CRITEO_10K, require_shared
+
+    src = require_shared(CRITEO_10K)
+    preprocess_criteo(src, tmp_path / "c", CriteoOptions(val_ratio=0.15, test_ratio=0.15), progress=False)
+    schema = load_schema("configs/schemas/criteo.yaml")
+    preprocess_logs(schema, src, tmp_path / "l", LogOptions(val_ratio=0.15, test_ratio=0.15), progress=False)
+    keys = ("name", "num_embeddings", "missing_id", "oov_id", "missing_fraction", "distinct_train_values",
+            "mean_pooling_factor", "max_pooling_factor", "multi_hot")
+    for split in ("train", "val", "test"):
+        a, ma = _read(tmp_path / "c", split)
+        b, mb = _read(tmp_path / "l", split)
+        assert a.schema == b.schema and a.num_rows == b.num_rows > 0
+        assert a.equals(b), split
+        assert ma["ctr"] == mb["ctr"] and ma["splits"][split]["rows"] == mb["splits"][split]["rows"]
+    assert [{k: f[k] for k in keys} for f in ma["sparse_features"]] == \
+        [{k: f[k] for k in keys} for f in mb["sparse_features"]]
+    for f in ma["vocab_files"]:
+        va = ipc.open_file(pa.memory_map(str(tmp_path / "c" / ma["vocab_files"][f]))).read_all()
+        vb = ipc.open_file(pa.memory_map(str(tmp_path / "l" / mb["vocab_files"][f]))).read_all()
+        assert va.equals(vb), f
+    # the same rows as Parquet (columns named label, I1.., C1..; one split: the row keys are the
+    # file's rows, the split hash also keys on the file name) give the same ids and values
+    import pyarrow.csv as pcsv
+
+    names = list(schema.columns)
+    tab = pcsv.read_csv(src, read_options=pcsv.ReadOptions(column_names=names),
+                        parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
+                        convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names[14:]}))
+    pq.write_table(tab, tmp_path / "criteo.parquet", row_group_size=3000)
+    preprocess_criteo(src, tmp_path / "c1", CriteoOptions(), progress=False)
+    preprocess_logs(dataclasses.replace(schema, format="parquet"), tmp_path / "criteo.parquet",
+                    tmp_path / "p", progress=False)
+    a, _ = _read(tmp_path / "c1", "train")
+    b, _ = _read(tmp_path / "p", "train")
+    assert a.equals(b)
