@@ -93,3 +93,35 @@ def test_multi_valued_weighted_parquet_column_trains_and_exports(tmp_path):
     invoke("export", tmp_path / "runs" / "weighted_tags", "--out", tmp_path / "model", "--fp32")
     man = json.loads((tmp_path / "model" / "manifest.json").read_text())
     assert man["weighted_features"] == ["tags"]
+
+
+def test_serve_answers_raw_json_rows_with_the_scores_of_predict(tmp_path):
+    """`serve` of the Avazu model: raw rows as JSON objects keyed by column name (and as CSV lines)
+    score as `predict` scores the same rows of the CSV file (1e-6)."""
+    import urllib.request
+
+    from tests.inference.test_serve import server
+
+    src = require_shared(AVAZU)
+    data, runs, model = tmp_path / "avazu", tmp_path / "runs", tmp_path / "model"
+    invoke("preprocess", "logs", "--schema", "configs/schemas/avazu.yaml", "--input", src, "--out", data, "-q",
+           "--val-ratio", 0.2)
+    invoke("train", "configs/avazu.yaml", "--set", f"data.path={data}", "--set", f"train.run_dir={runs}",
+           "--set", "train.progress=false", "--set", "train.max_steps=10")
+    invoke("export", runs / "avazu", "--out", model, "--fp32")
+    rows = src.read_text().splitlines()[:41]
+    (tmp_path / "rows.csv").write_text("\n".join(rows) + "\n")
+    invoke("predict", model, "--input", tmp_path / "rows.csv", "--output", tmp_path / "scores.csv")
+    want = np.loadtxt(tmp_path / "scores.csv", delimiter=",", skiprows=1, usecols=-1)
+    objs = [json.dumps(r) for r in csv.DictReader(rows)]
+
+    def post(url, lines):
+        body = {"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [len(lines)], "data": lines}]}
+        req = urllib.request.Request(f"http://{url}/v2/models/avazu/infer", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return np.array(json.loads(r.read())["outputs"][0]["data"])
+
+    with server(model, "--name", "avazu") as (url, _):
+        np.testing.assert_allclose(post(url, objs), want, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(post(url, rows[1:]), want, atol=1e-6, rtol=0)

@@ -253,3 +253,26 @@ def test_criteo_schema_gives_the_rows_ids_splits_and_statistics_of_preprocess_cr
     a, _ = _read(tmp_path / "c1", "train")
     b, _ = _read(tmp_path / "p", "train")
     assert a.equals(b)
+
+
+def test_two_workers_equal_one_and_a_rerun_resumes(tmp_path):
+    (tmp_path / "in").mkdir()
+    for i in range(3):
+        _csv(tmp_path / "in" / f"day{i}.csv.gz".replace(".gz", ""), _rows(80, seed=i))
+    import gzip
+
+    raw = (tmp_path / "in" / "day2.csv").read_bytes()
+    (tmp_path / "in" / "day2.csv").unlink()
+    (tmp_path / "in" / "day2.csv.gz").write_bytes(gzip.compress(raw))  # compressed input, same rows
+    schema = load_schema(_schema(tmp_path))
+    opts = LogOptions(val_ratio=0.2, test_ratio=0.2)
+    preprocess_logs(schema, tmp_path / "in", tmp_path / "one", opts, progress=False)
+    rep = preprocess_logs(schema, str(tmp_path / "in" / "*"), tmp_path / "two",
+                          dataclasses.replace(opts, workers=2), progress=False)
+    assert rep.files_processed == 3 and sum(rep.rows.values()) == 240
+    for split in ("train", "val", "test"):
+        a, ma = _read(tmp_path / "one", split)
+        b, mb = _read(tmp_path / "two", split)
+        assert a.equals(b) and ma["sparse_features"] == mb["sparse_features"]
+    again = preprocess_logs(schema, tmp_path / "in", tmp_path / "one", opts, progress=False)
+    assert again.files_skipped == 3 and again.files_processed == 0 and again.rows == rep.rows

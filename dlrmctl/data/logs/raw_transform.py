@@ -110,8 +110,8 @@ class RawTransformer:
 
     def lines(self, lines: list[bytes], name: str = "<lines>") -> Chunk:
         """Raw text lines in memory: CSV / TSV lines without a header (the fields of the training
-        input, in its column order; the label may be left out) or JSON objects -> one chunk of
-        ``n = len(lines)`` rows.
+        input, in its column order; the label may be left out), or JSON objects keyed by column
+        name (whatever the schema's format) -> one chunk of ``n = len(lines)`` rows.
 
         Raises:
             DataError: no lines, a line break inside a line, a bad row (``name:line``, column).
@@ -121,8 +121,10 @@ class RawTransformer:
         for i, ln in enumerate(lines):
             if b"\n" in ln.rstrip(b"\r\n") or b"\r" in ln.rstrip(b"\r\n"):
                 raise DataError("one raw row per element: this one holds a line break", path=name, line=i + 1)
-        body = b"\n".join(ln.rstrip(b"\r\n") for ln in lines) + b"\n"
         fmt = self.input_format
+        if fmt != "jsonl" and all(ln.lstrip()[:1] == b"{" for ln in lines):
+            return self.records(_json_objects(lines, name), name)  # JSON objects keyed by column name
+        body = b"\n".join(ln.rstrip(b"\r\n") for ln in lines) + b"\n"
         if fmt == "parquet":
             raise DataError("a Parquet schema's raw rows are JSON objects keyed by column name (records), not "
                             "text lines", path=name)
@@ -164,6 +166,18 @@ class RawTransformer:
         batch = RowBatch({c: tab.column(c).combine_chunks() for c in schema.used_columns()},
                          np.arange(1, len(rows) + 1, dtype=np.int64), name)
         return self._one(list(self._chunks(iter([batch]), schema, len(rows))), len(rows), name)
+
+
+def _json_objects(lines: list[bytes], name: str) -> list[dict]:
+    import json
+
+    out = []
+    for i, ln in enumerate(lines):
+        try:
+            out.append(json.loads(ln))
+        except ValueError as e:
+            raise DataError(f"not a JSON object: {e}", path=name, line=i + 1) from None
+    return out
 
 
 def _split_first(line: bytes, delimiter: str):
