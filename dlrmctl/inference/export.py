@@ -566,6 +566,10 @@ def export_model(
         raise ExportError(f"model.sparse_arch is a {type(ebc).__name__}; export needs an unsharded EmbeddingBagCollection")
     tables = list(ebc.embedding_bag_configs())
     weights = ebc.embedding_weights()
+    mc = getattr(ebc, "managed_collision", None)
+    if mc is not None and artifact != "pt2":
+        raise ExportError(f"managed-collision tables {mc.tables()} export as the .pt2 program only (it maps raw "
+                          "ids to rows with searchsorted); drop --torchscript")
     # inputs: each feature once; lookups: one per (table, feature), keyed like the EBC's outputs
     feature_names = list(dict.fromkeys(f for t in tables for f in t.feature_names))
     lookup_keys = list(ebc.embedding_names()) if hasattr(ebc, "embedding_names") else \
@@ -618,7 +622,8 @@ def export_model(
         program = InferenceProgram(
             qtables, ftm, lookup_src, lookup_mean, list(zip(lookup_tables, [f for t in tables for f in t.feature_names])),
             part, feature_names, num_dense, policy, [f in wf for f in feature_names],
-            _multi_hot_tables(multi_hot, data_meta, feature_names))
+            _multi_hot_tables(multi_hot, data_meta, feature_names),
+            remap=None if mc is None else mc.inference_remap(feature_names))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

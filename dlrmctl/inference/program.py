@@ -61,6 +61,9 @@ class InferenceProgram(nn.Module):
         feature_weighted: per input feature, its weights are used (default none: no weights input).
         multi_hot: per input feature ``(rows, offsets [1024, size-1] int64)`` of its on-the-fly
             multi-hot expansion, or None (absent: no expansion).
+        remap: the raw id -> row step of managed-collision features
+            (:class:`~dlrmctl.modules.managed_collision.RawIdRemap`), run before everything else;
+            their ``values`` are raw ids.
     """
 
     def __init__(
@@ -76,8 +79,11 @@ class InferenceProgram(nn.Module):
         on_invalid_id: str = "error",
         feature_weighted: Sequence[bool] | None = None,
         multi_hot: Sequence[tuple[int, torch.Tensor] | None] | None = None,
+        remap: nn.Module | None = None,
     ) -> None:
         super().__init__()
+        #: raw id -> row of the managed-collision features (a RawIdRemap), run first; None: none
+        self.remap = remap
         dtypes = {q.dtype for q in tables}
         if len(dtypes) != 1:
             raise ValueError(f"all tables must share one storage dtype, got {sorted(dtypes)}")
@@ -146,6 +152,8 @@ class InferenceProgram(nn.Module):
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                 weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.remap is not None:
+            values = self.remap(values, lengths, dense.size(0))
         logits = self.dense_part(dense, self.pooled(values, lengths, weights, dense.size(0))).reshape(-1)
         return torch.sigmoid(logits), logits
 

@@ -43,7 +43,8 @@ import hashlib
 import torch
 from torch import nn
 
-__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionCollection", "ManagedCollisionRemapper", "reset_uniform"]
+__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionCollection", "ManagedCollisionRemapper", "RawIdRemap",
+           "reset_uniform"]
 
 #: the id of a free row (larger than any raw id: free rows sort after held ones)
 EMPTY = (1 << 63) - 1
@@ -330,3 +331,49 @@ class ManagedCollisionCollection(nn.Module):
             if s.dim() >= 1 and s.shape[0] == w.shape[0]:
                 m = new.view(-1, *([1] * (s.dim() - 1)))
                 s[taken] = torch.where(m, torch.zeros_like(s[taken]), s[taken])
+
+    def inference_remap(self, feature_names: list[str]) -> "RawIdRemap":
+        """The remap step of an exported program: a copy of the held ids and rows of every managed
+        feature among the program's input features ``feature_names`` (:class:`RawIdRemap`)."""
+        per = []
+        for table, fnames in self._features.items():
+            rm = self.remappers[table]
+            for f in fnames:
+                per.append((feature_names.index(f), rm.sorted_ids.detach().cpu().clone(),
+                            rm.sorted_rows.detach().cpu().clone(), rm.default_row))
+        return RawIdRemap(per, len(feature_names))
+
+
+class RawIdRemap(nn.Module):
+    """Raw ids -> rows for the managed features of an inference program, with ATen ops only
+    (``repeat_interleave``, ``searchsorted``, ``where``): what training's last state held, frozen.
+    An id the remapper did not hold maps to its table's default row (module docstring).
+
+    ``forward(values [N] int64, lengths [F*B] int64 key-major, B) -> values [N] int64``: the
+    values of each managed feature replaced by rows; the other features' values unchanged.
+
+    Args:
+        per_feature: ``(feature index, sorted ids [S], their rows [S], default row)`` per managed feature.
+        num_features: ``F``, the program's input features.
+    """
+
+    def __init__(self, per_feature: list[tuple[int, torch.Tensor, torch.Tensor, int]], num_features: int) -> None:
+        super().__init__()
+        self.num_features = int(num_features)
+        self.features = [int(f) for f, _, _, _ in per_feature]
+        self.defaults = [int(d) for _, _, _, d in per_feature]
+        for i, (_, ids, rows, _) in enumerate(per_feature):
+            self.register_buffer(f"ids_{i}", ids.to(torch.int64).contiguous())
+            self.register_buffer(f"rows_{i}", rows.to(torch.int64).contiguous())
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
+        feat = torch.repeat_interleave(torch.arange(self.num_features * batch, dtype=torch.int64,
+                                                    device=values.device), lengths,
+                                       output_size=values.size(0)) // batch
+        out = values
+        for i, (f, d) in enumerate(zip(self.features, self.defaults)):
+            ids, rows = getattr(self, f"ids_{i}"), getattr(self, f"rows_{i}")
+            pos = torch.searchsorted(ids, values).clamp(max=ids.size(0) - 1)
+            mapped = torch.where(ids[pos] == values, rows[pos], d)
+            out = torch.where(feat == f, mapped, out)
+        return out

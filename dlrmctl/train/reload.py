@@ -18,7 +18,7 @@ from dlrmctl.config import ExperimentConfig, resolve_tables
 from dlrmctl.console import Progress
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.train import checkpoint as ckpt
-from dlrmctl.train.checkpoint import check_tables, dense_state_dict, embedding_load_request
+from dlrmctl.train.checkpoint import check_tables, dense_state_dict, embedding_load_request, managed_collision_state
 from dlrmctl.train.data import make_loader
 from dlrmctl.train.factory import build_model
 from dlrmctl.train.metrics import compute_metrics_from_logits
@@ -66,7 +66,8 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
     # the fp32 view of the tables whatever model.embedding_precision trained them in (fp16 weights
     # widen exactly): what evaluation, prediction and export (which quantizes from fp32) start from
     tables = [dataclasses.replace(t, data_type=DataType.FP32) for t in resolve_tables(cfg, meta)]
-    model = build_model(cfg, tables, len(meta["dense_features"]), device="meta", compute_kernel=compute_kernel)
+    model = build_model(cfg, tables, len(meta["dense_features"]), device="meta", compute_kernel=compute_kernel,
+                        meta=meta)
     cmeta = ckpt.load_checkpoint_meta(path)
     check_tables(cmeta, tables, path)
     req: dict[str, Any] = {}
@@ -77,6 +78,7 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
         req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard
     dense = dense_state_dict(model)
     req.update({f"dense/{k}": v for k, v in dense.items()})
+    req.update(managed_collision_state(model))  # the remappers (managed-collision tables), loaded in place
     ckpt.load_checkpoint(path, req, meta=cmeta, metadata=md)
     if finish is not None:
         finish()

@@ -83,3 +83,45 @@ def test_resume_mid_run_equals_an_uninterrupted_run_with_evictions(raw_data, tmp
     # 1,200 Zipf rows: many more distinct ids than 64 rows, so rows were evicted and re-used
     held = a["mc/t_C1.row_ids"][:64]
     assert int((held != (1 << 63) - 1).sum()) == 64 and int(a["mc/t_C1.step"]) == 16
+
+
+def test_evaluate_and_the_exported_program_score_raw_ids_as_the_trained_model(raw_data, tmp_path):
+    """The run's remappers are reloaded by `evaluate` (same AUC as training's last evaluation) and
+    frozen into the .pt2 program: raw ids, held or never seen (-> the default row), score as the
+    trained model does (1e-6)."""
+    from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+    from dlrmctl.train.reload import load_trained_model
+
+    _train(raw_data, tmp_path, 12, "dense", "--set", "train.eval_every=12")
+    run = tmp_path / "mc"
+    last = [json.loads(x) for x in open(run / "metrics.jsonl") if '"eval"' in x][-1]
+    out = invoke("evaluate", run, "--split", "val")
+    assert f"{last['auc']:.6f}" in out
+    invoke("export", run, "--fp32", "--out", tmp_path / "exp")
+    program = torch.export.load(str(tmp_path / "exp" / "model.pt2")).module()
+    cfg, model, meta = load_trained_model(str(run))
+    feats = [f["name"] for f in meta["sparse_features"]]
+    mc = model.sparse_arch.managed_collision
+    held = mc.remappers["t_C1"].sorted_ids[: mc.remappers["t_C1"].held()]
+    B = 6
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(rng.choice(held.numpy(), (len(feats), B)))
+    ids[:, :2] = torch.tensor([123456789, 987654321])  # never seen: the default row
+    dense = torch.from_numpy(rng.random((B, 13)).astype(np.float32))
+    lengths = torch.ones(len(feats) * B, dtype=torch.int64)
+    kjt = KeyedJaggedTensor(feats, ids.reshape(-1), lengths=lengths)
+    with torch.no_grad():
+        want = model(dense, kjt).reshape(-1)
+        _, got = program(dense, ids.reshape(-1), lengths)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    assert mc.remappers["t_C1"](torch.tensor([123456789])).item() == 64  # the default row
+
+
+def test_export_as_torchscript_is_refused_naming_the_managed_tables(raw_data, tmp_path):
+    from dlrmctl import HAS_FBGEMM
+
+    if not HAS_FBGEMM:
+        pytest.skip("--torchscript needs fbgemm_gpu")
+    _train(raw_data, tmp_path, 4, "dense")
+    r = runner.invoke(app, ["export", str(tmp_path / "mc"), "--torchscript", "--fp32", "--out", str(tmp_path / "e")])
+    assert r.exit_code == 2 and "export as the .pt2 program only" in r.output

@@ -105,7 +105,8 @@ from dlrmctl.train.checkpoint.save import save_checkpoint
 from dlrmctl.train.checkpoint.load import load_checkpoint, read_metadata, saved_size
 from dlrmctl.train.checkpoint.layout import (RowMomentKeys, check_tables, checkpoint_meta, checkpoint_state,
                                              dense_state_dict, embedding_load_request, embedding_state,
-                                             load_dense_state_dict, local_embedding_shards, restore_checkpoint,
+                                             load_dense_state_dict, local_embedding_shards, managed_collision_state,
+                                             restore_checkpoint,
                                              row_moment_keys)
 from dlrmctl.train.checkpoint.reshard import reshard_rank
 from dlrmctl.train.checkpoint.checkpointer import Checkpointer, ResumePoint, resolve_resume
@@ -117,7 +118,7 @@ __all__ = [
     "check_integrity", "check_shared_checkpoint_dir", "check_tables", "checkpoint_meta", "checkpoint_root",
     "checkpoint_state", "copy_run_files",
     "dense_state_dict", "embedding_load_request", "embedding_state", "latest_checkpoint", "list_checkpoints",
-    "load_checkpoint", "load_checkpoint_meta", "load_dense_state_dict", "local_embedding_shards", "mark_best",
+    "load_checkpoint", "load_checkpoint_meta", "load_dense_state_dict", "local_embedding_shards", "managed_collision_state", "mark_best",
     "pack", "read_checkpoint", "read_metadata", "reshard_rank", "resolve_checkpoint", "resolve_resume", "restore_checkpoint",
     "rng_state", "row_moment_keys", "save_checkpoint", "saved_size", "set_rng_state", "unpack",
 ]
