@@ -17,8 +17,12 @@ def serve_command(
     port: int = typer.Option(8080, "--port", help="TCP port (0: any free port, printed)"),
     max_batch_rows: int = typer.Option(4096, "--max-batch-rows", help="rows merged into one forward at most "
                                                                        "(1: no dynamic batching)"),
-    max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="how long the oldest queued request waits "
-                                                                   "for others to join its batch"),
+    max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="longest wait of the oldest queued request for "
+                                                                   "others to join its batch (it waits only while "
+                                                                   "more requests are arriving)"),
+    min_delay_ms: float = typer.Option(0.0, "--min-delay-ms", help="wait of the oldest queued request for others even "
+                                                                   "when none is arriving (larger batches, more "
+                                                                   "latency; = --max-delay-ms: a fixed delay)"),
     max_queue_rows: int = typer.Option(65536, "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After"),
     max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="largest infer request body in MiB; "
                                                                          "beyond, 413"),
@@ -33,6 +37,8 @@ def serve_command(
     check_number("--port", port, minimum=0, maximum=65535, positive=False, what="TCP port")
     check_number("--max-batch-rows", max_batch_rows, what="rows")
     check_number("--max-delay-ms", max_delay_ms, minimum=0, maximum=60000.0, positive=False, what="milliseconds")
+    check_number("--min-delay-ms", min_delay_ms, minimum=0, maximum=max_delay_ms, positive=False,
+                 what="milliseconds (at most --max-delay-ms)")
     check_number("--max-queue-rows", max_queue_rows, what="rows")
     check_number("--max-request-mb", max_request_mb, maximum=65536.0, what="MiB")
     check_number("--workers", workers, maximum=256, what="forward threads")
@@ -58,8 +64,8 @@ def serve_command(
     served = name or (model.manifest.get("source") or {}).get("name") or Path(model_dir).resolve().name
     sock = bind(host, port, reuse_port=processes > 1)
     addr = sock.getsockname()
-    options = dict(max_batch_rows=max_batch_rows, max_delay_ms=max_delay_ms, max_queue_rows=max_queue_rows,
-                   workers=workers, max_request_mb=max_request_mb)
+    options = dict(max_batch_rows=max_batch_rows, max_delay_ms=max_delay_ms, min_delay_ms=min_delay_ms,
+                   max_queue_rows=max_queue_rows, workers=workers, max_request_mb=max_request_mb)
     try:
         others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options)
     except ServeError:
@@ -68,8 +74,12 @@ def serve_command(
     http, loop = http_stack()
     h = f"[{addr[0]}]" if ":" in addr[0] else addr[0]
     procs = f"{processes} processes x " if processes > 1 else ""
+    if min_delay_ms == max_delay_ms:
+        wait = f"{max_delay_ms:g} ms"
+    else:
+        wait = f"{f'{min_delay_ms:g}-' if min_delay_ms else '<= '}{max_delay_ms:g} ms while requests are arriving"
     echo(f"serving {show_path(model_dir)} as model {served!r} at http://{h}:{addr[1]}/v2/models/{served} "
-         f"(batches of <= {max_batch_rows:,} rows or {max_delay_ms:g} ms; queue {max_queue_rows:,} rows"
+         f"(batches of <= {max_batch_rows:,} rows, waiting {wait}; queue {max_queue_rows:,} rows"
          f"{' per process' if processes > 1 else ''}; {procs}{workers} worker(s) x {threads} thread(s): {why}; "
          f"HTTP {http} on {loop})")
     stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, **options)

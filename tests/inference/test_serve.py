@@ -220,7 +220,7 @@ def test_serve_scores_1000_rows_like_predict_bad_inputs_and_batching(model, tmp_
 
 def test_full_queue_is_503_with_a_retry_hint(model):
     row = {"name": "raw", "datatype": "BYTES", "shape": [64], "data": [RAW100.read_text().splitlines()[0]] * 64}
-    with server(model, "--max-queue-rows", "64", "--max-delay-ms", "3000") as (url, _):
+    with server(model, "--max-queue-rows", "64", "--max-delay-ms", "3000", "--min-delay-ms", "3000") as (url, _):
         first: dict = {}
         t = threading.Thread(target=lambda: first.update(r=_post(url, {"inputs": [row]})))
         t.start()
@@ -243,7 +243,7 @@ def test_sigterm_drains_requests_in_flight(model):
     lines = RAW100.read_text().splitlines()
     from dlrmctl.inference.export import load_exported
 
-    with server(model, "--max-delay-ms", "1500") as (url, p):
+    with server(model, "--max-delay-ms", "1500", "--min-delay-ms", "1500") as (url, p):
         out: list = [None] * 8
 
         def send(i):
@@ -278,6 +278,8 @@ def test_serve_cli_errors(model, tmp_path):
     assert r.exit_code == 2 and "--max-batch-rows must be" in r.output
     r = CliRunner().invoke(app, ["serve", str(model), "--processes", "0"])
     assert r.exit_code == 2 and "--processes must be" in r.output
+    r = CliRunner().invoke(app, ["serve", str(model), "--min-delay-ms", "5"])
+    assert r.exit_code == 2 and "--min-delay-ms must be a finite number >= 0 and <= 2 (milliseconds (at most --max-delay-ms)), got 5.0" in r.output, r.output
     import socket
 
     s = socket.socket()

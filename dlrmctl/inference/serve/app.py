@@ -44,12 +44,12 @@ class App:
 
     def __init__(self, model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
                  max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
-                 max_request_mb: float = 64.0) -> None:
+                 max_request_mb: float = 64.0, min_delay_ms: float = 0.0) -> None:
         from fastapi import FastAPI
 
         self.model, self.name = model, name
         self.max_batch_rows, self.max_delay_ms, self.max_queue_rows = max_batch_rows, max_delay_ms, max_queue_rows
-        self.workers, self.max_request_mb = workers, max_request_mb
+        self.workers, self.max_request_mb, self.min_delay_ms = workers, max_request_mb, min_delay_ms
         self.max_body = int(max_request_mb * 2**20)
         self.spec = ModelSpec.of(model, name)
         self.metrics = Metrics(max_batch_rows)
@@ -58,6 +58,8 @@ class App:
         self.transform = RawTransform(model, self.spec) if self.spec.raw else None
         self.batcher: Batcher | None = None
         self.ready = False
+        self._arriving = 0  # infer requests begun on the event loop and not yet queued or refused
+        self._flush_due = False
         self.api = FastAPI(title="dlrmctl serve", lifespan=self._lifespan, docs_url=None, redoc_url=None)
         self.api.state.metrics = self.metrics
         self.api.state.spec = self.spec
@@ -88,7 +90,7 @@ class App:
     @asynccontextmanager
     async def _lifespan(self, api: Any):
         self.batcher = Batcher(self._forward, len(self.spec.features), bool(self.spec.weighted), self.max_batch_rows,
-                               self.max_delay_ms, self.max_queue_rows, self.workers, self.metrics)
+                               self.max_delay_ms, self.max_queue_rows, self.workers, self.metrics, self.min_delay_ms)
         self.ready = True
         yield
         self.ready = False
@@ -96,6 +98,20 @@ class App:
 
     def _forward(self, dense, values, lengths, weights):
         return self.model.logits(dense, values, lengths, weights)
+
+    def _arrived(self) -> None:
+        """One infer request stopped arriving (queued, or refused): once the event loop has run every
+        callback ready now (the other requests read in the same pass are decoded and queued by then)
+        and no request is still arriving, the queued ones may run without waiting (:meth:`Batcher.release`)."""
+        self._arriving -= 1
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_due = False
+        if self._arriving == 0 and self.batcher is not None:
+            self.batcher.release()
 
     # ------------------------------------------------------------------------- FastAPI endpoints
     def _error(self, code: int, msg: str):
@@ -149,6 +165,8 @@ class App:
         t0 = time.perf_counter()
         metrics, max_body = self.metrics, self.max_body
         code, reason, body, answered = 200, None, b"", False
+        self._arriving += 1
+        arriving = True
         try:
             more = True
             chunks, size = [], 0
@@ -192,6 +210,9 @@ class App:
             except QueueFull as e:
                 code, reason, body = 503, "queue_full", json_error(f"{e}; retry after 1 s")
                 return
+            finally:
+                arriving = False
+                self._arrived()
             try:
                 scores, logits = await asyncio.wrap_future(fut)
             except Exception as e:  # noqa: BLE001 - the model refused this request's rows
@@ -216,6 +237,8 @@ class App:
             log.exception("infer failed")
             code, reason, body = 500, "server_error", json_error(f"internal error: {type(e).__name__}: {e}")
         finally:
+            if arriving:
+                self._arrived()
             if code != 200 and code != 499 and not answered:
                 await _send(send, code, body, [(b"retry-after", b"1")] if code == 503 else None)
             (self._ok if code == 200 else metrics.requests.labels(str(code))).inc()
@@ -226,7 +249,7 @@ class App:
 
 def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
               max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
-              max_request_mb: float = 64.0) -> App:
+              max_request_mb: float = 64.0, min_delay_ms: float = 0.0) -> App:
     """The ASGI app (:class:`App`) serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`)
     as ``name``; ``process`` labels this server process in ``dlrmctl_serve_process_info``."""
-    return App(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb)
+    return App(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb, min_delay_ms)

@@ -6,7 +6,7 @@ import collections
 import concurrent.futures
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -80,29 +80,46 @@ class Metrics:
 class _Item:
     rows: Rows
     future: concurrent.futures.Future
-    t: float = field(default_factory=time.monotonic)
+    t: float
+    seq: int
 
 
 class Batcher:
-    """Queue + ``workers`` forward threads merging queued requests into batches.
+    """Queue + ``workers`` forward threads merging queued requests into batches (adaptive delay).
 
-    A batch closes when adding the next queued request would pass ``max_batch_rows`` or
-    ``max_delay_ms`` after its oldest request arrived; a request is never split.
+    A forward thread takes the queued requests (oldest first, a request never split, at most
+    ``max_batch_rows`` rows unless one request alone has more) as soon as one of these holds:
+
+    * the queued rows reach ``max_batch_rows``;
+    * the oldest request was *released* (:meth:`release`: the producer saw no other request
+      arriving) and has waited ``min_delay_ms`` (default 0: at once);
+    * the oldest request has waited ``max_delay_ms`` (the cap, released or not).
+
+    So a lone request runs without waiting for company that is not coming, requests that arrive
+    together are merged, and requests that arrive while every forward thread is busy queue up and
+    run as one batch when one is free.  Without :meth:`release` calls every batch waits out
+    ``max_delay_ms`` (a fixed delay, as Triton's ``max_queue_delay_microseconds``).
 
     Args:
         forward: ``(dense [B, D] float32, values [N] int64, lengths [F*B] int64, weights [N] float32 | None)``
             -> logits ``[B]`` float32; raises on a rejected input.
         features: ``F``; weighted: the model takes weights.
         max_queue_rows: rows queued at most (:meth:`submit` raises :class:`QueueFull` beyond).
+        min_delay_ms: how long a released request still waits for others (0 to ``max_delay_ms``).
+        clock: seconds, monotonic (``time.monotonic``; a test's fake clock).
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor], features: int, weighted: bool, max_batch_rows: int,
-                 max_delay_ms: float, max_queue_rows: int, workers: int, metrics: Metrics) -> None:
+                 max_delay_ms: float, max_queue_rows: int, workers: int, metrics: Metrics,
+                 min_delay_ms: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.forward, self.features, self.weighted = forward, features, weighted
         self.max_batch_rows, self.delay = max_batch_rows, max_delay_ms / 1000.0
-        self.max_queue_rows, self.metrics = max_queue_rows, metrics
+        self.min_delay = min(min_delay_ms, max_delay_ms) / 1000.0
+        self.max_queue_rows, self.metrics, self.clock = max_queue_rows, metrics, clock
         self._q: collections.deque[_Item] = collections.deque()
         self._queued = 0
+        self._seq = 0  # requests submitted so far
+        self._released = 0  # requests 1.._released may go without waiting for more (release())
         self._cond = threading.Condition()
         self._stop = False
         self._threads = [threading.Thread(target=self._run, name=f"dlrmctl-serve-{i}", daemon=True) for i in range(workers)]
@@ -127,14 +144,23 @@ class Batcher:
             if self._queued + rows.n > self.max_queue_rows:
                 raise QueueFull(f"the queue is full ({self._queued} of {self.max_queue_rows} rows waiting, "
                                 f"--max-queue-rows)")
-            self._q.append(_Item(rows, fut))
+            self._seq += 1
+            self._q.append(_Item(rows, fut, self.clock(), self._seq))
             self._queued += rows.n
             self.metrics.queue_rows.set(self._queued)
             # wake a forward thread only when it has something to do: the first request (it starts the
-            # delay) or a full batch; not once per request while it waits out the delay
+            # delay) or a full batch; not once per request while it waits
             if len(self._q) == 1 or self._queued >= self.max_batch_rows:
                 self._cond.notify()
         return fut
+
+    def release(self) -> None:
+        """Every request submitted so far may run without waiting for others (after ``min_delay_ms``):
+        the producer (the app's event loop) has no other request arriving."""
+        with self._cond:
+            self._released = self._seq
+            if self._q:
+                self._cond.notify()
 
     def stop(self) -> None:
         """Score everything queued, then end the forward threads."""
@@ -150,9 +176,10 @@ class Batcher:
                 self._cond.wait()
             if not self._q:
                 return None
-            deadline = self._q[0].t + self.delay
             while not self._stop and self._queued < self.max_batch_rows:
-                left = deadline - time.monotonic()
+                first = self._q[0]
+                wait = self.min_delay if first.seq <= self._released else self.delay
+                left = first.t + wait - self.clock()
                 if left <= 0:
                     break
                 self._cond.wait(left)
