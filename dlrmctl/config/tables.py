@@ -67,7 +67,8 @@ def read_data_meta(cfg: ExperimentConfig) -> dict | None:
     """The preprocessed data's ``meta.json`` at ``data.path``, or None if there is none.
 
     Raises:
-        ConfigError: meta.json exists but is not valid JSON.
+        ConfigError: meta.json exists but is not valid JSON, or names files outside the dataset
+            (:func:`dlrmctl.data.checksums.check_meta_paths`).
     """
     import json
 
@@ -94,6 +95,12 @@ def read_data_meta(cfg: ExperimentConfig) -> dict | None:
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ConfigError(f"{p}: sparse feature {f.get('name')!r}: num_embeddings must be an int > 0, got {n!r}; "
                               f"re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
+    if "splits" in meta:  # the files it names stay inside the dataset (an edited meta.json reads nothing else)
+        from dlrmctl.data.checksums import check_meta_paths
+
+        why = check_meta_paths(meta)
+        if why is not None:
+            raise ConfigError(f"{p}: corrupt meta.json: {why}; re-run `dlrmctl preprocess ... --out {cfg.data.path}`")
     return meta
 
 

@@ -299,13 +299,17 @@ def check_split_ratios(val_ratio: float, test_ratio: float) -> None:
 
 
 def write_meta(data_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
-    """Validate and write ``DIR/meta.json`` atomically; returns its path.
+    """Validate and write ``DIR/meta.json`` atomically, with the size and SHA-256 of every file it
+    names (``checksums``, :mod:`dlrmctl.data.checksums`); returns its path.
 
     Raises:
         DataError: ``meta`` lacks a required key (see :func:`read_meta`).
     """
+    from dlrmctl.data.checksums import CHECKSUMS_KEY, file_checksums, meta_files
+
     path = Path(data_dir) / META_FILE
     _validate_meta(dict(meta), path)
+    meta = {**meta, CHECKSUMS_KEY: file_checksums(data_dir, meta_files(dict(meta)))}
     write_json_atomic(path, meta)
     return path
 
@@ -321,6 +325,11 @@ def _validate_meta(meta: dict, path: Path) -> None:
     if meta["format_version"] != FORMAT_VERSION:
         raise DataError(f"format_version {meta['format_version']!r} is not supported "
                         f"(this dlrmctl reads {FORMAT_VERSION}); re-run preprocessing", path=path)
+    from dlrmctl.data.checksums import check_meta_paths
+
+    why = check_meta_paths(meta)
+    if why is not None:
+        raise DataError(f"corrupt meta.json: {why}", path=path)
     for i, sf in enumerate(meta["sparse_features"]):
         for k in ("name", "num_embeddings", "multi_hot"):
             if k not in sf:
@@ -631,8 +640,8 @@ class SplitData:
         meta: the meta dict.
 
     Raises:
-        DataError: unknown split (names the available ones), a shard missing, or a row count
-            that disagrees with meta.
+        DataError: unknown split (names the available ones), a shard missing or not the bytes
+            meta.json's checksum records, or a row count that disagrees with meta.
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str, meta: dict | None = None) -> None:
@@ -643,6 +652,9 @@ class SplitData:
                             f"{sorted(self.meta['splits'])}", path=self.data_dir / META_FILE)
         self.split = split
         info = self.meta["splits"][split]
+        from dlrmctl.data.checksums import verify_files
+
+        verify_files(self.data_dir, self.meta, info["files"], DataError)  # once per process per file version
         self.shards = [MappedShard(self.data_dir / f) for f in info["files"]]
         self.starts = np.zeros(len(self.shards) + 1, dtype=np.int64)
         np.cumsum([s.rows for s in self.shards], out=self.starts[1:])

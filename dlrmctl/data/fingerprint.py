@@ -10,15 +10,17 @@ parts, each a short hash of what it covers:
 * ``vocabulary``: each sparse feature's table size, out-of-vocabulary and missing
   ids, the vocabulary lists meta.json carries, and every transform but the split
   (dense transforms, frequency threshold or hashing, ...);
-* ``split``: rows and positive rate of every split, and the split's own rule
-  (ratios, seed, by day).
+* ``split``: rows and positive rate of every split, the split's own rule
+  (ratios, seed, by day), and the shards' SHA-256 meta.json records (``checksums``,
+  :mod:`dlrmctl.data.checksums`; compared only when both sides have them).
 
 ``evaluate`` (a run or an exported model), ``export`` and ``train --resume``
 compare the data they are given with the data the run recorded
 (``runs/<name>/data_meta.json``, or the ``data`` entry of an export's
 manifest.json) and refuse a mismatch, naming both sources, both fingerprints and
-the first differences.  Nothing here reads the shards: a fingerprint is computed
-from meta.json alone, in microseconds.
+the first differences.  A fingerprint is computed from meta.json alone, in
+microseconds; :func:`check_run_data` also verifies the shards' bytes against the
+checksums (once per process per file).
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def _parts(meta: dict) -> dict[str, Any]:
             "rows": {s: (v or {}).get("rows") for s, v in (meta.get("splits") or {}).items()},
             "ctr": meta.get("ctr"),
             "rule": split_rule,
+            # the shards' SHA-256 (datasets made before checksums: absent, and the hash as before)
+            **({"content": {f: (c or {}).get("sha256") for f, c in meta["checksums"].items()}}
+               if isinstance(meta.get("checksums"), dict) else {}),
         },
     }
 
@@ -147,6 +152,8 @@ def check_same_data(expected: dict, expected_src: str, actual: dict, actual_src:
     Raises:
         DataMismatchError: one line naming both sources, both fingerprints and the first differences.
     """
+    if ("checksums" in expected) != ("checksums" in actual):  # one side made before checksums: rows, ctr, rule only
+        expected, actual = ({k: v for k, v in m.items() if k != "checksums"} for m in (expected, actual))
     fe, fa = data_fingerprint(expected), data_fingerprint(actual)
     if all(fe[p] == fa[p] for p in parts):
         return fa
@@ -183,16 +190,25 @@ def check_run_data(recorded: str | os.PathLike, data_dir: str | os.PathLike, par
                    hint: str = "") -> dict[str, str]:
     """:func:`check_same_data` of ``data_dir/meta.json`` against a run's recorded ``data_meta.json``.
 
+    With ``"split"`` in ``parts`` the shards' bytes are verified too (:func:`dlrmctl.data.checksums.verify_files`).
+
     Returns:
         the data's fingerprint.
 
     Raises:
-        DataMismatchError: a file is missing or unreadable, or the fingerprints differ.
+        DataMismatchError: a file is missing or unreadable, the fingerprints differ, or a shard is
+            not the bytes meta.json's checksum records.
     """
+    from dlrmctl.data.checksums import verify_files
+
     rec = os.fspath(recorded)
     cur = os.path.join(os.fspath(data_dir), "meta.json")
-    return check_same_data(read_meta_json(rec, "data the run was trained on"), rec,
-                           read_meta_json(cur, "data"), cur, parts, hint)
+    actual = read_meta_json(cur, "data")
+    fp = check_same_data(read_meta_json(rec, "data the run was trained on"), rec, actual, cur, parts, hint)
+    if "split" in parts:  # the rows themselves: each shard's bytes against the checksum meta.json records
+        verify_files(data_dir, actual, [f for i in (actual.get("splits") or {}).values() if isinstance(i, dict)
+                                        for f in (i.get("files") or [])], DataMismatchError)
+    return fp
 
 
 def split_rows(meta: dict, data_dir: str | os.PathLike, split: str, role: str = "") -> int:

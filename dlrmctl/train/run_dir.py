@@ -75,11 +75,16 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
 
 
 def check_train_splits(cfg: ExperimentConfig, meta: dict) -> None:
-    """The train and validation splits exist and have rows (one error line naming the split otherwise)."""
+    """The train and validation splits exist and have rows, and their shards are the bytes meta.json
+    records (one error line naming the split or the file otherwise, before the first step)."""
+    from dlrmctl.data.checksums import verify_files
+    from dlrmctl.data.columnar import DataError
     from dlrmctl.data.fingerprint import split_rows
 
     split_rows(meta, cfg.data.path, cfg.data.train_split, "data.train_split")
     split_rows(meta, cfg.data.path, cfg.data.val_split, "data.val_split")
+    for split in dict.fromkeys((cfg.data.train_split, cfg.data.val_split)):
+        verify_files(cfg.data.path, meta, meta["splits"][split].get("files") or [], DataError)
 
 
 def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config_path: str | None = None) -> str:

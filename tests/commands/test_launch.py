@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dlrmctl.cli import app
+from dlrmctl.data.checksums import record_checksums
 from dlrmctl.launch import build_appdef
 
 from tests import conftest
@@ -184,6 +185,7 @@ def test_a_failing_rank_is_reported_in_one_line_naming_it_and_its_log(small_data
     with pa.OSFile(str(shard) + ".tmp", "wb") as sink, ipc.new_file(sink, t.schema) as w:
         w.write_table(t)
     os.replace(str(shard) + ".tmp", shard)
+    record_checksums(small_data)  # a planted id, not damage: meta.json records the new bytes
 
     r = _train(small_data, tmp_path / "runs")
     assert r.returncode == 1

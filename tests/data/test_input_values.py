@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dlrmctl.cli import app
+from dlrmctl.data.checksums import record_checksums
 from dlrmctl.data.columnar import DataError, read_meta
 from dlrmctl.data.loader import BatchLoader
 from dlrmctl.train.metrics import auc, compute_metrics, compute_metrics_from_logits, logloss
@@ -42,6 +43,7 @@ def _poke(src, dst, split: str, column: str, row: int, value: float):
     t = pa.Table.from_arrays([pa.array(cols[n], type=t.schema.field(n).type) for n in t.schema.names], schema=t.schema)
     with ipc.new_file(str(path), t.schema) as w:
         w.write_table(t)
+    record_checksums(dst)  # a planted value, not damage: meta.json records the new bytes
     return path
 
 

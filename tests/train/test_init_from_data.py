@@ -10,6 +10,7 @@ import torch
 
 from dlrmctl import HAS_FBGEMM
 from dlrmctl.config import ConfigError, config_from_dict, resolve_tables
+from dlrmctl.data.checksums import record_checksums
 from dlrmctl.data.columnar import dense_column_stats
 from dlrmctl.modules.dlrm import DenseStandardize
 
@@ -121,6 +122,7 @@ def test_a_nan_or_inf_dense_column_is_named_by_the_trainer(data, tmp_path):
     t = pa.Table.from_arrays([pa.array(cols[n], type=t.schema.field(n).type) for n in t.schema.names], schema=t.schema)
     with ipc.new_file(str(path), t.schema) as w:
         w.write_table(t)
+    record_checksums(d)  # a planted value, not damage
     mean, std = dense_column_stats(str(d), "train")
     assert not np.isfinite(std[2]) and not np.isfinite(std[4])  # not disguised as a constant column's 1
     with pytest.raises(TrainError, match=rf"dense column\(s\) \['{a}', '{b}'\] .* NaN or inf"):
