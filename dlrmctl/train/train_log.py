@@ -124,6 +124,34 @@ class MetricsLog:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "epoch"):
                     self._tb.add_scalar(f"{prefix}/{k}", v, record["step"])
 
+    def drop_after(self, step: int) -> int:
+        """Remove from ``metrics.jsonl`` the records of steps after ``step`` (a resumed run's
+        checkpoint: an interrupted attempt logged them past its last kept checkpoint, and the
+        resumed run logs those steps again) and a torn last line; rank 0, the file rewritten
+        whole (temp file + rename).  Returns the number of records dropped.  TensorBoard event
+        files are append-only: their readers take the newest value of a step."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not self.is_main or not os.path.isfile(path):
+            return 0
+        self.close()
+        keep, dropped = [], 0
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    past = int(rec.get("step", 0)) > step
+                except (ValueError, TypeError, AttributeError):
+                    past = True  # a line torn by the kill
+                if past:
+                    dropped += 1
+                else:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+        if dropped:
+            from dlrmctl.fileio import write_text_atomic
+
+            write_text_atomic(path, "".join(keep))
+        return dropped
+
     def close(self) -> None:
         """Close the file and the writer (a later :meth:`write` opens them again)."""
         if self._f is not None:

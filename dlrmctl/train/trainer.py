@@ -295,6 +295,7 @@ class Trainer:
         if isinstance(ev, dict) and ev.get("step") == self.step and ev.get("split") == self.cfg.data.val_split:
             restored = {k: v for k, v in ev.items() if k not in ("step", "split")}
         self.evaluator.load_state_dict(tr, restored, self.step)
+        self.metrics_log.drop_after(self.step)  # records of steps past the checkpoint are logged again
         log.info("resumed from %s (step %d, saved by %d rank(s))", saved["path"], self.step, saved["world_size"])
 
     # ---------------------------------------------------------------- run
