@@ -97,6 +97,9 @@ def predict_command(
     """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""
     if batch_rows < 1:
         _fail(f"--batch-rows must be >= 1 (rows scored per batch), got {batch_rows}")
+    if os.path.exists(input) and not os.path.isdir(input) and not os.path.isfile(input):
+        _fail(f"--input {input}: not a regular file (a device or a FIFO is never read to its end); give a raw log "
+              "file")
     if output is not None and str(output) != "-":
         out_real, model_real = os.path.realpath(output), os.path.realpath(model_dir)
         if out_real == os.path.realpath(input) or out_real.startswith(model_real + os.sep):

@@ -19,6 +19,7 @@ import yaml
 
 from dlrmctl.config.schema import ConfigError, ExperimentConfig
 from dlrmctl.config.validation import validate
+from dlrmctl.yaml_file import short_repr
 
 
 def type_name(tp: Any) -> str:
@@ -57,31 +58,31 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                 errors.append(e)
         if len(errors) == 1 and isinstance(value, dict):  # a mapping or null: the mapping's own error
             raise errors[0]
-        raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {type_name(tp)}, got {short_repr(value)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path}: expected one of {list(allowed)}, got {value!r}")
+            raise ConfigError(f"{path}: expected one of {list(allowed)}, got {short_repr(value)}")
         return value
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {short_repr(value)}")
         (et,) = typing.get_args(tp)
         return [_convert(v, et, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected {type_name(tp)}, got {value!r}")
+            raise ConfigError(f"{path}: expected {type_name(tp)}, got {short_repr(value)}")
         _, vt = typing.get_args(tp)
         return {str(k): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return _build_dataclass(tp, value, path)
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected bool (true/false), got {value!r}")
+            raise ConfigError(f"{path}: expected bool (true/false), got {short_repr(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected int, got {value!r}")
+            raise ConfigError(f"{path}: expected int, got {short_repr(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -91,17 +92,17 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
                     return float(value)
                 except ValueError:
                     pass
-            raise ConfigError(f"{path}: expected float, got {value!r}")
+            raise ConfigError(f"{path}: expected float, got {short_repr(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected str, got {value!r}")
+            raise ConfigError(f"{path}: expected str, got {short_repr(value)}")
         return value
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"{path}: expected one of {[e.value for e in tp]}, got {value!r}") from None
+            raise ConfigError(f"{path}: expected one of {[e.value for e in tp]}, got {short_repr(value)}") from None
     raise ConfigError(f"{path}: unsupported type {tp}")  # pragma: no cover
 
 
@@ -110,7 +111,7 @@ def _build_dataclass(cls: Any, value: Any, path: str) -> Any:
     if value is None:
         value = {}
     if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        raise ConfigError(f"{where}: expected a mapping, got {short_repr(value)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in value if k not in fields]

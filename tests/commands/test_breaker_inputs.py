@@ -137,3 +137,33 @@ def test_values_that_crashed_later_are_refused_by_validation(tmp_path, data, key
     """Each of these passed validation and ended in a traceback (rc 1) once training started."""
     extra = ["--set", "model.interaction=projection"] if "branch" in key else []
     one_error_line(["train", _config(tmp_path, data), "--set", f"{key}={value}", *extra], needle)
+
+
+def _laughs(levels: int) -> str:
+    """A "billion laughs" YAML value: ``levels`` anchors, each a list of 9 aliases of the previous."""
+    out = ["&a0 [lol]"]
+    for i in range(1, levels + 1):
+        out.append(f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    return "[" + ", ".join(out) + "]"
+
+
+def test_a_yaml_alias_bomb_is_one_short_line(tmp_path, data):
+    """An alias bomb in a typed key made the error message repr the expanded structure (a 28 MB
+    line at 7 levels; more: a hang and GBs of RSS): refused by its expanded size, or named briefly."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(f"name: x\nmodel:\n  dense_arch_layer_sizes: {_laughs(9)}\n")
+    one_error_line(["train", bomb], str(bomb), "expand it to more than")
+    for levels in (5, 9):
+        line = one_error_line(["train", _config(tmp_path, data), "--set",
+                               f"model.dense_arch_layer_sizes={_laughs(levels)}"], "dense_arch_layer_sizes")
+        assert len(line) < 2000, len(line)
+
+
+def test_a_device_or_huge_file_as_config_is_refused_without_reading_it(tmp_path, data):
+    one_error_line(["train", "/dev/zero"], "/dev/zero", "not a regular file")
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(40 << 20)  # sparse: 40 MiB of zeros
+    one_error_line(["train", big], str(big), "larger than 32 MiB")
+    one_error_line(["plan", _config(tmp_path, data), "--gpus", "2", "--topology", "/dev/zero"],
+                   "/dev/zero", "not a regular file")

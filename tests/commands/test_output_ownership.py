@@ -139,3 +139,7 @@ def test_a_legal_long_name_gets_a_temporary_within_name_max(tmp_path):
     d = outputs.make_temp_dir(tmp_path / ("d" * 254), "export")
     assert d.is_dir() and len(d.name) <= 255
     assert outputs.read_marker(d)["host"] == socket.gethostname()
+
+
+def test_predict_refuses_a_device_as_input_before_loading_anything(tmp_path):
+    one_error_line(["predict", tmp_path / "m", "--input", "/dev/zero"], "/dev/zero", "not a regular file")
