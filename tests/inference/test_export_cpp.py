@@ -145,6 +145,35 @@ def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
     assert r.returncode == 4 and "has weighted features ['f0']" in r.stderr, r.stderr
 
 
+@needs_fbgemm
+def test_cpp_refuses_a_model_file_whose_bytes_differ_from_the_manifests_sha256(cpp_binary, tmp_path):
+    """One flipped bit gave other scores with exit 0 (Python refuses the same file): the C++ loader
+    checks the SHA-256 the manifest records before loading, and a manifest without one is refused."""
+    import json
+
+    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.predict import write_cpp_input
+
+    export_model(_model(), tmp_path / "m", "int8", artifact="torchscript")
+    dense, values, lengths = _inputs(4, seed=3)
+    write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
+    run = [str(cpp_binary), str(tmp_path / "m"), str(tmp_path / "in.bin"), str(tmp_path / "o.bin"), _fbgemm_dir()]
+    assert subprocess.run(run, capture_output=True, text=True, timeout=120).returncode == 0
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    f = tmp_path / "m" / manifest["model_file"]
+    b = bytearray(f.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    f.write_bytes(bytes(b))
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "SHA-256" in r.stderr and manifest["model_file"] in r.stderr, r.stderr
+    assert not (tmp_path / "o2.bin").exists()
+    manifest.pop("model_sha256", None)
+    manifest["files"] = {}
+    (tmp_path / "m" / "manifest.json").write_text(json.dumps(manifest))
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "records no SHA-256" in r.stderr, r.stderr
+
+
 @pytest.mark.slow
 def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
     """export --aot: the AOTInductor package is hashed in the manifest, and the C++ example (picking
