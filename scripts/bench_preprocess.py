@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark ``dlrmctl preprocess criteo``: rows/s per core and peak RSS, vocabulary and hashing modes.
+"""Benchmark ``dlrmctl preprocess criteo`` (and ``preprocess logs`` on the same lines): rows/s per core
+and peak RSS, vocabulary and hashing modes.
 
 Input: existing Criteo files (``--input``: a file, directory or glob, e.g. ``day_*`` files made
 by ``scripts/bench_scale.py``), or ``--rows`` (default 1,000,000) generated lines (40
@@ -11,7 +12,11 @@ Each mode runs in a fresh child process (``--modes``, default ``vocab,hash``):
 
 * ``vocab``: vocabulary mode, ``--threshold`` (default 3): a count pass, the feature-by-feature
   merge, then the transform pass;
-* ``hash``: hashing mode, ``--num-embeddings`` (default 100000) for every feature.
+* ``hash``: hashing mode, ``--num-embeddings`` (default 100000) for every feature;
+* ``logs-vocab``, ``logs-hash``: the same lines through ``preprocess logs`` with
+  ``configs/schemas/criteo.yaml`` (vocabulary, ``min_count`` = ``--threshold``), or with every
+  categorical ``hash: --num-embeddings`` (the raw-id hash); with both a Criteo mode and its logs
+  mode, their ratio (rows per CPU second) is printed.
 
 Printed per mode: rows, wall seconds, rows/s end to end, rows/s per core (end to end / the
 number of worker processes used = min(--workers, files)), rows per CPU second (user + sys of the
@@ -77,13 +82,26 @@ def _run_one(args: argparse.Namespace) -> None:
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
 
     files = expand_inputs(args.input)
-    if args.one == "vocab":
+    if args.one.startswith("logs"):
+        import dataclasses
+
+        from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
+
+        schema = load_schema(Path(__file__).resolve().parents[1] / "configs" / "schemas" / "criteo.yaml")
+        cats = tuple(dataclasses.replace(c, min_count=args.threshold) if args.one == "logs-vocab" else
+                     dataclasses.replace(c, mode="hash", buckets=args.num_embeddings) for c in schema.categorical)
+        schema = dataclasses.replace(schema, categorical=cats)
+        run = lambda out: preprocess_logs(schema, args.input, out, LogOptions(val_ratio=0.1, workers=args.workers),
+                                          progress=False)
+    elif args.one == "vocab":
         opts = CriteoOptions(frequency_threshold=args.threshold, val_ratio=0.1, workers=args.workers)
     else:
         opts = CriteoOptions(num_embeddings=[args.num_embeddings] * 26, val_ratio=0.1, workers=args.workers)
+    if not args.one.startswith("logs"):
+        run = lambda out: preprocess_criteo(args.input, out, opts, progress=False)  # noqa: E731
     out = Path(args.out)
     t = time.perf_counter()
-    rep = preprocess_criteo(args.input, out, opts, progress=False)
+    rep = run(out)
     wall = time.perf_counter() - t
     done = [json.loads(p.read_text()) for p in (out / "parts").glob("*/done.json")]
     kb = 1024 if sys.platform != "darwin" else 1  # ru_maxrss: KiB on Linux, bytes on macOS
@@ -104,7 +122,7 @@ def main() -> None:
     ap.add_argument("--input", help="existing Criteo file, directory or glob (skips generation)")
     ap.add_argument("--files", type=int, default=1, help="generated input split into this many files")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--modes", default="vocab,hash", help="comma list of vocab, hash")
+    ap.add_argument("--modes", default="vocab,hash", help="comma list of vocab, hash, logs-vocab, logs-hash")
     ap.add_argument("--threshold", type=int, default=3, help="vocabulary frequency threshold")
     ap.add_argument("--num-embeddings", type=int, default=100_000, help="hashing modulus")
     ap.add_argument("--workdir", help="directory for generated input and outputs (default: a temp dir)")
@@ -128,6 +146,7 @@ def main() -> None:
             print(f"generated {args.rows:,} lines in {args.files} file(s), {size / 1e6:.0f} MB, "
                   f"in {time.perf_counter() - t0:.1f} s")
             inp = str(gen)
+        per_cpu = {}
         for mode in args.modes.split(","):
             out = td / f"out_{mode}"
             cmd = [sys.executable, __file__, "--one", mode, "--input", inp, "--out", str(out),
@@ -137,8 +156,10 @@ def main() -> None:
             if res.returncode != 0:
                 sys.exit(f"{mode}: failed\n{res.stderr}")
             r = json.loads(res.stdout.strip().splitlines()[-1])
-            label = f"vocab T={args.threshold}" if mode == "vocab" else f"hash N={args.num_embeddings}"
-            extra = (f"; largest table {max(r['vocab']):,} rows" if mode == "vocab" else "")
+            label = (mode.removesuffix("vocab").removesuffix("hash") +
+                     (f"vocab T={args.threshold}" if mode.endswith("vocab") else f"hash N={args.num_embeddings}"))
+            extra = (f"; largest table {max(r['vocab']):,} rows" if mode.endswith("vocab") else "")
+            per_cpu[mode] = r["rows"] / r["cpu"]
             print(f"{label:>14}, {r['procs']} worker process(es): {r['rows']:,} rows in {r['wall']:.2f} s -> "
                   f"{r['rows'] / r['wall']:,.0f} rows/s end to end, {r['rows'] / r['wall'] / r['procs']:,.0f} "
                   f"rows/s per core, {r['rows'] / r['cpu']:,.0f} rows per CPU second (user + sys, all "
@@ -146,6 +167,10 @@ def main() -> None:
                   f"peak RSS main {r['rss_main'] / 2**20:,.0f} MiB, largest worker "
                   f"{r['rss_worker'] / 2**20:,.0f} MiB{extra}")
             shutil.rmtree(out, ignore_errors=True)
+        for m in ("vocab", "hash"):
+            if m in per_cpu and f"logs-{m}" in per_cpu:
+                print(f"preprocess logs / preprocess criteo, {m}: {per_cpu[f'logs-{m}'] / per_cpu[m]:.2f}x rows per "
+                      "CPU second")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ FNV64_OFFSET = 0xCBF29CE484222325
 FNV64_PRIME = 0x100000001B3
 MISSING_RAW_ID = 0
 _MASK63 = np.uint64((1 << 63) - 1)
+_SHORT = 32  # values up to this many bytes are hashed as one [n, L] byte matrix
 
 
 def _as_utf8(values: pa.Array | pa.ChunkedArray) -> pa.Array:
@@ -84,7 +85,25 @@ def raw_ids(values: pa.Array | pa.ChunkedArray | np.ndarray | list) -> np.ndarra
     lengths = offsets[1:] - starts
     h = np.full(n, FNV64_OFFSET, dtype=np.uint64)
     prime = np.uint64(FNV64_PRIME)
-    active = np.nonzero(lengths > 0)[0]
+    short = lengths <= _SHORT
+    if short.any():  # the common case: one gather of an [n, L] byte matrix, then L whole-column steps
+        rows = np.flatnonzero(short) if not short.all() else None
+        st, ln = (starts, lengths) if rows is None else (starts[rows], lengths[rows])
+        width = int(ln.max(initial=0))
+        if width:
+            pos = np.arange(width, dtype=np.int64)
+            cols = np.asfortranarray(data[np.minimum(st[:, None] + pos, max(len(data) - 1, 0))]) if len(data) else None
+            hs = np.full(len(st), FNV64_OFFSET, dtype=np.uint64)
+            same = bool((ln == width).all())  # e.g. fixed-width hex ids: no per-row length mask
+            with np.errstate(over="ignore"):
+                for j in range(width):
+                    stepped = (hs ^ cols[:, j].astype(np.uint64)) * prime
+                    hs = stepped if same else np.where(ln > j, stepped, hs)
+            if rows is None:
+                h = hs
+            else:
+                h[rows] = hs
+    active = np.nonzero(lengths > _SHORT)[0]
     j = 0
     with np.errstate(over="ignore"):
         while active.size:

@@ -220,6 +220,7 @@ def write_task(task: LogTask) -> dict:
                 continue
             codes = _split_codes(task, d)
             dense = dense_values(d, s, task.dense_stats or {})
+            all_ids = [ids_of(spec, v, vocabs[f]) for f, (spec, v) in enumerate(zip(s.categorical, d.categorical))]
             for si, split in enumerate(SPLITS):
                 sel = codes == si
                 m = int(sel.sum())
@@ -232,8 +233,8 @@ def write_task(task: LogTask) -> dict:
                 for name, x in zip(dense_names, dense):
                     cols[name] = x[sel]
                 for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):
+                    ids = all_ids[f][sel if v.lengths is None else np.repeat(sel, v.lengths)]
                     v = v.select(sel)
-                    ids = ids_of(spec, v, vocabs[f])
                     if spec.multi:
                         cols[spec.name] = _bag_array(ids, v.lengths, pa.int64())
                         stats["missing"][f] += int((v.lengths == 0).sum())

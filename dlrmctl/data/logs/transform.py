@@ -6,8 +6,9 @@
   value takes ``fill``; ``log1p``: ``log(max(x, 0) + 1)`` (DLRM reference ``data_utils.py``);
   ``standardize``: ``(x - mean) / std`` with the train split's mean and standard deviation
   (``std`` 0 -> 1); ``none``: ``x``.  float32.
-* categorical: each value becomes a 63-bit key: its raw id (:func:`dlrmctl.data.ids.raw_ids`),
-  or with ``parse: hex`` its 8 hex digits as an integer (Criteo).  Then per mode:
+* categorical: each value becomes a 63-bit key: its raw id (:func:`dlrmctl.data.ids.raw_ids` of its
+  text), or in ``vocab`` mode with ``parse: hex`` its 8 hex digits as an integer (Criteo's
+  vocabulary order; ``parse: hex`` also refuses a value that is not 8 hex digits).  Then per mode:
   ``vocab``: the key's rank in the train vocabulary (:class:`VocabLookup`), ``V`` for an unseen or
   rare value, ``V + 1`` for a missing one (table ``V + 2`` rows, as Criteo's);
   ``hash``: ``raw_id mod buckets`` (missing -> 0, the raw id of a missing value);
@@ -34,7 +35,7 @@ from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
 
 __all__ = ["CategoricalValues", "Decoded", "VocabLookup", "decode", "dense_values", "ids_of"]
 
-_NUMBER = r"^\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$"
+_NUMBER = r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$"
 
 
 @dataclasses.dataclass
@@ -104,10 +105,12 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
     missing = col.is_null().to_numpy(zero_copy_only=False)
     t = col.type
     if pa.types.is_string(t) or pa.types.is_large_string(t):
-        ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER), True).to_numpy(zero_copy_only=False)
-        drop |= _bad(batch, ~ok & ~drop, name, what, col, on_bad_line)
-        col = pc.if_else(pa.array(ok), col, pa.scalar("0"))
-        x = pc.cast(col, pa.float64())
+        try:  # the common case: every value parses (NaN / inf are refused below)
+            x = pc.cast(col, pa.float64())
+        except pa.ArrowInvalid:
+            ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER), True).to_numpy(zero_copy_only=False)
+            drop |= _bad(batch, ~ok & ~drop, name, what, col, on_bad_line)
+            x = pc.cast(pc.if_else(pa.array(ok), col, pa.scalar("0")), pa.float64())
     elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t):
         x = pc.cast(col, pa.float64())
     else:
@@ -182,6 +185,8 @@ def _keys(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.nda
                                 path=batch.path)
             if not spec.multi:
                 drop |= _bad(batch, bad & ~drop, column, "8 hex digits", values, on_bad_line)
+        if spec.mode != "vocab":  # hash / raw ids: the raw id of the text itself
+            return raw_ids(v), present
         return h.astype(np.int64), present
     try:
         k = raw_ids(values)
@@ -328,24 +333,15 @@ class VocabLookup:
         return cls(values)
 
 
-def _canonical_raw(spec: CategoricalSpec, v: CategoricalValues) -> np.ndarray:
-    if spec.parse != "hex":
-        return v.keys
-    out = raw_ids(pa.array(v.keys))
-    out[~v.present] = 0
-    return out
-
-
 def ids_of(spec: CategoricalSpec, v: CategoricalValues, vocab: VocabLookup | None) -> np.ndarray:
     """``[m]`` int64 ids of a column's values by its mode (see the module docstring)."""
     if spec.mode == "vocab":
         ids = vocab.lookup(v.keys)
         ids[~v.present] = vocab.size + 1
         return ids
-    raw = _canonical_raw(spec, v)
     if spec.mode == "hash":
-        return hash_buckets(raw, spec.buckets)
-    return raw
+        return hash_buckets(v.keys, spec.buckets)
+    return v.keys
 
 
 def table_rows(spec: CategoricalSpec, vocab_size: int | None, distinct: int | None) -> int:
