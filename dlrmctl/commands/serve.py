@@ -43,6 +43,10 @@ def serve_command(
     check_number("--max-request-mb", max_request_mb, maximum=65536.0, what="MiB")
     check_number("--workers", workers, maximum=256, what="forward threads")
     check_number("--processes", processes, maximum=256, what="server processes")
+    if name is not None:
+        from dlrmctl.inference.serve.protocol import check_model_name
+
+        check_model_name(name)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -54,7 +58,7 @@ def serve_command(
     from dlrmctl.inference.export import load_exported
     from dlrmctl.inference.predict import check_vocabularies
     from dlrmctl.inference.serve.processes import bind, http_stack, serve, start_processes
-    from dlrmctl.inference.serve.protocol import ServeError
+    from dlrmctl.inference.serve.protocol import ServeError, check_model_name
     from dlrmctl.procs import intra_op_threads
 
     model = load_exported(model_dir)
@@ -62,6 +66,8 @@ def serve_command(
     threads, why = intra_op_threads(workers * processes)
     torch.set_num_threads(threads)
     served = name or (model.manifest.get("source") or {}).get("name") or Path(model_dir).resolve().name
+    if name is None:
+        check_model_name(served, f"{show_path(model_dir)}: the default model name (the run's name; give --name)")
     sock = bind(host, port, reuse_port=processes > 1)
     addr = sock.getsockname()
     options = dict(max_batch_rows=max_batch_rows, max_delay_ms=max_delay_ms, min_delay_ms=min_delay_ms,

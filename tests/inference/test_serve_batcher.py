@@ -127,7 +127,8 @@ def infer_body(x: float) -> bytes:
                                   {"name": "b", "datatype": "INT64", "shape": [1], "data": [2]}]}).encode()
 
 
-async def post(app, body: bytes) -> tuple[int, dict]:
+async def post(app, body: bytes, path: str = "/v2/models/m/infer", headers=(), method: str = "POST") -> tuple[int, dict]:
+    """(status, JSON answer) of one request driven straight through the ASGI ``app``."""
     sent = []
     msgs = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -137,9 +138,24 @@ async def post(app, body: bytes) -> tuple[int, dict]:
     async def send(m):
         sent.append(m)
 
-    scope = {"type": "http", "method": "POST", "path": "/v2/models/m/infer", "headers": [], "query_string": b""}
+    scope = {"type": "http", "method": method, "path": path, "headers": [(k.encode(), v.encode()) for k, v in headers],
+             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2), "root_path": ""}
     await app(scope, receive, send)
     return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def run_app(app, check) -> None:
+    """Run ``await check()`` on a fresh event loop inside ``app``'s lifespan (its batcher running)."""
+    async def run():
+        async with app.api.router.lifespan_context(app.api):
+            await asyncio.wait_for(check(), 60)
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
 
 
 def test_the_app_runs_a_lone_request_at_once_and_merges_requests_that_arrive_together():
@@ -148,27 +164,22 @@ def test_the_app_runs_a_lone_request_at_once_and_merges_requests_that_arrive_tog
     model = FakeModel()
     app = build_app(model, "m", max_delay_ms=60_000.0)
 
-    async def run():
-        async with app.api.router.lifespan_context(app.api):
-            t = time.monotonic()
-            code, out = await asyncio.wait_for(post(app, infer_body(0.5)), 30)
-            assert code == 200 and out["outputs"][1]["data"] == [0.5]
-            assert time.monotonic() - t < 30
-            assert model.batches == [1]
-            res = await asyncio.wait_for(asyncio.gather(*(post(app, infer_body(float(i))) for i in range(8))), 30)
-            assert [r[1]["outputs"][1]["data"] for r in res] == [[float(i)] for i in range(8)]
-            assert model.batches == [1, 8]
-            # a refused request (an id outside its table) does not leave the others waiting
-            bad = infer_body(1.0).replace(b'"data": [2]', b'"data": [99]')
-            res = await asyncio.wait_for(asyncio.gather(post(app, bad), post(app, infer_body(2.0))), 30)
-            assert res[0][0] == 400 and "id 99" in res[0][1]["error"] and res[1][0] == 200
-            assert model.batches == [1, 8, 1]
+    async def check():
+        t = time.monotonic()
+        code, out = await asyncio.wait_for(post(app, infer_body(0.5)), 30)
+        assert code == 200 and out["outputs"][1]["data"] == [0.5]
+        assert time.monotonic() - t < 30
+        assert model.batches == [1]
+        res = await asyncio.wait_for(asyncio.gather(*(post(app, infer_body(float(i))) for i in range(8))), 30)
+        assert [r[1]["outputs"][1]["data"] for r in res] == [[float(i)] for i in range(8)]
+        assert model.batches == [1, 8]
+        # a refused request (an id outside its table) does not leave the others waiting
+        bad = infer_body(1.0).replace(b'"data": [2]', b'"data": [99]')
+        res = await asyncio.wait_for(asyncio.gather(post(app, bad), post(app, infer_body(2.0))), 30)
+        assert res[0][0] == 400 and "id 99" in res[0][1]["error"] and res[1][0] == 200
+        assert model.batches == [1, 8, 1]
 
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(run())
-    finally:
-        loop.close()
+    run_app(app, check)
 
 
 def test_wakes_stay_once_per_batch_with_releases(monkeypatch):

@@ -10,7 +10,8 @@ from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 from dlrmctl.inference.serve.batcher import Batcher, Metrics, QueueFull
-from dlrmctl.inference.serve.protocol import BadRequest, ModelSpec, RawTransform, decode_request, infer_response, json_error
+from dlrmctl.inference.serve.protocol import (VERSIONS, BadRequest, ModelSpec, RawTransform, decode_request, infer_response,
+                                              json_error, no_version)
 
 log = logging.getLogger("dlrmctl.serve")
 
@@ -65,13 +66,14 @@ class App:
         self.api.state.spec = self.spec
         self.state = self.api.state
         for path, handler in (("/v2/health/live", self.live), ("/v2/health/ready", self.health_ready),
-                              ("/v2", self.server_metadata),
+                              ("/v2", self.server_metadata), ("/v2/models", self.models),
                               ("/v2/models/{model_name}", self.model_metadata),
                               ("/v2/models/{model_name}/versions/{version}", self.model_metadata),
                               ("/v2/models/{model_name}/ready", self.model_ready),
                               ("/v2/models/{model_name}/versions/{version}/ready", self.model_ready),
                               ("/metrics", self.prometheus)):
             self.api.get(path)(handler)
+        self.api.post("/v2/repository/index")(self.repository_index)
 
     # ------------------------------------------------------------------------- ASGI
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -83,7 +85,7 @@ class App:
                 if scope["method"] != "POST":
                     await _send(send, 405, json_error(f"{path} takes POST"), [(b"allow", b"POST")])
                     return
-                await self.infer(parts[0], scope, receive, send)
+                await self.infer(parts[0], scope, receive, send, parts[2] if len(parts) == 3 else None)
                 return
         await self.api(scope, receive, send)
 
@@ -122,6 +124,14 @@ class App:
     def _no_model(self, n: str) -> str:
         return f"model '{n}' is not served here (this server serves '{self.name}')"
 
+    def _unknown(self, model_name: str, version: str | None) -> str | None:
+        """The 404 message for a model name / version this server does not serve, or None."""
+        if model_name != self.name:
+            return self._no_model(model_name)
+        if version is not None and version not in VERSIONS:
+            return no_version(model_name, version)
+        return None
+
     async def live(self):
         """``GET /v2/health/live``."""
         return {"live": True}
@@ -138,18 +148,32 @@ class App:
 
         return {"name": "dlrmctl", "version": __version__, "extensions": ["binary_tensor_data"]}
 
+    async def models(self):
+        """``GET /v2/models``: the models served, each with its versions, platform and state."""
+        return {"models": [{"name": self.name, "versions": list(VERSIONS), "platform": self._platform(),
+                            "state": "READY" if self.ready else "UNAVAILABLE"}]}
+
+    async def repository_index(self):
+        """``POST /v2/repository/index`` (Triton's model repository extension): one entry per model version."""
+        return [{"name": self.name, "version": v, "state": "READY" if self.ready else "UNAVAILABLE"} for v in VERSIONS]
+
+    def _platform(self) -> str:
+        return f"pytorch_{self.model.artifact}"
+
     async def model_metadata(self, model_name: str, version: str | None = None):
         """``GET /v2/models/{name}[/versions/{v}]``: inputs, outputs, dtypes, shapes."""
-        if model_name != self.name:
-            return self._error(404, self._no_model(model_name))
-        return self.spec.metadata(f"pytorch_{self.model.artifact}")
+        msg = self._unknown(model_name, version)
+        if msg:
+            return self._error(404, msg)
+        return self.spec.metadata(self._platform())
 
     async def model_ready(self, model_name: str, version: str | None = None):
         """``GET /v2/models/{name}[/versions/{v}]/ready``."""
         from fastapi.responses import JSONResponse
 
-        if model_name != self.name:
-            return self._error(404, self._no_model(model_name))
+        msg = self._unknown(model_name, version)
+        if msg:
+            return self._error(404, msg)
         return JSONResponse({"name": self.name, "ready": self.ready}, status_code=200 if self.ready else 503)
 
     async def prometheus(self):
@@ -160,8 +184,9 @@ class App:
         return PlainTextResponse(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # ------------------------------------------------------------------------- infer
-    async def infer(self, model_name: str, scope: dict, receive: Callable, send: Callable) -> None:
-        """``POST /v2/models/{model_name}[/versions/{v}]/infer``: read the body, decode, queue, answer."""
+    async def infer(self, model_name: str, scope: dict, receive: Callable, send: Callable,
+                    version: str | None = None) -> None:
+        """``POST /v2/models/{model_name}[/versions/{version}]/infer``: read the body, decode, queue, answer."""
         t0 = time.perf_counter()
         metrics, max_body = self.metrics, self.max_body
         code, reason, body, answered = 200, None, b"", False
@@ -187,17 +212,19 @@ class App:
                                   "send its rows in several requests")
                 return
             data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            if model_name != self.name:
-                code, reason, body = 404, "unknown_model", json_error(self._no_model(model_name))
+            unknown = self._unknown(model_name, version)
+            if unknown:
+                code, reason, body = 404, "unknown_model", json_error(unknown)
                 return
-            hl = None
+            hlen = None
             for k, v in scope["headers"]:
                 if k == b"inference-header-content-length":
-                    hl = v
-            try:
-                hlen = None if hl is None else int(hl)
-            except ValueError:
-                hlen = -1
+                    if not v.strip().isdigit():
+                        code, reason = 400, "bad_request"
+                        body = json_error("header Inference-Header-Content-Length must be the JSON header's length in "
+                                          f"bytes (a non-negative integer), got {v.decode('latin-1')!r}")
+                        return
+                    hlen = int(v)
             try:
                 rows, req = decode_request(data, hlen, self.spec, self.transform)
                 fut = self.batcher.submit(rows)

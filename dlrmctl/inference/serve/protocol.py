@@ -88,10 +88,34 @@ class ModelSpec:
         if self.raw:
             inputs.append({"name": RAW_INPUT, "datatype": "BYTES", "shape": [-1],
                            "note": "raw log lines instead of every other input"})
-        return {"name": self.name, "versions": ["1"], "platform": platform, "inputs": inputs,
+        return {"name": self.name, "versions": list(VERSIONS), "platform": platform, "inputs": inputs,
                 "outputs": [{"name": "score", "datatype": "FP32", "shape": [-1]},
                             {"name": "logit", "datatype": "FP32", "shape": [-1]}],
                 "parameters": {"on_invalid_id": self.on_invalid_id}}
+
+
+#: the model versions this server serves (one artifact, version "1"), as ``/v2/models/{name}/versions/{v}`` names them
+VERSIONS = ("1",)
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def check_model_name(name: str, where: str = "--name") -> str:
+    """``name`` if it can be one segment of ``/v2/models/{name}/infer``: letters, digits, ``_``, ``.``
+    and ``-``, not starting with ``.`` or ``-``, at most 128 characters (a ``/`` would make every
+    path of the model unreachable).
+
+    Raises:
+        ServeError: naming ``where`` (the option, or where the default name came from) and the name.
+    """
+    if not (0 < len(name) <= 128 and set(name) <= _NAME_CHARS and name[0] not in ".-"):
+        raise ServeError(f"{where}: model name {name!r} cannot be served as /v2/models/{{name}}: use 1-128 letters, "
+                         "digits, '_', '.' or '-', not starting with '.' or '-'")
+    return name
+
+
+def no_version(name: str, version: str) -> str:
+    """The 404 message for a version of ``name`` this server does not serve."""
+    return f"model '{name}' has no version '{version}' here (versions served: {', '.join(VERSIONS)})"
 
 
 def _has_raw_transform(manifest: dict) -> bool:
@@ -268,6 +292,9 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         if name in got:
             raise BadRequest(f"input '{name}' is given twice")
         got[name] = (dt, shape, data)
+    if binary is not None and pos != len(binary):
+        raise BadRequest(f"{len(binary) - pos} bytes follow the binary tensors: the inputs' binary_data_size add up "
+                         f"to {pos} of the {len(binary)} bytes after the JSON header (Inference-Header-Content-Length)")
     unknown = [k for k in got if k not in spec.known]
     if unknown:
         hint = f", {RAW_INPUT}" if spec.raw else ""
@@ -369,7 +396,7 @@ def infer_response(req: dict, name: str, scores: np.ndarray, logits: np.ndarray)
     all_bin = bool(par.get("binary_data_output")) if isinstance(par, dict) else False
     per = {o.get("name"): bool((o.get("parameters") or {}).get("binary_data", all_bin))
            for o in asked if isinstance(o, dict)}
-    res: dict = {"model_name": name, "model_version": "1", "outputs": []}
+    res: dict = {"model_name": name, "model_version": VERSIONS[0], "outputs": []}
     if req.get("id") is not None:
         res["id"] = req["id"]
     blobs = []
