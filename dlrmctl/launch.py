@@ -121,6 +121,7 @@ def build_appdef(
     name: str = "dlrmctl-train",
     scheduler: str = LOCAL_SCHEDULER,
     checkpoint: str | None = None,
+    init_from: str | None = None,
 ) -> Any:
     """The torchx AppDef of a training job (``torchx.components.dist.ddp``).
 
@@ -130,6 +131,7 @@ def build_appdef(
         nproc: processes per node; nnodes: nodes.
         resume, overwrite: passed through to every rank as ``--resume`` / ``--overwrite``.
         checkpoint: with ``resume``, passed as ``--checkpoint`` (best | last | step).
+        init_from: passed as ``--init-from`` (a checkpoint directory a new run starts from).
         image: container image for cluster schedulers (ignored by local_cwd); required by the
             container schedulers (:func:`check_image`: ValueError without it).
         cpu_per_proc, gpu_per_proc, mem_mb_per_proc: resources per process
@@ -160,6 +162,8 @@ def build_appdef(
             args += ["--checkpoint", str(checkpoint)]
     if overwrite:
         args.append("--overwrite")
+    if init_from is not None:
+        args += ["--init-from", str(init_from)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(omp_threads_per_rank(nproc, scheduler, cpu_per_proc)[0])}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]

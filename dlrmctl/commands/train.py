@@ -27,6 +27,9 @@ def train(
                                                   "<step> | <name> (default last)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing run (kept until the new one has "
                                                                "its first complete checkpoint)"),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="start a new run from another run's weights, "
+                                            "optimizer state and managed-collision remappers: RUN (its last "
+                                            "checkpoint), RUN/best, RUN/<step> or a checkpoint directory"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the torchx AppDef instead of launching"),
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
@@ -42,6 +45,17 @@ def train(
         fail("--checkpoint selects the checkpoint to resume from: it needs --resume")
     if resume and overwrite:  # (it silently resumed)
         fail("--resume continues the run and --overwrite replaces it: pass one of them")
+    if init_from is not None:
+        if resume:
+            fail("--init-from starts a new run and --resume continues one: pass one of them (a run started "
+                 "--init-from resumes with --resume alone)")
+        from dlrmctl.train.checkpoint import CheckpointError
+        from dlrmctl.train.init_from import resolve_init_from
+
+        try:
+            init_from = os.path.abspath(resolve_init_from(init_from))
+        except CheckpointError as e:
+            fail(str(e))
     if plan:
         set_ = list(set_) + [f"sharding.plan_file={plan}"]
         cfg.sharding.plan_file = plan
@@ -49,7 +63,8 @@ def train(
     if dry_run:
         from dlrmctl.launch import build_appdef, launch
 
-        raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint),
+        raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint,
+                                             init_from=init_from),
                                 dry_run=True))
     from dlrmctl.procs import FanoutError, check_local_fanout
 
@@ -69,13 +84,13 @@ def train(
     except run_lock.RunInUseError as e:
         fail(str(e))
     try:
-        _train(config, set_, cfg, nproc, nnodes, world, resume, overwrite, checkpoint)
+        _train(config, set_, cfg, nproc, nnodes, world, resume, overwrite, checkpoint, init_from)
     finally:
         run_lock.release(os.path.join(cfg.train.run_dir, cfg.name))
 
 
 def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool, overwrite: bool,
-           checkpoint: str | None) -> None:
+           checkpoint: str | None, init_from: str | None = None) -> None:
     """The run itself, with the run directory's lock held (:mod:`dlrmctl.run_lock`)."""
     from dlrmctl import run_lock
 
@@ -86,7 +101,8 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
         _check_before_launch(cfg, world, resume, overwrite, checkpoint)
         # the launcher sets up (or clears, for --overwrite) the run directory: the logs go inside it
         run_dir = prepare_run_dir(cfg, resume=resume, overwrite=overwrite)
-        app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False, checkpoint=checkpoint)
+        app = build_appdef(config, set_, nproc, nnodes, resume, overwrite=False, checkpoint=checkpoint,
+                           init_from=init_from)
         app.roles[0].env[run_lock.ENV_HOLDER] = str(os.getpid())  # the ranks run under this process's lock
         # ... in the directory set up here: rank 0 must not set it up again (that would give an
         # --overwrite's set-aside run back and delete the job's logs) nor clear it on failure (done below)
@@ -119,7 +135,7 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
     try:
         with interruptible((signal.SIGTERM,)):  # Ctrl-C is a KeyboardInterrupt already
             run_training(config, set_, resume=resume, overwrite=overwrite, checkpoint=checkpoint,
-                         threads=threads, threads_why=why)
+                         threads=threads, threads_why=why, init_from=init_from)
     except BaseException as e:  # noqa: BLE001 - only interrupts are handled here
         ki = interrupt_of(e)
         if ki is None:

@@ -130,7 +130,7 @@ ATTEMPT_MARKER = ".dlrmctl_attempt"
 
 #: what a run writes besides checkpoints/ and logs/ (removed by clear_unsaved_attempt)
 RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metrics.jsonl", "summary.json",
-               "tensorboard", "loss.png", "auc.png", "throughput.png")
+               "init_from.json", "tensorboard", "loss.png", "auc.png", "throughput.png")
 
 
 #: where ``--overwrite`` keeps the run it replaces until the replacement has a complete checkpoint

@@ -91,7 +91,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: ExperimentConfig, env: RunEnv, run_dir: str, resume: bool = False, plan: Any = None,
-                 checkpoint: str | None = None):
+                 checkpoint: str | None = None, init_from: str | None = None):
         if cfg.train.malloc_tuning:
             tune_glibc_malloc()
         check_tensorboard(cfg.train.tensorboard)  # before any work: not at the first metrics record
@@ -156,6 +156,12 @@ class Trainer:
         self._batches_done = 0  # batches of the current epoch trained
         if resume:
             self._restore(resume_from)
+        elif init_from:  # a new run from another run's checkpoint (dlrmctl.train.init_from)
+            from dlrmctl.train.init_from import restore_init_from
+
+            rec = restore_init_from(init_from, self)
+            if env.is_main:
+                echo(f"initialised from {rec['checkpoint']} (step {rec['step']} of run {rec['run']})")
 
     # ------------------------------------------------------------- set-up
     def _shard(self, plan: Any) -> None:

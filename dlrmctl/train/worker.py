@@ -38,10 +38,12 @@ def _make_env(cfg) -> RunEnv:
 
 
 def run_training(config: str, overrides: list[str], resume: bool = False, overwrite: bool = False,
-                 checkpoint: str | None = None, threads: int | None = None, threads_why: str | None = None) -> dict:
+                 checkpoint: str | None = None, threads: int | None = None, threads_why: str | None = None,
+                 init_from: str | None = None) -> dict:
     """Load the config, set up this rank, train; returns the trainer's summary.
 
     ``checkpoint`` (with ``resume``): ``best``, ``last`` (default) or a step to resume from.
+    ``init_from``: a checkpoint directory a new run starts from (:mod:`dlrmctl.train.init_from`).
     ``threads``: intra-op threads of this process (``torch.set_num_threads``); None: torch's
     (``OMP_NUM_THREADS``, which the launcher sets for each rank).  ``threads_why``: how the count
     was chosen (:func:`dlrmctl.procs.intra_op_threads`); with it, rank 0 prints
@@ -63,7 +65,7 @@ def run_training(config: str, overrides: list[str], resume: bool = False, overwr
         env.barrier()
         torch.manual_seed(cfg.train.seed)
         try:
-            trainer = Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint)
+            trainer = Trainer(cfg, env, run_dir, resume=resume, checkpoint=checkpoint, init_from=init_from)
             if threads_why is not None and env.is_main:
                 from dlrmctl.console import echo
 
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--checkpoint", default=None)
+    p.add_argument("--init-from", dest="init_from", default=None)
     a = p.parse_args(argv)
     from dlrmctl.console import setup_logging
     from dlrmctl.procs import die_with_launcher, die_with_parent
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     try:
-        run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite, checkpoint=a.checkpoint)
+        run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite, checkpoint=a.checkpoint,
+                     init_from=a.init_from)
     except Exception as e:  # reported here (and recorded for the launcher), not as an uncaught traceback
         from dlrmctl.launch import record_rank_failure
 

@@ -125,3 +125,45 @@ def test_export_as_torchscript_is_refused_naming_the_managed_tables(raw_data, tm
     _train(raw_data, tmp_path, 4, "dense")
     r = runner.invoke(app, ["export", str(tmp_path / "mc"), "--torchscript", "--fp32", "--out", str(tmp_path / "e")])
     assert r.exit_code == 2 and "export as the .pt2 program only" in r.output
+
+
+def test_init_from_starts_a_new_run_at_step_0_with_the_source_weights_optimizer_state_and_remappers(raw_data, tmp_path):
+    from dlrmctl.config import load_config
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.checkpoint import local_embedding_shards, managed_collision_state
+    from dlrmctl.train.init_from import resolve_init_from
+    from dlrmctl.train.run_dir import prepare_run_dir
+    from dlrmctl.train.trainer import Trainer
+
+    _train(raw_data, tmp_path / "a", 8, "dense")
+    src = resolve_init_from(str(tmp_path / "a" / "mc"))
+    assert src.endswith("step_00000008")
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml"), [
+        f"data.path={raw_data / 'data'}", f"train.run_dir={tmp_path / 'b'}", "name=day1", "data.batch_size=32",
+        "model.embedding_dim=8", "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[8, 1]",
+        "model.managed_collision.size=64", "model.compute_kernel=dense", "train.progress=false"])
+    run_dir = prepare_run_dir(cfg, resume=False, overwrite=False)
+    t = Trainer(cfg, RunEnv(), run_dir, init_from=src)
+    a = _mc_state(tmp_path / "a" / "mc")
+    assert t.step == 0 and t._batches_done == 0
+    for k, v in managed_collision_state(t.model).items():
+        assert torch.equal(v, a[k]), k
+    for name, _, _, w, states in local_embedding_shards(t.model, t.optimizers.embedding_dense):
+        assert torch.equal(w.detach(), a[f"emb/{name}/weight"]), name
+        assert states and all(s.abs().sum() > 0 for s in states)  # Adagrad sums came along
+    rec = json.loads(open(os.path.join(run_dir, "init_from.json")).read())
+    assert rec["step"] == 8 and rec["run"] == "mc" and rec["checkpoint"] == os.path.abspath(src)
+
+
+def test_init_from_a_run_whose_tables_differ_is_one_line_naming_the_table(raw_data, tmp_path):
+    _train(raw_data, tmp_path / "a", 4, "dense")
+    r = runner.invoke(app, ["train", os.path.join(os.path.dirname(__file__), "..", "..", "configs", "demo.yaml"),
+                            "--set", f"data.path={raw_data / 'data'}", "--set", f"train.run_dir={tmp_path / 'b'}",
+                            "--set", "model.managed_collision.size=128", "--set", "data.batch_size=32",
+                            "--set", "model.embedding_dim=8", "--set", "model.dense_arch_layer_sizes=[16, 8]",
+                            "--set", "model.over_arch_layer_sizes=[8, 1]", "--set", "model.compute_kernel=dense",
+                            "--init-from", str(tmp_path / "a" / "mc")])
+    assert r.exit_code == 2, r.output
+    assert "error: --init-from:" in r.output and "table 't_C1' was saved as 65 x 8" in r.output
+    r = runner.invoke(app, ["train", "configs/demo.yaml", "--init-from", str(tmp_path), "--resume"])
+    assert r.exit_code == 2 and "--init-from starts a new run and --resume continues one" in r.output
