@@ -63,6 +63,23 @@ def _build(target, fn):
     return rep
 
 
+def build_interruptible(target, out: Path, fn):
+    """:func:`_build` of a dataset whose preprocess runs worker processes: a bad input is one error
+    line; a SIGINT / SIGTERM anywhere in the work (not only while the workers run) ends them and is
+    one ``interrupted`` line (exit 128 + signal) that says a re-run resumes."""
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.errors import Interrupted, interruptible
+
+    try:
+        with interruptible():
+            return _build(target, fn)
+    except DataError as e:
+        fail(str(e))
+    except Interrupted as e:
+        fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
+             "processes ended; run the same command again to resume it", code=e.exit_code)
+
+
 def _already_complete(out: Path) -> None:
     """The message of a re-run of the same inputs and options on a finished dataset."""
     import json
@@ -131,10 +148,8 @@ def criteo(
                                "(built beside it, swapped in when complete)"),
 ) -> None:
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
-    from dlrmctl.data.columnar import DataError
     from dlrmctl.data.criteo.parse import CriteoOptions
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
-    from dlrmctl.errors import Interrupted, interruptible
     from dlrmctl.procs import FanoutError, check_local_fanout
 
     opts = CriteoOptions(
@@ -161,15 +176,8 @@ def criteo(
     if target.state == "complete":
         _already_complete(out)
         return
-    try:  # a signal anywhere in the work (not only while the workers run) is the one line below
-        with interruptible():
-            rep = _build(target, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d, opts,
-                                                             progress=not quiet))
-    except DataError as e:
-        fail(str(e))
-    except Interrupted as e:
-        fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
-             "processes ended; run the same command again to resume it", code=e.exit_code)
+    rep = build_interruptible(target, out, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d,
+                                                                       opts, progress=not quiet))
     _summary(rep, out)
 
 

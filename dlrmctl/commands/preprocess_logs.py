@@ -36,11 +36,11 @@ def register(preprocess_app: typer.Typer) -> None:
     ) -> None:
         """Any click log (CSV / TSV / Parquet / JSON lines) described by a schema -> columnar shards +
         meta.json."""
-        from dlrmctl.commands._common import fail, show_path
-        from dlrmctl.commands.preprocess import _already_complete, _build, _stat_inputs, _summary, _target
-        from dlrmctl.data.columnar import DataError
+        from dlrmctl.commands._common import fail
+        from dlrmctl.commands.preprocess import (_already_complete, _stat_inputs, _summary, _target,
+                                                 build_interruptible)
         from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
-        from dlrmctl.errors import Interrupted, check_output_dir, interruptible
+        from dlrmctl.errors import check_output_dir
         from dlrmctl.procs import FanoutError, check_local_fanout
 
         sch = load_schema(schema)  # a bad schema: one line, before anything else
@@ -64,13 +64,6 @@ def register(preprocess_app: typer.Typer) -> None:
         if target.state == "complete":
             _already_complete(out)
             return
-        try:
-            with interruptible():
-                rep = _build(target, lambda d: preprocess_logs(sch, input if len(input) > 1 else input[0], d, opts,
-                                                               progress=not quiet))
-        except DataError as e:
-            fail(str(e))
-        except Interrupted as e:
-            fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
-                 "processes ended; run the same command again to resume it", code=e.exit_code)
+        rep = build_interruptible(target, out, lambda d: preprocess_logs(sch, input if len(input) > 1 else input[0],
+                                                                         d, opts, progress=not quiet))
         _summary(rep, out)

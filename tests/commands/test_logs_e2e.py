@@ -7,19 +7,10 @@ import csv
 import json
 
 import numpy as np
-from typer.testing import CliRunner
-
-from dlrmctl.cli import app
+from tests.commands.test_cli_e2e import invoke
 from tests.conftest import SHARED_DATA, require_shared
 
 AVAZU = SHARED_DATA / "avazu" / "avazu_train_9k.csv"
-runner = CliRunner()
-
-
-def invoke(*args):
-    r = runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
-    assert r.exit_code == 0, r.output
-    return r.output
 
 
 def test_avazu_schema_preprocess_train_evaluate_export_predict(tmp_path):

@@ -352,6 +352,34 @@ def _non_finite_hint(got: str) -> str:
     return ""
 
 
+def block_lines(skipped: list[int], pos: int, next_line: int, n: int) -> tuple[np.ndarray, int, int, int]:
+    """Physical line numbers of the ``n`` rows of a CSV block, past the lines the parser dropped.
+
+    Args:
+        skipped: 1-based physical lines the parser dropped so far (ascending; grows as it reads).
+        pos: index in ``skipped`` of the first one not yet accounted for.
+        next_line: the physical line of the block's first candidate row.
+        n: the block's rows.
+
+    Returns:
+        ``(lines [n] int64, next_line after the block, dropped lines accounted to this block, new pos)``.
+    """
+    while pos < len(skipped) and skipped[pos] < next_line:
+        pos += 1
+    pending = skipped[pos:]
+    if not pending:
+        lines = np.arange(next_line, next_line + n, dtype=np.int64)
+    else:
+        cand = np.arange(next_line, next_line + n + len(pending), dtype=np.int64)
+        lines = cand[~np.isin(cand, np.asarray(pending, dtype=np.int64))][:n]
+    if n:
+        next_line = int(lines[-1]) + 1
+    consumed = pos
+    while consumed < len(skipped) and skipped[consumed] < next_line:
+        consumed += 1
+    return lines, next_line, consumed - pos, consumed
+
+
 class _NeedCareful(Exception):
     """Internal: the fast path met a non-integer dense value in skip mode; redo the file carefully."""
 
@@ -463,25 +491,11 @@ class BlockReader:
                 self._read_error(e)
             self._raise_parse_error()
             n = rb.num_rows
-            # physical line numbers of this block's rows: skip lines the parser dropped
-            while sk_pos < len(self._skipped) and self._skipped[sk_pos] < next_line:
-                sk_pos += 1
-            pending = self._skipped[sk_pos:]
-            if not pending:
-                lines = np.arange(next_line, next_line + n, dtype=np.int64)
-            else:
-                cand = np.arange(next_line, next_line + n + len(pending), dtype=np.int64)
-                lines = cand[~np.isin(cand, np.asarray(pending, dtype=np.int64))][:n]
-            if n:
-                next_line = int(lines[-1]) + 1
+            lines, next_line, dropped, sk_pos = block_lines(self._skipped, sk_pos, next_line, n)
             if n == 0:
                 continue
             blk = self._convert(rb, lines)
-            consumed = sk_pos
-            while consumed < len(self._skipped) and self._skipped[consumed] < next_line:
-                consumed += 1
-            blk.bad_skipped += consumed - sk_pos
-            sk_pos = consumed
+            blk.bad_skipped += dropped
             yield blk
         rest = len(self._skipped) - sk_pos
         if rest:  # bad lines after the last good row

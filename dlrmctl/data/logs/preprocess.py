@@ -45,6 +45,7 @@ from dlrmctl.data.columnar import (
     write_json_atomic,
     write_meta,
 )
+from dlrmctl.data.checksums import sha256_file
 from dlrmctl.data.criteo import vocab as _vocab
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
@@ -358,7 +359,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             vocab_info = dict(zip(counted, info))
     sizes = [table_rows(c, vocab_info.get(i, {}).get("size"), vocab_info.get(i, {}).get("distinct_train_values"))
              for i, c in enumerate(schema.categorical)]
-    vocab_fp = _fingerprint([_sha_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"])
+    vocab_fp = _fingerprint([sha256_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"])
     tasks, done_stats, skipped = [], {}, 0
     for f in files:
         fp = _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "vocab": vocab_fp, "dense": dense_stats,
@@ -463,10 +464,3 @@ def _meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, sizes: 
         "bad_lines_skipped": sum(st[f]["bad_lines"] for f in files),
     }
 
-
-def _sha_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
+from dlrmctl.data.criteo.parse import block_lines
 from dlrmctl.data.logs.schema import LogSchema
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "iter_batches"]
@@ -264,20 +265,7 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
             raise DataError(f"cannot be read as {fmt.upper()} after line {next_line - 1}: {e}", path=path) from None
         raise_first()
         n = rb.num_rows
-        while pos < len(skipped) and skipped[pos] < next_line:
-            pos += 1
-        pending = skipped[pos:]
-        if not pending:
-            lines = np.arange(next_line, next_line + n, dtype=np.int64)
-        else:
-            cand = np.arange(next_line, next_line + n + len(pending), dtype=np.int64)
-            lines = cand[~np.isin(cand, np.asarray(pending, dtype=np.int64))][:n]
-        if n:
-            next_line = int(lines[-1]) + 1
-        consumed = pos
-        while consumed < len(skipped) and skipped[consumed] < next_line:
-            consumed += 1
-        bad, pos = consumed - pos, consumed
+        lines, next_line, bad, pos = block_lines(skipped, pos, next_line, n)
         if n or bad:
             yield RowBatch({c: rb.column(c) for c in used}, lines, os.fspath(path), bad_skipped=bad)
     if len(skipped) > pos:
