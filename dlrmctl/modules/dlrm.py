@@ -12,6 +12,7 @@ The interaction is pluggable (``dot``; ``dcn`` and ``projection`` live in
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
@@ -73,8 +74,9 @@ class OneDNNLinear(torch.autograd.Function):
     arithmetic (max relative error 1.2e-6 against float64 where MKL's is 4.7e-7), not the same
     bits: the two libraries block the sums differently.
 
-    Forward: one call with the bias and (``relu``) the ReLU fused.  Backward, with ``g`` the
-    output gradient (after the ReLU's mask when fused): ``dx = g W`` (skipped when ``x`` needs no
+    Forward: one call with the bias fused, then (``relu``) an in-place ``torch.relu_``: oneDNN's
+    fused ReLU maps NaN to 0, which would hide a diverged layer from the non-finite loss check;
+    ``torch.relu`` keeps NaN as ``F.linear`` + ReLU does.  Backward, with ``g`` the output gradient (after the ReLU's mask when ``relu``): ``dx = g W`` (skipped when ``x`` needs no
     gradient), ``dW = g^T x`` (``(x^T g)^T`` when ``in < out / 4``, the faster shape for a narrow
     input such as Criteo's 13 dense features), ``d bias = g.sum(0)`` as autograd's addmm backward.
     Once differentiable (a ``create_graph`` double backward raises instead of giving zeros).
@@ -84,7 +86,11 @@ class OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[override]
                 relu: bool) -> torch.Tensor:
-        y = _lp(x, weight, bias, relu)
+        # the ReLU runs after the GEMM, not fused into it: oneDNN's fused ReLU maps NaN to 0, so a
+        # diverged layer would train on with finite outputs and a finite loss (torch.relu keeps NaN)
+        y = _lp(x, weight, bias)
+        if relu:
+            y = torch.relu_(y)
         ctx.relu = relu
         ctx.save_for_backward(x, weight, y if relu else None)
         return y
@@ -108,6 +114,9 @@ class OneDNNLinear(torch.autograd.Function):
 
 
 CPU_LINEAR_CHOICES = ("aten", "onednn")
+#: environment variable that decides ``train.cpu_linear: auto`` instead of the CPU's vendor
+#: (``aten`` | ``onednn``; unset or empty: the vendor decides), e.g. to test the oneDNN path on an Intel CPU
+CPU_LINEAR_ENV = "DLRMCTL_CPU_LINEAR"
 
 
 def resolve_cpu_linear(kind: str, vendor: str | None = None) -> tuple[str, str]:
@@ -118,7 +127,9 @@ def resolve_cpu_linear(kind: str, vendor: str | None = None) -> tuple[str, str]:
     linear, else ``aten``: MKL's sgemm, which ``F.linear`` calls on x86 builds, ran at 0.4-0.5x
     oneDNN's fp32 GEMM on an AMD EPYC (the bench model trained 1.35-1.5x faster on oneDNN) and at
     the same rate on an Intel Xeon (0.98x; benchmarks/training_throughput.md).  The choice depends
-    only on the machine, never on a timing, so a run is reproducible on it.
+    only on the machine, never on a timing, so a run is reproducible on it.  The environment
+    variable ``DLRMCTL_CPU_LINEAR`` (``aten`` | ``onednn``), when set and not empty, decides
+    ``auto`` instead of the vendor (an explicit ``aten`` / ``onednn`` in the config still wins).
 
     Args:
         kind: ``auto``, ``aten`` or ``onednn``.
@@ -128,12 +139,18 @@ def resolve_cpu_linear(kind: str, vendor: str | None = None) -> tuple[str, str]:
         ``(library, why)``: ``aten`` or ``onednn``, and a few words for the console.
 
     Raises:
-        ValueError: ``kind`` is none of the three.
+        ValueError: ``kind`` is none of the three, or ``DLRMCTL_CPU_LINEAR`` is set to
+            something other than ``aten`` / ``onednn``.
     """
     if kind in CPU_LINEAR_CHOICES:
         return kind, f"train.cpu_linear {kind}"
     if kind != "auto":
         raise ValueError(f"train.cpu_linear: expected one of {['auto', *CPU_LINEAR_CHOICES]}, got {kind!r}")
+    forced = os.environ.get(CPU_LINEAR_ENV, "").strip()
+    if forced:
+        if forced not in CPU_LINEAR_CHOICES:
+            raise ValueError(f"{CPU_LINEAR_ENV}: expected one of {list(CPU_LINEAR_CHOICES)}, got {forced!r}")
+        return forced, f"train.cpu_linear auto: {CPU_LINEAR_ENV}={forced}"
     if vendor is None:
         from dlrmctl.procs import cpu_vendor
 
@@ -240,7 +257,7 @@ class MLP(nn.Module):
         self.out_features = prev
         # indices in self.model of the ReLUs that feed another Linear (dropout goes after them)
         self._drop_after = [i for i, m in enumerate(layers) if isinstance(m, nn.ReLU) and i < len(layers) - 1]
-        #: (Linear, ReLU after it, dropout after that ReLU) per layer: the fused oneDNN training forward
+        #: (Linear, ReLU after it, dropout after that ReLU) per layer: the oneDNN training forward
         self._fused_layers = [(m, i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU),
                                self.dropout > 0.0 and i + 1 in self._drop_after)
                               for i, m in enumerate(layers) if isinstance(m, nn.Linear)]
@@ -250,7 +267,7 @@ class MLP(nn.Module):
 
     def _onednn_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Training forward through :class:`OneDNNLinear`, each Linear with its following ReLU
-        fused (dropout, when on, after the ReLU as in :meth:`forward`)."""
+        (dropout, when on, after the ReLU as in :meth:`forward`)."""
         for lin, relu, drop in self._fused_layers:
             x = OneDNNLinear.apply(x, lin.weight, lin.bias, relu)
             if drop:

@@ -232,15 +232,58 @@ def test_dcn_cross_net_trains_on_onednn_like_aten(monkeypatch):
     (None, True, "aten"),                # not x86 / not Linux: torch's own default
 ])
 def test_auto_picks_the_gemm_library_by_the_cpu_vendor(monkeypatch, vendor, have_onednn, expected):
-    from dlrmctl.modules.dlrm import resolve_cpu_linear
+    """The vendor is faked both ways, passed in and read from the machine (``procs.cpu_vendor``,
+    None where /proc/cpuinfo has no vendor_id): the real CPU never decides the answer."""
+    from dlrmctl import procs
+    from dlrmctl.modules.dlrm import CPU_LINEAR_ENV, resolve_cpu_linear
 
+    monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
     monkeypatch.setattr(dlrm_mod, "onednn_linear_available", lambda: have_onednn)
-    kind, why = resolve_cpu_linear("auto", vendor=vendor)
-    assert kind == expected and why.startswith("train.cpu_linear auto"), (kind, why)
+    monkeypatch.setattr(procs, "cpu_vendor", lambda: vendor)
+    for kind, why in [resolve_cpu_linear("auto")] + ([resolve_cpu_linear("auto", vendor=vendor)] if vendor else []):
+        assert kind == expected and why.startswith("train.cpu_linear auto"), (kind, why)
     assert resolve_cpu_linear("aten", vendor="AuthenticAMD")[0] == "aten"  # an explicit choice stays
     assert resolve_cpu_linear("onednn", vendor="GenuineIntel")[0] == "onednn"
     with pytest.raises(ValueError, match="expected one of"):
         resolve_cpu_linear("mkl")
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", None])
+@pytest.mark.parametrize("forced", ["aten", "onednn"])
+def test_the_environment_variable_decides_auto_on_any_cpu(monkeypatch, vendor, forced):
+    """DLRMCTL_CPU_LINEAR decides ``auto`` whatever the vendor (how the suite runs the oneDNN
+    path on an Intel CPU); an explicit config value still wins; a bad value is a clear error."""
+    from dlrmctl import procs
+    from dlrmctl.modules.dlrm import CPU_LINEAR_ENV, resolve_cpu_linear
+
+    monkeypatch.setattr(procs, "cpu_vendor", lambda: vendor)
+    monkeypatch.setenv(CPU_LINEAR_ENV, forced)
+    kind, why = resolve_cpu_linear("auto")
+    assert kind == forced and f"DLRMCTL_CPU_LINEAR={forced}" in why, (kind, why)
+    other = "aten" if forced == "onednn" else "onednn"
+    assert resolve_cpu_linear(other)[0] == other
+    monkeypatch.setenv(CPU_LINEAR_ENV, "mkl")
+    with pytest.raises(ValueError, match="DLRMCTL_CPU_LINEAR: expected one of .*'aten', 'onednn'.*got 'mkl'"):
+        resolve_cpu_linear("auto")
+    monkeypatch.setenv(CPU_LINEAR_ENV, "")  # empty: the vendor decides
+    assert resolve_cpu_linear("auto", vendor="GenuineIntel")[0] == "aten"
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_a_non_finite_input_stays_non_finite_as_on_aten(relu):
+    """oneDNN's fused ReLU maps NaN to 0; OneDNNLinear must not, or a diverged layer trains on
+    with a finite loss (the non-finite loss check would never see it)."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[nan, 1.0], [1.0, 1.0], [inf, -1.0], [-inf, 2.0]])
+    w = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 0.5]], requires_grad=True)
+    b = torch.zeros(3, requires_grad=True)
+    ref = torch.nn.functional.linear(x, w, b)
+    ref = torch.relu(ref) if relu else ref
+    got = OneDNNLinear.apply(x, w, b, relu)
+    torch.testing.assert_close(got, ref, equal_nan=True)
+    m = MLP(2, [3, 1], final_activation=False)
+    set_cpu_linear(m, "onednn")
+    assert m(x).isnan().any()
 
 
 def test_cpu_vendor_reads_the_first_processor(tmp_path):
@@ -262,6 +305,7 @@ def test_the_default_config_trains_on_onednn_on_an_amd_cpu_and_says_so(tiny, tmp
     from dlrmctl.config import config_from_dict as cfd
 
     assert cfd({"name": "x"}).train.cpu_linear == "auto"
+    monkeypatch.delenv("DLRMCTL_CPU_LINEAR", raising=False)
     for vendor, kind in (("AuthenticAMD", "onednn"), ("GenuineIntel", "aten")):
         monkeypatch.setattr(procs, "cpu_vendor", lambda vendor=vendor: vendor)
         t = _trainer(tiny, tmp_path, f"auto_{vendor}", "auto")
