@@ -13,7 +13,7 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from dlrmctl.errors import EXIT_USER, interrupt_exit_code, interrupt_of, user_error_message
+from dlrmctl.errors import EXIT_USER, CommandError, interrupt_exit_code, interrupt_of, user_error_message
 
 
 def report_failure(e: BaseException) -> int | None:
@@ -22,7 +22,12 @@ def report_failure(e: BaseException) -> int | None:
     ``interrupted`` line (exit code 130, 143 for SIGTERM); a :class:`~dlrmctl.errors.UserError`
     or an OSError of the user's environment (also wrapped) is one ``error: ...`` line (exit code 2),
     both on stderr.  Returns the exit code, or None for anything else (a bug: the caller lets it
-    propagate with its traceback)."""
+    propagate with its traceback).  A command's own refusal (:class:`~dlrmctl.errors.CommandError`,
+    ``commands._common.fail``) is its line and its exit code, also when raised while handling an
+    interrupt."""
+    if isinstance(e, CommandError):
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     ki = interrupt_of(e)
     if ki is not None:
         print("interrupted", file=sys.stderr, flush=True)

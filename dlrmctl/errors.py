@@ -1,11 +1,18 @@
 """The errors a user can cause, and how the command line reports them (no torch imported here).
 
 Every error that is the user's input or the user's environment subclasses :class:`UserError`
-(``ConfigError``, ``PlanError``, ``PlannerError``, ``CheckpointError``, ``TrainError``,
-``DataError``, ``DataMismatchError``, ``EmbeddingIdError``, ``RunInUseError``, ``ExportError``,
-``QuantizationError``, ``FbgemmTorchMismatchError``, ``LaunchError``); each keeps its other base (``ValueError``,
-``RuntimeError``, ...) so ``except ValueError`` callers keep working.  ``dlrmctl/cli.py`` catches
-them once and prints one ``error: ...`` line (exit :data:`EXIT_USER`).
+(``ConfigError``, ``PlanError``, ``CheckpointError``, ``TrainError``, ``DataError``,
+``DataMismatchError``, ``EmbeddingIdError``, ``RunInUseError``, ``OutputError``, ``FanoutError``,
+``ExportError``, ``QuantizationError``, ``ServeError``, ``FbgemmTorchMismatchError``,
+``LaunchError``, and :class:`CommandError`, a command's own refusal raised by
+``dlrmctl.commands._common.fail``); each keeps its other base (``ValueError``, ``RuntimeError``,
+...) so ``except ValueError`` callers keep working.  ``dlrmctl/cli.py`` catches them once
+(``report_failure``) and prints one ``error: ...`` line (exit :data:`EXIT_USER`, or a
+:class:`CommandError`'s ``exit_code``); nothing else prints ``error:``, except a rank of a
+multi-process run, which reports its own failure to the launcher (``dlrmctl.train.worker``).
+``SparseInputError`` (an inconsistent KeyedJaggedTensor built by code) and
+``LocalRanksError`` (a spawned rank failed: the caller says what it was doing, e.g. a reshard's
+``CheckpointError``) are not user errors.
 
 Conditions of the operating system that the user fixes (a full disk, a read-only file system,
 a file where a directory is expected, ...) arrive as ``OSError``; :func:`os_error_message` turns
@@ -14,7 +21,7 @@ them into the same one line, naming the path and the remedy.  Libraries that wra
 the original in ``__cause__`` / ``__context__`` or in a ``failures`` dict:
 :func:`find_in_chain` walks all of them.
 
-A Ctrl-C (``KeyboardInterrupt``) or, where a command installs :func:`sigterm_as_interrupt`,
+A Ctrl-C (``KeyboardInterrupt``) or, inside :func:`interruptible`,
 a SIGTERM (:class:`Interrupted`) ends the command with one ``interrupted ...`` line and
 exit code 128 + the signal's number (:data:`EXIT_INTERRUPTED` = 130 for SIGINT, 143 for SIGTERM).
 """
@@ -37,6 +44,24 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 class UserError(Exception):
     """An error the user can fix: its message is one line naming the file / key / feature, what
     was expected, and the remedy.  Reported as ``error: <message>``, exit code 2, no traceback."""
+
+    #: the exit code the command line ends with
+    exit_code: int = EXIT_USER
+
+
+class CommandError(UserError):
+    """A command's own refusal (an option out of range, an input that is not there, points of a
+    sweep that failed), with the exit code to end with (2 unless told)."""
+
+    def __init__(self, msg: str, exit_code: int = EXIT_USER) -> None:
+        super().__init__(msg)
+        self.exit_code = exit_code
+
+
+class OutputError(RuntimeError, UserError):
+    """An output path that must not be replaced (not ours, the working directory, ...) or cannot
+    be written (a file where a directory is expected, a read-only or non-writable location); the
+    message names the path, the reason and the remedy."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -248,14 +273,14 @@ def check_output_dir(path: str | os.PathLike, what: str) -> None:
     writable.  Nothing is created.
 
     Raises:
-        OutputPathError: naming ``what`` (e.g. ``--out``, ``train.run_dir``), the path, the
+        OutputError: naming ``what`` (e.g. ``--out``, ``train.run_dir``), the path, the
             condition and the remedy.
     """
     from dlrmctl.console import show_path
 
     p = os.path.abspath(os.fspath(path))
     if os.path.exists(p) and not os.path.isdir(p):
-        raise OutputPathError(f"{what} {show_path(p)} is a file, expected a directory; remove it or choose "
+        raise OutputError(f"{what} {show_path(p)} is a file, expected a directory; remove it or choose "
                               "another path")
     q = p
     while not os.path.exists(q):
@@ -264,20 +289,19 @@ def check_output_dir(path: str | os.PathLike, what: str) -> None:
             break
         q = parent
     if not os.path.isdir(q):
-        raise OutputPathError(f"{what} {show_path(p)} lies under the file {show_path(q)}, expected a directory; "
+        raise OutputError(f"{what} {show_path(p)} lies under the file {show_path(q)}, expected a directory; "
                               "choose another path")
     try:
         ro = bool(os.statvfs(q).f_flag & os.ST_RDONLY)
     except OSError:
         ro = False
     if ro:
-        raise OutputPathError(f"{what} {show_path(p)}: {show_path(q)} is on a read-only file system; write to a "
+        raise OutputError(f"{what} {show_path(p)}: {show_path(q)} is on a read-only file system; write to a "
                               "writable location")
     if not os.access(q, os.W_OK | os.X_OK):
-        raise OutputPathError(f"{what} {show_path(p)}: {show_path(q)} is not writable (permission denied); fix "
+        raise OutputError(f"{what} {show_path(p)}: {show_path(q)} is not writable (permission denied); fix "
                               "its permissions or choose another path")
 
 
-class OutputPathError(UserError):
-    """An output path that cannot be written (a file where a directory is expected, a read-only
-    or non-writable location), found before any work starts (:func:`check_output_dir`)."""
+#: the former name of :class:`OutputError` (one class)
+OutputPathError = OutputError

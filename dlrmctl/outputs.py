@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
-from dlrmctl.errors import UserError
+from dlrmctl.errors import OutputError
 from dlrmctl.fileio import temp_prefix, write_text_atomic
 
 MARKER_NAME = ".dlrmctl"
@@ -55,11 +55,6 @@ MARKER_VERSION = 1
 KINDS = ("dataset", "run", "export", "sweep")
 #: a temporary without a marker (made by a dlrmctl older than the marker) is reclaimed only when untouched this long
 LEGACY_TEMP_AGE_S = 3600.0
-
-
-class OutputError(RuntimeError, UserError):
-    """An output directory that must not be replaced (not ours, the working directory, ...) or
-    cannot be written; the message names the path, the reason and the remedy."""
 
 
 def write_marker(directory: str | os.PathLike, kind: str, **extra: Any) -> None:

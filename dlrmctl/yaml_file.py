@@ -117,7 +117,7 @@ def read_yaml(path: str | os.PathLike, error: type[Exception], what: str, lines:
     """:func:`load_yaml_text` of the file ``path`` (``None`` for an empty file).
 
     Args:
-        error: the exception type to raise (ConfigError, PlanError, PlannerError, ...).
+        error: the exception type to raise (ConfigError, PlanError, ...).
         what: what the file holds, for messages ("config", "plan", "topology file").
         lines: when given, filled with ``{top-level key: 1-based line}`` so that a caller's
             later error about a key can name its line.

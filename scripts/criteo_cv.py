@@ -75,7 +75,7 @@ a bad ``--set`` (the config's own error) or one of the keys the script sets, an 
 ``.json``, a ``--train-rows`` entry that is not an integer >= 1 or ``all``, or a size above the
 train rows of one of the splits.  An error the
 preprocessing, the trainer or the evaluator raises for the data or the configuration
-(``ConfigError``, ``TrainError``, ``PlannerError``, ``DataError``, ...) is one line naming the split
+(``ConfigError``, ``TrainError``, ``PlanError``, ``DataError``, ...) is one line naming the split
 and the ``--set`` overrides, exit status 2.  Needs scikit-learn.
 """
 

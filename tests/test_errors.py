@@ -15,13 +15,12 @@ def test_every_user_facing_error_is_a_user_error_and_keeps_its_base():
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.inference.export import ExportError
     from dlrmctl.inference.quantize import QuantizationError
-    from dlrmctl.planner.types import PlannerError
     from dlrmctl.run_lock import RunInUseError
     from dlrmctl.sparse.validation import EmbeddingIdError
     from dlrmctl.train.checkpoint import CheckpointError
     from dlrmctl.train.run_dir import TrainError
 
-    for cls, base in ((ConfigError, ValueError), (PlanError, ValueError), (PlannerError, ValueError),
+    for cls, base in ((ConfigError, ValueError), (PlanError, ValueError), (errors.OutputError, RuntimeError), (errors.CommandError, Exception),
                       (CheckpointError, RuntimeError), (TrainError, RuntimeError), (DataError, ValueError),
                       (DataMismatchError, ValueError), (EmbeddingIdError, ValueError), (RunInUseError, RuntimeError),
                       (ExportError, RuntimeError), (QuantizationError, ValueError),
@@ -79,3 +78,25 @@ def test_the_cli_reports_an_os_condition_and_an_interrupt_as_one_line(capsys):
     assert capsys.readouterr().err == "interrupted\n"
     assert report_failure(errors.Interrupted(15)) == 143
     assert report_failure(ValueError("a bug")) is None
+
+
+def test_one_class_per_kind_of_error_under_its_former_names_too():
+    from dlrmctl.distributed.types import PlanError
+    from dlrmctl.planner.types import PlannerError
+
+    assert PlannerError is PlanError and errors.OutputPathError is errors.OutputError
+
+
+def test_a_command_error_is_one_line_with_its_exit_code_also_while_handling_an_interrupt(capsys):
+    from dlrmctl.cli import report_failure
+
+    assert report_failure(errors.CommandError("--jobs must be > 0, got 0")) == errors.EXIT_USER
+    try:
+        try:
+            raise errors.Interrupted(15)
+        except errors.Interrupted:
+            raise errors.CommandError("interrupted (SIGTERM): the work stopped", 143)
+    except errors.CommandError as c:
+        assert report_failure(c) == 143
+    assert capsys.readouterr().err.splitlines() == ["error: --jobs must be > 0, got 0",
+                                                    "error: interrupted (SIGTERM): the work stopped"]

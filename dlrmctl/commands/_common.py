@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+from typing import NoReturn
 
-import typer
-
+from dlrmctl.errors import EXIT_USER, CommandError
 from dlrmctl.console import echo, setup_logging, show_path  # noqa: F401  (re-exported for the commands)
 
 
-def fail(msg: str, code: int = 2) -> None:
-    """One ``error: ...`` line on stderr and exit ``code`` (no traceback)."""
-    echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
+def fail(msg: str, code: int = EXIT_USER) -> NoReturn:
+    """End the command with one ``error: <msg>`` line and exit ``code``: raises a
+    :class:`~dlrmctl.errors.CommandError`, which ``cli.report_failure`` prints (the one place
+    that prints errors).
+
+    Raises:
+        CommandError: always.
+    """
+    raise CommandError(msg, code)
 
 
 def check_number(option: str, value: int | float | None, minimum: int | float = 0, maximum: float | None = None,

@@ -31,12 +31,9 @@ from typing import Optional
 
 import typer
 
+from dlrmctl.commands._common import fail
+
 app = typer.Typer(help="inspect and reshard checkpoints", no_args_is_help=True)
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
 
 
 def _reshard_rank(env, src: str, out_run: str, plan_dict: dict | None, name: str, publish_latest: bool) -> str:
@@ -322,12 +319,7 @@ def inspect_command(
     verify: bool = typer.Option(False, "--verify", help="also read every data file and check each block's CRC-32"),
 ) -> None:
     """List the checkpoints of RUN_DIR: step, time, size, world size, plan, val metrics, LATEST / BEST, integrity."""
-    from dlrmctl.train.checkpoint import CheckpointError
-
-    try:
-        code = inspect(run_dir, checkpoint, verify)
-    except CheckpointError as e:
-        _fail(str(e))
+    code = inspect(run_dir, checkpoint, verify)  # user errors: reported by dlrmctl.cli
     if code:
         raise typer.Exit(code)
 
@@ -341,17 +333,15 @@ def reshard_command(
     checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step> | <name, e.g. step_00000080.1>"),
 ) -> None:
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
-    from dlrmctl.procs import FanoutError, check_local_fanout
+    from dlrmctl.procs import check_local_fanout
     from dlrmctl.train.checkpoint import load_checkpoint_meta
     from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
 
-    try:  # the reshard runs --nproc local processes
-        check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")
-    except FanoutError as e:
-        _fail(str(e))
+    # the reshard runs --nproc local processes
+    check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")
     if out and os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
         # --out makes a new run directory: never one that holds anything (another run, a user's files)
-        _fail(f"--out {out}: exists and is not empty; the resharded copy goes to a new directory "
+        fail(f"--out {out}: exists and is not empty; the resharded copy goes to a new directory "
               "(--out a new path), or omit --out to add the checkpoint to the run itself")
     path = reshard(run_dir, nproc, plan, out, checkpoint)  # user errors: reported by dlrmctl.cli
     m = load_checkpoint_meta(path)

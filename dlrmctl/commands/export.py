@@ -12,12 +12,8 @@ from typing import Optional
 
 import typer
 
+from dlrmctl.commands._common import fail
 from dlrmctl.errors import UserError
-
-
-def _fail(msg: str, code: int = 2) -> None:
-    typer.echo(f"error: {msg}", err=True)
-    raise typer.Exit(code)
 
 
 def export_command(
@@ -41,9 +37,9 @@ def export_command(
     """Export a checkpoint of RUN_DIR (the best by default) as a torch.export program (model.pt2) + manifest.json."""
     chosen = [n for n, f in (("int8", int8), ("int4", int4), ("fp16", fp16), ("fp32", fp32)) if f]
     if len(chosen) != 1:
-        _fail("choose exactly one of --int8, --int4, --fp16, --fp32")
+        fail("choose exactly one of --int8, --int4, --fp16, --fp32")
     if aot and torchscript:
-        _fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
+        fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
     from dlrmctl.inference.export import export_run
 
     try:
@@ -53,7 +49,7 @@ def export_command(
     except RuntimeError as e:  # fbgemm_gpu missing (user errors: dlrmctl.cli reports them)
         if isinstance(e, UserError):
             raise
-        _fail(str(e))
+        fail(str(e))
     from dlrmctl.commands._common import show_path
 
     m = res.manifest
@@ -96,14 +92,14 @@ def predict_command(
 ) -> None:
     """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""
     if batch_rows < 1:
-        _fail(f"--batch-rows must be >= 1 (rows scored per batch), got {batch_rows}")
+        fail(f"--batch-rows must be >= 1 (rows scored per batch), got {batch_rows}")
     if os.path.exists(input) and not os.path.isdir(input) and not os.path.isfile(input):
-        _fail(f"--input {input}: not a regular file (a device or a FIFO is never read to its end); give a raw log "
+        fail(f"--input {input}: not a regular file (a device or a FIFO is never read to its end); give a raw log "
               "file")
     if output is not None and str(output) != "-":
         out_real, model_real = os.path.realpath(output), os.path.realpath(model_dir)
         if out_real == os.path.realpath(input) or out_real.startswith(model_real + os.sep):
-            _fail(f"--output {output}: is the input or inside the exported model {model_dir}; write the scores "
+            fail(f"--output {output}: is the input or inside the exported model {model_dir}; write the scores "
                   "to another file")
         from dlrmctl import outputs
 
@@ -116,7 +112,7 @@ def predict_command(
     except RuntimeError as e:
         if isinstance(e, UserError):
             raise
-        _fail(str(e))
+        fail(str(e))
     err = output is None or str(output) == "-"
     typer.echo(f"scored {rep.rows} lines" + ("" if err else f" -> {rep.output}"), err=err)
     if rep.metrics:

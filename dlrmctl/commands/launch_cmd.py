@@ -96,7 +96,7 @@ def register(app: typer.Typer) -> None:
 
         On a cluster scheduler the job's handle (e.g. slurm://dlrmctl/42) is printed on stdout; follow
         it with `dlrmctl jobs status|logs|cancel HANDLE`."""
-        from dlrmctl.commands._common import check_number
+        from dlrmctl.commands._common import check_number, fail
         from dlrmctl.config import INT_LIMITS
         from dlrmctl.console import echo
         from dlrmctl.launch import build_appdef, check_image, launch, parse_mem
@@ -107,19 +107,13 @@ def register(app: typer.Typer) -> None:
         mem_mb = parse_mem(mem) if mem is not None else None
         check_scheduler(scheduler)
         if scheduler == "local_cwd" and not dry_run:  # the ranks are processes of this machine: as `train --nproc`
-            from dlrmctl.procs import FanoutError, check_local_fanout
+            from dlrmctl.procs import check_local_fanout
 
-            try:
-                check_local_fanout(nproc * nnodes, f"--nproc {nproc} x --nnodes {nnodes}",
-                                   "or launch on a cluster scheduler")
-            except FanoutError as e:
-                typer.echo(f"error: {e}", err=True)
-                raise typer.Exit(2)
+            check_local_fanout(nproc * nnodes, f"--nproc {nproc} x --nnodes {nnodes}", "or launch on a cluster scheduler")
         try:
             check_image(scheduler, image)  # before anything is printed: the one line of the error
         except ValueError as e:
-            typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
-            raise typer.Exit(2)
+            fail(f"cannot launch on {scheduler}: {e}")
         if gpus_per_proc is None:
             gpus_per_proc, why = default_gpus_per_proc(config, set_)
             echo(f"GPUs per process: {gpus_per_proc} ({why})", err=True)
@@ -134,10 +128,8 @@ def register(app: typer.Typer) -> None:
                                cpu_per_proc=cpus_per_proc, mem_mb_per_proc=mem_mb, scheduler=scheduler)
             rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run, wait=wait)
         except ImportError as e:  # a torchx scheduler whose client library (an extra) is not installed
-            typer.echo(f"error: cannot launch on {scheduler}: its client library is missing ({e}); install "
-                       "dlrmctl's `cluster` extra: pip install 'dlrmctl[cluster]'", err=True)
-            raise typer.Exit(2)
+            fail(f"cannot launch on {scheduler}: its client library is missing ({e}); install "
+                 "dlrmctl's `cluster` extra: pip install 'dlrmctl[cluster]'")
         except ValueError as e:
-            typer.echo(f"error: cannot launch on {scheduler}: {e}", err=True)
-            raise typer.Exit(2)
+            fail(f"cannot launch on {scheduler}: {e}")
         raise typer.Exit(rc)

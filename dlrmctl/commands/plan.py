@@ -144,7 +144,7 @@ def plan_command(
     from dlrmctl.distributed.types import PlanError
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.planner.planner import plan_config
-    from dlrmctl.planner.types import PlannerError, Topology
+    from dlrmctl.planner.types import Topology
 
     if config is None:
         fail("plan needs a config file (or --calibrate)")
@@ -204,7 +204,7 @@ def plan_command(
              for t in res.tables],
             topo.world_size,
         )
-    except PlannerError as e:
+    except PlanError as e:
         # a plan that does not fit: when the hardware came from the config, say so and how to plan another
         hint = ""
         if defaulted and preset is not None:
@@ -212,11 +212,11 @@ def plan_command(
                    else f"the '{preset}' preset of sharding.device")
             hint = (f"\n  (planned for {src} in {show_path(config)}; --device {' | '.join(_GPU_PRESETS)} or "
                     f"--topology FILE plans other hardware)")
-        echo(f"error: {e}{hint}", err=True)
-        raise typer.Exit(2)
-    except (ConfigError, PlanError, ValueError) as e:
-        echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise PlanError(f"{e}{hint}") from None
+    except ConfigError:
+        raise
+    except ValueError as e:
+        fail(str(e))
     origin = ("--topology" if topology is not None else "--device" if device
               else f"sharding.topology_file in {show_path(config)}" if topo_file
               else f"sharding.device in {show_path(config)}")

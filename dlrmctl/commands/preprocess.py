@@ -43,13 +43,8 @@ def _target(out: Path, recipe: dict, force: bool):
 
     try:
         return outputs.dataset_target(out, recipe, force)
-    except outputs.OutputError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
     except OSError as e:
-        typer.echo(f"error: {e.filename or out}: cannot create the dataset directory ({e.strerror}); "
-                   "--out a writable directory", err=True)
-        raise typer.Exit(2) from None
+        fail(f"{e.filename or out}: cannot create the dataset directory ({e.strerror}); --out a writable directory")
 
 
 def _build(target, fn):
@@ -67,14 +62,11 @@ def build_interruptible(target, out: Path, fn):
     """:func:`_build` of a dataset whose preprocess runs worker processes: a bad input is one error
     line; a SIGINT / SIGTERM anywhere in the work (not only while the workers run) ends them and is
     one ``interrupted`` line (exit 128 + signal) that says a re-run resumes."""
-    from dlrmctl.data.columnar import DataError
     from dlrmctl.errors import Interrupted, interruptible
 
-    try:
+    try:  # (a bad input, a DataError, is reported by dlrmctl.cli)
         with interruptible():
             return _build(target, fn)
-    except DataError as e:
-        fail(str(e))
     except Interrupted as e:
         fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
              "processes ended; run the same command again to resume it", code=e.exit_code)
@@ -93,13 +85,8 @@ def _stat_inputs(input: List[str]) -> list[dict]:
     """The input files of a criteo preprocess (path, size, mtime): its recipe's ``inputs``."""
     from dlrmctl.data.criteo.parse import expand_inputs
 
-    from dlrmctl.data.columnar import DataError
-
-    try:
-        files = expand_inputs(input if len(input) > 1 else input[0])
-    except DataError as e:  # the input's own error comes before any question about --out
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    # the input's own error (DataError) comes before any question about --out
+    files = expand_inputs(input if len(input) > 1 else input[0])
     out = []
     for f in files:
         st = f.stat()
@@ -150,7 +137,7 @@ def criteo(
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
     from dlrmctl.data.criteo.parse import CriteoOptions
     from dlrmctl.data.criteo.preprocess import preprocess_criteo
-    from dlrmctl.procs import FanoutError, check_local_fanout
+    from dlrmctl.procs import check_local_fanout
 
     opts = CriteoOptions(
         num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
@@ -164,10 +151,7 @@ def criteo(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
-    try:
-        check_local_fanout(workers, f"--workers {workers}")
-    except FanoutError as e:
-        fail(str(e))
+    check_local_fanout(workers, f"--workers {workers}")
     inputs = _stat_inputs(input)
     recipe = {"dataset": "criteo", "inputs": inputs,
               "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "workers"}}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import typer
 
+from dlrmctl.commands._common import fail
+
 
 def register(preprocess_app: typer.Typer) -> None:
     """Add the ``movielens`` command to the ``preprocess`` sub-app.
@@ -33,7 +35,6 @@ def register(preprocess_app: typer.Typer) -> None:
                                    "options (built beside it, swapped in when complete)"),
     ) -> None:
         """MovieLens ratings -> click-style label (rating >= threshold), per-user time-ordered split."""
-        from dlrmctl.data.columnar import DataError
         from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
 
         opts = MovieLensOptions(positive_threshold=positive_threshold, val_ratio=val_ratio, test_ratio=test_ratio,
@@ -50,8 +51,7 @@ def register(preprocess_app: typer.Typer) -> None:
 
         check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
         if not os.path.isdir(input):  # the input's own error comes before any question about --out
-            typer.echo(f"error: {input}: not a directory (expected an unpacked MovieLens release)", err=True)
-            raise typer.Exit(2)
+            fail(f"{input}: not a directory (expected an unpacked MovieLens release)")
         target = _target(Path(out), {"dataset": "movielens", "input": os.path.abspath(input),
                                      "options": dataclasses.asdict(opts)}, force)
         if target.state == "complete":
@@ -60,9 +60,8 @@ def register(preprocess_app: typer.Typer) -> None:
         try:
             rep = _build(target, lambda d: preprocess_movielens(input, d, opts,
                                                                 progress=lambda msg: echo(msg, err=True)))
-        except (DataError, ValueError, OSError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
+        except (ValueError, OSError) as e:  # (a DataError, a ValueError too, is the same line)
+            fail(str(e))
         typer.echo(f"{rep.release} -> {out} in {rep.seconds:.1f}s")
         for split in ("train", "val", "test"):
             c = rep.ctr.get(split)

@@ -9,6 +9,8 @@ from typing import Any
 
 import typer
 
+from dlrmctl.commands._common import fail
+
 
 #: fields of a metrics.jsonl record that the report formats as numbers (each a number or null)
 NUMERIC_FIELDS = ("auc", "logloss", "ne", "calibration", "loss", "loss_avg", "samples_per_s")
@@ -218,17 +220,13 @@ def register(app: typer.Typer) -> None:
         """Summary table and PNG plots (loss and val loss, AUC, throughput; best step, early stop, epochs) of a run."""
         path = os.path.join(run_dir, "metrics.jsonl")
         if not os.path.isfile(path):
-            typer.echo(f"error: {run_dir}: no metrics.jsonl; not a training run directory, or the run has not "
-                       "logged yet", err=True)
-            raise typer.Exit(2)
+            fail(f"{run_dir}: no metrics.jsonl; not a training run directory, or the run has not logged yet")
         try:
             train, evals = read_metrics(run_dir)
         except (OSError, ValueError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2)
+            fail(str(e))
         if not train and not evals:
-            typer.echo(f"error: {path}: empty; the run has logged nothing yet", err=True)
-            raise typer.Exit(2)
+            fail(f"{path}: empty; the run has logged nothing yet")
         typer.echo(summary_table(train, evals))
         if plots:
             try:

@@ -195,15 +195,15 @@ def sweep(
     from dlrmctl.config import ConfigError, load_config
 
     check_number("--jobs", jobs, maximum=1024, what="points trained at once")
-    from dlrmctl.procs import FanoutError, LAUNCHER_ENV, check_local_fanout, intra_op_threads, process_token
+    from dlrmctl.procs import LAUNCHER_ENV, check_local_fanout, intra_op_threads, process_token
 
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
         fail(f"--name: must be one directory name (the sweep is train.run_dir/<name>), got {name!r}")
     try:
         parsed = parse_grid(grid)
-        base = load_config(config, set_)
-    except (ValueError, ConfigError) as e:
+    except ValueError as e:
         fail(str(e))
+    base = load_config(config, set_)
     metric = base.train.keep_best if base.train.keep_best != "none" else "auc"
     sweep_name = name or f"{base.name}_sweep"
     sweep_dir = os.path.join(base.train.run_dir, sweep_name)
@@ -220,15 +220,10 @@ def sweep(
         if os.path.exists(run_dir) and not overwrite:
             fail(f"{show_path(run_dir)} exists: pass --overwrite to train the sweep again, or --name for a new one")
         runs.append((pname, assignment, overrides, run_dir))
-    try:  # a sweep writes sweep.csv, sweep.md and logs/ only into a new directory or a sweep of its own
-        outputs.check_adoptable(sweep_dir, "sweep", "--name a new sweep (a directory under train.run_dir)")
-    except outputs.OutputError as e:
-        fail(str(e))
+    # a sweep writes sweep.csv, sweep.md and logs/ only into a new directory or a sweep of its own
+    outputs.check_adoptable(sweep_dir, "sweep", "--name a new sweep (a directory under train.run_dir)")
     jobs = min(jobs, len(runs))  # no idle workers: the threads per point come from the points run at once
-    try:  # each point is a process of this machine
-        check_local_fanout(jobs, f"--jobs {jobs}")
-    except FanoutError as e:
-        fail(str(e))
+    check_local_fanout(jobs, f"--jobs {jobs}")  # each point is a process of this machine
     os.makedirs(os.path.join(sweep_dir, "logs"), exist_ok=True)
     if outputs.read_marker(sweep_dir) is None:
         outputs.write_marker(sweep_dir, "sweep")

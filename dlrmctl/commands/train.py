@@ -34,13 +34,10 @@ def train(
     verbose: bool = typer.Option(False, "-v", "--verbose"),
 ) -> None:
     """Train (and evaluate) the model of CONFIG; writes runs/<name>/."""
-    from dlrmctl.config import ConfigError, load_config
+    from dlrmctl.config import load_config
 
     setup_logging(verbose)
-    try:
-        cfg = load_config(config, set_)
-    except ConfigError as e:
-        fail(str(e))
+    cfg = load_config(config, set_)
     if checkpoint is not None and not resume:
         fail("--checkpoint selects the checkpoint to resume from: it needs --resume")
     if resume and overwrite:  # (it silently resumed)
@@ -66,23 +63,19 @@ def train(
         raise typer.Exit(launch(build_appdef(config, set_, nproc, nnodes, resume, overwrite, checkpoint=checkpoint,
                                              init_from=init_from),
                                 dry_run=True))
-    from dlrmctl.procs import FanoutError, check_local_fanout
+    from dlrmctl.procs import check_local_fanout
 
-    try:  # every node of a local launch runs on this machine
-        check_local_fanout(world, f"--nproc {nproc}" + (f" x --nnodes {nnodes}" if nnodes > 1 else ""),
-                           "or run the job on a cluster (`dlrmctl launch --scheduler slurm|kubernetes`)")
-    except FanoutError as e:
-        fail(str(e))
+    # every node of a local launch runs on this machine
+    check_local_fanout(world, f"--nproc {nproc}" + (f" x --nnodes {nnodes}" if nnodes > 1 else ""),
+                       "or run the job on a cluster (`dlrmctl launch --scheduler slurm|kubernetes`)")
     from dlrmctl import run_lock
     from dlrmctl.errors import check_output_dir
 
     # train.run_dir/<name> a file, under a file, read-only: one line before the lock creates anything
     check_output_dir(cfg.train.run_dir, "train.run_dir")
     check_output_dir(os.path.join(cfg.train.run_dir, cfg.name), "the run directory")
-    try:  # held for the whole run: a second `train` of this run directory is refused before it touches it
-        run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
-    except run_lock.RunInUseError as e:
-        fail(str(e))
+    # held for the whole run: a second `train` of this run directory is refused before it touches it
+    run_lock.acquire(os.path.join(cfg.train.run_dir, cfg.name))
     try:
         _train(config, set_, cfg, nproc, nnodes, world, resume, overwrite, checkpoint, init_from)
     finally:
@@ -170,7 +163,8 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     """Checks of a training run before anything is written (before any rank of a ``--nproc`` /
     ``--nnodes`` launch starts; before torch is imported in a single process).
 
-    Each failure prints one ``error: ...`` line and exits with code 2 (``typer.Exit``): the run
+    Each failure raises a :class:`~dlrmctl.errors.UserError` (``dlrmctl.cli`` prints its one
+    ``error: ...`` line, exit code 2): the run
     directory already holds a run (without ``--resume``/``--overwrite``), resuming on other data
     than the run's (fingerprint) or from a checkpoint it does not have, ``data.path`` has no
     (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
@@ -178,47 +172,39 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     planner would build (``sharding.topology_file`` or the ``sharding.device`` preset with
     ``hbm_gb`` / ``ddr_gb``) is missing or invalid, or ``train.tensorboard: true`` without TensorBoard.
     """
-    from dlrmctl.config import ConfigError, read_data_meta
-    from dlrmctl.data.columnar import DataError
-    from dlrmctl.data.fingerprint import DataMismatchError
-    from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
-    from dlrmctl.train.run_dir import TrainError, check_run_dir, check_train_splits
+    from dlrmctl.config import read_data_meta
+    from dlrmctl.train.checkpoint import resolve_checkpoint
+    from dlrmctl.train.run_dir import check_run_dir, check_train_splits
     from dlrmctl.train.train_log import check_tensorboard
 
-    try:
-        check_tensorboard(cfg.train.tensorboard)
-        run_dir = check_run_dir(cfg, resume, overwrite)
-        if resume and checkpoint is not None:
-            resolve_checkpoint(run_dir, checkpoint)
-        meta = read_data_meta(cfg)
-        if meta is not None:
-            check_train_splits(cfg, meta)
-    except (TrainError, ConfigError, DataError, DataMismatchError, CheckpointError) as e:
-        fail(str(e))
+    check_tensorboard(cfg.train.tensorboard)
+    run_dir = check_run_dir(cfg, resume, overwrite)
+    if resume and checkpoint is not None:
+        resolve_checkpoint(run_dir, checkpoint)
+    meta = read_data_meta(cfg)
+    if meta is not None:
+        check_train_splits(cfg, meta)
     if meta is None:  # the message the Trainer gives
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
     if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
         _check_plan_before_launch(cfg, world)
     elif world > 1 or cfg.sharding.force:  # the trainer's planner builds this topology on rank 0
         from dlrmctl.planner.planner import topology_for_config
-        from dlrmctl.planner.types import PlannerError
+        from dlrmctl.planner.types import PlanError
 
         try:
             topology_for_config(cfg, world)
-        except (PlannerError, OSError) as e:
-            fail(f"sharding.{'topology_file' if cfg.sharding.topology_file else 'device'}: {e}")
+        except (PlanError, OSError) as e:  # named by its config key
+            raise PlanError(f"sharding.{'topology_file' if cfg.sharding.topology_file else 'device'}: {e}") from None
 
 
 def _check_plan_before_launch(cfg, world: int) -> None:
     """Fail fast, before any process starts, when a stored plan does not fit the model or world size."""
-    from dlrmctl.config import ConfigError, read_data_meta, resolve_tables
-    from dlrmctl.distributed.types import PlanError, ShardingPlan
+    from dlrmctl.config import read_data_meta, resolve_tables
+    from dlrmctl.distributed.types import ShardingPlan
 
-    try:
-        plan = ShardingPlan.load(cfg.sharding.plan_file)
-        plan.validate(resolve_tables(cfg, read_data_meta(cfg)), world, where=cfg.sharding.plan_file)
-    except (PlanError, ConfigError) as e:
-        fail(str(e))
+    plan = ShardingPlan.load(cfg.sharding.plan_file)
+    plan.validate(resolve_tables(cfg, read_data_meta(cfg)), world, where=cfg.sharding.plan_file)
 
 
 def register(app: typer.Typer) -> None:

@@ -32,7 +32,10 @@ from dlrmctl.errors import UserError
 
 
 class PlanError(ValueError, UserError):
-    """A sharding plan is malformed or does not match the model / world size."""
+    """A sharding plan that cannot be made, read or applied: a plan file that is malformed or does
+    not match the model / world size, a topology the planner cannot use, or tables that no plan
+    fits into the memory under the constraints (the message then names the table(s), the bytes
+    needed and available per rank, and what would make the problem fit)."""
 
 
 class ShardingType(str, enum.Enum):

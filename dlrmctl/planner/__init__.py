@@ -8,13 +8,13 @@ from dlrmctl.planner.planner import (
     plan_for_config,
     table_specs_from_config,
 )
-from dlrmctl.planner.types import DEVICE_PRESETS, PlannerError, TableSpec, Topology
+from dlrmctl.planner.types import DEVICE_PRESETS, PlanError, TableSpec, Topology
 
 __all__ = [
     "DEVICE_PRESETS",
     "EmbeddingShardingPlanner",
     "PlanResult",
-    "PlannerError",
+    "PlanError",
     "TableSpec",
     "Topology",
     "evaluate_plan",

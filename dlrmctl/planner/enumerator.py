@@ -46,7 +46,6 @@ from dlrmctl.planner.perf import estimate_shard
 from dlrmctl.planner.storage import shard_bytes, to_storage
 from dlrmctl.planner.types import (
     UNPOOLED_SHARDING_TYPES,
-    PlannerError,
     Shard,
     ShardingOption,
     TableSpec,
@@ -260,7 +259,7 @@ def enumerate_options(
             (``perf.cache_hit_prior``), applied to every shard of every option.
 
     Raises:
-        PlannerError: the table's constraints or fixed sharding are inconsistent
+        PlanError: the table's constraints or fixed sharding are inconsistent
             with the topology (rank out of range, nothing allowed).
     """
     W, L = topology.world_size, topology.local_world_size
@@ -268,7 +267,7 @@ def enumerate_options(
     if pinned is not None:
         bad = [r for r in pinned if not 0 <= r < W]
         if bad or not pinned:
-            raise PlannerError(
+            raise PlanError(
                 f"sharding.constraints.{table.name}.ranks: {table.ranks} must be non-empty ranks in [0, {W})"
             )
     candidates: list[ShardingOption] = []
@@ -276,11 +275,11 @@ def enumerate_options(
         st, kernel, franks, fcols = table.fixed
         w = f"sharding.tables.{table.name}"
         if franks is not None and any(not 0 <= r < W for r in franks):
-            raise PlannerError(f"{w}.ranks: {franks} out of range for {W} ranks")
+            raise PlanError(f"{w}.ranks: {franks} out of range for {W} ranks")
         if st == ShardingType.DATA_PARALLEL and kernel != ComputeKernel.DENSE:
-            raise PlannerError(f"{w}: data_parallel tables use the dense kernel, got {kernel.value}")
+            raise PlanError(f"{w}: data_parallel tables use the dense kernel, got {kernel.value}")
         if not table.is_pooled and st not in UNPOOLED_SHARDING_TYPES:
-            raise PlannerError(
+            raise PlanError(
                 f"{w}: {st.value} is not supported for an unpooled (EmbeddingCollection) table; "
                 f"supported: {', '.join(t.value for t in UNPOOLED_SHARDING_TYPES)}"
             )
@@ -289,18 +288,18 @@ def enumerate_options(
                 construct_parameter_sharding(st, table.num_embeddings, table.embedding_dim,
                                              franks or list(range(W)), kernel, fcols)
         except PlanError as e:
-            raise PlannerError(f"{w}: {e}") from None
+            raise PlanError(f"{w}: {e}") from None
         if st == ShardingType.TABLE_ROW_WISE and franks is not None and len({r // L for r in franks}) != 1:
-            raise PlannerError(f"{w}.ranks: table_row_wise ranks {franks} must lie on one host ({L} ranks per host)")
+            raise PlanError(f"{w}.ranks: table_row_wise ranks {franks} must lie on one host ({L} ranks per host)")
         if st in (ShardingType.COLUMN_WISE, ShardingType.TABLE_COLUMN_WISE) and not fcols:
             # two column shards by default, each on its own rank: fewer when the job has fewer ranks
             k = len(franks) if franks else max(1, min(2, W if st == ShardingType.COLUMN_WISE else L))
             if table.embedding_dim < k:
-                raise PlannerError(f"{w}: cannot split dim {table.embedding_dim} into {k} column shards")
+                raise PlanError(f"{w}: cannot split dim {table.embedding_dim} into {k} column shards")
             base, rem = divmod(table.embedding_dim, k)
             fcols = [base + (1 if i < rem else 0) for i in range(k)]
         if st == ShardingType.TABLE_WISE and franks is not None and len(franks) != 1:
-            raise PlannerError(f"{w}.ranks: table_wise takes exactly one rank, got {franks}")
+            raise PlanError(f"{w}.ranks: table_wise takes exactly one rank, got {franks}")
         candidates.append(build_option(topology, table, st, kernel, batch_size, franks, fcols, hit=hit))
     else:
         types = list(table.sharding_types) if table.sharding_types is not None else list(ALL_TYPES)
@@ -341,7 +340,7 @@ def enumerate_options(
                     for cols in column_splits(d, min_dim, avail, m4):
                         candidates.append(build_option(topology, table, st, k, batch_size, None, cols, hit=hit))
         if not candidates:
-            raise PlannerError(
+            raise PlanError(
                 f"table '{table.name}': no sharding is allowed by its constraints on {W} rank(s) "
                 f"(sharding_types {[t.value for t in types]}, compute_kernels {[k.value for k in kernels]}"
                 f"{', ranks ' + str(pinned) if pinned is not None else ''})"

@@ -8,7 +8,7 @@ its placement-free cache hit prior ``perf.cache_hit_prior``), propose combinatio
 their placed shards (:func:`evaluate_plan`), keep the one of those with the shortest
 critical path (slowest rank's estimated time plus the fixed latency; ties broken by
 total work), and report it (:mod:`.report`).  When nothing fits,
-:class:`PlannerError` says which table, how many bytes, and what would fit.
+:class:`PlanError` says which table, how many bytes, and what would fit.
 
 Entry points:
 
@@ -47,7 +47,7 @@ from dlrmctl.planner.storage import HeuristicStorageReservation, dense_model_byt
 from dlrmctl.planner.types import (
     DEVICE_PRESETS,
     GB,
-    PlannerError,
+    PlanError,
     ShardingOption,
     TableSpec,
     Topology,
@@ -193,7 +193,7 @@ class EmbeddingShardingPlanner:
         greedy_budget: int | None = None,
     ) -> None:
         if batch_size <= 0:
-            raise PlannerError(f"batch size must be > 0, got {batch_size}")
+            raise PlanError(f"batch size must be > 0, got {batch_size}")
         self.topology = topology
         self.batch_size = batch_size
         self.reservation = reservation or HeuristicStorageReservation()
@@ -209,13 +209,13 @@ class EmbeddingShardingPlanner:
         """Options per table that fit one rank.
 
         Raises:
-            PlannerError: some table has no option that fits (the message explains
+            PlanError: some table has no option that fits (the message explains
                 each such table), or the tables together exceed all ranks' memory.
         """
         names = [t.name for t in tables]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise PlannerError(f"duplicate table name(s) {dup}")
+            raise PlanError(f"duplicate table name(s) {dup}")
         options, rejected = [], []
         prior = cache_hit_prior(self.topology, tables, self.batch_size)
         for t in tables:
@@ -224,11 +224,11 @@ class EmbeddingShardingPlanner:
             if rej is not None:
                 rejected.append(rej)
         if rejected:
-            raise PlannerError(self._explain_tables(rejected))
+            raise PlanError(self._explain_tables(rejected))
         need = sum(min(o.total_storage for o in opts) for opts in options)
         have = self.usable * self.topology.world_size
         if need > have:
-            raise PlannerError(self._explain_total(tables, options, need, have))
+            raise PlanError(self._explain_total(tables, options, need, have))
         return options
 
     def plan(self, tables: list[TableSpec]) -> PlanResult:
@@ -238,11 +238,11 @@ class EmbeddingShardingPlanner:
             :class:`PlanResult` (``.plan`` is the :class:`ShardingPlan`).
 
         Raises:
-            PlannerError: infeasible (see :meth:`enumerate`), or no proposal
+            PlanError: infeasible (see :meth:`enumerate`), or no proposal
                 could be placed within memory (names the tables left over).
         """
         if not tables:
-            raise PlannerError("no tables to plan")
+            raise PlanError("no tables to plan")
         options = self.enumerate(tables)
         topo, usable = self.topology, self.usable
         evaluated: dict[tuple[int, ...], tuple[str, Partition]] = {}
@@ -287,7 +287,7 @@ class EmbeddingShardingPlanner:
 
         ok = sorted((p.key, ch) for ch, (_, p) in evaluated.items() if p.ok)
         if not ok:
-            raise PlannerError(self._explain_partition(evaluated[min_memory_proposal(options)[0]][1]))
+            raise PlanError(self._explain_partition(evaluated[min_memory_proposal(options)[0]][1]))
         for _, ch in ok if use_grid else ok[:3]:
             refine(evaluated[ch][1])
         ok = sorted((p.key, ch) for ch, (_, p) in evaluated.items() if p.ok)
@@ -304,7 +304,7 @@ class EmbeddingShardingPlanner:
             if q.ok:  # the same shards and bytes as the search's placement, so it fits as that did
                 placed[ch] = (label, q)
         if not placed:  # cannot happen: storage does not depend on the cache hits
-            raise PlannerError(f"internal error: none of the {len(cand)} best placements fits when re-estimated "
+            raise PlanError(f"internal error: none of the {len(cand)} best placements fits when re-estimated "
                                f"with evaluate_plan (usable {fmt_bytes(usable)} per rank)")
         ok = sorted((p.key, ch) for ch, (_, p) in placed.items())
         label, best = placed[ok[0][1]]
@@ -512,7 +512,7 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
     * ``sharding.constraints.<table>`` and ``sharding.tables.<table>`` (fixed).
 
     Raises:
-        PlannerError: constraints for unknown tables, bad names, or a
+        PlanError: constraints for unknown tables, bad names, or a
             ``multi_hot_sizes`` list of the wrong length.
     """
     from dlrmctl.config import resolve_tables
@@ -524,14 +524,14 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
     for where, d in (("constraints", cfg.sharding.constraints), ("tables", cfg.sharding.tables)):
         unknown = sorted(set(d) - names)
         if unknown:
-            raise PlannerError(f"sharding.{where}: unknown table(s) {unknown}; the model has {sorted(names)}")
+            raise PlanError(f"sharding.{where}: unknown table(s) {unknown}; the model has {sorted(names)}")
     feats = [f["name"] for f in (meta or {}).get("sparse_features", [])]
     if not feats:
         feats = [f for t in tables for f in t.feature_names]
     meta_pf = {f["name"]: float(f.get("mean_pooling_factor", 1.0)) for f in (meta or {}).get("sparse_features", [])}
     mh = cfg.data.multi_hot_sizes
     if mh is not None and len(mh) != len(feats):
-        raise PlannerError(f"data.multi_hot_sizes has {len(mh)} sizes but there are {len(feats)} sparse features")
+        raise PlanError(f"data.multi_hot_sizes has {len(mh)} sizes but there are {len(feats)} sparse features")
     pos = {f: i for i, f in enumerate(feats)}
     default_kernels = [ComputeKernel.DENSE] if cfg.model.compute_kernel == "dense" or not fused_available else None
     out = []
@@ -614,12 +614,12 @@ def topology_for_config(cfg: Any, world_size: int, local_world_size: int | None 
     wins): tables are costed in HBM with NCCL bandwidths, as training places them.
 
     Raises:
-        PlannerError: an unknown device, a bad or unreadable topology file (named), inconsistent sizes.
+        PlanError: an unknown device, a bad or unreadable topology file (named), inconsistent sizes.
     """
     s = cfg.sharding
     lws = local_world_size or s.local_world_size or world_size
     if local_world_size is None and s.local_world_size and world_size % s.local_world_size:
-        raise PlannerError(f"sharding.local_world_size {s.local_world_size} (ranks per host) must divide the "
+        raise PlanError(f"sharding.local_world_size {s.local_world_size} (ranks per host) must divide the "
                            f"world size {world_size}; set it to a divisor or leave it unset (the launch's hosts)")
     device, hbm_gb = s.device, s.hbm_gb
     if (train_preset is not None and not s.topology_file
@@ -646,7 +646,7 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
         a :class:`ShardingPlan` that passes ``validate(resolve_tables(cfg, meta), world_size)``.
 
     Raises:
-        PlannerError: infeasible (the message says what would fit).
+        PlanError: infeasible (the message says what would fit).
     """
     topo = topology_for_config(cfg, world_size, local_world_size, train_preset)
     from dlrmctl import _fbgemm

@@ -48,7 +48,7 @@ def optimizer_state_bytes(optimizer: str, rows: int, cols: int) -> int:
     260,000 B; exact_sgd = 0 (the registry's ``state_per_weight`` / ``state_per_row``).
 
     Raises:
-        PlannerError: unknown optimizer.
+        PlanError: unknown optimizer.
     """
     return embedding_optimizer(optimizer_name(optimizer)).state_bytes(rows, cols)
 

@@ -74,8 +74,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from dlrmctl.errors import UserError
-from dlrmctl.distributed.types import ComputeKernel, ShardingType
+from dlrmctl.distributed.types import ComputeKernel, PlanError, ShardingType
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.optim.registry import OPTIMIZER_ALIASES
 
@@ -98,12 +97,9 @@ UNPOOLED_SHARDING_TYPES: tuple[ShardingType, ...] = (
 BWD_COMPUTE_MULTIPLIER = 2.0
 
 
-class PlannerError(ValueError, UserError):
-    """No plan satisfies the memory and the constraints.
-
-    The message names the table(s) that cannot be placed, the bytes needed and
-    available per rank, and what would make the problem fit.
-    """
+#: the former name of :class:`dlrmctl.distributed.types.PlanError` (one class: a plan that cannot be
+#: made, read or applied); kept while other branches move to the one name
+PlannerError = PlanError
 
 
 @dataclass(frozen=True)
@@ -349,13 +345,13 @@ class Topology:
 
     def __post_init__(self) -> None:
         if self.world_size <= 0:
-            raise PlannerError(f"world size must be > 0, got {self.world_size}")
+            raise PlanError(f"world size must be > 0, got {self.world_size}")
         if self.local_world_size <= 0 or self.world_size % self.local_world_size:
-            raise PlannerError(
+            raise PlanError(
                 f"ranks per host ({self.local_world_size}) must divide the world size ({self.world_size})"
             )
         if self.compute_device not in ("cuda", "cpu"):
-            raise PlannerError(f"compute device must be cuda or cpu, got {self.compute_device!r}")
+            raise PlanError(f"compute device must be cuda or cpu, got {self.compute_device!r}")
         d = DEFAULT_FIXED_US[self.compute_device]
         for attr, key in (("kernel_launch_s", "kernel_launch_us"), ("collective_latency_s", "collective_us"),
                           ("inter_host_collective_latency_s", "inter_host_collective_us"),
@@ -363,23 +359,23 @@ class Topology:
             if getattr(self, attr) is None:
                 setattr(self, attr, d[key] * 1e-6)
             elif getattr(self, attr) < 0:
-                raise PlannerError(f"{attr} must be >= 0 seconds, got {getattr(self, attr)}")
+                raise PlanError(f"{attr} must be >= 0 seconds, got {getattr(self, attr)}")
         if self.bwd_compute_multiplier <= 0:
-            raise PlannerError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
+            raise PlanError(f"bwd_compute_multiplier must be > 0, got {self.bwd_compute_multiplier}")
         if self.fused_bwd_id_s < 0:
-            raise PlannerError(f"fused_bwd_id_s must be >= 0 seconds, got {self.fused_bwd_id_s}")
+            raise PlanError(f"fused_bwd_id_s must be >= 0 seconds, got {self.fused_bwd_id_s}")
         for name in ("fused_fwd_id_s", "fused_fwd_bag_s", "fused_bwd_bag_s"):
             if getattr(self, name) < 0:
-                raise PlannerError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
+                raise PlanError(f"{name} must be >= 0 seconds, got {getattr(self, name)}")
         if self.llc_bytes < 0:
-            raise PlannerError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
+            raise PlanError(f"llc_bytes must be >= 0, got {self.llc_bytes}")
         for name, off in (("input_dist_bw", "the wire model"), ("output_dist_bw", "the link bandwidth")):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
-                raise PlannerError(f"{name} must be a finite number >= 0 bytes/s (0: {off}), got {v}")
+                raise PlanError(f"{name} must be a finite number >= 0 bytes/s (0: {off}), got {v}")
         bad = {k: v for k, v in self.cache_speedup.items() if not v > 0}
         if bad:
-            raise PlannerError(f"cache_speedup must be > 0, got {bad}")
+            raise PlanError(f"cache_speedup must be > 0, got {bad}")
 
     def cache_domain(self, rank: int) -> int:
         """Index of the last-level cache ``rank``'s lookups use: its host on cpu (one LLC shared by
@@ -472,7 +468,7 @@ class Topology:
         (:meth:`from_preset`); ``shown_as``: how the report names the file (default: as given).
 
         Raises:
-            PlannerError: an unknown device, a bad or unreadable file (named), inconsistent sizes.
+            PlanError: an unknown device, a bad or unreadable file (named), inconsistent sizes.
         """
         if not topology_file:
             return Topology.from_preset(device, world_size, local_world_size, hbm_gb, ddr_gb)
@@ -504,7 +500,7 @@ class Topology:
                 the report (:attr:`Topology.hardware`).
 
         Raises:
-            PlannerError: unknown device or inconsistent sizes.
+            PlanError: unknown device or inconsistent sizes.
         """
         if isinstance(device, DevicePreset):
             p, device = device, name or "custom"
@@ -512,7 +508,7 @@ class Topology:
             try:
                 p = DEVICE_PRESETS[device]
             except KeyError:
-                raise PlannerError(f"unknown device {device!r}; expected one of {sorted(DEVICE_PRESETS)}") from None
+                raise PlanError(f"unknown device {device!r}; expected one of {sorted(DEVICE_PRESETS)}") from None
         if local_world_size is None:
             local_world_size = world_size if p.default_gpus_per_host is None else min(world_size, p.default_gpus_per_host)
             if world_size % local_world_size:
@@ -585,7 +581,7 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     default (the optional keys are ``None`` = the preset default).
 
     Raises:
-        PlannerError: unreadable file, not a mapping, unknown or missing key, or a value of
+        PlanError: unreadable file, not a mapping, unknown or missing key, or a value of
             the wrong type or range (the message names the file and the key): every number
             finite, >= 0 and <= :data:`TOPOLOGY_VALUE_MAX`; the bandwidths the planner divides by
             (``ddr_bw_gbps``, ``intra_host_bw_gbps``, ``inter_host_bw_gbps``, ``hbm_bw_gbps`` on
@@ -595,7 +591,7 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     from dlrmctl.yaml_file import read_yaml_mapping
 
     lines: dict[str, int] = {}
-    d = read_yaml_mapping(path, PlannerError, "topology file", f"keys {', '.join(TOPOLOGY_FILE_KEYS)}", lines)
+    d = read_yaml_mapping(path, PlanError, "topology file", f"keys {', '.join(TOPOLOGY_FILE_KEYS)}", lines)
 
     def at(key: str | None = None) -> str:  # "topology file FILE:LINE" of a key's line (FILE alone: no key)
         return f"topology file {path}:{lines[key]}" if key in lines else f"topology file {path}"
@@ -603,15 +599,15 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
     d = {k: v for k, v in d.items() if k != "measured"}
     unknown = sorted(set(d) - set(TOPOLOGY_FILE_KEYS))
     if unknown:
-        raise PlannerError(f"{at(unknown[0])}: unknown key(s) {unknown}; expected {list(TOPOLOGY_FILE_KEYS)}")
+        raise PlanError(f"{at(unknown[0])}: unknown key(s) {unknown}; expected {list(TOPOLOGY_FILE_KEYS)}")
     required = [f.name for f in dataclasses.fields(DevicePreset) if f.default is dataclasses.MISSING]
     missing = [k for k in required if k not in d]
     if missing:
-        raise PlannerError(f"topology file {path}: missing key(s) {missing}")
+        raise PlanError(f"topology file {path}: missing key(s) {missing}")
     if d["compute_device"] not in ("cuda", "cpu"):
-        raise PlannerError(f"{at('compute_device')}: compute_device must be cuda or cpu, got {d['compute_device']!r}")
+        raise PlanError(f"{at('compute_device')}: compute_device must be cuda or cpu, got {d['compute_device']!r}")
     if not isinstance(d["source"], str):
-        raise PlannerError(f"{at('source')}: source must be a string (a one-line citation), got {d['source']!r}")
+        raise PlanError(f"{at('source')}: source must be a string (a one-line citation), got {d['source']!r}")
     # the planner divides by these (bytes / bandwidth, bandwidth * efficiency): they must be > 0
     divisors = {"ddr_bw_gbps", "intra_host_bw_gbps", "inter_host_bw_gbps", "fused_efficiency", "dense_efficiency",
                 "fused_cache_speedup", "dense_cache_speedup", "input_dist_bw_gbps",
@@ -626,18 +622,18 @@ def load_topology_file(path: "str | os.PathLike") -> DevicePreset:
             continue
         if k == "default_gpus_per_host":
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise PlannerError(f"{at(k)}: default_gpus_per_host must be an integer >= 1 (ranks per "
+                raise PlanError(f"{at(k)}: default_gpus_per_host must be an integer >= 1 (ranks per "
                                    f"host) or null, got {v!r}")
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
                 k in divisors and v == 0):
-            raise PlannerError(f"{at(k)}: {k} must be a finite number "
+            raise PlanError(f"{at(k)}: {k} must be a finite number "
                                f"{'> 0' if k in divisors else '>= 0'}, got {v!r}")
         # the planner scales these (GB -> bytes, us -> s) and divides by the divisors: a value that
         # would overflow or underflow there is a typo, not a machine
         lo, hi = (TOPOLOGY_DIVISOR_MIN, TOPOLOGY_VALUE_MAX) if k in divisors else (0.0, TOPOLOGY_VALUE_MAX)
         if not lo <= v <= hi:
-            raise PlannerError(f"{at(k)}: {k} must be between {lo:g} and {hi:g}, got {v!r}")
+            raise PlanError(f"{at(k)}: {k} must be between {lo:g} and {hi:g}, got {v!r}")
     return DevicePreset(**d)
 
 
@@ -858,31 +854,31 @@ def optimizer_name(name: str) -> str:
     """Canonical optimizer name (``rowwise_adagrad`` -> ``exact_rowwise_adagrad`` ...).
 
     Raises:
-        PlannerError: unknown optimizer.
+        PlanError: unknown optimizer.
     """
     try:
         return OPTIMIZER_ALIASES[name]
     except KeyError:
-        raise PlannerError(
+        raise PlanError(
             f"unknown embedding optimizer {name!r}; expected one of {sorted(OPTIMIZER_ALIASES)}"
         ) from None
 
 
 def sharding_types_of(names: Sequence[str] | None) -> list[ShardingType] | None:
-    """Parse sharding type names (None stays None).  Raises PlannerError on an unknown name."""
+    """Parse sharding type names (None stays None).  Raises PlanError on an unknown name."""
     if names is None:
         return None
     try:
         return [ShardingType(n) for n in names]
     except ValueError:
-        raise PlannerError(f"unknown sharding type in {list(names)}; expected {[t.value for t in ShardingType]}") from None
+        raise PlanError(f"unknown sharding type in {list(names)}; expected {[t.value for t in ShardingType]}") from None
 
 
 def compute_kernels_of(names: Sequence[str] | None) -> list[ComputeKernel] | None:
-    """Parse compute kernel names (None stays None).  Raises PlannerError on an unknown name."""
+    """Parse compute kernel names (None stays None).  Raises PlanError on an unknown name."""
     if names is None:
         return None
     try:
         return [ComputeKernel(n) for n in names]
     except ValueError:
-        raise PlannerError(f"unknown compute kernel in {list(names)}; expected {[k.value for k in ComputeKernel]}") from None
+        raise PlanError(f"unknown compute kernel in {list(names)}; expected {[k.value for k in ComputeKernel]}") from None

@@ -37,7 +37,7 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
 
     Raises:
         TrainError: the run directory holds checkpoints and neither flag was given.
-        OutputPathError: the run directory is a file, lies under one, or cannot be written (read-only).
+        OutputError: the run directory is a file, lies under one, or cannot be written (read-only).
         RunInUseError: another running dlrmctl holds the run directory's lock (:mod:`dlrmctl.run_lock`).
         DataMismatchError: resuming on other data than the run was trained on (fingerprints differ).
     """

@@ -118,10 +118,10 @@ def test_a_local_world_size_that_does_not_divide_the_world_names_its_key(tmp_pat
     """It read `sharding.device: ranks per host (3) must divide the world size (2)`."""
     from dlrmctl.config import config_from_dict
     from dlrmctl.planner.planner import topology_for_config
-    from dlrmctl.planner.types import PlannerError
+    from dlrmctl.planner.types import PlanError
 
     cfg = config_from_dict({"name": "x", "sharding": {"local_world_size": 3}})
-    with pytest.raises(PlannerError, match=r"sharding.local_world_size 3 \(ranks per host\) must divide the world size 2"):
+    with pytest.raises(PlanError, match=r"sharding.local_world_size 3 \(ranks per host\) must divide the world size 2"):
         topology_for_config(cfg, 2)
     assert topology_for_config(cfg, 6).local_world_size == 3
 

@@ -97,10 +97,10 @@ def test_every_yaml_file_reader_names_the_file_and_line_and_wants_a_mapping(tmp_
     """Configs, sharding plans and topology files go through one reader (dlrmctl/yaml_file.py): a syntax
     error names file:line, a missing file the path, a top level that is not a mapping says so."""
     from dlrmctl.distributed.types import PlanError, ShardingPlan
-    from dlrmctl.planner.types import PlannerError, load_topology_file
+    from dlrmctl.planner.types import PlanError, load_topology_file
 
     load, err = {"config": (load_config, ConfigError), "plan": (ShardingPlan.load, PlanError),
-                 "topology": (load_topology_file, PlannerError)}[kind]
+                 "topology": (load_topology_file, PlanError)}[kind]
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: 1\nb: [1, 2\nc: 3\n")
     with pytest.raises(err, match=r"bad.yaml:\d+: invalid YAML in "):

@@ -408,7 +408,7 @@ def test_planner_enumerates_only_the_sharded_ec_types_for_an_unpooled_table():
     from dlrmctl.distributed.sharded_ec import SEQUENCE_SHARDING_CLASSES
     from dlrmctl.distributed.types import ComputeKernel, ShardingType
     from dlrmctl.planner.enumerator import enumerate_options
-    from dlrmctl.planner.types import UNPOOLED_SHARDING_TYPES, PlannerError, TableSpec
+    from dlrmctl.planner.types import UNPOOLED_SHARDING_TYPES, PlanError, TableSpec
 
     assert set(UNPOOLED_SHARDING_TYPES) == set(SEQUENCE_SHARDING_CLASSES)
     topo = _planner_topology()
@@ -418,5 +418,5 @@ def test_planner_enumerates_only_the_sharded_ec_types_for_an_unpooled_table():
     assert ShardingType.DATA_PARALLEL in {o.sharding_type for o in pooled}
     fixed = TableSpec("t", 1000, 64, [3.0], is_pooled=False,
                       fixed=(ShardingType.DATA_PARALLEL, ComputeKernel.DENSE, None, None))
-    with pytest.raises(PlannerError, match="data_parallel is not supported for an unpooled"):
+    with pytest.raises(PlanError, match="data_parallel is not supported for an unpooled"):
         enumerate_options(fixed, topo, 1024, int(9e9))

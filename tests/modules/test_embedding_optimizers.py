@@ -279,10 +279,10 @@ def test_planner_counts_adam_state_and_leaves_column_kinds_out_for_row_coupled_o
 
 def test_infeasibility_advice_suggests_partial_rowwise_adam_where_it_would_fit():
     from dlrmctl.planner.planner import EmbeddingShardingPlanner
-    from dlrmctl.planner.types import PlannerError, TableSpec, Topology
+    from dlrmctl.planner.types import PlanError, TableSpec, Topology
 
     big = TableSpec("big", 274_352_000, 192, [1.0], optimizer="adam")
-    with pytest.raises(PlannerError) as e:  # adam needs ~74 GiB per rank row-wise on 8 x 80 GB
+    with pytest.raises(PlanError) as e:  # adam needs ~74 GiB per rank row-wise on 8 x 80 GB
         EmbeddingShardingPlanner(Topology.from_preset("h100", 8), 16384).plan([big])
     msg = str(e.value)
     assert "partial_rowwise_adam (first moment per weight, second moment one fp32 per row) instead of adam" in msg
@@ -291,7 +291,7 @@ def test_infeasibility_advice_suggests_partial_rowwise_adam_where_it_would_fit()
         [dataclasses.replace(big, optimizer="partial_rowwise_adam")])
     assert sorted({s.rank for s in res.plan.plan["big"].shards}) == list(range(8))
     # and with 4 ranks partial row-wise Adam does not fit either: not suggested
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlanError) as e:
         EmbeddingShardingPlanner(Topology.from_preset("h100", 4), 16384).plan([big])
     assert "partial_rowwise_adam" not in str(e.value).split("what would make it fit")[1]
 

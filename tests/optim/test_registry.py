@@ -89,9 +89,9 @@ def test_names_aliases_and_families_come_from_the_records():
 
 def test_config_and_planner_accept_exactly_the_registered_names():
     from dlrmctl.config import EmbeddingOptimizerConfig
-    from dlrmctl.planner.types import PlannerError, optimizer_name
+    from dlrmctl.planner.types import PlanError, optimizer_name
 
     assert typing.get_args(typing.get_type_hints(EmbeddingOptimizerConfig)["type"]) == tuple(NAMES)
     assert {optimizer_name(a) for a in OPTIMIZER_ALIASES} == set(NAMES)
-    with pytest.raises(PlannerError):
+    with pytest.raises(PlanError):
         optimizer_name("nope")

@@ -15,7 +15,7 @@ from dlrmctl.planner.perf import estimate_shard
 from dlrmctl.planner.planner import EmbeddingShardingPlanner, plan_for_config, table_specs_from_config
 from dlrmctl.planner.report import RANK_COLUMNS, TABLE_COLUMNS, fmt_ms
 from dlrmctl.planner.storage import HeuristicStorageReservation, optimizer_state_bytes
-from dlrmctl.planner.types import GiB, PlannerError, TableSpec, Topology
+from dlrmctl.planner.types import GiB, PlanError, TableSpec, Topology
 
 ST = ShardingType
 CK = ComputeKernel
@@ -124,7 +124,7 @@ def test_fused_backward_per_id_cost_is_paid_per_id_whatever_the_width():
         a, *_ = estimate_shard(base, SMALL, st, kernel, 1000, 64, 1, B)
         b, *_ = estimate_shard(topo, SMALL, st, kernel, 1000, 64, 1, B)
         assert a == b, st
-    with pytest.raises(PlannerError, match="fused_bwd_id_s must be >= 0"):
+    with pytest.raises(PlanError, match="fused_bwd_id_s must be >= 0"):
         toy_topology(fused_bwd_id_s=-1e-9)
 
 
@@ -272,7 +272,7 @@ def test_huge_table_fits_four_h100_only_when_split():
     ps = res.plan.plan["big"]
     assert ps.sharding_type in (ST.ROW_WISE, ST.COLUMN_WISE, ST.TABLE_ROW_WISE)
     assert sorted({s.rank for s in ps.shards}) == [0, 1, 2, 3]
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlanError) as e:
         EmbeddingShardingPlanner(topo, 16384).plan([dataclasses.replace(BIG, sharding_types=[ST.TABLE_WISE])])
     msg = str(e.value)
     assert "'big'" in msg and "196.2 GiB" in msg and "63.3 GiB usable" in msg
@@ -281,7 +281,7 @@ def test_huge_table_fits_four_h100_only_when_split():
 
 def test_huge_table_with_adam_cannot_fit_four_h100_and_the_message_says_why():
     topo = Topology.from_preset("h100", 4)
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlanError) as e:
         EmbeddingShardingPlanner(topo, 16384).plan([dataclasses.replace(BIG, optimizer="adam")])
     msg = str(e.value)
     assert "table 'big' (274,352,000 rows x 192, fp32, adam" in msg
@@ -297,7 +297,7 @@ def test_huge_table_with_adam_cannot_fit_four_h100_and_the_message_says_why():
 def test_tables_that_fit_alone_but_not_together_name_totals():
     topo = toy_topology(hbm_cap=int(2e9))
     tables = [TableSpec(f"t{i}", 2_000_000, 128, [1.0], sharding_types=[ST.TABLE_WISE]) for i in range(8)]
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlanError) as e:
         EmbeddingShardingPlanner(topo, 1024).plan(tables)
     msg = str(e.value)
     assert "together need at least 7.7 GiB" in msg and "4 rank(s) have 6.3 GiB usable" in msg
@@ -371,9 +371,9 @@ def test_without_fbgemm_the_trainers_plan_is_all_dense_kernel(monkeypatch):
 
 def test_bad_constraints_are_errors_that_name_the_table():
     topo = toy_topology()
-    with pytest.raises(PlannerError, match="constraints.x.ranks"):
+    with pytest.raises(PlanError, match="constraints.x.ranks"):
         EmbeddingShardingPlanner(topo, 64).plan([TableSpec("x", 10, 16, ranks=[7])])
-    with pytest.raises(PlannerError, match="table 'y': no sharding is allowed"):
+    with pytest.raises(PlanError, match="table 'y': no sharding is allowed"):
         # data_parallel needs every rank, but the table is pinned to one
         EmbeddingShardingPlanner(topo, 64).plan([TableSpec("y", 10, 16, ranks=[1], sharding_types=[ST.DATA_PARALLEL])])
 
@@ -396,7 +396,7 @@ def test_pooling_factors_come_from_meta_and_multi_hot_sizes():
     cfg = config_from_dict({"data": {"path": "/nonexistent"}, "model": {"tables": [{"name": "x", "num_embeddings": 9}]}})
     assert table_specs_from_config(cfg, None)[0].pooling_factors == [1.0]
     cfg = config_from_dict({"data": {"path": "/nonexistent", "multi_hot_sizes": [3, 1]}})
-    with pytest.raises(PlannerError, match="multi_hot_sizes has 2 sizes but there are 3"):
+    with pytest.raises(PlanError, match="multi_hot_sizes has 2 sizes but there are 3"):
         table_specs_from_config(cfg, _meta([1.0, 1.0, 1.0]))
 
 

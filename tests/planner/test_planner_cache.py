@@ -35,7 +35,7 @@ from dlrmctl.planner.types import (
     DEFAULT_LLC_MB,
     DEVICE_PRESETS,
     MiB,
-    PlannerError,
+    PlanError,
     TableSpec,
     Topology,
     detect_llc_bytes,
@@ -186,7 +186,7 @@ def test_a_topology_file_without_the_cache_keys_loads_with_the_defaults(tmp_path
 def test_bad_cache_keys_are_refused_naming_the_file_and_key(tmp_path, key, value, msg):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(dict(OLD_FILE, **{key: value})))
-    with pytest.raises(PlannerError, match=f"topology file {path}:\\d+: {msg}"):
+    with pytest.raises(PlanError, match=f"topology file {path}:\\d+: {msg}"):
         load_topology_file(path)
 
 

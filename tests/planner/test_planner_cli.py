@@ -7,6 +7,7 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from dlrmctl import cli
 from dlrmctl.commands import plan as plan_cmd
 from dlrmctl.config import load_config, resolve_tables
 from dlrmctl.distributed.types import ShardingPlan
@@ -28,6 +29,11 @@ CONFIG = {
 }
 
 
+def _plan(args):
+    """``dlrmctl plan ARGS`` through the command line's group (which reports every error)."""
+    return CliRunner().invoke(cli.app, ["plan", *args])
+
+
 def write_config(tmp_path, cfg=CONFIG):
     p = tmp_path / "exp.yaml"
     p.write_text(yaml.safe_dump(cfg))
@@ -37,7 +43,7 @@ def write_config(tmp_path, cfg=CONFIG):
 def test_plan_command_writes_a_plan_that_loads_and_validates(tmp_path):
     cfg_path = write_config(tmp_path)
     out = tmp_path / "out" / "plan.yaml"
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--hosts", "2", "--device", "cpu",
+    r = _plan([str(cfg_path), "--gpus", "4", "--hosts", "2", "--device", "cpu",
                                           "--ddr-gb", "8", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "Rank | HBM (GB) | DDR (GB) | Perf (ms) | Input (MB) | Output (MB) | Shards" in r.output
@@ -49,7 +55,7 @@ def test_plan_command_writes_a_plan_that_loads_and_validates(tmp_path):
     report = (out.parent / "plan_report.txt").read_text()
     assert "Estimated embedding step time" in report and "Runner-up" in report
     # a second plan in the same directory gets its own report; the first one's stays
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--out",
+    r = _plan([str(cfg_path), "--gpus", "2", "--device", "cpu", "--out",
                                           str(out.parent / "two.yaml")])
     assert r.exit_code == 0, r.output
     assert (out.parent / "plan_report.txt").read_text() == report
@@ -59,9 +65,7 @@ def test_plan_command_writes_a_plan_that_loads_and_validates(tmp_path):
 def test_plan_command_applies_set_overrides_batch_size_and_gpu_presets(tmp_path):
     cfg_path = write_config(tmp_path)
     out = tmp_path / "plan.yaml"
-    r = CliRunner().invoke(
-        plan_cmd.app,
-        [str(cfg_path), "--gpus", "8", "--device", "h100", "--batch-size", "65536", "--out", str(out),
+    r = _plan([str(cfg_path), "--gpus", "8", "--device", "h100", "--batch-size", "65536", "--out", str(out),
          "--set", "model.embedding_dim=32", "--set", "model.dense_arch_layer_sizes=[64,32]"],
     )
     assert r.exit_code == 0, r.output
@@ -78,7 +82,7 @@ def test_plan_command_reports_infeasible_tables_and_exits_2(tmp_path):
     cfg["model"]["embedding_dim"] = 16
     cfg_path = write_config(tmp_path, cfg)
     out = tmp_path / "plan.yaml"
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "4",
+    r = _plan([str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "4",
                                           "--out", str(out)])
     assert r.exit_code == 2
     assert "table 'huge'" in r.output and "what would make it fit" in r.output
@@ -87,14 +91,14 @@ def test_plan_command_reports_infeasible_tables_and_exits_2(tmp_path):
 
 def test_plan_command_says_to_preprocess_when_tables_come_from_missing_data(tmp_path):
     cfg_path = write_config(tmp_path, {"data": {"path": str(tmp_path / "nodata")}})
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
+    r = _plan([str(cfg_path), "--gpus", "2", "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 2
     assert "dlrmctl preprocess" in r.output
 
 
 def test_plan_command_rejects_inconsistent_host_counts(tmp_path):
     cfg_path = write_config(tmp_path)
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--hosts", "3"])
+    r = _plan([str(cfg_path), "--gpus", "4", "--hosts", "3"])
     assert r.exit_code == 2 and "--hosts 3 must divide --gpus 4" in r.output
 
 
@@ -118,41 +122,41 @@ def test_plan_does_not_overwrite_without_force_and_prints_paths_one_way(tmp_path
     cfg_path = write_config(tmp_path)
     monkeypatch.chdir(tmp_path)
     args = [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "8"]
-    r = CliRunner().invoke(plan_cmd.app, args)
+    r = _plan(args)
     assert r.exit_code == 0, r.output
     assert r.output.strip().splitlines()[-1] == "wrote plan.yaml and plan_report.txt"  # both relative to the cwd
     before = (tmp_path / "plan.yaml").read_text()
-    r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64"])
+    r = _plan(args + ["--batch-size", "64"])
     assert r.exit_code == 2 and "plan.yaml: exists; pass --force" in r.output
     assert (tmp_path / "plan.yaml").read_text() == before
-    r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64", "--ddr-gb", "9", "--force"])
+    r = _plan(args + ["--batch-size", "64", "--ddr-gb", "9", "--force"])
     assert r.exit_code == 0 and (tmp_path / "plan.yaml").is_file()  # a plan dlrmctl wrote is replaced
     # --force replaces only a plan / topology file dlrmctl wrote: never the config it reads, or a user's file
     (tmp_path / "plan.yaml").write_text("# my notes\n")
-    r = CliRunner().invoke(plan_cmd.app, args + ["--batch-size", "64", "--force"])
+    r = _plan(args + ["--batch-size", "64", "--force"])
     assert r.exit_code == 2 and "is not a plan or topology file dlrmctl wrote" in r.output, r.output
     assert (tmp_path / "plan.yaml").read_text() == "# my notes\n"
     cfg_text = cfg_path.read_text()
-    r = CliRunner().invoke(plan_cmd.app, args + ["--out", str(cfg_path), "--force"])
+    r = _plan(args + ["--out", str(cfg_path), "--force"])
     assert r.exit_code == 2 and "is an input of this command" in r.output, r.output
     assert cfg_path.read_text() == cfg_text
 
 
 def test_plan_names_its_preset_loudly_and_reports_latency_and_why(tmp_path):
     cfg_path = write_config(tmp_path)
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "8", "--out", str(tmp_path / "p.yaml")])
+    r = _plan([str(cfg_path), "--gpus", "8", "--out", str(tmp_path / "p.yaml")])
     # --gpus without --device on a config whose sharding.device is cpu: refused in one line asking for --device
     # (it planned 8 CPU processes with a warning before)
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert "error: --gpus 8 without --device" in r.output and "--device a100" in r.output
     assert "--device cpu for CPU processes" in r.output and not (tmp_path / "p.yaml").exists()
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "8", "--device", "cpu",
+    r = _plan([str(cfg_path), "--gpus", "8", "--device", "cpu",
                                           "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 0 and "Preset: cpu (--device)" in r.output, r.output
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "8", "--set", "sharding.device=h100",
+    r = _plan([str(cfg_path), "--gpus", "8", "--set", "sharding.device=h100",
                                           "--out", str(tmp_path / "s.yaml")])
     assert r.exit_code == 0 and "Preset: h100 (sharding.device in " in r.output and "warning" not in r.output
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "8", "--device", "a100",
+    r = _plan([str(cfg_path), "--gpus", "8", "--device", "a100",
                                           "--out", str(tmp_path / "q.yaml")])
     assert r.exit_code == 0, r.output
     assert "Preset: a100 (--device)" in r.output and "warning" not in r.output
@@ -189,14 +193,14 @@ def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_
     monkeypatch.setattr(cal, "calibrate", lambda log: (_calibrated_preset(), {"ddr_copy_gbps": 12.5}))
     monkeypatch.chdir(tmp_path)
     topo_path = tmp_path / "topo.yaml"
-    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(topo_path)])
+    r = _plan(["--calibrate", "--out", str(topo_path)])
     assert r.exit_code == 0, r.output
     assert "wrote topo.yaml" in r.output
     assert load_topology_file(topo_path) == _calibrated_preset()
     assert [p.name for p in tmp_path.iterdir()] == ["topo.yaml"]  # no temp file left behind
-    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(topo_path)])
+    r = _plan(["--calibrate", "--out", str(topo_path)])
     assert r.exit_code == 2 and "exists; pass --force" in r.output
-    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--gpus", "2"])
+    r = _plan(["--calibrate", "--gpus", "2"])
     assert r.exit_code == 2 and "takes no config, --gpus" in r.output
 
     t = Topology.from_preset(load_topology_file(topo_path), 2, name="topo.yaml")
@@ -207,7 +211,7 @@ def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_
     assert t.fused_bwd_id_s == pytest.approx(14.5e-9)
 
     cfg_path = write_config(tmp_path)
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
+    r = _plan([str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
                                           "--out", str(tmp_path / "plan.yaml")])
     assert r.exit_code == 0, r.output
     # the file is named once per line, as a topology (not as a device): "topology topo.yaml (calibrated cpu)"
@@ -217,7 +221,7 @@ def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_
     assert "device topo.yaml" not in r.output and "Preset:" not in r.output and r.output.count("topo.yaml (") == 2
     assert "collective 150 us" in r.output
     assert "2 sharding group(s) x 2.5e+03 us" in r.output or "sharding group(s) x 2.5e+03 us" in r.output
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
+    r = _plan([str(cfg_path), "--gpus", "2", "--topology", str(topo_path),
                                           "--device", "h100", "--out", str(tmp_path / "p2.yaml")])
     assert r.exit_code == 2 and "--device and --topology" in r.output
 
@@ -227,7 +231,7 @@ def test_calibrate_writes_a_topology_file_that_plan_and_the_config_key_load(tmp_
 
 
 def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
-    from dlrmctl.planner.types import PlannerError, load_topology_file, save_topology_file
+    from dlrmctl.planner.types import PlanError, load_topology_file, save_topology_file
 
     p = tmp_path / "t.yaml"
     save_topology_file(p, _calibrated_preset())
@@ -236,18 +240,18 @@ def test_a_bad_topology_file_names_the_file_and_the_key(tmp_path):
                         ({"colective_us": 1.0}, "unknown key(s) ['colective_us']"),
                         ({"compute_device": "tpu"}, "compute_device must be cuda or cpu")]:
         p.write_text(yaml.safe_dump({**good, **change}))
-        with pytest.raises(PlannerError, match="topology file .*t.yaml:\\d+: " + msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(PlanError, match="topology file .*t.yaml:\\d+: " + msg.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
             load_topology_file(p)
     p.write_text(yaml.safe_dump({k: v for k, v in good.items() if k != "intra_host_bw_gbps"}))
-    with pytest.raises(PlannerError, match=r"missing key\(s\) \['intra_host_bw_gbps'\]"):
+    with pytest.raises(PlanError, match=r"missing key\(s\) \['intra_host_bw_gbps'\]"):
         load_topology_file(p)
 
 
 def test_a_topology_value_out_of_range_is_refused_before_planning(tmp_path):
     """NaN / inf anywhere, a zero bandwidth or kernel efficiency (the planner divides by them), a
-    fractional or zero default_gpus_per_host: a PlannerError naming the key, never a
+    fractional or zero default_gpus_per_host: a PlanError naming the key, never a
     ZeroDivisionError / TypeError inside the planner or a plan ranked on NaN costs."""
-    from dlrmctl.planner.types import PlannerError, load_topology_file, save_topology_file
+    from dlrmctl.planner.types import PlanError, load_topology_file, save_topology_file
 
     p = tmp_path / "t.yaml"
     save_topology_file(p, _calibrated_preset())
@@ -258,13 +262,13 @@ def test_a_topology_value_out_of_range_is_refused_before_planning(tmp_path):
            ("default_gpus_per_host", True), ("source", 3)]
     for key, value in bad:
         p.write_text(yaml.safe_dump({**good, key: value}))
-        with pytest.raises(PlannerError, match=f"t.yaml:\\d+: {key} must be"):
+        with pytest.raises(PlanError, match=f"t.yaml:\\d+: {key} must be"):
             load_topology_file(p)
     # zero device bandwidth is how a CPU preset says "no HBM"; on cuda it is a divisor
     p.write_text(yaml.safe_dump({**good, "hbm_bw_gbps": 0.0}))
     assert load_topology_file(p).hbm_bw_gbps == 0.0
     p.write_text(yaml.safe_dump({**good, "compute_device": "cuda", "hbm_bw_gbps": 0.0}))
-    with pytest.raises(PlannerError, match="hbm_bw_gbps must be a finite number > 0"):
+    with pytest.raises(PlanError, match="hbm_bw_gbps must be a finite number > 0"):
         load_topology_file(p)
     p.write_text(yaml.safe_dump({**good, "default_gpus_per_host": 4}))
     assert load_topology_file(p).default_gpus_per_host == 4
@@ -280,16 +284,16 @@ def test_an_out_or_report_path_that_is_a_directory_fails_before_any_work(tmp_pat
     d = tmp_path / "dir"
     d.mkdir()
     for extra in ([], ["--force"]):
-        r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(d), *extra])
+        r = _plan(["--calibrate", "--out", str(d), *extra])
         assert r.exit_code == 2 and "is a directory" in r.output, r.output
     assert measured == [] and list(d.iterdir()) == []
     # a --out in a directory that does not exist yet: made (before measuring), as plan --out does
-    r = CliRunner().invoke(plan_cmd.app, ["--calibrate", "--out", str(tmp_path / "new" / "sub" / "t.yaml")])
+    r = _plan(["--calibrate", "--out", str(tmp_path / "new" / "sub" / "t.yaml")])
     assert r.exit_code == 0 and (tmp_path / "new" / "sub" / "t.yaml").exists(), r.output
     measured.clear()
     cfg_path = write_config(tmp_path)
     for args in (["--out", str(d), "--force"], ["--out", str(tmp_path / "p.yaml"), "--report", str(d)]):
-        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", *args])
+        r = _plan([str(cfg_path), "--gpus", "2", "--device", "cpu", *args])
         assert r.exit_code == 2 and "is a directory" in r.output, r.output
     assert list(d.iterdir()) == [] and not (tmp_path / "p.yaml").exists()
     assert not [p.name for p in tmp_path.rglob("*") if ".tmp" in p.name]
@@ -299,7 +303,7 @@ def test_a_report_in_a_directory_that_does_not_exist_yet_is_written_there(tmp_pa
     """--report new/sub/r.txt was a FileNotFoundError traceback after the plan had been written."""
     cfg_path = write_config(tmp_path)
     rep = tmp_path / "new" / "sub" / "r.txt"
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", "--out",
+    r = _plan([str(cfg_path), "--gpus", "2", "--device", "cpu", "--out",
                                           str(tmp_path / "p.yaml"), "--report", str(rep)])
     assert r.exit_code == 0, r.output
     assert "Estimated embedding step time" in rep.read_text()
@@ -332,7 +336,7 @@ def test_plan_with_embedding_dim_auto_counts_the_real_dense_model(tmp_path, inte
     assert count_dense_params(cfg, len(key_dims), len(meta["dense_features"]), key_dims) == dense
     plan = plan_for_config(cfg, 2, meta=meta)
     plan.validate(tables, 2)
-    r = CliRunner().invoke(plan_cmd.app, [str(tmp_path / "exp.yaml"), "--gpus", "2", "--device", "cpu",
+    r = _plan([str(tmp_path / "exp.yaml"), "--gpus", "2", "--device", "cpu",
                                           "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 0, r.output
 
@@ -349,21 +353,21 @@ def test_a_calibrated_topology_is_named_as_one_and_a_missing_file_is_one_line(tm
     save_topology_file(tmp_path / "cal.yaml", dataclasses.replace(
         _calibrated_preset(), source="dlrmctl plan --calibrate on host at 2026-12-01T00:00:00 (CPU, gloo)"))
     cfg_path = write_config(tmp_path)
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--set", "sharding.topology_file=cal.yaml"])
+    r = _plan([str(cfg_path), "--gpus", "2", "--set", "sharding.topology_file=cal.yaml"])
     assert r.exit_code == 0, r.output
     assert "Topology (sharding.topology_file in exp.yaml): 2 ranks = 1 host(s) x 2, topology cal.yaml " \
            "(calibrated cpu); per rank" in r.output
     assert "on 2 ranks = 1 host(s) x 2, topology cal.yaml (calibrated cpu);" in (tmp_path / "plan_report.txt").read_text()
     assert "device cal.yaml" not in r.output
     for missing in (tmp_path / "nope.yaml", tmp_path):  # no such file; a directory
-        r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", str(missing),
+        r = _plan([str(cfg_path), "--gpus", "2", "--topology", str(missing),
                                               "--out", "p2.yaml"])
         assert r.exit_code == 2
         lines = r.output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: {missing}: cannot read topology file: "), r.output
         assert lines[0].endswith(("No such file or directory", "Is a directory")) and "compute_device" not in lines[0]
     (tmp_path / "list.yaml").write_text("- 1\n")
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--topology", "list.yaml", "--out", "p2.yaml"])
+    r = _plan([str(cfg_path), "--gpus", "2", "--topology", "list.yaml", "--out", "p2.yaml"])
     assert r.exit_code == 2 and "expected a mapping at the top level of the topology file (keys compute_device, " \
         in r.output
 
@@ -385,7 +389,7 @@ def test_the_report_says_how_many_proposals_were_scored_and_how_many_re_estimate
     assert f"; the best {RERANK} (every feasible single-type plan among them) re-estimated" in line(27, RERANK, 0)
     assert "; all 5 re-estimated" in line(5, 5, 0)
     cfg_path = write_config(tmp_path)
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "h100",
+    r = _plan([str(cfg_path), "--gpus", "2", "--device", "h100",
                                           "--out", str(tmp_path / "plan.yaml")])
     assert r.exit_code == 0, r.output
     got = next(ln for ln in r.output.splitlines() if ln.startswith("Proposals evaluated:"))
@@ -408,14 +412,13 @@ def test_the_calibration_labels_the_measured_and_the_all_dram_fused_backward():
 def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path):
     """`--out a_report.txt` then `--out a.yaml` would write a.yaml's report over the first plan:
     refused, with --force too (a report replaces only an earlier report)."""
-    from dlrmctl.commands import plan as plan_cmd
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
                   "tables": [{"name": "t0", "num_embeddings": 1000}, {"name": "t1", "num_embeddings": 500}]},
         "data": {"path": str(tmp_path / "none"), "batch_size": 512}}))
-    run = lambda *a: CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", *map(str, a)])
+    run = lambda *a: _plan([str(cfg_path), "--gpus", "2", "--device", "cpu", *map(str, a)])
     r = run("--out", tmp_path / "a_report.txt")
     assert r.exit_code == 0, r.output
     first = (tmp_path / "a_report.txt").read_text()
@@ -434,14 +437,13 @@ def test_the_report_never_replaces_a_plan_or_another_file_without_force(tmp_path
 def test_a_report_symlink_to_the_plan_file_is_refused(tmp_path):
     """A --report that is a symlink (dangling: the plan does not exist yet) or goes through a
     symlinked directory to the --out file is the plan file itself: the report would overwrite it."""
-    from dlrmctl.commands import plan as plan_cmd
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({
         "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
                   "tables": [{"name": "t0", "num_embeddings": 1000}]},
         "data": {"path": str(tmp_path / "none"), "batch_size": 512}}))
-    run = lambda *a: CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "2", "--device", "cpu", *map(str, a)])
+    run = lambda *a: _plan([str(cfg_path), "--gpus", "2", "--device", "cpu", *map(str, a)])
     (tmp_path / "link.txt").symlink_to(tmp_path / "p.yaml")
     r = run("--out", tmp_path / "p.yaml", "--report", tmp_path / "link.txt")
     assert r.exit_code == 2 and "plan file itself" in r.output and not (tmp_path / "p.yaml").exists()

@@ -20,7 +20,7 @@ import yaml
 from dlrmctl.distributed.types import ComputeKernel as CK
 from dlrmctl.distributed.types import ShardingType as ST
 from dlrmctl.planner.perf import estimate_shard, input_dist_seconds, shard_comm_bytes
-from dlrmctl.planner.types import GB, PlannerError, TableSpec, Topology, load_topology_file, save_topology_file
+from dlrmctl.planner.types import GB, PlanError, TableSpec, Topology, load_topology_file, save_topology_file
 
 B, W = 4096, 4
 TABLE = TableSpec("t", 100_000, 64, [4.0, 1.0])  # two features: B*F lengths, B*P ids
@@ -88,9 +88,9 @@ def test_data_parallel_keeps_the_link_bandwidth_for_its_gradient_sync():
 
 @pytest.mark.parametrize("name", ["input_dist_bw", "output_dist_bw"])
 def test_a_negative_rate_is_refused_naming_the_field(name):
-    with pytest.raises(PlannerError, match=f"{name} must be a finite number >= 0"):
+    with pytest.raises(PlanError, match=f"{name} must be a finite number >= 0"):
         _topo(**{name: -1.0})
-    with pytest.raises(PlannerError, match=f"{name} must be a finite number >= 0"):
+    with pytest.raises(PlanError, match=f"{name} must be a finite number >= 0"):
         _topo(**{name: float("inf")})
 
 
@@ -117,7 +117,7 @@ def test_topology_files_round_trip_the_rates_and_older_files_keep_the_wire_model
 def test_bad_rates_in_a_file_are_refused_naming_the_file_and_key(tmp_path, key, value):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(dict(FILE, **{key: value})))
-    with pytest.raises(PlannerError, match=f"topology file {path}:\\d+: {key} must be a finite number > 0"):
+    with pytest.raises(PlanError, match=f"topology file {path}:\\d+: {key} must be a finite number > 0"):
         load_topology_file(path)
 
 
@@ -128,7 +128,7 @@ def test_rates_that_would_overflow_or_underflow_in_the_planner_are_refused(tmp_p
     GB/s overflows to inf, 1e-320 divides to inf) are refused at load, naming file, key and range."""
     path = tmp_path / "absurd.yaml"
     path.write_text(yaml.safe_dump(dict(FILE, **{key: value})))
-    with pytest.raises(PlannerError, match=f"topology file {path}:\\d+: {key} must be between"):
+    with pytest.raises(PlanError, match=f"topology file {path}:\\d+: {key} must be between"):
         load_topology_file(path)
 
 

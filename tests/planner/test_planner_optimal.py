@@ -21,7 +21,7 @@ from dlrmctl.planner.enumerator import enumerate_options
 from dlrmctl.planner.perf import step_latency
 from dlrmctl.planner.planner import EmbeddingShardingPlanner
 from dlrmctl.planner.storage import HeuristicStorageReservation
-from dlrmctl.planner.types import PlannerError, TableSpec, Topology
+from dlrmctl.planner.types import PlanError, TableSpec, Topology
 
 ST = ShardingType
 
@@ -111,7 +111,7 @@ def test_planner_is_within_5_percent_of_exhaustive_search_on_small_problems(seed
     planner = EmbeddingShardingPlanner(topo, batch, HeuristicStorageReservation(0.15))
     try:
         res = planner.plan(tables)
-    except PlannerError:
+    except PlanError:
         # infeasible for the planner must mean infeasible for exhaustive search too
         options = [enumerate_options(t, topo, batch, planner.usable)[0] for t in tables]
         assert all(options), "a table without a fitting option is infeasible by construction"

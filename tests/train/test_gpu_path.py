@@ -69,11 +69,11 @@ def test_the_gpu_preset_follows_the_device_name(monkeypatch):
 def _plan_fails_on_rank_0(env):
     from dlrmctl.distributed.env import RunEnv
     from dlrmctl.planner import planner
-    from dlrmctl.planner.types import PlannerError
+    from dlrmctl.planner.types import PlanError
     from dlrmctl.train.trainer import resolve_plan
 
     def boom(*a, **kw):
-        raise PlannerError("table 't0' does not fit")
+        raise PlanError("table 't0' does not fit")
 
     planner.plan_for_config = boom
     try:
@@ -89,9 +89,9 @@ def test_a_planner_error_on_rank_0_reaches_the_other_ranks_at_once():
     # before: rank 1 waited in broadcast_object for the collective timeout (1800 s); the job
     # timeout here is 60 s
     res = run_multiprocess(_plan_fails_on_rank_0, 2, timeout_s=60)
-    assert res[0] == ("PlannerError", "table 't0' does not fit")
+    assert res[0] == ("PlanError", "table 't0' does not fit")
     assert res[1][0] == "TrainError"
-    assert "rank 1: the sharding planner failed on rank 0 (PlannerError: table 't0' does not fit)" in res[1][1]
+    assert "rank 1: the sharding planner failed on rank 0 (PlanError: table 't0' does not fit)" in res[1][1]
 
 
 @pytest.fixture
