@@ -19,6 +19,7 @@ from dlrmctl.console import Progress
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.checkpoint import check_tables, dense_state_dict, embedding_load_request, managed_collision_state
+from dlrmctl.train.checkpoint import load as ckpt_load
 from dlrmctl.train.data import make_loader
 from dlrmctl.train.factory import build_model
 from dlrmctl.train.metrics import compute_metrics_from_logits
@@ -72,7 +73,7 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
     check_tables(cmeta, tables, path)
     req: dict[str, Any] = {}
     finish = None
-    md = ckpt.read_metadata(path, cmeta)
+    md = ckpt_load.read_metadata(path, cmeta)
     if materialize:
         materialize_model(model, device)
         req, finish = embedding_load_request(model, md)  # full tables, assembled from every saved shard

@@ -30,13 +30,14 @@ try:
 except ImportError:  # pragma: no cover - tests run as a plain directory
     from dist_utils import run_multiprocess
 from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.checkpoint import format as ckpt_format
 
 ROWS, DIM = 4096, 64  # 1 MiB of float32
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(ckpt, "BLOCK_BYTES", 4096)
+    monkeypatch.setattr(ckpt_format, "BLOCK_BYTES", 4096)
     return 4096
 
 
@@ -81,7 +82,7 @@ def test_a_chunk_is_read_slab_by_slab_into_its_target_never_whole(tmp_path, smal
     w = _table(3)
     path = _save(str(tmp_path), w)
     slab = 5 * DIM * 4 + 100  # 5 rows per slab, not a multiple of the block size
-    monkeypatch.setattr(ckpt, "READ_SLAB_BYTES", slab)
+    monkeypatch.setattr(ckpt_format, "READ_SLAB_BYTES", slab)
     sizes = []
     real = ckpt._CheckedFile.read
 

@@ -41,7 +41,9 @@ def _run(trained, tmp_path):
 def _prune_while_reading(monkeypatch, times: int = 1) -> list[str]:
     """The first ``times`` reads of a checkpoint's .metadata happen while the training run publishes
     the next step and prunes the one being read (what save_checkpoint with keep_last=1 does)."""
-    real = ckpt.read_metadata
+    from dlrmctl.train.checkpoint import load as ckpt_load
+
+    real = ckpt_load.read_metadata
     pruned: list[str] = []
 
     def racing(path, *a, **k):
@@ -58,7 +60,7 @@ def _prune_while_reading(monkeypatch, times: int = 1) -> list[str]:
             pruned.append(str(path))
         return real(path, *a, **k)
 
-    monkeypatch.setattr(ckpt, "read_metadata", racing)
+    monkeypatch.setattr(ckpt_load, "read_metadata", racing)  # what reload, layout and reshard call
     return pruned
 
 

@@ -6,7 +6,9 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.checkpoint.format import CheckpointError, LATEST
+from dlrmctl.train.checkpoint.save import save_checkpoint
+from dlrmctl.train.checkpoint.store import best_checkpoint, latest_checkpoint, load_checkpoint_meta, mark_best, resolve_checkpoint
 from dlrmctl.train.checkpoint.layout import checkpoint_meta, checkpoint_state, restore_checkpoint
 
 if TYPE_CHECKING:
@@ -34,12 +36,12 @@ def resolve_resume(run_dir: str, which: str | None = None) -> ResumePoint | None
     Raises:
         CheckpointError: ``which`` names no checkpoint of the run, or a marker file is damaged.
     """
-    latest = ckpt.latest_checkpoint(run_dir)
+    latest = latest_checkpoint(run_dir)
     if which is None or str(which).strip().lower() in ("last", "latest"):
         if latest is None and which is not None:
-            raise ckpt.CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{ckpt.LATEST} is missing)")
+            raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing)")
         return None if latest is None else ResumePoint(latest, True)
-    path, _ = ckpt.resolve_checkpoint(run_dir, which)
+    path, _ = resolve_checkpoint(run_dir, which)
     return ResumePoint(path, latest is not None and os.path.realpath(path) == os.path.realpath(latest))
 
 
@@ -92,7 +94,7 @@ class Checkpointer:
                               "comm": self.cfg.sharding.comm_precision}
         if eval_record is not None and eval_record["step"] == step:
             extra["eval"] = eval_record
-        path = ckpt.save_checkpoint(
+        path = save_checkpoint(
             self.run_dir, step,
             checkpoint_state(self.model, self.optimizers, self.env.rank, self.trainer_state(), self.env.device),
             rank=self.env.rank, world_size=self.env.world_size, process_group=self.env.pg,
@@ -117,7 +119,7 @@ class Checkpointer:
         if self.saved_step != step:
             return self.save(step, best, eval_record)
         if best and self.env.is_main:
-            ckpt.mark_best(self.run_dir, self.saved_path, eval_record)
+            mark_best(self.run_dir, self.saved_path, eval_record)
         return self.saved_path
 
     def load(self, which: "str | ResumePoint | None" = None) -> dict[str, Any] | None:
@@ -151,9 +153,9 @@ class Checkpointer:
         really names (a run resumed from a resharded copy of a non-best checkpoint has found its
         best before the copy: no checkpoint of this directory holds it)."""
         try:  # a BEST naming a missing / incomplete checkpoint must not fail a finished run
-            path = ckpt.best_checkpoint(self.run_dir)
-            best_step = None if path is None else int(ckpt.load_checkpoint_meta(path)["step"])
-        except ckpt.CheckpointError as e:
+            path = best_checkpoint(self.run_dir)
+            best_step = None if path is None else int(load_checkpoint_meta(path)["step"])
+        except CheckpointError as e:
             return f" (checkpoint 'best' is unusable: {e})"
         if best_step is not None and best_step == int(step):
             return ", kept as checkpoint 'best'"

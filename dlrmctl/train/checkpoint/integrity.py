@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dlrmctl.train import checkpoint as _pkg
+from dlrmctl.train.checkpoint import format as fmt  # (a module: tests patch its sizes)
 from dlrmctl.train.checkpoint.codec import _b64
 from dlrmctl.train.checkpoint.format import BLOCKS_PER_FILE, MIN_BLOCK_BYTES, CheckpointError
 
@@ -42,7 +42,7 @@ def _crcs_from_text(text: str) -> array:
 def _block_bytes_for(nbytes: int) -> int:
     """Block size for a file of about ``nbytes`` (see :data:`BLOCKS_PER_FILE`)."""
     want = max(1, -(-nbytes // BLOCKS_PER_FILE))
-    return min(_pkg.BLOCK_BYTES, max(MIN_BLOCK_BYTES, 1 << (want - 1).bit_length()))
+    return min(fmt.BLOCK_BYTES, max(MIN_BLOCK_BYTES, 1 << (want - 1).bit_length()))
 
 
 class _CheckedFile:
@@ -125,7 +125,9 @@ def check_integrity(ckpt_dir: str, verify: bool = False) -> tuple[bool, str]:
     """
     counter: dict[str, int] = {"bytes_read": 0}
     try:
-        meta = _pkg.load_checkpoint_meta(ckpt_dir)
+        from dlrmctl.train.checkpoint.store import load_checkpoint_meta  # (store imports this module)
+
+        meta = load_checkpoint_meta(ckpt_dir)
         blocks = 0
         for fname in sorted(meta["files"]):
             f = _CheckedFile(ckpt_dir, fname, meta, counter)

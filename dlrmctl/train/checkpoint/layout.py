@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from dlrmctl.optim.dense import row_state_tensors
-from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.checkpoint import load as ckpt_load  # (a module: tests patch read_metadata)
+from dlrmctl.train.checkpoint.codec import Blocks, pack, unpack
+from dlrmctl.train.checkpoint.format import CheckpointError
+from dlrmctl.train.checkpoint.load import load_checkpoint
+from dlrmctl.train.checkpoint.rng import rng_state, set_rng_state
+from dlrmctl.train.checkpoint.store import load_checkpoint_meta
 
 if TYPE_CHECKING:
     from dlrmctl.distributed.model_parallel import TrainModel
@@ -115,7 +120,7 @@ def embedding_state(model: TrainModel, emb_dense_opt: torch.optim.Optimizer | No
         for k in row_moment_keys(key, c0, nc, D).save:
             blocks[(k, (R,))].append(((r0,), m))
     for (key, size), bl in blocks.items():
-        out[key] = ckpt.Blocks(size, bl)
+        out[key] = Blocks(size, bl)
     return out
 
 
@@ -186,7 +191,7 @@ def embedding_load_request(model: TrainModel, md: Any, emb_dense_opt: Any = None
         first[(key, r0, nr)] = m
         blocks[(key, (R,))].append(((r0,), m))
     for (key, size), bl in blocks.items():
-        req[key] = ckpt.Blocks(size, bl)
+        req[key] = Blocks(size, bl)
 
     @torch.no_grad()
     def finish() -> None:
@@ -208,15 +213,15 @@ def check_tables(meta: dict[str, Any], tables: list, ckpt_dir: str) -> None:
     have = {t.name: [t.num_embeddings, t.embedding_dim] for t in tables}
     for n, shape in have.items():
         if n not in saved:
-            raise ckpt.CheckpointError(f"{where}: has no table '{n}' (saved tables: {sorted(saved)[:8]}...)")
+            raise CheckpointError(f"{where}: has no table '{n}' (saved tables: {sorted(saved)[:8]}...)")
         if list(saved[n]) != shape:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"{where}: table '{n}' was saved as {saved[n][0]} x {saved[n][1]} (rows x dim), "
                 f"the model's is {shape[0]} x {shape[1]}"
             )
     extra = sorted(set(saved) - set(have))
     if extra:
-        raise ckpt.CheckpointError(f"{where}: holds table(s) {extra} that the model does not have")
+        raise CheckpointError(f"{where}: holds table(s) {extra} that the model does not have")
 
 
 def dense_state_dict(model: TrainModel) -> dict[str, torch.Tensor]:
@@ -243,10 +248,10 @@ def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], whe
     try:
         missing, unexpected = m.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch
-        raise ckpt.CheckpointError(f"{where}: dense state does not match the model: {e}") from e
+        raise CheckpointError(f"{where}: dense state does not match the model: {e}") from e
     bad = [k for k in missing if not k.startswith("sparse_arch.")]
     if bad or unexpected:
-        raise ckpt.CheckpointError(f"{where}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
+        raise CheckpointError(f"{where}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
 
 
 def checkpoint_state(model: TrainModel, optimizers: "TrainOptimizers", rank: int,
@@ -261,8 +266,8 @@ def checkpoint_state(model: TrainModel, optimizers: "TrainOptimizers", rank: int
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
     state.update(managed_collision_state(model))
     state.update(optimizers.state_dict(int(trainer["step"])))
-    state["meta/trainer"] = ckpt.pack(trainer, "meta/trainer")
-    state[f"rank/{rank}"] = ckpt.pack({"rng": ckpt.rng_state(device), **optimizers.rank_state()}, f"rank/{rank}")
+    state["meta/trainer"] = pack(trainer, "meta/trainer")
+    state[f"rank/{rank}"] = pack({"rng": rng_state(device), **optimizers.rank_state()}, f"rank/{rank}")
     return state
 
 
@@ -292,15 +297,15 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     Raises:
         CheckpointError: damaged files (named), different tables / shapes / optimizer type.
     """
-    meta = ckpt.load_checkpoint_meta(path)
+    meta = load_checkpoint_meta(path)
     check_tables(meta, _unwrap(model).sparse_arch.embedding_bag_configs(), path)
     optimizers.check_saved_type(meta, path)
-    md = ckpt.read_metadata(path, meta)
+    md = ckpt_load.read_metadata(path, meta)
     req, finish = embedding_load_request(model, md, optimizers.embedding_dense)
     dense = dense_state_dict(model)
     saved_dense = {k[len("dense/"):] for k in md.state_dict_metadata if k.startswith("dense/")}
     if saved_dense != set(dense):
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"{path}: dense layers do not match the model: missing {sorted(set(dense) - saved_dense)}, "
             f"unexpected {sorted(saved_dense - set(dense))}"
         )
@@ -316,13 +321,13 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     req.update(opt_req)
     src_rank = rank if rank < int(meta["world_size"]) else 0
     req.update({k: None for k in ("meta/trainer", f"rank/{src_rank}")})
-    ckpt.load_checkpoint(path, req, process_group, world_size, meta, metadata=md)
+    load_checkpoint(path, req, process_group, world_size, meta, metadata=md)
     finish()
-    per_rank = ckpt.unpack(req[f"rank/{src_rank}"], f"rank/{src_rank}")
-    trainer = ckpt.unpack(req["meta/trainer"], "meta/trainer")
+    per_rank = unpack(req[f"rank/{src_rank}"], f"rank/{src_rank}")
+    trainer = unpack(req["meta/trainer"], "meta/trainer")
     same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())
     optimizers.load_state_dict(req, opt_token, per_rank, int(trainer["step"]), same_layout, path)
-    ckpt.set_rng_state(per_rank["rng"], device)
+    set_rng_state(per_rank["rng"], device)
     return {"trainer": trainer, "world_size": int(meta["world_size"]), "eval": meta.get("eval")}
 
 

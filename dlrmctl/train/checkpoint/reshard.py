@@ -7,7 +7,10 @@ from typing import Any, Sequence
 
 import torch
 
-from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.checkpoint import load as ckpt_load  # (a module: tests patch read_metadata)
+from dlrmctl.train.checkpoint.load import load_checkpoint
+from dlrmctl.train.checkpoint.save import save_checkpoint
+from dlrmctl.train.checkpoint.store import load_checkpoint_meta
 from dlrmctl.train.checkpoint.codec import Blocks
 from dlrmctl.train.checkpoint.layout import row_moment_keys
 
@@ -43,9 +46,9 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
 
     from dlrmctl.distributed import comm
 
-    meta = ckpt.load_checkpoint_meta(src_ckpt)
+    meta = load_checkpoint_meta(src_ckpt)
     counter: dict[str, int] = {"bytes_read": 0}
-    md = ckpt.read_metadata(src_ckpt, meta, counter)
+    md = ckpt_load.read_metadata(src_ckpt, meta, counter)
     saved = md.state_dict_metadata
     tables: dict[str, list[int]] = meta["tables"]
 
@@ -108,7 +111,7 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
             load[k] = save[k] = alloc(k) if getattr(m, "size", None) is not None else None
     src_rank = rank if rank < int(meta["world_size"]) else 0
     load[f"rank/{src_rank}"] = None
-    ckpt.load_checkpoint(src_ckpt, load, process_group, world_size, meta, counter, md)
+    load_checkpoint(src_ckpt, load, process_group, world_size, meta, counter, md)
     read = [counter["bytes_read"]]
     if world_size > 1:
         read = comm.all_gather_object(counter["bytes_read"], process_group or comm.default_group())
@@ -121,6 +124,6 @@ def reshard_rank(src_ckpt: str, out_run: str, rank: int, world_size: int, plan: 
                  resharded_from={"checkpoint": os.path.abspath(src_ckpt), "world_size": meta["world_size"],
                                  "bytes": sum(int(f["bytes"]) for f in meta["files"].values()),
                                  "bytes_read": int(sum(read)), "bytes_read_per_rank": [int(b) for b in read]})
-    return ckpt.save_checkpoint(out_run, int(meta["step"]), save, rank, world_size, process_group, keep_last=0,
+    return save_checkpoint(out_run, int(meta["step"]), save, rank, world_size, process_group, keep_last=0,
                            publish_latest=publish_latest,
                            extra_meta=extra, name=name)

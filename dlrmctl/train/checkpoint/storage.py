@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dlrmctl.train import checkpoint as _pkg
+from dlrmctl.train.checkpoint import format as fmt  # (a module: tests patch its sizes)
 from dlrmctl.train.checkpoint.codec import _SafeUnpickler
 from dlrmctl.train.checkpoint.format import CheckpointError
 from dlrmctl.train.checkpoint.integrity import _block_bytes_for, _CheckedFile, _crcs_to_text
@@ -144,7 +144,7 @@ def _writer(path: str):
         def __init__(self) -> None:
             super().__init__()
             self.streams: dict[str, _ChecksumStream] = {}
-            self.block_bytes = _pkg.BLOCK_BYTES
+            self.block_bytes = fmt.BLOCK_BYTES
 
         @contextlib.contextmanager
         def create_stream(self, path, mode):  # type: ignore[override]
@@ -190,7 +190,7 @@ def _writer(path: str):
             return fut
 
         def finish(self, metadata, results) -> None:  # type: ignore[override]
-            self.fs.block_bytes = _pkg.BLOCK_BYTES  # .metadata is always read whole
+            self.fs.block_bytes = fmt.BLOCK_BYTES  # .metadata is always read whole
             super().finish(metadata, results)
             self.files[".metadata"] = self.fs.streams[".metadata"].digest()
 
@@ -293,7 +293,7 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
                 if list(target.size()) != want:
                     raise CheckpointError(f"{f.path}: {what}: reads {want}, expected {list(target.size())}")
                 # row slabs of <= READ_SLAB_BYTES: a table is never held twice (read buffer + target)
-                slab = max(1, _pkg.READ_SLAB_BYTES // max(row, 1)) if shape else 1
+                slab = max(1, fmt.READ_SLAB_BYTES // max(row, 1)) if shape else 1
                 for s in range(0, nr, slab):
                     k = min(slab, nr - s)
                     raw = f.read(base + (r0 + s) * row, base + (r0 + s + k) * row, what)
