@@ -4,6 +4,7 @@
 and no test imports a private name of another module."""
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -72,3 +73,72 @@ def test_the_private_import_check_catches_each_form(tmp_path, monkeypatch):
     assert layout.private_imports(mod) == ["1: from dlrmctl.train.metrics import _labels",
                                            "6: from tests.y.test_b import _helper",
                                            "7: import dlrmctl._private_mod"]
+
+
+def layout_rows(text: str) -> dict[str, str]:
+    """docs/layout.md's table: first cell (a path, without backticks) -> the row's text."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\|\s*`([^`]+)`\s*\|(.*)\|\s*$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def unnamed_modules(text: str, root: Path) -> list[str]:
+    """The modules under ``root`` (a package directory) that docs/layout.md's ``text`` does not
+    name: each ``x.py`` needs its own row, or is named as ``x.py`` (after ``sub/`` for a module of
+    a subpackage ``sub`` without a row) in the row of its nearest directory that has one; a
+    package's ``__init__.py`` is named by its directory's row or that ``sub/``."""
+    rows = layout_rows(text)
+    base = root.parent
+    missing = []
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(base).as_posix()
+        if rel in rows or (p.name == "__init__.py" and rel[: -len("__init__.py")] in rows):
+            continue
+        parts = p.relative_to(base).parts
+        for i in range(len(parts) - 1, 0, -1):
+            row = rows.get("/".join(parts[:i]) + "/")
+            if row is None:
+                continue
+            inner = parts[i:]
+            need = [f"{d}/" for d in inner[:-1]] + ([inner[-1]] if inner[-1] != "__init__.py" else [])
+            if not all(re.search(rf"(?<![\w/.]){re.escape(n)}(?![\w])", row) for n in need):
+                missing.append(rel)
+            break
+        else:
+            missing.append(rel)
+    return missing
+
+
+def test_docs_layout_names_every_module_of_the_package():
+    missing = unnamed_modules((REPO / "docs" / "layout.md").read_text(), REPO / "dlrmctl")
+    assert not missing, f"docs/layout.md does not name: {missing}"
+
+
+def test_docs_layout_names_every_verb():
+    import typer.main
+
+    from dlrmctl import cli
+
+    def leaves(cmd, prefix=""):
+        subs = getattr(cmd, "commands", None)
+        if not subs:
+            return [prefix.strip()]
+        return [leaf for name, sub in subs.items() for leaf in leaves(sub, f"{prefix} {name}")]
+
+    row = layout_rows((REPO / "docs" / "layout.md").read_text())["dlrmctl/commands/"]
+    verbs = leaves(typer.main.get_command(cli.app))
+    assert len(verbs) > 10
+    missing = [v for v in verbs if f"`{v}`" not in row]
+    assert not missing, f"docs/layout.md's dlrmctl/commands/ row does not name the verbs {missing}"
+
+
+def test_the_layout_check_finds_a_module_missing_from_its_row(tmp_path):
+    pkg = tmp_path / "dlrmctl"
+    (pkg / "a" / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "x.py", "a/__init__.py", "a/one.py", "a/two.py", "a/sub/__init__.py", "a/sub/deep.py"):
+        (pkg / f).write_text("")
+    text = ("| `dlrmctl/x.py` | x |\n| `dlrmctl/a/` | `one.py` one; two, not as a file; `sub/` (`deep.py`) |\n")
+    assert unnamed_modules(text, pkg) == ["dlrmctl/__init__.py", "dlrmctl/a/two.py"]

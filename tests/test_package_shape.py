@@ -31,6 +31,8 @@ LONG_FILES = {
     "dlrmctl/planner/perf.py": "the perf model's formulas; to split",
     "dlrmctl/outputs.py": "output ownership and replace-by-swap; to split",
     "dlrmctl/inference/quantize.py": "row-wise quantization of every kind; to split",
+    "dlrmctl/config/schema.py": "one dataclass per section, every key with its docstring; to split by section",
+    "dlrmctl/train/trainer.py": "grew past the rule with --init-from; its set-up goes to train/factory.py",
 }
 
 
