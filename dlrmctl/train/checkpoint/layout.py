@@ -313,7 +313,7 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     mc = managed_collision_state(model)
     saved_mc = {k for k in md.state_dict_metadata if k.startswith("mc/")}
     if saved_mc != set(mc):
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"{path}: managed-collision remappers do not match the model: missing {sorted(set(mc) - saved_mc)}, "
             f"unexpected {sorted(saved_mc - set(mc))}")
     req.update(mc)
