@@ -1,4 +1,5 @@
-"""Test AUC and log loss of two non-DLRM baselines on a preprocessed Criteo directory.
+"""Test AUC and log loss of two non-DLRM baselines on a preprocessed Criteo directory (or any dataset
+whose ids are table rows, e.g. one of ``dlrmctl preprocess logs``: Avazu).
 
     dlrmctl preprocess criteo --input ../shared/data/criteo/criteo_kaggle_sample_10k.tsv \\
         --out data/criteo_sample --val-ratio 0.15 --test-ratio 0.15
