@@ -36,6 +36,8 @@ import pyarrow.compute as pc
 
 from dlrmctl.data.columnar import (
     FORMAT_VERSION,
+    IDS_KEY,
+    IDS_RAW,
     LABEL_COLUMN,
     SPLITS,
     DataError,
@@ -420,7 +422,7 @@ def _meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, sizes: 
         if c.mode in ("vocab", "raw"):
             e["distinct_train_values"] = vocab_info[i]["distinct_train_values"]
         if c.mode == "raw":
-            e["ids"] = "raw"
+            e[IDS_KEY] = IDS_RAW
         if c.weights:
             e["weighted"] = True
         sparse.append(e)
