@@ -16,6 +16,9 @@ import typer
 from dlrmctl.commands._common import fail, show_path
 from dlrmctl.errors import UserError, check_output_dir
 
+__all__ = ["build_dataset", "build_interruptible", "dataset_target_or_fail", "print_summary", "say_already_complete",
+           "stat_inputs"]
+
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
 
@@ -37,7 +40,7 @@ def _int_list(value: Optional[str], name: str, n: int) -> Optional[list[int]]:
     return xs
 
 
-def _target(out: Path, recipe: dict, force: bool):
+def dataset_target_or_fail(out: Path, recipe: dict, force: bool):
     """Where to build (:func:`dlrmctl.outputs.dataset_target`); a refusal is one error line, exit 2."""
     from dlrmctl import outputs
 
@@ -47,7 +50,7 @@ def _target(out: Path, recipe: dict, force: bool):
         fail(f"{e.filename or out}: cannot create the dataset directory ({e.strerror}); --out a writable directory")
 
 
-def _build(target, fn):
+def build_dataset(target, fn):
     """Run ``fn(build_dir)`` for ``target``; commit it when it returns, abort it on any failure."""
     try:
         rep = fn(target.build_dir)
@@ -59,20 +62,20 @@ def _build(target, fn):
 
 
 def build_interruptible(target, out: Path, fn):
-    """:func:`_build` of a dataset whose preprocess runs worker processes: a bad input is one error
+    """:func:`build_dataset` of a dataset whose preprocess runs worker processes: a bad input is one error
     line; a SIGINT / SIGTERM anywhere in the work (not only while the workers run) ends them and is
     one ``interrupted`` line (exit 128 + signal) that says a re-run resumes."""
     from dlrmctl.errors import Interrupted, interruptible
 
     try:  # (a bad input, a DataError, is reported by dlrmctl.cli)
         with interruptible():
-            return _build(target, fn)
+            return build_dataset(target, fn)
     except Interrupted as e:
         fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
              "processes ended; run the same command again to resume it", code=e.exit_code)
 
 
-def _already_complete(out: Path) -> None:
+def say_already_complete(out: Path) -> None:
     """The message of a re-run of the same inputs and options on a finished dataset."""
     import json
 
@@ -81,7 +84,7 @@ def _already_complete(out: Path) -> None:
     typer.echo(f"{out}: already complete ({rows} rows), nothing to do; --force rebuilds it")
 
 
-def _stat_inputs(input: List[str]) -> list[dict]:
+def stat_inputs(input: List[str]) -> list[dict]:
     """The input files of a criteo preprocess (path, size, mtime): its recipe's ``inputs``."""
     from dlrmctl.data.criteo.parse import expand_inputs
 
@@ -94,7 +97,7 @@ def _stat_inputs(input: List[str]) -> list[dict]:
     return out
 
 
-def _summary(rep, out: Path) -> None:
+def print_summary(rep, out: Path) -> None:
     if not rep.files_processed and rep.files_skipped:
         rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
         typer.echo(f"{out}: already complete ({rows} rows), nothing to do"
@@ -152,17 +155,17 @@ def criteo(
         raise typer.BadParameter(str(e)) from None
     check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
     check_local_fanout(workers, f"--workers {workers}")
-    inputs = _stat_inputs(input)
+    inputs = stat_inputs(input)
     recipe = {"dataset": "criteo", "inputs": inputs,
               "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "workers"}}
     recipe["legacy_same"] = _legacy_criteo_same(out, inputs)
-    target = _target(out, recipe, force)
+    target = dataset_target_or_fail(out, recipe, force)
     if target.state == "complete":
-        _already_complete(out)
+        say_already_complete(out)
         return
     rep = build_interruptible(target, out, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d,
                                                                        opts, progress=not quiet))
-    _summary(rep, out)
+    print_summary(rep, out)
 
 
 def _legacy_criteo_same(out: Path, inputs: list[dict]) -> bool:
@@ -221,12 +224,12 @@ def synthetic(
             check_interaction_options(inf, interaction_dim, interaction_std)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
-    target = _target(out, recipe, force)
+    target = dataset_target_or_fail(out, recipe, force)
     if target.state == "complete":
-        _already_complete(out)
+        say_already_complete(out)
         return
     try:
-        rep = _build(target, lambda d: generate_synthetic(d, rows=rows, seed=seed, val_ratio=val_ratio,
+        rep = build_dataset(target, lambda d: generate_synthetic(d, rows=rows, seed=seed, val_ratio=val_ratio,
                                                           test_ratio=test_ratio, num_embeddings=cards,
                                                           zipf_alpha=zipf_alpha, weighted_features=wf,
                                                           interaction_features=inf, interaction_dim=interaction_dim,
@@ -235,7 +238,7 @@ def synthetic(
         if isinstance(e, UserError):  # e.g. DataError of a full disk: one line (dlrmctl.cli), not a usage error
             raise
         raise typer.BadParameter(str(e)) from None
-    _summary(rep, out)
+    print_summary(rep, out)
     import json
 
     typer.echo(f"bayes_auc (val) = {json.loads((out / 'meta.json').read_text())['bayes_auc']:.4f}")
@@ -271,12 +274,12 @@ def synthetic_drift(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     recipe = {"dataset": "synthetic-drift", "day": day, **vars(o)}
-    target = _target(out, recipe, force)
+    target = dataset_target_or_fail(out, recipe, force)
     if target.state == "complete":
-        _already_complete(out)
+        say_already_complete(out)
         return
-    rep = _build(target, lambda d: generate_drifting_day(d, day, o))
-    _summary(rep, out)
+    rep = build_dataset(target, lambda d: generate_drifting_day(d, day, o))
+    print_summary(rep, out)
     import json
 
     m = json.loads((out / "meta.json").read_text())

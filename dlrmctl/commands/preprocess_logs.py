@@ -37,7 +37,7 @@ def register(preprocess_app: typer.Typer) -> None:
         """Any click log (CSV / TSV / Parquet / JSON lines) described by a schema -> columnar shards +
         meta.json."""
         from dlrmctl.commands._common import fail
-        from dlrmctl.commands.preprocess import (_already_complete, _stat_inputs, _summary, _target,
+        from dlrmctl.commands.preprocess import (say_already_complete, stat_inputs, print_summary, dataset_target_or_fail,
                                                  build_interruptible)
         from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
         from dlrmctl.errors import check_output_dir
@@ -55,15 +55,15 @@ def register(preprocess_app: typer.Typer) -> None:
             check_local_fanout(workers, f"--workers {workers}")
         except FanoutError as e:
             fail(str(e))
-        inputs = _stat_inputs(input)
+        inputs = stat_inputs(input)
         for i in inputs:
             sch.format_of(i["path"])
         recipe = {"dataset": "logs", "schema": sch.to_dict(), "inputs": inputs,
                   "options": {k: v for k, v in vars(opts).items() if k != "workers"}}
-        target = _target(out, recipe, force)
+        target = dataset_target_or_fail(out, recipe, force)
         if target.state == "complete":
-            _already_complete(out)
+            say_already_complete(out)
             return
         rep = build_interruptible(target, out, lambda d: preprocess_logs(sch, input if len(input) > 1 else input[0],
                                                                          d, opts, progress=not quiet))
-        _summary(rep, out)
+        print_summary(rep, out)

@@ -47,18 +47,18 @@ def register(preprocess_app: typer.Typer) -> None:
         import os
         from pathlib import Path
 
-        from dlrmctl.commands.preprocess import _already_complete, _build, _target
+        from dlrmctl.commands.preprocess import say_already_complete, build_dataset, dataset_target_or_fail
 
         check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
         if not os.path.isdir(input):  # the input's own error comes before any question about --out
             fail(f"{input}: not a directory (expected an unpacked MovieLens release)")
-        target = _target(Path(out), {"dataset": "movielens", "input": os.path.abspath(input),
+        target = dataset_target_or_fail(Path(out), {"dataset": "movielens", "input": os.path.abspath(input),
                                      "options": dataclasses.asdict(opts)}, force)
         if target.state == "complete":
-            _already_complete(Path(out))
+            say_already_complete(Path(out))
             return
         try:
-            rep = _build(target, lambda d: preprocess_movielens(input, d, opts,
+            rep = build_dataset(target, lambda d: preprocess_movielens(input, d, opts,
                                                                 progress=lambda msg: echo(msg, err=True)))
         except (ValueError, OSError) as e:  # (a DataError, a ValueError too, is the same line)
             fail(str(e))
