@@ -34,7 +34,7 @@ from dlrmctl.errors import UserError
 
 PARTS = ("schema", "vocabulary", "split")
 #: sparse-feature keys that describe the input's kind (schema part)
-_KIND_KEYS = ("multi_hot", "weighted", "dtype")
+_KIND_KEYS = ("multi_hot", "weighted", "dtype", "ids")
 #: sparse-feature keys that describe its id space (vocabulary part)
 _ID_KEYS = ("num_embeddings", "oov_id", "missing_id")
 
@@ -60,7 +60,9 @@ def _parts(meta: dict) -> dict[str, Any]:
             "sparse_features": [{k: f.get(k) for k in ("name", *_KIND_KEYS) if k in f} for f in sparse],
         },
         "vocabulary": {
-            "sparse_features": {f.get("name"): {k: f.get(k) for k in _ID_KEYS if k in f} for f in sparse},
+            # raw ids (``"ids": "raw"``): the id space is the one hash, whatever the day's distinct count
+            "sparse_features": {f.get("name"): ({} if f.get("ids") == "raw" else
+                                                {k: f.get(k) for k in _ID_KEYS if k in f}) for f in sparse},
             "vocabularies": meta.get("vocabularies"),
             "transforms": transforms,
         },

@@ -310,9 +310,11 @@ class ManagedCollisionCollection(nn.Module):
             for s, e in segs:
                 out[s:e] = rows[p:p + e - s]
                 p += e - s
+        # the input's structure with new values: nothing to validate (and no host read to do so)
         return KeyedJaggedTensor(features.keys(), out, weights=features.weights_or_none(),
-                                 lengths=features.lengths(), stride=features.stride(),
-                                 length_per_key=features.length_per_key_or_none())
+                                 lengths=features.lengths(), offsets=features.offsets_or_none(),
+                                 stride=features.stride(), length_per_key=features.length_per_key_or_none(),
+                                 offset_per_key=offs, index_per_key=idx, validate=False)
 
     @torch.no_grad()
     def _reset(self, ebc: nn.Module, table: str, size: int, taken: torch.Tensor, taken_ids: torch.Tensor) -> None:

@@ -78,6 +78,18 @@ def _refused(r, given, recorded):
     return out
 
 
+def test_raw_id_features_share_one_id_space_whatever_the_day_s_distinct_count():
+    meta = {"format_version": 1, "dataset": "criteo", "dense_features": ["I1"], "label": "label",
+            "sparse_features": [{"name": "C1", "num_embeddings": 10, "multi_hot": False, "ids": "raw"}],
+            "splits": {}, "transforms": {"sparse": {"mode": "raw"}}}
+    next_day = json.loads(json.dumps(meta))
+    next_day["sparse_features"][0]["num_embeddings"] = 17  # informational: the day's distinct raw ids
+    assert data_fingerprint(next_day) == data_fingerprint(meta)
+    index = json.loads(json.dumps(meta))
+    del index["sparse_features"][0]["ids"]
+    assert data_fingerprint(index)["schema"] != data_fingerprint(meta)["schema"]
+
+
 def test_evaluate_refuses_other_data_naming_both_sources(run):
     _, data, other, r = run
     out = _refused(cli("evaluate", r, "--data", other), other / "meta.json", r / "data_meta.json")

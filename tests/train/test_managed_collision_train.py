@@ -167,3 +167,31 @@ def test_init_from_a_run_whose_tables_differ_is_one_line_naming_the_table(raw_da
     assert "error: --init-from:" in r.output and "table 't_C1' was saved as 65 x 8" in r.output
     r = runner.invoke(app, ["train", "configs/demo.yaml", "--init-from", str(tmp_path), "--resume"])
     assert r.exit_code == 2 and "--init-from starts a new run and --resume continues one" in r.output
+
+
+def test_remapping_adds_no_host_sync_per_step(tmp_path):
+    """The same single-process run on the same rows, raw ids through managed-collision tables vs
+    modulo index ids in plain tables: the same host reads per step (none added by the remap)."""
+    from dlrmctl.config import config_from_dict
+    from dlrmctl.data.drifting import DriftOptions, generate_drifting_day
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import Trainer
+    from tests.train.test_host_sync import SyncCounter, _syncs_per_step
+
+    per = {}
+    for kind, modulo in (("raw", None), ("mod", 300)):
+        data = tmp_path / kind
+        generate_drifting_day(data, 0, DriftOptions(rows=3000, features=3, signal=2, alive=200, modulo=modulo))
+        cfg = config_from_dict({
+            "name": kind, "data": {"path": str(data), "batch_size": 64},
+            "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [8, 1],
+                      "managed_collision": {"size": 300}},
+            "train": {"max_steps": 12, "log_every": 6, "run_dir": str(tmp_path / "runs"), "progress": False,
+                      "eval_every": 0, "checkpoint_every": 0}})
+        run = tmp_path / "runs" / kind
+        run.mkdir(parents=True)
+        tr = Trainer(cfg, RunEnv(), str(run))
+        assert (tr.model.sparse_arch.managed_collision is not None) == (kind == "raw")
+        counter = SyncCounter("cpu")
+        per[kind] = (_syncs_per_step(tr, counter), counter.calls)
+    assert per["raw"][0] == per["mod"][0], per
