@@ -176,7 +176,16 @@ def test_remapping_adds_no_host_sync_per_step(tmp_path):
     from dlrmctl.data.drifting import DriftOptions, generate_drifting_day
     from dlrmctl.distributed.env import RunEnv
     from dlrmctl.train.trainer import Trainer
-    from tests.train.test_host_sync import SyncCounter, _syncs_per_step
+    from tests.train.test_host_sync import SyncCounter
+
+    def syncs_per_step(tr, counter):  # host reads from the start of each step to the next (no eval, no saves)
+        marks, step = [], tr.run_step
+        tr.run_step = lambda *a, **kw: (marks.append(counter.total), step(*a, **kw))[1]
+        with counter:
+            counter.active = True
+            tr.train()
+            marks.append(counter.total)
+        return [b - a for a, b in zip(marks, marks[1:])]
 
     per = {}
     for kind, modulo in (("raw", None), ("mod", 300)):
@@ -193,5 +202,5 @@ def test_remapping_adds_no_host_sync_per_step(tmp_path):
         tr = Trainer(cfg, RunEnv(), str(run))
         assert (tr.model.sparse_arch.managed_collision is not None) == (kind == "raw")
         counter = SyncCounter("cpu")
-        per[kind] = (_syncs_per_step(tr, counter), counter.calls)
+        per[kind] = (syncs_per_step(tr, counter), counter.calls)
     assert per["raw"][0] == per["mod"][0], per
