@@ -482,7 +482,29 @@ class _TableWeight(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}"
 
 
-class EmbeddingBagCollection(TableFeatures):
+class LookupOwner:
+    """What the unsharded collections (:class:`EmbeddingBagCollection`, ``EmbeddingCollection``)
+    share: their tables live in a ``lookup`` child (:class:`LookupTables`), whose fused optimizer
+    they give out and whose storage is not part of their state dict (their ``<t>.weight`` keys are).
+    A mixin before the ``nn.Module`` base."""
+
+    lookup: nn.Module
+
+    def fused_optimizer(self) -> "FusedOptimizer":
+        """The embedding optimizer that runs inside the TBE backward (lr, state)."""
+        return self.lookup.fused_optimizer()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,  # type: ignore[misc]
+                                      missing_keys, unexpected_keys, error_msgs)
+        # the lookup child "loads" its own current tensors (the same tensors: copy_ is a no-op), so
+        # it reports no missing keys
+        for k, v in self.lookup.state_dict(prefix=prefix + "lookup.", keep_vars=True).items():
+            state_dict.setdefault(k, v)
+
+
+class EmbeddingBagCollection(LookupOwner, TableFeatures):
     """Pooled lookups of several tables: ``KeyedJaggedTensor -> KeyedTensor``.
 
     Signature and argument order as ``torchrec.EmbeddingBagCollection(tables,
@@ -640,19 +662,6 @@ class EmbeddingBagCollection(TableFeatures):
         """Table name -> ``[rows, dim]`` weight (a view into the TBE for fused tables)."""
         return self.lookup.table_weights()
 
-    def fused_optimizer(self) -> "FusedOptimizer":
-        """The embedding optimizer that runs inside the TBE backward (lr, state)."""
-        return self.lookup.fused_optimizer()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        # The tables' storage (lookup.*) is not part of the state dict (embedding_bags.<t>.weight is):
-        # the lookup child "loads" its own current tensors (the same tensors: copy_ is a no-op), so
-        # it reports no missing keys.
-        for k, v in self.lookup.state_dict(prefix=prefix + "lookup.", keep_vars=True).items():
-            state_dict.setdefault(k, v)
 
 
 def _only_embedding_bags(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -737,7 +746,7 @@ class FusedOptimizer:
         return out
 
 
-class _LookupTables:
+class LookupTables:
     """Weight / optimizer access shared by the pooled and the sequence lookups: both keep
     ``tbes`` (FBGEMM TBEs) with ``_tbe_members`` (shard indices per TBE), ``dense_tables``
     (name -> module with ``.weight``) with ``_dense_members``, ``_names`` and ``_spec``."""
@@ -777,7 +786,7 @@ class _LookupTables:
         )
 
 
-class GroupedEmbeddingLookup(_LookupTables, nn.Module):
+class GroupedEmbeddingLookup(LookupTables, nn.Module):
     """Local lookups over a list of (possibly sharded) tables.
 
     The building block used both by the unsharded EmbeddingBagCollection and by

@@ -38,8 +38,8 @@ from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
 from dlrmctl.modules.embedding_modules import (
     EmbeddingOptimizerSpec,
-    FusedOptimizer,
-    _LookupTables,
+    LookupOwner,
+    LookupTables,
     build_tbe,
     fused_supports_optimizer,
     fused_supports_weight_decay,
@@ -118,7 +118,7 @@ def sequence_jagged_tensor(
     return jt
 
 
-class SequenceEmbeddingLookup(_LookupTables, nn.Module):
+class SequenceEmbeddingLookup(LookupTables, nn.Module):
     """Unpooled local lookups over a list of (possibly sharded) tables.
 
     Args:
@@ -306,7 +306,7 @@ class SequenceTableFeatures(nn.Module):
         return out
 
 
-class EmbeddingCollection(SequenceTableFeatures):
+class EmbeddingCollection(LookupOwner, SequenceTableFeatures):
     """Unpooled lookups of several tables: ``KeyedJaggedTensor -> dict[str, JaggedTensor]``.
 
     Signature and argument order as ``torchrec.EmbeddingCollection(tables,
@@ -405,15 +405,3 @@ class EmbeddingCollection(SequenceTableFeatures):
         (``dlrmctl.optim.dense.embedding_optimizer_for_dense``)."""
         return self.lookup.dense_parameters()
 
-    def fused_optimizer(self) -> FusedOptimizer:
-        """The embedding optimizer that runs inside the TBE backward (lr, state)."""
-        return self.lookup.fused_optimizer()
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs) -> None:
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        # the tables' storage (lookup.*) is not in the state dict (embeddings.<t>.weight is): the
-        # lookup child "loads" its own current tensors, so it reports no missing keys
-        for k, v in self.lookup.state_dict(prefix=prefix + "lookup.", keep_vars=True).items():
-            state_dict.setdefault(k, v)
