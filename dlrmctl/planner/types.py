@@ -69,6 +69,7 @@ All of these presets are literature / datasheet numbers; ``dlrmctl plan
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 from dataclasses import dataclass, field
@@ -864,21 +865,25 @@ def optimizer_name(name: str) -> str:
         ) from None
 
 
-def sharding_types_of(names: Sequence[str] | None) -> list[ShardingType] | None:
-    """Parse sharding type names (None stays None).  Raises PlanError on an unknown name."""
+def _enum_values(names: Sequence[str] | None, kind: type[enum.Enum], what: str) -> list | None:
+    """``names`` as members of ``kind`` (None stays None).
+
+    Raises:
+        PlanError: an unknown name (``unknown <what> in [...]; expected [...]``).
+    """
     if names is None:
         return None
     try:
-        return [ShardingType(n) for n in names]
+        return [kind(n) for n in names]
     except ValueError:
-        raise PlanError(f"unknown sharding type in {list(names)}; expected {[t.value for t in ShardingType]}") from None
+        raise PlanError(f"unknown {what} in {list(names)}; expected {[k.value for k in kind]}") from None
+
+
+def sharding_types_of(names: Sequence[str] | None) -> list[ShardingType] | None:
+    """Parse sharding type names (None stays None).  Raises PlanError on an unknown name."""
+    return _enum_values(names, ShardingType, "sharding type")
 
 
 def compute_kernels_of(names: Sequence[str] | None) -> list[ComputeKernel] | None:
     """Parse compute kernel names (None stays None).  Raises PlanError on an unknown name."""
-    if names is None:
-        return None
-    try:
-        return [ComputeKernel(n) for n in names]
-    except ValueError:
-        raise PlanError(f"unknown compute kernel in {list(names)}; expected {[k.value for k in ComputeKernel]}") from None
+    return _enum_values(names, ComputeKernel, "compute kernel")
