@@ -49,7 +49,7 @@ dispatch, collective) is itself the median of a slice of calls.
   (forward + backward) of a table_wise sharded EBC on two 16-row tables, minus its 4
   collectives and 2 kernel launches: what one sharding group costs per step whatever
   its ids.  ``input_dist_bw_gbps`` = the id all-to-all bytes a rank receives / (time of
-  that EBC's ``input_dist(kjt).wait()`` with ``_BATCH`` samples of ``_IDIST_POOL`` ids per
+  that EBC's ``input_dist(kjt).wait()`` with ``BATCH`` samples of ``IDIST_POOL`` ids per
   feature - the same with two samples), the two alternating 20 times per repeat and the
   difference taken within each repeat (a load change hits both alike): what routing,
   packing, the all-to-all and unpacking cost per byte (``perf.input_dist_seconds``).
@@ -77,9 +77,9 @@ from typing import Callable, Sequence
 from dlrmctl.planner.types import GB, MiB, DevicePreset, detect_llc_bytes
 
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
-_TABLE_ROWS, _DIM, _BATCH, _POOL = 500_000, 64, 2048, 20
-_NARROW_DIM = 16  #: second width of the fused lookup fit (``fit_fused_lookup``)
-_IDIST_POOL = 80  #: ids per bag of the input-dist calibration batch (``input_dist_bw_gbps``)
+TABLE_ROWS, DIM, BATCH, POOL = 500_000, 64, 2048, 20
+NARROW_DIM = 16  #: second width of the fused lookup fit (``fit_fused_lookup``)
+IDIST_POOL = 80  #: ids per bag of the input-dist calibration batch (``input_dist_bw_gbps``)
 _POOLED_GROUPS = 2  #: groups (sharding types) of the output-dist calibration (``output_dist_bw_gbps``)
 #: calls per median of the fused pair (dev VM, 3 back-to-back runs: 30 calls gave 8.5-13.2 ns per id, 200 gave
 #: 11.6-13.0; two full calibrations minutes apart still gave 12.3 and 8.6)
@@ -159,18 +159,18 @@ def measure_memory_bandwidth(nbytes: int = 256 << 20, repeats: int = REPEATS) ->
     return median_of(once, repeats).inverse(2 * nbytes)
 
 
-def _fwd_bytes(dim: int, pool: int = _POOL) -> int:
+def fwd_bytes(dim: int, pool: int = POOL) -> int:
     """Forward bytes of the calibration lookup as ``perf.estimate_shard`` counts them (fp32 rows, int32
-    ids): ``_BATCH * _POOL`` ids in bags of ``pool`` (``_BATCH * _POOL / pool`` bags)."""
-    ids = _BATCH * _POOL
+    ids): ``BATCH * POOL`` ids in bags of ``pool`` (``BATCH * POOL / pool`` bags)."""
+    ids = BATCH * POOL
     bags = ids // pool
     return (bags + ids) * 4 + ids * max(dim * 4, 64) + bags * dim * 4
 
 
 def _lookup_bench(kernel: str, dim: int, rows: int,
-                  pool: int = _POOL) -> tuple[Callable[[], None], Callable[[], None]]:
+                  pool: int = POOL) -> tuple[Callable[[], None], Callable[[], None]]:
     """``(forward, step)`` closures of one EBC lookup (module docstring): a ``rows x dim`` fp32
-    table, ``_BATCH * _POOL`` uniform ids in bags of ``pool``, exact row-wise Adagrad; ``step`` is forward +
+    table, ``BATCH * POOL`` uniform ids in bags of ``pool``, exact row-wise Adagrad; ``step`` is forward +
     backward (+ the dense kernel's optimizer step).  Three warm-up calls of each are made (a fresh
     table's pages are first touched by the first steps: on the dev VM the first 30 fused backward
     calls of the 128 MB table took 4x the later ones).
@@ -194,8 +194,8 @@ def _lookup_bench(kernel: str, dim: int, rows: int,
     params = [p for p in ebc.parameters() if p.requires_grad]
     opt = embedding_optimizer_for_dense(params, spec.type, spec.lr, spec.eps, 0.0) if kernel == "dense" else None
     gen = torch.Generator().manual_seed(0)
-    kjt = KeyedJaggedTensor(["f"], torch.randint(0, rows, (_BATCH * _POOL,), generator=gen),
-                            lengths=torch.full((_BATCH * _POOL // pool,), pool))
+    kjt = KeyedJaggedTensor(["f"], torch.randint(0, rows, (BATCH * POOL,), generator=gen),
+                            lengths=torch.full((BATCH * POOL // pool,), pool))
 
     def fwd() -> None:
         with torch.no_grad():
@@ -241,7 +241,7 @@ def measure_lookups(kernel: str, tables: Sequence[tuple[int, ...]], max_s: float
     return [(Sample.of(f), Sample.of(b)) for f, b in zip(fs, bs)]
 
 
-def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int = _TABLE_ROWS,
+def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = DIM, rows: int = TABLE_ROWS,
                    iters: int = 30, repeats: int = REPEATS) -> tuple[Sample, Sample]:
     """``(forward s, backward s)`` of one EBC lookup kernel on a ``rows x dim`` fp32 table
     (:func:`measure_lookups` of that one table).
@@ -252,9 +252,9 @@ def measure_lookup(kernel: str, max_s: float = 6.0, dim: int = _DIM, rows: int =
     return measure_lookups(kernel, [(dim, rows)], max_s=max_s, iters=iters, repeats=repeats)[0]
 
 
-def lookup_efficiency(t_fwd_s: float, mem_bw: float, dim: int = _DIM) -> float:
+def lookup_efficiency(t_fwd_s: float, mem_bw: float, dim: int = DIM) -> float:
     """Fraction of ``mem_bw`` (bytes/s) the calibration lookup's forward reached: model bytes / time / bandwidth."""
-    return _fwd_bytes(dim) / t_fwd_s / mem_bw
+    return fwd_bytes(dim) / t_fwd_s / mem_bw
 
 
 def cache_correction(step_dram_s: float, step_cache_s: float, dram_hit: float) -> tuple[float, float]:
@@ -306,7 +306,7 @@ def kernel_figures(fwd_dram_s: float, bwd_dram_s: float, fwd_cache_s: float, bwd
 
     Args:
         fwd_dram_s, bwd_dram_s: forward and (backward + optimizer step) seconds on the
-            ``_TABLE_ROWS x _DIM`` table (:func:`measure_lookup` medians).
+            ``TABLE_ROWS x DIM`` table (:func:`measure_lookup` medians).
         fwd_cache_s, bwd_cache_s: the same on the table that fits the cache.
         dram_hit: ``h0``, the big table's own cache hit fraction.
         mem_bw: memory bandwidth, bytes/s.
@@ -344,16 +344,16 @@ class FusedFit:
 
 def fit_fused_lookup(mem_bw: float, fwd: Sequence[float], bwd: Sequence[float], narrow_dim: int,
                      fallback_eff: float) -> FusedFit:
-    """Fit the fused lookup model to three lookups of the same ``I = _BATCH * _POOL`` ids.
+    """Fit the fused lookup model to three lookups of the same ``I = BATCH * POOL`` ids.
 
     The perf model (``perf.estimate_shard``) charges a fused shard::
 
         fwd = bytes / (eff * mem_bw) + I * fwd_id + G * fwd_bag
         bwd = mult * bytes / (eff * mem_bw) + I * bwd_id + G * bwd_bag
 
-    with ``G`` its bags (pooled rows).  ``fwd`` / ``bwd`` are the seconds of: ``_DIM`` columns in
-    ``_BATCH`` bags of ``_POOL`` (the wide lookup), ``narrow_dim`` columns in the same bags (a table
-    of the same bytes), and ``_DIM`` columns in bags of one id (``I`` bags).  The wide and narrow
+    with ``G`` its bags (pooled rows).  ``fwd`` / ``bwd`` are the seconds of: ``DIM`` columns in
+    ``BATCH`` bags of ``POOL`` (the wide lookup), ``narrow_dim`` columns in the same bags (a table
+    of the same bytes), and ``DIM`` columns in bags of one id (``I`` bags).  The wide and narrow
     ones differ only in bytes (the slope per byte), the wide and one-id ones in bags and output
     bytes (the cost per bag); what is left of the wide one is per id.  On the dev VM (1 thread)
     the forward barely depends on the width (0.39 / 0.35 ms at 64 / 16 columns), and 20x the bags
@@ -370,9 +370,9 @@ def fit_fused_lookup(mem_bw: float, fwd: Sequence[float], bwd: Sequence[float], 
     Raises:
         ValueError: ``mem_bw`` or ``fallback_eff`` not > 0.
     """
-    ids = _BATCH * _POOL
-    g, g1 = _BATCH, ids
-    bw_, bn, bp = _fwd_bytes(_DIM), _fwd_bytes(narrow_dim), _fwd_bytes(_DIM, pool=1)
+    ids = BATCH * POOL
+    g, g1 = BATCH, ids
+    bw_, bn, bp = fwd_bytes(DIM), fwd_bytes(narrow_dim), fwd_bytes(DIM, pool=1)
     f_w, f_n, f_p = fwd
     b_w, b_n, b_p = bwd
     if mem_bw <= 0 or fallback_eff <= 0:
@@ -430,17 +430,17 @@ def _comm_rank(env) -> dict[str, list[float]]:
     for sebc in sebcs.values():
         for _ in range(10):
             sebc(kjt).values().sum().backward()
-    # the input dist of the one-type EBC: _BATCH samples x _IDIST_POOL ids per feature vs the two
+    # the input dist of the one-type EBC: BATCH samples x IDIST_POOL ids per feature vs the two
     # samples above (its fixed part); the difference is what its bytes cost (input_dist_bw)
     gen = torch.Generator().manual_seed(env.rank)
-    kjt_big = KeyedJaggedTensor(["f0", "f1"], torch.randint(0, 16, (2 * _BATCH * _IDIST_POOL,), generator=gen),
-                                lengths=torch.full((2 * _BATCH,), _IDIST_POOL))
+    kjt_big = KeyedJaggedTensor(["f0", "f1"], torch.randint(0, 16, (2 * BATCH * IDIST_POOL,), generator=gen),
+                                lengths=torch.full((2 * BATCH,), IDIST_POOL))
     one = sebcs["one"]
     for _ in range(5):
         one.input_dist(kjt_big).wait()
     idist_bytes = float(one.input_dist_bytes[1])  # data bytes sent = received per rank (symmetric batch)
     # the output dist's path: pooled_all_to_all forward + backward of _POOLED_GROUPS groups, 4 MiB per rank
-    bs = [2 * _BATCH // world] * world
+    bs = [2 * BATCH // world] * world
     width = (4 << 20) // 4 // sum(bs) // _POOLED_GROUPS
     base = [torch.randn(sum(bs), width) for _ in range(_POOLED_GROUPS)]
     widths = [[width] * _POOLED_GROUPS for _ in range(world)]
@@ -539,19 +539,19 @@ def fused_backward_line(raw_wide_s: float, raw_narrow_s: float, dram_factor: flo
     """The calibration's console line for the fused backward split, both figures of each width labelled.
 
     Args:
-        raw_wide_s, raw_narrow_s: the measured medians (seconds) at ``_DIM`` and ``_NARROW_DIM``
+        raw_wide_s, raw_narrow_s: the measured medians (seconds) at ``DIM`` and ``NARROW_DIM``
             columns on the DRAM table: what the file stores as ``measured.fused_bwd_ms`` and
             ``measured.fused_bwd_dim16_ms`` (ms).
         dram_factor: ``kernel_figures(...).dram_factor``: the raw times x this = all-DRAM times
             (the DRAM table's own cache hits taken out), which :func:`fit_fused_lookup` fits.
         per_id_s, multiplier, per_bag_s: the fit (``fused_bwd_id_ns`` x 1e-9,
-            ``bwd_compute_multiplier``, ``fused_bwd_bag_ns`` x 1e-9; the wide lookup has ``_BATCH`` bags).
+            ``bwd_compute_multiplier``, ``fused_bwd_bag_ns`` x 1e-9; the wide lookup has ``BATCH`` bags).
     """
-    return (f"fused backward at {_DIM} / {_NARROW_DIM} columns: measured {raw_wide_s * 1e3:.3f} / "
-            f"{raw_narrow_s * 1e3:.3f} ms (the file's fused_bwd_ms / fused_bwd_dim{_NARROW_DIM}_ms), all-DRAM "
+    return (f"fused backward at {DIM} / {NARROW_DIM} columns: measured {raw_wide_s * 1e3:.3f} / "
+            f"{raw_narrow_s * 1e3:.3f} ms (the file's fused_bwd_ms / fused_bwd_dim{NARROW_DIM}_ms), all-DRAM "
             f"{raw_wide_s * dram_factor * 1e3:.3f} / {raw_narrow_s * dram_factor * 1e3:.3f} ms (x {dram_factor:.3f}: "
             f"the table's own cache hits taken out; fitted) = {per_id_s * 1e9:.2f} ns per id + "
-            f"{per_bag_s * 1e9:.2f} ns per bag ({_BATCH} bags) + {multiplier:.2f} x the bytes' forward")
+            f"{per_bag_s * 1e9:.2f} ns per bag ({BATCH} bags) + {multiplier:.2f} x the bytes' forward")
 
 
 def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset, dict]:
@@ -579,10 +579,10 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
     llc = detect_llc_bytes()
     llc_bytes = llc if llc else 32 * (1 << 20)
     log(f"last-level cache: {llc_bytes / MiB:.0f} MiB" + ("" if llc else " (not detected: the 32 MiB default)"))
-    # rows of the in-cache table: a quarter of the cache at _DIM fp32 columns (+ 4 B row-wise state per row)
-    cache_rows = max(1024, llc_bytes // 4 // (_DIM * 4 + 4))
+    # rows of the in-cache table: a quarter of the cache at DIM fp32 columns (+ 4 B row-wise state per row)
+    cache_rows = max(1024, llc_bytes // 4 // (DIM * 4 + 4))
     # h0: the part of the big table's lookups that hit anyway (one table, uniform ids: C / S)
-    dram_hit = che_hit_fractions([_TABLE_ROWS], [_DIM * 4 + 4], [_BATCH * _POOL], llc_bytes)[0]
+    dram_hit = che_hit_fractions([TABLE_ROWS], [DIM * 4 + 4], [BATCH * POOL], llc_bytes)[0]
     try:
         bw_s = measure_memory_bandwidth()
         mem_bw = bw_s.median
@@ -605,7 +605,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
             iters = _SPLIT_ITERS if kernel == "fused" else 30
             # fused: the 64-wide DRAM table and the 16-wide one of the same bytes and ids in turn
             # (their differences split the forward and the backward), then the in-cache table
-            tables = [(_DIM, _TABLE_ROWS)] + ([(_NARROW_DIM, _TABLE_ROWS * _DIM // _NARROW_DIM), (_DIM, _TABLE_ROWS, 1)]
+            tables = [(DIM, TABLE_ROWS)] + ([(NARROW_DIM, TABLE_ROWS * DIM // NARROW_DIM), (DIM, TABLE_ROWS, 1)]
                                               if kernel == "fused" else [])
             pairs = measure_lookups(kernel, tables, max_s=6.0 * len(tables), iters=iters)
             f_d, b_d = pairs[0]
@@ -620,7 +620,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                               (f"{kernel}_cache_fwd_ms", f_c), (f"{kernel}_cache_bwd_ms", b_c)):
                 measured[name], spread[name] = round(smp.median * 1e3, 3), _range(smp, 1e3)
             log(f"{kernel} lookup: {eff[kernel] * mem_bw / GB:.2f} GB/s = {eff[kernel]:.3f} of memory bandwidth; "
-                f"backward / forward {mults[kernel]:.2f}{' (bytes only: refitted below)' if kernel == 'fused' else ''}; step {step_d * 1e3:.2f} ms on {_TABLE_ROWS} rows, "
+                f"backward / forward {mults[kernel]:.2f}{' (bytes only: refitted below)' if kernel == 'fused' else ''}; step {step_d * 1e3:.2f} ms on {TABLE_ROWS} rows, "
                 f"{step_c * 1e3:.2f} ms on {cache_rows} rows (in cache): speedup {speedup[kernel]:.2f} "
                 f"(DRAM table's own hits {dram_hit:.2f} taken out)")
             if kernel == "fused":
@@ -628,19 +628,19 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
                 (f_n, b_n), (f_p, b_p) = pairs[1], pairs[2]
                 bwd_narrow = b_n.median * k
                 fit = fit_fused_lookup(mem_bw, [f_d.median * k, f_n.median * k, f_p.median * k],
-                                       [bwd_wide, bwd_narrow, b_p.median * k], _NARROW_DIM, eff[kernel])
+                                       [bwd_wide, bwd_narrow, b_p.median * k], NARROW_DIM, eff[kernel])
                 eff[kernel], mults[kernel], per_id, fwd_per_id = fit.efficiency, fit.bwd_multiplier, fit.bwd_id_s, fit.fwd_id_s
                 bag_fwd, bag_bwd = fit.fwd_bag_s, fit.bwd_bag_s
                 measured["fused_fwd_pool1_ms"], spread["fused_fwd_pool1_ms"] = round(f_p.median * 1e3, 3), _range(f_p, 1e3)
                 measured["fused_bwd_pool1_ms"], spread["fused_bwd_pool1_ms"] = round(b_p.median * 1e3, 3), _range(b_p, 1e3)
-                measured[f"fused_fwd_dim{_NARROW_DIM}_ms"] = round(f_n.median * 1e3, 3)
-                spread[f"fused_fwd_dim{_NARROW_DIM}_ms"] = _range(f_n, 1e3)
+                measured[f"fused_fwd_dim{NARROW_DIM}_ms"] = round(f_n.median * 1e3, 3)
+                spread[f"fused_fwd_dim{NARROW_DIM}_ms"] = _range(f_n, 1e3)
                 log(f"fused lookup fit: forward {fwd_per_id * 1e9:.2f} ns per id + {bag_fwd * 1e9:.2f} ns per bag + "
                     f"bytes at {eff[kernel] * mem_bw / GB:.1f} GB/s (measured forward "
-                    f"{f_d.median * 1e3:.3f} / {f_n.median * 1e3:.3f} / {f_p.median * 1e3:.3f} ms at {_DIM} / "
-                    f"{_NARROW_DIM} columns / one id per bag, same ids); backward on the next line")
-                measured[f"fused_bwd_dim{_NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
-                spread[f"fused_bwd_dim{_NARROW_DIM}_ms"] = _range(b_n, 1e3)
+                    f"{f_d.median * 1e3:.3f} / {f_n.median * 1e3:.3f} / {f_p.median * 1e3:.3f} ms at {DIM} / "
+                    f"{NARROW_DIM} columns / one id per bag, same ids); backward on the next line")
+                measured[f"fused_bwd_dim{NARROW_DIM}_ms"] = round(b_n.median * 1e3, 3)
+                spread[f"fused_bwd_dim{NARROW_DIM}_ms"] = _range(b_n, 1e3)
                 log(fused_backward_line(b_d.median, b_n.median, k, per_id, mults[kernel], bag_bwd))
     finally:
         torch.set_num_threads(threads)

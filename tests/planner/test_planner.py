@@ -135,22 +135,22 @@ def test_calibration_fit_of_the_fused_lookup_recovers_its_parts():
     from dlrmctl.planner import calibrate as cal
 
     eff, mem_bw, mult, f_id, f_bag, b_id, b_bag = 3.0, 40e9, 6.0, 8e-9, 5e-9, 9e-9, 45e-9
-    ids = cal._BATCH * cal._POOL
-    shapes = ((cal._DIM, cal._POOL), (cal._NARROW_DIM, cal._POOL), (cal._DIM, 1))
-    byt = [cal._fwd_bytes(d, pool=p) / (eff * mem_bw) for d, p in shapes]
+    ids = cal.BATCH * cal.POOL
+    shapes = ((cal.DIM, cal.POOL), (cal.NARROW_DIM, cal.POOL), (cal.DIM, 1))
+    byt = [cal.fwd_bytes(d, pool=p) / (eff * mem_bw) for d, p in shapes]
     bags = [ids // p for _, p in shapes]
     fwd = [x + ids * f_id + g * f_bag for x, g in zip(byt, bags)]
     bwd = [mult * x + ids * b_id + g * b_bag for x, g in zip(byt, bags)]
-    fit = cal.fit_fused_lookup(mem_bw, fwd, bwd, cal._NARROW_DIM, fallback_eff=0.5)
+    fit = cal.fit_fused_lookup(mem_bw, fwd, bwd, cal.NARROW_DIM, fallback_eff=0.5)
     assert (fit.efficiency, fit.bwd_multiplier, fit.fwd_id_s, fit.fwd_bag_s, fit.bwd_id_s, fit.bwd_bag_s) == (
         pytest.approx(eff), pytest.approx(mult), pytest.approx(f_id), pytest.approx(f_bag), pytest.approx(b_id),
         pytest.approx(b_bag))
     # narrow slower than wide (noise): bytes at the fallback efficiency, multiplier floored, nothing negative
-    noisy = cal.fit_fused_lookup(mem_bw, [1e-3, 1.1e-3, 1.2e-3], [1e-3, 1.1e-3, 0.5e-3], cal._NARROW_DIM, 0.5)
+    noisy = cal.fit_fused_lookup(mem_bw, [1e-3, 1.1e-3, 1.2e-3], [1e-3, 1.1e-3, 0.5e-3], cal.NARROW_DIM, 0.5)
     assert noisy.efficiency == pytest.approx(0.5) and noisy.bwd_multiplier == 0.1
     assert min(noisy.fwd_id_s, noisy.fwd_bag_s, noisy.bwd_id_s, noisy.bwd_bag_s) >= 0
     with pytest.raises(ValueError, match="mem_bw and fallback_eff must be > 0"):
-        cal.fit_fused_lookup(0.0, fwd, bwd, cal._NARROW_DIM, 0.5)
+        cal.fit_fused_lookup(0.0, fwd, bwd, cal.NARROW_DIM, 0.5)
 
 def test_row_wise_and_table_row_wise_perf_match_hand_formulas():
     topo = toy_topology()

@@ -257,24 +257,24 @@ def test_a_dense_kernel_table_wise_shard_costs_what_the_calibration_measured_onc
     counted once); without a calibrated dense multiplier the unfused pass is added on top."""
     llc = 32 * MiB
     f_d, b_d, f_c, b_c, mem_bw = 21e-3, 63e-3, 9e-3, 30e-3, 18e9  # a calibration's medians (s), bytes/s
-    h0 = che_hit_fractions([cal._TABLE_ROWS], [cal._DIM * 4 + 4], [cal._BATCH * cal._POOL], llc)[0]
+    h0 = che_hit_fractions([cal.TABLE_ROWS], [cal.DIM * 4 + 4], [cal.BATCH * cal.POOL], llc)[0]
     fig = cal.kernel_figures(f_d, b_d, f_c, b_c, h0, mem_bw)
     topo = Topology(world_size=1, local_world_size=1, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
                     hbm_mem_bw=0.0, ddr_mem_bw=mem_bw, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=llc,
                     kernel_efficiency={"dense": fig.efficiency}, dense_bwd_compute_multiplier=fig.bwd_multiplier,
                     cache_speedup={"dense": fig.cache_speedup})
-    table = TableSpec("cal", cal._TABLE_ROWS, cal._DIM, [float(cal._POOL)])
-    hit = cache_hit_prior(topo, [table], cal._BATCH)["cal"]
+    table = TableSpec("cal", cal.TABLE_ROWS, cal.DIM, [float(cal.POOL)])
+    hit = cache_hit_prior(topo, [table], cal.BATCH)["cal"]
     assert hit == pytest.approx(h0) and 0 < h0 < 1
-    p, ids, *_ = estimate_shard(topo, table, ST.TABLE_WISE, CK.DENSE, cal._TABLE_ROWS, cal._DIM, 1, cal._BATCH, hit)
-    assert ids == cal._BATCH * cal._POOL
+    p, ids, *_ = estimate_shard(topo, table, ST.TABLE_WISE, CK.DENSE, cal.TABLE_ROWS, cal.DIM, 1, cal.BATCH, hit)
+    assert ids == cal.BATCH * cal.POOL
     assert p.fwd_compute == pytest.approx(f_d, rel=1e-9)
     assert p.bwd_compute == pytest.approx(b_d, rel=1e-9)  # with a second optimizer pass: 0.142 s
     # uncalibrated dense multiplier (presets, older files): the fused-style multiplier plus the unfused pass
     plain = dataclasses.replace(topo, dense_bwd_compute_multiplier=None, bwd_compute_multiplier=fig.bwd_multiplier)
-    q, *_ = estimate_shard(plain, table, ST.TABLE_WISE, CK.DENSE, cal._TABLE_ROWS, cal._DIM, 1, cal._BATCH, hit)
+    q, *_ = estimate_shard(plain, table, ST.TABLE_WISE, CK.DENSE, cal.TABLE_ROWS, cal.DIM, 1, cal.BATCH, hit)
     scale = (1 - hit) + hit / fig.cache_speedup
-    opt_pass = ids * cal._DIM * (2 * 4 + 2 * 4) / (mem_bw * fig.efficiency) * scale
+    opt_pass = ids * cal.DIM * (2 * 4 + 2 * 4) / (mem_bw * fig.efficiency) * scale
     assert q.fwd_compute == pytest.approx(f_d) and q.bwd_compute == pytest.approx(b_d + opt_pass)
 
 
@@ -361,26 +361,26 @@ def test_a_fused_shard_costs_the_calibrated_lookups_at_both_widths_and_bag_sizes
     W, mem_bw = 1, 20e9
     fwd = [0.392e-3, 0.346e-3, 0.72e-3]  # dev-VM-like medians (s): 64 cols bags of 20 / 16 cols / 64 cols bags of 1
     bwd = [0.95e-3, 0.57e-3, 2.9e-3]
-    fit = cal.fit_fused_lookup(mem_bw, fwd, bwd, cal._NARROW_DIM, fallback_eff=0.5)
+    fit = cal.fit_fused_lookup(mem_bw, fwd, bwd, cal.NARROW_DIM, fallback_eff=0.5)
     assert min(fit.fwd_id_s, fit.bwd_id_s, fit.fwd_bag_s, fit.bwd_bag_s) > 0 and fit.efficiency > 0
     topo = Topology(world_size=W, local_world_size=W, compute_device="cpu", hbm_cap=0, ddr_cap=int(8e9),
                     hbm_mem_bw=0.0, ddr_mem_bw=mem_bw, intra_host_bw=1e9, inter_host_bw=1e9, llc_bytes=0,
                     kernel_efficiency={"fused": fit.efficiency}, bwd_compute_multiplier=fit.bwd_multiplier,
                     fused_bwd_id_s=fit.bwd_id_s, fused_fwd_id_s=fit.fwd_id_s, fused_fwd_bag_s=fit.fwd_bag_s,
                     fused_bwd_bag_s=fit.bwd_bag_s)
-    ids = cal._BATCH * cal._POOL
-    for (dim, pool), f, b in zip(((cal._DIM, cal._POOL), (cal._NARROW_DIM, cal._POOL), (cal._DIM, 1)), fwd, bwd):
-        rows = cal._TABLE_ROWS * cal._DIM // dim
+    ids = cal.BATCH * cal.POOL
+    for (dim, pool), f, b in zip(((cal.DIM, cal.POOL), (cal.NARROW_DIM, cal.POOL), (cal.DIM, 1)), fwd, bwd):
+        rows = cal.TABLE_ROWS * cal.DIM // dim
         t = TableSpec("cal", rows, dim, [float(pool)])
         p, n, *_ = estimate_shard(topo, t, ST.TABLE_WISE, CK.FUSED, rows, dim, 1, ids // pool, 0.0)
         assert n == ids
         assert p.fwd_compute == pytest.approx(f, rel=1e-9) and p.bwd_compute == pytest.approx(b, rel=1e-9)
     # a 32-column shard of the 64-wide table: most of the whole table's forward, not half of it
-    t = TableSpec("cal", cal._TABLE_ROWS, cal._DIM, [float(cal._POOL)])
-    half, *_ = estimate_shard(topo, t, ST.COLUMN_WISE, CK.FUSED, cal._TABLE_ROWS, cal._DIM // 2, 1, cal._BATCH, 0.0)
+    t = TableSpec("cal", cal.TABLE_ROWS, cal.DIM, [float(cal.POOL)])
+    half, *_ = estimate_shard(topo, t, ST.COLUMN_WISE, CK.FUSED, cal.TABLE_ROWS, cal.DIM // 2, 1, cal.BATCH, 0.0)
     assert 0.8 * fwd[0] < half.fwd_compute < fwd[0]
     # no per-byte slope (noise): the bytes go at the fallback efficiency, nothing negative
-    flat = cal.fit_fused_lookup(mem_bw, [0.3e-3, 0.31e-3, 0.5e-3], [0.9e-3, 0.95e-3, 2e-3], cal._NARROW_DIM, 0.4)
+    flat = cal.fit_fused_lookup(mem_bw, [0.3e-3, 0.31e-3, 0.5e-3], [0.9e-3, 0.95e-3, 2e-3], cal.NARROW_DIM, 0.4)
     assert flat.efficiency == pytest.approx(0.4) and min(flat.fwd_id_s, flat.fwd_bag_s, flat.bwd_bag_s) >= 0
     # an old topology file (none of the new keys) loads with no per-id forward and no per-bag terms
     old = Topology.from_preset("cpu", 1, 1)

@@ -153,7 +153,7 @@ def test_the_two_rank_calibration_measures_both_paths():
     got = cal.measure_comm(2, max_s=60.0)
     assert got["idist_big_s"].median > got["idist_small_s"].median > 0
     # table_wise, 2 tables on 2 ranks: each rank's table receives every source's lengths + ids (int32)
-    assert got["idist_bytes"].median == 2 * (cal._BATCH + cal._BATCH * cal._IDIST_POOL) * 4
+    assert got["idist_bytes"].median == 2 * (cal.BATCH + cal.BATCH * cal.IDIST_POOL) * 4
     assert got["pooled_bytes"].median == (4 << 20) // 2  # half of each rank's 4 MiB leaves it
     assert got["pooled_a2a_s"].median > 0
 

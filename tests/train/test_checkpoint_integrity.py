@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - tests run as a plain directory
     from dist_utils import run_multiprocess
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.checkpoint import format as ckpt_format
+from dlrmctl.train.checkpoint import integrity
 
 ROWS, DIM = 4096, 64  # 1 MiB of float32
 
@@ -84,13 +85,13 @@ def test_a_chunk_is_read_slab_by_slab_into_its_target_never_whole(tmp_path, smal
     slab = 5 * DIM * 4 + 100  # 5 rows per slab, not a multiple of the block size
     monkeypatch.setattr(ckpt_format, "READ_SLAB_BYTES", slab)
     sizes = []
-    real = ckpt._CheckedFile.read
+    real = integrity.CheckedFile.read
 
     def spy(self, start, end, what=""):
         sizes.append(end - start)
         return real(self, start, end, what)
 
-    monkeypatch.setattr(ckpt._CheckedFile, "read", spy)
+    monkeypatch.setattr(integrity.CheckedFile, "read", spy)
     np.testing.assert_array_equal(_rows(path, 7, 23).numpy(), w[7:30].numpy())
     data_reads = [n for n in sizes if n <= slab]
     assert len(data_reads) == 5 and max(data_reads) == 5 * DIM * 4, sizes  # 23 rows: 5 + 5 + 5 + 5 + 3
@@ -208,8 +209,8 @@ def _rewrite_metadata(path, raw):
     meta = json.load(open(os.path.join(path, "meta.json")))
     B = meta["files"][".metadata"]["block_bytes"]
     crcs = [zlib.crc32(raw[i:i + B]) for i in range(0, len(raw), B)]
-    meta["files"][".metadata"].update(bytes=len(raw), crc32=ckpt._crcs_to_text(crcs))
-    meta["files_crc32"] = ckpt._files_crc(meta["files"])
+    meta["files"][".metadata"].update(bytes=len(raw), crc32=integrity.crcs_to_text(crcs))
+    meta["files_crc32"] = integrity.files_crc(meta["files"])
     json.dump(meta, open(os.path.join(path, "meta.json"), "w"))
 
 

@@ -171,13 +171,13 @@ def test_a_resume_reads_latest_once(tiny, tmp_path, monkeypatch):
     t.train_step(next(iter(t.train_loader)))
     path = t.save()
     reads = []
-    real = store._marked
+    real = store.marked
 
     def counting(run_dir, marker):
         reads.append(marker)
         return real(run_dir, marker)
 
-    monkeypatch.setattr(store, "_marked", counting)
+    monkeypatch.setattr(store, "marked", counting)
     r = _trainer(tiny, tmp_path, resume=True)
     assert reads.count(ckpt.LATEST) == 1, reads
     assert r.step == 1 and r.checkpointer.saved_path == path  # resumed from it, known as the newest

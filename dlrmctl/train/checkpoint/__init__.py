@@ -95,9 +95,8 @@ from __future__ import annotations
 from dlrmctl.train.checkpoint.format import (BEST, BLOCK_BYTES, BLOCKS_PER_FILE, CKPT_DIR, FORMAT, LATEST,
                                              MIN_BLOCK_BYTES, OLD_FORMATS, READ_SLAB_BYTES, CheckpointError)
 from dlrmctl.train.checkpoint.rng import rng_state, set_rng_state
-from dlrmctl.train.checkpoint.codec import Blocks, _SafeUnpickler, pack, unpack  # noqa: F401
-from dlrmctl.train.checkpoint.integrity import (  # noqa: F401 (private names the tests use)
-    _block_bytes_for, _CheckedFile, _crcs_from_text, _crcs_to_text, _files_crc, check_integrity)
+from dlrmctl.train.checkpoint.codec import Blocks, pack, unpack
+from dlrmctl.train.checkpoint.integrity import check_integrity
 from dlrmctl.train.checkpoint.store import (best_checkpoint, checkpoint_root, copy_run_files, latest_checkpoint,
                                             list_checkpoints, load_checkpoint_meta, mark_best, read_checkpoint,
                                             resolve_checkpoint)

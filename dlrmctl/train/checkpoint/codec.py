@@ -214,7 +214,7 @@ def unpack(t: Any, where: str = "checkpoint entry") -> Any:
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{where}: damaged JSON entry ({type(e).__name__}: {e})") from e
 
-class _SafeUnpickler(pickle.Unpickler):
+class SafeUnpickler(pickle.Unpickler):
     """Unpickles DCP's ``.metadata`` only: globals are limited to DCP's metadata classes, torch
     dtypes / ``Size`` / layouts and paths, so a crafted file cannot call anything else."""
 

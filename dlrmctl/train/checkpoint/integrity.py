@@ -1,5 +1,5 @@
 """Block CRC-32s of the checkpoint files: their text form in meta.json, the verifying range
-reader :class:`_CheckedFile`, the file-table checks and :func:`check_integrity`
+reader :class:`CheckedFile`, the file-table checks and :func:`check_integrity`
 (``dlrmctl checkpoint inspect``)."""
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ def _block_count(nbytes: int, block_bytes: int) -> int:
     return (nbytes + block_bytes - 1) // block_bytes
 
 
-def _crcs_to_text(crcs: Sequence[int]) -> str:
+def crcs_to_text(crcs: Sequence[int]) -> str:
     a = array("I", crcs)
     if sys.byteorder != "little":
         a.byteswap()
     return _b64(a.tobytes())
 
 
-def _crcs_from_text(text: str) -> array:
+def crcs_from_text(text: str) -> array:
     a = array("I")
     a.frombytes(base64.b64decode(text, validate=True))
     if sys.byteorder != "little":
@@ -39,13 +39,13 @@ def _crcs_from_text(text: str) -> array:
     return a
 
 
-def _block_bytes_for(nbytes: int) -> int:
+def block_bytes_for(nbytes: int) -> int:
     """Block size for a file of about ``nbytes`` (see :data:`BLOCKS_PER_FILE`)."""
     want = max(1, -(-nbytes // BLOCKS_PER_FILE))
     return min(fmt.BLOCK_BYTES, max(MIN_BLOCK_BYTES, 1 << (want - 1).bit_length()))
 
 
-class _CheckedFile:
+class CheckedFile:
     """Reads byte ranges of one checkpoint file, verifying every block they overlap against the
     block CRC-32s in meta.json; counts the bytes read (``counter["bytes_read"]``)."""
 
@@ -61,7 +61,7 @@ class _CheckedFile:
             raise CheckpointError(f"{p}: {self.size} bytes, expected {exp['bytes']}: the file is truncated or corrupted")
         self.block_bytes = int(exp["block_bytes"])
         try:
-            self.crcs = _crcs_from_text(exp["crc32"])
+            self.crcs = crcs_from_text(exp["crc32"])
         except (ValueError, TypeError) as e:
             raise CheckpointError(f"{os.path.join(ckpt_dir, 'meta.json')}: damaged checksums of {fname} ({e})") from e
         if len(self.crcs) != _block_count(self.size, self.block_bytes):
@@ -71,7 +71,7 @@ class _CheckedFile:
         self.counter = counter
         self._f: Any = None
 
-    def __enter__(self) -> "_CheckedFile":
+    def __enter__(self) -> "CheckedFile":
         self._f = open(self.path, "rb")
         return self
 
@@ -130,7 +130,7 @@ def check_integrity(ckpt_dir: str, verify: bool = False) -> tuple[bool, str]:
         meta = load_checkpoint_meta(ckpt_dir)
         blocks = 0
         for fname in sorted(meta["files"]):
-            f = _CheckedFile(ckpt_dir, fname, meta, counter)
+            f = CheckedFile(ckpt_dir, fname, meta, counter)
             blocks += len(f.crcs)
             if not verify:
                 continue
@@ -146,13 +146,13 @@ def check_integrity(ckpt_dir: str, verify: bool = False) -> tuple[bool, str]:
     return True, f"ok: {n} files present with the sizes meta.json records (blocks not read; --verify checks them)"
 
 
-def _files_crc(files: dict[str, Any]) -> int:
+def files_crc(files: dict[str, Any]) -> int:
     """CRC-32 of meta.json's ``files`` table as canonical JSON: the reader trusts the sizes, block
     checksums and raw data offsets it holds, so they are checked themselves (``files_crc32``)."""
     return zlib.crc32(json.dumps(files, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
-def _check_files_entry(p: str, files: Any) -> None:
+def check_files_entry(p: str, files: Any) -> None:
     """Check the shape of meta.json's ``files`` (what the verifying reader trusts): a dict of file name ->
     ``{"bytes": int >= 0, "block_bytes": int >= 1, "crc32": str, "tensors"?: {str: int >= 0}}``.
 

@@ -35,7 +35,7 @@ def _raise_from_dcp(e: BaseException, where: str) -> None:
 
 def read_metadata(ckpt_dir: str, meta: dict[str, Any] | None = None, counter: dict[str, int] | None = None) -> Any:
     """The DCP ``Metadata`` of a checkpoint (``state_dict_metadata``: key -> storage metadata),
-    verified and unpickled with DCP's metadata classes only (see :class:`_SafeUnpickler`).
+    verified and unpickled with DCP's metadata classes only (see :class:`SafeUnpickler`).
 
     Raises:
         CheckpointError: ``.metadata`` missing, truncated, corrupted or holding other objects.

@@ -18,7 +18,7 @@ from dlrmctl.errors import OS_CONDITIONS, find_in_chain, free_bytes, interrupt_o
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.train.checkpoint.codec import Blocks, _planners
 from dlrmctl.train.checkpoint.format import BEST, FORMAT, LATEST, CheckpointError
-from dlrmctl.train.checkpoint.integrity import _files_crc
+from dlrmctl.train.checkpoint.integrity import files_crc
 from dlrmctl.train.checkpoint.storage import _writer
 from dlrmctl.train.checkpoint.store import _fsync_dir, best_checkpoint, checkpoint_root, latest_checkpoint
 
@@ -171,7 +171,7 @@ def save_checkpoint(
             files = {k: v for d in allf for k, v in sorted(d.items())}
             meta = {"format": FORMAT, "step": step, "world_size": world_size, "byteorder": sys.byteorder}
             meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
-            meta.update(files=files, files_crc32=_files_crc(files))
+            meta.update(files=files, files_crc32=files_crc(files))
             write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
             _fsync_dir(tmp)
             os.replace(tmp, final)

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from dlrmctl.train.checkpoint import format as fmt  # (a module: tests patch its sizes)
-from dlrmctl.train.checkpoint.codec import _SafeUnpickler
+from dlrmctl.train.checkpoint.codec import SafeUnpickler
 from dlrmctl.train.checkpoint.format import CheckpointError
-from dlrmctl.train.checkpoint.integrity import _block_bytes_for, _CheckedFile, _crcs_to_text
+from dlrmctl.train.checkpoint.integrity import block_bytes_for, CheckedFile, crcs_to_text
 
 
 def _zip_name_len(h: bytes | bytearray) -> int:
@@ -121,7 +121,7 @@ class _ChecksumStream:
     def digest(self) -> dict[str, Any]:
         """``{"bytes", "block_bytes", "crc32"}``: size, block size and the blocks' CRC-32s (base64 of
         little-endian uint32)."""
-        return {"bytes": self.pos, "block_bytes": self.block_bytes, "crc32": _crcs_to_text(self.crcs)}
+        return {"bytes": self.pos, "block_bytes": self.block_bytes, "crc32": crcs_to_text(self.crcs)}
 
 
 def _writer(path: str):
@@ -171,7 +171,7 @@ def _writer(path: str):
         def write_data(self, plan, planner):  # type: ignore[override]
             # one file per rank: its size is about the items' bytes (+ ~1 KiB of torch.save framing each)
             est = sum(_nbytes(it) + 1024 for it in plan.items if it.tensor_data is not None)
-            self.fs.block_bytes = _block_bytes_for(est)
+            self.fs.block_bytes = block_bytes_for(est)
             fut = super().write_data(plan, planner)
             items = {it.index: it for it in plan.items}
             for wr in fut.wait():
@@ -200,7 +200,7 @@ def _writer(path: str):
 def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
     """A DCP ``FileSystemReader`` that verifies exactly what it reads and never unpickles data.
 
-    ``.metadata``: read once, checked against its block CRCs, loaded with :class:`_SafeUnpickler`.
+    ``.metadata``: read once, checked against its block CRCs, loaded with :class:`SafeUnpickler`.
     Data: for each ``ReadItem`` (the part of one saved chunk that overlaps a requested block) it
     reads only the rows ``[storage_offsets[0], + lengths[0])`` of the chunk's raw bytes (the
     ``tensors`` offsets in meta.json), rounded out to whole ``block_bytes`` blocks, checks those
@@ -225,11 +225,11 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
 
         def read_metadata(self, *args: Any, **kwargs: Any):  # type: ignore[override]
             if self._md is None:
-                with _CheckedFile(ckpt_dir, ".metadata", meta, counter) as f:
+                with CheckedFile(ckpt_dir, ".metadata", meta, counter) as f:
                     raw = f.read(0, f.size, "DCP metadata")
                 p = os.path.join(ckpt_dir, ".metadata")
                 try:
-                    md = _SafeUnpickler(io.BytesIO(raw.numpy().tobytes())).load()
+                    md = SafeUnpickler(io.BytesIO(raw.numpy().tobytes())).load()
                 except Exception as e:
                     raise CheckpointError(f"{p}: cannot be read ({type(e).__name__}: {e})") from e
                 if not isinstance(md, Metadata):
@@ -247,7 +247,7 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
             try:
                 for rel, reqs in per_file.items():
                     reqs.sort(key=lambda r: (self.storage_data[r.storage_index].offset, tuple(r.storage_offsets)))
-                    with _CheckedFile(ckpt_dir, rel, meta, counter) as f:
+                    with CheckedFile(ckpt_dir, rel, meta, counter) as f:
                         for req in reqs:
                             self._read_item(f, req, planner, LoadItemType)
             except CheckpointError:
@@ -258,7 +258,7 @@ def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None 
             fut.set_result(None)
             return fut
 
-        def _read_item(self, f: _CheckedFile, req: Any, planner: Any, LoadItemType: Any) -> None:
+        def _read_item(self, f: CheckedFile, req: Any, planner: Any, LoadItemType: Any) -> None:
             fqn = req.storage_index.fqn
             sinfo = self.storage_data[req.storage_index]
             what = f"'{fqn}' chunk at {list(req.storage_index.offset or [])}"

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.train.checkpoint.format import BEST, CKPT_DIR, FORMAT, LATEST, OLD_FORMATS, CheckpointError
-from dlrmctl.train.checkpoint.integrity import _check_files_entry, _files_crc
+from dlrmctl.train.checkpoint.integrity import check_files_entry, files_crc
 
 log = logging.getLogger("dlrmctl.checkpoint")
 T = TypeVar("T")
@@ -24,7 +24,7 @@ def checkpoint_root(run_dir: str) -> str:
     return os.path.join(run_dir, CKPT_DIR)
 
 
-def _marked(run_dir: str, marker: str) -> str | None:
+def marked(run_dir: str, marker: str) -> str | None:
     """The checkpoint directory the marker file ``checkpoints/<marker>`` (``LATEST`` / ``BEST``)
     names, or None when there is no marker.
 
@@ -56,12 +56,12 @@ def _marked(run_dir: str, marker: str) -> str | None:
 
 def latest_checkpoint(run_dir: str) -> str | None:
     """Path of the newest complete checkpoint, or None if there is none."""
-    return _marked(run_dir, LATEST)
+    return marked(run_dir, LATEST)
 
 
 def best_checkpoint(run_dir: str) -> str | None:
     """Path of the checkpoint with the best validation metric (``train.keep_best``), or None."""
-    return _marked(run_dir, BEST)
+    return marked(run_dir, BEST)
 
 
 def list_checkpoints(run_dir: str) -> list[tuple[int, str]]:
@@ -256,8 +256,8 @@ def load_checkpoint_meta(ckpt_dir: str) -> dict[str, Any]:
             f"{p}: checkpoint format {fmt!r} is older than {FORMAT!r} and is not loaded ({why}); "
             "resume or export it with the dlrmctl version that wrote it, or train again"
         )
-    _check_files_entry(p, meta.get("files"))
-    if "files_crc32" in meta and meta["files_crc32"] != _files_crc(meta["files"]):  # absent: written before it
+    check_files_entry(p, meta.get("files"))
+    if "files_crc32" in meta and meta["files_crc32"] != files_crc(meta["files"]):  # absent: written before it
         raise CheckpointError(f"{p}: corrupted: its file table (sizes, block checksums, raw data offsets) does "
                               f"not match its CRC-32 files_crc32 ({meta['files_crc32']!r})")
     return meta
