@@ -30,13 +30,16 @@ import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, List, Optional
 
 import typer
 
 from dlrmctl import outputs
 from dlrmctl.commands._common import check_number, echo, fail, show_path
+from dlrmctl.errors import interruptible
 from dlrmctl.fileio import write_text_atomic
 
 #: metrics of the best validation evaluation copied into the summary, in column order
@@ -157,6 +160,50 @@ def _fmt(v) -> str:
     return "" if v is None else str(v)
 
 
+class PointProcesses:
+    """The live ``train`` processes of a sweep's points: started by :meth:`run` (a worker thread
+    each), all stopped by :meth:`stop` (SIGINT, then SIGKILL after ``grace_s``)."""
+
+    def __init__(self, grace_s: float = 30.0) -> None:
+        self.grace_s = grace_s
+        self._procs: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def run(self, cmd: list[str], log: Any, env: dict) -> int:
+        """Run one point's ``cmd`` (stdout and stderr to ``log``) to its end; its exit code (130
+        when :meth:`stop` came first)."""
+        with self._lock:
+            if self._stopped:
+                return 130
+            # its own process group: a Ctrl-C at the terminal reaches the sweep alone, which stops
+            # each point once (a second SIGINT would cut a trainer's clean-up short)
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, process_group=0)
+            self._procs.add(p)
+        try:
+            return p.wait()
+        finally:
+            with self._lock:
+                self._procs.discard(p)
+
+    def stop(self) -> None:
+        """SIGINT to every live point (each trainer stops as on Ctrl-C), SIGKILL to those still
+        running ``grace_s`` seconds later; no new point starts."""
+        with self._lock:
+            self._stopped = True
+            procs = list(self._procs)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + self.grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def write_summary(sweep_dir: str, rows: list[dict], keys: list[str], metric: str) -> tuple[str, str]:
     """``sweep.csv`` and ``sweep.md`` in ``sweep_dir`` (each written to a temp file and renamed).
 
@@ -241,8 +288,10 @@ def sweep(
             cmd.append("--overwrite")
         log_path = os.path.join(sweep_dir, "logs", f"{pname}.log")
         t0 = time.perf_counter()
+        if stopping:  # interrupted before this point started
+            return {"point": pname, "values": dict(assignment), "status": "not run (interrupted)"}
         with open(log_path, "w") as logf:
-            rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env).returncode
+            rc = points.run(cmd, logf, env)
         res = read_point(run_dir) if rc == 0 else None
         status = "ok" if res is not None else f"failed (exit {rc}, see {show_path(log_path)})"
         row = {"point": pname, "values": dict(assignment), "status": status, **(res or {})}
@@ -250,11 +299,24 @@ def sweep(
         echo(f"  {pname}: {shown} ({time.perf_counter() - t0:.1f}s)")
         return row
 
-    if jobs == 1:
-        rows = [run_point(r) for r in runs]
-    else:
-        with ThreadPoolExecutor(max_workers=jobs) as ex:
-            rows = list(ex.map(run_point, runs))
+    points = PointProcesses()
+    stopping: list[int] = []
+    # a SIGINT or SIGTERM to this process alone (not only Ctrl-C to the whole group) stops every
+    # point (SIGINT: each trainer stops and cleans up as on Ctrl-C; SIGKILL after a grace period)
+    # and then the sweep, with one `interrupted` line
+    ex = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        with interruptible():
+            futures = [ex.submit(run_point, r) for r in runs]
+            while not all(f.done() for f in futures):
+                wait(futures, timeout=0.5)
+            rows = [f.result() for f in futures]
+    except KeyboardInterrupt:
+        stopping.append(1)
+        points.stop()
+        ex.shutdown(wait=True, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
     ranked = rank_rows(rows, metric)
     csv_path, md = write_summary(sweep_dir, ranked, [k for k, _ in parsed], metric)
     echo(md.rstrip("\n"))

@@ -3,6 +3,11 @@ point and writes a summary sorted by the validation metric; the test split is ne
 
 import csv
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -148,3 +153,40 @@ def test_more_jobs_than_points_and_a_name_with_spaces(data, tmp_path):
     hint = r.output.split("dlrmctl evaluate ", 1)[1].split(" --split test")[0]
     assert shlex.split(hint) == [str(tmp_path / "my sweep" / "p000-dropout=0")]
     assert (tmp_path / "my sweep" / "sweep.csv").exists()
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        out.append(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists processes through /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT])  # SIGTERM takes the same path (interruptible)
+def test_a_signal_to_the_sweep_process_alone_stops_every_point_and_the_sweep(data, tmp_path, sig):
+    """`kill -INT PID` (or a supervisor's SIGTERM) to the sweep process was ignored: the points
+    kept training and the sweep did not exit until SIGKILL."""
+    args = [sys.executable, "-m", "dlrmctl.cli", "sweep", "configs/demo.yaml", "--set", f"data.path={data}",
+            "--set", f"train.run_dir={tmp_path}", "--set", "data.batch_size=8", "--set", "train.epochs=50",
+            "--set", "model.compute_kernel=dense", "--name", "grid", "--grid", "model.dropout=0,0.1", "--jobs", "2"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "grid" / "logs"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:  # both points are training
+        if logs.is_dir() and len([f for f in logs.iterdir() if "epoch" in f.read_text()]) == 2:
+            break
+        time.sleep(1)
+    assert len(_procs_mentioning(str(tmp_path))) >= 2
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + sig, (p.returncode, out, err)
+    assert err.strip().splitlines()[-1] == "interrupted", err
+    time.sleep(1)
+    assert _procs_mentioning(str(tmp_path)) == []
