@@ -8,12 +8,14 @@ errors answer without importing torch.
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 import typer
 from typer.core import TyperGroup
 
-from dlrmctl.errors import EXIT_USER, CommandError, interrupt_exit_code, interrupt_of, user_error_message
+from dlrmctl.errors import (EXIT_USER, CommandError, interrupt_exit_code, interrupt_of, interruptible,
+                            user_error_message)
 
 
 def report_failure(e: BaseException) -> int | None:
@@ -39,18 +41,30 @@ def report_failure(e: BaseException) -> int | None:
     return EXIT_USER
 
 
+#: verbs that handle SIGTERM themselves (train and launch clean up their ranks, sweep its points,
+#: serve drains its requests and exits 0); every other verb is ended by one like a Ctrl-C
+OWN_SIGTERM = frozenset({"train", "launch", "sweep", "serve"})
+
+
 class _Group(TyperGroup):
     """The root command group: every verb runs inside :meth:`invoke`, so its user errors, OS
     conditions and interrupts are reported once, here (:func:`report_failure`) — also under
     ``typer.testing.CliRunner``, which calls the group, not :func:`main`.  A usage error (a bad
     option value, an unknown option or command, a missing argument, ``typer.BadParameter`` from a
-    command) is ONE line too, ``error: <command>: <message> (see <command> --help)``, exit code 2."""
+    command) is ONE line too, ``error: <command>: <message> (see <command> --help)``, exit code 2.
+    A SIGTERM ends a verb as a Ctrl-C does (``interrupted``, exit code 143), except the verbs of
+    :data:`OWN_SIGTERM`."""
 
     def invoke(self, ctx):  # noqa: D102
         from typer import _click
 
         try:
-            return super().invoke(ctx)
+            first = getattr(ctx, "_protected_args", None) or ctx.protected_args
+            verb = next(iter([*first, *ctx.args]), None)
+            if verb in OWN_SIGTERM:
+                return super().invoke(ctx)
+            with interruptible((signal.SIGTERM,)):  # a SIGTERM ends the verb as a Ctrl-C does: one line
+                return super().invoke(ctx)
         except _click.exceptions.UsageError as e:
             if type(e).__name__ == "NoArgsIsHelpError":  # `dlrmctl preprocess`: the help was the answer
                 raise

@@ -292,3 +292,22 @@ def test_ctrl_c_during_preprocess_is_one_line_and_leaves_no_partial_shard(tmp_pa
     assert_one_line(*_interrupt(p, signal.SIGINT), 130, "interrupted")
     assert not glob.glob(str(out / "**" / "*.tmp"), recursive=True)
     assert not (out / "meta.json").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals")
+def test_sigterm_of_a_verb_without_its_own_handling_says_interrupted(tmp_path):
+    """SIGTERM of export, predict, reshard, calibrate, evaluate or preprocess synthetic died silently
+    (the default action); every verb but train, launch, sweep and serve now ends as on Ctrl-C."""
+    from dlrmctl.cli import OWN_SIGTERM
+
+    assert OWN_SIGTERM == {"train", "launch", "sweep", "serve"}
+    out = tmp_path / "big"
+    p = subprocess.Popen([sys.executable, "-m", "dlrmctl.cli", "preprocess", "synthetic", "--rows", "20000000",
+                          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / ".dlrmctl").exists() and time.monotonic() < deadline:  # past the imports, writing
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
+    assert err.strip().splitlines() == ["interrupted"], err
