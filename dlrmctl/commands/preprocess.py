@@ -41,23 +41,34 @@ def _int_list(value: Optional[str], name: str, n: int) -> Optional[list[int]]:
 
 
 def dataset_target_or_fail(out: Path, recipe: dict, force: bool):
-    """Where to build (:func:`dlrmctl.outputs.dataset_target`); a refusal is one error line, exit 2."""
+    """Where to build (:func:`dlrmctl.outputs.dataset_target`), under ``out``'s lock (one preprocess
+    writes a dataset at a time, :func:`dlrmctl.outputs.lock_output`; :func:`build_dataset` drops
+    it); a refusal is one error line, exit 2."""
     from dlrmctl import outputs
 
     try:
+        outputs.lock_output(out)
         return outputs.dataset_target(out, recipe, force)
-    except OSError as e:
-        fail(f"{e.filename or out}: cannot create the dataset directory ({e.strerror}); --out a writable directory")
+    except BaseException as e:
+        outputs.unlock_output(out)
+        if isinstance(e, OSError):
+            fail(f"{e.filename or out}: cannot create the dataset directory ({e.strerror}); --out a writable directory")
+        raise
 
 
 def build_dataset(target, fn):
     """Run ``fn(build_dir)`` for ``target``; commit it when it returns, abort it on any failure."""
+    from dlrmctl import outputs
+
     try:
-        rep = fn(target.build_dir)
-    except BaseException:
-        target.abort()
-        raise
-    target.commit()
+        try:
+            rep = fn(target.build_dir)
+        except BaseException:
+            target.abort()
+            raise
+        target.commit()
+    finally:
+        outputs.unlock_output(target.out)
     return rep
 
 
@@ -79,6 +90,9 @@ def say_already_complete(out: Path) -> None:
     """The message of a re-run of the same inputs and options on a finished dataset."""
     import json
 
+    from dlrmctl import outputs
+
+    outputs.unlock_output(out)
     meta = json.loads((out / "meta.json").read_text())
     rows = ", ".join(f"{s} {v.get('rows', 0):,}" for s, v in (meta.get("splits") or {}).items())
     typer.echo(f"{out}: already complete ({rows} rows), nothing to do; --force rebuilds it")

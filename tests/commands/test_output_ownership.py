@@ -143,3 +143,27 @@ def test_a_legal_long_name_gets_a_temporary_within_name_max(tmp_path):
 
 def test_predict_refuses_a_device_as_input_before_loading_anything(tmp_path):
     one_error_line(["predict", tmp_path / "m", "--input", "/dev/zero"], "/dev/zero", "not a regular file")
+
+
+def test_preprocess_takes_a_lock_on_its_output(tmp_path):
+    """Three identical preprocesses into one new directory failed two of them with raw errno lines;
+    a --force racing a plain run left the other's dataset while both reported success."""
+    out = tmp_path / "d"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dlrmctl import outputs; "
+                               f"outputs.lock_output({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        one_error_line(["preprocess", "synthetic", "--rows", "300", "--out", out], str(out),
+                       f"in use by a running dlrmctl (pid {holder.pid})")
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    r = CliRunner().invoke(app, ["preprocess", "synthetic", "--rows", "300", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # the lock file went with the lock
