@@ -186,6 +186,14 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
         check_train_splits(cfg, meta)
     if meta is None:  # the message the Trainer gives
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
+    if cfg.train.device == "cuda" and torch_build_cuda() is None:  # before any rank starts (each would refuse)
+        from importlib.metadata import version
+
+        fail(f"train.device=cuda but this torch build has no CUDA (torch {version('torch')}); install the gpu extra "
+             "(pip install 'dlrmctl[gpu]' with a CUDA torch) or use --set train.device=cpu")
+    if cfg.data.val_split == cfg.data.train_split:
+        echo(f"warning: data.val_split '{cfg.data.val_split}' is the training split: validation metrics (the best "
+             "checkpoint, early stopping) then measure rows the model trains on", err=True)
     if cfg.sharding.plan_file and (world > 1 or cfg.sharding.force):
         _check_plan_before_launch(cfg, world)
     elif world > 1 or cfg.sharding.force:  # the trainer's planner builds this topology on rank 0
@@ -196,6 +204,23 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
             topology_for_config(cfg, world)
         except (PlanError, OSError) as e:  # named by its config key
             raise PlanError(f"sharding.{'topology_file' if cfg.sharding.topology_file else 'device'}: {e}") from None
+
+
+def torch_build_cuda() -> str | None:
+    """The CUDA version the installed torch was built with (``torch.version.cuda``), read from
+    ``torch/version.py`` without importing torch; None for a CPU build (or no torch found)."""
+    import importlib.util
+    import re
+
+    spec = importlib.util.find_spec("torch")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        try:
+            with open(os.path.join(root, "version.py")) as f:
+                m = re.search(r"^cuda\b[^=\n]*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+        except OSError:
+            continue
+        return m.group(1) if m else None
+    return None
 
 
 def _check_plan_before_launch(cfg, world: int) -> None:

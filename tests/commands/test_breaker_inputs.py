@@ -167,3 +167,23 @@ def test_a_device_or_huge_file_as_config_is_refused_without_reading_it(tmp_path,
     one_error_line(["train", big], str(big), "larger than 32 MiB")
     one_error_line(["plan", _config(tmp_path, data), "--gpus", "2", "--topology", "/dev/zero"],
                    "/dev/zero", "not a regular file")
+
+
+def test_cuda_on_a_cpu_torch_build_is_refused_before_any_rank_starts(tmp_path, data):
+    from dlrmctl.commands.train import torch_build_cuda
+
+    if torch_build_cuda() is not None:
+        pytest.skip("this torch is built with CUDA")
+    one_error_line(["train", _config(tmp_path, data), "--nproc", 2, "--set", "train.device=cuda"],
+                   "train.device=cuda", "no CUDA")
+    assert not (tmp_path / "runs" / "b" / "logs").exists()  # no rank was launched
+
+
+def test_validating_on_the_training_split_warns(tmp_path, data):
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    r = CliRunner().invoke(app, ["train", str(_config(tmp_path, data)), "--set", "data.val_split=train"])
+    assert r.exit_code == 0, r.output
+    assert "warning: data.val_split 'train' is the training split" in r.output
