@@ -18,6 +18,7 @@ line naming the rank that failed first (not the first that noticed).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -28,7 +29,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 from dlrmctl.errors import Interrupted, UserError, interruptible
 from dlrmctl.procs import proc_stat
@@ -239,6 +240,22 @@ def _run_torchrun_through_this_interpreter(role: Any, nnodes: int) -> None:
     role.args = ["-m", "torch.distributed.run", *opts]
 
 
+@contextlib.contextmanager
+def scheduler_client(scheduler: str) -> Iterator[None]:
+    """Inside, a scheduler's command-line client missing from PATH (torchx runs ``bhosts``,
+    ``bjobs``, ``sbatch``, ... as subprocesses) is a :class:`LaunchError` naming the scheduler and
+    the program, not ``[Errno 2] No such file or directory: 'bhosts'``."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        prog = e.filename if isinstance(e.filename, str) else None
+        if prog is None or os.sep in prog:
+            raise
+        raise LaunchError(f"--scheduler {scheduler}: its client program `{prog}` is not installed here (not on "
+                          f"PATH); run dlrmctl on a machine of the {scheduler} cluster (a login node), or pick "
+                          "another --scheduler") from None
+
+
 def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, Any] | None = None,
            dry_run: bool = False, log_dir: str | None = None, wait: bool = True) -> int:
     """Run (or, with ``dry_run``, print) the AppDef from :func:`build_appdef` on a torchx scheduler.
@@ -276,7 +293,8 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
         cfg["log_dir"] = os.path.abspath(log_dir)
     if dry_run:
         print(format_appdef(app))
-        info = runner.dryrun(app, scheduler, cfg=cfg)
+        with scheduler_client(scheduler):
+            info = runner.dryrun(app, scheduler, cfg=cfg)
         print(f"\n# {scheduler} request:\n{info}")
         return 0
     if scheduler == LOCAL_SCHEDULER:  # the ranks end with this process, even when it is SIGKILLed
@@ -284,7 +302,8 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
 
         for r in app.roles:
             r.env[LAUNCHER_ENV] = process_token()
-    handle = runner.run(app, scheduler=scheduler, cfg=cfg)
+    with scheduler_client(scheduler):
+        handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
     if scheduler != LOCAL_SCHEDULER:
         print(handle, flush=True)

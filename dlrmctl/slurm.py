@@ -36,9 +36,13 @@ _REMEDIES = (
      "(--scheduler-arg partition=NAME)"),
     ("invalid account", "pass an account you may use: --scheduler-arg account=NAME (see `sacctmgr show assoc`)"),
     ("time limit", "ask for less time: --scheduler-arg time=HH:MM:SS within the partition's MaxTime"),
-    ("unable to contact slurm controller",
-     "the Slurm controller is unreachable: check that slurmctld runs (`scontrol ping`) and that SLURM_CONF / "
-     "/etc/slurm/slurm.conf names it"),
+    *((words, "the Slurm controller is unreachable: check that slurmctld runs (`scontrol ping`) and that "
+               "SLURM_CONF / /etc/slurm/slurm.conf names it")
+      for words in ("unable to contact slurm controller", "connection refused", "socket timed out",
+                    "zero bytes were transmitted", "communication connection failure")),
+    ("could not establish a configuration source",
+     "this machine has the Slurm client but no cluster configuration: run dlrmctl on a login node of the "
+     "cluster (or set SLURM_CONF to its slurm.conf)"),
     ("authentication", "munge authentication failed: check that munged runs and shares the cluster's key"),
 )
 
@@ -48,12 +52,16 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def remedy_for(message: str) -> str:
-    """What to change for a Slurm client's error ``message`` (a generic hint when it is not known)."""
+def remedy_for(message: str, submitting: bool = True) -> str:
+    """What to change for a Slurm client's error ``message``; a generic hint when it is not known:
+    the request's options when ``submitting`` (sbatch), else the job id and the cluster (status,
+    cancel: the request's options cannot help there)."""
     low = message.lower()
     for words, remedy in _REMEDIES:
         if words in low:
             return remedy
+    if not submitting:
+        return "check the job id (`squeue -u $USER`) and that the cluster answers (`scontrol ping`)"
     return ("change the request (--mem, --cpus-per-proc, --gpus-per-proc, --nproc, --scheduler-arg "
             "partition=/account=/time=)")
 
@@ -75,7 +83,8 @@ def run_client(argv: list[str], what: str, timeout: float = 60, check: bool = Tr
     if check and p.returncode != 0:
         msg = _last_line(p.stderr) or _last_line(p.stdout) or f"exit code {p.returncode}"
         msg = re.sub(r"^(?:\w+: )*error: ", "", msg)  # "sbatch: error: Batch job ..." -> "Batch job ..."
-        raise LaunchError(f"{what}: {os.path.basename(argv[0])}: {msg}; {remedy_for(msg)}")
+        tool = os.path.basename(argv[0])
+        raise LaunchError(f"{what}: {tool}: {msg}; {remedy_for(msg, submitting=tool == 'sbatch')}")
     return p
 
 
@@ -180,7 +189,7 @@ class SlurmScheduler(_tx.SlurmScheduler):
             from dlrmctl.launch import LaunchError
 
             raise LaunchError(f"cannot ask Slurm about job {app_id}: scontrol: {msg or p.returncode}; "
-                              f"{remedy_for(msg)}")
+                              f"{remedy_for(msg, submitting=False)}")
         return parse_scontrol(app_id, p.stdout)
 
 

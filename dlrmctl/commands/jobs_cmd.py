@@ -40,10 +40,11 @@ def parse_handle(handle: str) -> str:
 
 def _status(runner, handle: str):
     """The job's torchx status; LaunchError when the scheduler does not know it."""
-    from dlrmctl.launch import LaunchError
+    from dlrmctl.launch import LaunchError, scheduler_client
 
     try:
-        status = runner.status(handle)
+        with scheduler_client(handle.split("://", 1)[0]):
+            status = runner.status(handle)
     except (ValueError, KeyError) as e:  # an unknown scheduler name in the handle
         raise LaunchError(f"job handle {handle}: {e}") from None
     except ImportError as e:
@@ -137,7 +138,7 @@ def cancel(
     import time
 
     from dlrmctl.commands._common import check_number
-    from dlrmctl.launch import LaunchError, get_runner
+    from dlrmctl.launch import LaunchError, get_runner, scheduler_client
 
     check_number("--timeout", timeout, what="seconds")
     h = parse_handle(handle)
@@ -146,7 +147,8 @@ def cancel(
     if st.is_terminal():
         typer.echo(f"{h}: already ended {st.state}; nothing to cancel")
         return
-    runner.cancel(h)
+    with scheduler_client(h.split("://", 1)[0]):
+        runner.cancel(h)
     deadline = time.monotonic() + float(timeout or 0)
     while not st.is_terminal() and time.monotonic() < deadline:
         time.sleep(1)

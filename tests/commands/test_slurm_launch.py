@@ -122,3 +122,27 @@ def test_a_missing_scheduler_extra_is_one_line(monkeypatch):
                             "--gpus-per-proc", "0"])
     assert r.exit_code == 2 and "pip install 'dlrmctl[cluster]'" in r.output and "kubernetes" in r.output
     assert len([ln for ln in r.output.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_a_cancel_slurm_refuses_names_no_request_options(fake_slurm):
+    """`jobs cancel` and a controller Slurm cannot reach: the remedy named --mem / --cpus-per-proc."""
+    _fake(fake_slurm, "sacct", "exit 1")
+    _fake(fake_slurm, "scontrol", 'echo "JobId=9 JobName=worker-0 JobState=RUNNING Reason=None"')
+    _fake(fake_slurm, "scancel", "echo 'scancel: error: Kill job error on job id 9: Access/permission denied' >&2; "
+                                 "exit 1")
+    r = runner.invoke(app, ["jobs", "cancel", "9"])
+    assert r.exit_code == 2 and "Access/permission denied" in r.output, r.output
+    assert "--mem" not in r.output and "squeue" in r.output
+    _fake(fake_slurm, "scontrol", "echo 'scontrol: error: Could not establish a configuration source' >&2; exit 1")
+    r = runner.invoke(app, ["jobs", "status", "9"])
+    assert r.exit_code == 2 and "--mem" not in r.output and "login node" in r.output, r.output
+
+
+@pytest.mark.skipif(any(os.path.exists(os.path.join(d, "bjobs")) for d in os.environ["PATH"].split(os.pathsep)),
+                    reason="this machine has LSF's client")
+def test_a_scheduler_whose_client_is_not_installed_is_one_line_naming_it(fake_slurm):
+    r = runner.invoke(app, ["launch", "configs/demo.yaml", "--scheduler", "lsf", "--gpus-per-proc", "0"])
+    assert r.exit_code == 2 and "`bhosts` is not installed here" in r.output and "Traceback" not in r.output
+    for verb in ("status", "cancel"):
+        r = runner.invoke(app, ["jobs", verb, "lsf://dlrmctl/3"])
+        assert r.exit_code == 2 and "`bjobs` is not installed here" in r.output, r.output
