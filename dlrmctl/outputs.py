@@ -430,6 +430,21 @@ def _short(x: Any) -> str:
     return str(x)
 
 
+#: where ``train --overwrite`` keeps the previous run until the new one has a checkpoint
+REPLACED_DIR = ".dlrmctl_replaced"
+
+
+def set_aside_hint(run_dir: str | os.PathLike) -> str:
+    """``"; ..."`` telling that an interrupted ``train --overwrite`` set the previous run of
+    ``run_dir`` aside (and how it comes back), or ``""``: appended to the errors of ``evaluate``,
+    ``checkpoint inspect``, ``report`` on a run that has no checkpoint or metrics of its own."""
+    aside = Path(run_dir) / REPLACED_DIR
+    if not aside.is_dir():
+        return ""
+    return (f"; an interrupted `train --overwrite` set the previous run aside in {aside}: the next `dlrmctl "
+            "train` of this run (with or without --resume) puts it back, unless that run saves a checkpoint first")
+
+
 # ----------------------------------------------------------------------------- one writer at a time
 #: outputs locked by this process (real path -> the lock file's descriptor and path)
 _locks: dict[str, tuple[int, Path]] = {}

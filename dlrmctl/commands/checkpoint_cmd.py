@@ -272,12 +272,15 @@ def inspect(run_dir: str, checkpoint: str | None = None, verify: bool = False) -
             echo("  metrics      none recorded at this step")
         echo(f"  integrity    {r['integrity']}")
         return 0 if r["ok"] else 1
+    from dlrmctl.outputs import set_aside_hint
+
     rows = checkpoint_rows(run_dir, verify)
     stale = sorted(os.path.basename(p) for p in glob.glob(os.path.join(root, ".step_*.tmp")))
     if not rows:
         raise ckpt.CheckpointError(f"{run_dir}: no checkpoint ({root} holds none"
                                    + (f"; {', '.join(stale)} is a save that was interrupted" if stale else "")
-                                   + "); `dlrmctl train` writes them (train.checkpoint_every, and at the end)")
+                                   + "); `dlrmctl train` writes them (train.checkpoint_every, and at the end)"
+                                   + set_aside_hint(run_dir))
     total = sum(r["bytes"] or 0 for r in rows)
     echo(f"{show_path(run_dir)}: {len(rows)} checkpoint(s), {_fmt_bytes(total)}")
     pw = max(4, *(len(r["plan"]) for r in rows))

@@ -220,7 +220,10 @@ def register(app: typer.Typer) -> None:
         """Summary table and PNG plots (loss and val loss, AUC, throughput; best step, early stop, epochs) of a run."""
         path = os.path.join(run_dir, "metrics.jsonl")
         if not os.path.isfile(path):
-            fail(f"{run_dir}: no metrics.jsonl; not a training run directory, or the run has not logged yet")
+            from dlrmctl.outputs import set_aside_hint
+
+            fail(f"{run_dir}: no metrics.jsonl; not a training run directory, or the run has not logged yet"
+                 f"{set_aside_hint(run_dir)}")
         try:
             train, evals = read_metrics(run_dir)
         except (OSError, ValueError) as e:

@@ -134,7 +134,7 @@ RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metric
 
 
 #: where ``--overwrite`` keeps the run it replaces until the replacement has a complete checkpoint
-REPLACED_DIR = ".dlrmctl_replaced"
+REPLACED_DIR = outputs.REPLACED_DIR
 #: what a run writes in its directory: all that ``--overwrite`` sets aside and replaces; anything else
 #: (an export written into the run directory, the user's notes) stays where it is
 RUN_ENTRIES = frozenset((*RUN_OUTPUTS, ckpt.CKPT_DIR, "logs", ATTEMPT_MARKER, outputs.MARKER_NAME))

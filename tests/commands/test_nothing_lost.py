@@ -461,3 +461,14 @@ def test_reshard_out_never_writes_into_a_directory_that_holds_anything(tmp_path)
     (other / "keep.txt").write_text("mine")
     _one_error(_cli("checkpoint", "reshard", runs / "a", "--nproc", 1, "--out", other), "exists and is not empty")
     assert os.listdir(other) == ["keep.txt"]
+
+
+def test_a_run_set_aside_by_a_killed_overwrite_is_named_by_evaluate_inspect_and_report(tmp_path):
+    """A `train --overwrite` killed before its first checkpoint hides the old run in .dlrmctl_replaced
+    until the next train: evaluate, checkpoint inspect and report say so instead of only "no checkpoint"."""
+    run = tmp_path / "r"
+    (run / ".dlrmctl_replaced" / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: r\n")
+    (run / ".dlrmctl_attempt").write_text("1\n")
+    for args in (["evaluate", run], ["checkpoint", "inspect", run], ["report", run]):
+        _one_error(_cli(*args), str(run / ".dlrmctl_replaced"), "interrupted `train --overwrite`", "puts it back")

@@ -39,7 +39,9 @@ def resolve_resume(run_dir: str, which: str | None = None) -> ResumePoint | None
     latest = latest_checkpoint(run_dir)
     if which is None or str(which).strip().lower() in ("last", "latest"):
         if latest is None and which is not None:
-            raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing)")
+            from dlrmctl.outputs import set_aside_hint
+
+            raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing){set_aside_hint(run_dir)}")
         return None if latest is None else ResumePoint(latest, True)
     path, _ = resolve_checkpoint(run_dir, which)
     return ResumePoint(path, latest is not None and os.path.realpath(path) == os.path.realpath(latest))

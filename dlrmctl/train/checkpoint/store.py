@@ -131,7 +131,9 @@ def resolve_checkpoint(run_dir: str, which: str | None = None) -> tuple[str, str
     if w in ("last", "latest"):
         p = latest_checkpoint(run_dir)
         if p is None:
-            raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing)")
+            from dlrmctl.outputs import set_aside_hint
+
+            raise CheckpointError(f"{run_dir}: no checkpoint (checkpoints/{LATEST} is missing){set_aside_hint(run_dir)}")
         return p, f"last (step {step_of(p)})"
     if not (w.isascii() and w.isdigit()):
         raise CheckpointError(f"--checkpoint {which!r}: expected best, last, a step number or a checkpoint name "
