@@ -302,6 +302,12 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
 
         for r in app.roles:
             r.env[LAUNCHER_ENV] = process_token()
+    from dlrmctl.stall_watch import StallWatch, stall_limit_s
+
+    try:  # a local job's watchdog of stalled ranks (before anything starts: a bad value is one line)
+        limit_s = stall_limit_s() if scheduler == LOCAL_SCHEDULER else 0.0
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     with scheduler_client(scheduler):
         handle = runner.run(app, scheduler=scheduler, cfg=cfg)
     role = app.roles[0].name
@@ -312,14 +318,32 @@ def launch(app: Any, scheduler: str = LOCAL_SCHEDULER, scheduler_cfg: dict[str, 
                   "in this directory)", file=sys.stderr, flush=True)
             return 0
         return wait_job(runner, handle, role)
+    stalled: list[str] = []
+
+    def on_stall(rank: int, pid: int, what: str, seconds: float) -> None:
+        # the stalled rank cannot answer a SIGTERM: every process of the job is killed, the wait returns
+        stalled.append(f"rank {rank} (pid {pid}) has been {what} for {seconds:.0f} s; the other ranks wait for it "
+                       "in a collective: the job was stopped ($DLRMCTL_STALL_TIMEOUT_S sets the limit, 0 "
+                       "turns the watchdog off)")
+        for p, start in _job_processes(runner, handle):
+            if _same_process(p, start):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+
     try:
         # torchx's own handlers raise a SignalException that the log echo would swallow; a second
         # Ctrl-C must not interrupt the cancel that follows (keep_ignoring)
-        with interruptible(keep_ignoring=True):
+        with interruptible(keep_ignoring=True), StallWatch(lambda: [p for p, _ in _job_processes(runner, handle)],
+                                                            on_stall, limit_s):
             _echo_rank0(runner, handle, role)
             status = runner.wait(handle, wait_interval=1)
     except Interrupted as e:
         return _cancel(runner, handle, scheduler, e.signum, log_dir)
+    if stalled:
+        print(f"error: {stalled[0]}" + (f" (logs: {_show_path(log_dir)})" if log_dir else ""), file=sys.stderr)
+        return 1
     if status is not None and status.state == AppState.SUCCEEDED:
         return 0
     if scheduler == LOCAL_SCHEDULER and status is not None and status.ui_url.startswith("file://"):

@@ -1,0 +1,91 @@
+"""A stalled rank of a local ``train --nproc 2`` (SIGSTOP, a process frozen on I/O) hung the job
+silently for the whole collective timeout (30 min), and a lowered timeout named the healthy peer:
+the launcher's watchdog (:mod:`dlrmctl.stall_watch`) names the stalled rank within
+``$DLRMCTL_STALL_TIMEOUT_S`` and stops the job, one error line, exit 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dlrmctl.stall_watch import StallWatch, rank_of, stall_limit_s
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+
+
+def test_the_watchdog_names_a_stopped_rank_and_never_a_sleeping_one(monkeypatch):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "RANK": "0"})
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "RANK": "1"})
+    try:
+        time.sleep(0.5)
+        assert rank_of(stopped.pid) == 1
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        w = StallWatch(lambda: [sleeper.pid, stopped.pid], lambda *a: None, limit_s=5)
+        assert w.check(100.0) is None  # first seen stopped at t=100
+        assert w.check(104.0) is None
+        rank, pid, what, secs = w.check(105.5)
+        assert (rank, pid, secs) == (1, stopped.pid, 5.5) and "stopped" in what
+        os.kill(stopped.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        assert w.check(200.0) is None  # running again: the count starts over
+    finally:
+        for p in (sleeper, stopped):
+            p.kill()
+            p.wait()
+    monkeypatch.setenv("DLRMCTL_STALL_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="DLRMCTL_STALL_TIMEOUT_S"):
+        stall_limit_s()
+
+
+def _workers(text: str) -> dict[int, int]:
+    """rank -> pid of the rank processes whose command line mentions ``text``."""
+    out = {}
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                with open(f"/proc/{e}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if text.encode() in cmd and b"dlrmctl.train.worker" in cmd and rank_of(int(e)) is not None:
+                out[rank_of(int(e))] = int(e)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_path):
+    from dlrmctl.data.synthetic import generate_synthetic
+
+    generate_synthetic(tmp_path / "data", rows=3000, seed=0, num_embeddings=[50] * 26)
+    env = {**os.environ, "PYTHONPATH": REPO, "DLRMCTL_STALL_TIMEOUT_S": "5"}
+    cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
+           "--set", f"data.path={tmp_path / 'data'}", "--set", f"train.run_dir={tmp_path / 'runs'}",
+           "--set", "data.batch_size=8", "--set", "train.epochs=100", "--set", "train.progress=false"]
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        ranks: dict[int, int] = {}
+        while time.monotonic() < deadline and len(ranks) < 2:
+            time.sleep(1)
+            ranks = _workers(str(tmp_path))
+        assert len(ranks) == 2, p.poll()
+        time.sleep(15)  # past start-up: training
+        os.kill(ranks[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, err = p.communicate(timeout=120)
+        assert time.monotonic() - t0 < 60
+    finally:
+        for pid in _workers(str(tmp_path)).values():
+            os.kill(pid, signal.SIGKILL)
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, (p.returncode, err)
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and f"rank 1 (pid {ranks[1]}) has been stopped" in errors[0], err
