@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import gzip
 import hashlib
+import io
 import os
 import re
 from pathlib import Path
@@ -301,6 +302,38 @@ def open_text(path: Path):
     return open(path, "rb")
 
 
+class _Paced(io.RawIOBase):
+    """A readable file that returns at most :data:`READ_CHUNK` bytes a call.  Given a path, Arrow's
+    CSV / JSON readers read ahead on their I/O thread as fast as the disk allows: a file read faster
+    than it is transformed ends up in memory whole (peak RSS grew with the file's size); through
+    this reader they get the bytes as they ask for them."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self._f.read(min(len(b), READ_CHUNK))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+READ_CHUNK = 1 << 20
+
+
+def paced_input(path: str | os.PathLike) -> pa.NativeFile:
+    """A text input for Arrow's CSV / JSON readers (decompressed by its name's suffix: ``.gz``,
+    ``.bz2``, ``.zst``, ``.lz4``), read :data:`READ_CHUNK` bytes at a time as the parser asks
+    (:class:`_Paced`): memory does not grow with the file's size."""
+    return pa.PythonFile(_Paced(pa.input_stream(os.fspath(path), compression="detect")), mode="r")
+
+
 def decode_error(path: Path, e: BaseException) -> "DataError":
     """A file that cannot be decoded (a truncated ``.gz``, a plain file named ``.gz``: an OSError
     without an errno, EOFError) as the DataError naming it; an OS condition (errno) is re-raised."""
@@ -456,7 +489,7 @@ class BlockReader:
         types = {n: (pa.binary() if n.startswith("C") else int_t) for n in self.names}
         try:
             reader = pa_csv.open_csv(
-                str(self.path) if self.data is None else pa.BufferReader(self.data),
+                paced_input(self.path) if self.data is None else pa.BufferReader(self.data),
                 read_options=pa_csv.ReadOptions(column_names=self.names, use_threads=False,
                                                 block_size=self.block_size),
                 parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,

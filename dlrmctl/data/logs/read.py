@@ -16,14 +16,13 @@ import csv
 import dataclasses
 import io
 import os
-from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
-from dlrmctl.data.criteo.parse import block_lines
+from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "iter_batches"]
@@ -71,43 +70,11 @@ class RowBatch:
                                    keys=self.keys[keep])
 
 
-class _Chunked(io.RawIOBase):
-    """A readable file that returns at most :data:`READ_CHUNK` bytes a call.  Given a path, Arrow's
-    CSV / JSON readers read ahead on their I/O thread as fast as the disk allows: a file read faster
-    than it is transformed ends up in memory whole (peak RSS grew with the file's size); through
-    this reader they get the bytes as they ask for them."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self._f.read(min(len(b), READ_CHUNK))
-        b[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-READ_CHUNK = 1 << 20
-
-
 def _text_stream(path: str | os.PathLike, data: bytes | None):
     """The bytes of a text input (decompressed by its name's suffix), read as the parser asks."""
     if data is not None:
         return pa.BufferReader(data)
-    name = os.fspath(path)
-    if name.endswith((".gz", ".bz2")):
-        from dlrmctl.data.criteo.parse import open_text
-
-        f = open_text(Path(name))
-    else:
-        f = pa.input_stream(name, compression="detect")
-    return pa.PythonFile(_Chunked(f), mode="r")
+    return paced_input(path)
 
 
 def _first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
