@@ -23,7 +23,9 @@ number of worker processes used = min(--workers, files)), rows per CPU second (u
 run and its workers: the per-core rate a loaded machine's wall clock hides; start-up and imports
 included), the steady rate inside the workers of
 the transform pass, the peak RSS of the main process and the largest peak RSS of any worker
-(``getrusage`` ``ru_maxrss``; the main process alone when it runs the files itself).
+(the main process: ``VmHWM`` of ``/proc/self/status`` where there is one -- Linux carries
+``ru_maxrss`` across ``exec``, so it would report the generating parent's peak --, else
+``getrusage`` ``ru_maxrss``; workers: ``ru_maxrss`` of the children).
 Goals (issue 13): >= 300k rows/s per core with vocabulary; hashing >= 650k rows/s per core.
 
 Usage: python scripts/bench_preprocess.py [--rows N | --input PATH] [--files F] [--workers W]
@@ -76,6 +78,19 @@ def make_tsv(path: Path, rows: int, seed: int = 0) -> None:
                      pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none"))
 
 
+def _own_peak_rss() -> int | None:
+    """This process's own peak RSS in bytes (``VmHWM``: the high-water mark of this process image,
+    which ``ru_maxrss`` is not after an ``exec``), or None without ``/proc``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _run_one(args: argparse.Namespace) -> None:
     """Child: one preprocess run; prints a JSON line with its figures."""
     from dlrmctl.data.criteo.parse import CriteoOptions, expand_inputs
@@ -110,7 +125,7 @@ def _run_one(args: argparse.Namespace) -> None:
         "procs": min(args.workers, len(files)),
         "cpu": sum(getattr(resource.getrusage(w), f) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
                    for f in ("ru_utime", "ru_stime")),
-        "rss_main": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb,
+        "rss_main": _own_peak_rss() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kb,
         "rss_worker": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kb,
         "vocab": [f.get("num_embeddings") for f in json.loads((out / "meta.json").read_text())["sparse_features"]],
     }))
