@@ -26,6 +26,9 @@ def serve_command(
     max_queue_rows: int = typer.Option(65536, "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After"),
     max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="largest infer request body in MiB; "
                                                                          "beyond, 413"),
+    max_ids_per_row: int = typer.Option(1024, "--max-ids-per-row", help="ids a request may carry per row, all features "
+                                                                        "together (checked before its data is read); "
+                                                                        "beyond, 400"),
     workers: int = typer.Option(1, "--workers", help="forward threads per process (each takes the next batch; the "
                                                      "intra-op threads are divided among them)"),
     processes: int = typer.Option(1, "--processes", help="server processes sharing the port (SO_REUSEPORT), each with "
@@ -41,6 +44,7 @@ def serve_command(
                  what="milliseconds (at most --max-delay-ms)")
     check_number("--max-queue-rows", max_queue_rows, what="rows")
     check_number("--max-request-mb", max_request_mb, maximum=65536.0, what="MiB")
+    check_number("--max-ids-per-row", max_ids_per_row, maximum=1 << 24, what="ids")
     check_number("--workers", workers, maximum=256, what="forward threads")
     check_number("--processes", processes, maximum=256, what="server processes")
     if name is not None:
@@ -71,7 +75,8 @@ def serve_command(
     sock = bind(host, port, reuse_port=processes > 1)
     addr = sock.getsockname()
     options = dict(max_batch_rows=max_batch_rows, max_delay_ms=max_delay_ms, min_delay_ms=min_delay_ms,
-                   max_queue_rows=max_queue_rows, workers=workers, max_request_mb=max_request_mb)
+                   max_queue_rows=max_queue_rows, workers=workers, max_request_mb=max_request_mb,
+                   max_ids_per_row=max_ids_per_row)
     try:
         others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options)
     except ServeError:

@@ -81,3 +81,116 @@ def test_serve_name_with_a_slash_is_refused_before_the_model_is_loaded(tmp_path)
     assert r.exit_code == 2, r.output
     assert r.output.startswith("error: --name: model name 'a/b' cannot be served as /v2/models/{name}"), r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------- JSON tensors without lists
+@pytest.mark.parametrize("data", [
+    list(range(-40, 40)), [float(x) / 7 for x in range(-30, 30)], [[1.5, -2e-3, 3E+2, 4] * 5, [5, 6, 7, 8] * 5],
+    [[[1, 2], [3, 4]] * 10, [[5, 6], [7, 8]] * 10], [9223372036854775807, -9223372036854775808] * 10,
+])
+def test_numeric_arrays_cut_from_the_json_parse_to_what_json_loads_gives(data):
+    from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, parse_numbers
+
+    body = json.dumps({"id": 'x "data": [1, 2]', "inputs": [{"name": "a", "shape": [1], "data": data}]}).encode()
+    text, arrays = cut_numeric_arrays(body)
+    req = json.loads(text)
+    assert req["id"] == 'x "data": [1, 2]' and len(arrays) == 1 and req["inputs"][0]["data"] == {SPAN_KEY: 0}
+    want = np.array(data, dtype=object).reshape(-1)
+    integer = all(type(x) is int for x in want)
+    got = parse_numbers(arrays[0], integer=integer)
+    assert got.dtype == (np.int64 if integer else np.float64)
+    np.testing.assert_array_equal(got, np.array(want.tolist(), dtype=got.dtype))
+
+
+@pytest.mark.parametrize("span", [b"[1, ,2" + b", 3" * 30 + b"]", b"[1,2" + b", 3" * 30 + b",]", b"[[],[1" + b", 3" * 30 + b"]]",
+                                  b"[1.5" + b", 3" * 30 + b"]"])
+def test_arrays_that_are_not_plain_integers_are_left_to_json(span):
+    from dlrmctl.inference.serve.json_tensors import parse_numbers
+
+    assert parse_numbers(span, integer=True) is None
+
+
+def test_json_tensors_decode_as_before_and_bad_data_is_named():
+    """Through decode_request: JSON ids and dense values (cut-out arrays) equal the binary request's;
+    a float among INT64 ids, an INT32 out of range, a trailing comma and a forged placeholder are 400s."""
+    from dlrmctl.inference.serve.protocol import BadRequest, ModelSpec, decode_request
+
+    spec = ModelSpec("m", 1, ["a", "b"], [], {"a": 1000, "b": 1000}, "error", False)
+    rng = np.random.default_rng(0)
+    dense, a, b = rng.random((50, 1), dtype=np.float32), rng.integers(0, 1000, 50), rng.integers(0, 1000, 50)
+
+    def body(a_data, dt="INT64"):
+        return json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [50, 1], "data": dense.tolist()},
+                                      {"name": "a", "datatype": dt, "shape": [50], "data": a_data},
+                                      {"name": "b", "datatype": "INT64", "shape": [50], "data": b.tolist()}]}).encode()
+
+    rows, _ = decode_request(body(a.tolist()), None, spec, None)
+    np.testing.assert_array_equal(rows.dense, dense)
+    np.testing.assert_array_equal(rows.values, np.concatenate([a, b]))
+    for bad, dt, msg in ((a.tolist()[:-1] + [1.5], "INT64", "input 'a': data is not a list of INT64 numbers"),
+                         (a.tolist()[:-1] + [1 << 40], "INT32", "input 'a': data is not a list of INT32 numbers")):
+        with pytest.raises(BadRequest, match=msg):
+            decode_request(body(bad, dt), None, spec, None)
+    with pytest.raises(BadRequest, match="not JSON"):
+        decode_request(body(a.tolist()).replace(b"]}, {\"name\": \"b\"", b",]}, {\"name\": \"b\""), None, spec, None)
+    forged = body(a.tolist()).replace(json.dumps(a.tolist()).encode(), b'{"\\u0000": 7}')
+    with pytest.raises(BadRequest, match="must be a \\(nested\\) list"):
+        decode_request(forged, None, spec, None)
+
+
+def test_a_body_of_a_million_ids_for_one_row_is_refused_before_its_data_is_read():
+    """1 row with 1M ids (3 MB of JSON): a 400 naming --max-ids-per-row, decided from the shapes, with
+    memory of the order of the body (Python lists of the ids took ~150x the body)."""
+    import tracemalloc
+
+    from dlrmctl.inference.serve.protocol import BadRequest, ModelSpec, decode_request
+
+    spec = ModelSpec("m", 1, ["a"], [], {"a": 10}, "error", False)
+    ids = np.arange(1_000_000) % 10
+    body = json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [1, 1], "data": [0.5]},
+                                  {"name": "a", "datatype": "INT64", "shape": [ids.size], "data": ids.tolist()},
+                                  {"name": "a.lengths", "datatype": "INT64", "shape": [1], "data": [ids.size]}]}).encode()
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadRequest) as e:
+            decode_request(body, None, spec, None)
+        assert str(e.value) == ("the request has 1,000,000 ids for 1 row(s): more than 1,024 per row (all features "
+                                "together; --max-ids-per-row); split it or raise the bound")
+        assert tracemalloc.get_traced_memory()[1] < 2 * len(body)
+        # allowed by a larger bound: parsed in C, 8 bytes an id (no list of Python ints)
+        tracemalloc.reset_peak()
+        rows, _ = decode_request(body, None, ModelSpec("m", 1, ["a"], [], {"a": 10}, "error", False, 1 << 20), None)
+        np.testing.assert_array_equal(rows.values, ids)
+        assert tracemalloc.get_traced_memory()[1] < 3 * len(body) + 40 * ids.size  # lists: ~150x the body
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
+    import threading
+
+    import dlrmctl.inference.serve.app as app_module
+
+    threads = []
+    real = app_module.decode_request
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "decode_request", spy)
+    model = FakeModel()
+    app = build_app(model, "m", max_delay_ms=0)
+    n = 40_000  # ~0.4 MB of JSON
+    big = json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [n, 1], "data": [0.5] * n},
+                                 {"name": "a", "datatype": "INT64", "shape": [n], "data": [1] * n},
+                                 {"name": "b", "datatype": "INT64", "shape": [n], "data": [2] * n}]}).encode()
+    assert len(big) >= app.OFF_LOOP_BYTES
+
+    async def check():
+        assert (await post(app, infer_body(0.5)))[0] == 200
+        code, out = await post(app, big)
+        assert code == 200 and len(out["outputs"][0]["data"]) == n
+
+    run_app(app, check)
+    assert threads[0] == "MainThread" and threads[1].startswith("dlrmctl-serve-decode"), threads

@@ -3,17 +3,58 @@ per-request routing, validation or response classes), every other endpoint (heal
 metrics) and the lifespan (which runs the :class:`~dlrmctl.inference.serve.batcher.Batcher`) on FastAPI."""
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
+import numpy as np
+
 from dlrmctl.inference.serve.batcher import Batcher, Metrics, QueueFull
-from dlrmctl.inference.serve.protocol import (VERSIONS, BadRequest, ModelSpec, RawTransform, decode_request, infer_response,
+from dlrmctl.inference.serve.protocol import (RAW_INPUT, VERSIONS, BadRequest, ModelSpec, decode_request, infer_response,
                                               json_error, no_version)
 
 log = logging.getLogger("dlrmctl.serve")
+
+
+class RawTransform:
+    """Raw log lines (the ``raw`` input) -> the model's tensors, through ``dlrmctl predict``'s transform
+    (:func:`~dlrmctl.inference.predict.raw_transformer`) of the model's training preprocessing.
+
+    Args:
+        model: an :class:`~dlrmctl.inference.export.ExportedModel` whose spec has ``raw`` set.
+        spec: its :class:`ModelSpec` (the feature order of the ids returned).
+    """
+
+    def __init__(self, model: Any, spec: ModelSpec) -> None:
+        from dlrmctl.inference.predict import raw_transformer
+
+        self._tr, self._data_features = raw_transformer(model)
+        df = self._data_features
+        self._cols = [df.index(f) for f in spec.features] if all(f in df for f in spec.features) else None
+
+    def __call__(self, lines: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """``lines`` (``n`` raw lines) -> ``(dense [n, D] float32, ids [n, F] int64 in the model's feature order)``.
+
+        Raises:
+            BadRequest: a line the transform refuses (naming its element), or raw lines that lack
+                some of the model's features.
+        """
+        from dlrmctl.data.columnar import DataError
+
+        try:
+            dense, ids, _ = self._tr.lines(lines, RAW_INPUT)
+        except DataError as e:
+            msg = str(e)
+            for pre in (f"{e.path}:{e.line}: ", f"{e.path}: "):
+                msg = msg.removeprefix(pre)
+            where = f" element {e.line - 1}" if e.line is not None else ""
+            raise BadRequest(f"input '{RAW_INPUT}'{where}: {msg}") from None
+        if self._cols is None:
+            raise BadRequest(f"input '{RAW_INPUT}': the raw lines' features {self._data_features} lack some of the model's")
+        return dense, ids[:, self._cols]
 
 
 async def _send(send: Callable, code: int, body: bytes, headers: list | None = None) -> None:
@@ -42,17 +83,20 @@ class App:
     """
 
     _PREFIX = "/v2/models/"
+    #: bodies at least this long are decoded on a thread of their own, not on the event loop (which
+    #: keeps answering health checks and small requests meanwhile)
+    OFF_LOOP_BYTES = 256 * 1024
 
     def __init__(self, model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
                  max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
-                 max_request_mb: float = 64.0, min_delay_ms: float = 0.0) -> None:
+                 max_request_mb: float = 64.0, min_delay_ms: float = 0.0, max_ids_per_row: int = 1024) -> None:
         from fastapi import FastAPI
 
         self.model, self.name = model, name
         self.max_batch_rows, self.max_delay_ms, self.max_queue_rows = max_batch_rows, max_delay_ms, max_queue_rows
         self.workers, self.max_request_mb, self.min_delay_ms = workers, max_request_mb, min_delay_ms
         self.max_body = int(max_request_mb * 2**20)
-        self.spec = ModelSpec.of(model, name)
+        self.spec = ModelSpec.of(model, name, max_ids_per_row)
         self.metrics = Metrics(max_batch_rows)
         self.metrics.process.labels(str(os.getpid()), process).set(1)
         self._ok = self.metrics.requests.labels("200")
@@ -61,6 +105,7 @@ class App:
         self.ready = False
         self._arriving = 0  # infer requests begun on the event loop and not yet queued or refused
         self._flush_due = False
+        self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dlrmctl-serve-decode")
         self.api = FastAPI(title="dlrmctl serve", lifespan=self._lifespan, docs_url=None, redoc_url=None)
         self.api.state.metrics = self.metrics
         self.api.state.spec = self.spec
@@ -97,6 +142,7 @@ class App:
         yield
         self.ready = False
         await asyncio.get_running_loop().run_in_executor(None, self.batcher.stop)
+        self._decoder.shutdown(wait=False)
 
     def _forward(self, dense, values, lengths, weights):
         return self.model.logits(dense, values, lengths, weights)
@@ -226,7 +272,11 @@ class App:
                         return
                     hlen = int(v)
             try:
-                rows, req = decode_request(data, hlen, self.spec, self.transform)
+                if len(data) >= self.OFF_LOOP_BYTES:
+                    rows, req = await asyncio.get_running_loop().run_in_executor(
+                        self._decoder, decode_request, data, hlen, self.spec, self.transform)
+                else:
+                    rows, req = decode_request(data, hlen, self.spec, self.transform)
                 fut = self.batcher.submit(rows)
             except BadRequest as e:
                 code, reason, body = 400, "bad_request", json_error(str(e))
@@ -276,7 +326,8 @@ class App:
 
 def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
               max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
-              max_request_mb: float = 64.0, min_delay_ms: float = 0.0) -> App:
+              max_request_mb: float = 64.0, min_delay_ms: float = 0.0, max_ids_per_row: int = 1024) -> App:
     """The ASGI app (:class:`App`) serving ``model`` (an :class:`~dlrmctl.inference.export.ExportedModel`)
     as ``name``; ``process`` labels this server process in ``dlrmctl_serve_process_info``."""
-    return App(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb, min_delay_ms)
+    return App(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb, min_delay_ms,
+               max_ids_per_row)

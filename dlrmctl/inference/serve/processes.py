@@ -158,7 +158,7 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
 
 def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
           workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False,
-          max_request_mb: float = 64.0, min_delay_ms: float = 0.0) -> str | None:
+          max_request_mb: float = 64.0, min_delay_ms: float = 0.0, max_ids_per_row: int = 1024) -> str | None:
     """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
     backlog) until SIGTERM / SIGINT; every request received is answered first.
 
@@ -178,7 +178,7 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
     import uvicorn
 
     app = build_app(model, name, max_batch_rows, max_delay_ms, max_queue_rows, workers, process, max_request_mb,
-                    min_delay_ms)
+                    min_delay_ms, max_ids_per_row)
     http, loop = http_stack()
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", http=http, loop=loop,
                             timeout_graceful_shutdown=60, backlog=2048)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dlrmctl.errors import UserError
+from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, parse_numbers
 
 
 #: Open Inference Protocol datatype -> numpy dtype (the ones this server reads)
@@ -43,6 +44,8 @@ class ModelSpec:
         rows: feature -> the smallest table row count it feeds (ids must be below it under ``error``).
         on_invalid_id: ``error`` (an id outside its table is a 400) or ``zero`` (dropped by the model).
         raw: whether raw lines can be scored (the manifest records the preprocessing, no weighted features).
+        max_ids_per_row: ids a request may carry per row of ``dense`` on average, all features together
+            (``--max-ids-per-row``): checked on the declared shapes before any data is parsed.
     """
 
     name: str
@@ -52,8 +55,10 @@ class ModelSpec:
     rows: dict[str, int]
     on_invalid_id: str
     raw: bool
+    max_ids_per_row: int = 1024
     known: frozenset = field(init=False, repr=False)
     length_names: list[str] = field(init=False, repr=False)
+    feature_set: frozenset = field(init=False, repr=False)
     limits: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -62,10 +67,11 @@ class ModelSpec:
         self.length_names = [f"{f}.lengths" for f in self.features]
         self.known = frozenset({DENSE_INPUT, *self.features, *self.length_names,
                                 *(f"{f}.weights" for f in self.weighted)} | ({RAW_INPUT} if self.raw else set()))
+        self.feature_set = frozenset(self.features)
         self.limits = np.array([self.rows.get(f, np.iinfo(np.int64).max) for f in self.features], np.int64)
 
     @classmethod
-    def of(cls, model: Any, name: str) -> "ModelSpec":
+    def of(cls, model: Any, name: str, max_ids_per_row: int = 1024) -> "ModelSpec":
         """From an :class:`~dlrmctl.inference.export.ExportedModel`."""
         m = model.manifest
         rows: dict[str, int] = {}
@@ -75,7 +81,7 @@ class ModelSpec:
         return cls(name=name, num_dense=model.num_dense, features=list(model.feature_names),
                    weighted=list(model.weighted_features), rows=rows,
                    on_invalid_id=str(m.get("on_invalid_id", "error")),
-                   raw=_has_raw_transform(m) and not model.weighted_features)
+                   raw=_has_raw_transform(m) and not model.weighted_features, max_ids_per_row=max_ids_per_row)
 
     def metadata(self, platform: str) -> dict:
         """The ``GET /v2/models/{name}`` body (Open Inference Protocol model metadata)."""
@@ -160,7 +166,8 @@ _LE = {k: np.dtype(v).newbyteorder("<") for k, v in _NP.items()}
 _ITEM = {k: v.itemsize for k, v in _LE.items()}
 
 
-def _tensor(inp: Any, binary: memoryview | None, pos: int) -> tuple[str, str, list[int], np.ndarray | list, int]:
+def _tensor(inp: Any, binary: memoryview | None, pos: int,
+            arrays: list[bytes]) -> tuple[str, str, list[int], np.ndarray | list, int]:
     """``(name, datatype, shape, data, pos after it)`` of one request input (JSON ``data`` or the
     binary chunk at ``pos``: a zero-copy ``np.frombuffer`` view)."""
     if not isinstance(inp, dict):
@@ -208,7 +215,28 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int) -> tuple[str, str, li
         raw = inp.get("data")
         if raw is None:
             raise BadRequest(f"input '{name}': no 'data' (and no binary_data_size)")
-        if dt == "BYTES":
+        fast = None
+        if type(raw) is dict and SPAN_KEY in raw:  # a numeric array cut out of the JSON (json_tensors)
+            k = raw[SPAN_KEY]
+            if type(k) is not int or not 0 <= k < len(arrays):
+                raise BadRequest("tensor 'data' must be a (nested) list")
+            span = arrays[k]
+            if dt == "BYTES":
+                raise BadRequest(f"input '{name}': BYTES data must be strings")
+            fast = parse_numbers(span, integer=not dt.startswith("FP"))
+            if fast is None:  # not plain numbers: decoded as JSON, refused or read below
+                try:
+                    raw = json.loads(span)
+                except ValueError as e:
+                    raise BadRequest(f"the request body is not JSON: input '{name}' data: {e}") from None
+        if fast is not None:
+            if dt not in _NP:
+                raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
+            info = np.iinfo(_NP[dt]) if dt.startswith("INT") else None
+            if info is not None and fast.size and (fast.min() < info.min or fast.max() > info.max):
+                raise BadRequest(f"input '{name}': data is not a list of {dt} numbers")
+            data = fast.astype(_NP[dt], copy=False)
+        elif dt == "BYTES":
             flat = _flatten(raw)
             if not all(isinstance(x, str) for x in flat):
                 raise BadRequest(f"input '{name}': BYTES data must be strings")
@@ -255,6 +283,27 @@ def _want(name: str, got: tuple, datatype: str, ndim: int) -> np.ndarray:
     return data
 
 
+def _check_id_count(inputs: list, spec: ModelSpec) -> None:
+    """Refuse a request whose declared id shapes exceed ``spec.max_ids_per_row`` per row of ``dense``
+    (1 row when ``dense`` is absent or malformed), before any data is parsed or copied.
+
+    Raises:
+        BadRequest: naming the ids, the rows and the bound.
+    """
+    rows, ids = 1, 0
+    for inp in inputs:
+        shape = inp.get("shape") if isinstance(inp, dict) else None
+        if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
+            continue
+        if inp.get("name") == DENSE_INPUT and shape:
+            rows = max(shape[0], 1)
+        elif inp.get("name") in spec.feature_set:
+            ids += math.prod(shape)
+    if ids > rows * spec.max_ids_per_row:
+        raise BadRequest(f"the request has {ids:,} ids for {rows:,} row(s): more than {spec.max_ids_per_row:,} per row "
+                         "(all features together; --max-ids-per-row); split it or raise the bound")
+
+
 def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
                    transform: Callable[[list[bytes]], tuple[np.ndarray, np.ndarray]] | None) -> tuple[Rows, dict]:
     """Decode and check one ``/infer`` body against the model's contract.
@@ -279,16 +328,18 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         raise BadRequest(f"Inference-Header-Content-Length {header_length} is outside the body's {len(body)} bytes")
     head = body if header_length is None else body[:header_length]
     binary = None if header_length is None else memoryview(body)[header_length:]
+    head, arrays = cut_numeric_arrays(head)
     try:
         req = json.loads(head)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not JSON: {e}") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list) or not req["inputs"]:
         raise BadRequest("the request must be a JSON object with a non-empty 'inputs' list")
+    _check_id_count(req["inputs"], spec)
     pos = 0
     got: dict[str, tuple[str, list[int], Any]] = {}
     for inp in req["inputs"]:
-        name, dt, shape, data, pos = _tensor(inp, binary, pos)
+        name, dt, shape, data, pos = _tensor(inp, binary, pos, arrays)
         if name in got:
             raise BadRequest(f"input '{name}' is given twice")
         got[name] = (dt, shape, data)
@@ -421,40 +472,3 @@ def json_error(msg: str) -> bytes:
     return json.dumps({"error": msg}, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-
-class RawTransform:
-    """Raw log lines (the ``raw`` input) -> the model's tensors, through ``dlrmctl predict``'s transform
-    (:func:`~dlrmctl.inference.predict.raw_transformer`) of the model's training preprocessing.
-
-    Args:
-        model: an :class:`~dlrmctl.inference.export.ExportedModel` whose spec has ``raw`` set.
-        spec: its :class:`ModelSpec` (the feature order of the ids returned).
-    """
-
-    def __init__(self, model: Any, spec: ModelSpec) -> None:
-        from dlrmctl.inference.predict import raw_transformer
-
-        self._tr, self._data_features = raw_transformer(model)
-        df = self._data_features
-        self._cols = [df.index(f) for f in spec.features] if all(f in df for f in spec.features) else None
-
-    def __call__(self, lines: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """``lines`` (``n`` raw lines) -> ``(dense [n, D] float32, ids [n, F] int64 in the model's feature order)``.
-
-        Raises:
-            BadRequest: a line the transform refuses (naming its element), or raw lines that lack
-                some of the model's features.
-        """
-        from dlrmctl.data.columnar import DataError
-
-        try:
-            dense, ids, _ = self._tr.lines(lines, RAW_INPUT)
-        except DataError as e:
-            msg = str(e)
-            for pre in (f"{e.path}:{e.line}: ", f"{e.path}: "):
-                msg = msg.removeprefix(pre)
-            where = f" element {e.line - 1}" if e.line is not None else ""
-            raise BadRequest(f"input '{RAW_INPUT}'{where}: {msg}") from None
-        if self._cols is None:
-            raise BadRequest(f"input '{RAW_INPUT}': the raw lines' features {self._data_features} lack some of the model's")
-        return dense, ids[:, self._cols]
