@@ -18,16 +18,36 @@ requests/s that the machine's CPUs could carry if client and server used every o
 Last, the floor of 1-row requests here: the same client at the highest concurrency against a *free*
 server (uvicorn on ``dlrmctl serve``'s HTTP stack answering a canned 1-row response, no model), whose
 client CPU per request bounds what any server can reach with this client on this machine.
+
+Side by side with the reference server (``--versus-kserve``)::
+
+    python scripts/bench_serve.py MODEL_DIR --input RAW.tsv --versus-kserve [--seconds 8] [--rounds 2]
+
+``dlrmctl serve`` (its defaults) and KServe's own Python ``ModelServer`` (``scripts/kserve_peer.py``)
+serve the same ``model.pt2`` with the same work per request (JSON tensors ``dense`` ``[B, D]`` + one
+INT64 ``[B]`` tensor per feature -> the program -> ``score``), checked first to answer equal scores.
+The load is ``wrk`` (C, one thread, ``--wrk``; Debian's ``apt-get install wrk``) with a Lua script
+cycling through 32 different request bodies, for ``--seconds`` a cell at rows/request 1 and 64 x
+concurrency 1 and 64; the two servers alternate, each started afresh, ``--rounds`` times; both listen
+on 127.0.0.1 only and get ``--threads`` (1) intra-op threads.  KServe runs in its own virtual environment (``--kserve-venv``, default
+``.venv-kserve``, git-ignored), created on first use with ``python -m venv`` and ``pip install
+kserve==0.21.0 torch==<this torch's version>`` (KServe pins its own FastAPI, uvicorn, pydantic...; the
+same torch loads the same program).  Prints a Markdown table: rows/s of each server (the range over
+the rounds), the ratio, p50 and p99 latency, and each server's CPU per request (``/proc``).
 """
 
 import argparse
+import json
 import os
 import re
 import resource
 import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -193,6 +213,166 @@ def load(url: str, name: str, dense, ids, features, rows: int, conc: int, second
     return len(a) * rows / wall, float(np.percentile(a, 50)), float(np.percentile(a, 99)), len(a), ccpu
 
 
+# ---------------------------------------------------------------- side by side with KServe, loaded by wrk
+KSERVE_VERSION = "0.21.0"
+
+
+def ensure_kserve_venv(venv: str) -> str:
+    """Create ``venv`` with ``kserve`` and this process's torch version if it lacks them; return its python.
+
+    Raises:
+        SystemExit(2): a step failed (named, with the tail of its output), or ``import kserve, torch``
+            fails in the venv afterwards.
+    """
+    from importlib.metadata import version
+
+    venv = os.path.abspath(venv)
+    py = os.path.join(venv, "bin", "python")
+
+    def ok() -> bool:
+        return os.path.exists(py) and subprocess.run([py, "-c", "import kserve, torch"], capture_output=True,
+                                                     cwd="/").returncode == 0
+
+    if ok():
+        return py
+    steps = [] if os.path.exists(py) else [[sys.executable, "-m", "venv", venv]]
+    steps.append([py, "-m", "pip", "install", f"kserve=={KSERVE_VERSION}", f"torch=={version('torch').split('+')[0]}"])
+    for cmd in steps:
+        print(f"[bench_serve] {' '.join(cmd)}", file=sys.stderr, flush=True)
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            raise SystemExit(f"bench_serve: cannot create the KServe venv {venv!r}: `{' '.join(cmd)}` exited "
+                             f"{p.returncode}:\n{(p.stdout + p.stderr)[-3000:]}")
+    if not ok():
+        raise SystemExit(f"bench_serve: the venv {venv!r} was created but `import kserve, torch` fails in it")
+    return py
+
+
+def json_bodies(dense, ids, features, rows: int, count: int = 32) -> list[bytes]:
+    """``count`` infer bodies of ``rows`` consecutive rows each (JSON tensors, the ``score`` output asked)."""
+    out = []
+    for k in range(count):
+        s = (k * rows) % (len(dense) - rows)
+        ins = [{"name": "dense", "datatype": "FP32", "shape": [rows, int(dense.shape[1])],
+                "data": dense[s:s + rows].reshape(-1).tolist()}]
+        ins += [{"name": f, "datatype": "INT64", "shape": [rows], "data": ids[s:s + rows, j].tolist()}
+                for j, f in enumerate(features)]
+        out.append(json.dumps({"inputs": ins, "outputs": [{"name": "score"}]}, separators=(",", ":")).encode())
+    return out
+
+
+def post_scores(url: str, name: str, body: bytes) -> np.ndarray:
+    req = urllib.request.Request(f"http://{url}/v2/models/{name}/infer", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out = json.loads(r.read())
+    return np.array(next(o for o in out["outputs"] if o["name"] == "score")["data"], np.float64)
+
+
+WRK_LUA = """
+bodies = {%s}
+local i = 0
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format(nil, "%s", nil, bodies[i])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d %%d\\n", summary.requests, summary.duration,
+    latency:percentile(50), latency:percentile(99), e.status, e.connect + e.read + e.write + e.timeout))
+end
+"""
+
+
+def wrk_cell(wrk: str, url: str, path: str, bodies: list[bytes], conc: int, seconds: float) -> dict:
+    """``wrk -t1 -c{conc}`` posting ``bodies`` in turn to ``url + path`` for ``seconds``:
+    requests, rows/s (by the caller), p50 / p99 ms, non-2xx answers and socket errors."""
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(WRK_LUA % (",".join(f"[==[{b.decode()}]==]" for b in bodies), path))
+    try:
+        p = subprocess.run([wrk, "-t1", f"-c{conc}", f"-d{max(1, round(seconds))}s", "--timeout", "30s", "-s", f.name,
+                            f"http://{url}"], capture_output=True, text=True, timeout=seconds + 120)
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"RESULT (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)", p.stdout)
+    if p.returncode != 0 or not m:
+        raise SystemExit(f"bench_serve: wrk failed ({p.returncode}): {(p.stdout + p.stderr)[-2000:]}")
+    n, us, p50, p99, bad, sock = (int(x) for x in m.groups())
+    return {"requests": n, "seconds": us / 1e6, "p50": p50 / 1000, "p99": p99 / 1000, "non_2xx": bad, "socket_errors": sock}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def versus_kserve(a: argparse.Namespace) -> None:
+    """The side-by-side table (module doc)."""
+    wrk = shutil.which(a.wrk) or a.wrk
+    if not os.path.exists(wrk):
+        raise SystemExit(f"bench_serve: {a.wrk!r} not found: install wrk (Debian: apt-get install wrk) or pass --wrk PATH")
+    kpy = ensure_kserve_venv(a.kserve_venv)
+    dense, ids, features = inputs(a.model_dir, a.input)
+    rows_list = [int(x) for x in a.rows.split(",")]
+    concs = [int(x) for x in a.concurrency.split(",")]
+    bodies = {r: json_bodies(dense, ids, features, r) for r in rows_list}
+    peers = {"dlrmctl": lambda: start(a.model_dir, *shlex.split(a.serve_args)),
+             "KServe": lambda: start(a.model_dir, cmd=[kpy, str(Path(__file__).resolve().parent / "kserve_peer.py"),
+                                                       a.model_dir, str(free_port()), "kserve_peer"])}
+    os.environ["OMP_NUM_THREADS"] = str(a.threads)  # both servers' intra-op threads
+    print(f"{len(os.sched_getaffinity(0))} CPUs; load average at start {os.getloadavg()[0]:.1f}; wrk {wrk}; "
+          f"KServe {KSERVE_VERSION} in {kpy}; {a.threads} intra-op thread(s) each", flush=True)
+    res: dict = {}
+    want: dict = {}
+    for rnd in range(a.rounds):
+        order = list(peers) if rnd % 2 == 0 else list(peers)[::-1]
+        for who in order:
+            p, url, name = peers[who]()
+            try:
+                for r in rows_list:  # same scores from both servers (the same work), then the load
+                    got = post_scores(url, name, bodies[r][0])
+                    ref = want.setdefault(r, got)
+                    if got.shape != (r,) or not np.allclose(got, ref, atol=1e-5, rtol=0):
+                        raise SystemExit(f"bench_serve: {who} scores differ from the other server's: {got[:4]} vs {ref[:4]}")
+                for r in rows_list:
+                    for c in concs:
+                        s0 = process_cpu_s(p.pid)
+                        cell = wrk_cell(wrk, url, f"/v2/models/{name}/infer", bodies[r], c, a.seconds)
+                        cell["server_cpu_ms"] = 1000 * (process_cpu_s(p.pid) - s0) / max(cell["requests"], 1)
+                        cell["rows_s"] = cell["requests"] * r / cell["seconds"]
+                        res.setdefault((who, r, c), []).append(cell)
+                        print(f"  round {rnd + 1} {who}: {r} rows x concurrency {c}: {cell['rows_s']:,.0f} rows/s, "
+                              f"p50 {cell['p50']:.2f} ms, {cell['non_2xx']} non-2xx, {cell['socket_errors']} socket errors",
+                              file=sys.stderr, flush=True)
+            finally:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    print(f"load average at end {os.getloadavg()[0]:.1f}")
+
+    def rng(v: list[float], fmt: str) -> str:
+        lo, hi = min(v), max(v)
+        return format(lo, fmt) if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}–{hi:{fmt}}"
+
+    print("| rows / request | concurrency | dlrmctl rows/s | KServe rows/s | ratio | p50 ms dlrmctl / KServe "
+          "| p99 ms dlrmctl / KServe | server CPU ms/req dlrmctl / KServe | non-2xx + socket errors |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows_list:
+        for c in concs:
+            d, k = res[("dlrmctl", r, c)], res[("KServe", r, c)]
+            ratio = [x["rows_s"] / max(y["rows_s"], 1e-9) for x, y in zip(d, k)]
+            errs = sum(x["non_2xx"] + x["socket_errors"] for x in d + k)
+            print(f"| {r} | {c} | {rng([x['rows_s'] for x in d], ',.0f')} | {rng([x['rows_s'] for x in k], ',.0f')} "
+                  f"| {rng(ratio, '.2f')}× | {rng([x['p50'] for x in d], '.2f')} / {rng([x['p50'] for x in k], '.2f')} "
+                  f"| {rng([x['p99'] for x in d], '.1f')} / {rng([x['p99'] for x in k], '.1f')} "
+                  f"| {rng([x['server_cpu_ms'] for x in d], '.2f')} / {rng([x['server_cpu_ms'] for x in k], '.2f')} | {errs} |")
+
+
 def main() -> None:
     if sys.argv[1:] == ["--canned-server"]:
         canned_server()
@@ -206,7 +386,18 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--serve-args", default="", help="extra dlrmctl serve options, e.g. '--processes 2'")
     ap.add_argument("--skip-floor", action="store_true", help="no free-server cell at the end")
+    ap.add_argument("--versus-kserve", action="store_true", help="side by side with KServe's ModelServer, loaded by wrk "
+                    "(concurrency default 1,64)")
+    ap.add_argument("--rounds", type=int, default=2, help="--versus-kserve: each server's runs, alternated")
+    ap.add_argument("--kserve-venv", default=str(REPO / ".venv-kserve"), help="KServe's venv (created if missing)")
+    ap.add_argument("--wrk", default="wrk", help="the wrk executable")
+    ap.add_argument("--threads", type=int, default=1, help="--versus-kserve: intra-op threads of each server (OMP_NUM_THREADS)")
     a = ap.parse_args()
+    if a.versus_kserve:
+        if a.concurrency == "1,8,64":
+            a.concurrency = "1,64"
+        versus_kserve(a)
+        return
     extra = shlex.split(a.serve_args)
     cpus = len(os.sched_getaffinity(0))
     dense, ids, features = inputs(a.model_dir, a.input)
