@@ -219,6 +219,16 @@ def _attach_managed_collision(cfg: ExperimentConfig, tables: Sequence[EmbeddingB
         managed, {n: (c.size, c.eviction, c.buckets) for n, c in mc.items()}, cfg.train.seed, dev))
 
 
+def attach_eviction_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Give the managed-collision tables of ``model`` (if any) the dense-kernel tables' optimizer,
+    whose per-row state an eviction resets (the fused TBE's state they reach themselves)."""
+    from dlrmctl.distributed.model_parallel import unwrap_dlrm
+
+    mc = getattr(unwrap_dlrm(model).sparse_arch, "managed_collision", None)
+    if mc is not None:
+        mc.dense_optimizer = optimizer
+
+
 def _dense_parts_to(model: DLRM, device: torch.device | str) -> None:
     for part in model.dense_parts().values():
         part.to(device)

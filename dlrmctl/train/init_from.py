@@ -42,7 +42,7 @@ def resolve_init_from(spec: str) -> str:
 def restore_init_from(path: str, trainer: Any) -> dict[str, Any]:
     """Load checkpoint ``path`` into ``trainer``'s model and optimizers (weights, optimizer state,
     remappers; any world size / plan), keep the new run's step 0, data position 0, schedule and
-    RNG, and record the origin in ``<run_dir>/init_from.json`` (main rank).  Collective.
+    RNG, and record the origin in ``<run_dir>/init_from.json`` and a line (main rank).  Collective.
 
     Returns:
         The record written: ``{"checkpoint", "step", "run"}``.
@@ -70,5 +70,8 @@ def restore_init_from(path: str, trainer: Any) -> dict[str, Any]:
     if env.is_main:
         import json
 
+        from dlrmctl.console import echo
+
         write_text_atomic(os.path.join(trainer.run_dir, INIT_FROM_FILE), json.dumps(record, indent=2) + "\n")
+        echo(f"initialised from {record['checkpoint']} (step {step} of run {record['run']})")
     return record

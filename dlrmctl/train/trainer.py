@@ -40,7 +40,8 @@ from dlrmctl.train.amp import MixedPrecision
 from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.evaluator import Evaluator
-from dlrmctl.train.factory import build_model
+from dlrmctl.train.factory import attach_eviction_optimizer, build_model
+from dlrmctl.train.init_from import restore_init_from
 from dlrmctl.train.malloc_tuning import tune_glibc_malloc
 from dlrmctl.train.optimizers import TrainOptimizers
 from dlrmctl.train.pipeline import make_pipeline
@@ -125,9 +126,7 @@ class Trainer:
         if env.sharded:
             self._shard(plan)
         self.optimizers = TrainOptimizers.for_model(self.model, cfg)
-        mc = getattr(self.model.sparse_arch, "managed_collision", None)
-        if mc is not None:  # evictions reset the dense-kernel tables' optimizer rows too
-            mc.dense_optimizer = self.optimizers.embedding_dense
+        attach_eviction_optimizer(self.model, self.optimizers.embedding_dense)  # managed-collision tables
         fallback = dense_fallback_line(len(self.model.embedding_dense_parameters()), _fbgemm.HAS_FBGEMM, self.device)
         #: "dense fallback" when the tables run on nn.EmbeddingBag for want of fbgemm_gpu (in the figures)
         self.kernel_note = "dense fallback" if fallback else None
@@ -157,11 +156,7 @@ class Trainer:
         if resume:
             self._restore(resume_from)
         elif init_from:  # a new run from another run's checkpoint (dlrmctl.train.init_from)
-            from dlrmctl.train.init_from import restore_init_from
-
-            rec = restore_init_from(init_from, self)
-            if env.is_main:
-                echo(f"initialised from {rec['checkpoint']} (step {rec['step']} of run {rec['run']})")
+            restore_init_from(init_from, self)
 
     # ------------------------------------------------------------- set-up
     def _shard(self, plan: Any) -> None:
