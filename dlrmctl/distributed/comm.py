@@ -54,7 +54,6 @@ from typing import Callable, Generic, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dlrmctl.optim.rows import TOUCHED_ROWS_ATTR
 from dlrmctl.sparse.jagged_tensor import host_to_device
@@ -728,11 +727,12 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
       share one ``[rows, dim]`` send buffer (each table padded to the most rows any rank
       has for it); one all-gather of the int64 row ids and one of the values per group
       (on gloo in pieces of ``chunk_bytes``, all in flight together), after one all-gather
-      of the per-table counts (reading them is the one host sync).  The received rows of
-      each table are summed per row id without copying them out of the receive buffer:
-      a stable sort of the ids and ``embedding_bag(mode="sum")`` over the buffer, in
-      (rank, position) order — the order of the single-process global batch.
-      ``p.grad`` becomes a coalesced sparse ``[rows, dim]`` tensor (sorted unique rows).
+      of the per-table counts (reading them is the one host sync, for all tables together).
+      ``p.grad`` becomes an uncoalesced sparse ``[rows, dim]`` tensor: one entry per gathered
+      id, in (rank, position) order — the order of the single-process global batch.  The
+      duplicates are summed by the embedding optimizer (``dlrmctl.train.optim``: a stable sort
+      and ``embedding_bag(mode="sum")`` in that order, with no host sync on CUDA); summing them
+      here would cost a ``unique`` per table, whose output size the host must read.
 
     Args:
         params: replicated ``[rows, dim]`` parameters, identical on every rank; their
@@ -858,7 +858,7 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
             total = sum(counts)
             if total == 0:
                 p.grad = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.int64, device=dev),
-                                                 recv.new_zeros(0, key[0]), p.shape, is_coalesced=True)
+                                                 recv.new_zeros(0, key[0]), p.shape)
                 continue
             counts_t = all_cnt_dev[:, j]  # the same counts, already on the device (no host->device copy)
             rank = torch.repeat_interleave(torch.arange(ws, device=dev), counts_t, output_size=total)
@@ -866,14 +866,10 @@ def sync_sparse_grads(params: Sequence[torch.nn.Parameter], pg: dist.ProcessGrou
             row = torch.arange(total, device=dev) - torch.repeat_interleave(starts, counts_t,
                                                                             output_size=total) + row_off[j]
             ids = ids_recv.index_select(0, _gathered_pos(rank, row + id_off[key], n_ids, k_ids, ws))
-            pos = _gathered_pos(rank, row, M, k, ws)
-            sorted_ids, perm = torch.sort(ids, stable=True)
-            rows, per_row = torch.unique_consecutive(sorted_ids, return_counts=True)
-            offsets = torch.zeros(rows.numel() + 1, dtype=torch.int64, device=dev)
-            torch.cumsum(per_row, 0, out=offsets[1:])
-            vals = F.embedding_bag(pos.index_select(0, perm), recv, offsets, mode="sum", include_last_offset=True)
-            p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), vals, p.shape, is_coalesced=True,
-                                             check_invariants=False)
+            vals = recv.index_select(0, _gathered_pos(rank, row, M, k, ws))
+            # uncoalesced: summing the duplicates here (sort + unique_consecutive) would size its output on
+            # the host, one device sync per table per step; the embedding optimizers sum them sync-free
+            p.grad = torch.sparse_coo_tensor(ids.unsqueeze(0), vals, p.shape, check_invariants=False)
 
 
 class GradBucketReducer:

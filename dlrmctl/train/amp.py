@@ -2,8 +2,10 @@
 under fp16 the GradScaler with the pooled embeddings' gradient unscaled where it leaves the
 dense part (:class:`_UnscaleGrad`) and the step skipped on overflow.
 
-This is the only module that reads GradScaler's per-optimizer state (``_per_optimizer_states``,
-stable since torch 1.6).
+Only GradScaler's public API is used (``scale``, ``unscale_``, ``step``, ``update``): the scale as
+a device tensor is ``scaler.scale(one)``, the embeddings' overflow reaches the scaler as a NaN in a
+dense gradient before ``unscale_``, and whether the dense step ran is seen by the optimizer's step
+hook.  Host reads per fp16 step: the one ``scaler.step`` makes (its inf check), none of ours.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ class _UnscaleGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        scale = ctx.scaler._get_scale_async()  # the scale as a device tensor: no host read
-        g = grad / (scale if scale is not None else ctx.scaler.get_scale())
+        # the current scale as a 0-d device tensor (GradScaler.scale of a one): no host read
+        g = grad / ctx.scaler.scale(torch.ones((), dtype=torch.float32, device=grad.device))
         bad = (~torch.isfinite(g).all()).to(ctx.found_inf.dtype)
         comm.all_reduce(bad, ctx.pg, op="max")  # every rank zeroes (and skips) the same step
         ctx.found_inf.add_(bad)
@@ -84,6 +86,8 @@ class MixedPrecision:
         self.pg = pg
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._dense_stepped = False  # set by the dense optimizer's step hook (see _watch)
+        self._watched: set[int] = set()
 
     def autocast(self, enabled: bool = True) -> Any:
         """``torch.autocast`` for ``train.precision`` on this device (fp32 or ``enabled=False``:
@@ -113,33 +117,50 @@ class MixedPrecision:
             loss.backward()  # sharded: dense grads are all-reduced in buckets during backward
             optimizers.step()
             return
+        self._watch(optimizers.dense)
         self.found_inf.zero_()
         self.scaler.scale(loss).backward()
-        self._unscale_dense(optimizers.dense)
-        # read only when a dense-kernel table optimizer must follow the dense step's fate
-        skipped = optimizers.embedding_dense is not None and self._step_skipped(optimizers.dense)
-        self.scaler.step(optimizers.dense)  # skips the step on inf/NaN dense or embedding grads
+        self._fold_embedding_overflow(optimizers.dense)
+        self.scaler.unscale_(optimizers.dense)
+        self._dense_stepped = False
+        self.scaler.step(optimizers.dense)  # skips the step on inf/NaN dense or embedding grads (one host read)
         self.scaler.update()  # and then backs off the scale
-        optimizers.step(dense=False, embedding_dense=not skipped)
+        optimizers.step(dense=False, embedding_dense=self._dense_stepped)
 
-    def _unscale_dense(self, dense_opt: torch.optim.Optimizer) -> None:
-        """fp16: unscale the dense grads and fold the embeddings' overflow flag into the scaler.
+    def _watch(self, dense_opt: torch.optim.Optimizer) -> None:
+        """Register (once per optimizer) a step post-hook that records that ``dense_opt.step()`` ran:
+        ``GradScaler.step`` calls it only when no gradient overflowed, so after ``scaler.step`` the
+        flag says whether the step was skipped, with no host read of ours.
 
-        ``GradScaler.unscale_`` records the dense grads' inf/NaN per device; the pooled-embedding
-        gradient's flag (:class:`_UnscaleGrad`, already max-reduced over ranks in the backward, so
-        that every rank skips the same step and keeps the same scale) is added to it, so ``scaler.step`` skips the dense step and
-        ``scaler.update`` backs off whenever either overflowed.  No host read."""
-        assert self.scaler is not None
-        self.scaler.unscale_(dense_opt)
-        found = self.scaler._per_optimizer_states[id(dense_opt)]["found_inf_per_device"]
-        if not found:  # no dense grads on any device: give the scaler one flag to read
-            found[self.found_inf.device] = torch.zeros((), dtype=torch.float32, device=self.device)
-        for t in found.values():
-            t.add_(self.found_inf.to(t.device))
+        Raises:
+            TrainError: an optimizer that takes the scaler's inf flag inside its own step (``fused=True``,
+                ``_step_supports_amp_scaling``): its step always runs, so the hook could not tell.
+        """
+        if id(dense_opt) in self._watched:
+            return
+        if getattr(dense_opt, "_step_supports_amp_scaling", False):
+            raise TrainError("train.precision: fp16 needs a dense optimizer that GradScaler steps itself "
+                             "(foreach or for-loop), not a fused one")
 
-    def _step_skipped(self, dense_opt: torch.optim.Optimizer) -> bool:
-        """True when the scaler will skip this step (after :meth:`_unscale_dense`; one host
-        read, the one ``scaler.step`` makes anyway)."""
-        assert self.scaler is not None
-        found = self.scaler._per_optimizer_states[id(dense_opt)]["found_inf_per_device"]
-        return bool(sum(float(t.item()) for t in found.values()))
+        def stepped(*_: Any) -> None:
+            self._dense_stepped = True
+
+        dense_opt.register_step_post_hook(stepped)
+        self._watched.add(id(dense_opt))
+
+    def _fold_embedding_overflow(self, dense_opt: torch.optim.Optimizer) -> None:
+        """Before ``unscale_``: when the pooled embeddings' gradient overflowed (``found_inf``, already
+        max-reduced over ranks by :class:`_UnscaleGrad`, so every rank skips the same step and keeps the
+        same scale), put a NaN into the first element of the first dense gradient.  ``unscale_`` then
+        records an overflow, ``scaler.step`` skips the dense step and ``scaler.update`` backs off, as for
+        an overflow of the dense part itself; the poisoned gradient is never applied and is zeroed at the
+        next step.  One element-wise add on the device, no host read.  A dense optimizer whose
+        parameters have no gradient at all gets a zero gradient on its first parameter to carry it."""
+        grads = [p for group in dense_opt.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            p0 = dense_opt.param_groups[0]["params"][0]
+            p0.grad = torch.zeros_like(p0)
+            grads = [p0]
+        g = grads[0].grad
+        flag = self.found_inf.to(g.device)
+        g[(0,) * g.dim()].add_(torch.where(flag > 0, float("nan"), 0.0).to(g.dtype))  # a 0-d view: in place

@@ -351,7 +351,10 @@ def _sparse_sync_worker(env):
             else:
                 touched = torch.nonzero(ref.ne(0).any(1) | torch.zeros(ref.shape[0], dtype=torch.bool).index_fill_(
                     0, torch.cat([_sparse_grads(r, step)[k]._indices()[0] for r in range(ws)]), True)).reshape(-1)
-                ok = (g.is_sparse and g.is_coalesced() and torch.equal(g._indices()[0], touched)
+                # uncoalesced (no host-sized unique): every rank's ids, in (rank, position) order
+                ids = torch.cat([_sparse_grads(r, step)[k]._indices()[0] for r in range(ws)])
+                ok = (g.is_sparse and not g.is_coalesced() and torch.equal(g._indices()[0], ids)
+                      and torch.equal(torch.unique(g._indices()[0]), touched)
                       and torch.allclose(g.to_dense(), ref, atol=1e-6))
             report.append((step, k, bool(ok)))
     return report
@@ -360,7 +363,7 @@ def _sparse_sync_worker(env):
 def test_sparse_grad_sync_sums_rows_over_ranks_in_pieces_and_groups():
     """``sync_sparse_grads`` on 2 and 3 gloo ranks: tables of two dims (two gather groups), cut in
     pieces of 3 and 6 rows, a rank without a gradient, three steps on one workspace — each table's
-    gradient is the coalesced sum of every rank's rows (the densified one: the dense sum)."""
+    gradient is the sum of every rank's rows (its entries: every rank's ids, uncoalesced) (the densified one: the dense sum)."""
     for ws in (2, 3):
         for report in run_multiprocess(_sparse_sync_worker, ws, timeout_s=180):
             bad = [(s, k) for s, k, ok in report if not ok]

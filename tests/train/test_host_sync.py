@@ -123,7 +123,11 @@ class SyncCounter:
         return sum(self.calls.values())
 
 
-def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None):
+def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None, fp16=False, count_ops=False):
+    """Per-step host syncs of 2-rank sharded training.  ``fp16``: a GradScaler on this CPU trainer (fp16
+    autocast is CUDA-only; the scaling path is device-agnostic), and the scaler's own host read (torch's
+    ``grad_scaler.py``) counted too.  ``count_ops``: :class:`OpSyncCounter` (ops that size their output
+    on the host), with the dense-kernel optimizer's sync-free pass that a CUDA device takes."""
     from dlrmctl.config import config_from_dict
     from dlrmctl.distributed.env import RunEnv
     from dlrmctl.train.trainer import Trainer
@@ -142,7 +146,18 @@ def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None)
     run = os.path.join(run_root, cfg.name)
     os.makedirs(run, exist_ok=True)
     tr = Trainer(cfg, RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env), run)
-    counter = SyncCounter(env.device)
+    counter = (OpSyncCounter if count_ops else SyncCounter)(env.device)
+    if count_ops:
+        from dlrmctl.train import optim
+
+        optim.SYNC_FREE_ROWS_ON_CPU = True  # this worker process only
+    if fp16:
+        import torch.amp.grad_scaler as gs
+
+        tr.amp.scaler = torch.amp.GradScaler("cpu")
+        scaler_file = os.path.realpath(gs.__file__)
+        owns = counter.owns
+        counter.owns = lambda f: owns(f) or os.path.realpath(f) == scaler_file
     per_step = _syncs_per_step(tr, counter)
     return tr.step, counter.total, counter.calls, per_step
 
@@ -351,3 +366,30 @@ def test_the_dense_kernel_step_syncs_do_not_grow_with_the_number_of_tables(tiny_
         optim_files = {f.name for f in (REPO / "dlrmctl" / "optim").glob("[!_]*.py")}
         assert not [k for k in calls if k.split(" at ")[1].split(":")[0] in optim_files], calls
     assert res[2][1] == res[26][1], (res[2][2], res[26][2])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_large_data_parallel_tables_and_fp16_stay_within_the_host_sync_budget_counting_sized_ops(
+        tiny_data, tmp_path, fp16):
+    """Counted with :class:`OpSyncCounter` (the ops whose output size the host reads on CUDA) and the
+    dense-kernel optimizer's CUDA pass: a data_parallel table above 8 MiB costs one sync per step for
+    all such tables together (its row counts), not a ``unique`` per table; fp16 adds one, the
+    GradScaler's inf check in ``scaler.step`` (counted in torch's own file), and no read of dlrmctl's."""
+    kinds = ["row_wise", "table_wise", "data_parallel"]
+    types = {f"t_C{i + 1}": kinds[i % len(kinds)] for i in range(25)}
+    types["t_C26"] = "data_parallel"
+    res = run_multiprocess(_count_syncs, 2, tiny_data, str(tmp_path), types, LOG_EVERY, None, fp16, True,
+                           timeout_s=300)
+    for steps, total, calls, per_step in res:
+        print(f"fp16={fp16}: {total} host syncs in {steps} steps, per step {per_step}: {calls}")
+        assert steps == STEPS and len(per_step) == STEPS
+        assert not [k for k in calls if "unique" in k or "coalesce" in k], calls
+        for i, n in enumerate(per_step):
+            step = i + 1
+            budget = SYNC_BUDGET_PER_STEP + (1 if fp16 else 0) + (1 if step % LOG_EVERY == 0 else 0)
+            assert n <= budget, f"step {step}: {n} host syncs (budget {budget}); all steps {per_step}: {calls}"
+        if fp16:
+            scaler_reads = sum(v for k, v in calls.items() if "grad_scaler.py" in k)
+            assert scaler_reads == STEPS, calls  # exactly the scaler's one inf check per step
+            assert not [k for k in calls if "amp.py" in k], calls
