@@ -1,0 +1,85 @@
+"""``pip install -e .[cpu,test]`` resolves, from wheels only, for every Python that ``requires-python``
+admits beyond the one this suite runs on (3.12 and 3.13), with the tested pair torch 2.13.0 +
+fbgemm-gpu-cpu 1.8.0 in the resolution.  Asks the package index through pip (``--dry-run``: nothing is
+installed); skips with the reason when the index cannot be reached.
+
+With a ``python3.12`` / ``python3.13`` on ``PATH`` that interpreter's pip resolves ``.[cpu,test]`` itself.
+Otherwise this interpreter's pip does, with ``--python-version``, in two parts: pip evaluates
+environment markers against the interpreter that runs it, not against ``--python-version``, so the
+project's own requirements (dependencies and the two extras) are listed with their markers evaluated
+for the target Python; and the project alone (``--no-deps``) is checked against ``requires-python``."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.conftest import REPO
+
+#: what pip prints when it cannot reach the index at all (not a resolution failure)
+UNREACHABLE = re.compile(r"NewConnectionError|Max retries exceeded|Temporary failure in name resolution|"
+                         r"Network is unreachable|ConnectTimeoutError|No route to host|ProxyError")
+
+
+def _project() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+
+def requirements_for(python: str, extras: tuple[str, ...] = ("cpu", "test")) -> list[str]:
+    """The project's dependencies and ``extras``' requirements whose markers hold on ``python`` (X.Y),
+    without their markers."""
+    from packaging.requirements import Requirement
+
+    proj = _project()
+    env = {"python_version": python, "python_full_version": python + ".0"}
+    out = []
+    for r in proj["dependencies"] + [r for e in extras for r in proj["optional-dependencies"][e]]:
+        req = Requirement(r)
+        if req.marker is None or req.marker.evaluate(env):
+            req.marker = None
+            out.append(str(req))
+    return out
+
+
+def _pip(args: list[str], python: str = sys.executable) -> subprocess.CompletedProcess:
+    p = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                        "--only-binary=:all:", *args], capture_output=True, text=True, timeout=1500)
+    if p.returncode != 0 and UNREACHABLE.search(p.stdout + p.stderr):
+        pytest.skip(f"the package index cannot be reached: {UNREACHABLE.search(p.stdout + p.stderr).group(0)}")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    return p
+
+
+def test_requires_python_admits_3_11_to_3_13():
+    from packaging.specifiers import SpecifierSet
+
+    s = SpecifierSet(_project()["requires-python"])
+    assert all(v in s for v in ("3.11.7", "3.12.3", "3.13.0")) and "3.14.0" not in s, s
+
+
+def test_tritonclient_is_left_out_of_the_extras_from_python_3_12():
+    # torchx 0.7 needs urllib3 < 1.27, which leaves tritonclient 2.41 (geventhttpclient <= 2.0.2: no wheel
+    # for 3.12+); the serve tests skip without it
+    assert any(r.startswith("tritonclient") for r in requirements_for("3.11"))
+    assert not any(r.startswith("tritonclient") for r in requirements_for("3.12"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("python", ["3.12", "3.13"])
+def test_cpu_and_test_extras_resolve_from_wheels_for_python(tmp_path, python):
+    report = tmp_path / "report.json"
+    exe = shutil.which(f"python{python}")
+    if exe:
+        _pip(["--target", str(tmp_path / "t"), "--report", str(report), f"{REPO}[cpu,test]"], python=exe)
+    else:
+        target = ["--python-version", python, "--target", str(tmp_path / "t")]
+        _pip([*target, "--no-deps", str(REPO)])  # requires-python admits it
+        _pip([*target, "--report", str(report), *requirements_for(python)])
+    got = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
+           for i in json.loads(report.read_text())["install"]}
+    assert got.get("torch") == "2.13.0" and got.get("fbgemm-gpu-cpu") == "1.8.0", got
+    assert "torchx" in got and "pytest" in got, got
