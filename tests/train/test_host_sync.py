@@ -148,9 +148,9 @@ def _count_syncs(env, data, run_root, plan_types, log_every, embedding_opt=None,
     tr = Trainer(cfg, RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env), run)
     counter = (OpSyncCounter if count_ops else SyncCounter)(env.device)
     if count_ops:
-        from dlrmctl.train import optim
+        from dlrmctl.optim import rows
 
-        optim.SYNC_FREE_ROWS_ON_CPU = True  # this worker process only
+        rows.SYNC_FREE_ROWS_ON_CPU = True  # this worker process only
     if fp16:
         import torch.amp.grad_scaler as gs
 
