@@ -3,13 +3,16 @@ admits beyond the one this suite runs on (3.12 and 3.13), with the tested pair t
 fbgemm-gpu-cpu 1.8.0 in the resolution.  Asks the package index through pip (``--dry-run``: nothing is
 installed); skips with the reason when the index cannot be reached.
 
-With a ``python3.12`` / ``python3.13`` on ``PATH`` that interpreter's pip resolves ``.[cpu,test]`` itself.
+With a working ``python3.12`` / ``python3.13`` (on ``PATH``, or a pyenv version) that interpreter's pip
+resolves ``.[cpu,test]`` itself.
 Otherwise this interpreter's pip does, with ``--python-version``, in two parts: pip evaluates
 environment markers against the interpreter that runs it, not against ``--python-version``, so the
 project's own requirements (dependencies and the two extras) are listed with their markers evaluated
 for the target Python; and the project alone (``--no-deps``) is checked against ``requires-python``."""
 
+import glob
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -45,6 +48,18 @@ def requirements_for(python: str, extras: tuple[str, ...] = ("cpu", "test")) -> 
     return out
 
 
+def interpreter(python: str) -> str | None:
+    """A ``pythonX.Y`` that runs and has pip (``PATH``, then ``~/.pyenv/versions``), or None."""
+    found = [shutil.which(f"python{python}")]
+    found += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{python}*/bin/python{python}")))
+    for exe in filter(None, found):
+        p = subprocess.run([exe, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"],
+                           capture_output=True, text=True, timeout=60)
+        if p.returncode == 0 and p.stdout.strip() == python:
+            return exe
+    return None
+
+
 def _pip(args: list[str], python: str = sys.executable) -> subprocess.CompletedProcess:
     p = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
                         "--only-binary=:all:", *args], capture_output=True, text=True, timeout=1500)
@@ -72,7 +87,7 @@ def test_tritonclient_is_left_out_of_the_extras_from_python_3_12():
 @pytest.mark.parametrize("python", ["3.12", "3.13"])
 def test_cpu_and_test_extras_resolve_from_wheels_for_python(tmp_path, python):
     report = tmp_path / "report.json"
-    exe = shutil.which(f"python{python}")
+    exe = interpreter(python)
     if exe:
         _pip(["--target", str(tmp_path / "t"), "--report", str(report), f"{REPO}[cpu,test]"], python=exe)
     else:

@@ -840,6 +840,11 @@ class GroupedEmbeddingLookup(LookupTables, nn.Module):
             log.info("embedding optimizer %s on %s: FBGEMM's fused CPU kernel does not implement it; using the "
                      "dense kernel", optimizer.type, torch.device(device).type)
             compute_kernel = "dense"
+        if (compute_kernel == "fused" and torch.device(device).type == "cuda"
+                and optimizer.type in ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")):
+            log.warning("embedding optimizer %s: FBGEMM marks its fused CUDA Adam / LAMB kernels experimental "
+                        "(never run by dlrmctl on a GPU); exact_rowwise_adagrad is the default and the fastest "
+                        "(one fp32 of state per row)", optimizer.type)
         # FBGEMM's TBE counts its step (`iter`, the Adam family's bias correction) in every forward,
         # evaluation included: eval forwards put it back (see _tbe_forward)
         self._step_in_forward = embedding_optimizer(optimizer.type).global_step
