@@ -167,7 +167,13 @@ def plan_command(
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
         topo_file = str(topology) if topology is not None else (None if device else cfg.sharding.topology_file)
         preset = device or cfg.sharding.device  # (a topology file, when given, replaces the preset)
+        gpu = None  # (preset, hbm_gb, name) of the visible GPU a CUDA-trained config is planned for
         if defaulted and topo_file is None and getattr(DEVICE_PRESETS.get(preset), "compute_device", "") == "cpu":
+            gpu = _training_gpu(cfg, config)
+            if gpu is not None:
+                preset = gpu[0]
+        if (defaulted and gpu is None and topo_file is None
+                and getattr(DEVICE_PRESETS.get(preset), "compute_device", "") == "cpu"):
             # --gpus means GPUs: planning GPUS CPU processes (tables in host memory) must be asked for
             raise ValueError(
                 f"--gpus {gpus} without --device: {show_path(config)} gives sharding.device '{preset}'"
@@ -176,7 +182,8 @@ def plan_command(
                 f"{' | '.join(_GPU_PRESETS)} to plan {gpus} GPUs, or --device {preset} for CPU processes")
         topo = Topology.from_device_or_file(
             preset, topo_file, gpus, lws,
-            hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb,
+            hbm_gb if hbm_gb is not None else cfg.sharding.hbm_gb if cfg.sharding.hbm_gb is not None
+            else gpu[1] if gpu else None,
             ddr_gb if ddr_gb is not None else cfg.sharding.ddr_gb,
             shown_as=show_path(topo_file) if topo_file else None,
         )
@@ -219,6 +226,8 @@ def plan_command(
         fail(str(e))
     origin = ("--topology" if topology is not None else "--device" if device
               else f"sharding.topology_file in {show_path(config)}" if topo_file
+              else f"the visible GPU {gpu[2]}, which train.device {cfg.train.device} in {show_path(config)} trains on, "
+                   f"with its {gpu[1]:.1f} GB" if gpu
               else f"sharding.device in {show_path(config)}")
     # a preset is named once here ("Preset: h100 (--device): ..., device h100 (cuda)"); a topology file
     # only inside describe() ("Topology (--topology): ..., topology FILE (calibrated cpu)")
@@ -233,6 +242,30 @@ def plan_command(
     except OSError as e:
         fail(f"wrote {show_path(out)}, but not the report --report {show_path(rpath)}: {e.strerror or e}")
     echo(f"wrote {show_path(out)} and {show_path(rpath)}")
+
+
+def _training_gpu(cfg, config: Path) -> Optional[tuple[str, float, str]]:
+    """``(preset, hbm_gb, device name)`` of the GPU ``dlrmctl train`` would plan on
+    (:func:`dlrmctl.distributed.env.device_planning_preset` of ``cuda``), when the config trains on
+    CUDA (``train.device`` ``cuda``, or ``auto`` with a GPU visible) and names no GPU preset itself;
+    None when it trains on the CPU.
+
+    Raises:
+        ValueError: ``train.device: cuda`` and no GPU is visible here: plan needs ``--device``.
+    """
+    import torch
+
+    from dlrmctl.commands._common import show_path
+
+    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available()):
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError(f"{show_path(config)} trains on CUDA (train.device cuda), but no GPU is visible here to plan "
+                         f"for; pass --device {' | '.join(_GPU_PRESETS)} (the GPU training will run on)")
+    from dlrmctl.distributed.env import device_planning_preset
+
+    preset, hbm = device_planning_preset(torch.device("cuda"))
+    return preset, hbm, torch.cuda.get_device_name(torch.device("cuda"))
 
 
 def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[Path], device: Optional[str],

@@ -451,3 +451,40 @@ def test_a_report_symlink_to_the_plan_file_is_refused(tmp_path):
     (tmp_path / "d2").symlink_to(tmp_path / "d")
     r = run("--out", tmp_path / "d" / "q.yaml", "--report", tmp_path / "d2" / "q.yaml", "--force")
     assert r.exit_code == 2 and "plan file itself" in r.output
+
+
+@pytest.mark.parametrize("train_device", ["cuda", "auto"])
+def test_plan_of_a_cuda_trained_config_is_the_plan_train_makes_on_the_visible_gpu(tmp_path, monkeypatch, train_device):
+    """A fake H200 (torch.cuda reports one): ``plan`` without --device plans for the GPU ``train`` will run
+    on, as train does (its preset, its memory), says so in its first line, and writes the plan train's
+    ``resolve_plan`` makes on that device."""
+    import types
+
+    import torch
+
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.train.trainer import resolve_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=141e9))
+    cfg_path = write_config(tmp_path, {**CONFIG, "train": {"device": train_device}})
+    out = tmp_path / "p.yaml"
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    first = r.output.splitlines()[0]
+    assert first.startswith("Preset: h200 (the visible GPU NVIDIA H200, which train.device "
+                            f"{train_device} in ") and "141.0 GB" in first, first
+    cfg = load_config(cfg_path)
+    trained = resolve_plan(cfg, resolve_tables(cfg, None), RunEnv(0, 4, 4, torch.device("cuda")), None)
+    assert ShardingPlan.load(out).to_dict() == trained.to_dict()
+
+
+def test_plan_of_a_cuda_trained_config_asks_for_device_when_no_gpu_is_visible(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg_path = write_config(tmp_path, {**CONFIG, "train": {"device": "cuda"}})
+    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "trains on CUDA (train.device cuda), but no GPU is visible" in r.output and "--device a100 | h100" in r.output
