@@ -62,7 +62,7 @@ def interpreter(python: str) -> str | None:
 
 def _pip(args: list[str], python: str = sys.executable) -> subprocess.CompletedProcess:
     p = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                        "--only-binary=:all:", *args], capture_output=True, text=True, timeout=1500)
+                        "--only-binary=:all:", *args], capture_output=True, text=True, timeout=3000)
     if p.returncode != 0 and UNREACHABLE.search(p.stdout + p.stderr):
         pytest.skip(f"the package index cannot be reached: {UNREACHABLE.search(p.stdout + p.stderr).group(0)}")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
@@ -84,6 +84,10 @@ def test_tritonclient_is_left_out_of_the_extras_from_python_3_12():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.skipif(os.environ.get("DLRMCTL_CHECK_INSTALL") != "1",
+                    reason="set DLRMCTL_CHECK_INSTALL=1 to resolve against the index (.ci/run does): pip fetches the "
+                           "wheels of torch and its CUDA libraries to read their metadata, several GB per Python")
 @pytest.mark.parametrize("python", ["3.12", "3.13"])
 def test_cpu_and_test_extras_resolve_from_wheels_for_python(tmp_path, python):
     report = tmp_path / "report.json"
