@@ -40,6 +40,15 @@ def export_command(
         fail("choose exactly one of --int8, --int4, --fp16, --fp32")
     if aot and torchscript:
         fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
+    # before torch: an existing --out without --force (export_run checks it again, and what --force may replace)
+    target = out if out is not None else run_dir / (f"export-{chosen[0]}" + ("-dq" if quantize_dense else ""))
+    if not force and os.path.lexists(target) and os.path.isdir(run_dir):
+        from dlrmctl import outputs
+
+        if outputs.kind_of(target) == "run":
+            fail(f"{target} is a training run directory, not an export; --out another directory "
+                  "(--force never replaces a run)")
+        fail(f"{target} already exists; pass --force to replace it or --out another directory")
     from dlrmctl.inference.export import export_run
 
     try:

@@ -142,7 +142,6 @@ def plan_command(
         return
     from dlrmctl.config import ConfigError, ShardingConfig, load_config, read_data_meta, resolve_tables
     from dlrmctl.distributed.types import PlanError
-    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.planner.planner import plan_config
     from dlrmctl.planner.types import Topology
 
@@ -159,6 +158,8 @@ def plan_command(
     try:
         if device is not None and topology is not None:
             raise ValueError("--device and --topology both give the hardware: pass one")
+        if device is not None and device not in DEVICE_PRESETS:  # before the tables (which import torch)
+            raise ValueError(f"--device: unknown device {device!r}; expected one of {sorted(DEVICE_PRESETS)}")
         if weights_precision is not None and weights_precision not in ("fp32", "fp16"):
             raise ValueError(f"--weights-precision must be fp32 or fp16, got {weights_precision!r}")
         cfg = load_config(config, set_ or [])
@@ -205,7 +206,10 @@ def plan_command(
             raise ValueError(str(e)) from None
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4)
-        # the plan must be what train --nproc will accept
+        # the plan must be what train --nproc will accept (the first import of torch: every error
+        # about the arguments, the config, the data and the hardware came before it)
+        from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+
         res.plan.validate(
             [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim)
              for t in res.tables],

@@ -51,6 +51,7 @@ def serve_command(
         from dlrmctl.inference.serve.protocol import check_model_name
 
         check_model_name(name)
+    _check_address(host, port, processes)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -95,6 +96,23 @@ def serve_command(
          f"HTTP {http} on {loop})")
     stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, **options)
     echo(f"stopped{f' ({stopped})' if stopped else ''}: every request received was answered")
+
+
+def _check_address(host: str, port: int, processes: int) -> None:
+    """Fail in one line, before torch and the model load, when ``host:port`` cannot be bound (in use,
+    not a local address).  A probe: the server binds again when the model is ready (and says so
+    there if the port was taken meanwhile)."""
+    import socket
+
+    if port == 0:
+        return
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's socket: TIME_WAIT is no obstacle
+            s.bind((host, port))
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port (0: any free port) "
+             "or --host")
 
 
 def register(app: typer.Typer) -> None:

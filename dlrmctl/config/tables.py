@@ -151,6 +151,12 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
         ConfigError: tables must come from data but there is no meta.json, or a
             feature/table cannot be sized.
     """
+    if not cfg.model.tables and meta is None:  # before torch (embedding_configs): a config error answers at once
+        where = "" if os.path.isabs(cfg.data.path) else f" (relative to the working directory {os.getcwd()})"
+        raise ConfigError(
+            f"model.tables is empty, so tables are derived from the data, but {cfg.data.path}/meta.json{where} "
+            "does not exist: run `dlrmctl preprocess` first or list model.tables"
+        )
     from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig
 
     data_type = DataType.FP16 if cfg.model.embedding_precision == "fp16" else DataType.FP32
@@ -160,11 +166,6 @@ def resolve_tables(cfg: ExperimentConfig, meta: dict | None = None) -> list:
     mc = managed_collision_tables(cfg, meta)
     out = []
     if not cfg.model.tables:
-        if meta is None:
-            raise ConfigError(
-                f"model.tables is empty, so tables are derived from the data, but {cfg.data.path}/meta.json "
-                "does not exist: run `dlrmctl preprocess` first or list model.tables"
-            )
         for f in meta["sparse_features"]:
             t_mc = mc.get(f"t_{f['name']}")
             rows = t_mc.size + 1 if t_mc is not None else int(f["num_embeddings"])

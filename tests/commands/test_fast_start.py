@@ -81,3 +81,44 @@ def test_version_names_dlrmctl_torch_and_fbgemm_without_importing_them():
     assert lines[0].startswith(f"dlrmctl {dlrmctl.__version__} (python "), lines[0]
     assert f"torch {metadata.version('torch')}" in lines[0], lines[0]
     assert "fbgemm_gpu " in lines[0] and "torchx " in lines[0], lines[0]
+
+
+# ------------------------------------------- errors that need no model answer before torch is imported
+def test_serve_on_a_busy_port_fails_in_one_line_before_torch(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        p = _run("serve", str(tmp_path / "no_model_needed"), "--port", str(port))
+    assert "EXIT 2 HEAVY -" in p.stderr, p.stderr[-2000:]
+    assert p.stderr.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and "--port" in p.stderr, p.stderr
+
+
+def test_export_to_an_existing_directory_fails_in_one_line_before_torch(tmp_path):
+    run = tmp_path / "run"
+    (run / "export-int8").mkdir(parents=True)
+    (tmp_path / "mine").mkdir()
+    for args, what in (([str(run), "--int8"], f"{run / 'export-int8'} already exists; pass --force"),
+                       ([str(run), "--fp16", "--out", str(tmp_path / "mine")], f"{tmp_path / 'mine'} already exists")):
+        p = _run("export", *args)
+        assert "EXIT 2 HEAVY -" in p.stderr, (args, p.stderr[-2000:])
+        assert p.stderr.startswith("error: ") and what in p.stderr, p.stderr
+
+
+def test_plan_for_an_unknown_device_or_missing_data_fails_in_one_line_before_torch(tmp_path_factory, tmp_path):
+    from tests.conftest import tiny_synthetic
+
+    data = tiny_synthetic(tmp_path_factory, "plan_fast", rows=200)
+    p = _run("plan", "configs/demo.yaml", "--gpus", "2", "--device", "h800", "--set", f"data.path={data}",
+             "--out", str(tmp_path / "plan.yaml"))
+    assert "EXIT 2 HEAVY -" in p.stderr, p.stderr[-2000:]
+    assert p.stderr.startswith("error: ") and "h800" in p.stderr, p.stderr
+    p = _run("plan", "configs/demo.yaml", "--gpus", "2", "--set", f"data.path={tmp_path / 'none'}")
+    assert "EXIT 2 HEAVY -" in p.stderr and "meta.json" in p.stderr, p.stderr[-2000:]
+    assert "relative to" not in p.stderr
+    # a relative data.path: the error names the directory it was resolved against
+    p = _run("plan", str(REPO / "configs" / "demo.yaml"), "--gpus", "2", "--set", "data.path=data/nowhere", cwd=tmp_path)
+    assert "EXIT 2 HEAVY -" in p.stderr, p.stderr[-2000:]
+    assert f"data/nowhere/meta.json (relative to the working directory {tmp_path})" in p.stderr, p.stderr
