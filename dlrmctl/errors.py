@@ -218,8 +218,24 @@ def os_error_message(e: BaseException, path: str | os.PathLike | None = None) ->
     return f"{where}: {what}; {remedy}" if where else f"{what}; {remedy}"
 
 
+#: packages the commands import only where they need them (none is needed to import dlrmctl or train on
+#: the dense kernel): top-level module -> how to install it
+OPTIONAL_PACKAGES = {
+    "torchx": "pip install torchx (a dependency of `pip install dlrmctl`; `launch` and `jobs` run on it)",
+    "kubernetes": "pip install -e '.[cluster]'",
+    "fastapi": "pip install -e '.[serve]'",
+    "uvicorn": "pip install -e '.[serve]'",
+    "prometheus_client": "pip install -e '.[serve]'",
+    "tritonclient": "pip install -e '.[serve]' (Python 3.11; scripts/bench_serve.py's client)",
+    "matplotlib": "pip install -e '.[report]'",
+    "sklearn": "pip install -e '.[bench]'",
+    "fbgemm_gpu": "pip install -e '.[cpu]' (fbgemm-gpu-cpu) or '.[gpu]' (fbgemm-gpu), or use compute_kernel: dense",
+}
+
+
 def user_error_message(e: BaseException) -> str | None:
-    """The one line (without ``error: ``) for a :class:`UserError`, a mapped OSError or an
+    """The one line (without ``error: ``) for a :class:`UserError`, a mapped OSError, a missing
+    optional package (:data:`OPTIONAL_PACKAGES`, a ``ModuleNotFoundError`` naming it) or an
     out-of-memory error (``MemoryError``, torch's ``OutOfMemoryError``) that is ``e`` or that ``e``
     explicitly wraps; None when ``e`` is none of them (a bug, shown with its traceback)."""
     if isinstance(e, UserError):
@@ -228,6 +244,9 @@ def user_error_message(e: BaseException) -> str | None:
         msg = os_error_message(e)
         if msg is not None:
             return msg
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL_PACKAGES:
+        top = (e.name or "").split(".")[0]
+        return f"this command needs {top}, which is not installed here: {OPTIONAL_PACKAGES[top]}"
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # numpy's, torch's (CUDA)
         what = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return (f"out of memory: {what}; ask for less (rows, table sizes, dimensions, batch size) "
