@@ -3,7 +3,7 @@
 matrices, the CTR prior, and a scikit-learn logistic regression whose C is chosen on val.
 
 Needs scikit-learn and scipy (``pip install -e '.[bench]'``).  Every metric comes from
-:func:`dlrmctl.train.metrics.compute_metrics_from_logits`, the function ``dlrmctl train`` /
+:func:`dlrmctl.metrics.compute_metrics_from_logits`, the function ``dlrmctl train`` /
 ``dlrmctl evaluate`` report DLRM with, so the figures sit side by side.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dlrmctl.data.columnar import open_split  # noqa: E402
-from dlrmctl.train.metrics import compute_metrics_from_logits  # noqa: E402
+from dlrmctl.metrics import compute_metrics_from_logits  # noqa: E402
 
 #: inverse L2 strengths tried for the logistic regression (scikit-learn's ``C``); the one with
 #: the best validation AUC is kept
@@ -100,7 +100,7 @@ def auc(labels: np.ndarray, scores: np.ndarray) -> float:
     labels = np.asarray(labels, dtype=np.float64)
     if labels.size == 0 or labels.min() == labels.max():
         return float("nan")
-    from dlrmctl.train.metrics import auc as _auc
+    from dlrmctl.metrics import auc as _auc
 
     return float(_auc(np.asarray(scores, dtype=np.float64), labels))
 
@@ -230,7 +230,7 @@ def fit_logistic_regression(x_train, y_train: np.ndarray, x_val, y_val: np.ndarr
 
 
 def metrics(logits: np.ndarray, labels: np.ndarray) -> dict:
-    """:func:`dlrmctl.train.metrics.compute_metrics_from_logits` of ``logits [n]`` (float64)."""
+    """:func:`dlrmctl.metrics.compute_metrics_from_logits` of ``logits [n]`` (float64)."""
     return compute_metrics_from_logits(np.asarray(logits, dtype=np.float64), np.asarray(labels, dtype=np.float64))
 
 

@@ -3,7 +3,7 @@
 
     python scripts/bench_eval.py [--rows 5000000] [--ctr 0.25] [--seed 0]
 
-Runs :func:`dlrmctl.train.metrics.compute_metrics_from_logits` with a gloo process group (what
+Runs :func:`dlrmctl.metrics.compute_metrics_from_logits` with a gloo process group (what
 ``Trainer.evaluate`` calls after its forward passes) on synthetic float32 logits and labels (the
 ``[n_local, 2]`` float32 rows ``Trainer.evaluate`` holds; labels ~ Bernoulli(``--ctr``), logits
 ``2·(label - ctr) + N(0, 1.5²)``, so AUC ≈ 0.83), in four configurations:
@@ -41,7 +41,7 @@ def _rank(env, n_local: int, ctr: float, seed: int) -> tuple:
     import numpy as np
     import torch
 
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
 
     pg = env.pg if env.world_size > 1 else None
     base = _rss_mb()

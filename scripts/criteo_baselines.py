@@ -36,7 +36,7 @@ def run(data_dir: str, val_split: str = "val", test_split: str = "test", cs=bc.D
 
     Returns:
         ``{"prior": {split: metrics}, "logistic_regression": {split: metrics}, "C": float}``
-        (metrics as :func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
+        (metrics as :func:`dlrmctl.metrics.compute_metrics_from_logits`).
 
     Raises:
         dlrmctl.data.columnar.DataError: a split is missing (names the directory and split).

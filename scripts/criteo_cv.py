@@ -465,7 +465,7 @@ def run_split(config: str, overrides: list[str], input_file: str, work: Path, se
     """
     from dlrmctl.data.columnar import read_meta
     from dlrmctl.train.reload import run_logits
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
     from dlrmctl.train.worker import run_training
 
     data = work / f"data_{seed}"

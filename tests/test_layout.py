@@ -133,13 +133,13 @@ def test_the_private_import_check_catches_each_form(tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "REPO", tmp_path)
     (tmp_path / "tests" / "x").mkdir(parents=True)
     mod = tmp_path / "tests" / "x" / "test_a.py"
-    mod.write_text("from dlrmctl.train.metrics import (\n    auc,\n    _labels,\n)\n"
+    mod.write_text("from dlrmctl.metrics import (\n    auc,\n    _labels,\n)\n"
                    "from tests.x.test_a import _self_is_fine\n"
                    "from tests.y.test_b import _helper\n"
                    "import dlrmctl._private_mod\n"
                    "from dlrmctl import _fbgemm\n"
                    "from os import _exit\n")
-    assert layout.private_imports(mod) == ["1: from dlrmctl.train.metrics import _labels",
+    assert layout.private_imports(mod) == ["1: from dlrmctl.metrics import _labels",
                                            "6: from tests.y.test_b import _helper",
                                            "7: import dlrmctl._private_mod"]
 

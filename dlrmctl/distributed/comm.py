@@ -40,7 +40,7 @@ buffers on the current CUDA device for NCCL and on the CPU for gloo.
   :func:`broadcast_object`, :func:`all_gather_object`, :func:`all_gather_tensor`,
   :func:`group_rank_size`.
 * :func:`ring_shift` — point-to-point shift of rows to the next rank of a ring (the
-  evaluation's distributed AUC, :mod:`dlrmctl.train.metrics`).
+  evaluation's distributed AUC, :mod:`dlrmctl.metrics`).
 
 Every function takes the process group explicitly and is a no-op (identity)
 when it is ``None``.  A group of ONE rank runs the real collectives (so one GPU

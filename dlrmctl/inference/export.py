@@ -1249,7 +1249,7 @@ def evaluate_exported(
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``
-        (:func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
+        (:func:`dlrmctl.metrics.compute_metrics_from_logits`).
 
     Raises:
         ExportError: not an exported model, data without labels, ids out of range.
@@ -1258,7 +1258,7 @@ def evaluate_exported(
     from dlrmctl.console import Progress
     from dlrmctl.data.fingerprint import PARTS, check_same_data, read_meta_json, split_rows
     from dlrmctl.data.loader import BatchLoader
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
 
     m = load_exported(model_dir, device)
     mpath = os.path.join(str(data_dir), "meta.json")

@@ -73,7 +73,7 @@ def parity_report(m: Any, reference: Callable[[], torch.nn.Module] | None, data_
     Returns:
         the report dict (module doc); ``"note"`` says what was skipped and why.
     """
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
 
     rep: dict[str, Any] = {"threads": torch.get_num_threads(), "note": ""}
     files = sum(int(r.get("bytes") or 0) for r in (m.manifest.get("files") or {}).values())

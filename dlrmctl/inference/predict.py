@@ -129,7 +129,7 @@ class PredictReport:
     Attributes:
         rows: lines scored.
         labelled: the input had a label column (then ``metrics`` holds AUC/logloss/NE).
-        metrics: :func:`dlrmctl.train.metrics.compute_metrics_from_logits` output or None.
+        metrics: :func:`dlrmctl.metrics.compute_metrics_from_logits` output or None.
         output: where scores went (path or ``"-"``).
     """
 
@@ -254,7 +254,7 @@ def predict_file(
 
     Returns:
         :class:`PredictReport` (with AUC/logloss/NE when labelled, computed from the logits as
-        :func:`dlrmctl.train.metrics.compute_metrics_from_logits`).
+        :func:`dlrmctl.metrics.compute_metrics_from_logits`).
 
     Raises:
         ExportError, DataError: see :func:`iter_scores`; an empty input file or a directory;
@@ -263,7 +263,7 @@ def predict_file(
         ValueError: ``batch_rows`` < 1.
     """
     from dlrmctl.data.columnar import DataError
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
 
     if int(batch_rows) < 1:
         raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")

@@ -14,7 +14,7 @@ from dlrmctl.config import ExperimentConfig
 from dlrmctl.console import Progress, echo
 from dlrmctl.distributed.env import full_fp32_matmul
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
-from dlrmctl.train.metrics import compute_metrics_from_logits
+from dlrmctl.metrics import compute_metrics_from_logits
 from dlrmctl.train.run_dir import TrainError
 from dlrmctl.train.train_log import MetricsLog, jsonable
 
@@ -114,7 +114,7 @@ class Evaluator:
     def evaluate(self, split: str | None = None, data_dir: str | None = None) -> dict[str, float]:
         """Metrics over the WHOLE split, computed where the logits are: each rank keeps its own rows.
 
-        Computed from the logits in float64 (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`
+        Computed from the logits in float64 (:func:`~dlrmctl.metrics.compute_metrics_from_logits`
         with the process group): AUC ranks logits (no float32-sigmoid saturation), log loss uses a
         stable log-sigmoid; one class only gives AUC 0.5 and a logged warning.  Exact sums, so the
         figure is bit-identical for any world size and eval batch size.  Memory per rank: its own
@@ -150,7 +150,7 @@ class Evaluator:
         local = (torch.cat(rows) if rows else torch.zeros(0, 2, device=self.env.device)).cpu().numpy()
         del rows
         # exact distributed metrics: each rank keeps its own rows (O(local rows) memory); only the
-        # rarer class's rows travel around a ring of point-to-point shifts (see train/metrics.py)
+        # rarer class's rows travel around a ring of point-to-point shifts (see metrics/compute.py)
         return compute_metrics_from_logits(local[:, 0], local[:, 1], pg=self.env.pg, device=self.env.device)
 
     def validate(self, step: int, epoch: int, tag: str) -> dict[str, float]:

@@ -22,7 +22,7 @@ from dlrmctl.train.checkpoint import check_tables, dense_state_dict, embedding_l
 from dlrmctl.train.checkpoint import load as ckpt_load
 from dlrmctl.train.data import make_loader
 from dlrmctl.train.factory import build_model
-from dlrmctl.train.metrics import compute_metrics_from_logits
+from dlrmctl.metrics import compute_metrics_from_logits
 from dlrmctl.train.run_dir import TrainError
 
 
@@ -127,7 +127,7 @@ def run_config(run_dir: str) -> ExperimentConfig:
 def evaluate_run(run_dir: str, split: str = "val", data_dir: str | None = None, batch_size: int | None = None,
                  checkpoint: str | None = None, any_split: bool = False, progress: bool = False) -> dict[str, float]:
     """Metrics of a run's checkpoint on ``split`` of its data (or ``data_dir``), from the logits
-    (:func:`~dlrmctl.train.metrics.compute_metrics_from_logits`, as ``Trainer.evaluate``).
+    (:func:`~dlrmctl.metrics.compute_metrics_from_logits`, as ``Trainer.evaluate``).
 
     The data must be the data the run was trained on: its fingerprint (schema, vocabularies and
     split; without the split with ``any_split``) must equal the one of ``run_dir/data_meta.json``

@@ -16,7 +16,7 @@ from dlrmctl.cli import app
 from dlrmctl.data.checksums import record_checksums
 from dlrmctl.data.columnar import DataError, read_meta
 from dlrmctl.data.loader import BatchLoader
-from dlrmctl.train.metrics import auc, compute_metrics, compute_metrics_from_logits, logloss
+from dlrmctl.metrics import auc, compute_metrics, compute_metrics_from_logits, logloss
 
 runner = CliRunner()
 

@@ -103,7 +103,7 @@ def test_dlrm_beats_the_logistic_regression_on_planted_interactions(tmp_path):
     from tests.helpers.scripts import load_script
 
     from dlrmctl.train.reload import run_logits
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
     from dlrmctl.train.worker import run_training
 
     data = tmp_path / "data"

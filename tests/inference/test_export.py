@@ -74,7 +74,7 @@ def _eager_scores(model, dense, kjt):
 
 
 def _auc(s, y):
-    from dlrmctl.train.metrics import auc
+    from dlrmctl.metrics import auc
 
     return auc(np.asarray(s), np.asarray(y))
 
@@ -257,7 +257,7 @@ def test_load_rejects_non_artifacts_and_truncated_models(trained, tmp_path):
 def test_evaluate_exported_matches_eager_metrics_on_columnar_data(trained, tmp_path):
     from dlrmctl.data.columnar import shard_schema, write_meta, write_split_shard
     from dlrmctl.inference.export import evaluate_exported, export_model
-    from dlrmctl.train.metrics import compute_metrics
+    from dlrmctl.metrics import compute_metrics
 
     g = torch.Generator().manual_seed(11)
     n = 300

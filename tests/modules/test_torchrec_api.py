@@ -24,7 +24,7 @@ from dlrmctl.sparse.jagged_tensor import (
     SparseInputError,
     VariableBatchNotSupportedError,
 )
-from dlrmctl.train.metrics import auc, compute_metrics
+from dlrmctl.metrics import auc, compute_metrics
 
 KERNELS = ["fused", "dense"] if HAS_FBGEMM else ["dense"]
 

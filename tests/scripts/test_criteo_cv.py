@@ -121,7 +121,7 @@ def test_an_ensemble_scores_the_mean_logit_of_its_seeds(head_tsv, tmp_path, caps
     rows = cv.main(argv)["rows"]
     assert "--ensemble 2" in capsys.readouterr().out
     from dlrmctl.train.reload import run_config, run_logits
-    from dlrmctl.train.metrics import compute_metrics_from_logits
+    from dlrmctl.metrics import compute_metrics_from_logits
 
     for r in rows:
         runs = [tmp_path / "work" / "runs" / f"split_{r['seed']}_m{m}" for m in (0, 1)]

@@ -2,8 +2,8 @@
 
 Each rank keeps its own rows; the AUC's rarer class travels around a ring of point-to-point
 shifts and every sum is exact, so the metrics of 2 or 3 ranks (uneven, empty, one-class ranks)
-equal the 1-process metrics bit for bit (weighted AUC: 1e-12 relative, see train/metrics.py and
-train/metrics_exact.py).
+equal the 1-process metrics bit for bit (weighted AUC: 1e-12 relative, see metrics/compute.py and
+metrics/exact.py).
 """
 
 import itertools
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dlrmctl.train.metrics import auc, compute_metrics_from_logits
-from dlrmctl.train.metrics_exact import PairCounter, circulating_rows, exact_sum, from_pieces, sum_pieces
+from dlrmctl.metrics import auc, compute_metrics_from_logits
+from dlrmctl.metrics.exact import PairCounter, circulating_rows, exact_sum, from_pieces, sum_pieces
 from tests.dist_utils import run_multiprocess
 
 KEYS = ("auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples")

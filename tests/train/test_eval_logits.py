@@ -15,7 +15,7 @@ from dlrmctl.distributed.env import RunEnv
 from dlrmctl.train.trainer import Trainer
 from dlrmctl.train.reload import evaluate_run
 from dlrmctl.train.run_dir import prepare_run_dir
-from dlrmctl.train.metrics import compute_metrics, compute_metrics_from_logits
+from dlrmctl.metrics import compute_metrics, compute_metrics_from_logits
 
 SHIFT = 40.0
 

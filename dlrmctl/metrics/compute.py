@@ -15,12 +15,12 @@ The one-process call runs the same code with a world of one.
 **Exactness: the figure does not depend on the world size, the split of the rows over ranks
 or the eval batch size.**  Every metric is a ratio of sums of per-row float64 terms (each term
 computed row by row, the same wherever the row lives).  Those sums are *exact*
-(:func:`~dlrmctl.train.metrics_exact.exact_sum`: each float64 is an integer multiple of 2^-1074,
+(:func:`~dlrmctl.metrics.exact.exact_sum`: each float64 is an integer multiple of 2^-1074,
 summed as integers), a rank's exact sum travels as a few non-overlapping float64 pieces
-(:func:`~dlrmctl.train.metrics_exact.sum_pieces`, at most
-:data:`~dlrmctl.train.metrics_exact.SUM_PIECES`), and the final ratios are rounded once from
-the exact rationals.  That machinery (and the AUC's :class:`~dlrmctl.train.metrics_exact.PairCounter`)
-lives in :mod:`dlrmctl.train.metrics_exact`; this module re-exports its public names.
+(:func:`~dlrmctl.metrics.exact.sum_pieces`, at most
+:data:`~dlrmctl.metrics.exact.SUM_PIECES`), and the final ratios are rounded once from
+the exact rationals.  That machinery (and the AUC's :class:`~dlrmctl.metrics.exact.PairCounter`)
+lives in :mod:`dlrmctl.metrics.exact`; this module re-exports its public names.
 So the result is bit-identical for any partition of the rows.  One exception: the *weighted*
 AUC's per-row terms use float64 cumulative sums of the weights of one rank's rows, so it may
 differ in the last bits between partitions (relative difference below ~n·2^-53 for n rows,
@@ -65,7 +65,7 @@ from typing import Callable
 
 import numpy as np
 
-from dlrmctl.train.metrics_exact import (
+from dlrmctl.metrics.exact import (
     CHUNK_ROWS,
     SUM_PIECES,
     PairCounter,

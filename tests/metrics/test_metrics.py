@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from dlrmctl.train.metrics import auc, compute_metrics, compute_metrics_from_logits, entropy, logloss
+from dlrmctl.metrics import auc, compute_metrics, compute_metrics_from_logits, entropy, logloss
 
 
 def brute_force_auc(preds, labels):

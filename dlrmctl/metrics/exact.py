@@ -1,4 +1,4 @@
-"""Exact summation and AUC pair counting behind :mod:`dlrmctl.train.metrics` (numpy, float64).
+"""Exact summation and AUC pair counting behind :mod:`dlrmctl.metrics` (numpy, float64).
 
 What makes the metrics independent of the world size, the split of the rows over ranks and the
 eval batch size:
@@ -13,7 +13,7 @@ eval batch size:
   the sorted local rows of the other.
 
 The metrics themselves (labels, weights, log loss, NE, calibration, the distributed ring) are in
-:mod:`dlrmctl.train.metrics`.
+:mod:`dlrmctl.metrics`.
 """
 
 from __future__ import annotations
