@@ -49,6 +49,7 @@ from dlrmctl.distributed.comm import Awaitable, LazyAwaitable, all_to_all_ints, 
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharded_ebc import ShardedTables
 from dlrmctl.distributed.sharding.common import (
+    bucketize_order,
     HAS_BLOCK_BUCKETIZE,
     EmbeddingSharding,
     LookupLayout,
@@ -139,35 +140,19 @@ class RwSequenceSharding(_SequenceLookups, RwSharding):
         )
 
 
-def sequence_bucketize_torch(
-    values: torch.Tensor,
-    lengths: torch.Tensor,
-    F: int,
-    B: int,
-    W: int,
-    feat_base: torch.Tensor,
-    shard_starts: torch.Tensor,
-    shard_ranks: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sequence_bucketize_torch(values: torch.Tensor, lengths: torch.Tensor, F: int, B: int, W: int, feat_base: torch.Tensor,
+                             shard_starts: torch.Tensor, shard_ranks: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch ``block_bucketize_sparse_features(sequence=True)`` for any row split
     (arguments as :func:`~dlrmctl.distributed.sharding.common.bucketize_torch`).
 
     Returns:
         ``(lengths [W, F, B], local ids [N], unbucketize [N] int64)``.
     """
-    N = values.numel()
-    dev = values.device
-    bag = torch.repeat_interleave(torch.arange(F * B, device=dev), lengths, output_size=N)
-    key = feat_base[torch.div(bag, B, rounding_mode="floor")] + values if B else values
-    shard = torch.searchsorted(shard_starts, key, right=True) - 1
-    dest = shard_ranks[shard]
-    local = key - shard_starts[shard]
-    order = torch.argsort(dest, stable=True)
+    new_lengths, local, order = bucketize_order(values, lengths, F, B, W, feat_base, shard_starts, shard_ranks)
     unbucketize = torch.empty_like(order)
-    unbucketize[order] = torch.arange(N, device=dev)
-    new_lengths = torch.zeros(W * F * B, dtype=lengths.dtype, device=dev)
-    new_lengths.index_add_(0, dest * (F * B) + bag, torch.ones_like(bag, dtype=lengths.dtype))
-    return new_lengths.view(W, F, B), local[order], unbucketize
+    unbucketize[order] = torch.arange(order.numel(), device=order.device)
+    return new_lengths, local, unbucketize
 
 
 #: sharding type -> implementation for EmbeddingCollection tables.

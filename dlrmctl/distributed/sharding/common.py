@@ -608,6 +608,19 @@ def bucketize_torch(
         ``(lengths [W, F, B], local ids [N], weights [N] | None)``, ids grouped by
         destination rank (stable: feature, sample order kept).
     """
+    new_lengths, local, order = bucketize_order(values, lengths, F, B, W, feat_base, shard_starts, shard_ranks)
+    return new_lengths, local, None if weights is None else weights[order]
+
+
+def bucketize_order(values: torch.Tensor, lengths: torch.Tensor, F: int, B: int, W: int, feat_base: torch.Tensor,
+                    shard_starts: torch.Tensor, shard_ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The core of the pure-torch bucketize (pooled :func:`bucketize_torch` and the sequence
+    collection's): arguments as :func:`bucketize_torch`, without weights.
+
+    Returns:
+        ``(lengths [W, F, B], local ids [N] grouped by destination rank, order [N] int64)``:
+        ``order[j]`` is the input position of the j-th id sent (stable: feature, sample order kept).
+    """
     N = values.numel()
     dev = values.device
     bag = torch.repeat_interleave(torch.arange(F * B, device=dev), lengths, output_size=N)
@@ -619,5 +632,4 @@ def bucketize_torch(
     # scatter-add into a buffer of known size (bincount would read the max id back to the host on CUDA)
     new_lengths = torch.zeros(W * F * B, dtype=lengths.dtype, device=dev)
     new_lengths.index_add_(0, dest * (F * B) + bag, torch.ones_like(bag, dtype=lengths.dtype))
-    new_lengths = new_lengths.view(W, F, B)
-    return new_lengths, local[order], None if weights is None else weights[order]
+    return new_lengths.view(W, F, B), local[order], order
