@@ -359,6 +359,11 @@ def reshard_command(
     if latest is not None and os.path.abspath(latest) != os.path.abspath(path):
         typer.echo(f"LATEST still names {os.path.basename(latest)} (a newer step); resume from this one with "
                    f"`train --resume --checkpoint {m['step']}`")
+    elif latest is not None:  # say it: `train --resume` of the run now continues from the new layout
+        run = os.path.dirname(os.path.dirname(path))
+        typer.echo(f"LATEST of {run} now names {os.path.basename(path)}: `train --resume` continues from it with "
+                   f"--nproc {m['world_size']}" + ("" if out else "; --out DIR writes the copy to a new run "
+                                                   "directory instead"))
 
 
 def register(root: typer.Typer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional
 
 import typer
@@ -106,6 +107,12 @@ def register(app: typer.Typer) -> None:
         check_number("--cpus-per-proc", cpus_per_proc, maximum=4096, what="CPUs per process")
         mem_mb = parse_mem(mem) if mem is not None else None
         check_scheduler(scheduler)
+        if dry_run or os.path.exists(config):
+            # read and validated as `train` does (one error line, exit 2); without --dry-run a config
+            # that does not exist here may still be a path only the job's nodes see
+            from dlrmctl.config import load_config
+
+            load_config(config, set_)
         if scheduler == "local_cwd" and not dry_run:  # the ranks are processes of this machine: as `train --nproc`
             from dlrmctl.procs import check_local_fanout
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import os
 import re
@@ -117,8 +118,10 @@ def _build_dataclass(cls: Any, value: Any, path: str) -> Any:
     unknown = [k for k in value if k not in fields]
     if unknown:
         k = unknown[0]
+        near = difflib.get_close_matches(str(k), list(fields), n=1)
         raise ConfigError(
-            f"{path + '.' if path else ''}{k}: unknown key; expected one of {sorted(fields)}"
+            f"{path + '.' if path else ''}{k}: unknown key{f' (did you mean {near[0]!r}?)' if near else ''}; "
+            f"expected one of {sorted(fields)}"
         )
     kwargs = {}
     for name, f in fields.items():

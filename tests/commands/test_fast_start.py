@@ -122,3 +122,24 @@ def test_plan_for_an_unknown_device_or_missing_data_fails_in_one_line_before_tor
     p = _run("plan", str(REPO / "configs" / "demo.yaml"), "--gpus", "2", "--set", "data.path=data/nowhere", cwd=tmp_path)
     assert "EXIT 2 HEAVY -" in p.stderr, p.stderr[-2000:]
     assert f"data/nowhere/meta.json (relative to the working directory {tmp_path})" in p.stderr, p.stderr
+
+
+def test_launch_dry_run_reads_and_validates_the_config_like_train(tmp_path):
+    """`launch ... --dry-run` submits nothing, but a config that does not exist or does not
+    validate is the same one error line as `train` gives (exit 2), before torch."""
+    for config, sets, what in (("configs/no_such.yaml", [], "configs/no_such.yaml: cannot read config"),
+                               ("configs/demo.yaml", ["--set", "train.max_step=3"],
+                                "train.max_step: unknown key (did you mean 'max_steps'?)")):
+        for verb in (["launch", config, "--scheduler", "slurm", "--dry-run"], ["train", config]):
+            p = _run(*verb, *sets)
+            assert "EXIT 2 HEAVY" in p.stderr and "torch," not in p.stderr and "HEAVY torch\n" not in p.stderr, p.stderr
+            assert p.stderr.startswith("error: ") and what in p.stderr and "Traceback" not in p.stderr, (verb, p.stderr)
+
+
+def test_an_unknown_config_key_suggests_the_near_one_and_only_a_near_one():
+    from dlrmctl.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=r"data\.batchsize: unknown key \(did you mean 'batch_size'\?\); expected one of"):
+        config_from_dict({"name": "x", "data": {"batchsize": 4}})
+    with pytest.raises(ConfigError, match=r"train\.zzzz: unknown key; expected one of"):
+        config_from_dict({"name": "x", "train": {"zzzz": 4}})

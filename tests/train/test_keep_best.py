@@ -212,6 +212,11 @@ def test_reshard_with_a_dangling_best_and_of_an_in_place_copy_of_the_best(data, 
             assert r.exit_code == 0, r.output
     note = Checkpointer.best_kept_note(SimpleNamespace(run_dir=str(dangling)), best_step)
     assert "unusable" in note and "does not exist" in note
+    # the newest step resharded in place becomes the run's LATEST: the output says so (what --resume takes)
+    r = cli("checkpoint", "reshard", run, "--nproc", 1)
+    new = os.path.basename(ckpt.latest_checkpoint(str(run)))
+    assert r.exit_code == 0 and f"LATEST of {run} now names {new}: `train --resume` continues from it" in r.output, r.output
+    assert "--out DIR writes the copy to a new run directory" in r.output, r.output
 
 
 def test_a_step_saved_twice_is_listed_and_selected_by_name(tmp_path):
