@@ -374,6 +374,23 @@ def run_group(group: str, steps: list[tuple[str, int]], work: str, recs: Records
     # the steps this child skipped because of a failure are passed on through the records
 
 
+def pytest_cuda_variants() -> int:
+    """tests/modules/test_cuda.py, only the tests whose parameter id holds ``cuda`` (a ``-k`` would also
+    match the module's name and run the CPU variants, which CI runs)."""
+    import re
+
+    import pytest
+
+    class OnlyCuda:
+        def pytest_collection_modifyitems(self, config, items):
+            keep = [i for i in items if re.search(r"(^|-)cuda(-|$)", getattr(getattr(i, "callspec", None), "id", ""))]
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
+
+    os.chdir(REPO)
+    return int(pytest.main(["tests/modules/test_cuda.py", "-v", "-p", "no:cacheprovider"], plugins=[OnlyCuda()]))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -381,7 +398,10 @@ def main() -> int:
     ap.add_argument("--limit-scale", type=float, default=float(os.environ.get("GPU_CHECK_LIMIT_SCALE", "1")))
     ap.add_argument("--child", default=None)
     ap.add_argument("--skip", default="{}")
+    ap.add_argument("--pytest-cuda", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.pytest_cuda:
+        return pytest_cuda_variants()
     recs = Records(a.out)
     if a.child:
         run_group(a.child, dict(GROUPS)[a.child], a.work, recs, a.limit_scale, json.loads(a.skip))
@@ -403,8 +423,7 @@ def main() -> int:
         with open(log, "ab") as lf:
             if group == "pytest":
                 recs.add("pytest", "started", 0, limit)
-                cmd = [sys.executable, "-m", "pytest", "tests/modules/test_cuda.py", "-v", "-p", "no:cacheprovider",
-                       "-k", "cuda"]
+                cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--work", a.work, "--pytest-cuda"]
             else:
                 cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--work", a.work,
                        "--limit-scale", str(a.limit_scale), "--child", group, "--skip", json.dumps(skip)]
