@@ -368,3 +368,39 @@ def test_sparse_grad_sync_sums_rows_over_ranks_in_pieces_and_groups():
         for report in run_multiprocess(_sparse_sync_worker, ws, timeout_s=180):
             bad = [(s, k) for s, k, ok in report if not ok]
             assert not bad, f"{ws} ranks: wrong gradient at (step, table) {bad}"
+
+
+def _sparse_sync_step_worker(env, opt):
+    """Weights after 3 steps of the dense-kernel embedding optimizer on the synced gradients, and on
+    every rank's gradients concatenated in one process (the single-process global batch)."""
+    from dlrmctl.distributed.comm import sync_sparse_grads
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense
+
+    def init():
+        return {k: torch.nn.Parameter(torch.randn(r, d, generator=torch.Generator().manual_seed(r)))
+                for k, (r, d) in _SPARSE_TABLES.items() if k != "s"}
+
+    synced, ref = init(), init()
+    o1 = embedding_optimizer_for_dense(list(synced.values()), opt, lr=0.1, eps=1e-8, weight_decay=0.0)
+    o2 = embedding_optimizer_for_dense(list(ref.values()), opt, lr=0.1, eps=1e-8, weight_decay=0.0)
+    for step in range(3):
+        for k, p in synced.items():
+            g = _sparse_grads(env.rank, step)[k]
+            p.grad = None if g._nnz() == 0 else g
+        sync_sparse_grads(list(synced.values()), env.pg, dense_max_bytes=0, workspace={}, chunk_bytes=96)
+        o1.step()
+        for k, p in ref.items():
+            gs = [_sparse_grads(r, step)[k] for r in range(env.world_size)]
+            p.grad = torch.sparse_coo_tensor(torch.cat([g._indices() for g in gs], 1),
+                                             torch.cat([g._values() for g in gs]), p.shape)
+        o2.step()
+    return [(k, float((synced[k] - ref[k]).abs().max())) for k in synced]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("opt", ["exact_rowwise_adagrad", "adam"])
+def test_synced_sparse_grads_train_as_the_single_process_global_batch(opt):
+    """The uncoalesced synced gradient (no unique per table) steps the dense-kernel optimizer as the
+    single-process gradient of the global batch does."""
+    for report in run_multiprocess(_sparse_sync_step_worker, 2, opt, timeout_s=180):
+        assert all(d <= 1e-6 for _, d in report), report
