@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from dlrmctl.commands._common import fail
+from dlrmctl.commands._common import echo, fail
 
 
 #: fields of a metrics.jsonl record that the report formats as numbers (each a number or null)
@@ -213,12 +213,29 @@ def write_plots(run_dir: str, train: list[dict[str, Any]], evals: list[dict[str,
     return out
 
 
+def _sweep_summary(sweep_dir: str) -> None:
+    """``report SWEEP_DIR``: the sweep's ranking (its ``sweep.md``, as ``dlrmctl sweep`` wrote it) and
+    how to report one point."""
+    md = os.path.join(sweep_dir, "sweep.md")
+    try:
+        with open(md, encoding="utf-8") as f:
+            text = f.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"{md}: cannot read the sweep's summary: {getattr(e, 'strerror', None) or e}")
+    echo(f"{sweep_dir} is a sweep; its ranking ({md}, also sweep.csv):")
+    echo(text.rstrip("\n"))
+    echo(f"report one point (a run directory) with `dlrmctl report {os.path.join(sweep_dir, '<point>')}`")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def report(run_dir: str = typer.Argument(..., help="runs/<name>"),
                plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)")) -> None:
         """Summary table and PNG plots (loss and val loss, AUC, throughput; best step, early stop, epochs) of a run."""
         path = os.path.join(run_dir, "metrics.jsonl")
+        if not os.path.isfile(path) and os.path.isfile(os.path.join(run_dir, "sweep.md")):
+            _sweep_summary(run_dir)
+            return
         if not os.path.isfile(path):
             from dlrmctl.outputs import set_aside_hint
 

@@ -8,6 +8,17 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-$here/build}"
 py="${PYTHON:-python}"
+repo="$(cd "$here/../.." && pwd)"
+if ! "$py" -c 'import torch' >/dev/null 2>&1; then
+    # not the project's Python (no venv active): the project's venv when there is one
+    venv="${DLRMCTL_VENV:-$repo/.venv}"
+    if [ -z "${PYTHON:-}" ] && [ -x "$venv/bin/python" ] && "$venv/bin/python" -c 'import torch' >/dev/null 2>&1; then
+        py="$venv/bin/python"
+    else
+        echo "error: $py has no torch: activate the project's venv (. .venv/bin/activate, made by scripts/setup_env.sh) or set PYTHON to a Python with dlrmctl's torch" >&2
+        exit 2
+    fi
+fi
 prefix="$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 fbdir="$("$py" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("fbgemm_gpu").origin))')"
 cmake -S "$here" -B "$build" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null

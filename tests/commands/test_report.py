@@ -78,3 +78,16 @@ def test_report_plots_are_titled_and_mark_val_loss_best_step_early_stop_and_epoc
     assert r.exit_code == 0, r.output
     d = Image.open(run / "auc.png").text["Description"]
     assert "best step 20" in d and "early stop" not in d, d
+
+
+def test_report_of_a_sweep_directory_prints_its_ranking_and_names_its_points(tmp_path):
+    sweep = tmp_path / "grid"
+    (sweep / "p000-lr=0.1").mkdir(parents=True)
+    (sweep / "sweep.csv").write_text("rank,point,val_auc\n1,p000-lr=0.1,0.7\n")
+    (sweep / "sweep.md").write_text("Sorted by val auc\n\n| rank | point | val auc |\n| 1 | p000-lr=0.1 | 0.7000 |\n")
+    r = CliRunner().invoke(app, ["report", str(sweep)], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert f"{sweep} is a sweep" in r.output and "| 1 | p000-lr=0.1 | 0.7000 |" in r.output
+    assert f"dlrmctl report {sweep}/<point>" in r.output
+    r = CliRunner().invoke(app, ["report", str(tmp_path)])  # neither a run nor a sweep: the one error line
+    assert r.exit_code == 2 and "not a training run directory" in r.output

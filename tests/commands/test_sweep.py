@@ -101,6 +101,9 @@ def test_a_2x2_sweep_writes_4_runs_and_a_summary_sorted_by_val_auc(data, tmp_pat
     md = (root / "sweep.md").read_text()
     assert "Sorted by val auc" in md and md.count("| p00") == 4
     assert rows[0]["point"] in r.output and "--split test" in r.output
+    # `report` on the sweep directory: its ranking, and how to report a point
+    rep = runner.invoke(app, ["report", str(root)], catch_exceptions=False)
+    assert rep.exit_code == 0 and md.strip() in rep.output and f"dlrmctl report {root}/<point>" in rep.output, rep.output
     # a second sweep into the same directory is refused without --overwrite
     r2 = _sweep(data, tmp_path, "--grid", "model.dropout=0,0.3", "--grid", "optimizer.dense.lr=0.01,0.2")
     assert r2.exit_code == 2 and "exists: pass --overwrite" in r2.output
