@@ -276,3 +276,21 @@ def test_two_workers_equal_one_and_a_rerun_resumes(tmp_path):
         assert a.equals(b) and ma["sparse_features"] == mb["sparse_features"]
     again = preprocess_logs(schema, tmp_path / "in", tmp_path / "one", opts, progress=False)
     assert again.files_skipped == 3 and again.files_processed == 0 and again.rows == rep.rows
+
+
+def test_raw_rows_of_a_headerless_schema_score_with_or_without_the_label(tmp_path):
+    from dlrmctl.data.logs.raw_transform import RawTransformer
+
+    s = _schema(tmp_path, "header: false\ncolumns: [y, x, u]\nformat: tsv\nlabel: y\n"
+                          "dense: [{name: x, transform: standardize}]\ncategorical: [{name: u, vocab: {min_count: 1}}]\n")
+    (tmp_path / "train.tsv").write_text("".join(f"{i % 2}\t{i}\tu{i % 5}\n" for i in range(40)))
+    preprocess_logs(load_schema(s), tmp_path / "train.tsv", tmp_path / "out", progress=False)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    tr = RawTransformer(meta, tmp_path / "out")
+    (tmp_path / "test.tsv").write_text("3\tu1\n7\tu9\n")  # no label column; u9 unseen -> the OOV id
+    dense, ids, labels = next(tr.file(tmp_path / "test.tsv"))
+    d2, i2, l2 = tr.lines([b"1\t3\tu1", b"0\t7\tu9"])
+    assert labels is None and l2.tolist() == [1.0, 0.0]
+    np.testing.assert_array_equal(ids, i2)
+    np.testing.assert_array_equal(dense, d2)
+    assert ids[1, 0] == meta["sparse_features"][0]["oov_id"]

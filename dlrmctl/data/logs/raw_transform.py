@@ -96,6 +96,14 @@ class RawTransformer:
         cols = file_columns(path, self.schema)
         if cols is None:
             return
+        if not self.schema.header and self.schema.label and self.schema.format != "parquet":
+            from dlrmctl.data.logs.read import first_line
+
+            fmt = self.schema.format_of(path)
+            if fmt in ("csv", "tsv") and len(next(_split_first(first_line(path, None) or b"",
+                                                                 "\t" if fmt == "tsv" else self.schema.delimiter or ","))) \
+                    == len(cols) - 1:  # a headerless file without its label column (e.g. Criteo's test.txt)
+                cols = [c for c in cols if c != self.schema.label.column]
         schema = self._scoring_schema(cols)
         yield from self._chunks(iter_batches(path, schema, "error", columns=cols), schema, batch_rows)
 

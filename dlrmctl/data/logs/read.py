@@ -25,7 +25,7 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
 
-__all__ = ["RowBatch", "check_columns", "file_columns", "iter_batches"]
+__all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batches"]
 
 DEFAULT_BLOCK_SIZE = 4 << 20  # bytes of text per block (as the Criteo reader)
 PARQUET_BATCH_ROWS = 65536
@@ -77,7 +77,12 @@ def _text_stream(path: str | os.PathLike, data: bytes | None):
     return paced_input(path)
 
 
-def _first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
+def first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
+    """The first line of a text input (decompressed; without its line break), None for an empty one.
+
+    Raises:
+        DataError: the file cannot be read or decoded.
+    """
     try:
         with _text_stream(path, data) as f:
             buf = b""
@@ -112,7 +117,7 @@ def file_columns(path: str | os.PathLike, schema: LogSchema, data: bytes | None 
             return list(pq.ParquetFile(os.fspath(path)).schema_arrow.names)
         except (OSError, pa.ArrowInvalid) as e:
             raise DataError(f"not a readable Parquet file: {e}", path=path) from None
-    first = _first_line(path, data)
+    first = first_line(path, data)
     if first is None or not first.strip():
         return None
     if fmt == "jsonl":
