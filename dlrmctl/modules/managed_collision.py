@@ -316,12 +316,18 @@ class ManagedCollisionCollection(nn.Module):
                                  stride=features.stride(), length_per_key=features.length_per_key_or_none(),
                                  offset_per_key=offs, index_per_key=idx, validate=False)
 
+    def reset_values(self, table: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
+        """``[n, dim]`` float32: the weights a row of ``table`` restarts from when new id ``ids[i]``
+        takes it (:func:`reset_uniform` within the table's init bounds, keyed by ``train.seed`` and
+        the table's name)."""
+        low, high, key = self._init[table]
+        return reset_uniform(ids, dim, key, low, high)
+
     @torch.no_grad()
     def _reset(self, ebc: nn.Module, table: str, size: int, taken: torch.Tensor, taken_ids: torch.Tensor) -> None:
         new = (taken != size)[:, None]
-        low, high, key = self._init[table]
         w = ebc.embedding_weights()[table]
-        fresh = reset_uniform(taken_ids, w.shape[1], key, low, high).to(w.dtype)
+        fresh = self.reset_values(table, taken_ids, w.shape[1]).to(w.dtype)
         w[taken] = torch.where(new, fresh, w[taken])
         if getattr(ebc, "compute_kernel", "") == "fused":
             states = list(ebc.fused_optimizer().momentum().get(table, []))

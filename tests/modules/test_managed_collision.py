@@ -132,3 +132,55 @@ def test_bad_arguments_name_what_is_wrong():
         ManagedCollisionRemapper(10, buckets=3)
     with pytest.raises(ValueError, match="eviction"):
         ManagedCollisionRemapper(10, "fifo")
+
+
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_an_evicted_row_restarts_from_the_newcomers_values_with_zero_optimizer_state(kernel):
+    """A row trained for one id, then taken by another: its weights become the newcomer's reset
+    values and its optimizer state (fused TBE momentum / the dense-kernel optimizer's) zero; the
+    rows of held ids keep theirs."""
+    from dlrmctl import HAS_FBGEMM
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
+    from dlrmctl.modules.managed_collision import ManagedCollisionCollection
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense, row_state_tensors
+    from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+
+    if kernel == "fused" and not HAS_FBGEMM:
+        pytest.skip("fbgemm_gpu is not installed")
+    t = EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=4, feature_names=["f"])
+    ebc = EmbeddingBagCollection([t], compute_kernel=kernel, optimizer=EmbeddingOptimizerSpec(lr=0.5), check_ids=False)
+    mc = ManagedCollisionCollection([t], {"t": (2, "lru", 1)}, seed=7)
+    ebc.set_managed_collision(mc)
+    opt = None
+    if kernel == "dense":
+        opt = embedding_optimizer_for_dense(list(ebc.parameters()), "exact_rowwise_adagrad", 0.5, 1e-8, 0.0)
+        mc.dense_optimizer = opt
+
+    def step(ids):
+        kjt = KeyedJaggedTensor(["f"], torch.tensor(ids), lengths=torch.ones(len(ids), dtype=torch.int64))
+        ebc(kjt).values().sum().backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+
+    def state(row):
+        w = ebc.embedding_weights()["t"]
+        st = ebc.fused_optimizer().momentum()["t"] if kernel == "fused" else row_state_tensors(opt, w)
+        return w[row].detach().clone(), [s[row].clone() for s in st]
+
+    step([101, 202])  # rows 0, 1
+    step([202])       # 202 seen last: 101 is the least recently seen
+    w1, s1 = state(1)
+    assert all(bool((s != 0).any()) for s in s1)
+    step([303])       # takes row 0 from 101
+    w0, s0 = state(0)
+    assert mc.remappers["t"](torch.tensor([303, 101])).tolist() == [0, 2]  # 101 gone: the default row
+    # reset to the newcomer's values and zero state, then one row-wise Adagrad step on a gradient of
+    # ones: G = mean(g^2) = 1, w -= lr * g / sqrt(G) = 0.5 (nothing of 101's row or state is left)
+    fresh = mc.reset_values("t", torch.tensor([303]), 4)[0]
+    assert (fresh.abs() <= t.get_weight_init_max()).all()
+    assert torch.allclose(w0, fresh - 0.5, atol=1e-5), (w0, fresh)
+    assert len(s0) == 1 and torch.allclose(s0[0], torch.ones_like(s0[0]), atol=1e-6), s0
+    w1b, s1b = state(1)
+    assert torch.equal(w1b, w1) and all(torch.equal(a, b) for a, b in zip(s1b, s1))  # 202's row untouched
