@@ -1189,20 +1189,35 @@ def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.devi
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExportError(f"{model_path}: device {device} requested but CUDA is not available")
     if artifact == "pt2":
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _unloadable(model_path, artifact):
             warnings.simplefilter("ignore")
             ep = torch.export.load(str(model_path))
-        module = ep.module()
+            module = ep.module()
         if device.type != "cpu":
             module = module.to(device)
         return ExportedModel(d, manifest, module, device)
     require_fbgemm(f"loading {model_path}")
-    with _quiet_jit():  # the TBE was built on the CPU: loaded there, rebuilt for another device
+    with _quiet_jit(), _unloadable(model_path, artifact):  # the TBE was built on the CPU: loaded there, rebuilt
         module = torch.jit.load(str(model_path), map_location="cpu")
     module.eval()
     if device.type != "cpu":
         module = _torchscript_for_device(module, manifest, device)
     return ExportedModel(d, manifest, module, device)
+
+
+@contextmanager
+def _unloadable(model_path: Path, artifact: str) -> Iterator[None]:
+    """A model file that passed its SHA-256 check but does not load as ``artifact`` (a file replaced
+    with its hash updated, an edited ``artifact`` field): one :class:`ExportError` naming the file
+    and what the manifest claims, not the loader's traceback or a "corrupt manifest"."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - whatever the loader raises about a file that is not its format
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        how = "torch.export.load" if artifact == "pt2" else "torch.jit.load"
+        raise ExportError(f"{model_path}: does not load as the '{artifact}' artifact the manifest names ({how}: "
+                          f"{first}); the file or the manifest was replaced or edited after export: export the run "
+                          "again") from None
 
 
 def _torchscript_for_device(module: Any, manifest: dict, device: torch.device) -> nn.Module:

@@ -77,6 +77,28 @@ def test_a_damaged_export_manifest_is_one_line(tmp_path):
         one_error_line(["evaluate", m, "--data", tmp_path], "manifest.json", "corrupt manifest")
 
 
+
+def test_a_tampered_export_whose_hash_was_updated_is_one_line_naming_the_model_file(tmp_path):
+    """A replaced model file with its SHA-256 updated, or an edited `artifact` field, gave a loader
+    traceback or a "corrupt manifest" error blaming the wrong thing."""
+    import hashlib
+
+    from dlrmctl.inference.export import export_model
+    from tests.inference.test_export_pt2 import example_model
+
+    m = tmp_path / "m"
+    export_model(example_model(), m, "int8")
+    good = json.loads((m / "manifest.json").read_text())
+    model = m / good["model_file"]
+    model.write_bytes(b"not a model" * 100)
+    tampered = dict(good, files={**good["files"], good["model_file"]: {
+        "bytes": model.stat().st_size, "sha256": hashlib.sha256(model.read_bytes()).hexdigest()}})
+    tampered["model_sha256"] = tampered["files"][good["model_file"]]["sha256"]
+    (m / "manifest.json").write_text(json.dumps(tampered))
+    line = one_error_line(["evaluate", m, "--data", tmp_path], str(model), "does not load as the 'pt2' artifact")
+    assert "corrupt manifest" not in line
+
+
 def test_a_local_launch_above_the_machines_limit_is_refused(tmp_path, data, monkeypatch):
     monkeypatch.setenv("DLRMCTL_MAX_LOCAL_PROCS", "4")
     one_error_line(["launch", _config(tmp_path, data), "--nproc", 64], "--nproc 64", "4")
