@@ -480,8 +480,13 @@ def lock_output(out: str | os.PathLike) -> None:
         except FileNotFoundError:
             same = False
         if same:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as e:  # a full disk: name the lock file
+                os.close(fd)
+                e.filename = e.filename or str(path)
+                raise
             _locks[key] = (fd, path)
             return
         os.close(fd)

@@ -118,8 +118,18 @@ def acquire(run_dir: str) -> bool:
         if not same:
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:  # a full disk: the error names the lock file (a failed write names none)
+            os.close(fd)
+            e.filename = e.filename or path
+            for leftover in (path, *created):  # nothing of this attempt stays
+                try:
+                    (os.remove if leftover == path else os.rmdir)(leftover)
+                except OSError:
+                    break
+            raise
         _held[_key(run_dir)] = (fd, created)
         return True
     raise _in_use(run_dir, None)  # pragma: no cover - the file keeps being replaced

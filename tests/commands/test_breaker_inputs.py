@@ -209,3 +209,15 @@ def test_validating_on_the_training_split_warns(tmp_path, data):
     r = CliRunner().invoke(app, ["train", str(_config(tmp_path, data)), "--set", "data.val_split=train"])
     assert r.exit_code == 0, r.output
     assert "warning: data.val_split 'train' is the training split" in r.output
+
+
+def test_a_full_disk_when_locking_the_run_names_the_file_and_leaves_nothing(tmp_path, data, monkeypatch):
+    import errno
+    import os
+
+    def full(*a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    one_error_line(["train", _config(tmp_path, data)], str(tmp_path / "runs" / "b" / ".lock"), "no space left")
+    assert not (tmp_path / "runs").exists()
