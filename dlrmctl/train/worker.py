@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
     A failure is printed to stderr (user errors as one ``error: ...`` line, others as a
     traceback) and, under torchrun, recorded in the rank's error file for the launcher
-    (:func:`dlrmctl.launch.record_rank_failure`).
+    (:func:`dlrmctl.launch.failures.record_rank_failure`).
 
     Returns:
         exit code: 0 on success, 2 on user errors (:class:`dlrmctl.errors.UserError`, or an OSError
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         run_training(a.config, a.overrides, resume=a.resume, overwrite=a.overwrite, checkpoint=a.checkpoint,
                      init_from=a.init_from)
     except Exception as e:  # reported here (and recorded for the launcher), not as an uncaught traceback
-        from dlrmctl.launch import record_rank_failure
+        from dlrmctl.launch.failures import record_rank_failure
 
         msg = user_error_message(e)
         user_error = msg is not None

@@ -25,7 +25,7 @@ def test_every_module_imports_and_jobs_says_torchx_is_missing_in_one_line(tmp_pa
     walk = ("import importlib, pkgutil, dlrmctl\n"
             "bad = []\n"
             "for m in pkgutil.walk_packages(dlrmctl.__path__, 'dlrmctl.'):\n"
-            "    if m.name == 'dlrmctl.slurm':  # torchx's Slurm scheduler, subclassed: launch imports it lazily\n"
+            "    if m.name == 'dlrmctl.launch.slurm':  # torchx's Slurm scheduler, subclassed: launch imports it lazily\n"
             "        continue\n"
             "    try:\n"
             "        importlib.import_module(m.name)\n"

@@ -4,7 +4,7 @@ and job status without accounting storage.
 :class:`SlurmScheduler` subclasses ``torchx.schedulers.slurm_scheduler.SlurmScheduler``:
 
 * ``schedule`` (sbatch) and ``cancel`` (scancel) capture the command's stderr and raise
-  :class:`~dlrmctl.launch.LaunchError` with Slurm's own message and what to change (torchx raises
+  :class:`~dlrmctl.launch.failures.LaunchError` with Slurm's own message and what to change (torchx raises
   ``CalledProcessError`` and lets the message go to the terminal);
 * ``describe`` asks ``sacct`` (torchx) and, when the cluster keeps no accounting data
   (``AccountingStorageType=accounting_storage/none``: "Slurm accounting storage is disabled") or
@@ -23,6 +23,8 @@ from typing import Any
 from torchx.schedulers import slurm_scheduler as _tx
 from torchx.schedulers.api import DescribeAppResponse
 from torchx.specs import AppState, ReplicaStatus, Role, RoleStatus
+
+from dlrmctl.launch.failures import LaunchError
 
 #: sbatch / scancel / scontrol messages -> what the user changes
 _REMEDIES = (
@@ -68,9 +70,8 @@ def remedy_for(message: str, submitting: bool = True) -> str:
 
 def run_client(argv: list[str], what: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
     """Run a Slurm client command (text output captured); a missing program, a timeout or (with
-    ``check``) a non-zero exit is a :class:`~dlrmctl.launch.LaunchError` naming ``what``, Slurm's
+    ``check``) a non-zero exit is a :class:`~dlrmctl.launch.failures.LaunchError` naming ``what``, Slurm's
     message and the remedy."""
-    from dlrmctl.launch import LaunchError
 
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
@@ -186,8 +187,7 @@ class SlurmScheduler(_tx.SlurmScheduler):
             msg = _last_line(p.stderr)
             if "invalid job id" in msg.lower():
                 return None  # never submitted, or ended longer than MinJobAge ago (no accounting to ask)
-            from dlrmctl.launch import LaunchError
-
+        
             raise LaunchError(f"cannot ask Slurm about job {app_id}: scontrol: {msg or p.returncode}; "
                               f"{remedy_for(msg, submitting=False)}")
         return parse_scontrol(app_id, p.stdout)
