@@ -125,7 +125,7 @@ def plan_command(
 ) -> None:
     """Plan how the config's embedding tables are sharded over GPUS ranks; print the report and write the plan.
 
-    With ``--calibrate``: measure this machine and write a topology file instead (no config)."""
+    With --calibrate: measure this machine and write a topology file instead (no config)."""
     from dlrmctl.commands._common import check_number, echo, fail, show_path
     from dlrmctl.config import INT_LIMITS
     from dlrmctl.planner.types import TOPOLOGY_VALUE_MAX

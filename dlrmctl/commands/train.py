@@ -31,7 +31,8 @@ def train(
                                             "optimizer state and managed-collision remappers: RUN (its last "
                                             "checkpoint), RUN/best, RUN/<step> or a checkpoint directory"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the torchx AppDef instead of launching"),
-    verbose: bool = typer.Option(False, "-v", "--verbose"),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="dlrmctl's debug log lines on stderr (DEBUG "
+                                 "instead of INFO)"),
 ) -> None:
     """Train (and evaluate) the model of CONFIG; writes runs/<name>/."""
     from dlrmctl.config import load_config

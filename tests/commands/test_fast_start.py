@@ -143,3 +143,28 @@ def test_an_unknown_config_key_suggests_the_near_one_and_only_a_near_one():
         config_from_dict({"name": "x", "data": {"batchsize": 4}})
     with pytest.raises(ConfigError, match=r"train\.zzzz: unknown key; expected one of"):
         config_from_dict({"name": "x", "train": {"zzzz": 4}})
+
+
+def _commands(group, prefix=()):
+    for name, cmd in getattr(group, "commands", {}).items():
+        yield (*prefix, name), cmd
+        yield from _commands(cmd, (*prefix, name))  # a group's verbs
+
+
+def test_every_option_of_every_verb_has_help_text_and_no_raw_rst_markup():
+    """--help is read in a terminal: each option says what it does, and the help texts carry no
+    reStructuredText double backticks (they print as they are)."""
+    import typer
+
+    from dlrmctl.cli import app
+
+    root = typer.main.get_command(app)
+    seen = 0
+    for path, cmd in _commands(root):
+        assert "``" not in (cmd.help or ""), (path, cmd.help)
+        for p in cmd.params:
+            if p.param_type_name == "option" and p.name != "help":  # (typer's own click: duck-typed)
+                seen += 1
+                assert (p.help or "").strip(), (path, p.opts)
+                assert "``" not in p.help, (path, p.opts, p.help)
+    assert seen > 50
