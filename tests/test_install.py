@@ -24,6 +24,8 @@ import pytest
 from tests.conftest import REPO
 
 #: what pip prints when it cannot reach the index at all (not a resolution failure)
+#: one resolution fetched torch's wheels in about 3 minutes here (2-core VM, load ~15)
+PIP_TIMEOUT_S = 900
 UNREACHABLE = re.compile(r"NewConnectionError|Max retries exceeded|Temporary failure in name resolution|"
                          r"Network is unreachable|ConnectTimeoutError|No route to host|ProxyError")
 
@@ -61,8 +63,12 @@ def interpreter(python: str) -> str | None:
 
 
 def _pip(args: list[str], python: str = sys.executable) -> subprocess.CompletedProcess:
-    p = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                        "--only-binary=:all:", *args], capture_output=True, text=True, timeout=3000)
+    try:
+        p = subprocess.run([python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                            "--only-binary=:all:", *args], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # a slow index must not hold CI (90 minutes in all) for an hour: the resolution is then unknown, not wrong
+        pytest.skip(f"the package index did not answer within {PIP_TIMEOUT_S} s")
     if p.returncode != 0 and UNREACHABLE.search(p.stdout + p.stderr):
         pytest.skip(f"the package index cannot be reached: {UNREACHABLE.search(p.stdout + p.stderr).group(0)}")
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
@@ -84,7 +90,7 @@ def test_tritonclient_is_left_out_of_the_extras_from_python_3_12():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(2 * PIP_TIMEOUT_S + 120)
 @pytest.mark.skipif(os.environ.get("DLRMCTL_CHECK_INSTALL") != "1",
                     reason="set DLRMCTL_CHECK_INSTALL=1 to resolve against the index (.ci/run does): pip fetches the "
                            "wheels of torch and its CUDA libraries to read their metadata, several GB per Python")
