@@ -111,8 +111,8 @@ std::string json_string(const std::string& s, size_t& i) {
   return out;
 }
 
-// The string value of a top-level key of a JSON object ("" when absent, null or not a string).
-std::string top_level_string(const std::string& s, const std::string& key) {
+// Where the value of a top-level key of the JSON object `s` starts (std::string::npos when absent).
+size_t top_level_value(const std::string& s, const std::string& key) {
   int depth = 0;
   for (size_t i = 0; i < s.size();) {
     const char c = s[i];
@@ -123,7 +123,7 @@ std::string top_level_string(const std::string& s, const std::string& key) {
       while (j < s.size() && std::isspace(static_cast<unsigned char>(s[j]))) ++j;
       if (at_top && j < s.size() && s[j] == ':' && str == key) {
         for (++j; j < s.size() && std::isspace(static_cast<unsigned char>(s[j]));) ++j;
-        return j < s.size() && s[j] == '"' ? json_string(s, j) : std::string();
+        return j;
       }
       continue;
     }
@@ -131,7 +131,13 @@ std::string top_level_string(const std::string& s, const std::string& key) {
     if (c == '}' || c == ']') --depth;
     ++i;
   }
-  return std::string();
+  return std::string::npos;
+}
+
+// The string value of a top-level key of a JSON object ("" when absent, null or not a string).
+std::string top_level_string(const std::string& s, const std::string& key) {
+  size_t j = top_level_value(s, key);
+  return j < s.size() && s[j] == '"' ? json_string(s, j) : std::string();
 }
 
 // SHA-256 (FIPS 180-4) of a file's bytes as 64 hex digits; "" when it cannot be read.
@@ -195,34 +201,17 @@ std::string sha256_file(const std::string& path) {
 
 // The text of the object value of key `key` at the top level of the JSON object `s` ("" when absent).
 std::string top_level_object(const std::string& s, const std::string& key) {
-  int depth = 0;
-  for (size_t i = 0; i < s.size();) {
-    const char c = s[i];
-    if (c == '"') {
-      const bool at_top = depth == 1;
-      const std::string str = json_string(s, i);
-      size_t j = i;
-      while (j < s.size() && std::isspace(static_cast<unsigned char>(s[j]))) ++j;
-      if (at_top && j < s.size() && s[j] == ':' && str == key) {
-        for (++j; j < s.size() && std::isspace(static_cast<unsigned char>(s[j]));) ++j;
-        if (j >= s.size() || s[j] != '{') return std::string();
-        int d = 0;
-        for (size_t k = j; k < s.size(); ++k) {
-          if (s[k] == '"') {
-            json_string(s, k);
-            --k;
-            continue;
-          }
-          if (s[k] == '{') ++d;
-          if (s[k] == '}' && --d == 0) return s.substr(j, k - j + 1);
-        }
-        return std::string();
-      }
+  const size_t j = top_level_value(s, key);
+  if (j >= s.size() || s[j] != '{') return std::string();
+  int d = 0;
+  for (size_t k = j; k < s.size(); ++k) {
+    if (s[k] == '"') {  // skip the string (braces inside it do not count)
+      json_string(s, k);
+      --k;
       continue;
     }
-    if (c == '{' || c == '[') ++depth;
-    if (c == '}' || c == ']') --depth;
-    ++i;
+    if (s[k] == '{') ++d;
+    if (s[k] == '}' && --d == 0) return s.substr(j, k - j + 1);
   }
   return std::string();
 }
