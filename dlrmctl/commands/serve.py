@@ -3,6 +3,7 @@ with dynamic batching; the server is :mod:`dlrmctl.inference.serve`."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,9 @@ def serve_command(
     processes: int = typer.Option(1, "--processes", help="server processes sharing the port (SO_REUSEPORT), each with "
                                                          "the model, its own queue and metrics; the kernel spreads "
                                                          "connections over them"),
+    device: str = typer.Option("cpu", "--device", help="where the model runs: cpu, cuda[:i], or auto (cuda where "
+                                                       "a GPU is visible, else cpu); requests are decoded on the "
+                                                       "host, each batch moved once"),
     name: Optional[str] = typer.Option(None, "--name", help="model name in /v2/models/{name} (default: the run's name)"),
 ) -> None:
     """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM."""
@@ -47,6 +51,8 @@ def serve_command(
     check_number("--max-ids-per-row", max_ids_per_row, maximum=1 << 24, what="ids")
     check_number("--workers", workers, maximum=256, what="forward threads")
     check_number("--processes", processes, maximum=256, what="server processes")
+    if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
+        fail(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if name is not None:
         from dlrmctl.inference.serve.protocol import check_model_name
 
@@ -66,9 +72,11 @@ def serve_command(
     from dlrmctl.inference.serve.protocol import ServeError, check_model_name
     from dlrmctl.procs import intra_op_threads
 
-    model = load_exported(model_dir)
+    device = serve_device(device)
+    model = load_exported(model_dir, device)
     check_vocabularies(model)
     threads, why = intra_op_threads(workers * processes)
+    where = f"on {device}; " if device != "cpu" else ""
     torch.set_num_threads(threads)
     served = name or (model.manifest.get("source") or {}).get("name") or Path(model_dir).resolve().name
     if name is None:
@@ -79,7 +87,7 @@ def serve_command(
                    max_queue_rows=max_queue_rows, workers=workers, max_request_mb=max_request_mb,
                    max_ids_per_row=max_ids_per_row)
     try:
-        others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options)
+        others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options, device=device)
     except ServeError:
         sock.close()
         raise
@@ -93,7 +101,7 @@ def serve_command(
     echo(f"serving {show_path(model_dir)} as model {served!r} at http://{h}:{addr[1]}/v2/models/{served} "
          f"(batches of <= {max_batch_rows:,} rows, waiting {wait}; queue {max_queue_rows:,} rows"
          f"{' per process' if processes > 1 else ''}; {procs}{workers} worker(s) x {threads} thread(s): {why}; "
-         f"HTTP {http} on {loop})")
+         f"{where}HTTP {http} on {loop})")
     stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, **options)
     echo(f"stopped{f' ({stopped})' if stopped else ''}: every request received was answered")
 
@@ -113,6 +121,27 @@ def _check_address(host: str, port: int, processes: int) -> None:
     except OSError as e:
         fail(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port (0: any free port) "
              "or --host")
+
+
+def serve_device(option: str) -> str:
+    """``--device`` -> the device the model is loaded on: ``auto`` is ``cuda`` where torch sees a GPU,
+    else ``cpu``; ``cuda[:i]`` must be visible.
+
+    Raises:
+        CommandError: ``cuda`` asked for where torch sees no GPU (a CPU build of torch, or none
+            visible), or an index beyond the GPUs seen.
+    """
+    import torch
+
+    if option == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if option.startswith("cuda"):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        i = int(option.partition(":")[2] or 0)
+        if i >= n:
+            fail(f"--device {option}: torch sees {n} CUDA device(s) (torch {torch.__version__}); "
+                 "use --device cpu or auto")
+    return option
 
 
 def register(app: typer.Typer) -> None:

@@ -115,9 +115,11 @@ class FakeModel:
 
     def __init__(self) -> None:
         self.batches: list[int] = []
+        self.threads: list[str] = []
 
     def logits(self, dense, values, lengths, weights):
         self.batches.append(int(dense.shape[0]))
+        self.threads.append(threading.current_thread().name)
         return dense[:, 0].clone()
 
 
@@ -178,6 +180,10 @@ def test_the_app_runs_a_lone_request_at_once_and_merges_requests_that_arrive_tog
         res = await asyncio.wait_for(asyncio.gather(post(app, bad), post(app, infer_body(2.0))), 30)
         assert res[0][0] == 400 and "id 99" in res[0][1]["error"] and res[1][0] == 200
         assert model.batches == [1, 8, 1]
+        # a lone small request is scored on the event loop's thread (no hand-over); a merged batch on a
+        # forward thread
+        assert model.threads[0] == model.threads[2] == threading.current_thread().name
+        assert model.threads[1].startswith("dlrmctl-serve-")
 
     run_app(app, check)
 

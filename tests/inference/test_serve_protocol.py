@@ -194,3 +194,37 @@ def test_a_large_body_is_decoded_off_the_event_loop(monkeypatch):
 
     run_app(app, check)
     assert threads[0] == "MainThread" and threads[1].startswith("dlrmctl-serve-decode"), threads
+
+
+# ----------------------------------------------------------------------------- --device
+def test_serve_device_auto_cuda_and_cpu_with_a_fake_gpu(monkeypatch, tmp_path):
+    """--device auto loads on cuda where torch sees a GPU (faked here) and on cpu where it does not;
+    --device cuda without one, or a CUDA index beyond those seen, is one error line before loading."""
+    import torch
+    from typer.testing import CliRunner
+
+    import dlrmctl.inference.export as export
+    from dlrmctl.cli import app
+    from dlrmctl.commands.serve import serve_device
+
+    loaded = []
+
+    def fake_load(model_dir, device="cpu"):
+        loaded.append(device)
+        raise export.ExportError(f"{model_dir}: stopped by the test after choosing {device}")
+
+    monkeypatch.setattr(export, "load_exported", fake_load)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert serve_device("auto") == "cuda" and serve_device("cuda:1") == "cuda:1"
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "auto"])
+    assert r.exit_code == 2 and loaded == ["cuda"] and "stopped by the test after choosing cuda" in r.output, r.output
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cuda:2"])
+    assert r.exit_code == 2 and "error: --device cuda:2: torch sees 2 CUDA device(s)" in r.output, r.output
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert serve_device("auto") == "cpu"
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "cuda"])
+    assert r.exit_code == 2 and "error: --device cuda: torch sees 0 CUDA device(s)" in r.output, r.output
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "tpu"])
+    assert r.exit_code == 2 and "error: --device must be cpu, cuda, cuda:N or auto, got 'tpu'" in r.output, r.output
+    assert loaded == ["cuda"]

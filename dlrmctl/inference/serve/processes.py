@@ -71,12 +71,13 @@ def bind(host: str, port: int, reuse_port: bool = False, join: bool = False) -> 
 
 
 def start_processes(count: int, model_dir: str, name: str, host: str, port: int, threads: int,
-                    options: dict) -> list:
+                    options: dict, first: int = 2, total: int | None = None, device: str = "cpu") -> list:
     """Start ``count`` more server processes (``multiprocessing`` spawn) on ``host:port``: each loads
-    the model from ``model_dir``, binds the port with ``SO_REUSEPORT`` (the first one's socket must
+    the model from ``model_dir`` onto ``device``, binds the port with ``SO_REUSEPORT`` (the first one's socket must
     have it too, :func:`bind`), reports back and serves with ``options`` (:func:`serve`'s keyword
     arguments) and ``threads`` intra-op threads.  Returns once every one is listening; each ends when
-    the process that started it does (SIGTERM from :func:`serve`, or on its death).
+    the process that started it does (SIGTERM from :func:`serve`, or on its death).  They are numbered
+    ``first``, ``first + 1``... of ``total`` (default ``count + 1``) in their names and metrics labels.
 
     Raises:
         ServeError: a process could not load the model or bind (its message), or did not report
@@ -89,8 +90,10 @@ def start_processes(count: int, model_dir: str, name: str, host: str, port: int,
     try:
         for i in range(count):
             here, there = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_serve_child, name=f"dlrmctl-serve-process-{i + 2}", daemon=False,
-                            args=(there, model_dir, name, host, port, threads, f"{i + 2} of {count + 1}", options))
+            k = first + i
+            p = ctx.Process(target=_serve_child, name=f"dlrmctl-serve-process-{k}", daemon=False,
+                            args=(there, model_dir, name, host, port, threads, f"{k} of {total or count + 1}", options,
+                                  device))
             p.start()
             there.close()
             procs.append(p)
@@ -132,7 +135,7 @@ def stop_processes(procs: list, sig: int | None = signal.SIGTERM, wait: float = 
 
 
 def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, threads: int, process: str,
-                 options: dict) -> None:
+                 options: dict, device: str = "cpu") -> None:
     """One extra server process of :func:`start_processes`."""
     try:  # end with the parent, whatever kills it (Linux)
         import ctypes
@@ -145,7 +148,7 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
     try:
         from dlrmctl.inference.export import load_exported
 
-        model = load_exported(model_dir)
+        model = load_exported(model_dir, device)
         sock = bind(host, port, reuse_port=True, join=True)
     except Exception as e:  # noqa: BLE001 - reported by the parent as one line
         conn.send(str(e) or type(e).__name__)
