@@ -139,6 +139,15 @@ def start(model_dir: str, *args: str, cmd: list[str] | None = None):
     raise SystemExit("server not ready after 60 s")
 
 
+def stop(p: subprocess.Popen) -> None:
+    """SIGTERM a server started by :func:`start` (it drains), killed if it has not exited within 60 s."""
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+
+
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) used so far by process ``pid`` and its live child processes (Linux ``/proc``)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -348,11 +357,7 @@ def versus_kserve(a: argparse.Namespace) -> None:
                               f"p50 {cell['p50']:.2f} ms, {cell['non_2xx']} non-2xx, {cell['socket_errors']} socket errors",
                               file=sys.stderr, flush=True)
             finally:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+                stop(p)
     print(f"load average at end {os.getloadavg()[0]:.1f}")
 
     def rng(v: list[float], fmt: str) -> str:
@@ -420,11 +425,7 @@ def main() -> None:
                     print(f"| {label} | {conc} | {rows} | {rps:,.0f} | {100 * rps / ceiling:.1f}% | {p50:.2f} | {p99:.2f} | {n:,} "
                           f"| {cm:.2f} | {sm:.2f} | {bound:,.0f} ({100 * bound / ceiling:.0f}%) |", flush=True)
         finally:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop(p)
     if a.skip_floor:
         return
     conc = max(int(x) for x in a.concurrency.split(","))
