@@ -28,6 +28,9 @@ def evaluate(
                                                                          "run's data.eval_batch_size; 8192 for an "
                                                                          "exported model)"),
     output_json: bool = typer.Option(False, "--json", help="print the metrics as JSON"),
+    artifact: Optional[str] = typer.Option(None, "--artifact", help="exported model: aoti | pt2 | torchscript "
+                                                                     "(default: the fastest it holds for --device)"),
+    device: Optional[str] = typer.Option(None, "--device", help="exported model: cpu | cuda[:i] | auto (default cpu)"),
 ) -> None:
     """Metrics (AUC, logloss, NE, calibration, accuracy) of a trained or exported model."""
     from dlrmctl.config import INT_LIMITS
@@ -38,15 +41,20 @@ def evaluate(
     if exported and data is None:
         fail(f"{run_dir} is an exported model: give --data DIR (the preprocessed data to evaluate on), e.g. "
              f"dlrmctl evaluate {run_dir} --data data/<name> --split val")
+    if not exported and (artifact is not None or device is not None):
+        fail(f"{run_dir} is a training run: --artifact and --device apply to an exported model (a run evaluates "
+             "on its train.device)")
     if exported and checkpoint is not None:
         fail(f"{run_dir} is an exported model (one set of weights): --checkpoint applies to a run directory")
     progress = not output_json
     # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli, once for every verb
     if exported:
         from dlrmctl.inference.export import evaluate_exported
+        from dlrmctl.inference.formats import resolve_device
 
-        m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size, any_split=any_split,
-                              progress=progress)
+        m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size,
+                              device=resolve_device(device or "cpu"), any_split=any_split, progress=progress,
+                              artifact=artifact, announce=lambda what: echo(f"evaluate: running {what}", err=True))
         which = "exported model"
     else:
         from dlrmctl.train.checkpoint import read_checkpoint

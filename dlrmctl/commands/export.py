@@ -98,6 +98,9 @@ def predict_command(
     output: Optional[Path] = typer.Option(None, "--output", help="scores CSV (default: stdout)"),
     batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch (>= 1)"),
     force: bool = typer.Option(False, "--force", help="replace an existing --output file"),
+    artifact: Optional[str] = typer.Option(None, "--artifact", help="aoti | pt2 | torchscript (default: the fastest "
+                                           "the export holds that runs on --device)"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda[:i] | auto (cuda when a GPU is visible)"),
 ) -> None:
     """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""
     if batch_rows < 1:
@@ -114,15 +117,17 @@ def predict_command(
 
         outputs.check_file_replaceable(output, "scores CSV", outputs.is_scores_csv, force=force, option="--output",
                                        inputs=(input,))
+    from dlrmctl.inference.formats import resolve_device
     from dlrmctl.inference.predict import predict_file
 
+    err = output is None or str(output) == "-"
     try:
-        rep = predict_file(model_dir, input, output, batch_rows, force=force)
+        rep = predict_file(model_dir, input, output, batch_rows, force=force, device=resolve_device(device),
+                           artifact=artifact, announce=lambda what: typer.echo(f"predict: running {what}", err=err))
     except RuntimeError as e:
         if isinstance(e, UserError):
             raise
         fail(str(e))
-    err = output is None or str(output) == "-"
     typer.echo(f"scored {rep.rows} lines" + ("" if err else f" -> {rep.output}"), err=err)
     if rep.metrics:
         for k in ("auc", "logloss", "ne"):

@@ -634,8 +634,8 @@ def export_model(
                 "export it as TorchScript with --torchscript") from None
         stored = sum(_qtable_bytes(q) for q in qtables)
         row_align = 1
-        kernel = ("torch.export program of ATen ops (gather + row-wise dequantize + index_add; "
-                  "dlrmctl.inference.program)")
+        kernel = ("torch.export program; lookups by fused embedding-bag kernels of torch (quantized:: "
+                  "row-wise int8/int4, embedding_bag fp32, float32 gather-add fp16; dlrmctl.inference.lookups)")
     else:
         align = TBE_DIM_ALIGN[embedding_dtype]
         pdims = [padded_dim(t.embedding_dim, align) for t in tables]
@@ -666,8 +666,8 @@ def export_model(
         sd = padded_dim(t.embedding_dim, TBE_DIM_ALIGN[embedding_dtype] if artifact == "torchscript" else
                         (2 if embedding_dtype == "int4" else 1))
         rb = tbe_row_bytes(sd, embedding_dtype, row_align)
-        if artifact == "pt2" and embedding_dtype in ("int8", "int4"):
-            rb += 4  # float32 scale + bias (the fp16 values, widened) instead of fp16
+        if artifact == "pt2" and embedding_dtype == "int8":
+            rb += 4  # float32 scale + bias (the fp16 values, widened: the byte kernel's layout) instead of fp16
         table_entries.append({
             "name": t.name, "features": list(t.feature_names), "num_embeddings": t.num_embeddings,
             "embedding_dim": t.embedding_dim, "stored_dim": sd, "pooling": t.pooling.value,
@@ -706,7 +706,9 @@ def export_model(
         "quantization": {
             "embeddings": embedding_dtype,
             "dense": dense_mode,
-            "scale_bias": "fp16 per row (int8/int4), stored in front of the row codes",
+            "scale_bias": ("fp16 per row (int8/int4), in front of the row codes (TorchScript TBE)"
+                           if artifact == "torchscript" else
+                           "fp16 values per row (int8/int4), after the row codes; int8 widened to float32"),
             "formula": "bias = fp16_down(min(row)); scale = fp16_up((max(row) - bias) / (2^bits - 1)); "
                        "q = clamp(round((x - bias) / scale), 0, 2^bits - 1) (q = 0 if scale == 0); x' = q*scale + bias",
             "source": "FBGEMM FloatToFusedNBitRowwiseQuantizedSBHalf / IntNBitTableBatchedEmbeddingBagsCodegen row layout",
@@ -739,9 +741,10 @@ def _table_weight(t: Any, load_table: Callable[[Any], torch.Tensor] | None, weig
 
 
 def _qtable_bytes(q: Any) -> int:
-    """Bytes a quantized table takes in the program (codes + float32 scale/bias)."""
+    """Bytes a quantized table takes in the program, unpadded (codes + scale/bias: float32 for
+    int8, fp16 for int4)."""
     n = q.data.numel() * q.data.element_size()
-    return n + (q.num_embeddings * 8 if q.scale is not None else 0)
+    return n + q.num_embeddings * {"int8": 8, "int4": 4}.get(q.dtype, 0)
 
 
 def _multi_hot_tables(multi_hot: dict | None, data_meta: dict | None,
@@ -850,7 +853,7 @@ def _write_artifact(out: Path, force: bool, meta: dict | None, data_dir: Any, ma
             manifest["files"][AOTI_FILE] = {"bytes": (tmp / AOTI_FILE).stat().st_size, "sha256": _sha256(tmp / AOTI_FILE)}
         if parity is not None:
             _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
-            manifest["parity"] = parity(load_exported(tmp))
+            manifest["parity"] = parity(load_exported(tmp, artifact=manifest["artifact"]))
         _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
     return ExportResult(out, manifest, stored, fp32_bytes)
 
@@ -979,21 +982,31 @@ class ExportedModel:
             device: an eager :class:`ExportedDLRM` with its TBE rebuilt there) or the program's
             ``ExportedProgram.module()`` (``pt2``: returns ``(scores, logits)``).
         artifact: ``pt2`` | ``torchscript`` (``manifest["artifact"]``; older manifests: torchscript).
+        runner: the format that runs (:mod:`dlrmctl.inference.formats`): ``aoti`` (the package of
+            a ``pt2`` export), ``pt2`` or ``torchscript``.
         feature_names: sparse features in input order.
         weighted_features: features whose per-id weights the model uses (empty: it takes none).
         num_dense: ``D_in``.
     """
 
     def __init__(self, model_dir: Path, manifest: dict, module: torch.jit.ScriptModule,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", runner: str | None = None) -> None:
         self.model_dir = model_dir
         self.manifest = manifest
         self.module = module
         self.artifact = manifest.get("artifact", "torchscript")
+        self.runner = runner or self.artifact
         self.device = torch.device(device)
         self.feature_names: list[str] = list(manifest["sparse_features"])
         self.weighted_features: list[str] = list(manifest.get("weighted_features") or [])
         self.num_dense = int(manifest["inputs"]["dense"]["shape"][1])
+
+    @property
+    def description(self) -> str:
+        """What runs, for a command's first line: ``model_aoti.pt2 (AOTInductor package) on cpu``."""
+        from dlrmctl.inference.formats import FORMATS
+
+        return FORMATS[self.runner].describe(self.device)
 
     @torch.no_grad()
     def score(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -1053,28 +1066,28 @@ class ExportedModel:
             raise ExportError(f"{self.model_dir}: bad model input: {msg}") from None
 
     def _locate_bad_id(self, msg: str, values: torch.Tensor, lengths: torch.Tensor, B: int) -> str:
-        """The program's ``table 'T', feature 'f': an id is out of range; expected 0 <= id < R``
-        (``aten._assert_async`` carries no values) made as precise as the TorchScript module's:
+        """The program's range message (every lookup's valid range; the program checks all ids with
+        one assertion and carries no values) made as precise as the TorchScript module's:
         ``table 'T', feature 'f', sample s: id v is out of range; expected 0 <= id < R``, the first
-        such id of that feature in the input.  ``msg`` unchanged when it is another message or no
-        input id is out of range (e.g. an expanded multi-hot id)."""
-        import re
-
-        hit = re.match(r"table '(.+)', feature '(.+)': an id is out of range; expected 0 <= id < (\d+)$", msg)
-        if not hit or hit.group(2) not in self.feature_names:
+        such id in lookup order.  ``msg`` unchanged when it is another message or no input id is out
+        of range (e.g. an expanded multi-hot id)."""
+        if not msg.startswith("an id is out of range; expected 0 <= id < rows of its table"):
             return msg
-        table, feat, rows = hit.group(1), hit.group(2), int(hit.group(3))
-        f = self.feature_names.index(feat)
+        rows = {t["name"]: int(t["num_embeddings"]) for t in self.manifest["tables"]}
         ln = lengths.detach().cpu()
-        start = int(ln[: f * B].sum())
-        seg = values.detach().cpu()[start: start + int(ln[f * B:(f + 1) * B].sum())]
-        bad = torch.nonzero((seg < 0) | (seg >= rows))
-        if bad.numel() == 0:
-            return msg
-        i = int(bad[0])
-        sample = int(torch.searchsorted(torch.cumsum(ln[f * B:(f + 1) * B], 0), torch.tensor([i]), right=True)[0])
-        return (f"table '{table}', feature '{feat}', sample {sample}: id {int(seg[i])} is out of range; "
-                f"expected 0 <= id < {rows}")
+        vals = values.detach().cpu()
+        ends = torch.cumsum(ln.view(len(self.feature_names), B).sum(1), 0)
+        for lk in self.manifest["lookups"]:
+            f, table = self.feature_names.index(lk["feature"]), lk["table"]
+            start = int(ends[f - 1]) if f else 0
+            seg = vals[start: int(ends[f])]
+            bad = torch.nonzero((seg < 0) | (seg >= rows[table]))
+            if bad.numel():
+                i = int(bad[0])
+                sample = int(torch.searchsorted(torch.cumsum(ln[f * B:(f + 1) * B], 0), torch.tensor([i]), right=True)[0])
+                return (f"table '{table}', feature '{lk['feature']}', sample {sample}: id {int(seg[i])} is out of "
+                        f"range; expected 0 <= id < {rows[table]}")
+        return msg
 
     def _check_program_inputs(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                               weights: torch.Tensor | None) -> None:
@@ -1123,7 +1136,8 @@ def to_host(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu") -> ExportedModel:
+def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
+                  artifact: str | None = None) -> ExportedModel:
     """Load ``model_dir/manifest.json`` and its model -- ``model.pt2`` (``torch.export.load``; needs
     no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device``
     (``cpu``, or ``cuda[:i]``; not run on a GPU yet): the program's buffers are moved there
@@ -1131,6 +1145,10 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
     (DEVICE placement, 16-byte rows: :func:`_torchscript_for_device`; needs fbgemm_gpu's CUDA
     build), its module then an eager :class:`ExportedDLRM` with the same ``forward`` / ``logits``.
     Outputs stay on ``device``: :func:`to_host` brings them to NumPy.
+
+    ``artifact`` (``aoti`` | ``pt2`` | ``torchscript``) names the format to run; by default the
+    fastest the directory holds that runs on ``device`` (the AOTInductor package of a ``--aot``
+    export on the CPU): :func:`dlrmctl.inference.formats.choose_format`.
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
@@ -1149,12 +1167,13 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
     if not isinstance(manifest, dict):
         raise ExportError(f"{mpath}: corrupt manifest: a JSON object expected, got {type(manifest).__name__}")
     try:
-        return _load_checked(d, mpath, manifest, device)
+        return _load_checked(d, mpath, manifest, device, artifact)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field of the wrong shape
         raise ExportError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e}); export the run again") from None
 
 
-def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.device) -> "ExportedModel":
+def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.device,
+                  runner: str | None = None) -> "ExportedModel":
     """:func:`load_exported` once ``manifest`` parsed as a JSON object (same errors)."""
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{mpath}: format_version {manifest.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
@@ -1185,24 +1204,17 @@ def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.devi
                     "was changed after export; export the run again (`dlrmctl export RUN_DIR --force --out "
                     f"{d}`) or copy the artifact again"
                 )
+    from dlrmctl.inference.formats import choose_format
+
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExportError(f"{model_path}: device {device} requested but CUDA is not available")
-    if artifact == "pt2":
-        with warnings.catch_warnings(), _unloadable(model_path, artifact):
-            warnings.simplefilter("ignore")
-            ep = torch.export.load(str(model_path))
-            module = ep.module()
-        if device.type != "cpu":
-            module = module.to(device)
-        return ExportedModel(d, manifest, module, device)
-    require_fbgemm(f"loading {model_path}")
-    with _quiet_jit(), _unloadable(model_path, artifact):  # the TBE was built on the CPU: loaded there, rebuilt
-        module = torch.jit.load(str(model_path), map_location="cpu")
-    module.eval()
-    if device.type != "cpu":
-        module = _torchscript_for_device(module, manifest, device)
-    return ExportedModel(d, manifest, module, device)
+    fmt = choose_format(d, manifest, device, runner)
+    if fmt.name == "torchscript":
+        require_fbgemm(f"loading {d / fmt.file}")
+    with _unloadable(d / fmt.file, fmt.name):
+        module = fmt.loader(d / fmt.file, manifest, device)
+    return ExportedModel(d, manifest, module, device, runner=fmt.name)
 
 
 @contextmanager
@@ -1214,7 +1226,7 @@ def _unloadable(model_path: Path, artifact: str) -> Iterator[None]:
         yield
     except Exception as e:  # noqa: BLE001 - whatever the loader raises about a file that is not its format
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        how = "torch.export.load" if artifact == "pt2" else "torch.jit.load"
+        how = {"pt2": "torch.export.load", "aoti": "torch._inductor.aoti_load_package"}.get(artifact, "torch.jit.load")
         raise ExportError(f"{model_path}: does not load as the '{artifact}' artifact the manifest names ({how}: "
                           f"{first}); the file or the manifest was replaced or edited after export: export the run "
                           "again") from None
@@ -1250,6 +1262,7 @@ def _torchscript_for_device(module: Any, manifest: dict, device: torch.device) -
 def evaluate_exported(
     model_dir: str | os.PathLike, data_dir: str | os.PathLike, split: str = "val", batch_size: int = 8192,
     device: torch.device | str = "cpu", any_split: bool = False, progress: bool = False,
+    artifact: str | None = None, announce: Callable[[str], None] | None = None,
 ) -> dict[str, float]:
     """Metrics of an exported model on a split of preprocessed data (``dlrmctl evaluate MODEL_DIR``).
 
@@ -1261,6 +1274,10 @@ def evaluate_exported(
     The data's fingerprint (schema, vocabularies and split; without the split with ``any_split``)
     must equal the one the export recorded (``manifest["data"]``; artifacts without one are
     evaluated with a warning).
+
+    ``device`` (``cpu`` | ``cuda[:i]``) and ``artifact`` choose what runs as in
+    :func:`load_exported`; each batch is moved there once and its logits come back in one copy.
+    ``announce`` is called with :attr:`ExportedModel.description` once the model is loaded.
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``
@@ -1275,7 +1292,9 @@ def evaluate_exported(
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.metrics import compute_metrics_from_logits
 
-    m = load_exported(model_dir, device)
+    m = load_exported(model_dir, device, artifact)
+    if announce is not None:
+        announce(m.description)
     mpath = os.path.join(str(data_dir), "meta.json")
     dmeta = read_meta_json(mpath, "data")
     rec = m.manifest.get("data") or {}

@@ -24,7 +24,7 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 import numpy as np
 import torch
@@ -242,6 +242,9 @@ def predict_file(
     output: str | os.PathLike | None = None,
     batch_rows: int = 65536,
     force: bool = False,
+    device: str | torch.device = "cpu",
+    artifact: str | None = None,
+    announce: Callable[[str], None] | None = None,
 ) -> PredictReport:
     """Score a raw log file (39 fields, or 40 with the label first) and write a CSV of scores.
 
@@ -251,6 +254,11 @@ def predict_file(
     a temp file and renamed (:func:`dlrmctl.outputs.atomic_file`) over an existing ``output`` only
     with ``force`` and when that is a scores CSV dlrmctl wrote (:func:`dlrmctl.outputs.check_file_replaceable`).  Before scoring, the artifact's vocabulary files are checked against
     the SHA-256 the export recorded (:func:`check_vocabularies`).
+
+    ``device`` (``cpu`` | ``cuda[:i]``) and ``artifact`` (``aoti`` | ``pt2`` | ``torchscript``; default
+    the fastest the export holds) choose what runs (:func:`~dlrmctl.inference.export.load_exported`);
+    ``announce`` is called with its :attr:`~dlrmctl.inference.export.ExportedModel.description`
+    once loaded, before any line is scored.
 
     Returns:
         :class:`PredictReport` (with AUC/logloss/NE when labelled, computed from the logits as
@@ -274,7 +282,9 @@ def predict_file(
         raise DataError("is a directory; give one raw log file (--input FILE)", path=input_path)
     if _is_empty(p):
         raise DataError("empty file: no lines to score", path=input_path)
-    model = load_exported(model_dir)
+    model = load_exported(model_dir, device, artifact)
+    if announce is not None:
+        announce(model.description)
     check_vocabularies(model)
     to_stdout = output is None or str(output) == "-"
     rows = 0

@@ -1,8 +1,9 @@
 """The ``torch.export`` inference program of a DLRM (``model.pt2``, ``dlrmctl export``'s default).
 
-:class:`InferenceProgram` is an ``nn.Module`` made only of ATen ops, so ``torch.export.export``
-traces it with a dynamic batch and id count, ``torch.export.load`` runs it in any process with
-torch (no dlrmctl, no fbgemm_gpu) and AOTInductor compiles it for C++.
+:class:`InferenceProgram` is an ``nn.Module`` made only of operators that ship with torch (ATen
+and its ``quantized::`` embedding-bag ops), so ``torch.export.export`` traces it with a dynamic
+batch and id count, ``torch.export.load`` runs it in any process with torch (no dlrmctl, no
+fbgemm_gpu) and AOTInductor compiles it for C++.
 
 ``forward(dense, values, lengths[, weights]) -> (scores [B], logits [B])`` float32:
 
@@ -15,20 +16,26 @@ torch (no dlrmctl, no fbgemm_gpu) and AOTInductor compiles it for C++.
 * ``weights`` ``[N]`` float32, only for a model with weighted features (entries of unweighted
   features ignored).
 
-The on-invalid-id policy is inside: ``error`` fails the call (``RuntimeError`` naming the table,
-the feature and the valid range, from ``aten._assert_async``), ``zero`` drops the id from its bag.
-A multi-hot feature's one-hot id is checked against its expansion's rows first (``error``: fails
-naming the feature; ``zero``: the id is dropped with its whole expanded bag), then each expanded
-id against its table, as training's loader + EBC do.
+All inputs on one device; every tensor the program creates is made on the inputs' device
+(``*_like`` ops and buffers, no device baked into the graph), so the loaded program moved with
+``.to("cuda")`` runs on CUDA inputs.
 
-Embedding lookup (why plain ATen ops, measured in docs/export.md): every table lives in one flat
-buffer of its storage type -- fp32, fp16, int8 codes or int4 packed codes (two per byte, low nibble
-first), int8/int4 with a float32 ``(scale, bias)`` per row taken exactly from the fp16 values the
-quantizer stores (:mod:`dlrmctl.inference.quantize`).  Each id gathers its row's ``D_max`` elements
-(masked past its table's dim), dequantizes ``q * scale + bias`` in float32 and is summed into its
-bag with ``index_add`` (times its weight; divided by the number of valid ids for mean pooling).
-There is no alignment requirement, so every dim works; an odd int4 row is stored padded by one
-code (the row's minimum, so its scale and bias are the unpadded row's) and the pad is never read.
+The on-invalid-id policy is inside: ``error`` fails the call (``RuntimeError`` naming the table,
+the feature and the valid range), ``zero`` drops the id from its bag.  The checks are gathered
+into one small tensor copied to the host once per call and asserted there
+(``aten._assert_async`` on a CPU tensor raises at once), so a bad request fails alone and never
+trips a device-side assert that would poison a CUDA context.  A multi-hot feature's one-hot id
+is checked against its expansion's rows first (``error``: fails naming the feature; ``zero``: the
+id is dropped with its whole expanded bag), then each expanded id against its table, as
+training's loader + EBC do.
+
+Embedding lookup: :class:`dlrmctl.inference.lookups.FusedLookups` -- tables grouped by width
+into stacked buffers, one fused embedding-bag call per group (ATen's ``quantized::`` row-wise
+int8/int4 kernels, ``embedding_bag`` for fp32; a float32 gather-and-add for fp16), every dim.
+Ids that are dropped (``zero``) or that would fail the call (``error``) read an all-zero row, so no
+id out of range ever reaches a kernel.  Pooling is a float32 sum (times the id's weight for
+weighted features); mean pooling divides by the bag's valid ids.  The int4 op has no meta kernel
+in torch; :func:`export_program` registers one for tracing only (the saved program needs none).
 """
 
 from __future__ import annotations
@@ -38,18 +45,18 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from dlrmctl.inference.lookups import FusedLookups, register_int4_meta
 from dlrmctl.inference.quantize import QuantizedTable
 
 __all__ = ["InferenceProgram", "export_program"]
-
-_BITS = {"int8": 8, "int4": 4}
 
 
 class InferenceProgram(nn.Module):
     """``(dense, values, lengths[, weights]) -> (scores, logits)``, both ``[B]`` float32 (module doc).
 
     Args:
-        tables: the quantized tables (all of one storage dtype), table order.
+        tables: the quantized tables (all of one storage dtype), table order; an int4 table of odd
+            dim holds one pad code per row (``data`` ``[R, (D+1)/2]``, ``embedding_dim`` the real D).
         lookup_table: per lookup (one per (table, feature), the EBC's output order) its table index.
         lookup_src: per lookup the input feature index it reads.
         lookup_mean: per lookup, mean pooling.
@@ -89,65 +96,50 @@ class InferenceProgram(nn.Module):
             raise ValueError(f"all tables must share one storage dtype, got {sorted(dtypes)}")
         self.dtype = dtypes.pop()
         self.dense_part = dense_part
-        self.num_features = len(feature_names)
+        F = self.num_features = len(feature_names)
         self.feature_names = [str(f) for f in feature_names]
         self.num_dense = int(num_dense)
         self.zero_invalid = on_invalid_id == "zero"
         self.lookup_names = [tuple(n) for n in lookup_names]
         self.lookup_rows = [int(tables[t].num_embeddings) for t in lookup_table]  # python ints: messages
-        L = len(lookup_table)
-        self.num_lookups = L
-        # flat storage: element base and row stride of every table (int4: bytes, two codes each)
-        flat, elem_base, row_base, strides = [], [], [], []
-        e = r = 0
-        for q in tables:
-            data = q.data.contiguous()
-            stride = data.shape[1] if data.dim() == 2 else 0
-            flat.append(data.reshape(-1))
-            elem_base.append(e)
-            row_base.append(r)
-            strides.append(stride)
-            e += data.numel()
-            r += q.num_embeddings
-        self.register_buffer("data", torch.cat(flat) if flat else torch.zeros(0))
-        if self.dtype in _BITS:
-            self.register_buffer("scale_bias", torch.cat(
-                [torch.stack([q.scale.float(), q.bias.float()], 1) for q in tables]).contiguous())
-        dims = [tables[t].embedding_dim for t in lookup_table]
-        self.d_max = max(dims) if dims else 0
-        self.width = sum(dims)
-        col = [sum(dims[:i]) for i in range(L)]
-        lk = torch.tensor(list(lookup_table), dtype=torch.int64)
-        self.register_buffer("l_elem", torch.tensor(elem_base, dtype=torch.int64)[lk] if L else lk)
-        self.register_buffer("l_row", torch.tensor(row_base, dtype=torch.int64)[lk] if L else lk)
-        self.register_buffer("l_stride", torch.tensor(strides, dtype=torch.int64)[lk] if L else lk)
-        self.register_buffer("l_rows", torch.tensor([tables[t].num_embeddings for t in lookup_table], dtype=torch.int64))
-        self.register_buffer("l_dim", torch.tensor(dims, dtype=torch.int64))
-        self.register_buffer("l_col", torch.tensor(col, dtype=torch.int64))
-        self.any_mean = any(lookup_mean)
-        self.register_buffer("col_mean", torch.tensor([bool(m) for m, d in zip(lookup_mean, dims) for _ in range(d)],
-                                                      dtype=torch.bool))
-        self.register_buffer("col_lookup", torch.tensor([i for i, d in enumerate(dims) for _ in range(d)],
-                                                        dtype=torch.int64))
-        # feature -> its lookups ([F, K], -1 padded): a feature feeding K tables is looked up K times
-        per_f = [[i for i, s in enumerate(lookup_src) if s == f] for f in range(self.num_features)]
-        self.k_max = max((len(p) for p in per_f), default=1) or 1
-        self.register_buffer("f_lookups", torch.tensor([p + [-1] * (self.k_max - len(p)) for p in per_f],
-                                                       dtype=torch.int64).reshape(self.num_features, self.k_max))
-        fw = [bool(x) for x in feature_weighted] if feature_weighted is not None else [False] * self.num_features
+        self.lookup_table = [int(t) for t in lookup_table]
+        self.lookup_src = [int(s) for s in lookup_src]
+        self.lookup_mean = [bool(m) for m in lookup_mean]
+        self.lookup_dim = [int(tables[t].embedding_dim) for t in lookup_table]
+        self.num_lookups = len(self.lookup_table)
+        # a feature feeding K tables is looked up K times: its k-th lookup reads the ids checked against
+        # (and dropped to the zero row of) the k-th table's rows; f_rows [K, F] (0: no k-th lookup)
+        per_f = [[i for i, s in enumerate(self.lookup_src) if s == f] for f in range(F)]
+        K = self.k_max = max((len(p) for p in per_f), default=1) or 1
+        self.lookup_slot = [per_f[s].index(i) for i, s in enumerate(self.lookup_src)]
+        rows_kf = [[self.lookup_rows[p[k]] if k < len(p) else 0 for p in per_f] for k in range(K)]
+        self.register_buffer("f_rows", torch.tensor(rows_kf, dtype=torch.int64).reshape(K, F))
+        self.register_buffer("f_has", torch.tensor([[k < len(p) for p in per_f] for k in range(K)],
+                                                   dtype=torch.bool).reshape(K, F))
+        self.register_buffer("f_index", torch.arange(F, dtype=torch.int64))
+        fw = [bool(x) for x in feature_weighted] if feature_weighted is not None else [False] * F
         self.is_weighted = any(fw)
         self.register_buffer("f_weighted", torch.tensor(fw, dtype=torch.bool))
-        mh = list(multi_hot) if multi_hot is not None else [None] * self.num_features
+        self.lookups = FusedLookups(tables, self.lookup_table, self.lookup_src, self.lookup_slot, F, K)
+        # mean pooling: per pooled column, mean or not and its bag count's row in [K*F] (slot-major)
+        dims = self.lookup_dim
+        self.any_mean = any(self.lookup_mean)
+        self.register_buffer("col_mean", torch.tensor([m for m, d in zip(self.lookup_mean, dims) for _ in range(d)],
+                                                      dtype=torch.bool))
+        self.register_buffer("col_count", torch.tensor(
+            [k * F + s for k, s, d in zip(self.lookup_slot, self.lookup_src, dims) for _ in range(d)], dtype=torch.int64))
+        mh = list(multi_hot) if multi_hot is not None else [None] * F
         sizes = [1 if m is None else int(m[1].shape[1]) + 1 for m in mh]
         self.s_max = max(sizes, default=1)
         if self.s_max > 1:
-            off = torch.zeros(self.num_features, 1024, self.s_max - 1, dtype=torch.int64)
+            off = torch.zeros(F, 1024, self.s_max - 1, dtype=torch.int64)
             for f, m in enumerate(mh):
                 if m is not None:
                     off[f, :, : m[1].shape[1]] = torch.as_tensor(m[1], dtype=torch.int64)
             self.register_buffer("mh_offsets", off)
             self.register_buffer("mh_size", torch.tensor(sizes, dtype=torch.int64))
             self.register_buffer("mh_rows", torch.tensor([1 if m is None else int(m[0]) for m in mh], dtype=torch.int64))
+            self.register_buffer("mh_slot", torch.arange(self.s_max, dtype=torch.int64))
             self.mh_limits = [None if m is None else int(m[0]) for m in mh]  # python ints: messages
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
@@ -160,84 +152,102 @@ class InferenceProgram(nn.Module):
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor],
                B: int) -> torch.Tensor:
         """Pooled embeddings ``[B, sum of lookup dims]`` float32 (lookup order)."""
-        F, L, W = self.num_features, self.num_lookups, self.width
-        N = values.size(0)
-        torch._assert_async(lengths.sum() == N, "sum(lengths) != len(values): lengths must be [F*B] key-major "
-                                                "bag lengths of the values")
-        torch._assert_async((lengths >= 0).all(), "lengths must be >= 0")
-        bag = torch.repeat_interleave(torch.arange(F * B, dtype=torch.int64, device=values.device), lengths,
-                                      output_size=N)
-        feat = bag // B
-        sample = bag - feat * B
-        w = torch.ones(N, dtype=torch.float32, device=values.device)
+        F, N = self.num_features, values.size(0)
+        _fail_unless((lengths.sum() == N) & (lengths >= 0).all(),
+                     "lengths must be [F*B] key-major bag lengths of the values: >= 0, summing to len(values)")
+        offsets = torch.cat([torch.zeros_like(lengths[:1]), lengths.cumsum(0)])  # [F*B + 1]
+        feat = torch.repeat_interleave(self.f_index, lengths.view(F, B).sum(1), output_size=N)  # [N]
+        w: Optional[torch.Tensor] = None
         if self.is_weighted:
             assert weights is not None, "this model has weighted features: pass weights [N] float32"
-            w = torch.where(self.f_weighted[feat], weights, w)
-        ids = values
-        valid = torch.ones(N, dtype=torch.bool, device=values.device)
-        if self.s_max > 1:  # multi-hot expansion of one-hot ids: S slots per id, those past its size masked
-            # A one-hot id outside [0, rows) of its expansion has no bag: ``error`` fails the call (the
-            # training loader raises on it too), ``zero`` drops the id with its whole bag (no slot of it
-            # counts, for mean pooling neither).  The expanded ids then meet the tables' check below,
-            # as the expanded bags meet the EBC's in training.
-            S = self.s_max
-            rows = self.mh_rows[feat]
-            oh_bad = (self.mh_size[feat] > 1) & ((ids < 0) | (ids >= rows))
+            w = torch.where(self.f_weighted[feat], weights, torch.ones_like(weights))
+        bags = torch.repeat_interleave(lengths, output_size=N) if self.lookups.dtype == "fp16" else None
+        ids, valid = values, None
+        if self.s_max > 1:
+            ids, valid, feat, w, n_oh = self.expand_multi_hot(values, feat, w)
+            offsets = offsets * self.s_max
+            bags = None if bags is None else bags.repeat_interleave(self.s_max)
             if not self.zero_invalid:
-                n_oh = torch.zeros(F, dtype=torch.int64, device=values.device).index_add_(0, feat, oh_bad.to(torch.int64))
-                for f in range(F):
-                    lim = self.mh_limits[f]
+                for f, lim in enumerate(self.mh_limits):
                     if lim is not None:
-                        torch._assert_async(n_oh[f] == 0, f"feature '{self.feature_names[f]}': a one-hot id is out "
-                                                          f"of range of its multi-hot expansion; expected 0 <= id < {lim}")
-            base = torch.where(oh_bad | (ids < 0) | (ids >= rows), torch.zeros_like(ids), ids)
-            off = self.mh_offsets[feat, base % 1024]  # [N, S-1]
-            more = (base[:, None] + off) % rows[:, None]
-            ids = torch.cat([ids[:, None], more], 1).reshape(-1)
-            slot = torch.arange(S, dtype=torch.int64, device=values.device)
-            valid = ((slot[None, :] < self.mh_size[feat][:, None]) & ~oh_bad[:, None]).reshape(-1)
-            feat, sample, w = feat.repeat_interleave(S), sample.repeat_interleave(S), w.repeat_interleave(S)
-        K = self.k_max
-        lk = self.f_lookups[feat]  # [M, K]
-        if K > 1:
-            valid = (valid[:, None] & (lk >= 0)).reshape(-1)
-            ids, sample, w = ids.repeat_interleave(K), sample.repeat_interleave(K), w.repeat_interleave(K)
-        lk = lk.reshape(-1).clamp(min=0)
-        bad = valid & ((ids < 0) | (ids >= self.l_rows[lk]))
-        if not self.zero_invalid:
-            n_bad = torch.zeros(L, dtype=torch.int64, device=values.device).index_add_(0, lk, bad.to(torch.int64))
-            for i in range(L):
-                t, f = self.lookup_names[i]
-                torch._assert_async(n_bad[i] == 0, f"table '{t}', feature '{f}': an id is out of range; expected "
-                                                   f"0 <= id < {self.lookup_rows[i]}")
-        valid = valid & ~bad
-        ids = torch.where(valid, ids, torch.zeros_like(ids))
-        kk = torch.arange(self.d_max, dtype=torch.int64, device=values.device)
-        kmask = kk[None, :] < self.l_dim[lk][:, None]  # [M, D_max]
-        rowp = self.l_elem[lk] + ids * self.l_stride[lk]
-        if self.dtype == "int4":
-            pos = torch.where(kmask, rowp[:, None] + kk // 2, torch.zeros_like(kmask, dtype=torch.int64))
-            q = (self.data[pos].to(torch.int32) >> ((kk % 2) * 4).to(torch.int32)) & 15
-        else:
-            pos = torch.where(kmask, rowp[:, None] + kk, torch.zeros_like(kmask, dtype=torch.int64))
-            q = self.data[pos]
-        if self.dtype in _BITS:
-            sb = self.scale_bias[self.l_row[lk] + ids]
-            rowv = q.to(torch.float32) * sb[:, 0:1] + sb[:, 1:2]
-        else:
-            rowv = q.to(torch.float32)
-        contrib = rowv * torch.where(valid, w, torch.zeros_like(w))[:, None]
-        contrib = torch.where(kmask, contrib, torch.zeros_like(contrib))
-        dst = (sample * W + self.l_col[lk])[:, None] + kk
-        dst = torch.where(kmask, dst, torch.zeros_like(dst))
-        out = torch.zeros(B * W, dtype=torch.float32, device=values.device)
-        out = out.index_add(0, dst.reshape(-1), contrib.reshape(-1)).view(B, W)
+                        _fail_unless(n_oh[f] == 0, f"feature '{self.feature_names[f]}': a one-hot id is out of range "
+                                                   f"of its multi-hot expansion; expected 0 <= id < {lim}")
+        oks = self.checked_ids(ids, valid, feat)
+        out = self.lookups(ids, oks, offsets, w, bags, feat, B)
         if self.any_mean:
-            cnt = torch.zeros(B * L, dtype=torch.float32, device=values.device).index_add(
-                0, sample * L + lk, valid.to(torch.float32)).view(B, L)
-            div = cnt[:, self.col_lookup].clamp(min=1.0)
-            out = torch.where(self.col_mean, out / div, out)
+            out = self.mean_pooled(out, oks, offsets, lengths, B)
         return out
+
+    @property
+    def range_message(self) -> str:
+        """The ``error`` policy's message for an id outside its table (every lookup's range: one
+        check per call; :class:`~dlrmctl.inference.export.ExportedModel` names the id and sample)."""
+        return ("an id is out of range; expected 0 <= id < rows of its table: "
+                + "; ".join(f"table '{t}', feature '{f}': {r}" for (t, f), r in zip(self.lookup_names, self.lookup_rows)))
+
+    def mean_pooled(self, out: torch.Tensor, oks: list[torch.Tensor], offsets: torch.Tensor,
+                    lengths: torch.Tensor, B: int) -> torch.Tensor:
+        """``out`` (sum-pooled ``[B, W]``) with each mean-pooled lookup's columns divided by its
+        bag's valid ids (an empty bag stays 0)."""
+        F = self.num_features
+        if self.zero_invalid or self.s_max > 1:  # valid ids before each position: a bag's count is a difference
+            cnt = []
+            for ok in oks:
+                c = torch.cat([torch.zeros_like(offsets[:1]), ok.to(torch.int64).cumsum(0)])
+                cnt.append(c[offsets[1:]] - c[offsets[:-1]])
+            counts = torch.stack(cnt)  # [K, F*B]
+        else:  # every id of a bag counts (error policy: no invalid id gets this far)
+            counts = lengths[None, :].expand(self.k_max, -1)
+        per_col = counts.reshape(self.k_max * F, B).t().index_select(1, self.col_count)  # [B, W]
+        return torch.where(self.col_mean, out / per_col.clamp(min=1).to(torch.float32), out)
+
+    def expand_multi_hot(self, ids: torch.Tensor, feat: torch.Tensor, w: Optional[torch.Tensor]
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Multi-hot expansion of one-hot ids ``[N]``: ``S`` slots per id (``ids`` ``[N*S]``, those
+        past the feature's size not ``valid``), ``feat`` and ``w`` repeated, and per feature the
+        count ``[F]`` of one-hot ids outside its expansion's rows.
+
+        A one-hot id outside ``[0, rows)`` of its expansion has no bag: ``error`` fails the call
+        (the training loader raises on it too), ``zero`` drops the id with its whole bag (no slot of
+        it counts, for mean pooling neither).  The expanded ids then meet the tables' check, as the
+        expanded bags meet the EBC's in training.
+        """
+        S = self.s_max
+        rows = self.mh_rows[feat]
+        out = (ids < 0) | (ids >= rows)
+        oh_bad = (self.mh_size[feat] > 1) & out
+        n_oh = torch.zeros_like(self.f_index).index_add(0, feat, oh_bad.to(torch.int64))
+        base = torch.where(out, torch.zeros_like(ids), ids)
+        more = (base[:, None] + self.mh_offsets[feat, base % 1024]) % rows[:, None]  # [N, S-1]
+        ids = torch.cat([ids[:, None], more], 1).reshape(-1)
+        valid = ((self.mh_slot[None, :] < self.mh_size[feat][:, None]) & ~oh_bad[:, None]).reshape(-1)
+        return ids, valid, feat.repeat_interleave(S), None if w is None else w.repeat_interleave(S), n_oh
+
+    def checked_ids(self, ids: torch.Tensor, valid: Optional[torch.Tensor], feat: torch.Tensor) -> list[torch.Tensor]:
+        """Per lookup slot ``k`` a mask ``[M]`` bool: the id is ``valid`` and inside its k-th table's
+        rows.  Under ``error`` an id outside them fails the call (one check for all lookups)."""
+        oks, n_bad = [], []
+        for k in range(self.k_max):
+            has = self.f_has[k][feat] if self.k_max > 1 else None
+            live = valid if has is None else (has if valid is None else valid & has)
+            bad = (ids < 0) | (ids >= self.f_rows[k][feat])
+            if live is not None:
+                bad = bad & live
+                oks.append(live & ~bad)
+            else:
+                oks.append(~bad)
+            if not self.zero_invalid:
+                n_bad.append(bad.any())
+        if n_bad:
+            _fail_unless(torch.stack(n_bad).logical_not(), self.range_message)
+        return oks
+
+
+def _fail_unless(ok: torch.Tensor, message: str) -> None:
+    """Fail the call with ``message`` unless every element of ``ok`` (bool, any device) is True.
+    ``ok`` is reduced and copied to the host, and asserted there: a CPU ``_assert_async`` raises a
+    ``RuntimeError`` at once, never a device-side assert (which would poison a CUDA context)."""
+    torch._assert_async(ok.all().to("cpu"), message)
 
 
 def export_program(program: InferenceProgram, num_dense: int, max_batch: int = 1 << 24,
@@ -249,6 +259,8 @@ def export_program(program: InferenceProgram, num_dense: int, max_batch: int = 1
         torch._dynamo.exc.UserError / RuntimeError: the dense part cannot be exported (message from
             torch.export).
     """
+    if program.dtype == "int4":
+        register_int4_meta()
     F = program.num_features
     g = torch.Generator().manual_seed(0)
     Bx = 3

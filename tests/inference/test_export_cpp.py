@@ -182,7 +182,7 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
     message; a plain .pt2 artifact (no package) is refused with the remedy."""
     import json
 
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportError, export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
     model = _model()
@@ -192,11 +192,14 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
     pkg = tmp_path / "m" / "model_aoti.pt2"
     assert man["files"]["model_aoti.pt2"]["bytes"] == pkg.stat().st_size
     assert man["files"]["model_aoti.pt2"]["sha256"] == hashlib.sha256(pkg.read_bytes()).hexdigest()
-    m = load_exported(tmp_path / "m")
+    m = load_exported(tmp_path / "m", artifact="pt2")
+    aoti = load_exported(tmp_path / "m")  # the fastest the export holds, in Python too
+    assert aoti.runner == "aoti" and aoti.description == "model_aoti.pt2 (AOTInductor package) on cpu"
     run = [str(cpp_binary), str(tmp_path / "m")]  # no FBGEMM_GPU_DIR: the package needs none
     for B, seed in ((1, 5), (257, 1)):
         dense, values, lengths = _inputs(B, seed)
         py = m.score(dense, values, lengths).numpy()
+        np.testing.assert_allclose(aoti.score(dense, values, lengths).numpy(), py, rtol=0, atol=1e-5)
         write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
         r = subprocess.run(run + [str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], capture_output=True,
                            text=True, timeout=120)
@@ -213,7 +216,11 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
     r = subprocess.run(run + [str(tmp_path / "bad.bin"), str(tmp_path / "o.bin")], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 4, r.stderr
-    assert "table 't1', feature 'f2': an id is out of range; expected 0 <= id < 40" in r.stderr
+    assert "an id is out of range; expected 0 <= id < rows of its table: " in r.stderr
+    assert "table 't1', feature 'f2': 40" in r.stderr
+    with pytest.raises(ExportError, match=r"table 't1', feature 'f2', sample \d+: id 40 is out of range; "
+                                          r"expected 0 <= id < 40"):  # the Python runner names the id
+        aoti.score(dense, bad, lengths)
 
     export_model(model, tmp_path / "plain", "int8")  # no --aot: nothing C++ can run
     r = subprocess.run([str(cpp_binary), str(tmp_path / "plain"), str(tmp_path / "in.bin"), str(tmp_path / "o.bin")],

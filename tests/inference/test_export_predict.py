@@ -71,6 +71,7 @@ def test_export_predict_evaluate_through_the_cli(run, tmp_path):
     try:
         r = _cli("predict", tmp_path / "m", "--input", RAW, "--output", tmp_path / "scores.csv")
         assert r.exit_code == 0, r.output
+        assert r.output.splitlines()[0] == "predict: running model.pt2 (torch.export program) on cpu"
         assert "scored 100 lines" in r.output
     finally:
         shutil.move(str(moved), str(data))
@@ -104,8 +105,9 @@ def test_export_predict_evaluate_through_the_cli(run, tmp_path):
     r = _cli("export", run_dir, "--fp32", "--out", tmp_path / "m32")
     assert r.exit_code == 0, r.output
     r_run = _cli("evaluate", run_dir, "--json")
-    r_exp = _cli("evaluate", tmp_path / "m32", "--data", data, "--json")
+    r_exp = _cli("evaluate", tmp_path / "m32", "--data", data, "--json", "--device", "auto")
     assert r_run.exit_code == 0 and r_exp.exit_code == 0, r_run.output + r_exp.output
+    assert r_exp.output.splitlines()[0] == "evaluate: running model.pt2 (torch.export program) on cpu"
     import json
 
     a, b = json.loads(r_run.output.strip().splitlines()[-1]), json.loads(r_exp.output.strip().splitlines()[-1])

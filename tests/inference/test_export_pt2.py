@@ -221,3 +221,53 @@ def test_quantize_dense_with_the_pt2_program_is_refused_with_the_remedy(tmp_path
     with pytest.raises(ExportError, match=r"--quantize-dense.*--torchscript"):
         export_model(example_model(), tmp_path / "m", "int8", quantize_dense=True)
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="the TorchScript reference needs fbgemm_gpu")
+@pytest.mark.parametrize("dims", [(1, 15), (16, 5), (7, 8), (3, 2)])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+def test_fused_lookups_equal_the_torchscript_tbe_for_every_dim_and_dtype(tmp_path, dims, dtype):
+    """The program's fused kernels (grouped, padded tables) against FBGEMM's TBE on the same codes:
+    1e-6 at fp32, the float32-summation bound otherwise; odd, tiny and wide dims, a mean-pooled
+    table, multi-id and empty bags."""
+    from dlrmctl.inference.export import export_model, load_exported
+
+    model = example_model(dims=dims)
+    export_model(model, tmp_path / "p", dtype)
+    export_model(model, tmp_path / "t", dtype, artifact="torchscript")
+    p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
+    for B, seed in ((1, 11), (64, 12)):
+        dense, values, lengths = example_inputs(B, seed)
+        bound = 1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND
+        assert float((p.logits(dense, values, lengths) - t.logits(dense, values, lengths)).abs().max()) <= bound
+
+
+def test_table_groups_bound_the_padding():
+    from dlrmctl.inference.lookups import MAX_PAD_WASTE, _row_bytes, group_tables
+
+    rows, dims = [1000, 10, 5000, 3, 800], [32, 128, 8, 16, 30]
+    for dtype in ("int8", "int4", "fp16", "fp32"):
+        groups = group_tables(rows, dims, dtype)
+        assert sorted(t for g in groups for t in g) == list(range(5))
+        for g in groups:
+            width = max(dims[t] for t in g)
+            padded = sum(rows[t] for t in g) * _row_bytes(dtype, width)
+            assert padded <= (1 + MAX_PAD_WASTE) * sum(rows[t] * _row_bytes(dtype, dims[t]) for t in g)
+    assert group_tables([100, 100], [32, 30], "int8") == [[0, 1]]  # close widths share one buffer (one call)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "fp16"])
+def test_the_program_creates_no_tensor_on_a_fixed_device_but_the_host_checks(tmp_path, dtype):
+    """Nothing the program creates has a device baked in (it follows the inputs to CUDA), except the
+    copies of its checks to the host, where they are asserted (a bad request never trips a
+    device-side assert)."""
+    from dlrmctl.inference.export import export_model
+
+    export_model(example_model(), tmp_path / "m", dtype)
+    ep = torch.export.load(str(tmp_path / "m" / "model.pt2"))
+    fixed = [n for n in ep.graph.nodes if n.op == "call_function" and n.kwargs.get("device") is not None]
+    assert fixed and all(n.kwargs["device"] == torch.device("cpu") for n in fixed)
+    for n in fixed:  # each host copy feeds an assertion and nothing else
+        assert [u.target for u in n.users] == [torch.ops.aten._assert_async.msg], n.format_node()
+    asserts = [n for n in ep.graph.nodes if n.target == torch.ops.aten._assert_async.msg]
+    assert all(a.args[0] in fixed for a in asserts)
