@@ -34,14 +34,14 @@ from torch import nn
 
 from dlrmctl.inference.quantize import QuantizedTable
 
-__all__ = ["FusedLookups", "group_tables", "MAX_PAD_WASTE", "register_int4_meta"]
+__all__ = ["FusedLookups", "group_tables", "MAX_PAD_WASTE", "register_int4_meta", "row_bytes"]
 
 #: A group's padded table bytes are at most ``1 + MAX_PAD_WASTE`` times its tables' own.
 MAX_PAD_WASTE = 0.125
 _SB_BYTES = {"int8": 8, "int4": 4, "fp16": 0, "fp32": 0}  # scale + bias bytes per row
 
 
-def _row_bytes(dtype: str, dim: int) -> int:
+def row_bytes(dtype: str, dim: int) -> int:
     """Bytes of one row of ``dim`` columns in the kernel layout (module doc)."""
     codes = {"int8": dim, "int4": (dim + 1) // 2, "fp16": 2 * dim, "fp32": 4 * dim}[dtype]
     return codes + _SB_BYTES[dtype]
@@ -51,15 +51,15 @@ def group_tables(rows: Sequence[int], dims: Sequence[int], dtype: str,
                  max_waste: float = MAX_PAD_WASTE) -> list[list[int]]:
     """Tables grouped for stacking: widest first, a table joins the current group while the
     group's padded bytes stay within ``1 + max_waste`` of its tables' own bytes (``rows`` x
-    :func:`_row_bytes`), else it starts a new group.  Returns table indices per group."""
+    :func:`row_bytes`), else it starts a new group.  Returns table indices per group."""
     order = sorted(range(len(dims)), key=lambda t: (-dims[t], t))
     groups: list[list[int]] = []
     for t in order:
         if groups:
             g = groups[-1] + [t]
             width = dims[groups[-1][0]]
-            own = sum(rows[u] * _row_bytes(dtype, dims[u]) for u in g)
-            if sum(rows[u] for u in g) * _row_bytes(dtype, width) <= (1 + max_waste) * own:
+            own = sum(rows[u] * row_bytes(dtype, dims[u]) for u in g)
+            if sum(rows[u] for u in g) * row_bytes(dtype, width) <= (1 + max_waste) * own:
                 groups[-1] = g
                 continue
         groups.append([t])

@@ -243,7 +243,7 @@ def test_fused_lookups_equal_the_torchscript_tbe_for_every_dim_and_dtype(tmp_pat
 
 
 def test_table_groups_bound_the_padding():
-    from dlrmctl.inference.lookups import MAX_PAD_WASTE, _row_bytes, group_tables
+    from dlrmctl.inference.lookups import MAX_PAD_WASTE, row_bytes, group_tables
 
     rows, dims = [1000, 10, 5000, 3, 800], [32, 128, 8, 16, 30]
     for dtype in ("int8", "int4", "fp16", "fp32"):
@@ -251,8 +251,8 @@ def test_table_groups_bound_the_padding():
         assert sorted(t for g in groups for t in g) == list(range(5))
         for g in groups:
             width = max(dims[t] for t in g)
-            padded = sum(rows[t] for t in g) * _row_bytes(dtype, width)
-            assert padded <= (1 + MAX_PAD_WASTE) * sum(rows[t] * _row_bytes(dtype, dims[t]) for t in g)
+            padded = sum(rows[t] for t in g) * row_bytes(dtype, width)
+            assert padded <= (1 + MAX_PAD_WASTE) * sum(rows[t] * row_bytes(dtype, dims[t]) for t in g)
     assert group_tables([100, 100], [32, 30], "int8") == [[0, 1]]  # close widths share one buffer (one call)
 
 
