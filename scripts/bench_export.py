@@ -15,15 +15,14 @@ artifact on DATA_DIR's split with :func:`dlrmctl.inference.export.evaluate_expor
 * the eager (training-code) model's AUC, which the fp32 artifact must reproduce;
 * the bytes-per-row ratio to fp32 by embedding dim (int8 ``(D+4)/4D``, int4 ``(D/2+4)/4D``).
 
-``--artifacts``: the artifacts of one precision side by side (issue 26): the torch.export
-program (``model.pt2``, the default), its AOTInductor package (``--aot``, run from Python with
-``torch._inductor.aoti_load_package``), the TorchScript model on FBGEMM's IntNBit TBE
-(``--torchscript``) and, int8 only, a variant of the program whose lookups are
-``torch.ops.quantized.embedding_bag_byte_rowwise_offsets`` (one call per lookup, same codes and
-float32 scale/bias, same dense part; built here, not shipped).  Prints max |Δlogit| of each
-against the pt2 program on DATA_DIR's split (and the float model's, from the parity report),
-p50 / p99 latency at batch 1 / 64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per
-feature, one call timed), file bytes, the machine, threads and load average.
+``--artifacts``: the artifacts of one precision side by side: the torch.export program
+(``model.pt2``, the default; fused embedding-bag lookups), its AOTInductor package (``--aot``, run
+from Python through ``load_exported(..., artifact="aoti")``) and the TorchScript model on FBGEMM's
+IntNBit TBE (``--torchscript``).  Prints max |Δlogit| of each against the pt2 program on
+DATA_DIR's split (and the float model's, from the parity report), the peak RSS of a fresh
+process that loads the artifact and scores batches of 4096, p50 latency and rows/s at batch 1 /
+64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per feature, one call timed), file
+bytes, the machine, threads and load average.
 
     python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N]
 
@@ -125,60 +124,36 @@ class _Scorer:
         self.logits = logits
 
 
-def _int8_op_program(run_dir: str, manifest: dict):
-    """The pt2 program's computation with each lookup done by
-    ``torch.ops.quantized.embedding_bag_byte_rowwise_offsets`` (sum pooling; the tables quantized
-    as export does; no id-range check, no mean pooling, no multi-hot: the criteo_sample model
-    needs none) -> an eager module ``(dense, values, lengths) -> logits [B]``, and it exported."""
-    import copy
+_RSS_CHILD = r"""
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[3]))
+from dlrmctl.inference.export import load_exported
+from dlrmctl.inference.parity import _synthetic
+def hwm():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:"))
+m = load_exported(sys.argv[1], artifact=sys.argv[2])
+args = _synthetic(m, 4096, torch.Generator().manual_seed(0))[:3]
+with torch.no_grad():
+    for _ in range(5):
+        m.logits(*args)
+print(json.dumps({"peak_rss": hwm()}))
+"""
+
+
+def _peak_rss(model_dir: Path, artifact: str) -> int:
+    """Peak RSS (VmHWM) of a fresh process that loads ``artifact`` of ``model_dir`` and scores five
+    batches of 4096 rows: what serving that artifact holds at its largest."""
+    import json
+    import subprocess
 
     import torch
-    from torch import nn
 
-    from dlrmctl.inference.export import _DensePart
-    from dlrmctl.inference.quantize import quantize_table
-    from dlrmctl.train.reload import load_trained_model_with_checkpoint
-
-    model = load_trained_model_with_checkpoint(run_dir, checkpoint=manifest["source"]["checkpoint"])[1].eval()
-    ebc = model.sparse_arch
-    tables = list(ebc.embedding_bag_configs())
-    if any(t.pooling.value != "sum" for t in tables) or manifest["source"].get("multi_hot", {}).get("multi_hot_sizes"):
-        raise SystemExit("--artifacts int8-op variant: sum pooling and no multi-hot only")
-    feats = list(manifest["sparse_features"])
-    keys = list(ebc.embedding_names())
-    dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-    part = _DensePart(copy.deepcopy(nn.ModuleDict(model.dense_parts())).eval(), keys, dims)
-    packed, src = [], []
-    w = ebc.embedding_weights()
-    for t in tables:
-        q = quantize_table(w[t.name].detach().float(), "int8", t.name)
-        sb = torch.stack([q.scale.float(), q.bias.float()], 1).contiguous().view(torch.uint8)  # [R, 8]
-        packed.append(torch.cat([q.data, sb], 1).contiguous())  # FBGEMM fused 8-bit rowwise: codes, scale, bias
-        src += [feats.index(f) for f in t.feature_names]
-
-    class Int8Op(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.part = part
-            for i, p in enumerate(packed):
-                self.register_buffer(f"w{i}", p)
-            self.src, self.F = src, len(feats)
-            self.tab = [i for i, t in enumerate(tables) for _ in t.feature_names]
-
-        def forward(self, dense, values, lengths):
-            B = dense.size(0)
-            lens = lengths.view(self.F, B)
-            ends = torch.cumsum(lens.sum(1), 0)
-            starts = ends - lens.sum(1)
-            outs = []
-            for i, f in enumerate(self.src):
-                idx = values[starts[f]:ends[f]]
-                off = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens[f], 0)])
-                outs.append(torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-                    getattr(self, f"w{self.tab[i]}"), idx, off, False, 0, False, None, None, True))
-            return self.part(dense, torch.cat(outs, 1)).reshape(-1)
-
-    return Int8Op().eval()
+    r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(model_dir), artifact, str(torch.get_num_threads())],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode:
+        raise SystemExit(f"peak RSS of {artifact}: {r.stderr[-2000:]}")
+    return int(json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"])
 
 
 def artifacts(run_dir: str, data_dir: str, dtype: str, split: str) -> int:
@@ -207,28 +182,17 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str) -> int:
         t = time.perf_counter()
         export_run(run_dir, dtype, Path(tmp) / "ts", data_dir=data_dir, artifact="torchscript", parity_split=None)
         t_ts = time.perf_counter() - t
-        p2, ts = load_exported(Path(tmp) / "pt2"), load_exported(Path(tmp) / "ts")
-        aoti = torch._inductor.aoti_load_package(str(Path(tmp) / "pt2" / "model_aoti.pt2"))
-        variants = [("pt2 program (torch.export.load)", p2.logits, r2.manifest["files"]["model.pt2"]["bytes"]),
-                    ("AOTInductor package (--aot)", lambda d, v, ln, w=None: aoti(d, v, ln)[1],
-                     r2.manifest["files"]["model_aoti.pt2"]["bytes"]),
-                    ("TorchScript + FBGEMM TBE (--torchscript)", ts.logits, ts.manifest["model_bytes"])]
-        if dtype == "int8":
-            op = _int8_op_program(run_dir, r2.manifest)
-            variants.append(("pt2 with quantized::embedding_bag_byte_rowwise_offsets", lambda d, v, ln, w=None: op(d, v, ln),
-                             None))
-            g = torch.Generator().manual_seed(0)
-            from dlrmctl.inference.parity import _synthetic
-
-            ex = _synthetic(p2, 3, g)[:3]
-            B = torch.export.Dim("batch", min=1, max=1 << 20)
-            N = torch.export.Dim("ids", min=0, max=1 << 30)
-            with torch.no_grad():
-                ep = torch.export.export(op, ex, dynamic_shapes=({0: B}, {0: N}, {0: len(p2.feature_names) * B}))
-            print(f"  the int8-op variant exports with torch.export: {len(ep.graph.nodes)} graph nodes")
+        p2, ts = load_exported(Path(tmp) / "pt2", artifact="pt2"), load_exported(Path(tmp) / "ts")
+        aoti = load_exported(Path(tmp) / "pt2", artifact="aoti")
+        variants = [("pt2 program (torch.export.load)", p2.logits, r2.manifest["files"]["model.pt2"]["bytes"],
+                     (Path(tmp) / "pt2", "pt2")),
+                    ("AOTInductor package (--aot)", aoti.logits, r2.manifest["files"]["model_aoti.pt2"]["bytes"],
+                     (Path(tmp) / "pt2", "aoti")),
+                    ("TorchScript + FBGEMM TBE (--torchscript)", ts.logits, ts.manifest["model_bytes"],
+                     (Path(tmp) / "ts", "torchscript"))]
         loader = BatchLoader(str(data_dir), split, 8192, shuffle=False, features=p2.feature_names, prefetch=0)
         ref = {}
-        for name, fn, _ in variants:
+        for name, fn, _, _ in variants:
             with torch.no_grad():
                 ref[name] = np.concatenate([fn(b.dense_features.float(), *p2._kjt_inputs(b.sparse_features)[:2]).cpu().numpy()
                                             for b in loader])
@@ -238,13 +202,16 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str) -> int:
               f"pt2 vs float model max |dlogit| {par.get('max_abs_dlogit', float('nan')):.3g} "
               f"(AUC {par.get('artifact', {}).get('auc', float('nan')):.6f} vs {par.get('float', {}).get('auc', float('nan')):.6f})")
         print()
-        print("| artifact | file bytes | max \|Δlogit\| vs pt2 | " + " | ".join(f"B={b} p50 / p99 ms" for b in LATENCY_BATCHES) + " |")
-        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in LATENCY_BATCHES) + " |")
-        for name, fn, nbytes in variants:
+        print("| artifact | file bytes | max \\|Δlogit\\| vs pt2 | peak RSS (B=4096) | "
+              + " | ".join(f"B={b} p50 ms (rows/s)" for b in LATENCY_BATCHES) + " |")
+        print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in LATENCY_BATCHES) + " |")
+        for name, fn, nbytes, (mdir, fmt) in variants:
             lat = latency(_Scorer(p2, fn))
             d = float(np.max(np.abs(ref[name].astype(np.float64) - base)))
-            print(f"| {name} | {f'{nbytes:,}' if nbytes else '-'} | {d:.3g} | "
-                  + " | ".join(f"{lat[str(b)]['p50']:.3f} / {lat[str(b)]['p99']:.3f}" for b in LATENCY_BATCHES) + " |")
+            rss = _peak_rss(mdir, fmt)
+            print(f"| {name} | {f'{nbytes:,}' if nbytes else '-'} | {d:.3g} | {rss / 2**20:,.0f} MiB | "
+                  + " | ".join(f"{lat[str(b)]['p50']:.3f} ({b / lat[str(b)]['p50'] * 1e3:,.0f})"
+                               for b in LATENCY_BATCHES) + " |")
     print(f"\n{time.perf_counter() - t0:.0f} s; load average after {os.getloadavg()[0]:.2f} "
           f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     return 0

@@ -34,7 +34,7 @@ from torch import nn
 
 from dlrmctl.inference.quantize import QuantizedTable
 
-__all__ = ["FusedLookups", "group_tables", "MAX_PAD_WASTE", "register_int4_meta", "row_bytes"]
+__all__ = ["FusedLookups", "cast", "group_tables", "MAX_PAD_WASTE", "register_int4_meta", "row_bytes"]
 
 #: A group's padded table bytes are at most ``1 + MAX_PAD_WASTE`` times its tables' own.
 MAX_PAD_WASTE = 0.125
@@ -163,11 +163,17 @@ class FusedLookups(nn.Module):
             return nn.functional.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=weights,
                                                include_last_offset=True)
         assert bags is not None
-        vals = table[rows].to(torch.float32)
+        vals = cast(table[rows], torch.float32)
         if weights is not None:
             vals = vals * weights[:, None]
         out = torch.zeros_like(offsets[1:], dtype=torch.float32)[:, None].expand(-1, width).contiguous()
         return out.index_add(0, bags, vals)
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as ``dtype`` on its own device.  ``x.to(dtype)`` would trace, under torch.export, to an
+    alias guarded by an assertion of the tracing device (CPU), which a program run on CUDA fails."""
+    return torch.ops.aten._to_copy(x, dtype=dtype)
 
 
 _META_LIB: list = []

@@ -45,7 +45,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from dlrmctl.inference.lookups import FusedLookups, register_int4_meta
+from dlrmctl.inference.lookups import FusedLookups, cast, register_int4_meta
 from dlrmctl.inference.quantize import QuantizedTable
 
 __all__ = ["InferenceProgram", "export_program"]
@@ -193,13 +193,13 @@ class InferenceProgram(nn.Module):
         if self.zero_invalid or self.s_max > 1:  # valid ids before each position: a bag's count is a difference
             cnt = []
             for ok in oks:
-                c = torch.cat([torch.zeros_like(offsets[:1]), ok.to(torch.int64).cumsum(0)])
+                c = torch.cat([torch.zeros_like(offsets[:1]), cast(ok, torch.int64).cumsum(0)])
                 cnt.append(c[offsets[1:]] - c[offsets[:-1]])
             counts = torch.stack(cnt)  # [K, F*B]
         else:  # every id of a bag counts (error policy: no invalid id gets this far)
             counts = lengths[None, :].expand(self.k_max, -1)
         per_col = counts.reshape(self.k_max * F, B).t().index_select(1, self.col_count)  # [B, W]
-        return torch.where(self.col_mean, out / per_col.clamp(min=1).to(torch.float32), out)
+        return torch.where(self.col_mean, out / cast(per_col.clamp(min=1), torch.float32), out)
 
     def expand_multi_hot(self, ids: torch.Tensor, feat: torch.Tensor, w: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -216,7 +216,7 @@ class InferenceProgram(nn.Module):
         rows = self.mh_rows[feat]
         out = (ids < 0) | (ids >= rows)
         oh_bad = (self.mh_size[feat] > 1) & out
-        n_oh = torch.zeros_like(self.f_index).index_add(0, feat, oh_bad.to(torch.int64))
+        n_oh = torch.zeros_like(self.f_index).index_add(0, feat, cast(oh_bad, torch.int64))
         base = torch.where(out, torch.zeros_like(ids), ids)
         more = (base[:, None] + self.mh_offsets[feat, base % 1024]) % rows[:, None]  # [N, S-1]
         ids = torch.cat([ids[:, None], more], 1).reshape(-1)
@@ -247,7 +247,8 @@ def _fail_unless(ok: torch.Tensor, message: str) -> None:
     """Fail the call with ``message`` unless every element of ``ok`` (bool, any device) is True.
     ``ok`` is reduced and copied to the host, and asserted there: a CPU ``_assert_async`` raises a
     ``RuntimeError`` at once, never a device-side assert (which would poison a CUDA context)."""
-    torch._assert_async(ok.all().to("cpu"), message)
+    # an explicit copy: ``.to("cpu")`` of a CPU tensor traces to an alias guarded to stay on the CPU
+    torch._assert_async(torch.ops.aten._to_copy(ok.all(), device="cpu"), message)
 
 
 def export_program(program: InferenceProgram, num_dense: int, max_batch: int = 1 << 24,
