@@ -24,7 +24,7 @@ process that loads the artifact and scores batches of 4096, p50 latency and rows
 64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per feature, one call timed), file
 bytes, the machine, threads and load average.
 
-    python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N]
+    python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N] [--reuse DIR]
 
 ``--peak-rss``: peak memory of ``dlrmctl export`` (issue 13: export builds the model on the meta
 device and reads, quantizes and drops one table at a time).  It makes a run whose table C1 is
@@ -156,7 +156,7 @@ def _peak_rss(model_dir: Path, artifact: str) -> int:
     return int(json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"])
 
 
-def artifacts(run_dir: str, data_dir: str, dtype: str, split: str) -> int:
+def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | None = None) -> int:
     """``--artifacts``: parity and latency of every artifact of ``dtype`` (module doc)."""
     import datetime
     import os
@@ -175,12 +175,18 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str) -> int:
     print(f"{datetime.date.today()}  {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; load average before {os.getloadavg()[0]:.2f} "
           f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-    with tempfile.TemporaryDirectory(prefix="bench_export_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench_export_") as scratch:
+        tmp = reuse or scratch
         t = time.perf_counter()
-        r2 = export_run(run_dir, dtype, Path(tmp) / "pt2", data_dir=data_dir, aot=True)
+        if reuse and (Path(tmp) / "pt2" / "manifest.json").is_file():
+            r2 = load_exported(Path(tmp) / "pt2", artifact="pt2")
+        else:
+            r2 = export_run(run_dir, dtype, Path(tmp) / "pt2", data_dir=data_dir, aot=True, force=True)
         t_pt2 = time.perf_counter() - t
         t = time.perf_counter()
-        export_run(run_dir, dtype, Path(tmp) / "ts", data_dir=data_dir, artifact="torchscript", parity_split=None)
+        if not (reuse and (Path(tmp) / "ts" / "manifest.json").is_file()):
+            export_run(run_dir, dtype, Path(tmp) / "ts", data_dir=data_dir, artifact="torchscript", parity_split=None,
+                       force=True)
         t_ts = time.perf_counter() - t
         p2, ts = load_exported(Path(tmp) / "pt2", artifact="pt2"), load_exported(Path(tmp) / "ts")
         aoti = load_exported(Path(tmp) / "pt2", artifact="aoti")
@@ -228,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--dtype", default="int8", choices=["fp32", "fp16", "int8", "int4"])
         ap.add_argument("--split", default="val")
         ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+        ap.add_argument("--reuse", help="keep the exports in this directory (pt2/ with --aot, ts/) and reuse them "
+                                        "when present (default: a temporary directory)")
         a = ap.parse_args(argv)
         if a.threads:
             import torch
 
             torch.set_num_threads(a.threads)
-        return artifacts(a.run_dir, a.data_dir, a.dtype, a.split)
+        return artifacts(a.run_dir, a.data_dir, a.dtype, a.split, a.reuse)
     if "--peak-rss" in argv:
         ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--peak-rss", action="store_true")
