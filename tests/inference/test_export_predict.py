@@ -200,8 +200,9 @@ def test_export_from_the_meta_device_equals_the_full_model_export_bit_for_bit(ru
     ma, mb = load_exported(tmp_path / "new"), load_exported(tmp_path / "old")
     ta = dict(ma.module.named_buffers()) | dict(ma.module.named_parameters())
     tb = dict(mb.module.named_buffers()) | dict(mb.module.named_parameters())
-    # the tables' storage is among them (the program's flat "data" buffer; TorchScript: the TBE's uint8 weights)
-    assert ta.keys() == tb.keys() and any(k.split(".")[-1] in ("data", "weights_host") and v.numel()
+    # the tables' storage is among them (the program's stacked "lookups.weight_<group>" buffers; TorchScript:
+    # the TBE's uint8 weights)
+    assert ta.keys() == tb.keys() and any((k.startswith("lookups.weight_") or k.endswith("weights_host")) and v.numel()
                                           for k, v in ta.items())
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
