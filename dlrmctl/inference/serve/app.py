@@ -86,9 +86,6 @@ class App:
     #: bodies at least this long are decoded on a thread of their own, not on the event loop (which
     #: keeps answering health checks and small requests meanwhile)
     OFF_LOOP_BYTES = 256 * 1024
-    #: a lone request of at most this many rows (nothing else queued, no forward running) is scored on the
-    #: event loop's thread, saving the hand-over to a forward thread and back (:meth:`Batcher.run_lone`)
-    LONE_ROWS = 256
 
     def __init__(self, model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,
                  max_queue_rows: int = 65536, workers: int = 1, process: str = "1 of 1",
@@ -161,7 +158,7 @@ class App:
 
     def _flush(self) -> None:
         self._flush_due = False
-        if self._arriving == 0 and self.batcher is not None and not self.batcher.run_lone(self.LONE_ROWS):
+        if self._arriving == 0 and self.batcher is not None:
             self.batcher.release()
 
     # ------------------------------------------------------------------------- FastAPI endpoints

@@ -120,7 +120,6 @@ class Batcher:
         self._queued = 0
         self._seq = 0  # requests submitted so far
         self._released = 0  # requests 1.._released may go without waiting for more (release())
-        self._busy = 0  # batches being scored
         self._cond = threading.Condition()
         self._stop = False
         self._threads = [threading.Thread(target=self._run, name=f"dlrmctl-serve-{i}", daemon=True) for i in range(workers)]
@@ -163,28 +162,6 @@ class Batcher:
             if self._q:
                 self._cond.notify()
 
-    def run_lone(self, max_rows: int) -> bool:
-        """Score the queue on the calling thread (the event loop's) when it holds one request of at most
-        ``max_rows`` rows and no batch is being scored: a lone client's request then costs no thread
-        hand-over (two wake-ups: the forward thread's, then the event loop's).  Call it where
-        :meth:`release` would be; returns whether it scored (if not, call :meth:`release`)."""
-        with self._cond:
-            if self._stop or self._busy or self.min_delay > 0 or len(self._q) != 1 or self._q[0].rows.n > max_rows:
-                return False
-            it = self._q.popleft()
-            self._queued -= it.rows.n
-            self._busy += 1
-            self.metrics.queue_rows.set(self._queued)
-        try:
-            with torch.no_grad():
-                self._score([it])
-        finally:
-            with self._cond:
-                self._busy -= 1
-                if self._q:
-                    self._cond.notify()
-        return True
-
     def stop(self) -> None:
         """Score everything queued, then end the forward threads."""
         with self._cond:
@@ -214,7 +191,6 @@ class Batcher:
                 batch.append(it)
                 n += it.rows.n
             self._queued -= n
-            self._busy += 1
             self.metrics.queue_rows.set(self._queued)
             if self._q:
                 self._cond.notify()
@@ -227,11 +203,7 @@ class Batcher:
             if batch is None:
                 return
             if batch:
-                try:
-                    self._score(batch)
-                finally:
-                    with self._cond:
-                        self._busy -= 1
+                self._score(batch)
 
     def _score(self, batch: list[_Item]) -> None:
         t0 = time.perf_counter()
