@@ -152,7 +152,10 @@ def test_serve_scores_1000_rows_like_predict_bad_inputs_and_batching(model, tmp_
     want = _predict(model, lines_file, tmp_path)
     dense, ids, features = _model_inputs(model, lines_file)
     assert len(want) == 1000
-    with server(model, "--max-delay-ms", "50") as (url, _):
+    # a fixed 50 ms delay: a Python client sends its 64 requests one by one, and the adaptive delay would
+    # (rightly) run each at once on an idle machine; merging of requests that arrive together is
+    # tested in test_serve_batcher.py
+    with server(model, "--max-delay-ms", "50", "--min-delay-ms", "50") as (url, _):
         c = th.InferenceServerClient(url, concurrency=64, network_timeout=60)
         assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("tiny")
         meta = c.get_model_metadata("tiny")
