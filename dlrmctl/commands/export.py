@@ -94,7 +94,7 @@ def _print_parity(p: dict) -> None:
 
 def predict_command(
     model_dir: Path = typer.Argument(..., help="exported model directory (dlrmctl export)"),
-    input: Path = typer.Option(..., "--input", help="raw log file (Criteo: 40 fields with label, or 39)"),
+    input: Path = typer.Option(..., "--input", help="raw rows in the training data's format (Criteo: 40 fields with label, or 39; a schema dataset: its log format)"),
     output: Optional[Path] = typer.Option(None, "--output", help="scores CSV (default: stdout)"),
     batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch (>= 1)"),
     force: bool = typer.Option(False, "--force", help="replace an existing --output file"),

@@ -1277,7 +1277,8 @@ def evaluate_exported(
 
     ``device`` (``cpu`` | ``cuda[:i]``) and ``artifact`` choose what runs as in
     :func:`load_exported`; each batch is moved there once and its logits come back in one copy.
-    ``announce`` is called with :attr:`ExportedModel.description` once the model is loaded.
+    ``announce`` is called with :attr:`ExportedModel.description` once the model is loaded and the
+    data checked.
 
     Returns:
         ``{"auc", "logloss", "ne", "calibration", "accuracy", "ctr", "num_samples"}``
@@ -1293,8 +1294,6 @@ def evaluate_exported(
     from dlrmctl.metrics import compute_metrics_from_logits
 
     m = load_exported(model_dir, device, artifact)
-    if announce is not None:
-        announce(m.description)
     mpath = os.path.join(str(data_dir), "meta.json")
     dmeta = read_meta_json(mpath, "data")
     rec = m.manifest.get("data") or {}
@@ -1308,6 +1307,8 @@ def evaluate_exported(
         log.warning("%s records no training-data fingerprint (exported by an older dlrmctl): the data is not "
                     "checked against it", Path(model_dir) / MANIFEST_FILE)
     split_rows(dmeta, str(data_dir), split)
+    if announce is not None:  # once the data is known to fit: a bad input stays one error line
+        announce(m.description)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names,
                          weighted_features=m.weighted_features,
                          **({} if "multi_hot" in (m.manifest.get("in_program") or [])

@@ -283,9 +283,9 @@ def predict_file(
     if _is_empty(p):
         raise DataError("empty file: no lines to score", path=input_path)
     model = load_exported(model_dir, device, artifact)
-    if announce is not None:
-        announce(model.description)
     check_vocabularies(model)
+    if announce is not None:  # once the inputs are known to fit: a bad input stays one error line
+        announce(model.description)
     to_stdout = output is None or str(output) == "-"
     rows = 0
     all_s, all_l = [], []

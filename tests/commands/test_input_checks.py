@@ -122,12 +122,9 @@ def test_a_duplicate_key_in_a_plan_file_names_file_line_and_key(tmp_path, data):
 def test_a_binary_config_file_is_one_line_naming_it(tmp_path, content):
     cfg = tmp_path / "model.bin"
     cfg.write_bytes(content)
-    for verb in (["train", cfg], ["plan", cfg, "--gpus", "2", "--device", "cpu"]):
+    # a dry run of launch reads and validates the config as train does
+    for verb in (["train", cfg], ["plan", cfg, "--gpus", "2", "--device", "cpu"], ["launch", cfg, "--dry-run"]):
         one_error_line(verb, "model.bin:", "a config is a YAML text file")
-    # launch reads the config only for its GPU default (the job reads it where it runs): said, no traceback
-    r = runner.invoke(app, ["launch", str(cfg), "--dry-run"])
-    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
-    assert "GPUs per process: 0 (the config cannot be read here (" in r.output and "YAML text file" in r.output
 
 
 # ------------------------------------------------------------------ config bounds
