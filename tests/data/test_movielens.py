@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from dlrmctl.data.columnar import DataError, open_split, read_meta
@@ -332,23 +331,16 @@ def test_output_feeds_an_embedding_bag_collection_and_dcn_dlrm(tmp_path):
 
 
 def test_cli_command_preprocesses_and_reports_errors(tmp_path):
-    from dlrmctl.commands.preprocess_movielens import register
-
-    app = typer.Typer()
-    register(app)
-
-    @app.callback()
-    def _group() -> None:  # keep `movielens` a sub-command
-        pass
+    from dlrmctl.cli import app  # through the CLI: cli.report_failure prints the error line and sets the exit code
 
     runner = CliRunner()
     out = tmp_path / "out"
-    r = runner.invoke(app, ["movielens", "--input", str(make_csv(tmp_path / "in")), "--out", str(out),
+    r = runner.invoke(app, ["preprocess", "movielens", "--input", str(make_csv(tmp_path / "in")), "--out", str(out),
                             "--positive-threshold", "3"])
     assert r.exit_code == 0, r.output
     assert "train" in r.output and (out / "meta.json").is_file()
     assert read_meta(out)["transforms"]["label"]["positive_threshold"] == 3.0
-    r = runner.invoke(app, ["movielens", "--input", str(tmp_path / "nowhere"), "--out", str(out)])
+    r = runner.invoke(app, ["preprocess", "movielens", "--input", str(tmp_path / "nowhere"), "--out", str(out)])
     assert r.exit_code == 2 and "not a directory" in r.output
 
 
