@@ -48,8 +48,8 @@ def managed_collision_tables(cfg: ExperimentConfig, meta: dict | None) -> dict[s
             if raw:
                 raise ConfigError(
                     f"{os.path.join(cfg.data.path, 'meta.json')}: feature '{raw[0]}' holds raw ids (\"ids\": \"raw\"), "
-                    f"so table '{name}' needs a managed-collision table: set model.managed_collision "
-                    f"(or {key}): {{size: N, eviction: lfu}}")
+                    f"so table '{name}' needs a managed-collision table: set model.managed_collision"
+                    + ("" if key == "model.managed_collision" else f" (or {key})") + ": {size: N, eviction: lfu}")
             continue
         where = key if own is not None else "model.managed_collision"
         need = cfg.data.batch_size * sum(int(feats.get(n, {}).get("max_pooling_factor", 1)) for n in fnames)

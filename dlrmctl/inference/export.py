@@ -62,7 +62,8 @@ MANIFEST (``manifest.json``, ``format_version`` 1)::
      "dense_features": ["I1", ...], "sparse_features": ["C1", ...],     # input order
      "weighted_features": ["C1", ...],    # features whose per-id weights are used ([]: no weights input)
      "tables": [{"name", "features", "num_embeddings", "embedding_dim", "pooling", "weighted", "dtype",
-                 "row_bytes", "bytes"}, ...],
+                 "row_bytes", "bytes",
+                 "ids": "index" | "raw"}, ...],   # raw: a managed-collision table, inputs are raw 64-bit ids
      "lookups": [{"key": "C1" | "C1@t1", "feature", "table"}, ...],   # pooled outputs, in order
      "on_invalid_id": "error" | "zero",
      "quantization": {"embeddings": "int8", "dense": "fp32" | "dynamic_int8", "scale_bias": "fp16",
@@ -662,6 +663,7 @@ def export_model(
         kernel = "fbgemm IntNBitTableBatchedEmbeddingBagsCodegen (SUM pooling, fp32 output)"
     fp32_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
     table_entries = []
+    managed = set(mc.tables()) if mc is not None else set()
     for t in tables:
         sd = padded_dim(t.embedding_dim, TBE_DIM_ALIGN[embedding_dtype] if artifact == "torchscript" else
                         (2 if embedding_dtype == "int4" else 1))
@@ -673,6 +675,8 @@ def export_model(
             "embedding_dim": t.embedding_dim, "stored_dim": sd, "pooling": t.pooling.value,
             "weighted": any(f in wf for f in t.feature_names), "dtype": embedding_dtype,
             "row_bytes": rb, "bytes": rb * t.num_embeddings,
+            # a managed-collision table takes raw ids (any int64 >= 0): the program maps them to rows
+            "ids": "raw" if t.name in managed else "index",
         })
     meta = data_meta or {}
     dense_names = list(meta.get("dense_features") or [f"dense_{i}" for i in range(num_dense)])

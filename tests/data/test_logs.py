@@ -172,6 +172,10 @@ def test_schema_key_errors_name_the_key_path(tmp_path):
     _cli(tmp_path, SCHEMA.replace("hash: 97", "hash: many"), src, "categorical[1] (site).hash", "'many'")
     _cli(tmp_path, SCHEMA.replace("transform: log1p", "transform: log"), src, "dense[0] (price).transform")
     _cli(tmp_path, SCHEMA.replace("label: click", "label: {column: click, positive: big}"), src, "label.positive")
+    # a threshold of inf would make every label 0 without a word; a bucket count beyond int64 overflowed
+    _cli(tmp_path, SCHEMA.replace("label: click", "label: {column: click, positive: '>= 1e999'}"), src,
+         "label.positive", "finite")
+    _cli(tmp_path, SCHEMA.replace("hash: 97", f"hash: {1 << 63}"), src, "categorical[1] (site).hash", "2^63 - 1")
     _cli(tmp_path, SCHEMA.replace("ignore: [id]", "ignore: [id, price]"), src, "ignore[1]", "price")
     _cli(tmp_path, "dense: 3\n", src, "bad.yaml", "dense", "expected a list")
 

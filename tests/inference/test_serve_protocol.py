@@ -228,3 +228,29 @@ def test_serve_device_auto_cuda_and_cpu_with_a_fake_gpu(monkeypatch, tmp_path):
     r = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "tpu"])
     assert r.exit_code == 2 and "error: --device must be cpu, cuda, cuda:N or auto, got 'tpu'" in r.output, r.output
     assert loaded == ["cuda"]
+
+
+def test_raw_ids_of_a_managed_collision_table_are_accepted_as_tensors_and_index_ids_still_checked():
+    """A managed-collision table takes raw 64-bit ids (the program maps them to rows): the request's
+    ids are not bounded by its N + 1 rows; an ordinary table's ids still are."""
+    from dlrmctl.inference.serve.protocol import BadRequest, ModelSpec, decode_request
+
+    class Model(FakeModel):
+        manifest = {"tables": [{"name": "mc", "num_embeddings": 513, "features": ["a"], "ids": "raw"},
+                               {"name": "t", "num_embeddings": 10, "features": ["b"], "ids": "index"}],
+                    "on_invalid_id": "error"}
+
+    spec = ModelSpec.of(Model(), "m")
+
+    def body(a: int, b: int) -> bytes:
+        return json.dumps({"inputs": [{"name": "dense", "datatype": "FP32", "shape": [1, 1], "data": [0.5]},
+                                      {"name": "a", "datatype": "INT64", "shape": [1], "data": [a]},
+                                      {"name": "b", "datatype": "INT64", "shape": [1], "data": [b]}]}).encode()
+
+    raw = 2069144152969877096  # a raw id far beyond the managed table's 513 rows
+    rows, _ = decode_request(body(raw, 3), None, spec, None)
+    assert rows.values.tolist() == [raw, 3]
+    with pytest.raises(BadRequest, match="input 'b': id 10 .* outside the table's 10 rows"):
+        decode_request(body(raw, 10), None, spec, None)
+    with pytest.raises(BadRequest, match="input 'a': id -1"):
+        decode_request(body(-1, 3), None, spec, None)

@@ -470,7 +470,7 @@ def test_plan_of_a_cuda_trained_config_is_the_plan_train_makes_on_the_visible_gp
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=141e9))
     cfg_path = write_config(tmp_path, {**CONFIG, "train": {"device": train_device}})
     out = tmp_path / "p.yaml"
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--out", str(out)])
+    r = _plan([str(cfg_path), "--gpus", "4", "--out", str(out)])
     assert r.exit_code == 0, r.output
     first = r.output.splitlines()[0]
     assert first.startswith("Preset: h200 (the visible GPU NVIDIA H200, which train.device "
@@ -485,6 +485,6 @@ def test_plan_of_a_cuda_trained_config_asks_for_device_when_no_gpu_is_visible(tm
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg_path = write_config(tmp_path, {**CONFIG, "train": {"device": "cuda"}})
-    r = CliRunner().invoke(plan_cmd.app, [str(cfg_path), "--gpus", "4", "--out", str(tmp_path / "p.yaml")])
+    r = _plan([str(cfg_path), "--gpus", "4", "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert "trains on CUDA (train.device cuda), but no GPU is visible" in r.output and "--device a100 | h100" in r.output

@@ -98,6 +98,8 @@ def test_evaluate_and_the_exported_program_score_raw_ids_as_the_trained_model(ra
     out = invoke("evaluate", run, "--split", "val")
     assert f"{last['auc']:.6f}" in out
     invoke("export", run, "--fp32", "--out", tmp_path / "exp")
+    manifest = json.loads((tmp_path / "exp" / "manifest.json").read_text())
+    assert {t["ids"] for t in manifest["tables"]} == {"raw"}  # serve takes raw ids as tensors for these
     program = torch.export.load(str(tmp_path / "exp" / "model.pt2")).module()
     cfg, model, meta = load_trained_model(str(run))
     feats = [f["name"] for f in meta["sparse_features"]]

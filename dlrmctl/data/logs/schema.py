@@ -31,6 +31,7 @@ of the file must be named by the schema (as label, time, a feature, a weight col
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from typing import Any
@@ -180,9 +181,12 @@ class _V:
             raise self.fail(path, f"expected a non-empty string, got {_kind(v)}")
         return v
 
-    def integer(self, v: Any, path: str, lo: int = 1) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise self.fail(path, f"expected an integer >= {lo}, got {_kind(v)}")
+    def integer(self, v: Any, path: str, lo: int = 1, hi: int = (1 << 63) - 1) -> int:
+        """An int in ``[lo, hi]``; ``hi`` defaults to int64's maximum (every count and bucket number
+        of a schema is an int64 where it is used)."""
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            bound = "2^63 - 1" if hi == (1 << 63) - 1 else f"{hi:,}"
+            raise self.fail(path, f"expected an integer >= {lo} and <= {bound}, got {_kind(v)}")
         return v
 
     def number(self, v: Any, path: str) -> float:
@@ -234,7 +238,10 @@ def _label(v: _V, x: Any) -> LabelSpec | None:
     if m is None:
         raise v.fail("label.positive", f"expected a rule '<op> <number>' with op one of >=, >, <=, <, ==, != "
                                        f"(e.g. \">= 4\"), got {_kind(rule)}")
-    return LabelSpec(col, m.group(1), float(m.group(2)))
+    threshold = float(m.group(2))
+    if not math.isfinite(threshold):  # '>= 1e999' would make every label 0 (or 1) without a word
+        raise v.fail("label.positive", f"expected a finite threshold, got {rule!r}")
+    return LabelSpec(col, m.group(1), threshold)
 
 
 def _dense(v: _V, i: int, x: Any, defaults: dict) -> DenseSpec:

@@ -76,6 +76,8 @@ class ModelSpec:
         m = model.manifest
         rows: dict[str, int] = {}
         for t in m.get("tables") or []:
+            if t.get("ids") == "raw":  # managed collision: raw 64-bit ids, mapped to rows by the program
+                continue
             for f in t.get("features") or []:
                 rows[f] = min(rows.get(f, 1 << 62), int(t["num_embeddings"]))
         return cls(name=name, num_dense=model.num_dense, features=list(model.feature_names),
