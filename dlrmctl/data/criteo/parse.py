@@ -303,10 +303,14 @@ def open_text(path: Path):
 
 
 class _Paced(io.RawIOBase):
-    """A readable file that returns at most :data:`READ_CHUNK` bytes a call.  Given a path, Arrow's
-    CSV / JSON readers read ahead on their I/O thread as fast as the disk allows: a file read faster
-    than it is transformed ends up in memory whole (peak RSS grew with the file's size); through
-    this reader they get the bytes as they ask for them."""
+    """A readable file that hands Arrow's CSV / JSON readers exactly the bytes they ask for, when
+    they ask.  Given a path, those readers read ahead on their I/O thread as fast as the disk
+    allows: a file read faster than it is transformed ended up in memory whole (peak RSS grew with
+    the file's size).  Through this synchronous reader nothing is read ahead.
+
+    Each call fills the whole request (one CSV block, ``ReadOptions.block_size``) unless the input
+    ends: a short read would make Arrow cut a smaller block, and the shards' record batches (which
+    the loader's shuffle sees) would then depend on how the input was read."""
 
     def __init__(self, f) -> None:
         self._f = f
@@ -315,22 +319,25 @@ class _Paced(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
-        data = self._f.read(min(len(b), READ_CHUNK))
-        b[: len(data)] = data
-        return len(data)
+        view = memoryview(b).cast("B")
+        n = 0
+        while n < len(view):
+            data = self._f.read(len(view) - n)
+            if not data:
+                break
+            view[n: n + len(data)] = data
+            n += len(data)
+        return n
 
     def close(self) -> None:
         self._f.close()
         super().close()
 
 
-READ_CHUNK = 1 << 20
-
-
 def paced_input(path: str | os.PathLike) -> pa.NativeFile:
     """A text input for Arrow's CSV / JSON readers (decompressed by its name's suffix: ``.gz``,
-    ``.bz2``, ``.zst``, ``.lz4``), read :data:`READ_CHUNK` bytes at a time as the parser asks
-    (:class:`_Paced`): memory does not grow with the file's size."""
+    ``.bz2``, ``.zst``, ``.lz4``), read one block at a time as the parser asks (:class:`_Paced`):
+    memory does not grow with the file's size, and the blocks are those of reading the path."""
     return pa.PythonFile(_Paced(pa.input_stream(os.fspath(path), compression="detect")), mode="r")
 
 
