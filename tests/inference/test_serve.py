@@ -448,22 +448,9 @@ def _asgi(app, method, path, body=b"", headers=()):
     """(status, headers dict, body) of one request driven straight through an ASGI app."""
     import asyncio
 
-    sent, chunks = [], [{"type": "http.request", "body": body, "more_body": False}]
+    from tests.helpers.asgi import asgi_request
 
-    async def receive():
-        return chunks.pop(0) if chunks else {"type": "http.disconnect"}
-
-    async def send(msg):
-        sent.append(msg)
-
-    scope = {"type": "http", "method": method, "path": path, "headers": [(k.encode(), v.encode()) for k, v in headers],
-             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
-             "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2), "root_path": ""}
-
-    asyncio.get_event_loop().run_until_complete(app(scope, receive, send))
-    assert sent[0]["type"] == "http.response.start", sent
-    return (sent[0]["status"], {k.decode(): v.decode() for k, v in sent[0]["headers"]},
-            b"".join(m.get("body", b"") for m in sent[1:]))
+    return asyncio.get_event_loop().run_until_complete(asgi_request(app, method, path, body, headers))
 
 
 def test_infer_is_answered_without_the_fastapi_stack(model):

@@ -19,6 +19,7 @@ pytest.importorskip("prometheus_client")
 from dlrmctl.inference.serve.app import build_app  # noqa: E402
 from dlrmctl.inference.serve.batcher import Batcher, Metrics  # noqa: E402
 from dlrmctl.inference.serve.protocol import Rows  # noqa: E402
+from tests.helpers.asgi import asgi_request  # noqa: E402
 
 
 class FrozenClock:
@@ -131,20 +132,8 @@ def infer_body(x: float) -> bytes:
 
 async def post(app, body: bytes, path: str = "/v2/models/m/infer", headers=(), method: str = "POST") -> tuple[int, dict]:
     """(status, JSON answer) of one request driven straight through the ASGI ``app``."""
-    sent = []
-    msgs = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive():
-        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
-
-    async def send(m):
-        sent.append(m)
-
-    scope = {"type": "http", "method": method, "path": path, "headers": [(k.encode(), v.encode()) for k, v in headers],
-             "query_string": b"", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http",
-             "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2), "root_path": ""}
-    await app(scope, receive, send)
-    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    status, _, out = await asgi_request(app, method, path, body, headers)
+    return status, json.loads(out)
 
 
 def run_app(app, check) -> None:
