@@ -185,6 +185,9 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     meta = read_data_meta(cfg)
     if meta is not None:
         check_train_splits(cfg, meta)
+        from dlrmctl.config import check_managed_collision_sharding
+
+        check_managed_collision_sharding(cfg, meta, world)
     if meta is None:  # the message the Trainer gives
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
     if cfg.train.device == "cuda" and torch_build_cuda() is None:  # before any rank starts (each would refuse)

@@ -45,6 +45,7 @@ from dlrmctl.config.schema import (
 )
 from dlrmctl.config.tables import (
     auto_embedding_dim,
+    check_managed_collision_sharding,
     managed_collision_tables,
     read_data_meta,
     resolve_tables,
@@ -75,6 +76,7 @@ __all__ = [
     "check_bounds",
     "config_from_dict",
     "load_config",
+    "check_managed_collision_sharding",
     "managed_collision_tables",
     "read_data_meta",
     "resolve_tables",

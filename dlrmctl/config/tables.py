@@ -63,6 +63,32 @@ def managed_collision_tables(cfg: ExperimentConfig, meta: dict | None) -> dict[s
     return out
 
 
+def check_managed_collision_sharding(cfg: ExperimentConfig, meta: dict | None, world_size: int) -> None:
+    """Managed-collision tables on ``world_size > 1`` ranks shard row_wise by zone of their
+    buckets (:mod:`dlrmctl.distributed.sharded_mc`): every such table needs ``buckets`` a
+    multiple of the world size, and no other hand-given sharding type.  Checked before any rank
+    starts.
+
+    Raises:
+        ConfigError: naming the table and the key (``sharding.tables.<t>.sharding_type``, or the
+            table's ``managed_collision.buckets``).
+    """
+    if world_size <= 1:
+        return
+    own = {t.name: i for i, t in enumerate(cfg.model.tables or []) if t.managed_collision is not None}
+    for name, mc in managed_collision_tables(cfg, meta).items():
+        hand = cfg.sharding.tables.get(name)
+        if hand is not None and hand.sharding_type != "row_wise":
+            raise ConfigError(
+                f"sharding.tables.{name}.sharding_type: '{name}' is a managed-collision table, sharded row_wise only "
+                f"(each rank owns a zone of its raw-id buckets and their rows); got {hand.sharding_type}")
+        if mc.buckets % world_size:
+            key = f"model.tables[{own[name]}].managed_collision" if name in own else "model.managed_collision"
+            raise ConfigError(
+                f"{key}.buckets: managed-collision table '{name}' on {world_size} ranks needs buckets a multiple of "
+                f"{world_size} (each rank owns buckets / {world_size} of them); got {mc.buckets}")
+
+
 def read_data_meta(cfg: ExperimentConfig) -> dict | None:
     """The preprocessed data's ``meta.json`` at ``data.path``, or None if there is none.
 

@@ -45,7 +45,11 @@ if TYPE_CHECKING:
 
 class TableConfigs(TableFeatures):
     """Placeholder ``sparse_arch`` holding only table configs (no weights): lets a
-    DLRM be built and sharded without ever allocating the full tables."""
+    DLRM be built and sharded without ever allocating the full tables.  Its
+    ``managed_collision_configs`` (``(tables, table -> (size, eviction, buckets), seed)``, or
+    None) are the managed-collision tables DistributedModelParallel shards by zone."""
+
+    managed_collision_configs: tuple | None = None
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         raise RuntimeError("TableConfigs is a placeholder: shard it with DistributedModelParallel")
@@ -121,6 +125,11 @@ class DistributedModelParallel(nn.Module):
                 ebc.embedding_bag_configs(), plan, env, ebc.is_weighted(), optimizer, seed, check_ids,
                 on_invalid_id=getattr(ebc, "on_invalid_id", "error"), comm_precision=comm_precision,
             )
+            mc = getattr(ebc, "managed_collision_configs", None)
+            if mc is not None:  # managed-collision tables: this rank's zones of their remappers
+                from dlrmctl.distributed.sharded_mc import ShardedManagedCollision
+
+                module.sparse_arch.set_managed_collision(ShardedManagedCollision(mc[0], mc[1], mc[2], env))
             del ebc
         for name, child in module.named_children():
             if name != "sparse_arch":

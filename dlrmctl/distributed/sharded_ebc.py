@@ -50,7 +50,7 @@ from dlrmctl.distributed.sharding.rw_sharding import RwSharding
 from dlrmctl.distributed.sharding.tw_sharding import TwSharding
 from dlrmctl.distributed.sharding.twcw_sharding import TwCwSharding
 from dlrmctl.distributed.sharding.twrw_sharding import TwRwSharding
-from dlrmctl.distributed.types import ShardingPlan, ShardingType, ShardMetadata
+from dlrmctl.distributed.types import PlanError, ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
 from dlrmctl.optim.dense import row_state_tensors
@@ -89,6 +89,9 @@ class ShardedEBCContext:
     #: every rank's full local batch (its samples; differs from ``batch_sizes`` for VBE batches,
     #: whose lookups use the largest per-key batch); ``None`` without a size exchange
     full_batch_sizes: list[int] | None = None
+    #: the lookup inputs hold raw ids of managed-collision tables, to be remapped by their owner
+    #: before the lookup (training; :mod:`dlrmctl.distributed.sharded_mc`)
+    raw_ids: bool = False
 
     def record_stream(self, stream: "torch.cuda.Stream") -> None:
         """Mark every tensor as used on ``stream`` (the context was made on the data-dist stream)."""
@@ -462,6 +465,41 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         self._grad_sync_workspace: dict = {}
         #: bytes this rank sent in its last input_dist: (size exchange, data)
         self.input_dist_bytes: tuple[int, int] = (0, 0)
+        #: this rank's zones of the managed-collision tables (:meth:`set_managed_collision`), or None
+        self.managed_collision: nn.Module | None = None
+
+    def set_managed_collision(self, mc: nn.Module) -> None:
+        """Shard managed-collision tables row_wise by zone: ``mc`` is this rank's
+        :class:`~dlrmctl.distributed.sharded_mc.ShardedManagedCollision`.  Each table must be
+        row_wise with :func:`~dlrmctl.distributed.sharded_mc.managed_collision_sharding`'s
+        shards; its features hold raw ids (not range-checked; the id all-to-all goes in int64).
+
+        Raises:
+            PlanError: a managed table that is not sharded that way.
+        """
+        from dlrmctl.distributed.sharded_mc import managed_collision_sharding
+
+        configs = {t.name: t for t in self._tables}
+        routing = {}
+        for name in mc.tables():
+            t = configs[name]
+            ps = self.plan.plan[name]
+            want = managed_collision_sharding(t.num_embeddings, t.embedding_dim, self.env.world_size, ps.compute_kernel)
+            if ps.sharding_type != ShardingType.ROW_WISE or [m.to_dict() for m in ps.shards or []] != [
+                    m.to_dict() for m in want.shards or []]:
+                raise PlanError(f"table '{name}': a managed-collision table is sharded row_wise by zone "
+                                f"(rank r: rows [r*{mc.sizes[name] // self.env.world_size}, ...)); the plan gives "
+                                f"{ps.sharding_type.value}")
+            for f in t.feature_names:
+                routing[f] = mc.routing(f)
+        for g in self.groups:
+            if g.row_wise and any(f in routing for f in g.features):
+                g.set_raw_routing(routing)
+        self.managed_collision = mc
+        managed = set(mc.tables())
+        self._bounds = {e: [b for b in bs if b.table not in managed] for e, bs in self._bounds.items()}
+        self._bounds = {e: bs for e, bs in self._bounds.items() if bs}
+        self._wire_dtype = torch.int64  # raw ids are 63-bit
 
     @property
     def output_dist_dtype(self) -> torch.dtype | None:
@@ -501,6 +539,15 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         # pooled output is expanded back with the inverse indices after the output dist
         features, inv = split_variable_batch(self.prepare_features(features))
         groups = self.groups
+        raw = False
+        if self.managed_collision is not None:
+            # training: raw ids travel to their zone's owner; else rows from the gathered lookup
+            raw = self.training
+            if not raw:
+                features = self.managed_collision.remap_source(features)
+            for g in groups:
+                if getattr(g, "_raw_route", None) is not None:
+                    g.raw_ids = raw
         local = [features] if self._single_identity else self._group_inputs(features)
         B = features.stride()
         W = self.env.world_size
@@ -548,7 +595,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
                     keys, out[off_v : off_v + n_v], lengths=out[off_l : off_l + n_l], weights=weights,
                     stride=recv.stride, validate=False, length_per_key=lpk,
                 )
-            return ShardedEBCContext(recv.batch_sizes, local, lookup_kjts, inv, recv.full_batch_sizes)
+            return ShardedEBCContext(recv.batch_sizes, local, lookup_kjts, inv, recv.full_batch_sizes, raw)
 
         return LazyAwaitable([work], finish)
 
@@ -593,7 +640,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         W = self.env.world_size
         bs = ctx.batch_sizes
         results: list[list[torch.Tensor] | None] = [None] * len(groups)
-        looked = {i: groups[i].compute(ctx.lookup_kjts[i]) for i in self._comm}
+        looked = {i: groups[i].compute(self._lookup_input(i, ctx)) for i in self._comm}
         a2a: Awaitable[list[list[torch.Tensor]]] | None = None
         if self._a2a_out:
             widths = [[groups[i].layouts[d].width for i in self._a2a_out] for d in range(W)]
@@ -626,6 +673,14 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
                 return kt if ctx.inverse_indices is None else expand_by_inverse_indices(kt, ctx.inverse_indices)
 
         return LazyAwaitable([], finish)
+
+    def _lookup_input(self, i: int, ctx: ShardedEBCContext) -> KeyedJaggedTensor:
+        """Group ``i``'s lookup input; raw ids of managed-collision tables remapped by this rank's
+        zones first (training; resets the rows new ids take)."""
+        kjt = ctx.lookup_kjts[i]
+        if ctx.raw_ids and getattr(self.groups[i], "_raw_route", None) is not None:
+            return self.managed_collision.remap_lookup(kjt, self.groups[i])
+        return kjt
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         return self.compute_and_output_dist(self.input_dist(features).wait())

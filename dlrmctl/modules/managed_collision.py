@@ -27,8 +27,10 @@ values.  In training every id gets a row of its own.
 
 Buckets: with ``buckets = B`` the rows are split into ``B`` equal blocks and an id may only take
 a row of block ``id % B``.  The remapper state of a block depends only on the ids of that block,
-so a table row_wise-sharded over ranks whose row blocks are unions of whole buckets keeps exactly
-the same state as one process.
+so a table row_wise-sharded over ``W`` ranks (``W`` dividing ``B``) whose rank ``r`` owns the
+*zone* of buckets ``[r B/W, (r+1) B/W)`` and their rows keeps exactly the same state as one
+process: each rank runs a remapper of ``N/W`` rows over its zone only (``bucket_offset``,
+``total_buckets``; :mod:`dlrmctl.distributed.sharded_mc`).
 
 The training remap is vectorised: one sort of the batch's ids, ``searchsorted`` on the held ids,
 a sort of each bucket's rows by the policy (only the rows, ``[B, N/B]``), and scatters with a
@@ -44,7 +46,7 @@ import torch
 from torch import nn
 
 __all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionCollection", "ManagedCollisionRemapper", "RawIdRemap",
-           "reset_uniform"]
+           "remap_features", "reset_taken_rows", "reset_uniform", "table_reset_key"]
 
 #: the id of a free row (larger than any raw id: free rows sort after held ones)
 EMPTY = (1 << 63) - 1
@@ -95,6 +97,12 @@ def reset_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: floa
     return (low + (high - low) * u).to(torch.float32)
 
 
+def table_reset_key(seed: int, table: str) -> int:
+    """The :func:`reset_uniform` seed of a table: ``train.seed`` mixed with the table's name
+    (the first 8 bytes of SHA-256 of ``"<seed>:<table>"``, as int64)."""
+    return _i64(int.from_bytes(hashlib.sha256(f"{seed}:{table}".encode()).digest()[:8], "little"))
+
+
 class ManagedCollisionRemapper(nn.Module):
     """The remapper of one managed-collision table (see the module docstring).
 
@@ -103,13 +111,18 @@ class ManagedCollisionRemapper(nn.Module):
         eviction: ``"lfu"`` or ``"lru"``.
         buckets: ``B``, a divisor of ``size``; an id takes rows of block ``id % B`` only.
         device: where the state lives.
+        bucket_offset, total_buckets: a zone remapper (one rank's part of a row_wise-sharded
+            table): its ``buckets`` blocks are the buckets ``bucket_offset ...`` of
+            ``total_buckets``, i.e. an id takes rows of local block ``id % total_buckets -
+            bucket_offset`` (it must be one of them); default: the whole table.
 
     Raises:
         ValueError: ``size < 1``, ``buckets`` not a divisor of ``size``, or an unknown policy.
     """
 
     def __init__(self, size: int, eviction: str = "lfu", buckets: int = 1,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, bucket_offset: int = 0,
+                 total_buckets: int | None = None) -> None:
         super().__init__()
         if size < 1:
             raise ValueError(f"managed collision: size must be >= 1, got {size}")
@@ -120,6 +133,8 @@ class ManagedCollisionRemapper(nn.Module):
         self.size = int(size)
         self.eviction = eviction
         self.buckets = int(buckets)
+        self.bucket_offset = int(bucket_offset)
+        self.total_buckets = int(total_buckets or buckets)
         kw = {"dtype": torch.int64, "device": device}
         self.register_buffer("row_ids", torch.full((size + 1,), EMPTY, **kw))
         self.register_buffer("counts", torch.zeros(size + 1, **kw))
@@ -135,6 +150,14 @@ class ManagedCollisionRemapper(nn.Module):
 
     def extra_repr(self) -> str:
         return f"size={self.size}, eviction={self.eviction}, buckets={self.buckets}"
+
+    @torch.no_grad()
+    def rebuild_lookup(self) -> None:
+        """Recompute ``sorted_ids`` / ``sorted_rows`` from ``row_ids`` (after a load of the row
+        state alone, e.g. a sharded checkpoint read into a zone)."""
+        sid, spos = torch.sort(self.row_ids[: self.size], stable=True)
+        self.sorted_ids.copy_(sid)
+        self.sorted_rows.copy_(spos)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,10 +218,10 @@ class ManagedCollisionRemapper(nn.Module):
         n_ids = ids.numel()
         dev = ids.device
         n, b = self.size, self.buckets
+        self.step += 1  # a training step, with or without ids (LRU's clock is the step)
         if n_ids == 0:
             e = torch.zeros(0, dtype=torch.int64, device=dev)
             return e, e, e
-        self.step += 1
         s, perm = torch.sort(ids)
         first = torch.ones(n_ids, dtype=torch.bool, device=dev)
         first[1:] = s[1:] != s[:-1]
@@ -212,7 +235,7 @@ class ManagedCollisionRemapper(nn.Module):
         protected[torch.where(held, row, n)] = True
         cand = self._candidates(protected[:n]).reshape(-1)
         # rank of each new id within its bucket: sort new first-positions by bucket
-        bucket = torch.where(new, s % b, b)
+        bucket = torch.where(new, s % self.total_buckets - self.bucket_offset, b)
         sb, order = torch.sort(bucket, stable=True)
         rank = ar - torch.searchsorted(sb, sb)
         slot = (sb * (n // b) + rank).clamp_(max=n - 1)
@@ -225,10 +248,10 @@ class ManagedCollisionRemapper(nn.Module):
         self.row_ids[tgt] = s
         self.counts[tgt] = torch.where(new, 0, self.counts[tgt]) + occ
         self.last_seen[tgt] = self.step
-        self.row_ids[n] = EMPTY
-        sid, spos = torch.sort(self.row_ids[:n])
-        self.sorted_ids.copy_(sid)
-        self.sorted_rows.copy_(spos)
+        self.row_ids[n] = EMPTY  # the scratch slot: nothing held, nothing counted
+        self.counts[n] = 0
+        self.last_seen[n] = -1
+        self.rebuild_lookup()
         out = torch.empty_like(row)
         out[perm] = row
         return out, torch.where(new, took, n), torch.where(new, s, 0)
@@ -274,8 +297,7 @@ class ManagedCollisionCollection(nn.Module):
                                  f"{size + 1} expected")
             self.remappers[t.name] = ManagedCollisionRemapper(size, eviction, buckets, device)
             self._features[t.name] = list(t.feature_names)
-            self._init[t.name] = (t.get_weight_init_min(), t.get_weight_init_max(),
-                                  _i64(int.from_bytes(hashlib.sha256(f"{seed}:{t.name}".encode()).digest()[:8], "little")))
+            self._init[t.name] = (t.get_weight_init_min(), t.get_weight_init_max(), table_reset_key(seed, t.name))
         #: the torch optimizer of dense-kernel tables (its per-row state is reset on eviction); set by the trainer
         self.dense_optimizer: torch.optim.Optimizer | None = None
 
@@ -291,30 +313,21 @@ class ManagedCollisionCollection(nn.Module):
         """``features`` (a KeyedJaggedTensor of raw ids) with every managed feature's ids replaced by
         rows; in training also resets the rows new ids took in ``ebc`` (the EmbeddingBagCollection
         whose tables these are) and in its optimizers."""
-        from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+        return remap_features(features, self._features, self.remappers, self.training,
+                              lambda table: self._row_state(ebc, table), self.reset_values)
 
-        values = features.values()
-        offs = features.offset_per_key()
-        idx = features.index_per_key()
-        out = values.clone()
-        for table, fnames in self._features.items():
-            segs = [(offs[idx[f]], offs[idx[f] + 1]) for f in fnames]
-            ids = torch.cat([values[s:e] for s, e in segs]) if len(segs) > 1 else values[segs[0][0]:segs[0][1]]
-            rm = self.remappers[table]
-            if self.training:
-                rows, taken, taken_ids = rm.remap_train(ids)
-                self._reset(ebc, table, rm.size, taken, taken_ids)
-            else:
-                rows = rm(ids)
-            p = 0
-            for s, e in segs:
-                out[s:e] = rows[p:p + e - s]
-                p += e - s
-        # the input's structure with new values: nothing to validate (and no host read to do so)
-        return KeyedJaggedTensor(features.keys(), out, weights=features.weights_or_none(),
-                                 lengths=features.lengths(), offsets=features.offsets_or_none(),
-                                 stride=features.stride(), length_per_key=features.length_per_key_or_none(),
-                                 offset_per_key=offs, index_per_key=idx, validate=False)
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """``mc/<table>.<buffer>`` checkpoint entries (live buffers: a load writes into them)."""
+        return {f"mc/{k[len('remappers.'):]}": v for k, v in self.state_dict(keep_vars=True).items()}
+
+    load_request = checkpoint_state
+
+    def checkpoint_keys(self) -> set[str]:
+        """The ``mc/`` keys of a checkpoint of these tables."""
+        return set(self.checkpoint_state())
+
+    def after_load(self) -> None:
+        """Nothing to rebuild: the lookup is loaded with the rows."""
 
     def reset_values(self, table: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
         """``[n, dim]`` float32: the weights a row of ``table`` restarts from when new id ``ids[i]``
@@ -323,22 +336,13 @@ class ManagedCollisionCollection(nn.Module):
         low, high, key = self._init[table]
         return reset_uniform(ids, dim, key, low, high)
 
-    @torch.no_grad()
-    def _reset(self, ebc: nn.Module, table: str, size: int, taken: torch.Tensor, taken_ids: torch.Tensor) -> None:
-        new = (taken != size)[:, None]
+    def _row_state(self, ebc: nn.Module, table: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
         w = ebc.embedding_weights()[table]
-        fresh = self.reset_values(table, taken_ids, w.shape[1]).to(w.dtype)
-        w[taken] = torch.where(new, fresh, w[taken])
         if getattr(ebc, "compute_kernel", "") == "fused":
-            states = list(ebc.fused_optimizer().momentum().get(table, []))
-        else:
-            from dlrmctl.optim.dense import row_state_tensors
+            return w, list(ebc.fused_optimizer().momentum().get(table, []))
+        from dlrmctl.optim.dense import row_state_tensors
 
-            states = row_state_tensors(self.dense_optimizer, w)
-        for s in states:
-            if s.dim() >= 1 and s.shape[0] == w.shape[0]:
-                m = new.view(-1, *([1] * (s.dim() - 1)))
-                s[taken] = torch.where(m, torch.zeros_like(s[taken]), s[taken])
+        return w, list(row_state_tensors(self.dense_optimizer, w))
 
     def inference_remap(self, feature_names: list[str]) -> "RawIdRemap":
         """The remap step of an exported program: a copy of the held ids and rows of every managed
@@ -350,6 +354,86 @@ class ManagedCollisionCollection(nn.Module):
                 per.append((feature_names.index(f), rm.sorted_ids.detach().cpu().clone(),
                             rm.sorted_rows.detach().cpu().clone(), rm.default_row))
         return RawIdRemap(per, len(feature_names))
+
+
+def remap_features(features, table_features: dict[str, list[str]], remappers, training: bool, row_state,
+                   reset_values):
+    """A KeyedJaggedTensor with the ids of every managed feature replaced by rows (no host read).
+
+    Args:
+        features: KJT whose managed features hold raw ids (int64).
+        table_features: table -> its features (all of them in ``features``); a table's ids are
+            its features' ids concatenated.
+        remappers: table -> :class:`ManagedCollisionRemapper` (a whole table, or one rank's zone).
+        training: :meth:`~ManagedCollisionRemapper.remap_train` and reset the rows new ids took
+            (:func:`reset_taken_rows`); else :meth:`~ManagedCollisionRemapper.lookup` only.
+        row_state: table -> ``(weight [rows, dim], optimizer state tensors)`` of the rows the
+            remapper's rows index (live views; called in training only).
+        reset_values: ``(table, ids [n], dim) -> [n, dim]`` float32, a newcomer's weights.
+
+    Returns:
+        The KJT with the same structure and the rows as values.
+    """
+    from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+
+    values = features.values()
+    offs = features.offset_per_key()
+    idx = features.index_per_key()
+    out = values.clone()
+    for table, fnames in table_features.items():
+        segs = [(offs[idx[f]], offs[idx[f] + 1]) for f in fnames]
+        ids = torch.cat([values[s:e] for s, e in segs]) if len(segs) > 1 else values[segs[0][0]:segs[0][1]]
+        rm = remappers[table]
+        if training:
+            rows, taken, taken_ids = rm.remap_train(ids)
+            w, states = row_state(table)
+            reset_taken_rows(w, states, rows, taken, taken_ids, rm.size,
+                             lambda i, d, t=table: reset_values(t, i, d))
+        else:
+            rows = rm(ids)
+        p = 0
+        for s, e in segs:
+            out[s:e] = rows[p:p + e - s]
+            p += e - s
+    # the input's structure with new values: nothing to validate (and no host read to do so)
+    return KeyedJaggedTensor(features.keys(), out, weights=features.weights_or_none(),
+                             lengths=features.lengths(), offsets=features.offsets_or_none(),
+                             stride=features.stride(), length_per_key=features.length_per_key_or_none(),
+                             offset_per_key=offs, index_per_key=idx, validate=False)
+
+
+@torch.no_grad()
+def reset_taken_rows(w: torch.Tensor, states: list[torch.Tensor], rows: torch.Tensor, taken: torch.Tensor,
+                     taken_ids: torch.Tensor, size: int, fresh) -> None:
+    """Reset the rows new ids took (:meth:`ManagedCollisionRemapper.remap_train`'s output): their
+    weights to ``fresh(ids, dim)`` and every optimizer state tensor with one entry per row of
+    ``w`` to zero; no host read.
+
+    Every position writes: a new id's its row; the others repeat the first new id's write
+    (same row, same value), or, without any new id, rewrite the first id's row unchanged, so no
+    write leaves ``w`` (a shard may not have row ``size``) and duplicate indices always carry
+    equal values.
+
+    Args:
+        w: ``[R, dim]`` the rows (``R >= size``, or a zone's ``size`` rows).
+        states: optimizer state tensors; those with ``R`` leading entries are reset.
+        rows: ``[n]`` every id's row; ``taken`` / ``taken_ids``: ``[n]``, the row a new id took
+            and the id (``size`` / anything elsewhere).
+    """
+    if taken.numel() == 0:
+        return
+    new = taken != size
+    anyn = new.any()
+    a = torch.argmax(new.to(torch.int8))  # the first new id, or 0
+    anchor = torch.where(anyn, taken[a], rows[0])
+    idx = torch.where(new, taken, anchor)
+    ids = torch.where(new, taken_ids, taken_ids[a])
+    mask = (new | anyn)[:, None]
+    w[idx] = torch.where(mask, fresh(ids, w.shape[1]).to(w.dtype), w[idx])
+    for s in states:
+        if s.dim() >= 1 and s.shape[0] == w.shape[0]:
+            m = mask.view(-1, *([1] * (s.dim() - 1)))
+            s[idx] = torch.where(m, torch.zeros_like(s[idx]), s[idx])
 
 
 class RawIdRemap(nn.Module):

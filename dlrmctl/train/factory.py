@@ -193,30 +193,32 @@ def build_model(
 
 def _attach_managed_collision(cfg: ExperimentConfig, tables: Sequence[EmbeddingBagConfig], ebc: torch.nn.Module,
                               meta: dict | None, device: torch.device | str, sharded: bool) -> None:
-    """Give ``ebc`` the remappers of its managed-collision tables (none: nothing to do).
+    """Give ``ebc`` the remappers of its managed-collision tables (none: nothing to do); a
+    sharded placeholder (``sharded``) gets their configs as ``managed_collision_configs``
+    (``(tables, table -> (size, eviction, buckets), seed)``), which DistributedModelParallel turns
+    into this rank's zones (:mod:`dlrmctl.distributed.sharded_mc`).
 
     Raises:
-        ConfigError: managed-collision tables in a sharded run (one process only), or a feature
-            shared by a managed and an unmanaged table.
+        ConfigError: a feature shared by a managed and an unmanaged table.
     """
     from dlrmctl.config import managed_collision_tables, read_data_meta
 
     mc = managed_collision_tables(cfg, meta if meta is not None else read_data_meta(cfg))
     if not mc:
         return
-    if sharded:
-        raise ConfigError(f"model.managed_collision: managed-collision tables ({sorted(mc)}) train in one process; "
-                          "sharding them over ranks is not supported (run without --nproc / a launcher)")
     managed = [t for t in tables if t.name in mc]
     shared = {f for t in managed for f in t.feature_names} & {f for t in tables if t.name not in mc for f in t.feature_names}
     if shared:
         raise ConfigError(f"model.tables: feature(s) {sorted(shared)} feed a managed-collision table and another "
                           "table; a raw-id feature feeds managed-collision tables only")
+    configs = {n: (c.size, c.eviction, c.buckets) for n, c in mc.items()}
+    if sharded:
+        ebc.managed_collision_configs = (managed, configs, cfg.train.seed)
+        return
     from dlrmctl.modules.managed_collision import ManagedCollisionCollection
 
     dev = "cpu" if torch.device(device).type == "meta" else device
-    ebc.set_managed_collision(ManagedCollisionCollection(
-        managed, {n: (c.size, c.eviction, c.buckets) for n, c in mc.items()}, cfg.train.seed, dev))
+    ebc.set_managed_collision(ManagedCollisionCollection(managed, configs, cfg.train.seed, dev))
 
 
 def attach_eviction_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

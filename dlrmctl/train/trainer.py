@@ -163,8 +163,16 @@ class Trainer:
         from dlrmctl.distributed.model_parallel import DistributedModelParallel, describe_plan
         from dlrmctl.train.factory import embedding_optimizer_spec
 
+        from dlrmctl.config import check_managed_collision_sharding
+
+        check_managed_collision_sharding(self.cfg, self.meta, self.env.world_size)
         if plan is None:
             plan = resolve_plan(self.cfg, self.tables, self.env, self.meta)
+        mc = getattr(self.model.sparse_arch, "managed_collision_configs", None)
+        if mc is not None:  # managed-collision tables are sharded row_wise by zone, whatever the planner chose
+            from dlrmctl.distributed.sharded_mc import managed_collision_plan
+
+            plan = managed_collision_plan(plan, mc[0], self.cfg.model.compute_kernel)
         plan.validate(self.tables, self.env.world_size, where="sharding plan")
         self.plan = plan
         self.model = DistributedModelParallel(

@@ -490,10 +490,24 @@ class RowWiseLikeSharding(EmbeddingSharding):
             self._same_layout and env_backend(self.env) == "nccl" and self.sharding_type == ShardingType.ROW_WISE
         )
 
+    def set_raw_routing(self, routing: dict[str, tuple[int, int]]) -> None:
+        """Features of sharded managed-collision tables: ``feature -> (buckets, buckets per
+        rank)``; while :attr:`raw_ids` is set, their raw ids go unchanged to the rank owning their
+        zone (:mod:`dlrmctl.distributed.sharded_mc`), the others as usual."""
+        nb = [routing.get(f, (0, 1))[0] for f in self.features]
+        per = [routing.get(f, (0, 1))[1] for f in self.features]
+        self._raw_route = (torch.tensor(nb, dtype=torch.int64, device=self.device),
+                           torch.tensor(per, dtype=torch.int64, device=self.device))
+
+    #: route the managed features' raw ids by zone (training), else their rows as any row
+    raw_ids: bool = False
+    _raw_route: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def bucketize(
         self, kjt: KeyedJaggedTensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Route every id to the rank holding its row.
+        """Route every id to the rank holding its row (raw ids of managed-collision tables, while
+        :attr:`raw_ids`: to the rank owning their zone, unchanged).
 
         Returns:
             ``(lengths [W, F, B], local ids [N], weights [N] or None)`` with ids
@@ -503,6 +517,10 @@ class RowWiseLikeSharding(EmbeddingSharding):
         F, B = len(self.features), kjt.stride()
         values, lengths = kjt.values(), kjt.lengths()
         weights = kjt.weights_or_none() if self.is_weighted else None
+        if self.raw_ids and self._raw_route is not None:
+            new_lengths, local, order = bucketize_order(values, lengths, F, B, W, self._feat_base, self._shard_starts,
+                                                        self._shard_ranks, self._raw_route)
+            return new_lengths, local, None if weights is None else weights[order]
         if self._block_sizes is not None and HAS_BLOCK_BUCKETIZE and values.numel():
             # FBGEMM reads raw memory: views (e.g. a loader's column slice) must be made contiguous
             new_lengths, new_values, new_weights, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
@@ -613,9 +631,15 @@ def bucketize_torch(
 
 
 def bucketize_order(values: torch.Tensor, lengths: torch.Tensor, F: int, B: int, W: int, feat_base: torch.Tensor,
-                    shard_starts: torch.Tensor, shard_ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    shard_starts: torch.Tensor, shard_ranks: torch.Tensor,
+                    raw_route: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The core of the pure-torch bucketize (pooled :func:`bucketize_torch` and the sequence
     collection's): arguments as :func:`bucketize_torch`, without weights.
+
+    ``raw_route``: ``(buckets [F], buckets per rank [F])`` int64: a feature with ``buckets > 0``
+    holds raw ids of a sharded managed-collision table (:mod:`dlrmctl.distributed.sharded_mc`),
+    each sent unchanged to the rank owning its zone, ``(id % buckets) // buckets per rank``.
 
     Returns:
         ``(lengths [W, F, B], local ids [N] grouped by destination rank, order [N] int64)``:
@@ -624,10 +648,19 @@ def bucketize_order(values: torch.Tensor, lengths: torch.Tensor, F: int, B: int,
     N = values.numel()
     dev = values.device
     bag = torch.repeat_interleave(torch.arange(F * B, device=dev), lengths, output_size=N)
-    key = feat_base[torch.div(bag, B, rounding_mode="floor")] + values if B else values
-    shard = torch.searchsorted(shard_starts, key, right=True) - 1
-    dest = shard_ranks[shard]
-    local = key - shard_starts[shard]
+    if raw_route is None:
+        key = feat_base[torch.div(bag, B, rounding_mode="floor")] + values if B else values
+        shard = torch.searchsorted(shard_starts, key, right=True) - 1
+        dest = shard_ranks[shard]
+        local = key - shard_starts[shard]
+    else:
+        feat = torch.div(bag, max(B, 1), rounding_mode="floor")
+        nb, per = raw_route[0][feat], raw_route[1][feat]
+        raw = nb > 0
+        key = feat_base[feat] + torch.where(raw, 0, values)  # raw ids stay out of the row arithmetic
+        shard = torch.searchsorted(shard_starts, key, right=True) - 1
+        dest = torch.where(raw, torch.remainder(values, nb.clamp(min=1)) // per, shard_ranks[shard])
+        local = torch.where(raw, values, key - shard_starts[shard])
     order = torch.argsort(dest, stable=True)
     # scatter-add into a buffer of known size (bincount would read the max id back to the host on CUDA)
     new_lengths = torch.zeros(W * F * B, dtype=lengths.dtype, device=dev)

@@ -229,13 +229,26 @@ def dense_state_dict(model: TrainModel) -> dict[str, torch.Tensor]:
     return {k: v for k, v in _unwrap(model).state_dict().items() if not k.startswith("sparse_arch.")}
 
 
-def managed_collision_state(model: TrainModel) -> dict[str, torch.Tensor]:
-    """The remappers of the managed-collision tables as ``mc/<table>.<buffer>`` entries (live
-    buffers: a load writes into them); empty without managed-collision tables."""
-    mc = getattr(_unwrap(model).sparse_arch, "managed_collision", None)
+def _managed_collision(model: TrainModel) -> Any:
+    return getattr(_unwrap(model).sparse_arch, "managed_collision", None)
+
+
+def managed_collision_state(model: TrainModel) -> dict[str, Any]:
+    """The remappers of the managed-collision tables as ``mc/<table>.<buffer>`` entries, as one
+    process writes them whatever the sharding (a sharded model's zones give their row blocks and
+    the gathered lookup: collective, see :mod:`dlrmctl.distributed.sharded_mc`); empty without
+    managed-collision tables."""
+    mc = _managed_collision(model)
+    return {} if mc is None else mc.checkpoint_state()
+
+
+def managed_collision_load_request(model: TrainModel) -> tuple[dict[str, Any], set[str], Any]:
+    """``(request, keys a checkpoint must hold, finish)`` for the remappers: the request's live
+    buffers (or zone blocks) are filled by the load, then ``finish()`` rebuilds what is derived."""
+    mc = _managed_collision(model)
     if mc is None:
-        return {}
-    return {f"mc/{k[len('remappers.'):]}": v for k, v in mc.state_dict(keep_vars=True).items()}
+        return {}, set(), lambda: None
+    return mc.load_request(), mc.checkpoint_keys(), mc.after_load
 
 
 def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], where: str) -> None:
@@ -310,12 +323,12 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
             f"unexpected {sorted(saved_dense - set(dense))}"
         )
     req.update({f"dense/{k}": v for k, v in dense.items()})
-    mc = managed_collision_state(model)
+    mc, mc_keys, mc_finish = managed_collision_load_request(model)
     saved_mc = {k for k in md.state_dict_metadata if k.startswith("mc/")}
-    if saved_mc != set(mc):
+    if saved_mc != mc_keys:
         raise CheckpointError(
-            f"{path}: managed-collision remappers do not match the model: missing {sorted(set(mc) - saved_mc)}, "
-            f"unexpected {sorted(saved_mc - set(mc))}")
+            f"{path}: managed-collision remappers do not match the model: missing {sorted(mc_keys - saved_mc)}, "
+            f"unexpected {sorted(saved_mc - mc_keys)}")
     req.update(mc)
     opt_req, opt_token = optimizers.load_request(md)
     req.update(opt_req)
@@ -323,6 +336,7 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     req.update({k: None for k in ("meta/trainer", f"rank/{src_rank}")})
     load_checkpoint(path, req, process_group, world_size, meta, metadata=md)
     finish()
+    mc_finish()
     per_rank = unpack(req[f"rank/{src_rank}"], f"rank/{src_rank}")
     trainer = unpack(req["meta/trainer"], "meta/trainer")
     same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())

@@ -1,0 +1,120 @@
+"""Managed-collision tables sharded row_wise by zone over 2 and 4 gloo ranks train as one process:
+the same losses (to fp32 rounding: partial sums are added across ranks), exactly the same remapper
+state in the checkpoint, and the same evaluation (misses included); unsupported layouts are
+refused before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dlrmctl.cli import app
+from dlrmctl.config import load_config
+from dlrmctl.distributed.env import RunEnv
+from dlrmctl.train.trainer import Trainer
+from tests.conftest import REPO
+from tests.dist_utils import run_multiprocess
+
+runner = CliRunner()
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def raw_data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mc_sharded")
+    rng = np.random.default_rng(1)
+    lines = []
+    for _ in range(700):
+        cats = ["%08x" % (int(rng.zipf(1.1)) * 2654435761 % 2**32) for _ in range(26)]
+        dense = [str(int(x)) for x in rng.integers(0, 20, 13)]
+        lines.append("\t".join([str(int(rng.integers(2)))] + dense + cats))
+    (d / "t.tsv").write_text("\n".join(lines) + "\n")
+    r = runner.invoke(app, ["preprocess", "criteo", "-i", str(d / "t.tsv"), "-o", str(d / "data"), "--raw-ids",
+                            "--val-ratio", "0.15", "-q"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return str(d / "data")
+
+
+def _overrides(data, run_root, name, kernel, optimizer="exact_rowwise_adagrad"):
+    return [f"data.path={data}", f"train.run_dir={run_root}", f"name={name}", "data.batch_size=32",
+            "model.embedding_dim=8", "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[8, 1]",
+            "model.dropout=0", "model.managed_collision.size=128", "model.managed_collision.buckets=4",
+            "model.managed_collision.eviction=lru", f"model.compute_kernel={kernel}",
+            f"optimizer.embedding.type={optimizer}", "train.log_every=1", f"train.checkpoint_every={STEPS}",
+            "train.eval_every=0", "train.progress=false", f"train.max_steps={STEPS}",
+            "train.early_stopping_patience=0"]
+
+
+def _run(env, data, run_root, name, kernel):
+    cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(data, run_root, name, kernel))
+    renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
+    run = os.path.join(run_root, name)
+    if renv.is_main:
+        os.makedirs(run, exist_ok=True)
+    t = Trainer(cfg, renv, run)
+    plan = None if t.plan is None else {n: (ps.sharding_type.value, [m.to_dict() for m in ps.shards])
+                                        for n, ps in t.plan.plan.items()}
+    out = t.train()
+    if not renv.is_main:
+        return None
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        losses = [r["loss"] for r in map(json.loads, f) if r["kind"] == "train"]
+    return plan, losses, out["final"]
+
+
+def _mc_state(run):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    p = os.path.join(run, "checkpoints", f"step_{STEPS:08d}")
+    md = FileSystemReader(p).read_metadata()
+    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
+          if k.startswith("mc/")}
+    dcp.load(sd, checkpoint_id=p)
+    return sd
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_row_wise_managed_collision_on_2_and_4_ranks_equals_one_process(raw_data, tmp_path, kernel):
+    from dlrmctl import HAS_FBGEMM
+
+    if kernel == "fused" and not HAS_FBGEMM:
+        pytest.skip("fbgemm_gpu is not installed")
+    _, single, final1 = _run(None, raw_data, str(tmp_path), "one", kernel)
+    ref = _mc_state(tmp_path / "one")
+    assert ref and len(single) == STEPS
+    held = int((ref["mc/t_C1.row_ids"][:128] != (1 << 63) - 1).sum())
+    assert held == 128  # the table filled up: later steps evicted
+    for world in (2, 4):
+        plan, losses, final = run_multiprocess(_run, world, raw_data, str(tmp_path), f"w{world}", kernel,
+                                               timeout_s=400)[0]
+        st, shards = plan["t_C1"]
+        assert st == "row_wise" and [s["offsets"][0] for s in shards] == [r * 128 // world for r in range(world)]
+        diffs = [abs(a - b) for a, b in zip(single, losses)]
+        assert len(losses) == STEPS and max(diffs) < 1e-5, (world, diffs)
+        got = _mc_state(tmp_path / f"w{world}")
+        assert set(got) == set(ref)
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (world, k)
+        assert final["num_samples"] == final1["num_samples"]
+        assert abs(final["logloss"] - final1["logloss"]) < 1e-5, (world, final, final1)
+
+
+def test_a_managed_collision_table_given_another_sharding_or_buckets_not_a_multiple_of_the_ranks_is_refused_before_launch(
+        raw_data, tmp_path):
+    base = ["train", str(REPO / "configs" / "demo.yaml"), "--nproc", "2"]
+    ov = _overrides(raw_data, tmp_path, "x", "dense")
+    sets = [a for o in ov for a in ("--set", o)]
+    r = runner.invoke(app, base + sets + ["--set", "sharding.tables={t_C3: {sharding_type: table_wise}}"])
+    assert r.exit_code == 2 and "sharding.tables.t_C3.sharding_type" in r.output and "row_wise" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
+    r = runner.invoke(app, base + sets + ["--set", "model.managed_collision.buckets=1"])
+    assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 2" in r.output, r.output
+    assert not os.path.exists(tmp_path / "x" / "logs")
