@@ -53,7 +53,14 @@ class _Group(TyperGroup):
     option value, an unknown option or command, a missing argument, ``typer.BadParameter`` from a
     command) is ONE line too, ``error: <command>: <message> (see <command> --help)``, exit code 2.
     A SIGTERM ends a verb as a Ctrl-C does (``interrupted``, exit code 143), except the verbs of
-    :data:`OWN_SIGTERM`."""
+    :data:`OWN_SIGTERM`.  ``--help`` of every verb has Click's plain layout
+    (:func:`dlrmctl.commands._help.plain_help`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        from dlrmctl.commands._help import plain_help
+
+        super().__init__(*args, **kwargs)
+        plain_help(self)
 
     def invoke(self, ctx):  # noqa: D102
         from typer import _click

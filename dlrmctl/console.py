@@ -6,6 +6,9 @@ for ``--help`` and configuration errors):
 * :func:`echo` prints a message.  While a progress bar is open on the terminal the
   message goes *above* the bar (``tqdm.write``), never into the middle of it.
   Logging records (:func:`setup_logging`) take the same route.
+* :func:`stage` names a long step of a verb that has no units to count (tracing, compiling) as
+  one line with the seconds since the verb began, ``[export] 3.1 s tracing the program``, while
+  :func:`stages` is on (a command turns it on; library calls print nothing).
 * :class:`Progress` is a bar on a terminal (tqdm, on stderr) and, without a
   terminal (a log file, a pipe, the ranks of ``--nproc`` runs), one line on
   stdout every ``every_s`` seconds (``train.progress_every_s``) plus a last line
@@ -15,11 +18,13 @@ for ``--help`` and configuration errors):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 #: tqdm bars open right now (messages must be written above them)
 _BARS: list[Any] = []
@@ -35,6 +40,29 @@ def echo(msg: str, err: bool = False) -> None:
         stream.flush()
     else:
         print(msg, file=stream, flush=True)
+
+
+#: the verb whose stage lines are on and when it began (:func:`stages`)
+_STAGES: contextvars.ContextVar[tuple[str, float] | None] = contextvars.ContextVar("dlrmctl_stages", default=None)
+
+
+@contextlib.contextmanager
+def stages(verb: str) -> Iterator[None]:
+    """Turn on :func:`stage` lines for ``verb`` (``"export"``) while the block runs; the seconds
+    they show are counted from here."""
+    token = _STAGES.set((verb, time.monotonic()))
+    try:
+        yield
+    finally:
+        _STAGES.reset(token)
+
+
+def stage(what: str) -> None:
+    """Announce a step as it begins: ``[<verb>] <seconds since the verb began> s <what>`` on stdout
+    (:func:`echo`), so a step that takes minutes is never silent; nothing unless :func:`stages` is on."""
+    cur = _STAGES.get()
+    if cur is not None:
+        echo(f"[{cur[0]}] {time.monotonic() - cur[1]:.1f} s {what}")
 
 
 class ConsoleHandler(logging.Handler):

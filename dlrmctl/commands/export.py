@@ -49,16 +49,20 @@ def export_command(
             fail(f"{target} is a training run directory, not an export; --out another directory "
                   "(--force never replaces a run)")
         fail(f"{target} already exists; pass --force to replace it or --out another directory")
-    from dlrmctl.inference.export import export_run
+    from dlrmctl.console import stage, stages
 
-    try:
-        res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force,
-                         checkpoint=checkpoint, artifact="torchscript" if torchscript else "pt2", aot=aot,
-                         parity_split=parity_split)
-    except RuntimeError as e:  # fbgemm_gpu missing (user errors: dlrmctl.cli reports them)
-        if isinstance(e, UserError):
-            raise
-        fail(str(e))
+    with stages("export"):  # a line per step with its start time: tracing and --aot's compile take minutes
+        from dlrmctl.inference.export import export_run
+
+        try:
+            res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force,
+                             checkpoint=checkpoint, artifact="torchscript" if torchscript else "pt2", aot=aot,
+                             parity_split=parity_split)
+            stage("done")
+        except RuntimeError as e:  # fbgemm_gpu missing (user errors: dlrmctl.cli reports them)
+            if isinstance(e, UserError):
+                raise
+            fail(str(e))
     from dlrmctl.commands._common import show_path
 
     m = res.manifest
@@ -117,6 +121,9 @@ def predict_command(
 
         outputs.check_file_replaceable(output, "scores CSV", outputs.is_scores_csv, force=force, option="--output",
                                        inputs=(input,))
+    from dlrmctl.inference.raw_input import check_predict_input
+
+    check_predict_input(model_dir, input)  # the input's kind and first line, before torch and the model load
     from dlrmctl.inference.formats import resolve_device
     from dlrmctl.inference.predict import predict_file
 

@@ -99,6 +99,7 @@ import torch
 from torch import nn
 
 from dlrmctl import outputs
+from dlrmctl.console import stage
 from dlrmctl.errors import UserError
 from dlrmctl.inference.quantize import (
     EMBEDDING_DTYPES,
@@ -609,6 +610,7 @@ def export_model(
     lookup_rows = [t.num_embeddings for t in tables for _ in t.feature_names]
     lookup_mean = [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names]
     lookup_tables = [t.name for t in tables for _ in t.feature_names]
+    stage(f"reading and quantizing {len(tables)} tables to {embedding_dtype}")
     if artifact == "pt2":
         from dlrmctl.inference.program import InferenceProgram, export_program
 
@@ -625,6 +627,7 @@ def export_model(
             part, feature_names, num_dense, policy, [f in wf for f in feature_names],
             _multi_hot_tables(multi_hot, data_meta, feature_names),
             remap=None if mc is None else mc.inference_remap(feature_names))
+        stage("tracing the program (torch.export)")
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -656,6 +659,7 @@ def export_model(
             tbe, traced, feature_names, lookup_rows, lookup_pdims, lookup_mean, num_dense, lookup_src,
             lookup_tables, policy, [f in wf for f in feature_names], keep,
         ).eval()
+        stage("scripting the module (TorchScript)")
         with _quiet_jit():
             saved = torch.jit.script(module)
         stored = tbe_storage_bytes(tbe)
@@ -834,6 +838,7 @@ def _write_artifact(out: Path, force: bool, meta: dict | None, data_dir: Any, ma
             }
         buf = io.BytesIO()  # serialised in memory: TorchScript's C++ writer aborts the process on a full disk
         model_file = manifest["model_file"]
+        stage(f"writing {model_file}")
         if manifest["artifact"] == "pt2":
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -852,10 +857,12 @@ def _write_artifact(out: Path, force: bool, meta: dict | None, data_dir: Any, ma
         del data, buf
         manifest["aoti_package"] = None
         if aot:
+            stage(f"compiling the AOTInductor package {AOTI_FILE} (C++; minutes on a loaded machine)")
             _compile_aoti(saved, tmp / AOTI_FILE)
             manifest["aoti_package"] = AOTI_FILE
             manifest["files"][AOTI_FILE] = {"bytes": (tmp / AOTI_FILE).stat().st_size, "sha256": _sha256(tmp / AOTI_FILE)}
         if parity is not None:
+            stage("parity report: latency, then the artifact against the float model")
             _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())
             manifest["parity"] = parity(load_exported(tmp, artifact=manifest["artifact"]))
         _write_bytes(tmp / MANIFEST_FILE, (json.dumps(manifest, indent=2, default=str) + "\n").encode())

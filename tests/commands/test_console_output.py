@@ -74,3 +74,27 @@ def test_epochs_are_numbered_from_1_everywhere(small_data, tmp_path):
     assert {rec["epoch"] for rec in recs if rec["kind"] == "eval"} == {1, 2}
     rep = CliRunner().invoke(app, ["report", str(tmp_path / "ep"), "--no-plots"], catch_exceptions=False)
     assert f"| {steps} | 1 |" in rep.output and f"| {2 * steps} | 2 |" in rep.output
+
+
+def test_export_says_each_step_with_its_elapsed_seconds_before_its_summary(small_data, tmp_path, capsys):
+    """`export` is never silent for the minutes tracing and --aot's compile take: a line per step,
+    ``[export] <seconds> s <step>``, in order, the seconds never decreasing, then the summary."""
+    run = ["train", "configs/demo.yaml", "--set", f"data.path={small_data}", "--set", f"train.run_dir={tmp_path}",
+           "--set", "name=x", "--set", "train.max_steps=2", "--set", "data.batch_size=600",
+           "--set", "train.progress=false", "--set", "model.compute_kernel=dense"]
+    r = CliRunner().invoke(app, run, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "x"), "--fp32", "--out", str(tmp_path / "m")],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    staged = [m for m in (re.fullmatch(r"\[export\] (\d+\.\d) s (.+)", line) for line in lines) if m]
+    assert [m[2].split(" (")[0] for m in staged] == [
+        "reading and quantizing 26 tables to fp32", "tracing the program", "writing model.pt2",
+        "parity report: latency, then the artifact against the float model", "done"], lines
+    secs = [float(m[1]) for m in staged]
+    assert secs == sorted(secs), secs
+    assert lines.index(staged[-1][0]) + 1 == next(i for i, line in enumerate(lines) if line.startswith("exported "))
+    capsys.readouterr()
+    console.stage("not shown")  # outside a verb's stages (a library call): nothing
+    assert capsys.readouterr().out == ""

@@ -168,3 +168,124 @@ def test_every_option_of_every_verb_has_help_text_and_no_raw_rst_markup():
                 assert (p.help or "").strip(), (path, p.opts)
                 assert "``" not in p.help, (path, p.opts, p.help)
     assert seen > 50
+
+
+def _fake_export(d, preprocessing):
+    """An export directory holding only its manifest: the input checks must answer without loading
+    (or even finding) the model."""
+    import json
+
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps({"format_version": 1, "preprocessing": preprocessing}))
+    return d
+
+
+def test_predict_on_an_input_of_the_wrong_kind_fails_in_one_line_before_torch(tmp_path):
+    """A directory, an empty file, a Parquet or gzip file given as raw TSV, rows with another field
+    count: one error line naming the file (and line), before torch is imported or the model loaded."""
+    import gzip
+
+    model = _fake_export(tmp_path / "m", {"dataset": "criteo"})
+    good_row = "\t".join(["1"] + ["2"] * 13 + ["68fd1e64"] * 26) + "\n"
+    files = {
+        "parquet.tsv": b"PAR1" + bytes(range(256)) * 4 + b"PAR1",
+        "gzipped.tsv": gzip.compress(good_row.encode()),
+        "nul.tsv": b"1\t2\x00\x00\x00\n",
+        "latin1.tsv": "1\t\xe9t\xe9\n".encode("latin-1"),
+        "short.tsv": ("1\t2\t3\n" + good_row).encode(),
+        "csv.tsv": good_row.replace("\t", ",").encode(),
+        "blank.tsv": b"\n\n  \n",
+        "empty.tsv": b"",
+    }
+    for name, body in files.items():
+        (tmp_path / name).write_bytes(body)
+    (tmp_path / "adir").mkdir()
+    cases = [("parquet.tsv", ":1: a Parquet file, not raw Criteo rows"),
+             ("gzipped.tsv", ":1: gzip-compressed data"),
+             ("nul.tsv", ":1: binary data (NUL bytes)"),
+             ("latin1.tsv", ":1: binary data (not UTF-8 text)"),
+             ("short.tsv", ":1: expected 40 or 39 tab-separated fields (label, 13 dense, 26 categorical; the label "
+                           "may be left out), got 3"),
+             ("csv.tsv", ":1: expected 40 or 39 tab-separated fields (label, 13 dense, 26 categorical; the label "
+                         "may be left out), got 1 (the line is comma-separated; Criteo rows are tab-separated)"),
+             ("blank.tsv", ": empty file: no lines to score"), ("empty.tsv", ": empty file: no lines to score"),
+             ("adir", ": is a directory"), ("missing.tsv", ": no such file")]
+    for name, what in cases:
+        p = _run("predict", str(model), "--input", str(tmp_path / name))
+        assert "EXIT 2 HEAVY -" in p.stderr, (name, p.stderr[-2000:])
+        lines = p.stderr.splitlines()
+        assert len(lines) == 2 and lines[0].startswith(f"error: {tmp_path / name}{what}"), (name, p.stderr)
+    # no model at all: named before the input is read
+    p = _run("predict", str(tmp_path / "nomodel"), "--input", str(tmp_path / "short.tsv"))
+    assert "EXIT 2 HEAVY -" in p.stderr and f"{tmp_path / 'nomodel' / 'manifest.json'}: not found" in p.stderr, p.stderr
+
+
+def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_path):
+    """A schema (logs) model: text given where Parquet is read, a header without a column the model
+    reads, a headerless row of the wrong width (naming the first missing column), a JSON line that
+    is not an object — each one line before torch; a good first line passes on to the model load."""
+    schema = {"name": "clicks", "format": None, "header": True, "label": {"column": "click"},
+              "dense": [{"name": "price"}], "categorical": [{"name": "site"}, {"name": "app"}], "ignore": ["id"]}
+    model = _fake_export(tmp_path / "m", {"dataset": "logs", "meta": {"schema": schema}})
+    headerless = dict(schema, header=False, format="csv", columns=["click", "price", "site", "app"])
+    bare = _fake_export(tmp_path / "bare", {"dataset": "logs", "meta": {"schema": headerless,
+                                                                      "input_columns": headerless["columns"]}})
+    (tmp_path / "rows.parquet").write_text("click,price,site,app\n1,2,a,b\n")
+    (tmp_path / "nosite.csv").write_text("click,price,app\n1,2,b\n")
+    (tmp_path / "extra.csv").write_text("click,price,site,app,color\n1,2,a,b,red\n")
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+    (tmp_path / "nosite.jsonl").write_text('{"price": 2, "app": "b"}\n')
+    (tmp_path / "two.csv").write_text("1,2\n")
+    cases = [(model, "rows.parquet", ": not a Parquet file (it starts as text)"),
+             (model, "nosite.csv", ":1: column 'site' the model reads is not in the file (its columns: click, price, "
+                                   "app; expected price, site, app)"),
+             (model, "extra.csv", ":1: column 'color' of the file is not named by the model's schema"),
+             (model, "list.jsonl", ":1: expected a JSON object per line, got a list"),
+             (model, "nosite.jsonl", ":1: column 'site' the model reads is not in the file"),
+             (bare, "two.csv", ":1: expected 4 CSV fields (click, price, site, app) or 3 without the label 'click', "
+                               "got 2 (the first missing: 'site')")]
+    for m, name, what in cases:
+        p = _run("predict", str(m), "--input", str(tmp_path / name))
+        assert "EXIT 2 HEAVY -" in p.stderr, (name, p.stderr[-2000:])
+        assert p.stderr.startswith(f"error: {tmp_path / name}{what}"), (name, p.stderr)
+    (tmp_path / "good.csv").write_text("click,price,site,app\n1,2,a,b\n")
+    p = _run("predict", str(model), "--input", str(tmp_path / "good.csv"))
+    assert "HEAVY -" not in p.stderr and "manifest" in p.stderr, p.stderr[-2000:]  # passed on to load_exported
+
+
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_every_verbs_help_reads_cleanly_at_any_width(columns):
+    """`--help` of every verb, rendered at 80 and 200 columns: no `<bool>` after a flag, no raw
+    double backticks, no option name cut short (`--multi-hot-distribu…`), arguments in the usage
+    line as CONFIG / [CONFIG] (never `{config}`), and every option of the verb named with its text."""
+    import re
+
+    import typer
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    root = typer.main.get_command(app)
+    paths = [()] + [path for path, _ in _commands(root)]
+    assert len(paths) > 20
+    for path in paths:
+        r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": columns, "TERMINAL_WIDTH": columns})
+        out = r.output
+        assert r.exit_code == 0, (path, out)
+        assert "<bool>" not in out and "``" not in out, (path, out)
+        assert not re.search(r"-[\w-]*(…|\.\.\.)(\s|$)", out), (path, out)
+        usage = out.split("\n\n", 1)[0]
+        assert "{" not in usage and re.match(r"Usage: \S+.* \[OPTIONS\]", usage), (path, usage)
+        cmd = root
+        for name in path:
+            cmd = cmd.commands[name]
+        for p in cmd.params:
+            if p.param_type_name == "argument":
+                assert re.search(rf"(^| )\[?{p.name.upper()}\]?( |$)", usage.replace("\n", " ")), (path, usage)
+            elif p.param_type_name == "option":
+                for opt in p.opts:  # listed whole, each at the start of its entry with its text after it
+                    line = next((ln for ln in out.splitlines() if re.match(rf"\s+(-\w, )?{re.escape(opt)}\b", ln)), None)
+                    assert line is not None, (path, opt, out)
+    # a flag's entry has no type; -v/--verbose has its text
+    out = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": columns}).output
+    assert re.search(r"^\s+-v, --verbose\s+dlrmctl's debug log lines", out, re.M), out

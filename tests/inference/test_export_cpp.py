@@ -175,8 +175,9 @@ def test_cpp_refuses_a_model_file_whose_bytes_differ_from_the_manifests_sha256(c
 
 
 @pytest.mark.slow
-def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
-    """export --aot: the AOTInductor package is hashed in the manifest, and the C++ example (picking
+def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path, capsys):
+    """export --aot: the compile is announced as a step, the AOTInductor package is hashed in the
+    manifest, and the C++ example (picking
     AOTIModelPackageLoader from the manifest, no fbgemm_gpu) scores batches of 1 and 257 like the
     Python torch.export program within 1e-5, rejecting an out-of-range id with the program's
     message; a plain .pt2 artifact (no package) is refused with the remedy."""
@@ -185,8 +186,13 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path):
     from dlrmctl.inference.export import ExportError, export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
+    from dlrmctl.console import stages
+
     model = _model()
-    export_model(model, tmp_path / "m", "int8", aot=True)  # one AOTInductor compile (tens of seconds)
+    with stages("export"):  # as the verb runs it: a line per step
+        export_model(model, tmp_path / "m", "int8", aot=True)  # one AOTInductor compile (tens of seconds)
+    steps = [line.split(" s ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[export] ")]
+    assert steps[-1].startswith("compiling the AOTInductor package model_aoti.pt2"), steps
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert man["aoti_package"] == "model_aoti.pt2" and set(man["files"]) == {"model.pt2", "model_aoti.pt2"}
     pkg = tmp_path / "m" / "model_aoti.pt2"

@@ -7,7 +7,16 @@ block), :mod:`.preprocess` (the passes and ``meta.json``), :mod:`.raw_transform`
 schema's format for ``predict`` and ``serve``).
 """
 
-from dlrmctl.data.logs.preprocess import LogOptions, preprocess_logs
 from dlrmctl.data.logs.schema import LogSchema, SchemaError, load_schema, parse_schema
+
+
+def __getattr__(name: str):
+    """``LogOptions`` and ``preprocess_logs`` imported on first use (the package's schema is read
+    without pyarrow, e.g. by ``predict``'s input check before anything slow is imported)."""
+    if name in ("LogOptions", "preprocess_logs"):
+        from dlrmctl.data.logs import preprocess
+
+        return getattr(preprocess, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["LogOptions", "LogSchema", "SchemaError", "load_schema", "parse_schema", "preprocess_logs"]
