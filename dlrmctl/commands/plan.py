@@ -233,9 +233,9 @@ def plan_command(
               else f"the visible GPU {gpu[2]}, which train.device {cfg.train.device} in {show_path(config)} trains on, "
                    f"with its {gpu[1]:.1f} GB" if gpu
               else f"sharding.device in {show_path(config)}")
-    # a preset is named once here ("Preset: h100 (--device): ..., device h100 (cuda)"); a topology file
-    # only inside describe() ("Topology (--topology): ..., topology FILE (calibrated cpu)")
-    echo(f"Topology ({origin}): {topo.describe()}" if topo_file else f"Preset: {preset} ({origin}): {topo.describe()}")
+    # where the hardware comes from, once ("Preset: h100 (--device)", "Topology (--topology): FILE"); what it
+    # is (ranks, memory, bandwidths) once too, in the report's first line ("Sharding plan: ... on <describe>")
+    echo(f"Topology ({origin}): {show_path(topo_file)}" if topo_file else f"Preset: {preset} ({origin})")
     text = res.report()
     echo(text.rstrip("\n"))
     res.plan.save(out)  # makes the plan's directory
