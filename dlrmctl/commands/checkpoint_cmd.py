@@ -13,7 +13,10 @@ the saved chunks) and write them, so no process ever holds more than its share
 (``--nproc 1``: one process, every table whole — that is what 1 process needs).
 
 The target plan is ``--plan`` (written by ``dlrmctl plan``), else the planner's
-plan for RUN's config on N ranks (none for N = 1).  Output: ``--out DIR`` (a new
+plan for RUN's config on N ranks (none for N = 1); managed-collision tables are laid out as
+training shards them, row_wise by zone (:mod:`dlrmctl.distributed.sharded_mc`; their ``mc/``
+remapper entries are the same at any world size and are copied), and a reshard to N ranks that
+cannot shard them (``buckets`` not a multiple of N) is refused before any rank starts.  Output: ``--out DIR`` (a new
 run directory: config, data meta, plan.yaml and the checkpoint), else a new
 checkpoint ``step_XXXXXXXX_wsN`` in RUN that becomes its ``LATEST``.
 
@@ -70,19 +73,28 @@ def _reshard_from(run_dir: str, src: str, nproc: int, plan_path: str | None, out
     meta = ckpt.load_checkpoint_meta(src)
     tables = [SimpleNamespace(name=n, num_embeddings=r, embedding_dim=d) for n, (r, d) in meta["tables"].items()]
     plan = None
-    if plan_path:
-        plan = ShardingPlan.load(plan_path)
-    elif nproc > 1:
-        from dlrmctl.config import config_from_dict
-        from dlrmctl.planner.planner import plan_for_config
-
+    cfg = dmeta = None
+    cpath = os.path.join(run_dir, "config.yaml")
+    if nproc > 1 and (not plan_path or os.path.isfile(cpath)):  # the run's config: planner, managed collision
+        from dlrmctl.config import check_managed_collision_sharding, config_from_dict, managed_collision_tables
         from dlrmctl.yaml_file import read_yaml
 
-        cpath = os.path.join(run_dir, "config.yaml")
         cfg = config_from_dict(read_yaml(cpath, ckpt.CheckpointError, "run's recorded config"), source=cpath)
         with open(os.path.join(run_dir, "data_meta.json")) as f:
             dmeta = json.load(f)
+        check_managed_collision_sharding(cfg, dmeta, nproc)  # before any rank starts
+    if plan_path:
+        plan = ShardingPlan.load(plan_path)
+    elif nproc > 1:
+        from dlrmctl.planner.planner import plan_for_config
+
         plan = plan_for_config(cfg, nproc, None, dmeta)
+    if plan is not None and cfg is not None:
+        managed = [t for t in tables if t.name in managed_collision_tables(cfg, dmeta)]
+        if managed:  # as training lays them out: row_wise by zone (dlrmctl.distributed.sharded_mc)
+            from dlrmctl.distributed.sharded_mc import managed_collision_plan
+
+            plan = managed_collision_plan(plan, managed, cfg.model.compute_kernel)
     if plan is not None:
         plan.validate(tables, nproc, where=plan_path or "plan")
     step = int(meta["step"])

@@ -40,23 +40,23 @@ def raw_data(tmp_path_factory):
     return str(d / "data")
 
 
-def _overrides(data, run_root, name, kernel, optimizer="exact_rowwise_adagrad"):
+def _overrides(data, run_root, name, kernel, optimizer="exact_rowwise_adagrad", steps=STEPS):
     return [f"data.path={data}", f"train.run_dir={run_root}", f"name={name}", "data.batch_size=32",
             "model.embedding_dim=8", "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[8, 1]",
             "model.dropout=0", "model.managed_collision.size=128", "model.managed_collision.buckets=4",
             "model.managed_collision.eviction=lru", f"model.compute_kernel={kernel}",
-            f"optimizer.embedding.type={optimizer}", "train.log_every=1", f"train.checkpoint_every={STEPS}",
-            "train.eval_every=0", "train.progress=false", f"train.max_steps={STEPS}",
+            f"optimizer.embedding.type={optimizer}", "train.log_every=1", f"train.checkpoint_every={steps}",
+            "train.eval_every=0", "train.progress=false", f"train.max_steps={steps}",
             "train.early_stopping_patience=0"]
 
 
-def _run(env, data, run_root, name, kernel):
-    cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(data, run_root, name, kernel))
+def _run(env, data, run_root, name, kernel, steps=STEPS, resume=False):
+    cfg = load_config(REPO / "configs" / "demo.yaml", _overrides(data, run_root, name, kernel, steps=steps))
     renv = RunEnv() if env is None else RunEnv(env.rank, env.world_size, env.local_world_size, env.device, env)
     run = os.path.join(run_root, name)
     if renv.is_main:
         os.makedirs(run, exist_ok=True)
-    t = Trainer(cfg, renv, run)
+    t = Trainer(cfg, renv, run, resume=resume)
     plan = None if t.plan is None else {n: (ps.sharding_type.value, [m.to_dict() for m in ps.shards])
                                         for n, ps in t.plan.plan.items()}
     out = t.train()
@@ -67,11 +67,17 @@ def _run(env, data, run_root, name, kernel):
     return plan, losses, out["final"]
 
 
-def _mc_state(run):
+def _train_cli(data, run_root, name, steps):
+    sets = [a for o in _overrides(data, run_root, name, "dense", steps=steps) for a in ("--set", o)]
+    r = runner.invoke(app, ["train", str(REPO / "configs" / "demo.yaml"), *sets], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+
+
+def _mc_state(run, name=f"step_{STEPS:08d}"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    p = os.path.join(run, "checkpoints", f"step_{STEPS:08d}")
+    p = os.path.join(run, "checkpoints", name)
     md = FileSystemReader(p).read_metadata()
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.state_dict_metadata.items()
           if k.startswith("mc/")}
@@ -118,3 +124,33 @@ def test_a_managed_collision_table_given_another_sharding_or_buckets_not_a_multi
     r = runner.invoke(app, base + sets + ["--set", "model.managed_collision.buckets=1"])
     assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 2" in r.output, r.output
     assert not os.path.exists(tmp_path / "x" / "logs")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_one_process_checkpoint_resharded_to_2_ranks_resumes_as_the_uninterrupted_run(raw_data, tmp_path):
+    """``checkpoint reshard --nproc 2`` lays the managed table out by zone and copies the remapper
+    entries; 2 ranks resuming from it continue exactly as one process that never stopped."""
+    _, single, _ = _run(None, raw_data, str(tmp_path), "one", "dense")
+    _train_cli(raw_data, tmp_path, "r", STEPS // 2)
+    r = runner.invoke(app, ["checkpoint", "reshard", str(tmp_path / "r"), "--nproc", "2"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    name = f"step_{STEPS // 2:08d}_ws2"
+    with open(tmp_path / "r" / "checkpoints" / name / "meta.json") as f:
+        shards = json.load(f)["plan"]["tables"]["t_C1"]["shards"]
+    assert [(s["rank"], s["offsets"][0], s["sizes"][0]) for s in shards] == [(0, 0, 64), (1, 64, 65)]
+    src = _mc_state(tmp_path / "r", f"step_{STEPS // 2:08d}")
+    moved = _mc_state(tmp_path / "r", name)
+    assert set(src) == set(moved) and all(torch.equal(src[k], moved[k]) for k in src)
+    _, losses, _ = run_multiprocess(_run, 2, raw_data, str(tmp_path), "r", "dense", STEPS, True, timeout_s=400)[0]
+    diffs = [abs(a - b) for a, b in zip(single, losses)]
+    assert len(losses) == STEPS and max(diffs) < 1e-5, diffs
+    ref, got = _mc_state(tmp_path / "one"), _mc_state(tmp_path / "r")
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_a_reshard_to_ranks_that_cannot_hold_the_managed_tables_is_one_line_naming_the_key(raw_data, tmp_path):
+    _train_cli(raw_data, tmp_path, "r", 2)
+    r = runner.invoke(app, ["checkpoint", "reshard", str(tmp_path / "r"), "--nproc", "3"])
+    assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 3" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
