@@ -8,8 +8,9 @@ A :class:`Dataset` names what the rest of the tool looks up by ``meta["dataset"]
 * its raw-row transform (``"module:Class"``): ``Class(meta, data_dir, source=...)`` applies the
   training transforms recorded in a ``meta.json`` (or an exported model's manifest) to raw rows:
   ``.file(path, batch_rows)`` yields and ``.lines(list of bytes, name)`` returns
-  ``(dense [n, D] float32, ids [n, S] int64, labels [n] float32 or None)``; ``predict`` and ``serve``
-  score raw rows through it (:func:`raw_transform_class`).  None: the dataset has no raw format to
+  ``(dense [n, D] float32, ids, labels [n] float32 or None)``, ``ids`` ``[n, S]`` int64 or
+  :class:`~dlrmctl.data.raw_rows.Bags` (multi-valued / weighted features); ``predict``, ``serve``
+  and the C++ input writer score raw rows through it (:func:`raw_transform_class`).  None: the dataset has no raw format to
   score (its rows exist only preprocessed).
 
 Nothing here imports a dataset's code; modules are imported when used.

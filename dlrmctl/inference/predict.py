@@ -9,11 +9,9 @@ Raw lines go through the *training* preprocessing, recorded in the artifact's ma
 Also the small binary format shared with the C++ example (``scripts/cpp_inference``):
 :func:`write_cpp_input` / :func:`read_cpp_output`.
 
-A model with weighted features (``manifest["weighted_features"]``) needs per-id weights, which
-raw Criteo lines do not carry: :func:`predict_file` refuses it (naming the features); score such
-a model with tensors (:meth:`~dlrmctl.inference.export.ExportedModel.score` /
-``score_kjt`` with ``weights``), on preprocessed data (``dlrmctl evaluate MODEL_DIR --data DIR``,
-whose loader reads the weight columns) or from C++ with a ``DLRMIN02`` input.
+A model with weighted features (``manifest["weighted_features"]``) needs per-id weights: raw rows
+of a schema with a weight column carry them (:class:`~dlrmctl.data.raw_rows.Bags`); raw rows
+without them (Criteo lines) are refused, naming the features.
 """
 
 from __future__ import annotations
@@ -24,13 +22,14 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import BinaryIO, Callable, Iterator, TextIO
 
 import numpy as np
 import torch
 
 from dlrmctl import outputs
 from dlrmctl.data.datasets import raw_transforms
+from dlrmctl.data.raw_rows import Bags
 from dlrmctl.inference.export import ExportError, ExportedModel, load_exported, to_host
 
 __all__ = [
@@ -38,6 +37,9 @@ __all__ = [
     "PredictReport",
     "predict_file",
     "raw_transformer",
+    "raw_weighted_features",
+    "iter_model_inputs",
+    "write_cpp_raw_input",
     "read_cpp_output",
     "to_model_inputs",
     "write_cpp_input",
@@ -54,35 +56,40 @@ _OUT_MAGIC = b"DLRMOUT1"
 
 # ----------------------------------------------------------------------------- tensors
 def to_model_inputs(
-    dense: np.ndarray, ids: np.ndarray, feature_order: list[str], data_features: list[str]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One-hot rows -> the scripted module's inputs.
+    dense: np.ndarray, ids: np.ndarray | Bags, feature_order: list[str], data_features: list[str],
+    weighted: list[str] | tuple = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A raw-row chunk -> the model's inputs (:func:`dlrmctl.data.raw_rows.model_inputs`).
 
     Args:
         dense: ``[n, D]`` float32 (transformed).
-        ids: ``[n, F_data]`` int64, one id per sparse feature in ``data_features`` order.
+        ids: ``[n, F_data]`` int64, one id per sparse feature in ``data_features`` order, or
+            :class:`~dlrmctl.data.raw_rows.Bags` (multi-valued / weighted features).
         feature_order: the model's sparse features (``manifest["sparse_features"]``).
-        data_features: column names of ``ids``.
+        data_features: feature names of ``ids``.
+        weighted: the model's weighted features (``manifest["weighted_features"]``).
 
     Returns:
-        ``dense [n, D]`` float32, ``values [F*n]`` int64 key-major, ``lengths [F*n]`` int64 (all 1).
+        ``dense [n, D]`` float32, ``values [N]`` int64 key-major, ``lengths [F*n]`` int64,
+        ``weights [N]`` float32 (None when ``weighted`` is empty).
 
     Raises:
-        ExportError: a model feature missing from the data.
+        ExportError: a model feature missing from the data, a weighted feature without weights.
     """
-    missing = [f for f in feature_order if f not in data_features]
-    if missing:
-        raise ExportError(f"the model needs sparse features {missing}, absent from the input (has {data_features})")
-    cols = [data_features.index(f) for f in feature_order]
-    n = ids.shape[0]
-    values = torch.from_numpy(np.ascontiguousarray(ids[:, cols].T).reshape(-1).astype(np.int64, copy=False))
-    lengths = torch.ones(len(feature_order) * n, dtype=torch.int64)
-    return torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), values, lengths
+    from dlrmctl.data.raw_rows import RawInputError, model_inputs
+
+    try:
+        values, lengths, weights = model_inputs(ids, data_features, feature_order, weighted)
+    except RawInputError as e:
+        raise ExportError(str(e)) from None
+    return (torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), torch.from_numpy(values),
+            torch.from_numpy(lengths.reshape(-1)), None if weights is None else torch.from_numpy(weights))
 
 
-def write_cpp_input(path: str | os.PathLike, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+def write_cpp_input(path: str | os.PathLike | BinaryIO, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                     weights: torch.Tensor | None = None) -> None:
-    """Write the C++ example's input (little-endian).
+    """Write the C++ example's input (little-endian) to ``path`` (a file name, or a binary file open
+    for writing).
 
     Without weights: ``"DLRMIN01"``, int64 ``B, D, N, FB``, float32 ``dense[B*D]``, int64
     ``values[N]``, int64 ``lengths[FB]``.  With ``weights [N]`` (a model with weighted features):
@@ -97,7 +104,7 @@ def write_cpp_input(path: str | os.PathLike, dense: torch.Tensor, values: torch.
     w = None if weights is None else weights.detach().cpu().to(torch.float32).contiguous().numpy()
     if w is not None and w.shape != v.shape:
         raise ValueError(f"weights must have one entry per value ({v.size}), got shape {tuple(w.shape)}")
-    with open(path, "wb") as f:
+    with open(path, "wb") if isinstance(path, (str, os.PathLike)) else contextlib.nullcontext(path) as f:
         f.write(_IN_MAGIC if w is None else _IN_MAGIC_WEIGHTED)
         f.write(struct.pack("<4q", d.shape[0], d.shape[1], v.size, ln.size))
         f.write(d.astype("<f4").tobytes())
@@ -181,6 +188,39 @@ def raw_transformer(model: ExportedModel) -> tuple[object, list[str]]:
                           f"vocabularies ({type(e).__name__}: {e}); export the run again") from None
 
 
+def raw_weighted_features(manifest: dict) -> set[str]:
+    """The features whose raw rows carry per-id weights: those with a weight column in the schema
+    recorded in ``manifest["preprocessing"]`` (a schema's log); empty for every other dataset."""
+    pre = manifest.get("preprocessing")
+    meta = pre.get("meta") if isinstance(pre, dict) else None
+    schema = meta.get("schema") if isinstance(meta, dict) else None
+    cats = schema.get("categorical") if isinstance(schema, dict) else None
+    return {c.get("name") for c in cats or [] if isinstance(c, dict) and c.get("weights")}
+
+
+def iter_model_inputs(
+    model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, np.ndarray | None]]:
+    """A raw file through the model's raw-row transformer (:func:`raw_transformer`), in file order:
+    yields ``(dense [n, D] float32, values [N] int64, lengths [F*n] int64, weights [N] float32 |
+    None, labels [n] float32 | None)``, the inputs of :meth:`ExportedModel.score`.
+
+    Raises:
+        ExportError: no preprocessing in the manifest, unsupported dataset, a model with weighted
+            features whose raw rows carry no per-id weights for them.
+        DataError: a malformed line (the preprocessing's message: file, line, field).
+    """
+    weighted = list(model.weighted_features)
+    if not set(weighted) <= raw_weighted_features(model.manifest):
+        raise ExportError(
+            f"{model.model_dir}: the model has weighted features {weighted} and needs per-id weights, which its "
+            "raw rows do not carry; score preprocessed data with weight columns (`dlrmctl evaluate MODEL_DIR "
+            "--data DIR`) or pass weights to ExportedModel.score / the C++ loader")
+    transformer, data_features = raw_transformer(model)
+    for dense, ids, labels in transformer.file(Path(input_path), batch_rows):
+        yield (*to_model_inputs(dense, ids, model.feature_names, data_features, weighted), labels)
+
+
 @torch.no_grad()
 def iter_scores(
     model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536, logits: bool = False
@@ -189,20 +229,45 @@ def iter_scores(
     with ``logits=True`` the logits ``[n]`` float32 instead of the scores (``sigmoid(logits)``).
 
     Raises:
-        ExportError: no preprocessing in the manifest, unsupported dataset, a model with weighted
-            features (raw lines carry no per-id weights).
-        DataError: a malformed line (the preprocessing's message: file, line, field).
+        ExportError, DataError: see :func:`iter_model_inputs`.
     """
-    if model.weighted_features:
-        raise ExportError(
-            f"{model.model_dir}: the model has weighted features {model.weighted_features} and needs per-id "
-            "weights, which raw log lines do not carry; score preprocessed data with weight columns "
-            "(`dlrmctl evaluate MODEL_DIR --data DIR`) or pass weights to ExportedModel.score / the C++ loader"
-        )
-    transformer, data_features = raw_transformer(model)
-    for dense, ids, labels in transformer.file(Path(input_path), batch_rows):
-        d, v, ln = to_model_inputs(dense, ids, model.feature_names, data_features)
-        yield to_host(model.logits(d, v, ln) if logits else model.score(d, v, ln)), labels
+    for d, v, ln, w, labels in iter_model_inputs(model, input_path, batch_rows):
+        yield to_host(model.logits(d, v, ln, w) if logits else model.score(d, v, ln, w)), labels
+
+
+def write_cpp_raw_input(model_dir: str | os.PathLike, input_path: str | os.PathLike,
+                        output: str | os.PathLike, batch_rows: int = 65536) -> int:
+    """Raw rows of a file -> the C++ example's input file (:func:`write_cpp_input`; ``DLRMIN02``
+    with the weights of a weighted model), through the same raw-row transformer as ``predict`` and
+    ``serve`` (:func:`iter_model_inputs`, read ``batch_rows`` at a time): one batch of every row,
+    written to a temp file and renamed.
+
+    Returns:
+        the rows written ``B``.
+
+    Raises:
+        ExportError, DataError: see :func:`iter_model_inputs`; DataError: no rows in the input.
+    """
+    from dlrmctl.data.columnar import DataError
+
+    model = load_exported(model_dir, "cpu")
+    parts = list(iter_model_inputs(model, input_path, batch_rows))
+    if not parts:
+        raise DataError("no rows to write", path=input_path)
+    F = len(model.feature_names)
+    dense = torch.cat([p[0] for p in parts])
+    # each part is key-major over its own rows: regroup feature by feature across the parts
+    lengths = torch.cat([p[2].view(F, -1) for p in parts], dim=1)
+    splits = [p[2].view(F, -1).sum(1).tolist() for p in parts]
+    vals = [torch.split(p[1], s) for p, s in zip(parts, splits)]
+    values = torch.cat([v[f] for f in range(F) for v in vals]) if F else torch.zeros(0, dtype=torch.int64)
+    weights = None
+    if parts[0][3] is not None:
+        ws = [torch.split(p[3], s) for p, s in zip(parts, splits)]
+        weights = torch.cat([w[f] for f in range(F) for w in ws])
+    with outputs.atomic_file(output, mode="wb") as f:
+        write_cpp_input(f, dense, values, lengths.reshape(-1), weights)
+    return int(dense.shape[0])
 
 
 def _is_empty(path: Path) -> bool:

@@ -7,7 +7,9 @@ with exactly the inputs it would have been trained on.  Rows come from a file in
 format (:meth:`~RawTransformer.file`), from text lines in memory (:meth:`~RawTransformer.lines`:
 CSV / TSV lines without a header, in the column order of the training input, or JSON objects) or
 from dicts keyed by column name (:meth:`~RawTransformer.records`).  The label, the time and ignored
-columns may be absent; with a label, its values are returned.
+columns may be absent; with a label, its values are returned.  A schema with multi-valued or
+weighted columns gives :class:`~dlrmctl.data.raw_rows.Bags` for the ids (bags cut to ``max_len``,
+the weight column's per-id weights), exactly as the preprocess writes them.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.logs.read import RowBatch, file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of
+from dlrmctl.data.raw_rows import Bags
 
 __all__ = ["RawTransformer"]
 
-Chunk = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]
+#: ``(dense [n, D] float32, ids [n, S] int64 or Bags, labels [n] float32 or None)``
+Chunk = tuple[np.ndarray, "np.ndarray | Bags", "np.ndarray | None"]
 
 
 class RawTransformer:
@@ -40,18 +44,15 @@ class RawTransformer:
         source: what the meta came from, for messages.
 
     Raises:
-        DataError: no schema in the meta, a multi-valued feature (raw rows give one id per feature
-            here), a missing vocabulary file.
+        DataError: no schema in the meta, a missing vocabulary file.
     """
 
     def __init__(self, meta: dict, data_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
         if not isinstance(meta.get("schema"), dict):
             raise DataError("no schema recorded in the data meta: raw rows cannot be transformed", path=source)
         self.schema = LogSchema.from_dict(meta["schema"])
-        multi = [c.name for c in self.schema.categorical if c.multi or c.weights]
-        if multi:
-            raise DataError(f"raw rows give one id per feature; multi-valued or weighted features {multi} are "
-                            "scored from preprocessed data (`dlrmctl evaluate MODEL --data DIR`)", path=source)
+        #: the ids come as Bags (a multi-valued or weighted column), not ``[n, S]``
+        self.bags = any(c.multi or c.weights for c in self.schema.categorical)
         dense = (meta.get("transforms") or {}).get("dense") or {}
         self.stats = {n: (float(t["mean"]), float(t["std"])) for n, t in dense.items() if "mean" in t}
         vf = meta.get("vocab_files") or {}
@@ -80,11 +81,17 @@ class RawTransformer:
             if n == 0:
                 continue
             dense = np.stack(dense_values(d, schema, self.stats), axis=1) if schema.dense else np.zeros((n, 0), np.float32)
-            ids = np.stack([ids_of(c, v, voc) for c, v, voc in zip(schema.categorical, d.categorical, self.vocabs)],
-                           axis=1) if schema.categorical else np.zeros((n, 0), np.int64)
+            per = [ids_of(c, v, voc) for c, v, voc in zip(schema.categorical, d.categorical, self.vocabs)]
+            if self.bags:
+                ids = Bags(per, np.stack([v.lengths if v.lengths is not None else np.ones(n, np.int64)
+                                          for v in d.categorical]).reshape(len(per), n),
+                           [v.weights for v in d.categorical])
+            else:
+                ids = np.stack(per, axis=1) if per else np.zeros((n, 0), np.int64)
             for s in range(0, n, batch_rows):
                 e = min(n, s + batch_rows)
-                yield dense[s:e], ids[s:e], (d.label[s:e] if d.label is not None else None)
+                part = ids.rows(s, e) if self.bags else ids[s:e]
+                yield dense[s:e], part, (d.label[s:e] if d.label is not None else None)
 
     def file(self, path: str | os.PathLike, batch_rows: int = 65536) -> Iterator[Chunk]:
         """A file in the schema's format -> chunks of at most ``batch_rows`` rows:
@@ -113,7 +120,8 @@ class RawTransformer:
             raise DataError(f"parsed {got} of {n} rows", path=name)
         if len(parts) == 1:
             return parts[0]
-        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+        ids = Bags.concat([p[1] for p in parts]) if self.bags else np.concatenate([p[1] for p in parts])
+        return (np.concatenate([p[0] for p in parts]), ids,
                 None if parts[0][2] is None else np.concatenate([p[2] for p in parts]))
 
     def lines(self, lines: list[bytes], name: str = "<lines>") -> Chunk:

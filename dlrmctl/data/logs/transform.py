@@ -2,7 +2,7 @@
 
 * label: the column read as a number and required to be 0 or 1, or the rule ``op value`` applied
   (``rating >= 4``); a missing or unparseable label is a bad row.
-* dense: a number (text is parsed; NaN / inf are refused, an empty field is missing); a missing
+* dense: a number (text is parsed; NaN / inf are refused, an empty field or string is missing); a missing
   value takes ``fill``; ``log1p``: ``log(max(x, 0) + 1)`` (DLRM reference ``data_utils.py``);
   ``standardize``: ``(x - mean) / std`` with the train split's mean and standard deviation
   (``std`` 0 -> 1); ``none``: ``x``.  float32.
@@ -107,10 +107,12 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         try:  # the common case: every value parses (NaN / inf are refused below)
             x = pc.cast(col, pa.float64())
-        except pa.ArrowInvalid:
-            ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER), True).to_numpy(zero_copy_only=False)
+        except pa.ArrowInvalid:  # an empty string (e.g. in Parquet, or a split text bag) is a missing value
+            empty = pc.fill_null(pc.equal(col, ""), False).to_numpy(zero_copy_only=False)
+            missing = missing | empty
+            ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER), True).to_numpy(zero_copy_only=False) | empty
             drop |= _bad(batch, ~ok & ~drop, name, what, col, on_bad_line)
-            x = pc.cast(pc.if_else(pa.array(ok), col, pa.scalar("0")), pa.float64())
+            x = pc.cast(pc.if_else(pa.array(ok & ~empty), col, pa.scalar("0")), pa.float64())
     elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t):
         x = pc.cast(col, pa.float64())
     else:
@@ -225,7 +227,8 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         wtab = RowBatch({spec.weights: wflat}, np.repeat(batch.keys[match], lengths[match]), batch.path,
                         batch.row_group, batch.group_start)
         wv, wmiss = _numbers(wtab, spec.weights, np.zeros(len(wflat), bool), "error", "a weight")
-        _bad(wtab, wmiss, spec.weights, "a weight", wflat, "error")
+        # an empty element's weight may be empty too (an empty bag written as "" with weights "")
+        _bad(wtab, wmiss & present[np.repeat(match, lengths)], spec.weights, "a weight", wflat, "error")
         weights = np.zeros(len(keys), np.float32)
         weights[np.repeat(match, lengths)] = wv
     row_of = np.repeat(np.arange(n), lengths)
@@ -247,6 +250,8 @@ def _as_list(batch: RowBatch, col, delimiter: str | None, name: str) -> pa.Array
     t = col.type
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return col
+    if pa.types.is_null(t):  # every value missing (e.g. JSON rows whose bags are all null): empty bags
+        return pa.nulls(len(col), pa.list_(pa.string()))
     if delimiter is not None and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)):
         return pc.split_pattern(pc.cast(col, pa.string()), delimiter)
     raise batch.error(0, name, f"a multi-valued column must be an Arrow list or text split at `multi.delimiter`, "

@@ -13,8 +13,8 @@ from typing import Any, Callable
 import numpy as np
 
 from dlrmctl.inference.serve.batcher import Batcher, Metrics, QueueFull
-from dlrmctl.inference.serve.protocol import (RAW_INPUT, VERSIONS, BadRequest, ModelSpec, decode_request, infer_response,
-                                              json_error, no_version)
+from dlrmctl.inference.serve.protocol import (RAW_INPUT, VERSIONS, BadRequest, ModelSpec, Rows, decode_request,
+                                              infer_response, json_error, no_version)
 
 log = logging.getLogger("dlrmctl.serve")
 
@@ -25,24 +25,25 @@ class RawTransform:
 
     Args:
         model: an :class:`~dlrmctl.inference.export.ExportedModel` whose spec has ``raw`` set.
-        spec: its :class:`ModelSpec` (the feature order of the ids returned).
+        spec: its :class:`ModelSpec` (the feature order and weighted features of the rows returned).
     """
 
     def __init__(self, model: Any, spec: ModelSpec) -> None:
         from dlrmctl.inference.predict import raw_transformer
 
         self._tr, self._data_features = raw_transformer(model)
-        df = self._data_features
-        self._cols = [df.index(f) for f in spec.features] if all(f in df for f in spec.features) else None
+        self._spec = spec
 
-    def __call__(self, lines: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        """``lines`` (``n`` raw lines) -> ``(dense [n, D] float32, ids [n, F] int64 in the model's feature order)``.
+    def __call__(self, lines: list[bytes]) -> Rows:
+        """``lines`` (``n`` raw lines) -> their :class:`Rows` in the model's feature order (bags of a
+        multi-valued column, per-id weights of a weighted one).
 
         Raises:
             BadRequest: a line the transform refuses (naming its element), or raw lines that lack
                 some of the model's features.
         """
         from dlrmctl.data.columnar import DataError
+        from dlrmctl.data.raw_rows import RawInputError, model_inputs
 
         try:
             dense, ids, _ = self._tr.lines(lines, RAW_INPUT)
@@ -52,9 +53,14 @@ class RawTransform:
                 msg = msg.removeprefix(pre)
             where = f" element {e.line - 1}" if e.line is not None else ""
             raise BadRequest(f"input '{RAW_INPUT}'{where}: {msg}") from None
-        if self._cols is None:
-            raise BadRequest(f"input '{RAW_INPUT}': the raw lines' features {self._data_features} lack some of the model's")
-        return dense, ids[:, self._cols]
+        spec = self._spec
+        try:
+            values, lengths, weights = model_inputs(ids, self._data_features, spec.features, spec.weighted)
+        except RawInputError as e:
+            raise BadRequest(f"input '{RAW_INPUT}': {e}") from None
+        counts = lengths.sum(axis=1)
+        n = dense.shape[0]
+        return Rows(dense, values, lengths, weights, None if (counts == n).all() else counts)
 
 
 async def _send(send: Callable, code: int, body: bytes, headers: list | None = None) -> None:

@@ -43,7 +43,8 @@ class ModelSpec:
         weighted: features whose ``f.weights`` input is required.
         rows: feature -> the smallest table row count it feeds (ids must be below it under ``error``).
         on_invalid_id: ``error`` (an id outside its table is a 400) or ``zero`` (dropped by the model).
-        raw: whether raw lines can be scored (the manifest records the preprocessing, no weighted features).
+        raw: whether raw lines can be scored (the manifest records the preprocessing, and its raw rows
+            carry per-id weights for every weighted feature).
         max_ids_per_row: ids a request may carry per row of ``dense`` on average, all features together
             (``--max-ids-per-row``): checked on the declared shapes before any data is parsed.
     """
@@ -83,7 +84,7 @@ class ModelSpec:
         return cls(name=name, num_dense=model.num_dense, features=list(model.feature_names),
                    weighted=list(model.weighted_features), rows=rows,
                    on_invalid_id=str(m.get("on_invalid_id", "error")),
-                   raw=_has_raw_transform(m) and not model.weighted_features, max_ids_per_row=max_ids_per_row)
+                   raw=_has_raw_transform(m, model.weighted_features), max_ids_per_row=max_ids_per_row)
 
     def metadata(self, platform: str) -> dict:
         """The ``GET /v2/models/{name}`` body (Open Inference Protocol model metadata)."""
@@ -126,14 +127,16 @@ def no_version(name: str, version: str) -> str:
     return f"model '{name}' has no version '{version}' here (versions served: {', '.join(VERSIONS)})"
 
 
-def _has_raw_transform(manifest: dict) -> bool:
+def _has_raw_transform(manifest: dict, weighted: list[str] | tuple = ()) -> bool:
     """Whether raw lines of the model's dataset can be preprocessed here (the ``raw`` input): a
     manifest with its training preprocessing, of a dataset :data:`~dlrmctl.inference.predict.RAW_TRANSFORMS`
-    knows (Criteo); a synthetic or MovieLens model is served from tensors only."""
-    from dlrmctl.inference.predict import RAW_TRANSFORMS
+    knows (Criteo, a schema's log), whose raw rows carry per-id weights for each of the ``weighted``
+    features (a schema's weight column); a synthetic or MovieLens model is served from tensors only."""
+    from dlrmctl.inference.predict import RAW_TRANSFORMS, raw_weighted_features
 
     pre = manifest.get("preprocessing")
-    return isinstance(pre, dict) and pre.get("dataset") in RAW_TRANSFORMS
+    return (isinstance(pre, dict) and pre.get("dataset") in RAW_TRANSFORMS
+            and set(weighted) <= raw_weighted_features(manifest))
 
 
 @dataclass
@@ -307,7 +310,7 @@ def _check_id_count(inputs: list, spec: ModelSpec) -> None:
 
 
 def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
-                   transform: Callable[[list[bytes]], tuple[np.ndarray, np.ndarray]] | None) -> tuple[Rows, dict]:
+                   transform: Callable[[list[bytes]], Rows] | None) -> tuple[Rows, dict]:
     """Decode and check one ``/infer`` body against the model's contract.
 
     The JSON header is parsed once; each binary tensor is a zero-copy view of the body; the ids of
@@ -317,8 +320,8 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         body: the HTTP body: JSON, or (``header_length`` given) a JSON header of that many bytes
             followed by the binary tensor data.
         spec: the model's contract.
-        transform: raw lines -> ``(dense [n, D] float32, ids [n, F] int64 in spec.features order)``
-            (None: the model cannot score raw lines).
+        transform: raw lines -> their :class:`Rows` in ``spec.features`` order (None: the model
+            cannot score raw lines).
 
     Returns:
         ``(rows, request JSON)``.
@@ -362,9 +365,7 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         if not lines:
             raise BadRequest(f"input '{RAW_INPUT}': no lines")
         assert transform is not None
-        dense, ids = transform(lines)
-        n = dense.shape[0]
-        return Rows(dense, np.ascontiguousarray(ids.T, np.int64).reshape(-1), np.ones((F, n), np.int64), None), req
+        return transform(lines), req
     if DENSE_INPUT not in got:
         raise BadRequest(f"input '{DENSE_INPUT}' (FP32 [B, {spec.num_dense}]) is missing"
                          + (f" (or send raw lines as '{RAW_INPUT}')" if spec.raw else ""))
