@@ -221,3 +221,20 @@ def test_a_full_disk_when_locking_the_run_names_the_file_and_leaves_nothing(tmp_
     monkeypatch.setattr(os, "pwrite", full)
     one_error_line(["train", _config(tmp_path, data)], str(tmp_path / "runs" / "b" / ".lock"), "no space left")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_line_longer_than_the_csv_block_is_named_or_skipped(tmp_path):
+    good = "\t".join(["1"] + ["1"] * 13 + ["68fd1e64"] * 26) + "\n"
+    f = tmp_path / "long.tsv"
+    f.write_text(good * 50 + "\t".join(["0"] + ["1"] * 13 + ["a" * (5 << 20)] + ["68fd1e64"] * 25) + "\n" + good * 50)
+    one_error_line(["preprocess", "criteo", "--input", f, "--out", tmp_path / "e", "-q"],
+                   f"{f}:51:", "a line of 4194304 bytes or more")
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    r = CliRunner().invoke(app, ["preprocess", "criteo", "--input", str(f), "--out", str(tmp_path / "s"),
+                                 "--on-bad-line", "skip", "--num-embeddings", "100", "-q"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((tmp_path / "s" / "meta.json").read_text())
+    assert meta["bad_lines_skipped"] == 1 and sum(s["rows"] for s in meta["splits"].values()) == 100

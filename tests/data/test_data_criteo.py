@@ -630,3 +630,18 @@ def test_vocabulary_resume_after_a_crash_in_either_pass_reparses_only_what_is_st
             assert (out / "parts" / f / f"{split}.arrow").read_bytes() == \
                 (ref2 / "parts" / f / f"{split}.arrow").read_bytes()
     assert not (out / ".decoded").exists()
+
+
+def test_a_line_longer_than_a_block_is_named_by_its_line_or_skipped_and_counted(tmp_path):
+    f = tmp_path / "long.tsv"
+    rows = [line(dense=[str(i)] * 13) for i in range(300)]
+    rows[120] = line(cats=["0" * 30_000] + ["00000001"] * 25)  # one field longer than the 20 kB block
+    f.write_text("".join(rows))
+    for mode, opts in (("hash", dict(num_embeddings=[10] * 26)), ("vocab", dict(frequency_threshold=1))):
+        with pytest.raises(DataError, match=r"long.tsv:121: a line of 20000 bytes or more"):
+            preprocess_criteo(f, tmp_path / f"e{mode}", CriteoOptions(**opts, block_size=20_000), progress=False)
+        rep = preprocess_criteo(f, tmp_path / f"s{mode}", CriteoOptions(**opts, block_size=20_000,
+                                                                       on_bad_line="skip"), progress=False)
+        assert rep.bad_lines == 1 and rep.rows["train"] == 299
+        kept = [i for i in range(300) if i != 120]
+        assert np.allclose(read_split(tmp_path / f"s{mode}", "train")["I1"], np.log1p(kept))

@@ -10,6 +10,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 
+from dlrmctl.data.columnar import DataError
 from dlrmctl.data.ids import hash_buckets, raw_id_of
 from dlrmctl.data.logs import LogOptions, SchemaError, load_schema, parse_schema, preprocess_logs
 from tests.conftest import one_error_line
@@ -309,3 +310,20 @@ def test_raw_rows_of_a_headerless_schema_score_with_or_without_the_label(tmp_pat
     np.testing.assert_array_equal(ids, i2)
     np.testing.assert_array_equal(dense, d2)
     assert ids[1, 0] == meta["sparse_features"][0]["oov_id"]
+
+
+def test_a_line_longer_than_a_block_is_named_by_its_line_or_skipped_and_counted(tmp_path):
+    rows = _rows(300)
+    rows[100] = rows[100].replace(",u", ",u" + "x" * 30_000)  # line 102 (after the header)
+    src = _csv(tmp_path / "log.csv", rows)
+    schema = load_schema(_schema(tmp_path))
+    with pytest.raises(DataError, match=r"log.csv:102: a line of 20000 bytes or more"):
+        preprocess_logs(schema, src, tmp_path / "e", LogOptions(block_size=20_000), progress=False)
+    rep = preprocess_logs(schema, src, tmp_path / "s", LogOptions(block_size=20_000, on_bad_line="skip"),
+                          progress=False)
+    assert rep.bad_lines == 1 and sum(rep.rows.values()) == 299
+    js = tmp_path / "log.jsonl"
+    js.write_text("".join(json.dumps(dict(zip("id,click,ts,price,age,user,site,item".split(","), r.split(","))))
+                          + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"log.jsonl:101: a line of 20000 bytes or more"):
+        preprocess_logs(schema, js, tmp_path / "j", LogOptions(block_size=20_000), progress=False)

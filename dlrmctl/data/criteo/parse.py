@@ -18,7 +18,7 @@ import io
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,7 @@ import pyarrow.csv as pa_csv
 
 from dlrmctl.data.columnar import LABEL_COLUMN, DataError, check_split_ratios
 from dlrmctl.data.ids import MISSING_RAW_ID, raw_ids
+from dlrmctl.data.long_lines import LineLimit, long_line_message
 
 if TYPE_CHECKING:
     from dlrmctl.data.criteo.vocab import VocabSet
@@ -334,11 +335,21 @@ class _Paced(io.RawIOBase):
         super().close()
 
 
-def paced_input(path: str | os.PathLike) -> pa.NativeFile:
+def paced_input(path: str | os.PathLike, block_size: int | None = None,
+                long_line: "Callable[[int], bytes] | None" = None) -> pa.NativeFile:
     """A text input for Arrow's CSV / JSON readers (decompressed by its name's suffix: ``.gz``,
     ``.bz2``, ``.zst``, ``.lz4``), read one block at a time as the parser asks (:class:`_Paced`):
-    memory does not grow with the file's size, and the blocks are those of reading the path."""
-    return pa.PythonFile(_Paced(pa.input_stream(os.fspath(path), compression="detect")), mode="r")
+    memory does not grow with the file's size, and the blocks are those of reading the path.
+
+    Given the reader's ``block_size`` and ``long_line``, a line of ``block_size`` bytes or more
+    (one Arrow cannot hold in a block) reaches the reader as ``long_line(line_number)``
+    (:class:`dlrmctl.data.long_lines.LineLimit`)."""
+    def open_input():
+        return pa.input_stream(os.fspath(path), compression="detect")
+
+    if block_size is not None and long_line is not None:
+        return pa.PythonFile(LineLimit(open_input, block_size, long_line), mode="r")
+    return pa.PythonFile(_Paced(open_input()), mode="r")
 
 
 def decode_error(path: Path, e: BaseException) -> "DataError":
@@ -461,9 +472,18 @@ class BlockReader:
         self.bad_lines = 0
         self._skipped: list[int] = []  # physical lines dropped by the parser (wrong field count)
         self._first_error: tuple[int, str] | None = None
+        self._long_lines: set[int] = set()  # physical lines too long for a block (read as bad rows)
+
+    def _long_line(self, line: int) -> bytes:
+        """What a line too long for a block reaches the parser as: a row of one field too many."""
+        self._long_lines.add(line)
+        return b"\t" * len(self.names)
 
     def _invalid_row(self, row) -> str:
-        msg = f"expected {len(self.names)} tab-separated fields, got {row.actual_columns}"
+        if row.number in self._long_lines:
+            msg = long_line_message(self.block_size)
+        else:
+            msg = f"expected {len(self.names)} tab-separated fields, got {row.actual_columns}"
         if self.on_bad_line == "error" and self._first_error is None:
             self._first_error = (row.number, msg)
         self._skipped.append(row.number)
@@ -496,7 +516,8 @@ class BlockReader:
         types = {n: (pa.binary() if n.startswith("C") else int_t) for n in self.names}
         try:
             reader = pa_csv.open_csv(
-                paced_input(self.path) if self.data is None else pa.BufferReader(self.data),
+                (paced_input(self.path, self.block_size, self._long_line) if self.data is None
+                 else pa.BufferReader(self.data)),
                 read_options=pa_csv.ReadOptions(column_names=self.names, use_threads=False,
                                                 block_size=self.block_size),
                 parse_options=pa_csv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False,

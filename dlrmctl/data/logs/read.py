@@ -16,7 +16,7 @@ import csv
 import dataclasses
 import io
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +24,7 @@ import pyarrow as pa
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
+from dlrmctl.data.long_lines import long_line_message
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batches"]
 
@@ -70,11 +71,13 @@ class RowBatch:
                                    keys=self.keys[keep])
 
 
-def _text_stream(path: str | os.PathLike, data: bytes | None):
-    """The bytes of a text input (decompressed by its name's suffix), read as the parser asks."""
+def _text_stream(path: str | os.PathLike, data: bytes | None, block_size: int | None = None,
+                 long_line: Callable[[int], bytes] | None = None):
+    """The bytes of a text input (decompressed by its name's suffix), read as the parser asks; a
+    line too long for a block of ``block_size`` bytes reaches it as ``long_line(line)``."""
     if data is not None:
         return pa.BufferReader(data)
-    return paced_input(path)
+    return paced_input(path, block_size, long_line)
 
 
 def first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
@@ -211,9 +214,12 @@ def _parquet(path: str | os.PathLike, used: list[str]) -> Iterator[RowBatch]:
 def _jsonl(path: str | os.PathLike, used: list[str], block_size: int, data: bytes | None) -> Iterator[RowBatch]:
     import pyarrow.json as pj
 
+    def long_line(ln: int) -> bytes:
+        raise DataError(long_line_message(block_size), path=path, line=ln)
+
     line = 1
     try:
-        reader = pj.open_json(_text_stream(path, data), read_options=pj.ReadOptions(use_threads=False,
+        reader = pj.open_json(_text_stream(path, data, block_size, long_line), read_options=pj.ReadOptions(use_threads=False,
                                                                                     block_size=block_size))
         for rb in reader:
             n = rb.num_rows
@@ -231,10 +237,16 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
 
     skipped: list[int] = []
     first_error: list[tuple[int, str]] = []
+    long_lines: set[int] = set()
+
+    def long_line(ln: int) -> bytes:  # a row of one field too many: reported or skipped by its line
+        long_lines.add(ln)
+        return _delimiter(schema, fmt).encode() * len(cols)
 
     def invalid(row) -> str:
         if on_bad_line == "error" and not first_error:
-            first_error.append((row.number, f"expected {len(cols)} {fmt.upper()} fields, got {row.actual_columns}"))
+            first_error.append((row.number, long_line_message(block_size) if row.number in long_lines else
+                                f"expected {len(cols)} {fmt.upper()} fields, got {row.actual_columns}"))
         skipped.append(row.number)
         return "skip"
 
@@ -245,7 +257,7 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
 
     try:
         reader = pa_csv.open_csv(
-            _text_stream(path, data),
+            _text_stream(path, data, block_size, long_line),
             read_options=pa_csv.ReadOptions(column_names=cols, skip_rows=1 if schema.header else 0,
                                             use_threads=False, block_size=block_size),
             parse_options=pa_csv.ParseOptions(delimiter=_delimiter(schema, fmt), ignore_empty_lines=False,
