@@ -35,6 +35,9 @@ def serve_command(
     processes: int = typer.Option(1, "--processes", help="server processes sharing the port (SO_REUSEPORT), each with "
                                                          "the model, its own queue and metrics; the kernel spreads "
                                                          "connections over them"),
+    max_restarts: int = typer.Option(3, "--max-restarts", help="with --processes: times a server process that exits "
+                                                               "is started again, all together; beyond, the server "
+                                                               "stops with an error (0: at the first exit)"),
     device: str = typer.Option("cpu", "--device", help="where the model runs: cpu, cuda[:i], or auto (cuda where "
                                                        "a GPU is visible, else cpu); requests are decoded on the "
                                                        "host, each batch moved once"),
@@ -51,6 +54,7 @@ def serve_command(
     check_number("--max-ids-per-row", max_ids_per_row, maximum=1 << 24, what="ids")
     check_number("--workers", workers, maximum=256, what="forward threads")
     check_number("--processes", processes, maximum=256, what="server processes")
+    check_number("--max-restarts", max_restarts, maximum=1000, positive=False, what="restarts")
     if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
         fail(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if name is not None:
@@ -102,7 +106,12 @@ def serve_command(
          f"(batches of <= {max_batch_rows:,} rows, waiting {wait}; queue {max_queue_rows:,} rows"
          f"{' per process' if processes > 1 else ''}; {procs}{workers} worker(s) x {threads} thread(s): {why}; "
          f"{where}HTTP {http} on {loop})")
-    stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, **options)
+    def respawn(k: int):
+        return start_processes(1, str(model_dir), served, host, addr[1], threads, options, first=k, total=processes,
+                               device=device)[0]
+
+    stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, respawn=respawn,
+                    max_restarts=max_restarts, **options)
     echo(f"stopped{f' ({stopped})' if stopped else ''}: every request received was answered")
 
 

@@ -608,3 +608,63 @@ def test_a_second_processes_server_cannot_share_a_port_in_use():
         bind("127.0.0.1", port, reuse_port=True, join=True).close()
     finally:
         first.close()
+
+
+def _child_pid(url: str, parent: int) -> int:
+    """The pid of a server process of `--processes 2` other than ``parent`` (from fresh connections'
+    dlrmctl_serve_process_info)."""
+    for _ in range(200):
+        try:
+            text = urllib.request.urlopen(f"http://{url}/metrics", timeout=10).read().decode()
+        except OSError:  # a connection the killed process had taken into its backlog
+            continue
+        pids = {int(x) for x in re.findall(r'dlrmctl_serve_process_info\{pid="(\d+)"', text)} - {parent}
+        if pids:
+            return pids.pop()
+    raise AssertionError("no other server process answered")
+
+
+def _ready(url: str) -> tuple[int, dict]:
+    """(status, body) of GET /v2/health/ready; (0, {}) for a connection the dead process had taken
+    into its backlog (reset)."""
+    try:
+        with urllib.request.urlopen(f"http://{url}/v2/health/ready", timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except OSError:
+        return 0, {}
+
+
+def test_a_dead_server_process_is_reported_restarted_and_readiness_says_so(model):
+    """--processes 2: a server process killed while serving is noticed at once (not at shutdown):
+    one line on stderr, readiness 503 with the reason until its restart listens, then 200 and a
+    new process on the port."""
+    with server(model, "--processes", "2", "--max-delay-ms", "0") as (url, p):
+        child = _child_pid(url, p.pid)
+        os.kill(child, signal.SIGKILL)
+        codes, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:
+            code, body = _ready(url)
+            codes.append(code)
+            if code == 503:
+                assert body["reason"] == "server dlrmctl-serve-process-2 was killed by SIGKILL", body
+            if code == 200 and 503 in codes:
+                break
+            time.sleep(0.05)
+        assert 503 in codes and codes[-1] == 200, codes
+        assert _child_pid(url, p.pid) != child
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        err = p.stderr.read()
+    assert ("warning: server dlrmctl-serve-process-2 was killed by SIGKILL; starting it again "
+            "(restart 1 of at most 3)") in err, err
+
+
+def test_a_server_process_that_exits_past_the_restarts_allowed_stops_the_server_in_one_line(model):
+    with server(model, "--processes", "2", "--max-restarts", "0") as (url, p):
+        os.kill(_child_pid(url, p.pid), signal.SIGKILL)
+        assert p.wait(60) == 2
+        err = p.stderr.read().strip()
+    assert err.splitlines() == ["error: server dlrmctl-serve-process-2 was killed by SIGKILL, after 0 restart(s) "
+                                "of the server processes; server stopped"], err

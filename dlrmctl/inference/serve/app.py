@@ -86,6 +86,8 @@ class App:
         spec, metrics: the same objects.
         batcher: the running :class:`~dlrmctl.inference.serve.batcher.Batcher` (None outside the lifespan).
         ready: whether the batcher takes requests (``/v2/health/ready``).
+        unready: why the server is not ready although its batcher is (another server process of
+            ``--processes`` exited and is being restarted), or None.
     """
 
     _PREFIX = "/v2/models/"
@@ -109,6 +111,7 @@ class App:
         self.transform = RawTransform(model, self.spec) if self.spec.raw else None
         self.batcher: Batcher | None = None
         self.ready = False
+        self.unready: str | None = None
         self._arriving = 0  # infer requests begun on the event loop and not yet queued or refused
         self._flush_due = False
         self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dlrmctl-serve-decode")
@@ -188,11 +191,19 @@ class App:
         """``GET /v2/health/live``."""
         return {"live": True}
 
-    async def health_ready(self):
-        """``GET /v2/health/ready``: 200 while the batcher takes requests, else 503."""
+    def _readiness(self, **fields):
         from fastapi.responses import JSONResponse
 
-        return JSONResponse({"ready": self.ready}, status_code=200 if self.ready else 503)
+        ok = self.ready and self.unready is None
+        body = {**fields, "ready": ok}
+        if self.unready is not None:
+            body["reason"] = self.unready
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def health_ready(self):
+        """``GET /v2/health/ready``: 200 while the batcher takes requests and every server process of
+        ``--processes`` runs, else 503 (with the ``reason`` where one is known)."""
+        return self._readiness()
 
     async def server_metadata(self):
         """``GET /v2``."""
@@ -221,12 +232,10 @@ class App:
 
     async def model_ready(self, model_name: str, version: str | None = None):
         """``GET /v2/models/{name}[/versions/{v}]/ready``."""
-        from fastapi.responses import JSONResponse
-
         msg = self._unknown(model_name, version)
         if msg:
             return self._error(404, msg)
-        return JSONResponse({"name": self.name, "ready": self.ready}, status_code=200 if self.ready else 503)
+        return self._readiness(name=self.name)
 
     async def prometheus(self):
         """``GET /metrics``: Prometheus text."""

@@ -4,13 +4,18 @@
 import os
 import signal
 import socket
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from dlrmctl.inference.serve.app import build_app
 from dlrmctl.inference.serve.protocol import ServeError
+
+#: restarts of the extra server processes (all together) before a server stops with an error
+MAX_RESTARTS = 3
+
 
 def http_stack() -> tuple[str, str]:
     """uvicorn's ``(http, loop)`` implementations: ``httptools`` and ``uvloop`` where importable
@@ -159,9 +164,93 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
     serve(model, name, sock, process=process, child=True, **options)
 
 
+def exit_description(code: int | None) -> str:
+    """``"was killed by SIGKILL"`` / ``"exited with code 3"`` for a process's exit code."""
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Watches the extra server processes of ``--processes`` from a thread of the first one.
+
+    A process that exits while the server runs is reported in one line on stderr, readiness
+    (``/v2/health/ready``) answers 503 with the reason until it serves again, and it is started
+    again (:func:`start_processes` through ``respawn``), at most ``max_restarts`` times in all; past
+    that, or when it cannot start, the server stops (``stop``) and :attr:`error` says why.
+
+    Args:
+        procs: the processes (replaced in place by their restarts), process ``i`` numbered ``i + 2``.
+        respawn: starts process number ``k`` again and returns it (returns once it listens).
+        app: the first process's :class:`~dlrmctl.inference.serve.app.App` (its ``unready``).
+        stop: asks the first process's server to stop.
+        poll_s: the longest a death goes unnoticed (seconds).
+    """
+
+    def __init__(self, procs: list, respawn: Callable[[int], Any], app: Any, stop: Callable[[], None],
+                 max_restarts: int = MAX_RESTARTS, poll_s: float = 0.5) -> None:
+        self.procs, self._respawn, self._app, self._stop = procs, respawn, app, stop
+        self.max_restarts, self._poll_s = max_restarts, poll_s
+        self.restarts = 0
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlrmctl-serve-supervisor", daemon=True)
+
+    def start(self) -> "Supervisor":
+        self._thread.start()
+        return self
+
+    def quit(self) -> None:
+        """Stop watching, without waiting (the server is stopping: its processes are about to exit)."""
+        self._done.set()
+
+    def stop(self) -> None:
+        """:meth:`quit`, then wait for a restart under way (whose process is then stopped)."""
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        from multiprocessing.connection import wait
+
+        from dlrmctl.console import echo
+
+        while not self._done.is_set():
+            wait([p.sentinel for p in self.procs], timeout=self._poll_s)
+            if self._done.is_set():
+                return
+            for i, p in enumerate(self.procs):
+                if p.is_alive() or self._done.is_set():
+                    continue
+                why = f"server {p.name} {exit_description(p.exitcode)}"
+                self._app.unready = why
+                if self.restarts >= self.max_restarts:
+                    self.error = f"{why}, after {self.restarts} restart(s) of the server processes; server stopped"
+                    self._stop()
+                    return
+                self.restarts += 1
+                echo(f"warning: {why}; starting it again (restart {self.restarts} of at most {self.max_restarts})",
+                     err=True)
+                try:
+                    new = self._respawn(i + 2)
+                except ServeError as e:
+                    self.error = f"{why} and could not start again: {e}; server stopped"
+                    self._stop()
+                    return
+                self.procs[i] = new
+                if self._done.is_set():  # the server stopped while it started
+                    stop_processes([new])
+                    return
+                self._app.unready = None
+                echo(f"server {new.name} serves again", err=True)
+
+
 def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
           workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False,
-          max_request_mb: float = 64.0, min_delay_ms: float = 0.0, max_ids_per_row: int = 1024) -> str | None:
+          max_request_mb: float = 64.0, min_delay_ms: float = 0.0, max_ids_per_row: int = 1024,
+          respawn: Callable[[int], Any] | None = None, max_restarts: int = MAX_RESTARTS) -> str | None:
     """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
     backlog) until SIGTERM / SIGINT; every request received is answered first.
 
@@ -171,12 +260,15 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
             this one is asked to stop (each drains its own requests), waited for before returning.
         child: one of ``others`` of another process: SIGINT (Ctrl-C reaches the whole process group)
             does not stop it, its parent sends SIGTERM; a SIGTERM after it stopped is ignored.
+        respawn: starts process number ``k`` of ``others`` again (:class:`Supervisor`, at most
+            ``max_restarts`` times); None: a process of ``others`` that exits is not watched.
 
     Returns:
         the name of the signal that stopped it (``SIGTERM``), or None.
 
     Raises:
-        ServeError: one of ``others`` did not exit cleanly (some of its requests may be unanswered).
+        ServeError: one of ``others`` did not exit cleanly (some of its requests may be unanswered),
+            or exited while serving more often than ``max_restarts`` allows (the server stopped).
     """
     import uvicorn
 
@@ -193,6 +285,8 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
                 return
             if others and not stopping:
                 stopping.append(sig)
+                if watch is not None:
+                    watch.quit()
                 for p in others:
                     if p.is_alive():
                         try:
@@ -210,15 +304,25 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
         caught.append(sig)
         server.should_exit = True  # one before uvicorn's own handlers are in: it stops right after starting
 
+    def stop_server() -> None:
+        server.should_exit = True
+
+    # the watching thread starts the restarted processes: their PR_SET_PDEATHSIG fires when it ends,
+    # which is when the server stops (or gives up), as intended
+    watch = Supervisor(others, respawn, app, stop_server, max_restarts).start() if others and respawn else None
     old = {s: signal.signal(s, after) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
     finally:
+        if watch is not None:
+            watch.stop()
         if not child:  # a child keeps `after`: its parent's late SIGTERM must not kill it while it exits
             for s, h in old.items():
                 signal.signal(s, h)
         sock.close()
         codes = stop_processes(others, None if stopping else signal.SIGTERM) if others else []
+    if watch is not None and watch.error:
+        raise ServeError(watch.error)
     bad = [(p.name, c) for p, c in zip(others or [], codes) if c != 0]
     if bad:
         raise ServeError(f"server {bad[0][0]} exited with code {bad[0][1]}; requests it held may be unanswered")
