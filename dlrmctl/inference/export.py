@@ -940,6 +940,7 @@ def export_run(
     if (vocab_dir / "meta.json").is_file():  # the vocabularies to copy are the run's
         check_run_data(recorded, vocab_dir, ("schema", "vocabulary"),
                        hint="Pass --data DIR with the data the run was trained on")
+        _verify_data_files(vocab_dir, parity_split)
 
     def export_from(ckpt_path: str, which: str) -> ExportResult:
         # tables on the meta device: each is read from the checkpoint only when export quantizes it
@@ -980,6 +981,26 @@ def export_run(
 
     # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
     return read_checkpoint(str(run), checkpoint, export_from)
+
+
+def _verify_data_files(data_dir: Path, parity_split: str | None) -> None:
+    """Before the checkpoint is read: the bytes export takes from the dataset (the vocabulary files
+    it copies into the artifact, the shards of the parity split) are those meta.json's checksums
+    record (:func:`dlrmctl.data.checksums.verify_files`; the checkpoint's own blocks are verified
+    as they are read).
+
+    Raises:
+        DataMismatchError: a file is missing, or its size or SHA-256 differs, naming it.
+    """
+    from dlrmctl.data.checksums import verify_files
+    from dlrmctl.data.fingerprint import DataMismatchError, read_meta_json
+
+    meta = read_meta_json(data_dir / "meta.json", "data")
+    files = [f for f in (meta.get("vocab_files") or {}).values() if isinstance(f, str)]
+    split = (meta.get("splits") or {}).get(parity_split) if parity_split else None
+    if isinstance(split, dict):
+        files += [f for f in (split.get("files") or []) if isinstance(f, str)]
+    verify_files(data_dir, meta, files, DataMismatchError)
 
 
 # ----------------------------------------------------------------------------- loading

@@ -94,3 +94,29 @@ def test_an_edited_meta_json_is_one_line(data, tmp_path, edit, needle):
     edit(meta)
     (d / "meta.json").write_text(json.dumps(meta))
     one_error_line(["train", _config(tmp_path, d)], str(d / "meta.json"), needle)
+
+
+def test_export_refuses_a_flipped_vocabulary_file_or_parity_shard_and_writes_nothing(tmp_path):
+    """export copies the vocabularies into the artifact and scores the val split: their bytes are
+    checked against meta.json's checksums before the checkpoint is read."""
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    rows = "".join("\t".join([str(i % 2)] + [str(i % 5)] * 13 + [f"{i % 7:08x}"] * 26) + "\n" for i in range(400))
+    (tmp_path / "raw.tsv").write_text(rows)
+    d = tmp_path / "d"
+    r = CliRunner().invoke(app, ["preprocess", "criteo", "--input", str(tmp_path / "raw.tsv"), "--out", str(d),
+                                 "--frequency-threshold", "1", "--val-ratio", "0.2", "-q"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["train", str(_config(tmp_path, d))])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((d / "meta.json").read_text())
+    vocab = d / next(iter(meta["vocab_files"].values()))
+    val = d / meta["splits"]["val"]["files"][0]
+    for f in (vocab, val):
+        keep = f.read_bytes()
+        _flip(f)
+        one_error_line(["export", tmp_path / "runs" / "s", "--fp32", "--out", tmp_path / "m"], str(f), "SHA-256")
+        assert not (tmp_path / "m").exists()
+        f.write_bytes(keep)
