@@ -182,8 +182,9 @@ class ModelConfig:
     2016). The per-id scalar is read from the id's own row through one weight vector per
     feature. Zero-initialised, trained by the dense optimizer and exported."""
     embedding_init_max: Optional[float] = None
-    """Every table starts ``U(-a, a)`` with ``a`` this value (> 0, finite in
-    ``embedding_precision``, and ``embedding_dim * a**2`` finite in fp32). null: the DLRM reference's ``a = sqrt(1 / num_embeddings)`` per
+    """Every table starts ``U(-a, a)`` with ``a`` this value, in (0, 1] (the reference's default
+    below is at most 1; larger bounds make the first dot interactions up to ``embedding_dim * a**2``
+    and the model train to NaN). null: the DLRM reference's ``a = sqrt(1 / num_embeddings)`` per
     table (dlrm_s_pytorch.py ``create_emb``). A small ``a`` starts every id near zero, so an id
     seen a few times moves little from a neutral vector (as an L2-penalised per-id weight of a
     logistic regression does)."""

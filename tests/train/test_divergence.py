@@ -9,6 +9,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import yaml
 
 from tests.conftest import one_error_line, tiny_synthetic
@@ -24,9 +25,11 @@ def _config(tmp_path, data, **model):
     return p
 
 
-def test_an_embedding_init_bound_whose_dot_products_overflow_is_refused(tmp_path):
-    one_error_line(["train", _config(tmp_path, tmp_path / "none", embedding_init_max=1e30)],
-                   "model.embedding_init_max", "overflows fp32")
+@pytest.mark.parametrize("a", [1e30, 1e15, 1.5])
+def test_an_embedding_init_bound_above_1_is_refused_naming_the_key(tmp_path, a):
+    """1e30 overflowed the dot products; 1e15 (finite everywhere) trained to NaN."""
+    one_error_line(["train", _config(tmp_path, tmp_path / "none", embedding_init_max=a)],
+                   "model.embedding_init_max", "must be a number in (0, 1]", repr(a))
 
 
 def test_non_finite_validation_scores_stop_the_run_before_any_checkpoint(tmp_path_factory, tmp_path, monkeypatch):
