@@ -379,7 +379,8 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
     ``out`` absent or empty: built in place.  A dlrmctl dataset of the same recipe (its marker):
     resumed in place, or nothing to do when complete.  A dataset of ours without a marker (an older
     dlrmctl): resumed in place when ``recipe["legacy_same"]`` (the caller's own test) is true.
-    Any other dataset of ours: refused without ``force``.  With ``force`` any dataset of ours (the
+    An unfinished build of ours with another recipe (it failed or was killed: no meta.json) is
+    replaced as with ``force``.  Any other dataset of ours: refused without ``force``.  With ``force`` any dataset of ours (the
     same recipe too: a rebuild) is built in a temporary sibling and swapped in when complete
     (:meth:`DatasetTarget.commit`).
 
@@ -411,6 +412,11 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
             write_marker(out, "dataset", recipe=recipe, complete=False)  # adopt it (older dlrmctl)
         done = rec is not None and rec.get("complete") and (out / "meta.json").is_file()
         return DatasetTarget(out, out, "complete" if done else "resume", recipe)
+    if rec is not None and not rec.get("complete") and not (out / "meta.json").is_file():
+        # an unfinished build of ours with other inputs or options (a run that failed on bad input,
+        # or was killed): nothing in it is usable, so it is rebuilt without --force
+        check_replaceable(out, "dataset", "--force", "--out another directory")
+        return DatasetTarget(out, make_temp_dir(out, "dataset"), "replace", recipe)
     made = (rec or {}).get("recipe") or {}
     src = made.get("inputs") or made.get("input")
     how = f"made from {_short(src)} or with other options" if src else "made with other inputs or options"

@@ -50,3 +50,24 @@ def test_a_run_failing_at_step_1_leaves_nothing_and_a_retry_starts_clean(tmp_pat
     r = runner.invoke(app, _args(data, runs, "--set", "name=b"))
     assert r.exit_code == 2 and "was not written by dlrmctl" in r.output
     assert (tmp_path / "runs" / "b" / "config.yaml").read_text().startswith("# my experiment")
+
+
+def test_a_failed_preprocess_does_not_block_a_rerun_with_other_options(tmp_path):
+    """A preprocess that stopped at a bad line left its unfinished dataset, and the re-run with
+    --on-bad-line skip (another recipe) was refused as "holds another dataset"."""
+    good = "\t".join(["1"] + ["1"] * 13 + ["68fd1e64"] * 26) + "\n"
+    src = tmp_path / "a.tsv"
+    src.write_text(good * 300 + "1\t2\n" + good * 10)
+    out = tmp_path / "o"
+    r = runner.invoke(app, ["preprocess", "criteo", "--input", str(src), "--out", str(out), "-q",
+                            "--frequency-threshold", "1"])
+    assert r.exit_code == 2 and "a.tsv:301" in r.output, r.output
+    r = runner.invoke(app, ["preprocess", "criteo", "--input", str(src), "--out", str(out), "-q",
+                            "--frequency-threshold", "1", "--on-bad-line", "skip"])
+    assert r.exit_code == 0, r.output
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["rows"] == 310 and meta["bad_lines_skipped"] == 1
+    # a finished dataset of other options is still refused without --force
+    r = runner.invoke(app, ["preprocess", "criteo", "--input", str(src), "--out", str(out), "-q",
+                            "--num-embeddings", "100", "--on-bad-line", "skip"])
+    assert r.exit_code == 2 and "holds another dataset" in r.output, r.output
