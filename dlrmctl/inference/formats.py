@@ -66,13 +66,37 @@ class Format:
         return f"{self.file} ({self.title}) on {device}"
 
 
+class _GraphRunner:
+    """A loaded ``.pt2`` program called through its flat graph (``ExportedProgram.graph_module``)
+    with its weights and buffers passed in signature order: the same operators as
+    ``ep.module()``, without that module's per-call attribute lookups of every weight (nested
+    module paths) and input/output pytree handling, which cost more than a small batch's lookups.
+    ``__call__(dense, values, lengths[, weights]) -> (scores, logits)``."""
+
+    def __init__(self, ep: Any, device: torch.device) -> None:
+        from torch.export.graph_signature import InputKind
+
+        tensors = {**ep.state_dict, **ep.constants}
+        self.state = [tensors[s.target].detach().to(device) for s in ep.graph_signature.input_specs
+                      if s.kind != InputKind.USER_INPUT]
+        self.graph = ep.graph_module
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.graph(*self.state, *inputs)
+
+
 def _load_pt2(path: Path, manifest: dict, device: torch.device) -> Any:
-    """``torch.export.load`` -> its module, moved to ``device``.  Input guards are left to
-    :class:`~dlrmctl.inference.export.ExportedModel` (which checks the manifest's input contract
-    with clearer messages): the module's own guard hooks cost more than a small batch's lookups."""
+    """``torch.export.load`` -> a callable of its graph on ``device`` (:class:`_GraphRunner`; a
+    program whose graph also returns buffer mutations runs as ``ep.module()``).  Input guards are
+    left to :class:`~dlrmctl.inference.export.ExportedModel` (which checks the manifest's input
+    contract with clearer messages)."""
+    from torch.export.graph_signature import OutputKind
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ep = torch.export.load(str(path))
+        if all(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs):
+            return _GraphRunner(ep, device)
         module = ep.module(check_guards=False)
     module.validate_inputs = False
     return module.to(device) if device.type != "cpu" else module

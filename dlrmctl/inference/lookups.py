@@ -4,8 +4,11 @@ embedding-bag kernels that ship with torch, over tables grouped by width.
 Tables are grouped by embedding dim (:func:`group_tables`): a group's tables are stacked into one
 buffer, each row padded to the group's widest dim, with one all-zero row at the end that every
 dropped or invalid id is pointed at (so no id out of range ever reaches a kernel).  One kernel
-call per (group, lookup slot) pools every bag of the batch (``F*B`` bags, key-major); the pooled
-columns are then picked per lookup in one ``index_select``.  Grouping bounds the padding (a
+call per (group, lookup slot) pools every bag of the batch (``F*B`` bags, key-major) into a block
+``[F, B, W_g]``; the dot interaction's head (:mod:`dlrmctl.inference.dense_head`) reads the blocks
+as they are, other dense parts get the EBC's pooled columns (:meth:`FusedLookups.columns`: one
+``index_select``).  Per-feature values (row bases, ranges) reach the key-major ids by one
+``repeat_interleave`` over each feature's id count.  Grouping bounds the padding (a
 group's padded bytes are at most ``1 + MAX_PAD_WASTE`` times its tables' own) while keeping the
 number of calls -- and so the per-call cost at small batches -- small.
 
@@ -27,7 +30,7 @@ columns (int8/int4 codes 0, fp values 0) are computed but never selected.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,7 +85,13 @@ def _kernel_rows(q: QuantizedTable, dim: int) -> torch.Tensor:
 
 
 class FusedLookups(nn.Module):
-    """Sum-pooled embeddings of every lookup, ``[B, sum of lookup dims]`` float32 (lookup order).
+    """Sum-pooled embeddings per block: one fused kernel call per (group, lookup slot) -> ``[F, B, W_g]``.
+
+    Block ``(g, k)`` pools every feature's bags through its ``k``-th table where that table is in
+    group ``g`` (the other features read the zero row); row ``f`` of the block is feature ``f``'s
+    pooled ``k``-th lookup, its first ``dim`` columns real, the rest padding (codes 0, so
+    ``bias * count`` at int8/int4: never read as a value).  :attr:`block_members` says which
+    lookups each block holds; :meth:`columns` lays the blocks out as the EBC's ``[B, sum of dims]``.
 
     Args:
         tables: the quantized tables (one storage dtype); an int4 table of odd dim holds one pad
@@ -116,57 +125,88 @@ class FusedLookups(nn.Module):
             self.register_buffer(f"weight_{g}", torch.cat(parts).contiguous())
             self.group_dim.append(width)
             self.zero_row.append(r)
-        # base[g, k, f]: row base in group g of feature f's k-th table (-1: that table is not in g)
-        base = torch.full((len(groups), K, F), -1, dtype=torch.int64)
-        for t, s, k in zip(lookup_table, lookup_src, lookup_slot):
-            base[table_group[t], k, s] = table_base[t]
-        self.register_buffer("base", base)
-        # pooled columns: block (g, k) of the concatenated kernel outputs holds [B, F * D_g]
-        block, start = {}, 0
-        for g in range(len(groups)):
-            for k in range(K):
-                block[g, k] = start
-                start += F * self.group_dim[g]
-        cols = [block[table_group[t], k] + s * self.group_dim[table_group[t]] + c
-                for t, s, k in zip(lookup_table, lookup_src, lookup_slot) for c in range(int(tables[t].embedding_dim))]
-        self.register_buffer("cols", torch.tensor(cols, dtype=torch.int64))
+        #: the blocks, in call order: (group, slot) pairs that hold at least one lookup
+        self.blocks = [(g, k) for g in range(len(groups)) for k in range(K)
+                       if any(table_group[t] == g and s == k for t, s in zip(lookup_table, lookup_slot))]
+        #: per block its lookups as (feature row f, lookup index), in lookup order
+        self.block_members: list[list[tuple[int, int]]] = []
+        #: per block: every feature's k-th table is in the block's group (no id reads the zero row
+        #: for being in another group)
+        self.block_full: list[bool] = []
+        for b, (g, k) in enumerate(self.blocks):
+            base = torch.full((F,), -1, dtype=torch.int64)  # row base in g of feature f's k-th table; -1: not in g
+            members = []
+            for i, (t, s, kk) in enumerate(zip(lookup_table, lookup_src, lookup_slot)):
+                if kk == k and table_group[t] == g:
+                    base[s] = table_base[t]
+                    members.append((int(s), i))
+            self.register_buffer(f"base_{b}", base)
+            self.block_members.append(members)
+            self.block_full.append(bool((base >= 0).all()))
+        # pooled columns of :meth:`columns`: block b's [B, F * W_g] slab, feature f's first dim columns
+        cols, start = {}, 0
+        for b, (g, _) in enumerate(self.blocks):
+            for s, i in self.block_members[b]:
+                cols[i] = [start + s * self.group_dim[g] + c for c in range(int(tables[lookup_table[i]].embedding_dim))]
+            start += F * self.group_dim[g]
+        self.register_buffer("cols", torch.tensor([c for i in range(len(lookup_table)) for c in cols[i]],
+                                                  dtype=torch.int64))
         self.num_features, self.k_max = F, K
 
-    def forward(self, ids: torch.Tensor, oks: Sequence[torch.Tensor], offsets: torch.Tensor,
-                weights: Optional[torch.Tensor], bags: Optional[torch.Tensor], feat: torch.Tensor,
-                B: int) -> torch.Tensor:
-        """``ids`` ``[M]`` int64 (any values where not ok), ``oks`` per slot ``[M]`` bool (the id is
-        looked up in its k-th table), ``offsets`` ``[F*B + 1]`` int64 bag bounds, ``weights``
-        ``[M]`` float32 per-id weights or None, ``bags`` ``[M]`` int64 bag of each id (fp16 only;
-        else None), ``feat`` ``[M]`` int64 feature of each id -> ``[B, sum of lookup dims]``."""
+    def block_width(self, b: int) -> int:
+        """``W_g`` of block ``b``: its group's stored dim (the widest table's, int4 rounded up to even)."""
+        return self.group_dim[self.blocks[b][0]]
+
+    def forward(self, ids: torch.Tensor, oks: Sequence[Optional[torch.Tensor]], starts: torch.Tensor,
+                weights: Optional[torch.Tensor], bags: Optional[torch.Tensor], per_id: Callable[[torch.Tensor], torch.Tensor],
+                B: int) -> list[torch.Tensor]:
+        """Pooled blocks, each ``[F, B, W_g]`` float32 (:attr:`blocks` order).
+
+        Args:
+            ids: ``[M]`` int64 ids (any value where not ok).
+            oks: per slot ``k`` a ``[M]`` bool mask (the id is looked up in its k-th table), or None:
+                every id is (the ``error`` policy passed its check and the feature has a k-th table).
+            starts: ``[F*B]`` int64 start of each bag in ``ids`` (key-major; a bag ends where the
+                next starts, the last at ``M``).
+            weights: ``[M]`` float32 per-id weights, or None.
+            bags: ``[M]`` int64 bag of each id (fp16 only; else None).
+            per_id: maps a per-feature vector ``[F]`` to its value per id ``[M]``.
+        """
         F = self.num_features
         outs = []
-        for g, width in enumerate(self.group_dim):
-            table = getattr(self, f"weight_{g}")
-            for k in range(self.k_max):
-                base = self.base[g, k][feat]
-                rows = torch.where(oks[k] & (base >= 0), ids + base, self.zero_row[g])
-                out = self.bag_sum(table, rows, offsets, weights, bags, width)  # [F*B, width]
-                outs.append(out.view(F, B, width).transpose(0, 1).reshape(B, F * width))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, 1)).index_select(1, self.cols)
+        for b, (g, k) in enumerate(self.blocks):
+            width, ok = self.group_dim[g], oks[k]
+            base = per_id(getattr(self, f"base_{b}"))
+            if ok is None and self.block_full[b]:
+                rows = ids + base
+            else:
+                inside = base >= 0 if ok is None else (ok if self.block_full[b] else ok & (base >= 0))
+                rows = torch.where(inside, ids + base, self.zero_row[g])
+            out = self.bag_sum(getattr(self, f"weight_{g}"), rows, starts, weights, bags, width)  # [F*B, width]
+            outs.append(out.view(F, B, width))
+        return outs
 
-    def bag_sum(self, table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor,
+    def columns(self, blocks: Sequence[torch.Tensor], B: int) -> torch.Tensor:
+        """The blocks as the EBC's pooled embeddings ``[B, sum of lookup dims]`` (lookup order)."""
+        slabs = [x.transpose(0, 1).reshape(B, -1) for x in blocks]
+        return (slabs[0] if len(slabs) == 1 else torch.cat(slabs, 1)).index_select(1, self.cols)
+
+    def bag_sum(self, table: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor,
                 weights: Optional[torch.Tensor], bags: Optional[torch.Tensor], width: int) -> torch.Tensor:
         """Sum of ``table``'s ``rows`` (``[M]``, in range) per bag -> ``[F*B, width]`` float32."""
         if self.dtype == "int8":
             return torch.ops.quantized.embedding_bag_byte_rowwise_offsets(
-                table, rows, offsets, False, 0, False, weights, None, True)
+                table, rows, starts, False, 0, False, weights, None, False)
         if self.dtype == "int4":
             return torch.ops.quantized.embedding_bag_4bit_rowwise_offsets(
-                table, rows, offsets, False, 0, False, weights, None, True)
+                table, rows, starts, False, 0, False, weights, None, False)
         if self.dtype == "fp32":
-            return nn.functional.embedding_bag(rows, table, offsets, mode="sum", per_sample_weights=weights,
-                                               include_last_offset=True)
+            return nn.functional.embedding_bag(rows, table, starts, mode="sum", per_sample_weights=weights)
         assert bags is not None
         vals = cast(table[rows], torch.float32)
         if weights is not None:
             vals = vals * weights[:, None]
-        out = torch.zeros_like(offsets[1:], dtype=torch.float32)[:, None].expand(-1, width).contiguous()
+        out = torch.zeros_like(starts, dtype=torch.float32)[:, None].expand(-1, width).contiguous()
         return out.index_add(0, bags, vals)
 
 

@@ -29,6 +29,10 @@ is checked against its expansion's rows first (``error``: fails naming the featu
 id is dropped with its whole expanded bag), then each expanded id against its table, as
 training's loader + EBC do.
 
+Dense part: :class:`dlrmctl.inference.dense_head.DotHead` for the dot interaction (per-table
+projections, first-order term and pairwise dots in one operator each), else the exported dense
+part on the pooled columns.
+
 Embedding lookup: :class:`dlrmctl.inference.lookups.FusedLookups` -- tables grouped by width
 into stacked buffers, one fused embedding-bag call per group (ATen's ``quantized::`` row-wise
 int8/int4 kernels, ``embedding_bag`` for fp32; a float32 gather-and-add for fp16), every dim.
@@ -40,11 +44,12 @@ in torch; :func:`export_program` registers one for tracing only (the saved progr
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from dlrmctl.inference.dense_head import DotHead
 from dlrmctl.inference.lookups import FusedLookups, cast, register_int4_meta
 from dlrmctl.inference.quantize import QuantizedTable
 
@@ -112,22 +117,31 @@ class InferenceProgram(nn.Module):
         per_f = [[i for i, s in enumerate(self.lookup_src) if s == f] for f in range(F)]
         K = self.k_max = max((len(p) for p in per_f), default=1) or 1
         self.lookup_slot = [per_f[s].index(i) for i, s in enumerate(self.lookup_src)]
-        rows_kf = [[self.lookup_rows[p[k]] if k < len(p) else 0 for p in per_f] for k in range(K)]
-        self.register_buffer("f_rows", torch.tensor(rows_kf, dtype=torch.int64).reshape(K, F))
-        self.register_buffer("f_has", torch.tensor([[k < len(p) for p in per_f] for k in range(K)],
-                                                   dtype=torch.bool).reshape(K, F))
+        for k in range(K):  # per slot k, per feature: its k-th table's rows (0: none) and whether it has one
+            self.register_buffer(f"f_rows_{k}", torch.tensor([self.lookup_rows[p[k]] if k < len(p) else 0 for p in per_f],
+                                                             dtype=torch.int64).reshape(F))
+            self.register_buffer(f"f_has_{k}", torch.tensor([k < len(p) for p in per_f], dtype=torch.bool).reshape(F))
+        self.has_all = [all(k < len(p) for p in per_f) for k in range(K)]
         self.register_buffer("f_index", torch.arange(F, dtype=torch.int64))
         fw = [bool(x) for x in feature_weighted] if feature_weighted is not None else [False] * F
         self.is_weighted = any(fw)
+        self.all_weighted = all(fw)
         self.register_buffer("f_weighted", torch.tensor(fw, dtype=torch.bool))
         self.lookups = FusedLookups(tables, self.lookup_table, self.lookup_src, self.lookup_slot, F, K)
-        # mean pooling: per pooled column, mean or not and its bag count's row in [K*F] (slot-major)
-        dims = self.lookup_dim
+        # mean pooling: per block, which of its feature rows are mean-pooled lookups
         self.any_mean = any(self.lookup_mean)
-        self.register_buffer("col_mean", torch.tensor([m for m, d in zip(self.lookup_mean, dims) for _ in range(d)],
-                                                      dtype=torch.bool))
-        self.register_buffer("col_count", torch.tensor(
-            [k * F + s for k, s, d in zip(self.lookup_slot, self.lookup_src, dims) for _ in range(d)], dtype=torch.int64))
+        self.block_mean = []
+        for b, members in enumerate(self.lookups.block_members):
+            mask = torch.zeros(F, dtype=torch.bool)
+            for f, i in members:
+                mask[f] = self.lookup_mean[i]
+            self.register_buffer(f"mean_{b}", mask)
+            self.block_mean.append(bool(mask.any()))
+        #: the dot interaction's fused dense head over the blocks (:class:`DotHead`), or None: the
+        #: dense part runs on the EBC's pooled columns
+        self.head = DotHead.build(dense_part, self.lookups, self.lookup_dim, F)
+        if self.head is not None:  # its weights live in the head (none kept unused in the program)
+            self.dense_part = None
         mh = list(multi_hot) if multi_hot is not None else [None] * F
         sizes = [1 if m is None else int(m[1].shape[1]) + 1 for m in mh]
         self.s_max = max(sizes, default=1)
@@ -144,39 +158,61 @@ class InferenceProgram(nn.Module):
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                 weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B = dense.size(0)
         if self.remap is not None:
-            values = self.remap(values, lengths, dense.size(0))
-        logits = self.dense_part(dense, self.pooled(values, lengths, weights, dense.size(0))).reshape(-1)
+            values = self.remap(values, lengths, B)
+        blocks = self.pooled_blocks(values, lengths, weights, B)
+        if self.head is not None:
+            logits = self.head(dense, blocks)
+        else:
+            logits = self.dense_part(dense, self.lookups.columns(blocks, B)).reshape(-1)
         return torch.sigmoid(logits), logits
 
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor],
                B: int) -> torch.Tensor:
-        """Pooled embeddings ``[B, sum of lookup dims]`` float32 (lookup order)."""
+        """Pooled embeddings ``[B, sum of lookup dims]`` float32 (lookup order: the EBC's output)."""
+        return self.lookups.columns(self.pooled_blocks(values, lengths, weights, B), B)
+
+    def pooled_blocks(self, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor],
+                      B: int) -> list[torch.Tensor]:
+        """Pooled (sum, or mean) embeddings per block of :class:`FusedLookups`, each ``[F, B, W_g]``.
+
+        Per-feature values reach the ids by ``repeat_interleave`` over each feature's id count
+        (the ids are key-major), not by indexing with a per-id feature vector: one op each."""
         F, N = self.num_features, values.size(0)
-        _fail_unless((lengths.sum() == N) & (lengths >= 0).all(),
+        counts = lengths.view(F, B).sum(1)  # [F] ids per feature
+        _fail_unless((counts.sum() == N) & (lengths >= 0).all(),
                      "lengths must be [F*B] key-major bag lengths of the values: >= 0, summing to len(values)")
-        offsets = torch.cat([torch.zeros_like(lengths[:1]), lengths.cumsum(0)])  # [F*B + 1]
-        feat = torch.repeat_interleave(self.f_index, lengths.view(F, B).sum(1), output_size=N)  # [N]
+        starts = lengths.cumsum(0) - lengths  # [F*B] first id of each bag
+
+        def per_id(v: torch.Tensor) -> torch.Tensor:
+            return torch.repeat_interleave(v, counts, output_size=N)
+
         w: Optional[torch.Tensor] = None
         if self.is_weighted:
             assert weights is not None, "this model has weighted features: pass weights [N] float32"
-            w = torch.where(self.f_weighted[feat], weights, torch.ones_like(weights))
+            w = weights if self.all_weighted else torch.where(per_id(self.f_weighted), weights, torch.ones_like(weights))
         bags = torch.repeat_interleave(lengths, output_size=N) if self.lookups.dtype == "fp16" else None
-        ids, valid = values, None
+        ids, valid, bag_len = values, None, lengths
         if self.s_max > 1:
+            feat = per_id(self.f_index)
             ids, valid, feat, w, n_oh = self.expand_multi_hot(values, feat, w)
-            offsets = offsets * self.s_max
+            starts, bag_len = starts * self.s_max, lengths * self.s_max
             bags = None if bags is None else bags.repeat_interleave(self.s_max)
+
+            def per_id(v: torch.Tensor) -> torch.Tensor:  # noqa: F811 (per expanded id)
+                return v[feat]
+
             if not self.zero_invalid:
                 for f, lim in enumerate(self.mh_limits):
                     if lim is not None:
                         _fail_unless(n_oh[f] == 0, f"feature '{self.feature_names[f]}': a one-hot id is out of range "
                                                    f"of its multi-hot expansion; expected 0 <= id < {lim}")
-        oks = self.checked_ids(ids, valid, feat)
-        out = self.lookups(ids, oks, offsets, w, bags, feat, B)
+        oks = self.checked_ids(ids, valid, per_id)
+        blocks = self.lookups(ids, oks, starts, w, bags, per_id, B)
         if self.any_mean:
-            out = self.mean_pooled(out, oks, offsets, lengths, B)
-        return out
+            blocks = self.mean_pooled(blocks, oks, starts, bag_len, B)
+        return blocks
 
     @property
     def range_message(self) -> str:
@@ -185,21 +221,26 @@ class InferenceProgram(nn.Module):
         return ("an id is out of range; expected 0 <= id < rows of its table: "
                 + "; ".join(f"table '{t}', feature '{f}': {r}" for (t, f), r in zip(self.lookup_names, self.lookup_rows)))
 
-    def mean_pooled(self, out: torch.Tensor, oks: list[torch.Tensor], offsets: torch.Tensor,
-                    lengths: torch.Tensor, B: int) -> torch.Tensor:
-        """``out`` (sum-pooled ``[B, W]``) with each mean-pooled lookup's columns divided by its
-        bag's valid ids (an empty bag stays 0)."""
+    def mean_pooled(self, blocks: list[torch.Tensor], oks: list[Optional[torch.Tensor]], starts: torch.Tensor,
+                    bag_len: torch.Tensor, B: int) -> list[torch.Tensor]:
+        """``blocks`` (sum-pooled ``[F, B, W_g]``) with each mean-pooled lookup's rows divided by
+        its bag's valid ids (an empty bag stays 0)."""
         F = self.num_features
-        if self.zero_invalid or self.s_max > 1:  # valid ids before each position: a bag's count is a difference
-            cnt = []
-            for ok in oks:
-                c = torch.cat([torch.zeros_like(offsets[:1]), cast(ok, torch.int64).cumsum(0)])
-                cnt.append(c[offsets[1:]] - c[offsets[:-1]])
-            counts = torch.stack(cnt)  # [K, F*B]
-        else:  # every id of a bag counts (error policy: no invalid id gets this far)
-            counts = lengths[None, :].expand(self.k_max, -1)
-        per_col = counts.reshape(self.k_max * F, B).t().index_select(1, self.col_count)  # [B, W]
-        return torch.where(self.col_mean, out / cast(per_col.clamp(min=1), torch.float32), out)
+        cnt = []
+        for ok in oks:
+            if ok is None:  # every id of a bag counts
+                cnt.append(bag_len)
+            else:  # valid ids before each position: a bag's count is a difference
+                c = torch.cat([torch.zeros_like(starts[:1]), cast(ok, torch.int64).cumsum(0)])
+                cnt.append(c[starts + bag_len] - c[starts])
+        out = []
+        for b, ((_, k), x) in enumerate(zip(self.lookups.blocks, blocks)):
+            if not self.block_mean[b]:
+                out.append(x)
+                continue
+            per = cast(cnt[k].clamp(min=1), torch.float32).view(F, B, 1)
+            out.append(torch.where(getattr(self, f"mean_{b}").view(F, 1, 1), x / per, x))
+        return out
 
     def expand_multi_hot(self, ids: torch.Tensor, feat: torch.Tensor, w: Optional[torch.Tensor]
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -223,23 +264,24 @@ class InferenceProgram(nn.Module):
         valid = ((self.mh_slot[None, :] < self.mh_size[feat][:, None]) & ~oh_bad[:, None]).reshape(-1)
         return ids, valid, feat.repeat_interleave(S), None if w is None else w.repeat_interleave(S), n_oh
 
-    def checked_ids(self, ids: torch.Tensor, valid: Optional[torch.Tensor], feat: torch.Tensor) -> list[torch.Tensor]:
+    def checked_ids(self, ids: torch.Tensor, valid: Optional[torch.Tensor],
+                    per_id: Callable[[torch.Tensor], torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """Per lookup slot ``k`` a mask ``[M]`` bool: the id is ``valid`` and inside its k-th table's
-        rows.  Under ``error`` an id outside them fails the call (one check for all lookups)."""
-        oks, n_bad = [], []
+        rows; None where that holds for every id (``error`` policy: the call failed otherwise).
+        Under ``error`` an id outside them fails the call (one check for all lookups)."""
+        oks: list[Optional[torch.Tensor]] = []
+        checks = []
         for k in range(self.k_max):
-            has = self.f_has[k][feat] if self.k_max > 1 else None
+            has = per_id(getattr(self, f"f_has_{k}")) if not self.has_all[k] else None
             live = valid if has is None else (has if valid is None else valid & has)
-            bad = (ids < 0) | (ids >= self.f_rows[k][feat])
-            if live is not None:
-                bad = bad & live
-                oks.append(live & ~bad)
-            else:
-                oks.append(~bad)
-            if not self.zero_invalid:
-                n_bad.append(bad.any())
-        if n_bad:
-            _fail_unless(torch.stack(n_bad).logical_not(), self.range_message)
+            good = (ids >= 0) & (ids < per_id(getattr(self, f"f_rows_{k}")))
+            if self.zero_invalid:
+                oks.append(good if live is None else live & good)
+                continue
+            checks.append(good if live is None else good | ~live)
+            oks.append(live)
+        if checks:
+            _fail_unless(checks[0] if len(checks) == 1 else torch.cat(checks), self.range_message)
         return oks
 
 
