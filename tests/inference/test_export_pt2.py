@@ -271,3 +271,98 @@ def test_the_program_creates_no_tensor_on_a_fixed_device_but_the_host_checks(tmp
         assert [u.target for u in n.users] == [torch.ops.aten._assert_async.msg], n.format_node()
     asserts = [n for n in ep.graph.nodes if n.target == torch.ops.aten._assert_async.msg]
     assert all(a.args[0] in fixed for a in asserts)
+
+
+def mixed_model(weighted: bool):
+    """Five lookups over four tables of dims 4 / 16 / 10 / 16 and 7..5000 rows (two width
+    groups): feature f0 feeds two tables, f1 shares f0's first table, f2 is mean-pooled; the
+    projected dot interaction (4 and 10 projected, 16 passed through) and the first-order term."""
+    from dlrmctl.modules.dlrm import InteractionArch, ProjectedInteraction
+
+    torch.manual_seed(1)
+    tables = [EmbeddingBagConfig(name="t0", num_embeddings=5000, embedding_dim=4, feature_names=["f0", "f1"]),
+              EmbeddingBagConfig(name="t1", num_embeddings=7, embedding_dim=16, feature_names=["f2"], pooling="mean"),
+              EmbeddingBagConfig(name="t2", num_embeddings=300, embedding_dim=10, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t3", num_embeddings=3000, embedding_dim=16, feature_names=["f3"])]
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted, compute_kernel="dense", seed=5)
+    dims = [4, 4, 16, 10, 16]
+    inter = ProjectedInteraction(InteractionArch(5), ebc.embedding_names(), dims, 16)
+    model = DLRM(ebc, 13, [16, 16], [16, 1], 5, 16, interaction=inter, first_order_width=sum(dims)).eval()
+    with torch.no_grad():
+        model.first_order.dense.weight.normal_()
+        model.first_order.sparse.weight.normal_()
+    return model
+
+
+def mixed_inputs(B, seed, limits=(300, 5000, 7, 3000)):
+    """Bags of 0..4 ids per (feature, sample), key-major, each feature's ids below its limit."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 5, (4 * B,), generator=g)
+    per_f = lengths.view(4, B).sum(1).tolist()
+    values = torch.cat([torch.randint(0, lim, (n,), generator=g) for lim, n in zip(limits, per_f)])
+    return torch.randn(B, 13, generator=g), values, lengths, torch.rand(len(values), generator=g) * 2
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="the TorchScript reference needs fbgemm_gpu")
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_fused_head_equals_the_torchscript_artifact_on_mixed_tables(tmp_path, dtype, weighted):
+    """Two width groups, a feature in two tables, a shared table, mean pooling, multi-id and empty
+    bags, the first-order term, and (weighted) per-id weights on two of the four features: the
+    program's blocks + fused head score as the TorchScript TBE + per-table dense part."""
+    from dlrmctl.inference.export import export_model, load_exported
+
+    model = mixed_model(weighted)
+    wf = ["f0", "f3"] if weighted else None
+    export_model(model, tmp_path / "p", dtype, weighted_features=wf)
+    export_model(model, tmp_path / "t", dtype, artifact="torchscript", weighted_features=wf)
+    p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
+    ep = torch.export.load(str(tmp_path / "p" / "model.pt2"))
+    lookups = [n for n in ep.graph.nodes if "embedding_bag" in str(n.target) or n.target == torch.ops.aten.index_add.default]
+    assert len(lookups) == 3  # blocks (group 16, slot 0), (16, 1), (4, 0): one kernel call each
+    bound = 1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND
+    for B, seed in ((1, 3), (64, 4)):
+        dense, values, lengths, w = mixed_inputs(B, seed)
+        zp = p.logits(dense, values, lengths, w if weighted else None)
+        zt = t.logits(dense, values, lengths, w if weighted else None)
+        assert float((zp - zt).abs().max()) <= bound
+        if dtype == "fp32" and not weighted:
+            kjt = KeyedJaggedTensor(["f0", "f1", "f2", "f3"], values, lengths=lengths)
+            with torch.no_grad():
+                ref = model(dense, kjt).reshape(-1)
+            assert float((zp - ref).abs().max()) <= 1e-5
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="the TorchScript reference needs fbgemm_gpu")
+def test_dropped_ids_score_as_the_torchscript_artifact_in_the_fused_head(tmp_path):
+    """``zero`` policy: f0's ids past its second table's 300 rows are dropped there only (and
+    from the mean-pooled f2's count), in the program as in the TBE."""
+    from dlrmctl.inference.export import export_model, load_exported
+
+    model = mixed_model(False)
+    for name, art in (("p", "pt2"), ("t", "torchscript")):
+        export_model(model, tmp_path / name, "int8", artifact=art, on_invalid_id="zero")
+    p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
+    dense, values, lengths, _ = mixed_inputs(64, 5, limits=(5000, 5000, 9, 3000))
+    assert float((p.logits(dense, values, lengths) - t.logits(dense, values, lengths)).abs().max()) <= QUANT_LOGIT_BOUND
+
+
+def test_the_program_size_does_not_grow_with_the_number_of_tables(tmp_path):
+    """The fused head runs all projections in one op: 3 and 12 projected tables (one width group)
+    give graphs of the same number of operators (one Linear per MLP layer, none per table)."""
+    from dlrmctl.inference.export import export_model
+    from dlrmctl.modules.dlrm import InteractionArch, ProjectedInteraction
+
+    counts = []
+    for n in (3, 12):
+        torch.manual_seed(0)
+        tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=20 + i, embedding_dim=7 + i % 2,
+                                     feature_names=[f"f{i}"]) for i in range(n)]
+        ebc = EmbeddingBagCollection(tables, compute_kernel="dense", seed=3)
+        inter = ProjectedInteraction(InteractionArch(n), [f"f{i}" for i in range(n)], [7 + i % 2 for i in range(n)], 16)
+        export_model(DLRM(ebc, 13, [16, 16], [16, 1], n, 16, interaction=inter).eval(), tmp_path / str(n), "int8")
+        graph = torch.export.load(str(tmp_path / str(n) / "model.pt2")).graph
+        ops = [nd for nd in graph.nodes if nd.op == "call_function"]
+        assert sum(nd.target == torch.ops.aten.linear.default for nd in ops) == 4
+        counts.append(len(ops))
+    assert counts[0] == counts[1]
