@@ -84,6 +84,22 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
 
+#: characters of a user's value an error message quotes at most (:func:`quoted`)
+QUOTE_LIMIT = 80
+
+
+def quoted(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """A value from the user's data (a field, a header, a name in a request) as an error message
+    quotes it: ``repr`` of its text (so a line break in it stays ``\\n`` and the message one
+    line), cut after ``limit`` characters with ``…`` and the full length, e.g.
+    ``'aaaa…' (5,242,880 characters)``: a 5 MB field is not echoed back whole.  Bytes are decoded
+    as UTF-8 (undecodable bytes replaced)."""
+    text = value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray, memoryview)) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit] + '…'!r} ({len(text):,} characters)"
+
+
 def interrupt_exit_code(e: BaseException) -> int:
     """128 + the signal's number of an interrupt (130 for a plain ``KeyboardInterrupt``)."""
     return 128 + int(getattr(e, "signum", signal.SIGINT))

@@ -83,6 +83,7 @@ from dlrmctl.data.columnar import (
     shard_schema,
     write_meta,
 )
+from dlrmctl.errors import quoted
 
 __all__ = [
     "DENSE_FEATURES",
@@ -270,13 +271,13 @@ def _int(v: str, path: Path, line: int, field: str) -> int:
     try:
         return int(v.strip())
     except ValueError:
-        raise DataError(f"expected an integer, got {v!r}", path=path, line=line, field=field) from None
+        raise DataError(f"expected an integer, got {quoted(v)}", path=path, line=line, field=field) from None
 
 
 def _split_exact(line: str, sep: str, n: int, path: Path, lineno: int, what: str) -> list[str]:
     parts = line.split(sep)
     if len(parts) != n:
-        raise DataError(f"expected {n} {sep!r}-separated fields ({what}), got {len(parts)}: {line[:100]!r}",
+        raise DataError(f"expected {n} {sep!r}-separated fields ({what}), got {len(parts)}: {quoted(line)}",
                         path=path, line=lineno)
     return parts
 
@@ -284,7 +285,7 @@ def _split_exact(line: str, sep: str, n: int, path: Path, lineno: int, what: str
 def _split_dat3(line: str, path: Path, lineno: int, what: str) -> tuple[str, str, str]:
     """``a::middle::c`` where only ``middle`` may contain ``:`` (even ``::``-adjacent ones)."""
     if line.count("::") < 2:
-        raise DataError(f"expected 3 '::'-separated fields ({what}), got {line.count('::') + 1}: {line[:100]!r}",
+        raise DataError(f"expected 3 '::'-separated fields ({what}), got {line.count('::') + 1}: {quoted(line)}",
                         path=path, line=lineno)
     a, rest = line.split("::", 1)
     mid, c = rest.rsplit("::", 1)

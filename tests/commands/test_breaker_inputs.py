@@ -238,3 +238,11 @@ def test_a_line_longer_than_the_csv_block_is_named_or_skipped(tmp_path):
     assert r.exit_code == 0, r.output
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
     assert meta["bad_lines_skipped"] == 1 and sum(s["rows"] for s in meta["splits"].values()) == 100
+
+
+def test_a_huge_bad_field_is_quoted_cut_in_the_error_line(tmp_path):
+    f = tmp_path / "big.tsv"
+    f.write_text("\t".join(["1"] + ["1"] * 13 + ["g" * 1_000_000] + ["68fd1e64"] * 25) + "\n")
+    line = one_error_line(["preprocess", "criteo", "--input", f, "--out", tmp_path / "o", "-q"],
+                          f"{f}:1: field C1: expected 8 hex digits, got 'gggg", "…' (1,000,000 characters)")
+    assert len(line) < 400, len(line)

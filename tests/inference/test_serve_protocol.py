@@ -254,3 +254,22 @@ def test_raw_ids_of_a_managed_collision_table_are_accepted_as_tensors_and_index_
         decode_request(body(raw, 10), None, spec, None)
     with pytest.raises(BadRequest, match="input 'a': id -1"):
         decode_request(body(-1, 3), None, spec, None)
+
+
+def test_values_a_client_sent_are_quoted_in_errors_at_most_80_characters():
+    """A 5 MB bad value was echoed back whole in the 400 answer; every quoted value is cut."""
+    app = build_app(FakeModel(), "m", max_delay_ms=0)
+    big = "x" * (5 << 20)
+
+    async def check():
+        bad = [(json.dumps({"inputs": [{"name": big, "datatype": "INT64", "shape": [1], "data": [1]}]}).encode(),
+                "/v2/models/m/infer", [], "input 'xxxx"),
+               (infer_body(0.5), f"/v2/models/m/versions/{'9' * 100_000}/infer", [], "has no version '9999"),
+               (infer_body(0.5), "/v2/models/m/infer", [("inference-header-content-length", big)],
+                "Inference-Header-Content-Length")]
+        for body, path, headers, needle in bad:
+            code, out = await post(app, body, path, headers=headers)
+            assert code in (400, 404) and needle in out["error"] and len(out["error"]) < 400, (code, out["error"][:500])
+            assert "…'" in out["error"] and "characters)" in out["error"], out["error"]
+
+    run_app(app, check)

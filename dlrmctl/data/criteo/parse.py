@@ -27,6 +27,7 @@ import pyarrow.csv as pa_csv
 
 from dlrmctl.data.columnar import LABEL_COLUMN, DataError, check_split_ratios
 from dlrmctl.data.ids import MISSING_RAW_ID, raw_ids
+from dlrmctl.errors import quoted
 from dlrmctl.data.long_lines import LineLimit, long_line_message
 
 if TYPE_CHECKING:
@@ -508,7 +509,7 @@ class BlockReader:
             raise _NeedCareful() from None
         field = self.names[int(m.group(1))]
         what = "0 or 1" if field == LABEL_COLUMN else "an integer"
-        raise DataError(f"expected {what}, got '{m.group(3)}'{_non_finite_hint(m.group(3))}", path=self.path,
+        raise DataError(f"expected {what}, got {quoted(m.group(3))}{_non_finite_hint(m.group(3))}", path=self.path,
                         line=int(m.group(2)), field=field) from None
 
     def __iter__(self) -> Iterator[Block]:
@@ -569,7 +570,7 @@ class BlockReader:
             i = int(np.flatnonzero(mask)[0])
             got = values[i].as_py()
             got = got.decode("utf-8", "replace") if isinstance(got, bytes) else got
-            shown = "an empty field" if got is None or got == "" else f"'{got}'"  # (a missing value reads as None)
+            shown = "an empty field" if got is None or got == "" else quoted(got)  # (a missing value reads as None)
             raise DataError(f"expected {what}, got {shown}{_non_finite_hint(str(got or ''))}", path=self.path,
                             line=int(lines[i]), field=field)
         return mask

@@ -30,6 +30,7 @@ import pyarrow.compute as pc
 
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.ids import hash_buckets, raw_ids
+from dlrmctl.errors import quoted
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
 
@@ -91,7 +92,7 @@ def _bad(batch: RowBatch, mask: np.ndarray, column: str, what: str, col: pa.Arra
     if on_bad_line == "error" and mask.any():
         i = int(np.flatnonzero(mask)[0])
         v = col[i].as_py() if i < len(col) else None
-        shown = "an empty field" if v is None or v == "" else repr(v)
+        shown = "an empty field" if v is None or v == "" else quoted(v)
         raise batch.error(i, column, f"expected {what}, got {shown}")
     return mask
 

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dlrmctl.errors import quoted
 from dlrmctl.inference.serve.batcher import Batcher, Metrics, QueueFull
 from dlrmctl.inference.serve.protocol import (RAW_INPUT, VERSIONS, BadRequest, ModelSpec, Rows, decode_request,
                                               infer_response, json_error, no_version)
@@ -177,7 +178,7 @@ class App:
         return JSONResponse({"error": msg}, status_code=code)
 
     def _no_model(self, n: str) -> str:
-        return f"model '{n}' is not served here (this server serves '{self.name}')"
+        return f"model {quoted(n)} is not served here (this server serves '{self.name}')"
 
     def _unknown(self, model_name: str, version: str | None) -> str | None:
         """The 404 message for a model name / version this server does not serve, or None."""
@@ -283,7 +284,7 @@ class App:
                     if not v.strip().isdigit():
                         code, reason = 400, "bad_request"
                         body = json_error("header Inference-Header-Content-Length must be the JSON header's length in "
-                                          f"bytes (a non-negative integer), got {v.decode('latin-1')!r}")
+                                          f"bytes (a non-negative integer), got {quoted(v.decode('latin-1'))}")
                         return
                     hlen = int(v)
             try:

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dlrmctl.errors import UserError
+from dlrmctl.errors import UserError, quoted
 from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, parse_numbers
 
 
@@ -124,7 +124,7 @@ def check_model_name(name: str, where: str = "--name") -> str:
 
 def no_version(name: str, version: str) -> str:
     """The 404 message for a version of ``name`` this server does not serve."""
-    return f"model '{name}' has no version '{version}' here (versions served: {', '.join(VERSIONS)})"
+    return f"model '{name}' has no version {quoted(version)} here (versions served: {', '.join(VERSIONS)})"
 
 
 def _has_raw_transform(manifest: dict, weighted: list[str] | tuple = ()) -> bool:
@@ -182,24 +182,24 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
         raise BadRequest("an input has no 'name'")
     dt, shape = inp.get("datatype"), inp.get("shape")
     if not isinstance(dt, str):
-        raise BadRequest(f"input '{name}': no 'datatype'")
+        raise BadRequest(f"input {quoted(name)}: no 'datatype'")
     if type(shape) is list and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0:  # most inputs
         count = shape[0]
     elif isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape):
         count = math.prod(shape)
     else:
-        raise BadRequest(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
+        raise BadRequest(f"input {quoted(name)}: 'shape' must be a list of non-negative integers, got {quoted(shape)}")
     par = inp.get("parameters")
     size = par.get("binary_data_size") if isinstance(par, dict) else None
     if size is not None:
         if binary is None or type(size) is not int or size < 0 or pos + size > len(binary):
-            raise BadRequest(f"input '{name}': binary_data_size {size!r} does not fit the binary part of the request")
+            raise BadRequest(f"input {quoted(name)}: binary_data_size {quoted(size)} does not fit the binary part of the request")
         end = pos + size
         if dt == "BYTES":
             chunk, out, off = binary[pos:end], [], 0
             while off < len(chunk):
                 if off + 4 > len(chunk):
-                    raise BadRequest(f"input '{name}': truncated BYTES element")
+                    raise BadRequest(f"input {quoted(name)}: truncated BYTES element")
                 (ln,) = struct.unpack_from("<I", chunk, off)
                 out.append(bytes(chunk[off + 4:off + 4 + ln]))
                 off += 4 + ln
@@ -207,9 +207,9 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
         else:
             item = _ITEM.get(dt)
             if item is None:
-                raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
+                raise BadRequest(f"input {quoted(name)}: datatype {dt} is not read by this server")
             if size != count * item:
-                raise BadRequest(f"input '{name}': {size} bytes of binary data for shape {shape} {dt} "
+                raise BadRequest(f"input {quoted(name)}: {size} bytes of binary data for shape {shape} {dt} "
                                  f"(expected {count * item})")
             data = np.frombuffer(binary, _LE[dt], count, pos)
             if len(shape) != 1:
@@ -219,7 +219,7 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
     else:
         raw = inp.get("data")
         if raw is None:
-            raise BadRequest(f"input '{name}': no 'data' (and no binary_data_size)")
+            raise BadRequest(f"input {quoted(name)}: no 'data' (and no binary_data_size)")
         fast = None
         if type(raw) is dict and SPAN_KEY in raw:  # a numeric array cut out of the JSON (json_tensors)
             k = raw[SPAN_KEY]
@@ -227,28 +227,28 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
                 raise BadRequest("tensor 'data' must be a (nested) list")
             span = arrays[k]
             if dt == "BYTES":
-                raise BadRequest(f"input '{name}': BYTES data must be strings")
+                raise BadRequest(f"input {quoted(name)}: BYTES data must be strings")
             fast = parse_numbers(span, integer=not dt.startswith("FP"))
             if fast is None:  # not plain numbers: decoded as JSON, refused or read below
                 try:
                     raw = json.loads(span)
                 except ValueError as e:
-                    raise BadRequest(f"the request body is not JSON: input '{name}' data: {e}") from None
+                    raise BadRequest(f"the request body is not JSON: input {quoted(name)} data: {e}") from None
         if fast is not None:
             if dt not in _NP:
-                raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
+                raise BadRequest(f"input {quoted(name)}: datatype {dt} is not read by this server")
             info = np.iinfo(_NP[dt]) if dt.startswith("INT") else None
             if info is not None and fast.size and (fast.min() < info.min or fast.max() > info.max):
-                raise BadRequest(f"input '{name}': data is not a list of {dt} numbers")
+                raise BadRequest(f"input {quoted(name)}: data is not a list of {dt} numbers")
             data = fast.astype(_NP[dt], copy=False)
         elif dt == "BYTES":
             flat = _flatten(raw)
             if not all(isinstance(x, str) for x in flat):
-                raise BadRequest(f"input '{name}': BYTES data must be strings")
+                raise BadRequest(f"input {quoted(name)}: BYTES data must be strings")
             data = [x.encode() for x in flat]
         else:
             if dt not in _NP:
-                raise BadRequest(f"input '{name}': datatype {dt} is not read by this server")
+                raise BadRequest(f"input {quoted(name)}: datatype {dt} is not read by this server")
             try:
                 arr = np.asarray(_flatten(raw), dtype=np.float64 if dt.startswith("FP") else object)
                 if dt.startswith("FP"):
@@ -258,10 +258,10 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
                         raise ValueError("not integers")
                     data = np.asarray(arr.tolist(), dtype=_NP[dt])
             except (ValueError, TypeError, OverflowError):
-                raise BadRequest(f"input '{name}': data is not a list of {dt} numbers") from None
+                raise BadRequest(f"input {quoted(name)}: data is not a list of {dt} numbers") from None
     got = data.size if isinstance(data, np.ndarray) else len(data)
     if got != count:
-        raise BadRequest(f"input '{name}': {got} values for shape {shape} ({count} expected)")
+        raise BadRequest(f"input {quoted(name)}: {got} values for shape {shape} ({count} expected)")
     if isinstance(data, np.ndarray):
         data = data.reshape(shape)
     return name, dt, shape, data, pos
@@ -282,9 +282,9 @@ def _want(name: str, got: tuple, datatype: str, ndim: int) -> np.ndarray:
     """The data of input ``name`` (``got``: its ``(datatype, shape, data)``) after checking its datatype and rank."""
     dt, shape, data = got
     if dt != datatype:
-        raise BadRequest(f"input '{name}': datatype must be {datatype}, got {dt}")
+        raise BadRequest(f"input {quoted(name)}: datatype must be {datatype}, got {dt}")
     if len(shape) != ndim:
-        raise BadRequest(f"input '{name}': shape must have {ndim} dimension(s), got {shape}")
+        raise BadRequest(f"input {quoted(name)}: shape must have {ndim} dimension(s), got {shape}")
     return data
 
 
@@ -346,7 +346,7 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
     for inp in req["inputs"]:
         name, dt, shape, data, pos = _tensor(inp, binary, pos, arrays)
         if name in got:
-            raise BadRequest(f"input '{name}' is given twice")
+            raise BadRequest(f"input {quoted(name)} is given twice")
         got[name] = (dt, shape, data)
     if binary is not None and pos != len(binary):
         raise BadRequest(f"{len(binary) - pos} bytes follow the binary tensors: the inputs' binary_data_size add up "
@@ -354,7 +354,7 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
     unknown = [k for k in got if k not in spec.known]
     if unknown:
         hint = f", {RAW_INPUT}" if spec.raw else ""
-        raise BadRequest(f"input '{min(unknown)}' is not an input of model {spec.name} (inputs: {DENSE_INPUT}, "
+        raise BadRequest(f"input {quoted(min(unknown))} is not an input of model {spec.name} (inputs: {DENSE_INPUT}, "
                          f"{spec.features[0]}..{spec.features[-1]} with .lengths{hint}; GET /v2/models/{spec.name})")
     F = len(spec.features)
     if RAW_INPUT in got:
