@@ -360,3 +360,25 @@ def test_movielens_schema_gives_the_ratings_and_labels_of_preprocess_movielens(t
     lo, ml = rows(tmp_path / "l", "userId", "movieId", lambda v: v)  # the logs vocabulary holds raw ids
     assert len(m) == len(lo) == 100836 and m == lo
     assert sum(mm["splits"][s]["rows"] for s in mm["splits"]) == sum(ml["splits"][s]["rows"] for s in ml["splits"])
+
+
+def test_a_utf8_bom_before_the_header_is_not_part_of_the_first_column(tmp_path):
+    rows = _rows(50)
+    src = tmp_path / "bom.csv"
+    src.write_bytes(b"\xef\xbb\xbf" + _csv(tmp_path / "plain.csv", rows).read_bytes())
+    schema = load_schema(_schema(tmp_path))
+    rep = preprocess_logs(schema, src, tmp_path / "b", LogOptions(), progress=False)
+    preprocess_logs(schema, tmp_path / "plain.csv", tmp_path / "p", LogOptions(), progress=False)
+    assert sum(rep.rows.values()) == 50
+    assert _read(tmp_path / "b", "train")[0].equals(_read(tmp_path / "p", "train")[0])
+    js = tmp_path / "bom.jsonl"
+    names = "id,click,ts,price,age,user,site,item".split(",")
+    js.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(dict(zip(names, r.split(",")))) + "\n" for r in rows).encode())
+    assert sum(preprocess_logs(schema, js, tmp_path / "j", LogOptions(), progress=False).rows.values()) == 50
+
+
+def test_a_headerless_file_for_a_schema_with_a_header_is_one_clear_line(tmp_path):
+    src = tmp_path / "nohead.csv"
+    src.write_text("".join(r + "\n" for r in _rows(20)))
+    _cli(tmp_path, SCHEMA, src, f"{src}:1: the first line is not a header", "`header: true`",
+         "set `header: false`")

@@ -25,11 +25,13 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.long_lines import long_line_message
+from dlrmctl.errors import quoted
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batches"]
 
 DEFAULT_BLOCK_SIZE = 4 << 20  # bytes of text per block (as the Criteo reader)
 PARQUET_BATCH_ROWS = 65536
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
 
 
 @dataclasses.dataclass
@@ -81,7 +83,8 @@ def _text_stream(path: str | os.PathLike, data: bytes | None, block_size: int | 
 
 
 def first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
-    """The first line of a text input (decompressed; without its line break), None for an empty one.
+    """The first line of a text input (decompressed; without its line break and without a UTF-8
+    byte order mark before it), None for an empty one.
 
     Raises:
         DataError: the file cannot be read or decoded.
@@ -96,6 +99,8 @@ def first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
                 buf += chunk
     except (OSError, EOFError, pa.ArrowInvalid) as e:
         raise DataError(f"cannot be read (is it complete and of the kind its name says?): {e}", path=path) from None
+    if buf.startswith(_BOM):  # a UTF-8 byte order mark is not part of the first field (Arrow's readers skip it too)
+        buf = buf[len(_BOM):]
     if not buf:
         return None
     return buf.split(b"\n", 1)[0].rstrip(b"\r")
@@ -149,10 +154,14 @@ def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]
         DataError: naming the column, the file and the schema.
     """
     have = set(columns)
+    missing = [c for c in schema.named_columns() if c not in have]
+    if schema.header and schema.format_of(path) in ("csv", "tsv") and len(missing) == len(schema.named_columns()):
+        raise DataError(f"the first line is not a header: none of its fields ({quoted(', '.join(columns))}) names a "
+                        f"column of the schema {schema.source}, which says `header: true`; give the file its header "
+                        "line, or set `header: false` and list the `columns:` in order", path=path, line=1)
     dup = sorted({c for c in columns if columns.count(c) > 1})
     if dup:
         raise DataError(f"the file names column(s) {dup} twice", path=path, line=1)
-    missing = [c for c in schema.named_columns() if c not in have]
     if missing:
         raise DataError(f"column '{missing[0]}' named by the schema {schema.source} is not in the file "
                         f"(its columns: {', '.join(columns)})", path=path)
