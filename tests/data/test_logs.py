@@ -382,3 +382,16 @@ def test_a_headerless_file_for_a_schema_with_a_header_is_one_clear_line(tmp_path
     src.write_text("".join(r + "\n" for r in _rows(20)))
     _cli(tmp_path, SCHEMA, src, f"{src}:1: the first line is not a header", "`header: true`",
          "set `header: false`")
+
+
+def test_a_bad_json_line_is_named_by_its_line_in_any_block(tmp_path):
+    names = "id,click,ts,price,age,user,site,item".split(",")
+    rows = [json.dumps(dict(zip(names, r.split(",")))) for r in _rows(300)]
+    schema = load_schema(_schema(tmp_path))
+    for bad_at in (2, 250):  # in the first block, and in a later one
+        bad = list(rows)
+        bad[bad_at] = bad[bad_at][:-5]  # cut: not valid JSON
+        js = tmp_path / f"bad{bad_at}.jsonl"
+        js.write_text("\n".join(bad) + "\n")
+        with pytest.raises(DataError, match=rf"bad{bad_at}.jsonl:{bad_at + 1}: bad JSON line"):
+            preprocess_logs(schema, js, tmp_path / f"o{bad_at}", LogOptions(block_size=4096), progress=False)

@@ -16,6 +16,7 @@ import csv
 import dataclasses
 import io
 import os
+import re
 from typing import Callable, Iterator
 
 import numpy as np
@@ -32,6 +33,7 @@ __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batc
 DEFAULT_BLOCK_SIZE = 4 << 20  # bytes of text per block (as the Criteo reader)
 PARQUET_BATCH_ROWS = 65536
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
+_JSON_ROW_RE = re.compile(r"\s*in row (\d+)\s*$")  # the end of Arrow's JSON errors: the 0-based row of the block
 
 
 @dataclasses.dataclass
@@ -237,7 +239,13 @@ def _jsonl(path: str | os.PathLike, used: list[str], block_size: int, data: byte
             yield RowBatch(cols, np.arange(line, line + n, dtype=np.int64), os.fspath(path))
             line += n
     except (pa.ArrowInvalid, OSError, EOFError) as e:
-        raise DataError(f"cannot be read as JSON lines after line {line - 1}: {e}", path=path) from None
+        m = _JSON_ROW_RE.search(str(e))
+        if m is not None:  # Arrow counts rows from the block being parsed, which starts at `line`
+            what = str(e)[:m.start()].replace("JSON parse error: ", "").rstrip(" .")
+            raise DataError(f"bad JSON line ({what}; each line is one object, each key keeps one type)", path=path,
+                            line=line + int(m.group(1))) from None
+        where = f" after line {line - 1}" if line > 1 else ""
+        raise DataError(f"cannot be read as JSON lines{where}: {e}", path=path) from None
 
 
 def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on_bad_line: str, block_size: int,
