@@ -141,3 +141,23 @@ def test_raw_criteo_nan_and_inf_dense_fields_are_refused_alike(tmp_path):
     f = tmp_path / "empty.tsv"  # an empty field stays a missing value
     f.write_text(line([""] * 13))
     assert preprocess_criteo(f, tmp_path / "e", CriteoOptions(num_embeddings=[10] * 26), progress=False).rows["train"] == 1
+
+
+def test_a_nan_label_or_weight_is_not_told_to_leave_the_field_empty(tmp_path):
+    """The advice "leave the field empty for a missing value" is true of a dense field only: an
+    empty label or weight is refused too, and the message says so."""
+    from tests.conftest import one_error_line
+
+    f = tmp_path / "a.tsv"
+    f.write_text("\t".join(["nan"] + ["1"] * 13 + ["0000000a"] * 26) + "\n")
+    line = one_error_line(["preprocess", "criteo", "--input", f, "--out", tmp_path / "o", "-q"],
+                          "a.tsv:1: field label", "and so is an empty field")
+    assert "leave the field empty" not in line
+    schema = tmp_path / "s.yaml"
+    schema.write_text("name: w\nlabel: click\ncategorical:\n  - {name: item, hash: 10, weights: w}\n")
+    for row, field in (("nan,a,1", "click"), ("1,a,inf", "w")):
+        log = tmp_path / f"{field}.csv"
+        log.write_text("click,item,w\n1,b,2\n" + row + "\n")
+        line = one_error_line(["preprocess", "logs", "--schema", schema, "--input", log, "--out", tmp_path / field,
+                               "-q"], f"{field}.csv:3", f"field {field}", "and so is an empty field")
+        assert "leave the field empty" not in line

@@ -396,11 +396,20 @@ def count_lines(path: Path) -> int:
 _CONV_RE = re.compile(r"column #(\d+): Row #(\d+): CSV conversion error to \w+: invalid value '(.*)'", re.S)
 
 
-def _non_finite_hint(got: str) -> str:
-    """The policy, when a dense / label field holds a NaN or inf spelling (one policy for raw and
-    columnar data: non-finite values are refused, never read as missing)."""
-    if got.strip().lstrip("+-").lower() in ("nan", "inf", "infinity"):
+def non_finite_hint(missing_ok: bool) -> str:
+    """The policy on NaN / inf in a number field, as an error message adds it (one policy for raw
+    and columnar data: non-finite values are refused, never read as missing).  ``missing_ok``: an
+    empty field is a missing value there (a dense feature); else (a label, a weight) it is refused
+    too, and the advice says so."""
+    if missing_ok:
         return " (NaN / inf are refused, not read as missing: leave the field empty for a missing value)"
+    return " (NaN / inf are refused, and so is an empty field: this field needs a finite value in every row)"
+
+
+def _non_finite_hint(got: str, field: str) -> str:
+    """:func:`non_finite_hint` when ``got`` (of Criteo ``field``) spells NaN or inf, else ``""``."""
+    if got.strip().lstrip("+-").lower() in ("nan", "inf", "infinity"):
+        return non_finite_hint(field != LABEL_COLUMN)
     return ""
 
 
@@ -509,7 +518,7 @@ class BlockReader:
             raise _NeedCareful() from None
         field = self.names[int(m.group(1))]
         what = "0 or 1" if field == LABEL_COLUMN else "an integer"
-        raise DataError(f"expected {what}, got {quoted(m.group(3))}{_non_finite_hint(m.group(3))}", path=self.path,
+        raise DataError(f"expected {what}, got {quoted(m.group(3))}{_non_finite_hint(m.group(3), field)}", path=self.path,
                         line=int(m.group(2)), field=field) from None
 
     def __iter__(self) -> Iterator[Block]:
@@ -571,7 +580,7 @@ class BlockReader:
             got = values[i].as_py()
             got = got.decode("utf-8", "replace") if isinstance(got, bytes) else got
             shown = "an empty field" if got is None or got == "" else quoted(got)  # (a missing value reads as None)
-            raise DataError(f"expected {what}, got {shown}{_non_finite_hint(str(got or ''))}", path=self.path,
+            raise DataError(f"expected {what}, got {shown}{_non_finite_hint(str(got or ''), field)}", path=self.path,
                             line=int(lines[i]), field=field)
         return mask
 

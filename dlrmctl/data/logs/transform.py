@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dlrmctl.data.columnar import DataError
+from dlrmctl.data.criteo.parse import non_finite_hint
 from dlrmctl.data.ids import hash_buckets, raw_ids
 from dlrmctl.errors import quoted
 from dlrmctl.data.logs.read import RowBatch
@@ -97,9 +98,10 @@ def _bad(batch: RowBatch, mask: np.ndarray, column: str, what: str, col: pa.Arra
     return mask
 
 
-def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, what: str = "a number"
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """A column as ``([n] float64, [n] bool missing)``; unparseable / non-finite values are bad."""
+def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, what: str = "a number",
+             missing_ok: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """A column as ``([n] float64, [n] bool missing)``; unparseable / non-finite values are bad
+    (``missing_ok``: whether the caller takes an empty field as a missing value, for the advice)."""
     col = batch.columns[name]
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
@@ -119,14 +121,13 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
     else:
         raise batch.error(0, name, f"expected {what}, got a column of Arrow type {t}")
     v = pc.fill_null(x, 0.0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
-    drop |= _bad(batch, ~np.isfinite(v) & ~drop, name, f"{what} (NaN / inf are refused; leave the field empty "
-                 "for a missing value)", col, on_bad_line)
+    drop |= _bad(batch, ~np.isfinite(v) & ~drop, name, what + non_finite_hint(missing_ok), col, on_bad_line)
     return np.where(np.isfinite(v), v, 0.0), missing
 
 
 def _label(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str) -> np.ndarray:
     spec = schema.label
-    x, missing = _numbers(batch, spec.column, drop, on_bad_line, "a number" if spec.op else "0 or 1")
+    x, missing = _numbers(batch, spec.column, drop, on_bad_line, "a number" if spec.op else "0 or 1", missing_ok=False)
     col = batch.columns[spec.column]
     if spec.op is None:
         bad = ((x != 0) & (x != 1)) | missing
@@ -206,7 +207,7 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         keys, present = _keys(batch, spec, col, drop, on_bad_line, spec.name)
         w = None
         if spec.weights:
-            w, wmiss = _numbers(batch, spec.weights, drop, on_bad_line, "a weight")
+            w, wmiss = _numbers(batch, spec.weights, drop, on_bad_line, "a weight", missing_ok=False)
             drop |= _bad(batch, wmiss & present & ~drop, spec.weights, f"a weight (the value of {spec.name} is "
                          "present)", batch.columns[spec.weights], on_bad_line)
             w = w.astype(np.float32)
@@ -227,7 +228,7 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         wflat = wflat.filter(pa.array(np.repeat(match, wlen)))
         wtab = RowBatch({spec.weights: wflat}, np.repeat(batch.keys[match], lengths[match]), batch.path,
                         batch.row_group, batch.group_start)
-        wv, wmiss = _numbers(wtab, spec.weights, np.zeros(len(wflat), bool), "error", "a weight")
+        wv, wmiss = _numbers(wtab, spec.weights, np.zeros(len(wflat), bool), "error", "a weight", missing_ok=False)
         # an empty element's weight may be empty too (an empty bag written as "" with weights "")
         _bad(wtab, wmiss & present[np.repeat(match, lengths)], spec.weights, "a weight", wflat, "error")
         weights = np.zeros(len(keys), np.float32)
