@@ -155,7 +155,7 @@ def check_replaceable(path: str | os.PathLike, kind: str, what: str, remedy: str
         else:
             k = kind_of(p)
             if k is None:
-                why = f"it is not a dlrmctl {kind} (no {MARKER_NAME} marker) and {what} replaces only what dlrmctl made"
+                why = f"{not_ours(p)}, and {what} replaces only what dlrmctl made"
             elif k != kind:
                 why = f"it is a dlrmctl {k}, not a {kind}"
             else:
@@ -165,6 +165,23 @@ def check_replaceable(path: str | os.PathLike, kind: str, what: str, remedy: str
                            f"which dlrmctl did not write (move them out first)")
     if why is not None:
         raise OutputError(f"{p}: refusing to replace it ({what}): {why}; {remedy}")
+
+
+def not_ours(directory: str | os.PathLike) -> str:
+    """What a directory dlrmctl did not make holds, for a refusal: ``"it holds a.txt, meta.json (not
+    a meta.json dlrmctl wrote) and 3 more, which dlrmctl did not write (no .dlrmctl marker)"``."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        return f"it cannot be listed ({e.strerror or e})"
+    if not names:
+        return "it is empty"
+    shown = [n + (" (not a meta.json dlrmctl wrote)" if n == "meta.json" else "") for n in names[:3]]
+    if "meta.json" in names[3:]:
+        shown.append("meta.json (not a meta.json dlrmctl wrote)")
+    more = len(names) - len(shown)
+    return (f"it holds {', '.join(shown)}{f' and {more} more' if more > 0 else ''}, which dlrmctl did not write "
+            f"(no {MARKER_NAME} marker)")
 
 
 def foreign_entries(directory: str | os.PathLike) -> list[str]:
@@ -198,9 +215,7 @@ def check_adoptable(directory: str | os.PathLike, kind: str, remedy: str) -> Non
         elif any(d.iterdir()):
             k = kind_of(d)
             if k is None:
-                names = sorted(os.listdir(d))
-                why = (f"it holds {', '.join(names[:3])}{' and more' if len(names) > 3 else ''}, which dlrmctl did "
-                       f"not write (no {MARKER_NAME} marker)")
+                why = not_ours(d)
             elif k != kind:
                 why = f"it is a dlrmctl {k}, not a {kind}"
     if why is not None:
@@ -403,7 +418,7 @@ def dataset_target(out: str | os.PathLike, recipe: dict, force: bool) -> Dataset
     kind = kind_of(out)
     if kind != "dataset":
         raise OutputError(f"{out}: exists and is not a dlrmctl dataset ("
-                          + (f"it is a dlrmctl {kind}" if kind else f"no {MARKER_NAME} marker, no meta.json")
+                          + (f"it is a dlrmctl {kind}" if kind else not_ours(out))
                           + "); nothing there is replaced: --out a new or empty directory")
     rec = read_marker(out)
     same = rec.get("recipe") == recipe if rec is not None else legacy_same

@@ -167,3 +167,16 @@ def test_preprocess_takes_a_lock_on_its_output(tmp_path):
     r = CliRunner().invoke(app, ["preprocess", "synthetic", "--rows", "300", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]  # the lock file went with the lock
+
+
+def test_a_directory_with_a_foreign_meta_json_is_described_as_it_is(tmp_path):
+    """The refusal said "no .dlrmctl marker, no meta.json" of a directory that had a meta.json."""
+    d = tmp_path / "other"
+    d.mkdir()
+    (d / "meta.json").write_text('{"model": "someone else\'s"}')
+    (d / "weights.bin").write_bytes(b"\0")
+    line = one_error_line(["preprocess", "synthetic", "--out", d, "--rows", 100],
+                          f"{d}: exists and is not a dlrmctl dataset", "meta.json (not a meta.json dlrmctl wrote)",
+                          "weights.bin", "no .dlrmctl marker")
+    assert "no meta.json" not in line
+    assert sorted(os.listdir(d)) == ["meta.json", "weights.bin"]
