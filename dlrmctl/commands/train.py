@@ -50,10 +50,16 @@ def train(
         from dlrmctl.train.checkpoint import CheckpointError
         from dlrmctl.train.init_from import resolve_init_from
 
+        spec = init_from
         try:
             init_from = os.path.abspath(resolve_init_from(init_from))
         except CheckpointError as e:
             fail(str(e))
+        run_dir = os.path.realpath(os.path.join(cfg.train.run_dir, cfg.name))
+        if os.path.realpath(init_from).startswith(run_dir + os.sep):
+            fail(f"--init-from {spec} is a checkpoint of {os.path.join(cfg.train.run_dir, cfg.name)}, the run this "
+                 f"command {'replaces (--overwrite)' if overwrite else 'writes'}: a new run cannot start from its own "
+                 "checkpoint; give it another name (--set name=<new>)")
     if plan:
         set_ = list(set_) + [f"sharding.plan_file={plan}"]
         cfg.sharding.plan_file = plan

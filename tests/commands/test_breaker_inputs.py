@@ -246,3 +246,18 @@ def test_a_huge_bad_field_is_quoted_cut_in_the_error_line(tmp_path):
     line = one_error_line(["preprocess", "criteo", "--input", f, "--out", tmp_path / "o", "-q"],
                           f"{f}:1: field C1: expected 8 hex digits, got 'gggg", "…' (1,000,000 characters)")
     assert len(line) < 400, len(line)
+
+
+def test_init_from_the_run_being_overwritten_is_refused_in_one_line(tmp_path, data):
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    cfg = _config(tmp_path, data)
+    r = CliRunner().invoke(app, ["train", str(cfg)])
+    assert r.exit_code == 0, r.output
+    run = tmp_path / "runs" / "b"
+    for spec in (run, run / "last"):
+        one_error_line(["train", cfg, "--overwrite", "--init-from", spec], f"--init-from {spec}",
+                       "replaces (--overwrite)", "cannot start from its own checkpoint", "--set name=")
+    assert (run / "checkpoints").is_dir()  # untouched
