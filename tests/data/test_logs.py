@@ -395,3 +395,42 @@ def test_a_bad_json_line_is_named_by_its_line_in_any_block(tmp_path):
         js.write_text("\n".join(bad) + "\n")
         with pytest.raises(DataError, match=rf"bad{bad_at}.jsonl:{bad_at + 1}: bad JSON line"):
             preprocess_logs(schema, js, tmp_path / f"o{bad_at}", LogOptions(block_size=4096), progress=False)
+
+
+def test_iso_8601_times_with_t_z_offsets_and_fractions_split_by_their_utc_instant(tmp_path):
+    """`--split-by time` refused ISO 8601 times with `T`, `Z` or a UTC offset."""
+    base = np.datetime64("2024-03-01T00:00:00")
+    spellings = ["{}Z", "{}+00:00", "{}.250Z", "{}", "{}+0000"]
+    rows, want = [], []
+    for i, r in enumerate(_rows(100)):
+        f = r.split(",")
+        t = str(base + np.timedelta64(i * 60, "s"))  # 2024-03-01T00:01:00 ...
+        if i % 7 == 3:  # the same instant written in another zone
+            local = str(base + np.timedelta64(i * 60 + 7200, "s"))
+            f[2] = local + "+02:00"
+        else:
+            f[2] = spellings[i % len(spellings)].format(t if i % 2 else t.replace("T", " "))
+        rows.append(",".join(f))
+        want.append(int((base + np.timedelta64(i * 60, "s")).astype("datetime64[s]").astype(np.int64)))
+    src = _csv(tmp_path / "iso.csv", rows)
+    rep = preprocess_logs(load_schema(_schema(tmp_path)), src, tmp_path / "out",
+                          LogOptions(val_ratio=0.1, test_ratio=0.2, split_by="time"), progress=False)
+    _, meta = _read(tmp_path / "out", "train")
+    assert meta["splits"]["test"]["rows"] == 20 and meta["splits"]["val"]["rows"] == 10, meta["splits"]
+    assert meta["transforms"]["split"]["test_from"] == want[80] and sum(rep.rows.values()) == 100
+
+
+def test_a_time_column_of_mixed_kinds_names_the_line_that_differs(tmp_path):
+    rows = _rows(30)
+    ints = list(rows)
+    ints[12] = ints[12].replace(",1012,", ",2024-01-02T03:04:05Z,")
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "ints.csv", ints), "ints.csv:14: field ts: expected an integer time "
+         "like line 2's", "'2024-01-02T03:04:05Z'", extra=("--split-by", "time"))
+    iso = [r.replace(f",{1000 + i},", f",2024-01-02 03:{i:02d}:00,") for i, r in enumerate(_rows(30))]
+    iso[5] = iso[5].replace(",2024-01-02 03:05:00,", ",1705,")
+    iso[20] = iso[20].replace(",2024-01-02 03:20:00,", ",01/02/2024,")
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "iso.csv", iso), "iso.csv:7: field ts: expected an ISO 8601 time like "
+         "line 2's", extra=("--split-by", "time"))
+    iso[5] = _rows(30)[5].replace(",1005,", ",2024-01-02 03:05:00,")
+    _cli(tmp_path, SCHEMA, _csv(tmp_path / "iso.csv", iso), "iso.csv:22: field ts: expected an integer or an ISO "
+         "8601 time", "'01/02/2024'", extra=("--split-by", "time"))

@@ -140,6 +140,13 @@ def _label(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: st
 
 
 def _time(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str) -> np.ndarray:
+    """The time column as ``[n]`` int64 seconds since the epoch (UTC).
+
+    Text values are integers (taken as they are) or ISO 8601 times: a date, a date and time with
+    ``T`` or a space, fractional seconds, and ``Z`` or a UTC offset (``+02:00``, ``+0200``), which
+    is applied; a time without one is read as UTC.  One column holds one of the two kinds, the
+    kind of its first value: a value of the other kind, or of neither, is a bad row named by its
+    line."""
     col = batch.columns[name]
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
@@ -147,15 +154,7 @@ def _time(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str) -> np.
     if pa.types.is_timestamp(t) or pa.types.is_date(t):
         col = pc.cast(pc.cast(col, pa.timestamp("s")), pa.int64())
     elif pa.types.is_string(t) or pa.types.is_large_string(t):
-        isint = pc.fill_null(pc.match_substring_regex(col, r"^\s*-?\d{1,18}\s*$"), False)
-        if pc.all(pc.or_(isint, col.is_null())).as_py():
-            col = pc.cast(pc.utf8_trim_whitespace(col), pa.int64())
-        else:
-            try:
-                col = pc.cast(pc.cast(col, pa.timestamp("s")), pa.int64())
-            except pa.ArrowInvalid:
-                ok = np.array([_parses_as_time(v) for v in col.to_pylist()])
-                _bad(batch, ~ok, name, "an integer or an ISO 8601 time (the time column)", col, "error")
+        col = _text_times(batch, name, col, drop, on_bad_line)
     elif not pa.types.is_integer(t):
         raise batch.error(0, name, f"expected integers or timestamps (the time column), got Arrow type {t}")
     missing = col.is_null().to_numpy(zero_copy_only=False)
@@ -163,14 +162,67 @@ def _time(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str) -> np.
     return pc.fill_null(pc.cast(col, pa.int64()), 0).to_numpy(zero_copy_only=False)
 
 
-def _parses_as_time(v) -> bool:
-    if v is None:
-        return True
-    try:
-        pc.cast(pa.array([v]), pa.timestamp("s"))
-        return True
-    except pa.ArrowInvalid:
-        return False
+_ZONE = r"(Z|[+-]\d\d(:?\d\d)?)$"  # an ISO 8601 time's zone designator
+
+
+def _iso_seconds(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """``([m] int64 seconds (UTC), [m] bool parsed)`` of ISO 8601 strings without nulls."""
+    m = len(values)
+    secs, ok = np.zeros(m, np.int64), np.zeros(m, bool)
+    zone = pc.fill_null(pc.match_substring_regex(values, _ZONE), False).to_numpy(zero_copy_only=False)
+    for part, tz in ((zone, "UTC"), (~zone, None)):
+        idx = np.flatnonzero(part)
+        if not idx.size:
+            continue
+        sub = values.take(pa.array(idx))
+        got = None
+        for unit in ("s", "ns"):  # whole seconds, else fractions (years 1677-2262)
+            try:
+                got = pc.cast(pc.cast(sub, pa.timestamp(unit, tz=tz)), pa.int64()).to_numpy(zero_copy_only=False)
+                secs[idx], ok[idx] = (got if unit == "s" else got // 10**9), True
+                break
+            except pa.ArrowInvalid:
+                continue
+        if got is None:  # some value of this part does not parse: find which, one by one
+            for j, v in zip(idx.tolist(), sub.to_pylist()):
+                for unit in ("s", "ns"):
+                    try:
+                        x = pc.cast(pc.cast(pa.array([v]), pa.timestamp(unit, tz=tz)), pa.int64())[0].as_py()
+                        secs[j], ok[j] = (x if unit == "s" else x // 10**9), True
+                        break
+                    except pa.ArrowInvalid:
+                        continue
+    return secs, ok
+
+
+def _text_times(batch: RowBatch, name: str, col: pa.Array, drop: np.ndarray, on_bad_line: str) -> pa.Array:
+    """Text times -> int64 seconds (nulls kept); values not of the column's kind are bad rows."""
+    s = pc.utf8_trim_whitespace(col)
+    present = ~col.is_null().to_numpy(zero_copy_only=False)
+    isint = pc.fill_null(pc.match_substring_regex(s, r"^-?\d{1,18}$"), False).to_numpy(zero_copy_only=False)
+    if not present.any():
+        return pa.nulls(len(col), pa.int64())
+    first = int(np.flatnonzero(present)[0])
+    like = f"like line {int(batch.keys[first])}'s" if batch.row_group is None else "like the first row's"
+    secs = np.zeros(len(col), np.int64)
+    if isint[first]:
+        ok = isint
+        secs[isint] = pc.cast(s.filter(pa.array(isint)), pa.int64()).to_numpy(zero_copy_only=False)
+    else:
+        idx = np.flatnonzero(present & ~isint)
+        got, parsed = _iso_seconds(s.take(pa.array(idx)))
+        ok = np.zeros(len(col), bool)
+        ok[idx], secs[idx] = parsed, got
+    bad = present & ~ok & ~drop
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        if isint[first] != isint[i] and (isint[i] or _iso_seconds(s.take(pa.array([i])))[1][0]):
+            what = (f"an integer time {like} (the time column holds one kind of time)" if isint[first] else
+                    f"an ISO 8601 time {like} (the time column holds one kind of time)")
+        else:
+            what = "an integer or an ISO 8601 time (the time column)"
+        drop |= _bad(batch, bad, name, what, col, on_bad_line)
+    return pa.array(secs, pa.int64(), mask=~present)
 
 
 def _keys(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.ndarray, on_bad_line: str,
