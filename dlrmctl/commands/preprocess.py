@@ -292,7 +292,7 @@ def synthetic_drift(
     if target.state == "complete":
         say_already_complete(out)
         return
-    rep = build_dataset(target, lambda d: generate_drifting_day(d, day, o))
+    rep = build_dataset(target, lambda d: generate_drifting_day(d, day, o, progress=True))
     print_summary(rep, out)
     import json
 

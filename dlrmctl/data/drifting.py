@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from dlrmctl.data.columnar import FORMAT_VERSION, IDS_KEY, IDS_RAW, LABEL_COLUMN
 from dlrmctl.data.criteo.preprocess import PreprocessReport
 from dlrmctl.data.ids import hash_buckets, raw_ids
 from dlrmctl.data.synthetic import roc_auc
+
+if TYPE_CHECKING:
+    from dlrmctl.console import Progress
 
 __all__ = ["DriftOptions", "generate_drifting_day"]
 
@@ -109,23 +113,29 @@ class _Pool:
         return self.ids[idx], self.effect[idx]
 
 
-def _pools(o: DriftOptions, day: int) -> list[_Pool]:
-    """The pools on ``day`` (days ``0..day-1`` replayed without their rows)."""
+def _pools(o: DriftOptions, day: int, progress: "Progress | None" = None) -> list[_Pool]:
+    """The pools on ``day`` (days ``0..day-1`` replayed without their rows; ``progress``: a day each)."""
     rng = np.random.default_rng([o.seed, 0xD21F7])
     pools = [_Pool(o, rng, f < o.signal) for f in range(o.features)]
     for _ in range(day):
         for p in pools:
             p.next_day(rng)
+        if progress is not None:
+            progress.update()
     return pools
 
 
-def generate_drifting_day(out_dir: str | Path, day: int, options: DriftOptions | None = None) -> PreprocessReport:
+def generate_drifting_day(out_dir: str | Path, day: int, options: DriftOptions | None = None,
+                          progress: bool = False, progress_every_s: float = 10.0) -> PreprocessReport:
     """Write day ``day`` of the drifting log into ``out_dir`` (columnar shards + meta.json).
 
     Args:
         out_dir: the day's dataset directory.
         day: ``K >= 0``.
         options: :class:`DriftOptions` (the same for every day of one log).
+        progress: report the replay of days ``0..K-1`` and the drawing of each feature (a bar on a
+            terminal, else a line every ``progress_every_s`` seconds: a large day or ``--rows``
+            takes minutes).
 
     Returns:
         :class:`~dlrmctl.data.criteo.preprocess.PreprocessReport`.
@@ -138,7 +148,11 @@ def generate_drifting_day(out_dir: str | Path, day: int, options: DriftOptions |
     o.check()
     if day < 0:
         raise ValueError(f"--day must be >= 0, got {day}")
-    pools = _pools(o, day)
+    from dlrmctl.console import Progress
+
+    with Progress(day, f"synthetic-drift: replaying days 0-{day - 1}", "day", enabled=progress and day > 0,
+                  every_s=progress_every_s, final_line=False) as prog:
+        pools = _pools(o, day, prog)
     rng = np.random.default_rng([o.seed, 0xDA7, day])
     wrng = np.random.default_rng([o.seed, 0x3E1])
     w = wrng.uniform(0.3, 0.6, o.dense) * wrng.choice([-1.0, 1.0], o.dense)
@@ -147,11 +161,14 @@ def generate_drifting_day(out_dir: str | Path, day: int, options: DriftOptions |
     cols: dict[str, np.ndarray] = {}
     dense_names = [f"I{j + 1}" for j in range(o.dense)]
     sparse_names = [f"C{f + 1}" for f in range(o.features)]
-    for f, p in enumerate(pools):
-        ids, eff = p.draw(rng, o.rows)
-        logit += eff
-        raw = raw_ids(ids)
-        cols[sparse_names[f]] = raw if o.modulo is None else hash_buckets(raw, o.modulo)
+    with Progress(o.features, f"synthetic-drift: drawing {o.rows:,} rows of day {day}", "feature",
+                  enabled=progress, every_s=progress_every_s, final_line=False) as prog:
+        for f, p in enumerate(pools):
+            ids, eff = p.draw(rng, o.rows)
+            logit += eff
+            raw = raw_ids(ids)
+            cols[sparse_names[f]] = raw if o.modulo is None else hash_buckets(raw, o.modulo)
+            prog.update()
     prob = 1.0 / (1.0 + np.exp(-logit))
     label = (rng.random(o.rows) < prob).astype(np.float32)
     is_val = rng.random(o.rows) < o.val_ratio

@@ -50,3 +50,17 @@ def test_modulo_ids_are_the_raw_ids_buckets_and_the_day_is_otherwise_identical(t
 def test_bad_options_are_one_line_naming_the_option(tmp_path, args, match):
     r = CliRunner().invoke(app, ["preprocess", "synthetic-drift", "--out", str(tmp_path / "o"), "--day", "0", *args])
     assert r.exit_code == 2 and match in r.output
+
+
+def test_a_long_replay_and_a_large_day_report_progress(tmp_path, capsys):
+    """`--day 400` replayed 400 days for a minute without a word: the replay and the drawing of
+    each feature are reported (here a line per update)."""
+    o = DriftOptions(rows=2000, features=3, signal=2, alive=50)
+    generate_drifting_day(tmp_path / "d", 5, o, progress=True, progress_every_s=1e-9)
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "synthetic-drift: replaying days 0-4: day 5/5 (100%)" in text, text
+    assert "synthetic-drift: drawing 2,000 rows of day 5: feature 3/3 (100%)" in text, text
+    generate_drifting_day(tmp_path / "q", 5, o)  # progress=False: silent
+    out = capsys.readouterr()
+    assert out.out + out.err == ""
