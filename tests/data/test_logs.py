@@ -179,6 +179,7 @@ def test_schema_key_errors_name_the_key_path(tmp_path):
     _cli(tmp_path, SCHEMA.replace("hash: 97", f"hash: {1 << 63}"), src, "categorical[1] (site).hash", "2^63 - 1")
     _cli(tmp_path, SCHEMA.replace("ignore: [id]", "ignore: [id, price]"), src, "ignore[1]", "price")
     _cli(tmp_path, "dense: 3\n", src, "bad.yaml", "dense", "expected a list")
+    _cli(tmp_path, SCHEMA.replace("hash: 97", "hash: 1, parse: hex"), src, "categorical[1] (site).hash", ">= 2")
 
 
 def test_bad_values_name_file_line_and_column(tmp_path):
@@ -252,6 +253,17 @@ def test_criteo_schema_gives_the_rows_ids_splits_statistics_and_val_auc_of_prepr
                         parse_options=pcsv.ParseOptions(delimiter="\t", quote_char=False),
                         convert_options=pcsv.ConvertOptions(column_types={n: pa.string() for n in names[14:]}))
     pq.write_table(tab, tmp_path / "criteo.parquet", row_group_size=3000)
+    # hashing (parse: hex, hash: N) gives the ids of preprocess criteo --num-embeddings N-1
+    preprocess_criteo(src, tmp_path / "ch", CriteoOptions(num_embeddings=[99] * 26, val_ratio=0.15, test_ratio=0.15),
+                      progress=False)
+    hashed = dataclasses.replace(schema, categorical=tuple(dataclasses.replace(c, mode="hash", buckets=100)
+                                                           for c in schema.categorical))
+    preprocess_logs(hashed, src, tmp_path / "lh", LogOptions(val_ratio=0.15, test_ratio=0.15), progress=False)
+    for split in ("train", "val", "test"):
+        a, ma = _read(tmp_path / "ch", split)
+        b, mb = _read(tmp_path / "lh", split)
+        assert a.equals(b), split
+    assert [f["num_embeddings"] for f in ma["sparse_features"]] == [f["num_embeddings"] for f in mb["sparse_features"]]
     # a model trained on either gets the same val AUC, bit for bit
     from tests.commands.test_cli_e2e import invoke
 

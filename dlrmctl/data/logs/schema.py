@@ -87,6 +87,13 @@ class CategoricalSpec:
     delimiter: str | None = None  # multi-valued as delimited text (None: an Arrow list column)
     max_len: int | None = None
     weights: str | None = None  # column of per-value weights
+    #: what ``hash`` mode reduces modulo the buckets: ``raw_id`` (FNV-1a of the text), or ``hex`` (the
+    #: 8 hex digits' integer, with ``parse: hex``); recorded so that data hashed otherwise is refused
+    hash_of: str = "raw_id"
+
+    def __post_init__(self) -> None:
+        if self.mode == "hash" and self.parse == "hex" and self.hash_of != "hex":
+            object.__setattr__(self, "hash_of", "hex")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +153,11 @@ class LogSchema:
         """Inverse of :meth:`to_dict` (a schema recorded in meta.json or a model's manifest)."""
         d = dict(d)
         lab = d.get("label")
+        for x in d.get("categorical") or []:
+            if x.get("mode") == "hash" and x.get("parse") == "hex" and x.get("hash_of") != "hex":
+                raise SchemaError(f"{x.get('name')}: hashed with parse: hex by an earlier dlrmctl (the raw id of the text "
+                                  "mod the buckets; now the hex integer, as preprocess criteo): preprocess the data "
+                                  "again (and export the model again)")
         return cls(name=d.get("name"), format=d.get("format"), header=bool(d.get("header", True)),
                    columns=tuple(d["columns"]) if d.get("columns") else None, delimiter=d.get("delimiter"),
                    label=LabelSpec(**lab) if lab else None, time=d.get("time"),
@@ -280,6 +292,9 @@ def _categorical(v: _V, i: int, x: Any, defaults: dict) -> CategoricalSpec:
         v.choice(d["ids"], f"{p}.ids", ("raw",))
         kw.update(mode="raw")
     kw["parse"] = v.choice(d.get("parse", "text"), f"{p}.parse", ("text", "hex"))
+    if mode == "hash" and kw["parse"] == "hex" and kw["buckets"] < 2:
+        raise v.fail(f"{p}.hash", f"with parse: hex the last bucket is the missing value's: expected an integer "
+                                  f">= 2, got {kw['buckets']}")
     if "multi" in d and d["multi"] is not None and d["multi"] is not False:
         m = {} if d["multi"] is True else v.mapping(d["multi"], f"{p}.multi", ("delimiter", "max_len"))
         kw["multi"] = True

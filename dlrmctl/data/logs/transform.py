@@ -7,11 +7,13 @@
   ``standardize``: ``(x - mean) / std`` with the train split's mean and standard deviation
   (``std`` 0 -> 1); ``none``: ``x``.  float32.
 * categorical: each value becomes a 63-bit key: its raw id (:func:`dlrmctl.data.ids.raw_ids` of its
-  text), or in ``vocab`` mode with ``parse: hex`` its 8 hex digits as an integer (Criteo's
-  vocabulary order; ``parse: hex`` also refuses a value that is not 8 hex digits).  Then per mode:
+  text), or in ``vocab`` and ``hash`` modes with ``parse: hex`` its 8 hex digits as an integer
+  (Criteo's keys; ``parse: hex`` also refuses a value that is not 8 hex digits).  Then per mode:
   ``vocab``: the key's rank in the train vocabulary (:class:`VocabLookup`), ``V`` for an unseen or
   rare value, ``V + 1`` for a missing one (table ``V + 2`` rows, as Criteo's);
-  ``hash``: ``raw_id mod buckets`` (missing -> 0, the raw id of a missing value);
+  ``hash``: ``raw_id mod buckets`` (missing -> 0, the raw id of a missing value); with ``parse:
+  hex`` ``h mod (buckets - 1)``, missing -> ``buckets - 1`` (``preprocess criteo --num-embeddings
+  buckets-1``, DLRM reference ``data_utils.py``: ``int(x, 16) % N``);
   ``raw``: the raw id itself (``ids: raw``).
 * multi-valued: an Arrow list or text split at ``delimiter``; empty elements dropped; the first
   ``max_len`` kept; a missing value is an empty bag.  The optional weight column gives one float
@@ -241,9 +243,9 @@ def _keys(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.nda
                                 path=batch.path)
             if not spec.multi:
                 drop |= _bad(batch, bad & ~drop, column, "8 hex digits", values, on_bad_line)
-        if spec.mode != "vocab":  # hash / raw ids: the raw id of the text itself
+        if spec.mode == "raw":  # raw ids: the raw id of the text itself
             return raw_ids(v), present
-        return h.astype(np.int64), present
+        return h.astype(np.int64), present  # vocab and hash: the integer (Criteo's keys)
     try:
         k = raw_ids(values)
     except TypeError as e:
@@ -399,6 +401,10 @@ def ids_of(spec: CategoricalSpec, v: CategoricalValues, vocab: VocabLookup | Non
         ids[~v.present] = vocab.size + 1
         return ids
     if spec.mode == "hash":
+        if spec.parse == "hex":  # preprocess criteo --num-embeddings N - 1: h mod (N - 1), missing -> N - 1
+            ids = v.keys % (spec.buckets - 1)
+            ids[~v.present] = spec.buckets - 1
+            return ids
         return hash_buckets(v.keys, spec.buckets)
     return v.keys
 
