@@ -67,7 +67,8 @@ def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_pat
     env = {**os.environ, "PYTHONPATH": REPO, "DLRMCTL_STALL_TIMEOUT_S": "5"}
     cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
            "--set", f"data.path={tmp_path / 'data'}", "--set", f"train.run_dir={tmp_path / 'runs'}",
-           "--set", "data.batch_size=8", "--set", "train.epochs=100", "--set", "train.progress=false"]
+           "--set", "data.batch_size=8", "--set", "train.epochs=100", "--set", "train.progress=false",
+           "--set", "train.log_every=1"]
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -76,7 +77,10 @@ def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_pat
             time.sleep(1)
             ranks = _workers(str(tmp_path))
         assert len(ranks) == 2, p.poll()
-        time.sleep(15)  # past start-up: training
+        metrics = tmp_path / "runs" / "demo" / "metrics.jsonl"
+        while not (metrics.exists() and '"train"' in metrics.read_text()):  # past start-up: training
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.2)
         os.kill(ranks[1], signal.SIGSTOP)
         t0 = time.monotonic()
         out, err = p.communicate(timeout=120)
