@@ -155,6 +155,7 @@ def test_local_ranks_end_with_a_sigkilled_parent():
     assert not left, f"ranks {left} outlived their SIGKILLed parent"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_train_nproc_ranks_and_torchrun_end_with_a_sigkilled_launcher(tmp_path):
     """torchrun runs in its own session (torchx): a SIGKILLed `dlrmctl train --nproc 2` takes its

@@ -155,6 +155,7 @@ def _train(data, runs, *extra, timeout=180):
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_rank_run_without_torchrun_on_path_echoes_rank_0_and_keeps_every_rank_log(small_data, tmp_path):
     r = _train(small_data, tmp_path / "runs")
@@ -170,6 +171,7 @@ def test_two_rank_run_without_torchrun_on_path_echoes_rank_0_and_keeps_every_ran
     assert {p.parent.name for p in logs.rglob("stderr.log") if p.parent.parent.name == "attempt_0"} == {"0", "1"}
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_failing_rank_is_reported_in_one_line_naming_it_and_its_log(small_data, tmp_path):
     """Rank 1 alone reads a corrupt id (row 700 of the first 1024-row global batch); rank 0 then
@@ -262,6 +264,7 @@ def _pids_running(marker):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_cancels_the_job_every_rank_ends_and_a_second_train_is_refused_meanwhile(sig, small_data, tmp_path):
@@ -364,6 +367,7 @@ def test_first_failure_prefers_a_rank_killed_without_a_record_to_a_peer_that_los
     assert what == "rank 1 failed: killed by SIGKILL" and log.endswith("attempt_0/1/stderr.log")
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_rank_killed_while_checkpointing_is_the_one_reported(small_data, tmp_path):
     """Issue 23 item 16: rank 1 SIGKILLed while the ranks train and write a checkpoint every step;

@@ -7,6 +7,7 @@ import csv
 import json
 
 import numpy as np
+import pytest
 from tests.commands.test_cli_e2e import invoke
 from tests.conftest import SHARED_DATA, require_shared
 
@@ -178,6 +179,7 @@ def test_multi_valued_weighted_columns_train_export_predict_and_serve_raw_rows(t
                                    want[:7], atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_serve_answers_raw_json_rows_with_the_scores_of_predict(tmp_path):
     """`serve` of the Avazu model: raw rows as JSON objects keyed by column name (and as CSV lines)
     score as `predict` scores the same rows of the CSV file (1e-6)."""

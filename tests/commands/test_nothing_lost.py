@@ -80,6 +80,7 @@ def run(tmp_path_factory, raw):
 
 
 # ----------------------------------------------------------------------------- item 5, 14: export --force
+@pytest.mark.slow
 @needs_fbgemm
 def test_export_force_replaces_only_an_export_of_ours(run, tmp_path, monkeypatch):
     root, data, run_dir, m = run
@@ -369,6 +370,7 @@ def test_overwrite_replaces_only_what_a_run_writes(tmp_path):
     assert (runs / "a" / "config.yaml").read_text() != "the attempt's"
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_train_nproc_overwrite_replaces_the_run_and_keeps_the_jobs_logs(tmp_path):
     """`train --nproc 2 --overwrite` of an existing run: the launcher set the old run aside, then rank 0

@@ -59,6 +59,7 @@ def _workers(text: str) -> dict[int, int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_path):
     from dlrmctl.data.synthetic import generate_synthetic

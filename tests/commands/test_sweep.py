@@ -76,6 +76,7 @@ def _sweep(data, runs, *extra):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_a_2x2_sweep_writes_4_runs_and_a_summary_sorted_by_val_auc(data, tmp_path):
     r = _sweep(data, tmp_path, "--grid", "model.dropout=0,0.3", "--grid", "optimizer.dense.lr=0.01,0.2",
                "--jobs", "2")
@@ -142,6 +143,7 @@ def test_sweep_name_is_one_directory_under_run_dir(data, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_more_jobs_than_points_and_a_name_with_spaces(data, tmp_path):
     """--jobs larger than the grid runs the points (as many at once as there are) and the printed
     `dlrmctl evaluate` hint is quoted for the shell."""
@@ -171,6 +173,7 @@ def _procs_mentioning(text: str) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="lists processes through /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT])  # SIGTERM takes the same path (interruptible)
 def test_a_signal_to_the_sweep_process_alone_stops_every_point_and_the_sweep(data, tmp_path, sig):

@@ -96,6 +96,7 @@ def test_bad_interaction_options_are_one_usage_error_before_any_output(tmp_path,
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_dlrm_beats_the_logistic_regression_on_planted_interactions(tmp_path):
     """The CI guard of benchmarks/planted_interactions.md at small size: 100k rows (smaller tables
     than the benchmark's so the LR fits in seconds), DLRM (dot) - LR >= 0.01 test AUC."""

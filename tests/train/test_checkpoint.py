@@ -143,7 +143,11 @@ OPTIMIZERS = ["exact_rowwise_adagrad", "adam", "partial_rowwise_adam"]
 N_STATES = {"exact_rowwise_adagrad": 1, "adam": 2, "partial_rowwise_adam": 2}
 
 
-@pytest.fixture(scope="module", params=OPTIMIZERS)
+#: the default run keeps the default optimizer's multi-rank jobs; the other two are marked slow
+OPTIMIZER_PARAMS = [o if o == "exact_rowwise_adagrad" else pytest.param(o, marks=pytest.mark.slow) for o in OPTIMIZERS]
+
+
+@pytest.fixture(scope="module", params=OPTIMIZER_PARAMS)
 def two_rank(request, data, tmp_path_factory):
     from dlrmctl.distributed.model_parallel import plan_from_types
 
@@ -215,7 +219,7 @@ def test_resume_gives_the_same_per_step_losses_on_2_ranks_with_tw_rw_dp_cw_table
     assert meta["world_size"] == 2 and set(meta["files"]) >= {".metadata", "__0_0.distcp", "__1_0.distcp"}
 
 
-@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("optimizer", ["exact_rowwise_adagrad", pytest.param("adam", marks=pytest.mark.slow)])
 def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path, optimizer):
     runs, o = str(tmp_path), _opt(optimizer)
     _train(None, _cfg(data, runs, "s", STRAIGHT, *o), os.path.join(runs, "s"), False, None).train()

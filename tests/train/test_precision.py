@@ -149,6 +149,7 @@ def test_fp16_tables_dense_kernel_updates_like_the_fp16_tbe(opt):
         assert (a - b).abs().max() <= 2.0 ** -9 * b.abs().max()
 
 
+@pytest.mark.slow
 @needs_fbgemm
 def test_bf16_and_fp16_table_training_reach_the_bayes_auc_on_cpu(learnable, tmp_path):
     from dlrmctl.data.columnar import read_meta
