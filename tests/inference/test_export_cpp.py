@@ -26,6 +26,7 @@ SRC = REPO / "scripts" / "cpp_inference"
 
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="the TorchScript artifact needs fbgemm_gpu")
 pytestmark = [
+    pytest.mark.slow,  # a C++ build (cmake + libtorch) on a fresh machine, then several processes
     pytest.mark.skipif(shutil.which("cmake") is None or (shutil.which("c++") or shutil.which("g++")) is None,
                        reason="cmake and a C++ compiler are needed to build the C++ example"),
 ]
@@ -174,7 +175,6 @@ def test_cpp_refuses_a_model_file_whose_bytes_differ_from_the_manifests_sha256(c
     assert r.returncode == 2 and "records no SHA-256" in r.stderr, r.stderr
 
 
-@pytest.mark.slow
 def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path, capsys):
     """export --aot: the compile is announced as a step, the AOTInductor package is hashed in the
     manifest, and the C++ example (picking
