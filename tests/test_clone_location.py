@@ -86,6 +86,7 @@ def test_host_sync_counter_owns_only_the_packages_files_in_a_clone_named_dlrmctl
     assert p.returncode == 0 and "probe ok" in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.slow  # a nested pytest that imports torch and runs a 2-rank job
 @pytest.mark.multiprocess
 def test_host_sync_test_passes_from_a_clone_named_dlrmctl_started_in_another_directory(clone_named_dlrmctl):
     clone, python, env = clone_named_dlrmctl
