@@ -91,7 +91,8 @@ def _print_parity(p: dict) -> None:
     lat = p.get("latency_ms") or {}
     if lat:
         typer.echo("  latency ms   " + ", ".join(f"B={b}: p50 {v['p50']:.3f} p99 {v['p99']:.3f}" for b, v in lat.items())
-                   + f" ({p.get('threads')} threads)")
+                   + f" (synthetic ids, {p.get('threads')} intra-op threads, ~1 s per batch size under this "
+                     "machine's current load: a check, not a benchmark)")
     if p.get("note"):
         typer.echo(f"  note         {p['note']}")
 

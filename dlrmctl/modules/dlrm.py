@@ -13,6 +13,7 @@ The interaction is pluggable (``dot``; ``dcn`` and ``projection`` live in
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -213,6 +214,17 @@ def apply_cpu_linear(model: nn.Module, kind: str, device: torch.device, precisio
     return f"the MLPs train on oneDNN's fp32 GEMM ({why}; --set train.cpu_linear=aten: MKL's)"
 
 
+def _linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+    """``nn.Linear(in_features, out_features, bias)``, also for a model without dense inputs
+    (``in_features`` 0, e.g. Avazu): its ``[out, 0]`` weight has nothing to initialise, and torch's
+    "zero-element tensors" warning about it is not shown (the default init draws the same random
+    numbers either way)."""
+    with warnings.catch_warnings():
+        if in_features == 0:
+            warnings.filterwarnings("ignore", "Initializing zero-element tensors is a no-op", UserWarning)
+        return nn.Linear(in_features, out_features, bias=bias)
+
+
 class MLP(nn.Module):
     """Linear + ReLU stack.
 
@@ -242,7 +254,7 @@ class MLP(nn.Module):
         layers: list[nn.Module] = []
         prev = in_features
         for i, n in enumerate(layer_sizes):
-            lin = nn.Linear(prev, n)
+            lin = _linear(prev, n)
             # DLRM reference init (dlrm_s_pytorch.py create_mlp): W ~ N(0, sqrt(2/(fan_in+fan_out))),
             # b ~ N(0, sqrt(1/fan_out)).
             nn.init.normal_(lin.weight, 0.0, (2.0 / (prev + n)) ** 0.5)
@@ -510,7 +522,7 @@ class FirstOrder(nn.Module):
 
     def __init__(self, dense_in_features: int, pooled_width: int) -> None:
         super().__init__()
-        self.dense = nn.Linear(dense_in_features, 1, bias=False)
+        self.dense = _linear(dense_in_features, 1, bias=False)
         self.sparse = nn.Linear(pooled_width, 1, bias=False)
         nn.init.zeros_(self.dense.weight)
         nn.init.zeros_(self.sparse.weight)

@@ -267,7 +267,7 @@ def test_bad_line_errors_name_file_line_and_field(tmp_path):
     cases = [
         (good + line(cats=["05db9164", "00000001", "xyz"] + ["00000001"] * 23),
          "bad.tsv:2: field C3: expected 8 hex digits, got 'xyz'"),
-        (good + good + "1\t2\t3\n", "bad.tsv:3: expected 40 tab-separated fields, got 3"),
+        (good + good + "1\t2\t3\n", "bad.tsv:3: expected 40 tab-separated fields, got 3 (the first missing: I3)"),
         (good + line(dense=["1", "2", "3", "abc"] + [""] * 9), "bad.tsv:2: field I4: expected an integer, got 'abc'"),
         (line(label="2"), "bad.tsv:1: field label: expected 0 or 1, got '2'"),
         (good + line(cats=["0000000g"] + ["00000001"] * 25), "bad.tsv:2: field C1: expected 8 hex digits, got '0000000g'"),

@@ -446,3 +446,25 @@ def test_a_time_column_of_mixed_kinds_names_the_line_that_differs(tmp_path):
     iso[5] = _rows(30)[5].replace(",1005,", ",2024-01-02 03:05:00,")
     _cli(tmp_path, SCHEMA, _csv(tmp_path / "iso.csv", iso), "iso.csv:22: field ts: expected an integer or an ISO "
          "8601 time", "'01/02/2024'", extra=("--split-by", "time"))
+
+
+def test_a_short_raw_row_names_the_field_count_and_the_first_missing_column(tmp_path):
+    """A raw row with too few fields (what `serve` gets in a request, one row or several, or a
+    file's row) is refused naming the row, the field counts and the first missing column; a
+    block whose only row is bad is refused too (it once came back as "parsed 0 of 1 rows")."""
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.logs.raw_transform import RawTransformer
+
+    s = _schema(tmp_path, "header: false\ncolumns: [y, x, u, v]\nformat: csv\nlabel: y\n"
+                          "dense: [{name: x}]\ncategorical: [{name: u, vocab: {min_count: 1}}, "
+                          "{name: v, vocab: {min_count: 1}}]\n")
+    (tmp_path / "train.csv").write_text("".join(f"{i % 2},{i},u{i % 5},v{i % 3}\n" for i in range(40)))
+    preprocess_logs(load_schema(s), tmp_path / "train.csv", tmp_path / "out", progress=False)
+    tr = RawTransformer(json.loads((tmp_path / "out" / "meta.json").read_text()), tmp_path / "out")
+    with pytest.raises(DataError, match=r"^req:1: expected 4 CSV fields, got 2 \(the first missing: 'u'\)$"):
+        tr.lines([b"1,3"], "req")
+    with pytest.raises(DataError, match=r"^req:2: expected 4 CSV fields, got 3 \(the first missing: 'v'\)$"):
+        tr.lines([b"1,3,u1,v1", b"0,7,u2"], "req")
+    (tmp_path / "short.csv").write_text("1,3,u1,v1\n1\n")
+    with pytest.raises(DataError, match=r"short.csv:2: expected 4 CSV fields, got 1 \(the first missing: 'x'\)"):
+        list(tr.file(tmp_path / "short.csv"))

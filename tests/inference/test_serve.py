@@ -199,6 +199,9 @@ def test_serve_scores_1000_rows_like_predict_bad_inputs_and_batching(model, tmp_
             "bad raw line": ({"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [2],
                                           "data": [lines[0].decode(), lines[1].decode().replace("\t", "\tx", 1)]}]},
                              "input 'raw' element 1: field I1: expected an integer"),
+            "short raw line": ({"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [2],
+                                            "data": [lines[0].decode(), "1\t2\t3"]}]},
+                               "input 'raw' element 1: expected 40 tab-separated fields, got 3 (the first missing: I3)"),
             "raw with tensors": ({"inputs": [one, {"name": "raw", "datatype": "BYTES", "shape": [1], "data": [lines[0].decode()]}]},
                                  "input 'raw' (raw lines) replaces every other input"),
         }

@@ -34,6 +34,25 @@ def test_dlrm_forward_shapes_and_backward_reaches_every_part():
     assert all(p.grad is not None for p in m.parameters())
 
 
+def test_a_model_without_dense_inputs_builds_trains_and_warns_nothing():
+    """Data with no dense columns (Avazu): the bottom MLP and the first-order term take a
+    ``[B, 0]`` input; building the model raises no warning (torch's "zero-element tensors"
+    notice included) and its forward and backward work."""
+    import warnings
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=10, embedding_dim=4, feature_names=[f"f{i}"])
+              for i in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        m = DLRM(EmbeddingBagCollection(tables, compute_kernel="dense"), 0, [8, 4], [8, 1], 3, 4,
+                 first_order_width=12)
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], torch.randint(0, 10, (15,)), lengths=torch.ones(15, dtype=torch.int64))
+    logits = m(torch.zeros(5, 0), kjt)
+    assert logits.shape == (5, 1) and torch.isfinite(logits).all()
+    logits.sum().backward()
+    assert m.dense_arch.model.model[0].weight.shape == (8, 0)
+
+
 def test_broken_fbgemm_install_names_both_versions_and_the_pair(monkeypatch):
     import builtins
 

@@ -490,10 +490,12 @@ class BlockReader:
         return b"\t" * len(self.names)
 
     def _invalid_row(self, row) -> str:
+        got = row.actual_columns
         if row.number in self._long_lines:
             msg = long_line_message(self.block_size)
         else:
-            msg = f"expected {len(self.names)} tab-separated fields, got {row.actual_columns}"
+            msg = f"expected {len(self.names)} tab-separated fields, got {got}" + (
+                f" (the first missing: {self.names[got]})" if got < len(self.names) else "")
         if self.on_bad_line == "error" and self._first_error is None:
             self._first_error = (row.number, msg)
         self._skipped.append(row.number)

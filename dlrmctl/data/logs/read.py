@@ -262,8 +262,10 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
 
     def invalid(row) -> str:
         if on_bad_line == "error" and not first_error:
+            got = row.actual_columns
             first_error.append((row.number, long_line_message(block_size) if row.number in long_lines else
-                                f"expected {len(cols)} {fmt.upper()} fields, got {row.actual_columns}"))
+                                f"expected {len(cols)} {fmt.upper()} fields, got {got}"
+                                + (f" (the first missing: '{cols[got]}')" if got < len(cols) else "")))
         skipped.append(row.number)
         return "skip"
 
@@ -303,6 +305,7 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
         lines, next_line, bad, pos = block_lines(skipped, pos, next_line, n)
         if n or bad:
             yield RowBatch({c: rb.column(c) for c in used}, lines, os.fspath(path), bad_skipped=bad)
+    raise_first()  # a bad row in a block that had no good one (a request of one short line)
     if len(skipped) > pos:
         yield RowBatch({c: pa.array([], pa.string()) for c in used}, np.zeros(0, np.int64), os.fspath(path),
                        bad_skipped=len(skipped) - pos)
