@@ -28,6 +28,7 @@ __all__ = ["InputFormatError", "check_predict_input"]
 _HEAD_BYTES = 1 << 20
 _PARQUET_MAGIC = b"PAR1"
 _GZIP_MAGIC = b"\x1f\x8b"
+_BOM = b"\xef\xbb\xbf"
 #: Criteo's raw rows: a label, 13 dense and 26 categorical fields, tab-separated (the label may be absent)
 _CRITEO_FIELDS = (40, 39)
 
@@ -89,6 +90,8 @@ def _first_line(head: bytes, path: Path, expected: str) -> bytes:
 
     Raises:
         InputFormatError: binary data (Parquet, NUL bytes, gzip under another name, not UTF-8)."""
+    if head.startswith(_BOM):  # a UTF-8 byte order mark is not part of the first field (as the readers read it)
+        head = head[len(_BOM):]
     line = head.split(b"\n", 1)[0].rstrip(b"\r")
     if head.startswith(_PARQUET_MAGIC):
         found = "a Parquet file"

@@ -248,7 +248,7 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
         p = _run("predict", str(m), "--input", str(tmp_path / name))
         assert "EXIT 2 HEAVY -" in p.stderr, (name, p.stderr[-2000:])
         assert p.stderr.startswith(f"error: {tmp_path / name}{what}"), (name, p.stderr)
-    (tmp_path / "good.csv").write_text("click,price,site,app\n1,2,a,b\n")
+    (tmp_path / "good.csv").write_text("\ufeffclick,price,site,app\n1,2,a,b\n")  # (a BOM is not part of 'click')
     p = _run("predict", str(model), "--input", str(tmp_path / "good.csv"))
     assert "HEAVY -" not in p.stderr and "manifest" in p.stderr, p.stderr[-2000:]  # passed on to load_exported
 
