@@ -671,3 +671,33 @@ def test_a_server_process_that_exits_past_the_restarts_allowed_stops_the_server_
         err = p.stderr.read().strip()
     assert err.splitlines() == ["error: server dlrmctl-serve-process-2 was killed by SIGKILL, after 0 restart(s) "
                                 "of the server processes; server stopped"], err
+
+
+def test_sigterm_answers_the_requests_waiting_in_the_accept_backlog(model):
+    """Connections the kernel accepted while the server was busy (here: stopped) and requests they
+    sent before the SIGTERM are answered, not reset when the listening socket closes."""
+    lines = RAW100.read_text().splitlines()
+    body = {"inputs": [{"name": "raw", "datatype": "BYTES", "shape": [1], "data": lines[:1]}]}
+    with server(model, "--max-delay-ms", "0") as (url, p):
+        assert _post(url, body)[0] == 200
+        results: list = []
+
+        def client():
+            try:
+                results.append(_post(url, body)[0])
+            except OSError as e:  # reset / refused: the bug
+                results.append(repr(e))
+
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            threads = [threading.Thread(target=client) for _ in range(16)]
+            for t in threads:
+                t.start()
+            time.sleep(1.0)  # every connection in the backlog, every request in its socket
+            p.send_signal(signal.SIGTERM)
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(60)
+        assert p.wait(60) == 0
+    assert results == [200] * 16, results

@@ -4,6 +4,7 @@
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 from typing import Any, Callable
@@ -164,6 +165,28 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
     serve(model, name, sock, process=process, child=True, **options)
 
 
+def accept_queue(sock: socket.socket) -> int | None:
+    """Connections waiting in listening socket ``sock``'s accept queue (Linux: ``tcpi_unacked`` of
+    ``TCP_INFO``, which a listening socket reports as its accept queue); None where unknown."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        return struct.unpack_from("I", info, 24)[0]
+    except (OSError, AttributeError, struct.error):
+        return None
+
+
+async def drain_backlog(sock: socket.socket, limit_s: float = 10.0) -> None:
+    """Wait (at most ``limit_s``) until the event loop has accepted every connection waiting in
+    ``sock``'s accept queue, then a moment for their requests to be read (each then runs to its
+    answer during the shutdown)."""
+    import asyncio
+
+    end = time.monotonic() + limit_s
+    while (accept_queue(sock) or 0) > 0 and time.monotonic() < end:
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+
+
 def exit_description(code: int | None) -> str:
     """``"was killed by SIGKILL"`` / ``"exited with code 3"`` for a process's exit code."""
     if code is not None and code < 0:
@@ -294,6 +317,12 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
                         except ProcessLookupError:
                             pass
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: list | None = None) -> None:
+            # connections the kernel accepted (in the listening socket's backlog) and the requests they
+            # sent are taken in and answered first: closing the socket would reset them
+            await drain_backlog(sock)
+            await super().shutdown(sockets=sockets)
 
     server = Server(config)
     caught: list[int] = []
