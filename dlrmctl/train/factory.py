@@ -73,11 +73,15 @@ def check_tables_fit(cfg: ExperimentConfig, tables: Sequence[EmbeddingBagConfig]
     if total <= have:
         return
     big = max(tables, key=lambda t: need[t.name])
+    mc = cfg.model.managed_collision is not None or any(t.managed_collision is not None for t in cfg.model.tables or [])
+    # managed-collision tables shard row_wise by zone of their buckets: N must divide the buckets
+    nproc = ("--nproc N, N dividing the managed-collision buckets" if mc else "--nproc N")
     raise ConfigError(
         f"model.tables: the tables need {fmt_bytes(total)} (weights + {cfg.optimizer.embedding.type} state) in one "
         f"process but there is {fmt_bytes(have)} {what}; the largest, '{big.name}' ({big.num_embeddings:,} rows x "
-        f"{big.embedding_dim}), needs {fmt_bytes(need[big.name])}: shard the tables over ranks (--nproc N; "
-        f"`dlrmctl plan CONFIG --gpus N --device cpu` shows how many), use fp16 weights (model.embedding_precision) or fewer rows")
+        f"{big.embedding_dim}), needs {fmt_bytes(need[big.name])}: shard the tables over ranks ({nproc}; "
+        f"`dlrmctl plan CONFIG --gpus N --device cpu` shows how many), use fp16 weights (model.embedding_precision) or fewer rows"
+        + (" (model.managed_collision.size)" if mc else ""))
 
 
 def build_model(

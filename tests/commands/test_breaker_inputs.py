@@ -261,3 +261,24 @@ def test_init_from_the_run_being_overwritten_is_refused_in_one_line(tmp_path, da
         one_error_line(["train", cfg, "--overwrite", "--init-from", spec], f"--init-from {spec}",
                        "replaces (--overwrite)", "cannot start from its own checkpoint", "--set name=")
     assert (run / "checkpoints").is_dir()  # untouched
+
+
+@pytest.mark.parametrize("mc", [False, True])
+def test_the_memory_refusal_advises_what_the_run_can_do(tmp_path, monkeypatch, mc):
+    """The advice to shard over --nproc N must fit the run: a managed-collision run needs N to
+    divide its buckets."""
+    import dlrmctl.train.factory as factory
+    from dlrmctl.data.drifting import DriftOptions, generate_drifting_day
+
+    monkeypatch.setattr(factory, "available_memory_bytes", lambda device: (1000, "of host memory available"))
+    d = tmp_path / "raw"
+    generate_drifting_day(d, 0, DriftOptions(rows=300, features=2, signal=1, dense=2, alive=50,
+                                             modulo=None if mc else 100))  # raw ids, or index ids
+    cfg = tmp_path / "c.yaml"
+    model = {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [8, 1]}
+    if mc:
+        model["managed_collision"] = {"size": 64}
+    cfg.write_text(yaml.safe_dump({"name": "m", "data": {"path": str(d), "batch_size": 32},
+                                   "model": model, "train": {"run_dir": str(tmp_path / "runs"), "max_steps": 1}}))
+    line = one_error_line(["train", cfg], "model.tables: the tables need", "shard the tables over ranks")
+    assert ("N dividing the managed-collision buckets" in line) == mc, line
