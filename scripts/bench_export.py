@@ -21,10 +21,12 @@ from Python through ``load_exported(..., artifact="aoti")``) and the TorchScript
 IntNBit TBE (``--torchscript``).  Prints max |Δlogit| of each against the pt2 program on
 DATA_DIR's split (and the float model's, from the parity report), the peak RSS of a fresh
 process that loads the artifact and scores batches of 4096, p50 latency and rows/s at batch 1 /
-64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per feature, one call timed), file
-bytes, the machine, threads and load average.
+64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per feature, one call timed, on the
+process's CPU time and on wall time; the median over ``--rounds`` rounds that alternate the
+artifacts, so a shared machine's drifting load falls on all of them), each artifact's rows/s over
+TorchScript's, file bytes, the machine, threads and load average.
 
-    python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N] [--reuse DIR]
+    python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N] [--reuse DIR] [--rounds 5]
 
 ``--peak-rss``: peak memory of ``dlrmctl export`` (issue 13: export builds the model on the meta
 device and reads, quantizes and drops one table at a time).  It makes a run whose table C1 is
@@ -156,7 +158,8 @@ def _peak_rss(model_dir: Path, artifact: str) -> int:
     return int(json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"])
 
 
-def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | None = None) -> int:
+def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | None = None,
+              rounds: int = 5) -> int:
     """``--artifacts``: parity and latency of every artifact of ``dtype`` (module doc)."""
     import datetime
     import os
@@ -209,15 +212,34 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | 
               f"(AUC {par.get('artifact', {}).get('auc', float('nan')):.6f} vs {par.get('float', {}).get('auc', float('nan')):.6f})")
         print()
         print("| artifact | file bytes | max \\|Δlogit\\| vs pt2 | peak RSS (B=4096) | "
-              + " | ".join(f"B={b} p50 ms (rows/s)" for b in LATENCY_BATCHES) + " |")
-        print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in LATENCY_BATCHES) + " |")
+              + " | ".join(f"B={b} CPU p50 ms (rows/s)" for b in LATENCY_BATCHES) + " | "
+              + " | ".join(f"B={b} wall p50 ms" for b in LATENCY_BATCHES) + " |")
+        print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in 2 * LATENCY_BATCHES) + " |")
+        # rounds, the artifacts alternated in each: a shared machine's load drifts between rounds,
+        # not between the artifacts of one round; p50 = median over the rounds of each round's p50,
+        # on this process's CPU time (other processes' load does not inflate it) and on wall time
+        clocks = {"cpu": time.process_time, "wall": time.perf_counter}
+        p50s = {c: {name: {str(b): [] for b in LATENCY_BATCHES} for name, *_ in variants} for c in clocks}
+        for _ in range(rounds):
+            for name, fn, _, _ in variants:
+                for c, clock in clocks.items():
+                    for b, v in latency(_Scorer(p2, fn), budget_s=0.3, clock=clock).items():
+                        p50s[c][name][b].append(v["p50"])
+        p50 = {c: {name: {b: float(np.median(v)) for b, v in per.items()} for name, per in by.items()}
+               for c, by in p50s.items()}
         for name, fn, nbytes, (mdir, fmt) in variants:
-            lat = latency(_Scorer(p2, fn))
             d = float(np.max(np.abs(ref[name].astype(np.float64) - base)))
             rss = _peak_rss(mdir, fmt)
             print(f"| {name} | {f'{nbytes:,}' if nbytes else '-'} | {d:.3g} | {rss / 2**20:,.0f} MiB | "
-                  + " | ".join(f"{lat[str(b)]['p50']:.3f} ({b / lat[str(b)]['p50'] * 1e3:,.0f})"
-                               for b in LATENCY_BATCHES) + " |")
+                  + " | ".join(f"{p50['cpu'][name][str(b)]:.3f} ({b / p50['cpu'][name][str(b)] * 1e3:,.0f})"
+                               for b in LATENCY_BATCHES) + " | "
+                  + " | ".join(f"{p50['wall'][name][str(b)]:.3f}" for b in LATENCY_BATCHES) + " |")
+        ts_name = variants[-1][0]
+        for c in clocks:
+            for name, *_ in variants[:-1]:
+                print(f"  {name} rows/s / TorchScript's ({c} time): " + ", ".join(
+                    f"B={b} {p50[c][ts_name][str(b)] / p50[c][name][str(b)]:.2f}x" for b in LATENCY_BATCHES)
+                    + f" (median of {rounds} alternated rounds)")
     print(f"\n{time.perf_counter() - t0:.0f} s; load average after {os.getloadavg()[0]:.2f} "
           f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     return 0
@@ -236,12 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
         ap.add_argument("--reuse", help="keep the exports in this directory (pt2/ with --aot, ts/) and reuse them "
                                         "when present (default: a temporary directory)")
+        ap.add_argument("--rounds", type=int, default=5, help="latency rounds, the artifacts alternated in each "
+                                                              "(p50: median over the rounds)")
         a = ap.parse_args(argv)
         if a.threads:
             import torch
 
             torch.set_num_threads(a.threads)
-        return artifacts(a.run_dir, a.data_dir, a.dtype, a.split, a.reuse)
+        return artifacts(a.run_dir, a.data_dir, a.dtype, a.split, a.reuse, a.rounds)
     if "--peak-rss" in argv:
         ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--peak-rss", action="store_true")
