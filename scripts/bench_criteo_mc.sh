@@ -4,6 +4,8 @@
 # (lines it never saw): managed collision (--raw-ids, model.managed_collision.size N), modulo
 # hashing into N rows (--num-embeddings N), a vocabulary (--frequency-threshold 3).
 #   scripts/bench_criteo_mc.sh WORK N INPUT... (benchmarks/managed_collision.md)
+# SCORE=run scores each run's best checkpoint (`dlrmctl evaluate RUN`, equal to its fp32 export to
+# 1e-6) instead of exporting it (the export also times the program, slow on a loaded machine).
 set -euo pipefail
 work=$1; n=$2; shift 2
 ins=(); for f in "$@"; do ins+=(--input "$f"); done
@@ -17,7 +19,11 @@ for v in raw mod vocab; do
   sets=(--set "data.path=$work/$v" --set "name=$v" --set "train.run_dir=$work/runs" --set train.progress=false)
   [ "$v" = raw ] && sets+=(--set "model.managed_collision.size=$n")
   [ -f "$work/runs/$v/summary.json" ] || dl train "$cfg" "${sets[@]}" >/dev/null
-  [ -f "$work/exp_$v/model.pt2" ] || dl export "$work/runs/$v" --fp32 --out "$work/exp_$v" >/dev/null
-  auc=$(dl evaluate "$work/exp_$v" --data "$work/$v" --split test | awk '$1 == "auc" {print $2}')
+  if [ "${SCORE:-export}" = run ]; then
+    auc=$(dl evaluate "$work/runs/$v" --data "$work/$v" --split test | awk '$1 == "auc" {print $2}')
+  else
+    [ -f "$work/exp_$v/model.pt2" ] || dl export "$work/runs/$v" --fp32 --out "$work/exp_$v" >/dev/null
+    auc=$(dl evaluate "$work/exp_$v" --data "$work/$v" --split test | awk '$1 == "auc" {print $2}')
+  fi
   echo "$v $auc"
 done

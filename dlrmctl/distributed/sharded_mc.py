@@ -236,4 +236,5 @@ class ShardedManagedCollision(nn.Module):
         """Rebuild each zone's lookup from its loaded rows."""
         for rm in self.remappers.values():
             rm.rebuild_lookup()
+            rm.sync_host_bounds()
         self._version += 1

@@ -33,9 +33,12 @@ process: each rank runs a remapper of ``N/W`` rows over its zone only (``bucket_
 ``total_buckets``; :mod:`dlrmctl.distributed.sharded_mc`).
 
 The training remap is vectorised: one sort of the batch's ids, ``searchsorted`` on the held ids,
-a sort of each bucket's rows by the policy (only the rows, ``[B, N/B]``), and scatters with a
-scratch slot for masked entries; no per-id Python loop and no read of a tensor value on the host.
-Cost per step: ``O(n log n + N log N)`` for ``n`` ids in the batch.
+the ``n`` first eviction candidates of each bucket by one ``topk`` on a key packing the policy's
+fields and the row, and the new ids merged into the sorted held ids with ``searchsorted`` and one
+scatter (scatters use a scratch slot for masked entries); no per-id Python loop and no read of a
+tensor value on the host.  Cost per step: ``O(n log n + n log N + N)`` for ``n`` ids in the
+batch (:attr:`ManagedCollisionRemapper.incremental` = False: stable sorts of every row instead,
+``O(N log N)``, the reference the fast path equals).
 """
 
 from __future__ import annotations
@@ -142,6 +145,11 @@ class ManagedCollisionRemapper(nn.Module):
         self.register_buffer("sorted_ids", torch.full((size,), EMPTY, **kw))
         self.register_buffer("sorted_rows", torch.arange(size, **kw))
         self.register_buffer("step", torch.zeros((), **kw))
+        #: host-side upper bounds of ``step`` and of any count (no device read in the step): the
+        #: packed eviction key is used while they keep it within 62 bits (:meth:`_candidates`)
+        self._host_step = 0
+        self._count_bound = 0
+        self.register_buffer("_bucket_pos", torch.arange(size // buckets, **kw).repeat(buckets), persistent=False)
 
     @property
     def default_row(self) -> int:
@@ -150,6 +158,15 @@ class ManagedCollisionRemapper(nn.Module):
 
     def extra_repr(self) -> str:
         return f"size={self.size}, eviction={self.eviction}, buckets={self.buckets}"
+
+    #: topk eviction and merged lookup updates (False: sort every row each step, the reference)
+    incremental: bool = True
+
+    def sync_host_bounds(self) -> None:
+        """Reset the host-side bounds of ``step`` and the counts from the state (one host read:
+        after a load)."""
+        self._host_step = int(self.step)
+        self._count_bound = int(self.counts.max())
 
     @torch.no_grad()
     def rebuild_lookup(self) -> None:
@@ -179,24 +196,64 @@ class ManagedCollisionRemapper(nn.Module):
         return self.lookup(ids)[0]
 
     # ------------------------------------------------------------------ training
-    def _candidates(self, protected: torch.Tensor) -> torch.Tensor:
-        """``[B, N/B]`` rows of each bucket in eviction order: free rows first, then by the
-        policy; rows in ``protected`` (``[N]`` bool) last."""
+    def _candidates(self, protected: torch.Tensor, k: int) -> torch.Tensor:
+        """``[B, k']`` rows of each bucket in eviction order (``k' = k`` or ``N/B``): free rows
+        first, then by the policy; rows in ``protected`` (``[N]`` bool) last.
+
+        Incremental (:attr:`incremental`, while the packed key fits): one ``topk`` of the ``k``
+        smallest per bucket on a key packing the policy's fields and the row, ``O(N + B k log k)``;
+        else stable sorts of every row by each field, ``O(N log N)``.  Same order either way."""
         n, b = self.size, self.buckets
-        rows = torch.arange(n, device=self.row_ids.device).view(b, n // b)
-        free = self.row_ids[:n] == EMPTY
+        per = n // b
         big = torch.iinfo(torch.int64).max
+        steps = self._host_step + 2  # last_seen + 1 is in [0, steps)
+        lfu = self.eviction == "lfu"
+        bound = ((self._count_bound + 2) * steps if lfu else steps) * per
+        if self.incremental and bound < 1 << 62:
+            # a free row has counts 0 and last_seen -1 (never written since): it sorts first
+            key = self.last_seen[:n] + 1
+            if lfu:
+                key = key.add_(self.counts[:n] * steps)
+            key = (key * per).add_(self._bucket_pos).masked_fill_(protected, big).view(b, per)
+            _, idx = torch.topk(key, min(k, per), dim=1, largest=False, sorted=True)
+            return idx + torch.arange(b, device=idx.device)[:, None] * per
+        free = self.row_ids[:n] == EMPTY
         last = torch.where(free, -1, self.last_seen[:n])
-        if self.eviction == "lfu":
-            keys = [last, torch.where(free, -1, self.counts[:n])]  # secondary first
-        else:
-            keys = [last]
+        counts = torch.where(free, -1, self.counts[:n])
+        rows = torch.arange(n, device=self.row_ids.device).view(b, per)
         order = rows
-        for k in keys:
-            k = torch.where(protected, big, k).view(b, n // b)
-            _, idx = torch.sort(torch.gather(k, 1, order - rows[:, :1]), dim=1, stable=True)
+        for key in ([last, counts] if lfu else [last]):  # secondary first
+            key = torch.where(protected, big, key).view(b, per)
+            _, idx = torch.sort(torch.gather(key, 1, order - rows[:, :1]), dim=1, stable=True)
             order = torch.gather(order, 1, idx)
         return order
+
+    @torch.no_grad()
+    def _merge_lookup(self, s: torch.Tensor, new: torch.Tensor, took: torch.Tensor) -> None:
+        """Update ``sorted_ids`` / ``sorted_rows`` for the new ids ``s[new]`` (ascending) taking
+        rows ``took[new]``: drop the entries of the rows they took (an evicted id, or a free
+        row), merge them in with ``searchsorted`` and one scatter; ``O(N + n log N)``, the
+        same arrays as :meth:`rebuild_lookup`."""
+        n = self.size
+        dev = s.device
+        mark = torch.zeros(n + 1, dtype=torch.bool, device=dev)
+        mark[torch.where(new, took, n)] = True
+        mark[n] = False
+        kept = ~mark[self.sorted_rows]
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        cnew = torch.cat([zero, torch.cumsum(new, 0)])  # new ids before each batch position
+        ckept = torch.cat([zero, torch.cumsum(kept, 0)])  # kept entries before each position
+        p = torch.searchsorted(self.sorted_ids, s)  # where each new id goes among the old entries
+        ins = torch.zeros(n + 1, dtype=torch.int64, device=dev).index_add_(0, p, new.to(torch.int64))
+        pos_k = ckept[1:] - 1 + torch.cumsum(ins[:n], 0)  # + new ids inserted at or before
+        pos_n = cnew[:-1] + ckept[p]
+        ids = torch.empty(n + 1, dtype=torch.int64, device=dev)
+        rows = torch.empty(n + 1, dtype=torch.int64, device=dev)
+        at_k, at_n = torch.where(kept, pos_k, n), torch.where(new, pos_n, n)
+        ids[at_k], rows[at_k] = self.sorted_ids, self.sorted_rows
+        ids[at_n], rows[at_n] = s, took
+        self.sorted_ids.copy_(ids[:n])
+        self.sorted_rows.copy_(rows[:n])
 
     @torch.no_grad()
     def remap_train(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -219,6 +276,8 @@ class ManagedCollisionRemapper(nn.Module):
         dev = ids.device
         n, b = self.size, self.buckets
         self.step += 1  # a training step, with or without ids (LRU's clock is the step)
+        self._host_step += 1
+        self._count_bound += n_ids
         if n_ids == 0:
             e = torch.zeros(0, dtype=torch.int64, device=dev)
             return e, e, e
@@ -233,12 +292,14 @@ class ManagedCollisionRemapper(nn.Module):
         new = first & ~held
         protected = torch.zeros(n + 1, dtype=torch.bool, device=dev)
         protected[torch.where(held, row, n)] = True
-        cand = self._candidates(protected[:n]).reshape(-1)
+        cand = self._candidates(protected[:n], n_ids)
+        k = cand.shape[1]
+        cand = cand.reshape(-1)
         # rank of each new id within its bucket: sort new first-positions by bucket
         bucket = torch.where(new, s % self.total_buckets - self.bucket_offset, b)
         sb, order = torch.sort(bucket, stable=True)
         rank = ar - torch.searchsorted(sb, sb)
-        slot = (sb * (n // b) + rank).clamp_(max=n - 1)
+        slot = (sb * k + rank).clamp_(max=b * k - 1)
         took = torch.full((n_ids,), n, dtype=torch.int64, device=dev)
         took[order] = torch.where(sb < b, cand[slot], n)
         row = torch.where(new, took, row)
@@ -251,7 +312,10 @@ class ManagedCollisionRemapper(nn.Module):
         self.row_ids[n] = EMPTY  # the scratch slot: nothing held, nothing counted
         self.counts[n] = 0
         self.last_seen[n] = -1
-        self.rebuild_lookup()
+        if self.incremental:
+            self._merge_lookup(s, new, took)
+        else:
+            self.rebuild_lookup()
         out = torch.empty_like(row)
         out[perm] = row
         return out, torch.where(new, took, n), torch.where(new, s, 0)
@@ -327,7 +391,9 @@ class ManagedCollisionCollection(nn.Module):
         return set(self.checkpoint_state())
 
     def after_load(self) -> None:
-        """Nothing to rebuild: the lookup is loaded with the rows."""
+        """The lookup is loaded with the rows; the host-side bounds are read from the state."""
+        for rm in self.remappers.values():
+            rm.sync_host_bounds()
 
     def reset_values(self, table: str, ids: torch.Tensor, dim: int) -> torch.Tensor:
         """``[n, dim]`` float32: the weights a row of ``table`` restarts from when new id ``ids[i]``

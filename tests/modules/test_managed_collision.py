@@ -184,3 +184,92 @@ def test_an_evicted_row_restarts_from_the_newcomers_values_with_zero_optimizer_s
     assert len(s0) == 1 and torch.allclose(s0[0], torch.ones_like(s0[0]), atol=1e-6), s0
     w1b, s1b = state(1)
     assert torch.equal(w1b, w1) and all(torch.equal(a, b) for a, b in zip(s1b, s1))  # 202's row untouched
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+@pytest.mark.parametrize("buckets", [1, 4])
+def test_topk_eviction_and_merged_lookup_keep_exactly_the_state_of_the_full_sort(policy, buckets):
+    """The incremental step (topk candidates, sorted ids merged) equals sorting every row each
+    step, buffer for buffer, including after the packed key stops fitting (it falls back)."""
+    size, rng = 64, np.random.default_rng(3)
+    fast, ref = ManagedCollisionRemapper(size, policy, buckets), ManagedCollisionRemapper(size, policy, buckets)
+    ref.incremental = False
+    for step in range(80):
+        if step == 50:
+            fast._count_bound = 1 << 61  # the packed key would overflow: the sort path from here on
+        ids = torch.tensor((rng.zipf(1.2, rng.integers(0, size // buckets + 1)) * 7919).tolist(), dtype=torch.int64)
+        a, b = fast.remap_train(ids), ref.remap_train(ids)
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+        for name, buf in ref.named_buffers():
+            assert torch.equal(getattr(fast, name), buf), (step, name)
+    assert ref.held() == size
+
+
+def _optimizer_cases():
+    from dlrmctl.optim.registry import EMBEDDING_OPTIMIZERS
+
+    return [(name, kernel) for name, rec in EMBEDDING_OPTIMIZERS.items()
+            for kernel in (("dense", "fused") if rec.fused_on_cpu else ("dense",))]
+
+
+@pytest.mark.parametrize("optimizer, kernel", _optimizer_cases())
+def test_under_every_embedding_optimizer_an_evicted_row_trains_as_a_fresh_row(optimizer, kernel):
+    """Whatever the optimizer (its state per row or per element, a global step or not), the row a
+    newcomer takes after an eviction updates exactly like a row that starts from the newcomer's
+    values with no optimizer state, at the same step: nothing of the evicted id's weights or
+    state is left.  Reference: a plain collection whose row 0 is never looked up before that step."""
+    from dlrmctl import HAS_FBGEMM
+    from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
+    from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec
+    from dlrmctl.modules.managed_collision import ManagedCollisionCollection
+    from dlrmctl.optim.dense import embedding_optimizer_for_dense, row_state_tensors
+    from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+
+    if kernel == "fused" and not HAS_FBGEMM:
+        pytest.skip("fbgemm_gpu is not installed")
+    t = EmbeddingBagConfig(name="t", num_embeddings=3, embedding_dim=4, feature_names=["f"])
+    spec = EmbeddingOptimizerSpec(optimizer, lr=0.1)
+
+    def collection():
+        ebc = EmbeddingBagCollection([t], compute_kernel=kernel, optimizer=spec, check_ids=False)
+        opt = None
+        if kernel == "dense":
+            opt = embedding_optimizer_for_dense(list(ebc.parameters()), optimizer, 0.1, spec.eps, 0.0, spec.betas)
+        return ebc, opt
+
+    def step(ebc, opt, ids, grad):
+        kjt = KeyedJaggedTensor(["f"], torch.tensor(ids), lengths=torch.ones(len(ids), dtype=torch.int64))
+        (ebc(kjt).values() * grad).sum().backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+
+    def row(ebc, opt, r):
+        w = ebc.embedding_weights()["t"]
+        st = ebc.fused_optimizer().momentum().get("t", []) if kernel == "fused" else row_state_tensors(opt, w)
+        return w[r].detach().clone(), [s[r].clone() for s in st]
+
+    g = torch.tensor([[0.3, -1.0, 2.0, 0.5]])
+    ebc, opt = collection()
+    mc = ManagedCollisionCollection([t], {"t": (2, "lru", 1)}, seed=7)
+    ebc.set_managed_collision(mc)
+    mc.dense_optimizer = opt
+    step(ebc, opt, [101, 202], g.repeat(2, 1))  # rows 0, 1
+    step(ebc, opt, [202], g)
+    old_w, old_s = row(ebc, opt, 0)
+    step(ebc, opt, [303], -2 * g)  # takes row 0 from 101 (least recently seen)
+    got_w, got_s = row(ebc, opt, 0)
+
+    ref, ropt = collection()  # row 1 trains at steps 1 and 2; row 0 starts at step 3 from 303's values
+    step(ref, ropt, [1], g)
+    step(ref, ropt, [1], g)
+    with torch.no_grad():
+        ref.embedding_weights()["t"][0] = mc.reset_values("t", torch.tensor([303]), 4)[0]
+    step(ref, ropt, [0], -2 * g)
+    want_w, want_s = row(ref, ropt, 0)
+    assert not torch.allclose(got_w, old_w)
+    assert torch.allclose(got_w, want_w, atol=1e-6), (got_w, want_w)
+    assert len(got_s) == len(want_s)
+    for a, b in zip(got_s, want_s):
+        assert torch.allclose(a, b, atol=1e-6), (a, b)
+    assert not old_s or any(not torch.allclose(a, b) for a, b in zip(old_s, got_s))
