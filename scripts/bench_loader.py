@@ -8,16 +8,25 @@ one core, so data loading is never the bottleneck.
 
 With ``--step-ms T`` each batch is followed by a fake training step of T ms, the step time a GPU
 would have (1 ms: an H200 on the demo model), and the line gives ``data_wait_share``: the share of
-the wall time spent waiting for the next batch (0: the loader keeps up).  The step is a sleep (the
-host free while the device works) and, separately, a busy loop holding the GIL (the host busy
-launching kernels: the loader thread gets the GIL only between bytecodes).
+the wall time after the first batch spent waiting for the next batch (0: the loader keeps up; the
+first batch's wait, the loader's start and first shuffle window, is given apart).  The step is a
+sleep (the host free while the device works) and, separately, a busy loop holding the GIL (the
+host busy launching kernels: the loader's threads get the GIL only between bytecodes and in the
+calls that release it).
+
+``--versus DIR`` runs the same measurements, on the same data and in the same run, with the
+``dlrmctl`` of another checkout ``DIR`` (e.g. a worktree of an earlier commit) first, so the two
+loaders are compared as ratios at the same machine load.
 
 Usage: python scripts/bench_loader.py [--rows N] [--batch-size B] [--data DIR] [--batches K] [--step-ms T]
+       [--versus DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# --versus runs this script again with another checkout's dlrmctl (named by this variable)
+sys.path.insert(0, os.environ.get("BENCH_LOADER_DLRMCTL") or str(Path(__file__).resolve().parents[1]))
 from dlrmctl.data.loader import BatchLoader  # noqa: E402
 from dlrmctl.data.synthetic import generate_synthetic  # noqa: E402
 
@@ -43,13 +53,16 @@ def bench(data: Path, batch_size: int, shuffle: bool, max_batches: int, step_ms:
           busy: bool = False) -> None:
     loader = BatchLoader(data, "train", batch_size, shuffle=shuffle, seed=0)
     n = samples = 0
-    wait = 0.0
+    wait = first = 0.0
     t0 = time.perf_counter()
     it = iter(loader)
     while True:
         tw = time.perf_counter()
         b = next(it, None)
-        wait += time.perf_counter() - tw
+        if n == 0:
+            first = time.perf_counter() - tw
+        else:
+            wait += time.perf_counter() - tw
         if b is None:
             break
         n += 1
@@ -59,10 +72,11 @@ def bench(data: Path, batch_size: int, shuffle: bool, max_batches: int, step_ms:
         if n >= max_batches:
             break
     dt = time.perf_counter() - t0
-    step = f", fake step {step_ms:g} ms ({'busy, GIL held' if busy else 'sleep'}): data_wait_share {wait / dt:.1%}" \
-        if step_ms else ""
+    step = (f", fake step {step_ms:g} ms ({'busy, GIL held' if busy else 'sleep'}): data_wait_share "
+            f"{wait / max(dt - first, 1e-9):.1%}" if step_ms else "")
     print(f"batch {batch_size}, shuffle={shuffle!s:5}: {n} batches in {dt:.2f} s -> "
-          f"{n / dt:,.0f} batches/s, {samples / dt:,.0f} samples/s{step}")
+          f"{n / dt:,.0f} batches/s, {samples / dt:,.0f} samples/s, first batch {first * 1000:.0f} ms{step}",
+          flush=True)
 
 
 def main() -> None:
@@ -72,6 +86,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=400, help="stop after this many batches")
     ap.add_argument("--data", type=Path, default=None, help="existing preprocessed dir (skips generation)")
     ap.add_argument("--step-ms", type=float, default=0.0, help="a fake training step after each batch (ms)")
+    ap.add_argument("--versus", type=Path, default=None,
+                    help="another checkout whose dlrmctl is measured first, on the same data")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as td:
@@ -81,12 +97,17 @@ def main() -> None:
             t = time.perf_counter()
             generate_synthetic(data, rows=args.rows, seed=0)
             print(f"generated {args.rows:,} synthetic rows in {time.perf_counter() - t:.1f} s")
+        if args.versus is not None:
+            cmd = [sys.executable, __file__, "--data", str(data), "--batch-size", str(args.batch_size),
+                   "--batches", str(args.batches), "--step-ms", str(args.step_ms)]
+            print(f"--- dlrmctl of {args.versus}:", flush=True)
+            subprocess.run(cmd, env={**os.environ, "BENCH_LOADER_DLRMCTL": str(args.versus.resolve())}, check=True)
+            print(f"--- dlrmctl of {Path(__file__).resolve().parents[1]}:", flush=True)
         for shuffle in (False, True):
             bench(data, args.batch_size, shuffle, args.batches)
             if args.step_ms:
                 for busy in (False, True):
                     bench(data, args.batch_size, shuffle, args.batches, args.step_ms, busy)
-
 
 if __name__ == "__main__":
     main()

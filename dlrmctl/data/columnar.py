@@ -501,6 +501,19 @@ class MappedShard:
         src = self._views[8] if self._kind[name] == "list" else self._views[4][0]
         return _jagged_gather(src, vstart, lengths), lengths
 
+    def copy_range(self, name: str, chunk: int, start: int, n: int, out: np.ndarray) -> None:
+        """Copy rows ``[start, start + n)`` of record batch ``chunk`` of a float32 / int64 column from
+        the mapping into ``out [n]`` (one slice copy: what an in-order pass reads a batch with).
+
+        Raises:
+            DataError: the range lies outside the record batch.
+        """
+        if start < 0 or n < 0 or start + n > int(self._starts[chunk + 1] - self._starts[chunk]):
+            raise DataError(f"rows [{start}, {start + n}) outside record batch {chunk} of column '{name}'",
+                            path=self.path)
+        b = int(self._base[name][chunk]) + start
+        out[...] = (self._views[4][0] if self._kind[name] == "f32" else self._views[8])[b:b + n]
+
     @property
     def chunk_rows(self) -> np.ndarray:
         """Rows of each record batch (row group) ``[num_record_batches] int64``."""
@@ -520,19 +533,26 @@ class MappedShard:
             done += got
         return out
 
-    def read_range(self, name: str, chunk: int, start: int, n: int) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    def read_range(self, name: str, chunk: int, start: int, n: int,
+                   out: np.ndarray | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Read rows ``[start, start + n)`` of record batch ``chunk`` of one column from the file.
 
-        Unlike :meth:`take` this reads with ``pread`` into fresh arrays: the bytes read are copied
-        once and the mapping is not touched, so a sequential pass over a large shard leaves no
-        mapped pages behind (memory = the rows read).
+        Unlike :meth:`take` this reads with ``pread`` (the GIL released) into fresh arrays, or into
+        ``out``: the bytes read are copied once and the mapping is not touched, so a sequential pass
+        over a large shard leaves no mapped pages behind (memory = the rows read).
+
+        Args:
+            out: for a float32 / int64 column, a C-contiguous ``[n]`` array of the column's dtype
+                to read into (e.g. a row of a batch's stacked columns); None: a new array.
 
         Returns:
-            float32 / int64 ``[n]`` for a scalar column; ``(values [sum(lengths)], lengths [n] int64)``
-            for a ``list<int64>`` (values int64) or ``list<float32>`` (values float32) column.
+            float32 / int64 ``[n]`` for a scalar column (``out`` when given); ``(values
+            [sum(lengths)], lengths [n] int64)`` for a ``list<int64>`` (values int64) or
+            ``list<float32>`` (values float32) column.
 
         Raises:
             DataError: the range lies outside the record batch, or the file is shorter than its footer says.
+            ValueError: ``out`` of another dtype or size, or given for a list column.
         """
         rows = int(self._starts[chunk + 1] - self._starts[chunk])
         if start < 0 or n < 0 or start + n > rows:
@@ -540,10 +560,16 @@ class MappedShard:
                             f"of column '{name}'", path=self.path)
         kind = self._kind[name]
         base = int(self._base[name][chunk]) + start
-        if kind == "f32":
-            return self._pread_into(np.empty(n, np.float32), base * 4)
-        if kind == "i64":
-            return self._pread_into(np.empty(n, np.int64), base * 8)
+        if kind in ("f32", "i64"):
+            dtype, size = (np.float32, 4) if kind == "f32" else (np.int64, 8)
+            if out is None:
+                out = np.empty(n, dtype)
+            elif out.dtype != dtype or out.shape != (n,) or not out.flags.c_contiguous:
+                raise ValueError(f"read_range: out must be a contiguous [{n}] {np.dtype(dtype)} array for "
+                                 f"column '{name}', got {out.dtype} {out.shape}")
+            return self._pread_into(out, base * size) if n else out
+        if out is not None:
+            raise ValueError(f"read_range: out is for float32 / int64 columns, not the list column '{name}'")
         offsets = self._pread_into(np.empty(n + 1, np.int32), base * 4).astype(np.int64)
         dtype, size = (np.int64, 8) if kind == "list" else (np.float32, 4)
         values = np.empty(int(offsets[-1] - offsets[0]), dtype)

@@ -25,25 +25,30 @@ Windowed block shuffle (``shuffle=True``; memory independent of the row count):
    split; ``S >= rows`` is an exact uniform permutation, at O(rows) memory.
 3. *reading*: each rank computes which positions of window ``w`` are in its slices, maps them
    through the window permutation to (block, row) and reads, block by block with ``pread``
-   (not through the mapping), only the row range of each block it needs.  Rows ahead of a
-   resume point are never read.  Every rank reads the blocks of every window (its rows are
-   spread over all of them); that is the price of world-size-independent batches.
+   (not through the mapping), only the row range of each block it needs, into row-major stacks
+   of the window (:mod:`dlrmctl.data.loader_rows`: the one-hot ids ``[n, F]``, the dense values
+   ``[n, D]``), so a batch is one gather of a few cache lines per row from each stack.  Rows
+   ahead of a resume point are never read.  Every rank reads the blocks of every window (its
+   rows are spread over all of them); that is the price of world-size-independent batches.
+   With ``prefetch > 0`` the next window is read by a second thread while the batches of this
+   one are made (the reads release the GIL), and a window's buffer, once all its rows are in
+   batches, is reused for a later window (no fresh pages to fault in every window).
 
-Memory per rank: the window permutation (8 bytes x ``S``), this rank's rows of at most two windows
-plus one block piece, and 16 bytes per *block* for the epoch's block order (8.6 MB at
+Memory per rank: the window permutation (8 bytes x ``S``), the rows of at most three windows (the
+one being consumed, the next one when a batch spans two, and the one read ahead; fewer with
+``prefetch = 0``), and 16 bytes per *block* for the epoch's block order (8.6 MB at
 4.4 billion rows with ``K = 8192``) -- no per-row array of the split.  The data position
 (:meth:`BatchLoader.state_dict`) is the number of global batches consumed, so a resume recomputes
 the window of that batch and continues exactly.
 
-Unshuffled batches (evaluation) are assembled by vectorised gathers from the memory-mapped
-shards (:class:`dlrmctl.data.columnar.SplitData`).  Both run in a background thread that keeps
-``prefetch`` batches ready.
+Unshuffled batches (evaluation) are rank slices of contiguous rows: each column's range is copied
+from the memory-mapped shards (:class:`dlrmctl.data.columnar.SplitData`) into the batch's
+column-major id stack, which is the KeyedJaggedTensor's key-major values as it is.  Batches are
+made in a background thread that keeps ``prefetch`` batches ready (plus the one being made).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -52,8 +57,9 @@ import numpy as np
 import torch
 
 from dlrmctl.data.batch import Batch
-from dlrmctl.data.columnar import DataError, SplitData, _jagged_gather, check_rows, read_meta, weight_column
+from dlrmctl.data.columnar import DataError, SplitData, read_meta, weight_column
 from dlrmctl.data.multi_hot import multi_hot_expand
+from dlrmctl.data.loader_rows import BlockTable, BufferPool, Prefetcher, RawRows, RowColumns, window_pieces
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
 
@@ -88,7 +94,8 @@ class BatchLoader:
             whole split at once (memory O(rows)).
         shuffle_block_rows: rows ``K`` of a shuffled block (>= 1); at most a record batch.
         drop_last: drop the final partial global batch.
-        prefetch: batches prepared ahead by a background thread (0: synchronous).
+        prefetch: batches kept ready by a background thread, besides the one it is making
+            (0: synchronous, and the shuffle windows are read when needed, not ahead).
         num_samples: use only the first ``num_samples`` rows of the split.
         features: subset (and order) of sparse feature names; default all, in meta order.
         pin_memory: pin batches (page-locked) for fast async host-to-device copies; ignored with a
@@ -211,13 +218,18 @@ class BatchLoader:
             raise ValueError(f"on_invalid_id must be one of {list(ON_INVALID_ID)}, got {on_invalid_id!r}")
         self.id_bounds = normalize_id_bounds(id_bounds)
         self.on_invalid_id = on_invalid_id
-        # raw columns read per row (before batching)
-        self._scalar_cols = list(self.dense_names) + ([self.label_name] if self.label_name is not None else [])
-        self._scalar_cols += [f for f in self.features if not self.multi_hot[f]]
-        self._scalar_cols += [weight_column(f) for f in self.features if not self.multi_hot[f] and f in self.weighted]
-        self._list_cols = [f for f in self.features if self.multi_hot[f]]
-        self._list_cols += [weight_column(f) for f in self.features if self.multi_hot[f] and f in self.weighted]
-        self._blocks = _BlockTable(self.data, self.num_rows, self.shuffle_block_rows) if shuffle else None
+        # raw columns read per row (before batching): one-hot ids and dense values stacked (loader_rows)
+        self._cols = RowColumns(
+            ids=[f for f in self.features if not self.multi_hot[f]], dense=self.dense_names, label=self.label_name,
+            scalar_weights=[weight_column(f) for f in self.features if not self.multi_hot[f] and f in self.weighted],
+            lists=[f for f in self.features if self.multi_hot[f]]
+            + [weight_column(f) for f in self.features if self.multi_hot[f] and f in self.weighted], split=split)
+        self._id_row = {f: j for j, f in enumerate(self._cols.ids)}
+        # every feature one-hot, none expanded or weighted: a batch's KJT values are its id stack as it is
+        self._plain_ids = not self.expand and not self.weighted and len(self._cols.ids) == len(self.features)
+        self._blocks = BlockTable(self.data, self.num_rows, self.shuffle_block_rows) if shuffle else None
+        # the shuffle windows' buffers, recycled from window to window and epoch to epoch
+        self._pool = BufferPool(self._cols, min(self.shuffle_window_rows, self.num_rows)) if shuffle else None
         self._epoch_blocks: tuple[int, np.ndarray, np.ndarray] | None = None
         self.epoch = 0
         self._start_batch = 0  # batches of `epoch` already consumed (resume point)
@@ -297,60 +309,52 @@ class BatchLoader:
         self._yielded = 0
 
     # ----------------------------------------------------------------- batches
-    def _empty_rows(self) -> "_Rows":
-        ids = set(self.features)  # id columns are int64; dense, label and weight columns float32
-        scalar = {c: np.zeros(0, np.int64 if c in ids else np.float32) for c in self._scalar_cols}
-        lists = {c: (np.zeros(0, np.int64 if c in ids else np.float32), np.zeros(1, np.int64))
-                 for c in self._list_cols}
-        return _Rows(0, scalar, lists)
-
-    def _gather(self, rows: np.ndarray) -> "_Rows":
-        """Raw columns of ``rows [B]`` (global split row ids), gathered from the mapped shards."""
-        parts = []
-        for s, pos, local in self.data.group(rows):
-            shard = self.data.shards[s]
-            loc = shard.locate(local)
-            scalar = {c: shard.take(c, loc) for c in self._scalar_cols}
-            check_rows(shard.path, self.split, local, scalar, self.label_name, self.dense_names)
-            lists = {}
-            for c in self._list_cols:
-                v, ln = shard.take_list(c, loc)
-                lists[c] = (v, _offsets(ln))
-            self._check_weight_bags(lists, shard.path)
-            parts.append((pos, _Rows(len(local), scalar, lists)))
-        return _Rows.scatter(parts, len(rows)) if parts else self._empty_rows()
-
-    def _check_weight_bags(self, lists: dict, path) -> None:
-        for f in self._list_cols:
-            wc = weight_column(f)
-            if wc in lists and not np.array_equal(lists[wc][1], lists[f][1]):
-                raise DataError(f"the weight bags of multi-hot feature '{f}' ({wc}) have other "
-                                "lengths than its id bags", path=path)
-
-    def _build(self, rows: "_Rows", index: int = 0) -> Batch:
-        """Raw columns of ``B`` rows -> :class:`Batch` (multi-hot expansion, weights, id policy, pinning)."""
+    def _build(self, rows: RawRows, index: int = 0) -> Batch:
+        """Raw columns of ``B`` rows (fresh arrays, owned by the batch) -> :class:`Batch`
+        (multi-hot expansion, weights, id policy, pinning)."""
         B = rows.n
-        dense = np.empty((B, len(self.dense_names)), dtype=np.float32)
-        for j, name in enumerate(self.dense_names):
-            dense[:, j] = rows.scalar[name]
-        if self.label_name is None:
-            labels = np.full(B, np.nan, dtype=np.float32)
+        dense = np.ascontiguousarray(rows.dense)  # [B, D]
+        ids = np.ascontiguousarray(rows.ids.T)  # [F, B]: key-major (no copy for an in-order batch)
+        labels = np.full(B, np.nan, np.float32) if self.label_name is None else rows.scalar[self.label_name]
+        if self._plain_ids:  # the id stack is the KJT's key-major values
+            values, weights = ids.reshape(-1), None
+            lengths = np.ones(len(values), dtype=np.int64)
+            length_per_key = [B] * len(self.features)
         else:
-            labels = np.array(rows.scalar[self.label_name], dtype=np.float32)
+            values, lengths, weights = self._bags(rows, ids)
+            length_per_key = [len(v) for v in values]
+            values = np.concatenate(values) if values else np.zeros(0, np.int64)
+            lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+            weights = (np.concatenate(weights) if weights else np.zeros(0, np.float32)) if self.weighted else None
+        kjt = KeyedJaggedTensor(
+            self.features, torch.from_numpy(values), lengths=torch.from_numpy(lengths),
+            weights=torch.from_numpy(weights) if weights is not None else None,
+            stride=B, validate=False, length_per_key=length_per_key,
+        )
+        if self.id_bounds:
+            kjt = apply_id_policy(kjt, self.id_bounds, self.on_invalid_id,
+                                  where=f"{self.split} split, epoch {self.epoch + 1}, batch {index + 1}: ")  # numbered from 1
+        batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
+        return batch.pin_memory() if self.pin_memory else batch
+
+    def _bags(self, rows: RawRows, ids: np.ndarray) -> tuple[list, list, list]:
+        """Per feature (values, lengths, weights) of ``rows`` (``ids``: their one-hot ids ``[F, B]``):
+        multi-hot bags, expanded one-hot ids."""
+        B = rows.n
         values, lengths, weights = [], [], []
         for f in self.features:
             w = None
             if not self.multi_hot[f]:
-                ids = rows.scalar[f]
+                fid = ids[self._id_row[f]]
                 if f in self.weighted:
                     w = rows.scalar[weight_column(f)]
                 if f in self.expand:
                     n_rows, size, seed = self.expand[f]
-                    v, ln = multi_hot_expand(ids, n_rows, size, self.multi_hot_distribution, seed)
+                    v, ln = multi_hot_expand(fid, n_rows, size, self.multi_hot_distribution, seed)
                     if w is not None:
                         w = np.repeat(w, ln)
                 else:
-                    v, ln = np.array(ids, dtype=np.int64), np.ones(B, dtype=np.int64)
+                    v, ln = fid, np.ones(B, dtype=np.int64)
             else:
                 v, off = rows.lists[f]
                 ln = np.diff(off)
@@ -362,25 +366,7 @@ class BatchLoader:
                 weights.append(np.asarray(w, dtype=np.float32))
             elif self.weighted:
                 weights.append(np.ones(len(v), dtype=np.float32))
-        kjt = KeyedJaggedTensor(
-            self.features,
-            torch.from_numpy(np.concatenate(values) if values else np.zeros(0, np.int64)),
-            lengths=torch.from_numpy(np.concatenate(lengths) if lengths else np.zeros(0, np.int64)),
-            weights=(torch.from_numpy(np.concatenate(weights) if weights else np.zeros(0, np.float32))
-                     if self.weighted else None),
-            stride=B,
-            validate=False,
-            length_per_key=[len(v) for v in values],
-        )
-        if self.id_bounds:
-            kjt = apply_id_policy(kjt, self.id_bounds, self.on_invalid_id,
-                                  where=f"{self.split} split, epoch {self.epoch + 1}, batch {index + 1}: ")  # numbered from 1
-        batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
-        return batch.pin_memory() if self.pin_memory else batch
-
-    def _assemble(self, rows: np.ndarray, index: int = 0) -> Batch:
-        """Gather ``rows [B]`` (global split row ids) from the mapped shards into a Batch."""
-        return self._build(self._gather(rows), index)
+        return values, lengths, weights
 
     def _rank_rows(self, i: int) -> tuple[int, int]:
         """``[lo, hi)`` of this rank inside global batch ``i``, as global order positions."""
@@ -390,8 +376,8 @@ class BatchLoader:
 
     def _produce(self, start: int) -> Iterator[Batch]:
         for i in range(start, self.num_global_batches()):
-            lo, hi = self._rank_rows(i)
-            yield self._assemble(np.arange(lo, hi, dtype=np.int64), i)
+            lo, hi = self._rank_rows(i)  # contiguous split rows: read with pread into the batch's stacks
+            yield self._build(RawRows.read_range(self._cols, self.data, lo, hi), i)
 
     # ------------------------------------------------------- windowed block shuffle
     def _seed(self, *tail: int) -> np.random.Generator:
@@ -427,248 +413,84 @@ class BatchLoader:
         pos = np.concatenate(chunks)
         return pos[(pos >= p0) & (pos < p1)]
 
-    def _load_window(self, w: int, first_batch: int) -> "_Rows":
-        """This rank's rows of shuffle window ``w`` (global batches ``>= first_batch``), in order."""
+    def _load_window(self, w: int, first_batch: int, pool: BufferPool) -> tuple[RawRows, np.ndarray]:
+        """This rank's rows of shuffle window ``w`` (global batches ``>= first_batch``): the raw rows
+        read (for each block, the range of rows this rank needs, block after block in stream order)
+        and ``src [n] int64``, the raw row of each of this rank's positions, in order."""
         S, R = self.shuffle_window_rows, self.num_rows
         p0, p1 = w * S, min((w + 1) * S, R)
         pos = self._rank_positions(p0, p1, first_batch)
         if len(pos) == 0:
-            return self._empty_rows()
+            return self._cols.none(), pos
         order, starts = self._block_order()
-        stream = p0 + self._seed(1, w).permutation(p1 - p0)[pos - p0]
-        t = np.searchsorted(starts, stream, side="right") - 1  # index into the block order
-        off = stream - starts[t]  # row inside the block
-        by_block = np.argsort(t, kind="stable")
-        bounds = np.flatnonzero(np.diff(t[by_block])) + 1
-        parts = []
-        for grp in np.split(by_block, bounds):  # one block piece at a time, in stream order
-            o = off[grp]
-            lo = int(o.min())
-            piece = self._read_piece(int(order[t[grp[0]]]), lo, int(o.max()) + 1 - lo)
-            parts.append((grp, piece.take(o - lo)))
-        return _Rows.scatter(parts, len(pos))
+        stream = self._seed(1, w).permutation(p1 - p0)[pos - p0]  # stream position - p0 of each position
+        t, first, lo, n, at, src = window_pieces(stream, p0, p1, starts)
+        raw = pool.get(int(n.sum()))
+        pieces = []
+        for g in range(len(first)):  # one block piece at a time, in stream order
+            s, chunk, row0 = self._blocks.locate(int(order[t[first[g]]]))
+            shard = self.data.shards[s]
+            start = row0 + int(lo[g])
+            pieces.append(raw.read_piece(self._cols, int(at[g]), shard, chunk, start, int(n[g]),
+                                         int(shard._starts[chunk]) + start))
+        return raw.set_lists(pieces, self._cols), src
 
-    def _read_piece(self, block: int, start: int, n: int) -> "_Rows":
-        """Rows ``[start, start + n)`` of block ``block``, read with ``pread`` (see MappedShard.read_range)."""
-        s, chunk, row0 = self._blocks.locate(block)
-        shard = self.data.shards[s]
-        scalar = {c: shard.read_range(c, chunk, row0 + start, n) for c in self._scalar_cols}
-        check_rows(shard.path, self.split, int(shard._starts[chunk]) + row0 + start, scalar, self.label_name,
-                   self.dense_names)
-        lists = {}
-        for c in self._list_cols:
-            v, ln = shard.read_range(c, chunk, row0 + start, n)
-            lists[c] = (v, _offsets(ln))
-        self._check_weight_bags(lists, shard.path)
-        return _Rows(n, scalar, lists)
+    def _windows(self, w: int, first_batch: int, pool: BufferPool) -> Iterator[tuple[RawRows, np.ndarray]]:
+        """:meth:`_load_window` of ``w``, ``w + 1``, ... up to the end of the split."""
+        while w * self.shuffle_window_rows < self.num_rows:
+            yield self._load_window(w, first_batch, pool)
+            w += 1
 
     def _produce_shuffled(self, start: int) -> Iterator[Batch]:
         nb = self.num_global_batches()
         if start >= nb:
             return
-        S = self.shuffle_window_rows
-        w = start * self.batch_size // S
-        fifo: list[_Rows] = []
-        head = have = 0  # next row of fifo[0]; rows held
-        for i in range(start, nb):
-            lo, hi = self._rank_rows(i)
-            need = hi - lo
-            while have < need:
-                if w * S >= self.num_rows:
-                    raise RuntimeError(f"internal error: the shuffle stream ended before batch {i + 1}")
-                part = self._load_window(w, start)
-                w += 1
-                if part.n:
-                    fifo.append(part)
-                    have += part.n
-            pieces = []
-            while need:
-                k = min(need, fifo[0].n - head)
-                pieces.append(fifo[0].slice(head, head + k))
-                head += k
-                need -= k
-                have -= k
-                if head == fifo[0].n:
-                    fifo.pop(0)
-                    head = 0
-            rows = pieces[0] if len(pieces) == 1 else _Rows.concat(pieces) if pieces else self._empty_rows()
-            yield self._build(rows, i)
+        pool = self._pool
+        windows = self._windows(start * self.batch_size // self.shuffle_window_rows, start, pool)
+        if self.prefetch:  # the next window is read (pread, the GIL released) while this one's batches are made
+            windows = Prefetcher(windows, 1, name="BatchLoader-window")
+        fifo: list[tuple[RawRows, np.ndarray]] = []
+        head = have = 0  # next position of fifo[0]; positions held
+        try:
+            for i in range(start, nb):
+                lo, hi = self._rank_rows(i)
+                need = hi - lo
+                while have < need:
+                    raw, src = next(windows, (None, None))
+                    if raw is None:
+                        raise RuntimeError(f"internal error: the shuffle stream ended before batch {i + 1}")
+                    if len(src):
+                        fifo.append((raw, src))
+                        have += len(src)
+                parts = []
+                while need:
+                    raw, src = fifo[0]
+                    k = min(need, len(src) - head)
+                    parts.append(raw.take(src[head:head + k]))
+                    head += k
+                    need -= k
+                    have -= k
+                    if head == len(src):
+                        pool.put(fifo.pop(0)[0])  # every row of it is in a batch (copied by take)
+                        head = 0
+                yield self._build(RawRows.concat(parts) if parts else self._cols.none(), i)
+        finally:
+            if isinstance(windows, Prefetcher):
+                windows.close()
 
     def __iter__(self) -> Iterator[Batch]:
         start = self._start_batch
         self._yielded = start
         gen = self._produce_shuffled(start) if self.shuffle else self._produce(start)
-        source = gen if self.prefetch == 0 else _Prefetcher(gen, self.prefetch)
+        source = gen if self.prefetch == 0 else Prefetcher(gen, self.prefetch + 1)  # + the one being made
         try:
             for b in source:
                 self._yielded += 1
                 yield b
         finally:
-            if isinstance(source, _Prefetcher):
+            if isinstance(source, Prefetcher):
                 source.close()
         # epoch complete: the next iter() starts the next epoch
         self.epoch += 1
         self._start_batch = 0
         self._yielded = 0
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    """Bag lengths ``[n]`` -> offsets ``[n + 1] int64`` starting at 0."""
-    off = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=off[1:])
-    return off
-
-
-class _Rows:
-    """Raw columns of ``n`` rows before batching.
-
-    ``scalar``: column -> ``[n]`` float32 / int64; ``lists``: column -> (values ``[offsets[-1]]``,
-    offsets ``[n + 1] int64`` from 0) for ``list<int64>`` / ``list<float32>`` columns.
-    """
-
-    __slots__ = ("n", "scalar", "lists")
-
-    def __init__(self, n: int, scalar: dict, lists: dict) -> None:
-        self.n, self.scalar, self.lists = n, scalar, lists
-
-    def take(self, idx: np.ndarray) -> "_Rows":
-        """Rows ``idx [m]`` (any order) -> a new ``_Rows`` of ``m`` rows."""
-        lists = {}
-        for c, (v, off) in self.lists.items():
-            ln = off[1:][idx] - off[:-1][idx]
-            lists[c] = (_jagged_gather(v, off[:-1][idx], ln), _offsets(ln))
-        return _Rows(len(idx), {c: a[idx] for c, a in self.scalar.items()}, lists)
-
-    def slice(self, a: int, b: int) -> "_Rows":
-        """Rows ``[a, b)`` (views of the scalar columns)."""
-        lists = {c: (v[off[a]:off[b]], off[a:b + 1] - off[a]) for c, (v, off) in self.lists.items()}
-        return _Rows(b - a, {c: x[a:b] for c, x in self.scalar.items()}, lists)
-
-    @staticmethod
-    def concat(parts: list["_Rows"]) -> "_Rows":
-        """Rows of ``parts`` one after the other."""
-        lists = {}
-        for c in parts[0].lists:
-            vals = [p.lists[c][0] for p in parts]
-            lens = [np.diff(p.lists[c][1]) for p in parts]
-            lists[c] = (np.concatenate(vals), _offsets(np.concatenate(lens)))
-        scalar = {c: np.concatenate([p.scalar[c] for p in parts]) for c in parts[0].scalar}
-        return _Rows(sum(p.n for p in parts), scalar, lists)
-
-    @staticmethod
-    def scatter(parts: list, n: int) -> "_Rows":
-        """``[(positions, _Rows)]`` covering ``[0, n)`` once -> one ``_Rows`` in position order."""
-        if len(parts) == 1 and isinstance(parts[0][0], slice):
-            return parts[0][1]
-        first = parts[0][1]
-        scalar = {}
-        for c, a in first.scalar.items():
-            out = np.empty(n, dtype=a.dtype)
-            for pos, p in parts:
-                out[pos] = p.scalar[c]
-            scalar[c] = out
-        lists = {}
-        for c, (v0, _) in first.lists.items():
-            v, ln = _merge_jagged([(pos, (p.lists[c][0], np.diff(p.lists[c][1]))) for pos, p in parts], n, v0.dtype)
-            lists[c] = (v, _offsets(ln))
-        return _Rows(n, scalar, lists)
-
-
-class _BlockTable:
-    """The shuffle blocks of a split: each record batch of each shard cut into runs of at most
-    ``block_rows`` rows, over the first ``num_rows`` rows.  Holds one entry per record batch
-    (not per block or row); block ``b`` is located by a search over those."""
-
-    def __init__(self, data: SplitData, num_rows: int, block_rows: int) -> None:
-        shard, chunk, rows = [], [], []
-        left = num_rows
-        for s, sh in enumerate(data.shards):
-            for c, n in enumerate(sh.chunk_rows.tolist()):
-                n = min(n, left)
-                if n > 0:
-                    shard.append(s)
-                    chunk.append(c)
-                    rows.append(n)
-                left -= n
-        self.block_rows = block_rows
-        self.shard = np.array(shard, dtype=np.int64)
-        self.chunk = np.array(chunk, dtype=np.int64)
-        self.rows = np.array(rows, dtype=np.int64)
-        nblocks = -(-self.rows // block_rows)
-        self.first = np.zeros(len(rows) + 1, dtype=np.int64)  # first block of each record batch
-        np.cumsum(nblocks, out=self.first[1:])
-        self.num_blocks = int(self.first[-1])
-
-    def _rb(self, blocks: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.first, blocks, side="right") - 1
-
-    def lengths(self, blocks: np.ndarray) -> np.ndarray:
-        """Rows of each block in ``blocks [n]`` -> ``[n] int64``."""
-        rb = self._rb(blocks)
-        start = (blocks - self.first[rb]) * self.block_rows
-        return np.minimum(self.block_rows, self.rows[rb] - start)
-
-    def locate(self, block: int) -> tuple[int, int, int]:
-        """Block -> (shard index, record batch index, first row inside the record batch)."""
-        rb = int(self._rb(np.array([block]))[0])
-        return int(self.shard[rb]), int(self.chunk[rb]), (block - int(self.first[rb])) * self.block_rows
-
-
-def _merge_jagged(parts: list, B: int, dtype: type = np.int64) -> tuple[np.ndarray, np.ndarray]:
-    """Per-shard (positions, (values, lengths)) of one multi-hot feature -> batch-ordered (values, lengths)."""
-    if len(parts) == 1 and isinstance(parts[0][0], slice):
-        return parts[0][1]
-    lengths = np.zeros(B, dtype=np.int64)
-    for pos, (_, ln) in parts:
-        lengths[pos] = ln
-    offsets = np.cumsum(lengths) - lengths
-    values = np.empty(int(lengths.sum()), dtype=dtype)
-    for pos, (v, ln) in parts:
-        if len(v):
-            dst = np.repeat(offsets[pos] - (np.cumsum(ln) - ln), ln) + np.arange(len(v))
-            values[dst] = v
-    return values, lengths
-
-
-class _Prefetcher:
-    """Runs a batch generator in a daemon thread, ``depth`` batches ahead; re-raises its errors."""
-
-    _END = object()
-
-    def __init__(self, gen: Iterator[Batch], depth: int) -> None:
-        self._q: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._gen = gen
-        self._t = threading.Thread(target=self._run, name="BatchLoader-prefetch", daemon=True)
-        self._t.start()
-
-    def _put(self, item) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _run(self) -> None:
-        try:
-            for b in self._gen:
-                if not self._put(b):
-                    return
-            self._put(self._END)
-        except BaseException as e:  # handed to the consumer
-            self._put(e)
-
-    def __iter__(self):
-        while True:
-            item = self._q.get()
-            if item is self._END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)

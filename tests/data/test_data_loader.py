@@ -166,3 +166,13 @@ def test_id_bounds_are_checked_on_the_cpu_batch_and_length_per_key_is_known(tmp_
     with pytest.raises(EmbeddingIdError, match=r"train split, epoch 1, batch 2: table 't_C1', feature 'C1': "
                                                r"id 70 is out of range; expected 0 <= id < num_embeddings = 45"):
         list(bad)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_last_batch_smaller_than_the_world_gives_empty_batches_with_multi_hot_bags(tmp_path, shuffle):
+    d = make_dataset(tmp_path, n=10, files=2, chunks=2)  # C1 one-hot, M1 multi-hot
+    last = [list(BatchLoader(d, "train", 4, rank=r, world_size=3, shuffle=shuffle, prefetch=0))[-1] for r in range(3)]
+    assert [b.batch_size for b in last] == [1, 1, 0]  # 10 rows = 4 + 4 + 2
+    empty = last[2].sparse_features
+    assert empty.keys() == ["C1", "M1"] and empty.values().numel() == 0 and empty.lengths().numel() == 0
+    assert last[2].dense_features.shape == (0, 2) and last[2].labels.shape == (0,)

@@ -144,10 +144,10 @@ def test_rows_are_read_with_pread_once_per_epoch_and_not_before_a_resume_point(t
     read = []
     orig = MappedShard.read_range
 
-    def spy(self, name, chunk, start, n):
+    def spy(self, name, chunk, start, n, out=None):
         if name == "D1":
             read.append(n)
-        return orig(self, name, chunk, start, n)
+        return orig(self, name, chunk, start, n, out=out)
 
     def no_mapping(*a, **k):
         raise AssertionError("the shuffled path must not gather from the mapping")
@@ -155,6 +155,7 @@ def test_rows_are_read_with_pread_once_per_epoch_and_not_before_a_resume_point(t
     monkeypatch.setattr(MappedShard, "read_range", spy)
     monkeypatch.setattr(MappedShard, "take", no_mapping)
     monkeypatch.setattr(MappedShard, "take_list", no_mapping)
+    monkeypatch.setattr(MappedShard, "copy_range", no_mapping)
     kw = dict(batch_size=10, shuffle=True, seed=1, shuffle_window_rows=40, shuffle_block_rows=16, prefetch=0)
     loaders = [BatchLoader(d, "train", rank=r, world_size=world, **kw) for r in range(world)]
     for lr in loaders:
@@ -263,3 +264,24 @@ def test_opening_a_shard_leaves_none_of_its_pages_mapped(tmp_path):
     assert _mapped_rss_bytes(path) < 256 * 1024, _mapped_rss_bytes(path)
     # the kept mapping still serves reads (and maps only what they touch)
     assert shard.read_range("c3", 299, 0, 2).tolist() == [299.0, 299.0]
+
+
+def test_an_abandoned_shuffled_epoch_stops_its_batch_and_window_threads(tmp_path):
+    """With prefetch the batches are made in one thread and the next window is read in another; an
+    iteration left mid-epoch (a break, an error in the step) ends both, and the next epoch's
+    batches are those of a loader that never stopped (the window buffers reused are rewritten)."""
+    import threading
+
+    d = make_dataset(tmp_path, n=300, files=2, chunks=3)
+    kw = dict(batch_size=10, shuffle=True, seed=2, shuffle_window_rows=40, shuffle_block_rows=16)
+    loader = BatchLoader(d, "train", prefetch=2, **kw)
+    it = iter(loader)
+    for _ in range(7):  # into the second window: the third is being read ahead
+        next(it)
+    it.close()
+    names = lambda: {t.name for t in threading.enumerate() if t.is_alive()}  # noqa: E731
+    assert not {"BatchLoader-prefetch", "BatchLoader-window"} & names(), names()
+    loader.set_epoch(1)
+    ref = BatchLoader(d, "train", prefetch=0, **kw)
+    ref.set_epoch(1)
+    assert [rows_of(b) for b in loader] == [rows_of(b) for b in ref]
