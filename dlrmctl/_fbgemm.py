@@ -101,6 +101,21 @@ def ensure_checked() -> bool:
     return bool(globals()["HAS_FBGEMM"])
 
 
+def fused_kernel_available() -> bool:
+    """Whether a table asking for the ``fused`` (FBGEMM TBE) kernel gets it in this process.
+
+    The one decision of which kernel runs: the embedding modules build the ``dense`` kernel
+    (``torch.nn.EmbeddingBag``) instead when this is False (fbgemm_gpu not installed), and the
+    planner -- the plan ``train`` makes and the one ``dlrmctl plan`` writes -- then costs and
+    names the ``dense`` kernel for every table.  Imports torch (the first call only).
+
+    Raises:
+        FbgemmTorchMismatchError: fbgemm_gpu is installed but does not load (see
+            :func:`check_torch_fbgemm_pair`).
+    """
+    return ensure_checked()
+
+
 def __getattr__(name: str):  # PEP 562: the check runs on the first read of its results
     if name in ("HAS_FBGEMM", "FBGEMM_IMPORT_ERROR"):
         ensure_checked()

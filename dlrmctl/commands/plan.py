@@ -45,6 +45,11 @@ def _lws(gpus: int, hosts: Optional[int], gpus_per_host: Optional[int], cfg_lws:
     return cfg_lws
 
 
+#: the report's line when this environment has no fbgemm_gpu (the plan is the dense kernel's)
+NO_FBGEMM_LINE = ("Kernel: dense for every table: fbgemm_gpu is not installed here, so train here runs "
+                  "torch.nn.EmbeddingBag and the plan is costed for it (install fbgemm_gpu and plan again for the "
+                  "fused FBGEMM TBE kernel)")
+
 #: the first words of every report (:meth:`PlanResult.report`): an existing file that starts
 #: otherwise is not replaced without --force
 _REPORT_HEAD = "Sharding plan:"
@@ -204,8 +209,13 @@ def plan_command(
                                            inputs=(config, topo_file))
         except outputs.OutputError as e:
             raise ValueError(str(e)) from None
+        from dlrmctl import _fbgemm
+
+        # the kernel train runs here: without fbgemm_gpu every table is planned and costed on the dense one
+        fused = _fbgemm.fused_kernel_available()
         res = plan_config(cfg, topo, meta, batch_size,
-                          None if weights_precision is None else 2 if weights_precision == "fp16" else 4)
+                          None if weights_precision is None else 2 if weights_precision == "fp16" else 4,
+                          fused_available=fused)
         # the plan must be what train --nproc will accept (the first import of torch: every error
         # about the arguments, the config, the data and the hardware came before it)
         from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
@@ -237,6 +247,9 @@ def plan_command(
     # is (ranks, memory, bandwidths) once too, in the report's first line ("Sharding plan: ... on <describe>")
     echo(f"Topology ({origin}): {show_path(topo_file)}" if topo_file else f"Preset: {preset} ({origin})")
     text = res.report()
+    if not fused:  # after the report's first line ("Sharding plan: ...", what marks a report as ours)
+        head, _, rest = text.partition("\n")
+        text = f"{head}\n{NO_FBGEMM_LINE}\n{rest}"
     echo(text.rstrip("\n"))
     res.plan.save(out)  # makes the plan's directory
     try:  # and --report's, as the plan's (a --report in a new directory died after the plan was written)

@@ -585,7 +585,7 @@ class EmbeddingBagCollection(LookupOwner, TableFeatures):
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._optimizer = optimizer or EmbeddingOptimizerSpec()
         self._seed = seed
-        if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+        if compute_kernel == "fused" and not _fbgemm.fused_kernel_available():
             log.warning("fbgemm_gpu is not installed: using the dense (torch.nn.EmbeddingBag) kernel")
             compute_kernel = "dense"
         if compute_kernel not in ("fused", "dense"):
@@ -833,7 +833,7 @@ class GroupedEmbeddingLookup(LookupTables, nn.Module):
         self._names = [cfg.name for cfg, *_ in self._shards]
         if len(set(self._names)) != len(self._names):
             raise ValueError(f"a lookup holds at most one shard per table, got {self._names}")
-        if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+        if compute_kernel == "fused" and not _fbgemm.fused_kernel_available():
             compute_kernel = "dense"
         if compute_kernel == "fused" and not fused_supports_optimizer(optimizer.type, device):
             # FBGEMM's CPU TBE has no Adam / LAMB: the dense kernel runs the same update rule

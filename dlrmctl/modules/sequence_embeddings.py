@@ -160,7 +160,7 @@ class SequenceEmbeddingLookup(LookupTables, nn.Module):
             raise ValueError(f"a lookup holds at most one shard per table, got {self._names}")
         if compute_kernel not in ("fused", "dense"):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
-        if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+        if compute_kernel == "fused" and not _fbgemm.fused_kernel_available():
             compute_kernel = "dense"
         if compute_kernel == "fused" and optimizer.weight_decay and not fused_supports_weight_decay(optimizer.type, device):
             log.warning("embedding weight_decay with %s: FBGEMM's fused kernel would ignore it; using the dense kernel",
@@ -365,7 +365,7 @@ class EmbeddingCollection(LookupOwner, SequenceTableFeatures):
         self._seed = seed
         if compute_kernel not in ("fused", "dense"):
             raise ValueError(f"compute_kernel must be 'fused' or 'dense', got {compute_kernel!r}")
-        if compute_kernel == "fused" and not _fbgemm.HAS_FBGEMM:
+        if compute_kernel == "fused" and not _fbgemm.fused_kernel_available():
             log.warning("fbgemm_gpu is not installed: using the dense (torch.nn.Embedding) kernel")
             compute_kernel = "dense"
         self.compute_kernel = compute_kernel

@@ -592,8 +592,8 @@ def plan_config(
         batch_size: global batch; default ``data.batch_size``.
         weight_bytes: 4 (fp32) or 2 (fp16); default from ``model.embedding_precision``.
         fused_available: False plans every table on the dense kernel (see
-            :func:`table_specs_from_config`); ``dlrmctl plan`` plans for a target cluster
-            and keeps True, the trainer passes whether this process has FBGEMM.
+            :func:`table_specs_from_config`); ``dlrmctl plan`` and the trainer both pass
+            :func:`dlrmctl._fbgemm.fused_kernel_available` (the kernel ``train`` runs here).
     """
     specs = table_specs_from_config(cfg, meta, weight_bytes, fused_available)
     res = reservation_for_config(cfg, meta, sum(len(t.pooling_factors) for t in specs),
@@ -652,4 +652,4 @@ def plan_for_config(cfg: Any, world_size: int, local_world_size: int | None = No
     from dlrmctl import _fbgemm
 
     # without fbgemm_gpu training runs every table on the dense kernel: plan (and cost) that
-    return plan_config(cfg, topo, meta, fused_available=_fbgemm.HAS_FBGEMM).plan
+    return plan_config(cfg, topo, meta, fused_available=_fbgemm.fused_kernel_available()).plan

@@ -38,3 +38,24 @@ def test_trains_with_the_dense_kernel_when_fbgemm_is_absent(tmp_path):
     dense, fused = losses("nofbgemm"), losses("fused")
     assert len(dense) == 5
     assert all(abs(a - b) < 1e-4 for a, b in zip(dense, fused)), (dense, fused)
+
+
+def test_plan_without_fbgemm_plans_the_dense_kernel_and_says_so(tmp_path):
+    """fbgemm_gpu unimportable: `dlrmctl plan` plans every table on the dense kernel, the one train runs."""
+    import yaml
+
+    from dlrmctl.commands.plan import NO_FBGEMM_LINE
+    from dlrmctl.distributed.types import ComputeKernel, ShardingPlan
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "model": {"embedding_dim": 16, "dense_arch_layer_sizes": [32, 16],
+                  "tables": [{"name": "a", "num_embeddings": 100_000}, {"name": "b", "num_embeddings": 50}]},
+        "data": {"path": str(tmp_path / "none"), "batch_size": 512}}))
+    out = tmp_path / "p.yaml"
+    p = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "run_without_fbgemm.py"), "plan", str(cfg),
+                        "--gpus", "2", "--device", "cpu", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "HAS_FBGEMM False" in p.stdout and NO_FBGEMM_LINE in p.stdout, p.stdout
+    assert {ps.compute_kernel for ps in ShardingPlan.load(out).plan.values()} == {ComputeKernel.DENSE}

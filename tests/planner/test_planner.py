@@ -348,7 +348,7 @@ def test_fixed_shardings_from_config_are_kept_verbatim():
 def test_without_fbgemm_the_trainers_plan_is_all_dense_kernel(monkeypatch):
     """Training without fbgemm_gpu runs every table on the dense kernel, so the plan it makes
     (plan_for_config) costs and names that kernel, for free tables, kernel constraints and
-    fixed tables alike; `dlrmctl plan` (plan_config, a target cluster) keeps the fused kernel."""
+    fixed tables alike; plan_config told the fused kernel is available keeps it."""
     from dlrmctl import _fbgemm
     from dlrmctl.planner.planner import plan_config
 
@@ -365,7 +365,7 @@ def test_without_fbgemm_the_trainers_plan_is_all_dense_kernel(monkeypatch):
     assert {n: ps.compute_kernel for n, ps in plan.plan.items()} == {n: CK.DENSE for n in "abc"}
     plan.validate(resolve_tables(cfg, None), 2)
     topo = Topology.from_preset("cpu", 2, 2)
-    kept = plan_config(cfg, topo, None).plan
+    kept = plan_config(cfg, topo, None, fused_available=True).plan
     assert kept.plan["a"].compute_kernel == CK.FUSED and kept.plan["b"].compute_kernel == CK.FUSED
 
 

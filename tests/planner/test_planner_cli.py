@@ -492,3 +492,39 @@ def test_plan_of_a_cuda_trained_config_asks_for_device_when_no_gpu_is_visible(tm
     r = _plan([str(cfg_path), "--gpus", "4", "--out", str(tmp_path / "p.yaml")])
     assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
     assert "trains on CUDA (train.device cuda), but no GPU is visible" in r.output and "--device a100 | h100" in r.output
+
+
+def test_without_fbgemm_plan_costs_and_names_the_dense_kernel_train_runs(tmp_path, monkeypatch):
+    """fbgemm_gpu unimportable (faked) on a fake H200: ``plan`` decides the kernel as the embedding
+    modules do (``fused_kernel_available``), so it plans, costs and reports the dense kernel for
+    every table -- the plan ``train`` makes in the same environment -- and says why."""
+    import types
+
+    import torch
+
+    from dlrmctl import _fbgemm
+    from dlrmctl.distributed.env import RunEnv
+    from dlrmctl.distributed.types import ComputeKernel
+    from dlrmctl.train.trainer import resolve_plan
+
+    monkeypatch.setattr(_fbgemm, "HAS_FBGEMM", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(total_memory=141e9))
+    cfg_path = write_config(tmp_path, {**CONFIG, "train": {"device": "cuda"}})
+    out = tmp_path / "p.yaml"
+    r = _plan([str(cfg_path), "--gpus", "4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert plan_cmd.NO_FBGEMM_LINE in r.output
+    report = (tmp_path / "p_report.txt").read_text()
+    assert report.startswith("Sharding plan:") and report.splitlines()[1] == plan_cmd.NO_FBGEMM_LINE
+    plan = ShardingPlan.load(out)
+    assert {ps.compute_kernel for ps in plan.plan.values()} == {ComputeKernel.DENSE}
+    assert "fused" not in report.split(plan_cmd.NO_FBGEMM_LINE, 1)[1]
+    cfg = load_config(cfg_path)
+    trained = resolve_plan(cfg, resolve_tables(cfg, None), RunEnv(0, 4, 4, torch.device("cuda")), None)
+    assert plan.to_dict() == trained.to_dict()
+    monkeypatch.setattr(_fbgemm, "HAS_FBGEMM", True)  # with FBGEMM the same command plans the fused kernel
+    r = _plan([str(cfg_path), "--gpus", "4", "--out", str(out), "--force"])
+    assert r.exit_code == 0 and plan_cmd.NO_FBGEMM_LINE not in r.output, r.output
+    assert ComputeKernel.FUSED in {ps.compute_kernel for ps in ShardingPlan.load(out).plan.values()}
