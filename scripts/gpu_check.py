@@ -6,29 +6,35 @@ every step), ``steps.jsonl`` (one JSON record per line, appended and fsync'ed as
 ends, so a kill leaves the finished steps' records and marks the one that was running as ``started``)
 and at most 6 logs, one per group of steps (``logs/<group>.log``).
 
-Groups (one process each: a torch import costs seconds) and their steps, with per-step limits that add
-up to 465 s (``--limit-scale`` multiplies them, for a loaded CPU machine):
+Groups (one process each: a torch import costs seconds, 13 s of wall time on a loaded 2-core machine) and
+their steps, with per-step limits that add up to 465 s (``--limit-scale`` multiplies them, for a loaded CPU
+machine):
 
-  env     env (25 s): versions, device, fbgemm; data (20 s): a synthetic Criteo-schema data set
-  pytest  pytest (120 s): tests/modules/test_cuda.py, the CUDA variants; skipped without CUDA
-  train   demo (50 s): ``dlrmctl train configs/demo.yaml``, 50 steps, one device, and its timing line
+  device  env (25 s): versions, device, fbgemm; data (20 s): a synthetic Criteo-schema data set;
+          demo (50 s): ``dlrmctl train configs/demo.yaml``, 50 steps, one device, and its timing line
           (samples/s of the kernel that ran, host syncs per step counted by
           ``torch.cuda.set_sync_debug_mode``, peak memory); bf16 (30 s): 20 steps under
           ``train.precision: bf16``; fp16 (30 s): 20 steps under fp16 + GradScaler (CUDA only);
-          resume (40 s): ``--resume`` of the demo run from its checkpoint written on the device
+          resume (40 s): ``--resume`` of the demo run from its checkpoint written on the device;
+          pt2 (30 s): the demo run exported (``model.pt2``) and evaluated with ``evaluate --device``;
+          serve (30 s): ``dlrmctl serve --device`` of that export answers one infer request.  Each of
+          the last two is skipped, with the reason, where this checkout's command has no ``--device``
+          (on CUDA) or the serve extra is not installed
   parity  parity (90 s): ``pipeline: none`` vs ``sparse_dist`` on the sharded path (one-rank group, nccl
           on CUDA / gloo on CPU), 30 steps, both under ``torch.use_deterministic_algorithms(True)``
           (``CUBLAS_WORKSPACE_CONFIG=:4096:8``; warn-only: the ops without a deterministic kernel are
           listed in the record).  Passes when the per-step losses agree within 1e-6 relative; whether
           they are bit-identical is recorded too
-  infer   pt2 (30 s): the demo run exported (``model.pt2``) and evaluated with ``evaluate --device``;
-          serve (30 s): ``dlrmctl serve --device`` of that export answers one infer request.  Each is
-          skipped, with the reason, where this checkout's command has no ``--device`` (on CUDA) or
-          the serve extra is not installed
+  pytest  pytest (120 s): tests/modules/test_cuda.py, the CUDA variants; skipped without CUDA
 
-A failed env or data step skips everything after it; a failed demo skips resume and infer; other
-failures do not stop the later groups.  A step over its limit is killed after Python's faulthandler
-dumps every thread's stack into the group's log, and recorded as ``timeout``.  Collectives time out
+On the CPU the training steps take a quarter of the demo config's rows a step (the same code; the
+device runs the config's batches, whose timing line is the figure that matters there).  Each record
+has the step's wall and CPU seconds.
+
+A failed env or data step skips everything after it; a failed demo skips resume, pt2 and serve; other
+failures do not stop the later steps.  A step over its limit is killed after Python's faulthandler
+dumps every thread's stack into the group's log, and recorded as ``timeout``; the group's steps after
+it run in a new process.  Collectives time out
 after 120 s (``DLRMCTL_COLLECTIVE_TIMEOUT_S``).  On a CPU-only machine the same steps run on the CPU
 (gloo), the CUDA-only ones are skipped, exit 0.
 """
@@ -44,11 +50,10 @@ import sys
 import time
 
 GROUPS: list[tuple[str, list[tuple[str, int]]]] = [
-    ("env", [("env", 25), ("data", 20)]),
-    ("pytest", [("pytest", 120)]),
-    ("train", [("demo", 50), ("bf16", 30), ("fp16", 30), ("resume", 40)]),
+    ("device", [("env", 25), ("data", 20), ("demo", 50), ("bf16", 30), ("fp16", 30), ("resume", 40), ("pt2", 30),
+                ("serve", 30)]),
     ("parity", [("parity", 90)]),
-    ("infer", [("pt2", 30), ("serve", 30)]),
+    ("pytest", [("pytest", 120)]),
 ]
 #: a failure of one of these skips the steps named after it
 NEEDED_BY = {"env": "*", "data": "*", "demo": ("resume", "pt2", "serve")}
@@ -98,11 +103,18 @@ class Ctx:
 
         self.cuda = torch.cuda.is_available()
         self.dev = "cuda" if self.cuda else "cpu"
+        # the CPU dry run checks the same code with a quarter of the rows a step (the device's batches
+        # are the demo config's: its timing line is the figure that matters there)
+        self.batch_scale = 1 if self.cuda else 4
+
+    def batch(self, rows: int) -> list[str]:
+        return ["--set", f"data.batch_size={rows // self.batch_scale}"]
 
     def common(self) -> list[str]:
         return ["--set", f"data.path={self.data}", "--set", f"train.run_dir={self.runs}", "--set",
                 "train.progress=false", "--set", "train.eval_every=0", "--set", f"train.device={self.dev}",
-                "--set", "train.epochs=100"]  # max_steps ends each run (the CPU data set is small)
+                "--set", "train.epochs=100",  # max_steps ends each run (the CPU data set is small)
+                *([] if self.cuda else self.batch(1024))]  # 1024: configs/demo.yaml's batch
 
 
 class Skip(Exception):
@@ -228,7 +240,7 @@ def step_parity(c: Ctx) -> dict:
         warnings.simplefilter("always")
         for p in ("none", "sparse_dist"):
             _cli("train", "configs/demo.yaml", *c.common(), "--set", "sharding.force=true", "--set",
-                 "train.max_steps=30", "--set", "train.log_every=1", "--set", "data.batch_size=512",
+                 "train.max_steps=30", "--set", "train.log_every=1", *c.batch(512),
                  "--set", "train.checkpoint_every=0", "--set", f"name=parity_{p}", "--set", f"train.pipeline={p}",
                  "--overwrite")
             with open(os.path.join(c.runs, f"parity_{p}", "metrics.jsonl")) as f:
@@ -339,6 +351,20 @@ STEP_FUNCS = {"env": step_env, "data": step_data, "demo": step_demo, "bf16": ste
               "resume": step_resume, "parity": step_parity, "pt2": step_pt2, "serve": step_serve}
 
 
+def _needing(step: str, steps: list[str]) -> list[str]:
+    """The steps of ``steps`` that a failure of ``step`` skips (:data:`NEEDED_BY`)."""
+    need = NEEDED_BY.get(step) or ()
+    return [s for s in steps if s != step] if need == "*" else [s for s in need if s in steps]
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its children that ended (a step's serve process)."""
+    import resource
+
+    self_, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return self_.ru_utime + self_.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_group(group: str, steps: list[tuple[str, int]], work: str, recs: Records, scale: float,
               skip: dict[str, str]) -> None:
     """The child process of one group: each step recorded as it starts and ends; a step over its limit
@@ -357,16 +383,17 @@ def run_group(group: str, steps: list[tuple[str, int]], work: str, recs: Records
         print(f"=== gpu_check: {step} (limit {lim:.0f}s)", flush=True)
         faulthandler.dump_traceback_later(lim, exit=True)
         t0 = time.perf_counter()
+        cpu0 = _cpu_s()
         try:
             fig = STEP_FUNCS[step](c)
-            recs.add(step, "passed", time.perf_counter() - t0, lim, **fig)
+            recs.add(step, "passed", time.perf_counter() - t0, lim, cpu_s=round(_cpu_s() - cpu0, 2), **fig)
         except Skip as e:
             recs.add(step, "skipped", time.perf_counter() - t0, lim, reason=str(e))
         except Exception as e:  # noqa: BLE001 (every failure becomes the step's record)
             traceback.print_exc()
             fig = e.args[1] if len(e.args) > 1 and isinstance(e.args[1], dict) else {}
             recs.add(step, "failed", time.perf_counter() - t0, lim, error=f"{type(e).__name__}: {e.args[0] if e.args else e}"[:500], **fig)
-            for later in (NEEDED_BY.get(step) or ()):
+            for later in _needing(step, [s for s, _ in steps]):
                 skip.setdefault(later, f"after {step} failed")
         finally:
             faulthandler.cancel_dump_traceback_later()
@@ -391,12 +418,26 @@ def pytest_cuda_variants() -> int:
     return int(pytest.main(["tests/modules/test_cuda.py", "-v", "-p", "no:cacheprovider"], plugins=[OnlyCuda()]))
 
 
+def _run_child(cmd: list[str], log: str, limit: float) -> int:
+    """Run ``cmd`` in its own session, its output appended to ``log``; killed ``limit`` + 15 s on."""
+    with open(log, "ab") as lf:
+        p = subprocess.Popen(cmd, cwd=REPO, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return p.wait(limit + 15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGABRT)
+            time.sleep(2)
+            os.killpg(p.pid, signal.SIGKILL)
+            return p.wait()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--limit-scale", type=float, default=float(os.environ.get("GPU_CHECK_LIMIT_SCALE", "1")))
     ap.add_argument("--child", default=None)
+    ap.add_argument("--steps", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip", default="{}")
     ap.add_argument("--pytest-cuda", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -404,60 +445,62 @@ def main() -> int:
         return pytest_cuda_variants()
     recs = Records(a.out)
     if a.child:
-        run_group(a.child, dict(GROUPS)[a.child], a.work, recs, a.limit_scale, json.loads(a.skip))
+        steps = dict(GROUPS)[a.child]
+        if a.steps is not None:
+            steps = [(s, lim) for s, lim in steps if s in json.loads(a.steps)]
+        run_group(a.child, steps, a.work, recs, a.limit_scale, json.loads(a.skip))
         return 0
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     skip: dict[str, str] = {}
-    cuda = False
+    every = [s for _, ss in GROUPS for s, _ in ss]
     for group, steps in GROUPS:
-        if all(s in skip for s, _ in steps):  # nothing to run: no process (a torch import) for it
-            for s, lim in steps:
-                recs.add(s, "skipped", 0, lim, reason=skip[s])
-            continue
+        limits = dict(steps)
         log = os.path.join(a.out, "logs", f"{group}.log")
-        limit = sum(lim for _, lim in steps) * a.limit_scale
-        t0 = time.perf_counter()
-        if group == "pytest" and (not cuda or "pytest" in skip):
-            recs.add("pytest", "skipped", 0, steps[0][1], reason=skip.get("pytest", "no CUDA (the CPU variants run in CI)"))
-            continue
-        with open(log, "ab") as lf:
-            if group == "pytest":
-                recs.add("pytest", "started", 0, limit)
-                cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--work", a.work, "--pytest-cuda"]
-            else:
-                cmd = [sys.executable, os.path.abspath(__file__), "--out", a.out, "--work", a.work,
-                       "--limit-scale", str(a.limit_scale), "--child", group, "--skip", json.dumps(skip)]
-            p = subprocess.Popen(cmd, cwd=REPO, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-            try:
-                rc = p.wait(limit + 15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGABRT)
-                time.sleep(2)
-                os.killpg(p.pid, signal.SIGKILL)
-                rc = p.wait()
-        seen = recs.steps()
         if group == "pytest":
+            if "pytest" not in skip and not recs.steps().get("env", {}).get("cuda_available"):
+                skip["pytest"] = "no CUDA (the CPU variants run in CI)"
+            if "pytest" in skip:
+                recs.add("pytest", "skipped", 0, limits["pytest"], reason=skip["pytest"])
+                continue
+            limit = limits["pytest"] * a.limit_scale
+            recs.add("pytest", "started", 0, limit)
+            t0 = time.perf_counter()
+            rc = _run_child([sys.executable, os.path.abspath(__file__), "--out", a.out, "--work", a.work,
+                             "--pytest-cuda"], log, limit)
             recs.add("pytest", "passed" if rc == 0 else "failed", time.perf_counter() - t0, limit, returncode=rc)
-        for step, lim in steps:  # a step left "started": its process ended under it
-            r = seen.get(step)
-            if r is not None and r["status"] == "started":
-                over = time.perf_counter() - t0 >= r["limit_s"]
-                recs.add(step, "timeout" if over else "failed", time.perf_counter() - t0, r["limit_s"],
-                         error=f"the group's process ended (exit {rc}) during the step; its log has the stacks")
-                for later in (NEEDED_BY.get(step) or ()):
-                    skip.setdefault(later, f"after {step} failed")
-            elif r is not None and r["status"] == "failed":
-                for later in (NEEDED_BY.get(step) or ()):
-                    skip.setdefault(later, f"after {step} failed")
-            elif r is None and group != "pytest":
-                recs.add(step, "skipped", 0, lim, reason=f"its group's process ended (exit {rc}) before it")
-        if group == "env":
-            cuda = bool(recs.steps().get("env", {}).get("cuda_available"))
-        for step, r in recs.steps().items():
-            if r["status"] in ("failed", "timeout") and NEEDED_BY.get(step) == "*":
-                for g, ss in GROUPS:
-                    for s, _ in ss:
-                        skip.setdefault(s, f"after {step} failed")
+            continue
+        # one process runs the group's steps; a step that ends it (over its limit, a crash) is recorded,
+        # and the steps after it run in a new process
+        todo = [s for s, _ in steps]
+        while todo:
+            for s in [s for s in todo if s in skip]:
+                recs.add(s, "skipped", 0, limits[s], reason=skip[s])
+            todo = [s for s in todo if s not in skip]
+            if not todo:  # nothing to run: no process (a torch import) for it
+                break
+            t0 = time.perf_counter()
+            rc = _run_child([sys.executable, os.path.abspath(__file__), "--out", a.out, "--work", a.work,
+                             "--limit-scale", str(a.limit_scale), "--child", group, "--steps", json.dumps(todo),
+                             "--skip", json.dumps(skip)], log, sum(limits[s] for s in todo) * a.limit_scale)
+            seen = recs.steps()
+            ended = None  # the step its process ended in
+            for step in todo:
+                r = seen.get(step)
+                if r is not None and r["status"] == "started":
+                    ended = step
+                    over = time.perf_counter() - t0 >= r["limit_s"]
+                    recs.add(step, "timeout" if over else "failed", time.perf_counter() - t0, r["limit_s"],
+                             error=f"the group's process ended (exit {rc}) during the step; its log has the stacks")
+                if step == ended or (r is not None and r["status"] in ("failed", "timeout")):
+                    for later in _needing(step, every):
+                        skip.setdefault(later, f"after {step} failed")
+            left = [s for s in todo if s not in recs.steps()]  # (the skipped ones are recorded above)
+            if ended is None:  # it ended before a step started: do not start that step again
+                for s in left:
+                    if s not in skip:
+                        recs.add(s, "skipped", 0, limits[s], reason=f"its group's process ended (exit {rc}) before it")
+                left = [s for s in left if s in skip]
+            todo = left
     final = recs.steps()
     bad = [s for s, r in final.items() if r["status"] in ("failed", "timeout")]
     print(f"gpu_check: records {recs.jsonl}, summary {os.path.join(a.out, 'gpu_check.json')}, logs {a.out}/logs")
