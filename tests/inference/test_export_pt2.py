@@ -366,3 +366,26 @@ def test_the_program_size_does_not_grow_with_the_number_of_tables(tmp_path):
         assert sum(nd.target == torch.ops.aten.linear.default for nd in ops) == 4
         counts.append(len(ops))
     assert counts[0] == counts[1]
+
+
+@pytest.mark.skipif(not HAS_FBGEMM, reason="the TorchScript reference needs fbgemm_gpu")
+@pytest.mark.parametrize("dtype", ["fp32", "int4"])
+def test_the_plain_dot_interaction_of_an_odd_dim_equals_the_torchscript_artifact(tmp_path, dtype):
+    """No projections (every table of the interaction's width 5): the head reads the blocks as they
+    are, and at int4 (rows stored 6 codes wide) only their first 5 columns."""
+    from dlrmctl.inference.export import export_model, load_exported
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=40, embedding_dim=5, feature_names=[f"f{i}"])
+              for i in range(3)]
+    ebc = EmbeddingBagCollection(tables, compute_kernel="dense", seed=3)
+    model = DLRM(ebc, 13, [16, 5], [16, 1], 3, 5).eval()
+    export_model(model, tmp_path / "p", dtype)
+    export_model(model, tmp_path / "t", dtype, artifact="torchscript")
+    p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
+    ops = [n.target for n in torch.export.load(str(tmp_path / "p" / "model.pt2")).graph.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.slice.Tensor in ops) == (dtype == "int4")  # the pad code's column dropped
+    assert ops.count(torch.ops.aten.index_select.default) == 1  # the pairs only: no pooled-column gather
+    dense, values, lengths = example_inputs(64, 8, rows=(40, 40))
+    bound = 1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND
+    assert float((p.logits(dense, values, lengths) - t.logits(dense, values, lengths)).abs().max()) <= bound
