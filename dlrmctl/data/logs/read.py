@@ -149,6 +149,17 @@ def file_columns(path: str | os.PathLike, schema: LogSchema, data: bytes | None 
     return next(csv.reader(io.StringIO(text), delimiter=_delimiter(schema, fmt)))
 
 
+def _text_table(path: str | os.PathLike, schema: LogSchema) -> bool:
+    """Whether ``path`` is read as CSV / TSV (a header line); False where the format is unknown
+    (rows given as records)."""
+    from dlrmctl.data.logs.schema import SchemaError
+
+    try:
+        return schema.format_of(path) in ("csv", "tsv")
+    except SchemaError:
+        return False
+
+
 def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]) -> None:
     """Every column the schema names is in the file and every column of the file is named.
 
@@ -157,7 +168,7 @@ def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]
     """
     have = set(columns)
     missing = [c for c in schema.named_columns() if c not in have]
-    if schema.header and schema.format_of(path) in ("csv", "tsv") and len(missing) == len(schema.named_columns()):
+    if schema.header and missing and len(missing) == len(schema.named_columns()) and _text_table(path, schema):
         raise DataError(f"the first line is not a header: none of its fields ({quoted(', '.join(columns))}) names a "
                         f"column of the schema {schema.source}, which says `header: true`; give the file its header "
                         "line, or set `header: false` and list the `columns:` in order", path=path, line=1)
