@@ -10,8 +10,6 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
-import numpy as np
-
 from dlrmctl.errors import quoted
 from dlrmctl.inference.serve.batcher import Batcher, Metrics, QueueFull
 from dlrmctl.inference.serve.protocol import (RAW_INPUT, VERSIONS, BadRequest, ModelSpec, Rows, decode_request,
