@@ -34,10 +34,11 @@ Windowed block shuffle (``shuffle=True``; memory independent of the row count):
    one are made (the reads release the GIL), and a window's buffer, once all its rows are in
    batches, is reused for a later window (no fresh pages to fault in every window).
 
-Memory per rank: the window permutation (8 bytes x ``S``), the rows of at most three windows (the
-one being consumed, the next one when a batch spans two, and the one read ahead; fewer with
-``prefetch = 0``), and 16 bytes per *block* for the epoch's block order (8.6 MB at
-4.4 billion rows with ``K = 8192``) -- no per-row array of the split.  The data position
+Memory per rank: the window permutation (8 bytes x ``S``), the rows read of at most three windows
+(the one being consumed, the next one when a batch spans two, and the one read ahead; fewer with
+``prefetch = 0``; a rank reads about a whole window on any number of ranks), and 16 bytes per
+*block* for the epoch's block order (8.6 MB at 4.4 billion rows with ``K = 8192``) -- no per-row
+array of the split.  The data position
 (:meth:`BatchLoader.state_dict`) is the number of global batches consumed, so a resume recomputes
 the window of that batch and continues exactly.
 
