@@ -155,7 +155,7 @@ def check_replaceable(path: str | os.PathLike, kind: str, what: str, remedy: str
         else:
             k = kind_of(p)
             if k is None:
-                why = f"{not_ours(p)}, and {what} replaces only what dlrmctl made"
+                why = f"it is not a dlrmctl {kind}: {not_ours(p)}, and {what} replaces only what dlrmctl made"
             elif k != kind:
                 why = f"it is a dlrmctl {k}, not a {kind}"
             else:
