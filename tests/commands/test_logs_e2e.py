@@ -205,6 +205,7 @@ def test_serve_answers_raw_json_rows_with_the_scores_of_predict(tmp_path):
         np.testing.assert_allclose(_post_rows(url, "avazu", rows[1:]), want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow  # two preprocesses of 10k real lines and a DCN-v2 training run
 def test_criteo_1tb_day0_through_its_schema_trains_the_dlrmv2_shape_with_multi_hot_bags(tmp_path):
     """Criteo 1TB day-0 lines (real, 10k; skips without the shared data) through
     configs/schemas/criteo_1tb.yaml give tables of exactly MLPerf DLRMv2's sizes (those of
