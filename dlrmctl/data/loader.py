@@ -34,13 +34,11 @@ Windowed block shuffle (``shuffle=True``; memory independent of the row count):
    one are made (the reads release the GIL), and a window's buffer, once all its rows are in
    batches, is reused for a later window (no fresh pages to fault in every window).
 
-Memory per rank: the window permutation (8 bytes x ``S``), the rows read of at most three windows
-(the one being consumed, the next one when a batch spans two, and the one read ahead; fewer with
-``prefetch = 0``; a rank reads about a whole window on any number of ranks), and 16 bytes per
-*block* for the epoch's block order (8.6 MB at 4.4 billion rows with ``K = 8192``) -- no per-row
-array of the split.  The data position
-(:meth:`BatchLoader.state_dict`) is the number of global batches consumed, so a resume recomputes
-the window of that batch and continues exactly.
+Memory per rank: the window permutation (8 bytes x ``S``), one buffer of a window's rows read
+(about a whole window on any number of ranks), this rank's rows of at most three windows (the one
+being consumed, the next when a batch spans two, the one read ahead), and 16 bytes per *block*
+for the epoch's block order (8.6 MB at 4.4 billion rows, ``K = 8192``): no per-row array.  The
+data position (:meth:`BatchLoader.state_dict`), the global batches consumed, is all a resume needs.
 
 Unshuffled batches (evaluation) are rank slices of contiguous rows: each column's range is copied
 from the memory-mapped shards (:class:`dlrmctl.data.columnar.SplitData`) into the batch's
@@ -434,13 +432,17 @@ class BatchLoader:
             start = row0 + int(lo[g])
             pieces.append(raw.read_piece(self._cols, int(at[g]), shard, chunk, start, int(n[g]),
                                          int(shard._starts[chunk]) + start))
-        return raw.set_lists(pieces, self._cols), src
+        raw = raw.set_lists(pieces, self._cols)
+        if 2 * len(src) <= raw.n:  # one rank's share of rows read on several: keep only its rows
+            mine = raw.take(src)
+            pool.put(raw)  # the buffer is free again for the next window read
+            return mine, np.arange(len(src), dtype=np.int64)
+        return raw, src
 
     def _windows(self, w: int, first_batch: int, pool: BufferPool) -> Iterator[tuple[RawRows, np.ndarray]]:
         """:meth:`_load_window` of ``w``, ``w + 1``, ... up to the end of the split."""
-        while w * self.shuffle_window_rows < self.num_rows:
-            yield self._load_window(w, first_batch, pool)
-            w += 1
+        n = -(-self.num_rows // self.shuffle_window_rows)  # windows of the split
+        return (self._load_window(v, first_batch, pool) for v in range(w, n))
 
     def _produce_shuffled(self, start: int) -> Iterator[Batch]:
         nb = self.num_global_batches()
