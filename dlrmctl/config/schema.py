@@ -127,9 +127,9 @@ class DataConfig:
     docs/data.md#shuffling."""
     shuffle_window_rows: int = 262_144
     """Consecutive windows of this many rows of the block stream are each permuted. Memory per
-    rank is about 8 bytes x window plus the rows it reads of up to three windows (one is read
-    ahead while batches are made). A value >= the split's rows is an exact full permutation
-    (O(rows) memory). Integer >= 1."""
+    rank is about 8 bytes x window, one window of rows read, and this rank's rows of up to three
+    windows (one is read ahead while batches are made). A value >= the split's rows is an exact
+    full permutation (O(rows) memory). Integer >= 1."""
     shuffle_block_rows: int = 8_192
     """Rows of a shuffled block (contiguous rows inside one record batch, read with one
     ``pread`` per column). The block order is permuted per epoch (16 bytes per block).
