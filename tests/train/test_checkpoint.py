@@ -309,6 +309,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # three saver processes, each importing torch, SIGKILLed
 def test_sigkill_during_saves_leaves_the_latest_checkpoint_loadable(tmp_path):
     run = str(tmp_path / "run")
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
