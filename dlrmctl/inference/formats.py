@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -77,12 +77,23 @@ class _GraphRunner:
         from torch.export.graph_signature import InputKind
 
         tensors = {**ep.state_dict, **ep.constants}
-        self.state = [tensors[s.target].detach().to(device) for s in ep.graph_signature.input_specs
-                      if s.kind != InputKind.USER_INPUT]
+        specs = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+        self.state = [tensors[s.target].detach().to(device) for s in specs]
+        self._parameter = [s.kind == InputKind.PARAMETER for s in specs]
+        self._names = [s.target for s in specs]
         self.graph = ep.graph_module
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         return self.graph(*self.state, *inputs)
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The program's parameters as ``(fully qualified name, tensor)``, like ``nn.Module``'s."""
+        return ((n, t) for n, t, p in zip(self._names, self.state, self._parameter) if p)
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The program's buffers and tensor constants as ``(name, tensor)`` (the tables' storage
+        among them), like ``nn.Module``'s."""
+        return ((n, t) for n, t, p in zip(self._names, self.state, self._parameter) if not p)
 
 
 def _load_pt2(path: Path, manifest: dict, device: torch.device) -> Any:
