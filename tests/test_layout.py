@@ -63,7 +63,6 @@ def test_no_test_imports_a_private_name_across_modules():
 PRIVATE_ATTRIBUTES_ALLOWED = {
     "dlrmctl.distributed.comm._PooledAllToAllStart", "dlrmctl.distributed.comm._PooledAllToAllWait",
     "dlrmctl.distributed.comm._all_gather_flat",  # the overlap tests wrap the pooled all-to-all's halves
-    "dlrmctl.inference.export._torchscript_for_device", "dlrmctl.inference.export._write_bytes",  # export's split
     "dlrmctl.modules.dlrm._ROW_PAD", "dlrmctl.modules.dlrm._ROW_PAD_MIN_BATCH", "dlrmctl.modules.dlrm._dot_row_pad",
     "dlrmctl.run_lock._held",
 }

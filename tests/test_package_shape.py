@@ -14,7 +14,6 @@ MAX_LINES = 500
 LONG_FILES = {
     "dlrmctl/sparse/jagged_tensor.py": "JaggedTensor, KeyedJaggedTensor and KeyedTensor with VBE (one file per class "
                                        "is the planned split)",
-    "dlrmctl/inference/export.py": "being split into the export-format registry (pt2 / aoti / torchscript)",
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/modules/embedding_modules.py": "the lookup base and the EBC; to split into a public modules/lookup.py",
     "dlrmctl/data/movielens.py": "being made a package like data/criteo/",

@@ -288,12 +288,12 @@ def check_vocabularies(model: ExportedModel) -> None:
         DataMismatchError: naming the file, both digests and where the record comes from.
     """
     from dlrmctl.data.fingerprint import DataMismatchError
-    from dlrmctl.inference.export import MANIFEST_FILE, _sha256
+    from dlrmctl.inference.artifact import MANIFEST_FILE, sha256
 
     rec = model.manifest.get("data") or {}
     for rel, want in (rec.get("vocab_sha256") or {}).items():
         f = Path(model.model_dir) / rel
-        got = _sha256(f) if f.is_file() else "missing"
+        got = sha256(f) if f.is_file() else "missing"
         if got != want:
             raise DataMismatchError(
                 f"{f}: vocabulary SHA-256 {got[:12]} differs from {want[:12]} recorded in "

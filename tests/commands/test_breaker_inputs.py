@@ -66,11 +66,11 @@ def test_a_dataset_meta_of_the_wrong_shape_is_one_line(tmp_path, data):
 
 def test_a_damaged_export_manifest_is_one_line(tmp_path):
     from dlrmctl import HAS_FBGEMM  # noqa: F401  (the export below needs only torch)
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
     from tests.inference.test_export_pt2 import example_model
 
     m = tmp_path / "m"
-    export_model(example_model(), m, "int8")
+    export_model(example_model(), m, ExportOptions("int8"))
     good = (m / "manifest.json").read_text()
     for bad in ("[]", json.dumps(dict(json.loads(good), format_version=1, files="x"))):
         (m / "manifest.json").write_text(bad)
@@ -83,11 +83,11 @@ def test_a_tampered_export_whose_hash_was_updated_is_one_line_naming_the_model_f
     traceback or a "corrupt manifest" error blaming the wrong thing."""
     import hashlib
 
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
     from tests.inference.test_export_pt2 import example_model
 
     m = tmp_path / "m"
-    export_model(example_model(), m, "int8")
+    export_model(example_model(), m, ExportOptions("int8"))
     good = json.loads((m / "manifest.json").read_text())
     model = m / good["model_file"]
     model.write_bytes(b"not a model" * 100)

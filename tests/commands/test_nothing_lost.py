@@ -108,24 +108,24 @@ def test_export_force_replaces_only_an_export_of_ours(run, tmp_path, monkeypatch
 # ----------------------------------------------------------------------------- item 14: disk full, read-only
 @needs_fbgemm
 def test_export_disk_full_or_read_only_is_one_line_and_keeps_the_old_export(run, tmp_path, monkeypatch):
-    import dlrmctl.inference.export as ex
+    import dlrmctl.inference.artifact as files
     from dlrmctl import outputs
 
     root, data, run_dir, m = run
     out = tmp_path / "m"
     assert _cli("export", run_dir, "--int8", "--out", out).exit_code == 0
     before = (out / "model.pt2").read_bytes()
-    real = ex._write_bytes
+    real = files.write_bytes
 
     def full(path, data):
         real(path, data[: len(data) // 2])
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(ex, "_write_bytes", full)
+    monkeypatch.setattr(files, "write_bytes", full)
     _one_error(_cli("export", run_dir, "--int4", "--out", out, "--force"), "disk is full", "model.pt")
     assert (out / "model.pt2").read_bytes() == before  # the last good export is intact
     assert sorted(os.listdir(tmp_path)) == ["m"]  # no temporary left behind
-    monkeypatch.setattr(ex, "_write_bytes", real)
+    monkeypatch.setattr(files, "write_bytes", real)
 
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system", str(run_dir))

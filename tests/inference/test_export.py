@@ -80,7 +80,7 @@ def _auc(s, y):
 
 
 def test_fp32_export_reproduces_the_eager_model_and_quantized_ones_stay_close(trained, tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     g = torch.Generator().manual_seed(7)
     dense, kjt = _batch(256, g)
@@ -89,7 +89,7 @@ def test_fp32_export_reproduces_the_eager_model_and_quantized_ones_stay_close(tr
     assert _auc(ref, y) > 0.75  # the hand training learned something
     errs = {}
     for dtype in ("fp32", "fp16", "int8", "int4"):
-        res = export_model(trained, tmp_path / dtype, dtype)
+        res = export_model(trained, tmp_path / dtype, ExportOptions(dtype))
         m = load_exported(tmp_path / dtype)
         got = m.score(dense, kjt.values(), kjt.lengths())
         assert got.shape == (256,) and got.dtype == torch.float32
@@ -101,9 +101,9 @@ def test_fp32_export_reproduces_the_eager_model_and_quantized_ones_stay_close(tr
 
 
 def test_scores_do_not_depend_on_batch_composition(trained, tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
-    export_model(trained, tmp_path / "m", "int8")
+    export_model(trained, tmp_path / "m", ExportOptions("int8"))
     m = load_exported(tmp_path / "m")
     g = torch.Generator().manual_seed(3)
     dense, kjt = _batch(10, g)
@@ -117,12 +117,13 @@ def test_scores_do_not_depend_on_batch_composition(trained, tmp_path):
 
 
 def test_manifest_describes_features_tables_quantization_and_bytes(trained, tmp_path):
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
 
     meta = {"dataset": "toy", "dense_features": [f"I{i}" for i in range(1, 14)], "label": "label",
             "sparse_features": [{"name": f, "num_embeddings": 10, "multi_hot": False} for f in FEATS],
             "transforms": {"dense": "log1p"}, "splits": {"train": {"rows": 1, "files": []}}}
-    res = export_model(trained, tmp_path / "m", "int4", data_meta=meta, source={"run_dir": "runs/x", "metrics": {"auc": 0.8}}, artifact="torchscript")
+    res = export_model(trained, tmp_path / "m", ExportOptions(
+        "int4", data_meta=meta, source={"run_dir": "runs/x", "metrics": {"auc": 0.8}}, artifact="torchscript"))
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert man == json.loads(json.dumps(res.manifest))
     assert man["sparse_features"] == FEATS
@@ -141,9 +142,9 @@ def test_manifest_describes_features_tables_quantization_and_bytes(trained, tmp_
 
 
 def test_bad_inputs_are_rejected_with_the_feature_and_sample_named(trained, tmp_path):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
 
-    export_model(trained, tmp_path / "m", "int8", artifact="torchscript")
+    export_model(trained, tmp_path / "m", ExportOptions("int8", artifact="torchscript"))
     m = load_exported(tmp_path / "m")
     g = torch.Generator().manual_seed(5)
     dense, kjt = _batch(4, g)
@@ -160,14 +161,14 @@ def test_bad_inputs_are_rejected_with_the_feature_and_sample_named(trained, tmp_
 
 
 def test_export_is_atomic_and_refuses_to_overwrite(trained, tmp_path):
-    from dlrmctl.inference.export import ExportError, export_model
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model
     from dlrmctl.inference.quantize import QuantizationError
 
     out = tmp_path / "m"
-    export_model(trained, out, "int8", artifact="torchscript")
+    export_model(trained, out, ExportOptions("int8", artifact="torchscript"))
     before = (out / "model.pt").read_bytes()
     with pytest.raises(ExportError, match="already exists; pass --force"):
-        export_model(trained, out, "int4", artifact="torchscript")
+        export_model(trained, out, ExportOptions("int4", artifact="torchscript"))
     assert (out / "model.pt").read_bytes() == before
     # a failing export (NaN weight) leaves neither the target nor temp directories behind
     bad = type(trained)  # same class, weights copied then poisoned
@@ -177,18 +178,18 @@ def test_export_is_atomic_and_refuses_to_overwrite(trained, tmp_path):
     with torch.no_grad():
         poisoned.sparse_arch.embedding_weights()["t_c"][17, 3] = float("nan")
     with pytest.raises(QuantizationError, match=r"table 't_c', row 17: contains NaN"):
-        export_model(poisoned, tmp_path / "p", "int8", artifact="torchscript")
+        export_model(poisoned, tmp_path / "p", ExportOptions("int8", artifact="torchscript"))
     assert not (tmp_path / "p").exists()
-    export_model(trained, out, "int4", force=True, artifact="torchscript")
+    export_model(trained, out, ExportOptions("int4", force=True, artifact="torchscript"))
     assert json.loads((out / "manifest.json").read_text())["quantization"]["embeddings"] == "int4"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     del bad
 
 
 def test_dynamic_int8_dense_layers(trained, tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
-    res = export_model(trained, tmp_path / "m", "int8", quantize_dense=True, artifact="torchscript")
+    res = export_model(trained, tmp_path / "m", ExportOptions("int8", quantize_dense=True, artifact="torchscript"))
     assert res.manifest["quantization"]["dense"] == "dynamic_int8"
     m = load_exported(tmp_path / "m")
     code = m.module.dense_part.inlined_graph.__str__() if hasattr(m.module.dense_part, "inlined_graph") else ""
@@ -200,7 +201,7 @@ def test_dynamic_int8_dense_layers(trained, tmp_path):
 
 
 def test_dcn_interaction_exports(tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
     from dlrmctl.modules.interactions import InteractionDCNArch, LowRankCrossNet  # noqa: F401
     from dlrmctl.config import ModelConfig
     from dlrmctl.modules.interactions import build_interaction
@@ -209,14 +210,14 @@ def test_dcn_interaction_exports(tmp_path):
     inter = build_interaction(ModelConfig(interaction="dcn", dcn_num_layers=2, dcn_low_rank_dim=8), 3, DIM)
     model = DLRM(EmbeddingBagCollection(_tables(), compute_kernel="fused"), D_IN, [16, DIM], [16, 1], 3, DIM,
                  interaction=inter).eval()
-    export_model(model, tmp_path / "m", "fp32")
+    export_model(model, tmp_path / "m", ExportOptions("fp32"))
     dense, kjt = _batch(5, torch.Generator().manual_seed(2))
     got = load_exported(tmp_path / "m").score(dense, kjt.values(), kjt.lengths())
     torch.testing.assert_close(got, _eager_scores(model, dense, kjt), rtol=0, atol=1e-6)
 
 
 def test_first_order_term_exports(tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     torch.manual_seed(0)
     model = DLRM(EmbeddingBagCollection(_tables(), compute_kernel="fused"), D_IN, [16, DIM], [16, 1], 3, DIM,
@@ -224,7 +225,7 @@ def test_first_order_term_exports(tmp_path):
     with torch.no_grad():  # non-zero, so the term changes the scores
         model.first_order.dense.weight.normal_()
         model.first_order.sparse.weight.normal_()
-    export_model(model, tmp_path / "m", "fp32")
+    export_model(model, tmp_path / "m", ExportOptions("fp32"))
     dense, kjt = _batch(5, torch.Generator().manual_seed(2))
     got = load_exported(tmp_path / "m").score(dense, kjt.values(), kjt.lengths())
     torch.testing.assert_close(got, _eager_scores(model, dense, kjt), rtol=0, atol=1e-6)
@@ -234,20 +235,20 @@ def test_first_order_term_exports(tmp_path):
 
 def test_export_without_fbgemm_fails_clearly(trained, tmp_path, monkeypatch):
     from dlrmctl import _fbgemm
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
 
     monkeypatch.setattr(_fbgemm, "HAS_FBGEMM", False)
     with pytest.raises(RuntimeError, match="dlrmctl export needs fbgemm_gpu"):
-        export_model(trained, tmp_path / "m", "int8", artifact="torchscript")
+        export_model(trained, tmp_path / "m", ExportOptions("int8", artifact="torchscript"))
     assert not (tmp_path / "m").exists()
 
 
 def test_load_rejects_non_artifacts_and_truncated_models(trained, tmp_path):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
 
     with pytest.raises(ExportError, match="not an exported model"):
         load_exported(tmp_path)
-    export_model(trained, tmp_path / "m", "int8", artifact="torchscript")
+    export_model(trained, tmp_path / "m", ExportOptions("int8", artifact="torchscript"))
     p = tmp_path / "m" / "model.pt"
     p.write_bytes(p.read_bytes()[:-10])
     with pytest.raises(ExportError, match="truncated"):
@@ -256,7 +257,7 @@ def test_load_rejects_non_artifacts_and_truncated_models(trained, tmp_path):
 
 def test_evaluate_exported_matches_eager_metrics_on_columnar_data(trained, tmp_path):
     from dlrmctl.data.columnar import shard_schema, write_meta, write_split_shard
-    from dlrmctl.inference.export import evaluate_exported, export_model
+    from dlrmctl.inference.export import ExportOptions, evaluate_exported, export_model
     from dlrmctl.metrics import compute_metrics
 
     g = torch.Generator().manual_seed(11)
@@ -274,7 +275,7 @@ def test_evaluate_exported_matches_eager_metrics_on_columnar_data(trained, tmp_p
     write_meta(data, {"format_version": 1, "dataset": "toy", "dense_features": dense_names,
                       "sparse_features": [{"name": f, "num_embeddings": 50 if f != "c" else 30, "multi_hot": False} for f in FEATS],
                       "label": "label", "splits": {"val": {"rows": n, "files": ["parts/p0/val.arrow"]}}})
-    export_model(trained, tmp_path / "m", "fp32")
+    export_model(trained, tmp_path / "m", ExportOptions("fp32"))
     got = evaluate_exported(tmp_path / "m", data, "val", batch_size=128)
     want = compute_metrics(_eager_scores(trained, dense, kjt).numpy(), labels.numpy())
     assert got["num_samples"] == n

@@ -80,10 +80,11 @@ def _inputs(B: int, seed: int):
 @needs_fbgemm
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_cpp_scores_match_python_to_1e5(cpp_binary, tmp_path, dtype):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
-    export_model(_model(), tmp_path / "m", dtype, quantize_dense=(dtype == "int4"), artifact="torchscript")
+    export_model(_model(), tmp_path / "m",
+                 ExportOptions(dtype, quantize_dense=(dtype == "int4"), artifact="torchscript"))
     dense, values, lengths = _inputs(257, seed=1)
     py = load_exported(tmp_path / "m").score(dense, values, lengths).numpy()
     assert float(py.std()) > 1e-3  # not a constant output
@@ -100,10 +101,10 @@ def test_cpp_scores_match_python_to_1e5(cpp_binary, tmp_path, dtype):
 
 @needs_fbgemm
 def test_cpp_reports_bad_input_and_out_of_range_ids(cpp_binary, tmp_path):
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
     from dlrmctl.inference.predict import write_cpp_input
 
-    export_model(_model(), tmp_path / "m", "int8", artifact="torchscript")
+    export_model(_model(), tmp_path / "m", ExportOptions("int8", artifact="torchscript"))
     dense, values, lengths = _inputs(4, seed=2)
     write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
     data = (tmp_path / "in.bin").read_bytes()
@@ -125,12 +126,12 @@ def test_cpp_scores_a_weighted_model_with_its_weights(cpp_binary, tmp_path):
     [210]*4, logit 2.1, in Python and in C++ (DLRMIN02 input); without weights it is refused."""
     import math
 
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
     from tests.modules.test_weighted_features import LOGIT, setup_dlrm, setup_inputs
 
-    export_model(setup_dlrm(), tmp_path / "m", "int8", artifact="torchscript")
+    export_model(setup_dlrm(), tmp_path / "m", ExportOptions("int8", artifact="torchscript"))
     dense, values, lengths, weights = setup_inputs()
     py = load_exported(tmp_path / "m").score(dense, values, lengths, weights).numpy()
     np.testing.assert_allclose(py, [1 / (1 + math.exp(-LOGIT))], rtol=0, atol=1e-6)
@@ -152,10 +153,10 @@ def test_cpp_refuses_a_model_file_whose_bytes_differ_from_the_manifests_sha256(c
     checks the SHA-256 the manifest records before loading, and a manifest without one is refused."""
     import json
 
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
     from dlrmctl.inference.predict import write_cpp_input
 
-    export_model(_model(), tmp_path / "m", "int8", artifact="torchscript")
+    export_model(_model(), tmp_path / "m", ExportOptions("int8", artifact="torchscript"))
     dense, values, lengths = _inputs(4, seed=3)
     write_cpp_input(tmp_path / "in.bin", dense, values, lengths)
     run = [str(cpp_binary), str(tmp_path / "m"), str(tmp_path / "in.bin"), str(tmp_path / "o.bin"), _fbgemm_dir()]
@@ -183,14 +184,14 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path, c
     message; a plain .pt2 artifact (no package) is refused with the remedy."""
     import json
 
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
     from dlrmctl.inference.predict import read_cpp_output, write_cpp_input
 
     from dlrmctl.console import stages
 
     model = _model()
     with stages("export"):  # as the verb runs it: a line per step
-        export_model(model, tmp_path / "m", "int8", aot=True)  # one AOTInductor compile (tens of seconds)
+        export_model(model, tmp_path / "m", ExportOptions("int8", aot=True))  # one AOTInductor compile (tens of seconds)
     steps = [line.split(" s ", 1)[1] for line in capsys.readouterr().out.splitlines() if line.startswith("[export] ")]
     assert steps[-1].startswith("compiling the AOTInductor package model_aoti.pt2"), steps
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
@@ -228,7 +229,7 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path, c
                                           r"expected 0 <= id < 40"):  # the Python runner names the id
         aoti.score(dense, bad, lengths)
 
-    export_model(model, tmp_path / "plain", "int8")  # no --aot: nothing C++ can run
+    export_model(model, tmp_path / "plain", ExportOptions("int8"))  # no --aot: nothing C++ can run
     r = subprocess.run([str(cpp_binary), str(tmp_path / "plain"), str(tmp_path / "in.bin"), str(tmp_path / "o.bin")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--aot" in r.stderr and "aoti_package is null" in r.stderr, r.stderr

@@ -51,9 +51,10 @@ def test_torchscript_loaded_for_a_device_rebuilds_its_tbe_there(tmp_path, monkey
     device reaches the TBE constructor); the rebuilt tables hold the same bytes (scores equal,
     exercised on the CPU), a feature feeding two tables and padded dims (6, 13) included."""
     import dlrmctl.inference.export as ex
+    import dlrmctl.inference.formats.torchscript as ts
     import dlrmctl.inference.quantize as qz
 
-    ex.export_model(example_model(), tmp_path / "m", dtype, artifact="torchscript")
+    ex.export_model(example_model(), tmp_path / "m", ex.ExportOptions(dtype, artifact="torchscript"))
     m = ex.load_exported(tmp_path / "m")
     dense, values, lengths = example_inputs(33, 7)
     want = m.logits(dense, values, lengths)
@@ -65,7 +66,7 @@ def test_torchscript_loaded_for_a_device_rebuilds_its_tbe_there(tmp_path, monkey
         return real(src, tables, ftm, "cpu")
 
     monkeypatch.setattr(qz, "intnbit_tbe_for_device", rebuild)
-    rebuilt = ex._torchscript_for_device(m.module, m.manifest, torch.device("cpu"))
+    rebuilt = ts.torchscript_for_device(m.module, m.manifest, torch.device("cpu"))
     assert asked == [torch.device("cpu")]
     assert rebuilt.tbe is not m.module.tbe and not isinstance(rebuilt, torch.jit.ScriptModule)
     got = ex.ExportedModel(m.model_dir, m.manifest, rebuilt).logits(dense, values, lengths)
@@ -73,7 +74,7 @@ def test_torchscript_loaded_for_a_device_rebuilds_its_tbe_there(tmp_path, monkey
     # the real entry point: a CUDA request goes through the rebuild (CUDA faked present)
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(ex, "_torchscript_for_device", lambda mod, man, dev: seen.append(dev) or rebuilt)
+    monkeypatch.setattr(ts, "torchscript_for_device", lambda mod, man, dev: seen.append(dev) or rebuilt)
     m2 = ex.load_exported(tmp_path / "m", device="cuda")
     assert seen == [torch.device("cuda")] and m2.module is rebuilt and m2.device == torch.device("cuda")
 
@@ -89,9 +90,9 @@ def test_rebuild_refuses_a_tbe_that_is_not_host_placed():
 
 
 def test_pt2_program_loaded_for_a_device_has_its_buffers_there(tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
-    export_model(example_model(), tmp_path / "m", "int8")
+    export_model(example_model(), tmp_path / "m", ExportOptions("int8"))
     m = load_exported(tmp_path / "m", device="meta")
     assert m.device == torch.device("meta")
     bufs = dict(m.module.named_buffers())

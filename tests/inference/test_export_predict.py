@@ -184,14 +184,15 @@ def test_export_from_the_meta_device_equals_the_full_model_export_bit_for_bit(ru
 
     from dlrmctl.config import weighted_features
     from dlrmctl.data.loader import BatchLoader
-    from dlrmctl.inference.export import export_model, export_run, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, export_run, load_exported
     from dlrmctl.train.reload import load_trained_model
 
     _, data, run_dir = run
     new = export_run(run_dir, dtype, tmp_path / "new", data_dir=data)
     cfg, model, meta = _old_path_model(run_dir)
-    export_model(model, tmp_path / "old", dtype, data_meta=meta, data_dir=data, source=new.manifest["source"],
-                 weighted_features=weighted_features(cfg), data_record=new.manifest["data"])
+    export_model(model, tmp_path / "old", ExportOptions(
+        dtype, data_meta=meta, data_dir=data, source=new.manifest["source"],
+        weighted_features=weighted_features(cfg), data_record=new.manifest["data"]))
     a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("new", "old"))
     for m in (a, b):
         for k in ("created", "model_sha256", "model_bytes", "files", "parity"):  # parity: export_run's alone

@@ -48,10 +48,10 @@ def _eager(model, dense, values, lengths):
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "int8", "int4"])
 def test_dims_6_and_13_export_and_score_at_every_precision(tmp_path, dtype):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     model = example_model()
-    export_model(model, tmp_path / "m", dtype)
+    export_model(model, tmp_path / "m", ExportOptions(dtype))
     m = load_exported(tmp_path / "m")
     assert m.artifact == "pt2" and (tmp_path / "m" / "model.pt2").is_file()
     dense, values, lengths = example_inputs(50, 1)
@@ -60,16 +60,16 @@ def test_dims_6_and_13_export_and_score_at_every_precision(tmp_path, dtype):
     tol = {"fp32": 1e-5, "fp16": 0.05, "int8": 0.2, "int4": 2.0}[dtype]
     assert float((z - ref).abs().max()) <= tol
     if HAS_FBGEMM:  # the TorchScript artifact pads the tables to the TBE's alignment and slices back
-        export_model(model, tmp_path / "ts", dtype, artifact="torchscript")
+        export_model(model, tmp_path / "ts", ExportOptions(dtype, artifact="torchscript"))
         zt = load_exported(tmp_path / "ts").logits(dense, values, lengths)
         bound = 1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND
         assert float((z - zt).abs().max()) <= bound
 
 
 def test_batch_of_1_and_10000_through_one_program_loaded_without_dlrmctl(tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
-    export_model(example_model(), tmp_path / "m", "int8")
+    export_model(example_model(), tmp_path / "m", ExportOptions("int8"))
     m = load_exported(tmp_path / "m")
     for B, seed in ((1, 2), (10_000, 3)):
         d, v, ln = example_inputs(B, seed)
@@ -91,10 +91,10 @@ def test_batch_of_1_and_10000_through_one_program_loaded_without_dlrmctl(tmp_pat
 
 
 def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
 
     model = example_model()
-    export_model(model, tmp_path / "e", "fp32")
+    export_model(model, tmp_path / "e", ExportOptions("fp32"))
     dense, values, lengths = example_inputs(8, 4)
     bad = values.clone()
     bad[-1] = 30  # the last id is f2's (table t1, 30 rows) when f2 has ids
@@ -103,7 +103,7 @@ def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
                                           r"expected 0 <= id < 30"):
         load_exported(tmp_path / "e").logits(dense, bad, lengths)
     model.sparse_arch.on_invalid_id = "zero"
-    export_model(model, tmp_path / "z", "fp32", on_invalid_id="zero")
+    export_model(model, tmp_path / "z", ExportOptions("fp32", on_invalid_id="zero"))
     z = load_exported(tmp_path / "z").logits(dense, bad, lengths)
     # zero: the id is dropped from its (mean-pooled) bag, as the eager model does
     ref = _eager(model, dense, bad, lengths)
@@ -113,9 +113,9 @@ def test_invalid_ids_in_the_program_error_or_zero(tmp_path):
 def test_every_listed_file_is_hashed_and_checked(tmp_path):
     import json
 
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
 
-    export_model(example_model(), tmp_path / "m", "int4")
+    export_model(example_model(), tmp_path / "m", ExportOptions("int4"))
     man = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert man["artifact"] == "pt2" and list(man["files"]) == ["model.pt2"]
     p = tmp_path / "m" / "model.pt2"
@@ -149,7 +149,7 @@ def test_kjt_and_keyed_tensor_are_pytree_nodes_for_torch_export(tmp_path):
 def _multi_hot_export(tmp_path, policy, name):
     """Export example_model() with f2 (table t1, 30 rows) expanded in the program into bags of 3
     (multi_hot_sizes, the training loader's seed and distribution); the data meta says f2 has 30 rows."""
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
 
     model = example_model()
     model.sparse_arch.on_invalid_id = policy
@@ -157,7 +157,7 @@ def _multi_hot_export(tmp_path, policy, name):
             "sparse_features": [{"name": "f0", "num_embeddings": 40}, {"name": "f1", "num_embeddings": 40},
                                 {"name": "f2", "num_embeddings": 30}]}
     mh = {"multi_hot_sizes": {"f2": 3}, "multi_hot_distribution": "uniform", "multi_hot_seed": 7}
-    export_model(model, tmp_path / name, "fp32", data_meta=meta, multi_hot=mh, on_invalid_id=policy)
+    export_model(model, tmp_path / name, ExportOptions("fp32", data_meta=meta, multi_hot=mh, on_invalid_id=policy))
     return model
 
 
@@ -216,10 +216,10 @@ def test_an_out_of_range_one_hot_id_of_a_multi_hot_feature_errors_or_drops_its_w
 
 
 def test_quantize_dense_with_the_pt2_program_is_refused_with_the_remedy(tmp_path):
-    from dlrmctl.inference.export import ExportError, export_model
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model
 
     with pytest.raises(ExportError, match=r"--quantize-dense.*--torchscript"):
-        export_model(example_model(), tmp_path / "m", "int8", quantize_dense=True)
+        export_model(example_model(), tmp_path / "m", ExportOptions("int8", quantize_dense=True))
     assert not (tmp_path / "m").exists()
 
 
@@ -230,11 +230,11 @@ def test_fused_lookups_equal_the_torchscript_tbe_for_every_dim_and_dtype(tmp_pat
     """The program's fused kernels (grouped, padded tables) against FBGEMM's TBE on the same codes:
     1e-6 at fp32, the float32-summation bound otherwise; odd, tiny and wide dims, a mean-pooled
     table, multi-id and empty bags."""
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     model = example_model(dims=dims)
-    export_model(model, tmp_path / "p", dtype)
-    export_model(model, tmp_path / "t", dtype, artifact="torchscript")
+    export_model(model, tmp_path / "p", ExportOptions(dtype))
+    export_model(model, tmp_path / "t", ExportOptions(dtype, artifact="torchscript"))
     p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
     for B, seed in ((1, 11), (64, 12)):
         dense, values, lengths = example_inputs(B, seed)
@@ -261,9 +261,9 @@ def test_the_program_creates_no_tensor_on_a_fixed_device_but_the_host_checks(tmp
     """Nothing the program creates has a device baked in (it follows the inputs to CUDA), except the
     copies of its checks to the host, where they are asserted (a bad request never trips a
     device-side assert)."""
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
 
-    export_model(example_model(), tmp_path / "m", dtype)
+    export_model(example_model(), tmp_path / "m", ExportOptions(dtype))
     ep = torch.export.load(str(tmp_path / "m" / "model.pt2"))
     fixed = [n for n in ep.graph.nodes if n.op == "call_function" and n.kwargs.get("device") is not None]
     assert fixed and all(n.kwargs["device"] == torch.device("cpu") for n in fixed)

@@ -323,7 +323,7 @@ def test_sharded_ebc_on_one_rank_group_handles_empty_batches(device, sharding_ty
 def test_fp16_export_scores_on_device(device, tmp_path):
     if not HAS_FBGEMM:
         pytest.skip("export needs fbgemm_gpu (IntNBitTableBatchedEmbeddingBagsCodegen), which is not installed")
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
@@ -346,7 +346,7 @@ def test_fp16_export_scores_on_device(device, tmp_path):
         opt_s.step()
         opt_d.step()
     model.eval()
-    res = export_model(model, tmp_path / "fp16", "fp16")
+    res = export_model(model, tmp_path / "fp16", ExportOptions("fp16"))
     assert res.manifest["quantization"]["embeddings"] == "fp16"
     kjt = _batch(tables, 100, False, seed=300)
     dense = torch.rand(100, 13, generator=g) * 3

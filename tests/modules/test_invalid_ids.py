@@ -307,7 +307,7 @@ def test_every_sharding_type_applies_the_policy_before_bucketization_on_2_ranks(
 # -------------------------------------------------------------------- export
 @pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 def test_the_exported_model_applies_the_same_policy(tmp_path):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
@@ -318,7 +318,7 @@ def test_the_exported_model_applies_the_same_policy(tmp_path):
         torch.manual_seed(0)
         ebc = EmbeddingBagCollection(tables((8, 8, 8)), compute_kernel="dense", seed=3, on_invalid_id=policy)
         model = DLRM(ebc, 3, [8], [8, 1], 5, 8).eval()
-        res = export_model(model, tmp_path / policy, "fp32")
+        res = export_model(model, tmp_path / policy, ExportOptions("fp32"))
         assert res.manifest["on_invalid_id"] == policy
         m = load_exported(tmp_path / policy)
         if policy == "zero":

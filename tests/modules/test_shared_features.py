@@ -251,9 +251,9 @@ def test_yaml_with_a_shared_feature_trains_reads_it_once_and_exports_like_eager(
     if not HAS_FBGEMM:
         return
     from dlrmctl.data.loader import BatchLoader
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
-    res = export_model(model, tmp_path / "m", "fp32")
+    res = export_model(model, tmp_path / "m", ExportOptions("fp32"))
     assert res.manifest["sparse_features"] == ["C1", "C2", "C3"]
     assert [x["key"] for x in res.manifest["lookups"]] == ["C1@T1", "C1@T2", "C2", "C3"]
     assert res.manifest["on_invalid_id"] == "zero"
@@ -270,7 +270,7 @@ def test_yaml_with_a_shared_feature_trains_reads_it_once_and_exports_like_eager(
 def test_export_of_a_shared_feature_model_scores_like_eager_and_checks_each_table():
     import tempfile
 
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
@@ -287,7 +287,7 @@ def test_export_of_a_shared_feature_model_scores_like_eager_and_checks_each_tabl
                             lengths=torch.tensor([3, 0, 4, 2, 2, 1, 3, 0, 1, 3, 1, 0]))
     dense = torch.randn(4, 4, generator=gen)
     with tempfile.TemporaryDirectory() as d:
-        res = export_model(model, os.path.join(d, "m"), "fp32")
+        res = export_model(model, os.path.join(d, "m"), ExportOptions("fp32"))
         assert res.manifest["sparse_features"] == ["f1", "f2", "f3"]
         assert res.manifest["lookups"] == [{"key": "f1@T1", "feature": "f1", "table": "T1"},
                                            {"key": "f1@T2", "feature": "f1", "table": "T2"},

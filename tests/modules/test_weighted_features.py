@@ -409,14 +409,14 @@ needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gp
 def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype, artifact):
     import math
 
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
 
     model = setup_dlrm()
     dense, values, lengths, weights = setup_inputs()
     with torch.no_grad():
         eager = torch.sigmoid(model(dense, setup_kjt())).item()
     assert eager == pytest.approx(1 / (1 + math.exp(-LOGIT)), abs=1e-6)
-    res = export_model(model, tmp_path / "m", dtype, artifact=artifact)
+    res = export_model(model, tmp_path / "m", ExportOptions(dtype, artifact=artifact))
     man = res.manifest
     assert man["weighted_features"] == ["f0"] and man["tables"][0]["weighted"] is True
     assert man["inputs"]["weights"]["features"] == ["f0"] and man["inputs"]["weights"]["dtype"] == "float32"
@@ -439,11 +439,11 @@ def test_weighted_export_gives_210_and_the_eager_score(tmp_path, dtype, artifact
 @needs_fbgemm
 @pytest.mark.parametrize("artifact", ["pt2", "torchscript"])
 def test_weighted_export_ignores_the_weights_of_unweighted_tables(tmp_path, artifact):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     model = setup_dlrm(extra=True)
     dense, values, lengths, weights = setup_inputs(extra=True)
-    export_model(model, tmp_path / "m", "int8", weighted_features=["f0"], artifact=artifact)
+    export_model(model, tmp_path / "m", ExportOptions("int8", weighted_features=["f0"], artifact=artifact))
     m = load_exported(tmp_path / "m")
     assert m.manifest["weighted_features"] == ["f0"]
     assert [t["weighted"] for t in m.manifest["tables"]] == [True, False]
@@ -460,11 +460,11 @@ def test_weighted_export_ignores_the_weights_of_unweighted_tables(tmp_path, arti
 @needs_fbgemm
 @pytest.mark.parametrize("artifact", ["pt2", "torchscript"])
 def test_unweighted_export_keeps_its_interface_and_refuses_weights(tmp_path, artifact):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
 
     model = setup_dlrm(weighted=False)
     dense, values, lengths, weights = setup_inputs()
-    res = export_model(model, tmp_path / "m", "int8", artifact=artifact)
+    res = export_model(model, tmp_path / "m", ExportOptions("int8", artifact=artifact))
     assert res.manifest["weighted_features"] == [] and "weights" not in res.manifest["inputs"]
     assert res.manifest["format_version"] == 1
     m = load_exported(tmp_path / "m")
@@ -474,9 +474,9 @@ def test_unweighted_export_keeps_its_interface_and_refuses_weights(tmp_path, art
     with pytest.raises(ExportError, match=r"no weighted features .* takes no weights"):
         m.score(dense, values, lengths, weights)
     with pytest.raises(ExportError, match=r"EmbeddingBagCollection is unweighted but weighted_features is \['f0'\]"):
-        export_model(model, tmp_path / "x", "int8", weighted_features=["f0"])
+        export_model(model, tmp_path / "x", ExportOptions("int8", weighted_features=["f0"]))
     with pytest.raises(ExportError, match=r"weighted_features \['nope'\] are not features"):
-        export_model(setup_dlrm(), tmp_path / "y", "int8", weighted_features=["nope"])
+        export_model(setup_dlrm(), tmp_path / "y", ExportOptions("int8", weighted_features=["nope"]))
 
 
 @needs_fbgemm

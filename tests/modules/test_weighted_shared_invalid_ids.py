@@ -215,7 +215,7 @@ def test_sharded_on_2_gloo_ranks_gives_the_reference(sharding_type):
 @pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 @pytest.mark.parametrize("artifact", ["pt2", "torchscript"])
 def test_exported_model_copies_and_drops_the_weights_like_eager(tmp_path, artifact):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
 
@@ -225,7 +225,7 @@ def test_exported_model_copies_and_drops_the_weights_like_eager(tmp_path, artifa
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(tables(), is_weighted=True, compute_kernel="dense", seed=3, on_invalid_id="zero")
     model = DLRM(ebc, 3, [8], [8, 1], len(KEYS), 8).eval()
-    res = export_model(model, tmp_path / "m", "fp32", weighted_features=WEIGHTED, artifact=artifact)
+    res = export_model(model, tmp_path / "m", ExportOptions("fp32", weighted_features=WEIGHTED, artifact=artifact))
     man = res.manifest
     assert man["on_invalid_id"] == "zero" and man["weighted_features"] == WEIGHTED
     assert man["sparse_features"] == FEATS and [lk["key"] for lk in man["lookups"]] == KEYS

@@ -169,7 +169,7 @@ def test_embedding_init_max_above_1_is_refused(bad, precision, tmp_path):
 
 @pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 def test_the_standardisation_is_exported(tmp_path):
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
@@ -182,7 +182,7 @@ def test_the_standardisation_is_exported(tmp_path):
     model.dense_norm.set_stats(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.5, 2.0, 1.0, 4.0]))
     with torch.no_grad():
         model.first_order.dense.weight.normal_()
-    export_model(model, tmp_path / "m", "fp32")
+    export_model(model, tmp_path / "m", ExportOptions("fp32"))
     dense = torch.rand(6, 4) * 5
     kjt = KeyedJaggedTensor(["a"], torch.arange(6) % 20, lengths=torch.ones(6, dtype=torch.long))
     with torch.no_grad():

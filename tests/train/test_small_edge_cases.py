@@ -80,7 +80,7 @@ def test_kjt_with_the_wrong_number_of_lengths_names_the_stride_and_the_expected_
 @pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")
 @pytest.mark.parametrize("artifact", ["torchscript", "pt2"])
 def test_exported_out_of_range_id_error_names_the_table(tmp_path, artifact):
-    from dlrmctl.inference.export import ExportError, export_model, load_exported
+    from dlrmctl.inference.export import ExportError, ExportOptions, export_model, load_exported
     from dlrmctl.modules.dlrm import DLRM
     from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection
@@ -88,7 +88,7 @@ def test_exported_out_of_range_id_error_names_the_table(tmp_path, artifact):
     tables = [EmbeddingBagConfig(name="t0", num_embeddings=10, embedding_dim=8, feature_names=["f0", "f1"]),
               EmbeddingBagConfig(name="t1", num_embeddings=20, embedding_dim=8, feature_names=["f2"])]
     model = DLRM(EmbeddingBagCollection(tables, compute_kernel="fused", seed=0), 4, [8], [8, 1], 3, 8).eval()
-    export_model(model, tmp_path / "m", "fp32", artifact=artifact)
+    export_model(model, tmp_path / "m", ExportOptions("fp32", artifact=artifact))
     m = load_exported(tmp_path / "m")
     B = 2
     dense = torch.zeros(B, 4)
