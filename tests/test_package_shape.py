@@ -24,7 +24,6 @@ LONG_FILES = {
     "dlrmctl/data/loader.py": "the loader and its shuffle stream; to split",
     "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC; the family hooks of its sharding types come next",
     "dlrmctl/planner/planner.py": "the planner and its explanation of a plan that does not fit; to split",
-    "dlrmctl/launch/run.py": "the AppDef and the run of a job; the AppDef goes to its own launch/appdef.py",
     "dlrmctl/distributed/sharding/common.py": "the sharding interface and the bucketize core; to split",
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/planner/perf.py": "the perf model's formulas; to split",
