@@ -30,7 +30,6 @@ LONG_FILES = {
     "dlrmctl/outputs.py": "output ownership and replace-by-swap; to split",
     "dlrmctl/inference/quantize.py": "row-wise quantization of every kind; to split",
     "dlrmctl/config/schema.py": "one dataclass per section, every key with its docstring; to split by section",
-    "dlrmctl/train/trainer.py": "grew past the rule with --init-from; its set-up goes to train/factory.py",
 }
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Any, Sequence
 
 import torch
 
@@ -257,3 +258,41 @@ def materialize_model(model: DLRM, device: torch.device | str) -> DLRM:
     _dense_parts_to(model, device)
     return model
 
+
+def init_from_train_split(model: torch.nn.Module, cfg: ExperimentConfig, meta: dict[str, Any]) -> None:
+    """The initial values a fresh model (a DLRM, or its sharded / DDP wrapper) takes from its
+    train split (``model`` changed in place):
+
+    * ``model.over_arch_bias_init: ctr``: the over arch's output bias ``= logit(p)``, ``p`` the
+      train CTR of meta.json (``meta["ctr"]["train"]``);
+    * ``model.dense_standardize``: ``model.dense_norm`` gets the train split's per-column mean /
+      std (:func:`dlrmctl.data.columnar.dense_column_stats`).
+
+    Deterministic (every rank computes the same values); nothing happens with neither key set.
+
+    Raises:
+        TrainError: ``ctr`` asked for but meta.json has no train CTR strictly in (0, 1); a dense
+            column with NaN / inf values under ``dense_standardize`` (names the columns).
+    """
+    from dlrmctl.distributed.model_parallel import unwrap_dlrm
+    from dlrmctl.train.run_dir import TrainError
+
+    if cfg.model.over_arch_bias_init == "ctr":
+        p = (meta.get("ctr") or {}).get(cfg.data.train_split)
+        if p is None or not 0.0 < float(p) < 1.0:
+            raise TrainError(f"model.over_arch_bias_init: ctr needs the train split's CTR in (0, 1) in "
+                             f"{cfg.data.path}/meta.json (ctr.{cfg.data.train_split}), got {p!r}")
+        last = [m for m in unwrap_dlrm(model).over_arch.modules() if isinstance(m, torch.nn.Linear)][-1]
+        with torch.no_grad():
+            last.bias.fill_(math.log(float(p) / (1.0 - float(p))))
+    norm = unwrap_dlrm(model).dense_norm
+    if norm is not None:
+        from dlrmctl.data.columnar import dense_column_stats
+
+        mean, std = dense_column_stats(cfg.data.path, cfg.data.train_split, meta=meta)
+        bad = [n for n, m, s in zip(meta["dense_features"], mean, std) if not (math.isfinite(m) and math.isfinite(s))]
+        if bad:
+            raise TrainError(f"model.dense_standardize: dense column(s) {bad} of the {cfg.data.train_split!r} split "
+                             f"of {cfg.data.path} hold NaN or inf values (no mean / std to standardise with); "
+                             "re-run `dlrmctl preprocess` or drop model.dense_standardize")
+        norm.set_stats(torch.from_numpy(mean), torch.from_numpy(std))

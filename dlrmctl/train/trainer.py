@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from typing import Any
@@ -31,20 +30,20 @@ from dlrmctl import _fbgemm
 from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, weighted_features
 from dlrmctl.console import echo
 from dlrmctl.data.batch import Batch
-from dlrmctl.distributed import comm
 from dlrmctl.distributed.env import RunEnv, apply_matmul_precision
-from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
+from dlrmctl.distributed.model_parallel import TrainModel
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.dlrm import apply_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
 from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.evaluator import Evaluator
-from dlrmctl.train.factory import attach_eviction_optimizer, build_model
+from dlrmctl.train.factory import attach_eviction_optimizer, build_model, init_from_train_split
 from dlrmctl.train.init_from import restore_init_from
 from dlrmctl.train.malloc_tuning import tune_glibc_malloc
 from dlrmctl.train.optimizers import TrainOptimizers
 from dlrmctl.train.pipeline import make_pipeline
+from dlrmctl.train.plan import plan_rank_summary, resolve_plan
 from dlrmctl.train.run_dir import TrainError, check_train_splits
 from dlrmctl.train.train_log import (EpochProgress, LossWindow, MetricsLog, check_tensorboard, dense_fallback_line, jsonable,
                                      model_size_line)
@@ -413,101 +412,3 @@ class Trainer:
             echo(f"best {self.cfg.data.val_split} {what} at step {b['step']}{kept}; run directory {self.run_dir}")
         self.metrics_log.close()
         return summary
-
-
-def init_from_train_split(model: TrainModel, cfg: ExperimentConfig, meta: dict[str, Any]) -> None:
-    """The initial values a fresh model takes from its train split (``model`` changed in place):
-
-    * ``model.over_arch_bias_init: ctr``: the over arch's output bias ``= logit(p)``, ``p`` the
-      train CTR of meta.json (``meta["ctr"]["train"]``);
-    * ``model.dense_standardize``: ``model.dense_norm`` gets the train split's per-column mean /
-      std (:func:`dlrmctl.data.columnar.dense_column_stats`).
-
-    Deterministic (every rank computes the same values); nothing happens with neither key set.
-
-    Raises:
-        TrainError: ``ctr`` asked for but meta.json has no train CTR strictly in (0, 1); a dense
-            column with NaN / inf values under ``dense_standardize`` (names the columns).
-    """
-    if cfg.model.over_arch_bias_init == "ctr":
-        p = (meta.get("ctr") or {}).get(cfg.data.train_split)
-        if p is None or not 0.0 < float(p) < 1.0:
-            raise TrainError(f"model.over_arch_bias_init: ctr needs the train split's CTR in (0, 1) in "
-                             f"{cfg.data.path}/meta.json (ctr.{cfg.data.train_split}), got {p!r}")
-        last = [m for m in unwrap_dlrm(model).over_arch.modules() if isinstance(m, torch.nn.Linear)][-1]
-        with torch.no_grad():
-            last.bias.fill_(math.log(float(p) / (1.0 - float(p))))
-    norm = unwrap_dlrm(model).dense_norm
-    if norm is not None:
-        from dlrmctl.data.columnar import dense_column_stats
-
-        mean, std = dense_column_stats(cfg.data.path, cfg.data.train_split, meta=meta)
-        bad = [n for n, m, s in zip(meta["dense_features"], mean, std) if not (math.isfinite(m) and math.isfinite(s))]
-        if bad:
-            raise TrainError(f"model.dense_standardize: dense column(s) {bad} of the {cfg.data.train_split!r} split "
-                             f"of {cfg.data.path} hold NaN or inf values (no mean / std to standardise with); "
-                             "re-run `dlrmctl preprocess` or drop model.dense_standardize")
-        norm.set_stats(torch.from_numpy(mean), torch.from_numpy(std))
-
-
-
-def plan_rank_summary(plan: Any, tables: list, origin: str, full: str) -> str:
-    """The applied plan per rank, as rank 0 prints it at start: tables by sharding type and
-    weight bytes on each rank (the per-table plan is in ``full``, plan.txt)."""
-    from collections import Counter
-
-    from dlrmctl.distributed.types import ShardingType
-
-    kinds = [Counter() for _ in range(plan.world_size)]
-    nbytes = [0] * plan.world_size
-    for t in tables:
-        ps = plan.plan[t.name]
-        if ps.sharding_type == ShardingType.DATA_PARALLEL:
-            for r in ps.ranks:
-                kinds[r][ps.sharding_type.value] += 1
-                nbytes[r] += t.num_embeddings * t.embedding_dim * 4
-            continue
-        for m in ps.shards or []:
-            kinds[m.rank][ps.sharding_type.value] += 1
-            nbytes[m.rank] += m.sizes[0] * m.sizes[1] * 4
-    hosts = plan.world_size // plan.local_world_size
-    lines = [f"sharding plan {origin}: {len(tables)} tables on {plan.world_size} rank(s), {hosts} host(s) "
-             f"(per table: {full})"]
-    for r in range(plan.world_size):
-        what = ", ".join(f"{k} {n}" for k, n in sorted(kinds[r].items())) or "no shards"
-        lines.append(f"  rank {r}: {sum(kinds[r].values())} shard(s) ({what}), {nbytes[r] / 1e6:,.2f} MB of weights")
-    return "\n".join(lines)
-
-
-
-def resolve_plan(cfg: ExperimentConfig, tables: list, env: RunEnv, meta: dict | None) -> Any:
-    """The sharding plan for this job: ``sharding.plan_file``, else the planner on rank 0, broadcast.
-
-    A GPU run is planned for its GPU (:func:`dlrmctl.distributed.env.device_planning_preset`:
-    HBM and NCCL bandwidths), not for the ``cpu`` preset ``sharding.device`` defaults to.  When
-    the planner fails on rank 0, the failure is broadcast in place of the plan: rank 0 raises its
-    error, every other rank a :class:`TrainError` naming it (none waits out the collective timeout).
-    """
-    from dlrmctl.distributed.env import device_planning_preset
-    from dlrmctl.distributed.types import ShardingPlan
-
-    if cfg.sharding.plan_file:
-        return ShardingPlan.load(cfg.sharding.plan_file)
-    obj: Any = None
-    failure: BaseException | None = None
-    if env.is_main:
-        from dlrmctl.planner.planner import plan_for_config
-
-        try:
-            obj = {"plan": plan_for_config(cfg, env.world_size, env.local_world_size, meta,
-                                           device_planning_preset(env.device)).to_dict()}
-        except Exception as e:  # noqa: BLE001 - every failure must reach the other ranks
-            failure = e
-            obj = {"error": f"{type(e).__name__}: {e}"}
-    obj = comm.broadcast_object(obj, 0, env.pg)
-    if failure is not None:
-        raise failure
-    if "error" in obj:
-        raise TrainError(f"rank {env.rank}: the sharding planner failed on rank 0 ({obj['error']})")
-    return ShardingPlan.from_dict(obj["plan"])
-

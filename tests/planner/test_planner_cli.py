@@ -467,7 +467,7 @@ def test_plan_of_a_cuda_trained_config_is_the_plan_train_makes_on_the_visible_gp
     import torch
 
     from dlrmctl.distributed.env import RunEnv
-    from dlrmctl.train.trainer import resolve_plan
+    from dlrmctl.train.plan import resolve_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")

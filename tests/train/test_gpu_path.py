@@ -38,7 +38,7 @@ def _spy_topology(monkeypatch):
 
 def test_a_cuda_run_is_planned_in_the_gpus_hbm_not_as_a_cpu_run(monkeypatch):
     from dlrmctl.distributed.env import RunEnv
-    from dlrmctl.train.trainer import resolve_plan
+    from dlrmctl.train.plan import resolve_plan
 
     _fake_gpu(monkeypatch)
     seen = _spy_topology(monkeypatch)
@@ -70,7 +70,7 @@ def _plan_fails_on_rank_0(env):
     from dlrmctl.distributed.env import RunEnv
     from dlrmctl.planner import planner
     from dlrmctl.planner.types import PlanError
-    from dlrmctl.train.trainer import resolve_plan
+    from dlrmctl.train.plan import resolve_plan
 
     def boom(*a, **kw):
         raise PlanError("table 't0' does not fit")
