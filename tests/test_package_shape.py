@@ -17,7 +17,6 @@ LONG_FILES = {
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/modules/embedding_modules.py": "the lookup base and the EBC; to split into a public modules/lookup.py",
     "dlrmctl/data/movielens.py": "being made a package like data/criteo/",
-    "dlrmctl/planner/types.py": "the planner's types, topology files and device presets; to split",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json (writer and reader); to split",
     "dlrmctl/planner/calibrate.py": "plan --calibrate: the measurements and the topology file; to split",
     "dlrmctl/modules/dlrm.py": "DLRM, DCN-v2 and their input / output modules; to split",

@@ -12,7 +12,7 @@ dispatch, collective) is itself the median of a slice of calls.
 
 * ``ddr_bw_gbps``: memory bandwidth, (read + write bytes) / time of a 256 MiB
   ``numpy.copyto``.
-* ``llc_mb``: this machine's last-level cache (:func:`dlrmctl.planner.types.detect_llc_bytes`).
+* ``llc_mb``: this machine's last-level cache (:func:`dlrmctl.planner.devices.detect_llc_bytes`).
 * ``fused_cache_speedup`` / ``dense_cache_speedup``: (forward + backward with the optimizer)
   of the 128 MB table below / of a table of ``llc_mb / 4`` (the same dim, ids per step and
   bags; it fits the cache).  The 128 MB table itself hits the cache for a fraction
@@ -74,7 +74,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from dlrmctl.planner.types import GB, MiB, DevicePreset, detect_llc_bytes
+from dlrmctl.planner.devices import GB, MiB, DevicePreset, detect_llc_bytes
 
 TIME_BUDGET_S = 60.0  #: the whole calibration must finish within this (seconds)
 TABLE_ROWS, DIM, BATCH, POOL = 500_000, 64, 2048, 20

@@ -45,7 +45,7 @@ def available_memory_bytes(device: torch.device | str) -> tuple[int, str]:
                     return int(line.split()[1]) * 1024, "of host memory available"
     except (OSError, ValueError, IndexError):
         pass
-    from dlrmctl.planner.types import host_memory_bytes
+    from dlrmctl.planner.devices import host_memory_bytes
 
     return host_memory_bytes(), "of host memory"
 
