@@ -15,7 +15,6 @@ LONG_FILES = {
     "dlrmctl/sparse/jagged_tensor.py": "JaggedTensor, KeyedJaggedTensor and KeyedTensor with VBE (one file per class "
                                        "is the planned split)",
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
-    "dlrmctl/modules/embedding_modules.py": "the lookup base and the EBC; to split into a public modules/lookup.py",
     "dlrmctl/data/movielens.py": "being made a package like data/criteo/",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json (writer and reader); to split",
     "dlrmctl/planner/calibrate.py": "plan --calibrate: the measurements and the topology file; to split",

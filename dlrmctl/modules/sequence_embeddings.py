@@ -18,7 +18,7 @@ Two compute kernels (TorchRec's names), with identical forward and updates:
   :func:`dlrmctl.optim.dense.embedding_optimizer_for_dense` (same update rules).
 
 Initial weights are the deterministic, sharding-independent values of
-:func:`dlrmctl.modules.embedding_modules.init_table_rows` (then the config's
+:func:`dlrmctl.modules.table_init.init_table_rows` (then the config's
 ``init_fn``), so a sharded table (:mod:`dlrmctl.distributed.sharded_ec`) starts
 from exactly the unsharded values.
 
@@ -36,17 +36,17 @@ from torch import nn
 
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig
-from dlrmctl.modules.embedding_modules import (
+from dlrmctl.modules.lookup import (
     EmbeddingOptimizerSpec,
     LookupOwner,
     LookupTables,
+    TableWeight,
     build_tbe,
     fused_supports_optimizer,
     fused_supports_weight_decay,
-    _only_embedding_bags,
-    _TableWeight,
-    init_shard_weight,
+    only_embedding_bags,
 )
+from dlrmctl.modules.table_init import init_shard_weight
 from dlrmctl.sparse import JaggedTensor, KeyedJaggedTensor, SparseInputError
 from dlrmctl.sparse.validation import check_ids
 
@@ -376,8 +376,8 @@ class EmbeddingCollection(LookupOwner, SequenceTableFeatures):
             optimizer=self._optimizer,
             seed=seed,
         )
-        self.embeddings = nn.ModuleDict({t.name: _TableWeight(self.lookup, t) for t in self._embedding_configs})
-        self.register_state_dict_post_hook(_only_embedding_bags)  # drops the kernel-specific lookup.* entries
+        self.embeddings = nn.ModuleDict({t.name: TableWeight(self.lookup, t) for t in self._embedding_configs})
+        self.register_state_dict_post_hook(only_embedding_bags)  # drops the kernel-specific lookup.* entries
 
     @property
     def device(self) -> torch.device:
