@@ -42,19 +42,9 @@ from torch import nn
 
 from dlrmctl import _fbgemm
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from dlrmctl.modules.lookup import (  # noqa: F401  (EmbeddingOptimizerSpec, FusedOptimizer: importable from here too)
-    DenseTable,
-    EmbeddingOptimizerSpec,
-    FusedOptimizer,
-    LookupOwner,
-    LookupTables,
-    TableWeight,
-    build_tbe,
-    fused_supports_optimizer,
-    fused_supports_weight_decay,
-    only_embedding_bags,
-    torch_dtype,
-)
+from dlrmctl.modules.lookup import DenseTable, LookupOwner, LookupTables, TableWeight, build_tbe, torch_dtype
+from dlrmctl.modules.lookup import EmbeddingOptimizerSpec, FusedOptimizer  # noqa: F401  (importable from here too)
+from dlrmctl.modules.lookup import fused_supports_optimizer, fused_supports_weight_decay, only_embedding_bags
 from dlrmctl.modules.sequence_embeddings import EmbeddingCollection  # noqa: F401  (TorchRec's module holds it too)
 from dlrmctl.modules.table_features import (  # noqa: F401  (importable from here too)
     TableFeatures,
