@@ -313,7 +313,7 @@ class ShardedTables:
         """
         full = {n: torch.zeros(r, d, device=self.env.device) for n, r, d in self._full_shapes()}
         for g in self.groups:
-            replicated = isinstance(g, DpSharding)  # identical on every rank: counted once
+            replicated = g.replicated  # identical on every rank: counted once
             for s, w, _, _ in g.local_shards():
                 if replicated and self.env.rank != 0:
                     continue
@@ -418,21 +418,13 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             ts = [t for t in self._lookup_tables if plan.plan[t.name].sharding_type == st]
             if ts:
                 groups.append(cls(ts, plan.plan, env, is_weighted, self._spec, seed))
-        if reduce_scatter is not None:
-            for g in groups:
-                if g.row_wise:
-                    g.use_reduce_scatter = bool(reduce_scatter and g._same_layout)  # type: ignore[attr-defined]
-        if twrw_hierarchical is not None:
-            for g in groups:
-                if isinstance(g, TwRwSharding):
-                    g.hierarchical = bool(twrw_hierarchical)
+        for g in groups:
+            g.configure_output_dist(reduce_scatter, twrw_hierarchical)
         self.groups = nn.ModuleList(groups)
         self._comm = [i for i, g in enumerate(groups) if g.needs_comm]
         #: groups with an output dist of their own (table_row_wise across hosts), done before returning
-        self._own_out = [i for i in self._comm if getattr(groups[i], "hierarchical", False)
-                         and not getattr(groups[i], "use_reduce_scatter", False)]
-        self._a2a_out = [i for i in self._comm if not getattr(groups[i], "use_reduce_scatter", False)
-                         and i not in self._own_out]
+        self._own_out = [i for i in self._comm if groups[i].hierarchical and not groups[i].use_reduce_scatter]
+        self._a2a_out = [i for i in self._comm if not groups[i].use_reduce_scatter and i not in self._own_out]
         #: the input dist's plan constants (index tensors and segment permutations), built once
         self._idist = InputDistPlan([groups[i] for i in self._comm], env.world_size, env.rank, is_weighted, env.device)
         self._group_feat_idx = [[fidx[f] for f in g.features] for g in groups]
@@ -546,7 +538,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             if not raw:
                 features = self.managed_collision.remap_source(features)
             for g in groups:
-                if getattr(g, "_raw_route", None) is not None:
+                if g.routes_raw_ids():
                     g.raw_ids = raw
         local = [features] if self._single_identity else self._group_inputs(features)
         B = features.stride()
@@ -678,7 +670,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
         """Group ``i``'s lookup input; raw ids of managed-collision tables remapped by this rank's
         zones first (training; resets the rows new ids take)."""
         kjt = ctx.lookup_kjts[i]
-        if ctx.raw_ids and getattr(self.groups[i], "_raw_route", None) is not None:
+        if ctx.raw_ids and self.groups[i].routes_raw_ids():
             return self.managed_collision.remap_lookup(kjt, self.groups[i])
         return kjt
 
@@ -688,7 +680,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
     # -------------------------------------------------------- parameters
     def replicated_parameters(self) -> list[nn.Parameter]:
         """data_parallel replicas (their gradients are summed over ranks)."""
-        return [p for g in self.groups if isinstance(g, DpSharding) for p in g.replicated_parameters()]
+        return [p for g in self.groups for p in g.replicated_parameters()]
 
     def sync_replicated_grads(self) -> None:
         """SUM the data_parallel tables' sparse gradients over ranks (after backward); tables up

@@ -130,6 +130,15 @@ class EmbeddingSharding(nn.Module):
     row_wise: ClassVar[bool] = False
     #: data_parallel: no communication at all.
     needs_comm: ClassVar[bool] = True
+    #: data_parallel: every rank holds whole tables (gathered once; gradients summed over ranks,
+    #: :meth:`replicated_parameters`).
+    replicated: ClassVar[bool] = False
+    #: the output dist is one reduce-scatter (row-wise kinds: NCCL, the same layout on every rank).
+    use_reduce_scatter: bool = False
+    #: the output dist is the group's own two-level one (table_row_wise across hosts).
+    hierarchical: bool = False
+    #: route the managed features' raw ids by zone (training; :meth:`routes_raw_ids` groups only).
+    raw_ids: bool = False
 
     def __init__(
         self,
@@ -162,6 +171,20 @@ class EmbeddingSharding(nn.Module):
         self._lookup_identity = [lk.feature_pos == list(range(len(me.features))) for lk in me.lookups]
         #: world size -> the receive side's segment permutation (:meth:`input_dist_recv`)
         self._recv_perms: dict[int, SegmentPermutation] = {}
+
+    # ------------------------------------------------------------ family hooks (what the EBC asks)
+    def configure_output_dist(self, reduce_scatter: bool | None, hierarchical: bool | None) -> None:
+        """Overrides of this group's output-dist choice (None: keep its own): ``reduce_scatter``
+        for the row-wise kinds, ``hierarchical`` for table_row_wise; the other kinds ignore them."""
+
+    def routes_raw_ids(self) -> bool:
+        """Whether this group routes managed-collision raw ids by zone (row-wise kinds given a
+        routing, :meth:`RowWiseLikeSharding.set_raw_routing`)."""
+        return False
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Weights whose gradients are summed over ranks (data_parallel replicas; none here)."""
+        return []
 
     def make_lookup(self, lk: LookupLayout, optimizer: EmbeddingOptimizerSpec, seed: int) -> nn.Module:
         """The local lookup over ``lk.shards``: a pooled :class:`GroupedEmbeddingLookup` (sum
@@ -499,9 +522,16 @@ class RowWiseLikeSharding(EmbeddingSharding):
         self._raw_route = (torch.tensor(nb, dtype=torch.int64, device=self.device),
                            torch.tensor(per, dtype=torch.int64, device=self.device))
 
-    #: route the managed features' raw ids by zone (training), else their rows as any row
-    raw_ids: bool = False
     _raw_route: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def routes_raw_ids(self) -> bool:
+        return self._raw_route is not None
+
+    def configure_output_dist(self, reduce_scatter: bool | None, hierarchical: bool | None) -> None:
+        """``reduce_scatter``: the real reduce-scatter collective where every rank has the same
+        output layout (else the fused all-to-all)."""
+        if reduce_scatter is not None:
+            self.use_reduce_scatter = bool(reduce_scatter and self._same_layout)
 
     def bucketize(
         self, kjt: KeyedJaggedTensor

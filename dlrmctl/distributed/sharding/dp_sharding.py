@@ -25,6 +25,7 @@ class DpSharding(EmbeddingSharding):
     """Replicated tables on this rank."""
 
     sharding_type = ShardingType.DATA_PARALLEL
+    replicated = True
     needs_comm = False
 
     @staticmethod
