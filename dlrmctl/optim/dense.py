@@ -70,3 +70,11 @@ def dense_optimizer(params: list[nn.Parameter], cfg: DenseOptimizerConfig) -> to
     if cfg.type == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
     raise ValueError(f"unknown dense optimizer {cfg.type!r}; expected adagrad | adam | sgd")
+
+
+def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
+    """Create the lazily-made state of a dense-kernel table optimizer (``ensure_state`` of
+    :mod:`dlrmctl.optim`'s optimizers: zeros, identical to absent), so every dense-kernel
+    shard has its moment tensor to save / load into."""
+    if opt is not None and hasattr(opt, "ensure_state"):
+        opt.ensure_state()

@@ -21,21 +21,15 @@ import torch
 
 from dlrmctl.config import ExperimentConfig, LRScheduleConfig, to_dict
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
-from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.checkpoint.codec import pack, unpack
+from dlrmctl.train.checkpoint.format import CheckpointError
+from dlrmctl.train.checkpoint.load import load_checkpoint
 from dlrmctl.optim.dense import dense_optimizer, embedding_optimizer_for_dense
 
 log = logging.getLogger("dlrmctl.train")
 
 #: torch optimizer param_group keys that pick an implementation, not hyper-parameters or state
 _OPTIMIZER_IMPL_KEYS = ("foreach", "fused", "capturable", "differentiable")
-
-
-def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
-    """Create the lazily-made state of a dense-kernel table optimizer (``ensure_state`` of
-    :mod:`dlrmctl.optim`'s optimizers: zeros, identical to absent), so every dense-kernel
-    shard has its moment tensor to save / load into."""
-    if opt is not None and hasattr(opt, "ensure_state"):
-        opt.ensure_state()
 
 
 class WarmupPolyDecay:
@@ -96,20 +90,20 @@ class _FusedMember:
         # evaluation batches included)
         fused = {"type": spec.type, "lr": self.opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
                  "step": int(step)}
-        return {"meta/fused_optimizer": ckpt.pack(fused, "meta/fused_optimizer")}
+        return {"meta/fused_optimizer": pack(fused, "meta/fused_optimizer")}
 
     def check_saved_type(self, meta: dict[str, Any], path: str) -> None:
         """Raises CheckpointError when the checkpoint's embedding optimizer type differs."""
         saved_type = meta.get("embedding_optimizer")
         if saved_type and saved_type != self.opt.spec.type:
-            raise ckpt.CheckpointError(
+            raise CheckpointError(
                 f"{os.path.join(path, 'meta.json')}: saved with embedding optimizer {saved_type}, the model uses "
                 f"{self.opt.spec.type}; their moments are not interchangeable"
             )
 
     def load(self, req: dict[str, Any]) -> None:
         """lr and step from a filled request; eps / weight_decay stay the config's (a warning if they differ)."""
-        fused = ckpt.unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
+        fused = unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
         self.opt.set_lr(float(fused["lr"]))
         self.opt.set_optimizer_step(int(fused["step"]))
         if (fused["eps"], fused["weight_decay"]) != (self.opt.spec.eps, self.opt.spec.weight_decay):
@@ -142,7 +136,7 @@ class _DenseMember:
                     tensors[f"dense_opt/{names[idx]}/{k}"] = v
                 else:
                     scalars.setdefault(names[idx], {})[k] = v
-        tensors["meta/dense_optimizer"] = ckpt.pack({"param_groups": sd["param_groups"], "scalars": scalars},
+        tensors["meta/dense_optimizer"] = pack({"param_groups": sd["param_groups"], "scalars": scalars},
                                                     "meta/dense_optimizer")
         return tensors
 
@@ -164,11 +158,11 @@ class _DenseMember:
         Raises:
             CheckpointError: state for parameters the model lacks, or that does not fit.
         """
-        o = ckpt.unpack(req["meta/dense_optimizer"], "meta/dense_optimizer")
+        o = unpack(req["meta/dense_optimizer"], "meta/dense_optimizer")
         idx = {n: i for i, n in enumerate(self.param_names())}
         unknown = sorted(set(opt_state) - set(idx))
         if unknown:
-            raise ckpt.CheckpointError(f"{path}: dense optimizer state for parameters the model lacks: {unknown}")
+            raise CheckpointError(f"{path}: dense optimizer state for parameters the model lacks: {unknown}")
         st = {idx[n]: dict(v) for n, v in opt_state.items()}
         for n, sc in o["scalars"].items():
             if n in idx:
@@ -179,7 +173,7 @@ class _DenseMember:
         try:
             self.opt.load_state_dict({"state": st, "param_groups": o["param_groups"]})
         except (ValueError, KeyError) as e:
-            raise ckpt.CheckpointError(f"{path}: dense optimizer state does not match the model: {e}") from e
+            raise CheckpointError(f"{path}: dense optimizer state does not match the model: {e}") from e
         for g, keep in zip(self.opt.param_groups, impl):
             g.update(keep)
 
@@ -199,7 +193,7 @@ class _EmbeddingDenseMember:
         groups = None
         if self.opt is not None:
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-        return {"meta/embedding_dense_optimizer": ckpt.pack(groups, "meta/embedding_dense_optimizer")}
+        return {"meta/embedding_dense_optimizer": pack(groups, "meta/embedding_dense_optimizer")}
 
     def rank_scalars(self) -> dict[str, Any]:
         """Parameter name -> its scalar (0-d) state entries on this rank."""
@@ -215,7 +209,7 @@ class _EmbeddingDenseMember:
     def load(self, req: dict[str, Any], per_rank: dict[str, Any], same_layout: bool, step: int) -> None:
         """Hyper-parameters (eps / weight_decay stay the config's), this rank's scalars when the
         layout is the same, and the Adam family's step = ``step``."""
-        groups = ckpt.unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
+        groups = unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
         if self.opt is None:
             return
         for g, sg in zip(self.opt.param_groups, groups or []):
@@ -319,7 +313,7 @@ class TrainOptimizers:
         out = self._dense.entries()
         out.update(self._fused.entries(step))
         out.update(self._embedding_dense.entries())
-        out["meta/lr_schedule"] = ckpt.pack({"step": step, "config": self._schedule_config}, "meta/lr_schedule")
+        out["meta/lr_schedule"] = pack({"step": step, "config": self._schedule_config}, "meta/lr_schedule")
         return out
 
     def rank_state(self) -> dict[str, Any]:
@@ -335,7 +329,7 @@ class TrainOptimizers:
         self._fused.check_saved_type(meta, path)
 
     def load_request(self, md: Any) -> tuple[dict[str, Any], Any]:
-        """``(request, token)``: the checkpoint keys to read (for :func:`ckpt.load_checkpoint`)
+        """``(request, token)``: the checkpoint keys to read (for :func:`load_checkpoint`)
         and what :meth:`load_state_dict` needs back."""
         req, opt_state = self._dense.load_request(md)
         req.update({"meta/fused_optimizer": None, "meta/embedding_dense_optimizer": None})

@@ -16,7 +16,8 @@ import yaml
 from dlrmctl import outputs, run_lock
 from dlrmctl.config import ExperimentConfig, read_data_meta, to_dict
 from dlrmctl.errors import UserError, check_output_dir
-from dlrmctl.train import checkpoint as ckpt
+from dlrmctl.train.checkpoint.format import CKPT_DIR, CheckpointError
+from dlrmctl.train.checkpoint.store import latest_checkpoint
 
 
 class TrainError(RuntimeError, UserError):
@@ -48,7 +49,7 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
     kind = outputs.kind_of(run_dir)
     # (a checkpoints/ directory makes it a run: the checks below say what to do with it)
     foreign = sorted(set(os.listdir(run_dir)) - {run_lock.LOCK_NAME, ATTEMPT_MARKER, "logs"}) \
-        if os.path.isdir(run_dir) and kind is None and not os.path.isdir(os.path.join(run_dir, ckpt.CKPT_DIR)) else []
+        if os.path.isdir(run_dir) and kind is None and not os.path.isdir(os.path.join(run_dir, CKPT_DIR)) else []
     if foreign or kind not in (None, "run"):
         # a run never moves into (and --overwrite never deletes) what no dlrmctl run wrote
         what = f"a dlrmctl {kind}" if kind else f"{', '.join(foreign[:3])}, which was not written by dlrmctl"
@@ -59,13 +60,13 @@ def check_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool) -> str:
     # an --overwrite attempt killed half-way: its old run comes back (or goes, past the new one's first
     # checkpoint) before the checks below look at what the directory holds
     settle_replacement(run_dir)
-    if not resume and not overwrite and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
+    if not resume and not overwrite and os.path.exists(os.path.join(run_dir, CKPT_DIR)):
         raise TrainError(
             f"{run_dir} already holds a run; pass --resume to continue it, --overwrite to replace it, "
             "or --set name=<other>"
         )
     recorded = os.path.join(run_dir, "data_meta.json")
-    if (resume and os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)) and os.path.exists(recorded)
+    if (resume and os.path.exists(os.path.join(run_dir, CKPT_DIR)) and os.path.exists(recorded)
             and os.path.exists(os.path.join(cfg.data.path, "meta.json"))):
         from dlrmctl.data.fingerprint import check_run_data
 
@@ -108,7 +109,7 @@ def prepare_run_dir(cfg: ExperimentConfig, resume: bool, overwrite: bool, config
         set_aside(run_dir)  # kept until this run's first complete checkpoint (finish_replacement)
     cpath = os.path.join(run_dir, "config.yaml")
     if (os.path.exists(cpath) and not os.path.exists(os.path.join(run_dir, ATTEMPT_MARKER))
-            and not os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR))):
+            and not os.path.exists(os.path.join(run_dir, CKPT_DIR))):
         raise TrainError(f"{cpath} exists and was not written by dlrmctl; keep experiment configs outside the run "
                          "directory (it is replaced by the resolved config), or --set name=<other>")
     os.makedirs(run_dir, exist_ok=True)
@@ -137,7 +138,7 @@ RUN_OUTPUTS = ("config.yaml", "data_meta.json", "plan.yaml", "plan.txt", "metric
 REPLACED_DIR = outputs.REPLACED_DIR
 #: what a run writes in its directory: all that ``--overwrite`` sets aside and replaces; anything else
 #: (an export written into the run directory, the user's notes) stays where it is
-RUN_ENTRIES = frozenset((*RUN_OUTPUTS, ckpt.CKPT_DIR, "logs", ATTEMPT_MARKER, outputs.MARKER_NAME))
+RUN_ENTRIES = frozenset((*RUN_OUTPUTS, CKPT_DIR, "logs", ATTEMPT_MARKER, outputs.MARKER_NAME))
 
 
 def set_aside(run_dir: str) -> None:
@@ -197,9 +198,9 @@ def finish_replacement(run_dir: str, done: bool = False) -> bool:
             or os.path.exists(os.path.join(aside, RESTORING)):  # half set aside, or coming back: never deleted
         return False
     try:
-        if not done and ckpt.latest_checkpoint(run_dir) is None:
+        if not done and latest_checkpoint(run_dir) is None:
             return False
-    except ckpt.CheckpointError:
+    except CheckpointError:
         return False
     shutil.rmtree(aside, ignore_errors=True)
     return True
@@ -268,7 +269,7 @@ def clear_unsaved_attempt(run_dir: str) -> bool:
         if finish_replacement(run_dir):
             return False
         return _restore_replaced(run_dir)
-    if not os.path.isdir(run_dir) or os.path.exists(os.path.join(run_dir, ckpt.CKPT_DIR)):
+    if not os.path.isdir(run_dir) or os.path.exists(os.path.join(run_dir, CKPT_DIR)):
         return False
     marker = os.path.join(run_dir, ATTEMPT_MARKER)
     if not os.path.exists(marker):  # not an attempt of dlrmctl's: nothing here is ours to remove

@@ -44,7 +44,7 @@ from dlrmctl.train.malloc_tuning import tune_glibc_malloc
 from dlrmctl.train.optimizers import TrainOptimizers
 from dlrmctl.train.pipeline import make_pipeline
 from dlrmctl.train.plan import plan_rank_summary, resolve_plan
-from dlrmctl.train.run_dir import TrainError, check_train_splits
+from dlrmctl.train.run_dir import TrainError, check_train_splits, finish_replacement
 from dlrmctl.train.train_log import (EpochProgress, LossWindow, MetricsLog, check_tensorboard, dense_fallback_line, jsonable,
                                      model_size_line)
 
@@ -148,7 +148,8 @@ class Trainer:
         self.metrics_log = MetricsLog(run_dir, env.is_main, cfg.train.log_every, cfg.train.tensorboard)
         self.evaluator = Evaluator(cfg, env, self.meta, self.tables, self.num_dense, self.weighted, self.model,
                                    lambda batch: self.logits(batch, None, autocast=False), self.metrics_log)
-        self.checkpointer = Checkpointer(cfg, env, run_dir, self.model, self.optimizers, self.plan, self.state_dict)
+        self.checkpointer = Checkpointer(cfg, env, run_dir, self.model, self.optimizers, self.plan, self.state_dict,
+                                         after_save=finish_replacement)
         self.step = 0
         self.epoch = 0
         self._batches_done = 0  # batches of the current epoch trained

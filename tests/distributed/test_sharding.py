@@ -161,7 +161,7 @@ def run_case(env, case: Case) -> str | None:
     from types import SimpleNamespace
 
     from dlrmctl.distributed.model_parallel import plan_from_types
-    from dlrmctl.train.optimizers import ensure_optimizer_state
+    from dlrmctl.optim.dense import ensure_optimizer_state
     from dlrmctl.train.checkpoint import local_embedding_shards
     from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
     from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec

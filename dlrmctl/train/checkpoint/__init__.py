@@ -80,9 +80,9 @@ DCP's metadata classes.  Format ``dcp-v1`` (pickled entries, whole-file CRCs) is
 refused with its version named.
 
 Modules: :mod:`.format` (constants, :class:`CheckpointError`), :mod:`.store` (step directories,
-``LATEST`` / ``BEST``, resolving, pruning-safe reads, meta.json), :mod:`.codec` (:class:`Blocks`,
+``LATEST`` / ``BEST``, resolving, pruning-safe reads, meta.json, :func:`check_integrity`), :mod:`.codec` (:class:`Blocks`,
 :func:`pack` / :func:`unpack`, the safe unpickler), :mod:`.integrity` (block CRCs,
-:func:`check_integrity`), :mod:`.storage` (the DCP storage writer / reader), :mod:`.save` /
+the verifying reader), :mod:`.storage` (the DCP storage writer / reader), :mod:`.save` /
 :mod:`.load`, :mod:`.reshard`, :mod:`.layout` (the shard-key layout of a model's state) and
 :mod:`.checkpointer` (:class:`Checkpointer`), :mod:`.shared_dir` (the multi-node run's check that every
 rank sees the checkpoint directory).  Every public name is re-exported here
@@ -96,8 +96,8 @@ from dlrmctl.train.checkpoint.format import (BEST, BLOCK_BYTES, BLOCKS_PER_FILE,
                                              MIN_BLOCK_BYTES, OLD_FORMATS, READ_SLAB_BYTES, CheckpointError)
 from dlrmctl.train.checkpoint.rng import rng_state, set_rng_state
 from dlrmctl.train.checkpoint.codec import Blocks, pack, unpack
-from dlrmctl.train.checkpoint.integrity import check_integrity
-from dlrmctl.train.checkpoint.store import (best_checkpoint, checkpoint_root, copy_run_files, latest_checkpoint,
+from dlrmctl.train.checkpoint.store import (best_checkpoint, check_integrity, checkpoint_root, copy_run_files,
+                                            latest_checkpoint,
                                             list_checkpoints, load_checkpoint_meta, mark_best, read_checkpoint,
                                             resolve_checkpoint)
 from dlrmctl.train.checkpoint.save import save_checkpoint

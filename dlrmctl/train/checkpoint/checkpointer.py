@@ -57,6 +57,9 @@ class Checkpointer:
         run_dir: the run directory (``checkpoints/`` inside it).
         model / optimizers / plan: what is saved and restored.
         trainer_state: ``() -> {step, epoch, best, evals_since_best, data}`` at save time.
+        after_save: called on rank 0 with the run directory after each complete save (the trainer
+            passes :func:`dlrmctl.train.run_dir.finish_replacement`: an ``--overwrite``'s old run
+            goes once the new one has a checkpoint).
 
     Attributes:
         saved_step / saved_path: the newest checkpoint this run wrote or resumed from
@@ -64,7 +67,8 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: "ExperimentConfig", env: "RunEnv", run_dir: str, model: TrainModel,
-                 optimizers: "TrainOptimizers", plan: Any, trainer_state: Callable[[], dict[str, Any]]) -> None:
+                 optimizers: "TrainOptimizers", plan: Any, trainer_state: Callable[[], dict[str, Any]],
+                 after_save: Callable[[str], Any] | None = None) -> None:
         self.cfg = cfg
         self.env = env
         self.run_dir = run_dir
@@ -72,6 +76,7 @@ class Checkpointer:
         self.optimizers = optimizers
         self.plan = plan
         self.trainer_state = trainer_state
+        self.after_save = after_save
         self.saved_step = -1
         self.saved_path: str | None = None
 
@@ -103,10 +108,8 @@ class Checkpointer:
             keep_last=self.cfg.train.keep_last_checkpoints, extra_meta=extra, best=best,
         )
         self.saved_step, self.saved_path = step, path
-        if self.env.is_main:
-            from dlrmctl.train.run_dir import finish_replacement
-
-            finish_replacement(self.run_dir)  # the first complete checkpoint: an --overwrite's old run goes
+        if self.env.is_main and self.after_save is not None:
+            self.after_save(self.run_dir)  # e.g. the first complete checkpoint: an --overwrite's old run goes
         return path
 
     def maybe_save(self, step: int, *, last_step: bool = False, new_best: bool = False,

@@ -83,7 +83,9 @@ def _find(state: dict[str, Any], index: Any) -> Any:
     return obj
 
 
-def _planners():
+def dcp_planners():
+    """``(SavePlanner, LoadPlanner)``: DCP's default planners, made to keep tensors as they are (the
+    classes built on first use: torch.distributed.checkpoint imports late)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
     class SavePlanner(DefaultSavePlanner):
@@ -123,7 +125,8 @@ def _planners():
 _TAGS = ("__tuple__", "__dict__", "__tensor__", "__ndarray__")
 
 
-def _b64(raw: bytes) -> str:
+def b64(raw: bytes) -> str:
+    """``raw`` as ASCII base64 (the JSON form of tensors, arrays and block checksums)."""
     return base64.b64encode(raw).decode("ascii")
 
 
@@ -139,10 +142,10 @@ def _encode(obj: Any, where: str) -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj.detach().cpu().contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": _b64(raw)}}
+        return {"__tensor__": {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": b64(raw)}}
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc":
         # tobytes() is C order for any layout; obj.shape, not np.ascontiguousarray's (which makes 0-d 1-d)
-        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": _b64(obj.tobytes(order="C"))}}
+        return {"__ndarray__": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": b64(obj.tobytes(order="C"))}}
     if isinstance(obj, tuple):
         return {"__tuple__": [_encode(v, f"{where}[{i}]") for i, v in enumerate(obj)]}
     if isinstance(obj, list):

@@ -1,6 +1,6 @@
 """Block CRC-32s of the checkpoint files: their text form in meta.json, the verifying range
-reader :class:`CheckedFile`, the file-table checks and :func:`check_integrity`
-(``dlrmctl checkpoint inspect``)."""
+reader :class:`CheckedFile` and the file-table checks (what
+:func:`dlrmctl.train.checkpoint.store.check_integrity`, ``dlrmctl checkpoint inspect``, runs)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from dlrmctl.train.checkpoint import format as fmt  # (a module: tests patch its sizes)
-from dlrmctl.train.checkpoint.codec import _b64
+from dlrmctl.train.checkpoint.codec import b64
 from dlrmctl.train.checkpoint.format import BLOCKS_PER_FILE, MIN_BLOCK_BYTES, CheckpointError
 
 
@@ -28,7 +28,7 @@ def crcs_to_text(crcs: Sequence[int]) -> str:
     a = array("I", crcs)
     if sys.byteorder != "little":
         a.byteswap()
-    return _b64(a.tobytes())
+    return b64(a.tobytes())
 
 
 def crcs_from_text(text: str) -> array:
@@ -109,41 +109,6 @@ class CheckedFile:
                     f"{self.path}: bytes {lo + s}-{lo + e} (block {i} of {len(self.crcs)}{', ' + what if what else ''}): "
                     f"CRC-32 {got:#010x}, expected {self.crcs[i]:#010x}: the file is corrupted")
         return buf[pad + start - lo: pad + end - lo]
-
-
-def check_integrity(ckpt_dir: str, verify: bool = False) -> tuple[bool, str]:
-    """Integrity of one checkpoint directory, as ``(ok, text)``.
-
-    Always (cheap: meta.json is read and every data file stat'ed, no data is read): meta.json
-    parses and its file table matches its own CRC-32, every file it lists is present with the
-    recorded size and has one checksum per block.  ``verify``: also reads every file in whole
-    checksum blocks and checks each block's CRC-32 (reads the whole checkpoint once).
-
-    Returns:
-        ``(True, "ok: ...")`` or ``(False, the CheckpointError's message)`` (names the file,
-        the byte range / block and what was expected).
-    """
-    counter: dict[str, int] = {"bytes_read": 0}
-    try:
-        from dlrmctl.train.checkpoint.store import load_checkpoint_meta  # (store imports this module)
-
-        meta = load_checkpoint_meta(ckpt_dir)
-        blocks = 0
-        for fname in sorted(meta["files"]):
-            f = CheckedFile(ckpt_dir, fname, meta, counter)
-            blocks += len(f.crcs)
-            if not verify:
-                continue
-            step = max(1, (64 << 20) // f.block_bytes) * f.block_bytes  # whole blocks: nothing read twice
-            with f:
-                for start in range(0, f.size, step):
-                    f.read(start, min(start + step, f.size), fname)
-    except CheckpointError as e:
-        return False, str(e)
-    n = len(meta["files"])
-    if verify:
-        return True, f"ok: all {blocks:,} checksum blocks of {n} files verified ({counter['bytes_read']:,} bytes read)"
-    return True, f"ok: {n} files present with the sizes meta.json records (blocks not read; --verify checks them)"
 
 
 def files_crc(files: dict[str, Any]) -> int:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from dlrmctl.optim.dense import row_state_tensors
+from dlrmctl.optim.dense import ensure_optimizer_state, row_state_tensors
 from dlrmctl.train.checkpoint import load as ckpt_load  # (a module: tests patch read_metadata)
 from dlrmctl.train.checkpoint.codec import Blocks, pack, unpack
 from dlrmctl.train.checkpoint.format import CheckpointError
@@ -71,8 +71,6 @@ def local_embedding_shards(model: TrainModel, emb_dense_opt: torch.optim.Optimiz
     optimizer's per-row / per-element state for dense-kernel tables (created
     here if the optimizer has not stepped yet) — the same layout for both kernels.
     """
-    from dlrmctl.train.optimizers import ensure_optimizer_state
-
     ensure_optimizer_state(emb_dense_opt)
     sa = _unwrap(model).sparse_arch
     out = []

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from dlrmctl.train.checkpoint.codec import _planners
+from dlrmctl.train.checkpoint.codec import dcp_planners
 from dlrmctl.train.checkpoint.format import CheckpointError
-from dlrmctl.train.checkpoint.save import _quiet
-from dlrmctl.train.checkpoint.storage import _reader
+from dlrmctl.train.checkpoint.save import quiet_dcp
+from dlrmctl.train.checkpoint.storage import dcp_reader
 from dlrmctl.train.checkpoint.store import load_checkpoint_meta
 
 
@@ -41,7 +41,7 @@ def read_metadata(ckpt_dir: str, meta: dict[str, Any] | None = None, counter: di
         CheckpointError: ``.metadata`` missing, truncated, corrupted or holding other objects.
     """
     meta = meta or load_checkpoint_meta(ckpt_dir)
-    return _reader(ckpt_dir, meta, counter).read_metadata()
+    return dcp_reader(ckpt_dir, meta, counter).read_metadata()
 
 
 def saved_size(md: Any, key: str) -> torch.Size | None:
@@ -71,7 +71,7 @@ def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = N
     from torch.distributed.checkpoint.api import CheckpointException
 
     meta = meta or load_checkpoint_meta(ckpt_dir)
-    reader = _reader(ckpt_dir, meta, counter, metadata)
+    reader = dcp_reader(ckpt_dir, meta, counter, metadata)
     md = reader.read_metadata()
     for k, v in list(state.items()):
         sm = md.state_dict_metadata.get(k)
@@ -85,8 +85,8 @@ def load_checkpoint(ckpt_dir: str, state: dict[str, Any], process_group: Any = N
             raise CheckpointError(
                 f"{ckpt_dir}: '{k}' was saved with shape {list(sm.size)}, the model has {list(v.size())}"
             )
-    _, LoadPlanner = _planners()
-    cm = _quiet()
+    _, LoadPlanner = dcp_planners()
+    cm = quiet_dcp()
     try:
         dcp.load(state, storage_reader=reader, planner=LoadPlanner(), process_group=process_group,
                  no_dist=world_size <= 1)

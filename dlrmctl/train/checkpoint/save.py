@@ -16,14 +16,14 @@ import torch
 
 from dlrmctl.errors import OS_CONDITIONS, find_in_chain, free_bytes, interrupt_of, os_errno
 from dlrmctl.fileio import write_text_atomic
-from dlrmctl.train.checkpoint.codec import Blocks, _planners
+from dlrmctl.train.checkpoint.codec import Blocks, dcp_planners
 from dlrmctl.train.checkpoint.format import BEST, FORMAT, LATEST, CheckpointError
 from dlrmctl.train.checkpoint.integrity import files_crc
-from dlrmctl.train.checkpoint.storage import _writer
-from dlrmctl.train.checkpoint.store import _fsync_dir, best_checkpoint, checkpoint_root, latest_checkpoint
+from dlrmctl.train.checkpoint.storage import dcp_writer
+from dlrmctl.train.checkpoint.store import best_checkpoint, checkpoint_root, fsync_dir, latest_checkpoint
 
 
-def _quiet():
+def quiet_dcp():
     """Silence DCP's notices about single-process use (expected here)."""
     cm = warnings.catch_warnings()
     cm.__enter__()
@@ -154,9 +154,9 @@ def save_checkpoint(
             os.makedirs(tmp)
         if dist_on:
             comm.barrier(process_group)
-        SavePlanner, _ = _planners()
-        writer = _writer(tmp)
-        cm = _quiet()
+        SavePlanner, _ = dcp_planners()
+        writer = dcp_writer(tmp)
+        cm = quiet_dcp()
         try:
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), process_group=process_group,
                      no_dist=not dist_on)
@@ -173,12 +173,12 @@ def save_checkpoint(
             meta.update(extra_meta or {})  # (a reshard passes the source's meta: its own file table is replaced)
             meta.update(files=files, files_crc32=files_crc(files))
             write_text_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1))
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.replace(tmp, final)
     except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         _save_failed(e, run_dir, tmp, final, rank, _state_nbytes(state))
     if rank == 0:
-        _fsync_dir(root)
+        fsync_dir(root)
         if publish_latest:
             write_text_atomic(os.path.join(root, LATEST), name + "\n")
         if best:

@@ -124,7 +124,7 @@ class _ChecksumStream:
         return {"bytes": self.pos, "block_bytes": self.block_bytes, "crc32": crcs_to_text(self.crcs)}
 
 
-def _writer(path: str):
+def dcp_writer(path: str):
     """A DCP ``FileSystemWriter`` (one file per rank, fsynced) whose files are checksummed while they
     are written; after ``dcp.save``, ``writer.files`` holds this rank's ``{file: digest}`` (the
     coordinator's includes ``.metadata``), each data file's digest with ``tensors``: ``{item offset:
@@ -197,7 +197,7 @@ def _writer(path: str):
     return ChecksumWriter()
 
 
-def _reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
+def dcp_reader(ckpt_dir: str, meta: dict[str, Any], counter: dict[str, int] | None = None, metadata: Any = None):
     """A DCP ``FileSystemReader`` that verifies exactly what it reads and never unpickles data.
 
     ``.metadata``: read once, checked against its block CRCs, loaded with :class:`SafeUnpickler`.
