@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from dlrmctl.errors import UserError
-from dlrmctl.optim.registry import EMBEDDING_OPTIMIZERS
+from dlrmctl.optim.registry import DENSE_OPTIMIZERS, EMBEDDING_OPTIMIZERS
 
 #: ``optimizer.embedding.type``'s values: the registry's names
 EMBEDDING_OPTIMIZER_NAMES = tuple(EMBEDDING_OPTIMIZERS)
+#: ``optimizer.dense.type``'s values: the registry's names
+DENSE_OPTIMIZER_NAMES = tuple(DENSE_OPTIMIZERS)
 
 
 class ConfigError(ValueError, UserError):
@@ -283,7 +285,7 @@ class DenseOptimizerConfig:
     to its per-parameter loop (bit-identical updates).
     """
 
-    type: Literal["adagrad", "adam", "sgd"] = "adagrad"
+    type: Literal[DENSE_OPTIMIZER_NAMES] = "adagrad"
     """``adagrad``, ``adam`` (with ``betas``) or ``sgd`` (with ``momentum``)."""
     lr: float = 0.1
     """Learning rate (>= 0), times the ``lr_schedule`` factor."""

@@ -274,7 +274,7 @@ class GroupedEmbeddingLookup(LookupTables, nn.Module):
                      "dense kernel", optimizer.type, torch.device(device).type)
             compute_kernel = "dense"
         if (compute_kernel == "fused" and torch.device(device).type == "cuda"
-                and optimizer.type in ("adam", "partial_rowwise_adam", "lamb", "partial_rowwise_lamb")):
+                and embedding_optimizer(optimizer.type).global_step):  # FBGEMM's Adam / LAMB family
             log.warning("embedding optimizer %s: FBGEMM marks its fused CUDA Adam / LAMB kernels experimental "
                         "(never run by dlrmctl on a GPU); exact_rowwise_adagrad is the default and the fastest "
                         "(one fp32 of state per row)", optimizer.type)

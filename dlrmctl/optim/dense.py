@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dlrmctl.optim.registry import embedding_optimizer
+from dlrmctl.optim.registry import DENSE_OPTIMIZERS, embedding_optimizer
 
 if TYPE_CHECKING:
     from dlrmctl.config import DenseOptimizerConfig
@@ -51,7 +51,8 @@ def row_state_tensors(opt: torch.optim.Optimizer | None, weight: torch.Tensor) -
 
 
 def dense_optimizer(params: list[nn.Parameter], cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
-    """The optimizer of the MLPs (``optimizer.dense``).
+    """The optimizer of the MLPs (``optimizer.dense``): its record's ``torch.optim`` class
+    (:data:`dlrmctl.optim.registry.DENSE_OPTIMIZERS`) with the config keys the record reads.
 
     Always torch's multi-tensor (``foreach``) implementation: torch picks it by default for CUDA
     parameters only, and on the CPU the per-parameter loop it would use instead runs four to six
@@ -62,14 +63,12 @@ def dense_optimizer(params: list[nn.Parameter], cfg: DenseOptimizerConfig) -> to
     Raises:
         ValueError: unknown ``cfg.type``.
     """
-    if cfg.type == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
-    if cfg.type == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                foreach=True)
-    if cfg.type == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
-    raise ValueError(f"unknown dense optimizer {cfg.type!r}; expected adagrad | adam | sgd")
+    rec = DENSE_OPTIMIZERS.get(cfg.type)
+    if rec is None:
+        raise ValueError(f"unknown dense optimizer {cfg.type!r}; expected {' | '.join(DENSE_OPTIMIZERS)}")
+    kwargs = {k: tuple(getattr(cfg, k)) if k == "betas" else getattr(cfg, k) for k in rec.reads}
+    return getattr(torch.optim, rec.torch_class)(params, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=True,
+                                                 **kwargs)
 
 
 def ensure_optimizer_state(opt: torch.optim.Optimizer | None) -> None:

@@ -1,4 +1,6 @@
-"""The embedding-optimizer registry: one :class:`EmbeddingOptimizer` record per update rule.
+"""The optimizer registries: one :class:`EmbeddingOptimizer` record per embedding update rule, and
+one :class:`DenseOptimizer` record per optimizer of the MLPs (:data:`DENSE_OPTIMIZERS`: the config
+names, the ``torch.optim`` class, the keys it reads, its state for the planner).
 
 Everything that depends on which embedding optimizer a table trains with reads its record
 here instead of restating names: config validation (the names, which run on fp16 weights),
@@ -135,3 +137,31 @@ def embedding_optimizer(name: str) -> EmbeddingOptimizer:
     if rec is None:
         raise ValueError(f"unknown embedding optimizer {name!r}; expected {' | '.join(EMBEDDING_OPTIMIZERS)}")
     return rec
+
+
+@dataclass(frozen=True)
+class DenseOptimizer:
+    """One optimizer of ``optimizer.dense`` (the MLPs): a ``torch.optim`` class.
+
+    Attributes:
+        name: the config name (``optimizer.dense.type``).
+        torch_class: its class in ``torch.optim`` (built with ``lr``, ``weight_decay`` and
+            ``foreach=True``, :func:`dlrmctl.optim.dense.dense_optimizer`).
+        reads: the other ``optimizer.dense`` keys it takes, as its keyword arguments (``eps``,
+            ``betas``, ``momentum``).
+        state_per_param: fp32 state tensors of each parameter's shape it keeps (the planner's
+            memory reservation for the dense part, :func:`dlrmctl.planner.storage.dense_model_bytes`).
+    """
+
+    name: str
+    torch_class: str
+    reads: tuple[str, ...]
+    state_per_param: int
+
+
+#: Every dense optimizer, by config name (``optimizer.dense.type``'s values, in this order).
+DENSE_OPTIMIZERS: dict[str, DenseOptimizer] = {r.name: r for r in (
+    DenseOptimizer("adagrad", "Adagrad", ("eps",), state_per_param=1),  # sum of squared gradients
+    DenseOptimizer("adam", "Adam", ("eps", "betas"), state_per_param=2),  # exp_avg, exp_avg_sq
+    DenseOptimizer("sgd", "SGD", ("momentum",), state_per_param=0),  # a momentum buffer only when momentum > 0
+)}

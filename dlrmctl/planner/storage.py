@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
-from dlrmctl.optim.registry import embedding_optimizer
+from dlrmctl.optim.registry import DENSE_OPTIMIZERS, embedding_optimizer
 from dlrmctl.planner.types import Storage, Topology, optimizer_name
 
 GRAD_BYTES = 4  #: fp32 gradients
@@ -54,8 +54,10 @@ def optimizer_state_bytes(optimizer: str, rows: int, cols: int) -> int:
 
 
 def dense_optimizer_states_per_param(dense_optimizer: str) -> int:
-    """fp32 state tensors per dense parameter: adagrad 1, adam 2, sgd 0 (torch.optim)."""
-    return {"adagrad": 1, "adam": 2, "sgd": 0}.get(dense_optimizer, 1)
+    """fp32 state tensors per dense parameter (the record's ``state_per_param``: adagrad 1, adam 2,
+    sgd 0); an unknown name counts as adagrad's 1."""
+    rec = DENSE_OPTIMIZERS.get(dense_optimizer)
+    return 1 if rec is None else rec.state_per_param
 
 
 @dataclass

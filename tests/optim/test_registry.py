@@ -95,3 +95,28 @@ def test_config_and_planner_accept_exactly_the_registered_names():
     assert {optimizer_name(a) for a in OPTIMIZER_ALIASES} == set(NAMES)
     with pytest.raises(PlanError):
         optimizer_name("nope")
+
+
+def test_each_dense_optimizer_is_its_torch_class_with_the_keys_its_record_reads():
+    from dlrmctl.config import DenseOptimizerConfig
+    from dlrmctl.optim.dense import dense_optimizer
+    from dlrmctl.optim.registry import DENSE_OPTIMIZERS
+    from dlrmctl.planner.storage import dense_model_bytes
+
+    assert typing.get_args(typing.get_type_hints(DenseOptimizerConfig)["type"]) == tuple(DENSE_OPTIMIZERS)
+    for name, rec in DENSE_OPTIMIZERS.items():
+        cfg = DenseOptimizerConfig(type=name, lr=0.5, eps=1e-3, betas=[0.8, 0.9], momentum=0.25, weight_decay=0.1)
+        p = torch.nn.Parameter(torch.ones(4, 3))
+        opt = dense_optimizer([p], cfg)
+        assert type(opt) is getattr(torch.optim, rec.torch_class)
+        d = opt.defaults
+        assert (d["lr"], d["weight_decay"], d["foreach"]) == (0.5, 0.1, True)
+        for key in rec.reads:
+            assert d[key] == (tuple(cfg.betas) if key == "betas" else getattr(cfg, key)), (name, key)
+        p.grad = torch.full_like(p, 0.5)
+        opt.step()  # the planner's count is the state the optimizer keeps (sgd: momentum buffer aside)
+        tensors = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape]
+        assert len(tensors) == rec.state_per_param + (1 if name == "sgd" and cfg.momentum else 0), name
+        assert dense_model_bytes(10, name) == 10 * 4 * (2 + rec.state_per_param)
+    with pytest.raises(ValueError, match=r"unknown dense optimizer 'rmsprop'; expected adagrad \| adam \| sgd"):
+        dense_optimizer([torch.nn.Parameter(torch.ones(1))], DenseOptimizerConfig(type="rmsprop"))
