@@ -26,7 +26,6 @@ LONG_FILES = {
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/planner/perf.py": "the perf model's formulas; to split",
     "dlrmctl/outputs.py": "output ownership and replace-by-swap; to split",
-    "dlrmctl/inference/quantize.py": "row-wise quantization of every kind; to split",
     "dlrmctl/config/schema.py": "one dataclass per section, every key with its docstring; to split by section",
 }
 

@@ -33,7 +33,7 @@ def test_tbe_for_a_device_has_its_placement_and_row_alignment(monkeypatch, devic
     import fbgemm_gpu.split_table_batched_embeddings_ops_inference as inf
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
-    from dlrmctl.inference.quantize import empty_intnbit_tbe, tbe_placement
+    from dlrmctl.inference.intnbit_tbe import empty_intnbit_tbe, tbe_placement
 
     assert tbe_placement(device) == (placement, align)
     monkeypatch.setattr(inf, "IntNBitTableBatchedEmbeddingBagsCodegen", _Recorder)
@@ -52,7 +52,7 @@ def test_torchscript_loaded_for_a_device_rebuilds_its_tbe_there(tmp_path, monkey
     exercised on the CPU), a feature feeding two tables and padded dims (6, 13) included."""
     import dlrmctl.inference.export as ex
     import dlrmctl.inference.formats.torchscript as ts
-    import dlrmctl.inference.quantize as qz
+    import dlrmctl.inference.intnbit_tbe as qz
 
     ex.export_model(example_model(), tmp_path / "m", ex.ExportOptions(dtype, artifact="torchscript"))
     m = ex.load_exported(tmp_path / "m")
@@ -81,7 +81,8 @@ def test_torchscript_loaded_for_a_device_rebuilds_its_tbe_there(tmp_path, monkey
 
 @needs_fbgemm
 def test_rebuild_refuses_a_tbe_that_is_not_host_placed():
-    from dlrmctl.inference.quantize import QuantizationError, empty_intnbit_tbe, intnbit_tbe_for_device
+    from dlrmctl.inference.quantize import QuantizationError
+    from dlrmctl.inference.intnbit_tbe import empty_intnbit_tbe, intnbit_tbe_for_device
 
     src = empty_intnbit_tbe([("t0", 4, 8, "int8")], [0], "cpu")
     src.weights_physical_placements = [0]  # EmbeddingLocation.DEVICE

@@ -11,9 +11,9 @@ from dlrmctl.inference.quantize import (
     quantize_rowwise,
     quantize_table,
     tbe_row_bytes,
-    tbe_rows,
     unpack_int4,
 )
+from dlrmctl.inference.intnbit_tbe import tbe_rows
 
 needs_fbgemm = pytest.mark.skipif(not HAS_FBGEMM, reason="fbgemm_gpu is not installed")
 
@@ -156,7 +156,7 @@ def test_exact_grid_table_gives_identical_bytes_to_fbgemm_int8():
 @needs_fbgemm
 @pytest.mark.parametrize("dtype", ["int8", "int4", "fp16", "fp32"])
 def test_intnbit_tbe_lookup_equals_embedding_bag_over_dequantized_weights(dtype):
-    from dlrmctl.inference.quantize import build_intnbit_tbe, tbe_storage_bytes
+    from dlrmctl.inference.intnbit_tbe import build_intnbit_tbe, tbe_storage_bytes
 
     g = torch.Generator().manual_seed(1)
     t0 = quantize_table(torch.randn(40, 16, generator=g) * 0.1, dtype, "t0")
@@ -183,7 +183,7 @@ def test_intnbit_tbe_lookup_equals_embedding_bag_over_dequantized_weights(dtype)
 
 @needs_fbgemm
 def test_tbe_refuses_dims_not_multiple_of_4():
-    from dlrmctl.inference.quantize import build_intnbit_tbe
+    from dlrmctl.inference.intnbit_tbe import build_intnbit_tbe
 
     with pytest.raises(QuantizationError, match="table 'odd': embedding_dim 6"):
         build_intnbit_tbe([quantize_table(torch.zeros(3, 6), "int8", "odd")], [0])
@@ -191,7 +191,7 @@ def test_tbe_refuses_dims_not_multiple_of_4():
 
 def test_require_fbgemm_message_when_absent(monkeypatch):
     from dlrmctl import _fbgemm
-    from dlrmctl.inference.quantize import require_fbgemm
+    from dlrmctl.inference.intnbit_tbe import require_fbgemm
 
     monkeypatch.setattr(_fbgemm, "HAS_FBGEMM", False)
     monkeypatch.setattr(_fbgemm, "FBGEMM_IMPORT_ERROR", "fbgemm_gpu is not installed")

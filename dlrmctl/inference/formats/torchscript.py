@@ -38,7 +38,7 @@ The tables are one FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` in the req
 DCN and projection interactions), or dynamic-int8 on its ``nn.Linear`` layers
 (``torch.ao.quantization.quantize_dynamic``) with ``--quantize-dense``.  There is no pure-torch
 fallback: without fbgemm_gpu, writing and loading fail with a message saying so
-(:func:`dlrmctl.inference.quantize.require_fbgemm`).
+(:func:`dlrmctl.inference.intnbit_tbe.require_fbgemm`).
 """
 
 from __future__ import annotations
@@ -251,7 +251,7 @@ def trace_dense(part: nn.Module, num_dense: int, pooled_width: int) -> torch.jit
 
 def torchscript_for_device(module: Any, manifest: dict, device: torch.device) -> nn.Module:
     """The loaded TorchScript artifact (CPU) as an eager :class:`ExportedDLRM` for ``device``: its
-    IntNBit TBE rebuilt there (:func:`~dlrmctl.inference.quantize.intnbit_tbe_for_device`: DEVICE
+    IntNBit TBE rebuilt there (:func:`~dlrmctl.inference.intnbit_tbe.intnbit_tbe_for_device`: DEVICE
     placement and the CUDA kernel's row alignment, the same table bytes), its traced dense part
     and buffers moved.  ``map_location`` alone would move the bytes but keep the HOST placement
     and 1-byte rows, which FBGEMM's CUDA kernel reads through empty UVM weights.
@@ -259,7 +259,7 @@ def torchscript_for_device(module: Any, manifest: dict, device: torch.device) ->
     Raises:
         QuantizationError: the artifact's TBE and manifest disagree.
     """
-    from dlrmctl.inference.quantize import intnbit_tbe_for_device
+    from dlrmctl.inference.intnbit_tbe import intnbit_tbe_for_device
 
     tables = [(t["name"], int(t["num_embeddings"]), int(t.get("stored_dim") or t["embedding_dim"]), t["dtype"])
               for t in manifest["tables"]]
@@ -288,7 +288,7 @@ class TorchScriptFormat(Format):
     # ------------------------------------------------------------------ write
     def check_export(self, quantize_dense: bool, aot: bool) -> None:
         """``aot`` is refused (it compiles the torch.export program); fbgemm_gpu is required."""
-        from dlrmctl.inference.quantize import require_fbgemm
+        from dlrmctl.inference.intnbit_tbe import require_fbgemm
 
         if aot:
             raise ExportError("--aot compiles the torch.export program; it cannot be combined with --torchscript")
@@ -307,14 +307,8 @@ class TorchScriptFormat(Format):
         Raises:
             ExportError: an untraceable dense part.
         """
-        from dlrmctl.inference.quantize import (
-            TBE_DIM_ALIGN,
-            empty_intnbit_tbe,
-            pad_columns,
-            padded_dim,
-            tbe_storage_bytes,
-            write_intnbit_table,
-        )
+        from dlrmctl.inference.intnbit_tbe import empty_intnbit_tbe, tbe_storage_bytes, write_intnbit_table
+        from dlrmctl.inference.quantize import TBE_DIM_ALIGN, pad_columns, padded_dim
 
         dtype = plan.embedding_dtype
         align = TBE_DIM_ALIGN[dtype]
@@ -364,7 +358,7 @@ class TorchScriptFormat(Format):
 
     # ------------------------------------------------------------------ load and run
     def check_loadable(self, path: Path) -> None:
-        from dlrmctl.inference.quantize import require_fbgemm
+        from dlrmctl.inference.intnbit_tbe import require_fbgemm
 
         require_fbgemm(f"loading {path}")
 
