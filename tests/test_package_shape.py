@@ -17,7 +17,6 @@ LONG_FILES = {
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/data/movielens.py": "being made a package like data/criteo/",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json (writer and reader); to split",
-    "dlrmctl/planner/calibrate.py": "plan --calibrate: the measurements and the topology file; to split",
     "dlrmctl/modules/dlrm.py": "DLRM, DCN-v2 and their input / output modules; to split",
     "dlrmctl/data/loader.py": "the loader and its shuffle stream; to split",
     "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC; the family hooks of its sharding types come next",
