@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-
 TABLE_ROWS, DIM, BATCH, POOL = 500_000, 64, 2048, 20
 NARROW_DIM = 16  #: second width of the fused lookup fit (``fit_fused_lookup``)
 IDIST_POOL = 80  #: ids per bag of the input-dist calibration batch (``input_dist_bw_gbps``)
