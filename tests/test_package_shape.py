@@ -23,7 +23,6 @@ LONG_FILES = {
     "dlrmctl/planner/planner.py": "the planner and its explanation of a plan that does not fit; to split",
     "dlrmctl/distributed/sharding/common.py": "the sharding interface and the bucketize core; to split",
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
-    "dlrmctl/planner/perf.py": "the perf model's formulas; to split",
     "dlrmctl/outputs.py": "output ownership and replace-by-swap; to split",
     "dlrmctl/config/schema.py": "one dataclass per section, every key with its docstring; to split by section",
 }

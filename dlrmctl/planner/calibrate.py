@@ -16,7 +16,7 @@ dispatch, collective) is itself the median of a slice of calls.
 * ``fused_cache_speedup`` / ``dense_cache_speedup``: (forward + backward with the optimizer)
   of the 128 MB table below / of a table of ``llc_mb / 4`` (the same dim, ids per step and
   bags; it fits the cache).  The 128 MB table itself hits the cache for a fraction
-  ``h0 = C / S`` of its lookups (uniform ids; ``perf.che_hit_fractions`` of one table), so
+  ``h0 = C / S`` of its lookups (uniform ids; ``cache.che_hit_fractions`` of one table), so
   the measured ratio ``r`` is corrected to the all-DRAM one, ``s = (r - h0) / (1 - h0)``,
   and the DRAM times below are scaled by ``(1 - h0 / r) / (1 - h0)`` before the kernel
   efficiency, the multiplier and the per-id cost are derived from them: the perf model,
@@ -286,7 +286,7 @@ def calibrate(log: Callable[[str], None] = lambda s: None) -> tuple[DevicePreset
     import torch
 
     from dlrmctl import _fbgemm
-    from dlrmctl.planner.perf import che_hit_fractions
+    from dlrmctl.planner.cache import che_hit_fractions
 
     t0 = time.perf_counter()
     threads = torch.get_num_threads()

@@ -41,7 +41,7 @@ bytes, so the bandwidth model misses them; see :func:`dlrmctl.planner.perf.step_
   does not scale with ids.  CUDA 50 us, CPU 300 us: orders of magnitude, not
   measured on those machines.
 
-Last-level cache (``llc_mb``, MiB; :func:`dlrmctl.planner.perf.cache_hit_fractions` uses it):
+Last-level cache (``llc_mb``, MiB; :func:`dlrmctl.planner.cache.cache_hit_fractions` uses it):
 
 * ``h100`` / ``h200``: 50 MB L2 per GPU (NVIDIA H100 Tensor Core GPU Architecture
   whitepaper: 50 MB L2 on H100 SXM5; H200 is the same GH100 die); ``a100``: 40 MB L2 per
@@ -54,7 +54,7 @@ Last-level cache (``llc_mb``, MiB; :func:`dlrmctl.planner.perf.cache_hit_fractio
 
 How much faster a lookup + update step runs when its rows are in that cache
 (``fused_cache_speedup`` / ``dense_cache_speedup``) defaults to
-:data:`dlrmctl.planner.perf.DEFAULT_CACHE_SPEEDUP`.
+:data:`dlrmctl.planner.cache.DEFAULT_CACHE_SPEEDUP`.
 
 All of these presets are literature / datasheet numbers; ``dlrmctl plan
 --calibrate`` measures this machine and writes a topology file
@@ -139,7 +139,7 @@ class DevicePreset:
             (module docstring; :data:`DEFAULT_LLC_MB`, or this machine's on cpu).
         fused_cache_speedup, dense_cache_speedup: (lookup + backward + update step time of a
             table in DRAM / HBM) / (the same ids on a table that fits ``llc_mb``), >= 1 in
-            practice; ``None`` = :data:`dlrmctl.planner.perf.DEFAULT_CACHE_SPEEDUP`.
+            practice; ``None`` = :data:`dlrmctl.planner.cache.DEFAULT_CACHE_SPEEDUP`.
         input_dist_bw_gbps: GB/s (1e9 bytes) at which dlrmctl's whole input dist handles the
             bytes of the id all-to-all a rank *receives* (lengths + ids of every source, its
             own included): routing and packing the ids, the all-to-all, the int32/int64 casts

@@ -22,42 +22,6 @@ TorchRec's ``max(emb_dim, 32)`` fp32 elements; 64 B on cpu: a cache line),
 that leaves the rank), ``net`` = ``Topology.comm_bw`` (inter-host once there are
 several hosts: a flat all-to-all is bounded by its slowest link).
 
-**Bytes** (:func:`shard_comm_bytes`; totals over all source ranks, per step):
-
-* input_dist — one all-to-all of ``I``-byte elements: every source sends each rank
-  holding a shard the lengths of the table's features for its samples and the ids
-  routed there (``TableWiseLikeSharding`` / ``RowWiseLikeSharding.input_dist_chunks``)::
-
-      table_wise / column_wise / table_column_wise shard:  in = (B*F + B*P) * I
-      row_wise / table_row_wise shard (1 of n):           in = (B*F + B*P/n) * I
-
-  (a column shard receives all of the table's ids; a row shard all lengths but only
-  the ids of its row block; the ids are assumed spread evenly over the blocks).
-* output_dist — one differentiable all-to-all of fp32 pooled blocks forward, the
-  same bytes back in backward (``pooled_all_to_all``).  A row shard sends *full*
-  partial sums for every sample (flat all-to-all + local sum: table_row_wise on
-  one host, row_wise on gloo; row_wise on NCCL uses ``reduce_scatter`` /
-  ``all_gather`` of the same buffer)::
-
-      out = B*R*c*O     (c = d for row shards)
-
-  Of these, the bytes that cross hosts (:attr:`CommBytes.output_inter_host`; ``H = W/L``
-  hosts) are ``out*(W-L)/W`` for a flat all-to-all (the samples of the other hosts' ranks).
-  table_row_wise across hosts of ``L > 1`` ranks is two-level
-  (``comm.hierarchical_reduce_all_to_all``): the ``out`` bytes are first summed inside the
-  host (``(L-1)/L*out`` leave the rank, none the host), then each owner sends the summed rows
-  of the ``B/L`` samples it serves to their ranks::
-
-      inter_host = out/L * (W-L)/W      (TWRW, H > 1, L > 1: 1/L of the flat scheme's)
-
-* data_parallel gradient sync (``comm.sync_sparse_grads``): a table of at most
-  :data:`DENSE_GRAD_MAX_BYTES` fp32 bytes (not under an Adam-family optimizer) has its
-  gradient densified and SUM-all-reduced: ``grad = rows*d*4`` bytes per rank; a
-  larger one is all-gathered as sparse rows: every rank contributes one int64 row
-  index and ``d`` fp32 values per id of its local batch (the ``EmbeddingBag``
-  sparse gradient is not coalesced) plus its int64 count:
-  ``grad = B*P/W*(8 + 4*d) + 8``.  No input or output dist.
-
 **Time** per shard::
 
     fwd_bytes   = (in_local + ids*max(c*bpw, m) + out) / bw_k     # read ids, rows; write pooled
@@ -144,40 +108,6 @@ measured backward grows with the ids: 2-rank gloo, the 8 tables of
 ``plan --calibrate`` measures it with the fused lookup at two widths over the same ids
 (``calibrate.measure_fused_backward``).
 
-**Cache** (:func:`cache_hit_fractions`).  A shard whose rows sit in the last-level cache
-(CPU L3 / GPU L2, ``Topology.llc_bytes``) looks up and updates faster than one in DRAM /
-HBM: the bench tables of ``scripts/bench_planner_accuracy.py`` that fit the dev VM's
-32 MiB L3 (``t2``, ``t6``) ran 2-3x faster than the DRAM model charged.  Every compute
-term above (forward, backward, per-id, dense optimizer pass) of a shard with hit fraction
-``h`` is scaled by::
-
-    (1 - h) + h / s_k          # s_k = Topology.cache_speedup[kernel] (plan --calibrate:
-                               # step time on a DRAM table / on a table that fits the cache)
-
-i.e. a hit costs ``1/s_k`` of a miss; communication is not scaled.  ``h`` is the LRU hit
-probability of the shard's rows under Che's approximation (H. Che, Y. Tung, Z. Wang,
-"Hierarchical Web caching systems: modeling, design and experimental results", IEEE JSAC
-20(7), 2002; for variable-size items as in C. Fricker, P. Robert, J. Roberts, "A versatile
-and accurate approximation for LRU cache performance", ITC 24, 2012) with the independent
-reference model: every shard ``s`` sharing the cache is ``n_s`` rows of ``b_s`` bytes
-(``max(cols*bpw + optimizer state per row, m)``), each read ``lambda_s = ids_s / n_s`` times
-per step (ids uniform over the rows, as the bench draws them); the cache's characteristic
-time ``T`` solves ``sum_s n_s*b_s*(1 - exp(-lambda_s*T)) = C`` and ``h_s = 1 -
-exp(-lambda_s*T)`` (all ``h_s = 1`` when the shards' bytes fit ``C``).  Hot rows of small,
-often-read tables stay resident; a large, rarely-read table gets what is left.  Which
-shards share one cache (``Topology.cache_domain``): on cpu all shards of all ranks of one
-host (one L3), on cuda the shards of one rank (its GPU's L2).  Not modelled: ids, pooled
-outputs, gradients and the dense model also occupying the cache, and skewed (non-uniform)
-id distributions (which raise the hit fraction).
-
-Before placement (the planner's enumeration) the ranks of each shard are not known:
-:func:`cache_hit_prior` gives each table the hit fraction it would have with every table
-spread evenly over all caches (``num_cache_domains * C`` shared by all tables, each once).
-:func:`dlrmctl.planner.planner.evaluate_plan` re-estimates a placed plan with
-:func:`cache_hit_fractions` per cache domain (data_parallel replicas each occupy their
-rank's cache); the planner makes its final choice among its best placements, and
-reports the step time, that way (``planner.RERANK``).
-
 A dense-kernel shard of the other types runs an unfused optimizer step after its
 backward (``optim.dense.embedding_optimizer_for_dense``).  With a calibrated
 ``Topology.dense_bwd_compute_multiplier`` that step is already inside the multiplier
@@ -194,24 +124,38 @@ pieces), per-id weights of weighted features (they travel with the ids and add
 ``B*P*I`` input bytes), the tiny size exchange all-to-all (its latency is in
 :func:`step_latency`), and, without a calibrated ``output_dist_bw``, the copies of the output
 dist's buffers (with it they are in the calibrated rate).
+
+The bytes each shard moves are :mod:`dlrmctl.planner.comm_bytes` (formulas there); the
+last-level cache term is :mod:`dlrmctl.planner.cache` (Che's approximation there).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
 
 from dlrmctl.distributed.types import ComputeKernel, ShardingType
-from dlrmctl.optim.registry import find_embedding_optimizer
-from dlrmctl.planner.storage import optimizer_state_bytes
+from dlrmctl.planner.cache import (  # noqa: F401  (the cache model, importable from here)
+    DEFAULT_CACHE_SPEEDUP,
+    MIN_ROW_READ_BYTES,
+    cache_hit_fractions,
+    cache_hit_prior,
+    cache_row_bytes,
+    cache_speedup,
+    che_hit_fractions,
+)
+from dlrmctl.planner.comm_bytes import (  # noqa: F401  (the bytes of a shard, importable from here)
+    DENSE_GRAD_MAX_BYTES,
+    OUTPUT_ELEM_BYTES,
+    ROW_TYPES,
+    CommBytes,
+    dp_dense_grad,
+    input_id_bytes,
+    shard_comm_bytes,
+    twrw_hierarchical,
+)
 from dlrmctl.planner.types import Perf, TableSpec, Topology
 
 DP_ELEMENTWISE_KERNELS_PERF_FACTOR = 9.22  #: TorchRec constants.py (DP optimizer sweep)
-OUTPUT_ELEM_BYTES = 4  #: fp32 pooled embeddings / their gradients
-MIN_ROW_READ_BYTES = {"cuda": 128, "cpu": 64}
-#: ``comm.DENSE_GRAD_MAX_BYTES`` (kept here so the planner does not import torch; a test checks they agree)
-DENSE_GRAD_MAX_BYTES = 8 << 20
 
 #: Fraction of the memory bandwidth a kernel reaches on a device (``Topology.kernel_efficiency``
 #: overrides it).  cuda: TorchRec ``kernel_bw_lookup`` (fused 1.0, dense 0.5).  cpu: measured on
@@ -224,22 +168,6 @@ KERNEL_EFFICIENCY: dict[tuple[str, ComputeKernel], float] = {
     ("cpu", ComputeKernel.DENSE): 0.19,
 }
 
-#: (step time of a lookup + backward + update on a table in DRAM / HBM) / (the same on a table that fits the
-#: last-level cache), per device and kernel (``Topology.cache_speedup`` overrides it).  cpu: ``plan
-#: --calibrate``'s cache pair on the dev VM (2048 bags x 20 ids, dim 64, 128 MB vs 8 MiB table, exact row-wise
-#: Adagrad, 1 thread, medians of 5 repeats, corrected for the big table's own hits: fused 1.70, dense 1.46;
-#: 2026-12-01, one calibration on a loaded 2-core machine, load average 3.3).  cuda: 1.0 = no cache term (an
-#: L2-resident TBE speedup has not been measured on a GPU here).
-DEFAULT_CACHE_SPEEDUP: dict[tuple[str, ComputeKernel], float] = {
-    ("cuda", ComputeKernel.FUSED): 1.0,
-    ("cuda", ComputeKernel.DENSE): 1.0,
-    ("cpu", ComputeKernel.FUSED): 1.7,
-    ("cpu", ComputeKernel.DENSE): 1.46,
-}
-
-_ROW_TYPES = (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-
-
 def kernel_efficiency(topology: Topology, kernel: ComputeKernel) -> float:
     """Fraction of ``mem_bw`` ``kernel`` reaches: ``topology.kernel_efficiency`` (calibrated) or the default."""
     return topology.kernel_efficiency.get(kernel.value, KERNEL_EFFICIENCY[(topology.compute_device, kernel)])
@@ -248,184 +176,6 @@ def kernel_efficiency(topology: Topology, kernel: ComputeKernel) -> float:
 def kernel_bandwidth(topology: Topology, kernel: ComputeKernel) -> float:
     """Effective lookup bandwidth, bytes/s = table memory bandwidth * kernel efficiency."""
     return topology.mem_bw * kernel_efficiency(topology, kernel)
-
-
-def cache_speedup(topology: Topology, kernel: ComputeKernel) -> float:
-    """DRAM / in-cache step-time ratio of ``kernel``: ``topology.cache_speedup`` (calibrated) or the default."""
-    return topology.cache_speedup.get(kernel.value, DEFAULT_CACHE_SPEEDUP[(topology.compute_device, kernel)])
-
-
-def che_hit_fractions(rows: Sequence[float], row_bytes: Sequence[float], accesses: Sequence[float],
-                      cache_bytes: float) -> list[float]:
-    """LRU hit probability of each group of rows sharing one cache (Che's approximation; module docstring).
-
-    Args:
-        rows: rows of each group (a shard), > 0.
-        row_bytes: bytes one row occupies in the cache.
-        accesses: reads of the group per step (ids looked up); only the ratio between groups matters.
-        cache_bytes: cache capacity ``C``, bytes.
-
-    Returns:
-        per group, the fraction of its reads that hit (0..1): all 1 when the groups' bytes fit
-        ``C``; 0 for a group never read; ``T`` found by bisection to 1e-9 relative.
-    """
-    n = len(rows)
-    if cache_bytes <= 0:
-        return [0.0] * n
-    size = [r * b for r, b in zip(rows, row_bytes)]
-    if sum(size) <= cache_bytes:
-        return [1.0] * n
-    lam = [a / r if r > 0 else 0.0 for a, r in zip(accesses, rows)]
-
-    def occupancy(T: float) -> float:
-        return sum(sz * -math.expm1(-l * T) for sz, l in zip(size, lam) if l > 0)
-
-    if occupancy(math.inf) <= cache_bytes:  # the groups ever read fit: they all hit
-        return [1.0 if l > 0 else 0.0 for l in lam]
-    lo, hi = 0.0, 1.0 / max(lam)
-    while occupancy(hi) < cache_bytes:
-        lo, hi = hi, hi * 2
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if occupancy(mid) < cache_bytes:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-9 * hi:
-            break
-    T = 0.5 * (lo + hi)
-    return [-math.expm1(-l * T) for l in lam]
-
-
-def cache_row_bytes(topology: Topology, table: TableSpec, cols: int) -> float:
-    """Bytes one row of a ``cols``-wide shard of ``table`` occupies in the cache: the weights plus the
-    optimizer state per row, at least one smallest read ``m`` (``MIN_ROW_READ_BYTES``)."""
-    state = optimizer_state_bytes(table.optimizer, 1, cols)
-    return float(max(cols * table.weight_bytes + state, MIN_ROW_READ_BYTES[topology.compute_device]))
-
-
-def cache_hit_prior(topology: Topology, tables: Sequence[TableSpec], batch_size: int) -> dict[str, float]:
-    """Per table name, the hit fraction before placement: every table's rows once, all ids of a step,
-    sharing all ``num_cache_domains`` caches as one (module docstring).  ``{}``-like all zeros when
-    the topology models no cache (``llc_bytes == 0``)."""
-    if topology.llc_bytes <= 0:
-        return {t.name: 0.0 for t in tables}
-    h = che_hit_fractions([t.num_embeddings for t in tables],
-                          [cache_row_bytes(topology, t, t.embedding_dim) for t in tables],
-                          [batch_size * t.ids_per_sample for t in tables],
-                          float(topology.llc_bytes) * topology.num_cache_domains)
-    return {t.name: x for t, x in zip(tables, h)}
-
-
-def cache_hit_fractions(topology: Topology, options: Sequence, ranks: Sequence[Sequence[int | None]],
-                        batch_size: int) -> list[list[float]]:
-    """Per option, per shard: the hit fraction of a placed plan, shards grouped by cache domain.
-
-    Args:
-        options: one :class:`~dlrmctl.planner.types.ShardingOption` per table.
-        ranks: per option, the rank of each shard (``None``: unplaced, hit 0).
-
-    Returns:
-        ``hits[i][j]`` for shard ``j`` of option ``i`` (module docstring: Che's approximation over
-        all shards sharing the cache of ``topology.cache_domain(rank)``).
-    """
-    W = topology.world_size
-    out = [[0.0] * len(o.shards) for o in options]
-    if topology.llc_bytes <= 0:
-        return out
-    groups: dict[int, list[tuple[int, int, float, float, float]]] = {}
-    for i, (o, rk) in enumerate(zip(options, ranks)):
-        n_row = len(o.shards) if o.sharding_type in _ROW_TYPES else 1
-        for j, (s, r) in enumerate(zip(o.shards, rk)):
-            if r is None or s.size[0] == 0:
-                continue
-            ids = shard_comm_bytes(o.table, o.sharding_type, s.size[1], n_row, batch_size, W).ids
-            groups.setdefault(topology.cache_domain(r), []).append(
-                (i, j, float(s.size[0]), cache_row_bytes(topology, o.table, s.size[1]), ids))
-    for g in groups.values():
-        h = che_hit_fractions([x[2] for x in g], [x[3] for x in g], [x[4] for x in g], float(topology.llc_bytes))
-        for (i, j, *_), x in zip(g, h):
-            out[i][j] = x
-    return out
-
-
-def input_id_bytes(table: TableSpec) -> int:
-    """Bytes per element of the id all-to-all: 4 (int32) below 2^31 rows, else 8
-    (``ShardedEmbeddingBagCollection.input_dist_dtype``'s automatic choice; the module picks
-    int64 for the whole buffer when *any* communicated table has 2^31 rows or more)."""
-    return 8 if table.num_embeddings >= 2**31 else 4
-
-
-def dp_dense_grad(table: TableSpec) -> bool:
-    """True when a data_parallel table's gradient is densified and all-reduced (``sync_sparse_grads``)."""
-    return table.num_embeddings * table.embedding_dim * 4 <= DENSE_GRAD_MAX_BYTES
-
-
-@dataclass(frozen=True)
-class CommBytes:
-    """Bytes one shard communicates per step, summed over all source ranks.
-
-    Attributes:
-        input: ids + lengths it receives in the input_dist all-to-all.
-        output: fp32 pooled rows it sends in the output_dist forward (and receives back as
-            gradients in backward: the same bytes).
-        grad_sync: data_parallel only: bytes this replica puts into the gradient collective
-            (all-reduce buffer, or its all-gathered sparse rows).
-        ids: ids the shard looks up per step (float: the row-block split is an expectation).
-        output_inter_host: the part of the output dist's bytes that crosses hosts, forward (the
-            same back in backward); 0 on one host.  table_row_wise across hosts: ``1/L`` of a
-            flat all-to-all's (module docstring).
-    """
-
-    input: float
-    output: float
-    grad_sync: float
-    ids: float
-    output_inter_host: float = 0.0
-
-
-def twrw_hierarchical(world_size: int, local_world_size: int) -> bool:
-    """True when table_row_wise's output dist is two-level: several hosts of more than one rank
-    (``TwRwSharding.hierarchical``'s default)."""
-    return world_size > local_world_size > 1
-
-
-def shard_comm_bytes(table: TableSpec, sharding_type: ShardingType, cols: int, num_row_shards: int,
-                     batch_size: int, world_size: int, local_world_size: int | None = None) -> CommBytes:
-    """The bytes of one shard (formulas in the module docstring).
-
-    Args:
-        cols: shard columns (``d`` for table / row kinds).
-        num_row_shards: ``n`` for row_wise / table_row_wise, else 1.
-        batch_size: global batch ``B``.
-        world_size: ``W`` (data_parallel's local batch is ``B/W``).
-        local_world_size: ``L`` ranks per host (default ``W``: one host); sets
-            :attr:`CommBytes.output_inter_host`.
-    """
-    L = world_size if local_world_size is None else local_world_size
-    off_host = (world_size - L) / world_size
-    B, P, F, R = float(batch_size), table.ids_per_sample, table.num_poolings, table.output_rows_per_sample
-    d, I, O = table.embedding_dim, input_id_bytes(table), OUTPUT_ELEM_BYTES
-    st = sharding_type
-    if st == ShardingType.DATA_PARALLEL:
-        ids = B * P / world_size
-        # the registry's sparse_grads optimizers also all-reduce a per-row lookup count (one more fp32 per row:
-        # ``ShardedEmbeddingBagCollection.track_touched_rows``)
-        rec = find_embedding_optimizer(table.optimizer)
-        touched_count = table.num_embeddings * 4 if rec is not None and rec.sparse_grads else 0
-        grad = table.num_embeddings * d * 4 + touched_count if dp_dense_grad(table) else ids * (8 + 4 * d) + 8
-        return CommBytes(0.0, 0.0, float(grad), ids)
-    if st in _ROW_TYPES:
-        n = max(1, num_row_shards)
-        ids = B * P / n
-        out = ids * d * O if not table.is_pooled else B * R * d * O
-        inter = out * off_host
-        if st == ShardingType.TABLE_ROW_WISE and twrw_hierarchical(world_size, L):
-            inter /= L
-        return CommBytes((B * F + ids) * I, out, 0.0, ids, inter)
-    ids = B * P
-    out = B * R * cols * O
-    return CommBytes((B * F + ids) * I, out, 0.0, ids, out * off_host)
 
 
 def estimate_shard(
@@ -501,7 +251,7 @@ def estimate_shard(
             bwd = mult * fwd + DP_ELEMENTWISE_KERNELS_PERF_FACTOR * touched * d * bpw / bw
         return Perf(fwd * scale, 0.0, bwd * scale, comm), ids, int(inp), int(out)
 
-    c = d if st in _ROW_TYPES else cols
+    c = d if st in ROW_TYPES else cols
     fwd = (cb.input + ids * max(c * bpw, m) + cb.output) / bw
     bwd = mult * fwd
     if compute_kernel == ComputeKernel.DENSE:

@@ -61,7 +61,7 @@ class Topology:
             a host on cpu, a rank on cuda); 0 = no cache modelled (every lookup at the DRAM /
             HBM rate).  :meth:`from_preset` fills it in.
         cache_speedup: ``{"fused": s, "dense": s}``: step-time ratio DRAM / in-cache of a lookup
-            kernel (missing keys: ``perf.DEFAULT_CACHE_SPEEDUP``).
+            kernel (missing keys: ``cache.DEFAULT_CACHE_SPEEDUP``).
         input_dist_bw: bytes/s at which the whole input dist (route, pack, all-to-all, unpack)
             handles the id all-to-all bytes a rank receives (``DevicePreset.input_dist_bw_gbps``);
             0 = not calibrated: the input dist is charged its wire bytes at :attr:`comm_bw`.
