@@ -57,11 +57,8 @@ MIN_ROW_READ_BYTES = {"cuda": 128, "cpu": 64}
 #: 2026-12-01, one calibration on a loaded 2-core machine, load average 3.3).  cuda: 1.0 = no cache term (an
 #: L2-resident TBE speedup has not been measured on a GPU here).
 DEFAULT_CACHE_SPEEDUP: dict[tuple[str, ComputeKernel], float] = {
-    ("cuda", ComputeKernel.FUSED): 1.0,
-    ("cuda", ComputeKernel.DENSE): 1.0,
-    ("cpu", ComputeKernel.FUSED): 1.7,
-    ("cpu", ComputeKernel.DENSE): 1.46,
-}
+    ("cuda", ComputeKernel.FUSED): 1.0, ("cuda", ComputeKernel.DENSE): 1.0,  # no cache term measured on a GPU
+    ("cpu", ComputeKernel.FUSED): 1.7, ("cpu", ComputeKernel.DENSE): 1.46}
 
 
 def cache_speedup(topology: Topology, kernel: ComputeKernel) -> float:
