@@ -156,7 +156,54 @@ def _pad_jagged(x: torch.Tensor, lengths: torch.Tensor, offsets: torch.Tensor, n
     return flat[: b * n].view((b, n) + rest)
 
 
-class JaggedTensor:
+class _JaggedFields:
+    """The accessors :class:`JaggedTensor` and :class:`KeyedJaggedTensor` share over their
+    ``_values``, ``_lengths``, ``_offsets`` (made from the lengths on first use) and ``_weights``.
+    Shapes: ``N`` values; ``L`` bags (a JaggedTensor's ``B``, a KeyedJaggedTensor's ``F * B``,
+    key-major)."""
+
+    _values: torch.Tensor
+    _lengths: torch.Tensor
+    _offsets: torch.Tensor | None
+    _weights: torch.Tensor | None
+    #: the error of :meth:`weights` when there are none
+    _NO_WEIGHTS: str = "no weights"
+
+    def values(self) -> torch.Tensor:
+        """``[N]`` (or ``[N, ...]``) values (a KeyedJaggedTensor's key-major)."""
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        """``[L]`` bag lengths."""
+        return self._lengths
+
+    def lengths_or_none(self) -> torch.Tensor | None:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        """``[L + 1]`` offsets (computed from lengths on first use, same dtype)."""
+        if self._offsets is None:
+            self._offsets = _to_offsets(self._lengths)
+        return self._offsets
+
+    def offsets_or_none(self) -> torch.Tensor | None:
+        return self._offsets
+
+    def weights(self) -> torch.Tensor:
+        """``[N]`` per-value weights.
+
+        Raises:
+            SparseInputError: there are none (unweighted features).
+        """
+        if self._weights is None:
+            raise SparseInputError(self._NO_WEIGHTS)
+        return self._weights
+
+    def weights_or_none(self) -> torch.Tensor | None:
+        return self._weights
+
+
+class JaggedTensor(_JaggedFields):
     """One feature's bags: ``values [N, ...]`` split into ``B`` bags by ``lengths [B]``.
 
     Same signature and argument order as ``torchrec.JaggedTensor``.
@@ -178,6 +225,8 @@ class JaggedTensor:
             consistent with lengths / values; weights not floating point or
             not one per row.  (TorchRec accepts all of these silently.)
     """
+
+    _NO_WEIGHTS = "JaggedTensor has no weights"
 
     def __init__(
         self,
@@ -217,35 +266,6 @@ class JaggedTensor:
             _validate_contents(who, values.size(0), lengths, offsets if given_offsets else None, given_lengths)
 
     # --------------------------------------------------------------- accessors
-    def values(self) -> torch.Tensor:
-        """``[N, ...]`` values."""
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        """``[B]`` bag lengths."""
-        return self._lengths
-
-    def lengths_or_none(self) -> torch.Tensor | None:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """``[B + 1]`` offsets (computed from lengths on first use, same dtype)."""
-        if self._offsets is None:
-            self._offsets = _to_offsets(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> torch.Tensor | None:
-        return self._offsets
-
-    def weights(self) -> torch.Tensor:
-        """``[N]`` weights.  Raises SparseInputError if there are none."""
-        if self._weights is None:
-            raise SparseInputError("JaggedTensor has no weights")
-        return self._weights
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
     def device(self) -> torch.device:
         return self._values.device
 
@@ -489,7 +509,7 @@ def _validate_contents(
     return per_key if nk else None
 
 
-class KeyedJaggedTensor:
+class KeyedJaggedTensor(_JaggedFields):
     """Several sparse features of one batch in one key-major jagged layout.
 
     Same signature and argument order as ``torchrec.KeyedJaggedTensor``; the
@@ -538,6 +558,8 @@ class KeyedJaggedTensor:
             inverse indices of the wrong shape / keys / device or (``validate``) out of
             a key's range.
     """
+
+    _NO_WEIGHTS = "KeyedJaggedTensor has no weights (unweighted features)"
 
     def __init__(
         self,
@@ -909,35 +931,6 @@ class KeyedJaggedTensor:
     # --------------------------------------------------------------- accessors
     def keys(self) -> list[str]:
         return self._keys
-
-    def values(self) -> torch.Tensor:
-        """``[N]`` (or ``[N, ...]``) values, key-major."""
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        """``[F * B]`` bag lengths, key-major."""
-        return self._lengths
-
-    def lengths_or_none(self) -> torch.Tensor | None:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        """``[F * B + 1]`` offsets (computed from lengths on first use, same dtype)."""
-        if self._offsets is None:
-            self._offsets = _to_offsets(self._lengths)
-        return self._offsets
-
-    def offsets_or_none(self) -> torch.Tensor | None:
-        return self._offsets
-
-    def weights(self) -> torch.Tensor:
-        """``[N]`` weights.  Raises SparseInputError for an unweighted KJT."""
-        if self._weights is None:
-            raise SparseInputError("KeyedJaggedTensor has no weights (unweighted features)")
-        return self._weights
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
 
     def stride(self) -> int:
         """Batch size ``B``; with variable batch per key, the largest per-key batch size (TorchRec)."""

@@ -62,13 +62,13 @@ class TwRwSharding(RwSharding):
         self.register_buffer("_hier_cols", torch.tensor([at[c] for hc in self.host_cols for c in hc],
                                                         dtype=torch.int64, device=dev), persistent=False)
 
-    @staticmethod
-
     def configure_output_dist(self, reduce_scatter: bool | None, hierarchical: bool | None) -> None:
         """Also ``hierarchical``: the two-level output dist forced on or off (``twrw_hierarchical``)."""
         super().configure_output_dist(reduce_scatter, hierarchical)
         if hierarchical is not None:
             self.hierarchical = bool(hierarchical)
+
+    @staticmethod
     def default_ranks(table_index: int, world_size: int, local_world_size: int) -> list[int]:
         """All ranks of host ``table_index % num_hosts``."""
         host = table_index % (world_size // local_world_size)
