@@ -310,12 +310,12 @@ def test_the_fused_head_equals_the_torchscript_artifact_on_mixed_tables(tmp_path
     """Two width groups, a feature in two tables, a shared table, mean pooling, multi-id and empty
     bags, the first-order term, and (weighted) per-id weights on two of the four features: the
     program's blocks + fused head score as the TorchScript TBE + per-table dense part."""
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     model = mixed_model(weighted)
     wf = ["f0", "f3"] if weighted else None
-    export_model(model, tmp_path / "p", dtype, weighted_features=wf)
-    export_model(model, tmp_path / "t", dtype, artifact="torchscript", weighted_features=wf)
+    export_model(model, tmp_path / "p", ExportOptions(dtype, weighted_features=wf))
+    export_model(model, tmp_path / "t", ExportOptions(dtype, artifact="torchscript", weighted_features=wf))
     p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
     ep = torch.export.load(str(tmp_path / "p" / "model.pt2"))
     lookups = [n for n in ep.graph.nodes if "embedding_bag" in str(n.target) or n.target == torch.ops.aten.index_add.default]
@@ -337,11 +337,11 @@ def test_the_fused_head_equals_the_torchscript_artifact_on_mixed_tables(tmp_path
 def test_dropped_ids_score_as_the_torchscript_artifact_in_the_fused_head(tmp_path):
     """``zero`` policy: f0's ids past its second table's 300 rows are dropped there only (and
     from the mean-pooled f2's count), in the program as in the TBE."""
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     model = mixed_model(False)
     for name, art in (("p", "pt2"), ("t", "torchscript")):
-        export_model(model, tmp_path / name, "int8", artifact=art, on_invalid_id="zero")
+        export_model(model, tmp_path / name, ExportOptions("int8", artifact=art, on_invalid_id="zero"))
     p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
     dense, values, lengths, _ = mixed_inputs(64, 5, limits=(5000, 5000, 9, 3000))
     assert float((p.logits(dense, values, lengths) - t.logits(dense, values, lengths)).abs().max()) <= QUANT_LOGIT_BOUND
@@ -350,7 +350,7 @@ def test_dropped_ids_score_as_the_torchscript_artifact_in_the_fused_head(tmp_pat
 def test_the_program_size_does_not_grow_with_the_number_of_tables(tmp_path):
     """The fused head runs all projections in one op: 3 and 12 projected tables (one width group)
     give graphs of the same number of operators (one Linear per MLP layer, none per table)."""
-    from dlrmctl.inference.export import export_model
+    from dlrmctl.inference.export import ExportOptions, export_model
     from dlrmctl.modules.dlrm import InteractionArch, ProjectedInteraction
 
     counts = []
@@ -360,7 +360,8 @@ def test_the_program_size_does_not_grow_with_the_number_of_tables(tmp_path):
                                      feature_names=[f"f{i}"]) for i in range(n)]
         ebc = EmbeddingBagCollection(tables, compute_kernel="dense", seed=3)
         inter = ProjectedInteraction(InteractionArch(n), [f"f{i}" for i in range(n)], [7 + i % 2 for i in range(n)], 16)
-        export_model(DLRM(ebc, 13, [16, 16], [16, 1], n, 16, interaction=inter).eval(), tmp_path / str(n), "int8")
+        export_model(DLRM(ebc, 13, [16, 16], [16, 1], n, 16, interaction=inter).eval(), tmp_path / str(n),
+                     ExportOptions("int8"))
         graph = torch.export.load(str(tmp_path / str(n) / "model.pt2")).graph
         ops = [nd for nd in graph.nodes if nd.op == "call_function"]
         assert sum(nd.target == torch.ops.aten.linear.default for nd in ops) == 4
