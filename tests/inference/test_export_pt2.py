@@ -374,15 +374,15 @@ def test_the_program_size_does_not_grow_with_the_number_of_tables(tmp_path):
 def test_the_plain_dot_interaction_of_an_odd_dim_equals_the_torchscript_artifact(tmp_path, dtype):
     """No projections (every table of the interaction's width 5): the head reads the blocks as they
     are, and at int4 (rows stored 6 codes wide) only their first 5 columns."""
-    from dlrmctl.inference.export import export_model, load_exported
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
 
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=40, embedding_dim=5, feature_names=[f"f{i}"])
               for i in range(3)]
     ebc = EmbeddingBagCollection(tables, compute_kernel="dense", seed=3)
     model = DLRM(ebc, 13, [16, 5], [16, 1], 3, 5).eval()
-    export_model(model, tmp_path / "p", dtype)
-    export_model(model, tmp_path / "t", dtype, artifact="torchscript")
+    export_model(model, tmp_path / "p", ExportOptions(dtype))
+    export_model(model, tmp_path / "t", ExportOptions(dtype, artifact="torchscript"))
     p, t = load_exported(tmp_path / "p"), load_exported(tmp_path / "t")
     ops = [n.target for n in torch.export.load(str(tmp_path / "p" / "model.pt2")).graph.nodes if n.op == "call_function"]
     assert (torch.ops.aten.slice.Tensor in ops) == (dtype == "int4")  # the pad code's column dropped
