@@ -20,6 +20,8 @@ LONG_FILES = {
     "dlrmctl/data/loader.py": "the loader and its shuffle stream; to split with its keep-up rework",
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/modules/dlrm.py": "DLRM, DCN-v2 and their input / output modules; to split",
+    "dlrmctl/modules/managed_collision.py": "the remapper (raw id -> row, LFU / LRU eviction, top-k candidates); "
+                                            "grew with the eviction rework, its eviction policy to split out",
     "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC: input dist, lookups, output dist, managed-collision "
                                           "routing; the dist plans to split out",
     "dlrmctl/distributed/sharding/common.py": "the sharding interface (with its family hooks) and the shared "
