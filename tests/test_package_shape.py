@@ -17,7 +17,6 @@ LONG_FILES = {
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/data/movielens.py": "being made a package like data/criteo/ (the dataset interface's instance)",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
-    "dlrmctl/data/loader.py": "the loader and its shuffle stream; to split with its keep-up rework",
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/modules/dlrm.py": "DLRM, DCN-v2 and their input / output modules; to split",
     "dlrmctl/modules/managed_collision.py": "the remapper (raw id -> row, LFU / LRU eviction, top-k candidates); "
