@@ -6,7 +6,7 @@ Each variant trains day 0 from scratch and every later day with ``--init-from`` 
 one epoch a day (configs/drift_mc.yaml), and is scored on the NEXT day's validation rows
 (``dlrmctl evaluate RUN --data <day+1>``): tomorrow's ids, some never seen.
 
-    python scripts/bench_managed_collision.py --work /tmp/mcbench [--days 5 --rows 20000 --size 2500]
+    python scripts/bench_managed_collision.py --work /tmp/mcbench --days 5 --rows 80000 --churn 0.3 --size 2200
 
 Prints a markdown table (AUC per next day, mean, and the mean gap to the Bayes AUC).
 """
@@ -38,11 +38,13 @@ def main() -> None:
     p.add_argument("--days", type=int, default=5)
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--alive", type=int, default=2000)
+    p.add_argument("--churn", type=float, default=0.2, help="fraction of the alive ids retired (and born) each day")
     p.add_argument("--size", type=int, default=2500, help="N: rows of the managed-collision and modulo tables")
+    p.add_argument("--epochs", type=int, default=1, help="epochs over each day's rows")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
     work = Path(a.work)
-    ever = a.alive + (a.days - 1) * round(0.2 * a.alive)
+    ever = a.alive + (a.days - 1) * round(a.churn * a.alive)
     variants = {  # name -> (data kind, --set overrides)
         f"managed collision, N = {a.size}": ("raw", [f"model.managed_collision.size={a.size}"]),
         f"one row per id ever seen ({ever})": ("raw", [f"model.managed_collision.size={ever}"]),
@@ -55,7 +57,7 @@ def main() -> None:
             extra = ["--modulo", str(a.size)] if kind == "mod" else []
             if not (out / "meta.json").is_file():
                 cli("preprocess", "synthetic-drift", "--day", d, "--rows", a.rows, "--alive", a.alive,
-                    "--seed", a.seed, "--out", out, *extra)
+                    "--churn", a.churn, "--seed", a.seed, "--out", out, *extra)
         bayes[d] = json.loads((work / "raw" / f"day_{d}" / "meta.json").read_text())["bayes_auc"]
     results: dict[str, list[float]] = {}
     for vi, (name, (kind, sets)) in enumerate(variants.items()):
@@ -63,7 +65,7 @@ def main() -> None:
         for d in range(a.days - 1):
             run_name = f"v{vi}_day{d}"
             args = ["train", CONFIG, "--set", f"data.path={work / kind / f'day_{d}'}", "--set", f"name={run_name}",
-                    "--set", f"train.run_dir={work / 'runs'}"]
+                    "--set", f"train.run_dir={work / 'runs'}", "--set", f"train.epochs={a.epochs}"]
             for s in sets:
                 args += ["--set", s]
             if d > 0:
