@@ -207,8 +207,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
         RuntimeError: fbgemm_gpu is not installed (``torchscript``; no fallback).
         QuantizationError: NaN/inf weights (table and row named), fp16 overflow.
         ExportError: ``out_dir`` exists, a vocabulary file is missing, an untraceable dense part,
-            an option the format refuses (``quantize_dense`` with ``pt2``, ``aot`` or
-            managed-collision tables with ``torchscript``), ``weighted_features`` that are not
+            an option the format refuses (``quantize_dense`` with ``pt2``, ``aot`` with
+            ``torchscript``), ``weighted_features`` that are not
             the model's features or disagree with its EBC (weights given to an unweighted EBC, or
             none for a weighted one).
     """

@@ -506,6 +506,7 @@ class RawIdRemap(nn.Module):
     """Raw ids -> rows for the managed features of an inference program, with ATen ops only
     (``repeat_interleave``, ``searchsorted``, ``where``): what training's last state held, frozen.
     An id the remapper did not hold maps to its table's default row (module docstring).
+    Traceable by ``torch.export`` (the ``.pt2`` program) and scriptable (the TorchScript artifact).
 
     ``forward(values [N] int64, lengths [F*B] int64 key-major, B) -> values [N] int64``: the
     values of each managed feature replaced by rows; the other features' values unchanged.
@@ -518,20 +519,41 @@ class RawIdRemap(nn.Module):
     def __init__(self, per_feature: list[tuple[int, torch.Tensor, torch.Tensor, int]], num_features: int) -> None:
         super().__init__()
         self.num_features = int(num_features)
-        self.features = [int(f) for f, _, _, _ in per_feature]
-        self.defaults = [int(d) for _, _, _, d in per_feature]
-        for i, (_, ids, rows, _) in enumerate(per_feature):
-            self.register_buffer(f"ids_{i}", ids.to(torch.int64).contiguous())
-            self.register_buffer(f"rows_{i}", rows.to(torch.int64).contiguous())
+        self.per_feature = nn.ModuleList(_FeatureRemap(f, ids, rows, d) for f, ids, rows, d in per_feature)
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
         feat = torch.repeat_interleave(torch.arange(self.num_features * batch, dtype=torch.int64,
                                                     device=values.device), lengths,
                                        output_size=values.size(0)) // batch
         out = values
-        for i, (f, d) in enumerate(zip(self.features, self.defaults)):
-            ids, rows = getattr(self, f"ids_{i}"), getattr(self, f"rows_{i}")
-            pos = torch.searchsorted(ids, values).clamp(max=ids.size(0) - 1)
-            mapped = torch.where(ids[pos] == values, rows[pos], d)
-            out = torch.where(feat == f, mapped, out)
+        for m in self.per_feature:
+            out = m(values, feat, out)
         return out
+
+
+class _FeatureRemap(nn.Module):
+    """One managed feature of :class:`RawIdRemap`: ``(values [N], feat [N], out [N]) -> out [N]``
+    with the values of feature ``feature`` (``feat == feature``) replaced by their rows.
+
+    Args:
+        feature: the feature's input index.
+        ids: the held raw ids ``[S]`` int64, sorted ascending.
+        rows: their rows ``[S]`` int64.
+        default: the row of an id not held.
+    """
+
+    def __init__(self, feature: int, ids: torch.Tensor, rows: torch.Tensor, default: int) -> None:
+        super().__init__()
+        self.feature = int(feature)
+        self.default = int(default)
+        self.empty = int(ids.numel()) == 0
+        self.register_buffer("ids", ids.to(torch.int64).contiguous())
+        self.register_buffer("rows", rows.to(torch.int64).contiguous())
+
+    def forward(self, values: torch.Tensor, feat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.empty:  # nothing held: every id takes the default row
+            mapped = torch.full_like(values, self.default)
+        else:
+            pos = torch.searchsorted(self.ids, values).clamp(max=self.ids.size(0) - 1)
+            mapped = torch.where(self.ids[pos] == values, self.rows[pos], self.default)
+        return torch.where(feat == self.feature, mapped, out)

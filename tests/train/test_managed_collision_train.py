@@ -119,14 +119,77 @@ def test_evaluate_and_the_exported_program_score_raw_ids_as_the_trained_model(ra
     assert mc.remappers["t_C1"](torch.tensor([123456789])).item() == 64  # the default row
 
 
-def test_export_as_torchscript_is_refused_naming_the_managed_tables(raw_data, tmp_path):
+def _raw_id_batch(model, feats, B=6):
+    """Raw ids the remapper holds plus two never seen (-> the default row), and dense inputs."""
+    mc = model.sparse_arch.managed_collision
+    held = mc.remappers["t_C1"].sorted_ids[: mc.remappers["t_C1"].held()]
+    rng = np.random.default_rng(3)
+    ids = torch.from_numpy(rng.choice(held.numpy(), (len(feats), B)))
+    ids[:, :2] = torch.tensor([123456789, 987654321])
+    dense = torch.from_numpy(rng.random((B, 13)).astype(np.float32))
+    return dense, ids.reshape(-1), torch.ones(len(feats) * B, dtype=torch.int64)
+
+
+def _predict_scores(model_dir, lines, out, *extra):
+    invoke("predict", model_dir, "--input", lines, "--output", out, *extra)
+    return np.array([float(r.split(",")[-1]) for r in out.read_text().splitlines()[1:]])
+
+
+def test_torchscript_artifact_scores_raw_ids_as_the_pt2_program_and_the_trained_model(raw_data, tmp_path):
+    """`export --torchscript` of a managed-collision model carries the program's remap step: raw
+    ids, held or never seen (-> the default row), score as the trained model and the .pt2 program
+    (1e-6 at fp32), through the module and through `predict --artifact torchscript`."""
     from dlrmctl import HAS_FBGEMM
+    from dlrmctl.inference.export import load_exported
+    from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+    from dlrmctl.train.reload import load_trained_model
 
     if not HAS_FBGEMM:
         pytest.skip("--torchscript needs fbgemm_gpu")
-    _train(raw_data, tmp_path, 4, "dense")
-    r = runner.invoke(app, ["export", str(tmp_path / "mc"), "--torchscript", "--fp32", "--out", str(tmp_path / "e")])
-    assert r.exit_code == 2 and "export as the .pt2 program only" in r.output
+    _train(raw_data, tmp_path, 12, "dense")
+    run = tmp_path / "mc"
+    invoke("export", run, "--fp32", "--out", tmp_path / "pt2")
+    invoke("export", run, "--fp32", "--torchscript", "--out", tmp_path / "ts")
+    manifest = json.loads((tmp_path / "ts" / "manifest.json").read_text())
+    assert manifest["artifact"] == "torchscript" and {t["ids"] for t in manifest["tables"]} == {"raw"}
+    _, model, meta = load_trained_model(str(run))
+    feats = [f["name"] for f in meta["sparse_features"]]
+    dense, values, lengths = _raw_id_batch(model, feats)
+    with torch.no_grad():
+        want = model(dense, KeyedJaggedTensor(feats, values, lengths=lengths)).reshape(-1)
+    ts, pt2 = load_exported(tmp_path / "ts"), load_exported(tmp_path / "pt2")
+    assert ts.artifact == "torchscript" and isinstance(ts.module, torch.jit.ScriptModule)
+    got_ts, got_pt2 = ts.logits(dense, values, lengths), pt2.logits(dense, values, lengths)
+    assert torch.allclose(got_ts, want, atol=1e-6, rtol=0) and torch.allclose(got_pt2, want, atol=1e-6, rtol=0)
+    unseen = torch.full((len(feats),), 123456789, dtype=torch.int64)  # never seen: each table's default row
+    assert ts.module.remap(unseen, torch.ones(len(feats), dtype=torch.int64), 1).tolist() == [64] * len(feats)
+    # raw Criteo lines (hashed as --raw-ids did), many of them never seen by the 64-row remapper
+    lines = tmp_path / "lines.tsv"
+    lines.write_text("".join((raw_data / "t.tsv").read_text().splitlines(keepends=True)[:200]))
+    s_ts = _predict_scores(tmp_path / "ts", lines, tmp_path / "ts.csv")
+    s_pt2 = _predict_scores(tmp_path / "pt2", lines, tmp_path / "pt2.csv")
+    assert len(s_ts) == 200 and np.allclose(s_ts, s_pt2, atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow  # one AOTInductor compile (tens of CPU-seconds)
+def test_aot_package_scores_raw_ids_as_the_trained_model(raw_data, tmp_path):
+    """`export --aot` compiles the .pt2 program with its remap step: the AOTInductor package
+    scores raw ids, held or never seen, as the trained model (1e-6 at fp32)."""
+    from dlrmctl.inference.export import load_exported
+    from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+    from dlrmctl.train.reload import load_trained_model
+
+    _train(raw_data, tmp_path, 12, "dense")
+    run = tmp_path / "mc"
+    invoke("export", run, "--fp32", "--aot", "--out", tmp_path / "aot")
+    _, model, meta = load_trained_model(str(run))
+    feats = [f["name"] for f in meta["sparse_features"]]
+    dense, values, lengths = _raw_id_batch(model, feats)
+    with torch.no_grad():
+        want = model(dense, KeyedJaggedTensor(feats, values, lengths=lengths)).reshape(-1)
+    aoti = load_exported(tmp_path / "aot")
+    assert aoti.runner == "aoti"
+    assert torch.allclose(aoti.logits(dense, values, lengths), want, atol=1e-6, rtol=0)
 
 
 def test_init_from_starts_a_new_run_at_step_0_with_the_source_weights_optimizer_state_and_remappers(raw_data, tmp_path):

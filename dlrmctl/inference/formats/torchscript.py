@@ -28,6 +28,11 @@ weighted model, given to an unweighted one, or not ``[N]`` float32, or -- under 
 ``on_invalid_id: zero`` such an id is dropped from its bag, its weight with it (the rule of
 :mod:`dlrmctl.sparse.validation`, the same as training and the eager model).
 
+A managed-collision feature (``manifest["tables"][i]["ids"] == "raw"``) takes raw 64-bit ids:
+the module maps them to rows first with the ``.pt2`` program's own step
+(:class:`~dlrmctl.modules.managed_collision.RawIdRemap`: ``searchsorted`` on the ids training's
+last state held; an id not held takes its table's default row), then checks and looks up rows.
+
 A feature looked up in several tables (outputs ``feature@table``) is one input key: the module
 feeds its bags (and their weights) to each of its tables (checked against each table's own rows).
 
@@ -77,6 +82,9 @@ class ExportedDLRM(nn.Module):
             weighted in all of them or in none (config validation).
         keep_cols: the TBE output columns of the real dims, when tables were padded (the
             pooled output ``[B, sum padded dims]`` is sliced to them); None: no padding.
+        remap: raw id -> row of the managed-collision features
+            (:class:`~dlrmctl.modules.managed_collision.RawIdRemap`, the ``.pt2`` program's own
+            step), run on the input values before any check or lookup; None: no such feature.
     """
 
     def __init__(
@@ -93,9 +101,11 @@ class ExportedDLRM(nn.Module):
         on_invalid_id: str = "error",
         feature_weighted: Sequence[bool] | None = None,
         keep_cols: Sequence[int] | None = None,
+        remap: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.tbe = tbe
+        self.remap = remap
         self.dense_part = dense_part
         self.feature_names = list(feature_names)
         self.num_features = len(self.feature_names)
@@ -164,6 +174,8 @@ class ExportedDLRM(nn.Module):
             )
         if bool((lengths < 0).any()):
             raise ValueError("lengths must be >= 0")
+        if self.remap is not None:  # managed-collision features: raw ids -> rows (unheld: default row)
+            values = self.remap(values, lengths, B)
         per_sample: Optional[torch.Tensor] = None
         if weights is None:
             if self.is_weighted:
@@ -270,7 +282,8 @@ def torchscript_for_device(module: Any, manifest: dict, device: torch.device) ->
         tbe, module.dense_part, list(module.feature_names), module.feature_rows.tolist(),
         module.feature_dims.tolist(), module.feature_mean.tolist(), int(module.num_dense),
         module.lookup_src.tolist(), list(module.lookup_tables), "zero" if module.zero_invalid else "error",
-        module.feature_weighted.tolist(), module.keep_cols.tolist() if module.sliced else None)
+        module.feature_weighted.tolist(), module.keep_cols.tolist() if module.sliced else None,
+        getattr(module, "remap", None))
     return eager.to(device).eval()
 
 
@@ -293,12 +306,6 @@ class TorchScriptFormat(Format):
         if aot:
             raise ExportError("--aot compiles the torch.export program; it cannot be combined with --torchscript")
         require_fbgemm("dlrmctl export")  # --torchscript: FBGEMM TBE
-
-    def check_tables(self, managed: Sequence[str]) -> None:
-        """Managed-collision tables are refused (only the program maps raw ids to rows)."""
-        if managed:
-            raise ExportError(f"managed-collision tables {list(managed)} export as the .pt2 program only (it maps "
-                              "raw ids to rows with searchsorted); drop --torchscript")
 
     def build(self, plan: ExportPlan) -> Built:
         """Quantize each table straight into the TBE (padded to its alignment), trace the dense part,
@@ -329,6 +336,7 @@ class TorchScriptFormat(Format):
         module = ExportedDLRM(
             tbe, traced, plan.feature_names, plan.lookup_rows, lookup_pdims, plan.lookup_mean, plan.num_dense,
             plan.lookup_src, plan.lookup_tables, plan.on_invalid_id, plan.feature_weighted, keep,
+            None if plan.managed_collision is None else plan.managed_collision.inference_remap(plan.feature_names),
         ).eval()
         stage("scripting the module (TorchScript)")
         with quiet_jit():
