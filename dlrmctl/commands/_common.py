@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+import os
 from typing import NoReturn
 
 from dlrmctl.errors import EXIT_USER, CommandError
@@ -48,3 +50,33 @@ def print_metrics(title: str, m: dict) -> None:
         if k in m:
             v = m[k]
             echo(f"  {k:<12} {v:.6f}" if isinstance(v, float) and not math.isnan(v) else f"  {k:<12} {v}")
+
+
+def require_run_dir(run_dir: str | os.PathLike) -> None:
+    """Before torch: ``run_dir`` is a directory holding the ``config.yaml`` a training run writes;
+    else one ``error:`` line (:func:`fail`) that names the run directories beside it, so a
+    mistyped name costs seconds, not the import of torch and a checkpoint read.
+
+    Raises:
+        CommandError: ``run_dir`` is missing, not a directory, or holds no ``config.yaml``.
+    """
+    path = os.fspath(run_dir)
+    if os.path.isfile(os.path.join(path, "config.yaml")):
+        return
+    parent = os.path.dirname(os.path.normpath(path)) or "."
+    try:
+        runs = sorted(d for d in os.listdir(parent) if os.path.isfile(os.path.join(parent, d, "config.yaml")))
+    except OSError:
+        runs = []
+    near = difflib.get_close_matches(os.path.basename(os.path.normpath(path)), runs, n=1)
+    hint = (f"did you mean {os.path.join(parent, near[0])}? " if near else "") + (
+        f"runs in {parent}/: {', '.join(runs[:8])}{', …' if len(runs) > 8 else ''}" if runs
+        else f"no training run directory in {parent}/ (dlrmctl train CONFIG makes one)")
+    if not os.path.lexists(path):
+        fail(f"{path}: no such directory; {hint}")
+    if not os.path.isdir(path):
+        fail(f"{path}: not a directory (a training run directory is expected); {hint}")
+    inner = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "config.yaml")))
+    if inner:  # a directory of runs (runs/) given for one run
+        hint = f"it holds the runs {', '.join(os.path.join(path, d) for d in inner[:8])}{', …' if len(inner) > 8 else ''}"
+    fail(f"{path}: no config.yaml; not a dlrmctl run directory; {hint}")

@@ -34,7 +34,7 @@ from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import fail
+from dlrmctl.commands._common import fail, require_run_dir
 
 app = typer.Typer(help="inspect and reshard checkpoints", no_args_is_help=True)
 
@@ -334,6 +334,7 @@ def inspect_command(
     verify: bool = typer.Option(False, "--verify", help="also read every data file and check each block's CRC-32"),
 ) -> None:
     """List the checkpoints of RUN_DIR: step, time, size, world size, plan, val metrics, LATEST / BEST, integrity."""
+    require_run_dir(run_dir)
     code = inspect(run_dir, checkpoint, verify)  # user errors: reported by dlrmctl.cli
     if code:
         raise typer.Exit(code)
@@ -348,6 +349,7 @@ def reshard_command(
     checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step> | <name, e.g. step_00000080.1>"),
 ) -> None:
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
+    require_run_dir(run_dir)  # before torch
     from dlrmctl.procs import check_local_fanout
     from dlrmctl.train.checkpoint import load_checkpoint_meta
     from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import check_number, echo, fail, print_metrics, setup_logging
+from dlrmctl.commands._common import check_number, echo, fail, print_metrics, require_run_dir, setup_logging
 
 
 def evaluate(
@@ -41,6 +41,8 @@ def evaluate(
     if exported and data is None:
         fail(f"{run_dir} is an exported model: give --data DIR (the preprocessed data to evaluate on), e.g. "
              f"dlrmctl evaluate {run_dir} --data data/<name> --split val")
+    if not exported:
+        require_run_dir(run_dir)  # before torch: a mistyped run name answers in seconds
     if not exported and (artifact is not None or device is not None):
         fail(f"{run_dir} is a training run: --artifact and --device apply to an exported model (a run evaluates "
              "on its train.device)")

@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import fail
+from dlrmctl.commands._common import fail, require_run_dir
 from dlrmctl.errors import UserError
 
 
@@ -40,6 +40,7 @@ def export_command(
         fail("choose exactly one of --int8, --int4, --fp16, --fp32")
     if aot and torchscript:
         fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
+    require_run_dir(run_dir)  # before torch: a mistyped run name answers in seconds
     # before torch: an existing --out without --force (export_run checks it again, and what --force may replace)
     target = out if out is not None else run_dir / (f"export-{chosen[0]}" + ("-dq" if quantize_dense else ""))
     if not force and os.path.lexists(target) and os.path.isdir(run_dir):

@@ -61,7 +61,7 @@ def test_empty_directories(tmp_path):
     one_error_line(["evaluate", empty], empty, "not a dlrmctl run directory")
     one_error_line(["export", empty, "--int8"], empty)
     one_error_line(["report", empty], empty, "metrics.jsonl")
-    one_error_line(["checkpoint", "reshard", empty, "--nproc", "1"], empty, "no checkpoint")
+    one_error_line(["checkpoint", "reshard", empty, "--nproc", "1"], empty, "not a dlrmctl run directory")
     one_error_line(["predict", empty, "--input", empty], empty)
     one_error_line(["preprocess", "criteo", "--input", empty, "--out", tmp_path / "o1"], empty, "no input files")
     one_error_line(["preprocess", "movielens", "--input", empty, "--out", tmp_path / "o2"], empty)
