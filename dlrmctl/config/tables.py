@@ -86,7 +86,19 @@ def check_managed_collision_sharding(cfg: ExperimentConfig, meta: dict | None, w
             key = f"model.tables[{own[name]}].managed_collision" if name in own else "model.managed_collision"
             raise ConfigError(
                 f"{key}.buckets: managed-collision table '{name}' on {world_size} ranks needs buckets a multiple of "
-                f"{world_size} (each rank owns buckets / {world_size} of them); got {mc.buckets}")
+                f"{world_size} (each rank owns buckets / {world_size} of them); got {mc.buckets}; "
+                + _buckets_advice(key, mc.size, mc.buckets, world_size))
+
+
+def _buckets_advice(key: str, size: int, buckets: int, world_size: int) -> str:
+    """``e.g. --set KEY.buckets=B``: the smallest multiple of ``world_size`` at or above
+    ``buckets`` that divides ``size`` (as buckets must), or what to change when none does."""
+    fit = next((b for b in range(world_size * -(-buckets // world_size), size + 1, world_size) if size % b == 0),
+               None)
+    if fit is not None:
+        return f"e.g. --set {key}.buckets={fit}"
+    return (f"no multiple of {world_size} divides {key}.size ({size}): set a size that one does, e.g. --set "
+            f"{key}.size={world_size * -(-size // world_size)} --set {key}.buckets={world_size}")
 
 
 def read_data_meta(cfg: ExperimentConfig) -> dict | None:

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from dlrmctl.errors import UserError
+from dlrmctl.errors import UserError, quoted
 
 __all__ = ["InputFormatError", "check_predict_input"]
 
@@ -164,13 +164,29 @@ def _check_logs(path: Path, head: bytes, meta: dict) -> None:
                 + f", got {nf}" + (f" (the first missing: '{first_missing}')" if first_missing else ""), path, 1)
         return
     missing = [c for c in need if c not in cols]
+    if missing and fmt != "jsonl" and not set(cols) & allowed:  # no schema column at all: not its header
+        sep = "\t" if fmt == "tsv" else schema.delimiter or ","
+        text = line.decode("utf-8", "replace")
+        other = max(("\t", ",", ";", "|"), key=text.count)
+        why = (f"it looks {'tab' if other == chr(9) else repr(other)}-separated, the model's schema reads "
+               f"{'tab' if sep == chr(9) else repr(sep)}-separated {fmt.upper()}" if text.count(other) > text.count(sep)
+               else "the file has no header line, or is not this model's log")
+        raise InputFormatError(f"the first line is not a header of the model's columns (no column of its schema "
+                               f"among the line's {len(cols)} field(s); {why}); expected a header naming "
+                               f"{', '.join(need[:6])}{', …' if len(need) > 6 else ''}", path, 1)
     if missing:
         raise InputFormatError(f"column '{missing[0]}' the model reads is not in the file (its columns: "
-                               f"{', '.join(cols) or 'none'}; expected {', '.join(need)})", path, 1)
+                               f"{_listing(cols)}; expected {', '.join(need)})", path, 1)
     extra = [c for c in cols if c not in allowed]
     if extra:
         raise InputFormatError(f"column '{extra[0]}' of the file is not named by the model's schema (its columns: "
                                f"{', '.join(sorted(allowed))})", path, 1)
+
+
+def _listing(cols: list[str]) -> str:
+    """Column names for a message: joined, or cut (:func:`~dlrmctl.errors.quoted`) when long."""
+    text = ", ".join(cols)
+    return "none" if not cols else text if len(text) <= 80 else quoted(text)
 
 
 def _looks_text(head: bytes) -> bool:

@@ -236,10 +236,18 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     (tmp_path / "nosite.jsonl").write_text('{"price": 2, "app": "b"}\n')
     (tmp_path / "two.csv").write_text("1,2\n")
+    (tmp_path / "criteo.csv").write_text("\t".join(["0"] + ["5"] * 13 + ["68fd1e64"] * 26) + "\n")
+    (tmp_path / "noheader.csv").write_text("1,2.5,a,b\n")
     cases = [(model, "rows.parquet", ": not a Parquet file (it starts as text)"),
              (model, "nosite.csv", ":1: column 'site' the model reads is not in the file (its columns: click, price, "
                                    "app; expected price, site, app)"),
              (model, "extra.csv", ":1: column 'color' of the file is not named by the model's schema"),
+             (model, "criteo.csv", ":1: the first line is not a header of the model's columns (no column of its "
+                                   "schema among the line's 1 field(s); it looks tab-separated, the model's schema "
+                                   "reads ','-separated CSV); expected a header naming price, site, app"),
+             (model, "noheader.csv", ":1: the first line is not a header of the model's columns (no column of its "
+                                     "schema among the line's 4 field(s); the file has no header line, or is not "
+                                     "this model's log)"),
              (model, "list.jsonl", ":1: expected a JSON object per line, got a list"),
              (model, "nosite.jsonl", ":1: column 'site' the model reads is not in the file"),
              (bare, "two.csv", ":1: expected 4 CSV fields (click, price, site, app) or 3 without the label 'click', "

@@ -123,6 +123,7 @@ def test_a_managed_collision_table_given_another_sharding_or_buckets_not_a_multi
     assert len(r.output.strip().splitlines()) == 1
     r = runner.invoke(app, base + sets + ["--set", "model.managed_collision.buckets=1"])
     assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 2" in r.output, r.output
+    assert "e.g. --set model.managed_collision.buckets=2" in r.output, r.output  # the fix, ready to paste
     assert not os.path.exists(tmp_path / "x" / "logs")
 
 

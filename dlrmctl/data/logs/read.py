@@ -176,12 +176,12 @@ def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]
     if dup:
         raise DataError(f"the file names column(s) {dup} twice", path=path, line=1)
     if missing:
-        raise DataError(f"column '{missing[0]}' named by the schema {schema.source} is not in the file "
-                        f"(its columns: {', '.join(columns)})", path=path)
+        raise DataError(f"column '{missing[0]}' named by the schema {schema.source} is not in the input "
+                        f"(its columns: {quoted(', '.join(columns))})", path=path)
     named = set(schema.named_columns())
     extra = [c for c in columns if c not in named]
     if extra:
-        raise DataError(f"column '{extra[0]}' of the file is not named by the schema {schema.source}: give it a "
+        raise DataError(f"column '{extra[0]}' of the input is not named by the schema {schema.source}: give it a "
                         "role, or list it under `ignore:`", path=path)
 
 

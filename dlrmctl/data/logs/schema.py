@@ -163,7 +163,7 @@ class LogSchema:
                    label=LabelSpec(**lab) if lab else None, time=d.get("time"),
                    dense=tuple(DenseSpec(**x) for x in d.get("dense") or []),
                    categorical=tuple(CategoricalSpec(**x) for x in d.get("categorical") or []),
-                   ignore=tuple(d.get("ignore") or []), source="<recorded schema>")
+                   ignore=tuple(d.get("ignore") or []), source="recorded with the data")
 
 
 # ----------------------------------------------------------------------------- validation
