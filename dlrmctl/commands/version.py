@@ -55,7 +55,7 @@ def _version_callback(value: bool) -> None:
 def _root(
     version: Optional[bool] = typer.Option(
         None, "--version", callback=_version_callback, is_eager=True,
-        help="print the versions of dlrmctl, torch, fbgemm_gpu and torchx, and exit"),
+        help="print the versions of dlrmctl, Python, torch, fbgemm_gpu and torchx, and exit"),
 ) -> None:
     """Train, shard, plan and ship DLRM recommendation models."""
 

@@ -99,6 +99,7 @@ def test_serve_on_a_busy_port_fails_in_one_line_before_torch(tmp_path):
 def test_export_to_an_existing_directory_fails_in_one_line_before_torch(tmp_path):
     run = tmp_path / "run"
     (run / "export-int8").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: run\n")  # a run directory (a missing one: test_run_dir_checks)
     (tmp_path / "mine").mkdir()
     for args, what in (([str(run), "--int8"], f"{run / 'export-int8'} already exists; pass --force"),
                        ([str(run), "--fp16", "--out", str(tmp_path / "mine")], f"{tmp_path / 'mine'} already exists")):
