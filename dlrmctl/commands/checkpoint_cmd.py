@@ -375,9 +375,15 @@ def reshard_command(
                    f"`train --resume --checkpoint {m['step']}`")
     elif latest is not None:  # say it: `train --resume` of the run now continues from the new layout
         run = os.path.dirname(os.path.dirname(path))
-        typer.echo(f"LATEST of {run} now names {os.path.basename(path)}: `train --resume` continues from it with "
-                   f"--nproc {m['world_size']}" + ("" if out else "; --out DIR writes the copy to a new run "
-                                                   "directory instead"))
+        if out:  # its config.yaml is the source run's (name, run_dir): resuming needs them pointed here
+            parent, name = os.path.split(os.path.abspath(run))
+            typer.echo(f"{run} is a new run directory holding the source run's config.yaml; resume it with "
+                       f"`dlrmctl train {os.path.join(run, 'config.yaml')} --resume --nproc {m['world_size']} "
+                       f"--set name={name} --set train.run_dir={parent}` (without the two --set, train resumes "
+                       "the source run)")
+        else:
+            typer.echo(f"LATEST of {run} now names {os.path.basename(path)}: `train --resume` continues from it "
+                       f"with --nproc {m['world_size']}; --out DIR writes the copy to a new run directory instead")
 
 
 def register(root: typer.Typer) -> None:

@@ -108,8 +108,17 @@ def _first_line(head: bytes, path: Path, expected: str) -> bytes:
     raise InputFormatError(f"{found}, not {expected}", path, 1)
 
 
-def _split(line: bytes, delimiter: str) -> list[str]:
-    return next(csv.reader(io.StringIO(line.decode("utf-8")), delimiter=delimiter), [])
+def _split(line: bytes, delimiter: str, path: Path) -> list[str]:
+    """The first line's fields (CSV quoting rules).
+
+    Raises:
+        InputFormatError: a field the csv module refuses (over its 128 KiB field limit, a stray
+            quote), naming the file and line 1."""
+    try:
+        return next(csv.reader(io.StringIO(line.decode("utf-8")), delimiter=delimiter), [])
+    except csv.Error as e:
+        raise InputFormatError(f"the first line does not split into fields ({e}); a header or a row of the "
+                               "model's columns is expected", path, 1) from None
 
 
 def _check_criteo(path: Path, head: bytes) -> None:
@@ -151,10 +160,10 @@ def _check_logs(path: Path, head: bytes, meta: dict) -> None:
             raise InputFormatError(f"expected a JSON object per line, got a {type(obj).__name__}", path, 1)
         cols = list(obj)
     elif schema.header:
-        cols = _split(line, "\t" if fmt == "tsv" else schema.delimiter or ",")
+        cols = _split(line, "\t" if fmt == "tsv" else schema.delimiter or ",", path)
     else:
         cols = list(meta.get("input_columns") or schema.columns or [])
-        nf = len(_split(line, "\t" if fmt == "tsv" else schema.delimiter or ","))
+        nf = len(_split(line, "\t" if fmt == "tsv" else schema.delimiter or ",", path))
         ok = {len(cols)} | ({len(cols) - 1} if schema.label else set())
         if cols and nf not in ok:
             first_missing = cols[nf] if nf < len(cols) else None

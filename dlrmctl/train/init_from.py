@@ -28,6 +28,9 @@ def resolve_init_from(spec: str) -> str:
             directory with a checkpoint nor a checkpoint of one.
     """
     spec = str(spec).rstrip("/") or "/"
+    if os.path.isfile(os.path.join(spec, "manifest.json")):  # an export holds no optimizer state or step
+        raise CheckpointError(f"--init-from {spec}: an exported model (manifest.json), not a checkpoint; give the "
+                              "run it was exported from (RUN, RUN/best, RUN/last or RUN/<step>)")
     if os.path.isfile(os.path.join(spec, "meta.json")) and os.path.basename(os.path.dirname(spec)) == "checkpoints":
         return resolve_checkpoint(os.path.dirname(os.path.dirname(spec)), spec)[0]
     if os.path.isdir(os.path.join(spec, "checkpoints")):

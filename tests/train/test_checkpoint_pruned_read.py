@@ -103,6 +103,8 @@ def test_reshard_of_last_follows_the_pruning(trained, tmp_path, monkeypatch):
     _prune_while_reading(monkeypatch)
     r = runner.invoke(app, ["checkpoint", "reshard", str(run), "--nproc", "1", "--out", str(tmp_path / "rs")])
     assert r.exit_code == 0 and "resharded step 5 " in r.output, r.output
+    # the copy's config.yaml names the source run: the hint says how to resume the copy, not the source
+    assert f"--resume --nproc 1 --set name=rs --set train.run_dir={tmp_path}`" in r.output, r.output
 
 
 @pytest.mark.skipif(not HAS_FBGEMM, reason="export needs fbgemm_gpu")

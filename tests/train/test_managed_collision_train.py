@@ -232,6 +232,10 @@ def test_init_from_a_run_whose_tables_differ_is_one_line_naming_the_table(raw_da
     assert "error: --init-from:" in r.output and "table 't_C1' was saved as 65 x 8" in r.output
     r = runner.invoke(app, ["train", "configs/demo.yaml", "--init-from", str(tmp_path), "--resume"])
     assert r.exit_code == 2 and "--init-from starts a new run and --resume continues one" in r.output
+    (tmp_path / "export").mkdir()
+    (tmp_path / "export" / "manifest.json").write_text("{}")  # an export: no optimizer state, no step
+    r = runner.invoke(app, ["train", "configs/demo.yaml", "--init-from", str(tmp_path / "export")])
+    assert r.exit_code == 2 and "an exported model (manifest.json), not a checkpoint" in r.output, r.output
 
 
 def test_remapping_adds_no_host_sync_per_step(tmp_path):
