@@ -210,12 +210,20 @@ def plan_command(
         except outputs.OutputError as e:
             raise ValueError(str(e)) from None
         from dlrmctl import _fbgemm
+        from dlrmctl.config import check_managed_collision_sharding, managed_collision_tables
 
+        # managed-collision tables: the ranks must divide their buckets, as train and reshard require
+        check_managed_collision_sharding(cfg, meta, topo.world_size)
         # the kernel train runs here: without fbgemm_gpu every table is planned and costed on the dense one
         fused = _fbgemm.fused_kernel_available()
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4,
                           fused_available=fused)
+        managed = [t for t in res.tables if t.name in managed_collision_tables(cfg, meta)]
+        if managed:  # planned row_wise; laid out by zone of their buckets exactly as train lays them out
+            from dlrmctl.distributed.sharded_mc import managed_collision_plan
+
+            res.plan = managed_collision_plan(res.plan, managed, cfg.model.compute_kernel)
         # the plan must be what train --nproc will accept (the first import of torch: every error
         # about the arguments, the config, the data and the hardware came before it)
         from dlrmctl.modules.embedding_configs import EmbeddingBagConfig

@@ -534,6 +534,11 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
         raise PlanError(f"data.multi_hot_sizes has {len(mh)} sizes but there are {len(feats)} sparse features")
     pos = {f: i for i, f in enumerate(feats)}
     default_kernels = [ComputeKernel.DENSE] if cfg.model.compute_kernel == "dense" or not fused_available else None
+    from dlrmctl.config import managed_collision_tables
+
+    # managed-collision tables train row_wise by zone of their buckets (dlrmctl.distributed.sharded_mc):
+    # planned (and costed) row_wise, whatever else a constraint would allow
+    managed = set(managed_collision_tables(cfg, meta))
     out = []
     for t in tables:
         pfs = []
@@ -556,7 +561,8 @@ def table_specs_from_config(cfg: Any, meta: dict | None, weight_bytes: int | Non
                 pooling_factors=pfs,
                 optimizer=cfg.optimizer.embedding.type,
                 weight_bytes=weight_bytes,
-                sharding_types=sharding_types_of(c.sharding_types) if c else None,
+                sharding_types=([ShardingType.ROW_WISE] if t.name in managed
+                                else sharding_types_of(c.sharding_types) if c else None),
                 compute_kernels=(compute_kernels_of(c.compute_kernels) if c and c.compute_kernels and fused_available
                                  else default_kernels),
                 ranks=list(c.ranks) if c and c.ranks is not None else None,

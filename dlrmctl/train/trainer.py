@@ -172,7 +172,12 @@ class Trainer:
         if mc is not None:  # managed-collision tables are sharded row_wise by zone, whatever the planner chose
             from dlrmctl.distributed.sharded_mc import managed_collision_plan
 
-            plan = managed_collision_plan(plan, mc[0], self.cfg.model.compute_kernel)
+            given, plan = plan, managed_collision_plan(plan, mc[0], self.cfg.model.compute_kernel)
+            moved = [t.name for t in mc[0] if given.plan[t.name] != plan.plan[t.name]]
+            if moved and self.cfg.sharding.plan_file and self.env.is_main:  # never silently depart from a given plan
+                log.warning("the plan %s lays managed-collision table(s) %s out otherwise; they train row_wise by "
+                            "zone of their buckets (the layout `dlrmctl plan` writes for them)",
+                            self.cfg.sharding.plan_file, ", ".join(moved))
         plan.validate(self.tables, self.env.world_size, where="sharding plan")
         self.plan = plan
         self.model = DistributedModelParallel(

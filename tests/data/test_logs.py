@@ -129,6 +129,22 @@ def test_multi_valued_weighted_parquet_column_becomes_weighted_bags(tmp_path):
     assert lens == [len(x) for x in t["tags__weight"].to_pylist()] and set(lens) <= {0, 1, 3, 4}
 
 
+def test_a_bad_weight_in_a_bag_is_named_by_its_line_or_its_row_skipped_and_counted(tmp_path):
+    lines = ["y,g,gw"] + [f"{i % 2},a|b,0.5|1.5" for i in range(30)]
+    lines[8] = "1,a|b,0.5|x"  # a weight that does not parse (line 9 of the file, after the header)
+    lines[20] = "0,a|b|c,1|inf|2"  # a non-finite weight (line 21)
+    src = tmp_path / "w.csv"
+    src.write_text("\n".join(lines) + "\n")
+    s = _schema(tmp_path, "label: y\ncategorical: [{name: g, vocab: {min_count: 1}, multi: {delimiter: '|'}, "
+                          "weights: gw}]\n")
+    with pytest.raises(DataError, match=r"w\.csv:9: field gw: expected a weight, got 'x'"):
+        preprocess_logs(load_schema(s), src, tmp_path / "err", progress=False)
+    rep = preprocess_logs(load_schema(s), src, tmp_path / "out", LogOptions(on_bad_line="skip"), progress=False)
+    assert rep.bad_lines == 2 and sum(rep.rows.values()) == 28
+    t, _ = _read(tmp_path / "out", "train")
+    assert all(w == [0.5, 1.5] for w in t["g__weight"].to_pylist())
+
+
 def test_delimited_multi_valued_text_column(tmp_path):
     src = tmp_path / "l.tsv"
     src.write_text("y\tg\n1\ta|b\n0\t\n1\tb\n")

@@ -155,3 +155,30 @@ def test_a_reshard_to_ranks_that_cannot_hold_the_managed_tables_is_one_line_nami
     r = runner.invoke(app, ["checkpoint", "reshard", str(tmp_path / "r"), "--nproc", "3"])
     assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 3" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_plan_lays_managed_collision_tables_out_as_train_does_and_refuses_ranks_the_buckets_cannot_split(
+        raw_data, tmp_path):
+    """`dlrmctl plan --gpus N` writes the row_wise-by-zone layout training applies to managed-collision
+    tables (so `train --plan` follows it unchanged), and refuses N that does not divide the buckets."""
+    from dlrmctl.config import resolve_tables
+    from dlrmctl.distributed.sharded_mc import managed_collision_sharding
+    from dlrmctl.distributed.types import ShardingPlan
+
+    ov = _overrides(raw_data, tmp_path, "p", "dense")
+    sets = [a for o in ov for a in ("--set", o)]
+    out = tmp_path / "plan2.yaml"
+    r = runner.invoke(app, ["plan", str(REPO / "configs" / "demo.yaml"), "--gpus", "2", "--device", "cpu",
+                            "--out", str(out), "--report", str(tmp_path / "r.txt"), *sets])
+    assert r.exit_code == 0, r.output
+    plan = ShardingPlan.load(str(out))
+    cfg = load_config(REPO / "configs" / "demo.yaml", ov)
+    tables = resolve_tables(cfg, json.loads(open(os.path.join(raw_data, "meta.json")).read()))
+    assert tables
+    for t in tables:
+        want = managed_collision_sharding(t.num_embeddings, t.embedding_dim, 2, plan.plan[t.name].compute_kernel)
+        assert plan.plan[t.name] == want, t.name
+    r = runner.invoke(app, ["plan", str(REPO / "configs" / "demo.yaml"), "--gpus", "3", "--device", "cpu",
+                            "--out", str(tmp_path / "plan3.yaml"), "--report", str(tmp_path / "r3.txt"), *sets])
+    assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 3" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "plan3.yaml").exists()

@@ -282,9 +282,14 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         wflat = wflat.filter(pa.array(np.repeat(match, wlen)))
         wtab = RowBatch({spec.weights: wflat}, np.repeat(batch.keys[match], lengths[match]), batch.path,
                         batch.row_group, batch.group_start)
-        wv, wmiss = _numbers(wtab, spec.weights, np.zeros(len(wflat), bool), "error", "a weight", missing_ok=False)
+        ebad = np.zeros(len(wflat), bool)  # per weight: does not parse, NaN / inf (set by _numbers when skipping)
+        wv, wmiss = _numbers(wtab, spec.weights, ebad, on_bad_line, "a weight", missing_ok=False)
         # an empty element's weight may be empty too (an empty bag written as "" with weights "")
-        _bad(wtab, wmiss & present[np.repeat(match, lengths)], spec.weights, "a weight", wflat, "error")
+        ebad |= _bad(wtab, wmiss & present[np.repeat(match, lengths)], spec.weights, "a weight", wflat, on_bad_line)
+        if ebad.any():  # --on-bad-line skip: a row with a bad weight is dropped whole
+            rows = np.zeros(n, bool)
+            rows[np.repeat(np.flatnonzero(match), lengths[match])[ebad]] = True
+            drop |= rows
         weights = np.zeros(len(keys), np.float32)
         weights[np.repeat(match, lengths)] = wv
     row_of = np.repeat(np.arange(n), lengths)
