@@ -132,9 +132,10 @@ def _check_criteo(path: Path, head: bytes) -> None:
                                f"may be left out), got {nf}{hint}", path, 1)
 
 
-def _check_logs(path: Path, head: bytes, meta: dict) -> None:
+def _check_logs(path: Path, head: bytes, meta: dict, whole: bool = False) -> None:
     """A schema dataset's input: its format, the columns of its header or first object, or the
-    field count of a headerless CSV / TSV (as :meth:`~dlrmctl.data.logs.raw_transform.RawTransformer.file`)."""
+    field count of a headerless CSV / TSV (as :meth:`~dlrmctl.data.logs.raw_transform.RawTransformer.file`);
+    a header and no row after it (``whole``: ``head`` is all of the input) is an empty input."""
     from dlrmctl.data.logs.schema import LogSchema
 
     try:
@@ -161,6 +162,7 @@ def _check_logs(path: Path, head: bytes, meta: dict) -> None:
         cols = list(obj)
     elif schema.header:
         cols = _split(line, "\t" if fmt == "tsv" else schema.delimiter or ",", path)
+
     else:
         cols = list(meta.get("input_columns") or schema.columns or [])
         nf = len(_split(line, "\t" if fmt == "tsv" else schema.delimiter or ",", path))
@@ -190,6 +192,8 @@ def _check_logs(path: Path, head: bytes, meta: dict) -> None:
     if extra:
         raise InputFormatError(f"column '{extra[0]}' of the file is not named by the model's schema (its columns: "
                                f"{', '.join(sorted(allowed))})", path, 1)
+    if fmt != "jsonl" and whole and not any(r.strip() for r in head.split(b"\n")[1:]):
+        raise InputFormatError("a header line and no rows after it: no lines to score", path)
 
 
 def _listing(cols: list[str]) -> str:
@@ -212,7 +216,7 @@ def check_predict_input(model_dir: str | os.PathLike, input_path: str | os.PathL
 
     Raises:
         InputFormatError: no manifest in ``model_dir``; the input missing, a directory, empty (no
-            non-blank line), binary where text rows are expected (or text where Parquet is), rows
+            non-blank line, or a schema's header and no row), binary where text rows are expected (or text where Parquet is), rows
             with another field count than the training data, or a header / first JSON object
             without a column the model reads (or with one its schema does not name).
     """
@@ -233,4 +237,4 @@ def check_predict_input(model_dir: str | os.PathLike, input_path: str | os.PathL
     if pre.get("dataset") == "criteo":
         _check_criteo(p, head)
     elif pre.get("dataset") == "logs" and isinstance(pre.get("meta"), dict):
-        _check_logs(p, head, pre["meta"])
+        _check_logs(p, head, pre["meta"], whole)

@@ -239,6 +239,7 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
     (tmp_path / "two.csv").write_text("1,2\n")
     (tmp_path / "criteo.csv").write_text("\t".join(["0"] + ["5"] * 13 + ["68fd1e64"] * 26) + "\n")
     (tmp_path / "noheader.csv").write_text("1,2.5,a,b\n")
+    (tmp_path / "headeronly.csv").write_text("click,price,site,app\n\n")
     (tmp_path / "hugefield.csv").write_text("a," + "x" * 200_000 + "\n")  # over the csv module's field limit
     cases = [(model, "rows.parquet", ": not a Parquet file (it starts as text)"),
              (model, "nosite.csv", ":1: column 'site' the model reads is not in the file (its columns: click, price, "
@@ -250,6 +251,7 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
              (model, "noheader.csv", ":1: the first line is not a header of the model's columns (no column of its "
                                      "schema among the line's 4 field(s); the file has no header line, or is not "
                                      "this model's log)"),
+             (model, "headeronly.csv", ": a header line and no rows after it: no lines to score"),
              (model, "hugefield.csv", ":1: the first line does not split into fields (field larger than field "
                                       "limit"),
              (model, "list.jsonl", ":1: expected a JSON object per line, got a list"),
