@@ -53,7 +53,8 @@ def print_metrics(title: str, m: dict) -> None:
 
 
 def require_run_dir(run_dir: str | os.PathLike) -> None:
-    """Before torch: ``run_dir`` is a directory holding the ``config.yaml`` a training run writes;
+    """Before torch: ``run_dir`` is a directory holding the ``config.yaml`` (or the ``checkpoints/``)
+    a training run writes;
     else one ``error:`` line (:func:`fail`) that names the run directories beside it, so a
     mistyped name costs seconds, not the import of torch and a checkpoint read.
 
@@ -61,8 +62,8 @@ def require_run_dir(run_dir: str | os.PathLike) -> None:
         CommandError: ``run_dir`` is missing, not a directory, or holds no ``config.yaml``.
     """
     path = os.fspath(run_dir)
-    if os.path.isfile(os.path.join(path, "config.yaml")):
-        return
+    if os.path.isfile(os.path.join(path, "config.yaml")) or os.path.isdir(os.path.join(path, "checkpoints")):
+        return  # (a run's checkpoints alone, e.g. copied without their config: the verb says what it lacks)
     parent = os.path.dirname(os.path.normpath(path)) or "."
     try:
         runs = sorted(d for d in os.listdir(parent) if os.path.isfile(os.path.join(parent, d, "config.yaml")))
@@ -73,7 +74,7 @@ def require_run_dir(run_dir: str | os.PathLike) -> None:
         f"runs in {parent}/: {', '.join(runs[:8])}{', …' if len(runs) > 8 else ''}" if runs
         else f"no training run directory in {parent}/ (dlrmctl train CONFIG makes one)")
     if not os.path.lexists(path):
-        fail(f"{path}: no such directory; {hint}")
+        fail(f"{path}: no such run directory; {hint}")
     if not os.path.isdir(path):
         fail(f"{path}: not a directory (a training run directory is expected); {hint}")
     inner = sorted(d for d in os.listdir(path) if os.path.isfile(os.path.join(path, d, "config.yaml")))

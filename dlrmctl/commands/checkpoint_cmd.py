@@ -349,13 +349,13 @@ def reshard_command(
     checkpoint: str = typer.Option("last", "--checkpoint", help="the checkpoint to reshard: best | last | <step> | <name, e.g. step_00000080.1>"),
 ) -> None:
     """Rewrite a checkpoint of RUN_DIR (the newest by default) for NPROC ranks (and PLAN); weights and moments are copied exactly."""
-    require_run_dir(run_dir)  # before torch
     from dlrmctl.procs import check_local_fanout
-    from dlrmctl.train.checkpoint import load_checkpoint_meta
-    from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
 
     # the reshard runs --nproc local processes
     check_local_fanout(nproc, f"--nproc {nproc}", "or reshard on the cluster that will train it")
+    require_run_dir(run_dir)  # before torch
+    from dlrmctl.train.checkpoint import load_checkpoint_meta
+    from dlrmctl.train.checkpoint import latest_checkpoint as ckpt_latest
     if out and os.path.lexists(out) and (not os.path.isdir(out) or os.listdir(out)):
         # --out makes a new run directory: never one that holds anything (another run, a user's files)
         fail(f"--out {out}: exists and is not empty; the resharded copy goes to a new directory "

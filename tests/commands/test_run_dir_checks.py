@@ -43,7 +43,7 @@ def test_a_mistyped_run_is_one_line_before_torch_suggesting_the_near_run(runs, v
     out, code, torch_loaded = _run(runs, *args)
     assert code == 2 and not torch_loaded, out
     assert out.count("error:") == 1 and len(out.strip().splitlines()) == 1, out
-    assert "runs/criteo_smple: no such directory" in out and "did you mean runs/criteo_sample?" in out
+    assert "runs/criteo_smple: no such run directory" in out and "did you mean runs/criteo_sample?" in out
 
 
 def test_the_directory_of_runs_given_for_one_run_names_the_runs_it_holds(runs):
