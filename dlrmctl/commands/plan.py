@@ -219,7 +219,8 @@ def plan_command(
         res = plan_config(cfg, topo, meta, batch_size,
                           None if weights_precision is None else 2 if weights_precision == "fp16" else 4,
                           fused_available=fused)
-        managed = [t for t in res.tables if t.name in managed_collision_tables(cfg, meta)]
+        mc_names = set(managed_collision_tables(cfg, meta))
+        managed = [t for t in res.tables if t.name in mc_names]
         if managed:  # planned row_wise; laid out by zone of their buckets exactly as train lays them out
             from dlrmctl.distributed.sharded_mc import managed_collision_plan
 

@@ -93,8 +93,11 @@ def check_managed_collision_sharding(cfg: ExperimentConfig, meta: dict | None, w
 def _buckets_advice(key: str, size: int, buckets: int, world_size: int) -> str:
     """``e.g. --set KEY.buckets=B``: the smallest multiple of ``world_size`` at or above
     ``buckets`` that divides ``size`` (as buckets must), or what to change when none does."""
-    fit = next((b for b in range(world_size * -(-buckets // world_size), size + 1, world_size) if size % b == 0),
-               None)
+    fit = None
+    if size % world_size == 0:  # buckets = world_size x k, k a divisor of m (trial division: O(sqrt m))
+        m, k_min = size // world_size, -(-buckets // world_size)
+        small = [k for k in range(1, math.isqrt(m) + 1) if m % k == 0]
+        fit = world_size * min(k for k in small + [m // k for k in small] if k >= k_min)
     if fit is not None:
         return f"e.g. --set {key}.buckets={fit}"
     return (f"no multiple of {world_size} divides {key}.size ({size}): set a size that one does, e.g. --set "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -19,6 +18,7 @@ from dlrmctl.distributed.env import RunEnv
 from dlrmctl.train.trainer import Trainer
 from tests.conftest import REPO
 from tests.dist_utils import run_multiprocess
+from tests.helpers.raw_ids import write_zipf_criteo_lines
 
 runner = CliRunner()
 STEPS = 12
@@ -27,13 +27,7 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def raw_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("mc_sharded")
-    rng = np.random.default_rng(1)
-    lines = []
-    for _ in range(700):
-        cats = ["%08x" % (int(rng.zipf(1.1)) * 2654435761 % 2**32) for _ in range(26)]
-        dense = [str(int(x)) for x in rng.integers(0, 20, 13)]
-        lines.append("\t".join([str(int(rng.integers(2)))] + dense + cats))
-    (d / "t.tsv").write_text("\n".join(lines) + "\n")
+    write_zipf_criteo_lines(d / "t.tsv", 700, 1.1, seed=1)
     r = runner.invoke(app, ["preprocess", "criteo", "-i", str(d / "t.tsv"), "-o", str(d / "data"), "--raw-ids",
                             "--val-ratio", "0.15", "-q"], catch_exceptions=False)
     assert r.exit_code == 0, r.output

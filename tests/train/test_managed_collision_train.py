@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from dlrmctl.cli import app
+from tests.helpers.raw_ids import write_zipf_criteo_lines
 
 runner = CliRunner()
 
@@ -26,13 +27,7 @@ def invoke(*args):
 @pytest.fixture(scope="module")
 def raw_data(tmp_path_factory):
     d = tmp_path_factory.mktemp("mc")
-    rng = np.random.default_rng(0)
-    lines = []
-    for _ in range(1200):
-        cats = ["%08x" % (int(rng.zipf(1.2)) * 2654435761 % 2**32) for _ in range(26)]
-        dense = [str(int(x)) for x in rng.integers(0, 20, 13)]
-        lines.append("\t".join([str(int(rng.integers(2)))] + dense + cats))
-    (d / "t.tsv").write_text("\n".join(lines) + "\n")
+    write_zipf_criteo_lines(d / "t.tsv", 1200, 1.2, seed=0)
     invoke("preprocess", "criteo", "-i", d / "t.tsv", "-o", d / "data", "--raw-ids", "--val-ratio", "0.1", "-q")
     return d
 
