@@ -15,7 +15,6 @@ LONG_FILES = {
     "dlrmctl/sparse/jagged_tensor.py": "JaggedTensor, KeyedJaggedTensor (its VBE and TorchRec's constructors) and "
                                        "KeyedTensor; one file per class is the planned split",
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
-    "dlrmctl/data/movielens.py": "being made a package like data/criteo/ (the dataset interface's instance)",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/modules/dlrm.py": "DLRM, DCN-v2 and their input / output modules; to split",
