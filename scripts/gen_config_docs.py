@@ -151,7 +151,7 @@ def generate() -> str:
             key = f"{path}.{f.name}" if path else f.name
             if f.name not in docs:
                 raise SystemExit(f"{cls.__name__}.{f.name} ({key}): no attribute docstring in "
-                                 "dlrmctl/config/schema.py; document the key under its field")
+                                 "dlrmctl/config/schema.py (or sharding_schema.py); document the key under its field")
             meaning = _cell(docs[f.name])
             if dataclasses.is_dataclass(tp):
                 lines.append(f"| `{key}` | section | see below | {meaning} |")

@@ -26,7 +26,6 @@ LONG_FILES = {
                                               "table- / row-split kinds; the bucketize core to split out",
     "dlrmctl/planner/planner.py": "the planner and its explanation of a plan that does not fit; to split",
     "dlrmctl/outputs.py": "output ownership and replace-by-swap; to split",
-    "dlrmctl/config/schema.py": "one dataclass per section, every key with its docstring; to split by section",
 }
 
 

@@ -109,10 +109,10 @@ def test_every_public_name_is_exported_from_the_package():
 
 
 def _config_dataclasses() -> list[type]:
-    from dlrmctl.config import schema
+    from dlrmctl.config import schema, sharding_schema
 
-    out = [v for v in vars(schema).values() if isinstance(v, type) and dataclasses.is_dataclass(v)
-           and v.__module__ == schema.__name__]
+    out = [v for m in (schema, sharding_schema) for v in vars(m).values()
+           if isinstance(v, type) and dataclasses.is_dataclass(v) and v.__module__ == m.__name__]
     assert len(out) >= 12, out
     return out
 
