@@ -18,8 +18,6 @@ LONG_FILES = {
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
     "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/modules/dlrm.py": "DLRM, DCN-v2 and their input / output modules; to split",
-    "dlrmctl/modules/managed_collision.py": "the remapper (raw id -> row, LFU / LRU eviction, top-k candidates); "
-                                            "grew with the eviction rework, its eviction policy to split out",
     "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC: input dist, lookups, output dist, managed-collision "
                                           "routing; the dist plans to split out",
     "dlrmctl/distributed/sharding/common.py": "the sharding interface (with its family hooks) and the shared "

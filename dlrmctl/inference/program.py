@@ -74,7 +74,7 @@ class InferenceProgram(nn.Module):
         multi_hot: per input feature ``(rows, offsets [1024, size-1] int64)`` of its on-the-fly
             multi-hot expansion, or None (absent: no expansion).
         remap: the raw id -> row step of managed-collision features
-            (:class:`~dlrmctl.modules.managed_collision.RawIdRemap`), run before everything else;
+            (:class:`~dlrmctl.inference.raw_id_remap.RawIdRemap`), run before everything else;
             their ``values`` are raw ids.
     """
 

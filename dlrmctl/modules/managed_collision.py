@@ -43,67 +43,18 @@ batch (:attr:`ManagedCollisionRemapper.incremental` = False: stable sorts of eve
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
 
-__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionCollection", "ManagedCollisionRemapper", "RawIdRemap",
-           "remap_features", "reset_taken_rows", "reset_uniform", "table_reset_key"]
+from dlrmctl.modules.mc_reset import reset_uniform, table_reset_key
+
+__all__ = ["EMPTY", "EVICTION_POLICIES", "ManagedCollisionCollection", "ManagedCollisionRemapper", "remap_features",
+           "reset_taken_rows", "reset_uniform", "table_reset_key"]
 
 #: the id of a free row (larger than any raw id: free rows sort after held ones)
 EMPTY = (1 << 63) - 1
 #: the eviction policies a remapper knows
 EVICTION_POLICIES = ("lfu", "lru")
-
-_MASK = (1 << 64) - 1
-
-
-def _i64(c: int) -> int:
-    """A 64-bit constant as the signed int64 of the same bits."""
-    c &= _MASK
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _lshr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 bits."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finaliser (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number
-    generators"; the constants of Vigna's ``splitmix64.c``) on int64 bits, wrapping."""
-    z = x + _i64(0x9E3779B97F4A7C15)
-    z = (z ^ _lshr(z, 30)) * _i64(0xBF58476D1CE4E5B9)
-    z = (z ^ _lshr(z, 27)) * _i64(0x94D049BB133111EB)
-    return z ^ _lshr(z, 31)
-
-
-def reset_uniform(ids: torch.Tensor, dim: int, seed: int, low: float, high: float) -> torch.Tensor:
-    """The values a row takes when a new id ``ids[i]`` gets it: ``U(low, high)`` per column from a
-    counter-based generator keyed by ``(seed, id, column)`` — the same on every rank and device,
-    whoever held the row before.
-
-    Args:
-        ids: ``[n]`` int64 raw ids.
-        dim: columns.
-        seed: ``train.seed`` (mixed with the table's name by the caller).
-        low, high: the table's init bounds.
-
-    Returns:
-        ``[n, dim]`` float32 on ``ids.device``.
-    """
-    key = _splitmix64(ids.to(torch.int64) ^ _i64(seed))
-    cols = torch.arange(dim, dtype=torch.int64, device=ids.device)
-    z = _splitmix64(key[:, None] + cols[None, :])
-    u = _lshr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
-    return (low + (high - low) * u).to(torch.float32)
-
-
-def table_reset_key(seed: int, table: str) -> int:
-    """The :func:`reset_uniform` seed of a table: ``train.seed`` mixed with the table's name
-    (the first 8 bytes of SHA-256 of ``"<seed>:<table>"``, as int64)."""
-    return _i64(int.from_bytes(hashlib.sha256(f"{seed}:{table}".encode()).digest()[:8], "little"))
 
 
 class ManagedCollisionRemapper(nn.Module):
@@ -410,16 +361,18 @@ class ManagedCollisionCollection(nn.Module):
 
         return w, list(row_state_tensors(self.dense_optimizer, w))
 
-    def inference_remap(self, feature_names: list[str]) -> "RawIdRemap":
-        """The remap step of an exported program: a copy of the held ids and rows of every managed
-        feature among the program's input features ``feature_names`` (:class:`RawIdRemap`)."""
+    def held_rows(self, feature_names: list[str]) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+        """What an exported program's remap step freezes, per managed feature among the program's
+        input features ``feature_names``: ``(feature index, held ids [S] int64 ascending, their rows
+        [S] int64, default row)``, copies on the CPU
+        (:class:`~dlrmctl.inference.raw_id_remap.RawIdRemap` looks them up)."""
         per = []
         for table, fnames in self._features.items():
             rm = self.remappers[table]
             for f in fnames:
                 per.append((feature_names.index(f), rm.sorted_ids.detach().cpu().clone(),
                             rm.sorted_rows.detach().cpu().clone(), rm.default_row))
-        return RawIdRemap(per, len(feature_names))
+        return per
 
 
 def remap_features(features, table_features: dict[str, list[str]], remappers, training: bool, row_state,
@@ -502,58 +455,3 @@ def reset_taken_rows(w: torch.Tensor, states: list[torch.Tensor], rows: torch.Te
             s[idx] = torch.where(m, torch.zeros_like(s[idx]), s[idx])
 
 
-class RawIdRemap(nn.Module):
-    """Raw ids -> rows for the managed features of an inference program, with ATen ops only
-    (``repeat_interleave``, ``searchsorted``, ``where``): what training's last state held, frozen.
-    An id the remapper did not hold maps to its table's default row (module docstring).
-    Traceable by ``torch.export`` (the ``.pt2`` program) and scriptable (the TorchScript artifact).
-
-    ``forward(values [N] int64, lengths [F*B] int64 key-major, B) -> values [N] int64``: the
-    values of each managed feature replaced by rows; the other features' values unchanged.
-
-    Args:
-        per_feature: ``(feature index, sorted ids [S], their rows [S], default row)`` per managed feature.
-        num_features: ``F``, the program's input features.
-    """
-
-    def __init__(self, per_feature: list[tuple[int, torch.Tensor, torch.Tensor, int]], num_features: int) -> None:
-        super().__init__()
-        self.num_features = int(num_features)
-        self.per_feature = nn.ModuleList(_FeatureRemap(f, ids, rows, d) for f, ids, rows, d in per_feature)
-
-    def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
-        feat = torch.repeat_interleave(torch.arange(self.num_features * batch, dtype=torch.int64,
-                                                    device=values.device), lengths,
-                                       output_size=values.size(0)) // batch
-        out = values
-        for m in self.per_feature:
-            out = m(values, feat, out)
-        return out
-
-
-class _FeatureRemap(nn.Module):
-    """One managed feature of :class:`RawIdRemap`: ``(values [N], feat [N], out [N]) -> out [N]``
-    with the values of feature ``feature`` (``feat == feature``) replaced by their rows.
-
-    Args:
-        feature: the feature's input index.
-        ids: the held raw ids ``[S]`` int64, sorted ascending.
-        rows: their rows ``[S]`` int64.
-        default: the row of an id not held.
-    """
-
-    def __init__(self, feature: int, ids: torch.Tensor, rows: torch.Tensor, default: int) -> None:
-        super().__init__()
-        self.feature = int(feature)
-        self.default = int(default)
-        self.empty = int(ids.numel()) == 0
-        self.register_buffer("ids", ids.to(torch.int64).contiguous())
-        self.register_buffer("rows", rows.to(torch.int64).contiguous())
-
-    def forward(self, values: torch.Tensor, feat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self.empty:  # nothing held: every id takes the default row
-            mapped = torch.full_like(values, self.default)
-        else:
-            pos = torch.searchsorted(self.ids, values).clamp(max=self.ids.size(0) - 1)
-            mapped = torch.where(self.ids[pos] == values, self.rows[pos], self.default)
-        return torch.where(feat == self.feature, mapped, out)

@@ -20,6 +20,7 @@ import torch
 from dlrmctl.console import stage
 from dlrmctl.inference.artifact import PROGRAM_FILE, ExportError
 from dlrmctl.inference.formats.base import Built, ExportPlan, Format
+from dlrmctl.inference.raw_id_remap import raw_id_remap
 
 __all__ = ["GraphRunner", "ProgramFormat", "multi_hot_tables", "qtable_bytes"]
 
@@ -100,7 +101,7 @@ class ProgramFormat(Format):
             list(zip(plan.lookup_tables, plan.lookup_features)), plan.dense_part, plan.feature_names,
             plan.num_dense, plan.on_invalid_id, plan.feature_weighted,
             multi_hot_tables(plan.multi_hot, plan.data_meta, plan.feature_names),
-            remap=None if mc is None else mc.inference_remap(plan.feature_names))
+            remap=None if mc is None else raw_id_remap(mc, plan.feature_names))
         stage("tracing the program (torch.export)")
         try:
             with warnings.catch_warnings():

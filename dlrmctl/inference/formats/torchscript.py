@@ -30,7 +30,7 @@ weighted model, given to an unweighted one, or not ``[N]`` float32, or -- under 
 
 A managed-collision feature (``manifest["tables"][i]["ids"] == "raw"``) takes raw 64-bit ids:
 the module maps them to rows first with the ``.pt2`` program's own step
-(:class:`~dlrmctl.modules.managed_collision.RawIdRemap`: ``searchsorted`` on the ids training's
+(:class:`~dlrmctl.inference.raw_id_remap.RawIdRemap`: ``searchsorted`` on the ids training's
 last state held; an id not held takes its table's default row), then checks and looks up rows.
 
 A feature looked up in several tables (outputs ``feature@table``) is one input key: the module
@@ -59,6 +59,7 @@ from torch import nn
 from dlrmctl.console import stage
 from dlrmctl.inference.artifact import MODEL_FILE, ExportError, quiet_jit
 from dlrmctl.inference.formats.base import Built, ExportPlan, Format
+from dlrmctl.inference.raw_id_remap import raw_id_remap
 
 __all__ = ["ExportedDLRM", "TorchScriptFormat", "torchscript_for_device", "trace_dense"]
 
@@ -83,7 +84,7 @@ class ExportedDLRM(nn.Module):
         keep_cols: the TBE output columns of the real dims, when tables were padded (the
             pooled output ``[B, sum padded dims]`` is sliced to them); None: no padding.
         remap: raw id -> row of the managed-collision features
-            (:class:`~dlrmctl.modules.managed_collision.RawIdRemap`, the ``.pt2`` program's own
+            (:class:`~dlrmctl.inference.raw_id_remap.RawIdRemap`, the ``.pt2`` program's own
             step), run on the input values before any check or lookup; None: no such feature.
     """
 
@@ -336,7 +337,7 @@ class TorchScriptFormat(Format):
         module = ExportedDLRM(
             tbe, traced, plan.feature_names, plan.lookup_rows, lookup_pdims, plan.lookup_mean, plan.num_dense,
             plan.lookup_src, plan.lookup_tables, plan.on_invalid_id, plan.feature_weighted, keep,
-            None if plan.managed_collision is None else plan.managed_collision.inference_remap(plan.feature_names),
+            None if plan.managed_collision is None else raw_id_remap(plan.managed_collision, plan.feature_names),
         ).eval()
         stage("scripting the module (TorchScript)")
         with quiet_jit():
