@@ -22,7 +22,6 @@ LONG_FILES = {
                                           "routing; the dist plans to split out",
     "dlrmctl/distributed/sharding/common.py": "the sharding interface (with its family hooks) and the shared "
                                               "table- / row-split kinds; the bucketize core to split out",
-    "dlrmctl/outputs.py": "output ownership and replace-by-swap; to split",
 }
 
 

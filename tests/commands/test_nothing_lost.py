@@ -9,6 +9,7 @@ import shutil
 import json
 import os
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -109,7 +110,6 @@ def test_export_force_replaces_only_an_export_of_ours(run, tmp_path, monkeypatch
 @needs_fbgemm
 def test_export_disk_full_or_read_only_is_one_line_and_keeps_the_old_export(run, tmp_path, monkeypatch):
     import dlrmctl.inference.artifact as files
-    from dlrmctl import outputs
 
     root, data, run_dir, m = run
     out = tmp_path / "m"
@@ -130,7 +130,7 @@ def test_export_disk_full_or_read_only_is_one_line_and_keeps_the_old_export(run,
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system", str(run_dir))
 
-    monkeypatch.setattr(outputs.tempfile, "mkdtemp", read_only)
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
     _one_error(_cli("export", run_dir, "--int8", "--force"), "read-only", "--out a writable directory")
 
 
