@@ -658,10 +658,27 @@ def test_a_dead_server_process_is_reported_restarted_and_readiness_says_so(model
         assert 503 in codes and codes[-1] == 200, codes
         assert _child_pid(url, p.pid) != child
         p.send_signal(signal.SIGTERM)
-        assert p.wait(60) == 0
+        rc = p.wait(60)
         err = p.stderr.read()
+        assert rc == 0, err
     assert ("warning: server dlrmctl-serve-process-2 was killed by SIGKILL; starting it again "
             "(restart 1 of at most 3)") in err, err
+
+
+def test_a_server_process_told_to_stop_right_after_it_reported_listening_exits_cleanly(model):
+    """A SIGTERM that reaches an extra server process between its "listening" report and the
+    installation of its server's signal handlers (importing uvicorn, building the app: a restart
+    stopped at once, or a server stopped right after starting) is a clean stop, exit code 0, not a
+    death by SIGTERM."""
+    from dlrmctl.inference.serve.processes import bind, start_processes, stop_processes
+
+    first = bind("127.0.0.1", 0, reuse_port=True)
+    try:
+        options = dict(max_batch_rows=64, max_delay_ms=0.0, max_queue_rows=1024, workers=1)
+        procs = start_processes(1, str(model), "tiny", "127.0.0.1", first.getsockname()[1], 1, options)
+        assert stop_processes(procs, signal.SIGTERM, wait=120) == [0]
+    finally:
+        first.close()
 
 
 def test_a_server_process_that_exits_past_the_restarts_allowed_stops_the_server_in_one_line(model):

@@ -150,6 +150,10 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent sends SIGTERM
+    # a SIGTERM from now until serve() installs its handlers (loading, binding, importing uvicorn) is
+    # noted, not fatal: the process then starts serving and stops at once, draining what it accepted
+    requested: list[int] = []
+    signal.signal(signal.SIGTERM, lambda sig, frame: requested.append(sig))
     torch.set_num_threads(threads)
     try:
         from dlrmctl.inference.export import load_exported
@@ -162,7 +166,7 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
         return
     conn.send("")
     conn.close()
-    serve(model, name, sock, process=process, child=True, **options)
+    serve(model, name, sock, process=process, child=True, stop_requested=requested, **options)
 
 
 def accept_queue(sock: socket.socket) -> int | None:
@@ -259,6 +263,8 @@ class Supervisor:
                 try:
                     new = self._respawn(i + 2)
                 except ServeError as e:
+                    if self._done.is_set():  # the server stopped while it started: not a failure
+                        return
                     self.error = f"{why} and could not start again: {e}; server stopped"
                     self._stop()
                     return
@@ -273,7 +279,8 @@ class Supervisor:
 def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_delay_ms: float, max_queue_rows: int,
           workers: int, process: str = "1 of 1", others: list | None = None, child: bool = False,
           max_request_mb: float = 64.0, min_delay_ms: float = 0.0, max_ids_per_row: int = 1024,
-          respawn: Callable[[int], Any] | None = None, max_restarts: int = MAX_RESTARTS) -> str | None:
+          respawn: Callable[[int], Any] | None = None, max_restarts: int = MAX_RESTARTS,
+          stop_requested: list[int] | None = None) -> str | None:
     """Run the server on ``sock`` (from :func:`bind`; connections made before this starts wait in its
     backlog) until SIGTERM / SIGINT; every request received is answered first.
 
@@ -285,6 +292,9 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
             does not stop it, its parent sends SIGTERM; a SIGTERM after it stopped is ignored.
         respawn: starts process number ``k`` of ``others`` again (:class:`Supervisor`, at most
             ``max_restarts`` times); None: a process of ``others`` that exits is not watched.
+        stop_requested: signals received before this was called (a child's early SIGTERM handler
+            appends to it, and may still do so until this installs its own): the server starts,
+            answers what it accepted and stops, as if the signal came after it started.
 
     Returns:
         the name of the signal that stopped it (``SIGTERM``), or None.
@@ -325,7 +335,7 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
             await super().shutdown(sockets=sockets)
 
     server = Server(config)
-    caught: list[int] = []
+    caught: list[int] = stop_requested if stop_requested is not None else []
 
     def after(sig, frame):  # uvicorn re-raises the signal it drained on: note it, do not die by it
         if child and sig == signal.SIGINT:
@@ -340,12 +350,18 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
     # which is when the server stops (or gives up), as intended
     watch = Supervisor(others, respawn, app, stop_server, max_restarts).start() if others and respawn else None
     old = {s: signal.signal(s, after) for s in (signal.SIGINT, signal.SIGTERM)}
+    if caught:  # asked to stop before the handlers above were in
+        server.should_exit = True
     try:
         server.run(sockets=[sock])
     finally:
         if watch is not None:
             watch.stop()
-        if not child:  # a child keeps `after`: its parent's late SIGTERM must not kill it while it exits
+        if child:  # it is stopping: a late SIGTERM (its parent's, or the parent-death signal when the
+            # thread that restarted it ends) must not kill it while it exits, and Python puts back the
+            # default action for handlers written in Python when the interpreter finalizes
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
             for s, h in old.items():
                 signal.signal(s, h)
         sock.close()
