@@ -484,3 +484,32 @@ def test_a_short_raw_row_names_the_field_count_and_the_first_missing_column(tmp_
     (tmp_path / "short.csv").write_text("1,3,u1,v1\n1\n")
     with pytest.raises(DataError, match=r"short.csv:2: expected 4 CSV fields, got 1 \(the first missing: 'x'\)"):
         list(tr.file(tmp_path / "short.csv"))
+
+
+def test_pass_two_from_pass_one_decoded_blocks_writes_what_parsing_again_writes(tmp_path, monkeypatch):
+    import dlrmctl.data.logs.preprocess as logs_preprocess
+
+    text = ("name: c\nlabel: click\ntime: ts\ndense:\n  - {name: price, transform: log1p}\n"
+            "  - {name: age, transform: standardize, fill: 30}\ncategorical:\n"
+            "  - {name: user, vocab: {min_count: 2}}\n  - {name: cat, parse: hex, vocab: {min_count: 1}}\n"
+            "  - {name: site, parse: hex, hash: 101}\n"
+            "  - {name: tags, vocab: {min_count: 1}, multi: {delimiter: '|', max_len: 2}, weights: tw}\n")
+    rng = np.random.default_rng(3)
+    rows = [f"{int(rng.random() < 0.3)},{1000 + i // 4},{rng.integers(-5, 100)},{'' if i % 7 == 0 else rng.integers(18, 70)},"
+            f"u{rng.integers(0, 20)},{'' if i % 5 == 0 else format(int(rng.integers(0, 40)), '08x')},"
+            f"{format(int(rng.integers(0, 2**32)), '08X')},t{i % 3}|t{i % 4}|t9,0.5|1|2" for i in range(300)]
+    rows[40] = rows[40].replace(",u", ",x,u")  # one field too many: skipped
+    rows[41] = rows[41].split(",", 1)[0] + ",zz," + rows[41].split(",", 2)[2]  # a bad time: skipped
+    src = _csv(tmp_path / "log.csv", rows, header="click,ts,price,age,user,cat,site,tags,tw")
+    schema = load_schema(_schema(tmp_path, text))
+    opts = LogOptions(val_ratio=0.2, test_ratio=0.2, split_by="time", on_bad_line="skip", block_size=4096)
+    rep = preprocess_logs(schema, src, tmp_path / "cached", opts, progress=False)
+    assert rep.bad_lines == 2 and not (tmp_path / "cached" / ".counts").exists()
+    monkeypatch.setattr(logs_preprocess, "read_cache", lambda *a: None)  # pass 2 parses the file again
+    again = preprocess_logs(schema, src, tmp_path / "parsed", opts, progress=False)
+    assert again.rows == rep.rows and again.bad_lines == 2
+    for split in ("train", "val", "test"):
+        a, ma = _read(tmp_path / "cached", split)
+        b, mb = _read(tmp_path / "parsed", split)
+        assert a.equals(b) and a.num_rows
+        assert ma["sparse_features"] == mb["sparse_features"] and ma["transforms"] == mb["transforms"]

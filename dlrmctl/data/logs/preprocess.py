@@ -8,12 +8,15 @@ Passes, each one task per input file on the worker pool of :mod:`dlrmctl.data.cr
    cut between two splits.
 1. when a feature has ``vocab`` or ``ids: raw``, or a dense column ``standardize``: the train
    rows' categorical keys are counted into ``.counts/<part>.arrow`` (one record batch per counted
-   feature) and the train rows' dense sums are returned; the counts are merged one feature at a
+   feature) and the train rows' dense sums are returned; every decoded row is kept in
+   ``.counts/<part>.decoded.arrow`` (:mod:`dlrmctl.data.logs.cache`) for pass 2, so a file is
+   parsed once; the counts are merged one feature at a
    time into ``vocab/<feature>.arrow`` (:func:`dlrmctl.data.criteo.vocab.build_vocab`: ``value``
    = the key, ``count``; row ``i`` = id ``i``, most frequent first, ties by key).
 2. every row is transformed (:mod:`dlrmctl.data.logs.transform`) and written to
    ``parts/<part>/{train,val,test}.arrow`` with a ``done.json``; a finished part whose fingerprint
-   (schema, options, input size and mtime, vocabularies) matches is skipped (resume).
+   (schema, options, input size and mtime, vocabularies) matches is skipped (resume); it reads
+   pass 1's decoded rows when they are there with pass 1's fingerprint, else parses the file.
 
 Splits by row hash are Criteo's (:func:`dlrmctl.data.criteo.parse.row_split_codes` of the file's
 base name and the physical line, or Parquet's 1-based row).
@@ -52,6 +55,7 @@ from dlrmctl.data.criteo import vocab as _vocab
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
 from dlrmctl.data.criteo.preprocess import PreprocessReport
+from dlrmctl.data.logs.cache import DecodedCache, read_cache, remove_cache
 from dlrmctl.data.logs.read import file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of, table_rows, vocab_path
@@ -100,6 +104,7 @@ class LogTask:
     cutoffs: tuple[float, float] | None = None  # time split: (first val time, first test time)
     dense_stats: dict | None = None
     table_sizes: list[int] | None = None
+    cache_fingerprint: str = ""  # pass 1's fingerprint: pass 2 reads its decoded blocks when they match
 
 
 def _counted(schema: LogSchema) -> list[int]:
@@ -150,24 +155,36 @@ def count_task(task: LogTask) -> dict:
     counted = _counted(task.schema)
     acc: list[list[pa.Table]] = [[] for _ in counted]
     sums = {d.name: [0, 0.0, 0.0] for d in task.schema.dense if d.transform == "standardize"}
-    for d in _blocks(task):
-        train = _split_codes(task, d) == 0
-        for spec, x in zip(task.schema.dense, d.dense):
-            if spec.name in sums:
-                xt = x[train]
-                s = sums[spec.name]
-                s[0] += int(len(xt))
-                s[1] += float(xt.sum())
-                s[2] += float(np.square(xt).sum())
-        for j, f in enumerate(counted):
-            v = d.categorical[f].select(train)
-            vc = pc.value_counts(pa.array(v.keys[v.present]))
-            acc[j].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
-            if len(acc[j]) >= 64:
-                acc[j] = [_vocab.merge_counts(acc[j])]
+    cache = DecodedCache(task.out_dir, task.part, task.schema)
+    try:
+        for d in _blocks(task):
+            cache.write(d)
+            _count_block(task, d, counted, acc, sums)
+    except BaseException:
+        cache.abort()
+        raise
+    cache.close(task.fingerprint)
     _vocab.write_count_file(out, acc)
     write_json_atomic(done, {"fingerprint": task.fingerprint, "dense": sums})
     return sums
+
+
+def _count_block(task: LogTask, d, counted: list[int], acc: list[list[pa.Table]], sums: dict) -> None:
+    """Fold one decoded block's train rows into the per-feature counts ``acc`` and dense ``sums``."""
+    train = _split_codes(task, d) == 0
+    for spec, x in zip(task.schema.dense, d.dense):
+        if spec.name in sums:
+            xt = x[train]
+            s = sums[spec.name]
+            s[0] += int(len(xt))
+            s[1] += float(xt.sum())
+            s[2] += float(np.square(xt).sum())
+    for j, f in enumerate(counted):
+        v = d.categorical[f]
+        vc = pc.value_counts(pa.array(v.keys[v.present & (train if v.lengths is None else np.repeat(train, v.lengths))]))
+        acc[j].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
+        if len(acc[j]) >= 64:
+            acc[j] = [_vocab.merge_counts(acc[j])]
 
 
 # ----------------------------------------------------------------------------- pass 2
@@ -215,8 +232,9 @@ def write_task(task: LogTask) -> dict:
     k = len(names)
     stats: dict[str, Any] = {"rows": {sp: 0 for sp in SPLITS}, "positives": {sp: 0 for sp in SPLITS},
                              "missing": [0] * k, "train_values": [0] * k, "max_len": [0] * k, "bad_lines": 0}
+    cached = read_cache(task.out_dir, task.part, task.cache_fingerprint, s) if task.cache_fingerprint else None
     try:
-        for d in _blocks(task):
+        for d in cached if cached is not None else _blocks(task):
             stats["bad_lines"] += d.bad
             n = len(d.keys)
             if n == 0:
@@ -224,6 +242,8 @@ def write_task(task: LogTask) -> dict:
             codes = _split_codes(task, d)
             dense = dense_values(d, s, task.dense_stats or {})
             all_ids = [ids_of(spec, v, vocabs[f]) for f, (spec, v) in enumerate(zip(s.categorical, d.categorical))]
+            for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):
+                stats["missing"][f] += int((v.lengths == 0).sum() if spec.multi else (~v.present).sum())
             for si, split in enumerate(SPLITS):
                 sel = codes == si
                 m = int(sel.sum())
@@ -236,21 +256,19 @@ def write_task(task: LogTask) -> dict:
                 for name, x in zip(dense_names, dense):
                     cols[name] = x[sel]
                 for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):
-                    ids = all_ids[f][sel if v.lengths is None else np.repeat(sel, v.lengths)]
-                    v = v.select(sel)
                     if spec.multi:
-                        cols[spec.name] = _bag_array(ids, v.lengths, pa.int64())
-                        stats["missing"][f] += int((v.lengths == 0).sum())
+                        elem = np.repeat(sel, v.lengths)
+                        lengths = v.lengths[sel]
+                        cols[spec.name] = _bag_array(all_ids[f][elem], lengths, pa.int64())
                         if split == "train":
-                            stats["train_values"][f] += int(v.lengths.sum())
-                            stats["max_len"][f] = max(stats["max_len"][f], int(v.lengths.max(initial=0)))
+                            stats["train_values"][f] += int(lengths.sum())
+                            stats["max_len"][f] = max(stats["max_len"][f], int(lengths.max(initial=0)))
                         if spec.weights:
-                            cols[spec.name + "__weight"] = _bag_array(v.weights, v.lengths, pa.float32())
+                            cols[spec.name + "__weight"] = _bag_array(v.weights[elem], lengths, pa.float32())
                     else:
-                        cols[spec.name] = ids
-                        stats["missing"][f] += int((~v.present).sum())
+                        cols[spec.name] = all_ids[f][sel]
                         if spec.weights:
-                            cols[spec.name + "__weight"] = v.weights
+                            cols[spec.name + "__weight"] = v.weights[sel]
                 writers[split].write(cols)
                 stats["rows"][split] += m
         for w in writers.values():
@@ -259,6 +277,7 @@ def write_task(task: LogTask) -> dict:
         write_json_atomic(tmp / "done.json", stats)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        remove_cache(task.out_dir, task.part)
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -339,11 +358,12 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
         rows_read += prog.rows
         cutoffs = _time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
     counted = _counted(schema)
+    fp1: dict[Path, str] = {}
     dense_stats: dict[str, tuple[float, float]] = {}
     vocab_info: dict[int, dict] = {}
     if counted or any(d.transform == "standardize" for d in schema.dense):
-        tasks = [task(f, cutoffs=cutoffs, fingerprint=_fingerprint({**common, **fid(f), "cutoffs": cutoffs,
-                                                                     "pass": 1})) for f in files]
+        fp1 = {f: _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "pass": 1}) for f in files}
+        tasks = [task(f, cutoffs=cutoffs, fingerprint=fp1[f]) for f in files]
         prog = Progress("logs pass 1 (count)", len(tasks), progress)
         sums = run_tasks(count_task, tasks, o.workers, prog)
         prog.show(final=True)
@@ -375,7 +395,8 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             if st.get("fingerprint") == fp:
                 done_stats[f], skipped = st, skipped + 1
                 continue
-        tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, dense_stats=dense_stats, table_sizes=sizes))
+        tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, dense_stats=dense_stats, table_sizes=sizes,
+                          cache_fingerprint=fp1.get(f, "")))
     prog = Progress("logs", len(tasks), progress)
     for t, st in zip(tasks, run_tasks(write_task, tasks, o.workers, prog)):
         done_stats[Path(t.path)] = st

@@ -259,6 +259,13 @@ def _jsonl(path: str | os.PathLike, used: list[str], block_size: int, data: byte
         raise DataError(f"cannot be read as JSON lines{where}: {e}", path=path) from None
 
 
+def _hex_columns(schema: LogSchema) -> set[str]:
+    """The one-hot ``parse: hex`` categorical columns that no other role reads: read as bytes."""
+    hexed = {c.name for c in schema.categorical if c.parse == "hex" and not c.multi}
+    used = schema.used_columns()
+    return {c for c in hexed if used.count(c) == 1}
+
+
 def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on_bad_line: str, block_size: int,
          data: bytes | None) -> Iterator[RowBatch]:
     import pyarrow.csv as pa_csv
@@ -285,6 +292,7 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
             ln, msg = first_error[0]
             raise DataError(msg, path=path, line=ln)
 
+    types = {c: pa.binary() for c in _hex_columns(schema)}  # read without a UTF-8 check: checked as hex digits
     try:
         reader = pa_csv.open_csv(
             _text_stream(path, data, block_size, long_line),
@@ -293,7 +301,8 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
             parse_options=pa_csv.ParseOptions(delimiter=_delimiter(schema, fmt), ignore_empty_lines=False,
                                               invalid_row_handler=invalid,
                                               quote_char=False if fmt == "tsv" else '"'),
-            convert_options=pa_csv.ConvertOptions(include_columns=used, column_types={c: pa.string() for c in used},
+            convert_options=pa_csv.ConvertOptions(include_columns=used, column_types={c: types.get(c, pa.string())
+                                                                                      for c in used},
                                                   strings_can_be_null=True, null_values=[""],
                                                   quoted_strings_can_be_null=True, check_utf8=True))
     except (pa.ArrowInvalid, OSError, EOFError) as e:
