@@ -14,12 +14,17 @@ sleep (the host free while the device works) and, separately, a busy loop holdin
 host busy launching kernels: the loader's threads get the GIL only between bytecodes and in the
 calls that release it).
 
+``--workers N`` (default 2) measures each line with the batches made in a thread of the
+process (``workers=0``) and in ``N`` worker processes (``workers=N``), one after the other on
+the same data: the ratio of the two ``data_wait_share`` is the gain of the processes at this
+machine's load.  ``--gil-step`` keeps only the busy (GIL-holding) step.
+
 ``--versus DIR`` runs the same measurements, on the same data and in the same run, with the
 ``dlrmctl`` of another checkout ``DIR`` (e.g. a worktree of an earlier commit) first, so the two
 loaders are compared as ratios at the same machine load.
 
 Usage: python scripts/bench_loader.py [--rows N] [--batch-size B] [--data DIR] [--batches K] [--step-ms T]
-       [--versus DIR]
+       [--gil-step] [--workers N] [--versus DIR]
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ def _fake_step(step_s: float, busy: bool) -> None:
 
 
 def bench(data: Path, batch_size: int, shuffle: bool, max_batches: int, step_ms: float = 0.0,
-          busy: bool = False) -> None:
-    loader = BatchLoader(data, "train", batch_size, shuffle=shuffle, seed=0)
+          busy: bool = False, workers: int = 0) -> None:
+    kw = {"workers": workers} if workers else {}  # (a --versus checkout may predate workers)
+    loader = BatchLoader(data, "train", batch_size, shuffle=shuffle, seed=0, **kw)
     n = samples = 0
     wait = first = 0.0
     t0 = time.perf_counter()
@@ -74,7 +80,7 @@ def bench(data: Path, batch_size: int, shuffle: bool, max_batches: int, step_ms:
     dt = time.perf_counter() - t0
     step = (f", fake step {step_ms:g} ms ({'busy, GIL held' if busy else 'sleep'}): data_wait_share "
             f"{wait / max(dt - first, 1e-9):.1%}" if step_ms else "")
-    print(f"batch {batch_size}, shuffle={shuffle!s:5}: {n} batches in {dt:.2f} s -> "
+    print(f"batch {batch_size}, shuffle={shuffle!s:5}, workers={workers}: {n} batches in {dt:.2f} s -> "
           f"{n / dt:,.0f} batches/s, {samples / dt:,.0f} samples/s, first batch {first * 1000:.0f} ms{step}",
           flush=True)
 
@@ -86,6 +92,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=400, help="stop after this many batches")
     ap.add_argument("--data", type=Path, default=None, help="existing preprocessed dir (skips generation)")
     ap.add_argument("--step-ms", type=float, default=0.0, help="a fake training step after each batch (ms)")
+    ap.add_argument("--gil-step", action="store_true", help="only the busy, GIL-holding fake step")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes measured next to the thread (0: only it)")
     ap.add_argument("--versus", type=Path, default=None,
                     help="another checkout whose dlrmctl is measured first, on the same data")
     args = ap.parse_args()
@@ -99,15 +107,19 @@ def main() -> None:
             print(f"generated {args.rows:,} synthetic rows in {time.perf_counter() - t:.1f} s")
         if args.versus is not None:
             cmd = [sys.executable, __file__, "--data", str(data), "--batch-size", str(args.batch_size),
-                   "--batches", str(args.batches), "--step-ms", str(args.step_ms)]
+                   "--batches", str(args.batches), "--step-ms", str(args.step_ms), "--workers", "0"]
+            cmd += ["--gil-step"] if args.gil_step else []
             print(f"--- dlrmctl of {args.versus}:", flush=True)
             subprocess.run(cmd, env={**os.environ, "BENCH_LOADER_DLRMCTL": str(args.versus.resolve())}, check=True)
             print(f"--- dlrmctl of {Path(__file__).resolve().parents[1]}:", flush=True)
+        kinds = [0] + ([args.workers] if args.workers > 0 else [])
         for shuffle in (False, True):
-            bench(data, args.batch_size, shuffle, args.batches)
-            if args.step_ms:
-                for busy in (False, True):
-                    bench(data, args.batch_size, shuffle, args.batches, args.step_ms, busy)
+            for workers in kinds:
+                if not args.gil_step:
+                    bench(data, args.batch_size, shuffle, args.batches, workers=workers)
+                if args.step_ms:
+                    for busy in ((True,) if args.gil_step else (False, True)):
+                        bench(data, args.batch_size, shuffle, args.batches, args.step_ms, busy, workers)
 
 if __name__ == "__main__":
     main()

@@ -144,6 +144,9 @@ class DataConfig:
     """Row cap per epoch; null: all rows."""
     prefetch: int = 2
     """Loader prefetch depth (>= 0): batches assembled ahead of the step."""
+    workers: int | Literal["auto"] = "auto"
+    """Processes per rank making batches (bit-identical to 0: a thread, starved by a GIL-holding GPU
+    step); ``auto``: 0 on CPU, on CUDA the rank's CPUs less one, <= 4. docs/data.md#loader-workers."""
     multi_hot_sizes: Optional[list[int]] = None
     """One size per sparse feature of meta.json: the 1-hot ids are expanded into
     MLPerf-DLRMv2-style multi-hot bags of that many ids on the fly (also a planner input).

@@ -38,6 +38,7 @@ INT_LIMITS: dict[str, tuple[int, str]] = {
     "dcn_num_layers": (2**10, "cross layers"),
     "multi_hot_sizes": (2**16, "ids per sample of one feature"),
     "prefetch": (2**10, "batches held in memory ahead of the step"),
+    "workers": (2**8, "loader worker processes per rank"),
     "shuffle_window_rows": (2**40, "rows held in memory for the shuffle"),
     "shuffle_block_rows": (2**40, "rows of a shuffle block"),
     "column_sizes": (2**14, "columns of one shard (<= embedding_dim)"),
@@ -146,6 +147,8 @@ def validate_data(d: schema.DataConfig, path: str = "data") -> None:
     _positive(d.eval_batch_size, f"{path}.eval_batch_size")
     _positive(d.num_samples, f"{path}.num_samples")
     _positive(d.prefetch, f"{path}.prefetch", allow_zero=True)  # 0: no background thread
+    if d.workers != "auto":
+        _positive(d.workers, f"{path}.workers", allow_zero=True)  # 0: a thread of the rank
     for key in ("shuffle_window_rows", "shuffle_block_rows"):  # ints already (config_from_dict's type check)
         if getattr(d, key) < 1:
             raise ConfigError(f"{path}.{key}: must be an integer >= 1 (rows), got {getattr(d, key)!r}")

@@ -44,10 +44,13 @@ Unshuffled batches (evaluation) are rank slices of contiguous rows: each column'
 from the memory-mapped shards (:class:`dlrmctl.data.columnar.SplitData`) into the batch's
 column-major id stack, which is the KeyedJaggedTensor's key-major values as it is.  Batches are
 made in a background thread that keeps ``prefetch`` batches ready (plus the one being made).
+With ``workers > 0`` they are made in that many worker processes instead, bit-identical and in
+the same order (:mod:`dlrmctl.data.loader_workers`).
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -57,8 +60,8 @@ import torch
 
 from dlrmctl.data.batch import Batch
 from dlrmctl.data.columnar import DataError, SplitData, read_meta, weight_column
-from dlrmctl.data.multi_hot import multi_hot_expand
-from dlrmctl.data.loader_rows import BlockTable, BufferPool, Prefetcher, RawRows, RowColumns, window_pieces
+from dlrmctl.data.loader_rows import (BlockTable, BufferPool, Prefetcher, RawRows, RowColumns, feature_bags,
+                                      window_pieces)
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 from dlrmctl.sparse.validation import ON_INVALID_ID, IdBound, apply_id_policy, normalize_id_bounds
 
@@ -103,6 +106,10 @@ class BatchLoader:
             fly into MLPerf-DLRMv2 multi-hot bags (:func:`dlrmctl.data.multi_hot.multi_hot_expand`,
             seed ``multi_hot_seed + feature index``); size 1 leaves a feature unchanged.
         multi_hot_distribution: ``"uniform"`` or ``"pareto"`` offsets.
+        workers: worker processes that make the batches (0: a thread of this process, see
+            ``prefetch``); worker ``k`` of ``N`` makes global batches ``i % N == k``, each at most
+            ``max(2, prefetch)`` ahead; the batches are the same, in the same order
+            (:mod:`dlrmctl.data.loader_workers`; needs ``os.fork``).
         id_bounds: feature -> the lookups it feeds, as a list of
             :class:`~dlrmctl.sparse.validation.IdBound` (``table_id_bounds(tables)``) or one
             ``(table, rows)``; every batch gets ``on_invalid_id`` applied on the CPU, before
@@ -145,13 +152,17 @@ class BatchLoader:
                  id_bounds: dict[str, tuple[str, int] | list[IdBound]] | None = None,
                  on_invalid_id: str = "error", weighted_features: Sequence[str] | None = None,
                  shuffle_window_rows: int = DEFAULT_SHUFFLE_WINDOW_ROWS,
-                 shuffle_block_rows: int = DEFAULT_SHUFFLE_BLOCK_ROWS, require_labels: bool = False) -> None:
+                 shuffle_block_rows: int = DEFAULT_SHUFFLE_BLOCK_ROWS, require_labels: bool = False,
+                 workers: int = 0) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if int(workers) < 0 or (workers and not hasattr(os, "fork")):
+            raise ValueError(f"workers must be >= 0 (> 0 needs os.fork), got {workers}")
+        self.workers = int(workers)
         if int(shuffle_window_rows) < 1:
             raise ValueError(f"shuffle_window_rows must be >= 1, got {shuffle_window_rows}")
         if int(shuffle_block_rows) < 1:
@@ -320,7 +331,7 @@ class BatchLoader:
             lengths = np.ones(len(values), dtype=np.int64)
             length_per_key = [B] * len(self.features)
         else:
-            values, lengths, weights = self._bags(rows, ids)
+            values, lengths, weights = feature_bags(self, rows, ids)
             length_per_key = [len(v) for v in values]
             values = np.concatenate(values) if values else np.zeros(0, np.int64)
             lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
@@ -336,36 +347,6 @@ class BatchLoader:
         batch = Batch(torch.from_numpy(dense), kjt, torch.from_numpy(labels))
         return batch.pin_memory() if self.pin_memory else batch
 
-    def _bags(self, rows: RawRows, ids: np.ndarray) -> tuple[list, list, list]:
-        """Per feature (values, lengths, weights) of ``rows`` (``ids``: their one-hot ids ``[F, B]``):
-        multi-hot bags, expanded one-hot ids."""
-        B = rows.n
-        values, lengths, weights = [], [], []
-        for f in self.features:
-            w = None
-            if not self.multi_hot[f]:
-                fid = ids[self._id_row[f]]
-                if f in self.weighted:
-                    w = rows.scalar[weight_column(f)]
-                if f in self.expand:
-                    n_rows, size, seed = self.expand[f]
-                    v, ln = multi_hot_expand(fid, n_rows, size, self.multi_hot_distribution, seed)
-                    if w is not None:
-                        w = np.repeat(w, ln)
-                else:
-                    v, ln = fid, np.ones(B, dtype=np.int64)
-            else:
-                v, off = rows.lists[f]
-                ln = np.diff(off)
-                if f in self.weighted:
-                    w = rows.lists[weight_column(f)][0]
-            values.append(v)
-            lengths.append(ln)
-            if w is not None:
-                weights.append(np.asarray(w, dtype=np.float32))
-            elif self.weighted:
-                weights.append(np.ones(len(v), dtype=np.float32))
-        return values, lengths, weights
 
     def _rank_rows(self, i: int) -> tuple[int, int]:
         """``[lo, hi)`` of this rank inside global batch ``i``, as global order positions."""
@@ -373,8 +354,16 @@ class BatchLoader:
         lo, hi = rank_slice(min(self.batch_size, self.num_rows - g0), self.rank, self.world_size)
         return g0 + lo, g0 + hi
 
-    def _produce(self, start: int) -> Iterator[Batch]:
-        for i in range(start, self.num_global_batches()):
+    def _part(self, start: int, k: int = 0, n: int = 1) -> Iterator[tuple[int, Batch]]:
+        """``(i, batch i)`` for the global batches ``i >= start`` with ``i % n == k``, in order
+        (``n`` = 1: every batch; a worker's share, :mod:`dlrmctl.data.loader_workers`)."""
+        first = start + (k - start) % n
+        batches = self._produce_shuffled(start, (k, n)) if self.shuffle else self._produce(start, (k, n))
+        return zip(range(first, self.num_global_batches(), n), batches)
+
+    def _produce(self, start: int, part: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
+        k, n = part
+        for i in range(start + (k - start) % n, self.num_global_batches(), n):
             lo, hi = self._rank_rows(i)  # contiguous split rows: read with pread into the batch's stacks
             yield self._build(RawRows.read_range(self._cols, self.data, lo, hi), i)
 
@@ -392,9 +381,9 @@ class BatchLoader:
             self._epoch_blocks = (self.epoch, order, starts)
         return self._epoch_blocks[1], self._epoch_blocks[2]
 
-    def _rank_positions(self, p0: int, p1: int, first_batch: int) -> np.ndarray:
+    def _rank_positions(self, p0: int, p1: int, first_batch: int, part: tuple[int, int] = (0, 1)) -> np.ndarray:
         """Sorted global order positions ``[n] int64`` in ``[p0, p1)`` that this rank yields, in
-        global batches ``>= first_batch``."""
+        global batches ``i >= first_batch`` with ``i % part[1] == part[0]``."""
         G, R = self.batch_size, self.num_rows
         i0 = max(first_batch, p0 // G)
         i1 = min(self.num_global_batches(), -(-p1 // G))
@@ -410,15 +399,19 @@ class BatchLoader:
         if not chunks:
             return np.zeros(0, np.int64)
         pos = np.concatenate(chunks)
-        return pos[(pos >= p0) & (pos < p1)]
+        keep = (pos >= p0) & (pos < p1)
+        if part[1] > 1:
+            keep &= (pos // G) % part[1] == part[0]
+        return pos[keep]
 
-    def _load_window(self, w: int, first_batch: int, pool: BufferPool) -> tuple[RawRows, np.ndarray]:
+    def _load_window(self, w: int, first_batch: int, pool: BufferPool,
+                     part: tuple[int, int] = (0, 1)) -> tuple[RawRows, np.ndarray]:
         """This rank's rows of shuffle window ``w`` (global batches ``>= first_batch``): the raw rows
         read (for each block, the range of rows this rank needs, block after block in stream order)
         and ``src [n] int64``, the raw row of each of this rank's positions, in order."""
         S, R = self.shuffle_window_rows, self.num_rows
         p0, p1 = w * S, min((w + 1) * S, R)
-        pos = self._rank_positions(p0, p1, first_batch)
+        pos = self._rank_positions(p0, p1, first_batch, part)
         if len(pos) == 0:
             return self._cols.none(), pos
         order, starts = self._block_order()
@@ -439,23 +432,24 @@ class BatchLoader:
             return mine, np.arange(len(src), dtype=np.int64)
         return raw, src
 
-    def _windows(self, w: int, first_batch: int, pool: BufferPool) -> Iterator[tuple[RawRows, np.ndarray]]:
+    def _windows(self, w: int, first_batch: int, pool: BufferPool,
+                 part: tuple[int, int]) -> Iterator[tuple[RawRows, np.ndarray]]:
         """:meth:`_load_window` of ``w``, ``w + 1``, ... up to the end of the split."""
         n = -(-self.num_rows // self.shuffle_window_rows)  # windows of the split
-        return (self._load_window(v, first_batch, pool) for v in range(w, n))
+        return (self._load_window(v, first_batch, pool, part) for v in range(w, n))
 
-    def _produce_shuffled(self, start: int) -> Iterator[Batch]:
+    def _produce_shuffled(self, start: int, part: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
         nb = self.num_global_batches()
         if start >= nb:
             return
         pool = self._pool
-        windows = self._windows(start * self.batch_size // self.shuffle_window_rows, start, pool)
+        windows = self._windows(start * self.batch_size // self.shuffle_window_rows, start, pool, part)
         if self.prefetch:  # the next window is read (pread, the GIL released) while this one's batches are made
             windows = Prefetcher(windows, 1, name="BatchLoader-window")
         fifo: list[tuple[RawRows, np.ndarray]] = []
         head = have = 0  # next position of fifo[0]; positions held
         try:
-            for i in range(start, nb):
+            for i in range(start + (part[0] - start) % part[1], nb, part[1]):
                 lo, hi = self._rank_rows(i)
                 need = hi - lo
                 while have < need:
@@ -484,8 +478,13 @@ class BatchLoader:
     def __iter__(self) -> Iterator[Batch]:
         start = self._start_batch
         self._yielded = start
-        gen = self._produce_shuffled(start) if self.shuffle else self._produce(start)
-        source = gen if self.prefetch == 0 else Prefetcher(gen, self.prefetch + 1)  # + the one being made
+        if self.workers:
+            from dlrmctl.data.loader_workers import worker_batches
+
+            source = worker_batches(self, start, self.workers, max(2, self.prefetch))
+        else:
+            gen = self._produce_shuffled(start) if self.shuffle else self._produce(start)
+            source = gen if self.prefetch == 0 else Prefetcher(gen, self.prefetch + 1)  # + the one being made
         try:
             for b in source:
                 self._yielded += 1
@@ -493,6 +492,8 @@ class BatchLoader:
         finally:
             if isinstance(source, Prefetcher):
                 source.close()
+            elif self.workers:
+                source.close()  # kills and reaps the workers now, not when the generator is collected
         # epoch complete: the next iter() starts the next epoch
         self.epoch += 1
         self._start_batch = 0

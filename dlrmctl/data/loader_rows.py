@@ -17,13 +17,16 @@ from __future__ import annotations
 import queue
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from dlrmctl.data.columnar import WEIGHT_SUFFIX, DataError, MappedShard, SplitData, _jagged_gather, check_rows
+from dlrmctl.data.columnar import (WEIGHT_SUFFIX, DataError, MappedShard, SplitData, _jagged_gather, check_rows,
+                                   weight_column)
+from dlrmctl.data.multi_hot import multi_hot_expand
 
-__all__ = ["RawRows", "RowColumns", "BlockTable", "BufferPool", "Prefetcher", "offsets_of", "window_pieces"]
+__all__ = ["RawRows", "RowColumns", "BlockTable", "BufferPool", "Prefetcher", "feature_bags", "offsets_of",
+           "window_pieces"]
 
 
 def offsets_of(lengths: np.ndarray) -> np.ndarray:
@@ -183,6 +186,39 @@ class RawRows:
         return RawRows(sum(p.n for p in parts), np.concatenate([p.ids for p in parts]),
                        np.concatenate([p.dense for p in parts]),
                        {c: np.concatenate([p.scalar[c] for p in parts]) for c in parts[0].scalar}, lists)
+
+
+def feature_bags(loader: Any, rows: RawRows, ids: np.ndarray) -> tuple[list, list, list]:
+    """Per feature of ``loader.features`` (values, lengths, weights) of ``rows`` (``ids``: their
+    one-hot ids ``[F, B]``): multi-hot bags, expanded one-hot ids (per the settings of the
+    :class:`~dlrmctl.data.loader.BatchLoader` ``loader``: ``expand``, ``weighted``, ``multi_hot``)."""
+    B = rows.n
+    values, lengths, weights = [], [], []
+    for f in loader.features:
+        w = None
+        if not loader.multi_hot[f]:
+            fid = ids[loader._id_row[f]]
+            if f in loader.weighted:
+                w = rows.scalar[weight_column(f)]
+            if f in loader.expand:
+                n_rows, size, seed = loader.expand[f]
+                v, ln = multi_hot_expand(fid, n_rows, size, loader.multi_hot_distribution, seed)
+                if w is not None:
+                    w = np.repeat(w, ln)
+            else:
+                v, ln = fid, np.ones(B, dtype=np.int64)
+        else:
+            v, off = rows.lists[f]
+            ln = np.diff(off)
+            if f in loader.weighted:
+                w = rows.lists[weight_column(f)][0]
+        values.append(v)
+        lengths.append(ln)
+        if w is not None:
+            weights.append(np.asarray(w, dtype=np.float32))
+        elif loader.weighted:
+            weights.append(np.ones(len(v), dtype=np.float32))
+    return values, lengths, weights
 
 
 def check_weight_bags(lists: dict, path: Path) -> None:

@@ -35,7 +35,8 @@ def make_loader(cfg: ExperimentConfig, meta: dict[str, Any], split: str, env: "R
         meta: the data's meta.json (sparse features, for ``data.multi_hot_sizes``).
         split: the split to read.
         env: this rank (its slice of the split; ids range-checked on the CPU batch by
-            ``model.on_invalid_id``, so the step does no device read).  None: one process
+            ``model.on_invalid_id``, so the step does no device read; ``data.workers`` worker
+            processes, ``auto`` per the rank's device and CPUs).  None: one process
             reading the whole split, ids left to the model (offline evaluation).
         train: the training loader (shuffled per ``data.shuffle``, ``data.drop_last``,
             ``data.num_samples``, pinned memory on CUDA); else in row order, every row.
@@ -58,7 +59,10 @@ def make_loader(cfg: ExperimentConfig, meta: dict[str, Any], split: str, env: "R
 
         managed = managed_collision_tables(cfg, meta)  # raw ids: remapped in the model, not range-checked
         bounds = {f: [b for b in bs if b.table not in managed] for f, bs in table_id_bounds(tables).items()}
-        kw.update(rank=env.rank, world_size=env.world_size, prefetch=d.prefetch,
+        from dlrmctl.data.loader_workers import auto_workers
+
+        workers = auto_workers(env.device, env.local_world_size) if d.workers == "auto" else d.workers
+        kw.update(rank=env.rank, world_size=env.world_size, prefetch=d.prefetch, workers=workers,
                   id_bounds={f: bs for f, bs in bounds.items() if bs}, on_invalid_id=cfg.model.on_invalid_id)
     if train:
         assert env is not None, "the training loader reads a rank's slice"

@@ -232,6 +232,19 @@ def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path, opti
         assert resumed[step] == straight[step], step
 
 
+def test_loader_worker_processes_train_and_resume_with_the_thread_loaders_losses(data, tmp_path):
+    runs = str(tmp_path)  # straight: the loader's thread; interrupted with 2 workers, resumed with 3
+    _train(None, _cfg(data, runs, "s", STRAIGHT, "data.workers=0"), os.path.join(runs, "s"), False, None).train()
+    _train(None, _cfg(data, runs, "r", INTERRUPTED_AT, "data.workers=2"), os.path.join(runs, "r"), False, None).train()
+    t = _train(None, _cfg(data, runs, "r", RESUMED_TO, "data.workers=3"), os.path.join(runs, "r"), True, None)
+    assert t.step == INTERRUPTED_AT and t.cfg.data.workers == 3
+    t.train()
+    straight, resumed = _losses(os.path.join(runs, "s")), _losses(os.path.join(runs, "r"))
+    assert sorted(resumed) == sorted(straight)[:RESUMED_TO]
+    for step in range(1, RESUMED_TO + 1):
+        assert resumed[step] == straight[step], step
+
+
 def test_2_rank_checkpoint_loads_exactly_into_3_ranks_rw_cw_directly_and_after_offline_reshard(data, two_rank, tmp_path):
     from dlrmctl.distributed.model_parallel import plan_from_types
 

@@ -1,0 +1,289 @@
+"""Batches of a :class:`~dlrmctl.data.loader.BatchLoader` assembled in worker processes.
+
+A step whose host side holds the GIL (a GPU step's Python kernel launches) leaves a loader
+thread of the same process almost no time to gather rows; a process has its own interpreter.
+With ``workers = N > 0`` each ``iter()`` forks ``N`` workers (what ``torch.utils.data``
+DataLoader workers do; the loader's mapped shards, windows and settings are inherited, nothing
+is re-opened).  Worker ``k`` makes the global batches ``i`` with ``i % N == k``, in order, with
+the loader's own code (:meth:`BatchLoader._part`): the same rows, multi-hot draws and id checks
+as one thread would, so batches are bit-identical and come in the same order whatever ``N``.
+In a shuffled epoch a worker reads, of each shuffle window, only the blocks' rows of its own
+batches' positions (the row range of a block it needs: close to the whole window, so reads
+grow with ``N`` while the gathers are divided by it).
+
+Transport: each worker writes a finished batch into one of ``depth`` slots of a shared
+anonymous mapping (``MAP_SHARED | MAP_NORESERVE``: pages are committed when written, nothing
+appears in ``/dev/shm``, nothing outlives the processes) and sends its layout (a few numbers)
+over a socket pair; the consumer copies the arrays out (into pinned memory when the loader pins)
+and hands the slot back.  A batch larger than a slot travels pickled over the socket instead.
+
+Failures: an exception in a worker reaches the consumer as that exception (its traceback noted),
+naming the worker; a worker that dies (killed, out of memory) is an error naming the worker, its
+pid and its signal or exit code within a fraction of a second; ``close`` (the end of the epoch,
+an exception or ``KeyboardInterrupt`` in the step, the iterator dropped) kills and reaps every
+worker.  Workers ignore SIGINT (Ctrl-C reaches the whole process group; the consumer decides)
+and exit by themselves when their parent is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import pickle
+import signal
+import time
+import traceback
+import warnings
+import weakref
+from multiprocessing import connection
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from dlrmctl.data.batch import Batch
+from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
+
+if TYPE_CHECKING:
+    from dlrmctl.data.loader import BatchLoader
+
+__all__ = ["WorkerError", "auto_workers", "worker_batches", "MAX_AUTO_WORKERS"]
+
+#: most workers ``workers: auto`` gives one rank
+MAX_AUTO_WORKERS = 4
+#: seconds between the checks of a waiting side on the other one (alive? parent gone?)
+_POLL_S = 0.1
+_ALIGN = 64
+#: mmap.MAP_NORESERVE (Linux's value where the module lacks it, Python < 3.12)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if os.uname().sysname == "Linux" else 0)
+#: worker pids not reaped yet, killed at interpreter exit if an iterator was never closed
+_LIVE: "weakref.WeakSet[_Workers]" = weakref.WeakSet()
+
+
+class WorkerError(RuntimeError):
+    """A loader worker process died (killed by a signal, or exited) before its batches were made."""
+
+
+def auto_workers(device: torch.device | str, local_world_size: int = 1, cpus: int | None = None) -> int:
+    """Workers for ``data.workers: auto``: none on a CPU run (the step's kernels use the cores
+    and release the GIL, the loader thread keeps up), else the CPUs of this process's affinity
+    shared by the ranks of the host, less one for the rank itself, at most
+    :data:`MAX_AUTO_WORKERS` (0 when a rank has fewer than 2 CPUs).
+
+    Args:
+        device: the device of the rank's step.
+        local_world_size: ranks on this host sharing its CPUs.
+        cpus: CPUs available (default: ``len(os.sched_getaffinity(0))``).
+    """
+    if torch.device(device).type == "cpu":
+        return 0
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(0, min(MAX_AUTO_WORKERS, cpus // max(1, local_world_size) - 1))
+
+
+def _slot_bytes(loader: "BatchLoader") -> int:
+    """Bytes of one slot: 4x a one-hot batch of this rank's rows (bags at their expanded size),
+    at least 16 MiB; address space only until written (the mapping is MAP_NORESERVE)."""
+    rows = -(-loader.batch_size // loader.world_size)
+    ids = sum(loader.expand[f][1] if f in loader.expand else (16 if loader.multi_hot[f] else 1)
+              for f in loader.features)
+    per_row = 4 * len(loader.dense_names) + 4 + 20 * ids + 8 * len(loader.features)
+    return -(-max(16 << 20, 4 * rows * per_row) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _arrays(b: Batch) -> list[np.ndarray | None]:
+    kjt = b.sparse_features
+    w = kjt.weights_or_none()
+    return [t.numpy() if t is not None else None
+            for t in (b.dense_features, b.labels, kjt.values(), kjt.lengths(), w)]
+
+
+def _describe(b: Batch) -> tuple:
+    kjt = b.sparse_features
+    return kjt.keys(), kjt.stride(), kjt.length_per_key_or_none()
+
+
+def _worker_main(loader: "BatchLoader", k: int, n: int, start: int, conn: connection.Connection,
+                 ring: mmap.mmap, slot: int, depth: int) -> None:
+    """Body of worker ``k`` of ``n`` (in the forked child): make batches ``i >= start`` with
+    ``i % n == k`` into the slots ``[k * depth, (k + 1) * depth)`` of ``ring``; never returns."""
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        torch.set_num_threads(1)
+        parent = os.getppid()
+        loader.pin_memory = False  # pinned in the consumer (this process never touches CUDA)
+        free = list(range(k * depth, (k + 1) * depth))
+        for i, b in loader._part(start, k, n):
+            while not free:
+                if conn.poll(_POLL_S):
+                    msg = conn.recv()
+                    free.append(msg)
+                elif os.getppid() != parent:
+                    return
+            arrays = _arrays(b)
+            sizes = [0 if a is None else -(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
+            s = free.pop(0)
+            if sum(sizes) > slot:  # a batch larger than a slot: pickled over the socket (the slot unused)
+                conn.send(("inline", i, s, arrays, _describe(b)))
+                continue
+            at, layout = s * slot, []
+            for a, size in zip(arrays, sizes):
+                if a is None:
+                    layout.append(None)
+                    continue
+                np.copyto(np.frombuffer(ring, a.dtype, a.size, at).reshape(a.shape), a)
+                layout.append((at, a.dtype.str, a.shape))
+                at += size
+            conn.send(("slot", i, s, layout, _describe(b)))
+    except BaseException as e:  # handed to the consumer, which raises it
+        code = 1
+        tb = traceback.format_exc()
+        try:  # the consumer raises the same error (a UserError stays one error line), else its text
+            same = pickle.loads(pickle.dumps(e))
+            if type(same) is not type(e) or str(same) != str(e):
+                raise TypeError
+        except Exception:
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        try:
+            conn.send(("error", -1, -1, e, tb))
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+
+
+class _Workers:
+    """The ``n`` forked workers of one iteration over ``loader`` from global batch ``start``."""
+
+    def __init__(self, loader: "BatchLoader", start: int, n: int, depth: int) -> None:
+        self.n, self.depth, self.slot = n, depth, _slot_bytes(loader)
+        self.pin = loader.pin_memory
+        self.ring = mmap.mmap(-1, n * depth * self.slot, flags=mmap.MAP_SHARED | _MAP_NORESERVE)
+        self.conns: list[connection.Connection] = []
+        self.pids: list[int] = []
+        _LIVE.add(self)
+        try:
+            for k in range(n):
+                mine, theirs = connection.Pipe(duplex=True)
+                with warnings.catch_warnings():  # 3.12+: fork of a process with threads (the child
+                    warnings.simplefilter("ignore", DeprecationWarning)  # only runs numpy and this loop)
+                    pid = os.fork()
+                if pid == 0:
+                    mine.close()
+                    _worker_main(loader, k, n, start, theirs, self.ring, self.slot, depth)
+                theirs.close()
+                self.conns.append(mine)
+                self.pids.append(pid)
+        except BaseException:
+            self.close()
+            raise
+
+    def _dead(self, k: int) -> str | None:
+        """Why worker ``k`` is gone, or None while it runs."""
+        if self.pids[k] <= 0:
+            return "exited"
+        try:
+            pid, status = os.waitpid(self.pids[k], os.WNOHANG)
+        except ChildProcessError:
+            return "exited (already reaped)"
+        if pid == 0:
+            return None
+        self.pids[k] = -1
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            return f"was killed by signal {sig} ({signal.Signals(sig).name})"
+        return f"exited with code {os.WEXITSTATUS(status)}"
+
+    def _died(self, k: int, pid: int, why: str, i: int) -> WorkerError:
+        return WorkerError(f"loader worker {k} of {self.n} (pid {pid}) {why} before making batch {i + 1}; if it "
+                           "was killed for memory, lower data.workers or data.shuffle_window_rows")
+
+    def get(self, i: int) -> Batch:
+        """Global batch ``i`` (the next one of worker ``i % n``).
+
+        Raises:
+            WorkerError: the worker died before sending it (names the worker, pid and cause).
+            Exception: what the worker raised making it."""
+        k = i % self.n
+        conn, pid = self.conns[k], self.pids[k]
+        while not conn.poll(_POLL_S):
+            why = self._dead(k)
+            if why is not None and not conn.poll(0):
+                raise self._died(k, pid, why, i)
+        try:
+            kind, got, s, payload, desc = conn.recv()
+        except (EOFError, OSError):  # its end of the socket closed (or reset): it is exiting, or exited
+            why = None
+            for _ in range(50):  # up to 5 s for its exit status
+                why = self._dead(k)
+                if why is not None:
+                    break
+                time.sleep(_POLL_S)
+            raise self._died(k, pid, why or "closed its connection", i) from None
+        if kind == "error":
+            payload.add_note(f"(in loader worker {k} of {self.n}, pid {pid}:)\n{desc}")
+            raise payload
+        if got != i:
+            raise RuntimeError(f"internal error: loader worker {k} sent batch {got + 1}, expected {i + 1}")
+        if kind == "inline":
+            tensors = [None if a is None else self._own(torch.from_numpy(a)) for a in payload]
+        else:
+            tensors = [None if p is None else self._own(torch.from_numpy(
+                np.frombuffer(self.ring, np.dtype(p[1]), int(np.prod(p[2])), p[0]).reshape(p[2]))) for p in payload]
+        try:
+            conn.send(s)  # the slot (or the credit of an inline batch) is free again
+        except OSError:  # the worker made its last batch and exited (or died: seen at its next batch)
+            pass
+        dense, labels, values, lengths, weights = tensors
+        keys, stride, lpk = desc
+        kjt = KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False,
+                                length_per_key=lpk)
+        return Batch(dense, kjt, labels)
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` (a view of a slot, or a pickled array) the consumer owns, pinned if asked."""
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
+        return out.copy_(t)
+
+    def close(self) -> None:
+        """Kill and reap every worker (they hold nothing but their memory), and close the sockets
+        (the slots are unmapped with the last reference).  Idempotent."""
+        for k, pid in enumerate(self.pids):
+            if pid > 0:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                except (ProcessLookupError, ChildProcessError):
+                    pass
+                self.pids[k] = -1
+        for c in self.conns:
+            c.close()
+        self.conns = []
+        _LIVE.discard(self)
+
+
+def worker_batches(loader: "BatchLoader", start: int, n: int, depth: int) -> Iterator[Batch]:
+    """The global batches ``start, start + 1, ...`` of ``loader``'s epoch, made by ``n`` forked
+    workers, each at most ``depth`` batches ahead of the consumer (module docstring).
+
+    Raises:
+        WorkerError: a worker died; what a worker raised (e.g. DataError, EmbeddingIdError).
+    """
+    nb = loader.num_global_batches()
+    if start >= nb:
+        return
+    pool = _Workers(loader, start, min(n, nb - start), depth)
+    try:
+        for i in range(start, nb):
+            yield pool.get(i)
+    finally:
+        pool.close()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for pool in list(_LIVE):
+        pool.close()
