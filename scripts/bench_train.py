@@ -151,7 +151,7 @@ def main() -> None:
     batch = 2048
     import torch
 
-    from dlrmctl.modules.dlrm import onednn_linear_available
+    from dlrmctl.modules.mlp import onednn_linear_available
 
     rates = {"fp32": gemm_rate(torch.float32, a.gemm_n), "bf16": gemm_rate(torch.bfloat16, a.gemm_n)}
     if "fp32_onednn" in a.variants.split(","):

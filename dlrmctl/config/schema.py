@@ -411,10 +411,10 @@ class TrainConfig:
     cpu_linear: Literal["auto", "aten", "onednn"] = "auto"
     """The GEMM library of the MLPs' Linear layers and of DCN's cross net when training on the
     CPU in fp32: ``aten`` (``F.linear``: MKL's sgemm on x86 builds), ``onednn`` (oneDNN's fp32
-    GEMM with the bias fused, :class:`dlrmctl.modules.dlrm.OneDNNLinear`: 2.0-2.4x
+    GEMM with the bias fused, :class:`dlrmctl.modules.mlp.OneDNNLinear`: 2.0-2.4x
     MKL's rate on an AMD EPYC, the same rate on an Intel Xeon; fp32-accurate, not the same bits)
     or ``auto``: ``onednn`` on x86 CPUs other than Intel's, ``aten`` on Intel's and elsewhere
-    (by the CPU's vendor, never a timing: :func:`dlrmctl.modules.dlrm.resolve_cpu_linear`;
+    (by the CPU's vendor, never a timing: :func:`dlrmctl.modules.mlp.resolve_cpu_linear`;
     the environment variable ``DLRMCTL_CPU_LINEAR=aten|onednn`` decides ``auto`` instead).
     Evaluation, bf16 autocast, CUDA and the export always use ``F.linear``. See
     docs/training.md#the-cpu-gemm-library-traincpu_linear."""

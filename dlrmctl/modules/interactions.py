@@ -28,7 +28,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from dlrmctl.modules.dlrm import MLP, InteractionArch, OneDNNLinear, cpu_fp32_training
+from dlrmctl.modules.dlrm import InteractionArch
+from dlrmctl.modules.mlp import MLP, OneDNNLinear, cpu_fp32_training
 from dlrmctl.sparse import KeyedTensor
 
 __all__ = [
@@ -95,7 +96,7 @@ class LowRankCrossNet(nn.Module):
         )
         self.bias = nn.ParameterList([nn.Parameter(torch.zeros(in_features)) for _ in range(num_layers)])
 
-    #: GEMM library for CPU fp32 training (``train.cpu_linear``, :func:`dlrmctl.modules.dlrm.set_cpu_linear`)
+    #: GEMM library for CPU fp32 training (``train.cpu_linear``, :func:`dlrmctl.modules.mlp.set_cpu_linear`)
     cpu_linear: str = "aten"
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from dlrmctl.data.batch import Batch
 from dlrmctl.distributed.env import RunEnv, apply_matmul_precision
 from dlrmctl.distributed.model_parallel import TrainModel
 from dlrmctl.fileio import write_text_atomic
-from dlrmctl.modules.dlrm import apply_cpu_linear
+from dlrmctl.modules.mlp import apply_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
 from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader

@@ -220,7 +220,7 @@ def test_mlp_first_layer_weight_grad_only_path_is_bit_identical_to_autograd(drop
     gradients must equal those of the plain nn.Sequential (F.linear under autograd) (bit for bit on
     this machine; up to the summation order of another BLAS),
     with and without dropout; eval mode and an input that needs a gradient take the plain path."""
-    from dlrmctl.modules.dlrm import MLP
+    from dlrmctl.modules.mlp import MLP
 
     torch.manual_seed(7)
     mlp = MLP(13, [64, 32, 8], dropout=dropout).train()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dlrmctl.config import config_from_dict
-from dlrmctl.modules import dlrm as dlrm_mod
-from dlrmctl.modules.dlrm import MLP, OneDNNLinear, onednn_linear_available, set_cpu_linear
+from dlrmctl.modules import mlp as mlp_mod
+from dlrmctl.modules.mlp import MLP, OneDNNLinear, onednn_linear_available, set_cpu_linear
 from dlrmctl.distributed.env import RunEnv
 from dlrmctl.train.trainer import Trainer
 from dlrmctl.train.run_dir import TrainError, prepare_run_dir
@@ -105,7 +105,7 @@ def test_the_choice_reaches_every_mlp_of_a_wrapped_model():
 def test_bad_or_unavailable_choice_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="train.cpu_linear: expected one of"):
         set_cpu_linear(MLP(4, [4]), "mkl")
-    monkeypatch.setattr(dlrm_mod, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(mlp_mod, "onednn_linear_available", lambda: False)
     with pytest.raises(ValueError, match="onednn needs a torch build with oneDNN"):
         set_cpu_linear(MLP(4, [4]), "onednn")
 
@@ -144,7 +144,7 @@ def test_trainer_with_onednn_trains_like_aten(tiny, tmp_path):
 
 
 def test_unavailable_onednn_stops_the_trainer_with_one_message(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(dlrm_mod, "onednn_linear_available", lambda: False)
+    monkeypatch.setattr(mlp_mod, "onednn_linear_available", lambda: False)
     with pytest.raises(TrainError, match="train.cpu_linear: onednn needs"):
         _trainer(tiny, tmp_path, "cl_x", "onednn")
 
@@ -235,10 +235,10 @@ def test_auto_picks_the_gemm_library_by_the_cpu_vendor(monkeypatch, vendor, have
     """The vendor is faked both ways, passed in and read from the machine (``procs.cpu_vendor``,
     None where /proc/cpuinfo has no vendor_id): the real CPU never decides the answer."""
     from dlrmctl import procs
-    from dlrmctl.modules.dlrm import CPU_LINEAR_ENV, resolve_cpu_linear
+    from dlrmctl.modules.mlp import CPU_LINEAR_ENV, resolve_cpu_linear
 
     monkeypatch.delenv(CPU_LINEAR_ENV, raising=False)
-    monkeypatch.setattr(dlrm_mod, "onednn_linear_available", lambda: have_onednn)
+    monkeypatch.setattr(mlp_mod, "onednn_linear_available", lambda: have_onednn)
     monkeypatch.setattr(procs, "cpu_vendor", lambda: vendor)
     for kind, why in [resolve_cpu_linear("auto")] + ([resolve_cpu_linear("auto", vendor=vendor)] if vendor else []):
         assert kind == expected and why.startswith("train.cpu_linear auto"), (kind, why)
@@ -254,7 +254,7 @@ def test_the_environment_variable_decides_auto_on_any_cpu(monkeypatch, vendor, f
     """DLRMCTL_CPU_LINEAR decides ``auto`` whatever the vendor (how the suite runs the oneDNN
     path on an Intel CPU); an explicit config value still wins; a bad value is a clear error."""
     from dlrmctl import procs
-    from dlrmctl.modules.dlrm import CPU_LINEAR_ENV, resolve_cpu_linear
+    from dlrmctl.modules.mlp import CPU_LINEAR_ENV, resolve_cpu_linear
 
     monkeypatch.setattr(procs, "cpu_vendor", lambda: vendor)
     monkeypatch.setenv(CPU_LINEAR_ENV, forced)

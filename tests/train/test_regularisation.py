@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from dlrmctl.cli import app
 from dlrmctl.config import ConfigError, auto_embedding_dim, config_from_dict, resolve_tables
-from dlrmctl.modules.dlrm import MLP, ProjectedInteraction
+from dlrmctl.modules.dlrm import ProjectedInteraction
+from dlrmctl.modules.mlp import MLP
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.factory import build_model
 
