@@ -16,7 +16,6 @@ LONG_FILES = {
                                        "KeyedTensor; one file per class is the planned split",
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
-    "dlrmctl/data/criteo/parse.py": "Criteo line parsing and per-row transforms; to split",
     "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC: input dist, lookups, output dist, managed-collision "
                                           "routing; the dist plans to split out",
     "dlrmctl/distributed/sharding/common.py": "the sharding interface (with its family hooks) and the shared "

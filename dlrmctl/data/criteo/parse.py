@@ -5,20 +5,17 @@ plain, ``.gz`` or ``.bz2``) block by block with ``pyarrow.csv.open_csv`` and tur
 into vectorised arrays: dense ``log(max(x, 0) + 1)`` float32, categorical 8-hex-digit values
 decoded to 32-bit integers, the row's split code, and (given the hashing modulus or the
 vocabularies) the categorical ids.  The semantics are described in :mod:`dlrmctl.data.criteo`.
+The input files are :mod:`dlrmctl.data.criteo.inputs`', the hex decoding
+:mod:`dlrmctl.data.criteo.hex_values`' (their names re-exported here).
 """
 
 from __future__ import annotations
 
-import bz2
 import dataclasses
-import glob
-import gzip
 import hashlib
-import io
-import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -26,9 +23,17 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 
 from dlrmctl.data.columnar import LABEL_COLUMN, DataError, check_split_ratios
-from dlrmctl.data.ids import MISSING_RAW_ID, raw_ids
+from dlrmctl.data.criteo.hex_values import decode_hex8, hex_to_uint32, raw_ids_of_hex  # noqa: F401  (re-exported)
+from dlrmctl.data.criteo.inputs import (  # noqa: F401  (re-exported)
+    count_lines,
+    decode_error,
+    expand_inputs,
+    num_fields,
+    open_text,
+    paced_input,
+)
 from dlrmctl.errors import quoted
-from dlrmctl.data.long_lines import LineLimit, long_line_message
+from dlrmctl.data.long_lines import long_line_message
 
 if TYPE_CHECKING:
     from dlrmctl.data.criteo.vocab import VocabSet
@@ -57,85 +62,6 @@ def dense_log1p(values: np.ndarray) -> np.ndarray:
     """
     x = np.maximum(values, 0).astype(np.float64)
     return np.log1p(x).astype(np.float32)
-
-
-_U = np.uint64
-_HIGH = _U(0x8080808080808080)
-
-
-def decode_hex8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat ``[8k]`` uint8 bytes of ``k`` 8-character hex strings -> (uint64 ``[k]``, bad bool ``[k]``).
-
-    SWAR on one big-endian 64-bit word per string (all steps are per byte, no carries):
-    fold upper case to lower (``c |= (c & 0x40) >> 1``), nibble ``n = (c & 0xF) + 9 * (c >> 6 & 1)``,
-    validity by re-encoding ``n`` as lowercase ASCII (``'0' + n`` or ``'a' + n - 10``, ``n <= 15``) and
-    comparing with the input, then the eight nibbles are packed pairwise into 32 bits.
-    Equivalent to ``int(s, 16)`` on ``[0-9a-fA-F]{8}`` (checked exhaustively in the tests).
-    """
-    v = raw.view(">u8").astype(np.uint64)
-    b6 = v & _U(0x4040404040404040)
-    v |= b6 >> _U(1)
-    n = v & _U(0x0F0F0F0F0F0F0F0F)
-    b6 >>= _U(6)
-    b6 *= _U(9)
-    n += b6
-    t = n + _U(0x7676767676767676)
-    t &= _HIGH  # n >= 10
-    big = (n + _U(0x7070707070707070)) & _HIGH  # n >= 16: not a hex digit
-    t >>= _U(7)
-    t *= _U(0x27)
-    t += n
-    t += _U(0x3030303030303030)
-    bad = (t != v) | (big != 0)
-    x = n
-    x |= x >> _U(4)
-    x &= _U(0x00FF00FF00FF00FF)
-    x |= x >> _U(8)
-    x &= _U(0x0000FFFF0000FFFF)
-    x |= x >> _U(16)
-    x &= _U(0xFFFFFFFF)
-    return x, bad
-
-
-def hex_to_uint32(arr: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Decode a Criteo categorical column.
-
-    Args:
-        arr: ``pa.binary()`` (or string) array of ``n`` values, each empty or 8 hex digits.
-
-    Returns:
-        ``(h, present, bad)``: ``h`` uint64 ``[n]`` the decoded values (``int(s, 16)``, 0 where
-        empty or bad), ``present`` bool ``[n]`` (non-empty), ``bad`` bool ``[n]`` rows whose value
-        is not exactly 8 hex digits, or None when there are none.
-    """
-    n = len(arr)
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=np.int32, count=n + 1, offset=arr.offset * 4)
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
-    lens = np.diff(offsets)
-    present = lens != 0
-    h = np.zeros(n, dtype=np.uint64)
-    k = int(np.count_nonzero(present))
-    start, end = int(offsets[0]), int(offsets[-1])
-    if bool(((lens | 8) == 8).all()):
-        raw = data[start:end]
-        vals, badv = decode_hex8(raw)
-        h[present] = vals
-        if not badv.any():
-            return h, present, None
-        bad = np.zeros(n, dtype=bool)
-        bad[present] = badv
-        return h, present, bad
-    # some values are not 8 characters long: decode the 8-long ones, flag the rest
-    ok8 = lens == 8
-    bad = present & ~ok8
-    if ok8.any():
-        idx = offsets[:-1][ok8].astype(np.int64)[:, None] + np.arange(8)
-        vals, badv = decode_hex8(np.ascontiguousarray(data[idx]).reshape(-1))
-        h[ok8] = vals
-        bad[ok8] |= badv
-    del k
-    return h, present, bad
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -241,155 +167,6 @@ class CriteoOptions:
     @property
     def threshold(self) -> int:
         return self.frequency_threshold if self.frequency_threshold is not None else DEFAULT_FREQUENCY_THRESHOLD
-
-
-_DAY_RE = re.compile(r"^day_(\d+)(?:\.[A-Za-z0-9]+)*$")
-
-
-def expand_inputs(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """Resolve ``--input``: a file, a directory (all non-hidden regular files in it), or a glob.
-
-    Returns:
-        Sorted list of files (``day_N`` files sorted by N).
-
-    Raises:
-        DataError: nothing matches, two inputs share a base name (their outputs would collide), or
-            two names (links) of one file are listed (its rows would be read twice).  One path spelled
-            several ways (relative, absolute) counts once.
-    """
-    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
-    files: list[Path] = []
-    for s in specs:
-        p = Path(s)
-        if p.is_dir():
-            files += [f for f in p.iterdir() if f.is_file() and not f.name.startswith(".")]
-        elif p.is_file():
-            files.append(p)
-        else:
-            matched = [Path(m) for m in glob.glob(str(s)) if Path(m).is_file()]
-            if not matched:
-                raise DataError("no such file, directory or glob match", path=s)
-            files += matched
-
-    def key(f: Path):
-        m = _DAY_RE.match(f.name)
-        return (0, int(m.group(1)), f.name) if m else (1, 0, f.name)
-
-    # one file spelled several ways (relative / absolute / with ..) is one input; symlinks keep their
-    # own name (a day_N link into a store of other names), so paths are made absolute, not resolved
-    files = sorted({Path(os.path.abspath(f)) for f in files}, key=key)
-    if not files:
-        raise DataError("no input files found", path=str(spec))
-    seen: dict[tuple[int, int], Path] = {}
-    for f in files:
-        st = f.stat()
-        first = seen.setdefault((st.st_dev, st.st_ino), f)
-        if first != f:  # a link or a second name of a file already listed: its rows would count twice
-            raise DataError(f"{first} and {f} are the same file (a link or another name); "
-                            "its rows would be read twice: list it once", path=str(spec))
-    names = [f.name for f in files]
-    dup = {n for n in names if names.count(n) > 1}
-    if dup:
-        raise DataError(f"several inputs share the base name(s) {sorted(dup)}; outputs are keyed by "
-                        "base name, rename them", path=str(spec))
-    return files
-
-
-def open_text(path: Path):
-    """Open a plain, ``.gz`` or ``.bz2`` file for binary reading (by its name's suffix)."""
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
-    if path.name.endswith(".bz2"):
-        return bz2.open(path, "rb")
-    return open(path, "rb")
-
-
-class _Paced(io.RawIOBase):
-    """A readable file that hands Arrow's CSV / JSON readers exactly the bytes they ask for, when
-    they ask.  Given a path, those readers read ahead on their I/O thread as fast as the disk
-    allows: a file read faster than it is transformed ended up in memory whole (peak RSS grew with
-    the file's size).  Through this synchronous reader nothing is read ahead.
-
-    Each call fills the whole request (one CSV block, ``ReadOptions.block_size``) unless the input
-    ends: a short read would make Arrow cut a smaller block, and the shards' record batches (which
-    the loader's shuffle sees) would then depend on how the input was read."""
-
-    def __init__(self, f) -> None:
-        self._f = f
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = 0
-        while n < len(view):
-            data = self._f.read(len(view) - n)
-            if not data:
-                break
-            view[n: n + len(data)] = data
-            n += len(data)
-        return n
-
-    def close(self) -> None:
-        self._f.close()
-        super().close()
-
-
-def paced_input(path: str | os.PathLike, block_size: int | None = None,
-                long_line: "Callable[[int], bytes] | None" = None) -> pa.NativeFile:
-    """A text input for Arrow's CSV / JSON readers (decompressed by its name's suffix: ``.gz``,
-    ``.bz2``, ``.zst``, ``.lz4``), read one block at a time as the parser asks (:class:`_Paced`):
-    memory does not grow with the file's size, and the blocks are those of reading the path.
-
-    Given the reader's ``block_size`` and ``long_line``, a line of ``block_size`` bytes or more
-    (one Arrow cannot hold in a block) reaches the reader as ``long_line(line_number)``
-    (:class:`dlrmctl.data.long_lines.LineLimit`)."""
-    def open_input():
-        return pa.input_stream(os.fspath(path), compression="detect")
-
-    if block_size is not None and long_line is not None:
-        return pa.PythonFile(LineLimit(open_input, block_size, long_line), mode="r")
-    return pa.PythonFile(_Paced(open_input()), mode="r")
-
-
-def decode_error(path: Path, e: BaseException) -> "DataError":
-    """A file that cannot be decoded (a truncated ``.gz``, a plain file named ``.gz``: an OSError
-    without an errno, EOFError) as the DataError naming it; an OS condition (errno) is re-raised."""
-    if isinstance(e, OSError) and e.errno is not None:
-        raise e
-    kind = "gzip" if str(path).endswith(".gz") else "bz2" if str(path).endswith(".bz2") else "text"
-    return DataError(f"cannot be read as a {kind} file ({e}); is it complete and of the kind its name says?",
-                     path=path)
-
-
-def num_fields(path: Path) -> int | None:
-    """Field count of the first line (None for an empty file).
-
-    Raises:
-        DataError: the file cannot be decoded (:func:`decode_error`)."""
-    try:
-        with open_text(path) as f:
-            first = f.readline()
-    except (OSError, EOFError) as e:
-        raise decode_error(path, e) from None
-    if not first:
-        return None
-    return first.rstrip(b"\r\n").count(b"\t") + 1
-
-
-def count_lines(path: Path) -> int:
-    """Number of lines (a last line without a newline counts)."""
-    n = 0
-    last = b"\n"
-    with open_text(path) as f:
-        while True:
-            b = f.read(16 << 20)
-            if not b:
-                break
-            n += b.count(b"\n")
-            last = b[-1:]
-    return n + (last != b"\n")
 
 
 # =============================================================================== reading blocks
@@ -683,7 +460,6 @@ def read_blocks(task: FileTask) -> Iterator[Block]:
             yield None  # tells the consumer to discard what it has written and restart
 
 
-
 def ids_of(opts: CriteoOptions, sparse_h: list[np.ndarray], sparse_present: list[np.ndarray],
            vocabs: "VocabSet | None") -> list[np.ndarray]:
     """Categorical ids of ``n`` rows.
@@ -714,32 +490,3 @@ def ids_of(opts: CriteoOptions, sparse_h: list[np.ndarray], sparse_present: list
             ids[~present] = v.size + 1
         out.append(ids)
     return out
-
-
-_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-_NIBBLE_SHIFTS = np.arange(28, -1, -4, dtype=np.uint64)
-
-
-def raw_ids_of_hex(h: np.ndarray, present: np.ndarray) -> np.ndarray:
-    """Raw 64-bit ids of Criteo categorical values (``--raw-ids``).
-
-    The canonical text of a Criteo value is its 8 lowercase hex digits (``f"{int(s, 16):08x}"``,
-    so ``68FD1E64`` and ``68fd1e64`` are one value, as in hashing and vocabulary modes); its raw
-    id is :func:`dlrmctl.data.ids.raw_ids` of that text (the one FNV-1a-64 hash, no other).  The
-    text is rebuilt vectorised as one fixed-width Arrow string buffer (no per-value Python).
-
-    Args:
-        h: ``[n]`` uint64/uint32 decoded values (< 2^32).
-        present: ``[n]`` bool, False where the field is empty.
-
-    Returns:
-        ``[n]`` int64 raw ids; missing fields are :data:`~dlrmctl.data.ids.MISSING_RAW_ID` (0).
-    """
-    n = len(h)
-    nib = (np.asarray(h, dtype=np.uint64)[:, None] >> _NIBBLE_SHIFTS[None, :]) & np.uint64(0xF)
-    data = _HEX_DIGITS[nib.astype(np.intp)].reshape(-1)
-    offsets = np.arange(0, 8 * n + 1, 8, dtype=np.int64)
-    text = pa.LargeStringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(data))
-    ids = raw_ids(text)
-    ids[~np.asarray(present, dtype=bool)] = MISSING_RAW_ID
-    return ids

@@ -45,17 +45,14 @@ from dlrmctl.data.columnar import (
 from dlrmctl.data.criteo import decoded as _decoded
 from dlrmctl.data.criteo import vocab as _vocab
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
+from dlrmctl.data.criteo.inputs import DAY_RE, count_lines, expand_inputs, num_fields
 from dlrmctl.data.criteo.parse import (
-    _DAY_RE,
     DENSE_FEATURES,
     DLRM_LOG_SOURCE,
     NUM_SPARSE,
     SPARSE_FEATURES,
     CriteoOptions,
     FileTask,
-    count_lines,
-    expand_inputs,
-    num_fields,
     ids_of,
     read_blocks,
     split_of_block,
@@ -272,7 +269,7 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     elif o.split_by_day:
         days = {}
         for f in files:
-            m = _DAY_RE.match(f.name)
+            m = DAY_RE.match(f.name)
             if not m:
                 raise DataError("--split-by-day needs files named day_N (1TB Criteo layout)", path=f)
             days[f] = int(m.group(1))
