@@ -25,8 +25,9 @@ def register(preprocess_app: typer.Typer) -> None:
         val_ratio: float = typer.Option(0.0, help="fraction of rows for validation"),
         test_ratio: float = typer.Option(0.0, help="fraction of rows for test"),
         seed: int = typer.Option(0, help="seed of the row-hash split"),
-        split_by: str = typer.Option("row", help="'row' (hash of file and line) or 'time' (the latest slices of "
-                                     "the schema's time column are test, the ones before them val)"),
+        split_by: str = typer.Option(None, help="'row' (hash of file and line) or 'time' (the latest slices of "
+                                     "the schema's time column are test, the ones before them val; per group with "
+                                     "the schema's split.group); default: the schema's split.by, else row"),
         on_bad_line: str = typer.Option("error", help="'error' (stop, naming file:line and column) or 'skip' "
                                         "(count)"),
         workers: int = typer.Option(1, min=1, help="worker processes (parallel across input files)"),
@@ -58,6 +59,10 @@ def register(preprocess_app: typer.Typer) -> None:
         inputs = stat_inputs(input)
         for i in inputs:
             sch.format_of(i["path"])
+        if sch.join:  # the side tables are inputs too
+            from dlrmctl.data.logs.join import side_path
+
+            inputs = inputs + stat_inputs([str(side_path(j, [Path(i["path"]) for i in inputs])) for j in sch.join])
         recipe = {"dataset": "logs", "schema": sch.to_dict(), "inputs": inputs,
                   "options": {k: v for k, v in vars(opts).items() if k != "workers"}}
         target = dataset_target_or_fail(out, recipe, force)

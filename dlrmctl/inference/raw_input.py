@@ -150,7 +150,9 @@ def _check_logs(path: Path, head: bytes, meta: dict, whole: bool = False) -> Non
                                    f"{schema.name or ''} reads Parquet".replace("  ", " "), path)
         return
     line = _first_line(head, path, f"{fmt.upper()} rows of the model's schema{f' {schema.name}' if schema.name else ''}")
-    need = [d.name for d in schema.dense] + [c.name for c in schema.categorical]
+    joined = set(schema.joined_columns())  # brought by the side tables the model carries, by their keys
+    need = list(dict.fromkeys([n for n in [d.name for d in schema.dense] + [c.name for c in schema.categorical]
+                               if n not in joined] + [j.key for j in schema.join]))
     allowed = set(schema.named_columns())
     if fmt == "jsonl":
         try:

@@ -357,39 +357,6 @@ def test_a_line_longer_than_a_block_is_named_by_its_line_or_skipped_and_counted(
         preprocess_logs(schema, js, tmp_path / "j", LogOptions(block_size=20_000), progress=False)
 
 
-def test_movielens_schema_gives_the_ratings_and_labels_of_preprocess_movielens(tmp_path):
-    """configs/schemas/movielens.yaml on ml-latest-small's ratings.csv and `preprocess movielens` on
-    the release hold the same (user, movie, label) rows, every split together.  The two differ by
-    design in what docs/data.md lists: the split (per user by time vs. over all rows), the id
-    order and table sizes (train vocabulary with OOV and missing rows vs. every rater / every movie
-    of movies.csv) and the joined features (genres, tags, popularity), which the ratings file lacks."""
-    from dlrmctl.data.ids import raw_ids
-    from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
-    from tests.conftest import SHARED_DATA, require_shared
-
-    src = require_shared(SHARED_DATA / "movielens" / "ml-latest-small")
-    preprocess_movielens(src, tmp_path / "m", MovieLensOptions(val_ratio=0.1, test_ratio=0.1))
-    # every rating in train, so that every user and movie has its row in the train vocabulary
-    preprocess_logs(load_schema("configs/schemas/movielens.yaml"), src / "ratings.csv", tmp_path / "l",
-                    LogOptions(val_ratio=0.0, test_ratio=0.0), progress=False)
-
-    def rows(d, user, item, keys):
-        """{(raw user key, raw movie key): label} of every split; keys: raw value -> the key compared."""
-        out = {}
-        for split in ("train", "val", "test"):
-            t, meta = _read(d, split)
-            vu, vi = (ipc.open_file(pa.memory_map(str(d / meta["vocab_files"][f]))).read_all().column("value")
-                      .to_numpy() for f in (user, item))
-            u, i = keys(vu)[t.column(user).to_numpy()], keys(vi)[t.column(item).to_numpy()]
-            out.update(zip(zip(u.tolist(), i.tolist()), t.column("label").to_numpy().tolist()))
-        return out, meta
-
-    m, mm = rows(tmp_path / "m", "user_id", "item_id", lambda v: raw_ids(pa.array(v)))
-    lo, ml = rows(tmp_path / "l", "userId", "movieId", lambda v: v)  # the logs vocabulary holds raw ids
-    assert len(m) == len(lo) == 100836 and m == lo
-    assert sum(mm["splits"][s]["rows"] for s in mm["splits"]) == sum(ml["splits"][s]["rows"] for s in ml["splits"])
-
-
 def test_a_utf8_bom_before_the_header_is_not_part_of_the_first_column(tmp_path):
     rows = _rows(50)
     src = tmp_path / "bom.csv"

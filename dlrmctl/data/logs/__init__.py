@@ -3,8 +3,9 @@
 
 Modules: :mod:`.schema` (the YAML schema and its validation), :mod:`.read` (streaming readers that
 know every row's file and line), :mod:`.transform` (label, dense and categorical transforms of a
-block), :mod:`.preprocess` (the passes and ``meta.json``), :mod:`.raw_transform` (raw rows of the
-schema's format for ``predict`` and ``serve``).
+block), :mod:`.split` (time splits: one global cut, or per group), :mod:`.join` (side tables joined
+by a key column), :mod:`.preprocess` (the passes and ``meta.json``), :mod:`.raw_transform` (raw rows
+of the schema's format for ``predict`` and ``serve``).
 """
 
 from dlrmctl.data.logs.schema import LogSchema, SchemaError, load_schema, parse_schema

@@ -8,7 +8,8 @@ marker ``<part>.decoded.json`` (written last) holds pass 1's fingerprint and the
 a cache counts only with a matching marker, else pass 2 parses the input (resume, or a pass 1
 reused from an earlier run).
 
-Columns: ``key`` int64 (the row key); ``label`` float32; ``time`` int64; ``d<i>`` per dense column
+Columns: ``key`` int64 (the row key); ``label`` float32; ``time`` int64; ``group``, ``order`` int64
+(a per-group split's keys); ``d<i>`` per dense column
 (float64 for ``standardize``, else float32: the value ``dense_values`` casts to float32 anyway);
 ``k<f>`` per categorical column (uint32 for a one-hot ``parse: hex`` column, whose keys are 32-bit,
 else int64; a ``list`` for a multi-valued one) with ``p<f>`` bool present (one-hot) and ``w<f>``
@@ -48,6 +49,8 @@ def _schema(s: LogSchema) -> pa.Schema:
         fields.append(pa.field("label", pa.float32()))
     if s.time:
         fields.append(pa.field("time", pa.int64()))
+    if s.split is not None and s.split.group:  # a per-group split's keys (dlrmctl.data.logs.split)
+        fields += [pa.field("group", pa.int64()), pa.field("order", pa.int64())]
     fields += [pa.field(f"d{i}", pa.float64() if d.transform == "standardize" else pa.float32())
                for i, d in enumerate(s.dense)]
     for f, c in enumerate(s.categorical):
@@ -99,6 +102,8 @@ class DecodedCache:
             cols.append(pa.array(d.label, pa.float32()))
         if d.time is not None:
             cols.append(pa.array(d.time, pa.int64()))
+        if d.group is not None:
+            cols += [pa.array(d.group, pa.int64()), pa.array(d.order, pa.int64())]
         for spec, x in zip(self._spec.dense, d.dense):
             cols.append(pa.array(x) if spec.transform == "standardize" else pa.array(x.astype(np.float32)))
         for spec, v in zip(self._spec.categorical, d.categorical):
@@ -169,7 +174,8 @@ def _blocks(path: Path, s: LogSchema, bad: int) -> Iterator[Decoded]:
                                                   None if w is None else w.to_numpy()))
             d = Decoded(col["key"].to_numpy(), col["label"].to_numpy() if "label" in col else None,
                         [col[f"d{j}"].to_numpy() for j in range(len(s.dense))],
-                        col["time"].to_numpy() if "time" in col else None, cats, 0)
+                        col["time"].to_numpy() if "time" in col else None, cats, 0,
+                        *((col["group"].to_numpy(), col["order"].to_numpy()) if "group" in col else ()))
             report_rows(rb.num_rows)
             yield d
     report_rows(bad)

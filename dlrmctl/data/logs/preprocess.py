@@ -5,7 +5,8 @@ Passes, each one task per input file on the worker pool of :mod:`dlrmctl.data.cr
 
 0. with ``split_by='time'``: the time column's distinct values are counted; the latest ones make
    the test split (``test_ratio`` of the rows), the ones before them val; a time value is never
-   cut between two splits.
+   cut between two splits; with ``split.group``, each group's latest rows (:mod:`.split`).  Side
+   tables (``join``) are read and written to ``vocab/join_<i>.arrow`` first (:mod:`.join`).
 1. when a feature has ``vocab`` or ``ids: raw``, or a dense column ``standardize``: the train
    rows' categorical keys are counted into ``.counts/<part>.arrow`` (one record batch per counted
    feature) and the train rows' dense sums are returned; every decoded row is kept in
@@ -56,8 +57,10 @@ from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
 from dlrmctl.data.criteo.preprocess import PreprocessReport
 from dlrmctl.data.logs.cache import DecodedCache, read_cache, remove_cache
+from dlrmctl.data.logs.join import prepare_joins, recorded
 from dlrmctl.data.logs.read import file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
+from dlrmctl.data.logs.split import GroupCutoffs, concat_keys, group_cutoffs, split_mode, time_cutoffs
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of, table_rows, vocab_path
 
 __all__ = ["LogOptions", "preprocess_logs"]
@@ -70,7 +73,7 @@ class LogOptions:
     val_ratio: float = 0.0
     test_ratio: float = 0.0
     seed: int = 0
-    split_by: str = "row"  # "row" (hash of file and line) | "time" (latest time slices)
+    split_by: str | None = None  # "row" (hash of file and line) | "time" (latest time slices); None: the schema's
     on_bad_line: str = "error"
     workers: int = 1
     block_size: int = 4 << 20
@@ -78,9 +81,7 @@ class LogOptions:
     def validate(self, schema: LogSchema) -> None:
         """Raise ValueError naming the option when an option is inconsistent (with the schema)."""
         check_split_ratios(self.val_ratio, self.test_ratio)
-        if self.split_by not in ("row", "time"):
-            raise ValueError(f"--split-by must be 'row' or 'time', got {self.split_by!r}")
-        if self.split_by == "time" and not schema.time:
+        if split_mode(self.split_by, schema) == "time" and not schema.time:
             raise ValueError(f"--split-by time needs a `time:` column in the schema {schema.source}")
         if self.on_bad_line not in ("error", "skip"):
             raise ValueError(f"--on-bad-line must be 'error' or 'skip', got {self.on_bad_line!r}")
@@ -105,6 +106,7 @@ class LogTask:
     dense_stats: dict | None = None
     table_sizes: list[int] | None = None
     cache_fingerprint: str = ""  # pass 1's fingerprint: pass 2 reads its decoded blocks when they match
+    groups: GroupCutoffs | None = None  # per-group time split
 
 
 def _counted(schema: LogSchema) -> list[int]:
@@ -115,6 +117,8 @@ def _split_codes(task: LogTask, d) -> np.ndarray:
     n = len(d.keys)
     if task.schema.label is None:
         return np.full(n, 2, np.int8)
+    if task.groups is not None:
+        return task.groups.codes(d.group, d.time, d.order)
     if task.opts.split_by == "time":
         t_val, t_test = task.cutoffs
         return np.where(d.time >= t_test, 2, np.where(d.time >= t_val, 1, 0)).astype(np.int8)
@@ -139,6 +143,11 @@ def time_counts(task: LogTask) -> pa.Table:
             acc = [_vocab.merge_counts(acc)]
     return _vocab.merge_counts(acc) if acc else pa.table({"value": pa.array([], pa.int64()),
                                                           "count": pa.array([], pa.int64())})
+
+
+def group_rows(task: LogTask) -> tuple[np.ndarray, ...]:
+    """Pass 0 of a per-group split: ``(group, time, tiebreak)`` ``[n]`` int64 of the file's good rows."""
+    return concat_keys([(d.group, d.time, d.order) for d in _blocks(task)])
 
 
 def count_task(task: LogTask) -> dict:
@@ -291,26 +300,6 @@ def _fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _time_cutoffs(counts: pa.Table, o: LogOptions, source: str) -> tuple[float, float]:
-    """``(first val time, first test time)``: the latest time values holding ``test_ratio`` of the
-    rows are test, the ones before them holding ``val_ratio`` val (``inf`` for an empty split)."""
-    t = counts.sort_by([("value", "descending")])
-    values, cnt = t.column("value").to_numpy(), t.column("count").to_numpy()
-    total = int(cnt.sum())
-    cum = np.cumsum(cnt)
-    inf = float("inf")
-    n_test = int(np.searchsorted(cum, o.test_ratio * total - 1e-6, side="left")) + 1 if o.test_ratio else 0
-    n_vt = int(np.searchsorted(cum, (o.val_ratio + o.test_ratio) * total - 1e-6,
-                                   side="left")) + 1 if o.val_ratio else n_test
-    t_test = float(values[n_test - 1]) if n_test else inf
-    t_val = float(values[n_vt - 1]) if n_vt > n_test else t_test
-    if n_vt >= len(values):
-        raise DataError(f"--split-by time: the {len(values)} distinct time values leave no rows to train on "
-                        f"with --val-ratio {o.val_ratio} --test-ratio {o.test_ratio}; use a finer time column or "
-                        "smaller ratios", path=source)
-    return t_val, t_test
-
-
 def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str | os.PathLike],
                     out_dir: str | os.PathLike, options: LogOptions | None = None,
                     progress: bool = True) -> PreprocessReport:
@@ -334,13 +323,16 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     t0 = time.perf_counter()
     o = dataclasses.replace(options) if options is not None else LogOptions()
     o.validate(schema)
+    o.split_by = split_mode(o.split_by, schema)
     files = expand_inputs(inputs)
     for f in files:
         schema.format_of(f)
     out = Path(out_dir)
     (out / "parts").mkdir(parents=True, exist_ok=True)
-    common = {"format_version": FORMAT_VERSION, "schema": schema.to_dict(), "opts": {
-        k: v for k, v in dataclasses.asdict(o).items() if k not in ("workers",)}}
+    schema, joins = prepare_joins(schema, files, out) if schema.join else (schema, [])
+    common = {"format_version": FORMAT_VERSION, "schema": recorded(schema).to_dict(), "opts": {
+        k: v for k, v in dataclasses.asdict(o).items() if k not in ("workers",)},
+        "joins": [sha256_file(out / j["file"]) for j in joins]}
 
     def fid(f: Path) -> dict:
         st = f.stat()
@@ -350,20 +342,27 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
         return LogTask(str(f), f.name, schema, o, str(out), **kw)
 
     rows_read = 0
-    cutoffs = None
-    if o.split_by == "time":
+    cutoffs = groups = None
+    if o.split_by == "time" and schema.split is not None and schema.split.group:
+        prog = Progress("logs pass 0 (groups)", len(files), progress)
+        got = run_tasks(group_rows, [task(f) for f in files], o.workers, prog)
+        prog.show(final=True)
+        rows_read += prog.rows
+        groups = group_cutoffs(*concat_keys(got), o.val_ratio, o.test_ratio, str(inputs))
+        common["groups"] = groups.digest()
+    elif o.split_by == "time":
         prog = Progress("logs pass 0 (time)", len(files), progress)
         tables = run_tasks(time_counts, [task(f) for f in files], o.workers, prog)
         prog.show(final=True)
         rows_read += prog.rows
-        cutoffs = _time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
+        cutoffs = time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
     counted = _counted(schema)
     fp1: dict[Path, str] = {}
     dense_stats: dict[str, tuple[float, float]] = {}
     vocab_info: dict[int, dict] = {}
     if counted or any(d.transform == "standardize" for d in schema.dense):
         fp1 = {f: _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "pass": 1}) for f in files}
-        tasks = [task(f, cutoffs=cutoffs, fingerprint=fp1[f]) for f in files]
+        tasks = [task(f, cutoffs=cutoffs, groups=groups, fingerprint=fp1[f]) for f in files]
         prog = Progress("logs pass 1 (count)", len(tasks), progress)
         sums = run_tasks(count_task, tasks, o.workers, prog)
         prog.show(final=True)
@@ -395,8 +394,8 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             if st.get("fingerprint") == fp:
                 done_stats[f], skipped = st, skipped + 1
                 continue
-        tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, dense_stats=dense_stats, table_sizes=sizes,
-                          cache_fingerprint=fp1.get(f, "")))
+        tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, groups=groups, dense_stats=dense_stats,
+                          table_sizes=sizes, cache_fingerprint=fp1.get(f, "")))
     prog = Progress("logs", len(tasks), progress)
     for t, st in zip(tasks, run_tasks(write_task, tasks, o.workers, prog)):
         done_stats[Path(t.path)] = st
@@ -404,7 +403,12 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     rows_read += prog.rows
     shutil.rmtree(out / ".counts", ignore_errors=True) if all(
         (out / "parts" / f.name / "done.json").is_file() for f in files) else None
-    meta = _meta(schema, o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs)
+    meta = _meta(recorded(schema), o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs or (None, None))
+    if joins:
+        meta["joins"] = joins
+        meta["vocab_files"].update({f"join:{i}": j["file"] for i, j in enumerate(joins)})
+    if groups is not None:
+        meta["transforms"]["split"] = groups.describe(schema.time, schema.split, o.val_ratio, o.test_ratio)
     meta["input_format"] = schema.format_of(files[0])
     meta["input_columns"] = file_columns(files[0], schema)  # the order raw text rows are read in
     if not sum(meta["splits"][s]["rows"] for s in SPLITS):

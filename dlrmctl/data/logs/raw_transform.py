@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
+from dlrmctl.data.logs.join import with_tables
 from dlrmctl.data.logs.read import RowBatch, file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of
@@ -50,7 +51,7 @@ class RawTransformer:
     def __init__(self, meta: dict, data_dir: str | os.PathLike, source: str | os.PathLike | None = None) -> None:
         if not isinstance(meta.get("schema"), dict):
             raise DataError("no schema recorded in the data meta: raw rows cannot be transformed", path=source)
-        self.schema = LogSchema.from_dict(meta["schema"])
+        self.schema = with_tables(LogSchema.from_dict(meta["schema"]), data_dir)  # side tables: vocab/join_<i>.arrow
         #: the ids come as Bags (a multi-valued or weighted column), not ``[n, S]``
         self.bags = any(c.multi or c.weights for c in self.schema.categorical)
         dense = (meta.get("transforms") or {}).get("dense") or {}
@@ -72,7 +73,7 @@ class RawTransformer:
         if s.label and label is None:
             drop.add(s.label.column)
         ignore = tuple(c for c in (*s.ignore, *drop) if c in have)
-        return dataclasses.replace(s, label=label, time=None, ignore=ignore)
+        return dataclasses.replace(s, label=label, time=None, ignore=ignore, split=None)
 
     def _chunks(self, batches: Iterator[RowBatch], schema: LogSchema, batch_rows: int) -> Iterator[Chunk]:
         for b in batches:

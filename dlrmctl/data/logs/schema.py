@@ -21,7 +21,11 @@ Keys (``docs/data.md`` documents each with an example)::
       - {name: user, ids: raw}                     # the 64-bit raw id itself (managed collisions)
       - {name: tags, vocab: {}, multi: {delimiter: "|", max_len: 16}, weights: tag_weights}
       - {name: C1, parse: hex}                     # 8 hex digits read as an integer (Criteo)
+      - {name: genres, multi: {delimiter: "|"}, null_values: ["(no genres listed)"]}   # values read as missing
     ignore: [id]                      # columns read and dropped
+    split: {by: time, group: userId, tiebreak: movieId}   # optional (dlrmctl.data.logs.split)
+    join:                             # optional: columns of side tables, looked up by a key column
+      - {path: movies.csv, key: movieId, columns: [genres], missing: error}   # (dlrmctl.data.logs.join)
 
 A bare string in ``dense`` / ``categorical`` is ``{name: <it>}`` with the defaults.  Every column
 of the file must be named by the schema (as label, time, a feature, a weight column or in
@@ -38,7 +42,8 @@ from typing import Any
 
 from dlrmctl.errors import UserError
 
-__all__ = ["CategoricalSpec", "DenseSpec", "LabelSpec", "LogSchema", "SchemaError", "load_schema", "parse_schema"]
+__all__ = ["CategoricalSpec", "DenseSpec", "JoinSpec", "LabelSpec", "LogSchema", "SchemaError", "SplitSpec", "load_schema",
+           "parse_schema"]
 
 FORMATS = ("csv", "tsv", "parquet", "jsonl")
 DENSE_TRANSFORMS = ("log1p", "standardize", "none")
@@ -90,10 +95,39 @@ class CategoricalSpec:
     #: what ``hash`` mode reduces modulo the buckets: ``raw_id`` (FNV-1a of the text), or ``hex`` (the
     #: 8 hex digits' integer, with ``parse: hex``); recorded so that data hashed otherwise is refused
     hash_of: str = "raw_id"
+    #: values that mean "missing" (e.g. MovieLens' ``(no genres listed)``): the missing id, or no element of a bag
+    null_values: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode == "hash" and self.parse == "hex" and self.hash_of != "hex":
             object.__setattr__(self, "hash_of", "hex")
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitSpec:
+    """How rows are split (``split:``): ``by`` row hash or time; with ``group``, each group's own
+    latest rows (ordered by time, then ``tiebreak``) are its val / test rows."""
+
+    by: str = "row"  # row | time
+    group: str | None = None
+    tiebreak: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JoinSpec:
+    """A side table joined to every row by its ``key`` column (``join:``).
+
+    ``key`` is a column of both the log and the side table; ``path`` is the side file as the schema names it (relative: to the first input's directory);
+    ``table`` the prepared copy the preprocess looks rows up in (set by it, relative to the data
+    directory: ``vocab/join_<i>.arrow``)."""
+
+    path: str
+    key: str
+    columns: tuple[str, ...]
+    format: str | None = None
+    delimiter: str | None = None
+    missing: str = "error"  # error | empty
+    table: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +145,24 @@ class LogSchema:
     categorical: tuple[CategoricalSpec, ...]
     ignore: tuple[str, ...]
     source: str = "<schema>"
+    split: SplitSpec | None = None
+    join: tuple[JoinSpec, ...] = ()
 
     def used_columns(self) -> list[str]:
-        """Every input column the features are made of (label, time, dense, categorical, weights)."""
+        """Every column of the input file the rows are made of (label, time, dense, categorical,
+        weights, the split's group and tiebreak, the join keys), but the joined ones."""
         out = [self.label.column] if self.label else []
         out += [self.time] if self.time else []
         out += [d.name for d in self.dense] + [c.name for c in self.categorical]
         out += [c.weights for c in self.categorical if c.weights]
-        return out
+        out += [c for c in (self.split.group, self.split.tiebreak) if c] if self.split else []
+        out += [j.key for j in self.join]
+        joined = set(self.joined_columns())
+        return list(dict.fromkeys(c for c in out if c not in joined))
+
+    def joined_columns(self) -> list[str]:
+        """The columns the side tables add to each row (``join[*].columns``)."""
+        return [c for j in self.join for c in j.columns]
 
     def named_columns(self) -> list[str]:
         """:meth:`used_columns` and the ignored ones: every column the file may have."""
@@ -162,8 +206,11 @@ class LogSchema:
                    columns=tuple(d["columns"]) if d.get("columns") else None, delimiter=d.get("delimiter"),
                    label=LabelSpec(**lab) if lab else None, time=d.get("time"),
                    dense=tuple(DenseSpec(**x) for x in d.get("dense") or []),
-                   categorical=tuple(CategoricalSpec(**x) for x in d.get("categorical") or []),
-                   ignore=tuple(d.get("ignore") or []), source="recorded with the data")
+                   categorical=tuple(CategoricalSpec(**{**x, "null_values": tuple(x.get("null_values") or ())})
+                                     for x in d.get("categorical") or []),
+                   ignore=tuple(d.get("ignore") or []), source="recorded with the data",
+                   split=SplitSpec(**d["split"]) if d.get("split") else None,
+                   join=tuple(JoinSpec(**{**j, "columns": tuple(j["columns"])}) for j in d.get("join") or []))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -231,9 +278,9 @@ def _kind(v: Any) -> str:
 
 
 _TOP = ("name", "format", "header", "columns", "delimiter", "label", "time", "defaults", "dense", "categorical",
-        "ignore")
+        "ignore", "split", "join")
 _DENSE_KEYS = ("name", "transform", "fill")
-_CAT_KEYS = ("name", "vocab", "hash", "ids", "parse", "multi", "weights")
+_CAT_KEYS = ("name", "vocab", "hash", "ids", "parse", "multi", "weights", "null_values")
 
 
 def _label(v: _V, x: Any) -> LabelSpec | None:
@@ -304,7 +351,49 @@ def _categorical(v: _V, i: int, x: Any, defaults: dict) -> CategoricalSpec:
             kw["max_len"] = v.integer(m["max_len"], f"{p}.multi.max_len")
     if d.get("weights") is not None:
         kw["weights"] = v.string(d["weights"], f"{p}.weights")
+    if d.get("null_values") is not None:
+        kw["null_values"] = v.names(d["null_values"], f"{p}.null_values")
     return CategoricalSpec(**kw)
+
+
+def _split(v: _V, x: Any) -> SplitSpec | None:
+    if x is None:
+        return None
+    d = v.mapping(x, "split", ("by", "group", "tiebreak"))
+    by = v.choice(d.get("by", "row"), "split.by", ("row", "time"))
+    group = v.string(d["group"], "split.group") if d.get("group") is not None else None
+    tiebreak = v.string(d["tiebreak"], "split.tiebreak") if d.get("tiebreak") is not None else None
+    if group and by != "time":
+        raise v.fail("split.group", "a per-group split is by time: set `split.by: time` (and `time:`)")
+    if tiebreak and not group:
+        raise v.fail("split.tiebreak", "orders a group's rows of equal time: needs `split.group`")
+    return SplitSpec(by, group, tiebreak)
+
+
+def _joins(v: _V, x: Any) -> tuple[JoinSpec, ...]:
+    if x is None:
+        return ()
+    if not isinstance(x, list) or not x:
+        raise v.fail("join", f"expected a non-empty list of side tables, got {_kind(x)}")
+    out = []
+    for i, j in enumerate(x):
+        p = f"join[{i}]"
+        d = v.mapping(j, p, ("path", "key", "columns", "format", "delimiter", "missing"))
+        path = v.string(d.get("path"), f"{p}.path")
+        p = f"{p} ({path})"
+        on = v.string(d.get("key"), f"{p}.key")
+        cols = v.names(d.get("columns"), f"{p}.columns")
+        if not cols:
+            raise v.fail(f"{p}.columns", "expected at least one column of the side table")
+        if on in cols:
+            raise v.fail(f"{p}.columns", f"'{on}' is the key; list the columns it brings")
+        fmt = v.choice(d["format"], f"{p}.format", FORMATS) if d.get("format") is not None else None
+        delim = v.string(d["delimiter"], f"{p}.delimiter") if d.get("delimiter") is not None else None
+        if delim is not None and len(delim) != 1:
+            raise v.fail(f"{p}.delimiter", f"expected one character, got {delim!r}")
+        missing = v.choice(d.get("missing", "error"), f"{p}.missing", ("error", "empty"))
+        out.append(JoinSpec(path, on, cols, fmt, delim, missing))
+    return tuple(out)
 
 
 def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
@@ -346,7 +435,10 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
     s = LogSchema(name=name, format=fmt, header=header, columns=columns, delimiter=delim,
                   label=_label(v, d.get("label")), time=v.string(d["time"], "time") if d.get("time") is not None else None,
                   dense=dense, categorical=cats,
-                  ignore=v.names(d["ignore"], "ignore") if d.get("ignore") is not None else (), source=source)
+                  ignore=v.names(d["ignore"], "ignore") if d.get("ignore") is not None else (), source=source,
+                  split=_split(v, d.get("split")), join=_joins(v, d.get("join")))
+    if s.split and s.split.by == "time" and not s.time:
+        raise v.fail("split.by", "a time split needs the `time:` column")
     seen: dict[str, str] = {}
     roles = ([("label.column", s.label.column)] if s.label else []) + ([("time", s.time)] if s.time else []) + \
         [(f"dense[{i}]", x.name) for i, x in enumerate(dense)] + \
@@ -357,8 +449,19 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
         if col in seen:
             raise v.fail(path, f"column '{col}' is already used by {seen[col]}; a column has one role")
         seen[col] = path
+    brought: dict[str, str] = {}  # a joined column is a source (a feature of its name reads it), not a role
+    for i, j in enumerate(s.join):
+        for k, c in enumerate(j.columns):
+            path = f"join[{i}] ({j.path}).columns[{k}]"
+            if c in brought or c in s.ignore:
+                raise v.fail(path, f"column '{c}' is already " + (f"brought by {brought[c]}" if c in brought else
+                                                                  "in `ignore`"))
+            brought[c] = path
+        if j.key in s.joined_columns():
+            raise v.fail(f"join[{i}] ({j.path}).key", f"'{j.key}' is a column another side table brings; join on a "
+                                                     "column of the input")
     if columns is not None:
-        missing = [c for c in seen if c not in columns]
+        missing = [c for c in s.named_columns() if c not in columns]
         if missing:
             raise v.fail("columns", f"does not list {missing}, which the schema uses")
     return s

@@ -34,8 +34,10 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import non_finite_hint
 from dlrmctl.data.ids import hash_buckets, raw_ids
 from dlrmctl.errors import quoted
+from dlrmctl.data.logs.join import join_columns
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
+from dlrmctl.data.logs.split import split_keys
 
 __all__ = ["CategoricalValues", "Decoded", "VocabLookup", "decode", "dense_values", "ids_of"]
 
@@ -80,6 +82,8 @@ class Decoded:
         time: ``[n]`` int64, or None.
         categorical: per categorical column, :class:`CategoricalValues`.
         bad: rows dropped from this block (``on_bad_line='skip'``), the parser's included.
+        group, order: ``[n]`` int64 group keys and tiebreak values of a per-group time split
+            (:mod:`dlrmctl.data.logs.split`), or None.
     """
 
     keys: np.ndarray
@@ -88,6 +92,8 @@ class Decoded:
     time: np.ndarray | None
     categorical: list[CategoricalValues]
     bad: int
+    group: np.ndarray | None = None
+    order: np.ndarray | None = None
 
 
 def _bad(batch: RowBatch, mask: np.ndarray, column: str, what: str, col: pa.Array, on_bad_line: str) -> np.ndarray:
@@ -230,7 +236,15 @@ def _text_times(batch: RowBatch, name: str, col: pa.Array, drop: np.ndarray, on_
 
 def _keys(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.ndarray, on_bad_line: str,
           column: str) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ``[m]`` int64 and present ``[m]`` bool of a flat array of values."""
+    """Keys ``[m]`` int64 and present ``[m]`` bool of a flat array of values (``null_values`` are missing)."""
+    keys, present = _keys_of(batch, spec, values, drop, on_bad_line, column)
+    if spec.null_values:
+        present = present & ~np.isin(raw_ids(values) if spec.parse == "hex" else keys, raw_ids(list(spec.null_values)))
+    return keys, present
+
+
+def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.ndarray, on_bad_line: str,
+             column: str) -> tuple[np.ndarray, np.ndarray]:
     if spec.parse == "hex":
         from dlrmctl.data.criteo.parse import hex_to_uint32
 
@@ -338,6 +352,11 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
     """
     n = batch.num_rows
     drop = np.zeros(n, dtype=bool)
+    if schema.join:  # the side tables' columns
+        batch = join_columns(batch, schema, drop, on_bad_line)
+    group = order = None
+    if schema.split is not None and schema.split.group:  # a per-group split's keys
+        group, order = split_keys(batch, schema.split, drop, on_bad_line)
     label = _label(batch, schema, drop, on_bad_line) if schema.label else None
     time = _time(batch, schema.time, drop, on_bad_line) if schema.time else None
     dense = []
@@ -352,8 +371,9 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
     if nbad:
         keep = ~drop
         return Decoded(batch.keys[keep], None if label is None else label[keep], [x[keep] for x in dense],
-                       None if time is None else time[keep], [c.select(keep) for c in cats], nbad + batch.bad_skipped)
-    return Decoded(batch.keys, label, dense, time, cats, batch.bad_skipped)
+                       None if time is None else time[keep], [c.select(keep) for c in cats], nbad + batch.bad_skipped,
+                       None if group is None else group[keep], None if order is None else order[keep])
+    return Decoded(batch.keys, label, dense, time, cats, batch.bad_skipped, group, order)
 
 
 def dense_values(decoded: Decoded, schema: LogSchema, stats: dict[str, tuple[float, float]]) -> list[np.ndarray]:

@@ -1,0 +1,197 @@
+"""Side tables joined to a log's rows (``join:`` in the schema): e.g. a movies file whose ``genres``
+become a column of every rating, looked up by the rating's ``movieId``.
+
+* :func:`prepare_joins` (once, before the passes): each side file is read whole with pyarrow (CSV /
+  TSV with a header, Parquet, JSON lines; compressed by its suffix), its key column ``key`` and the
+  listed ``columns`` only; a missing column, a missing key or a key twice is a :class:`DataError`
+  naming the file.  The key and the columns are written, sorted by key, to
+  ``vocab/join_<i>.arrow`` in the data directory (``key``: the raw id of the value,
+  :func:`dlrmctl.data.ids.raw_ids`, so ``1`` and ``"1"`` match): the dataset (and a model exported
+  from it) carries what its rows were joined with, checksummed like the vocabularies.
+* :func:`join_columns` (per block, in every pass and in ``predict`` / ``serve``): the block's ``key``
+  values are looked up (binary search over the memory-mapped keys: the side table is held once per
+  process, in the page cache); the columns of the matching side rows are added to the block.  A
+  value the side table lacks, or a missing key value, is a bad row naming ``file:line``, the
+  column and the side file (``missing: error``), or gives missing values (null: an empty bag, the
+  missing id, the ``fill``) with ``missing: empty``.
+
+CSV / TSV side columns are read as text (a feature reads them as it reads the log's own text);
+Parquet and JSON keep their types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from dlrmctl.data.columnar import DataError
+from dlrmctl.data.ids import raw_ids
+from dlrmctl.data.logs.read import RowBatch
+from dlrmctl.data.logs.schema import JoinSpec, LogSchema
+from dlrmctl.errors import quoted
+
+__all__ = ["join_columns", "prepare_joins", "recorded", "side_path", "with_tables"]
+
+KEY = "key"
+
+
+def side_path(spec: JoinSpec, inputs: list[Path]) -> Path:
+    """The side file of ``spec``: its ``path``, relative to the first input's directory."""
+    p = Path(os.path.expanduser(spec.path))
+    return p if p.is_absolute() or not inputs else Path(inputs[0]).parent / p
+
+
+def _read_side(spec: JoinSpec, path: Path, fmt: str) -> pa.Table:
+    want = [spec.key, *spec.columns]
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            have = pq.ParquetFile(path).schema_arrow.names
+            _check_columns(spec, path, have)
+            return pq.read_table(path, columns=want)
+        if fmt == "jsonl":
+            import pyarrow.json as pj
+
+            t = pj.read_json(path)
+            _check_columns(spec, path, t.column_names)
+            return t.select(want)
+        import pyarrow.csv as pcsv
+
+        delim = "\t" if fmt == "tsv" else (spec.delimiter or ",")
+        with pcsv.open_csv(path, parse_options=pcsv.ParseOptions(delimiter=delim)) as r:
+            have = r.schema.names
+        _check_columns(spec, path, have)
+        return pcsv.read_csv(path, parse_options=pcsv.ParseOptions(delimiter=delim),
+                             convert_options=pcsv.ConvertOptions(include_columns=want,
+                                                                 column_types={c: pa.string() for c in want}))
+    except FileNotFoundError:
+        raise DataError(f"side table of `join` by '{spec.key}' not found (a relative `path` is taken from the first "
+                        "input's directory)", path=path) from None
+    except (OSError, pa.ArrowInvalid) as e:
+        raise DataError(f"side table of `join` by '{spec.key}' cannot be read as {fmt}: {e}", path=path) from None
+
+
+def _check_columns(spec: JoinSpec, path: Path, have: list[str]) -> None:
+    for c in (spec.key, *spec.columns):
+        if c not in have:
+            raise DataError(f"column '{c}' named by `join` by '{spec.key}' is not in the side table (its columns: "
+                            f"{quoted(', '.join(have))})", path=path)
+
+
+def prepare_joins(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLike) -> tuple[LogSchema, list[dict]]:
+    """Read the schema's side tables and write their sorted copies into ``out_dir/vocab``.
+
+    Args:
+        schema: a schema with ``join`` entries (without: returned as it is).
+        inputs: the input files (a relative side ``path`` is taken from the first one's directory).
+        out_dir: the data directory.
+
+    Returns:
+        ``(schema with each join's table set to its written copy (absolute path), [per join: source, file
+        (relative to out_dir), rows]``) for the passes and meta.json.
+
+    Raises:
+        DataError: an unreadable side file, a missing column, a missing or repeated key.
+    """
+    specs, info = [], []
+    for i, j in enumerate(schema.join):
+        path = side_path(j, inputs)
+        t = _read_side(j, path, schema.format_of(path) if j.format is None else j.format)
+        keys = raw_ids(t.column(j.key))
+        if (keys == 0).any():
+            r = int(np.flatnonzero(keys == 0)[0])
+            raise DataError(f"data row {r + 1}: the key '{j.key}' is empty", path=path)
+        order = np.argsort(keys, kind="stable")
+        ks = keys[order]
+        dup = np.flatnonzero(ks[1:] == ks[:-1])
+        if dup.size:
+            a, b = sorted((int(order[dup[0]]), int(order[dup[0] + 1])))
+            raise DataError(f"the key {j.key} = {quoted(str(t.column(j.key)[a].as_py()))} is in data rows {a + 1} and "
+                            f"{b + 1}: a side table holds one row per key", path=path)
+        rel = f"vocab/join_{i}.arrow"
+        out = Path(out_dir) / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sorted_t = t.take(pa.array(order)).select(list(j.columns)).add_column(0, KEY, pa.array(ks, pa.int64()))
+        tmp = out.with_name(out.name + ".tmp")
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, sorted_t.schema) as w:
+            w.write_table(sorted_t)
+        os.replace(tmp, out)
+        specs.append(dataclasses.replace(j, table=str(out)))
+        info.append({"source": str(path), "file": rel, "rows": int(t.num_rows), "key": j.key, "columns": list(j.columns)})
+    return dataclasses.replace(schema, join=tuple(specs)), info
+
+
+def with_tables(schema: LogSchema, data_dir: str | os.PathLike) -> LogSchema:
+    """``schema`` (as recorded in meta.json) with each join's table resolved against ``data_dir``."""
+    if not schema.join:
+        return schema
+    return dataclasses.replace(schema, join=tuple(
+        dataclasses.replace(j, table=str(Path(data_dir) / (j.table or ""))) for j in schema.join))
+
+
+def recorded(schema: LogSchema) -> LogSchema:
+    """``schema`` with each join's table relative to the data directory (what meta.json records)."""
+    if not schema.join:
+        return schema
+    return dataclasses.replace(schema, join=tuple(
+        dataclasses.replace(j, table=f"vocab/{Path(j.table).name}" if j.table else None) for j in schema.join))
+
+
+_TABLES: dict[str, tuple[np.ndarray, pa.Table]] = {}
+
+
+def _table(path: str) -> tuple[np.ndarray, pa.Table]:
+    try:
+        st = os.stat(path)
+        key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in _TABLES:
+            if len(_TABLES) > 64:
+                _TABLES.clear()
+            t = pa.ipc.open_file(pa.memory_map(path)).read_all()
+            _TABLES[key] = (t.column(KEY).to_numpy(), t)
+    except (OSError, pa.ArrowInvalid, KeyError) as e:
+        raise DataError(f"cannot read the joined side table (preprocess the data again): {e}", path=path) from None
+    return _TABLES[key]
+
+
+def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str) -> RowBatch:
+    """``batch`` with the columns of the schema's side tables added (module docstring).
+
+    Args:
+        batch: a block of the log (its ``key`` columns).
+        schema: a schema whose joins have their ``table`` (:func:`prepare_joins`, :func:`with_tables`).
+        drop: ``[n]`` bool rows already bad; rows whose key the side table lacks are added
+            (``missing: error`` with ``on_bad_line='skip'``).
+
+    Raises:
+        DataError: a key the side table lacks (``missing: error``, ``on_bad_line='error'``), naming
+            ``file:line``, the column and the side file.
+    """
+    cols = dict(batch.columns)
+    for j in schema.join:
+        keys_sorted, t = _table(j.table)
+        on = batch.columns[j.key]
+        try:
+            keys = raw_ids(on)
+        except TypeError as e:
+            raise batch.error(0, j.key, f"expected strings or integers (the key of `join`): {e}") from None
+        pos = np.minimum(np.searchsorted(keys_sorted, keys), max(len(keys_sorted) - 1, 0))
+        hit = (keys_sorted[pos] == keys) & (keys != 0) if len(keys_sorted) else np.zeros(len(keys), bool)
+        if j.missing == "error":
+            bad = ~hit & ~drop
+            if on_bad_line == "error" and bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                v = on[i].as_py()
+                shown = "an empty field" if v is None or v == "" else quoted(str(v))
+                raise batch.error(i, j.key, f"expected a key of the side table {j.path}, got {shown} (or set "
+                                           f"`missing: empty` in its `join`)")
+            drop |= bad
+        idx = pa.array(pos, pa.int64(), mask=~hit)
+        for c in j.columns:
+            cols[c] = t.column(c).take(idx).combine_chunks()
+    return dataclasses.replace(batch, columns=cols)
