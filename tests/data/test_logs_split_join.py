@@ -237,3 +237,22 @@ def test_movielens_schema_gives_the_rows_splits_labels_and_genres_of_preprocess_
         assert meta["ctr"] == pytest.approx(mm["ctr"], rel=1e-7)
     genres = {f["name"]: f for f in ml["sparse_features"]}["genres"]
     assert genres["distinct_train_values"] == len(mm["vocabularies"]["genres"]) == 19
+
+
+def test_a_changed_side_table_is_a_changed_input_not_an_already_complete_dataset(tmp_path):
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    paths, _ = _log(tmp_path, files=1)
+    schema = tmp_path / "s.yaml"
+    schema.write_text(SCHEMA % "")
+    args = ["preprocess", "logs", "--schema", str(schema), "--input", str(paths[0]), "--out", str(tmp_path / "o"), "-q"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert "already complete" in CliRunner().invoke(app, args).output
+    side = tmp_path / "items.csv"
+    side.write_text(side.read_text().replace(",g1", ",g1|g9"))
+    one_error_line(args, "holds another dataset", "items.csv")
+    assert CliRunner().invoke(app, args + ["--force"]).exit_code == 0
+    meta = json.loads((tmp_path / "o" / "meta.json").read_text())
+    assert raw_ids(pa.array(["g9"]))[0] in _vocab(tmp_path / "o", meta, "tags").tolist()

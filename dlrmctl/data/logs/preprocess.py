@@ -348,7 +348,10 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
         got = run_tasks(group_rows, [task(f) for f in files], o.workers, prog)
         prog.show(final=True)
         rows_read += prog.rows
-        groups = group_cutoffs(*concat_keys(got), o.val_ratio, o.test_ratio, str(inputs))
+        groups = group_cutoffs(*concat_keys(got), o.val_ratio, o.test_ratio)
+        if not groups.train_rows:
+            raise DataError(f"the per-group time split leaves no rows to train on with --val-ratio {o.val_ratio} "
+                            f"--test-ratio {o.test_ratio} (too few rows per group)", path=str(inputs))
         common["groups"] = groups.digest()
     elif o.split_by == "time":
         prog = Progress("logs pass 0 (time)", len(files), progress)

@@ -107,12 +107,14 @@ class GroupCutoffs:
     """Where each group's val and test rows start.
 
     Attributes:
+        train_rows: rows in train (0: the ratios leave none; the caller words the error).
         groups: ``[G]`` int64 sorted group keys.
         val: ``[G, 2]`` int64 ``(time, tiebreak)`` of the group's first val row (its first test
             row when it has no val row; ``int64 max`` when neither).
         test: ``[G, 2]`` int64 ``(time, tiebreak)`` of the group's first test row (``int64 max``: none).
     """
 
+    train_rows: int
     groups: np.ndarray
     val: np.ndarray
     test: np.ndarray
@@ -154,13 +156,11 @@ def concat_keys(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
     return tuple(np.concatenate([p[k] for p in parts]) if parts else np.zeros(0, np.int64) for k in range(3))
 
 
-def group_cutoffs(group: np.ndarray, time: np.ndarray, order: np.ndarray, val_ratio: float, test_ratio: float,
-                  source: str = "<input>") -> GroupCutoffs:
-    """The per-group cutoffs of rows ``(group, time, order)`` (``[n]`` int64 each, any row order).
-
-    Raises:
-        DataError: no row would be in train (too few rows per group for the ratios).
-    """
+def group_cutoffs(group: np.ndarray, time: np.ndarray, order: np.ndarray, val_ratio: float,
+                  test_ratio: float) -> GroupCutoffs:
+    """The per-group cutoffs of rows ``(group, time, order)`` (``[n]`` int64 each, any row order):
+    the module docstring's rule, the one implementation of ``preprocess logs`` (``split.group``)
+    and ``preprocess movielens`` (:func:`dlrmctl.data.movielens.time_ordered_split`)."""
     n = len(group)
     idx = np.lexsort((order, time, group))
     g, t, o = group[idx], time[idx], order[idx]
@@ -168,9 +168,6 @@ def group_cutoffs(group: np.ndarray, time: np.ndarray, order: np.ndarray, val_ra
     counts = np.diff(np.r_[starts, n])
     n_test = np.floor(counts * test_ratio + 1e-9).astype(np.int64)  # as dlrmctl.data.movielens.time_ordered_split
     n_val = np.floor(counts * val_ratio + 1e-9).astype(np.int64)
-    if n and not (counts - n_test - n_val > 0).any():
-        raise DataError(f"the per-group time split leaves no rows to train on with --val-ratio {val_ratio} "
-                        f"--test-ratio {test_ratio} (too few rows per group)", path=source)
 
     def cut(first: np.ndarray, has: np.ndarray) -> np.ndarray:
         c = np.full((len(starts), 2), _LAST, np.int64)
@@ -181,7 +178,7 @@ def group_cutoffs(group: np.ndarray, time: np.ndarray, order: np.ndarray, val_ra
     test = cut(starts + counts - n_test, n_test > 0)
     val = cut(starts + counts - n_test - n_val, n_val > 0)
     val[n_val == 0] = test[n_val == 0]
-    return GroupCutoffs(g[starts], val, test)
+    return GroupCutoffs(int((counts - n_test - n_val).sum()), g[starts], val, test)
 
 
 def time_cutoffs(counts: pa.Table, o, source: str) -> tuple[float, float]:

@@ -21,6 +21,7 @@ from dlrmctl.data.columnar import (
     shard_schema,
     write_meta,
 )
+from dlrmctl.data.logs.split import group_cutoffs
 from dlrmctl.data.movielens.read import MovieLensData, read_movielens
 from dlrmctl.data.movielens.side_files import NO_GENRES
 
@@ -90,37 +91,23 @@ def time_ordered_split(user: np.ndarray, timestamp: np.ndarray, val_ratio: float
 
     Each user's rows are ordered by ``(timestamp, tiebreak)``; of a user's ``n`` rows the last
     ``floor(n * test_ratio)`` are test (2), the ``floor(n * val_ratio)`` before them val (1),
-    the rest train (0).
+    the rest train (0).  The schema path's per-group split computes it
+    (:func:`dlrmctl.data.logs.split.group_cutoffs`): one rule for both.
 
     Args:
         user: ``[n]`` int64 user ids (any values).
         timestamp: ``[n]`` int64 seconds.
         val_ratio, test_ratio: fractions in ``[0, 1)``.
         tiebreak: ``[n]`` int64 secondary key for equal timestamps (e.g. the item id); default
-            the row index.
+            the row index.  Rows of one user equal in ``(timestamp, tiebreak)`` are never cut
+            between two splits (the later split takes them all).
 
     Returns:
         ``[n]`` int8 codes (0 train, 1 val, 2 test), in the input row order.
     """
-    n = len(user)
-    if tiebreak is None:
-        tiebreak = np.arange(n, dtype=np.int64)
-    order = np.lexsort((tiebreak, timestamp, user))
-    us = user[order]
-    if n == 0:
-        return np.zeros(0, dtype=np.int8)
-    starts = np.flatnonzero(np.r_[True, us[1:] != us[:-1]])
-    counts = np.diff(np.r_[starts, n])
-    pos = np.arange(n) - np.repeat(starts, counts)
-    cnt = np.repeat(counts, counts)
-    n_test = np.floor(cnt * test_ratio + 1e-9).astype(np.int64)
-    n_val = np.floor(cnt * val_ratio + 1e-9).astype(np.int64)
-    codes_sorted = np.zeros(n, dtype=np.int8)
-    codes_sorted[pos >= cnt - n_test - n_val] = 1
-    codes_sorted[pos >= cnt - n_test] = 2
-    codes = np.empty(n, dtype=np.int8)
-    codes[order] = codes_sorted
-    return codes
+    user, timestamp = np.asarray(user, np.int64), np.asarray(timestamp, np.int64)
+    order = np.arange(len(user), dtype=np.int64) if tiebreak is None else np.asarray(tiebreak, np.int64)
+    return group_cutoffs(user, timestamp, order, val_ratio, test_ratio).codes(user, timestamp, order)
 
 
 # =============================================================================== encoding
