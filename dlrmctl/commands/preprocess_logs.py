@@ -41,6 +41,7 @@ def register(preprocess_app: typer.Typer) -> None:
         from dlrmctl.commands.preprocess import (say_already_complete, stat_inputs, print_summary, dataset_target_or_fail,
                                                  build_interruptible)
         from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
+        from dlrmctl.data.logs.split import split_mode
         from dlrmctl.errors import check_output_dir
         from dlrmctl.procs import FanoutError, check_local_fanout
 
@@ -49,6 +50,7 @@ def register(preprocess_app: typer.Typer) -> None:
                           on_bad_line=on_bad_line, workers=workers)
         try:
             opts.validate(sch)
+            opts.split_by = split_mode(opts.split_by, sch)  # the recipe records the split made
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
         check_output_dir(out, "--out")

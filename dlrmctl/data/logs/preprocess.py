@@ -332,7 +332,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     schema, joins = prepare_joins(schema, files, out) if schema.join else (schema, [])
     common = {"format_version": FORMAT_VERSION, "schema": recorded(schema).to_dict(), "opts": {
         k: v for k, v in dataclasses.asdict(o).items() if k not in ("workers",)},
-        "joins": [sha256_file(out / j["file"]) for j in joins]}
+        **({"joins": [sha256_file(out / j["file"]) for j in joins]} if joins else {})}
 
     def fid(f: Path) -> dict:
         st = f.stat()

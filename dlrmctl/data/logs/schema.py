@@ -187,9 +187,17 @@ class LogSchema:
         return _EXTENSIONS[ext]
 
     def to_dict(self) -> dict:
-        """The normalised schema (every default filled in): what meta.json and exports record."""
+        """The normalised schema (every default filled in): what meta.json and exports record.  An
+        unused ``split`` / ``join`` / ``null_values`` is left out (the dict of a schema without them
+        is the one earlier versions recorded, so their datasets stay complete and resumable)."""
         d = dataclasses.asdict(self)
         d.pop("source")
+        for k in ("split", "join"):
+            if not d[k]:
+                d.pop(k)
+        for c in d["categorical"]:
+            if not c["null_values"]:
+                c.pop("null_values")
         return d
 
     @classmethod
