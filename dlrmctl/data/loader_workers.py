@@ -11,11 +11,15 @@ In a shuffled epoch a worker reads, of each shuffle window, only the blocks' row
 batches' positions (the row range of a block it needs: close to the whole window, so reads
 grow with ``N`` while the gathers are divided by it).
 
-Transport: each worker writes a finished batch into one of ``depth`` slots of a shared
-anonymous mapping (``MAP_SHARED | MAP_NORESERVE``: pages are committed when written, nothing
-appears in ``/dev/shm``, nothing outlives the processes) and sends its layout (a few numbers)
-over a socket pair; the consumer copies the arrays out (into pinned memory when the loader pins)
-and hands the slot back.  A batch larger than a slot travels pickled over the socket instead.
+Transport: each worker writes a finished batch into a free slot of a shared anonymous mapping
+(``MAP_SHARED | MAP_NORESERVE``: pages are committed when written, nothing appears in
+``/dev/shm``, nothing outlives the processes) and sends its layout (a few numbers) over a socket
+pair.  The consumer's tensors view the slot (no copy), which goes back to the worker once they
+are all gone (a finalizer); on CUDA they are copied into pinned memory and the slot goes back at
+once.  A worker runs at most ``depth`` batches ahead (the consumer counts the batches it took, and
+marks the slots free, in a header of the mapping: it makes no system call per batch but the
+socket's read); a batch larger than a slot, or made while the consumer still holds every slot of its
+worker, travels pickled over the socket instead.
 
 Failures: an exception in a worker reaches the consumer as that exception (its traceback noted),
 naming the worker; a worker that dies (killed, out of memory) is an error naming the worker, its
@@ -28,6 +32,7 @@ and exit by themselves when their parent is gone.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import mmap
 import os
 import pickle
@@ -55,6 +60,11 @@ MAX_AUTO_WORKERS = 4
 #: seconds between the checks of a waiting side on the other one (alive? parent gone?)
 _POLL_S = 0.1
 _ALIGN = 64
+#: slots per worker beyond its batches ahead: batches the consumer may still hold (a pipeline's
+#: in-flight batches) before the worker's next batches travel pickled instead
+_SPARE_SLOTS = 4
+#: seconds a worker sleeps between looks at the header while it is as far ahead as allowed
+_WAIT_S = 0.0005
 #: mmap.MAP_NORESERVE (Linux's value where the module lacks it, Python < 3.12)
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if os.uname().sysname == "Linux" else 0)
 #: worker pids not reaped yet, killed at interpreter exit if an iterator was never closed
@@ -106,30 +116,39 @@ def _describe(b: Batch) -> tuple:
 
 
 def _worker_main(loader: "BatchLoader", k: int, n: int, start: int, conn: connection.Connection,
-                 ring: mmap.mmap, slot: int, depth: int) -> None:
+                 ring: mmap.mmap, slot: int, depth: int, slots: int) -> None:
     """Body of worker ``k`` of ``n`` (in the forked child): make batches ``i >= start`` with
-    ``i % n == k`` into the slots ``[k * depth, (k + 1) * depth)`` of ``ring``; never returns."""
+    ``i % n == k``, at most ``depth`` ahead of the consumer, into its free slots
+    ``[k * slots, (k + 1) * slots)`` of ``ring`` (pickled over ``conn`` when none is free or
+    the batch is larger than a slot); never returns.  The consumer says what it took in the
+    ring's header (:class:`_Header`), so it makes no system call to hand anything back."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         torch.set_num_threads(1)
         parent = os.getppid()
         loader.pin_memory = False  # pinned in the consumer (this process never touches CUDA)
-        free = list(range(k * depth, (k + 1) * depth))
+        head = _Header(ring, n, slots)
+        mine = range(k * slots, (k + 1) * slots)
+        head.released[mine] = 1  # every slot free
+        made, checked = 0, time.monotonic()
         for i, b in loader._part(start, k, n):
-            while not free:
-                if conn.poll(_POLL_S):
-                    msg = conn.recv()
-                    free.append(msg)
-                elif os.getppid() != parent:
-                    return
+            while made - int(head.taken[k]) >= depth:  # as far ahead as allowed: wait for the consumer
+                time.sleep(_WAIT_S)
+                if time.monotonic() - checked > _POLL_S:
+                    if os.getppid() != parent:
+                        return
+                    checked = time.monotonic()
+            made += 1
             arrays = _arrays(b)
             sizes = [0 if a is None else -(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
-            s = free.pop(0)
-            if sum(sizes) > slot:  # a batch larger than a slot: pickled over the socket (the slot unused)
-                conn.send(("inline", i, s, arrays, _describe(b)))
+            free = [j for j in mine if head.released[j]]
+            if sum(sizes) > slot or not free:  # pickled over the socket (the consumer holds every slot)
+                conn.send(("inline", i, None, arrays, _describe(b)))
                 continue
-            at, layout = s * slot, []
+            s = free[0]
+            head.released[s] = 0
+            at, layout = head.bytes + s * slot, []
             for a, size in zip(arrays, sizes):
                 if a is None:
                     layout.append(None)
@@ -155,13 +174,31 @@ def _worker_main(loader: "BatchLoader", k: int, n: int, start: int, conn: connec
         os._exit(code)
 
 
+class _Header:
+    """The first page(s) of the ring: ``taken [n] int64`` (batches the consumer has received from
+    each worker) and ``released [n * slots] int64`` (1: the slot is free for its worker), written
+    by the consumer, read by the workers."""
+
+    def __init__(self, ring: mmap.mmap, n: int, slots: int) -> None:
+        words = np.frombuffer(ring, np.int64, n + n * slots, 0)
+        self.taken, self.released = words[:n], words[n:]
+        self.bytes = -(-words.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+    @staticmethod
+    def size(n: int, slots: int) -> int:
+        return -(-8 * (n + n * slots) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class _Workers:
     """The ``n`` forked workers of one iteration over ``loader`` from global batch ``start``."""
 
     def __init__(self, loader: "BatchLoader", start: int, n: int, depth: int) -> None:
         self.n, self.depth, self.slot = n, depth, _slot_bytes(loader)
+        self.slots = depth + _SPARE_SLOTS
         self.pin = loader.pin_memory
-        self.ring = mmap.mmap(-1, n * depth * self.slot, flags=mmap.MAP_SHARED | _MAP_NORESERVE)
+        self.ring = mmap.mmap(-1, _Header.size(n, self.slots) + n * self.slots * self.slot,
+                              flags=mmap.MAP_SHARED | _MAP_NORESERVE)
+        self.head = _Header(self.ring, n, self.slots)
         self.conns: list[connection.Connection] = []
         self.pids: list[int] = []
         _LIVE.add(self)
@@ -173,7 +210,7 @@ class _Workers:
                     pid = os.fork()
                 if pid == 0:
                     mine.close()
-                    _worker_main(loader, k, n, start, theirs, self.ring, self.slot, depth)
+                    _worker_main(loader, k, n, start, theirs, self.ring, self.slot, depth, self.slots)
                 theirs.close()
                 self.conns.append(mine)
                 self.pids.append(pid)
@@ -229,24 +266,33 @@ class _Workers:
         if got != i:
             raise RuntimeError(f"internal error: loader worker {k} sent batch {got + 1}, expected {i + 1}")
         if kind == "inline":
-            tensors = [None if a is None else self._own(torch.from_numpy(a)) for a in payload]
+            tensors = [None if a is None else torch.from_numpy(a) for a in payload]
         else:
-            tensors = [None if p is None else self._own(torch.from_numpy(
-                np.frombuffer(self.ring, np.dtype(p[1]), int(np.prod(p[2])), p[0]).reshape(p[2]))) for p in payload]
-        try:
-            conn.send(s)  # the slot (or the credit of an inline batch) is free again
-        except OSError:  # the worker made its last batch and exited (or died: seen at its next batch)
-            pass
+            tensors = self._slot_tensors(s, payload)
+        self.head.taken[k] += 1  # worker k may make one more
         dense, labels, values, lengths, weights = tensors
         keys, stride, lpk = desc
         kjt = KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False,
                                 length_per_key=lpk)
         return Batch(dense, kjt, labels)
 
-    def _own(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of ``t`` (a view of a slot, or a pickled array) the consumer owns, pinned if asked."""
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
-        return out.copy_(t)
+    def _slot_tensors(self, s: int, layout: list) -> list[torch.Tensor | None]:
+        """The arrays of slot ``s`` as tensors.  Pinning: copies in pinned memory, and the slot is
+        free at once.  Else tensors that view the slot (no copy), which is free again once every
+        one of them, and every view of them, is gone: they all view one ``ctypes`` array of the
+        slot, whose finalizer marks it in the header (a store, from whichever thread drops it)."""
+        base = self.head.bytes + s * self.slot
+        view = (ctypes.c_char * self.slot).from_buffer(self.ring, base)
+        out = [None if p is None else torch.from_numpy(
+            np.frombuffer(view, np.dtype(p[1]), int(np.prod(p[2])), p[0] - base).reshape(p[2])) for p in layout]
+        if self.pin:
+            out = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in out]
+            del view
+            self.head.released[s] = 1
+            return out
+        fin = weakref.finalize(view, self.head.released.__setitem__, s, 1)
+        fin.atexit = False
+        return out
 
     def close(self) -> None:
         """Kill and reap every worker (they hold nothing but their memory), and close the sockets

@@ -81,6 +81,14 @@ def test_worker_batches_are_bit_identical_and_in_order_over_settings(tmp_path, s
             break  # the seed and window do not matter unshuffled
 
 
+def test_batches_held_by_the_consumer_are_never_overwritten(tmp_path, no_leftovers):
+    # every batch kept: the workers run out of free slots and send the rest pickled; none changes
+    d = make_dataset(tmp_path, n=90, files=2, chunks=3)
+    kw = dict(batch_size=3, shuffle=True, seed=5, shuffle_window_rows=16, shuffle_block_rows=4)
+    held = list(BatchLoader(d, "train", workers=2, **kw))
+    assert len(held) == 30 and [digest(b) for b in held] == epoch_digests(d, **kw)
+
+
 def test_epochs_and_resume_positions_match_the_thread_path(tmp_path, no_leftovers):
     d = make_dataset(tmp_path, n=45, files=2, chunks=2)
     kw = dict(batch_size=4, shuffle=True, seed=9, shuffle_window_rows=8, shuffle_block_rows=3)
