@@ -56,6 +56,7 @@ File paths inside meta are relative to DIR.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -167,7 +168,8 @@ class ShardWriter:
         path: final ``.arrow`` path; written as ``path + '.tmp'`` until :meth:`close`.
         schema: from :func:`shard_schema`.
 
-    The file appears at ``path`` only after :meth:`close`; :meth:`abort` removes the temp file.
+    The file appears at ``path`` only after :meth:`close`; :meth:`abort` removes the temp file.  A
+    constructor that fails or is interrupted (Ctrl-C) leaves no temp file behind.
     """
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema) -> None:
@@ -175,12 +177,16 @@ class ShardWriter:
         self.schema = schema
         self.rows = 0
         self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._sink = self._writer = None
         try:
             self._tmp.parent.mkdir(parents=True, exist_ok=True)
             self._sink = pa.OSFile(str(self._tmp), "wb")
             self._writer = ipc.new_file(self._sink, schema)
-        except OSError as e:
-            raise _write_error(e, self.path) from None
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError):
+                raise _write_error(e, self.path) from None
+            raise
 
     def write(self, columns: Mapping[str, Any]) -> None:
         """Append rows.
@@ -218,7 +224,8 @@ class ShardWriter:
         self.rows += n
 
     def close(self) -> Path:
-        """Finish the file and rename it into place; returns the final path.
+        """Finish the file and rename it into place; returns the final path.  On a failure (or a
+        Ctrl-C) before the rename the temp file is removed, as by :meth:`abort`.
 
         Raises:
             DataError: the file system refused the write (full, read-only, ...; named with the path).
@@ -227,19 +234,24 @@ class ShardWriter:
             self._writer.close()
             self._sink.close()
             os.replace(self._tmp, self.path)
-        except OSError as e:
-            raise _write_error(e, self.path) from None
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError):
+                raise _write_error(e, self.path) from None
+            raise
         return self.path
 
     def abort(self) -> None:
-        """Drop the partial file (an error closing it, e.g. a full disk, is ignored: the error that
-        made the caller abort is the one to report)."""
-        for close in (self._writer.close, self._sink.close):
+        """Drop the partial file (an error closing or removing it, e.g. a full disk or a temp path
+        that is a directory, is ignored: the error that made the caller abort is the one to report)."""
+        for part in (self._writer, self._sink):
             try:
-                close()
+                if part is not None:
+                    part.close()
             except Exception:  # noqa: BLE001 - already closed, or the disk that failed the write
                 pass
-        self._tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self._tmp.unlink(missing_ok=True)
 
 
 def _write_error(e: OSError, path: Path) -> Exception:

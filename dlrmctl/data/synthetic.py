@@ -305,12 +305,14 @@ def generate_synthetic(out_dir: str | Path, rows: int = 300_000, seed: int = 0, 
     out = Path(out_dir)
     part = out / "parts" / "synthetic"
     schema = shard_schema(DENSE_FEATURES, SPARSE_FEATURES, weighted=[f in wfeats for f in SPARSE_FEATURES])
-    writers = {s: ShardWriter(part / f"{s}.arrow", schema) for s in SPLITS}
+    writers: dict[str, ShardWriter] = {}
     counts = {s: 0 for s in SPLITS}
     pos = {s: 0 for s in SPLITS}
     eval_split = "val" if val_ratio > 0 else ("test" if test_ratio > 0 else "train")
     eval_p, eval_y, eval_q = [], [], []
-    try:
+    try:  # (the writers are opened in here: a Ctrl-C while the later ones open removes the earlier temps)
+        for s in SPLITS:
+            writers[s] = ShardWriter(part / f"{s}.arrow", schema)
         for b, start in enumerate(range(0, rows, BLOCK_ROWS)):
             n = min(BLOCK_ROWS, rows - start)
             label, dense, ids, prob, wts, inter = model.block(seed, b, n, wtables)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dlrmctl.data.columnar import open_split, read_meta
+from dlrmctl.data.columnar import DataError, ShardWriter, open_split, read_meta, shard_schema
 from dlrmctl.data.synthetic import generate_synthetic, roc_auc
 
 
@@ -64,3 +64,26 @@ def test_planted_signal_is_learnable_by_counting_per_id_ctr(tmp_path):
         score += np.log(rate / (1 - rate))[va.read_column(f["name"])]
     auc = roc_auc(score, yva)
     assert 0.6 < auc < meta["bayes_auc"]
+
+
+def test_a_split_whose_shard_cannot_be_opened_leaves_no_temp_file_of_the_splits_opened_before(tmp_path):
+    """The train writer's temp file was left behind when opening a later split's writer failed or
+    was interrupted (Ctrl-C under load): the writers were opened outside the cleanup."""
+    part = tmp_path / "d" / "parts" / "synthetic"
+    (part / "val.arrow.tmp").mkdir(parents=True)  # not a file: opening the val writer fails
+    with pytest.raises(DataError, match="val.arrow: cannot write: a directory"):
+        generate_synthetic(tmp_path / "d", rows=100, seed=0)
+    assert sorted(p.name for p in part.iterdir()) == ["val.arrow.tmp"]  # no train.arrow.tmp; the directory kept
+    assert (part / "val.arrow.tmp").is_dir()
+
+
+def test_a_shard_writer_whose_rename_fails_leaves_no_temp_file(tmp_path):
+    """``ShardWriter.close`` removes its temp file when the final rename fails (as ``abort``)."""
+    schema = shard_schema(["I1"], ["C1"])
+    (tmp_path / "s.arrow").mkdir()
+    (tmp_path / "s.arrow" / "x").write_text("")  # a non-empty directory: the rename over it fails
+    w = ShardWriter(tmp_path / "s.arrow", schema)
+    w.write({"label": np.zeros(3, np.float32), "I1": np.ones(3, np.float32), "C1": np.arange(3)})
+    with pytest.raises(DataError, match="s.arrow: cannot write: a directory"):
+        w.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.arrow"]

@@ -116,10 +116,11 @@ def process_file(task: FileTask) -> dict:
         tmp.mkdir(parents=True)
         return {s: ShardWriter(tmp / f"{s}.arrow", schema) for s in SPLITS}
 
-    writers = fresh()
+    writers: dict[str, ShardWriter] = {}
     stats = _new_stats()
     source = _decoded_batches(task) if o.mode == "vocab" else _parsed_batches(task)
-    try:
+    try:  # (from the temp directory's creation on: any failure or Ctrl-C removes it)
+        writers = fresh()
         for blk, bad in source:
             if blk is None:  # restart in careful mode
                 for w in writers.values():

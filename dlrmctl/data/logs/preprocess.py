@@ -235,14 +235,16 @@ def write_task(task: LogTask) -> dict:
     schema = shard_schema(dense_names, names, [c.multi for c in s.categorical], labelled=s.label is not None,
                           weighted=[c.weights is not None for c in s.categorical])
     vocabs = [_lookup(vocab_path(task.out_dir, c.name)) if c.mode == "vocab" else None for c in s.categorical]
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    writers = {sp: ShardWriter(tmp / f"{sp}.arrow", schema) for sp in SPLITS}
+    writers: dict[str, ShardWriter] = {}
     k = len(names)
     stats: dict[str, Any] = {"rows": {sp: 0 for sp in SPLITS}, "positives": {sp: 0 for sp in SPLITS},
                              "missing": [0] * k, "train_values": [0] * k, "max_len": [0] * k, "bad_lines": 0}
     cached = read_cache(task.out_dir, task.part, task.cache_fingerprint, s) if task.cache_fingerprint else None
-    try:
+    try:  # (from the temp directory's creation on: any failure or Ctrl-C removes it)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for sp in SPLITS:
+            writers[sp] = ShardWriter(tmp / f"{sp}.arrow", schema)
         for d in cached if cached is not None else _blocks(task):
             stats["bad_lines"] += d.bad
             n = len(d.keys)
