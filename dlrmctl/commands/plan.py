@@ -122,7 +122,8 @@ def plan_command(
     weights_precision: Optional[str] = typer.Option(
         None, "--weights-precision", help="fp32 | fp16 (default: the config's model.embedding_precision)"),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="where to write the plan (default plan.yaml; with --calibrate: topology.yaml)"
+        None, "--out", metavar="PATH", help="where to write the plan (default plan.yaml; with --calibrate: "
+                                            "topology.yaml)"
     ),
     report: Optional[Path] = typer.Option(None, "--report", help="report file (default: <plan name>_report.txt next to --out, e.g. plan_report.txt)"),
     force: bool = typer.Option(False, "--force", help="replace an existing plan file"),

@@ -271,7 +271,10 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
 def test_every_verbs_help_reads_cleanly_at_any_width(columns):
     """`--help` of every verb, rendered at 80 and 200 columns: no `<bool>` after a flag, no raw
     double backticks, no option name cut short (`--multi-hot-distribu…`), arguments in the usage
-    line as CONFIG / [CONFIG] (never `{config}`), and every option of the verb named with its text."""
+    line as CONFIG / [CONFIG] (never `{config}`), and every option of the verb named with its text;
+    no Python type as a metavar (`--set <list[str]>`, `--nproc <int range>`, `CONFIG <str>`: a
+    metavar says what to write, `KEY=VALUE`, `N`, `PATH`), and a short `[default: 1; x>=1]` never
+    cut across two lines."""
     import re
 
     import typer
@@ -287,6 +290,10 @@ def test_every_verbs_help_reads_cleanly_at_any_width(columns):
         out = r.output
         assert r.exit_code == 0, (path, out)
         assert "<bool>" not in out and "``" not in out, (path, out)
+        assert not re.search(r"<(str|int|float|path|list|bool|file|datetime)\b[^>]*>", out), (path, out)
+        for tail in re.findall(r"\[default: [^\]]*\]", out):
+            assert "\n" not in tail or len(" ".join(tail.split())) > 40, (path, tail)
+        assert "\u00a0" not in out and "\u2011" not in out, (path, out)  # the wrap's stand-ins are gone
         assert not re.search(r"-[\w-]*(…|\.\.\.)(\s|$)", out), (path, out)
         usage = out.split("\n\n", 1)[0]
         assert "{" not in usage and re.match(r"Usage: \S+.* \[OPTIONS\]", usage), (path, usage)
@@ -300,6 +307,9 @@ def test_every_verbs_help_reads_cleanly_at_any_width(columns):
                 for opt in p.opts:  # listed whole, each at the start of its entry with its text after it
                     line = next((ln for ln in out.splitlines() if re.match(rf"\s+(-\w, )?{re.escape(opt)}\b", ln)), None)
                     assert line is not None, (path, opt, out)
-    # a flag's entry has no type; -v/--verbose has its text
+    # a flag's entry has no type; -v/--verbose has its text; value options and arguments say what to write
     out = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": columns}).output
     assert re.search(r"^\s+-v, --verbose\s+dlrmctl's debug log lines", out, re.M), out
+    for entry in ("--set KEY=VALUE ", "--nproc N ", "--plan PATH ", "--init-from RUN ", "[default: 1; x>=1]"):
+        assert entry in out, (entry, out)
+    assert re.search(r"^\s+CONFIG\s+experiment YAML", out, re.M), out
