@@ -41,7 +41,9 @@ def _alive(pid: int) -> bool:
     return text[text.rindex(")") + 2:].split()[0] != "Z"
 
 
-def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+def _wait_gone(pids: list[int], timeout_s: float = 120.0) -> list[int]:
+    """The ``pids`` still alive after up to ``timeout_s`` (a child spawned just before its parent died
+    arms its death signal only once it runs: on a loaded machine that can take many seconds)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.1)

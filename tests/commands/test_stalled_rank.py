@@ -13,27 +13,36 @@ import time
 
 import pytest
 
+from dlrmctl.procs import proc_stat
 from dlrmctl.stall_watch import StallWatch, rank_of, stall_limit_s
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 
 
+def _wait_state(pid: int, stopped: bool) -> None:
+    """Wait until /proc shows ``pid`` stopped (state ``T``) or not (a SIGSTOP / SIGCONT takes effect
+    when the process is next scheduled: on a loaded machine, not within a fixed sleep)."""
+    deadline = time.monotonic() + 60
+    while (proc_stat(pid)[0] == "T") != stopped:
+        assert time.monotonic() < deadline, f"pid {pid} not {'stopped' if stopped else 'running'} within 60 s"
+        time.sleep(0.02)
+
+
 def test_the_watchdog_names_a_stopped_rank_and_never_a_sleeping_one(monkeypatch):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "RANK": "0"})
     stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env={**os.environ, "RANK": "1"})
     try:
-        time.sleep(0.5)
         assert rank_of(stopped.pid) == 1
         os.kill(stopped.pid, signal.SIGSTOP)
-        time.sleep(0.3)
+        _wait_state(stopped.pid, True)
         w = StallWatch(lambda: [sleeper.pid, stopped.pid], lambda *a: None, limit_s=5)
         assert w.check(100.0) is None  # first seen stopped at t=100
         assert w.check(104.0) is None
         rank, pid, what, secs = w.check(105.5)
         assert (rank, pid, secs) == (1, stopped.pid, 5.5) and "stopped" in what
         os.kill(stopped.pid, signal.SIGCONT)
-        time.sleep(0.3)
+        _wait_state(stopped.pid, False)
         assert w.check(200.0) is None  # running again: the count starts over
     finally:
         for p in (sleeper, stopped):

@@ -4,6 +4,7 @@ batching and a drain on SIGTERM.  Every server is a `dlrmctl serve --port 0` sub
 stopped by the test."""
 
 import csv
+import http.client
 import json
 import os
 import re
@@ -226,7 +227,9 @@ def test_serve_scores_1000_rows_like_predict_bad_inputs_and_batching(model, tmp_
 
 def test_full_queue_is_503_with_a_retry_hint(model):
     row = {"name": "raw", "datatype": "BYTES", "shape": [64], "data": [RAW100.read_text().splitlines()[0]] * 64}
-    with server(model, "--max-queue-rows", "64", "--max-delay-ms", "3000", "--min-delay-ms", "3000") as (url, _):
+    # the first request is held 15 s in the queue: the window in which the test must see it queued and
+    # send the second one, however slowly a loaded machine answers the metrics and the requests
+    with server(model, "--max-queue-rows", "64", "--max-delay-ms", "15000", "--min-delay-ms", "15000") as (url, _):
         first: dict = {}
         t = threading.Thread(target=lambda: first.update(r=_post(url, {"inputs": [row]})))
         t.start()
@@ -240,7 +243,7 @@ def test_full_queue_is_503_with_a_retry_hint(model):
         # a request that can never fit is a 400 naming the limit, not a 503 forever
         code, body, _ = _post(url, {"inputs": [dict(row, shape=[65], data=(row["data"] * 2)[:65])]})
         assert code == 400 and "65 rows, more than the queue holds (--max-queue-rows 64)" in body["error"]
-        t.join(30)
+        t.join(60)
         assert first["r"][0] == 200 and len(first["r"][1]["outputs"][0]["data"]) == 64
         assert _metric(url, "dlrmctl_serve_errors_total")['dlrmctl_serve_errors_total{reason="queue_full"}'] == 1
 
@@ -249,7 +252,8 @@ def test_sigterm_drains_requests_in_flight(model):
     lines = RAW100.read_text().splitlines()
     from dlrmctl.inference.export import load_exported
 
-    with server(model, "--max-delay-ms", "1500", "--min-delay-ms", "1500") as (url, p):
+    # held 10 s: the window in which all 8 requests must be seen queued, on a loaded machine too
+    with server(model, "--max-delay-ms", "10000", "--min-delay-ms", "10000") as (url, p):
         out: list = [None] * 8
 
         def send(i):
@@ -264,8 +268,8 @@ def test_sigterm_drains_requests_in_flight(model):
             time.sleep(0.02)
         p.send_signal(signal.SIGTERM)
         for t in ts:
-            t.join(30)
-        assert p.wait(30) == 0
+            t.join(60)
+        assert p.wait(60) == 0
         assert "stopped (SIGTERM): every request received was answered" in p.stdout.read()
     assert [o[0] for o in out] == [200] * 8  # none lost
     tr_scores = np.concatenate([o[1]["outputs"][0]["data"] for o in out])
@@ -698,19 +702,32 @@ def test_sigterm_answers_the_requests_waiting_in_the_accept_backlog(model):
     with server(model, "--max-delay-ms", "0") as (url, p):
         assert _post(url, body)[0] == 200
         results: list = []
+        sent = threading.Semaphore(0)
 
         def client():
+            host, port = url.split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=60)
             try:
-                results.append(_post(url, body)[0])
-            except OSError as e:  # reset / refused: the bug
+                conn.request("POST", "/v2/models/tiny/infer", json.dumps(body), {"Content-Type": "application/json"})
+            except OSError as e:  # refused while the server is stopped: the kernel's backlog is full
                 results.append(repr(e))
+                return
+            finally:
+                sent.release()
+            try:
+                results.append(conn.getresponse().status)
+            except OSError as e:  # reset: the bug
+                results.append(repr(e))
+            finally:
+                conn.close()
 
         os.kill(p.pid, signal.SIGSTOP)
         try:
             threads = [threading.Thread(target=client) for _ in range(16)]
             for t in threads:
                 t.start()
-            time.sleep(1.0)  # every connection in the backlog, every request in its socket
+            for _ in threads:  # every connection in the backlog, every request in its socket (not a sleep: a
+                assert sent.acquire(timeout=60)  # loaded machine may take seconds to run 16 threads)
             p.send_signal(signal.SIGTERM)
         finally:
             os.kill(p.pid, signal.SIGCONT)
