@@ -47,20 +47,24 @@ def _torch_threads():
 
 
 def one_error_line(args, *names) -> str:
-    """Run ``dlrmctl ARGS`` in-process: exit 2, one ``error:`` line naming every one of ``names``,
-    no traceback; returns the line."""
+    """Run ``dlrmctl ARGS`` in-process: exit 2, one ``error:`` line on stderr naming every one of
+    ``names``, no traceback; on stdout nothing but the verb's step lines (``[export] 0.0 s ...``,
+    :func:`dlrmctl.console.stage`) that came before the failure; returns the error line."""
+    import re
+
     from typer.testing import CliRunner
 
     from dlrmctl.cli import app
 
     r = CliRunner().invoke(app, [str(a) for a in args])
-    out = r.output.strip()
+    out, err = r.output.strip(), r.stderr.strip()
     assert r.exit_code == 2, (args, r.exit_code, out, r.exception)
-    assert "Traceback" not in out and len(out.splitlines()) == 1, out
-    assert out.startswith("error: "), out
+    assert "Traceback" not in out and len(err.splitlines()) == 1, out
+    assert err.startswith("error: "), out
+    assert all(re.match(r"\[[\w-]+\] \d+\.\d s ", line) for line in r.stdout.strip().splitlines()), out
     for n in names:
-        assert str(n) in out, (n, out)
-    return out
+        assert str(n) in err, (n, out)
+    return err
 
 
 class OnDevice:

@@ -6,13 +6,16 @@ split; :mod:`dlrmctl.data.fingerprint`) is compared with the one the run or the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import check_number, echo, fail, print_metrics, require_run_dir, setup_logging
+from dlrmctl.commands._common import check_number, echo, fail, print_metrics, require_run_dir, setup_logging, show_path
+from dlrmctl.console import stage, stages
+from dlrmctl.yaml_file import read_yaml
 
 
 def evaluate(
@@ -49,29 +52,46 @@ def evaluate(
     if exported and checkpoint is not None:
         fail(f"{run_dir} is an exported model (one set of weights): --checkpoint applies to a run directory")
     progress = not output_json
-    # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli, once for every verb
-    if exported:
-        from dlrmctl.inference.export import evaluate_exported
-        from dlrmctl.inference.formats import resolve_device
+    # a line per step with its start time (stdout, not with --json): the first one before torch is imported
+    with stages("evaluate") if progress else contextlib.nullcontext():
+        stage(_what(run_dir, exported, split, data, checkpoint))
+        # user errors (dlrmctl.errors.UserError) are reported by dlrmctl.cli, once for every verb
+        if exported:
+            from dlrmctl.inference.export import evaluate_exported
+            from dlrmctl.inference.formats import resolve_device
 
-        m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size,
-                              device=resolve_device(device or "cpu"), any_split=any_split, progress=progress,
-                              artifact=artifact, announce=lambda what: echo(f"evaluate: running {what}", err=True))
-        which = "exported model"
-    else:
-        from dlrmctl.train.checkpoint import read_checkpoint
-        from dlrmctl.train.reload import evaluate_run, run_config
+            m = evaluate_exported(run_dir, data, split, 8192 if batch_size is None else batch_size,
+                                  device=resolve_device(device or "cpu"), any_split=any_split, progress=progress,
+                                  artifact=artifact, announce=lambda what: echo(f"evaluate: running {what}", err=True))
+            which = "exported model"
+        else:
+            from dlrmctl.train.checkpoint import read_checkpoint
+            from dlrmctl.train.reload import evaluate_run, run_config
 
-        run_config(run_dir)  # a run directory at all?
-        # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
-        m, which = read_checkpoint(run_dir, checkpoint, lambda path, label: (
-            evaluate_run(run_dir, split, data, batch_size, checkpoint=path, any_split=any_split,
-                         progress=progress), label))
-        m = dict(m, checkpoint=which)
+            run_config(run_dir)  # a run directory at all?
+            # read_checkpoint: a checkpoint the run prunes (keep_last) meanwhile is re-resolved / named as pruned
+            m, which = read_checkpoint(run_dir, checkpoint, lambda path, label: (
+                evaluate_run(run_dir, split, data, batch_size, checkpoint=path, any_split=any_split,
+                             progress=progress), label))
+            m = dict(m, checkpoint=which)
     if output_json:
         echo(json.dumps(m))
     else:
         print_metrics(f"{run_dir} [{split}], checkpoint {which}" if not exported else f"{run_dir} [{split}]", m)
+
+
+def _what(run_dir: str, exported: bool, split: str, data: Optional[str], checkpoint: Optional[str]) -> str:
+    """The first line of ``evaluate``: what it evaluates, on which split of which data (no torch: the
+    run's data path is read from its config.yaml as YAML)."""
+    if exported:
+        return f"evaluating the exported model {show_path(run_dir)} on split '{split}' of {show_path(data)}"
+    if data is None:
+        try:
+            data = read_yaml(os.path.join(run_dir, "config.yaml"), ValueError, "config")["data"]["path"]
+        except (ValueError, KeyError, TypeError):  # the verb itself reports a damaged config
+            data = "the run's data"
+    which = checkpoint or "best (last when the run kept no best)"
+    return f"evaluating {show_path(run_dir)}, checkpoint {which}, on split '{split}' of {show_path(data)}"
 
 
 def register(app: typer.Typer) -> None:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from dlrmctl import outputs
-from dlrmctl.console import stage
+from dlrmctl.console import show_path, stage
 from dlrmctl.inference import writer
 from dlrmctl.inference.artifact import AOTI_FILE, MANIFEST_FILE, MODEL_FILE, PROGRAM_FILE, ExportError
 from dlrmctl.inference.exported import ExportedModel, evaluate_exported, load_exported, to_host
@@ -368,9 +368,11 @@ def export_run(
     if (vocab_dir / "meta.json").is_file():  # the vocabularies to copy are the run's
         check_run_data(recorded, vocab_dir, ("schema", "vocabulary"),
                        hint="Pass --data DIR with the data the run was trained on")
+        stage(f"checking the files export reads from {show_path(vocab_dir)} (SHA-256)")
         _verify_data_files(vocab_dir, parity_split)
 
     def export_from(ckpt_path: str, which: str) -> ExportResult:
+        stage(f"reading the checkpoint {show_path(ckpt_path)}, {which}")
         # tables on the meta device: each is read from the checkpoint only when export quantizes it
         # the checkpoint's meta.json and .metadata: read and verified once, for the dense part and every table
         cfg, model, meta, cmeta, dcp_md = load_trained_model_with_checkpoint(

@@ -253,11 +253,12 @@ def evaluate_exported(
         ExportError: not an exported model, data without labels, ids out of range.
         DataError: unknown split / bad data directory.
     """
-    from dlrmctl.console import Progress
+    from dlrmctl.console import Progress, stage
     from dlrmctl.data.fingerprint import PARTS, check_same_data, read_meta_json, split_rows
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.metrics import compute_metrics_from_logits
 
+    stage("loading the exported model")
     m = load_exported(model_dir, device, artifact)
     mpath = os.path.join(str(data_dir), "meta.json")
     dmeta = read_meta_json(mpath, "data")
@@ -271,13 +272,14 @@ def evaluate_exported(
     else:
         log.warning("%s records no training-data fingerprint (exported by an older dlrmctl): the data is not "
                     "checked against it", Path(model_dir) / MANIFEST_FILE)
-    split_rows(dmeta, str(data_dir), split)
+    rows = split_rows(dmeta, str(data_dir), split)
     if announce is not None:  # once the data is known to fit: a bad input stays one error line
         announce(m.description)
     loader = BatchLoader(str(data_dir), split, batch_size, shuffle=False, features=m.feature_names,
                          weighted_features=m.weighted_features,
                          **({} if "multi_hot" in (m.manifest.get("in_program") or [])
                             else (m.manifest.get("source") or {}).get("multi_hot", {})))
+    stage(f"scoring {rows:,} rows of split '{split}' in {len(loader):,} batch(es)")
     logits, labels = [], []
     bar = Progress(len(loader), f"eval {split}", "batch", enabled=progress, final_line=False, leave=False)
     for batch in loader:

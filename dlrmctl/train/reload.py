@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dlrmctl.config import ExperimentConfig, resolve_tables
-from dlrmctl.console import Progress
+from dlrmctl.console import Progress, show_path, stage
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.train import checkpoint as ckpt
 from dlrmctl.train.checkpoint import check_tables, dense_state_dict, embedding_load_request, managed_collision_state
@@ -165,10 +165,12 @@ def run_logits(run_dir: str, split: str = "val", data_dir: str | None = None, ba
     check_run_data(os.path.join(run_dir, "data_meta.json"), data, PARTS[:2] if any_split else PARTS,
                    hint="Evaluate on the data the run was trained on (--data DIR), or train on this data"
                         + ("" if any_split else "; --any-split accepts other rows with the same schema and vocabularies"))
-    split_rows(read_meta_json(os.path.join(data, "meta.json")), data, split)
+    rows = split_rows(read_meta_json(os.path.join(data, "meta.json")), data, split)
+    stage(f"reading the checkpoint {show_path(checkpoint)}" if checkpoint else "reading the checkpoint")
     cfg, model, meta = load_trained_model(run_dir, checkpoint=checkpoint)
     # each input feature once; no rank slice and no id check in the loader (the model applies on_invalid_id)
     loader = make_loader(cfg, meta, split, data_dir=data, batch_size=batch_size)
+    stage(f"scoring {rows:,} rows of split '{split}' in {len(loader):,} batch(es)")
     logits, labels = [], []
     with Progress(len(loader), f"eval {split}", "batch", enabled=progress, every_s=cfg.train.progress_every_s,
                   final_line=False, leave=False) as bar, torch.no_grad():

@@ -89,12 +89,64 @@ def test_export_says_each_step_with_its_elapsed_seconds_before_its_summary(small
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     staged = [m for m in (re.fullmatch(r"\[export\] (\d+\.\d) s (.+)", line) for line in lines) if m]
-    assert [m[2].split(" (")[0] for m in staged] == [
-        "reading and quantizing 26 tables to fp32", "tracing the program", "writing model.pt2",
-        "parity report: latency, then the artifact against the float model", "done"], lines
+    steps = [f"exporting {tmp_path / 'x'}, checkpoint best (last when the run kept no best), fp32 embeddings, to "
+             f"{tmp_path / 'm'}", f"checking the files export reads from {small_data} (SHA-256)",
+             f"reading the checkpoint {tmp_path / 'x' / 'checkpoints'}", "reading and quantizing 26 tables to fp32",
+             "tracing the program", "writing model.pt2",
+             "parity report: latency, then the artifact against the float model", "done"]
+    assert len(staged) == len(steps) and all(m[2].startswith(w) for m, w in zip(staged, steps)), lines
     secs = [float(m[1]) for m in staged]
     assert secs == sorted(secs), secs
     assert lines.index(staged[-1][0]) + 1 == next(i for i, line in enumerate(lines) if line.startswith("exported "))
+    # evaluate: what it evaluates, on which split of which data, then each step, then the metrics
+    r = CliRunner().invoke(app, ["evaluate", str(tmp_path / "x"), "--split", "test"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    staged = [m[1] for m in (re.fullmatch(r"\[evaluate\] \d+\.\d s (.+)", line) for line in lines) if m]
+    rows = json.load(open(small_data / "meta.json"))["splits"]["test"]["rows"]
+    steps = [f"evaluating {tmp_path / 'x'}, checkpoint best (last when the run kept no best), on split 'test' of "
+             f"{small_data}", f"reading the checkpoint {tmp_path / 'x' / 'checkpoints'}",
+             f"scoring {rows:,} rows of split 'test' in 1 batch(es)"]
+    assert len(staged) == len(steps) and all(m.startswith(w) for m, w in zip(staged, steps)), lines
+    assert lines[len(steps)] == f"{tmp_path / 'x'} [test], checkpoint best (step 2)", lines
+    r = CliRunner().invoke(app, ["evaluate", str(tmp_path / "x"), "--json"], catch_exceptions=False)
+    assert json.loads(r.stdout)["auc"] > 0, r.output  # --json: the metrics alone on stdout
     capsys.readouterr()
     console.stage("not shown")  # outside a verb's stages (a library call): nothing
     assert capsys.readouterr().out == ""
+
+
+_FIRST_LINE = r"""
+import os, sys
+from dlrmctl import console
+
+def first(msg, err=False):  # the verb's first line, and whether torch was imported before it
+    print("torch" in sys.modules, msg, flush=True)
+    os._exit(0)
+
+console.echo = first
+sys.argv = ["dlrmctl"] + sys.argv[1:]
+from dlrmctl.cli import main
+main()
+"""
+
+
+def test_evaluate_and_export_say_what_they_do_before_torch_is_imported(tmp_path):
+    """`evaluate` printed nothing for 20-50 s and `export` its first line after ~12 s: both name
+    what they do first, before the seconds of `import torch` and the checkpoint read."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(f"name: run\ndata:\n  path: {tmp_path / 'data'}\n")
+    for argv, line in ((["evaluate", run, "--split", "test"],
+                        f"[evaluate] 0.0 s evaluating {run}, checkpoint best (last when the run kept no best), on "
+                        f"split 'test' of {tmp_path / 'data'}"),
+                       (["export", run, "--int4", "--checkpoint", "last"],
+                        f"[export] 0.0 s exporting {run}, checkpoint last, int4 embeddings, to {run / 'export-int4'}")):
+        p = subprocess.run([sys.executable, "-c", _FIRST_LINE, *map(str, argv)], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+        assert p.stdout == f"False {line}\n", (argv, p.stdout, p.stderr[-2000:])

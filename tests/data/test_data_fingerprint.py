@@ -69,8 +69,8 @@ def run(tmp_path_factory):
 
 
 def _refused(r, given, recorded):
-    out = r.output.strip()
-    assert r.exit_code == 2 and len(out.splitlines()) == 1 and "Traceback" not in out, out
+    out = r.stderr.strip()  # (stdout: the verb's step lines before the refusal)
+    assert r.exit_code == 2 and len(out.splitlines()) == 1 and "Traceback" not in r.output, r.output
     assert f"{given} is not the data the model was trained on" in out, out
     fps = re.findall(r"([0-9a-f]{12}(?:/[0-9a-f]{12})?) \(([^)]*)", out.split("data fingerprints ")[1])
     assert [src for _, src in fps] == [str(recorded), str(given)], out  # both fingerprints, both sources
