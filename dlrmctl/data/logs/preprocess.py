@@ -351,7 +351,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
         prog.show(final=True)
         rows_read += prog.rows
         groups = group_cutoffs(*concat_keys(got), o.val_ratio, o.test_ratio)
-        if not groups.train_rows:
+        if not groups.train_rows and len(groups.groups):  # (an empty input is said below)
             raise DataError(f"the per-group time split leaves no rows to train on with --val-ratio {o.val_ratio} "
                             f"--test-ratio {o.test_ratio} (too few rows per group)", path=str(inputs))
         common["groups"] = groups.digest()
