@@ -172,6 +172,8 @@ def test_a_side_table_with_a_repeated_key_or_without_a_column_is_one_line(tmp_pa
     ({"join": [{"path": "m.csv", "key": "i", "columns": ["g"]}, {"path": "n.csv", "key": "i", "columns": ["g"]}]},
      "join[1] (n.csv).columns[0]"),
     ({"join": {"path": "m.csv"}}, "join"),
+    ({"join": [{"path": "m.csv", "key": "i", "columns": ["g"], "format": "xml"}]}, "join[0] (m.csv).format"),
+    ({"join": [{"path": "m.csv", "key": "i", "columns": ["g"], "delimiter": "::"}]}, "join[0] (m.csv).delimiter"),
     ({"categorical": [{"name": "g", "null_values": "none"}]}, "categorical[0] (g).null_values"),
 ])
 def test_split_join_and_null_values_keys_are_validated_by_their_path(schema, path):
@@ -256,3 +258,28 @@ def test_a_changed_side_table_is_a_changed_input_not_an_already_complete_dataset
     assert CliRunner().invoke(app, args + ["--force"]).exit_code == 0
     meta = json.loads((tmp_path / "o" / "meta.json").read_text())
     assert raw_ids(pa.array(["g9"]))[0] in _vocab(tmp_path / "o", meta, "tags").tolist()
+
+
+@pytest.mark.parametrize("kind", ["parquet", "tsv", "jsonl"])
+def test_a_parquet_tsv_or_json_lines_side_table_joins_as_the_csv_one(tmp_path, kind):
+    import pyarrow.csv as pcsv
+    import pyarrow.parquet as pq
+
+    paths, _ = _log(tmp_path, files=1)
+    schema = tmp_path / "s.yaml"
+    schema.write_text(SCHEMA % "")
+    preprocess_logs(load_schema(schema), str(paths[0]), tmp_path / "csv", progress=False)
+    side = pcsv.read_csv(tmp_path / "items.csv", convert_options=pcsv.ConvertOptions(
+        column_types={"item": pa.int64(), "tags": pa.string(), "price": pa.string()}))
+    other = tmp_path / f"items.{kind}"
+    if kind == "parquet":
+        pq.write_table(side, other)
+    elif kind == "tsv":
+        other.write_text("item\ttitle\ttags\tprice\n" + "".join(
+            f"{r['item']}\t{r['title']}\t{r['tags']}\t{r['price']}\n" for r in side.to_pylist()))
+    else:
+        other.write_text("".join(json.dumps(r) + "\n" for r in side.to_pylist()))
+    schema.write_text((SCHEMA % "").replace("items.csv", other.name))
+    preprocess_logs(load_schema(schema), str(paths[0]), tmp_path / kind, progress=False)
+    a, b = _read(tmp_path / "csv", "train")[0], _read(tmp_path / kind, "train")[0]
+    assert a.num_rows == b.num_rows > 0 and a.equals(b)
