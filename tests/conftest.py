@@ -40,10 +40,17 @@ def tiny_synthetic(tmp_path_factory, name: str, rows: int = 3000, seed: int = 2)
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
+    """Each test starts from seed 0 and the session's intra-op thread count: a verb run in-process
+    (``train``, ``serve``, ``plan --calibrate``) sets the count from the machine's load at that
+    moment, which would otherwise carry over into the tests after it (their float sums split
+    differently, so what they compute would depend on the order and the load)."""
     import torch
 
+    threads = torch.get_num_threads()
     torch.manual_seed(0)
     yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def one_error_line(args, *names) -> str:
