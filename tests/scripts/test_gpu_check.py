@@ -35,6 +35,16 @@ def _start(py, out):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _ended(out) -> set:
+    """The steps whose end is recorded in ``out/steps.jsonl`` so far."""
+    try:
+        lines = (out / "steps.jsonl").read_text().split("\n")[:-1]  # (after the last newline: half-written)
+    except OSError:
+        return set()
+    recs = [json.loads(line) for line in lines if line.strip()]
+    return {r["step"] for r in recs if r["status"] != "started"}
+
+
 def _files(out):
     return sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
 
@@ -80,7 +90,12 @@ def test_a_kill_at_60_percent_of_the_run_leaves_the_finished_steps_records(clean
     out = tmp_path / "out"
     p = _start(clean_python, out)
     try:
-        time.sleep(0.6 * duration)
+        # 60% of the full run's time, and not before env and data have ended: a machine more loaded now
+        # than during the full run is slower to get there (a fixed sleep then killed it before them)
+        t0, limit = time.monotonic(), 10 * duration + 120
+        while (time.monotonic() - t0 < 0.6 * duration or not {"env", "data"} <= _ended(out)) and p.poll() is None:
+            assert time.monotonic() - t0 < limit, f"env and data did not end within {limit:.0f} s"
+            time.sleep(0.2)
         os.killpg(p.pid, signal.SIGKILL)  # the slot ends: everything is killed at once
         p.wait(30)
     finally:
