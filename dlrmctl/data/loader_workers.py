@@ -23,7 +23,8 @@ worker, travels pickled over the socket instead.
 
 Failures: an exception in a worker reaches the consumer as that exception (its traceback noted),
 naming the worker; a worker that dies (killed, out of memory) is an error naming the worker, its
-pid and its signal or exit code within a fraction of a second; ``close`` (the end of the epoch,
+pid and its signal or exit code within a fraction of a second (one that makes no batch in
+:data:`WORKER_STALL_S` is killed and named the same way); ``close`` (the end of the epoch,
 an exception or ``KeyboardInterrupt`` in the step, the iterator dropped) kills and reaps every
 worker.  Workers ignore SIGINT (Ctrl-C reaches the whole process group; the consumer decides)
 and exit by themselves when their parent is gone.
@@ -53,10 +54,13 @@ from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 if TYPE_CHECKING:
     from dlrmctl.data.loader import BatchLoader
 
-__all__ = ["WorkerError", "auto_workers", "worker_batches", "MAX_AUTO_WORKERS"]
+__all__ = ["WorkerError", "auto_workers", "worker_batches", "MAX_AUTO_WORKERS", "WORKER_STALL_S"]
 
 #: most workers ``workers: auto`` gives one rank
 MAX_AUTO_WORKERS = 4
+#: seconds a live worker may take over its next batch before the consumer gives up on it (far
+#: above a shuffle window's read: a worker stuck for good, not a slow one)
+WORKER_STALL_S = 600.0
 #: seconds between the checks of a waiting side on the other one (alive? parent gone?)
 _POLL_S = 0.1
 _ALIGN = 64
@@ -246,8 +250,12 @@ class _Workers:
             Exception: what the worker raised making it."""
         k = i % self.n
         conn, pid = self.conns[k], self.pids[k]
+        since = time.monotonic()
         while not conn.poll(_POLL_S):
             why = self._dead(k)
+            if why is None and time.monotonic() - since > WORKER_STALL_S:
+                self.close()
+                raise self._died(k, pid, f"made no batch in {WORKER_STALL_S:g} s (stuck; killed)", i)
             if why is not None and not conn.poll(0):
                 raise self._died(k, pid, why, i)
         try:

@@ -121,6 +121,21 @@ def test_multi_hot_expansion_and_zeroed_ids_match_the_thread_path(tmp_path, no_l
     assert epoch_digests(d, workers=2, **kw) == [digest(b) for b in ref]
 
 
+def test_a_stuck_worker_is_killed_and_named_after_the_stall_limit(tmp_path, monkeypatch, no_leftovers):
+    import dlrmctl.data.loader_workers as workers
+
+    monkeypatch.setattr(workers, "WORKER_STALL_S", 0.5)
+    before = child_pids()
+    it = iter(BatchLoader(make_dataset(tmp_path, n=40), "train", 2, workers=2, prefetch=0))
+    next(it)
+    stuck = sorted(child_pids() - before)
+    for pid in stuck:
+        os.kill(pid, signal.SIGSTOP)  # alive, never sends again
+    with pytest.raises(WorkerError, match=r"loader worker \d of 2 \(pid \d+\) made no batch in 0.5 s \(stuck; killed\)"):
+        for _ in it:
+            pass
+
+
 def test_an_error_in_a_worker_is_raised_in_the_consumer_naming_the_worker(tmp_path, no_leftovers):
     d = make_dataset(tmp_path, n=40)
     loader = BatchLoader(d, "train", 4, workers=2, id_bounds={"C1": ("t", 200)})  # row 20 has C1 = 200
@@ -160,6 +175,7 @@ def test_closing_or_dropping_the_iterator_reaps_the_workers(tmp_path, no_leftove
     assert child_pids() - before == set()
 
 
+@pytest.mark.slow  # a Python process importing torch
 def test_ctrl_c_of_the_process_group_stops_the_run_and_its_workers(tmp_path):
     d = make_dataset(tmp_path, n=2000)
     script = textwrap.dedent(f"""

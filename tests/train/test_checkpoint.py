@@ -232,6 +232,7 @@ def test_resume_gives_the_same_per_step_losses_on_1_process(data, tmp_path, opti
         assert resumed[step] == straight[step], step
 
 
+@pytest.mark.slow  # three short trainings
 def test_loader_worker_processes_train_and_resume_with_the_thread_loaders_losses(data, tmp_path):
     runs = str(tmp_path)  # straight: the loader's thread; interrupted with 2 workers, resumed with 3
     _train(None, _cfg(data, runs, "s", STRAIGHT, "data.workers=0"), os.path.join(runs, "s"), False, None).train()
