@@ -18,8 +18,6 @@ LONG_FILES = {
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
     "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC: input dist, lookups, output dist, managed-collision "
                                           "routing; the dist plans to split out",
-    "dlrmctl/distributed/sharding/common.py": "the sharding interface (with its family hooks) and the shared "
-                                              "table- / row-split kinds; the bucketize core to split out",
 }
 
 

@@ -48,12 +48,8 @@ from torch import nn
 from dlrmctl.distributed.comm import Awaitable, LazyAwaitable, all_to_all_ints, all_to_all_single
 from dlrmctl.distributed.env import ShardingEnv
 from dlrmctl.distributed.sharded_ebc import ShardedTables
-from dlrmctl.distributed.sharding.common import (
-    bucketize_order,
-    HAS_BLOCK_BUCKETIZE,
-    EmbeddingSharding,
-    LookupLayout,
-)
+from dlrmctl.distributed.sharding.bucketize import HAS_BLOCK_BUCKETIZE, bucketize_order
+from dlrmctl.distributed.sharding.common import EmbeddingSharding, LookupLayout
 from dlrmctl.distributed.sharding.cw_sharding import CwSharding
 from dlrmctl.distributed.sharding.rw_sharding import RwSharding
 from dlrmctl.distributed.sharding.tw_sharding import TwSharding
@@ -144,7 +140,7 @@ def sequence_bucketize_torch(values: torch.Tensor, lengths: torch.Tensor, F: int
                              shard_starts: torch.Tensor, shard_ranks: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch ``block_bucketize_sparse_features(sequence=True)`` for any row split
-    (arguments as :func:`~dlrmctl.distributed.sharding.common.bucketize_torch`).
+    (arguments as :func:`~dlrmctl.distributed.sharding.bucketize.bucketize_torch`).
 
     Returns:
         ``(lengths [W, F, B], local ids [N], unbucketize [N] int64)``.

@@ -8,7 +8,7 @@ remapper of those rows (a zone :class:`~dlrmctl.modules.managed_collision.Manage
 of ``N/W`` rows).
 
 Training: the row_wise input_dist sends each raw id to the rank owning its zone
-(``(id % B) // (B/W)``, see :meth:`~dlrmctl.distributed.sharding.common.RowWiseLikeSharding.bucketize`;
+(``(id % B) // (B/W)``, see :meth:`~dlrmctl.distributed.sharding.kinds.RowWiseLikeSharding.bucketize`;
 the ids travel as int64), and the owner remaps the ids it received from every source just before
 its lookup (:meth:`ShardedManagedCollision.remap_lookup`: the same vectorised remap as one
 process, no per-id loop, no host read), resetting the rows new ids took in its shard and in the

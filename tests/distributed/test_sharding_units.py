@@ -10,7 +10,8 @@ from dlrmctl import HAS_FBGEMM
 from dlrmctl.distributed.env import ShardingEnv, init_distributed
 from dlrmctl.distributed.model_parallel import DistributedModelParallel, describe_plan, plan_from_types
 from dlrmctl.distributed.sharded_ebc import ShardedEmbeddingBagCollection
-from dlrmctl.distributed.sharding.common import bucketize_torch, int64_to_weights, weights_to_int64
+from dlrmctl.distributed.sharding.bucketize import bucketize_torch
+from dlrmctl.distributed.sharding.common import int64_to_weights, weights_to_int64
 from dlrmctl.distributed.types import ComputeKernel, ParameterSharding, PlanError, ShardingPlan, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
 from dlrmctl.modules.embedding_modules import EmbeddingBagCollection, EmbeddingOptimizerSpec

@@ -17,7 +17,7 @@ column shard holds its columns of both moments) are exact.
 from __future__ import annotations
 
 
-from dlrmctl.distributed.sharding.common import TableWiseLikeSharding
+from dlrmctl.distributed.sharding.kinds import TableWiseLikeSharding
 from dlrmctl.distributed.types import (
     ShardingType,
 )

@@ -1,7 +1,7 @@
 """row_wise: a table's rows are split in equal blocks over all ranks.
 
 input_dist: ids are bucketized by row block (``fbgemm.block_bucketize_sparse_features``
-when FBGEMM is installed, else :func:`~dlrmctl.distributed.sharding.common.bucketize_torch`)
+when FBGEMM is installed, else :func:`~dlrmctl.distributed.sharding.bucketize.bucketize_torch`)
 and remapped to local rows, then sent to the block's rank; every rank looks up
 its block for all sources' bags with *sum* pooling.
 output_dist: reduce-scatter of the partial sums (NCCL ``reduce_scatter``; on
@@ -16,7 +16,7 @@ the last ones smaller or empty (10 rows on 3 ranks -> 4, 4, 2).
 from __future__ import annotations
 
 
-from dlrmctl.distributed.sharding.common import RowWiseLikeSharding
+from dlrmctl.distributed.sharding.kinds import RowWiseLikeSharding
 from dlrmctl.distributed.types import (
     PlanError,
     ShardingType,

@@ -8,7 +8,7 @@ back (all-to-all) and the source concatenates the blocks.
 from __future__ import annotations
 
 
-from dlrmctl.distributed.sharding.common import TableWiseLikeSharding
+from dlrmctl.distributed.sharding.kinds import TableWiseLikeSharding
 from dlrmctl.distributed.types import (
     PlanError,
     ShardingType,
