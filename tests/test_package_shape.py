@@ -16,8 +16,6 @@ LONG_FILES = {
                                        "KeyedTensor; one file per class is the planned split",
     "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
-    "dlrmctl/distributed/sharded_ebc.py": "the sharded EBC: input dist, lookups, output dist, managed-collision "
-                                          "routing; the dist plans to split out",
 }
 
 

@@ -29,6 +29,10 @@ Gradients: backward of the output all-to-all routes each source's gradient
 rows back to the shard owners, so a shard's gradient is the sum over all
 sources' samples — with the trainer's loss ``sum_local / global_batch`` that is
 exactly the single-process gradient of the global batch.
+
+The per-plan permutations of the input dist and the column reassembly of the output dist are
+:mod:`dlrmctl.distributed.dist_plans`'; what this module shares with the sharded
+EmbeddingCollection, :mod:`dlrmctl.distributed.sharded_tables`'.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ from torch import nn
 
 from dlrmctl.distributed.comm import (Awaitable, DoneAwaitable, LazyAwaitable, all_to_all_ints, comm_dtype,
                                       pooled_all_to_all_async)
-from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES, all_reduce, reduce_scatter_v, sync_sparse_grads
+from dlrmctl.distributed.comm import DENSE_GRAD_MAX_BYTES, reduce_scatter_v, sync_sparse_grads
+from dlrmctl.distributed.dist_plans import ColumnAssembly, InputDistPlan, weights_to_wire
 from dlrmctl.distributed.env import ShardingEnv
+from dlrmctl.distributed.sharded_tables import ShardedTables
 from dlrmctl.distributed.sharding.common import EmbeddingSharding, int64_to_weights
 from dlrmctl.distributed.sharding.cw_sharding import CwSharding
 from dlrmctl.distributed.sharding.dp_sharding import DpSharding
@@ -52,7 +58,7 @@ from dlrmctl.distributed.sharding.twcw_sharding import TwCwSharding
 from dlrmctl.distributed.sharding.twrw_sharding import TwRwSharding
 from dlrmctl.distributed.types import PlanError, ShardingPlan, ShardingType, ShardMetadata
 from dlrmctl.modules.embedding_configs import EmbeddingBagConfig
-from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, FusedOptimizer, TableFeatures
+from dlrmctl.modules.embedding_modules import EmbeddingOptimizerSpec, TableFeatures
 from dlrmctl.optim.dense import row_state_tensors
 from dlrmctl.optim.registry import embedding_optimizer
 from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
@@ -99,243 +105,6 @@ class ShardedEBCContext:
             kjt.record_stream(stream)
         if self.inverse_indices is not None:
             self.inverse_indices[1].record_stream(stream)
-
-
-class _ColumnAssembly:
-    """Puts the columns of several ``[B, w_k]`` tensors into table order in one copy.
-
-    Args:
-        labels: per tensor, the output column of each of its columns; together
-            a permutation of ``range(total)``.
-    """
-
-    def __init__(self, labels: list[list[int]], total: int) -> None:
-        where = {}
-        for k, labs in enumerate(labels):
-            for src, e in enumerate(labs):
-                where[e] = (k, src)
-        if sorted(where) != list(range(total)) or sum(map(len, labels)) != total:
-            raise AssertionError(f"sharded output columns do not tile the table columns: {labels}")
-        blocks: list[list[int]] = []  # [tensor, src_start, length, out_start]
-        for e in range(total):
-            k, src = where[e]
-            if blocks and blocks[-1][0] == k and blocks[-1][1] + blocks[-1][2] == src:
-                blocks[-1][2] += 1
-            else:
-                blocks.append([k, src, 1, e])
-        self.blocks = [tuple(b) for b in blocks]
-        self.n = len(labels)
-        self.widths = [len(x) for x in labels]
-        self.back = [sorted((b for b in self.blocks if b[0] == k), key=lambda b: b[1]) for k in range(self.n)]
-        self.identity = self.n == 1 and len(self.blocks) == 1
-
-    def __call__(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if self.identity:
-            return tensors[0]
-        return _AssembleColumns.apply(self, *tensors)
-
-
-class _AssembleColumns(torch.autograd.Function):
-    """Forward: one ``cat`` of column slices; backward: one ``cat`` per input
-    (cheaper than ``index_select`` + its ``index_add`` backward)."""
-
-    @staticmethod
-    def forward(ctx, plan: _ColumnAssembly, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.plan = plan
-        return torch.cat([tensors[k][:, s : s + n] for k, s, n, _ in plan.blocks], dim=1)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        plan = ctx.plan
-        grads = []
-        for k in range(plan.n):
-            parts = [grad[:, o : o + n] for _, _, n, o in plan.back[k]]
-            if not parts:  # a zero-width block (a rank holding nothing of a group)
-                grads.append(grad.new_zeros(grad.shape[0], 0))
-            else:
-                grads.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1))
-        return (None, *grads)
-
-
-def weights_to_wire(w: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
-    """float32 weights ``[N]`` -> their bits as ``wire`` ints (int32: a view; int64: widened)."""
-    bits = w.contiguous().view(torch.int32)
-    return bits if wire == torch.int32 else bits.to(wire)
-
-
-@dataclass
-class RecvLayout:
-    """Host sizes of one step's received data (after the size exchange).
-
-    Attributes:
-        batch_sizes / full_batch_sizes: every source's local batch (lookup batch / full).
-        stride: ``sum(batch_sizes)``.
-        slices: per comm group, ``(lengths offset, lengths numel, values offset, values numel,
-            length_per_key)`` in the permuted receive buffer (weights follow the values).
-    """
-
-    batch_sizes: list[int]
-    full_batch_sizes: list[int]
-    stride: int
-    slices: list[tuple[int, int, int, int, list[int]]]
-
-
-class InputDistPlan:
-    """What the input dist of a sharding plan needs every step, built once per plan.
-
-    Send side: the comm groups' sources (:meth:`EmbeddingSharding.input_dist_source`) are
-    concatenated as ``[lengths_0, values_0, (weights_0), lengths_1, ...]`` — segments of ``B``
-    lengths and of ``counts`` ids each; :attr:`send_perm` puts them in destination order
-    (per destination ``d``, per group: d's features' lengths, ids, weights: the wire format),
-    with a feature repeated for every rank holding a shard of its table.  The size row of
-    ``d`` is ``[B, full B, counts of d's features]``: :attr:`meta_idx` gathers it from
-    ``[B, full B, counts of every group]``.  Receive side: :attr:`recv_perm` turns the
-    ``(source, group, lengths|ids|weights, feature)`` segments into ``(group, kind, feature,
-    source)`` order, the lookup KJTs' layout, with segment lengths gathered from the received
-    size rows by :attr:`recv_seg_idx` (nothing goes host -> device but ``[B, full B]``).
-
-    Args:
-        groups: the communicating groups, in the EBC's order.
-        world_size / rank: this rank.
-        weighted: weights travel with the ids.
-        device: where the index tensors live.
-    """
-
-    def __init__(self, groups: Sequence[EmbeddingSharding], world_size: int, rank: int, weighted: bool,
-                 device: torch.device) -> None:
-        W = world_size
-        kinds = 3 if weighted else 2
-        self.mult = kinds - 1
-        S = [g.num_source_segments() for g in groups]
-        cbase = [2 + sum(S[:k]) for k in range(len(groups))]  # group k's counts in [B, B_full, counts...]
-        sbase = [kinds * sum(S[:k]) for k in range(len(groups))]  # group k's first source segment
-        self.send_feats = [[g.send_segments(d) for g in groups] for d in range(W)]  # [d][k] -> segments
-        meta_idx: list[int] = []
-        self.meta_in: list[int] = []
-        perm: list[int] = []
-        for d in range(W):
-            meta_idx.extend([0, 1])
-            for k, fs in enumerate(self.send_feats[d]):
-                meta_idx.extend(cbase[k] + j for j in fs)
-                for kind in range(kinds):
-                    perm.extend(sbase[k] + kind * S[k] + j for j in fs)
-            self.meta_in.append(2 + sum(len(fs) for fs in self.send_feats[d]))
-        send_seg_idx = [0 if kind == 0 else cbase[k] + j
-                        for k in range(len(groups)) for kind in range(kinds) for j in range(S[k])]
-        self.n_recv = [len(g.layouts[rank].features) for g in groups]
-        M = 2 + sum(self.n_recv)
-        self.meta_out = [M] * W
-        moff = [2 + sum(self.n_recv[:k]) for k in range(len(groups))]
-        # received segments in arrival order (s, k, kind, f); their lengths in the size rows
-        seg_of: dict[tuple[int, int, int, int], int] = {}
-        recv_seg_idx: list[int] = []
-        for s in range(W):
-            for k, n in enumerate(self.n_recv):
-                for kind in range(kinds):
-                    for f in range(n):
-                        seg_of[s, k, kind, f] = len(recv_seg_idx)
-                        recv_seg_idx.append(s * M + (0 if kind == 0 else moff[k] + f))
-        recv_perm = [seg_of[s, k, kind, f] for k, n in enumerate(self.n_recv) for kind in range(kinds)
-                     for f in range(n) for s in range(W)]
-        self.moff = moff
-        self.M = M
-        self.meta_idx = torch.tensor(meta_idx, dtype=torch.int64, device=device)
-        self.send_seg_idx = torch.tensor(send_seg_idx, dtype=torch.int64, device=device)
-        self.recv_seg_idx = torch.tensor(recv_seg_idx, dtype=torch.int64, device=device)
-        self.send_perm = SegmentPermutation(perm, len(send_seg_idx), device)
-        self.recv_perm = SegmentPermutation(recv_perm, len(recv_seg_idx), device)
-
-    def sizes(self, sent: list[int], received: list[int], B: int) -> tuple[list[int], list[int], RecvLayout]:
-        """Host split sizes from the size rows: ``(in_splits, out_splits, receive layout)``.
-
-        Args:
-            sent: the flat size rows this rank sent (``meta_in`` row lengths).
-            received: the flat size rows received, ``W`` rows of ``M``.
-            B: this rank's lookup batch.
-        """
-        mult = self.mult
-        in_splits, pos = [], 0
-        for d, row_len in enumerate(self.meta_in):
-            row = sent[pos + 2 : pos + row_len]
-            nf = row_len - 2
-            in_splits.append(nf * B + mult * sum(row))
-            pos += row_len
-        M, W = self.M, len(self.meta_out)
-        rows = [received[s * M : (s + 1) * M] for s in range(W)]
-        bs = [r[0] for r in rows]
-        stride = sum(bs)
-        out_splits = [(M - 2) * r[0] + mult * sum(r[2:]) for r in rows]
-        slices, off = [], 0
-        for k, n in enumerate(self.n_recv):
-            a = self.moff[k]
-            lpk = [sum(r[a + f] for r in rows) for f in range(n)]
-            n_v = sum(lpk)
-            slices.append((off, n * stride, off + n * stride, n_v, lpk))
-            off += n * stride + mult * n_v
-        return in_splits, out_splits, RecvLayout(bs, [r[1] for r in rows], stride, slices)
-
-
-class ShardedTables:
-    """What the sharded EBC and the sharded EC share about their local shards (``self.groups``:
-    one :class:`EmbeddingSharding` per sharding type, ``self.env``, ``self._spec``); subclasses
-    give :meth:`_full_shapes`."""
-
-    def _full_shapes(self) -> list[tuple[str, int, int]]:
-        """``(table, rows, dim)`` of every (unsharded) table."""
-        raise NotImplementedError
-
-    def fused_optimizer(self) -> FusedOptimizer:
-        """One view of the optimizers fused into every local TBE: ``set_lr``,
-        ``state_dict`` / ``load_state_dict`` (keys: table name, or
-        ``"<table>@<shard index>"`` when this rank holds several shards of a table)."""
-        tbes = []
-        for g in self.groups:
-            counts: dict[str, int] = {}
-            for s, *_ in g.local_shards():
-                counts[s.table.name] = counts.get(s.table.name, 0) + 1
-            for lk, lay in zip(g.lookups, g.layouts[self.env.rank].lookups):
-                key = {s.table.name: (s.table.name if counts[s.table.name] == 1 else f"{s.table.name}@{s.shard_index}")
-                       for s in lay.shards}
-                tbes.extend(lk.fused_optimizer().renamed(key))
-        return FusedOptimizer(tbes, self._spec)
-
-    def embedding_dense_parameters(self) -> list[nn.Parameter]:
-        """Weights of dense-kernel shards (incl. data_parallel replicas and tables whose dim is not
-        a multiple of 4): they need a torch optimizer (``dlrmctl.optim.dense.embedding_optimizer_for_dense``)."""
-        return [p for g in self.groups for lk in g.lookups for p in lk.dense_parameters()]
-
-    @torch.no_grad()
-    def gather_full_weights(self) -> dict[str, torch.Tensor]:
-        """Table -> full ``[rows, dim]`` weights assembled from all ranks' shards.
-
-        For tests and small tables only: materialises every table on every rank
-        (one all-reduce); never used in training.  Collective: all ranks must call it.
-        """
-        full = {n: torch.zeros(r, d, device=self.env.device) for n, r, d in self._full_shapes()}
-        for g in self.groups:
-            replicated = g.replicated  # identical on every rank: counted once
-            for s, w, _, _ in g.local_shards():
-                if replicated and self.env.rank != 0:
-                    continue
-                r0, c0 = s.meta.offsets
-                full[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols] = w.detach().to(self.env.device)
-        if self.env.is_distributed and full:
-            flat = torch.cat([v.reshape(-1) for v in full.values()])
-            all_reduce(flat, self.env.pg)
-            off = 0
-            for v in full.values():
-                v.copy_(flat[off : off + v.numel()].view_as(v))
-                off += v.numel()
-        return full
-
-    @torch.no_grad()
-    def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy each local shard's block out of full ``[rows, dim]`` tables (e.g. a reference model's)."""
-        for g in self.groups:
-            for s, w, _, _ in g.local_shards():
-                if s.table.name in weights:
-                    r0, c0 = s.meta.offsets
-                    w.copy_(weights[s.table.name][r0 : r0 + s.rows, c0 : c0 + s.cols])
 
 
 class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
@@ -441,7 +210,7 @@ class ShardedEmbeddingBagCollection(ShardedTables, TableFeatures):
             col_feat = [f for f in range(len(g.features)) for _ in range(g.feature_offsets[f + 1] - g.feature_offsets[f])]
             for cols in g.output_cols():
                 labels.append([ebc_feat_off[gf[col_feat[c]]] + c - g.feature_offsets[col_feat[c]] for c in cols])
-        self._assembly = _ColumnAssembly(labels, ebc_feat_off[-1])
+        self._assembly = ColumnAssembly(labels, ebc_feat_off[-1])
         # wire format of the id all-to-all: int32 when every communicated table has < 2^31 rows
         # (lengths, local ids and float32 weight bits then all fit), else int64
         self.input_dist_dtype = input_dist_dtype

@@ -47,7 +47,7 @@ from torch import nn
 
 from dlrmctl.distributed.comm import Awaitable, LazyAwaitable, all_to_all_ints, all_to_all_single
 from dlrmctl.distributed.env import ShardingEnv
-from dlrmctl.distributed.sharded_ebc import ShardedTables
+from dlrmctl.distributed.sharded_tables import ShardedTables
 from dlrmctl.distributed.sharding.bucketize import HAS_BLOCK_BUCKETIZE, bucketize_order
 from dlrmctl.distributed.sharding.common import EmbeddingSharding, LookupLayout
 from dlrmctl.distributed.sharding.cw_sharding import CwSharding

@@ -81,7 +81,7 @@ this path where the calibration's bare 8 MiB ``all_to_all_single`` reached 1.0-1
 bare figure charged every communicating plan of ``scripts/bench_planner_accuracy.py`` 10-40%
 too little while data_parallel (whose gradient sync keeps ``net``) came out at ~1.0.  The path's
 copies (the gradient copy into the backward send buffer, the receive-buffer split) are inside
-the calibrated figure; the column reassembly after the output dist (``_AssembleColumns``) is not.
+the calibrated figure; the column reassembly after the output dist (``AssembleColumns``) is not.
 
 ``fused_fwd_bag_s`` / ``fused_bwd_bag_s`` (``Topology``; 0 unless calibrated) are paid per
 bag (pooled output row; every shard of a table runs every bag of the global batch): the
