@@ -14,7 +14,6 @@ MAX_LINES = 500
 LONG_FILES = {
     "dlrmctl/sparse/jagged_tensor.py": "JaggedTensor, KeyedJaggedTensor (its VBE and TorchRec's constructors) and "
                                        "KeyedTensor; one file per class is the planned split",
-    "dlrmctl/distributed/comm.py": "every collective of the package in one place (the house rule); to split by kind",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
 }
 

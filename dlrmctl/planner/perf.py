@@ -6,7 +6,7 @@ Reference for the approach: TorchRec ``planner/shard_estimators.py``
 ``BWD_COMPUTE_MULTIPLIER``, ``DP_ELEMENTWISE_KERNELS_PERF_FACTOR``).  The model is
 *bytes moved / bandwidth* plus fixed per-op costs (:func:`step_latency`).  Unlike
 TorchRec's estimator, the communication bytes follow dlrmctl's implementation
-(``dlrmctl/distributed/sharded_ebc.py``, ``sharding/*.py``, ``comm.py``) exactly;
+(``dlrmctl/distributed/sharded_ebc.py``, ``sharding/*.py``, ``comm/``) exactly;
 :func:`shard_comm_bytes` gives them and ``tests/planner/test_planner_comm_bytes.py`` checks
 them against the bytes a 2-rank gloo run of every sharding type sends.
 
@@ -300,7 +300,7 @@ def input_dist_seconds(topology: Topology, input_bytes: float) -> float:
 def step_latency(topology: Topology, options: list, ranks: list) -> tuple[float, int, int]:
     """Fixed cost per training step that the bandwidth model does not contain, seconds.
 
-    Counted as dlrmctl's sharded EBC issues them (``sharded_ebc.py``, ``comm.py``):
+    Counted as dlrmctl's sharded EBC issues them (``sharded_ebc.py``, ``comm/``):
 
     * sharding groups: every rank runs the routing / combine code of every sharding type
       in the plan (one group per type), ``Topology.lookup_fixed_s`` each;

@@ -1,4 +1,4 @@
-"""comm.py pieces on real gloo ranks: the bucketed dense-gradient all-reduce (overlap
+"""comm/ pieces on real gloo ranks: the bucketed dense-gradient all-reduce (overlap
 with backward, same sums as one bucket) and the int32 input_dist wire format."""
 
 import pytest

@@ -90,8 +90,9 @@ def _order_worker(env, reduce_scatter):
     from dlrmctl.sparse import KeyedJaggedTensor, KeyedTensor
 
     events: list[str] = []
-    start_bwd, wait_fwd, wait_bwd = (comm._PooledAllToAllStart.backward, comm._PooledAllToAllWait.forward,
-                                     comm._PooledAllToAllWait.backward)
+    a2a = comm.all_to_all
+    start_bwd, wait_fwd, wait_bwd = (a2a._PooledAllToAllStart.backward, a2a._PooledAllToAllWait.forward,
+                                     a2a._PooledAllToAllWait.backward)
 
     def rec(name, fn):
         def wrapped(*a):
@@ -99,9 +100,9 @@ def _order_worker(env, reduce_scatter):
             return fn(*a)
         return staticmethod(wrapped)
 
-    comm._PooledAllToAllStart.backward = rec("start_bwd", start_bwd)
-    comm._PooledAllToAllWait.forward = rec("wait_fwd", wait_fwd)
-    comm._PooledAllToAllWait.backward = rec("wait_bwd", wait_bwd)
+    comm.all_to_all._PooledAllToAllStart.backward = rec("start_bwd", start_bwd)
+    comm.all_to_all._PooledAllToAllWait.forward = rec("wait_fwd", wait_fwd)
+    comm.all_to_all._PooledAllToAllWait.backward = rec("wait_bwd", wait_bwd)
     tables = [EmbeddingBagConfig(num_embeddings=40, embedding_dim=8, name=f"t{i}", feature_names=[f"f{i}"])
               for i in range(3)]
     plan = plan_from_types(tables, {"t0": "table_wise", "t1": "table_wise", "t2": "row_wise"}, env.world_size)

@@ -1,7 +1,7 @@
 """The planner's communication bytes per sharding type equal what the sharded EBC sends.
 
 A 2-rank gloo run of :class:`ShardedEmbeddingBagCollection` per sharding type counts the
-bytes each rank hands to the collectives of ``dlrmctl/distributed/comm.py`` (the input
+bytes each rank hands to the collectives of ``dlrmctl/distributed/comm/`` (the input
 dist's data all-to-all, via ``input_dist_bytes``; the float all-to-alls of the output
 dist in forward and in backward; the data_parallel gradient all-reduce / all-gathers),
 and the test asserts that the perf model's per-shard byte counts
@@ -54,7 +54,7 @@ def _worker(env, cases):
     def add(key, t):
         counts[key] = counts.get(key, 0) + t.numel() * t.element_size()
 
-    a2a, allreduce, gather = dist.all_to_all_single, dist.all_reduce, comm._all_gather_flat
+    a2a, allreduce, gather = dist.all_to_all_single, dist.all_reduce, comm.grads.all_gather_flat
 
     def a2a_count(out, inp, *a, **k):
         if inp.is_floating_point():
@@ -69,7 +69,7 @@ def _worker(env, cases):
         add(("grad", "all_gather"), inp)
         return gather(out, inp, *a, **k)
 
-    dist.all_to_all_single, dist.all_reduce, comm._all_gather_flat = a2a_count, allreduce_count, gather_count
+    dist.all_to_all_single, dist.all_reduce, comm.grads.all_gather_flat = a2a_count, allreduce_count, gather_count
     results = []
     try:
         for st, specs in cases:
@@ -91,7 +91,7 @@ def _worker(env, cases):
             row["in"] = sebc.input_dist_bytes[1] if st != "data_parallel" else 0
             results.append((st, len(specs), row, plan.to_dict()))
     finally:
-        dist.all_to_all_single, dist.all_reduce, comm._all_gather_flat = a2a, allreduce, gather
+        dist.all_to_all_single, dist.all_reduce, comm.grads.all_gather_flat = a2a, allreduce, gather
     return results
 
 
