@@ -4,7 +4,9 @@ A step whose host side holds the GIL (a GPU step's Python kernel launches) leave
 thread of the same process almost no time to gather rows; a process has its own interpreter.
 With ``workers = N > 0`` each ``iter()`` forks ``N`` workers (what ``torch.utils.data``
 DataLoader workers do; the loader's mapped shards, windows and settings are inherited, nothing
-is re-opened).  Worker ``k`` makes the global batches ``i`` with ``i % N == k``, in order, with
+is re-opened; the rank's pages are shared copy-on-write, so a page the rank writes during the
+epoch is copied once: small on CUDA, up to the tables' size on a CPU run, where ``auto`` gives
+no workers).  Worker ``k`` makes the global batches ``i`` with ``i % N == k``, in order, with
 the loader's own code (:meth:`BatchLoader._part`): the same rows, multi-hot draws and id checks
 as one thread would, so batches are bit-identical and come in the same order whatever ``N``.
 In a shuffled epoch a worker reads, of each shuffle window, only the blocks' rows of its own
