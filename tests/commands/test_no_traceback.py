@@ -230,12 +230,12 @@ def _wait_for(pred: Callable[[], bool], p: subprocess.Popen, what: str, timeout:
 
 def _interrupt(p: subprocess.Popen, sig: int) -> tuple[int, str, str]:
     p.send_signal(sig)
-    try:
-        out, err = p.communicate(timeout=60)
+    try:  # (a checkpoint being written is finished first: tens of seconds on a loaded machine)
+        out, err = p.communicate(timeout=150)
     except subprocess.TimeoutExpired:
         p.kill()
         out, err = p.communicate()
-        pytest.fail(f"still running 60 s after {signal.Signals(sig).name}: {err[-3000:]}")
+        pytest.fail(f"still running 150 s after {signal.Signals(sig).name}: {err[-3000:]}")
     return p.returncode, out, err
 
 
