@@ -480,3 +480,27 @@ def test_pass_two_from_pass_one_decoded_blocks_writes_what_parsing_again_writes(
         b, mb = _read(tmp_path / "parsed", split)
         assert a.equals(b) and a.num_rows
         assert ma["sparse_features"] == mb["sparse_features"] and ma["transforms"] == mb["transforms"]
+
+
+def test_a_time_column_mixing_dates_minutes_seconds_and_fractions_splits_at_the_cli(tmp_path):
+    """A date-only time ("2024-03-01": its "-01" is the day, not a UTC offset) next to times with
+    fractional seconds and zones in one column."""
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    spellings = ["2024-03-{:02d}", "2024-03-{:02d}T00:00:00.250Z", "2024-03-{:02d} 00:00", "2024-03-{:02d}T02:00:00+02:00",
+                 "2024-03-{:02d}T00:00:00.5", "2024-03-{:02d}T00:00:00-0000"]
+    rows = []
+    for i, r in enumerate(_rows(60)):
+        f = r.split(",")
+        f[2] = spellings[i % len(spellings)].format(1 + i // 6)  # day 1 + i // 6, midnight UTC (+ < 1 s)
+        rows.append(",".join(f))
+    src = _csv(tmp_path / "mixed.csv", rows)
+    res = CliRunner().invoke(app, ["preprocess", "logs", "--schema", str(_schema(tmp_path)), "--input", str(src),
+                                   "--out", str(tmp_path / "out"), "--split-by", "time", "--test-ratio", "0.2", "-q"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    day9 = int(np.datetime64("2024-03-09", "s").astype(np.int64))
+    assert meta["transforms"]["split"]["test_from"] == day9 and meta["splits"]["test"]["rows"] == 12
+    assert meta["bad_lines_skipped"] == 0 and sum(meta["splits"][s]["rows"] for s in ("train", "val", "test")) == 60

@@ -171,7 +171,8 @@ def _time(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str) -> np.
     return pc.fill_null(pc.cast(col, pa.int64()), 0).to_numpy(zero_copy_only=False)
 
 
-_ZONE = r"(Z|[+-]\d\d(:?\d\d)?)$"  # an ISO 8601 time's zone designator
+# an ISO 8601 time's zone designator, after a time of day (a date's "-02" is its day, not a zone)
+_ZONE = r"[T ]\d\d(:?\d\d(:?\d\d([.,]\d+)?)?)?(Z|[+-]\d\d(:?\d\d)?)$"
 
 
 def _iso_seconds(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
