@@ -12,11 +12,14 @@ other columns than expected is refused before any row is read (:func:`check_colu
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
 import os
 import re
+import threading
+import time
 from typing import Callable, Iterator
 
 import numpy as np
@@ -25,7 +28,7 @@ import pyarrow as pa
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
-from dlrmctl.data.long_lines import long_line_message
+from dlrmctl.data.long_lines import LineLimit, long_line_message
 from dlrmctl.errors import quoted
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batches"]
@@ -75,13 +78,84 @@ class RowBatch:
                                    keys=self.keys[keep])
 
 
+class _Gate:
+    """Holds an Arrow reader's I/O thread back to at most ``ahead`` reads past the batches taken.
+
+    Arrow's CSV and JSON stream readers read ahead on their I/O thread as fast as the input allows,
+    through a Python file too: a file read faster than it is transformed ended up in memory (peak
+    RSS grew with the file).  Each read of the input waits here while ``ahead`` blocks are read and
+    not yet taken as batches; when the consumer has waited for its batch for a second with the
+    reader held (a reader that needs more blocks than that for one batch), the read goes on, so
+    the two never wait on each other."""
+
+    def __init__(self, ahead: int = 4) -> None:
+        self._cv = threading.Condition()
+        self.reads = 0
+        self.taken = 0
+        self.ahead = ahead
+        self._waiting_since: float | None = None
+        self._closed = False
+
+    def before_read(self) -> None:
+        with self._cv:
+            while not self._closed and self.reads - self.taken >= self.ahead:
+                since = self._waiting_since
+                if since is not None and time.monotonic() - since > 1.0:
+                    break
+                self._cv.wait(0.25)
+            self.reads += 1
+
+    @contextlib.contextmanager
+    def taking(self):
+        """Around the consumer's call that waits for a batch (or opens the reader)."""
+        with self._cv:
+            self._waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._waiting_since = None
+                self.taken += 1
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        """Let a held read go (the consumer stopped)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+class _Gated(io.RawIOBase):
+    """A readable binary file: ``inner``'s reads, each after :meth:`_Gate.before_read`."""
+
+    def __init__(self, inner: io.RawIOBase, gate: _Gate) -> None:
+        super().__init__()
+        self._inner = inner
+        self._gate = gate
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        self._gate.before_read()
+        return self._inner.readinto(b)
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
+
+
 def _text_stream(path: str | os.PathLike, data: bytes | None, block_size: int | None = None,
-                 long_line: Callable[[int], bytes] | None = None):
+                 long_line: Callable[[int], bytes] | None = None, gate: _Gate | None = None):
     """The bytes of a text input (decompressed by its name's suffix), read as the parser asks; a
-    line too long for a block of ``block_size`` bytes reaches it as ``long_line(line)``."""
+    line too long for a block of ``block_size`` bytes reaches it as ``long_line(line)``; with
+    ``gate``, read at most its ``ahead`` blocks past the batches taken."""
     if data is not None:
         return pa.BufferReader(data)
-    return paced_input(path, block_size, long_line)
+    if gate is None or block_size is None or long_line is None:
+        return paced_input(path, block_size, long_line)
+    raw = LineLimit(lambda: pa.input_stream(os.fspath(path), compression="detect"), block_size, long_line)
+    return pa.PythonFile(_Gated(raw, gate), mode="r")
 
 
 def first_line(path: str | os.PathLike, data: bytes | None) -> bytes | None:
@@ -293,38 +367,44 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
             raise DataError(msg, path=path, line=ln)
 
     types = {c: pa.binary() for c in _hex_columns(schema)}  # read without a UTF-8 check: checked as hex digits
+    gate = _Gate()
     try:
-        reader = pa_csv.open_csv(
-            _text_stream(path, data, block_size, long_line),
-            read_options=pa_csv.ReadOptions(column_names=cols, skip_rows=1 if schema.header else 0,
-                                            use_threads=False, block_size=block_size),
-            parse_options=pa_csv.ParseOptions(delimiter=_delimiter(schema, fmt), ignore_empty_lines=False,
-                                              invalid_row_handler=invalid,
-                                              quote_char=False if fmt == "tsv" else '"'),
-            convert_options=pa_csv.ConvertOptions(include_columns=used, column_types={c: types.get(c, pa.string())
-                                                                                      for c in used},
-                                                  strings_can_be_null=True, null_values=[""],
-                                                  quoted_strings_can_be_null=True, check_utf8=True))
-    except (pa.ArrowInvalid, OSError, EOFError) as e:
-        raise_first()
-        if "Empty CSV file" in str(e):
-            return
-        raise DataError(f"cannot be read as {fmt.upper()}: {e}", path=path) from None
-    next_line = 2 if schema.header else 1
-    pos = 0
-    while True:
         try:
-            rb = reader.read_next_batch()
-        except StopIteration:
-            break
+            with gate.taking():
+                reader = pa_csv.open_csv(
+                    _text_stream(path, data, block_size, long_line, gate),
+                    read_options=pa_csv.ReadOptions(column_names=cols, skip_rows=1 if schema.header else 0,
+                                                    use_threads=False, block_size=block_size),
+                    parse_options=pa_csv.ParseOptions(delimiter=_delimiter(schema, fmt), ignore_empty_lines=False,
+                                                      invalid_row_handler=invalid,
+                                                      quote_char=False if fmt == "tsv" else '"'),
+                    convert_options=pa_csv.ConvertOptions(
+                        include_columns=used, column_types={c: types.get(c, pa.string()) for c in used},
+                        strings_can_be_null=True, null_values=[""], quoted_strings_can_be_null=True,
+                        check_utf8=True))
         except (pa.ArrowInvalid, OSError, EOFError) as e:
             raise_first()
-            raise DataError(f"cannot be read as {fmt.upper()} after line {next_line - 1}: {e}", path=path) from None
-        raise_first()
-        n = rb.num_rows
-        lines, next_line, bad, pos = block_lines(skipped, pos, next_line, n)
-        if n or bad:
-            yield RowBatch({c: rb.column(c) for c in used}, lines, os.fspath(path), bad_skipped=bad)
+            if "Empty CSV file" in str(e):
+                return
+            raise DataError(f"cannot be read as {fmt.upper()}: {e}", path=path) from None
+        next_line = 2 if schema.header else 1
+        pos = 0
+        while True:
+            try:
+                with gate.taking():
+                    rb = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (pa.ArrowInvalid, OSError, EOFError) as e:
+                raise_first()
+                raise DataError(f"cannot be read as {fmt.upper()} after line {next_line - 1}: {e}", path=path) from None
+            raise_first()
+            n = rb.num_rows
+            lines, next_line, bad, pos = block_lines(skipped, pos, next_line, n)
+            if n or bad:
+                yield RowBatch({c: rb.column(c) for c in used}, lines, os.fspath(path), bad_skipped=bad)
+    finally:
+        gate.close()
     raise_first()  # a bad row in a block that had no good one (a request of one short line)
     if len(skipped) > pos:
         yield RowBatch({c: pa.array([], pa.string()) for c in used}, np.zeros(0, np.int64), os.fspath(path),
