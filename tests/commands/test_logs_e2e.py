@@ -203,6 +203,10 @@ def test_serve_answers_raw_json_rows_with_the_scores_of_predict(tmp_path):
     with server(model, "--name", "avazu") as (url, _):
         np.testing.assert_allclose(_post_rows(url, "avazu", objs), want, atol=1e-6, rtol=0)
         np.testing.assert_allclose(_post_rows(url, "avazu", rows[1:]), want, atol=1e-6, rtol=0)
+        # a line without the label column (`click`, the second field) scores alike, alone or batched
+        no_label = ",".join(f for i, f in enumerate(rows[1].split(",")) if i != 1)
+        np.testing.assert_allclose(_post_rows(url, "avazu", [no_label]), want[:1], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(_post_rows(url, "avazu", [no_label, rows[2]]), want[:2], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow  # two preprocesses of 10k real lines and a DCN-v2 training run

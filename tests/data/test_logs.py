@@ -433,7 +433,8 @@ def test_a_time_column_of_mixed_kinds_names_the_line_that_differs(tmp_path):
 
 def test_a_short_raw_row_names_the_field_count_and_the_first_missing_column(tmp_path):
     """A raw row with too few fields (what `serve` gets in a request, one row or several, or a
-    file's row) is refused naming the row, the field counts and the first missing column; a
+    file's row; a request's line one field short is a line without the label) is refused naming
+    the row, the field counts and the first missing column; a
     block whose only row is bad is refused too (it once came back as "parsed 0 of 1 rows")."""
     from dlrmctl.data.columnar import DataError
     from dlrmctl.data.logs.raw_transform import RawTransformer
@@ -446,8 +447,8 @@ def test_a_short_raw_row_names_the_field_count_and_the_first_missing_column(tmp_
     tr = RawTransformer(json.loads((tmp_path / "out" / "meta.json").read_text()), tmp_path / "out")
     with pytest.raises(DataError, match=r"^req:1: expected 4 CSV fields, got 2 \(the first missing: 'u'\)$"):
         tr.lines([b"1,3"], "req")
-    with pytest.raises(DataError, match=r"^req:2: expected 4 CSV fields, got 3 \(the first missing: 'v'\)$"):
-        tr.lines([b"1,3,u1,v1", b"0,7,u2"], "req")
+    with pytest.raises(DataError, match=r"^req:2: expected 4 CSV fields, got 2 \(the first missing: 'u'\)$"):
+        tr.lines([b"1,3,u1,v1", b"0,7"], "req")  # (one field short is a line without the label, alone or not)
     (tmp_path / "short.csv").write_text("1,3,u1,v1\n1\n")
     with pytest.raises(DataError, match=r"short.csv:2: expected 4 CSV fields, got 1 \(the first missing: 'x'\)"):
         list(tr.file(tmp_path / "short.csv"))
@@ -504,3 +505,113 @@ def test_a_time_column_mixing_dates_minutes_seconds_and_fractions_splits_at_the_
     day9 = int(np.datetime64("2024-03-09", "s").astype(np.int64))
     assert meta["transforms"]["split"]["test_from"] == day9 and meta["splits"]["test"]["rows"] == 12
     assert meta["bad_lines_skipped"] == 0 and sum(meta["splits"][s]["rows"] for s in ("train", "val", "test")) == 60
+
+
+# ----------------------------------------------------------------------------- JSON lines: every kind of bad line
+_NAMES = "id,click,ts,price,age,user,site,item".split(",")
+
+
+def _json_rows(n=40):
+    return [dict(zip(_NAMES, r.split(","))) | {"item": int(r.split(",")[7])} for r in _rows(n)]
+
+
+def _jsonl(path, objs):
+    path.write_text("".join((o if isinstance(o, str) else json.dumps(o)) + "\n" for o in objs))
+    return path
+
+
+def _skip_cli(tmp_path, src):
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    out = tmp_path / f"skip{len(list(tmp_path.glob('skip*')))}"
+    res = CliRunner().invoke(app, ["preprocess", "logs", "--schema", str(_schema(tmp_path)), "--input", str(src),
+                                   "--out", str(out), "--on-bad-line", "skip", "-q"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "meta.json").read_text())
+    return meta["bad_lines_skipped"], sum(meta["splits"][s]["rows"] for s in ("train", "val", "test"))
+
+
+def test_json_lines_whose_key_changes_kind_or_holds_infinity_are_named_or_skipped_at_the_cli(tmp_path):
+    cases = {  # line (1-based) -> the bad object, and what the error names
+        "kind": (6, lambda o: o | {"user": 5}, ("field user", "key 'user': expected strings", "got an integer")),
+        "inf": (9, lambda o: json.dumps(o)[:-1] + ', "price": Infinity}', ("bad JSON line", "Infinity")),
+        "list": (3, lambda o: o | {"site": ["s1"]}, ("field site", "got a list")),
+        "fraction": (7, lambda o: o | {"item": 12.5}, ("field item", "not a number with a fraction")),
+    }
+    for name, (line, make, names) in cases.items():
+        objs = _json_rows()
+        objs[line - 1] = make(objs[line - 1])
+        src = _jsonl(tmp_path / f"{name}.jsonl", objs)
+        _cli(tmp_path, SCHEMA, src, f"{name}.jsonl:{line}:", *names)
+        assert _skip_cli(tmp_path, src) == (1, 39), name
+
+
+def _small_blocks_error_then_skip(tmp_path, schema, src, match):
+    """``src`` in 4 KiB blocks: the error ``match`` (``--on-bad-line error``), then the skip run's report."""
+    with pytest.raises(DataError, match=match):
+        preprocess_logs(schema, src, tmp_path / "e", LogOptions(block_size=4096), progress=False)
+    return preprocess_logs(schema, src, tmp_path / "s", LogOptions(block_size=4096, on_bad_line="skip"), progress=False)
+
+
+def test_json_lines_bad_in_a_later_block_keep_the_first_blocks_types_named_or_skipped(tmp_path):
+    objs = _json_rows(300)
+    objs[250] = objs[250] | {"item": "i250"}  # integers in the first blocks, a string here
+    objs[260] = json.dumps(objs[260])[:-1] + ', "age": NaN}'
+    objs[270] = objs[270] | {"item": 270.0}  # a number with a decimal point where integers were
+    schema = load_schema(_schema(tmp_path))
+    rep = _small_blocks_error_then_skip(tmp_path, schema, _jsonl(tmp_path / "late.jsonl", objs),
+                                        r"late.jsonl:251: field item: key 'item': expected integers")
+    assert rep.bad_lines == 3 and sum(rep.rows.values()) == 297
+    # a raw-id column read as numbers (12.0 next to 12.5 in one block): a whole number is the integer's id
+    floats = _json_rows()
+    for o in floats:
+        o["item"] = float(o["item"])
+    floats[0]["item"] = 0.5
+    rep = preprocess_logs(schema, _jsonl(tmp_path / "f.jsonl", floats), tmp_path / "f", LogOptions(on_bad_line="skip"),
+                          progress=False)
+    ints = preprocess_logs(schema, _jsonl(tmp_path / "i.jsonl", _json_rows()[1:]), tmp_path / "i", progress=False)
+    assert rep.bad_lines == 1 and rep.rows["train"] == ints.rows["train"] == 39
+    assert _read(tmp_path / "f", "train")[0].column("item").equals(_read(tmp_path / "i", "train")[0].column("item"))
+
+
+def test_json_keys_absent_or_unnamed_on_some_lines_follow_one_rule_at_the_cli(tmp_path):
+    objs = _json_rows()
+    objs[4] = objs[4] | {"note": "a key the schema does not name: ignored"}
+    del objs[7]["price"]  # a used column absent from one line: a missing value (its fill)
+    src = _jsonl(tmp_path / "keys.jsonl", objs)
+    assert _skip_cli(tmp_path, src) == (0, 40)
+    no_label = [dict(o) for o in objs]
+    del no_label[8]["click"]  # the label absent from a line: a bad row, named
+    _cli(tmp_path, SCHEMA, _jsonl(tmp_path / "nolabel.jsonl", no_label), "nolabel.jsonl:9:", "click")
+    nowhere = [{k: v for k, v in o.items() if k != "site"} for o in objs]
+    _cli(tmp_path, SCHEMA, _jsonl(tmp_path / "nosite.jsonl", nowhere), "nosite.jsonl", "column 'site'",
+         "in no line")
+
+
+def test_a_json_line_longer_than_a_block_is_named_by_its_line_or_skipped_and_counted(tmp_path):
+    objs = _json_rows(200)
+    objs[120] = objs[120] | {"user": "u" + "x" * 6000}
+    rep = _small_blocks_error_then_skip(tmp_path, load_schema(_schema(tmp_path)), _jsonl(tmp_path / "long.jsonl", objs),
+                                        r"long.jsonl:121: a line of 4096 bytes or more")
+    assert rep.bad_lines == 1 and sum(rep.rows.values()) == 199
+
+
+def test_raw_lines_with_and_without_the_label_follow_one_rule_alone_and_batched(tmp_path):
+    from dlrmctl.data.logs.raw_transform import RawTransformer
+
+    s = _schema(tmp_path, "header: false\ncolumns: [x, y, u, v]\nformat: csv\nlabel: y\n"
+                          "dense: [x]\ncategorical: [{name: u, vocab: {min_count: 1}}, {name: v, hash: 50}]\n")
+    (tmp_path / "train.csv").write_text("".join(f"{i},{i % 2},u{i % 5},\"v,{i}\"\n" for i in range(40)))
+    preprocess_logs(load_schema(s), tmp_path / "train.csv", tmp_path / "out", progress=False)
+    tr = RawTransformer(json.loads((tmp_path / "out" / "meta.json").read_text()), tmp_path / "out")
+    full, short, quoted_short = b'3,1,u1,"v,3"', b'7,u2,"v,7"', b'5,u4,"v,5"'
+    alone = [tr.lines([ln]) for ln in (full, short, quoted_short)]
+    mixed = tr.lines([full, short, quoted_short])
+    np.testing.assert_array_equal(mixed[0], np.concatenate([a[0] for a in alone]))
+    np.testing.assert_array_equal(mixed[1], np.concatenate([a[1] for a in alone]))
+    assert alone[0][2].tolist() == [1.0] and alone[1][2] is None and mixed[2] is None
+    for lines, at in (([b"7,u2"], 1), ([full, b"7,u2"], 2)):  # two fields short: the same error alone and batched
+        with pytest.raises(DataError, match=rf"<lines>:{at}: expected 4 CSV fields, got 2 \(the first missing: 'u'\)"):
+            tr.lines(lines)

@@ -139,7 +139,7 @@ def time_counts(task: LogTask) -> pa.Table:
     for d in _blocks(task):
         vc = pc.value_counts(pa.array(d.time))
         acc.append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
-        if len(acc) >= 64:
+        if len(acc) >= 8:
             acc = [_vocab.merge_counts(acc)]
     return _vocab.merge_counts(acc) if acc else pa.table({"value": pa.array([], pa.int64()),
                                                           "count": pa.array([], pa.int64())})
@@ -192,7 +192,7 @@ def _count_block(task: LogTask, d, counted: list[int], acc: list[list[pa.Table]]
         v = d.categorical[f]
         vc = pc.value_counts(pa.array(v.keys[v.present & (train if v.lengths is None else np.repeat(train, v.lengths))]))
         acc[j].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
-        if len(acc[j]) >= 64:
+        if len(acc[j]) >= 8:  # memory: 8 blocks' counts and the distinct values so far
             acc[j] = [_vocab.merge_counts(acc[j])]
 
 

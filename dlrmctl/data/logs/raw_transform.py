@@ -127,7 +127,8 @@ class RawTransformer:
 
     def lines(self, lines: list[bytes], name: str = "<lines>") -> Chunk:
         """Raw text lines in memory: CSV / TSV lines without a header (the fields of the training
-        input, in its column order; the label may be left out), or JSON objects keyed by column
+        input, in its column order; any line may leave the label out, alone or next to lines that
+        hold it: the label is then not read), or JSON objects keyed by column
         name (whatever the schema's format) -> one chunk of ``n = len(lines)`` rows.
 
         Raises:
@@ -148,13 +149,24 @@ class RawTransformer:
         if fmt == "jsonl":
             schema = dataclasses.replace(self.schema, format="jsonl")
             cols = file_columns(Path(name), schema, data=body)
+            schema = self._scoring_schema(cols, schema)
         else:
             cols = list(self.input_columns)
-            nf = len(next(iter(_split_first(lines[0], "\t" if fmt == "tsv" else self.schema.delimiter or ","))))
-            if self.schema.label and nf == len(cols) - 1:
-                cols.remove(self.schema.label.column)
-            schema = dataclasses.replace(self.schema, header=False, columns=tuple(cols), format=fmt)
-        schema = self._scoring_schema(cols, schema)
+            label = self.schema.label.column if self.schema.label and self.schema.label.column in cols else None
+            short = [False] * len(lines)
+            if label:  # each line with all the columns, or all but the label (scored alike, alone or batched)
+                d = "\t" if fmt == "tsv" else self.schema.delimiter or ","
+                short = [_field_count(ln, d, fmt) == len(cols) - 1 for ln in lines]
+                if all(short):
+                    cols.remove(label)
+                elif any(short):  # the label's field added empty to the lines without it, and not read
+                    k = cols.index(label)
+                    lines = [_with_empty_field(ln, k, d, fmt) if sh else ln for ln, sh in zip(lines, short)]
+                    body = b"\n".join(ln.rstrip(b"\r\n") for ln in lines) + b"\n"
+            schema = self._scoring_schema(cols, dataclasses.replace(self.schema, header=False, columns=tuple(cols),
+                                                                    format=fmt))
+            if any(short) and not all(short):
+                schema = dataclasses.replace(schema, label=None, ignore=(*schema.ignore, label))
         batches = iter_batches(Path(name), schema, "error", block_size=max(len(body) + 1, 1 << 16), data=body,
                                columns=cols)
         return self._one(list(self._chunks(batches, schema, len(lines))), len(lines), name)
@@ -195,6 +207,29 @@ def _json_objects(lines: list[bytes], name: str) -> list[dict]:
         except ValueError as e:
             raise DataError(f"not a JSON object: {e}", path=name, line=i + 1) from None
     return out
+
+
+def _field_count(line: bytes, delimiter: str, fmt: str) -> int:
+    """Fields of a CSV / TSV line (TSV: no quoting, as the reader)."""
+    line = line.rstrip(b"\r\n")
+    if fmt == "tsv" or b'"' not in line:
+        return line.count(delimiter.encode()) + 1
+    return len(next(iter(_split_first(line, delimiter))))
+
+
+def _with_empty_field(line: bytes, k: int, delimiter: str, fmt: str) -> bytes:
+    """``line`` with an empty field inserted before its field ``k``."""
+    import csv
+    import io
+
+    line = line.rstrip(b"\r\n")
+    if fmt == "tsv" or b'"' not in line:
+        parts = line.split(delimiter.encode())
+        return delimiter.encode().join(parts[:k] + [b""] + parts[k:])
+    fields = next(iter(_split_first(line, delimiter)))
+    out = io.StringIO()
+    csv.writer(out, delimiter=delimiter, lineterminator="").writerow(fields[:k] + [""] + fields[k:])
+    return out.getvalue().encode()
 
 
 def _split_first(line: bytes, delimiter: str):

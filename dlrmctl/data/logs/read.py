@@ -36,7 +36,6 @@ __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batc
 DEFAULT_BLOCK_SIZE = 4 << 20  # bytes of text per block (as the Criteo reader)
 PARQUET_BATCH_ROWS = 65536
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
-_JSON_ROW_RE = re.compile(r"\s*in row (\d+)\s*$")  # the end of Arrow's JSON errors: the 0-based row of the block
 
 
 @dataclasses.dataclass
@@ -276,15 +275,16 @@ def iter_batches(path: str | os.PathLike, schema: LogSchema, on_bad_line: str = 
         DataError: an unreadable file, wrong columns, a line with the wrong number of fields.
     """
     fmt = schema.format_of(path)
+    used = schema.used_columns()
+    if fmt == "jsonl":  # each line names its keys: see dlrmctl.data.logs.read_json
+        yield from _jsonl(path, used, on_bad_line, block_size, data)
+        return
     cols = columns if columns is not None else file_columns(path, schema, data)
     if cols is None:
         return
     check_columns(path, schema, cols)
-    used = schema.used_columns()
     if fmt == "parquet":
         yield from _parquet(path, used)
-    elif fmt == "jsonl":
-        yield from _jsonl(path, used, block_size, data)
     else:
         yield from _csv(path, schema, fmt, cols, used, on_bad_line, block_size, data)
 
@@ -307,30 +307,19 @@ def _parquet(path: str | os.PathLike, used: list[str]) -> Iterator[RowBatch]:
         start += pf.metadata.row_group(g).num_rows
 
 
-def _jsonl(path: str | os.PathLike, used: list[str], block_size: int, data: bytes | None) -> Iterator[RowBatch]:
-    import pyarrow.json as pj
+def _jsonl(path: str | os.PathLike, used: list[str], on_bad_line: str, block_size: int,
+           data: bytes | None) -> Iterator[RowBatch]:
+    from dlrmctl.data.logs.read_json import iter_json_lines
 
-    def long_line(ln: int) -> bytes:
-        raise DataError(long_line_message(block_size), path=path, line=ln)
+    def row_batch(cols: dict, keys: np.ndarray, bad: int) -> RowBatch:
+        return RowBatch(cols, keys, os.fspath(path), bad_skipped=bad)
 
-    line = 1
     try:
-        reader = pj.open_json(_text_stream(path, data, block_size, long_line), read_options=pj.ReadOptions(use_threads=False,
-                                                                                    block_size=block_size))
-        for rb in reader:
-            n = rb.num_rows
-            names = set(rb.schema.names)
-            cols = {c: (rb.column(c) if c in names else pa.nulls(n)) for c in used}
-            yield RowBatch(cols, np.arange(line, line + n, dtype=np.int64), os.fspath(path))
-            line += n
-    except (pa.ArrowInvalid, OSError, EOFError) as e:
-        m = _JSON_ROW_RE.search(str(e))
-        if m is not None:  # Arrow counts rows from the block being parsed, which starts at `line`
-            what = str(e)[:m.start()].replace("JSON parse error: ", "").rstrip(" .")
-            raise DataError(f"bad JSON line ({what}; each line is one object, each key keeps one type)", path=path,
-                            line=line + int(m.group(1))) from None
-        where = f" after line {line - 1}" if line > 1 else ""
-        raise DataError(f"cannot be read as JSON lines{where}: {e}", path=path) from None
+        with (pa.BufferReader(data) if data is not None else
+              pa.input_stream(os.fspath(path), compression="detect")) as f:
+            yield from iter_json_lines(path, used, on_bad_line, block_size, f, row_batch)
+    except (OSError, EOFError) as e:
+        raise DataError(f"cannot be read as JSON lines: {e}", path=path) from None
 
 
 def _hex_columns(schema: LogSchema) -> set[str]:

@@ -37,6 +37,7 @@ from dlrmctl.errors import quoted
 from dlrmctl.data.logs.join import join_columns
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
+from dlrmctl.data.logs.vocab_lookup import VocabLookup
 from dlrmctl.data.logs.split import split_keys
 
 __all__ = ["CategoricalValues", "Decoded", "VocabLookup", "decode", "dense_values", "ids_of"]
@@ -236,16 +237,20 @@ def _text_times(batch: RowBatch, name: str, col: pa.Array, drop: np.ndarray, on_
 
 
 def _keys(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.ndarray, on_bad_line: str,
-          column: str) -> tuple[np.ndarray, np.ndarray]:
-    """Keys ``[m]`` int64 and present ``[m]`` bool of a flat array of values (``null_values`` are missing)."""
-    keys, present = _keys_of(batch, spec, values, drop, on_bad_line, column)
+          column: str, rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Keys ``[m]`` int64 and present ``[m]`` bool of a flat array of values (``null_values`` are
+    missing; ``rows``: the row of each value of a multi-valued column, None: value ``i`` is row ``i``)."""
+    keys, present = _keys_of(batch, spec, values, drop, on_bad_line, column, rows)
     if spec.null_values:
         present = present & ~np.isin(raw_ids(values) if spec.parse == "hex" else keys, raw_ids(list(spec.null_values)))
     return keys, present
 
 
 def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.ndarray, on_bad_line: str,
-             column: str) -> tuple[np.ndarray, np.ndarray]:
+             column: str, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_keys` before ``null_values``.  Whole numbers (JSON, Parquet doubles) are the
+    integer's key (``12.0`` as ``12``), others bad rows; values of another type (booleans,
+    objects) are refused naming the first one's row."""
     if spec.parse == "hex":
         from dlrmctl.data.criteo.parse import hex_to_uint32
 
@@ -271,10 +276,26 @@ def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.
         if spec.mode == "raw":  # raw ids: the raw id of the text itself
             return raw_ids(values), present
         return h.astype(np.int64), present  # vocab and hash: the integer (Criteo's keys)
+    t = values.type
+    if pa.types.is_floating(t):
+        x = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
+        valid = values.is_valid().to_numpy(zero_copy_only=False)
+        with np.errstate(invalid="ignore"):
+            whole = np.isfinite(x) & (np.floor(x) == x) & (np.abs(x) < 2.0**63)
+        badv = valid & ~whole
+        if badv.any():
+            mask = np.zeros(batch.num_rows, bool)
+            mask[badv.nonzero()[0] if rows is None else rows[badv]] = True
+            drop |= _bad(batch, mask & ~drop, column, "a string or an integer (an id), not a number with a fraction",
+                         batch.columns[column], on_bad_line)
+        values = pa.array(np.where(whole, x, 0).astype(np.int64), pa.int64(), mask=~(valid & whole))
     try:
         k = raw_ids(values)
     except TypeError as e:
-        raise batch.error(0, column, f"expected strings or integers: {e}") from None
+        valid = values.is_valid().to_numpy(zero_copy_only=False)
+        first = int(np.flatnonzero(valid)[0]) if valid.any() else 0
+        raise batch.error(first if rows is None else int(rows[first]), column,
+                          f"expected strings or integers: {e}") from None
     return k, k != 0
 
 
@@ -295,7 +316,7 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
     n = len(lists)
     lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(lists)
-    keys, present = _keys(batch, spec, flat, drop, on_bad_line, spec.name)
+    keys, present = _keys(batch, spec, flat, drop, on_bad_line, spec.name, np.repeat(np.arange(n), lengths))
     weights = None
     if spec.weights:
         wl = _as_list(batch, batch.columns[spec.weights], spec.delimiter, spec.weights)
@@ -389,89 +410,6 @@ def dense_values(decoded: Decoded, schema: LogSchema, stats: dict[str, tuple[flo
 
 
 # ----------------------------------------------------------------------------- ids
-class VocabLookup:
-    """A vocabulary (keys in id order) -> ids, by an open-addressing hash table with linear probing.
-
-    The table has ``2^k >= 2 V`` slots (load factor <= 1/2), a key array and an ``id + 1`` array
-    (0: an empty slot); the home slot of key ``v`` is the top ``k`` bits of ``v * 0x9E3779B97F4A7C15
-    mod 2^64`` (Fibonacci hashing), as :class:`dlrmctl.data.criteo.vocab.VocabLookup`, whose keys are
-    32-bit; these are any int64.  About 1.5 probes per present key and 2.5 per absent one (Knuth,
-    TAOCP vol. 3, 6.4) against ``log2 V`` for a sorted search.  32 bytes per slot pair of entries.
-
-    Args:
-        values: ``[V]`` int64 distinct keys; ``values[i]`` has id ``i``.
-
-    Raises:
-        ValueError: a duplicate key.
-    """
-
-    def __init__(self, values: np.ndarray) -> None:
-        values = np.asarray(values, dtype=np.int64)
-        self.size = v = len(values)
-        bits = max(4, int(np.ceil(np.log2(2 * v)))) if v else 4
-        self._shift = np.uint64(64 - bits)
-        self._mask = (1 << bits) - 1
-        self._keys = np.zeros(1 << bits, np.int64)
-        self._ids = np.zeros(1 << bits, np.int64)  # id + 1; 0 = empty
-        slot = self._home(values)
-        pending = np.arange(v)
-        while len(pending):
-            s = slot[pending]
-            free = self._ids[s] == 0
-            blocked = pending[~free]
-            if (self._keys[s[~free]] == values[blocked]).any():
-                raise ValueError("duplicate vocabulary value")
-            cand, cs = pending[free], s[free]
-            self._ids[cs] = cand + 1  # several candidates for one slot: exactly one of them lands
-            won = self._ids[cs] == cand + 1
-            self._keys[cs[won]] = values[cand[won]]
-            pending = np.concatenate([blocked, cand[~won]])
-            slot[pending] = (slot[pending] + 1) & self._mask
-
-    def _home(self, keys: np.ndarray) -> np.ndarray:
-        return ((keys.view(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> self._shift).astype(np.intp)
-
-    def lookup(self, keys: np.ndarray) -> np.ndarray:
-        """``[m]`` int64 keys -> ``[m]`` int64 ids; ``size`` (the out-of-vocabulary id) when absent."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
-        out = np.full(len(keys), self.size, dtype=np.int64)
-        if self.size == 0 or len(keys) == 0:
-            return out
-        slot = self._home(keys)
-        idx = None  # all rows on the first probe
-        while True:
-            e = self._ids[slot]
-            k = keys if idx is None else keys[idx]
-            hit = (e != 0) & (self._keys[slot] == k)
-            if idx is None:
-                np.copyto(out, e - 1, where=hit)
-                go = np.flatnonzero((e != 0) & ~hit)
-                idx, slot = go, slot[go]
-            else:
-                out[idx[hit]] = e[hit] - 1
-                go = (e != 0) & ~hit
-                idx, slot = idx[go], slot[go]
-            if not len(idx):
-                return out
-            slot = (slot + 1) & self._mask
-
-    @classmethod
-    def read(cls, path: str | os.PathLike) -> "VocabLookup":
-        """A ``vocab/<feature>.arrow`` file (``value`` int64 in id order).
-
-        Raises:
-            DataError: not such a file.
-        """
-        import pyarrow.ipc as ipc
-
-        try:
-            values = ipc.open_file(pa.memory_map(os.fspath(path))).read_all().column("value").to_numpy()
-        except (OSError, pa.ArrowInvalid, KeyError) as e:
-            raise DataError(f"cannot read vocabulary (expected an Arrow file with an int64 'value' column): {e}",
-                            path=path) from None
-        return cls(values)
-
-
 def ids_of(spec: CategoricalSpec, v: CategoricalValues, vocab: VocabLookup | None) -> np.ndarray:
     """``[m]`` int64 ids of a column's values by its mode (see the module docstring)."""
     if spec.mode == "vocab":
