@@ -12,8 +12,6 @@ MAX_LINES = 500
 #: files still over MAX_LINES, each with why; the list only shrinks (a test fails when a listed
 #: file is short again, so it is taken off)
 LONG_FILES = {
-    "dlrmctl/sparse/jagged_tensor.py": "JaggedTensor, KeyedJaggedTensor (its VBE and TorchRec's constructors) and "
-                                       "KeyedTensor; one file per class is the planned split",
     "dlrmctl/data/columnar.py": "Arrow shards and meta.json, writer and reader; to split with the loader's rework",
 }
 
