@@ -2,8 +2,8 @@
 
 ``run_multiprocess(fn, world_size, *args)`` starts ``world_size`` processes
 (``forkserver``: torch / fbgemm are imported once in the fork server, so each
-rank starts in well under a second), initialises a gloo process group on a
-free localhost port, calls ``fn(env, *args)`` on every rank with a
+rank starts in well under a second), initialises a gloo process group at a
+rendezvous store this process serves on localhost, calls ``fn(env, *args)`` on every rank with a
 :class:`~dlrmctl.distributed.env.ShardingEnv` and returns the per-rank results.
 A rank's exception is re-raised in the caller with its traceback; a job that
 exceeds ``timeout_s`` is killed and raises ``TimeoutError`` (never hangs CI).
@@ -13,11 +13,9 @@ exceeds ``timeout_s`` is killed and raises ``TimeoutError`` (never hangs CI).
 
 from __future__ import annotations
 
-import datetime
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -36,31 +34,19 @@ def _context():
     return _CTX
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, local_world_size: int, port: int, timeout_s: float, backend: str,
             fn: Callable, args: tuple, q) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
-    from dlrmctl.distributed.env import ShardingEnv
+    from dlrmctl.distributed.env import init_process_group_tcp
 
     torch.set_num_threads(1)
     try:
-        device = torch.device("cpu")
-        if backend == "nccl":
-            device = torch.device("cuda", rank)
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        env = ShardingEnv(world_size, rank, dist.group.WORLD, local_world_size=local_world_size, device=device)
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        env = init_process_group_tcp(rank, world_size, port, backend, device=device, timeout_s=timeout_s,
+                                     local_world_size=local_world_size)
         result = fn(env, *args)
         # plain pickle bytes: tensors travel by value, not as shared-memory handles that
         # die with this process
@@ -83,9 +69,12 @@ def run_multiprocess(fn: Callable, world_size: int, *args: Any, local_world_size
         RuntimeError: a rank raised (message carries its traceback).
         TimeoutError: the ranks did not all finish within ``timeout_s``.
     """
+    from dlrmctl.distributed.env import host_rendezvous
+
     ctx = _context()
     q = ctx.Queue()
-    port = free_port()
+    store = host_rendezvous(timeout_s)  # served here until the ranks are done (no free port looked up first)
+    port = store.port
     lws = local_world_size or world_size
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, lws, port, timeout_s, backend, fn, args, q), daemon=True)

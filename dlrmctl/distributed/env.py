@@ -126,17 +126,27 @@ def default_backend(device: torch.device | str | None = None) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def host_rendezvous(timeout_s: float = 600.0) -> "dist.TCPStore":
+    """The rendezvous store of local helper ranks, served by the process that starts them, on a
+    port the kernel picks as it binds (``store.port``): no free port is looked up first and bound
+    later, so another process cannot take it in between (an ``Address already in use`` of a rank
+    on a busy machine).  Keep the store alive until the ranks are done."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def init_process_group_tcp(rank: int, world_size: int, port: int, backend: str = "gloo",
                            device: torch.device | str | None = None, timeout_s: float = 600.0,
                            local_world_size: int | None = None) -> ShardingEnv:
-    """Join a group rendezvousing on ``tcp://127.0.0.1:<port>`` (helper processes of one
-    host, e.g. ``dlrmctl checkpoint reshard``); returns the rank's env."""
+    """Join a group rendezvousing at the store served on ``127.0.0.1:<port>`` by the process that
+    started the ranks (:func:`host_rendezvous`; helper processes of one host, e.g. ``dlrmctl
+    checkpoint reshard``); returns the rank's env."""
     device = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
         **({"device_id": device} if backend == "nccl" else {}),
     )
     return ShardingEnv(world_size, rank, dist.group.WORLD, local_world_size=local_world_size or world_size,

@@ -6,7 +6,7 @@ microbenchmarks on 2 ranks) — share this one launcher (tests have their own, w
 environment objects they compare: ``tests/dist_utils.py``).
 
 Each rank is a ``spawn``-ed process (no fork of a parent that may hold threads or a process
-group), joins a gloo group rendezvousing on a free localhost TCP port, runs
+group), joins a gloo group rendezvousing at a store this process serves on localhost, runs
 ``fn(env, *args)`` with its :class:`~dlrmctl.distributed.env.ShardingEnv`, reports the result
 (or the error and its traceback) through a queue and leaves the group.  ``fn`` and ``args``
 must be picklable (a module-level function).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -34,12 +33,6 @@ class LocalRanksError(RuntimeError):
         super().__init__(msg)
         self.rank = rank
         self.remote_traceback = remote_traceback
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(rank: int, world_size: int, port: int, threads: int, pg_timeout_s: float,
@@ -95,11 +88,14 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
     """
     import torch.multiprocessing as mp
 
+    from dlrmctl.distributed.env import host_rendezvous
+
     if world_size < 1:
         raise ValueError(f"{what}: world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    store = host_rendezvous(pg_timeout_s)  # served here until the ranks are done
+    port = store.port
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, threads, pg_timeout_s, fn, tuple(args), q,
                                                            os.getpid()),
                          daemon=True) for r in range(world_size)]

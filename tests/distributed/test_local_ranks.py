@@ -82,3 +82,18 @@ def test_world_size_1_runs_in_one_spawned_rank():
 def test_world_size_is_checked():
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         run_local_ranks(_sum_ranks, 0)
+
+
+def test_the_rendezvous_port_is_held_from_the_moment_it_is_chosen():
+    """The port was looked up free, let go, and bound seconds later by rank 0 (an `Address already in
+    use` when another process took it meanwhile, on a busy machine): the starting process's store now
+    holds it from the moment the kernel picks it."""
+    import errno
+    import socket
+
+    from dlrmctl.distributed.env import host_rendezvous
+
+    store = host_rendezvous(30)
+    with socket.socket() as s, pytest.raises(OSError) as e:
+        s.bind(("127.0.0.1", store.port))
+    assert e.value.errno == errno.EADDRINUSE
