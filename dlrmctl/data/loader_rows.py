@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from dlrmctl.data.columnar import (WEIGHT_SUFFIX, DataError, MappedShard, SplitData, _jagged_gather, check_rows,
+from dlrmctl.data.columnar import (WEIGHT_SUFFIX, DataError, MappedShard, SplitData, jagged_gather, check_rows,
                                    weight_column)
 from dlrmctl.data.multi_hot import multi_hot_expand
 
@@ -170,7 +170,7 @@ class RawRows:
         lists = {}
         for c, (v, off) in self.lists.items():
             ln = off[1:][idx] - off[:-1][idx]
-            lists[c] = (_jagged_gather(v, off[:-1][idx], ln), offsets_of(ln))
+            lists[c] = (jagged_gather(v, off[:-1][idx], ln), offsets_of(ln))
         return RawRows(len(idx), np.take(self.ids, idx, axis=0), np.take(self.dense, idx, axis=0),
                        {c: np.take(a, idx) for c, a in self.scalar.items()}, lists)
 
