@@ -130,9 +130,10 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
         x = pc.cast(col, pa.float64())
     else:
         raise batch.error(0, name, f"expected {what}, got a column of Arrow type {t}")
-    v = pc.fill_null(x, 0.0).to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
-    drop |= _bad(batch, ~np.isfinite(v) & ~drop, name, what + non_finite_hint(missing_ok), col, on_bad_line)
-    return np.where(np.isfinite(v), v, 0.0), missing
+    v = x.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)  # (a null: NaN, missing)
+    finite = np.isfinite(v)
+    drop |= _bad(batch, ~finite & ~missing & ~drop, name, what + non_finite_hint(missing_ok), col, on_bad_line)
+    return np.where(finite, v, 0.0), missing
 
 
 def _label(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str) -> np.ndarray:
@@ -261,10 +262,9 @@ def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.
         elif pa.types.is_string(values.type):
             values = values.view(pa.binary())  # the same buffers: the bytes are checked as hex digits
         h, present, bad = hex_to_uint32(values)
-        if values.null_count:  # a null's bytes are not read as a value
+        if values.null_count:  # a null's bytes are not read as a value (its key is never used)
             valid = values.is_valid().to_numpy(zero_copy_only=False)
             present &= valid
-            h[~valid] = 0
             if bad is not None:
                 bad &= valid
         if bad is not None:
