@@ -2,6 +2,11 @@ import os
 import pathlib
 
 import pytest
+# imported here, under pytest's capture, never first inside a test's in-process CLI run (CliRunner):
+# torch's loggers keep the stderr they find at import, and CliRunner's is closed when its run ends;
+# every later torch warning then wrote "--- Logging error ---" and a traceback into whichever
+# in-process run was current (which test failed depended on the order of the tests)
+import torch  # noqa: F401
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 #: the real-data samples: ``$DLRMCTL_SHARED_DATA`` when set, else ``../shared/data`` next to this

@@ -211,7 +211,12 @@ def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.devi
 def _unloadable(model_path: Path, fmt: Format) -> Iterator[None]:
     """A model file that passed its SHA-256 check but does not load as ``fmt`` (a file replaced
     with its hash updated, an edited ``artifact`` field): one :class:`ExportError` naming the file
-    and what the manifest claims, not the loader's traceback or a "corrupt manifest"."""
+    and what the manifest claims, not the loader's traceback or a "corrupt manifest".  torch's own
+    loggers are held to errors meanwhile: ``torch.export.load`` logs such a failure as a WARNING
+    with the whole traceback (about twenty lines on stderr above the one error line)."""
+    torch_log = logging.getLogger("torch")  # (its child loggers, torch.export's included, inherit the level)
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)
     try:
         yield
     except Exception as e:  # noqa: BLE001 - whatever the loader raises about a file that is not its format
@@ -220,6 +225,8 @@ def _unloadable(model_path: Path, fmt: Format) -> Iterator[None]:
                           f"({fmt.loads_with}: "
                           f"{first}); the file or the manifest was replaced or edited after export: export the run "
                           "again") from None
+    finally:
+        torch_log.setLevel(level)
 
 
 # ----------------------------------------------------------------------------- evaluate

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import shutil
 
 import pytest
@@ -95,8 +96,18 @@ def test_a_tampered_export_whose_hash_was_updated_is_one_line_naming_the_model_f
         "bytes": model.stat().st_size, "sha256": hashlib.sha256(model.read_bytes()).hexdigest()}})
     tampered["model_sha256"] = tampered["files"][good["model_file"]]["sha256"]
     (m / "manifest.json").write_text(json.dumps(tampered))
-    line = one_error_line(["evaluate", m, "--data", tmp_path], str(model), "does not load as the 'pt2' artifact")
+    # torch.export.load logged the failure with its traceback (a WARNING on its own stderr handler: ~20
+    # lines above the error line); in-process that handler is not the CLI's stderr, so it is listened to
+    logged: list = []
+    listener = logging.Handler()
+    listener.emit = logged.append
+    logging.getLogger("torch.export").addHandler(listener)
+    try:
+        line = one_error_line(["evaluate", m, "--data", tmp_path], str(model), "does not load as the 'pt2' artifact")
+    finally:
+        logging.getLogger("torch.export").removeHandler(listener)
     assert "corrupt manifest" not in line
+    assert not logged, [r.getMessage()[:200] for r in logged]
 
 
 def test_a_local_launch_above_the_machines_limit_is_refused(tmp_path, data, monkeypatch):
