@@ -62,7 +62,6 @@ class ExportedModel:
         """What runs, for a command's first line: ``model_aoti.pt2 (AOTInductor package) on cpu``."""
         return self.format.describe(self.device)
 
-    @torch.no_grad()
     def score(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
               weights: torch.Tensor | None = None) -> torch.Tensor:
         """``dense [B, D_in]`` float32, ``values [N]`` int64, ``lengths [F*B]`` int64 (key-major,
@@ -79,7 +78,6 @@ class ExportedModel:
         order; reordered to the manifest's; its ``weights()`` are the per-id weights)."""
         return self.score(dense, *self._kjt_inputs(kjt))
 
-    @torch.no_grad()
     def logits(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                weights: torch.Tensor | None = None) -> torch.Tensor:
         """Same inputs as :meth:`score` (``weights`` included) -> logits ``[B]`` float32 on the
@@ -95,7 +93,14 @@ class ExportedModel:
               weights: torch.Tensor | None) -> torch.Tensor:
         """The format's run of the module (scores, or ``logits``) on the inputs moved to the model's
         device; a rejected input becomes an :class:`ExportError` carrying the module's own message
-        (:meth:`~dlrmctl.inference.formats.base.Format.input_message`)."""
+        (:meth:`~dlrmctl.inference.formats.base.Format.input_message`).  Runs under
+        ``torch.inference_mode`` (no autograd bookkeeping or version counters: every operator is
+        cheaper to call than under ``no_grad``); the outputs are inference tensors."""
+        with torch.inference_mode():
+            return self._run(logits, dense, values, lengths, weights)
+
+    def _run(self, logits: bool, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
+             weights: torch.Tensor | None) -> torch.Tensor:
         dev, fmt = self.device, self.format
         dense, values, lengths = dense.to(dev), values.to(dev), lengths.to(dev)
         fmt.check_inputs(self, dense, values, lengths, weights)

@@ -390,3 +390,24 @@ def test_the_plain_dot_interaction_of_an_odd_dim_equals_the_torchscript_artifact
     dense, values, lengths = example_inputs(64, 8, rows=(40, 40))
     bound = 1e-6 if dtype == "fp32" else QUANT_LOGIT_BOUND
     assert float((p.logits(dense, values, lengths) - t.logits(dense, values, lengths)).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_the_loaded_graph_calls_torch_bindings_and_scores_as_the_exported_module(tmp_path, dtype):
+    """``load_exported`` runs the program's graph with its ATen calls rewritten to torch's Python
+    bindings (the same kernels, a cheaper call): its logits equal ``ep.module()``'s bit for bit,
+    and only operators without such a binding keep their ``torch.ops`` call."""
+    from dlrmctl.inference.export import ExportOptions, export_model, load_exported
+
+    export_model(mixed_model(True), tmp_path / "p", ExportOptions(dtype, weighted_features=["f0", "f3"]))
+    m = load_exported(tmp_path / "p", artifact="pt2")
+    module = torch.export.load(str(tmp_path / "p" / "model.pt2")).module()
+    for B, seed in ((1, 3), (64, 4)):
+        dense, values, lengths, w = mixed_inputs(B, seed)
+        with torch.no_grad():
+            want = module(dense, values, lengths, w)[1]
+        assert torch.equal(m.logits(dense, values, lengths, w), want)
+    calls = [n.target for n in m.module.graph.graph.nodes if n.op == "call_function"]
+    left = [str(t) for t in calls if isinstance(t, torch._ops.OpOverload)]
+    assert len(left) <= len(calls) // 5, sorted(left)
+    assert torch.ops.aten.add.Tensor not in calls and torch.add in calls
