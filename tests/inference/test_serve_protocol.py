@@ -273,3 +273,35 @@ def test_values_a_client_sent_are_quoted_in_errors_at_most_80_characters():
             assert "…'" in out["error"] and "characters)" in out["error"], out["error"]
 
     run_app(app, check)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 50])
+def test_ids_of_all_features_decode_in_one_pass_as_each_alone_and_odd_inputs_keep_their_errors(rows):
+    """Short id lists (left in the JSON) and long ones (cut out) of every feature are converted
+    together: the same values as one input at a time; a repeated input, a bool or a float among
+    ids, an id beyond int64, a count other than the shape's and an empty element keep their 400s."""
+    from dlrmctl.inference.serve.protocol import BadRequest, ModelSpec, decode_request
+
+    spec = ModelSpec("m", 1, ["a", "b", "c"], [], {"a": 1000, "b": 1000, "c": 1000}, "error", False)
+    rng = np.random.default_rng(rows)
+    ids = {f: rng.integers(0, 1000, rows).tolist() for f in "abc"}
+
+    def body(**data):
+        inputs = [{"name": "dense", "datatype": "FP32", "shape": [rows, 1], "data": [0.5] * rows}]
+        inputs += [{"name": f, "datatype": "INT64", "shape": [rows], "data": data.get(f, ids[f])} for f in "abc"]
+        return json.dumps({"inputs": inputs + data.get("extra", [])}).encode()
+
+    rows_out, _ = decode_request(body(), None, spec, None)
+    np.testing.assert_array_equal(rows_out.values, np.concatenate([ids[f] for f in "abc"]))
+    assert rows_out.values.dtype == np.int64
+    bad = [({"extra": [{"name": "b", "datatype": "INT64", "shape": [rows], "data": ids["b"]}]}, "given twice"),
+           ({"b": ids["b"][:-1] + [True]}, "not a list of INT64 numbers"),
+           ({"b": ids["b"][:-1] + [2.0]}, "not a list of INT64 numbers"),
+           ({"c": ids["c"][:-1] + [1 << 70]}, "not a list of INT64 numbers|outside the table"),
+           ({"a": ids["a"] + [1]}, f"{rows + 1} values for shape \\[{rows}\\]")]
+    for data, msg in bad:
+        with pytest.raises(BadRequest, match=msg):
+            decode_request(body(**data), None, spec, None)
+    spaced = body(a=ids["a"] + [7] * 40).replace(b"7, 7", b"7, , 7", 1)
+    with pytest.raises(BadRequest):
+        decode_request(spaced, None, spec, None)

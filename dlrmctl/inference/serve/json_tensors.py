@@ -16,8 +16,8 @@ import numpy as np
 
 #: ``"data": [...]`` whose text is only numbers, signs, exponents, commas, whitespace and brackets
 _DATA = re.compile(rb'"data"\s*:\s*(\[[-+0-9.eE,\s\[\]]*\])')
-#: an empty element (``1, ,2``, ``[1,]``, ``[,1]``): NumPy reads whitespace as 0; JSON refuses it
-_EMPTY = re.compile(rb",\s*,|,\s*$|^\s*,")
+#: an empty element inside (``1, ,2``): NumPy reads whitespace as 0; JSON refuses it
+_EMPTY_MID = re.compile(rb",\s*,")
 _UNBRACKET = bytes.maketrans(b"[]", b"  ")
 #: the placeholder key of a cut-out array: ``{"\u0000": k}`` (no valid tensor data is an object)
 SPAN_KEY = "\x00"
@@ -25,6 +25,13 @@ SPAN_KEY = "\x00"
 MIN_BYTES = 64
 #: numbers parsed per NumPy call of a long array: another thread (the event loop) runs in between
 CHUNK_BYTES = 1 << 20
+
+
+def _has_empty(text: bytes) -> bool:
+    """Whether the numbers ``text`` (brackets removed) has an empty element: ``1, ,2``, ``1,``,
+    ``,1`` (a scan for two commas apart, and the two ends: a regex anchored at ``$`` tries every comma)."""
+    t = text.strip()
+    return t.startswith(b",") or t.endswith(b",") or _EMPTY_MID.search(t) is not None
 
 
 def _balanced(span: bytes) -> bool:
@@ -73,7 +80,7 @@ def parse_numbers(span: bytes, integer: bool) -> np.ndarray | None:
     text = span.translate(_UNBRACKET) if span.count(b"[") > 1 else span[1:-1]
     if not text.strip():
         return np.zeros(0, np.int64 if integer else np.float64)
-    if _EMPTY.search(text):
+    if _has_empty(text):
         return None
     dt = np.int64 if integer else np.float64
     parts = []
@@ -89,3 +96,31 @@ def parse_numbers(span: bytes, integer: bool) -> np.ndarray | None:
                 return None
             start = end + 1
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def parse_flat_int_spans(spans: list[bytes]) -> list[np.ndarray] | None:
+    """The int64 numbers of several flat cut-out arrays (``[1,2,3]``, no nesting) parsed by one NumPy
+    call over their joined text, one view per span; None when any span is nested, empty or not
+    plain integers (the caller then parses each with :func:`parse_numbers`, which says why)."""
+    if not spans or any(sp.count(b"[") != 1 for sp in spans):
+        return None
+    inner = [sp[1:-1] for sp in spans]
+    if any(not t.strip() for t in inner):
+        return None
+    text = b",".join(inner)
+    if len(text) > CHUNK_BYTES or _has_empty(text):
+        return None
+    counts = [t.count(b",") + 1 for t in inner]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            ids = np.fromstring(text, dtype=np.int64, sep=",")
+        except (ValueError, DeprecationWarning):
+            return None
+    if ids.size != sum(counts):
+        return None
+    out, start = [], 0
+    for n in counts:
+        out.append(ids[start:start + n])
+        start += n
+    return out
