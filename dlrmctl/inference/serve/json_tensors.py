@@ -7,6 +7,7 @@ convert; 16M ids in a 30 MB body took the server to GBs.  Here an id costs its 8
 in C; the JSON left for ``json.loads`` is the request's small skeleton (names, datatypes, shapes).
 An array that is not plain numbers (``true``, strings, empty elements, unbalanced brackets) is left
 in place and decoded as before, so the result equals ``json.loads``'s for every valid body.
+:func:`int_inputs` decodes the id inputs of a request together (short lists and cut-out arrays).
 """
 
 import re
@@ -124,3 +125,67 @@ def parse_flat_int_spans(spans: list[bytes]) -> list[np.ndarray] | None:
         out.append(ids[start:start + n])
         start += n
     return out
+
+
+def int_inputs(inputs: list, arrays: list[bytes]) -> tuple[dict[str, tuple[str, list[int], np.ndarray]], list]:
+    """``(decoded, the other inputs)``: the ``INT64`` ``[n]`` inputs whose JSON ``data`` is either a
+    flat list of ``n`` ints (a small request's ids) or a flat numeric array cut out of the body
+    (``arrays``: :func:`cut_numeric_arrays`), each ``(datatype, shape, int64 view)``: the lists
+    checked in one pass and converted by one NumPy call, the cut-out arrays parsed by one NumPy
+    call over their joined text, instead of one call (and its checks) per input.  The rest go
+    through the protocol's per-input decoding; anything unusual (a repeated name, a non-int
+    element, an int beyond int64, a count other than the shape's) leaves every input to it, which
+    reports it."""
+    names: list[str] = []
+    sizes: list[int] = []
+    flat: list = []
+    span_names: list[str] = []
+    spans: list[bytes] = []
+    rest = []
+    for inp in inputs:
+        if type(inp) is dict:
+            raw, shape, name = inp.get("data"), inp.get("shape"), inp.get("name")
+            if (type(name) is str and inp.get("datatype") == "INT64" and type(shape) is list and len(shape) == 1
+                    and type(shape[0]) is int and "parameters" not in inp):
+                if type(raw) is list and shape[0] == len(raw):
+                    names.append(name)
+                    sizes.append(len(raw))
+                    flat += raw
+                    continue
+                if type(raw) is dict and type(raw.get(SPAN_KEY)) is int and 0 <= raw[SPAN_KEY] < len(arrays):
+                    span_names.append(name)
+                    spans.append(arrays[raw[SPAN_KEY]])
+                    continue
+        rest.append(inp)
+    if not names and not spans:
+        return {}, rest
+    if len(set(names + span_names)) != len(names) + len(span_names) or not all(type(x) is int for x in flat):
+        return {}, inputs
+    out: dict[str, tuple[str, list[int], np.ndarray]] = {}
+    if names:
+        try:
+            ids = np.array(flat, np.int64)
+        except OverflowError:
+            return {}, inputs
+        start = 0
+        for name, n in zip(names, sizes):
+            out[name] = ("INT64", [n], ids[start:start + n])
+            start += n
+    if spans:
+        parsed = parse_flat_int_spans(spans)
+        if parsed is None:
+            return {}, inputs
+        for inp_name, a in zip(span_names, parsed):
+            out[inp_name] = ("INT64", [a.size], a)
+        shapes = {inp.get("name"): inp["shape"][0] for inp in inputs if type(inp) is dict and inp.get("name") in out}
+        if any(shapes[k] != v[1][0] for k, v in out.items()):
+            return {}, inputs
+    return out, rest
+
+
+def plain_numbers(raw: list, real: bool) -> bool:
+    """Whether ``raw`` is a flat list of Python ints (and floats when ``real``), no bools or
+    nested lists: what ``np.array`` converts exactly as the slow path would."""
+    if real:
+        return all(type(x) is float or type(x) is int for x in raw)
+    return all(type(x) is int for x in raw)

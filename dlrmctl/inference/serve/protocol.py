@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dlrmctl.errors import UserError, quoted
-from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, parse_flat_int_spans, parse_numbers
+from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, int_inputs, parse_numbers, plain_numbers
 
 
 #: Open Inference Protocol datatype -> numpy dtype (the ones this server reads)
@@ -241,7 +241,7 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
             if info is not None and fast.size and (fast.min() < info.min or fast.max() > info.max):
                 raise BadRequest(f"input {quoted(name)}: data is not a list of {dt} numbers")
             data = fast.astype(_NP[dt], copy=False)
-        elif type(raw) is list and dt in _NP and dt != "BOOL" and _plain_numbers(raw, dt.startswith("FP")):
+        elif type(raw) is list and dt in _NP and dt != "BOOL" and plain_numbers(raw, dt.startswith("FP")):
             # a short flat list of plain ints / floats (a small request's inputs): one NumPy
             # conversion, no object array and no per-element re-check
             try:
@@ -277,70 +277,6 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
     if isinstance(data, np.ndarray):
         data = data.reshape(shape)
     return name, dt, shape, data, pos
-
-
-def _int_lists(inputs: list, arrays: list[bytes]) -> tuple[dict[str, tuple[str, list[int], Any]], list]:
-    """``(decoded, the other inputs)``: the ``INT64`` ``[n]`` inputs whose JSON ``data`` is either a
-    flat list of ``n`` ints (a small request's ids) or a flat numeric array cut out of the body
-    (``arrays``: :func:`~dlrmctl.inference.serve.json_tensors.cut_numeric_arrays`), each
-    ``(datatype, shape, int64 view)``: the lists checked in one pass and converted by one NumPy
-    call, the cut-out arrays parsed by one NumPy call over their joined text, instead of one call
-    (and its checks) per input.  The rest go through :func:`_tensor`; anything unusual (a repeated
-    name, a non-int element, an int beyond int64, a count other than the shape's) leaves every
-    input to :func:`_tensor`, which reports it."""
-    names: list[str] = []
-    sizes: list[int] = []
-    flat: list = []
-    span_names: list[str] = []
-    spans: list[bytes] = []
-    rest = []
-    for inp in inputs:
-        if type(inp) is dict:
-            raw, shape, name = inp.get("data"), inp.get("shape"), inp.get("name")
-            if (type(name) is str and inp.get("datatype") == "INT64" and type(shape) is list and len(shape) == 1
-                    and type(shape[0]) is int and "parameters" not in inp):
-                if type(raw) is list and shape[0] == len(raw):
-                    names.append(name)
-                    sizes.append(len(raw))
-                    flat += raw
-                    continue
-                if type(raw) is dict and type(raw.get(SPAN_KEY)) is int and 0 <= raw[SPAN_KEY] < len(arrays):
-                    span_names.append(name)
-                    spans.append(arrays[raw[SPAN_KEY]])
-                    continue
-        rest.append(inp)
-    if not names and not spans:
-        return {}, rest
-    if len(set(names + span_names)) != len(names) + len(span_names) or not all(type(x) is int for x in flat):
-        return {}, inputs
-    out: dict[str, tuple[str, list[int], Any]] = {}
-    if names:
-        try:
-            ids = np.array(flat, np.int64)
-        except OverflowError:
-            return {}, inputs
-        start = 0
-        for name, n in zip(names, sizes):
-            out[name] = ("INT64", [n], ids[start:start + n])
-            start += n
-    if spans:
-        parsed = parse_flat_int_spans(spans)
-        if parsed is None:
-            return {}, inputs
-        for inp_name, a in zip(span_names, parsed):
-            out[inp_name] = ("INT64", [a.size], a)
-        shapes = {inp.get("name"): inp["shape"][0] for inp in inputs if type(inp) is dict and inp.get("name") in out}
-        if any(shapes[k] != v[1][0] for k, v in out.items()):
-            return {}, inputs
-    return out, rest
-
-
-def _plain_numbers(raw: list, real: bool) -> bool:
-    """Whether ``raw`` is a flat list of Python ints (and floats when ``real``), no bools or
-    nested lists: what ``np.array`` converts exactly as the slow path would."""
-    if real:
-        return all(type(x) is float or type(x) is int for x in raw)
-    return all(type(x) is int for x in raw)
 
 
 def _flatten(x: Any) -> list:
@@ -418,7 +354,7 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         raise BadRequest("the request must be a JSON object with a non-empty 'inputs' list")
     _check_id_count(req["inputs"], spec)
     pos = 0
-    got, rest = _int_lists(req["inputs"], arrays)
+    got, rest = int_inputs(req["inputs"], arrays)
     for inp in rest:
         name, dt, shape, data, pos = _tensor(inp, binary, pos, arrays)
         if name in got:
