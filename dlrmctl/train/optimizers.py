@@ -6,9 +6,10 @@
   tables; :func:`~dlrmctl.optim.dense.embedding_optimizer_for_dense`), absent when there are none,
 * the dense optimizer of the MLPs / interaction (:func:`~dlrmctl.optim.dense.dense_optimizer`),
 
-and the LR schedule (``optimizer.lr_schedule``) that sets all of them.  Each member owns its
-checkpoint keys (format: :mod:`dlrmctl.train.checkpoint`); the embedding moments themselves
-travel with the table shards (:mod:`dlrmctl.train.checkpoint.layout`).
+and the LR schedule (``optimizer.lr_schedule``) that sets all of them.  The container hands out
+and takes back plain state (:meth:`TrainOptimizers.state_dict`); which checkpoint keys it is
+written under is :mod:`dlrmctl.train.checkpoint.layout`'s, as for the embedding moments, which
+travel with the table shards.
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import torch
 
 from dlrmctl.config import ExperimentConfig, LRScheduleConfig, to_dict
 from dlrmctl.distributed.model_parallel import TrainModel, unwrap_dlrm
-from dlrmctl.train.checkpoint.codec import pack, unpack
 from dlrmctl.train.checkpoint.format import CheckpointError
-from dlrmctl.train.checkpoint.load import load_checkpoint
 from dlrmctl.optim.dense import dense_optimizer, embedding_optimizer_for_dense
 
 log = logging.getLogger("dlrmctl.train")
@@ -76,21 +75,20 @@ class WarmupPolyDecay:
 
 
 class _FusedMember:
-    """The fused TBE optimizer; checkpoint key ``meta/fused_optimizer`` = ``{type, lr, eps,
-    weight_decay, step}`` (``step``: the trainer's, restored into each TBE's ``iter``)."""
+    """The fused TBE optimizer; its state ``{type, lr, eps, weight_decay, step}`` (``step``: the
+    trainer's, restored into each TBE's ``iter``)."""
 
     def __init__(self, opt: Any) -> None:
         self.opt = opt
 
-    def entries(self, step: int) -> dict[str, Any]:
-        """``{"meta/fused_optimizer": packed {type, lr, eps, weight_decay, step}}``."""
+    def state(self, step: int) -> dict[str, Any]:
+        """``{type, lr, eps, weight_decay, step}``."""
         spec = self.opt.spec
         # the trainer's step, for every optimizer: FBGEMM's own counter (TBE ``iter``) is not it
         # (exact_adagrad / exact_sgd never advance it; exact_rowwise_adagrad counts every forward,
         # evaluation batches included)
-        fused = {"type": spec.type, "lr": self.opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
-                 "step": int(step)}
-        return {"meta/fused_optimizer": pack(fused, "meta/fused_optimizer")}
+        return {"type": spec.type, "lr": self.opt.lr, "eps": spec.eps, "weight_decay": spec.weight_decay,
+                "step": int(step)}
 
     def check_saved_type(self, meta: dict[str, Any], path: str) -> None:
         """Raises CheckpointError when the checkpoint's embedding optimizer type differs."""
@@ -101,9 +99,8 @@ class _FusedMember:
                 f"{self.opt.spec.type}; their moments are not interchangeable"
             )
 
-    def load(self, req: dict[str, Any]) -> None:
-        """lr and step from a filled request; eps / weight_decay stay the config's (a warning if they differ)."""
-        fused = unpack(req["meta/fused_optimizer"], "meta/fused_optimizer")
+    def load(self, fused: dict[str, Any]) -> None:
+        """lr and step from a saved :meth:`state`; eps / weight_decay stay the config's (a warning if they differ)."""
         self.opt.set_lr(float(fused["lr"]))
         self.opt.set_optimizer_step(int(fused["step"]))
         if (fused["eps"], fused["weight_decay"]) != (self.opt.spec.eps, self.opt.spec.weight_decay):
@@ -112,8 +109,8 @@ class _FusedMember:
 
 
 class _DenseMember:
-    """The replicated dense optimizer; checkpoint keys ``dense_opt/<param>/<key>`` (tensors) and
-    ``meta/dense_optimizer`` (param_groups and per-parameter scalars)."""
+    """The replicated dense optimizer; its state: per parameter name its state tensors, the
+    param_groups and the per-parameter scalars."""
 
     def __init__(self, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:
         self.opt = opt
@@ -124,41 +121,27 @@ class _DenseMember:
         return [self._names.get(id(p), f"param{i}")
                 for i, p in enumerate(p for g in self.opt.param_groups for p in g["params"])]
 
-    def entries(self) -> dict[str, Any]:
-        """``dense_opt/<param>/<key>`` state tensors (live) and ``meta/dense_optimizer``."""
+    def state(self) -> dict[str, Any]:
+        """``{"tensors": {param: {key: tensor (live)}}, "param_groups": [...], "scalars": {param: {key: value}}}``."""
         names = self.param_names()
         sd = self.opt.state_dict()
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, dict[str, Any]] = {}
         scalars: dict[str, Any] = {}
         for idx, st in sd["state"].items():
             for k, v in st.items():
                 if torch.is_tensor(v):
-                    tensors[f"dense_opt/{names[idx]}/{k}"] = v
+                    tensors.setdefault(names[idx], {})[k] = v
                 else:
                     scalars.setdefault(names[idx], {})[k] = v
-        tensors["meta/dense_optimizer"] = pack({"param_groups": sd["param_groups"], "scalars": scalars},
-                                                    "meta/dense_optimizer")
-        return tensors
+        return {"tensors": tensors, "param_groups": sd["param_groups"], "scalars": scalars}
 
-    def load_request(self, md: Any) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-        """The keys to read (``md``: the checkpoint's DCP metadata) and the state tensors they fill."""
-        req: dict[str, Any] = {"meta/dense_optimizer": None}
-        opt_state: dict[str, dict[str, torch.Tensor]] = {}
-        for k, m in md.state_dict_metadata.items():
-            if k.startswith("dense_opt/"):
-                pname, skey = k[len("dense_opt/"):].rsplit("/", 1)
-                t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-                opt_state.setdefault(pname, {})[skey] = t
-                req[k] = t
-        return req, opt_state
-
-    def load(self, req: dict[str, Any], opt_state: dict[str, dict[str, torch.Tensor]], path: str) -> None:
-        """Load the filled request into the optimizer (its foreach / fused choice kept).
+    def load(self, o: dict[str, Any], path: str) -> None:
+        """Load a saved :meth:`state` into the optimizer (its foreach / fused choice kept).
 
         Raises:
             CheckpointError: state for parameters the model lacks, or that does not fit.
         """
-        o = unpack(req["meta/dense_optimizer"], "meta/dense_optimizer")
+        opt_state = o["tensors"]
         idx = {n: i for i, n in enumerate(self.param_names())}
         unknown = sorted(set(opt_state) - set(idx))
         if unknown:
@@ -180,20 +163,18 @@ class _DenseMember:
 
 class _EmbeddingDenseMember:
     """The dense-kernel embedding shards' torch optimizer (may be None: no such shards).
-    Checkpoint keys: ``meta/embedding_dense_optimizer`` (param_groups without params) and, in
-    this rank's ``rank/<r>`` entry, ``embedding_dense_scalars`` (per-parameter scalar state);
-    its moments travel with the shards (``emb/<t>/state<i>``)."""
+    Its state: the param_groups without params, and per rank the per-parameter scalar state
+    (:meth:`rank_scalars`); its moments travel with the shards."""
 
     def __init__(self, opt: torch.optim.Optimizer | None, names: dict[int, str]) -> None:
         self.opt = opt
         self._names = names
 
-    def entries(self) -> dict[str, Any]:
-        """``{"meta/embedding_dense_optimizer": packed param_groups (no params) or None}``."""
-        groups = None
-        if self.opt is not None:
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
-        return {"meta/embedding_dense_optimizer": pack(groups, "meta/embedding_dense_optimizer")}
+    def state(self) -> list[dict[str, Any]] | None:
+        """The param_groups without params, or None (no such optimizer)."""
+        if self.opt is None:
+            return None
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.opt.param_groups]
 
     def rank_scalars(self) -> dict[str, Any]:
         """Parameter name -> its scalar (0-d) state entries on this rank."""
@@ -206,10 +187,11 @@ class _EmbeddingDenseMember:
                     scalars[self._names.get(id(p), "?")] = sc
         return scalars
 
-    def load(self, req: dict[str, Any], per_rank: dict[str, Any], same_layout: bool, step: int) -> None:
-        """Hyper-parameters (eps / weight_decay stay the config's), this rank's scalars when the
-        layout is the same, and the Adam family's step = ``step``."""
-        groups = unpack(req["meta/embedding_dense_optimizer"], "meta/embedding_dense_optimizer")
+    def load(self, groups: list[dict[str, Any]] | None, scalars: dict[str, Any], same_layout: bool,
+             step: int) -> None:
+        """Hyper-parameters (eps / weight_decay stay the config's), this rank's ``scalars``
+        (:meth:`rank_scalars` of the saving rank) when the layout is the same, and the Adam family's
+        step = ``step``."""
         if self.opt is None:
             return
         for g, sg in zip(self.opt.param_groups, groups or []):
@@ -217,7 +199,7 @@ class _EmbeddingDenseMember:
             g.update({k: v for k, v in sg.items() if k not in ("params", "eps", "weight_decay")})
         if same_layout:
             for p, st in self.opt.state.items():
-                for k, v in per_rank["embedding_dense_scalars"].get(self._names.get(id(p), "?"), {}).items():
+                for k, v in scalars.get(self._names.get(id(p), "?"), {}).items():
                     if torch.is_tensor(st.get(k)):
                         st[k].fill_(v)
                     else:
@@ -308,17 +290,22 @@ class TrainOptimizers:
 
     # --------------------------------------------------------- checkpoint
     def state_dict(self, step: int) -> dict[str, Any]:
-        """The members' checkpoint entries at trainer step ``step`` (flat DCP keys; tensors are
-        live views), the LR schedule's (``meta/lr_schedule``) included."""
-        out = self._dense.entries()
-        out.update(self._fused.entries(step))
-        out.update(self._embedding_dense.entries())
-        out["meta/lr_schedule"] = pack({"step": step, "config": self._schedule_config}, "meta/lr_schedule")
-        return out
+        """Every member's state at trainer step ``step`` (tensors are live views; the checkpoint
+        keys are :mod:`dlrmctl.train.checkpoint.layout`'s)::
+
+            {"fused": {type, lr, eps, weight_decay, step},
+             "dense": {"tensors": {param: {key: tensor}}, "param_groups": [...], "scalars": {...}},
+             "embedding_dense": param_groups without params, or None,
+             "lr_schedule": {"step": step, "config": optimizer.lr_schedule}}
+        """
+        return {"fused": self._fused.state(step), "dense": self._dense.state(),
+                "embedding_dense": self._embedding_dense.state(),
+                "lr_schedule": {"step": step, "config": self._schedule_config}}
 
     def rank_state(self) -> dict[str, Any]:
-        """What the members keep per rank (inside ``rank/<r>``): ``{"embedding_dense_scalars"}``."""
-        return {"embedding_dense_scalars": self._embedding_dense.rank_scalars()}
+        """What the members keep per rank: the dense-kernel embedding optimizer's per-parameter
+        scalar state (parameter name -> its 0-d entries)."""
+        return self._embedding_dense.rank_scalars()
 
     def check_saved_type(self, meta: dict[str, Any], path: str) -> None:
         """Refuse a checkpoint whose embedding optimizer type differs (moments not interchangeable).
@@ -328,22 +315,15 @@ class TrainOptimizers:
         """
         self._fused.check_saved_type(meta, path)
 
-    def load_request(self, md: Any) -> tuple[dict[str, Any], Any]:
-        """``(request, token)``: the checkpoint keys to read (for :func:`load_checkpoint`)
-        and what :meth:`load_state_dict` needs back."""
-        req, opt_state = self._dense.load_request(md)
-        req.update({"meta/fused_optimizer": None, "meta/embedding_dense_optimizer": None})
-        return req, opt_state
-
-    def load_state_dict(self, req: dict[str, Any], token: Any, per_rank: dict[str, Any], step: int,
+    def load_state_dict(self, state: dict[str, Any], rank_state: dict[str, Any], step: int,
                         same_layout: bool, path: str) -> None:
-        """Restore every member from a filled :meth:`load_request` (``per_rank``: the saving rank's
-        ``rank/<r>`` entry; ``same_layout``: same world size and plan, so per-parameter scalars of
-        the dense-kernel shards are this rank's own).
+        """Restore every member from a saved :meth:`state_dict` (``lr_schedule`` is not read back: the
+        config's schedule runs from ``step``) and the saving rank's :meth:`rank_state`
+        (``same_layout``: same world size and plan, so those per-parameter scalars are this rank's own).
 
         Raises:
             CheckpointError: dense optimizer state that does not match the model (named).
         """
-        self._fused.load(req)
-        self._dense.load(req, token, path)
-        self._embedding_dense.load(req, per_rank, same_layout, step)
+        self._fused.load(state["fused"])
+        self._dense.load(state["dense"], path)
+        self._embedding_dense.load(state["embedding_dense"], rank_state, same_layout, step)

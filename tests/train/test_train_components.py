@@ -91,7 +91,9 @@ def _trainer(tiny, tmp_path, resume=False, **opt):
     return Trainer(cfg, RunEnv(), run, resume=resume)
 
 
-def test_one_optimizer_container_steps_sets_lr_and_owns_its_checkpoint_keys(tiny, tmp_path):
+def test_one_optimizer_container_steps_sets_lr_and_hands_its_state_to_the_checkpoint_layout(tiny, tmp_path):
+    from dlrmctl.train.checkpoint.layout import optimizer_entries
+
     t = _trainer(tiny, tmp_path)
     opts = t.optimizers
     assert opts.embedding_dense is not None  # dense-kernel tables: a torch optimizer over them
@@ -100,7 +102,8 @@ def test_one_optimizer_container_steps_sets_lr_and_owns_its_checkpoint_keys(tiny
     assert opts.embedding_dense.param_groups[0]["lr"] == pytest.approx(0.0125)
     batch = next(iter(t.train_loader))
     t.train_step(batch)
-    keys = set(opts.state_dict(t.step))
+    assert set(opts.state_dict(t.step)) == {"fused", "dense", "embedding_dense", "lr_schedule"}  # plain state
+    keys = set(optimizer_entries(opts, t.step))  # its checkpoint keys are the layout's
     assert {"meta/fused_optimizer", "meta/dense_optimizer", "meta/embedding_dense_optimizer", "meta/lr_schedule"} <= keys
     assert all(k.startswith(("dense_opt/", "meta/")) for k in keys)  # the shards' moments travel with the tables
     # step(dense=False): the dense layers hold, the dense-kernel tables move (what an fp16 skip needs)

@@ -265,20 +265,71 @@ def load_dense_state_dict(model: TrainModel, state: dict[str, torch.Tensor], whe
         raise CheckpointError(f"{where}: dense state does not match the model: missing {bad}, unexpected {unexpected}")
 
 
+# ------------------------------------------------------------ the optimizers' keys
+#: each packed (JSON) part of the optimizers' state (:meth:`TrainOptimizers.state_dict`) -> its key
+OPTIMIZER_KEYS = {"dense": "meta/dense_optimizer", "fused": "meta/fused_optimizer",
+                  "embedding_dense": "meta/embedding_dense_optimizer", "lr_schedule": "meta/lr_schedule"}
+#: the dense optimizer's state tensors: ``dense_opt/<param>/<key>`` (replicated)
+DENSE_OPT_PREFIX = "dense_opt/"
+#: in a rank's ``rank/<r>`` entry: the optimizers' per-rank state (:meth:`TrainOptimizers.rank_state`)
+RANK_OPTIMIZER_KEY = "embedding_dense_scalars"
+
+
+def optimizer_entries(optimizers: "TrainOptimizers", step: int) -> dict[str, Any]:
+    """The optimizers' checkpoint entries at trainer step ``step``: the dense optimizer's state
+    tensors under ``dense_opt/<param>/<key>`` (live views) and each other part packed under its
+    :data:`OPTIMIZER_KEYS` key."""
+    sd = optimizers.state_dict(step)
+    dense = sd["dense"]
+    out: dict[str, Any] = {f"{DENSE_OPT_PREFIX}{p}/{k}": v for p, st in dense["tensors"].items() for k, v in st.items()}
+    parts = {"dense": {"param_groups": dense["param_groups"], "scalars": dense["scalars"]}, "fused": sd["fused"],
+             "embedding_dense": sd["embedding_dense"], "lr_schedule": sd["lr_schedule"]}
+    out.update({OPTIMIZER_KEYS[n]: pack(v, OPTIMIZER_KEYS[n]) for n, v in parts.items()})
+    return out
+
+
+def optimizer_load_request(md: Any) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``(request, tensors)``: the optimizers' keys to read (``md``: the checkpoint's DCP metadata;
+    every ``dense_opt/`` key it lists) and the dense optimizer's state tensors they fill
+    (parameter -> key -> tensor), for :func:`optimizer_state`."""
+    req: dict[str, Any] = {OPTIMIZER_KEYS["dense"]: None}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for k, m in md.state_dict_metadata.items():
+        if k.startswith(DENSE_OPT_PREFIX):
+            pname, skey = k[len(DENSE_OPT_PREFIX):].rsplit("/", 1)
+            t = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+            tensors.setdefault(pname, {})[skey] = t
+            req[k] = t
+    req.update({OPTIMIZER_KEYS["fused"]: None, OPTIMIZER_KEYS["embedding_dense"]: None})
+    return req, tensors
+
+
+def optimizer_state(req: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """The optimizers' state (:meth:`TrainOptimizers.load_state_dict`) from a filled
+    :func:`optimizer_load_request` (the LR schedule's part is not read back)."""
+    def part(name: str) -> Any:
+        return unpack(req[OPTIMIZER_KEYS[name]], OPTIMIZER_KEYS[name])
+
+    return {"fused": part("fused"), "dense": {**part("dense"), "tensors": tensors},
+            "embedding_dense": part("embedding_dense")}
+
+
 def checkpoint_state(model: TrainModel, optimizers: "TrainOptimizers", rank: int,
                      trainer: dict[str, Any], device: torch.device | str | None = None) -> dict[str, Any]:
     """Everything one rank contributes to a checkpoint, as a flat DCP state dict (format:
     :mod:`dlrmctl.train.checkpoint`).  Tensors are live views: no copy of a table is made.
 
     ``trainer``: ``{step, epoch, best, evals_since_best, data}`` (``meta/trainer``); the
-    optimizers' entries are theirs (:meth:`TrainOptimizers.state_dict` at ``trainer["step"]``).
+    optimizers' state (:meth:`TrainOptimizers.state_dict` at ``trainer["step"]``) under
+    :func:`optimizer_entries`' keys.
     ``device``: this rank's device (its CUDA generator is saved with the CPU ones, no other GPU's)."""
     state: dict[str, Any] = embedding_state(model, optimizers.embedding_dense)
     state.update({f"dense/{k}": v for k, v in dense_state_dict(model).items()})
     state.update(managed_collision_state(model))
-    state.update(optimizers.state_dict(int(trainer["step"])))
+    state.update(optimizer_entries(optimizers, int(trainer["step"])))
     state["meta/trainer"] = pack(trainer, "meta/trainer")
-    state[f"rank/{rank}"] = pack({"rng": rng_state(device), **optimizers.rank_state()}, f"rank/{rank}")
+    state[f"rank/{rank}"] = pack({"rng": rng_state(device), RANK_OPTIMIZER_KEY: optimizers.rank_state()},
+                                 f"rank/{rank}")
     return state
 
 
@@ -328,7 +379,7 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
             f"{path}: managed-collision remappers do not match the model: missing {sorted(mc_keys - saved_mc)}, "
             f"unexpected {sorted(saved_mc - mc_keys)}")
     req.update(mc)
-    opt_req, opt_token = optimizers.load_request(md)
+    opt_req, opt_tensors = optimizer_load_request(md)
     req.update(opt_req)
     src_rank = rank if rank < int(meta["world_size"]) else 0
     req.update({k: None for k in ("meta/trainer", f"rank/{src_rank}")})
@@ -338,7 +389,8 @@ def restore_checkpoint(path: str, model: TrainModel, optimizers: "TrainOptimizer
     per_rank = unpack(req[f"rank/{src_rank}"], f"rank/{src_rank}")
     trainer = unpack(req["meta/trainer"], "meta/trainer")
     same_layout = int(meta["world_size"]) == world_size and meta.get("plan") == (None if plan is None else plan.to_dict())
-    optimizers.load_state_dict(req, opt_token, per_rank, int(trainer["step"]), same_layout, path)
+    optimizers.load_state_dict(optimizer_state(req, opt_tensors), per_rank[RANK_OPTIMIZER_KEY], int(trainer["step"]),
+                               same_layout, path)
     set_rng_state(per_rank["rng"], device)
     return {"trainer": trainer, "world_size": int(meta["world_size"]), "eval": meta.get("eval")}
 
