@@ -66,6 +66,16 @@ class JaggedFields:
     def weights_or_none(self) -> torch.Tensor | None:
         return self._weights
 
+    def _copy_tensors(self, other: "JaggedFields", non_blocking: bool) -> None:
+        """Copy ``other``'s values, lengths, weights (when both have them) and offsets (when this one
+        has them) into this one's tensors, in place (same shapes)."""
+        self._values.copy_(other._values, non_blocking=non_blocking)
+        self._lengths.copy_(other._lengths, non_blocking=non_blocking)
+        if self._weights is not None and other._weights is not None:
+            self._weights.copy_(other._weights, non_blocking=non_blocking)
+        if self._offsets is not None:
+            self._offsets.copy_(other.offsets(), non_blocking=non_blocking)
+
 
 class JaggedTensor(JaggedFields):
     """One feature's bags: ``values [N, ...]`` split into ``B`` bags by ``lengths [B]``.
@@ -179,12 +189,7 @@ class JaggedTensor(JaggedFields):
 
     def copy_(self, jt: "JaggedTensor", non_blocking: bool = False) -> "JaggedTensor":
         """In-place copy of ``jt``'s tensors into this one's (same shapes); returns self."""
-        self._values.copy_(jt._values, non_blocking=non_blocking)
-        self._lengths.copy_(jt._lengths, non_blocking=non_blocking)
-        if self._weights is not None and jt._weights is not None:
-            self._weights.copy_(jt._weights, non_blocking=non_blocking)
-        if self._offsets is not None:
-            self._offsets.copy_(jt.offsets(), non_blocking=non_blocking)
+        self._copy_tensors(jt, non_blocking)
         return self
 
     @staticmethod

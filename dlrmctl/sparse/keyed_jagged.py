@@ -151,12 +151,7 @@ class KeyedJaggedTensor(KeyedJaggedConstructors, JaggedFields):
 
     def copy_(self, kjt: "KeyedJaggedTensor", non_blocking: bool = False) -> "KeyedJaggedTensor":
         """In-place copy of ``kjt``'s tensors (same keys and shapes) into this one's; returns self."""
-        self._values.copy_(kjt._values, non_blocking=non_blocking)
-        self._lengths.copy_(kjt._lengths, non_blocking=non_blocking)
-        if self._weights is not None and kjt._weights is not None:
-            self._weights.copy_(kjt._weights, non_blocking=non_blocking)
-        if self._offsets is not None:
-            self._offsets.copy_(kjt.offsets(), non_blocking=non_blocking)
+        self._copy_tensors(kjt, non_blocking)
         self._length_per_key = kjt._length_per_key
         self._offset_per_key = kjt._offset_per_key
         self._jt_dict = None
