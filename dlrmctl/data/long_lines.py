@@ -28,7 +28,31 @@ def long_line_message(limit: int) -> str:
             "this format (a corrupt or unsplit file?)")
 
 
-class LineLimit(io.RawIOBase):
+class FullReads(io.RawIOBase):
+    """A readable binary file whose ``readinto`` fills the whole buffer unless the input ends, from
+    the pieces :meth:`read_some` hands out: an Arrow CSV / JSON reader given it cuts the same
+    blocks however the input arrives, and nothing is read ahead of what it asks."""
+
+    def read_some(self, k: int) -> bytes | memoryview:
+        """The next at most ``k`` (>= 1) bytes, or ``b""`` at the end of the input."""
+        raise NotImplementedError
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        view = memoryview(b).cast("B")
+        n = 0
+        while n < len(view):
+            data = self.read_some(len(view) - n)
+            if not data:
+                break
+            view[n: n + len(data)] = data
+            n += len(data)
+        return n
+
+
+class LineLimit(FullReads):
     """A readable binary file of ``open()``'s bytes with every line of ``limit`` bytes or more replaced.
 
     Args:
@@ -64,27 +88,19 @@ class LineLimit(io.RawIOBase):
         self._counter = None  # a second stream of the input, to number long lines
         self._counted = (0, 1)  # (offset, line number of that offset) reached by _counter
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = 0
-        while n < len(view):
+    def read_some(self, k: int) -> bytes | memoryview:
+        """The next at most ``k`` (>= 1) checked bytes, or ``b""`` at the end of the input."""
+        while True:
             if self._pending:
                 p = self._pending[0]
-                k = min(len(p), len(view) - n)
-                view[n:n + k] = p[:k]
-                n += k
-                if k == len(p):
+                if len(p) <= k:
                     self._pending.pop(0)
-                else:
-                    self._pending[0] = p[k:]
-            elif self._eof:
-                break
-            else:
-                self._fill(len(view) - n)
-        return n
+                    return p
+                self._pending[0] = p[k:]
+                return p[:k]
+            if self._eof:
+                return b""
+            self._fill(k)
 
     def _line_of(self, offset: int) -> int:
         """The 1-based line number of the input byte at ``offset`` (counted on a second stream)."""

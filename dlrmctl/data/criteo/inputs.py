@@ -8,7 +8,6 @@ from __future__ import annotations
 import bz2
 import glob
 import gzip
-import io
 import os
 import re
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Callable, Sequence
 import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
-from dlrmctl.data.long_lines import LineLimit
+from dlrmctl.data.long_lines import FullReads, LineLimit
 
 
 #: a file of the Criteo 1TB log, ``day_N`` (with any suffixes: ``day_0.gz``); group 1 is ``N``
@@ -82,7 +81,7 @@ def open_text(path: Path):
     return open(path, "rb")
 
 
-class _Paced(io.RawIOBase):
+class _Paced(FullReads):
     """A readable file that hands Arrow's CSV / JSON readers exactly the bytes they ask for, when
     they ask.  Given a path, those readers read ahead on their I/O thread as fast as the disk
     allows: a file read faster than it is transformed ended up in memory whole (peak RSS grew with
@@ -95,19 +94,8 @@ class _Paced(io.RawIOBase):
     def __init__(self, f) -> None:
         self._f = f
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        view = memoryview(b).cast("B")
-        n = 0
-        while n < len(view):
-            data = self._f.read(len(view) - n)
-            if not data:
-                break
-            view[n: n + len(data)] = data
-            n += len(data)
-        return n
+    def read_some(self, k: int) -> bytes:
+        return self._f.read(k)
 
     def close(self) -> None:
         self._f.close()
