@@ -28,12 +28,18 @@ serve the same ``model.pt2`` with the same work per request (JSON tensors ``dens
 INT64 ``[B]`` tensor per feature -> the program -> ``score``), checked first to answer equal scores.
 The load is ``wrk`` (C, one thread, ``--wrk``; Debian's ``apt-get install wrk``) with a Lua script
 cycling through 32 different request bodies, for ``--seconds`` a cell at rows/request 1 and 64 x
-concurrency 1 and 64; the two servers alternate, each started afresh, ``--rounds`` times; both listen
-on 127.0.0.1 only and get ``--threads`` (1) intra-op threads.  KServe runs in its own virtual environment (``--kserve-venv``, default
-``.venv-kserve``, git-ignored), created on first use with ``python -m venv`` and ``pip install
-kserve==0.21.0 torch==<this torch's version>`` (KServe pins its own FastAPI, uvicorn, pydantic...; the
-same torch loads the same program).  Prints a Markdown table: rows/s of each server (the range over
-the rounds), the ratio, p50 and p99 latency, and each server's CPU per request (``/proc``).
+concurrency 1 and 64.  Each of ``--rounds`` rounds starts both servers afresh and keeps them up side
+by side; every cell runs on one server and at once on the other, which goes first alternating by
+cell and by round, so a cell's two figures are taken seconds apart under the same load from other
+jobs (the ratio column pairs them round by round).  Both listen on 127.0.0.1 only and get
+``--threads`` (1) intra-op threads.  KServe runs in its own virtual environment (``--kserve-venv``,
+default ``.venv-kserve``, git-ignored), created on first use with ``python -m venv`` and ``pip
+install kserve==0.21.0 torch==<this torch's version>`` (KServe pins its own FastAPI, uvicorn,
+pydantic...; the same torch loads the same program); nothing is downloaded once it exists.  Prints
+the date, CPU model and ``uptime`` at start and end, then a Markdown table: rows/s of each server (the
+range over the rounds), the ratio, p50 and p99 latency, each server's CPU per request (``/proc``),
+the 1-minute load average before and after a cell and the CPUs other jobs kept busy during it
+(``/proc/stat`` less the server's and wrk's own CPU time).
 """
 
 import argparse
@@ -312,10 +318,55 @@ def wrk_cell(wrk: str, url: str, path: str, bodies: list[bytes], conc: int, seco
     return {"requests": n, "seconds": us / 1e6, "p50": p50 / 1000, "p99": p99 / 1000, "non_2xx": bad, "socket_errors": sock}
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds every CPU of the machine has spent busy so far (``/proc/stat``: all but idle and iowait)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # user..steal; guest is inside user
+
+
+def children_cpu_s() -> float:
+    """CPU seconds of this process's waited-for children (wrk, once it has exited)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def uptime() -> str:
+    """``uptime``'s line (the load averages over 1, 5 and 15 minutes)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def machine() -> str:
+    """The CPU model (``/proc/cpuinfo``) and the CPUs this process may run on."""
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {len(os.sched_getaffinity(0))} CPUs"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def measure_cell(wrk: str, pid: int, url: str, path: str, bodies: list[bytes], rows: int, conc: int,
+                 seconds: float) -> dict:
+    """One :func:`wrk_cell` against the server process ``pid``, with rows/s, the server's CPU ms per
+    request (``/proc``), the 1-minute load average before and after, and ``others``: the CPUs that
+    other jobs kept busy during the cell (the machine's busy time less the server's and wrk's)."""
+    s0, l0, b0, w0, t0 = process_cpu_s(pid), os.getloadavg()[0], busy_cpu_s(), children_cpu_s(), time.monotonic()
+    cell = wrk_cell(wrk, url, path, bodies, conc, seconds)
+    scpu = process_cpu_s(pid) - s0
+    cell["others"] = max(0.0, busy_cpu_s() - b0 - scpu - (children_cpu_s() - w0)) / (time.monotonic() - t0)
+    cell["server_cpu_ms"] = 1000 * scpu / max(cell["requests"], 1)
+    cell["rows_s"] = cell["requests"] * rows / cell["seconds"]
+    cell["load"] = (l0, os.getloadavg()[0])
+    return cell
 
 
 def versus_kserve(a: argparse.Namespace) -> None:
@@ -332,41 +383,50 @@ def versus_kserve(a: argparse.Namespace) -> None:
              "KServe": lambda: start(a.model_dir, cmd=[kpy, str(Path(__file__).resolve().parent / "kserve_peer.py"),
                                                        a.model_dir, str(free_port()), "kserve_peer"])}
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # both servers' intra-op threads
-    print(f"{len(os.sched_getaffinity(0))} CPUs; load average at start {os.getloadavg()[0]:.1f}; wrk {wrk}; "
-          f"KServe {KSERVE_VERSION} in {kpy}; {a.threads} intra-op thread(s) each", flush=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine()}; uptime at start: {uptime()}; "
+          f"wrk {wrk}; KServe {KSERVE_VERSION} in {kpy}; {a.threads} intra-op thread(s) each", flush=True)
     res: dict = {}
     want: dict = {}
     for rnd in range(a.rounds):
-        order = list(peers) if rnd % 2 == 0 else list(peers)[::-1]
-        for who in order:
-            p, url, name = peers[who]()
-            try:
-                for r in rows_list:  # same scores from both servers (the same work), then the load
+        # both servers started afresh each round and left up side by side (an idle one costs no CPU); each cell
+        # runs on one then at once on the other, the first alternating by cell and round, so the two figures of
+        # a cell are measured seconds apart under the same load from other jobs
+        up: dict = {}
+        try:
+            for who in peers:
+                up[who] = peers[who]()
+            for r in rows_list:  # same scores from both servers (the same work), then the load
+                for who, (p, url, name) in up.items():
                     got = post_scores(url, name, bodies[r][0])
                     ref = want.setdefault(r, got)
                     if got.shape != (r,) or not np.allclose(got, ref, atol=1e-5, rtol=0):
                         raise SystemExit(f"bench_serve: {who} scores differ from the other server's: {got[:4]} vs {ref[:4]}")
-                for r in rows_list:
-                    for c in concs:
-                        s0 = process_cpu_s(p.pid)
-                        cell = wrk_cell(wrk, url, f"/v2/models/{name}/infer", bodies[r], c, a.seconds)
-                        cell["server_cpu_ms"] = 1000 * (process_cpu_s(p.pid) - s0) / max(cell["requests"], 1)
-                        cell["rows_s"] = cell["requests"] * r / cell["seconds"]
+            k = 0
+            for r in rows_list:
+                for c in concs:
+                    order = list(up) if (k + rnd) % 2 == 0 else list(up)[::-1]
+                    k += 1
+                    for who in order:
+                        p, url, name = up[who]
+                        cell = measure_cell(wrk, p.pid, url, f"/v2/models/{name}/infer", bodies[r], r, c, a.seconds)
                         res.setdefault((who, r, c), []).append(cell)
                         print(f"  round {rnd + 1} {who}: {r} rows x concurrency {c}: {cell['rows_s']:,.0f} rows/s, "
-                              f"p50 {cell['p50']:.2f} ms, {cell['non_2xx']} non-2xx, {cell['socket_errors']} socket errors",
-                              file=sys.stderr, flush=True)
-            finally:
+                              f"p50 {cell['p50']:.2f} ms, {cell['non_2xx']} non-2xx, {cell['socket_errors']} socket errors; "
+                              f"load average {cell['load'][0]:.2f} -> {cell['load'][1]:.2f}, other jobs "
+                              f"{cell['others']:.2f} CPUs", file=sys.stderr, flush=True)
+        finally:
+            for p, _, _ in up.values():
                 stop(p)
-    print(f"load average at end {os.getloadavg()[0]:.1f}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; uptime at end: {uptime()}")
 
     def rng(v: list[float], fmt: str) -> str:
         lo, hi = min(v), max(v)
         return format(lo, fmt) if f"{lo:{fmt}}" == f"{hi:{fmt}}" else f"{lo:{fmt}}–{hi:{fmt}}"
 
     print("| rows / request | concurrency | dlrmctl rows/s | KServe rows/s | ratio | p50 ms dlrmctl / KServe "
-          "| p99 ms dlrmctl / KServe | server CPU ms/req dlrmctl / KServe | non-2xx + socket errors |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| p99 ms dlrmctl / KServe | server CPU ms/req dlrmctl / KServe | non-2xx + socket errors "
+          "| 1-min load average before -> after a cell | other jobs' CPUs during a cell |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows_list:
         for c in concs:
             d, k = res[("dlrmctl", r, c)], res[("KServe", r, c)]
@@ -375,7 +435,9 @@ def versus_kserve(a: argparse.Namespace) -> None:
             print(f"| {r} | {c} | {rng([x['rows_s'] for x in d], ',.0f')} | {rng([x['rows_s'] for x in k], ',.0f')} "
                   f"| {rng(ratio, '.2f')}× | {rng([x['p50'] for x in d], '.2f')} / {rng([x['p50'] for x in k], '.2f')} "
                   f"| {rng([x['p99'] for x in d], '.1f')} / {rng([x['p99'] for x in k], '.1f')} "
-                  f"| {rng([x['server_cpu_ms'] for x in d], '.2f')} / {rng([x['server_cpu_ms'] for x in k], '.2f')} | {errs} |")
+                  f"| {rng([x['server_cpu_ms'] for x in d], '.2f')} / {rng([x['server_cpu_ms'] for x in k], '.2f')} | {errs} "
+                  f"| {rng([x['load'][0] for x in d + k], '.1f')} -> {rng([x['load'][1] for x in d + k], '.1f')} "
+                  f"| {rng([x['others'] for x in d + k], '.2f')} |")
 
 
 def main() -> None:

@@ -229,6 +229,24 @@ def run_torchrec(py: str, precision: str, world: int, a, timeout_s: float = 600.
 
 # ---------------------------------------------------------------- dlrmctl side (this interpreter)
 
+def uptime() -> str:
+    """``uptime``'s line (the load averages over 1, 5 and 15 minutes)."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def cpu_model() -> str:
+    """The CPU model (``/proc/cpuinfo``) and the CPU count."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
 _GEMM = re.compile(r"GEMM rate .*")
 
 
@@ -280,15 +298,26 @@ def main() -> None:
     configs = [(w, v) for w in worlds for v in variants]
     res = {c: {"dlrmctl": [], "torchrec": []} for c in configs}
     gemm = ""
+    loads: list[float] = []
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {cpu_model()}; uptime at start: {uptime()}",
+          flush=True)
     for r in range(a.repeat):
         for w, v in configs:
+            l0 = os.getloadavg()[0]
             sps, line = run_dlrmctl(v, w, a)
             gemm = gemm or line
             res[w, v]["dlrmctl"].append(sps)
-            print(f"[{r}] ws{w} dlrmctl  {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
+            l1 = os.getloadavg()[0]
+            print(f"[{r}] ws{w} dlrmctl  {v:<5} {sps:>10,.0f} samples/s (1-min load average {l0:.2f} -> {l1:.2f})",
+                  file=sys.stderr, flush=True)
             sps = run_torchrec(py, "fp32" if v == "fp32_onednn" else v, w, a)
             res[w, v]["torchrec"].append(sps)
-            print(f"[{r}] ws{w} torchrec {v:<5} {sps:>10,.0f} samples/s", file=sys.stderr, flush=True)
+            l2 = os.getloadavg()[0]
+            print(f"[{r}] ws{w} torchrec {v:<5} {sps:>10,.0f} samples/s (1-min load average {l1:.2f} -> {l2:.2f})",
+                  file=sys.stderr, flush=True)
+            loads += [l0, l1, l2]
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; uptime at end: {uptime()}; 1-min load average "
+          f"between runs {min(loads):.2f}-{max(loads):.2f} (it counts the benchmark's own processes)", flush=True)
     names = {"fp32": ("fp32", "fp32"), "fp32_onednn": ("fp32 (train.cpu_linear: onednn)", "fp32"),
              "bf16": ("bf16 (train.precision)", "bf16 autocast")}
     print(f"\nSame run, {os.cpu_count()} CPU cores; {a.steps} steps, first {a.warmup} excluded; "
