@@ -29,7 +29,9 @@ all runs of each side and the ratio of the bests.
     python scripts/bench_torchrec.py [--venv .venv-torchrec] [--steps 60] [--warmup 10] [--repeat 2]
                                      [--variants fp32,fp32_onednn,bf16] [--worlds 1,2]
 
-World size > 1 (``--worlds``): TorchRec starts one process per rank (gloo, ``OMP_NUM_THREADS=1``,
+World size 1: TorchRec gets the intra-op threads that dlrmctl's side picks at that moment
+(``OMP_NUM_THREADS`` when set, else the CPUs left idle by the load: both sides 2 threads on an idle
+2-core machine, 1 on a busy one).  World size > 1 (``--worlds``): TorchRec starts one process per rank (gloo, ``OMP_NUM_THREADS=1``,
 every table ``table_wise``, ``2048 / world`` samples per rank per step); dlrmctl runs
 ``bench_train.py --worlds N --sharding table_wise`` (``dlrmctl train --nproc N``, torchrun sets 1
 thread per rank).
@@ -194,6 +196,14 @@ def run_torchrec(py: str, precision: str, world: int, a, timeout_s: float = 600.
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
     if world > 1:
         base["OMP_NUM_THREADS"] = "1"
+    elif not os.environ.get("OMP_NUM_THREADS"):
+        # the intra-op threads dlrmctl's side picks now (the idle CPUs: 1 on a busy machine), not torch's
+        # default of every core, which spins OpenMP against other jobs and made TorchRec 5-10x slower
+        from dlrmctl.procs import intra_op_threads
+
+        base["OMP_NUM_THREADS"] = str(intra_op_threads(1)[0])
+        print(f"[bench_torchrec] TorchRec at world size 1: OMP_NUM_THREADS={base['OMP_NUM_THREADS']}",
+              file=sys.stderr, flush=True)
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=dict(base, RANK=str(r)), cwd="/") for r in range(world)]
     outs = []
