@@ -61,6 +61,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_machine import cpu_model, uptime  # scripts/ is sys.path[0]
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -330,24 +332,6 @@ def children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def uptime() -> str:
-    """``uptime``'s line (the load averages over 1, 5 and 15 minutes)."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def machine() -> str:
-    """The CPU model (``/proc/cpuinfo``) and the CPUs this process may run on."""
-    try:
-        model = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                     if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "unknown CPU"
-    return f"{model}, {len(os.sched_getaffinity(0))} CPUs"
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -383,7 +367,7 @@ def versus_kserve(a: argparse.Namespace) -> None:
              "KServe": lambda: start(a.model_dir, cmd=[kpy, str(Path(__file__).resolve().parent / "kserve_peer.py"),
                                                        a.model_dir, str(free_port()), "kserve_peer"])}
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # both servers' intra-op threads
-    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {machine()}; uptime at start: {uptime()}; "
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {cpu_model()}; uptime at start: {uptime()}; "
           f"wrk {wrk}; KServe {KSERVE_VERSION} in {kpy}; {a.threads} intra-op thread(s) each", flush=True)
     res: dict = {}
     want: dict = {}

@@ -239,24 +239,6 @@ def run_torchrec(py: str, precision: str, world: int, a, timeout_s: float = 600.
 
 # ---------------------------------------------------------------- dlrmctl side (this interpreter)
 
-def uptime() -> str:
-    """``uptime``'s line (the load averages over 1, 5 and 15 minutes)."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def cpu_model() -> str:
-    """The CPU model (``/proc/cpuinfo``) and the CPU count."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "unknown CPU"
-    return f"{model}, {os.cpu_count()} CPUs"
-
-
 _GEMM = re.compile(r"GEMM rate .*")
 
 
@@ -309,6 +291,8 @@ def main() -> None:
     res = {c: {"dlrmctl": [], "torchrec": []} for c in configs}
     gemm = ""
     loads: list[float] = []
+    from bench_machine import cpu_model, uptime  # scripts/ is sys.path[0]
+
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {cpu_model()}; uptime at start: {uptime()}",
           flush=True)
     for r in range(a.repeat):
