@@ -18,27 +18,63 @@ from dlrmctl.errors import (EXIT_USER, CommandError, interrupt_exit_code, interr
                             user_error_message)
 
 
-def report_failure(e: BaseException) -> int | None:
+def report_failure(e: BaseException, command: str | None = None, out: str | None = None) -> int | None:
     """The one place a failure of a verb becomes what the user sees: an interrupt (Ctrl-C, a
-    SIGTERM a command turned into one, or either wrapped by a library such as DCP) is one
-    ``interrupted`` line (exit code 130, 143 for SIGTERM); a :class:`~dlrmctl.errors.UserError`
-    or an OSError of the user's environment (also wrapped) is one ``error: ...`` line (exit code 2),
-    both on stderr.  Returns the exit code, or None for anything else (a bug: the caller lets it
-    propagate with its traceback).  A command's own refusal (:class:`~dlrmctl.errors.CommandError`,
+    SIGTERM a command turned into one, or either wrapped by a library such as DCP) that the verb
+    did not report itself is one ``error: interrupted (SIGINT): ...`` line naming ``command`` (e.g.
+    ``dlrmctl export``) and its ``out`` (the ``--out`` given, if any) and saying what is left (exit
+    code 130, 143 for SIGTERM); a :class:`~dlrmctl.errors.UserError` or an OSError of the user's
+    environment (also wrapped) is one ``error: ...`` line (exit code 2), both on stderr.  Returns
+    the exit code, or None for anything else (a bug: the caller lets it propagate with its
+    traceback).  A command's own refusal (:class:`~dlrmctl.errors.CommandError`,
     ``commands._common.fail``) is its line and its exit code, also when raised while handling an
-    interrupt."""
+    interrupt (that is how a verb that knows more says what it stopped and what is left)."""
     if isinstance(e, CommandError):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
     ki = interrupt_of(e)
     if ki is not None:
-        print("interrupted", file=sys.stderr, flush=True)
+        print(f"error: {interrupted_message(ki, command, out)}", file=sys.stderr, flush=True)
         return interrupt_exit_code(ki)
     msg = user_error_message(e)
     if msg is None:
         return None
     print(f"error: {msg}", file=sys.stderr, flush=True)
     return EXIT_USER
+
+
+def interrupted_message(ki: BaseException, command: str | None, out: str | None) -> str:
+    """The line of an interrupt a verb did not report itself (it may land anywhere: during the
+    imports, in the work, or after the work while the result is printed, so the line claims
+    nothing about how far the work got): what stopped and what a re-run does.  Every output is
+    written to a temporary path or an unfinished marked directory and put in place / marked
+    complete only at its end (``dlrmctl.outputs``), so nothing half-written is taken for done."""
+    what = f"`{command}`" if command else "the command"
+    where = f" (--out {out})" if out else ""
+    return (f"interrupted ({signal.Signals(interrupt_exit_code(ki) - 128).name}): {what}{where} stopped; "
+            "an output is put in place or marked complete only when finished, so nothing half-written "
+            "is taken for done: run the same command again unless it had printed its result")
+
+
+def _command_of(ctx) -> tuple[str | None, str | None]:
+    """``("dlrmctl <verb> [<sub-verb>]", <the --out / -o value or None>)`` of the arguments left
+    to the root group ``ctx``."""
+    first = getattr(ctx, "_protected_args", None) or ctx.protected_args
+    tokens = [*first, *ctx.args]
+    words = []
+    group = ctx.command
+    for t in tokens:
+        if t.startswith("-") or not hasattr(group, "commands") or t not in group.commands:
+            break
+        words.append(t)
+        group = group.commands[t]
+    out = None
+    for i, t in enumerate(tokens):
+        if t in ("--out", "-o") and i + 1 < len(tokens):
+            out = tokens[i + 1]
+        elif t.startswith("--out="):
+            out = t[len("--out="):]
+    return ("dlrmctl " + " ".join(words) if words else None), out
 
 
 #: verbs that handle SIGTERM themselves (train and launch clean up their ranks, sweep its points,
@@ -52,7 +88,7 @@ class _Group(TyperGroup):
     ``typer.testing.CliRunner``, which calls the group, not :func:`main`.  A usage error (a bad
     option value, an unknown option or command, a missing argument, ``typer.BadParameter`` from a
     command) is ONE line too, ``error: <command>: <message> (see <command> --help)``, exit code 2.
-    A SIGTERM ends a verb as a Ctrl-C does (``interrupted``, exit code 143), except the verbs of
+    A SIGTERM ends a verb as a Ctrl-C does (``error: interrupted (SIGTERM): ...``, exit code 143), except the verbs of
     :data:`OWN_SIGTERM`.  ``--help`` of every verb has Click's plain layout
     (:func:`dlrmctl.commands._help.plain_help`)."""
 
@@ -65,9 +101,11 @@ class _Group(TyperGroup):
     def invoke(self, ctx):  # noqa: D102
         from typer import _click
 
+        command, out = None, None
         try:
             first = getattr(ctx, "_protected_args", None) or ctx.protected_args
             verb = next(iter([*first, *ctx.args]), None)
+            command, out = _command_of(ctx)
             if verb in OWN_SIGTERM:
                 return super().invoke(ctx)
             with interruptible((signal.SIGTERM,)):  # a SIGTERM ends the verb as a Ctrl-C does: one line
@@ -82,7 +120,7 @@ class _Group(TyperGroup):
         except (typer.Exit, typer.Abort, typer.TyperException, SystemExit):  # typer's own exits
             raise
         except BaseException as e:  # noqa: BLE001 - reported as one line, or re-raised as it is
-            code = report_failure(e)
+            code = report_failure(e, command, out)
             if code is None:
                 raise
             raise typer.Exit(code) from None

@@ -74,9 +74,12 @@ def test_the_cli_reports_an_os_condition_and_an_interrupt_as_one_line(capsys):
 
     assert report_failure(OSError(errno.ENOSPC, "No space left on device", "out/x")) == 2
     assert capsys.readouterr().err.startswith("error: out/x: no space left on device")
-    assert report_failure(_dcp_wrapped(KeyboardInterrupt())) == 130
-    assert capsys.readouterr().err == "interrupted\n"
+    assert report_failure(_dcp_wrapped(KeyboardInterrupt()), "dlrmctl export", "m.pt2") == 130
+    err = capsys.readouterr().err
+    assert err.startswith("error: interrupted (SIGINT): `dlrmctl export` (--out m.pt2) stopped;") and err.count("\n") == 1
+    assert "run the same command again" in err
     assert report_failure(errors.Interrupted(15)) == 143
+    assert capsys.readouterr().err.startswith("error: interrupted (SIGTERM): the command stopped;")
     assert report_failure(ValueError("a bug")) is None
 
 
@@ -100,3 +103,27 @@ def test_a_command_error_is_one_line_with_its_exit_code_also_while_handling_an_i
         assert report_failure(c) == 143
     assert capsys.readouterr().err.splitlines() == ["error: --jobs must be > 0, got 0",
                                                     "error: interrupted (SIGTERM): the work stopped"]
+
+
+def test_an_interrupt_before_a_verb_handles_it_is_one_error_line_naming_the_command_and_its_out(tmp_path,
+                                                                                              monkeypatch):
+    """A Ctrl-C during a verb's imports or checks (before its own interrupt handling) is the same
+    ``error: interrupted (SIGINT): ...`` line as any other, naming the sub-command and --out."""
+    from typer.testing import CliRunner
+
+    import dlrmctl.data.logs
+    from dlrmctl.cli import app
+
+    def ctrl_c(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dlrmctl.data.logs, "load_schema", ctrl_c)
+    out = tmp_path / "d"
+    r = CliRunner().invoke(app, ["preprocess", "logs", "--schema", str(tmp_path / "s.yaml"), "--input",
+                                 str(tmp_path / "x.csv"), "--out", str(out)])
+    assert r.exit_code == 130, r.output
+    lines = [x for x in r.output.splitlines() if "interrupted" in x]
+    assert lines == [f"error: interrupted (SIGINT): `dlrmctl preprocess logs` (--out {out}) stopped; an output is "
+                     "put in place or marked complete only when finished, so nothing half-written is taken for "
+                     "done: run the same command again unless it had printed its result"], r.output
+    assert not out.exists()

@@ -75,15 +75,29 @@ def build_dataset(target, fn):
 def build_interruptible(target, out: Path, fn):
     """:func:`build_dataset` of a dataset whose preprocess runs worker processes: a bad input is one error
     line; a SIGINT / SIGTERM anywhere in the work (not only while the workers run) ends them and is
-    one ``interrupted`` line (exit 128 + signal) that says a re-run resumes."""
+    one ``error: interrupted (SIG...): ...`` line (exit 128 + signal) that says a re-run resumes, or,
+    when the signal came after the dataset was complete, that it is complete."""
     from dlrmctl.errors import Interrupted, interruptible
 
     try:  # (a bad input, a DataError, is reported by dlrmctl.cli)
         with interruptible():
             return build_dataset(target, fn)
     except Interrupted as e:
+        if _committed(target):  # the signal came after the work had finished
+            fail(f"interrupted ({e.signame}) after preprocessing of {show_path(out)} had finished: the dataset "
+                 "is complete (a re-run says so)", code=e.exit_code)
         fail(f"interrupted ({e.signame}): preprocessing of {show_path(out)} stopped and its worker "
              "processes ended; run the same command again to resume it", code=e.exit_code)
+
+
+def _committed(target) -> bool:
+    """``target``'s build is complete at ``target.out``: its marker says complete with this build's
+    recipe and meta.json is there (what a re-run checks before saying ``already complete``)."""
+    from dlrmctl.outputs import read_marker
+
+    rec = read_marker(target.out)
+    return bool(rec and rec.get("complete") and rec.get("recipe") == target.recipe
+                and (target.out / "meta.json").is_file())
 
 
 def say_already_complete(out: Path) -> None:

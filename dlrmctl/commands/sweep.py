@@ -303,7 +303,7 @@ def sweep(
     stopping: list[int] = []
     # a SIGINT or SIGTERM to this process alone (not only Ctrl-C to the whole group) stops every
     # point (SIGINT: each trainer stops and cleans up as on Ctrl-C; SIGKILL after a grace period)
-    # and then the sweep, with one `interrupted` line
+    # and then the sweep, with one `error: interrupted (SIG...): ...` line (dlrmctl.cli)
     ex = ThreadPoolExecutor(max_workers=jobs)
     try:
         with interruptible():

@@ -140,11 +140,12 @@ def _train(config, set_, cfg, nproc: int, nnodes: int, world: int, resume: bool,
         ki = interrupt_of(e)
         if ki is None:
             raise
-        echo(interrupted_line(config, set_, os.path.join(cfg.train.run_dir, cfg.name)), err=True)
+        echo("error: " + interrupted_line(config, set_, os.path.join(cfg.train.run_dir, cfg.name),
+                                          signal.Signals(interrupt_exit_code(ki) - 128).name), err=True)
         raise typer.Exit(interrupt_exit_code(ki)) from None
 
 
-def interrupted_line(config: str, overrides: list[str], run_dir: str) -> str:
+def interrupted_line(config: str, overrides: list[str], run_dir: str, signame: str = "SIGINT") -> str:
     """What an interrupted ``train`` prints: the checkpoint the run keeps and how to resume, or
     that nothing was saved (the directory keeps the attempt's config and logs; a plain ``train``
     starts over)."""
@@ -160,9 +161,9 @@ def interrupted_line(config: str, overrides: list[str], run_dir: str) -> str:
         last, step = None, None
     if last is None:
         kept = "config and logs" if os.path.isdir(os.path.join(run_dir, "logs")) else "config"  # (logs: --nproc runs)
-        return (f"interrupted before the first checkpoint: nothing saved ({show_path(run_dir)} keeps this attempt's "
+        return (f"interrupted ({signame}) before the first checkpoint: nothing saved ({show_path(run_dir)} keeps this attempt's "
                 f"{kept}); start over with {cmd}")
-    return (f"interrupted: {show_path(run_dir)} kept its last checkpoint (step {step}); resume with "
+    return (f"interrupted ({signame}): {show_path(run_dir)} kept its last checkpoint (step {step}); resume with "
             f"{cmd} --resume")
 
 

@@ -252,7 +252,7 @@ def test_ctrl_c_before_the_first_checkpoint_keeps_the_attempt_and_a_plain_train_
     runs = tmp_path / "runs"
     p = start(train_argv(data, runs, "--set", "train.epochs=1000"), tmp_path)
     _wait_for(_trained(runs / "r"), p, "a logged training step")
-    assert_one_line(*_interrupt(p, signal.SIGINT), 130, "interrupted before the first checkpoint: nothing saved")
+    assert_one_line(*_interrupt(p, signal.SIGINT), 130, "error: interrupted (SIGINT) before the first checkpoint: nothing saved")
     assert (runs / "r" / "config.yaml").is_file()  # the directory did not vanish
     assert not (runs / "r" / "checkpoints").exists()
     invoke(*train_argv(data, runs, "--set", "train.max_steps=2"))  # not refused as "already holds a run"
@@ -276,7 +276,7 @@ def test_interrupt_during_checkpoint_writes_keeps_the_last_good_checkpoint(tmp_p
             return False
 
     _wait_for(saved_some, p, "a third checkpoint")
-    line = assert_one_line(*_interrupt(p, sig), code, "interrupted: ")
+    line = assert_one_line(*_interrupt(p, sig), code, f"error: interrupted ({signal.Signals(sig).name}): ")
     assert "kept its last checkpoint (step " in line and "--resume" in line, line
     checkpoints_intact(runs / "r")
     step = int((runs / "r" / "checkpoints" / "LATEST").read_text().strip().split("_")[1])
@@ -288,7 +288,7 @@ def test_ctrl_c_during_preprocess_is_one_line_and_leaves_no_partial_shard(tmp_pa
     out = tmp_path / "d"
     p = start(["preprocess", "synthetic", "--out", str(out), "--rows", "50000000"], tmp_path)
     _wait_for(lambda: bool(glob.glob(str(out / "parts" / "synthetic" / "*.tmp"))), p, "a shard being written")
-    assert_one_line(*_interrupt(p, signal.SIGINT), 130, "interrupted")
+    assert_one_line(*_interrupt(p, signal.SIGINT), 130, "error: interrupted (SIGINT): `dlrmctl preprocess synthetic`")
     assert not glob.glob(str(out / "**" / "*.tmp"), recursive=True)
     assert not (out / "meta.json").exists()
 
@@ -309,4 +309,39 @@ def test_sigterm_of_a_verb_without_its_own_handling_says_interrupted(tmp_path):
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err)
-    assert err.strip().splitlines() == ["interrupted"], err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted (SIGTERM): `dlrmctl preprocess synthetic` (--out "), err
+
+
+@pytest.mark.parametrize("when", ["during the work", "after the dataset was complete"])
+def test_an_interrupted_preprocess_says_resume_only_when_the_work_is_unfinished(tmp_path, monkeypatch, when):
+    """A signal that lands after the dataset was committed (while the lock is dropped) said the
+    preprocess had stopped and should be resumed although it was complete."""
+    import dlrmctl.outputs
+    from dlrmctl import errors
+    from dlrmctl.commands.preprocess import build_interruptible, dataset_target_or_fail
+
+    out = tmp_path / "d"
+    target = dataset_target_or_fail(out, {"dataset": "logs", "inputs": []}, False)
+
+    def work(d: Path) -> str:
+        (d / "meta.json").write_text("{}")
+        if when == "during the work":
+            raise errors.Interrupted(signal.SIGINT)
+        return "done"
+
+    unlock = dlrmctl.outputs.unlock_output
+
+    def unlock_then_signal(o) -> None:
+        unlock(o)
+        if when != "during the work":
+            raise errors.Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(dlrmctl.outputs, "unlock_output", unlock_then_signal)
+    with pytest.raises(errors.CommandError) as e:
+        build_interruptible(target, out, work)
+    assert e.value.exit_code == 130
+    if when == "during the work":
+        assert "stopped" in str(e.value) and "resume it" in str(e.value), e.value
+    else:
+        assert "had finished: the dataset is complete" in str(e.value) and "resume" not in str(e.value), e.value

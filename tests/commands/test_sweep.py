@@ -193,7 +193,7 @@ def test_a_signal_to_the_sweep_process_alone_stops_every_point_and_the_sweep(dat
     p.send_signal(sig)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 128 + sig, (p.returncode, out, err)
-    assert err.strip().splitlines()[-1] == "interrupted", err
+    assert err.strip().splitlines()[-1].startswith(f"error: interrupted ({signal.Signals(sig).name}): `dlrmctl sweep`"), err
     deadline = time.monotonic() + 60  # a killed point leaves /proc once the kernel has run its exit
     while _procs_mentioning(str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)
