@@ -14,8 +14,8 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from dlrmctl.errors import (EXIT_USER, CommandError, interrupt_exit_code, interrupt_of, interruptible,
-                            user_error_message)
+from dlrmctl.errors import (EXIT_FAILED, EXIT_USER, CommandError, ProcessFailure, find_in_chain,
+                            interrupt_exit_code, interrupt_of, interruptible, user_error_message)
 
 
 def report_failure(e: BaseException, command: str | None = None, out: str | None = None) -> int | None:
@@ -24,9 +24,10 @@ def report_failure(e: BaseException, command: str | None = None, out: str | None
     did not report itself is one ``error: interrupted (SIGINT): ...`` line naming ``command`` (e.g.
     ``dlrmctl export``) and its ``out`` (the ``--out`` given, if any) and saying what is left (exit
     code 130, 143 for SIGTERM); a :class:`~dlrmctl.errors.UserError` or an OSError of the user's
-    environment (also wrapped) is one ``error: ...`` line (exit code 2), both on stderr.  Returns
-    the exit code, or None for anything else (a bug: the caller lets it propagate with its
-    traceback).  A command's own refusal (:class:`~dlrmctl.errors.CommandError`,
+    environment (also wrapped) is one ``error: ...`` line (exit code 2), a
+    :class:`~dlrmctl.errors.ProcessFailure` (a loader worker killed) one line with exit code 1, all
+    on stderr.  Returns the exit code, or None for anything else (a bug: the caller lets it
+    propagate with its traceback).  A command's own refusal (:class:`~dlrmctl.errors.CommandError`,
     ``commands._common.fail``) is its line and its exit code, also when raised while handling an
     interrupt (that is how a verb that knows more says what it stopped and what is left)."""
     if isinstance(e, CommandError):
@@ -38,6 +39,10 @@ def report_failure(e: BaseException, command: str | None = None, out: str | None
         return interrupt_exit_code(ki)
     msg = user_error_message(e)
     if msg is None:
+        failed = find_in_chain(e, ProcessFailure, implicit=False)
+        if failed is not None:
+            print(f"error: {failed}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
         return None
     print(f"error: {msg}", file=sys.stderr, flush=True)
     return EXIT_USER

@@ -12,7 +12,9 @@ Every error that is the user's input or the user's environment subclasses :class
 multi-process run, which reports its own failure to the launcher (``dlrmctl.train.worker``).
 ``SparseInputError`` (an inconsistent KeyedJaggedTensor built by code) and
 ``LocalRanksError`` (a spawned rank failed: the caller says what it was doing, e.g. a reshard's
-``CheckpointError``) are not user errors.
+``CheckpointError``) are not user errors.  A :class:`ProcessFailure` (a helper process the command
+started was killed or stopped, e.g. a loader worker) is not the user's input either, but no bug:
+one ``error: ...`` line too, exit :data:`EXIT_FAILED` (what a failed rank of ``--nproc`` gives).
 
 Conditions of the operating system that the user fixes (a full disk, a read-only file system,
 a file where a directory is expected, ...) arrive as ``OSError``; :func:`os_error_message` turns
@@ -37,6 +39,8 @@ from typing import Any, Callable, Iterator
 
 #: exit code of a user error (also of a mapped OSError)
 EXIT_USER = 2
+#: exit code of a helper process's failure (:class:`ProcessFailure`), as of a failed rank
+EXIT_FAILED = 1
 #: exit code of a Ctrl-C (128 + SIGINT); a SIGTERM exits 143 (128 + SIGTERM)
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 
@@ -56,6 +60,12 @@ class CommandError(UserError):
     def __init__(self, msg: str, exit_code: int = EXIT_USER) -> None:
         super().__init__(msg)
         self.exit_code = exit_code
+
+
+class ProcessFailure(RuntimeError):
+    """A process the command started and depends on (a loader worker) was killed, exited or was
+    stopped: not the user's input and not a bug of the command.  Reported as one ``error: <message>``
+    line (the message names the process, its pid and what happened), exit :data:`EXIT_FAILED`."""
 
 
 class OutputError(RuntimeError, UserError):

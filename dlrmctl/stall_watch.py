@@ -2,7 +2,9 @@
 within a bounded time instead of its peers hanging in a collective until gloo's timeout (30 min).
 
 Every :data:`POLL_S` seconds the watchdog reads ``/proc/<pid>/stat`` of each rank process of the
-job (a process whose environment has ``RANK``): a rank that has been *stopped* (state ``T``/``t``:
+job (a process whose environment has ``RANK``, except one forked by a rank: a loader worker, which
+inherits it; the rank names its own stopped workers, :mod:`dlrmctl.data.loader_workers`): a rank
+that has been *stopped* (state ``T``/``t``:
 SIGSTOP, a debugger) or blocked in uninterruptible I/O (state ``D``: a hung file system) for
 ``limit_s`` seconds in a row is stalled.  A peer waiting for it in a collective sleeps (state
 ``S``) and is never taken for it.  The first stalled rank is reported through ``on_stall`` once.
@@ -60,6 +62,21 @@ def rank_of(pid: int) -> int | None:
     return None
 
 
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def forked_by_rank(pid: int, ppid: int) -> bool:
+    """Process ``pid`` is a fork of its parent rank ``ppid`` (a loader worker: same ``RANK``,
+    same command line, which ``fork`` keeps), not a rank of its own."""
+    rank = rank_of(ppid)
+    return rank is not None and rank == rank_of(pid) and _cmdline(pid) == _cmdline(ppid) is not None
+
+
 class StallWatch:
     """Watches the rank processes ``processes()`` lists (pids) in a daemon thread.
 
@@ -93,7 +110,7 @@ class StallWatch:
         for pid in self.processes():
             st = proc_stat(pid)
             rank = rank_of(pid) if st is not None else None
-            if st is None or rank is None:
+            if st is None or rank is None or forked_by_rank(pid, int(st[1])):
                 continue
             seen.add(pid)
             if st[0] not in STALLED_STATES:

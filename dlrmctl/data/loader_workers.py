@@ -26,7 +26,9 @@ worker, travels pickled over the socket instead.
 Failures: an exception in a worker reaches the consumer as that exception (its traceback noted),
 naming the worker; a worker that dies (killed, out of memory) is an error naming the worker, its
 pid and its signal or exit code within a fraction of a second (one that makes no batch in
-:data:`WORKER_STALL_S` is killed and named the same way); ``close`` (the end of the epoch,
+:data:`WORKER_STALL_S` is killed and named the same way; one that is stopped, SIGSTOP or a debugger,
+or blocked in uninterruptible I/O for ``$DLRMCTL_STALL_TIMEOUT_S``, the limit of the stalled-rank
+watchdog of :mod:`dlrmctl.stall_watch`, is named so while the consumer waits); ``close`` (the end of the epoch,
 an exception or ``KeyboardInterrupt`` in the step, the iterator dropped) kills and reaps every
 worker.  Workers ignore SIGINT (Ctrl-C reaches the whole process group; the consumer decides)
 and exit by themselves when their parent is gone.
@@ -51,6 +53,9 @@ import numpy as np
 import torch
 
 from dlrmctl.data.batch import Batch
+from dlrmctl.errors import CommandError, ProcessFailure, UserError
+from dlrmctl.procs import proc_stat
+from dlrmctl.stall_watch import ENV_LIMIT, POLL_S as _STATE_POLL_S, STALLED_STATES, stall_limit_s
 from dlrmctl.sparse.jagged_tensor import KeyedJaggedTensor
 
 if TYPE_CHECKING:
@@ -77,8 +82,10 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if os.uname().sysname == 
 _LIVE: "weakref.WeakSet[_Workers]" = weakref.WeakSet()
 
 
-class WorkerError(RuntimeError):
-    """A loader worker process died (killed by a signal, or exited) before its batches were made."""
+class WorkerError(ProcessFailure):
+    """A loader worker process died (killed by a signal, or exited), made no batch in
+    :data:`WORKER_STALL_S`, or was stopped for ``$DLRMCTL_STALL_TIMEOUT_S``: one ``error:`` line,
+    exit 1 (:class:`~dlrmctl.errors.ProcessFailure`)."""
 
 
 def auto_workers(device: torch.device | str, local_world_size: int = 1, cpus: int | None = None) -> int:
@@ -170,8 +177,8 @@ def _worker_main(loader: "BatchLoader", k: int, n: int, start: int, conn: connec
             same = pickle.loads(pickle.dumps(e))
             if type(same) is not type(e) or str(same) != str(e):
                 raise TypeError
-        except Exception:
-            e = RuntimeError(f"{type(e).__name__}: {e}")
+        except Exception:  # a user error stays one (its class may not travel), anything else its text
+            e = UserError(str(e)) if isinstance(e, UserError) else RuntimeError(f"{type(e).__name__}: {e}")
         try:
             conn.send(("error", -1, -1, e, tb))
         except BaseException:
@@ -202,6 +209,12 @@ class _Workers:
         self.n, self.depth, self.slot = n, depth, _slot_bytes(loader)
         self.slots = depth + _SPARE_SLOTS
         self.pin = loader.pin_memory
+        try:  # a worker stopped (SIGSTOP, a debugger) this long is named, as a stopped rank is
+            self.stall_limit_s = stall_limit_s()
+        except ValueError as e:
+            raise CommandError(str(e)) from None
+        self._stopped_since: dict[int, float] = {}  # worker -> when first seen stopped
+        self._states_at = 0.0  # when the workers' states were last read
         self.ring = mmap.mmap(-1, _Header.size(n, self.slots) + n * self.slots * self.slot,
                               flags=mmap.MAP_SHARED | _MAP_NORESERVE)
         self.head = _Header(self.ring, n, self.slots)
@@ -240,6 +253,28 @@ class _Workers:
             return f"was killed by signal {sig} ({signal.Signals(sig).name})"
         return f"exited with code {os.WEXITSTATUS(status)}"
 
+    def _check_stopped(self, now: float) -> None:
+        """Every :data:`dlrmctl.stall_watch.POLL_S` s (while the consumer waits): the workers'
+        ``/proc`` states; one stopped or blocked (:data:`dlrmctl.stall_watch.STALLED_STATES`) for
+        ``stall_limit_s`` s in a row (0: never) kills them all.
+
+        Raises:
+            WorkerError: names the worker, its pid, its state and for how long."""
+        if self.stall_limit_s <= 0 or now - self._states_at < _STATE_POLL_S:
+            return
+        self._states_at = now
+        for k, pid in enumerate(self.pids):
+            st = proc_stat(pid) if pid > 0 else None
+            if st is None or st[0] not in STALLED_STATES:
+                self._stopped_since.pop(k, None)
+                continue
+            seconds = now - self._stopped_since.setdefault(k, now)
+            if seconds >= self.stall_limit_s:
+                self.close()
+                raise WorkerError(f"loader worker {k} of {self.n} (pid {pid}) has been {STALLED_STATES[st[0]]} for "
+                                  f"{seconds:.0f} s; the run was stopped (${ENV_LIMIT} sets the limit, 0 turns "
+                                  "the watchdog off)")
+
     def _died(self, k: int, pid: int, why: str, i: int) -> WorkerError:
         return WorkerError(f"loader worker {k} of {self.n} (pid {pid}) {why} before making batch {i + 1}; if it "
                            "was killed for memory, lower data.workers or data.shuffle_window_rows")
@@ -248,12 +283,14 @@ class _Workers:
         """Global batch ``i`` (the next one of worker ``i % n``).
 
         Raises:
-            WorkerError: the worker died before sending it (names the worker, pid and cause).
+            WorkerError: the worker died before sending it, or a worker stopped for the stall limit
+                (names the worker, pid and cause).
             Exception: what the worker raised making it."""
         k = i % self.n
         conn, pid = self.conns[k], self.pids[k]
         since = time.monotonic()
         while not conn.poll(_POLL_S):
+            self._check_stopped(time.monotonic())
             why = self._dead(k)
             if why is None and time.monotonic() - since > WORKER_STALL_S:
                 self.close()

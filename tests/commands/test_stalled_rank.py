@@ -53,6 +53,32 @@ def test_the_watchdog_names_a_stopped_rank_and_never_a_sleeping_one(monkeypatch)
         stall_limit_s()
 
 
+def test_the_watchdog_takes_a_process_forked_by_a_rank_for_no_rank():
+    # a loader worker is a fork of its rank: it inherits RANK; stopped, the rank names it itself
+    script = "import os, sys, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\n    os._exit(0)\n" \
+             "print(pid, flush=True)\ntime.sleep(60)\n"
+    rank = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "RANK": "1"}, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        child = int(rank.stdout.readline())
+        assert rank_of(child) == 1
+        os.kill(child, signal.SIGSTOP)
+        _wait_state(child, True)
+        w = StallWatch(lambda: [rank.pid, child], lambda *a: None, limit_s=5)
+        assert w.check(100.0) is None and w.check(200.0) is None  # the stopped fork is not a rank
+        os.kill(rank.pid, signal.SIGSTOP)
+        _wait_state(rank.pid, True)
+        assert w.check(300.0) is None
+        assert w.check(306.0)[:2] == (1, rank.pid)  # the rank itself still is
+    finally:
+        rank.kill()
+        rank.wait()
+        try:
+            os.kill(child, signal.SIGKILL)
+        except (OSError, NameError):
+            pass
+
+
 def _workers(text: str) -> dict[int, int]:
     """rank -> pid of the rank processes whose command line mentions ``text``."""
     out = {}

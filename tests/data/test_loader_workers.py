@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from dlrmctl.cli import report_failure
 from dlrmctl.data.loader import BatchLoader
 from dlrmctl.data.loader_workers import WorkerError, auto_workers
 from dlrmctl.sparse.validation import EmbeddingIdError, IdBound
@@ -136,6 +137,26 @@ def test_a_stuck_worker_is_killed_and_named_after_the_stall_limit(tmp_path, monk
             pass
 
 
+def test_a_stopped_worker_is_named_after_the_stall_timeout_of_ranks(tmp_path, monkeypatch, no_leftovers):
+    monkeypatch.setenv("DLRMCTL_STALL_TIMEOUT_S", "1")  # WORKER_STALL_S stays 600 s
+    before = child_pids()
+    it = iter(BatchLoader(make_dataset(tmp_path, n=400), "train", 2, workers=2, prefetch=0))  # 200 batches
+    next(it)
+    victim = max(child_pids() - before)
+    os.kill(victim, signal.SIGSTOP)
+    with pytest.raises(WorkerError, match=rf"loader worker \d of 2 \(pid {victim}\) has been stopped \(SIGSTOP or a "
+                                          r"debugger\) for \d+ s; .*DLRMCTL_STALL_TIMEOUT_S"):
+        for _ in it:
+            pass
+
+
+def test_a_bad_stall_timeout_is_one_error_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DLRMCTL_STALL_TIMEOUT_S", "soon")
+    with pytest.raises(Exception) as e:
+        next(iter(BatchLoader(make_dataset(tmp_path, n=10), "train", 2, workers=1)))
+    assert report_failure(e.value) == 2 and "DLRMCTL_STALL_TIMEOUT_S" in capsys.readouterr().err
+
+
 def test_an_error_in_a_worker_is_raised_in_the_consumer_naming_the_worker(tmp_path, no_leftovers):
     d = make_dataset(tmp_path, n=40)
     loader = BatchLoader(d, "train", 4, workers=2, id_bounds={"C1": ("t", 200)})  # row 20 has C1 = 200
@@ -146,16 +167,29 @@ def test_an_error_in_a_worker_is_raised_in_the_consumer_naming_the_worker(tmp_pa
     assert len(got) == 5 and any("loader worker 1 of 2" in n for n in e.value.__notes__)
 
 
-def test_a_killed_worker_is_an_error_naming_it_not_a_hang(tmp_path, no_leftovers):
+def test_a_user_error_in_a_worker_is_the_same_error_line_as_without_workers(tmp_path, capsys, no_leftovers):
+    d = make_dataset(tmp_path, n=40)
+    lines = []
+    for workers in (0, 2):
+        with pytest.raises(EmbeddingIdError) as e:
+            list(BatchLoader(d, "train", 4, workers=workers, id_bounds={"C1": ("t", 200)}))
+        assert report_failure(e.value) == 2  # a user error: exit 2, no traceback
+        lines.append(capsys.readouterr().err.splitlines())
+    assert len(lines[0]) == 1 and lines[0][0].startswith("error: ") and lines[1] == lines[0]
+
+
+def test_a_killed_worker_is_one_error_line_naming_it_not_a_hang(tmp_path, capsys, no_leftovers):
     d = make_dataset(tmp_path, n=400)
     before = child_pids()
     it = iter(BatchLoader(d, "train", 2, workers=2, prefetch=0))  # 200 batches, 2 ahead per worker
     next(it)
     victim = max(child_pids() - before)
     os.kill(victim, signal.SIGKILL)
-    with pytest.raises(WorkerError, match=rf"loader worker \d of 2 \(pid {victim}\) was killed by signal 9 \(SIGKILL\)"):
+    with pytest.raises(WorkerError, match=rf"loader worker \d of 2 \(pid {victim}\) was killed by signal 9 \(SIGKILL\)") as e:
         for _ in it:
             pass
+    assert report_failure(e.value) == 1  # not the user's input, not a bug: one line, as a failed rank
+    assert capsys.readouterr().err == f"error: {e.value}\n"
 
 
 def test_closing_or_dropping_the_iterator_reaps_the_workers(tmp_path, no_leftovers):
