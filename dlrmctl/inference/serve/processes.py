@@ -16,6 +16,9 @@ from dlrmctl.inference.serve.protocol import ServeError
 
 #: restarts of the extra server processes (all together) before a server stops with an error
 MAX_RESTARTS = 3
+#: seconds a stopping server waits for each extra process to drain and exit before killing it
+#: (uvicorn's graceful shutdown gives a request in flight 60 s)
+STOP_WAIT_S = 90.0
 
 
 def http_stack() -> tuple[str, str]:
@@ -122,22 +125,54 @@ def start_processes(count: int, model_dir: str, name: str, host: str, port: int,
     return procs
 
 
-def stop_processes(procs: list, sig: int | None = signal.SIGTERM, wait: float = 90.0) -> list[int]:
+def stop_processes(procs: list, sig: int | None = signal.SIGTERM, wait: float = 90.0,
+                   killed: list[str] | None = None, notice_s: float = 5.0) -> list[int]:
     """Send ``sig`` (None: none, they were told already) to each live process of :func:`start_processes`,
-    wait up to ``wait`` seconds for them (they drain), kill any left; returns their exit codes."""
+    wait up to ``wait`` seconds for them (they drain), kill any left; returns their exit codes.
+
+    A process stopped by job control (SIGSTOP / SIGTSTP, :func:`process_state` ``T``) is sent
+    SIGCONT after the signal, as systemd does, so it can act on it.  A wait longer than
+    ``notice_s`` seconds prints one line saying what it waits for; the names of the processes
+    killed after ``wait`` are appended to ``killed`` (their exit code is then -9)."""
+    from dlrmctl.console import echo
+
     for p in procs:
         if sig is not None and p.is_alive():
             try:
                 os.kill(p.pid, sig)
             except ProcessLookupError:
                 pass
+        if p.is_alive() and process_state(p.pid) == "T":
+            try:
+                os.kill(p.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     end = time.monotonic() + wait
     for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
+        p.join(max(0.0, min(notice_s, end - time.monotonic())))
+        if p.is_alive() and wait > notice_s:
+            echo(f"waiting up to {wait:.0f} s for server {p.name} to stop (it answers the requests it holds)",
+                 err=True)
+            p.join(max(0.0, end - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join()
+            if killed is not None:
+                killed.append(p.name)
     return [p.exitcode for p in procs]
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` in ``/proc/<pid>/stat`` (``R``, ``S``, ``T`` stopped by a
+    signal, ``t`` stopped by a tracer, ``Z``, ...), or None when it cannot be read (gone, not Linux).
+    Source: proc(5), field 3 of ``/proc/[pid]/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    rest = stat[stat.rfind(b")") + 1:].split()
+    return rest[0].decode() if rest else None
 
 
 def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, threads: int, process: str,
@@ -191,8 +226,12 @@ async def drain_backlog(sock: socket.socket, limit_s: float = 10.0) -> None:
     await asyncio.sleep(0.05)
 
 
-def exit_description(code: int | None) -> str:
-    """``"was killed by SIGKILL"`` / ``"exited with code 3"`` for a process's exit code."""
+def exit_description(code: int | None, asked: bool = True) -> str:
+    """``"was killed by SIGKILL"`` / ``"exited with code 3"`` for a process's exit code; an exit
+    code 0 the server did not ask for (``asked`` False) is a stop by a SIGTERM from outside (a
+    server process ends cleanly only on SIGTERM: SIGINT goes to its parent)."""
+    if code == 0 and not asked:
+        return "was stopped by a SIGTERM from outside the server (it answered its requests and exited)"
     if code is not None and code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -204,9 +243,10 @@ def exit_description(code: int | None) -> str:
 class Supervisor:
     """Watches the extra server processes of ``--processes`` from a thread of the first one.
 
-    A process that exits while the server runs is reported in one line on stderr, readiness
-    (``/v2/health/ready``) answers 503 with the reason until it serves again, and it is started
-    again (:func:`start_processes` through ``respawn``), at most ``max_restarts`` times in all; past
+    A process that exits while the server runs, or is stopped by job control (SIGSTOP), is
+    reported in one line on stderr, readiness
+    (``/v2/health/ready``) answers 503 with the reason until it serves again (continues), and one
+    that exited is started again (:func:`start_processes` through ``respawn``), at most ``max_restarts`` times in all; past
     that, or when it cannot start, the server stops (``stop``) and :attr:`error` says why.
 
     Args:
@@ -223,8 +263,32 @@ class Supervisor:
         self.max_restarts, self._poll_s = max_restarts, poll_s
         self.restarts = 0
         self.error: str | None = None
+        self._stopped: dict[str, str] = {}  # name -> why, of processes stopped by job control
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dlrmctl-serve-supervisor", daemon=True)
+
+    def _check_stopped(self) -> None:
+        """A process stopped by job control (SIGSTOP / SIGTSTP: state ``T`` or ``t`` in /proc) answers
+        nothing, while the kernel still hands it its share of connections: one warning line, readiness
+        503 with the reason until it continues (then one line, readiness back)."""
+        from dlrmctl.console import echo
+
+        for p in self.procs:
+            if not p.is_alive():
+                continue
+            state = process_state(p.pid)
+            if state in ("T", "t") and p.name not in self._stopped:
+                why = (f"server {p.name} (pid {p.pid}) is stopped ("
+                       + ("by a tracer" if state == "t" else "SIGSTOP / SIGTSTP") + "): connections the kernel "
+                       "gives it are not answered until it continues (SIGCONT)")
+                self._stopped[p.name] = why
+                self._app.unready = why
+                echo(f"warning: {why}", err=True)
+            elif state not in ("T", "t", None) and p.name in self._stopped:
+                why = self._stopped.pop(p.name)
+                if self._app.unready == why:
+                    self._app.unready = next(iter(self._stopped.values()), None)
+                echo(f"server {p.name} continues and serves again", err=True)
 
     def start(self) -> "Supervisor":
         self._thread.start()
@@ -248,10 +312,12 @@ class Supervisor:
             wait([p.sentinel for p in self.procs], timeout=self._poll_s)
             if self._done.is_set():
                 return
+            self._check_stopped()
             for i, p in enumerate(self.procs):
                 if p.is_alive() or self._done.is_set():
                     continue
-                why = f"server {p.name} {exit_description(p.exitcode)}"
+                self._stopped.pop(p.name, None)
+                why = f"server {p.name} {exit_description(p.exitcode, asked=False)}"
                 self._app.unready = why
                 if self.restarts >= self.max_restarts:
                     self.error = f"{why}, after {self.restarts} restart(s) of the server processes; server stopped"
@@ -365,9 +431,13 @@ def serve(model: Any, name: str, sock: socket.socket, max_batch_rows: int, max_d
             for s, h in old.items():
                 signal.signal(s, h)
         sock.close()
-        codes = stop_processes(others, None if stopping else signal.SIGTERM) if others else []
+        killed: list[str] = []
+        codes = stop_processes(others, None if stopping else signal.SIGTERM, STOP_WAIT_S, killed) if others else []
     if watch is not None and watch.error:
         raise ServeError(watch.error)
+    if killed:
+        raise ServeError(f"server {killed[0]} did not stop within {STOP_WAIT_S:.0f} s and was killed; requests "
+                         "it held may be unanswered")
     bad = [(p.name, c) for p, c in zip(others or [], codes) if c != 0]
     if bad:
         raise ServeError(f"server {bad[0][0]} exited with code {bad[0][1]}; requests it held may be unanswered")
