@@ -47,6 +47,23 @@ def is_better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bo
 
 
 
+def undefined_best_note(best: dict[str, Any], keep_best: str, split: str) -> str | None:
+    """What the end-of-run line says when the run's best ``keep_best`` score is undefined (every
+    evaluation so far had NaN, or a ``split`` of one class only, whose AUC 0.5 is a convention):
+    why, and that no checkpoint was kept as ``best`` (an undefined score never wins,
+    :func:`is_better`).  None when the score is defined."""
+    if is_defined(best, keep_best):
+        return None
+    ctr = best.get("ctr")
+    if keep_best != "ne" and isinstance(ctr, float) and ctr in (0.0, 1.0):
+        why = (f"every {split} row has label {int(ctr)}, and AUC needs both classes (0.5 is reported "
+               "by convention)")
+    else:
+        why = f"the {keep_best.upper() if keep_best != 'none' else 'AUC'} of {split} is NaN"
+    return (f" (undefined: {why}; no evaluation of this run had a defined score, so no checkpoint is kept "
+            "as 'best': evaluate and export take the last checkpoint)")
+
+
 class Evaluator:
     """Validation of one trainer, and what follows from it.
 

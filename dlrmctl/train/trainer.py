@@ -37,7 +37,7 @@ from dlrmctl.modules.mlp import apply_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
 from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
-from dlrmctl.train.evaluator import Evaluator
+from dlrmctl.train.evaluator import Evaluator, undefined_best_note
 from dlrmctl.train.factory import attach_eviction_optimizer, build_model, init_from_train_split
 from dlrmctl.train.init_from import restore_init_from
 from dlrmctl.train.malloc_tuning import tune_glibc_malloc
@@ -414,7 +414,8 @@ class Trainer:
             text = json.dumps({k: (jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, indent=1)
             write_text_atomic(os.path.join(self.run_dir, "summary.json"), text)
             what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
-            kept = self.checkpointer.best_kept_note(b["step"]) if kb != "none" else ""
+            kept = "" if kb == "none" else (undefined_best_note(b, kb, self.cfg.data.val_split)
+                                            or self.checkpointer.best_kept_note(b["step"]))
             echo(f"best {self.cfg.data.val_split} {what} at step {b['step']}{kept}; run directory {self.run_dir}")
         self.metrics_log.close()
         return summary

@@ -171,6 +171,28 @@ def test_an_undefined_score_is_never_kept_as_best():
     assert is_better(better, good, "auc") and is_better(better, good, "ne") and not is_better(good, better, "ne")
 
 
+def test_a_run_whose_every_score_is_undefined_says_why_no_best_is_kept(data, tmp_path, monkeypatch):
+    """Every val evaluation of one class (AUC 0.5 by convention): the end line said no checkpoint
+    held the best step because it was found before this run's checkpoints, which was false."""
+    import dlrmctl.train.evaluator as evaluator
+
+    real = evaluator.compute_metrics_from_logits
+
+    def one_class(*a, **k):
+        return dict(real(*a, **k), auc=0.5, ctr=0.0)
+
+    monkeypatch.setattr(evaluator, "compute_metrics_from_logits", one_class)
+    out = _train(data, tmp_path, "u", "--set", "train.keep_best=auc")
+    line = [x for x in out.splitlines() if x.startswith("best val")][0]
+    assert line.startswith("best val AUC 0.5000 at step 2 (undefined: every val row has label 0, and AUC needs "
+                           "both classes (0.5 is reported by convention); no evaluation of this run had a defined "
+                           "score, so no checkpoint is kept as 'best'"), line
+    assert ckpt.best_checkpoint(str(tmp_path / "u")) is None
+    note = evaluator.undefined_best_note({"auc": float("nan"), "ne": float("nan"), "ctr": 0.3}, "ne", "val")
+    assert note is not None and note.startswith(" (undefined: the NE of val is NaN;")
+    assert evaluator.undefined_best_note({"auc": 0.7, "ne": 0.9, "ctr": 0.2}, "auc", "val") is None
+
+
 def test_checkpoint_paths_of_another_run_and_odd_steps_are_refused(tmp_path):
     from dlrmctl.train.checkpoint import CheckpointError, resolve_checkpoint
 
