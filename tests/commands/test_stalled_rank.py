@@ -6,6 +6,7 @@ the launcher's watchdog (:mod:`dlrmctl.stall_watch`) names the stalled rank with
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from dlrmctl.procs import proc_stat
-from dlrmctl.stall_watch import StallWatch, rank_of, stall_limit_s
+from dlrmctl.stall_watch import StallWatch, forked_by_rank, rank_of, stall_limit_s
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
@@ -80,7 +81,7 @@ def test_the_watchdog_takes_a_process_forked_by_a_rank_for_no_rank():
 
 
 def _workers(text: str) -> dict[int, int]:
-    """rank -> pid of the rank processes whose command line mentions ``text``."""
+    """rank -> pid of the rank processes whose command line mentions ``text`` (not their forks)."""
     out = {}
     for e in os.listdir("/proc"):
         if e.isdigit():
@@ -89,14 +90,27 @@ def _workers(text: str) -> dict[int, int]:
                     cmd = f.read()
             except OSError:
                 continue
-            if text.encode() in cmd and b"dlrmctl.train.worker" in cmd and rank_of(int(e)) is not None:
+            st = proc_stat(int(e))
+            if (text.encode() in cmd and b"dlrmctl.train.worker" in cmd and rank_of(int(e)) is not None
+                    and st is not None and not forked_by_rank(int(e), int(st[1]))):
                 out[rank_of(int(e))] = int(e)
     return out
 
 
+def _forks(pid: int) -> list[int]:
+    """The children of ``pid`` forked by it (its loader workers: same command line)."""
+    out = []
+    for e in os.listdir("/proc"):
+        st = proc_stat(int(e)) if e.isdigit() else None
+        if st is not None and int(st[1]) == pid and forked_by_rank(int(e), pid):
+            out.append(int(e))
+    return sorted(out)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_path):
+@pytest.mark.parametrize("stop", ["rank", "loader worker"])
+def test_a_sigstopped_rank_or_loader_worker_is_named_and_the_job_stopped(tmp_path, stop):
     from dlrmctl.data.synthetic import generate_synthetic
 
     generate_synthetic(tmp_path / "data", rows=3000, seed=0, num_embeddings=[50] * 26)
@@ -104,7 +118,7 @@ def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_pat
     cmd = [sys.executable, "-m", "dlrmctl.cli", "train", "configs/demo.yaml", "--nproc", "2",
            "--set", f"data.path={tmp_path / 'data'}", "--set", f"train.run_dir={tmp_path / 'runs'}",
            "--set", "data.batch_size=8", "--set", "train.epochs=100", "--set", "train.progress=false",
-           "--set", "train.log_every=1"]
+           "--set", "train.log_every=1", "--set", f"data.workers={2 if stop == 'loader worker' else 0}"]
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
@@ -117,15 +131,31 @@ def test_a_sigstopped_rank_is_named_and_the_job_stopped_within_the_limit(tmp_pat
         while not (metrics.exists() and '"train"' in metrics.read_text()):  # past start-up: training
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
             time.sleep(0.2)
-        os.kill(ranks[1], signal.SIGSTOP)
-        t0 = time.monotonic()
-        out, err = p.communicate(timeout=120)
-        assert time.monotonic() - t0 < 60
+        victim = ranks[1]
+        while stop == "loader worker":  # a worker of rank 1 that is stopped while it has batches to make
+            forks = _forks(ranks[1])
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            if len(forks) == 2:
+                victim = forks[-1]
+                os.kill(victim, signal.SIGSTOP)
+                while (proc_stat(victim) or ["gone"])[0] not in ("T", "Z", "gone"):
+                    time.sleep(0.02)
+                if (proc_stat(victim) or ["gone"])[0] == "T":
+                    break  # else the epoch's workers had finished: the next epoch's
+            time.sleep(0.05)
+        if stop == "rank":
+            os.kill(victim, signal.SIGSTOP)
+        out, err = p.communicate(timeout=180)
     finally:
-        for pid in _workers(str(tmp_path)).values():
-            os.kill(pid, signal.SIGKILL)
+        for pid in [*_workers(str(tmp_path)).values(), *_forks(ranks.get(1, -1))]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if p.poll() is None:
             p.kill()
     assert p.returncode == 1, (p.returncode, err)
     errors = [x for x in err.splitlines() if x.startswith("error:")]
-    assert len(errors) == 1 and f"rank 1 (pid {ranks[1]}) has been stopped" in errors[0], err
+    want = (rf"rank 1 \(pid {victim}\) has been stopped" if stop == "rank" else
+            rf"rank 1 failed: WorkerError: loader worker \d of 2 \(pid {victim}\) has been stopped \(SIGSTOP or a debugger\)")
+    assert len(errors) == 1 and re.search(want, errors[0]), err
