@@ -237,6 +237,28 @@ def test_rated_movie_missing_from_movies_file_names_ratings_line(tmp_path):
         read_movielens(d)
 
 
+def test_a_rater_missing_from_the_users_file_names_the_ratings_line(tmp_path):
+    d = make_ml1m(tmp_path / "in")
+    _write(d / "ratings.dat", "1::1::5::978300760\n2::2::3::978302109\n7::3::4::978301968\n")
+    with pytest.raises(DataError, match=r"ratings\.dat:3: field userId: user id 7 is not in users\.dat "
+                                        r"\(1 ratings refer to unknown users"):
+        read_movielens(d)
+
+
+def test_csv_movies_and_tags_lines_with_a_wrong_field_count_name_the_line_and_the_fields(tmp_path):
+    d = make_csv(tmp_path / "in")
+    movies = (d / "movies.csv").read_text().replace("3,Cosmos,(no genres listed)", "3,Cosmos")
+    (d / "movies.csv").write_text(movies)
+    with pytest.raises(DataError, match=r"movies\.csv:4: expected 3 comma-separated fields \(movieId, title, "
+                                        r"genres\), got 2"):
+        read_movielens(d)
+    d = make_csv(tmp_path / "in2")
+    (d / "tags.csv").write_text((d / "tags.csv").read_text().replace("1,1,Politics,", "1,1,"))
+    with pytest.raises(DataError, match=r"tags\.csv:2: expected 4 comma-separated fields \(userId, movieId, tag, "
+                                        r"timestamp\), got 3"):
+        read_movielens(d)
+
+
 def test_bad_user_line_names_field(tmp_path):
     d = make_ml100k(tmp_path / "in")
     _write(d / "u.user", "1|24|M|technician|85711\n2|fifty|F|other|94043\n3|17|M|writer|T8H1N\n")

@@ -191,6 +191,17 @@ def _first_line_of_row(path: Path, release: str, row: int) -> int:
     return -1  # pragma: no cover - row beyond the file
 
 
+def _check_known(ids: np.ndarray, known: dict, kind: str, side: Path, field: str, ratings: Path, release: str) -> None:
+    """Raise DataError naming the first ratings line whose ``field`` id (``ids`` [N] int64, one per
+    rating) is not a key of ``known`` (the ids the ``side`` file describes)."""
+    missing = ~np.isin(ids, np.fromiter(known.keys(), dtype=np.int64, count=len(known)))
+    if missing.any():
+        r = int(np.flatnonzero(missing)[0])
+        raise DataError(f"{kind} id {int(ids[r])} is not in {side.name} ({int(missing.sum())} ratings "
+                        f"refer to unknown {kind}s: files from different releases?)",
+                        path=ratings, line=_first_line_of_row(ratings, release, r), field=field)
+
+
 def read_movielens(input_dir: str | Path) -> MovieLensData:
     """Detect and parse one MovieLens release (see the module docstring for the layouts).
 
@@ -212,25 +223,12 @@ def read_movielens(input_dir: str | Path) -> MovieLensData:
     genre_names = read_genre_names(files["genres"]) if "genres" in files else None
     movies, enc = read_movies(files["movies"], release, genre_names)
     encodings[str(files["movies"])] = enc
-    known = np.fromiter(movies.keys(), dtype=np.int64, count=len(movies))
-    missing = ~np.isin(item, known)
-    if missing.any():
-        r = int(np.flatnonzero(missing)[0])
-        raise DataError(f"movie id {int(item[r])} is not in {files['movies'].name} ({int(missing.sum())} ratings "
-                        "refer to unknown movies: files from different releases?)",
-                        path=files["ratings"], line=_first_line_of_row(files["ratings"], release, r), field="movieId")
+    _check_known(item, movies, "movie", files["movies"], "movieId", files["ratings"], release)
     users = None
     if "users" in files:
         users = read_users(files["users"], release)
         encodings[str(files["users"])] = "latin-1"
-        known_u = np.fromiter(users.keys(), dtype=np.int64, count=len(users))
-        missing = ~np.isin(user, known_u)
-        if missing.any():
-            r = int(np.flatnonzero(missing)[0])
-            raise DataError(f"user id {int(user[r])} is not in {files['users'].name} ({int(missing.sum())} ratings "
-                            "refer to unknown users: files from different releases?)",
-                            path=files["ratings"], line=_first_line_of_row(files["ratings"], release, r),
-                            field="userId")
+        _check_known(user, users, "user", files["users"], "userId", files["ratings"], release)
     tags = None
     if "tags" in files:
         tags, enc = read_tags(files["tags"], release)

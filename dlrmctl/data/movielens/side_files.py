@@ -30,6 +30,13 @@ def _year_of_title(title: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _check_fields(row: list[str], names: tuple[str, ...], path: Path, lineno: int) -> None:
+    """Raise DataError (naming ``path:lineno``) unless the CSV ``row`` has one field per name."""
+    if len(row) != len(names):
+        raise DataError(f"expected {len(names)} comma-separated fields ({', '.join(names)}), got {len(row)}: "
+                        f"{','.join(row)[:100]!r}", path=path, line=lineno)
+
+
 def _add_movie(movies: dict, mid: int, entry: tuple, path: Path, lineno: int, first_line: dict) -> None:
     if mid in movies:
         raise DataError(f"movie id {mid} appears twice (first on line {first_line[mid]})", path=path, line=lineno)
@@ -48,9 +55,7 @@ def read_movies(path: Path, release: str, genre_names: list[str] | None) -> tupl
     if release == "ml-latest":
         rows, enc = csv_data_rows(path)
         for lineno, row in rows:
-            if len(row) != 3:
-                raise DataError(f"expected 3 comma-separated fields (movieId, title, genres), got {len(row)}: "
-                                f"{','.join(row)[:100]!r}", path=path, line=lineno)
+            _check_fields(row, ("movieId", "title", "genres"), path, lineno)
             mid = parse_int(row[0], path, lineno, "movieId")
             genres = [] if row[2].strip() == NO_GENRES else [g for g in row[2].strip().split("|") if g]
             _add_movie(movies, mid, (row[1], genres, _year_of_title(row[1])), path, lineno, first)
@@ -146,9 +151,7 @@ def read_tags(path: Path, release: str) -> tuple[tuple[np.ndarray, np.ndarray, l
     if release == "ml-latest":
         rows, enc = csv_data_rows(path)
         for lineno, row in rows:
-            if len(row) != 4:
-                raise DataError(f"expected 4 comma-separated fields (userId, movieId, tag, timestamp), got "
-                                f"{len(row)}: {','.join(row)[:100]!r}", path=path, line=lineno)
+            _check_fields(row, ("userId", "movieId", "tag", "timestamp"), path, lineno)
             us.append(parse_int(row[0], path, lineno, "userId"))
             its.append(parse_int(row[1], path, lineno, "movieId"))
             tags.append(row[2])
