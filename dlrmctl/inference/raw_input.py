@@ -191,6 +191,11 @@ def _check_logs(path: Path, head: bytes, meta: dict, whole: bool = False) -> Non
         raise InputFormatError(f"column '{missing[0]}' the model reads is not in the file (its columns: "
                                f"{_listing(cols)}; expected {', '.join(need)})", path, 1)
     extra = [c for c in cols if c not in allowed]
+    brought = [c for c in extra if schema.join_bringing(c)]
+    if brought:
+        raise InputFormatError(f"column '{brought[0]}' comes from the model's side table "
+                               f"{schema.join_bringing(brought[0])}: raw rows must not carry it (the model looks it "
+                               "up by the key); leave it out of the file", path, 1)
     if extra:
         raise InputFormatError(f"column '{extra[0]}' of the file is not named by the model's schema (its columns: "
                                f"{', '.join(sorted(allowed))})", path, 1)

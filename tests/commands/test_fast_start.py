@@ -234,6 +234,10 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
     (tmp_path / "rows.parquet").write_text("click,price,site,app\n1,2,a,b\n")
     (tmp_path / "nosite.csv").write_text("click,price,app\n1,2,b\n")
     (tmp_path / "extra.csv").write_text("click,price,site,app,color\n1,2,a,b,red\n")
+    joined = dict(schema, join=[{"path": "apps.csv", "key": "app", "columns": ["genre"]}],
+                  categorical=[*schema["categorical"], {"name": "genre"}])
+    with_join = _fake_export(tmp_path / "j", {"dataset": "logs", "meta": {"schema": joined}})
+    (tmp_path / "genre.csv").write_text("click,price,site,app,genre\n1,2,a,b,g\n")
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     (tmp_path / "nosite.jsonl").write_text('{"price": 2, "app": "b"}\n')
     (tmp_path / "two.csv").write_text("1,2\n")
@@ -254,6 +258,8 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
              (model, "headeronly.csv", ": a header line and no rows after it: no lines to score"),
              (model, "hugefield.csv", ":1: the first line does not split into fields (field larger than field "
                                       "limit"),
+             (with_join, "genre.csv", ":1: column 'genre' comes from the model's side table join[0] (apps.csv, by "
+                                      "its key 'app'): raw rows must not carry it"),
              (model, "list.jsonl", ":1: expected a JSON object per line, got a list"),
              (model, "nosite.jsonl", ":1: column 'site' the model reads is not in the file"),
              (bare, "two.csv", ":1: expected 4 CSV fields (click, price, site, app) or 3 without the label 'click', "

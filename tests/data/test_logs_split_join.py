@@ -129,6 +129,28 @@ def test_joined_columns_become_features_and_raw_rows_are_joined_alike(tmp_path):
     assert [b.tolist() for b in bags] == [want[j] for j in k]
 
 
+def test_a_joined_column_also_in_the_log_or_in_raw_rows_is_named_as_such(tmp_path):
+    """A column both in the log and brought by a join was called "not named by the schema: give it
+    a role" (it has one); raw rows to score carrying a joined column were told the same."""
+    paths, _ = _log(tmp_path, files=1)
+    schema = tmp_path / "s.yaml"
+    schema.write_text(SCHEMA % "")
+    both = tmp_path / "both.csv"
+    lines = paths[0].read_text().splitlines()
+    both.write_text("\n".join([lines[0] + ",price"] + [x + ",1" for x in lines[1:]]) + "\n")
+    one_error_line(["preprocess", "logs", "--schema", schema, "--input", both, "--out", tmp_path / "o"],
+                   "both.csv", "column 'price' is in the input and also brought by join[0] (items.csv, by its key "
+                   "'item') of the schema", "remove it from that join's `columns:`")
+    out = tmp_path / "out"
+    preprocess_logs(load_schema(schema), str(paths[0]), out, progress=False)
+    rt = RawTransformer(_read(out, "train")[1], out)
+    with pytest.raises(DataError, match=r"column 'price' comes from the model's side table join\[0\] \(items.csv, "
+                                        r"by its key 'item'\): raw rows must not carry it"):
+        next(rt.file(both))
+    with pytest.raises(DataError, match="column 'tags' comes from the model's side table join"):
+        rt.records([{"rid": "r1", "user": "u1", "item": "1", "ts": 1, "tags": "g1"}])
+
+
 def test_a_key_the_side_table_lacks_is_named_by_its_line_or_skipped_or_empty(tmp_path):
     paths, rows = _log(tmp_path, files=1, missing_item=True)
     schema = tmp_path / "s.yaml"

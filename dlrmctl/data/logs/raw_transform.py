@@ -113,7 +113,7 @@ class RawTransformer:
                     == len(cols) - 1:  # a headerless file without its label column (e.g. Criteo's test.txt)
                 cols = [c for c in cols if c != self.schema.label.column]
         schema = self._scoring_schema(cols)
-        yield from self._chunks(iter_batches(path, schema, "error", columns=cols), schema, batch_rows)
+        yield from self._chunks(iter_batches(path, schema, "error", columns=cols, scoring=True), schema, batch_rows)
 
     def _one(self, parts: list[Chunk], n: int, name: str) -> Chunk:
         got = sum(len(p[0]) for p in parts)
@@ -168,7 +168,7 @@ class RawTransformer:
             if any(short) and not all(short):
                 schema = dataclasses.replace(schema, label=None, ignore=(*schema.ignore, label))
         batches = iter_batches(Path(name), schema, "error", block_size=max(len(body) + 1, 1 << 16), data=body,
-                               columns=cols)
+                               columns=cols, scoring=True)
         return self._one(list(self._chunks(batches, schema, len(lines))), len(lines), name)
 
     def records(self, rows: list[dict], name: str = "<records>") -> Chunk:
@@ -191,7 +191,7 @@ class RawTransformer:
         schema = self._scoring_schema(cols)
         from dlrmctl.data.logs.read import check_columns
 
-        check_columns(name, schema, cols)
+        check_columns(name, schema, cols, scoring=True)
         batch = RowBatch({c: tab.column(c).combine_chunks() for c in schema.used_columns()},
                          np.arange(1, len(rows) + 1, dtype=np.int64), name)
         return self._one(list(self._chunks(iter([batch]), schema, len(rows))), len(rows), name)

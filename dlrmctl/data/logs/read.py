@@ -233,11 +233,14 @@ def _text_table(path: str | os.PathLike, schema: LogSchema) -> bool:
         return False
 
 
-def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]) -> None:
-    """Every column the schema names is in the file and every column of the file is named.
+def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str], scoring: bool = False) -> None:
+    """Every column the schema names is in the file and every column of the file is named; a
+    column a side table brings (``join[i].columns``) must not be in the file: in a log to
+    preprocess that is a conflict of the schema, in raw rows to score (``scoring``: predict,
+    serve) the model joins it itself.
 
     Raises:
-        DataError: naming the column, the file and the schema.
+        DataError: naming the column, the file and the schema (and the side table).
     """
     have = set(columns)
     missing = [c for c in schema.named_columns() if c not in have]
@@ -253,6 +256,14 @@ def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]
                         f"(its columns: {quoted(', '.join(columns))})", path=path)
     named = set(schema.named_columns())
     extra = [c for c in columns if c not in named]
+    brought = [(c, schema.join_bringing(c)) for c in extra if schema.join_bringing(c)]
+    if brought and scoring:
+        raise DataError(f"column '{brought[0][0]}' comes from the model's side table {brought[0][1]}: raw rows must "
+                        "not carry it (the model looks it up by the key); leave it out of the rows", path=path)
+    if brought:
+        raise DataError(f"column '{brought[0][0]}' is in the input and also brought by {brought[0][1]} of the schema "
+                        f"{schema.source}: a row cannot take it from both; remove it from that join's `columns:` to "
+                        "read the input's own values, or leave it out of the input", path=path)
     if extra:
         raise DataError(f"column '{extra[0]}' of the input is not named by the schema {schema.source}: give it a "
                         "role, or list it under `ignore:`", path=path)
@@ -260,7 +271,7 @@ def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]
 
 def iter_batches(path: str | os.PathLike, schema: LogSchema, on_bad_line: str = "error",
                  block_size: int = DEFAULT_BLOCK_SIZE, data: bytes | None = None,
-                 columns: list[str] | None = None) -> Iterator[RowBatch]:
+                 columns: list[str] | None = None, scoring: bool = False) -> Iterator[RowBatch]:
     """Stream a file's rows, the schema's used columns only.
 
     Args:
@@ -270,6 +281,7 @@ def iter_batches(path: str | os.PathLike, schema: LogSchema, on_bad_line: str = 
         block_size: bytes of text per block.
         data: the file's bytes (a served request's lines), instead of reading ``path``.
         columns: the file's columns (:func:`file_columns`), when known.
+        scoring: raw rows to score (:func:`check_columns`).
 
     Raises:
         DataError: an unreadable file, wrong columns, a line with the wrong number of fields.
@@ -282,7 +294,7 @@ def iter_batches(path: str | os.PathLike, schema: LogSchema, on_bad_line: str = 
     cols = columns if columns is not None else file_columns(path, schema, data)
     if cols is None:
         return
-    check_columns(path, schema, cols)
+    check_columns(path, schema, cols, scoring)
     if fmt == "parquet":
         yield from _parquet(path, used)
     else:

@@ -164,6 +164,13 @@ class LogSchema:
         """The columns the side tables add to each row (``join[*].columns``)."""
         return [c for j in self.join for c in j.columns]
 
+    def join_bringing(self, column: str) -> str | None:
+        """``join[i] (<path>, by its key '<key>')`` of the side table that brings ``column``, or None."""
+        for i, j in enumerate(self.join):
+            if column in j.columns:
+                return f"join[{i}] ({j.path}, by its key '{j.key}')"
+        return None
+
     def named_columns(self) -> list[str]:
         """:meth:`used_columns` and the ignored ones: every column the file may have."""
         return self.used_columns() + list(self.ignore)
