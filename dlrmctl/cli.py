@@ -73,13 +73,18 @@ def _command_of(ctx) -> tuple[str | None, str | None]:
             break
         words.append(t)
         group = group.commands[t]
+    return ("dlrmctl " + " ".join(words) if words else None), _out_of(tokens)
+
+
+def _out_of(tokens: list[str]) -> str | None:
+    """The value of ``--out`` / ``-o`` among a command line's ``tokens`` (the last given), or None."""
     out = None
     for i, t in enumerate(tokens):
         if t in ("--out", "-o") and i + 1 < len(tokens):
             out = tokens[i + 1]
         elif t.startswith("--out="):
             out = t[len("--out="):]
-    return ("dlrmctl " + " ".join(words) if words else None), out
+    return out
 
 
 #: verbs that handle SIGTERM themselves (train and launch clean up their ranks, sweep its points,
@@ -168,7 +173,14 @@ def main() -> None:
     from dlrmctl.procs import die_with_launcher
 
     die_with_launcher(signal.SIGTERM)
-    app()
+    try:
+        app()
+    except KeyboardInterrupt as e:  # before a verb runs (Typer building the command line): the same one line
+        args = sys.argv[1:]
+        words = args[:2] if args[:1] in (["preprocess"], ["checkpoint"], ["jobs"]) else args[:1]
+        command = "dlrmctl " + " ".join(words) if words and not any(w.startswith("-") for w in words) else None
+        print(f"error: {interrupted_message(e, command, _out_of(args))}", file=sys.stderr, flush=True)
+        sys.exit(interrupt_exit_code(e))
 
 
 if __name__ == "__main__":

@@ -127,3 +127,22 @@ def test_an_interrupt_before_a_verb_handles_it_is_one_error_line_naming_the_comm
                      "put in place or marked complete only when finished, so nothing half-written is taken for "
                      "done: run the same command again unless it had printed its result"], r.output
     assert not out.exists()
+
+
+def test_an_interrupt_while_typer_builds_the_command_line_is_the_same_one_line(monkeypatch, capsys):
+    """A Ctrl-C in the first fraction of a second (Typer reading the verbs' signatures, before any
+    verb runs) ended with a traceback."""
+    import pytest
+
+    import dlrmctl.cli as cli
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    monkeypatch.delenv("DLRMCTL_LAUNCHER", raising=False)
+    monkeypatch.setattr(cli, "app", ctrl_c)
+    monkeypatch.setattr("sys.argv", ["dlrmctl", "export", "runs/r", "--out", "m.pt2"])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 130
+    assert capsys.readouterr().err.startswith("error: interrupted (SIGINT): `dlrmctl export` (--out m.pt2) stopped;")
