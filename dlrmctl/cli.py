@@ -155,7 +155,7 @@ def _register() -> None:
     for ds in DATASETS.values():  # each dataset's own `preprocess <name>` verb
         if ds.command_module:
             importlib.import_module(ds.command_module).register(preprocess.app)
-    app.add_typer(preprocess.app, name="preprocess", help="raw logs -> columnar shards + meta.json")
+    app.add_typer(preprocess.app, name="preprocess", help="Raw logs -> columnar shards + meta.json")
     for mod in COMMANDS:
         importlib.import_module(f"dlrmctl.commands.{mod}").register(app)
 

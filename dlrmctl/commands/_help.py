@@ -8,7 +8,7 @@ every command of the app to Click's plain layout — an option's name is never c
 to the next line instead), a flag shows no value type — writes arguments as Click does,
 ``CONFIG`` (required) or ``[CONFIG]`` (optional), gives each option a metavar that says what to
 write (``PATH``, ``DIR``, ``N``, ``KEY=VALUE``, :data:`METAVARS`), and keeps a short
-``[default: …]`` on one line.
+``[default: …]`` on one line; a Markdown `code` span (Rich would style it) is printed as 'code'.
 """
 
 from __future__ import annotations
@@ -93,11 +93,19 @@ def _whole_tail(record: tuple[str, str] | None) -> tuple[str, str] | None:
     return name, text
 
 
+def _plain_text(text: str) -> str:
+    """The help as printed: the wrap's stand-ins back to a space / hyphen, and each `code` span of
+    the docstrings and option texts (Markdown for Rich, raw in the plain layout) quoted as 'code'
+    (the same width, so the wrapping is unchanged)."""
+    text = text.replace(_NBSP, " ").replace(_NBHYPHEN, "-")
+    return re.sub(r"`([^`]+)`", r"'\1'", text)
+
+
 def plain_help(command: Any) -> None:
     """Set ``command`` and every command below it (a Typer/Click command tree) to the plain help
     layout: Rich markup off; each argument's metavar its name in capitals, shown without a type,
     its usage piece ``NAME`` / ``[NAME]``; each value option's metavar :func:`metavar_for`; a
-    short ``[default: …]`` never wrapped across lines."""
+    short ``[default: …]`` never wrapped across lines; a `code` span printed as 'code'."""
     if hasattr(command, "rich_markup_mode"):
         command.rich_markup_mode = None
     for p in getattr(command, "params", ()):
@@ -110,6 +118,6 @@ def plain_help(command: Any) -> None:
             p.metavar = metavar_for(p)
         if kind in ("argument", "option"):
             p.get_help_record = lambda ctx, own=p.get_help_record: _whole_tail(own(ctx))
-    command.get_help = lambda ctx, own=command.get_help: own(ctx).replace(_NBSP, " ").replace(_NBHYPHEN, "-")
+    command.get_help = lambda ctx, own=command.get_help: _plain_text(own(ctx))
     for sub in getattr(command, "commands", {}).values():
         plain_help(sub)

@@ -36,7 +36,7 @@ import typer
 
 from dlrmctl.commands._common import fail, require_run_dir
 
-app = typer.Typer(help="inspect and reshard checkpoints", no_args_is_help=True)
+app = typer.Typer(help="Inspect and reshard checkpoints", no_args_is_help=True)
 
 
 def _reshard_rank(env, src: str, out_run: str, plan_dict: dict | None, name: str, publish_latest: bool) -> str:
@@ -326,7 +326,7 @@ def inspect(run_dir: str, checkpoint: str | None = None, verify: bool = False) -
     return 1 if bad else 0
 
 
-@app.command("inspect")
+@app.command("inspect", short_help="List the checkpoints of RUN_DIR with their metrics")
 def inspect_command(
     run_dir: str = typer.Argument(..., help="training run directory (runs/<name>)"),
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
@@ -340,7 +340,7 @@ def inspect_command(
         raise typer.Exit(code)
 
 
-@app.command("reshard")
+@app.command("reshard", short_help="Rewrite a checkpoint of RUN_DIR for NPROC ranks")
 def reshard_command(
     run_dir: str = typer.Argument(..., help="training run directory (runs/<name>)"),
     nproc: int = typer.Option(..., "--nproc", min=1, help="ranks of the target job"),

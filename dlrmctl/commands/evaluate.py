@@ -96,4 +96,4 @@ def _what(run_dir: str, exported: bool, split: str, data: Optional[str], checkpo
 
 def register(app: typer.Typer) -> None:
     """Add ``evaluate`` to the main ``dlrmctl`` app."""
-    app.command("evaluate")(evaluate)
+    app.command("evaluate", short_help="AUC, logloss, NE, calibration of a trained/exported model")(evaluate)

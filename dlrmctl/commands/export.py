@@ -148,5 +148,5 @@ def predict_command(
 
 def register(app: typer.Typer) -> None:
     """Add ``export`` and ``predict`` to the main ``dlrmctl`` app."""
-    app.command("export")(export_command)
-    app.command("predict")(predict_command)
+    app.command("export", short_help="Export a checkpoint as a torch.export program + manifest")(export_command)
+    app.command("predict", short_help="Score raw log lines with the training preprocessing")(predict_command)

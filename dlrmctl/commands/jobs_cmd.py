@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(help="status, logs and cancel of a job `dlrmctl launch` submitted", no_args_is_help=True)
+app = typer.Typer(help="Status, logs and cancel of a job `dlrmctl launch` submitted", no_args_is_help=True)
 
 
 def parse_handle(handle: str) -> str:
@@ -60,7 +60,7 @@ def register(root: typer.Typer) -> None:
     root.add_typer(app, name="jobs")
 
 
-@app.command("status")
+@app.command("status", short_help="Print the job's state and the scheduler's word on it")
 def status(handle: str = typer.Argument(..., help="the job's handle, as `dlrmctl launch` printed it")) -> None:
     """Print the job's state (PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED) and the scheduler's word on it.
 
@@ -77,7 +77,7 @@ def status(handle: str = typer.Argument(..., help="the job's handle, as `dlrmctl
     typer.echo(f"{h}: {st.state}" + (f" ({'; '.join(detail)})" if detail else ""))
 
 
-@app.command("logs")
+@app.command("logs", short_help="Print rank N's output of the job")
 def logs(
     handle: str = typer.Argument(..., help="the job's handle, as `dlrmctl launch` printed it"),
     rank: int = typer.Option(0, "--rank", min=0, help="global rank whose output to show"),
@@ -129,7 +129,7 @@ def logs(
                    f"{', '.join(map(str, ranks)) or 'none'})", err=True)
 
 
-@app.command("cancel")
+@app.command("cancel", short_help="Cancel the job and wait until it has ended")
 def cancel(
     handle: str = typer.Argument(..., help="the job's handle, as `dlrmctl launch` printed it"),
     timeout: Optional[float] = typer.Option(60.0, "--timeout", help="seconds to wait for the job to end"),

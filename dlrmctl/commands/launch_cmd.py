@@ -71,7 +71,7 @@ def shared_run_dir_note(config: str, overrides: list[str], nnodes: int) -> str |
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(short_help="Run `dlrmctl train` as a torchx job on SCHEDULER")
     def launch(
         config: str = typer.Argument(..., help="experiment YAML (path as seen by the job)"),
         scheduler: str = typer.Option("local_cwd", "--scheduler", "-s",

@@ -327,7 +327,7 @@ def _calibrate(config: Optional[Path], gpus: Optional[int], topology: Optional[P
 
 def register(app: typer.Typer) -> None:
     """Add the ``plan`` command to the main ``dlrmctl`` app."""
-    app.command("plan")(plan_command)
+    app.command("plan", short_help="Plan the sharding of the embedding tables over GPUS ranks")(plan_command)
 
 
 #: a one-command app for tests (``CliRunner().invoke(app, [...])``) and ``python -m dlrmctl.commands.plan``

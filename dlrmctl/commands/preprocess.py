@@ -137,7 +137,7 @@ def print_summary(rep, out: Path) -> None:
                + (f"; {rep.files_skipped} input file(s) already done (resumed)" if rep.files_skipped else ""))
 
 
-@app.command("criteo")
+@app.command("criteo", short_help="Criteo Kaggle / 1TB click logs -> shards + meta.json")
 def criteo(
     input: List[str] = typer.Option(..., "--input", "-i", help="train.txt / day_N file(s), plain or .gz; a file, "
                                     "a directory or a glob (repeatable)"),
@@ -211,7 +211,7 @@ def _legacy_criteo_same(out: Path, inputs: list[dict]) -> bool:
         [i["path"] for i in inputs]
 
 
-@app.command("synthetic")
+@app.command("synthetic", short_help="Criteo-schema synthetic data with a planted signal")
 def synthetic(
     out: Path = typer.Option(..., "--out", "-o", help="output directory"),
     rows: int = typer.Option(300_000, help="rows over all splits"),
@@ -272,7 +272,7 @@ def synthetic(
     typer.echo(f"bayes_auc (val) = {json.loads((out / 'meta.json').read_text())['bayes_auc']:.4f}")
 
 
-@app.command("synthetic-drift")
+@app.command("synthetic-drift", short_help="One day of a drifting click log, as raw ids")
 def synthetic_drift(
     out: Path = typer.Option(..., "--out", "-o", help="output directory of this day"),
     day: int = typer.Option(..., "--day", min=0, help="the day K >= 0 (days 0..K-1 are replayed, not written)"),

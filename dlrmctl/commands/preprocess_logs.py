@@ -15,7 +15,7 @@ import typer
 def register(preprocess_app: typer.Typer) -> None:
     """Add the ``logs`` command to the ``preprocess`` sub-app."""
 
-    @preprocess_app.command("logs")
+    @preprocess_app.command("logs", short_help="Any click log (CSV/TSV/Parquet/JSON lines) via a schema")
     def logs(
         schema: Path = typer.Option(..., "--schema", "-s", help="the log's schema (YAML: columns, label, dense "
                                     "and categorical features; docs/data.md)"),

@@ -17,7 +17,7 @@ def register(preprocess_app: typer.Typer) -> None:
         preprocess_app: the ``dlrmctl preprocess`` Typer group.
     """
 
-    @preprocess_app.command("movielens")
+    @preprocess_app.command("movielens", short_help="MovieLens ratings -> click labels, per-user time split")
     def movielens(
         input: str = typer.Option(..., "--input", help="unpacked MovieLens release: ml-100k, ml-1m, ml-10m, "
                                                        "ml-latest-small, ml-20m or ml-25m (detected by its files)"),

@@ -228,7 +228,7 @@ def _sweep_summary(sweep_dir: str) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
+    @app.command(short_help="Summary table and PNG plots of a run")
     def report(run_dir: str = typer.Argument(..., help="runs/<name>"),
                plots: bool = typer.Option(True, "--plots/--no-plots", help="write PNG plots (needs matplotlib)")) -> None:
         """Summary table and PNG plots (loss and val loss, AUC, throughput; best step, early stop, epochs) of a run."""

@@ -43,7 +43,7 @@ def serve_command(
                                                        "host, each batch moved once"),
     name: Optional[str] = typer.Option(None, "--name", help="model name in /v2/models/{name} (default: the run's name)"),
 ) -> None:
-    """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM."""
+    """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM or Ctrl-C."""
     check_number("--port", port, minimum=0, maximum=65535, positive=False, what="TCP port")
     check_number("--max-batch-rows", max_batch_rows, what="rows")
     check_number("--max-delay-ms", max_delay_ms, minimum=0, maximum=60000.0, positive=False, what="milliseconds")
@@ -155,4 +155,4 @@ def serve_device(option: str) -> str:
 
 def register(app: typer.Typer) -> None:
     """Add ``serve`` to the main ``dlrmctl`` app."""
-    app.command("serve")(serve_command)
+    app.command("serve", short_help="Serve an exported model over KServe v2 REST, batched")(serve_command)

@@ -332,4 +332,4 @@ def sweep(
 
 def register(app: typer.Typer) -> None:
     """Add ``sweep`` to the main ``dlrmctl`` app."""
-    app.command("sweep")(sweep)
+    app.command("sweep", short_help="Train every point of a --grid; rank them on validation")(sweep)

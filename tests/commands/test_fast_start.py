@@ -276,7 +276,7 @@ def test_predict_checks_a_schema_datasets_format_and_columns_before_torch(tmp_pa
 @pytest.mark.parametrize("columns", ["80", "200"])
 def test_every_verbs_help_reads_cleanly_at_any_width(columns):
     """`--help` of every verb, rendered at 80 and 200 columns: no `<bool>` after a flag, no raw
-    double backticks, no option name cut short (`--multi-hot-distribu…`), arguments in the usage
+    backticks, each group's command summaries whole and capitalised (never cut with "..."), no option name cut short (`--multi-hot-distribu…`), arguments in the usage
     line as CONFIG / [CONFIG] (never `{config}`), and every option of the verb named with its text;
     no Python type as a metavar (`--set <list[str]>`, `--nproc <int range>`, `CONFIG <str>`: a
     metavar says what to write, `KEY=VALUE`, `N`, `PATH`), and a short `[default: 1; x>=1]` never
@@ -295,7 +295,12 @@ def test_every_verbs_help_reads_cleanly_at_any_width(columns):
         r = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": columns, "TERMINAL_WIDTH": columns})
         out = r.output
         assert r.exit_code == 0, (path, out)
-        assert "<bool>" not in out and "``" not in out, (path, out)
+        assert "<bool>" not in out and "`" not in out, (path, out)  # a `code` span is printed as 'code'
+        summaries = out.partition("\nCommands:\n")[2].splitlines()
+        for line in summaries:  # each command's summary whole (never cut with "..."), capitalised
+            assert not line.rstrip().endswith(("...", "…")), (path, line)
+            words = line.split(None, 1)
+            assert len(words) == 2 and words[1][0].isupper(), (path, line)
         assert not re.search(r"<(str|int|float|path|list|bool|file|datetime)\b[^>]*>", out), (path, out)
         for tail in re.findall(r"\[default: [^\]]*\]", out):
             assert "\n" not in tail or len(" ".join(tail.split())) > 40, (path, tail)
