@@ -669,6 +669,28 @@ def test_a_dead_server_process_is_reported_restarted_and_readiness_says_so(model
             "(restart 1 of at most 3)") in err, err
 
 
+def test_a_stopped_server_process_is_reported_unready_and_a_sigterm_still_stops_the_server_cleanly(model):
+    """--processes 2: a SIGSTOPped process was never noticed (its share of probes timed out, nothing
+    on stderr), and a SIGTERM of the server then waited 90 s and ended in "exited with code -9"."""
+    with server(model, "--processes", "2", "--max-delay-ms", "0") as (url, p):
+        child = _child_pid(url, p.pid)
+        os.kill(child, signal.SIGSTOP)
+        deadline, body = time.monotonic() + 120, {}
+        while time.monotonic() < deadline:
+            code, body = _ready(url)
+            if code == 503:
+                break
+            time.sleep(0.05)
+        assert body.get("reason", "").startswith(f"server dlrmctl-serve-process-2 (pid {child}) is stopped "
+                                                 "(SIGSTOP / SIGTSTP)"), body
+        p.send_signal(signal.SIGTERM)  # the process is still stopped: it is continued, drains and exits
+        rc = p.wait(120)
+        err = p.stderr.read()
+        assert rc == 0, err
+    assert f"warning: server dlrmctl-serve-process-2 (pid {child}) is stopped (SIGSTOP / SIGTSTP)" in err, err
+    assert "error:" not in err, err
+
+
 def test_a_server_process_told_to_stop_right_after_it_reported_listening_exits_cleanly(model):
     """A SIGTERM that reaches an extra server process between its "listening" report and the
     installation of its server's signal handlers (importing uvicorn, building the app: a restart
