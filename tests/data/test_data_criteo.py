@@ -12,6 +12,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dlrmctl.data.columnar import DataError, MappedShard, read_meta
+from dlrmctl.data.criteo.parallel import Progress, run_tasks
 from dlrmctl.data.criteo.parse import CriteoOptions, decode_hex8, dense_log1p, hex_to_uint32
 from dlrmctl.data.criteo.preprocess import preprocess_criteo
 from dlrmctl.data.multi_hot import multi_hot_expand
@@ -40,6 +41,18 @@ def read_split(out: Path, split: str) -> dict[str, np.ndarray]:
 
 
 # ------------------------------------------------------------------ kernels
+def test_a_short_pass_without_a_terminal_prints_only_its_final_progress_line(capsys):
+    """Not a terminal (capsys): a pass over in well under the 10 s interval prints one line, the
+    final one with every file done, never a `files 0/N` start line before it."""
+    prog = Progress("logs pass 1 (count)", 2, enabled=True)
+    assert run_tasks(lambda t: t * 2, [1, 2], 1, prog) == [2, 4]
+    prog.add(5)
+    prog.show(final=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("logs pass 1 (count): 5 rows |"), lines
+    assert "files 2/2" in lines[0], lines
+
+
 def test_hex_decode_matches_int_base16_for_random_values_and_every_single_byte_corruption():
     rng = np.random.default_rng(0)
     vals = rng.integers(0, 2**32, 5000)

@@ -44,14 +44,16 @@ def report_rows(rows: int) -> None:
 
 
 class Progress:
-    """Rows/s progress line on stderr (``\\r``-updated on a terminal, one line per 10 s otherwise)."""
+    """Rows/s progress line on stderr: ``\\r``-updated every 0.5 s on a terminal, else one line per
+    10 s; the first one only once a pass has run that long, so a short pass prints just its final
+    line (:meth:`show` with ``final=True``)."""
 
     def __init__(self, label: str, total_files: int, enabled: bool) -> None:
         self.label, self.total_files, self.enabled = label, total_files, enabled
         self.rows = 0
         self.files_done = 0
         self.t0 = time.perf_counter()
-        self._last = 0.0
+        self._last = self.t0  # no line at the start: the first after one interval
         self._tty = sys.stderr.isatty()
 
     def add(self, rows: int) -> None:
