@@ -52,6 +52,23 @@ def print_metrics(title: str, m: dict) -> None:
             echo(f"  {k:<12} {v:.6f}" if isinstance(v, float) and not math.isnan(v) else f"  {k:<12} {v}")
 
 
+def checkpoint_choice(run_dir: str | os.PathLike, checkpoint: str | None) -> str:
+    """Which checkpoint of the run directory ``run_dir`` ``--checkpoint`` (``checkpoint``; None: the
+    default) selects, in words, for the first line of ``evaluate`` / ``export`` (before torch, no
+    checkpoint read): ``checkpoint`` itself when given; else ``best`` when the run has a
+    ``checkpoints/BEST`` marker, ``last (the run kept no best)`` when it has ``checkpoints/LATEST``
+    alone, else ``best (last when the run kept no best)`` (the verb then says what it lacks).
+    The names are those of :mod:`dlrmctl.train.checkpoint.format` (not imported: it imports torch)."""
+    if checkpoint:
+        return checkpoint
+    root = os.path.join(os.fspath(run_dir), "checkpoints")
+    if os.path.isfile(os.path.join(root, "BEST")):
+        return "best"
+    if os.path.isfile(os.path.join(root, "LATEST")):
+        return "last (the run kept no best)"
+    return "best (last when the run kept no best)"
+
+
 def require_run_dir(run_dir: str | os.PathLike) -> None:
     """Before torch: ``run_dir`` is a directory holding the ``config.yaml`` (or the ``checkpoints/``)
     a training run writes;

@@ -13,7 +13,8 @@ from typing import Optional
 
 import typer
 
-from dlrmctl.commands._common import check_number, echo, fail, print_metrics, require_run_dir, setup_logging, show_path
+from dlrmctl.commands._common import (check_number, checkpoint_choice, echo, fail, print_metrics, require_run_dir,
+                                     setup_logging, show_path)
 from dlrmctl.console import stage, stages
 from dlrmctl.yaml_file import read_yaml
 
@@ -90,7 +91,7 @@ def _what(run_dir: str, exported: bool, split: str, data: Optional[str], checkpo
             data = read_yaml(os.path.join(run_dir, "config.yaml"), ValueError, "config")["data"]["path"]
         except (ValueError, KeyError, TypeError):  # the verb itself reports a damaged config
             data = "the run's data"
-    which = checkpoint or "best (last when the run kept no best)"
+    which = checkpoint_choice(run_dir, checkpoint)  # from the run's BEST / LATEST markers
     return f"evaluating {show_path(run_dir)}, checkpoint {which}, on split '{split}' of {show_path(data)}"
 
 

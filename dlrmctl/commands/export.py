@@ -50,12 +50,12 @@ def export_command(
             fail(f"{target} is a training run directory, not an export; --out another directory "
                   "(--force never replaces a run)")
         fail(f"{target} already exists; pass --force to replace it or --out another directory")
-    from dlrmctl.commands._common import show_path
+    from dlrmctl.commands._common import checkpoint_choice, show_path
     from dlrmctl.console import stage, stages
 
     with stages("export"):  # a line per step with its start time: tracing and --aot's compile take minutes
         # the first line before torch is imported and the checkpoint read (seconds on a loaded machine)
-        stage(f"exporting {show_path(run_dir)}, checkpoint {checkpoint or 'best (last when the run kept no best)'}, "
+        stage(f"exporting {show_path(run_dir)}, checkpoint {checkpoint_choice(run_dir, checkpoint)}, "
               f"{chosen[0]} embeddings, to {show_path(target)}")
         from dlrmctl.inference.export import export_run
 

@@ -89,7 +89,7 @@ def test_export_says_each_step_with_its_elapsed_seconds_before_its_summary(small
     assert r.exit_code == 0, r.output
     lines = r.output.splitlines()
     staged = [m for m in (re.fullmatch(r"\[export\] (\d+\.\d) s (.+)", line) for line in lines) if m]
-    steps = [f"exporting {tmp_path / 'x'}, checkpoint best (last when the run kept no best), fp32 embeddings, to "
+    steps = [f"exporting {tmp_path / 'x'}, checkpoint best, fp32 embeddings, to "
              f"{tmp_path / 'm'}", f"checking the files export reads from {small_data} (SHA-256)",
              f"reading the checkpoint {tmp_path / 'x' / 'checkpoints'}", "reading and quantizing 26 tables to fp32",
              "tracing the program", "writing model.pt2",
@@ -104,7 +104,7 @@ def test_export_says_each_step_with_its_elapsed_seconds_before_its_summary(small
     lines = r.output.splitlines()
     staged = [m[1] for m in (re.fullmatch(r"\[evaluate\] \d+\.\d s (.+)", line) for line in lines) if m]
     rows = json.load(open(small_data / "meta.json"))["splits"]["test"]["rows"]
-    steps = [f"evaluating {tmp_path / 'x'}, checkpoint best (last when the run kept no best), on split 'test' of "
+    steps = [f"evaluating {tmp_path / 'x'}, checkpoint best, on split 'test' of "
              f"{small_data}", f"reading the checkpoint {tmp_path / 'x' / 'checkpoints'}",
              f"scoring {rows:,} rows of split 'test' in 1 batch(es)"]
     assert len(staged) == len(steps) and all(m.startswith(w) for m, w in zip(staged, steps)), lines
@@ -133,7 +133,8 @@ main()
 
 def test_evaluate_and_export_say_what_they_do_before_torch_is_imported(tmp_path):
     """`evaluate` printed nothing for 20-50 s and `export` its first line after ~12 s: both name
-    what they do first, before the seconds of `import torch` and the checkpoint read."""
+    what they do first, before the seconds of `import torch` and the checkpoint read; the default
+    checkpoint is named from the run's markers (best / last when it kept no best)."""
     import subprocess
     import sys
 
@@ -147,6 +148,16 @@ def test_evaluate_and_export_say_what_they_do_before_torch_is_imported(tmp_path)
                         f"split 'test' of {tmp_path / 'data'}"),
                        (["export", run, "--int4", "--checkpoint", "last"],
                         f"[export] 0.0 s exporting {run}, checkpoint last, int4 embeddings, to {run / 'export-int4'}")):
+        p = subprocess.run([sys.executable, "-c", _FIRST_LINE, *map(str, argv)], cwd=REPO, capture_output=True,
+                           text=True, timeout=120)
+        assert p.stdout == f"False {line}\n", (argv, p.stdout, p.stderr[-2000:])
+    # a run that kept no best (train.keep_best: none: LATEST alone) is evaluated at its last checkpoint, and says so
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "LATEST").write_text("step_00000002\n")
+    for argv, line in ((["evaluate", run], f"[evaluate] 0.0 s evaluating {run}, checkpoint last (the run kept no "
+                                           f"best), on split 'val' of {tmp_path / 'data'}"),
+                       (["export", run, "--int4"], f"[export] 0.0 s exporting {run}, checkpoint last (the run kept "
+                                                   f"no best), int4 embeddings, to {run / 'export-int4'}")):
         p = subprocess.run([sys.executable, "-c", _FIRST_LINE, *map(str, argv)], cwd=REPO, capture_output=True,
                            text=True, timeout=120)
         assert p.stdout == f"False {line}\n", (argv, p.stdout, p.stderr[-2000:])
