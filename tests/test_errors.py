@@ -146,3 +146,4 @@ def test_an_interrupt_while_typer_builds_the_command_line_is_the_same_one_line(m
         cli.main()
     assert e.value.code == 130
     assert capsys.readouterr().err.startswith("error: interrupted (SIGINT): `dlrmctl export` (--out m.pt2) stopped;")
+

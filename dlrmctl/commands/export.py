@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from dlrmctl.commands._common import fail, require_run_dir
-from dlrmctl.errors import UserError
+from dlrmctl.errors import UserError, interrupt_exit_code
 
 
 def export_command(
@@ -59,6 +60,7 @@ def export_command(
               f"{chosen[0]} embeddings, to {show_path(target)}")
         from dlrmctl.inference.export import export_run
 
+        started = time.time()
         try:
             res = export_run(run_dir, chosen[0], out, data_dir=data, quantize_dense=quantize_dense, force=force,
                              checkpoint=checkpoint, artifact="torchscript" if torchscript else "pt2", aot=aot,
@@ -68,6 +70,17 @@ def export_command(
             if isinstance(e, UserError):
                 raise
             fail(str(e))
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (dlrmctl.cli): say what stopped and what is left
+            import signal
+
+            if _written_since(target, started):  # the signal came after the export was in place
+                fail(f"interrupted ({signal.Signals(interrupt_exit_code(e) - 128).name}) after the export of "
+                     f"{show_path(run_dir)} had finished: {show_path(target)} is complete",
+                     code=interrupt_exit_code(e))
+            fail(f"interrupted ({signal.Signals(interrupt_exit_code(e) - 128).name}): the export of "
+                 f"{show_path(run_dir)} to {show_path(target)} stopped; an export is renamed into place only "
+                 f"when complete (what {show_path(target)} held before stays until then): run the same command "
+                 "again", code=interrupt_exit_code(e))
     m = res.manifest
     src = m.get("source") or {}
     ev = src.get("metrics") or {}
@@ -81,6 +94,17 @@ def export_command(
     for rel, rec in (m.get("files") or {}).items():
         typer.echo(f"  {rel:<14} {rec['bytes']:,} bytes")
     _print_parity(m.get("parity") or {})
+
+
+def _written_since(target: Path, t0: float) -> bool:
+    """``target`` holds an export whose manifest was written at or after ``t0`` (epoch seconds):
+    this command's export, renamed into place."""
+    from dlrmctl.inference.artifact import MANIFEST_FILE
+
+    try:
+        return os.path.getmtime(target / MANIFEST_FILE) >= t0 - 1.0  # (file-system timestamp granularity)
+    except OSError:
+        return False
 
 
 def _print_parity(p: dict) -> None:

@@ -345,3 +345,33 @@ def test_an_interrupted_preprocess_says_resume_only_when_the_work_is_unfinished(
         assert "stopped" in str(e.value) and "resume it" in str(e.value), e.value
     else:
         assert "had finished: the dataset is complete" in str(e.value) and "resume" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["during the export", "after it was in place"])
+def test_an_interrupted_export_names_the_run_and_the_target_and_whether_it_finished(tmp_path, monkeypatch, finished):
+    """`export RUN --out X` under SIGINT printed a bare `interrupted`: no path, no hint."""
+    from typer.testing import CliRunner
+
+    import dlrmctl.inference.export
+    from dlrmctl.cli import app
+
+    run, out = tmp_path / "run", tmp_path / "m"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: r\n")
+
+    def export_then_ctrl_c(*a, **k):
+        if finished:  # the artifact renamed into place, the signal before export_run returned
+            out.mkdir()
+            (out / "manifest.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dlrmctl.inference.export, "export_run", export_then_ctrl_c)
+    r = CliRunner().invoke(app, ["export", str(run), "--fp32", "--out", str(out)])
+    assert r.exit_code == 130, r.output
+    lines = [x for x in r.output.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, r.output
+    if finished:
+        assert lines[0] == f"error: interrupted (SIGINT) after the export of {run} had finished: {out} is complete"
+    else:
+        assert lines[0].startswith(f"error: interrupted (SIGINT): the export of {run} to {out} stopped; an export is "
+                                   "renamed into place only when complete"), lines[0]
