@@ -310,7 +310,8 @@ class Trainer:
             restored = {k: v for k, v in ev.items() if k not in ("step", "split")}
         self.evaluator.load_state_dict(tr, restored, self.step)
         self.metrics_log.drop_after(self.step)  # records of steps past the checkpoint are logged again
-        log.info("resumed from %s (step %d, saved by %d rank(s))", saved["path"], self.step, saved["world_size"])
+        if self.env.is_main:  # a line like the run's others (not a log record)
+            echo(f"resumed from {saved['path']} (step {self.step}, saved by {saved['world_size']} rank(s))")
 
     # ---------------------------------------------------------------- run
     def epoch_number(self) -> int:
@@ -328,6 +329,9 @@ class Trainer:
         sparse_dist = self.model.sparse_input_dist if self.env.sharded else None
         pipe = make_pipeline(cfg.pipeline, self.device, self.run_step, sparse_dist)
         stopped = self.evaluator.should_stop()  # resuming a run that stopped early: nothing more to train
+        done = stopped or self.epoch >= cfg.epochs or (cfg.max_steps is not None and self.step >= cfg.max_steps)
+        if done and self.step > 0 and self.env.is_main:  # resuming a run that had finished
+            echo(f"the run had already finished at step {self.step}: nothing to train")
         while (not stopped and self.epoch < cfg.epochs
                and (cfg.max_steps is None or self.step < cfg.max_steps)):
             stopped, finished = self._train_epoch(pipe)
@@ -340,7 +344,7 @@ class Trainer:
                 self.evaluator.validate(self.step, self.epoch_number(), f"epoch {self.epoch}")
                 self._maybe_checkpoint()
                 stopped = self.evaluator.should_stop()
-        if stopped and self.env.is_main:
+        if stopped and not done and self.env.is_main:  # (a finished run's stop was said when it stopped)
             ev = self.evaluator
             echo(f"early stopping at step {self.step}: {ev.evals_since_best} evaluation(s) without a better "
                  f"{self.cfg.data.val_split} {cfg.keep_best.upper()} than step {ev.best['step']} "

@@ -57,6 +57,12 @@ def test_resume_gives_the_same_per_step_losses_as_an_uninterrupted_run(synthetic
     assert sorted(straight) == list(range(1, 15))
     for step in range(8, 15):
         assert resumed[step] == straight[step], step
+    # resuming the finished run: a plain line says so, nothing is trained (exit 0), the metrics stay as they were
+    out = invoke(*_train_args(synthetic_dir, tmp_path, "resumed", *common, "--set", "train.max_steps=14"), "--resume")
+    assert f"resumed from {tmp_path / 'resumed' / 'checkpoints'}" in out and "(step 14," in out, out
+    assert "the run had already finished at step 14: nothing to train" in out and "INFO" not in out, out
+    again = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "resumed" / "metrics.jsonl") if r["kind"] == "train"}
+    assert again == resumed
 
 
 def test_existing_run_directory_is_not_clobbered(synthetic_dir, tmp_path):
