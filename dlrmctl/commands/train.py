@@ -173,7 +173,9 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
 
     Each failure raises a :class:`~dlrmctl.errors.UserError` (``dlrmctl.cli`` prints its one
     ``error: ...`` line, exit code 2): the run
-    directory already holds a run (without ``--resume``/``--overwrite``), resuming on other data
+    directory already holds a run (without ``--resume``/``--overwrite``), a hand-written table smaller
+    than meta.json's ids of its feature (:func:`dlrmctl.config.check_tables_against_meta`; its
+    warnings are printed), resuming on other data
     than the run's (fingerprint) or from a checkpoint it does not have, ``data.path`` has no
     (valid) meta.json, the train or validation split is missing or empty, or the stored sharding
     plan does not fit the model or the world size, or (no stored plan) the topology the trainer's
@@ -192,9 +194,11 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     meta = read_data_meta(cfg)
     if meta is not None:
         check_train_splits(cfg, meta)
-        from dlrmctl.config import check_managed_collision_sharding
+        from dlrmctl.config import check_managed_collision_sharding, check_tables_against_meta
 
         check_managed_collision_sharding(cfg, meta, world)
+        for line in check_tables_against_meta(cfg, meta):
+            echo(f"warning: {line}", err=True)
     if meta is None:  # the message the Trainer gives
         fail(f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first")
     if cfg.train.device == "cuda" and torch_build_cuda() is None:  # before any rank starts (each would refuse)

@@ -20,7 +20,7 @@ The package:
   (:func:`load_config`, :func:`config_from_dict`, :func:`to_dict`);
 * :mod:`~dlrmctl.config.tables`: the data's meta.json and the tables a config resolves to
   (:func:`read_data_meta`, :func:`resolve_tables`, :func:`auto_embedding_dim`,
-  :func:`weighted_features`).
+  :func:`weighted_features`, :func:`check_tables_against_meta`).
 
 Every public name is importable from ``dlrmctl.config``.  Nothing here imports torch at import
 time (``dlrmctl --help`` and config errors answer without it).
@@ -46,6 +46,7 @@ from dlrmctl.config.schema import (
 from dlrmctl.config.tables import (
     auto_embedding_dim,
     check_managed_collision_sharding,
+    check_tables_against_meta,
     managed_collision_tables,
     read_data_meta,
     resolve_tables,
@@ -77,6 +78,7 @@ __all__ = [
     "config_from_dict",
     "load_config",
     "check_managed_collision_sharding",
+    "check_tables_against_meta",
     "managed_collision_tables",
     "read_data_meta",
     "resolve_tables",

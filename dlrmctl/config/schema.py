@@ -84,7 +84,9 @@ class TableConfig:
     """The table's name (unique in ``model.tables``; ``sharding.tables`` and
     ``sharding.constraints`` refer to it)."""
     num_embeddings: Optional[int] = None
-    """Rows. null: from the data's meta.json, the largest cardinality among the table's features."""
+    """Rows. null: from the data's meta.json, the largest cardinality among the table's features.
+    A number below that cardinality is an error before training (naming the table, the feature and
+    meta.json's size); with ``model.on_invalid_id: zero`` it is a warning and the larger ids pool to zero."""
     embedding_dim: Optional[int] = None
     """Columns. null: ``model.embedding_dim``."""
     feature_names: list[str] = field(default_factory=list)

@@ -12,14 +12,58 @@ import os
 from dlrmctl.config.schema import ConfigError, ExperimentConfig, ManagedCollisionConfig
 
 
-def weighted_features(cfg: ExperimentConfig) -> list[str]:
-    """Features of the ``weighted: true`` tables of ``model.tables``, in table order (empty:
-    the model is unweighted; tables derived from the data are never weighted)."""
+def weighted_features(cfg: ExperimentConfig, meta: dict | None = None) -> list[str]:
+    """The features whose ids carry per-id weights, in order (empty: the model is unweighted).
+
+    * ``model.tables`` given: the features of its ``weighted: true`` tables, in table order.
+    * ``model.tables`` empty (tables derived from the data): the sparse features meta.json marks
+      ``"weighted": true``, in meta.json order (none without ``meta``).
+    """
+    if not cfg.model.tables:
+        return [f["name"] for f in (meta or {}).get("sparse_features", []) if f.get("weighted")]
     out: list[str] = []
     for t in cfg.model.tables:
         if t.weighted:
             out.extend(f for f in t.feature_names or [t.name] if f not in out)
     return out
+
+
+def check_tables_against_meta(cfg: ExperimentConfig, meta: dict) -> list[str]:
+    """Hand-written ``model.tables`` against the data's meta.json, before training: the warnings
+    to print (one line each, without the ``warning:`` prefix).
+
+    * a table with ``num_embeddings`` below meta.json's ``num_embeddings`` of one of its features
+      (ids ``0 .. n-1``): an error with ``model.on_invalid_id: error`` (the first batch holding a
+      larger id would fail), a warning with ``zero`` (those ids pool to zero vectors).
+    * an unweighted table over a feature meta.json marks ``"weighted": true``: a warning (its
+      per-id weights are not read; every id weighs 1.0).
+
+    Managed-collision tables (sized by ``size``) and tables derived from the data are not checked.
+
+    Raises:
+        ConfigError: naming the table, the feature, the table's rows and meta.json's size.
+    """
+    feats = {f["name"]: f for f in meta.get("sparse_features", [])}
+    p = os.path.join(cfg.data.path, "meta.json")
+    mc = managed_collision_tables(cfg, meta)
+    warnings = []
+    for i, t in enumerate(cfg.model.tables):
+        fnames = t.feature_names or [t.name]
+        for n in fnames if t.num_embeddings is not None and t.name not in mc else ():
+            need = feats.get(n, {}).get("num_embeddings")
+            if need is None or need <= t.num_embeddings:
+                continue
+            what = (f"model.tables[{i}].num_embeddings: table '{t.name}' has {t.num_embeddings} rows but {p} gives "
+                    f"feature '{n}' {need} ids (0 .. {need - 1})")
+            if cfg.model.on_invalid_id == "error":
+                raise ConfigError(f"{what}; set num_embeddings >= {need}, or null to size it from the data")
+            warnings.append(f"{what}: ids >= {t.num_embeddings} pool to zero vectors (model.on_invalid_id: zero)")
+        if not t.weighted:
+            for n in (n for n in fnames if feats.get(n, {}).get("weighted")):
+                warnings.append(f"model.tables[{i}].weighted is false but {p} marks feature '{n}' of table '{t.name}' "
+                                f"weighted: its per-id weights are ignored (each id weighs 1.0); set "
+                                f"model.tables[{i}].weighted: true to train with them")
+    return warnings
 
 
 def managed_collision_tables(cfg: ExperimentConfig, meta: dict | None) -> dict[str, ManagedCollisionConfig]:

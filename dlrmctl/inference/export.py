@@ -403,7 +403,7 @@ def export_run(
                                  vocab_dir if parity_split else None, parity_split or "val", source["multi_hot"])
 
         return export_model(model, out, replace(
-            wanted, data_meta=meta, data_dir=vocab_dir, source=source, weighted_features=weighted_features(cfg),
+            wanted, data_meta=meta, data_dir=vocab_dir, source=source, weighted_features=weighted_features(cfg, meta),
             data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta, dcp_md),
             multi_hot=source["multi_hot"], parity=parity))
 

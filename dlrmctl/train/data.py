@@ -97,12 +97,13 @@ def aligned_epoch(loader: Any, n: int, num_dense: int, feature_names: list[str],
 
 def multi_hot_kwargs(cfg: ExperimentConfig, meta: dict) -> dict[str, Any]:
     """BatchLoader arguments for ``data.multi_hot_sizes`` (one size per sparse feature of meta.json),
-    and ``weighted_features`` (the features of ``weighted: true`` tables) when there are any.
+    and ``weighted_features`` (the features of ``weighted: true`` tables, or of meta.json's weighted
+    features for tables derived from the data) when there are any.
 
     Raises:
         TrainError: the list length does not match the data's sparse features.
     """
-    wf = weighted_features(cfg)
+    wf = weighted_features(cfg, meta)
     extra: dict[str, Any] = {"weighted_features": wf} if wf else {}
     sizes = cfg.data.multi_hot_sizes
     if not sizes:

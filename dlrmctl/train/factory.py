@@ -103,7 +103,8 @@ def build_model(
         num_dense_features: ``D_in`` of the dense arch (13 for Criteo).
         compute_kernel: overrides ``model.compute_kernel``.
         is_weighted: the EBC takes per-id weights; None: when a table of ``model.tables`` has
-            ``weighted: true`` (:func:`dlrmctl.config.weighted_features`).
+            ``weighted: true``, or (tables derived from the data) meta.json marks a feature
+            ``"weighted": true`` (:func:`dlrmctl.config.weighted_features`).
         check_ids: the EBC applies ``model.on_invalid_id`` on every forward (a host read per
             feature; the trainer turns it off because its loaders apply it to the CPU batches).
         sparse_placeholder: build ``sparse_arch`` as a weightless
@@ -143,7 +144,11 @@ def build_model(
             f"dot interaction needs every table's embedding_dim == dense_arch_layer_sizes[-1] ({d}); got {sorted(dims)}"
         )
     if is_weighted is None:
-        is_weighted = bool(weighted_features(cfg))
+        if meta is None and not cfg.model.tables:  # tables derived from the data: meta.json says which are weighted
+            from dlrmctl.config import read_data_meta
+
+            meta = read_data_meta(cfg)
+        is_weighted = bool(weighted_features(cfg, meta))
     if sparse_placeholder:
         from dlrmctl.distributed.model_parallel import TableConfigs
 

@@ -143,7 +143,7 @@ class Trainer:
                 f"({self.train_loader.num_rows} rows, data.batch_size {cfg.data.batch_size}, "
                 f"data.drop_last {cfg.data.drop_last})"
             )
-        self.weighted = bool(weighted_features(cfg))  # the KJTs carry per-id weights
+        self.weighted = bool(weighted_features(cfg, self.meta))  # the KJTs carry per-id weights
         self.loss_window = LossWindow(env)
         self.metrics_log = MetricsLog(run_dir, env.is_main, cfg.train.log_every, cfg.train.tensorboard)
         self.evaluator = Evaluator(cfg, env, self.meta, self.tables, self.num_dense, self.weighted, self.model,

@@ -316,6 +316,61 @@ def test_trainer_feeds_the_weights_in_training_and_eval(data, tmp_path):
     assert m["num_samples"] == ROWS
 
 
+def test_tables_derived_from_the_data_are_weighted_where_meta_json_marks_the_feature(data, tmp_path):
+    from dlrmctl.config import config_from_dict, read_data_meta, resolve_tables, weighted_features
+    from dlrmctl.train.factory import build_model
+
+    raw = _cfg_dict(data, str(tmp_path), "derived")
+    raw["model"]["tables"] = []  # t_f0 (meta.json: weighted) and t_f1
+    raw["model"]["embedding_dim"] = 4
+    cfg = config_from_dict(raw)
+    meta = read_data_meta(cfg)
+    assert weighted_features(cfg) == [] and weighted_features(cfg, meta) == ["f0"]
+    assert build_model(cfg, resolve_tables(cfg, meta), 1).sparse_arch.is_weighted()  # meta read from data.path
+    t = _trainer(None, raw)
+    assert t.weighted and t.model.sparse_arch.is_weighted()
+    sa = t.model.sparse_arch
+    set_rows({"t_f0": sa.embedding_weights()["t_f0"]})
+    assert sa(next(iter(t.train_loader)).sparse_features)["f0"][:1].tolist() == WANT  # 10 * 1 + 100 * 2
+    assert t.evaluate()["num_samples"] == ROWS
+
+
+def test_hand_written_tables_checked_against_meta_json(data, tmp_path):
+    from dlrmctl.config import ConfigError, check_tables_against_meta, config_from_dict, read_data_meta
+
+    raw = _cfg_dict(data, str(tmp_path))
+    meta = read_data_meta(config_from_dict(raw))
+    assert check_tables_against_meta(config_from_dict(raw), meta) == []
+    raw["model"]["tables"][0]["weighted"] = False
+    (w,) = check_tables_against_meta(config_from_dict(raw), meta)
+    assert "model.tables[0].weighted is false" in w and "feature 'f0' of table 'T0'" in w and "ignored" in w
+    raw = _cfg_dict(data, str(tmp_path))
+    raw["model"]["tables"][0]["num_embeddings"] = 3  # meta.json: f0 has 4 ids
+    with pytest.raises(ConfigError, match=r"model.tables\[0\].num_embeddings: table 'T0' has 3 rows but .*meta.json "
+                       r"gives feature 'f0' 4 ids \(0 .. 3\); set num_embeddings >= 4"):
+        check_tables_against_meta(config_from_dict(raw), meta)
+    raw["model"]["on_invalid_id"] = "zero"  # a deliberate cap: those ids pool to zero
+    (w,) = check_tables_against_meta(config_from_dict(raw), meta)
+    assert "'T0' has 3 rows" in w and "ids >= 3 pool to zero vectors" in w
+    raw["model"]["tables"][0]["num_embeddings"] = None  # sized from the data
+    assert check_tables_against_meta(config_from_dict(raw), meta) == []
+
+
+def test_train_refuses_a_table_smaller_than_meta_json_before_training(data, tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from dlrmctl.cli import app
+
+    raw = _cfg_dict(data, str(tmp_path / "runs"), "small")
+    raw["model"]["tables"][0]["num_embeddings"] = 3
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    r = CliRunner().invoke(app, ["train", str(tmp_path / "c.yaml")])
+    assert r.exit_code == 2, r.output
+    assert "error: model.tables[0].num_embeddings: table 'T0' has 3 rows" in r.output and "'f0' 4 ids" in r.output
+    assert not (tmp_path / "runs" / "small" / "metrics.jsonl").exists()
+
+
 def test_weighted_run_resumes_with_the_same_per_step_losses(data, tmp_path):
     runs = str(tmp_path)
     _trainer(None, _cfg_dict(data, runs, "s", max_steps=8)).train()
