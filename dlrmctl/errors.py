@@ -110,6 +110,20 @@ def quoted(value: object, limit: int = QUOTE_LIMIT) -> str:
     return f"{text[:limit] + '…'!r} ({len(text):,} characters)"
 
 
+def delimiter_hint(line: str, sep: str, fmt: str, schema: str = "the schema") -> str | None:
+    """Why a first line ``line`` of a CSV / TSV file (``fmt``, read with the delimiter ``sep``) may
+    not split into columns: ``"it looks tab-separated, the schema reads ','-separated CSV"`` when
+    another usual delimiter (tab, comma, semicolon, pipe) occurs in it more often than ``sep``;
+    else None.  ``schema``: how the message names the schema."""
+    other = max(("\t", ",", ";", "|"), key=line.count)
+    if line.count(other) <= line.count(sep):
+        return None
+
+    def name(d: str) -> str:
+        return "tab" if d == "\t" else repr(d)
+    return f"it looks {name(other)}-separated, {schema} reads {name(sep)}-separated {fmt.upper()}"
+
+
 def interrupt_exit_code(e: BaseException) -> int:
     """128 + the signal's number of an interrupt (130 for a plain ``KeyboardInterrupt``)."""
     return 128 + int(getattr(e, "signum", signal.SIGINT))

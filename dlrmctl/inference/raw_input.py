@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from dlrmctl.errors import UserError, quoted
+from dlrmctl.errors import UserError, delimiter_hint, quoted
 
 __all__ = ["InputFormatError", "check_predict_input"]
 
@@ -180,10 +180,8 @@ def _check_logs(path: Path, head: bytes, meta: dict, whole: bool = False) -> Non
     if missing and fmt != "jsonl" and not set(cols) & allowed:  # no schema column at all: not its header
         sep = "\t" if fmt == "tsv" else schema.delimiter or ","
         text = line.decode("utf-8", "replace")
-        other = max(("\t", ",", ";", "|"), key=text.count)
-        why = (f"it looks {'tab' if other == chr(9) else repr(other)}-separated, the model's schema reads "
-               f"{'tab' if sep == chr(9) else repr(sep)}-separated {fmt.upper()}" if text.count(other) > text.count(sep)
-               else "the file has no header line, or is not this model's log")
+        why = (delimiter_hint(text, sep, fmt, "the model's schema")
+               or "the file has no header line, or is not this model's log")
         raise InputFormatError(f"the first line is not a header of the model's columns (no column of its schema "
                                f"among the line's {len(cols)} field(s); {why}); expected a header naming "
                                f"{', '.join(need[:6])}{', …' if len(need) > 6 else ''}", path, 1)

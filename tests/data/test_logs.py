@@ -372,11 +372,17 @@ def test_a_utf8_bom_before_the_header_is_not_part_of_the_first_column(tmp_path):
     assert sum(preprocess_logs(schema, js, tmp_path / "j", LogOptions(), progress=False).rows.values()) == 50
 
 
-def test_a_headerless_file_for_a_schema_with_a_header_is_one_clear_line(tmp_path):
+def test_a_headerless_or_tab_separated_file_for_a_schema_with_a_header_is_one_clear_line(tmp_path):
     src = tmp_path / "nohead.csv"
     src.write_text("".join(r + "\n" for r in _rows(20)))
     _cli(tmp_path, SCHEMA, src, f"{src}:1: the first line is not a header", "`header: true`",
          "set `header: false`")
+    # a tab-separated file read as CSV (its header one field): the tabs are named, as predict names them
+    tabs = tmp_path / "tabs.csv"
+    tabs.write_text("".join(line.replace(",", "\t") + "\n" for line in ["id,click,ts,price,age,user,site,item"]
+                            + _rows(20)))
+    _cli(tmp_path, SCHEMA, tabs, f"{tabs}:1: the first line is not a header",
+         "it looks tab-separated, the schema reads ','-separated CSV", "`format` / `delimiter`")
 
 
 def test_a_bad_json_line_is_named_by_its_line_in_any_block(tmp_path):

@@ -29,7 +29,7 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.long_lines import LineLimit, long_line_message
-from dlrmctl.errors import quoted
+from dlrmctl.errors import delimiter_hint, quoted
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batches"]
 
@@ -245,9 +245,14 @@ def check_columns(path: str | os.PathLike, schema: LogSchema, columns: list[str]
     have = set(columns)
     missing = [c for c in schema.named_columns() if c not in have]
     if schema.header and missing and len(missing) == len(schema.named_columns()) and _text_table(path, schema):
+        fmt = schema.format_of(path)
+        sep = _delimiter(schema, fmt)
+        hint = delimiter_hint(sep.join(columns), sep, fmt)
         raise DataError(f"the first line is not a header: none of its fields ({quoted(', '.join(columns))}) names a "
-                        f"column of the schema {schema.source}, which says `header: true`; give the file its header "
-                        "line, or set `header: false` and list the `columns:` in order", path=path, line=1)
+                        f"column of the schema {schema.source}, which says `header: true`; "
+                        + (f"{hint}: give the file in that format, or set the schema's `format` / `delimiter` to the file's"
+                           if hint else "give the file its header line, or set `header: false` and list the "
+                           "`columns:` in order"), path=path, line=1)
     dup = sorted({c for c in columns if columns.count(c) > 1})
     if dup:
         raise DataError(f"the file names column(s) {dup} twice", path=path, line=1)
