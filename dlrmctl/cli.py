@@ -14,8 +14,9 @@ import sys
 import typer
 from typer.core import TyperGroup
 
-from dlrmctl.errors import (EXIT_FAILED, EXIT_USER, CommandError, ProcessFailure, find_in_chain,
-                            interrupt_exit_code, interrupt_of, interruptible, user_error_message)
+from dlrmctl.errors import (EXIT_FAILED, EXIT_USER, CommandError, ProcessFailure, command_of, find_in_chain,
+                            interrupt_exit_code, interrupt_of, interruptible, interrupted_message, out_option,
+                            user_error_message)
 
 
 def report_failure(e: BaseException, command: str | None = None, out: str | None = None) -> int | None:
@@ -48,45 +49,6 @@ def report_failure(e: BaseException, command: str | None = None, out: str | None
     return EXIT_USER
 
 
-def interrupted_message(ki: BaseException, command: str | None, out: str | None) -> str:
-    """The line of an interrupt a verb did not report itself (it may land anywhere: during the
-    imports, in the work, or after the work while the result is printed, so the line claims
-    nothing about how far the work got): what stopped and what a re-run does.  Every output is
-    written to a temporary path or an unfinished marked directory and put in place / marked
-    complete only at its end (``dlrmctl.outputs``), so nothing half-written is taken for done."""
-    what = f"`{command}`" if command else "the command"
-    where = f" (--out {out})" if out else ""
-    return (f"interrupted ({signal.Signals(interrupt_exit_code(ki) - 128).name}): {what}{where} stopped; "
-            "an output is put in place or marked complete only when finished, so nothing half-written "
-            "is taken for done: run the same command again unless it had printed its result")
-
-
-def _command_of(ctx) -> tuple[str | None, str | None]:
-    """``("dlrmctl <verb> [<sub-verb>]", <the --out / -o value or None>)`` of the arguments left
-    to the root group ``ctx``."""
-    first = getattr(ctx, "_protected_args", None) or ctx.protected_args
-    tokens = [*first, *ctx.args]
-    words = []
-    group = ctx.command
-    for t in tokens:
-        if t.startswith("-") or not hasattr(group, "commands") or t not in group.commands:
-            break
-        words.append(t)
-        group = group.commands[t]
-    return ("dlrmctl " + " ".join(words) if words else None), _out_of(tokens)
-
-
-def _out_of(tokens: list[str]) -> str | None:
-    """The value of ``--out`` / ``-o`` among a command line's ``tokens`` (the last given), or None."""
-    out = None
-    for i, t in enumerate(tokens):
-        if t in ("--out", "-o") and i + 1 < len(tokens):
-            out = tokens[i + 1]
-        elif t.startswith("--out="):
-            out = t[len("--out="):]
-    return out
-
-
 #: verbs that handle SIGTERM themselves (train and launch clean up their ranks, sweep its points,
 #: serve drains its requests and exits 0); every other verb is ended by one like a Ctrl-C
 OWN_SIGTERM = frozenset({"train", "launch", "sweep", "serve"})
@@ -115,7 +77,7 @@ class _Group(TyperGroup):
         try:
             first = getattr(ctx, "_protected_args", None) or ctx.protected_args
             verb = next(iter([*first, *ctx.args]), None)
-            command, out = _command_of(ctx)
+            command, out = command_of(ctx)
             if verb in OWN_SIGTERM:
                 return super().invoke(ctx)
             with interruptible((signal.SIGTERM,)):  # a SIGTERM ends the verb as a Ctrl-C does: one line
@@ -179,7 +141,7 @@ def main() -> None:
         args = sys.argv[1:]
         words = args[:2] if args[:1] in (["preprocess"], ["checkpoint"], ["jobs"]) else args[:1]
         command = "dlrmctl " + " ".join(words) if words and not any(w.startswith("-") for w in words) else None
-        print(f"error: {interrupted_message(e, command, _out_of(args))}", file=sys.stderr, flush=True)
+        print(f"error: {interrupted_message(e, command, out_option(args))}", file=sys.stderr, flush=True)
         sys.exit(interrupt_exit_code(e))
 
 

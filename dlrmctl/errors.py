@@ -298,6 +298,45 @@ def user_error_message(e: BaseException) -> str | None:
     return None if inner is None else user_error_message(inner)
 
 
+def interrupted_message(ki: BaseException, command: str | None, out: str | None) -> str:
+    """The line of an interrupt a verb did not report itself (it may land anywhere: during the
+    imports, in the work, or after the work while the result is printed, so the line claims
+    nothing about how far the work got): what stopped and what a re-run does.  Every output is
+    written to a temporary path or an unfinished marked directory and put in place / marked
+    complete only at its end (``dlrmctl.outputs``), so nothing half-written is taken for done."""
+    what = f"`{command}`" if command else "the command"
+    where = f" (--out {out})" if out else ""
+    return (f"interrupted ({signal.Signals(interrupt_exit_code(ki) - 128).name}): {what}{where} stopped; "
+            "an output is put in place or marked complete only when finished, so nothing half-written "
+            "is taken for done: run the same command again unless it had printed its result")
+
+
+def command_of(ctx: Any) -> tuple[str | None, str | None]:
+    """``("dlrmctl <verb> [<sub-verb>]", <the --out / -o value or None>)`` of the arguments left
+    to the root click group's context ``ctx`` (for :func:`interrupted_message`)."""
+    first = getattr(ctx, "_protected_args", None) or ctx.protected_args
+    tokens = [*first, *ctx.args]
+    words = []
+    group = ctx.command
+    for t in tokens:
+        if t.startswith("-") or not hasattr(group, "commands") or t not in group.commands:
+            break
+        words.append(t)
+        group = group.commands[t]
+    return ("dlrmctl " + " ".join(words) if words else None), out_option(tokens)
+
+
+def out_option(tokens: list[str]) -> str | None:
+    """The value of ``--out`` / ``-o`` among a command line's ``tokens`` (the last given), or None."""
+    out = None
+    for i, t in enumerate(tokens):
+        if t in ("--out", "-o") and i + 1 < len(tokens):
+            out = tokens[i + 1]
+        elif t.startswith("--out="):
+            out = t[len("--out="):]
+    return out
+
+
 def is_interrupt(e: BaseException) -> bool:
     """``e`` is, or wraps, a ``KeyboardInterrupt`` (DCP wraps one raised in its writer into a
     ``CheckpointException``)."""
