@@ -82,7 +82,7 @@ def _reshard_from(run_dir: str, src: str, nproc: int, plan_path: str | None, out
         cfg = config_from_dict(read_yaml(cpath, ckpt.CheckpointError, "run's recorded config"), source=cpath)
         with open(os.path.join(run_dir, "data_meta.json")) as f:
             dmeta = json.load(f)
-        check_managed_collision_sharding(cfg, dmeta, nproc)  # before any rank starts
+        check_managed_collision_sharding(cfg, dmeta, nproc, trained=True)  # before any rank starts
     if plan_path:
         plan = ShardingPlan.load(plan_path)
     elif nproc > 1:

@@ -107,11 +107,17 @@ def managed_collision_tables(cfg: ExperimentConfig, meta: dict | None) -> dict[s
     return out
 
 
-def check_managed_collision_sharding(cfg: ExperimentConfig, meta: dict | None, world_size: int) -> None:
+def check_managed_collision_sharding(cfg: ExperimentConfig, meta: dict | None, world_size: int,
+                                     trained: bool = False) -> None:
     """Managed-collision tables on ``world_size > 1`` ranks shard row_wise by zone of their
     buckets (:mod:`dlrmctl.distributed.sharded_mc`): every such table needs ``buckets`` a
     multiple of the world size, and no other hand-given sharding type.  Checked before any rank
     starts.
+
+    Args:
+        trained: ``cfg`` is a trained run's config (``checkpoint reshard``): its buckets cannot
+            change, so the error names the world sizes they allow and says to train a new run,
+            instead of the ``--set`` that fixes a config about to train.
 
     Raises:
         ConfigError: naming the table and the key (``sharding.tables.<t>.sharding_type``, or the
@@ -131,7 +137,18 @@ def check_managed_collision_sharding(cfg: ExperimentConfig, meta: dict | None, w
             raise ConfigError(
                 f"{key}.buckets: managed-collision table '{name}' on {world_size} ranks needs buckets a multiple of "
                 f"{world_size} (each rank owns buckets / {world_size} of them); got {mc.buckets}; "
-                + _buckets_advice(key, mc.size, mc.buckets, world_size))
+                + (_trained_buckets_advice(key, mc.buckets, world_size) if trained
+                   else _buckets_advice(key, mc.size, mc.buckets, world_size)))
+
+
+def _trained_buckets_advice(key: str, buckets: int, world_size: int) -> str:
+    """What a trained run's ``buckets`` allow (the world sizes dividing it) and how to get
+    ``world_size`` (a new run)."""
+    small = [k for k in range(1, math.isqrt(buckets) + 1) if buckets % k == 0]
+    divs = sorted(set(small + [buckets // k for k in small]))
+    shown = ", ".join(map(str, divs[:12])) + (", ..." if len(divs) > 12 else "")
+    return (f"this run's {buckets} buckets split over {shown} rank(s) (the divisors of {buckets}); to run on "
+            f"{world_size} ranks, train a new run with {key}.buckets a multiple of {world_size}")
 
 
 def _buckets_advice(key: str, size: int, buckets: int, world_size: int) -> str:

@@ -149,6 +149,9 @@ def test_a_reshard_to_ranks_that_cannot_hold_the_managed_tables_is_one_line_nami
     r = runner.invoke(app, ["checkpoint", "reshard", str(tmp_path / "r"), "--nproc", "3"])
     assert r.exit_code == 2 and "model.managed_collision.buckets" in r.output and "multiple of 3" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1
+    # a trained run's buckets cannot change (reshard has no --set): the world sizes they allow, and a new run
+    assert "--set" not in r.output, r.output
+    assert "this run's 4 buckets split over 1, 2, 4 rank(s)" in r.output and "train a new run" in r.output, r.output
 
 
 def test_plan_lays_managed_collision_tables_out_as_train_does_and_refuses_ranks_the_buckets_cannot_split(
