@@ -183,7 +183,7 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
     ``hbm_gb`` / ``ddr_gb``) is missing or invalid, or ``train.tensorboard: true`` without TensorBoard.
     """
     from dlrmctl.config import read_data_meta
-    from dlrmctl.train.checkpoint import resolve_checkpoint
+    from dlrmctl.train.checkpoint import latest_checkpoint, resolve_checkpoint
     from dlrmctl.train.run_dir import check_run_dir, check_train_splits
     from dlrmctl.train.train_log import check_tensorboard
 
@@ -196,7 +196,9 @@ def _check_before_launch(cfg, world: int, resume: bool, overwrite: bool, checkpo
         check_train_splits(cfg, meta)
         from dlrmctl.config import check_managed_collision_sharding, check_tables_against_meta
 
-        check_managed_collision_sharding(cfg, meta, world)
+        # resuming a checkpoint: the run's buckets are fixed (no --set advice)
+        trained = resume and os.path.isdir(run_dir) and latest_checkpoint(run_dir) is not None
+        check_managed_collision_sharding(cfg, meta, world, trained=trained)
         for line in check_tables_against_meta(cfg, meta):
             echo(f"warning: {line}", err=True)
     if meta is None:  # the message the Trainer gives

@@ -152,6 +152,9 @@ def test_a_reshard_to_ranks_that_cannot_hold_the_managed_tables_is_one_line_nami
     # a trained run's buckets cannot change (reshard has no --set): the world sizes they allow, and a new run
     assert "--set" not in r.output, r.output
     assert "this run's 4 buckets split over 1, 2, 4 rank(s)" in r.output and "train a new run" in r.output, r.output
+    sets = [a for o in _overrides(raw_data, tmp_path, "r", "dense", steps=4) for a in ("--set", o)]
+    r = runner.invoke(app, ["train", str(REPO / "configs" / "demo.yaml"), *sets, "--resume", "--nproc", "3"])
+    assert r.exit_code == 2 and "--set" not in r.output and "train a new run" in r.output, r.output  # resuming: the same
 
 
 def test_plan_lays_managed_collision_tables_out_as_train_does_and_refuses_ranks_the_buckets_cannot_split(
