@@ -41,6 +41,10 @@ def export_command(
         fail("choose exactly one of --int8, --int4, --fp16, --fp32")
     if aot and torchscript:
         fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
+    if quantize_dense and not torchscript:  # before the first line: options alone decide it
+        from dlrmctl.inference.artifact import QUANTIZE_DENSE_NEEDS_TORCHSCRIPT
+
+        fail(QUANTIZE_DENSE_NEEDS_TORCHSCRIPT)
     require_run_dir(run_dir)  # before torch: a mistyped run name answers in seconds
     # before torch: an existing --out without --force (export_run checks it again, and what --force may replace)
     target = out if out is not None else run_dir / (f"export-{chosen[0]}" + ("-dq" if quantize_dense else ""))

@@ -36,6 +36,13 @@ PROGRAM_FILE = "model.pt2"  # torch.export program (default)
 AOTI_FILE = "model_aoti.pt2"  # AOTInductor package (--aot)
 
 
+# why the torch.export program refuses --quantize-dense (checked before torch by `dlrmctl export`)
+QUANTIZE_DENSE_NEEDS_TORCHSCRIPT = (
+    "--quantize-dense makes the MLPs' nn.Linear dynamic int8 (torch.ao quantize_dynamic), which torch.export "
+    "cannot trace (its packed weights are a TorchScript class); add --torchscript for a dynamic-int8 dense part, "
+    "or drop --quantize-dense for the torch.export program")
+
+
 class ExportError(RuntimeError, UserError):
     """Export or artifact loading failed for a reason the user can fix (message says how)."""
 

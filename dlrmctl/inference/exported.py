@@ -93,10 +93,10 @@ class ExportedModel:
               weights: torch.Tensor | None) -> torch.Tensor:
         """The format's run of the module (scores, or ``logits``) on the inputs moved to the model's
         device; a rejected input becomes an :class:`ExportError` carrying the module's own message
-        (:meth:`~dlrmctl.inference.formats.base.Format.input_message`).  Runs under
-        ``torch.inference_mode`` (no autograd bookkeeping or version counters: every operator is
-        cheaper to call than under ``no_grad``); the outputs are inference tensors."""
-        with torch.inference_mode():
+        (:meth:`~dlrmctl.inference.formats.base.Format.input_message`).  Runs in the format's
+        :meth:`~dlrmctl.inference.formats.base.Format.no_autograd` context (``torch.inference_mode``,
+        or ``no_grad`` for TorchScript)."""
+        with self.format.no_autograd():
             return self._run(logits, dense, values, lengths, weights)
 
     def _run(self, logits: bool, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,

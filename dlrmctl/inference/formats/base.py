@@ -180,6 +180,12 @@ class Format:
         """The module in ``path`` on ``device``, ready for :meth:`run`."""
         raise NotImplementedError
 
+    def no_autograd(self) -> Any:
+        """The context a call runs in: ``torch.inference_mode`` (no autograd bookkeeping or version
+        counters: every operator is cheaper to call than under ``no_grad``; the outputs are
+        inference tensors)."""
+        return torch.inference_mode()
+
     def run(self, module: Any, args: tuple, logits: bool) -> torch.Tensor:
         """``module`` on ``args`` (``dense, values, lengths[, weights]``): the scores ``[B]``
         float32, or with ``logits`` the logits ``[B]`` float32."""

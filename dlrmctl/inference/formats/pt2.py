@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from dlrmctl.console import stage
-from dlrmctl.inference.artifact import PROGRAM_FILE, ExportError
+from dlrmctl.inference.artifact import PROGRAM_FILE, QUANTIZE_DENSE_NEEDS_TORCHSCRIPT, ExportError
 from dlrmctl.inference.formats.base import Built, ExportPlan, Format
 from dlrmctl.inference.raw_id_remap import raw_id_remap
 
@@ -136,10 +136,7 @@ class ProgramFormat(Format):
         """``quantize_dense`` is refused: torch.export cannot trace the dynamic-int8 Linear's packed
         params (a TorchScript class)."""
         if quantize_dense:
-            raise ExportError("--quantize-dense makes the MLPs' nn.Linear dynamic int8 (torch.ao quantize_dynamic), "
-                              "which torch.export cannot trace (its packed weights are a TorchScript class); add "
-                              "--torchscript for a dynamic-int8 dense part, or drop --quantize-dense for the "
-                              "torch.export program")
+            raise ExportError(QUANTIZE_DENSE_NEEDS_TORCHSCRIPT)
 
     def build(self, plan: ExportPlan) -> Built:
         """Quantize each table (int4 of odd dim: one pad code per row), build the program, trace it

@@ -299,6 +299,12 @@ class TorchScriptFormat(Format):
     export_flag = "--torchscript"
     loads_with = "torch.jit.load"
 
+    def no_autograd(self) -> Any:
+        """``torch.no_grad``: TorchScript's graph executor specialises a module on whether its
+        parameters need gradients, so a call under ``inference_mode`` after one outside it (the
+        module called directly) would save inference tensors for backward and fail."""
+        return torch.no_grad()
+
     # ------------------------------------------------------------------ write
     def check_export(self, quantize_dense: bool, aot: bool) -> None:
         """``aot`` is refused (it compiles the torch.export program); fbgemm_gpu is required."""
