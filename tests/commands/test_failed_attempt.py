@@ -16,16 +16,22 @@ def _args(data, runs, *extra):
             "--set", "model.compute_kernel=dense", "--set", "train.max_steps=3", "--set", "train.log_every=1", *extra]
 
 
-def test_a_run_failing_at_step_1_leaves_nothing_and_a_retry_starts_clean(tmp_path):
+def test_a_run_failing_at_step_1_leaves_nothing_and_a_retry_starts_clean(tmp_path, monkeypatch):
     from dlrmctl.data.synthetic import generate_synthetic
+    from dlrmctl.errors import UserError
+    from dlrmctl.train.trainer import Trainer
 
     data = tmp_path / "data"
     generate_synthetic(data, rows=2000, seed=0, num_embeddings=[60] * 26)
     runs = tmp_path / "runs"
-    # tables smaller than the data's ids: the first batch fails (model.on_invalid_id: error)
-    bad = ["--set", "model.tables=[{name: t, num_embeddings: 5, feature_names: [C1]}]"]
-    r = runner.invoke(app, _args(data, runs, *bad))
-    assert r.exit_code == 2 and "out of range" in r.output and "Traceback" not in r.output, r.output
+
+    def failing_step(self, batch, sparse_ctx, after_forward=None):  # the first batch fails, as bad data would
+        raise UserError("step 1: the batch failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "run_step", failing_step)
+        r = runner.invoke(app, _args(data, runs))
+    assert r.exit_code == 2 and "step 1: the batch failed" in r.output and "Traceback" not in r.output, r.output
     assert not (runs / "a").exists()  # config.yaml, data_meta.json and the directory are gone
     # an attempt killed before its first checkpoint (no cleanup ran) left files behind
     (runs / "a").mkdir(parents=True)

@@ -256,7 +256,7 @@ def _snapshot(d):
             for p, _, fs in os.walk(d) for f in fs if f != ".lock"}
 
 
-def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path):
+def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path, monkeypatch):
     from dlrmctl.data.synthetic import generate_synthetic
     from dlrmctl.train.run_dir import REPLACED_DIR, set_aside
 
@@ -267,10 +267,17 @@ def test_train_overwrite_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tm
     assert r.exit_code == 0, r.output
     old = _snapshot(runs / "a")
     assert any(k.startswith("checkpoints") for k in old)
-    # a replacement failing at its first batch (tables smaller than the ids): the old run is as it was
-    bad = ["--set", "model.tables=[{name: t, num_embeddings: 5, feature_names: [C1]}]"]
-    r = CliRunner().invoke(app, _train_args(data, runs, "--overwrite", *bad))
-    assert r.exit_code == 2 and "out of range" in r.output and "Traceback" not in r.output, r.output
+    # a replacement failing at its first batch (as bad data would): the old run is as it was
+    from dlrmctl.errors import UserError
+    from dlrmctl.train.trainer import Trainer
+
+    def failing_step(self, batch, sparse_ctx, after_forward=None):
+        raise UserError("step 1: the batch failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "run_step", failing_step)
+        r = CliRunner().invoke(app, _train_args(data, runs, "--overwrite"))
+    assert r.exit_code == 2 and "step 1: the batch failed" in r.output and "Traceback" not in r.output, r.output
     assert _snapshot(runs / "a") == old
     # a replacement killed after it set the old run aside (no cleanup ran): the next train restores it
     set_aside(str(runs / "a"))
