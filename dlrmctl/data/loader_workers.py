@@ -76,8 +76,11 @@ _ALIGN = 64
 _SPARE_SLOTS = 4
 #: seconds a worker sleeps between looks at the header while it is as far ahead as allowed
 _WAIT_S = 0.0005
-#: mmap.MAP_NORESERVE (Linux's value where the module lacks it, Python < 3.12)
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if os.uname().sysname == "Linux" else 0)
+#: mmap.MAP_NORESERVE (Python < 3.12 lacks it: Linux's value on x86-64 and arm64, where it is 0x4000;
+#: none elsewhere, where the flag has other values: a shared anonymous mapping takes memory only as
+#: its pages are written either way)
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if os.uname().sysname == "Linux"
+                         and os.uname().machine in ("x86_64", "aarch64") else 0)
 #: worker pids not reaped yet, killed at interpreter exit if an iterator was never closed
 _LIVE: "weakref.WeakSet[_Workers]" = weakref.WeakSet()
 
@@ -195,7 +198,7 @@ class _Header:
     def __init__(self, ring: mmap.mmap, n: int, slots: int) -> None:
         words = np.frombuffer(ring, np.int64, n + n * slots, 0)
         self.taken, self.released = words[:n], words[n:]
-        self.bytes = -(-words.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.bytes = _Header.size(n, slots)
 
     @staticmethod
     def size(n: int, slots: int) -> int:

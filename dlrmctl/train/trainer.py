@@ -352,7 +352,7 @@ class Trainer:
         if not self.evaluator.validated(self.step):
             self.evaluator.validate(self.step, self.epoch_number(), "final")
         self._maybe_checkpoint(last_step=True)
-        return self._finish(stopped, time.perf_counter() - t_start)
+        return self._finish(stopped, time.perf_counter() - t_start, keep_summary=done and self.step > 0)
 
     def _train_epoch(self, pipe: Any) -> tuple[bool, bool]:
         """Train (the rest of) epoch ``self.epoch``, up to ``train.max_steps``; returns
@@ -407,16 +407,24 @@ class Trainer:
         self._maybe_checkpoint()
         return eval_due and self.evaluator.should_stop()
 
-    def _finish(self, stopped: bool, elapsed: float) -> dict[str, Any]:
-        """The run's summary: written to ``summary.json`` and a best line printed (rank 0)."""
+    def _finish(self, stopped: bool, elapsed: float, keep_summary: bool = False) -> dict[str, Any]:
+        """The run's summary: written to ``summary.json`` and a best line printed (rank 0).
+        ``keep_summary`` (a resumed run that had finished): the summary its training wrote stays
+        (its ``train_seconds`` is that of the training, not of this call)."""
         b, kb = self.evaluator.best, self.cfg.train.keep_best
         summary = {"final": self.evaluator.latest, "best": b, "steps": self.step, "train_seconds": elapsed,
                    "early_stopped": stopped}
-        if self.env.is_main:
+        path = os.path.join(self.run_dir, "summary.json")
+        kept_file = keep_summary and os.path.exists(path)
+        if kept_file:
+            with open(path) as f:
+                summary["train_seconds"] = json.load(f).get("train_seconds", elapsed)
+        if self.env.is_main and not kept_file:
             # a temp file renamed over it: a resumed run's previous summary (what `dlrmctl sweep` ranks)
             # is replaced whole or kept, never left truncated
             text = json.dumps({k: (jsonable(v) if isinstance(v, dict) else v) for k, v in summary.items()}, indent=1)
-            write_text_atomic(os.path.join(self.run_dir, "summary.json"), text)
+            write_text_atomic(path, text)
+        if self.env.is_main:
             what = (f"NE {b['ne']:.4f} (AUC {b['auc']:.4f})" if kb == "ne" else f"AUC {b['auc']:.4f}")
             kept = "" if kb == "none" else (undefined_best_note(b, kb, self.cfg.data.val_split)
                                             or self.checkpointer.best_kept_note(b["step"]))

@@ -621,3 +621,16 @@ def test_raw_lines_with_and_without_the_label_follow_one_rule_alone_and_batched(
     for lines, at in (([b"7,u2"], 1), ([full, b"7,u2"], 2)):  # two fields short: the same error alone and batched
         with pytest.raises(DataError, match=rf"<lines>:{at}: expected 4 CSV fields, got 2 \(the first missing: 'u'\)"):
             tr.lines(lines)
+
+
+def test_the_vocabulary_lookup_maps_each_key_to_its_id_and_refuses_a_repeated_key():
+    from dlrmctl.data.logs.vocab_lookup import VocabLookup
+
+    rng = np.random.default_rng(0)
+    keys = rng.choice(np.arange(-10**12, 10**12, 7919), 5000, replace=False)
+    vl = VocabLookup(keys)
+    probe = np.concatenate([keys, [10**15, -3]])
+    assert vl.lookup(probe).tolist() == list(range(5000)) + [5000, 5000]
+    for dup in ([5, 5], [5, 7, 5], list(keys[:100]) + [keys[37]]):  # same round, later round
+        with pytest.raises(ValueError, match="duplicate vocabulary value"):
+            VocabLookup(np.array(dup))

@@ -18,7 +18,7 @@ class VocabLookup:
 
     The table has ``2^k >= 2 V`` slots (load factor <= 1/2), a key array and an ``id + 1`` array
     (0: an empty slot); the home slot of key ``v`` is the top ``k`` bits of ``v * 0x9E3779B97F4A7C15
-    mod 2^64`` (Fibonacci hashing), as :class:`dlrmctl.data.criteo.vocab.VocabLookup` (32-bit keys;
+    mod 2^64`` (Fibonacci hashing), as :class:`dlrmctl.data.criteo.vocab.HashLookup` (32-bit keys;
     these are any int64).  About 1.5 probes per present key, 2.5 per absent one (Knuth, TAOCP 6.4).
 
     Args:
@@ -48,7 +48,10 @@ class VocabLookup:
             self._ids[cs] = cand + 1  # several candidates for one slot: exactly one of them lands
             won = self._ids[cs] == cand + 1
             self._keys[cs[won]] = values[cand[won]]
-            pending = np.concatenate([blocked, cand[~won]])
+            lost = cand[~won]  # a candidate that lost its slot to the same key is a duplicate too
+            if (self._keys[cs[~won]] == values[lost]).any():
+                raise ValueError("duplicate vocabulary value")
+            pending = np.concatenate([blocked, lost])
             slot[pending] = (slot[pending] + 1) & self._mask
 
     def _home(self, keys: np.ndarray) -> np.ndarray:
