@@ -112,8 +112,7 @@ def native_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if fn is _to_copy:
             if not set(node.kwargs) <= {"dtype", "device", "non_blocking"}:
                 fn = None
-            elif all(u.target == torch.ops.aten._assert_async.msg or u.target is torch._assert_async
-                     for u in node.users):
+            elif all(u.target == torch.ops.aten._assert_async.msg for u in node.users):  # (users come later)
                 fn = torch.Tensor.to  # read only by an assertion: no copy needed where it already is
         if fn is not None:
             node.target = fn
