@@ -214,12 +214,12 @@ def test_split_by_row_against_a_per_group_schema_is_refused(tmp_path):
 
 
 # ----------------------------------------------------------------------------- MovieLens as a schema
-def test_movielens_schema_gives_the_rows_splits_labels_and_genres_of_preprocess_movielens(tmp_path):
+def test_movielens_schema_gives_the_rows_splits_ids_and_vocabularies_of_preprocess_movielens(tmp_path):
     """configs/schemas/movielens.yaml on ml-latest-small's ratings.csv (movies.csv joined) and
-    `preprocess movielens` on the release put the same (user, movie) ratings in the same split
-    with the same label and the same genre bag.  What still differs (docs/data.md): the id order
-    and table sizes, the row order within a split, and the features the schema does not make
-    (tags, popularity and release-year features)."""
+    `preprocess movielens` on the release: every (user id, movie id) rating in the same split with
+    the same label and genre bag, the same vocabularies (users and every movie of movies.csv by raw
+    id, genres by name; train counts) and table sizes.  What still differs (docs/data.md): the row
+    order within a split and the features the schema does not make."""
     from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
     from tests.conftest import SHARED_DATA, require_shared
 
@@ -228,39 +228,36 @@ def test_movielens_schema_gives_the_rows_splits_labels_and_genres_of_preprocess_
     schema = load_schema("configs/schemas/movielens.yaml")
     preprocess_logs(schema, src / "ratings.csv", tmp_path / "l", LogOptions(val_ratio=0.1, test_ratio=0.1),
                     progress=False)
-    # the same schema with the raw ids of users and movies as their ids: every row keeps its identity
-    # (with `vocab`, a movie first rated in val or test has the out-of-vocabulary id there)
-    raw = dataclasses.replace(schema, categorical=tuple(
-        dataclasses.replace(c, mode="raw") if c.name in ("userId", "movieId") else c for c in schema.categorical))
-    preprocess_logs(raw, src / "ratings.csv", tmp_path / "r", LogOptions(val_ratio=0.1, test_ratio=0.1),
-                    progress=False)
+    names = {"userId": "user_id", "movieId": "item_id", "genres": "genres"}
 
-    def rows(d, user, item, keys):
-        """{split: {(user key, movie key): (label, sorted genre keys)}}; keys: the split's table -> (u, i) keys."""
+    def rows(d, user, item):
+        """{split: sorted [(user id, movie id, label, sorted genre ids)]}."""
         out = {}
         for split in ("train", "val", "test"):
             t, meta = _read(d, split)
-            g = (raw_ids(pa.array(meta["vocabularies"]["genres"])) if "vocabularies" in meta
-                 else _vocab(d, meta, "genres"))
-            bags = [tuple(sorted(g[b].tolist())) for b in t.column("genres").to_pylist()]
-            u, i = keys(t, meta)
-            out[split] = dict(zip(zip(u.tolist(), i.tolist()), zip(t.column("label").to_numpy().tolist(), bags)))
+            out[split] = sorted(zip(t.column(user).to_pylist(), t.column(item).to_pylist(),
+                                    t.column("label").to_pylist(), map(tuple, map(sorted, t.column("genres").to_pylist()))))
         return out, meta
 
-    m, mm = rows(tmp_path / "m", "user_id", "item_id", lambda t, meta: (
-        raw_ids(pa.array(_vocab(tmp_path / "m", meta, f)))[t.column(f).to_numpy()] for f in ("user_id", "item_id")))
-    r, mr = rows(tmp_path / "r", "userId", "movieId", lambda t, meta: (
-        t.column("userId").to_numpy(), t.column("movieId").to_numpy()))
-    assert {s: len(x) for s, x in m.items()} == {s: len(x) for s, x in r.items()} == \
-        {"train": 81200, "val": 9818, "test": 9818}
+    m, mm = rows(tmp_path / "m", "user_id", "item_id")
+    r, ml = rows(tmp_path / "l", "userId", "movieId")
+    assert {s: len(x) for s, x in m.items()} == {"train": 81200, "val": 9818, "test": 9818}
     for split in m:
         assert m[split] == r[split], split
-    ml = json.loads((tmp_path / "l" / "meta.json").read_text())
-    for meta in (mr, ml):  # preprocess movielens averages the float32 labels in float32
-        assert {s: meta["splits"][s]["rows"] for s in m} == {s: mm["splits"][s]["rows"] for s in m}
-        assert meta["ctr"] == pytest.approx(mm["ctr"], rel=1e-7)
-    genres = {f["name"]: f for f in ml["sparse_features"]}["genres"]
-    assert genres["distinct_train_values"] == len(mm["vocabularies"]["genres"]) == 19
+    for ours, theirs in names.items():
+        if theirs == "genres":
+            assert _vocab(tmp_path / "l", ml, ours).tolist() == raw_ids(pa.array(mm["vocabularies"]["genres"])).tolist()
+            continue
+        lv = ipc.open_file(pa.memory_map(str(tmp_path / "l" / ml["vocab_files"][ours]))).read_all()
+        mv = ipc.open_file(pa.memory_map(str(tmp_path / "m" / mm["vocab_files"][theirs]))).read_all()
+        assert lv.column("value").to_pylist() == raw_ids(pa.array([str(v) for v in mv.column("value").to_pylist()])).tolist()
+        assert lv.column("count").to_pylist() == mv.column("count").to_pylist()
+    fm = {f["name"]: f for f in mm["sparse_features"]}
+    for f in ml["sparse_features"]:
+        want = fm[names[f["name"]]]
+        assert {k: f[k] for k in want} == {**want, "name": f["name"]}, f["name"]  # sizes, pooling factors
+    assert {s: ml["splits"][s]["rows"] for s in m} == {s: mm["splits"][s]["rows"] for s in m}
+    assert ml["ctr"] == pytest.approx(mm["ctr"], rel=1e-7)  # preprocess movielens averages float32 labels
 
 
 def test_a_changed_side_table_is_a_changed_input_not_an_already_complete_dataset(tmp_path):

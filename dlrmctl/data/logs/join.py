@@ -34,7 +34,7 @@ from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import JoinSpec, LogSchema
 from dlrmctl.errors import quoted
 
-__all__ = ["join_columns", "prepare_joins", "recorded", "side_path", "with_tables"]
+__all__ = ["join_columns", "prepare_joins", "read_side_keys", "recorded", "side_path", "with_tables"]
 
 KEY = "key"
 
@@ -81,6 +81,18 @@ def _check_columns(spec: JoinSpec, path: Path, have: list[str]) -> None:
         if c not in have:
             raise DataError(f"column '{c}' named by `join` by '{spec.key}' is not in the side table (its columns: "
                             f"{quoted(', '.join(have))})", path=path)
+
+
+def read_side_keys(spec: JoinSpec, inputs: list[Path], schema: LogSchema) -> pa.Array:
+    """The key column of ``spec``'s side file, as read for the join (``[rows]`` Arrow strings for CSV /
+    TSV, the file's type for Parquet / JSON lines), in file order.
+
+    Raises:
+        DataError: an unreadable side file or a missing column.
+    """
+    path = side_path(spec, inputs)
+    t = _read_side(spec, path, schema.format_of(path) if spec.format is None else spec.format)
+    return t.column(spec.key).combine_chunks()
 
 
 def prepare_joins(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLike) -> tuple[LogSchema, list[dict]]:

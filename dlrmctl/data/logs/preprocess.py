@@ -40,13 +40,10 @@ import pyarrow.compute as pc
 
 from dlrmctl.data.columnar import (
     FORMAT_VERSION,
-    IDS_KEY,
-    IDS_RAW,
     LABEL_COLUMN,
     SPLITS,
     DataError,
     ShardWriter,
-    check_split_ratios,
     shard_schema,
     write_json_atomic,
     write_meta,
@@ -58,38 +55,15 @@ from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
 from dlrmctl.data.criteo.preprocess import PreprocessReport
 from dlrmctl.data.logs.cache import DecodedCache, read_cache, remove_cache
 from dlrmctl.data.logs.join import prepare_joins, recorded
+from dlrmctl.data.logs.meta import dataset_meta
+from dlrmctl.data.logs.options import LogOptions
 from dlrmctl.data.logs.read import file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.split import GroupCutoffs, concat_keys, group_cutoffs, split_mode, time_cutoffs
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of, table_rows, vocab_path
+from dlrmctl.data.logs.vocab_rules import drop_outside, finish_vocabs
 
 __all__ = ["LogOptions", "preprocess_logs"]
-
-
-@dataclasses.dataclass
-class LogOptions:
-    """Options of :func:`preprocess_logs` (those of ``preprocess criteo``, plus ``split_by``)."""
-
-    val_ratio: float = 0.0
-    test_ratio: float = 0.0
-    seed: int = 0
-    split_by: str | None = None  # "row" (hash of file and line) | "time" (latest time slices); None: the schema's
-    on_bad_line: str = "error"
-    workers: int = 1
-    block_size: int = 4 << 20
-
-    def validate(self, schema: LogSchema) -> None:
-        """Raise ValueError naming the option when an option is inconsistent (with the schema)."""
-        check_split_ratios(self.val_ratio, self.test_ratio)
-        if split_mode(self.split_by, schema) == "time" and not schema.time:
-            raise ValueError(f"--split-by time needs a `time:` column in the schema {schema.source}")
-        if self.on_bad_line not in ("error", "skip"):
-            raise ValueError(f"--on-bad-line must be 'error' or 'skip', got {self.on_bad_line!r}")
-        if schema.label is None and (self.val_ratio or self.test_ratio):
-            raise ValueError(f"the schema {schema.source} has no label: every row goes to the 'test' split; "
-                             "--val-ratio/--test-ratio do not apply")
-        if self.workers < 1:
-            raise ValueError(f"--workers must be >= 1, got {self.workers}")
 
 
 @dataclasses.dataclass
@@ -246,6 +220,7 @@ def write_task(task: LogTask) -> dict:
         for sp in SPLITS:
             writers[sp] = ShardWriter(tmp / f"{sp}.arrow", schema)
         for d in cached if cached is not None else _blocks(task):
+            d = drop_outside(s, d, vocabs, task.path, task.opts.on_bad_line)
             stats["bad_lines"] += d.bad
             n = len(d.keys)
             if n == 0:
@@ -298,6 +273,13 @@ def write_task(task: LogTask) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
+def _run(fn, label: str, tasks: list[LogTask], workers: int, progress: bool) -> list:
+    prog = Progress(label, len(tasks), progress)
+    got = run_tasks(fn, tasks, workers, prog)
+    prog.show(final=True)
+    return got
+
+
 def _fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -382,7 +364,8 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             info = _vocab.build_vocab([str(out / ".counts" / f"{f.name}.arrow") for f in files], out / "vocab",
                                       [schema.categorical[i].min_count if schema.categorical[i].mode == "vocab"
                                        else None for i in counted], [schema.categorical[i].name for i in counted])
-            vocab_info = dict(zip(counted, info))
+            vocab_info = finish_vocabs(schema, files, out, dict(zip(counted, info)),
+                                       lambda fn, label: _run(fn, label, [task(f) for f in files], o.workers, progress))
     sizes = [table_rows(c, vocab_info.get(i, {}).get("size"), vocab_info.get(i, {}).get("distinct_train_values"))
              for i, c in enumerate(schema.categorical)]
     vocab_fp = _fingerprint([sha256_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"])
@@ -408,7 +391,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     rows_read += prog.rows
     shutil.rmtree(out / ".counts", ignore_errors=True) if all(
         (out / "parts" / f.name / "done.json").is_file() for f in files) else None
-    meta = _meta(recorded(schema), o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs or (None, None))
+    meta = dataset_meta(recorded(schema), o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs or (None, None))
     if joins:
         meta["joins"] = joins
         meta["vocab_files"].update({f"join:{i}": j["file"] for i, j in enumerate(joins)})
@@ -424,75 +407,3 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     write_meta(out, meta)
     return PreprocessReport(out, {s: meta["splits"][s]["rows"] for s in SPLITS}, meta["bad_lines_skipped"],
                             len(tasks), skipped, elapsed, rows_read / elapsed if elapsed > 0 else 0.0)
-
-
-def _meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, sizes: list[int], vocab_info: dict,
-          dense_stats: dict, cutoffs) -> dict:
-    rows = {s: sum(st[f]["rows"][s] for f in files) for s in SPLITS}
-    pos = {s: sum(st[f]["positives"][s] for f in files) for s in SPLITS}
-    total = sum(rows.values())
-    labelled = schema.label is not None
-    sparse, tr_sparse = [], {}
-    for i, c in enumerate(schema.categorical):
-        missing = sum(st[f]["missing"][i] for f in files)
-        e: dict[str, Any] = {"name": c.name, "num_embeddings": int(sizes[i]), "multi_hot": c.multi}
-        if c.multi:
-            tv = sum(st[f]["train_values"][i] for f in files)
-            e["mean_pooling_factor"] = tv / rows["train"] if rows["train"] else 0.0
-            e["max_pooling_factor"] = max(st[f]["max_len"][i] for f in files)
-        else:
-            e["mean_pooling_factor"], e["max_pooling_factor"] = 1.0, 1
-        if c.mode == "vocab":
-            e["missing_id"] = int(sizes[i] - 1)
-        elif not c.multi:
-            e["missing_id"] = 0
-        e["missing_fraction"] = missing / total if total else 0.0
-        if c.mode == "vocab":
-            e["oov_id"] = int(sizes[i] - 2)
-        if c.mode in ("vocab", "raw"):
-            e["distinct_train_values"] = vocab_info[i]["distinct_train_values"]
-        if c.mode == "raw":
-            e[IDS_KEY] = IDS_RAW
-        if c.weights:
-            e["weighted"] = True
-        sparse.append(e)
-        tr_sparse[c.name] = {
-            "vocab": {"mode": "vocab", "min_count": c.min_count, "built_on": "train split",
-                      "formula": "id = rank by descending train count (ties by key) for count >= min_count; "
-                                 "rarer/unseen -> oov_id = V; missing -> V + 1"},
-            "hash": {"mode": "hash", "buckets": c.buckets, "formula": "id = raw_id mod buckets (missing -> 0)"},
-            "raw": {"mode": "raw", "formula": "id = raw_id (missing -> 0)"},
-        }[c.mode] | {"key": "int(s, 16) of 8 hex digits" if c.parse == "hex" else
-                     "raw_id = FNV-1a-64 of the UTF-8 text & (2^63 - 1) (dlrmctl.data.ids)"}
-    split = ({"mode": "unlabelled", "test": "all rows"} if not labelled else
-             {"mode": "time", "column": schema.time, "val_ratio": o.val_ratio, "test_ratio": o.test_ratio,
-              "val_from": cutoffs[0], "test_from": cutoffs[1],
-              "rule": "test if time >= test_from, else val if time >= val_from, else train"}
-             if o.split_by == "time" else
-             {"mode": "ratio", "val_ratio": o.val_ratio, "test_ratio": o.test_ratio, "seed": o.seed,
-              "rule": "u = splitmix64(blake2b(seed:file) ^ line*0xD1B54A32D192ED03)/2^64; "
-                      "val if u < val_ratio, test if u < val_ratio+test_ratio"})
-    return {
-        "format_version": FORMAT_VERSION,
-        "dataset": "logs",
-        "schema_name": schema.name,
-        "schema": schema.to_dict(),
-        "dense_features": [d.name for d in schema.dense],
-        "sparse_features": sparse,
-        "label": LABEL_COLUMN if labelled else None,
-        "splits": {s: {"rows": rows[s], "files": [f"parts/{f.name}/{s}.arrow" for f in files]} for s in SPLITS},
-        "ctr": {s: (pos[s] / rows[s] if rows[s] and labelled else None) for s in SPLITS},
-        "transforms": {
-            "label": schema.label.describe() if labelled else None,
-            "dense": {d.name: {"transform": d.transform, "fill": d.fill, "dtype": "float32",
-                               **({"mean": dense_stats[d.name][0], "std": dense_stats[d.name][1]}
-                                  if d.name in dense_stats else {})} for d in schema.dense},
-            "sparse": tr_sparse,
-            "split": split,
-            "on_bad_line": o.on_bad_line,
-        },
-        "vocab_files": {c.name: f"vocab/{c.name}.arrow" for c in schema.categorical if c.mode == "vocab"},
-        "inputs": [str(f) for f in files],
-        "bad_lines_skipped": sum(st[f]["bad_lines"] for f in files),
-    }
-

@@ -27,6 +27,7 @@ from dlrmctl.data.logs.join import with_tables
 from dlrmctl.data.logs.read import RowBatch, file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of
+from dlrmctl.data.logs.vocab_rules import drop_outside
 from dlrmctl.data.raw_rows import Bags
 
 __all__ = ["RawTransformer"]
@@ -77,7 +78,7 @@ class RawTransformer:
 
     def _chunks(self, batches: Iterator[RowBatch], schema: LogSchema, batch_rows: int) -> Iterator[Chunk]:
         for b in batches:
-            d = decode(b, schema, "error")
+            d = drop_outside(schema, decode(b, schema, "error"), self.vocabs, b.path, "error")
             n = len(d.keys)
             if n == 0:
                 continue

@@ -17,6 +17,8 @@ Keys (``docs/data.md`` documents each with an example)::
       - {name: I1, transform: log1p, fill: 0}      # log1p (after clamping negatives) | standardize | none
     categorical:                      # id features: exactly one of vocab / hash / ids
       - {name: site_id, vocab: {min_count: 3}}     # values seen >= min_count times in train
+      - {name: user, vocab: {min_count: 1, order: value, oov: error}}   # ids by sorted value, no extra rows
+      - {name: movieId, vocab: {from: join, order: value}}   # every key of the side table it joins
       - {name: device_ip, hash: 1000000}           # raw_id mod buckets (dlrmctl.data.ids)
       - {name: user, ids: raw}                     # the 64-bit raw id itself (managed collisions)
       - {name: tags, vocab: {}, multi: {delimiter: "|", max_len: 16}, weights: tag_weights}
@@ -40,7 +42,7 @@ import os
 import re
 from typing import Any
 
-from dlrmctl.errors import UserError
+from dlrmctl.data.logs.schema_keys import KeyChecker, SchemaError, kind_of
 
 __all__ = ["CategoricalSpec", "DenseSpec", "JoinSpec", "LabelSpec", "LogSchema", "SchemaError", "SplitSpec", "load_schema",
            "parse_schema"]
@@ -52,10 +54,6 @@ _EXTENSIONS = {".csv": "csv", ".tsv": "tsv", ".txt": "tsv", ".parquet": "parquet
                ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
 _COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 _RULE_RE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
-
-
-class SchemaError(ValueError, UserError):
-    """A schema file that cannot be used: the message names the file and the key path."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +95,15 @@ class CategoricalSpec:
     hash_of: str = "raw_id"
     #: values that mean "missing" (e.g. MovieLens' ``(no genres listed)``): the missing id, or no element of a bag
     null_values: tuple[str, ...] = ()
+    #: ``vocab`` id order: ``count`` (most frequent in train first, ties by key) or ``value`` (the
+    #: values sorted: numerically when every value is an integer, else by their text)
+    order: str = "count"
+    #: ``vocab`` keys: ``train`` (values seen >= min_count times in train) or ``join`` (every key of
+    #: the side table this column is the ``join`` key of: a catalogue, rated or not)
+    vocab_from: str = "train"
+    #: ``vocab`` rows beyond the vocabulary: ``row`` (an out-of-vocabulary and a missing row) or
+    #: ``error`` (none: a value outside the vocabulary, or a missing one, is a bad row)
+    oov: str = "row"
 
     def __post_init__(self) -> None:
         if self.mode == "hash" and self.parse == "hex" and self.hash_of != "hex":
@@ -203,8 +210,9 @@ class LogSchema:
             if not d[k]:
                 d.pop(k)
         for c in d["categorical"]:
-            if not c["null_values"]:
-                c.pop("null_values")
+            for k, default in (("null_values", ()), ("order", "count"), ("vocab_from", "train"), ("oov", "row")):
+                if c[k] == default or (k == "null_values" and not c[k]):
+                    c.pop(k)
         return d
 
     @classmethod
@@ -228,77 +236,13 @@ class LogSchema:
                    join=tuple(JoinSpec(**{**j, "columns": tuple(j["columns"])}) for j in d.get("join") or []))
 
 
-# ----------------------------------------------------------------------------- validation
-class _V:
-    """Key-path-aware checks; every failure is one :class:`SchemaError` line."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, msg: str) -> SchemaError:
-        return SchemaError(f"{self.source}: schema key {path}: {msg}")
-
-    def mapping(self, v: Any, path: str, allowed: tuple[str, ...]) -> dict:
-        if not isinstance(v, dict):
-            raise self.fail(path, f"expected a mapping, got {_kind(v)}")
-        for k in v:
-            if k not in allowed:
-                import difflib
-
-                near = difflib.get_close_matches(str(k), allowed, n=1)
-                hint = f" (did you mean '{near[0]}'?)" if near else f" (allowed: {', '.join(allowed)})"
-                raise self.fail(f"{path}.{k}" if path else str(k), f"unknown key{hint}")
-        return v
-
-    def string(self, v: Any, path: str) -> str:
-        if not isinstance(v, str) or not v:
-            raise self.fail(path, f"expected a non-empty string, got {_kind(v)}")
-        return v
-
-    def integer(self, v: Any, path: str, lo: int = 1, hi: int = (1 << 63) - 1) -> int:
-        """An int in ``[lo, hi]``; ``hi`` defaults to int64's maximum (every count and bucket number
-        of a schema is an int64 where it is used)."""
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            bound = "2^63 - 1" if hi == (1 << 63) - 1 else f"{hi:,}"
-            raise self.fail(path, f"expected an integer >= {lo} and <= {bound}, got {_kind(v)}")
-        return v
-
-    def number(self, v: Any, path: str) -> float:
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v in (float("inf"), float("-inf")):
-            raise self.fail(path, f"expected a finite number, got {_kind(v)}")
-        return float(v)
-
-    def boolean(self, v: Any, path: str) -> bool:
-        if not isinstance(v, bool):
-            raise self.fail(path, f"expected true or false, got {_kind(v)}")
-        return v
-
-    def choice(self, v: Any, path: str, choices: tuple[str, ...]) -> str:
-        if v not in choices:
-            raise self.fail(path, f"expected one of {', '.join(choices)}, got {_kind(v)}")
-        return v
-
-    def names(self, v: Any, path: str) -> tuple[str, ...]:
-        if not isinstance(v, list):
-            raise self.fail(path, f"expected a list of column names, got {_kind(v)}")
-        return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(v))
-
-
-def _kind(v: Any) -> str:
-    if v is None:
-        return "nothing (null)"
-    if isinstance(v, (dict, list)):
-        return f"a {type(v).__name__}"
-    return f"{type(v).__name__} {v!r}"
-
-
 _TOP = ("name", "format", "header", "columns", "delimiter", "label", "time", "defaults", "dense", "categorical",
         "ignore", "split", "join")
 _DENSE_KEYS = ("name", "transform", "fill")
 _CAT_KEYS = ("name", "vocab", "hash", "ids", "parse", "multi", "weights", "null_values")
 
 
-def _label(v: _V, x: Any) -> LabelSpec | None:
+def _label(v: KeyChecker, x: Any) -> LabelSpec | None:
     if x is None:
         return None
     if isinstance(x, str):
@@ -311,14 +255,14 @@ def _label(v: _V, x: Any) -> LabelSpec | None:
     m = _RULE_RE.match(rule) if isinstance(rule, str) else None
     if m is None:
         raise v.fail("label.positive", f"expected a rule '<op> <number>' with op one of >=, >, <=, <, ==, != "
-                                       f"(e.g. \">= 4\"), got {_kind(rule)}")
+                                       f"(e.g. \">= 4\"), got {kind_of(rule)}")
     threshold = float(m.group(2))
     if not math.isfinite(threshold):  # '>= 1e999' would make every label 0 (or 1) without a word
         raise v.fail("label.positive", f"expected a finite threshold, got {rule!r}")
     return LabelSpec(col, m.group(1), threshold)
 
 
-def _dense(v: _V, i: int, x: Any, defaults: dict) -> DenseSpec:
+def _dense(v: KeyChecker, i: int, x: Any, defaults: dict) -> DenseSpec:
     p = f"dense[{i}]"
     if isinstance(x, str):
         x = {"name": x}
@@ -330,7 +274,7 @@ def _dense(v: _V, i: int, x: Any, defaults: dict) -> DenseSpec:
     return DenseSpec(name, tr, fill)
 
 
-def _categorical(v: _V, i: int, x: Any, defaults: dict) -> CategoricalSpec:
+def _categorical(v: KeyChecker, i: int, x: Any, defaults: dict) -> CategoricalSpec:
     p = f"categorical[{i}]"
     if isinstance(x, str):
         x = {"name": x}
@@ -346,8 +290,16 @@ def _categorical(v: _V, i: int, x: Any, defaults: dict) -> CategoricalSpec:
     mode = modes[0] if modes else "vocab"
     if mode == "vocab":
         voc = d.get("vocab") or {}
-        voc = v.mapping(voc, f"{p}.vocab", ("min_count",))
-        kw.update(mode="vocab", min_count=v.integer(voc.get("min_count", DEFAULT_MIN_COUNT), f"{p}.vocab.min_count"))
+        voc = v.mapping(voc, f"{p}.vocab", ("min_count", "order", "from", "oov"))
+        kw.update(mode="vocab", min_count=v.integer(voc.get("min_count", DEFAULT_MIN_COUNT), f"{p}.vocab.min_count"),
+                  order=v.choice(voc.get("order", "count"), f"{p}.vocab.order", ("count", "value")),
+                  vocab_from=v.choice(voc.get("from", "train"), f"{p}.vocab.from", ("train", "join")),
+                  oov=v.choice(voc.get("oov", "row"), f"{p}.vocab.oov", ("row", "error")))
+        if kw["vocab_from"] == "join":
+            if "min_count" in voc:
+                raise v.fail(f"{p}.vocab.min_count", "a vocabulary `from: join` holds every key of the side table; "
+                                                     "min_count does not apply")
+            kw["min_count"] = 1  # (every train value is counted: the catalogue's counts)
     elif mode == "hash":
         kw.update(mode="hash", buckets=v.integer(d["hash"], f"{p}.hash"))
     else:
@@ -371,7 +323,7 @@ def _categorical(v: _V, i: int, x: Any, defaults: dict) -> CategoricalSpec:
     return CategoricalSpec(**kw)
 
 
-def _split(v: _V, x: Any) -> SplitSpec | None:
+def _split(v: KeyChecker, x: Any) -> SplitSpec | None:
     if x is None:
         return None
     d = v.mapping(x, "split", ("by", "group", "tiebreak"))
@@ -385,11 +337,11 @@ def _split(v: _V, x: Any) -> SplitSpec | None:
     return SplitSpec(by, group, tiebreak)
 
 
-def _joins(v: _V, x: Any) -> tuple[JoinSpec, ...]:
+def _joins(v: KeyChecker, x: Any) -> tuple[JoinSpec, ...]:
     if x is None:
         return ()
     if not isinstance(x, list) or not x:
-        raise v.fail("join", f"expected a non-empty list of side tables, got {_kind(x)}")
+        raise v.fail("join", f"expected a non-empty list of side tables, got {kind_of(x)}")
     out = []
     for i, j in enumerate(x):
         p = f"join[{i}]"
@@ -424,7 +376,7 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
     Raises:
         SchemaError: ``<source>: schema key <path>: <what was expected, what was given>``.
     """
-    v = _V(source)
+    v = KeyChecker(source)
     d = v.mapping(raw, "", _TOP)
     name = v.string(d["name"], "name") if d.get("name") is not None else None
     fmt = v.choice(d["format"], "format", FORMATS) if d.get("format") is not None else None
@@ -442,7 +394,7 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
     cd = v.mapping(defaults.get("categorical") or {}, "defaults.categorical", _CAT_KEYS[1:])
     for key in ("dense", "categorical"):
         if d.get(key) is not None and not isinstance(d[key], list):
-            raise v.fail(key, f"expected a list of columns, got {_kind(d[key])}")
+            raise v.fail(key, f"expected a list of columns, got {kind_of(d[key])}")
     dense = tuple(_dense(v, i, x, dd) for i, x in enumerate(d.get("dense") or []))
     cats = tuple(_categorical(v, i, x, cd) for i, x in enumerate(d.get("categorical") or []))
     if not dense and not cats:
@@ -475,6 +427,11 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
         if j.key in s.joined_columns():
             raise v.fail(f"join[{i}] ({j.path}).key", f"'{j.key}' is a column another side table brings; join on a "
                                                      "column of the input")
+    keys = [j.key for j in s.join]
+    for i, c in enumerate(cats):
+        if c.vocab_from == "join" and (c.name not in keys or c.multi):
+            raise v.fail(f"categorical[{i}] ({c.name}).vocab.from", f"'{c.name}' is not the key of a `join` side "
+                         f"table (keys: {', '.join(keys) or 'none'}): `from: join` takes the vocabulary from one")
     if columns is not None:
         missing = [c for c in s.named_columns() if c not in columns]
         if missing:

@@ -426,9 +426,10 @@ def ids_of(spec: CategoricalSpec, v: CategoricalValues, vocab: VocabLookup | Non
 
 
 def table_rows(spec: CategoricalSpec, vocab_size: int | None, distinct: int | None) -> int:
-    """``num_embeddings`` of a feature: ``V + 2`` (vocab), ``buckets`` (hash), distinct train raw ids (raw)."""
+    """``num_embeddings`` of a feature: ``V + 2`` (vocab; ``V`` with ``oov: error``), ``buckets`` (hash),
+    distinct train raw ids (raw)."""
     if spec.mode == "vocab":
-        return int(vocab_size) + 2
+        return int(vocab_size) + (0 if spec.oov == "error" else 2)
     if spec.mode == "hash":
         return spec.buckets
     return max(int(distinct or 0), 1)

@@ -1,0 +1,78 @@
+"""Key-path-aware checks of a schema's YAML (:mod:`dlrmctl.data.logs.schema`): every failure is one
+:class:`SchemaError` line ``<source>: schema key <path>: <what was expected, what was given>``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlrmctl.errors import UserError
+
+__all__ = ["KeyChecker", "SchemaError", "kind_of"]
+
+
+class SchemaError(ValueError, UserError):
+    """A schema file that cannot be used: the message names the file and the key path."""
+
+
+class KeyChecker:
+    """Key-path-aware checks; every failure is one :class:`SchemaError` line."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, msg: str) -> SchemaError:
+        return SchemaError(f"{self.source}: schema key {path}: {msg}")
+
+    def mapping(self, v: Any, path: str, allowed: tuple[str, ...]) -> dict:
+        if not isinstance(v, dict):
+            raise self.fail(path, f"expected a mapping, got {kind_of(v)}")
+        for k in v:
+            if k not in allowed:
+                import difflib
+
+                near = difflib.get_close_matches(str(k), allowed, n=1)
+                hint = f" (did you mean '{near[0]}'?)" if near else f" (allowed: {', '.join(allowed)})"
+                raise self.fail(f"{path}.{k}" if path else str(k), f"unknown key{hint}")
+        return v
+
+    def string(self, v: Any, path: str) -> str:
+        if not isinstance(v, str) or not v:
+            raise self.fail(path, f"expected a non-empty string, got {kind_of(v)}")
+        return v
+
+    def integer(self, v: Any, path: str, lo: int = 1, hi: int = (1 << 63) - 1) -> int:
+        """An int in ``[lo, hi]``; ``hi`` defaults to int64's maximum (every count and bucket number
+        of a schema is an int64 where it is used)."""
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            bound = "2^63 - 1" if hi == (1 << 63) - 1 else f"{hi:,}"
+            raise self.fail(path, f"expected an integer >= {lo} and <= {bound}, got {kind_of(v)}")
+        return v
+
+    def number(self, v: Any, path: str) -> float:
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v in (float("inf"), float("-inf")):
+            raise self.fail(path, f"expected a finite number, got {kind_of(v)}")
+        return float(v)
+
+    def boolean(self, v: Any, path: str) -> bool:
+        if not isinstance(v, bool):
+            raise self.fail(path, f"expected true or false, got {kind_of(v)}")
+        return v
+
+    def choice(self, v: Any, path: str, choices: tuple[str, ...]) -> str:
+        if v not in choices:
+            raise self.fail(path, f"expected one of {', '.join(choices)}, got {kind_of(v)}")
+        return v
+
+    def names(self, v: Any, path: str) -> tuple[str, ...]:
+        if not isinstance(v, list):
+            raise self.fail(path, f"expected a list of column names, got {kind_of(v)}")
+        return tuple(self.string(x, f"{path}[{i}]") for i, x in enumerate(v))
+
+
+def kind_of(v: Any) -> str:
+    """How a YAML value is named in a message: ``nothing (null)``, ``a list``, ``str 'x'``, ``int 3``."""
+    if v is None:
+        return "nothing (null)"
+    if isinstance(v, (dict, list)):
+        return f"a {type(v).__name__}"
+    return f"{type(v).__name__} {v!r}"
