@@ -151,7 +151,9 @@ def _check_logs(path: Path, head: bytes, meta: dict, whole: bool = False) -> Non
         return
     line = _first_line(head, path, f"{fmt.upper()} rows of the model's schema{f' {schema.name}' if schema.name else ''}")
     joined = set(schema.joined_columns())  # brought by the side tables the model carries, by their keys
-    need = list(dict.fromkeys([n for n in [d.name for d in schema.dense] + [c.name for c in schema.categorical]
+    dense = [d.extract[0] if d.extract else d.name for d in schema.dense if not (d.count_of or d.years_since)]
+    dense += [schema.time] if any(d.years_since for d in schema.dense) else []  # (derived features: data/logs/derived.py)
+    need = list(dict.fromkeys([n for n in dense + [c.name for c in schema.categorical]
                                if n not in joined] + [j.key for j in schema.join]))
     allowed = set(schema.named_columns())
     if fmt == "jsonl":

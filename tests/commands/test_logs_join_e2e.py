@@ -1,6 +1,7 @@
 """A schema with a side table (``join``) and a per-group split end to end: MovieLens' ratings.csv
 through configs/schemas/movielens.yaml -> train -> export -> predict on raw rating rows, whose
-genres come from the side table the export carries (skipped without ../shared/data)."""
+genres and titles come from the side table the export carries and whose item popularity and user
+activity from its train counts (skipped without ../shared/data)."""
 
 import csv
 import json
@@ -22,6 +23,7 @@ def test_movielens_schema_preprocess_train_export_predict_joins_raw_rows_from_th
            "--set", "train.progress=false", "--set", "train.max_steps=30", "--set", "train.eval_every=30")
     invoke("export", runs / "avazu", "--out", model, "--fp32")
     assert (model / meta["joins"][0]["file"]).is_file()
+    assert (model / "vocab" / "count_item_popularity.arrow").is_file()  # train counts, for raw rows' popularity
     rows = src.read_text().splitlines()[:301]  # a copy without movies.csv beside it
     raw = tmp_path / "rows.csv"
     raw.write_text("\n".join(rows) + "\n")
@@ -38,6 +40,8 @@ def test_movielens_schema_preprocess_train_export_predict_joins_raw_rows_from_th
     assert l2 is None and len(labels) == 300
     for a, b in zip(ids.ids, i2.ids):
         np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(_dense, _d2)  # counts, extracted years and years since: from the export
+    assert _dense.shape == (300, 4) and (_dense[:, 0] > 0).mean() > 0.9  # (0: a movie without train ratings)
     np.testing.assert_array_equal(ids.lengths, i2.lengths)
     assert ids.lengths[2].sum() > 300  # genre bags joined: most movies have several genres
     bad = tmp_path / "bad.csv"

@@ -1,8 +1,7 @@
 """``preprocess logs`` with a per-group time split (``split.group``), side tables (``join``) and
 ``null_values``: the split equals MovieLens' per-user split, joined columns become features (and
 raw rows are joined the same way), bad keys and bad schema keys are one line naming what is wrong;
-MovieLens' ratings.csv through configs/schemas/movielens.yaml gives the rows, splits, labels and
-genre bags of ``preprocess movielens`` (skipped without ../shared/data)."""
+MovieLens as a schema: tests/data/test_movielens_schema.py."""
 
 import dataclasses
 import json
@@ -211,53 +210,6 @@ def test_split_by_row_against_a_per_group_schema_is_refused(tmp_path):
     schema.write_text(SCHEMA % "")
     one_error_line(["preprocess", "logs", "--schema", schema, "--input", paths[0], "--out", tmp_path / "o",
                     "--split-by", "row"], "--split-by row", "split.group")
-
-
-# ----------------------------------------------------------------------------- MovieLens as a schema
-def test_movielens_schema_gives_the_rows_splits_ids_and_vocabularies_of_preprocess_movielens(tmp_path):
-    """configs/schemas/movielens.yaml on ml-latest-small's ratings.csv (movies.csv joined) and
-    `preprocess movielens` on the release: every (user id, movie id) rating in the same split with
-    the same label and genre bag, the same vocabularies (users and every movie of movies.csv by raw
-    id, genres by name; train counts) and table sizes.  What still differs (docs/data.md): the row
-    order within a split and the features the schema does not make."""
-    from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
-    from tests.conftest import SHARED_DATA, require_shared
-
-    src = require_shared(SHARED_DATA / "movielens" / "ml-latest-small")
-    preprocess_movielens(src, tmp_path / "m", MovieLensOptions(val_ratio=0.1, test_ratio=0.1))
-    schema = load_schema("configs/schemas/movielens.yaml")
-    preprocess_logs(schema, src / "ratings.csv", tmp_path / "l", LogOptions(val_ratio=0.1, test_ratio=0.1),
-                    progress=False)
-    names = {"userId": "user_id", "movieId": "item_id", "genres": "genres"}
-
-    def rows(d, user, item):
-        """{split: sorted [(user id, movie id, label, sorted genre ids)]}."""
-        out = {}
-        for split in ("train", "val", "test"):
-            t, meta = _read(d, split)
-            out[split] = sorted(zip(t.column(user).to_pylist(), t.column(item).to_pylist(),
-                                    t.column("label").to_pylist(), map(tuple, map(sorted, t.column("genres").to_pylist()))))
-        return out, meta
-
-    m, mm = rows(tmp_path / "m", "user_id", "item_id")
-    r, ml = rows(tmp_path / "l", "userId", "movieId")
-    assert {s: len(x) for s, x in m.items()} == {"train": 81200, "val": 9818, "test": 9818}
-    for split in m:
-        assert m[split] == r[split], split
-    for ours, theirs in names.items():
-        if theirs == "genres":
-            assert _vocab(tmp_path / "l", ml, ours).tolist() == raw_ids(pa.array(mm["vocabularies"]["genres"])).tolist()
-            continue
-        lv = ipc.open_file(pa.memory_map(str(tmp_path / "l" / ml["vocab_files"][ours]))).read_all()
-        mv = ipc.open_file(pa.memory_map(str(tmp_path / "m" / mm["vocab_files"][theirs]))).read_all()
-        assert lv.column("value").to_pylist() == raw_ids(pa.array([str(v) for v in mv.column("value").to_pylist()])).tolist()
-        assert lv.column("count").to_pylist() == mv.column("count").to_pylist()
-    fm = {f["name"]: f for f in mm["sparse_features"]}
-    for f in ml["sparse_features"]:
-        want = fm[names[f["name"]]]
-        assert {k: f[k] for k in want} == {**want, "name": f["name"]}, f["name"]  # sizes, pooling factors
-    assert {s: ml["splits"][s]["rows"] for s in m} == {s: mm["splits"][s]["rows"] for s in m}
-    assert ml["ctr"] == pytest.approx(mm["ctr"], rel=1e-7)  # preprocess movielens averages float32 labels
 
 
 def test_a_changed_side_table_is_a_changed_input_not_an_already_complete_dataset(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dlrmctl.data.columnar import FORMAT_VERSION, IDS_KEY, IDS_RAW, LABEL_COLUMN, SPLITS
+from dlrmctl.data.logs.derived import count_paths
 from dlrmctl.data.logs.options import LogOptions
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.vocab_rules import describe
@@ -87,13 +88,26 @@ def dataset_meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, 
             "label": schema.label.describe() if labelled else None,
             "dense": {d.name: {"transform": d.transform, "fill": d.fill, "dtype": "float32",
                                **({"mean": dense_stats[d.name][0], "std": dense_stats[d.name][1]}
-                                  if d.name in dense_stats else {})} for d in schema.dense},
+                                  if d.name in dense_stats else {}), **_derived(d)} for d in schema.dense},
             "sparse": tr_sparse,
             "split": split,
             "on_bad_line": o.on_bad_line,
         },
-        "vocab_files": {c.name: f"vocab/{c.name}.arrow" for c in schema.categorical if c.mode == "vocab"},
+        "vocab_files": {**{c.name: f"vocab/{c.name}.arrow" for c in schema.categorical if c.mode == "vocab"},
+                        **{f"count:{n}": p for n, p in count_paths(schema).items()}},
         "inputs": [str(f) for f in files],
         "bad_lines_skipped": sum(st[f]["bad_lines"] for f in files),
     }
 
+
+
+def _derived(d) -> dict[str, Any]:
+    """meta.json's words for a derived dense feature (:mod:`dlrmctl.data.logs.derived`)."""
+    if d.count_of:
+        return {"formula": f"number of train rows with this row's {d.count_of} (0 for none)", "computed_on": "train",
+                "table": f"vocab/count_{d.name}.arrow"}
+    if d.extract:
+        return {"formula": f"the number of the first group of {d.extract[1]!r} in {d.extract[0]}; no match: missing"}
+    if d.years_since:
+        return {"formula": f"UTC year of the time minus {d.years_since} (after its fill, before standardize)"}
+    return {}

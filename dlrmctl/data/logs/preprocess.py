@@ -54,6 +54,7 @@ from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
 from dlrmctl.data.criteo.preprocess import PreprocessReport
 from dlrmctl.data.logs.cache import DecodedCache, read_cache, remove_cache
+from dlrmctl.data.logs.derived import CountTable, count_paths, finish_dense, write_count_tables
 from dlrmctl.data.logs.join import prepare_joins, recorded
 from dlrmctl.data.logs.meta import dataset_meta
 from dlrmctl.data.logs.options import LogOptions
@@ -81,6 +82,11 @@ class LogTask:
     table_sizes: list[int] | None = None
     cache_fingerprint: str = ""  # pass 1's fingerprint: pass 2 reads its decoded blocks when they match
     groups: GroupCutoffs | None = None  # per-group time split
+
+
+def _stat(d) -> bool:
+    """Whether pass 1 sums a dense column's train values (its mean and std are used)."""
+    return d.transform == "standardize" or d.fill == "mean"
 
 
 def _counted(schema: LogSchema) -> list[int]:
@@ -137,7 +143,7 @@ def count_task(task: LogTask) -> dict:
             return st["dense"]
     counted = _counted(task.schema)
     acc: list[list[pa.Table]] = [[] for _ in counted]
-    sums = {d.name: [0, 0.0, 0.0] for d in task.schema.dense if d.transform == "standardize"}
+    sums = {d.name: [0, 0.0, 0.0] for d in task.schema.dense if _stat(d)}
     cache = DecodedCache(task.out_dir, task.part, task.schema)
     try:
         for d in _blocks(task):
@@ -158,6 +164,7 @@ def _count_block(task: LogTask, d, counted: list[int], acc: list[list[pa.Table]]
     for spec, x in zip(task.schema.dense, d.dense):
         if spec.name in sums:
             xt = x[train]
+            xt = xt[~np.isnan(xt)] if spec.fill == "mean" else xt  # the present values' mean fills the others
             s = sums[spec.name]
             s[0] += int(len(xt))
             s[1] += float(xt.sum())
@@ -209,6 +216,7 @@ def write_task(task: LogTask) -> dict:
     schema = shard_schema(dense_names, names, [c.multi for c in s.categorical], labelled=s.label is not None,
                           weighted=[c.weights is not None for c in s.categorical])
     vocabs = [_lookup(vocab_path(task.out_dir, c.name)) if c.mode == "vocab" else None for c in s.categorical]
+    counts = {n: CountTable(Path(task.out_dir) / p) for n, p in count_paths(s).items()}
     writers: dict[str, ShardWriter] = {}
     k = len(names)
     stats: dict[str, Any] = {"rows": {sp: 0 for sp in SPLITS}, "positives": {sp: 0 for sp in SPLITS},
@@ -226,6 +234,7 @@ def write_task(task: LogTask) -> dict:
             if n == 0:
                 continue
             codes = _split_codes(task, d)
+            finish_dense(d, s, task.dense_stats or {}, counts)
             dense = dense_values(d, s, task.dense_stats or {})
             all_ids = [ids_of(spec, v, vocabs[f]) for f, (spec, v) in enumerate(zip(s.categorical, d.categorical))]
             for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):
@@ -347,7 +356,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     fp1: dict[Path, str] = {}
     dense_stats: dict[str, tuple[float, float]] = {}
     vocab_info: dict[int, dict] = {}
-    if counted or any(d.transform == "standardize" for d in schema.dense):
+    if counted or any(_stat(d) for d in schema.dense):
         fp1 = {f: _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "pass": 1}) for f in files}
         tasks = [task(f, cutoffs=cutoffs, groups=groups, fingerprint=fp1[f]) for f in files]
         prog = Progress("logs pass 1 (count)", len(tasks), progress)
@@ -355,7 +364,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
         prog.show(final=True)
         rows_read += prog.rows
         for d in schema.dense:
-            if d.transform == "standardize":
+            if _stat(d):
                 n = sum(s[d.name][0] for s in sums)
                 mean = sum(s[d.name][1] for s in sums) / n if n else 0.0
                 var = sum(s[d.name][2] for s in sums) / n - mean * mean if n else 0.0
@@ -366,9 +375,11 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
                                        else None for i in counted], [schema.categorical[i].name for i in counted])
             vocab_info = finish_vocabs(schema, files, out, dict(zip(counted, info)),
                                        lambda fn, label: _run(fn, label, [task(f) for f in files], o.workers, progress))
+            write_count_tables(schema, counted, [str(out / ".counts" / f"{f.name}.arrow") for f in files], out)
     sizes = [table_rows(c, vocab_info.get(i, {}).get("size"), vocab_info.get(i, {}).get("distinct_train_values"))
              for i, c in enumerate(schema.categorical)]
-    vocab_fp = _fingerprint([sha256_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"])
+    vocab_fp = _fingerprint([sha256_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"]
+                            + [sha256_file(out / p) for p in count_paths(schema).values()])
     tasks, done_stats, skipped = [], {}, 0
     for f in files:
         fp = _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "vocab": vocab_fp, "dense": dense_stats,

@@ -27,6 +27,7 @@ from dlrmctl.data.logs.join import with_tables
 from dlrmctl.data.logs.read import RowBatch, file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of
+from dlrmctl.data.logs.derived import CountTable, count_paths, finish_dense
 from dlrmctl.data.logs.vocab_rules import drop_outside
 from dlrmctl.data.raw_rows import Bags
 
@@ -60,25 +61,28 @@ class RawTransformer:
         vf = meta.get("vocab_files") or {}
         self.vocabs = [VocabLookup.read(Path(data_dir) / vf[c.name]) if c.mode == "vocab" else None
                        for c in self.schema.categorical]
+        self.counts = {n: CountTable(Path(data_dir) / vf.get(f"count:{n}", p)) for n, p in count_paths(self.schema).items()}
         self.input_columns = list(meta.get("input_columns") or self.schema.columns or [])
         self.input_format = self.schema.format or meta.get("input_format") or "csv"
 
     # ------------------------------------------------------------------ schema of the rows to score
     def _scoring_schema(self, columns: list[str], base: LogSchema | None = None) -> LogSchema:
         """The schema (``base``: how the rows are read) for rows with ``columns``: the label when
-        present, no time, the ignored columns present."""
+        present, no time (unless a ``years_since`` feature reads it), the ignored columns present."""
         s = base or self.schema
         have = set(columns)
-        drop = {s.time} if s.time else set()
+        keep_time = any(d.years_since for d in s.dense)  # (the row's year is a feature)
+        drop = {s.time} if s.time and not keep_time else set()
         label = s.label if s.label and s.label.column in have else None
         if s.label and label is None:
             drop.add(s.label.column)
         ignore = tuple(c for c in (*s.ignore, *drop) if c in have)
-        return dataclasses.replace(s, label=label, time=None, ignore=ignore, split=None)
+        return dataclasses.replace(s, label=label, time=s.time if keep_time else None, ignore=ignore, split=None)
 
     def _chunks(self, batches: Iterator[RowBatch], schema: LogSchema, batch_rows: int) -> Iterator[Chunk]:
         for b in batches:
             d = drop_outside(schema, decode(b, schema, "error"), self.vocabs, b.path, "error")
+            finish_dense(d, schema, self.stats, self.counts)
             n = len(d.keys)
             if n == 0:
                 continue

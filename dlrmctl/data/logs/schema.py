@@ -70,11 +70,23 @@ class LabelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DenseSpec:
-    """A dense column: ``fill`` replaces a missing value, then ``transform``."""
+    """A dense feature: a column, or one derived (:mod:`dlrmctl.data.logs.derived`); ``fill``
+    replaces a missing value (a number, or ``"mean"``: the train mean), then ``transform``."""
 
     name: str
     transform: str = "none"
-    fill: float = 0.0
+    fill: float | str = 0.0
+    #: the number of train rows whose one-valued ``vocab`` / ``ids: raw`` column has this row's value
+    count_of: str | None = None
+    #: ``(text column, regex)``: the number matched by the regex's first group
+    extract: tuple[str, str] | None = None
+    #: a dense feature holding a year: the UTC year of the row's ``time`` minus that (filled) year
+    years_since: str | None = None
+
+    @property
+    def derived(self) -> bool:
+        """Whether the value is not a column of the file read as a number."""
+        return bool(self.count_of or self.extract or self.years_since)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +172,8 @@ class LogSchema:
         weights, the split's group and tiebreak, the join keys), but the joined ones."""
         out = [self.label.column] if self.label else []
         out += [self.time] if self.time else []
-        out += [d.name for d in self.dense] + [c.name for c in self.categorical]
+        out += [d.extract[0] if d.extract else d.name for d in self.dense if not (d.count_of or d.years_since)]
+        out += [c.name for c in self.categorical]
         out += [c.weights for c in self.categorical if c.weights]
         out += [c for c in (self.split.group, self.split.tiebreak) if c] if self.split else []
         out += [j.key for j in self.join]
@@ -209,6 +222,10 @@ class LogSchema:
         for k in ("split", "join"):
             if not d[k]:
                 d.pop(k)
+        for x in d["dense"]:
+            for k in ("count_of", "extract", "years_since"):
+                if x[k] is None:
+                    x.pop(k)
         for c in d["categorical"]:
             for k, default in (("null_values", ()), ("order", "count"), ("vocab_from", "train"), ("oov", "row")):
                 if c[k] == default or (k == "null_values" and not c[k]):
@@ -228,7 +245,8 @@ class LogSchema:
         return cls(name=d.get("name"), format=d.get("format"), header=bool(d.get("header", True)),
                    columns=tuple(d["columns"]) if d.get("columns") else None, delimiter=d.get("delimiter"),
                    label=LabelSpec(**lab) if lab else None, time=d.get("time"),
-                   dense=tuple(DenseSpec(**x) for x in d.get("dense") or []),
+                   dense=tuple(DenseSpec(**{**x, **({"extract": tuple(x["extract"])} if x.get("extract") else {})})
+                               for x in d.get("dense") or []),
                    categorical=tuple(CategoricalSpec(**{**x, "null_values": tuple(x.get("null_values") or ())})
                                      for x in d.get("categorical") or []),
                    ignore=tuple(d.get("ignore") or []), source="recorded with the data",
@@ -238,7 +256,7 @@ class LogSchema:
 
 _TOP = ("name", "format", "header", "columns", "delimiter", "label", "time", "defaults", "dense", "categorical",
         "ignore", "split", "join")
-_DENSE_KEYS = ("name", "transform", "fill")
+_DENSE_KEYS = ("name", "transform", "fill", "count_of", "extract", "years_since")
 _CAT_KEYS = ("name", "vocab", "hash", "ids", "parse", "multi", "weights", "null_values")
 
 
@@ -270,8 +288,27 @@ def _dense(v: KeyChecker, i: int, x: Any, defaults: dict) -> DenseSpec:
     name = v.string(d.get("name"), f"{p}.name")
     p = f"{p} ({name})"
     tr = v.choice(d.get("transform", "none"), f"{p}.transform", DENSE_TRANSFORMS)
-    fill = v.number(d.get("fill", 0.0), f"{p}.fill")
-    return DenseSpec(name, tr, fill)
+    fill = "mean" if d.get("fill") == "mean" else v.number(d.get("fill", 0.0), f"{p}.fill")
+    kinds = [k for k in ("count_of", "extract", "years_since") if d.get(k) is not None]
+    if len(kinds) > 1:
+        raise v.fail(p, f"give one of count_of, extract, years_since; got {', '.join(kinds)}")
+    kw: dict[str, Any] = {}
+    if kinds and kinds[0] != "extract":
+        kw[kinds[0]] = v.string(d[kinds[0]], f"{p}.{kinds[0]}")
+        for k, bad in (("transform", tr == "standardize"), ("fill", "fill" in d)):
+            if bad:  # (the value is made after the pass that computes train statistics)
+                raise v.fail(f"{p}.{k}", f"a `{kinds[0]}` feature takes transform log1p or none and no fill")
+    elif kinds:
+        e = v.mapping(d["extract"], f"{p}.extract", ("column", "pattern"))
+        pat = v.string(e.get("pattern"), f"{p}.extract.pattern")
+        try:
+            groups = re.compile(pat).groups
+        except re.error as err:
+            raise v.fail(f"{p}.extract.pattern", f"not a regular expression: {err}") from None
+        if groups < 1:
+            raise v.fail(f"{p}.extract.pattern", "expected a group, `(...)`, around the number to extract")
+        kw["extract"] = (v.string(e.get("column"), f"{p}.extract.column"), pat)
+    return DenseSpec(name, tr, fill, **kw)
 
 
 def _categorical(v: KeyChecker, i: int, x: Any, defaults: dict) -> CategoricalSpec:
@@ -427,6 +464,16 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
         if j.key in s.joined_columns():
             raise v.fail(f"join[{i}] ({j.path}).key", f"'{j.key}' is a column another side table brings; join on a "
                                                      "column of the input")
+    by_name = {c.name: c for c in cats}
+    for i, x in enumerate(dense):
+        p = f"dense[{i}] ({x.name})"
+        c = by_name.get(x.count_of) if x.count_of else None
+        if x.count_of and (c is None or c.mode == "hash" or c.multi):
+            raise v.fail(f"{p}.count_of", f"'{x.count_of}' is not a one-valued categorical with `vocab` or `ids: raw` "
+                         "(the columns whose train values are counted)")
+        if x.years_since and (not s.time or x.years_since not in [y.name for y in dense[:i] if y.extract or not y.derived]):
+            raise v.fail(f"{p}.years_since", f"expected a dense feature read or extracted before this one (a year), and "
+                         f"the `time:` column; got '{x.years_since}'" + ("" if s.time else " and no `time:`"))
     keys = [j.key for j in s.join]
     for i, c in enumerate(cats):
         if c.vocab_from == "join" and (c.name not in keys or c.multi):

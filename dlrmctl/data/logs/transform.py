@@ -34,6 +34,7 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import non_finite_hint
 from dlrmctl.data.ids import hash_buckets, raw_ids
 from dlrmctl.errors import quoted
+from dlrmctl.data.logs.derived import extracted
 from dlrmctl.data.logs.join import join_columns
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
@@ -383,8 +384,11 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
     time = _time(batch, schema.time, drop, on_bad_line) if schema.time else None
     dense = []
     for d in schema.dense:
-        x, missing = _numbers(batch, d.name, drop, on_bad_line)
-        x = np.where(missing, d.fill, x)
+        if d.derived:  # (count_of, years_since: set by derived.finish_dense in pass 2)
+            x, missing = extracted(batch, d) if d.extract else (np.zeros(n), np.zeros(n, bool))
+        else:
+            x, missing = _numbers(batch, d.name, drop, on_bad_line)
+        x = np.where(missing, np.nan if d.fill == "mean" else d.fill, x)
         if d.transform == "log1p":
             x = np.log1p(np.maximum(x, 0.0))
         dense.append(x)
@@ -399,9 +403,12 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
 
 
 def dense_values(decoded: Decoded, schema: LogSchema, stats: dict[str, tuple[float, float]]) -> list[np.ndarray]:
-    """The dense columns as float32 ``[n]``, ``standardize`` applied with ``stats[name] = (mean, std)``."""
+    """The dense columns as float32 ``[n]``, ``fill: mean`` and ``standardize`` applied with
+    ``stats[name] = (mean, std)`` of the train split."""
     out = []
     for d, x in zip(schema.dense, decoded.dense):
+        if d.fill == "mean":  # (dlrmctl.data.logs.derived)
+            x = np.where(np.isnan(x), stats[d.name][0], x)
         if d.transform == "standardize":
             mean, std = stats[d.name]
             x = (x - mean) / (std if std > 0 else 1.0)

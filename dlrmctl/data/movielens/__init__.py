@@ -32,7 +32,7 @@ Task and split:
   ``test``, the ``floor(n * val_ratio)`` before them to ``val``, the rest to ``train``
   (the "leave-last-out" protocol of e.g. He et al., "Neural Collaborative Filtering", 2017,
   generalised to ratios).  Hence no val/test rating of a user is older than any of that
-  user's train ratings.  Rows of each split are written in ``(timestamp, user, item)`` order.
+  user's train ratings.  Rows of each split are written in the ratings file's order.
 
 Features (sparse ids are int64 in ``[0, num_embeddings)``; a categorical's unknown value has
 the last id, ``missing_id``, as in Criteo):
@@ -40,7 +40,8 @@ the last id, ``missing_id``, as in Criteo):
 * ``user_id``, ``item_id``: rank of the raw id among the sorted raw ids (users: those with
   ratings; items: every movie of the movies file).  Vocabularies in ``vocab/<name>.arrow``
   (``value`` raw id int64, ``count`` train ratings int64; row ``i`` is id ``i``).
-* ``genres`` (multi-hot): the movie's genres (``(no genres listed)`` -> empty bag).
+* ``genres`` (multi-hot): the movie's genres in the movies file's order, repeats dropped
+  (``(no genres listed)`` -> empty bag); ids by genre name.
 * ``tags`` (multi-hot, releases with a tags file): the movie's distinct tags (lower-cased,
   whitespace collapsed) among tag events that are *train-visible* (timestamp <= the tagging
   user's last train rating), kept when seen in >= ``min_tag_count`` such events, at most
@@ -51,7 +52,8 @@ the last id, ``missing_id``, as in Criteo):
 * dense float32, every statistic computed from the TRAIN split only:
   ``item_popularity = log(1 + train ratings of the item)``,
   ``user_activity = log(1 + train ratings of the user)``,
-  ``release_year = (year - mean) / std`` (mean / std over train rows with a known year; unknown
+  ``release_year = (year - mean) / std`` (mean / std over train rows with a known year, ``std =
+  sqrt(mean(year^2) - mean^2)`` as ``preprocess logs`` computes it; unknown
   -> 0), ``years_since_release = log(1 + max(0, year of the rating - release year))`` (unknown
   release year -> the train mean year).
 

@@ -226,8 +226,10 @@ def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: Mo
                      dtype=np.float64)
     row_year = years[iid]
     known = train & ~np.isnan(row_year)
-    year_mean = float(row_year[known].mean()) if known.any() else 2000.0
-    year_std = float(row_year[known].std()) if known.sum() > 1 else 1.0
+    # mean and std as preprocess logs computes them (sums of x and x^2: one formula for both paths)
+    year_mean = float(row_year[known].sum()) / int(known.sum()) if known.any() else 2000.0
+    year_var = float(np.square(row_year[known]).sum()) / int(known.sum()) - year_mean * year_mean if known.any() else 1.0
+    year_std = float(np.sqrt(max(year_var, 0.0))) if known.sum() > 1 else 1.0
     year_std = year_std if year_std > 0 else 1.0
     rating_year = data.timestamp.astype("datetime64[s]").astype("datetime64[Y]").astype(np.int64) + 1970
     filled_year = np.where(np.isnan(row_year), year_mean, row_year)
@@ -252,7 +254,8 @@ def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: Mo
                     "vocab_file": "vocab/item_id.arrow"},
     }
     genre_vocab = _vocab(g for m in raw_items.tolist() for g in data.movies[m][1])
-    multi["genres"] = _bags([sorted(genre_vocab[g] for g in set(data.movies[m][1])) for m in raw_items.tolist()])
+    # a bag in the movies file's order, repeats dropped (as preprocess logs reads a delimited column)
+    multi["genres"] = _bags([[genre_vocab[g] for g in dict.fromkeys(data.movies[m][1])] for m in raw_items.tolist()])
     num_emb["genres"] = max(len(genre_vocab), 1)
     vocabularies["genres"] = list(genre_vocab)
     transforms_sparse["genres"] = {"rule": "bag of the movie's genres; id = rank in meta.vocabularies.genres",
@@ -298,12 +301,11 @@ def preprocess_movielens(input_dir: str | Path, out_dir: str | Path, options: Mo
     schema = shard_schema(DENSE_FEATURES, sparse_names, [False] * len(sparse) + [True] * len(multi))
 
     say(f"movielens: split and features done ({time.perf_counter() - t0:.1f} s); writing shards")
-    # ---- write shards (rows of each split in (timestamp, user, item) order)
+    # ---- write shards (rows of each split in the ratings file's order, as preprocess logs writes them)
     splits_meta, rows, ctr = {}, {}, {}
     pooling: dict[str, dict[str, float]] = {}
     for code, split in enumerate(SPLITS):
         idx = np.flatnonzero(codes == code)
-        idx = idx[np.lexsort((iid[idx], uid[idx], data.timestamp[idx]))]
         rel = f"parts/movielens/{split}.arrow"
         w = ShardWriter(out / rel, schema)
         try:
