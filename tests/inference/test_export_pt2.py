@@ -146,7 +146,7 @@ def test_kjt_and_keyed_tensor_are_pytree_nodes_for_torch_export(tmp_path):
     assert torch.equal(out.values(), torch.tensor([[1.0, 0.0], [0.0, 9.0], [4.0, 0.0]]))
 
 
-def _multi_hot_export(tmp_path, policy, name):
+def multi_hot_export(tmp_path, policy, name):
     """Export example_model() with f2 (table t1, 30 rows) expanded in the program into bags of 3
     (multi_hot_sizes, the training loader's seed and distribution); the data meta says f2 has 30 rows."""
     from dlrmctl.inference.export import ExportOptions, export_model
@@ -181,7 +181,7 @@ def _expand_f2(values, lengths, B, drop=()):
 def test_multi_hot_expansion_in_the_program_equals_the_loaders(tmp_path):
     from dlrmctl.inference.export import load_exported
 
-    model = _multi_hot_export(tmp_path, "error", "m")
+    model = multi_hot_export(tmp_path, "error", "m")
     m = load_exported(tmp_path / "m")
     assert "multi_hot" in m.manifest["in_program"]
     dense, values, lengths = example_inputs(40, 5)
@@ -200,7 +200,7 @@ def test_an_out_of_range_one_hot_id_of_a_multi_hot_feature_errors_or_drops_its_w
     of an expansion of some other id remains)."""
     from dlrmctl.inference.export import ExportError, load_exported
 
-    _multi_hot_export(tmp_path, "error", "e")
+    multi_hot_export(tmp_path, "error", "e")
     dense, values, lengths = example_inputs(8, 4)
     assert int(lengths[16:].sum()) > 0
     bad = values.clone()
@@ -208,7 +208,7 @@ def test_an_out_of_range_one_hot_id_of_a_multi_hot_feature_errors_or_drops_its_w
     with pytest.raises(ExportError, match=r"feature 'f2': a one-hot id is out of range of its multi-hot expansion; "
                                           r"expected 0 <= id < 30"):
         load_exported(tmp_path / "e").logits(dense, bad, lengths)
-    model = _multi_hot_export(tmp_path, "zero", "z")
+    model = multi_hot_export(tmp_path, "zero", "z")
     z = load_exported(tmp_path / "z").logits(dense, bad, lengths)
     ve, le = _expand_f2(values, lengths, 8, drop=[values.numel() - 1])
     ref = _eager(model, dense, ve, le)

@@ -11,6 +11,7 @@ located (table, feature, sample) from the inputs, as the program asserts all ids
 from __future__ import annotations
 
 import io
+import logging
 import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -20,9 +21,13 @@ import torch
 from dlrmctl.console import stage
 from dlrmctl.inference.artifact import PROGRAM_FILE, QUANTIZE_DENSE_NEEDS_TORCHSCRIPT, ExportError
 from dlrmctl.inference.formats.base import Built, ExportPlan, Format
+from dlrmctl.inference.formats.pt2_reader import NotReadable, ProgramParts, read_program
 from dlrmctl.inference.raw_id_remap import raw_id_remap
 
-__all__ = ["GraphRunner", "ProgramFormat", "multi_hot_tables", "native_binding", "native_graph", "qtable_bytes"]
+__all__ = ["GraphRunner", "ProgramFormat", "multi_hot_tables", "native_binding", "native_graph", "program_parts",
+           "qtable_bytes"]
+
+log = logging.getLogger("dlrmctl.export")
 
 
 class GraphRunner:
@@ -34,15 +39,11 @@ class GraphRunner:
     ``aten.add.Tensor``: :func:`native_graph`), the same kernels with a cheaper argument parse.
     ``__call__(dense, values, lengths[, weights]) -> (scores, logits)``."""
 
-    def __init__(self, ep: Any, device: torch.device) -> None:
-        from torch.export.graph_signature import InputKind
-
-        tensors = {**ep.state_dict, **ep.constants}
-        specs = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
-        self.state = [tensors[s.target].detach().to(device) for s in specs]
-        self._parameter = [s.kind == InputKind.PARAMETER for s in specs]
-        self._names = [s.target for s in specs]
-        self.graph = native_graph(ep.graph_module)
+    def __init__(self, parts: ProgramParts, device: torch.device) -> None:
+        self.state = [t.detach().to(device) for t in parts.tensors]
+        self._parameter = list(parts.parameter)
+        self._names = list(parts.names)
+        self.graph = native_graph(parts.graph_module)
         self._forward = self.graph.forward
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
@@ -56,6 +57,17 @@ class GraphRunner:
         """The program's buffers and tensor constants as ``(name, tensor)`` (the tables' storage
         among them), like ``nn.Module``'s."""
         return ((n, t) for n, t, p in zip(self._names, self.state, self._parameter) if not p)
+
+
+def program_parts(ep: Any) -> ProgramParts:
+    """The parts :class:`GraphRunner` runs of a ``torch.export.ExportedProgram``: its graph module,
+    and its parameters, buffers and tensor constants in signature order."""
+    from torch.export.graph_signature import InputKind
+
+    tensors = {**ep.state_dict, **ep.constants}
+    specs = [s for s in ep.graph_signature.input_specs if s.kind != InputKind.USER_INPUT]
+    return ProgramParts(ep.graph_module, [s.target for s in specs], [tensors[s.target] for s in specs],
+                        [s.kind == InputKind.PARAMETER for s in specs])
 
 
 #: ATen overloads -> torch's Python binding of the same operator with the same arguments (positional
@@ -204,17 +216,23 @@ class ProgramFormat(Format):
 
     # ------------------------------------------------------------------ load and run
     def load(self, path: Path, manifest: dict, device: torch.device) -> Any:
-        """``torch.export.load`` -> a callable of its graph on ``device`` (:class:`GraphRunner`; a
-        program whose graph also returns buffer mutations runs as ``ep.module()``, moved to
-        ``device``).  Input guards are left to :meth:`check_inputs` (clearer messages): the
-        module's own guard hooks cost more than a small batch's lookups."""
+        """The program as a callable of its graph on ``device`` (:class:`GraphRunner`): read by
+        :func:`~dlrmctl.inference.formats.pt2_reader.read_program` (dlrmctl's own archives: the
+        same graph and tensors without ``torch.export.load``'s start-up), else by
+        ``torch.export.load`` (a program whose graph also returns buffer mutations then runs as
+        ``ep.module()``, moved to ``device``).  Input guards are left to :meth:`check_inputs`
+        (clearer messages): the module's own guard hooks cost more than a small batch's lookups."""
         from torch.export.graph_signature import OutputKind
 
+        try:
+            return GraphRunner(read_program(path), device)
+        except NotReadable as e:
+            log.debug("%s: read with torch.export.load (%s)", path, e)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ep = torch.export.load(str(path))
             if all(s.kind == OutputKind.USER_OUTPUT for s in ep.graph_signature.output_specs):
-                return GraphRunner(ep, device)
+                return GraphRunner(program_parts(ep), device)
             module = ep.module(check_guards=False)
         module.validate_inputs = False
         return module.to(device) if device.type != "cpu" else module
