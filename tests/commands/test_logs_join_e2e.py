@@ -33,7 +33,7 @@ def test_movielens_schema_preprocess_train_export_predict_joins_raw_rows_from_th
     from dlrmctl.inference.predict import raw_transformer
 
     tr, names = raw_transformer(load_exported(model))
-    assert names == ["userId", "movieId", "genres"]
+    assert names == ["userId", "movieId", "genres", "tag"]
     _dense, ids, labels = next(tr.file(raw))
     records = [{k: v for k, v in r.items() if k != "rating"} for r in csv.DictReader(rows)]
     _d2, i2, l2 = tr.records(records)

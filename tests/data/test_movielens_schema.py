@@ -1,11 +1,10 @@
 """MovieLens as a schema instance: ``preprocess logs --schema configs/schemas/movielens.yaml`` on
 ml-latest-small's ratings.csv (movies.csv joined) against ``preprocess movielens`` on the release
 (skipped without ../shared/data): the same rows in the same order and splits, the same ids,
-vocabularies, dense features and meta.json statistics, and, without tags.csv (tag bags are a
-feature the schema does not make), a model of the same shape gets the same val AUC bit for bit."""
+vocabularies, dense features, tag bags and meta.json statistics, and a model of the same shape
+(configs/movielens.yaml, configs/movielens_schema.yaml) gets the same val AUC bit for bit."""
 
 import json
-import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -15,7 +14,7 @@ import pytest
 from dlrmctl.data.ids import raw_ids
 from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
 
-NAMES = {"userId": "user_id", "movieId": "item_id", "genres": "genres"}
+NAMES = {"userId": "user_id", "movieId": "item_id", "genres": "genres", "tag": "tags"}
 DENSE = ["item_popularity", "user_activity", "release_year", "years_since_release"]
 
 
@@ -53,8 +52,8 @@ def test_movielens_schema_gives_the_rows_ids_vocabularies_and_statistics_of_prep
             assert a.column(f).equals(b.column(f)), (split, f)
     for ours, theirs in NAMES.items():
         lv = _vocab(lg, ml, ours)
-        if theirs == "genres":
-            assert lv.column("value").to_pylist() == raw_ids(pa.array(mm["vocabularies"]["genres"])).tolist()
+        if theirs in ("genres", "tags"):
+            assert lv.column("value").to_pylist() == raw_ids(pa.array(mm["vocabularies"][theirs])).tolist()
             continue
         mv = _vocab(m, mm, theirs)
         assert lv.column("value").to_pylist() == raw_ids(pa.array([str(v) for v in mv.column("value").to_pylist()])).tolist()
@@ -74,7 +73,6 @@ def test_movielens_schema_gives_the_rows_ids_vocabularies_and_statistics_of_prep
     ratings = tmp_path / "few.csv"
     src = require_shared(SHARED_DATA / "movielens" / "ml-latest-small")
     ratings.write_text("".join((src / "ratings.csv").read_text().splitlines(keepends=True)[:200]))
-    shutil.copy(src / "movies.csv", tmp_path / "movies.csv")
     dense, _ids, _labels = next(RawTransformer(ml, lg).file(ratings))
     a, _ = _split(m, "train")
     first = {(u, i): k for k, (u, i) in enumerate(zip(a.column("user_id").to_pylist(), a.column("item_id").to_pylist()))}
@@ -91,12 +89,7 @@ def test_a_model_trained_on_either_gets_the_same_val_auc_bit_for_bit(tmp_path):
     from tests.commands.test_cli_e2e import invoke
     from tests.conftest import SHARED_DATA, require_shared
 
-    full = require_shared(SHARED_DATA / "movielens" / "ml-latest-small")
-    src = tmp_path / "ml"  # the release without tags.csv: the features both paths make
-    src.mkdir()
-    for f in ("ratings.csv", "movies.csv"):
-        shutil.copy(full / f, src / f)
-    m, lg = _both(tmp_path, src)
+    m, lg = _both(tmp_path, require_shared(SHARED_DATA / "movielens" / "ml-latest-small"))
     auc = {}
     for d, cfg in ((m, "configs/movielens.yaml"), (lg, "configs/movielens_schema.yaml")):
         invoke("train", cfg, "--set", f"data.path={d}", "--set", f"train.run_dir={tmp_path / ('runs_' + d.name)}",

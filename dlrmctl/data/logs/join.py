@@ -34,7 +34,7 @@ from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import JoinSpec, LogSchema
 from dlrmctl.errors import quoted
 
-__all__ = ["join_columns", "prepare_joins", "read_side_keys", "recorded", "side_path", "with_tables"]
+__all__ = ["KEY", "join_columns", "prepare_joins", "read_side_columns", "read_side_keys", "recorded", "side_path", "with_tables"]
 
 KEY = "key"
 
@@ -45,8 +45,8 @@ def side_path(spec: JoinSpec, inputs: list[Path]) -> Path:
     return p if p.is_absolute() or not inputs else Path(inputs[0]).parent / p
 
 
-def _read_side(spec: JoinSpec, path: Path, fmt: str) -> pa.Table:
-    want = [spec.key, *spec.columns]
+def _read_side(spec: JoinSpec, path: Path, fmt: str, extra: tuple[str, ...] = ()) -> pa.Table:
+    want = [spec.key, *spec.columns, *extra]
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq
@@ -77,7 +77,7 @@ def _read_side(spec: JoinSpec, path: Path, fmt: str) -> pa.Table:
 
 
 def _check_columns(spec: JoinSpec, path: Path, have: list[str]) -> None:
-    for c in (spec.key, *spec.columns):
+    for c in (spec.key, *spec.columns, *[c for c in ((spec.many or {}).get("time"), (spec.many or {}).get("group")) if c]):
         if c not in have:
             raise DataError(f"column '{c}' named by `join` by '{spec.key}' is not in the side table (its columns: "
                             f"{quoted(', '.join(have))})", path=path)
@@ -93,6 +93,16 @@ def read_side_keys(spec: JoinSpec, inputs: list[Path], schema: LogSchema) -> pa.
     path = side_path(spec, inputs)
     t = _read_side(spec, path, schema.format_of(path) if spec.format is None else spec.format)
     return t.column(spec.key).combine_chunks()
+
+
+def read_side_columns(spec: JoinSpec, inputs: list[Path], schema: LogSchema, extra: list[str]) -> pa.Table:
+    """The side file of ``spec`` whole: its key, its columns and ``extra`` columns (CSV / TSV: text).
+
+    Raises:
+        DataError: an unreadable side file or a missing column.
+    """
+    path = side_path(spec, inputs)
+    return _read_side(spec, path, schema.format_of(path) if spec.format is None else spec.format, tuple(extra))
 
 
 def prepare_joins(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLike) -> tuple[LogSchema, list[dict]]:
@@ -112,6 +122,9 @@ def prepare_joins(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathL
     """
     specs, info = [], []
     for i, j in enumerate(schema.join):
+        if j.many:  # aggregated after the split (dlrmctl.data.logs.bags)
+            specs.append(j)
+            continue
         path = side_path(j, inputs)
         t = _read_side(j, path, schema.format_of(path) if j.format is None else j.format)
         keys = raw_ids(t.column(j.key))

@@ -53,6 +53,7 @@ from dlrmctl.data.criteo import vocab as _vocab
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
 from dlrmctl.data.criteo.preprocess import PreprocessReport
+from dlrmctl.data.logs.bags import latest_train_times, prepare_bags, without_bags
 from dlrmctl.data.logs.cache import DecodedCache, read_cache, remove_cache
 from dlrmctl.data.logs.derived import CountTable, count_paths, finish_dense, write_count_tables
 from dlrmctl.data.logs.join import prepare_joins, recorded
@@ -338,14 +339,20 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     cutoffs = groups = None
     if o.split_by == "time" and schema.split is not None and schema.split.group:
         prog = Progress("logs pass 0 (groups)", len(files), progress)
-        got = run_tasks(group_rows, [task(f) for f in files], o.workers, prog)
+        got = run_tasks(group_rows, [dataclasses.replace(task(f), schema=without_bags(schema)) for f in files],
+                        o.workers, prog)
         prog.show(final=True)
         rows_read += prog.rows
-        groups = group_cutoffs(*concat_keys(got), o.val_ratio, o.test_ratio)
+        keys0 = concat_keys(got)
+        groups = group_cutoffs(*keys0, o.val_ratio, o.test_ratio)
         if not groups.train_rows and len(groups.groups):  # (an empty input is said below)
             raise DataError(f"the per-group time split leaves no rows to train on with --val-ratio {o.val_ratio} "
                             f"--test-ratio {o.test_ratio} (too few rows per group)", path=str(inputs))
         common["groups"] = groups.digest()
+    if any(j.many for j in schema.join):  # side tables aggregated into bags: after the split
+        schema, bag_info = prepare_bags(schema, files, out, latest_train_times(groups, *keys0) if groups else None)
+        joins += bag_info
+        common["joins"] = [sha256_file(out / j["file"]) for j in joins]
     elif o.split_by == "time":
         prog = Progress("logs pass 0 (time)", len(files), progress)
         tables = run_tasks(time_counts, [task(f) for f in files], o.workers, prog)

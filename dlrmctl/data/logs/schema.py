@@ -42,7 +42,7 @@ import os
 import re
 from typing import Any
 
-from dlrmctl.data.logs.schema_keys import KeyChecker, SchemaError, kind_of
+from dlrmctl.data.logs.schema_keys import KeyChecker, SchemaError, kind_of, many_keys, split_kwargs
 
 __all__ = ["CategoricalSpec", "DenseSpec", "JoinSpec", "LabelSpec", "LogSchema", "SchemaError", "SplitSpec", "load_schema",
            "parse_schema"]
@@ -147,6 +147,9 @@ class JoinSpec:
     delimiter: str | None = None
     missing: str = "error"  # error | empty
     table: str | None = None
+    #: many rows per key, aggregated into one bag per key (:mod:`dlrmctl.data.logs.bags`): ``time``,
+    #: ``group``, ``normalize``, ``min_count``, ``max_len``
+    many: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +225,9 @@ class LogSchema:
         for k in ("split", "join"):
             if not d[k]:
                 d.pop(k)
+        for j in d.get("join", []):
+            if j["many"] is None:
+                j.pop("many")
         for x in d["dense"]:
             for k in ("count_of", "extract", "years_since"):
                 if x[k] is None:
@@ -360,20 +366,6 @@ def _categorical(v: KeyChecker, i: int, x: Any, defaults: dict) -> CategoricalSp
     return CategoricalSpec(**kw)
 
 
-def _split(v: KeyChecker, x: Any) -> SplitSpec | None:
-    if x is None:
-        return None
-    d = v.mapping(x, "split", ("by", "group", "tiebreak"))
-    by = v.choice(d.get("by", "row"), "split.by", ("row", "time"))
-    group = v.string(d["group"], "split.group") if d.get("group") is not None else None
-    tiebreak = v.string(d["tiebreak"], "split.tiebreak") if d.get("tiebreak") is not None else None
-    if group and by != "time":
-        raise v.fail("split.group", "a per-group split is by time: set `split.by: time` (and `time:`)")
-    if tiebreak and not group:
-        raise v.fail("split.tiebreak", "orders a group's rows of equal time: needs `split.group`")
-    return SplitSpec(by, group, tiebreak)
-
-
 def _joins(v: KeyChecker, x: Any) -> tuple[JoinSpec, ...]:
     if x is None:
         return ()
@@ -382,7 +374,7 @@ def _joins(v: KeyChecker, x: Any) -> tuple[JoinSpec, ...]:
     out = []
     for i, j in enumerate(x):
         p = f"join[{i}]"
-        d = v.mapping(j, p, ("path", "key", "columns", "format", "delimiter", "missing"))
+        d = v.mapping(j, p, ("path", "key", "columns", "format", "delimiter", "missing", "many"))
         path = v.string(d.get("path"), f"{p}.path")
         p = f"{p} ({path})"
         on = v.string(d.get("key"), f"{p}.key")
@@ -396,7 +388,8 @@ def _joins(v: KeyChecker, x: Any) -> tuple[JoinSpec, ...]:
         if delim is not None and len(delim) != 1:
             raise v.fail(f"{p}.delimiter", f"expected one character, got {delim!r}")
         missing = v.choice(d.get("missing", "error"), f"{p}.missing", ("error", "empty"))
-        out.append(JoinSpec(path, on, cols, fmt, delim, missing))
+        many = many_keys(v, d["many"], f"{p}.many", cols) if d.get("many") is not None else None
+        out.append(JoinSpec(path, on, cols, fmt, delim, "empty" if many else missing, many=many))
     return tuple(out)
 
 
@@ -440,7 +433,8 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
                   label=_label(v, d.get("label")), time=v.string(d["time"], "time") if d.get("time") is not None else None,
                   dense=dense, categorical=cats,
                   ignore=v.names(d["ignore"], "ignore") if d.get("ignore") is not None else (), source=source,
-                  split=_split(v, d.get("split")), join=_joins(v, d.get("join")))
+                  split=SplitSpec(**split_kwargs(v, d["split"])) if d.get("split") is not None else None,
+                  join=_joins(v, d.get("join")))
     if s.split and s.split.by == "time" and not s.time:
         raise v.fail("split.by", "a time split needs the `time:` column")
     seen: dict[str, str] = {}
@@ -474,11 +468,17 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
         if x.years_since and (not s.time or x.years_since not in [y.name for y in dense[:i] if y.extract or not y.derived]):
             raise v.fail(f"{p}.years_since", f"expected a dense feature read or extracted before this one (a year), and "
                          f"the `time:` column; got '{x.years_since}'" + ("" if s.time else " and no `time:`"))
+    for i, j in enumerate(s.join):
+        if j.many and j.many["group"] and (not s.split or j.many["group"] != s.split.group):
+            raise v.fail(f"join[{i}] ({j.path}).many.group", f"expected the split's group "
+                         f"({s.split.group if s.split and s.split.group else 'none: set split.group'}), got '{j.many['group']}'")
     keys = [j.key for j in s.join]
     for i, c in enumerate(cats):
-        if c.vocab_from == "join" and (c.name not in keys or c.multi):
+        bags = [c for j in s.join if j.many for c in j.columns]
+        if c.vocab_from == "join" and not ((c.name in keys and not c.multi) or (c.name in bags and c.multi)):
             raise v.fail(f"categorical[{i}] ({c.name}).vocab.from", f"'{c.name}' is not the key of a `join` side "
-                         f"table (keys: {', '.join(keys) or 'none'}): `from: join` takes the vocabulary from one")
+                         f"table (keys: {', '.join(keys) or 'none'}) nor the multi-valued column of a `many` one: "
+                         "`from: join` takes the vocabulary from one")
     if columns is not None:
         missing = [c for c in s.named_columns() if c not in columns]
         if missing:

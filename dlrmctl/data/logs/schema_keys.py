@@ -7,7 +7,7 @@ from typing import Any
 
 from dlrmctl.errors import UserError
 
-__all__ = ["KeyChecker", "SchemaError", "kind_of"]
+__all__ = ["KeyChecker", "SchemaError", "kind_of", "many_keys", "split_kwargs"]
 
 
 class SchemaError(ValueError, UserError):
@@ -76,3 +76,42 @@ def kind_of(v: Any) -> str:
     if isinstance(v, (dict, list)):
         return f"a {type(v).__name__}"
     return f"{type(v).__name__} {v!r}"
+
+
+def many_keys(v: KeyChecker, x: Any, path: str, columns: tuple[str, ...]) -> dict:
+    """The ``many`` mapping of a ``join`` entry (:mod:`dlrmctl.data.logs.bags`), defaults filled in.
+
+    Raises:
+        SchemaError: an unknown key, a wrong type, ``time`` without ``group`` (or the reverse), or
+            not exactly one column to aggregate.
+    """
+    d = v.mapping({} if x is True else x, path, ("time", "group", "normalize", "min_count", "max_len"))
+    if len(columns) != 1:
+        raise v.fail(f"{path}", f"a `many` side table brings one column (its values become a bag per key), got "
+                                f"{len(columns)}")
+    out = {"time": v.string(d["time"], f"{path}.time") if d.get("time") is not None else None,
+           "group": v.string(d["group"], f"{path}.group") if d.get("group") is not None else None,
+           "normalize": v.boolean(d.get("normalize", False), f"{path}.normalize"),
+           "min_count": v.integer(d.get("min_count", 1), f"{path}.min_count"),
+           "max_len": v.integer(d["max_len"], f"{path}.max_len") if d.get("max_len") is not None else None}
+    if (out["time"] is None) != (out["group"] is None):
+        raise v.fail(f"{path}.{'group' if out['group'] is None else 'time'}", "`time` and `group` go together (an "
+                     "event counts when its time is at most its group's latest train time)")
+    return out
+
+
+def split_kwargs(v: KeyChecker, x: Any) -> dict:
+    """The ``split`` mapping as ``SplitSpec`` keyword arguments (``by``, ``group``, ``tiebreak``).
+
+    Raises:
+        SchemaError: an unknown key, a group without ``by: time``, a tiebreak without a group.
+    """
+    d = v.mapping(x, "split", ("by", "group", "tiebreak"))
+    by = v.choice(d.get("by", "row"), "split.by", ("row", "time"))
+    group = v.string(d["group"], "split.group") if d.get("group") is not None else None
+    tiebreak = v.string(d["tiebreak"], "split.tiebreak") if d.get("tiebreak") is not None else None
+    if group and by != "time":
+        raise v.fail("split.group", "a per-group split is by time: set `split.by: time` (and `time:`)")
+    if tiebreak and not group:
+        raise v.fail("split.tiebreak", "orders a group's rows of equal time: needs `split.group`")
+    return {"by": by, "group": group, "tiebreak": tiebreak}

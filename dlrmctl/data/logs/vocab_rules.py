@@ -4,7 +4,8 @@ frequent train value first, ties by key):
 
 * ``from: join``: the vocabulary is every key of the side table the column is the ``join`` key of
   (a catalogue: a movie never rated, or rated in val / test only, keeps its own row); ``count`` is
-  its train rows (0 for a key without one).
+  its train rows (0 for a key without one); for the column a ``many`` side table brings, the values
+  it kept (:mod:`dlrmctl.data.logs.bags`), ``count`` their counted events.
 * ``order: value``: ids by the sorted values, numerically when every value is an integer (an
   Arrow integer, a whole number, or decimal text such as ``"17"``), else by their text (Unicode
   code points); ``parse: hex`` values by their integer.  The values are the column's own (a second
@@ -31,6 +32,7 @@ import pyarrow.ipc as ipc
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parallel import report_rows
 from dlrmctl.data.ids import raw_ids
+from dlrmctl.data.logs.bags import values_file
 from dlrmctl.data.logs.join import join_columns, read_side_keys
 from dlrmctl.data.logs.read import iter_batches
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
@@ -160,7 +162,12 @@ def finish_vocabs(schema: LogSchema, files: list[Path], out_dir: str | os.PathLi
         path = Path(out_dir) / "vocab" / f"{spec.name}.arrow"
         t = ipc.open_file(pa.memory_map(str(path))).read_all()
         keys, counts = t.column("value").to_numpy(), t.column("count").to_numpy()
-        if spec.vocab_from == "join":
+        bag = next((k for k, j in enumerate(schema.join) if j.many and spec.name in j.columns), None)
+        if spec.vocab_from == "join" and bag is not None:  # the values a `many` side table kept (bags.py)
+            kept = ipc.open_file(pa.memory_map(str(Path(out_dir) / values_file(bag)))).read_all()
+            values = kept.column("value").combine_chunks()
+            keys, counts = raw_ids(values), kept.column("count").to_numpy()
+        elif spec.vocab_from == "join":
             j = next(j for j in schema.join if j.key == spec.name)
             side = read_side_keys(j, files, schema)
             side_keys = raw_ids(side)
