@@ -305,3 +305,36 @@ def test_ids_of_all_features_decode_in_one_pass_as_each_alone_and_odd_inputs_kee
     spaced = body(a=ids["a"] + [7] * 40).replace(b"7, 7", b"7, , 7", 1)
     with pytest.raises(BadRequest):
         decode_request(spaced, None, spec, None)
+
+
+@pytest.mark.parametrize("style", ["compact", "spaced", "newlines", "exponents"])
+def test_long_float_inputs_decode_to_what_json_loads_gives_in_any_spacing(style, monkeypatch):
+    """Dense values long enough for the joined float parser (Arrow's) equal ``json.loads``'s, rounded
+    to float32, whatever the spacing a client writes (one space after a comma is Arrow's, other
+    whitespace NumPy's); ints among them are read as floats."""
+    import dlrmctl.inference.serve.json_tensors as jt
+    from dlrmctl.inference.serve.json_tensors import ARROW_BYTES
+
+    arrow = []
+    real = jt._floats
+    monkeypatch.setattr(jt, "_floats", lambda text: arrow.append(real(text)) or arrow[-1])
+    from dlrmctl.inference.serve.protocol import ModelSpec, decode_request
+
+    rows = 200
+    spec = ModelSpec("m", 13, ["a"], [], {"a": 1000}, "error", False)
+    rng = np.random.default_rng(7)
+    dense = np.log1p(rng.integers(0, 5000, rows * 13)).tolist()
+    dense[::17] = [int(x) for x in rng.integers(-3, 3, len(dense[::17]))]
+    if style == "exponents":
+        dense[1::5] = [float(x) for x in rng.standard_normal(len(dense[1::5])) * 1e-7]
+        dense[2::5] = [float(x) for x in rng.standard_normal(len(dense[2::5])) * 1e12]
+    inputs = [{"name": "dense", "datatype": "FP32", "shape": [rows, 13], "data": dense},
+              {"name": "a", "datatype": "INT64", "shape": [rows], "data": rng.integers(0, 1000, rows).tolist()}]
+    body = json.dumps({"inputs": inputs}, separators=(",", ":") if style == "compact" else None,
+                      indent=1 if style == "newlines" else None).encode()
+    assert len(json.dumps(dense)) >= ARROW_BYTES
+    rows_out, _ = decode_request(body, None, spec, None)
+    want = np.array(json.loads(body)["inputs"][0]["data"], np.float64).astype(np.float32).reshape(rows, 13)
+    assert rows_out.dense.dtype == np.float32
+    np.testing.assert_array_equal(rows_out.dense, want)
+    assert len(arrow) == (0 if style == "newlines" else 1) and all(a is not None for a in arrow)

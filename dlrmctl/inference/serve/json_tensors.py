@@ -7,9 +7,11 @@ convert; 16M ids in a 30 MB body took the server to GBs.  Here an id costs its 8
 in C; the JSON left for ``json.loads`` is the request's small skeleton (names, datatypes, shapes).
 An array that is not plain numbers (``true``, strings, empty elements, unbalanced brackets) is left
 in place and decoded as before, so the result equals ``json.loads``'s for every valid body.
-:func:`int_inputs` decodes the id inputs of a request together (short lists and cut-out arrays).
+:func:`numeric_inputs` decodes a request's INT64 and FP32 inputs, each kind together (short lists
+and cut-out arrays).
 """
 
+import math
 import re
 import warnings
 
@@ -24,6 +26,8 @@ _UNBRACKET = bytes.maketrans(b"[]", b"  ")
 SPAN_KEY = "\x00"
 #: arrays shorter than this stay in the JSON (json.loads is as fast for a handful of numbers)
 MIN_BYTES = 64
+#: float text at least this long is parsed by Arrow (below, its fixed cost per call exceeds what it saves)
+ARROW_BYTES = 2048
 #: numbers parsed per NumPy call of a long array: another thread (the event loop) runs in between
 CHUNK_BYTES = 1 << 20
 
@@ -99,10 +103,27 @@ def parse_numbers(span: bytes, integer: bool) -> np.ndarray | None:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def parse_flat_int_spans(spans: list[bytes]) -> list[np.ndarray] | None:
-    """The int64 numbers of several flat cut-out arrays (``[1,2,3]``, no nesting) parsed by one NumPy
-    call over their joined text, one view per span; None when any span is nested, empty or not
-    plain integers (the caller then parses each with :func:`parse_numbers`, which says why)."""
+def _floats(text: bytes) -> np.ndarray | None:
+    """float64 numbers of ``text`` (comma separated, no brackets) by Arrow's string -> double cast
+    (the fast_float parser, correctly rounded as ``json.loads``), or None where Arrow refuses it
+    (a number JSON or Arrow does not read: the caller falls back to NumPy's parser)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        parts = pc.split_pattern(pa.scalar(text.decode("ascii")), ",")
+        return pc.cast(parts.values, pa.float64()).to_numpy(zero_copy_only=False)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, UnicodeDecodeError):
+        return None
+
+
+def parse_flat_spans(spans: list[bytes], integer: bool) -> list[np.ndarray] | None:
+    """The numbers of several flat cut-out arrays (``[1,2,3]``, no nesting) parsed by one call over
+    their joined text, one view per span: int64 (``integer``) by NumPy's C parser, float64 by
+    Arrow's (3x NumPy's float parser; whitespace after a comma, as ``json.dumps`` writes, is
+    dropped first; NumPy's where Arrow refuses the text).  None when any span is nested or empty,
+    the joined text is over :data:`CHUNK_BYTES`, or a number is not plain (the caller then parses
+    each span with :func:`parse_numbers`, which says why)."""
     if not spans or any(sp.count(b"[") != 1 for sp in spans):
         return None
     inner = [sp[1:-1] for sp in spans]
@@ -112,80 +133,111 @@ def parse_flat_int_spans(spans: list[bytes]) -> list[np.ndarray] | None:
     if len(text) > CHUNK_BYTES or _has_empty(text):
         return None
     counts = [t.count(b",") + 1 for t in inner]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        try:
-            ids = np.fromstring(text, dtype=np.int64, sep=",")
-        except (ValueError, DeprecationWarning):
-            return None
-    if ids.size != sum(counts):
+    nums = None
+    if not integer and len(text) >= ARROW_BYTES:
+        tight = text.replace(b", ", b",")
+        if not any(c in tight for c in (b" ", b"\t", b"\n", b"\r")):
+            nums = _floats(tight)
+    if nums is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            try:
+                nums = np.fromstring(text, dtype=np.int64 if integer else np.float64, sep=",")
+            except (ValueError, DeprecationWarning):
+                return None
+    if nums.size != sum(counts):
         return None
     out, start = [], 0
     for n in counts:
-        out.append(ids[start:start + n])
+        out.append(nums[start:start + n])
         start += n
     return out
 
 
-def int_inputs(inputs: list, arrays: list[bytes]) -> tuple[dict[str, tuple[str, list[int], np.ndarray]], list]:
-    """``(decoded, the other inputs)``: the ``INT64`` ``[n]`` inputs whose JSON ``data`` is either a
-    flat list of ``n`` ints (a small request's ids) or a flat numeric array cut out of the body
-    (``arrays``: :func:`cut_numeric_arrays`), each ``(datatype, shape, int64 view)``: the lists
-    checked in one pass and converted by one NumPy call, the cut-out arrays parsed by one NumPy
-    call over their joined text, instead of one call (and its checks) per input.  The rest go
-    through the protocol's per-input decoding; anything unusual (a repeated name, a non-int
-    element, an int beyond int64, a count other than the shape's) leaves every input to it, which
-    reports it."""
-    names: list[str] = []
-    sizes: list[int] = []
-    flat: list = []
-    span_names: list[str] = []
-    spans: list[bytes] = []
+#: the JSON datatypes :func:`numeric_inputs` decodes (the model's inputs: ids and bag lengths INT64,
+#: dense features and per-id weights FP32) -> their numpy dtype
+_KINDS = {"INT64": np.int64, "FP32": np.float32}
+
+
+def _plain(raw: list, integer: bool) -> bool:
+    """Whether ``raw`` is a flat list of Python ints (and floats unless ``integer``): no bools, no
+    nested lists, no strings: what one NumPy conversion reads exactly as ``json.loads`` gave it."""
+    if integer:
+        return all(type(x) is int for x in raw)
+    return all(type(x) is float or type(x) is int for x in raw)
+
+
+def numeric_inputs(inputs: list, arrays: list[bytes]) -> tuple[dict[str, tuple[str, list[int], np.ndarray]], list]:
+    """``(decoded, the other inputs)``: the JSON decoder of a request's numeric inputs.
+
+    Every ``INT64`` or ``FP32`` input (any shape) whose ``data`` is a flat list of as many plain
+    numbers as its shape holds (a small request's inputs) or a flat array cut out of the body
+    (``arrays``: :func:`cut_numeric_arrays`) is decoded to ``(datatype, shape, array)``: int64 /
+    float32 of that shape.  The inputs of one kind are converted together: the lists by one NumPy
+    conversion, the cut-out arrays by one parse over their joined text (:func:`parse_flat_spans`),
+    not one call (and its checks) per input.  The rest go through the protocol's per-input decoding,
+    which reports what is wrong: other datatypes, binary data, nested or non-numeric lists, a count
+    other than the shape's, a repeated name (its later inputs), and every input of a kind whose
+    joint conversion fails (an int beyond int64, a number NumPy does not read)."""
+    # int lists, float lists, int cut-out arrays, float cut-out arrays: [(input, name, datatype, shape, count, data)]
+    groups: tuple[list, list, list, list] = ([], [], [], [])
+    names: set = set()
     rest = []
     for inp in inputs:
-        if type(inp) is dict:
-            raw, shape, name = inp.get("data"), inp.get("shape"), inp.get("name")
-            if (type(name) is str and inp.get("datatype") == "INT64" and type(shape) is list and len(shape) == 1
-                    and type(shape[0]) is int and "parameters" not in inp):
-                if type(raw) is list and shape[0] == len(raw):
-                    names.append(name)
-                    sizes.append(len(raw))
-                    flat += raw
-                    continue
-                if type(raw) is dict and type(raw.get(SPAN_KEY)) is int and 0 <= raw[SPAN_KEY] < len(arrays):
-                    span_names.append(name)
-                    spans.append(arrays[raw[SPAN_KEY]])
-                    continue
+        if type(inp) is dict and "parameters" not in inp:
+            dt, name, shape = inp.get("datatype"), inp.get("name"), inp.get("shape")
+            if (dt == "INT64" or dt == "FP32") and type(name) is str and type(shape) is list and name not in names:
+                if len(shape) == 1:
+                    n = shape[0]
+                    ok = type(n) is int and n >= 0
+                else:
+                    ok = all(type(x) is int and x >= 0 for x in shape)
+                    n = math.prod(shape) if ok else 0
+                if ok:
+                    raw, kind = inp.get("data"), 0 if dt == "INT64" else 1
+                    if type(raw) is list:
+                        if len(raw) == n:
+                            groups[kind].append((inp, name, dt, shape, n, raw))
+                            names.add(name)
+                            continue
+                    elif type(raw) is dict:
+                        at = raw.get(SPAN_KEY)
+                        if type(at) is int and 0 <= at < len(arrays):
+                            groups[kind + 2].append((inp, name, dt, shape, n, arrays[at]))
+                            names.add(name)
+                            continue
         rest.append(inp)
-    if not names and not spans:
-        return {}, rest
-    if len(set(names + span_names)) != len(names) + len(span_names) or not all(type(x) is int for x in flat):
-        return {}, inputs
     out: dict[str, tuple[str, list[int], np.ndarray]] = {}
-    if names:
-        try:
-            ids = np.array(flat, np.int64)
-        except OverflowError:
-            return {}, inputs
-        start = 0
-        for name, n in zip(names, sizes):
-            out[name] = ("INT64", [n], ids[start:start + n])
-            start += n
-    if spans:
-        parsed = parse_flat_int_spans(spans)
-        if parsed is None:
-            return {}, inputs
-        for inp_name, a in zip(span_names, parsed):
-            out[inp_name] = ("INT64", [a.size], a)
-        shapes = {inp.get("name"): inp["shape"][0] for inp in inputs if type(inp) is dict and inp.get("name") in out}
-        if any(shapes[k] != v[1][0] for k, v in out.items()):
-            return {}, inputs
+    for kind, group in enumerate(groups):
+        if not group:
+            continue
+        integer = kind % 2 == 0
+        dtype = np.int64 if integer else np.float32
+        if kind < 2:  # lists: one check and one conversion over all of them; per input where that fails
+            flat: list = []
+            for g in group:
+                flat += g[5]
+            if not _plain(flat, integer):
+                rest += [g[0] for g in group if not _plain(g[5], integer)]
+                group = [g for g in group if _plain(g[5], integer)]
+                flat = [x for g in group for x in g[5]]
+            try:
+                values = np.array(flat, dtype)
+            except OverflowError:
+                rest += [g[0] for g in group]
+                continue
+            parsed = []
+            start = 0
+            for g in group:
+                parsed.append(values[start:start + g[4]])
+                start += g[4]
+        else:
+            parsed = parse_flat_spans([g[5] for g in group], integer) or [None] * len(group)
+        for (inp, name, dt, shape, n, _), a in zip(group, parsed):
+            if a is None or a.size != n:
+                rest.append(inp)
+                continue
+            if a.dtype != dtype:
+                a = a.astype(dtype)
+            out[name] = (dt, shape, a if len(shape) == 1 else a.reshape(shape))
     return out, rest
-
-
-def plain_numbers(raw: list, real: bool) -> bool:
-    """Whether ``raw`` is a flat list of Python ints (and floats when ``real``), no bools or
-    nested lists: what ``np.array`` converts exactly as the slow path would."""
-    if real:
-        return all(type(x) is float or type(x) is int for x in raw)
-    return all(type(x) is int for x in raw)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import numpy as np
 
 from dlrmctl.errors import UserError, quoted
-from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, int_inputs, parse_numbers, plain_numbers
+from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays, numeric_inputs, parse_numbers
 
 
 #: Open Inference Protocol datatype -> numpy dtype (the ones this server reads)
@@ -241,18 +241,6 @@ def _tensor(inp: Any, binary: memoryview | None, pos: int,
             if info is not None and fast.size and (fast.min() < info.min or fast.max() > info.max):
                 raise BadRequest(f"input {quoted(name)}: data is not a list of {dt} numbers")
             data = fast.astype(_NP[dt], copy=False)
-        elif type(raw) is list and dt in _NP and dt != "BOOL" and plain_numbers(raw, dt.startswith("FP")):
-            # a short flat list of plain ints / floats (a small request's inputs): one NumPy
-            # conversion, no object array and no per-element re-check
-            try:
-                data = np.array(raw, dtype=np.float64 if dt.startswith("FP") else np.int64)
-                if dt.startswith("INT") and dt != "INT64" and raw:
-                    info = np.iinfo(_NP[dt])
-                    if data.min() < info.min or data.max() > info.max:
-                        raise OverflowError(dt)
-                data = data.astype(_NP[dt], copy=False)
-            except OverflowError:
-                raise BadRequest(f"input {quoted(name)}: data is not a list of {dt} numbers") from None
         elif dt == "BYTES":
             flat = _flatten(raw)
             if not all(isinstance(x, str) for x in flat):
@@ -308,14 +296,24 @@ def _check_id_count(inputs: list, spec: ModelSpec) -> None:
         BadRequest: naming the ids, the rows and the bound.
     """
     rows, ids = 1, 0
+    features = spec.feature_set
     for inp in inputs:
-        shape = inp.get("shape") if isinstance(inp, dict) else None
-        if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)):
+        shape = inp.get("shape") if type(inp) is dict else None
+        if type(shape) is not list:
             continue
-        if inp.get("name") == DENSE_INPUT and shape:
+        name = inp.get("name")
+        if len(shape) == 1:  # most inputs
+            n = shape[0]
+            if type(n) is not int or n < 0:
+                continue
+        elif all(type(x) is int and x >= 0 for x in shape):
+            n = math.prod(shape)
+        else:
+            continue
+        if name in features:
+            ids += n
+        elif name == DENSE_INPUT and shape:
             rows = max(shape[0], 1)
-        elif inp.get("name") in spec.feature_set:
-            ids += math.prod(shape)
     if ids > rows * spec.max_ids_per_row:
         raise BadRequest(f"the request has {ids:,} ids for {rows:,} row(s): more than {spec.max_ids_per_row:,} per row "
                          "(all features together; --max-ids-per-row); split it or raise the bound")
@@ -354,7 +352,7 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec,
         raise BadRequest("the request must be a JSON object with a non-empty 'inputs' list")
     _check_id_count(req["inputs"], spec)
     pos = 0
-    got, rest = int_inputs(req["inputs"], arrays)
+    got, rest = numeric_inputs(req["inputs"], arrays)
     for inp in rest:
         name, dt, shape, data, pos = _tensor(inp, binary, pos, arrays)
         if name in got:
