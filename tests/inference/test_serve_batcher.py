@@ -105,6 +105,41 @@ def test_min_delay_holds_a_released_request_and_the_cap_bounds_an_unreleased_one
         b.stop()
 
 
+def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_scored():
+    """``release(inline=True)`` (the producer holds no other request) scores the queued requests on
+    the calling thread before it returns; while a forward thread scores a batch, they are queued for
+    it as with a plain release, and run once it is free."""
+    clock = FrozenClock()
+    gate, entered = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def fwd(dense, values, lengths, weights):
+        threads.append(threading.current_thread().name)
+        if float(dense[0, 0]) == 9.0:  # the batch that holds the forward thread
+            entered.set()
+            assert gate.wait(30)
+        return dense[:, 0].clone()
+
+    b = batcher(fwd, clock)
+    try:
+        fut = b.submit(one_row(1.0))
+        b.release(inline=True)
+        assert fut.done() and float(fut.result()[1][0]) == 1.0  # done before release returned
+        assert threads == [threading.current_thread().name]
+        held = b.submit(one_row(9.0))
+        b.release()
+        assert entered.wait(30)  # a forward thread is scoring it now
+        fut = b.submit(one_row(2.0))
+        b.release(inline=True)
+        assert not fut.done()  # queued for the busy forward thread, not scored here
+        gate.set()
+        assert float(held.result(30)[1][0]) == 9.0 and float(fut.result(30)[1][0]) == 2.0
+        assert threads[1:] == ["dlrmctl-serve-0", "dlrmctl-serve-0"]
+    finally:
+        gate.set()
+        b.stop()
+
+
 class FakeModel:
     """What the app reads of an exported model: 1 dense column, 2 features of 10 rows each."""
 
@@ -164,6 +199,8 @@ def test_the_app_runs_a_lone_request_at_once_and_merges_requests_that_arrive_tog
         res = await asyncio.wait_for(asyncio.gather(*(post(app, infer_body(float(i))) for i in range(8))), 30)
         assert [r[1]["outputs"][1]["data"] for r in res] == [[float(i)] for i in range(8)]
         assert model.batches == [1, 8]
+        # the lone request was scored on the event loop's thread (no hand-off), the 8 on a forward thread
+        assert model.threads == [threading.current_thread().name, "dlrmctl-serve-0"]
         # a refused request (an id outside its table) does not leave the others waiting
         bad = infer_body(1.0).replace(b'"data": [2]', b'"data": [99]')
         res = await asyncio.wait_for(asyncio.gather(post(app, bad), post(app, infer_body(2.0))), 30)

@@ -112,6 +112,7 @@ class App:
         self.ready = False
         self.unready: str | None = None
         self._arriving = 0  # infer requests begun on the event loop and not yet queued or refused
+        self._inflight = 0  # infer requests begun and not yet answered
         self._flush_due = False
         self._decoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dlrmctl-serve-decode")
         self.api = FastAPI(title="dlrmctl serve", lifespan=self._lifespan, docs_url=None, redoc_url=None)
@@ -158,7 +159,8 @@ class App:
     def _arrived(self) -> None:
         """One infer request stopped arriving (queued, or refused): once the event loop has run every
         callback ready now (the other requests read in the same pass are decoded and queued by then)
-        and no request is still arriving, the queued ones may run without waiting (:meth:`Batcher.release`)."""
+        and no request is still arriving, the queued ones may run without waiting (:meth:`Batcher.release`);
+        when the server holds no other request (a lone client), on this thread at once."""
         self._arriving -= 1
         if not self._flush_due:
             self._flush_due = True
@@ -167,7 +169,7 @@ class App:
     def _flush(self) -> None:
         self._flush_due = False
         if self._arriving == 0 and self.batcher is not None:
-            self.batcher.release()
+            self.batcher.release(inline=self._inflight == 1)
 
     # ------------------------------------------------------------------------- FastAPI endpoints
     def _error(self, code: int, msg: str):
@@ -251,6 +253,7 @@ class App:
         metrics, max_body = self.metrics, self.max_body
         code, reason, body, answered = 200, None, b"", False
         self._arriving += 1
+        self._inflight += 1
         arriving = True
         try:
             more = True
@@ -328,14 +331,17 @@ class App:
             log.exception("infer failed")
             code, reason, body = 500, "server_error", json_error(f"internal error: {type(e).__name__}: {e}")
         finally:
-            if arriving:
-                self._arrived()
-            if code != 200 and code != 499 and not answered:
-                await _send(send, code, body, [(b"retry-after", b"1")] if code == 503 else None)
-            (self._ok if code == 200 else metrics.requests.labels(str(code))).inc()
-            if reason:
-                metrics.errors.labels(reason).inc()
-            metrics.latency.observe(time.perf_counter() - t0)
+            try:
+                if arriving:
+                    self._arrived()
+                if code != 200 and code != 499 and not answered:
+                    await _send(send, code, body, [(b"retry-after", b"1")] if code == 503 else None)
+                (self._ok if code == 200 else metrics.requests.labels(str(code))).inc()
+                if reason:
+                    metrics.errors.labels(reason).inc()
+                metrics.latency.observe(time.perf_counter() - t0)
+            finally:
+                self._inflight -= 1
 
 
 def build_app(model: Any, name: str, max_batch_rows: int = 4096, max_delay_ms: float = 2.0,

@@ -120,6 +120,7 @@ class Batcher:
         self._queued = 0
         self._seq = 0  # requests submitted so far
         self._released = 0  # requests 1.._released may go without waiting for more (release())
+        self._busy = 0  # batches being scored now (forward threads, and release(inline=True))
         self._cond = threading.Condition()
         self._stop = False
         self._threads = [threading.Thread(target=self._run, name=f"dlrmctl-serve-{i}", daemon=True) for i in range(workers)]
@@ -154,13 +155,31 @@ class Batcher:
                 self._cond.notify()
         return fut
 
-    def release(self) -> None:
+    def release(self, inline: bool = False) -> None:
         """Every request submitted so far may run without waiting for others (after ``min_delay_ms``):
-        the producer (the app's event loop) has no other request arriving."""
+        the producer (the app's event loop) has no other request arriving.
+
+        ``inline``: the producer holds no other request either; then, when no batch is being scored
+        and ``min_delay_ms`` is 0, the queued requests are scored here, on the calling thread, before
+        this returns (their futures done): a lone request skips the two thread hand-offs (wake a
+        forward thread, wake the event loop with its answer), each a wait for a CPU on a busy machine.
+        """
         with self._cond:
             self._released = self._seq
-            if self._q:
+            if not self._q:
+                return
+            if not inline or self._busy or self.min_delay > 0 or self._stop:
                 self._cond.notify()
+                return
+            batch = self._pop()
+            self._busy += 1
+        try:
+            self._score(batch)
+        finally:
+            with self._cond:
+                self._busy -= 1
+                if self._q:
+                    self._cond.notify()
 
     def stop(self) -> None:
         """Score everything queued, then end the forward threads."""
@@ -185,16 +204,22 @@ class Batcher:
                 self._cond.wait(left)
                 if not self._q:  # another worker took them
                     return []
-            batch, n = [], 0
-            while self._q and (not batch or n + self._q[0].rows.n <= self.max_batch_rows):
-                it = self._q.popleft()
-                batch.append(it)
-                n += it.rows.n
-            self._queued -= n
-            self.metrics.queue_rows.set(self._queued)
+            batch = self._pop()
+            self._busy += 1
             if self._q:
                 self._cond.notify()
             return batch
+
+    def _pop(self) -> list[_Item]:
+        """The oldest queued requests, at most ``max_batch_rows`` rows (one request at least); under the lock."""
+        batch, n = [], 0
+        while self._q and (not batch or n + self._q[0].rows.n <= self.max_batch_rows):
+            it = self._q.popleft()
+            batch.append(it)
+            n += it.rows.n
+        self._queued -= n
+        self.metrics.queue_rows.set(self._queued)
+        return batch
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
@@ -203,7 +228,11 @@ class Batcher:
             if batch is None:
                 return
             if batch:
-                self._score(batch)
+                try:
+                    self._score(batch)
+                finally:
+                    with self._cond:
+                        self._busy -= 1
 
     def _score(self, batch: list[_Item]) -> None:
         t0 = time.perf_counter()
