@@ -316,8 +316,8 @@ def test_long_float_inputs_decode_to_what_json_loads_gives_in_any_spacing(style,
     from dlrmctl.inference.serve.json_tensors import ARROW_BYTES
 
     arrow = []
-    real = jt._floats
-    monkeypatch.setattr(jt, "_floats", lambda text: arrow.append(real(text)) or arrow[-1])
+    real = jt.arrow_floats
+    monkeypatch.setattr(jt, "arrow_floats", lambda text: arrow.append(real(text)) or arrow[-1])
     from dlrmctl.inference.serve.protocol import ModelSpec, decode_request
 
     rows = 200

@@ -103,7 +103,7 @@ def parse_numbers(span: bytes, integer: bool) -> np.ndarray | None:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def _floats(text: bytes) -> np.ndarray | None:
+def arrow_floats(text: bytes) -> np.ndarray | None:
     """float64 numbers of ``text`` (comma separated, no brackets) by Arrow's string -> double cast
     (the fast_float parser, correctly rounded as ``json.loads``), or None where Arrow refuses it
     (a number JSON or Arrow does not read: the caller falls back to NumPy's parser)."""
@@ -137,7 +137,7 @@ def parse_flat_spans(spans: list[bytes], integer: bool) -> list[np.ndarray] | No
     if not integer and len(text) >= ARROW_BYTES:
         tight = text.replace(b", ", b",")
         if not any(c in tight for c in (b" ", b"\t", b"\n", b"\r")):
-            nums = _floats(tight)
+            nums = arrow_floats(tight)
     if nums is None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
