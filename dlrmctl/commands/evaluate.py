@@ -33,7 +33,9 @@ def evaluate(
                                                                          "exported model)"),
     output_json: bool = typer.Option(False, "--json", help="print the metrics as JSON"),
     artifact: Optional[str] = typer.Option(None, "--artifact", help="exported model: aoti | pt2 | torchscript "
-                                                                     "(default: the fastest it holds for --device)"),
+                                                                     "(default: the fastest it holds for --device "
+                                                                     "on a whole split: pt2, else aoti, else "
+                                                                     "torchscript)"),
     device: Optional[str] = typer.Option(None, "--device", help="exported model: cpu | cuda[:i] | auto (default cpu)"),
 ) -> None:
     """Metrics (AUC, logloss, NE, calibration, accuracy) of a trained or exported model."""

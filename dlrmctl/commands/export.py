@@ -135,7 +135,8 @@ def predict_command(
     batch_rows: int = typer.Option(65536, "--batch-rows", help="rows scored per batch (>= 1)"),
     force: bool = typer.Option(False, "--force", help="replace an existing --output file"),
     artifact: Optional[str] = typer.Option(None, "--artifact", help="aoti | pt2 | torchscript (default: the fastest "
-                                           "the export holds that runs on --device)"),
+                                           "for a whole file the export holds that runs on --device: pt2, "
+                                           "else aoti, else torchscript)"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda[:i] | auto (cuda when a GPU is visible)"),
 ) -> None:
     """Score raw log lines with the same preprocessing as training; writes a row,[label,]score CSV (and metrics if labelled)."""

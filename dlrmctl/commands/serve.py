@@ -42,6 +42,9 @@ def serve_command(
                                                        "a GPU is visible, else cpu); requests are decoded on the "
                                                        "host, each batch moved once"),
     name: Optional[str] = typer.Option(None, "--name", help="model name in /v2/models/{name} (default: the run's name)"),
+    artifact: Optional[str] = typer.Option(None, "--artifact", help="aoti | pt2 | torchscript (default: the fastest "
+                                                                   "per request the export holds that runs on "
+                                                                   "--device: aoti, else pt2, else torchscript)"),
 ) -> None:
     """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM or Ctrl-C."""
     check_number("--port", port, minimum=0, maximum=65535, positive=False, what="TCP port")
@@ -77,7 +80,7 @@ def serve_command(
     from dlrmctl.procs import intra_op_threads
 
     device = serve_device(device)
-    model = load_exported(model_dir, device)
+    model = load_exported(model_dir, device, artifact)
     check_vocabularies(model)
     threads, why = intra_op_threads(workers * processes)
     where = f"on {device}; " if device != "cpu" else ""
@@ -91,7 +94,8 @@ def serve_command(
                    max_queue_rows=max_queue_rows, workers=workers, max_request_mb=max_request_mb,
                    max_ids_per_row=max_ids_per_row)
     try:
-        others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options, device=device)
+        others = start_processes(processes - 1, str(model_dir), served, host, addr[1], threads, options, device=device,
+                                 artifact=model.runner)
     except ServeError:
         sock.close()
         raise
@@ -102,13 +106,13 @@ def serve_command(
         wait = f"{max_delay_ms:g} ms"
     else:
         wait = f"{f'{min_delay_ms:g}-' if min_delay_ms else '<= '}{max_delay_ms:g} ms while requests are arriving"
-    echo(f"serving {show_path(model_dir)} as model {served!r} at http://{h}:{addr[1]}/v2/models/{served} "
+    echo(f"serving {show_path(model_dir)} ({model.format.file}, {model.format.title}) as model {served!r} at http://{h}:{addr[1]}/v2/models/{served} "
          f"(batches of <= {max_batch_rows:,} rows, waiting {wait}; queue {max_queue_rows:,} rows"
          f"{' per process' if processes > 1 else ''}; {procs}{workers} worker(s) x {threads} thread(s): {why}; "
          f"{where}HTTP {http} on {loop})")
     def respawn(k: int):
         return start_processes(1, str(model_dir), served, host, addr[1], threads, options, first=k, total=processes,
-                               device=device)[0]
+                               device=device, artifact=model.runner)[0]
 
     stopped = serve(model, served, sock, process=f"1 of {processes}", others=others, respawn=respawn,
                     max_restarts=max_restarts, **options)

@@ -133,7 +133,7 @@ def to_host(t: torch.Tensor) -> np.ndarray:
 
 
 def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cpu",
-                  artifact: str | None = None) -> ExportedModel:
+                  artifact: str | None = None, bulk: bool = False) -> ExportedModel:
     """Load ``model_dir/manifest.json`` and its model -- ``model.pt2`` (``torch.export.load``; needs
     no fbgemm_gpu) or ``model.pt`` (TorchScript, ``manifest["artifact"]``) -- onto ``device``
     (``cpu``, or ``cuda[:i]``; not run on a GPU yet): the program's buffers are moved there
@@ -145,8 +145,9 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
     Outputs stay on ``device``: :func:`to_host` brings them to NumPy.
 
     ``artifact`` (``aoti`` | ``pt2`` | ``torchscript``) names the format to run; by default the
-    fastest the directory holds that runs on ``device`` (the AOTInductor package of a ``--aot``
-    export on the CPU): :func:`dlrmctl.inference.formats.choose_format`.
+    fastest the directory holds that runs on ``device`` per request (the AOTInductor package of a
+    ``--aot`` export on the CPU), or with ``bulk`` for whole-file scoring (``model.pt2`` first):
+    :func:`dlrmctl.inference.formats.choose_format`.
 
     Raises:
         ExportError: no manifest (not an exported model), unknown format version, model file
@@ -165,13 +166,13 @@ def load_exported(model_dir: str | os.PathLike, device: torch.device | str = "cp
     if not isinstance(manifest, dict):
         raise ExportError(f"{mpath}: corrupt manifest: a JSON object expected, got {type(manifest).__name__}")
     try:
-        return _load_checked(d, mpath, manifest, device, artifact)
+        return _load_checked(d, mpath, manifest, device, artifact, bulk)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field of the wrong shape
         raise ExportError(f"{mpath}: corrupt manifest ({type(e).__name__}: {e}); export the run again") from None
 
 
 def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.device,
-                  runner: str | None = None) -> "ExportedModel":
+                  runner: str | None = None, bulk: bool = False) -> "ExportedModel":
     """:func:`load_exported` once ``manifest`` parsed as a JSON object (same errors)."""
     if manifest.get("format_version") != FORMAT_VERSION:
         raise ExportError(f"{mpath}: format_version {manifest.get('format_version')!r} is not supported (expected {FORMAT_VERSION})")
@@ -205,7 +206,7 @@ def _load_checked(d: Path, mpath: Path, manifest: dict, device: str | torch.devi
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ExportError(f"{model_path}: device {device} requested but CUDA is not available")
-    fmt = choose_format(d, manifest, device, runner)
+    fmt = choose_format(d, manifest, device, runner, bulk)
     fmt.check_loadable(d / fmt.file)
     with _unloadable(d / fmt.file, fmt):
         module = fmt.load(d / fmt.file, manifest, device)
@@ -253,7 +254,8 @@ def evaluate_exported(
     evaluated with a warning).
 
     ``device`` (``cpu`` | ``cuda[:i]``) and ``artifact`` choose what runs as in
-    :func:`load_exported`; each batch is moved there once and its logits come back in one copy.
+    :func:`load_exported` with ``bulk`` (a whole split: ``model.pt2`` first); each batch is moved there once
+    and its logits come back in one copy.
     ``announce`` is called with :attr:`ExportedModel.description` once the model is loaded and the
     data checked.
 
@@ -271,7 +273,7 @@ def evaluate_exported(
     from dlrmctl.metrics import compute_metrics_from_logits
 
     stage("loading the exported model")
-    m = load_exported(model_dir, device, artifact)
+    m = load_exported(model_dir, device, artifact, bulk=True)
     mpath = os.path.join(str(data_dir), "meta.json")
     dmeta = read_meta_json(mpath, "data")
     rec = m.manifest.get("data") or {}

@@ -250,7 +250,7 @@ def write_cpp_raw_input(model_dir: str | os.PathLike, input_path: str | os.PathL
     """
     from dlrmctl.data.columnar import DataError
 
-    model = load_exported(model_dir, "cpu")
+    model = load_exported(model_dir, "cpu", bulk=True)
     parts = list(iter_model_inputs(model, input_path, batch_rows))
     if not parts:
         raise DataError("no rows to write", path=input_path)
@@ -321,7 +321,8 @@ def predict_file(
     the SHA-256 the export recorded (:func:`check_vocabularies`).
 
     ``device`` (``cpu`` | ``cuda[:i]``) and ``artifact`` (``aoti`` | ``pt2`` | ``torchscript``; default
-    the fastest the export holds) choose what runs (:func:`~dlrmctl.inference.export.load_exported`);
+    the fastest the export holds for whole-file scoring: ``model.pt2``, else the AOTInductor package,
+    else TorchScript) choose what runs (:func:`~dlrmctl.inference.export.load_exported` with ``bulk``);
     ``announce`` is called with its :attr:`~dlrmctl.inference.export.ExportedModel.description`
     once loaded, before any line is scored.
 
@@ -347,7 +348,7 @@ def predict_file(
         raise DataError("is a directory; give one raw log file (--input FILE)", path=input_path)
     if _is_empty(p):
         raise DataError("empty file: no lines to score", path=input_path)
-    model = load_exported(model_dir, device, artifact)
+    model = load_exported(model_dir, device, artifact, bulk=True)
     check_vocabularies(model)
     if announce is not None:  # once the inputs are known to fit: a bad input stays one error line
         announce(model.description)

@@ -202,6 +202,7 @@ def test_aot_package_runs_in_cpp_like_the_python_program(cpp_binary, tmp_path, c
     m = load_exported(tmp_path / "m", artifact="pt2")
     aoti = load_exported(tmp_path / "m")  # the fastest the export holds, in Python too
     assert aoti.runner == "aoti" and aoti.description == "model_aoti.pt2 (AOTInductor package) on cpu"
+    assert load_exported(tmp_path / "m", bulk=True).runner == "pt2"  # predict / evaluate: the program first
     run = [str(cpp_binary), str(tmp_path / "m")]  # no FBGEMM_GPU_DIR: the package needs none
     for B, seed in ((1, 5), (257, 1)):
         dense, values, lengths = _inputs(B, seed)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dlrmctl.inference.export import ExportError
-from dlrmctl.inference.formats import FORMATS, choose_format, resolve_device
+from dlrmctl.inference.formats import BULK_ORDER, FORMATS, choose_format, resolve_device
 
 
 def _manifest(*files, aoti_device=None):
@@ -41,6 +41,23 @@ def test_a_named_artifact_wins_and_one_not_held_names_the_export_option():
         choose_format("d", m, torch.device("cpu"), "torchscript")
     with pytest.raises(ExportError, match=r"--artifact 'onnx': expected one of \['aoti', 'pt2', 'torchscript'\]"):
         choose_format("d", m, torch.device("cpu"), "onnx")
+
+
+def test_whole_file_scoring_runs_the_program_first_and_serving_the_package():
+    """predict / evaluate (bulk) run model.pt2 ahead of the AOTInductor package (its load imports
+    Inductor; not faster at thousands of rows a batch), serve runs the package first; TorchScript
+    comes last in both; --artifact still wins, and a device the package cannot run on passes it over."""
+    every = _manifest("model.pt2", "model_aoti.pt2", "model.pt")
+    cpu = torch.device("cpu")
+    assert choose_format("d", every, cpu).name == "aoti"
+    assert choose_format("d", every, cpu, bulk=True).name == "pt2"
+    assert choose_format("d", every, cpu, "aoti", bulk=True).name == "aoti"
+    assert choose_format("d", every, cpu, "torchscript", bulk=True).name == "torchscript"
+    assert choose_format("d", _manifest("model_aoti.pt2", "model.pt"), cpu, bulk=True).name == "aoti"
+    assert choose_format("d", _manifest("model.pt"), cpu, bulk=True).name == "torchscript"
+    assert choose_format("d", _manifest("model_aoti.pt2", "model.pt"), torch.device("cuda"), bulk=True).name \
+        == "torchscript"
+    assert sorted(BULK_ORDER) == sorted(FORMATS)
 
 
 def test_formats_are_ranked_fastest_first():

@@ -209,8 +209,8 @@ def test_serve_device_auto_cuda_and_cpu_with_a_fake_gpu(monkeypatch, tmp_path):
 
     loaded = []
 
-    def fake_load(model_dir, device="cpu"):
-        loaded.append(device)
+    def fake_load(model_dir, device="cpu", artifact=None):
+        loaded.append(device if artifact is None else (device, artifact))
         raise export.ExportError(f"{model_dir}: stopped by the test after choosing {device}")
 
     monkeypatch.setattr(export, "load_exported", fake_load)
@@ -227,7 +227,8 @@ def test_serve_device_auto_cuda_and_cpu_with_a_fake_gpu(monkeypatch, tmp_path):
     assert r.exit_code == 2 and "error: --device cuda: torch sees 0 CUDA device(s)" in r.output, r.output
     r = CliRunner().invoke(app, ["serve", str(tmp_path), "--device", "tpu"])
     assert r.exit_code == 2 and "error: --device must be cpu, cuda, cuda:N or auto, got 'tpu'" in r.output, r.output
-    assert loaded == ["cuda"]
+    r = CliRunner().invoke(app, ["serve", str(tmp_path), "--artifact", "pt2"])  # the named format is loaded
+    assert r.exit_code == 2 and loaded == ["cuda", ("cpu", "pt2")], (r.output, loaded)
 
 
 def test_raw_ids_of_a_managed_collision_table_are_accepted_as_tensors_and_index_ids_still_checked():

@@ -10,9 +10,15 @@ each (how it is written, loaded, described and run), and which one a command run
 ================  =================  =============================================================
 
 :func:`choose_format` picks what ``predict``, ``evaluate`` and ``serve`` run: the format the
-caller names (``--artifact``), else the fastest one the directory holds that runs on the device
-(the AOTInductor package on the CPU when present, else the manifest's own artifact; ranks measured
-side by side in benchmarks/export.md).  :func:`dlrmctl.inference.exported.load_exported` loads it;
+caller names (``--artifact``), else the fastest one the directory holds that runs on the device for
+the command's work (measured side by side in benchmarks/export.md):
+
+- ``serve`` (requests of 1 to a few hundred rows, one load for hours): the AOTInductor package on
+  the CPU when present (1.2-1.9x the program at B = 1 and 64), else ``model.pt2``, else
+  ``model.pt`` (:attr:`Format.rank`);
+- ``predict`` and ``evaluate`` (a whole file in batches of thousands of rows, one load per run,
+  ``bulk``): ``model.pt2``, else the package, else ``model.pt`` (:data:`BULK_ORDER`): the package
+  loads through Inductor (seconds of imports) and is not faster at such batches.  :func:`dlrmctl.inference.exported.load_exported` loads it;
 ``ExportedModel.description`` says which, for the first line of those commands.
 """
 
@@ -28,10 +34,12 @@ from dlrmctl.inference.formats.base import Format
 from dlrmctl.inference.formats.pt2 import ProgramFormat
 from dlrmctl.inference.formats.torchscript import TorchScriptFormat
 
-__all__ = ["ARTIFACTS", "FORMATS", "Format", "choose_format", "resolve_device"]
+__all__ = ["ARTIFACTS", "BULK_ORDER", "FORMATS", "Format", "choose_format", "resolve_device"]
 
 #: Every format, fastest first.
 FORMATS: dict[str, Format] = {f.name: f for f in (AotiFormat(), ProgramFormat(), TorchScriptFormat())}
+#: Fastest first for whole-file scoring (``predict``, ``evaluate``: one load, batches of thousands).
+BULK_ORDER: tuple[str, ...] = ("pt2", "aoti", "torchscript")
 #: The formats ``dlrmctl export`` writes on its own (``manifest["artifact"]``).
 ARTIFACTS: tuple[str, ...] = tuple(name for name, f in FORMATS.items() if f.standalone)
 
@@ -57,9 +65,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def choose_format(model_dir: str | Path, manifest: dict, device: torch.device, requested: str | None = None) -> Format:
+def choose_format(model_dir: str | Path, manifest: dict, device: torch.device, requested: str | None = None,
+                  bulk: bool = False) -> Format:
     """The format to run: ``requested`` (``--artifact``), else the fastest the directory holds that
-    runs on ``device``.
+    runs on ``device``: per request (:attr:`Format.rank`), or with ``bulk`` for whole-file scoring
+    (:data:`BULK_ORDER`).
 
     Raises:
         ExportError: an unknown name, a format the directory does not hold (naming the export
@@ -78,7 +88,8 @@ def choose_format(model_dir: str | Path, manifest: dict, device: torch.device, r
             raise ExportError(f"--artifact {requested}: {fmt.file} runs on {fmt.runs_where(manifest)}, not on "
                               f"{device}; pick another --artifact or --device")
         return fmt
-    runnable = sorted((f for f in held if f.runs_on(manifest, device)), key=lambda f: f.rank)
+    order = (lambda f: BULK_ORDER.index(f.name)) if bulk else (lambda f: f.rank)
+    runnable = sorted((f for f in held if f.runs_on(manifest, device)), key=order)
     if not runnable:
         raise ExportError(f"{model_dir}: no artifact here runs on {device} (it holds: {names})")
     return runnable[0]

@@ -96,7 +96,8 @@ class Format:
         file: its file in the export directory.
         title: what it is, for messages and the commands' first line.
         devices: device types it runs on, empty: any.
-        rank: lower is faster (benchmarks/export.md).
+        rank: lower is faster per request (``serve``; benchmarks/export.md; whole-file scoring:
+            :data:`dlrmctl.inference.formats.BULK_ORDER`).
         export_flag: the ``dlrmctl export`` option that writes it.
         loads_with: the call that loads it, for messages.
         standalone: written on its own (``export --artifact``); False for a package compiled

@@ -80,9 +80,10 @@ def bind(host: str, port: int, reuse_port: bool = False, join: bool = False) -> 
 
 
 def start_processes(count: int, model_dir: str, name: str, host: str, port: int, threads: int,
-                    options: dict, first: int = 2, total: int | None = None, device: str = "cpu") -> list:
+                    options: dict, first: int = 2, total: int | None = None, device: str = "cpu",
+                    artifact: str | None = None) -> list:
     """Start ``count`` more server processes (``multiprocessing`` spawn) on ``host:port``: each loads
-    the model from ``model_dir`` onto ``device``, binds the port with ``SO_REUSEPORT`` (the first one's socket must
+    the model from ``model_dir`` onto ``device`` (the format ``artifact``, default the fastest), binds the port with ``SO_REUSEPORT`` (the first one's socket must
     have it too, :func:`bind`), reports back and serves with ``options`` (:func:`serve`'s keyword
     arguments) and ``threads`` intra-op threads.  Returns once every one is listening; each ends when
     the process that started it does (SIGTERM from :func:`serve`, or on its death).  They are numbered
@@ -102,7 +103,7 @@ def start_processes(count: int, model_dir: str, name: str, host: str, port: int,
             k = first + i
             p = ctx.Process(target=_serve_child, name=f"dlrmctl-serve-process-{k}", daemon=False,
                             args=(there, model_dir, name, host, port, threads, f"{k} of {total or count + 1}", options,
-                                  device))
+                                  device, artifact))
             p.start()
             there.close()
             procs.append(p)
@@ -176,7 +177,7 @@ def process_state(pid: int) -> str | None:
 
 
 def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, threads: int, process: str,
-                 options: dict, device: str = "cpu") -> None:
+                 options: dict, device: str = "cpu", artifact: str | None = None) -> None:
     """One extra server process of :func:`start_processes`."""
     try:  # end with the parent, whatever kills it (Linux)
         import ctypes
@@ -193,7 +194,7 @@ def _serve_child(conn: Any, model_dir: str, name: str, host: str, port: int, thr
     try:
         from dlrmctl.inference.export import load_exported
 
-        model = load_exported(model_dir, device)
+        model = load_exported(model_dir, device, artifact)
         sock = bind(host, port, reuse_port=True, join=True)
     except Exception as e:  # noqa: BLE001 - reported by the parent as one line
         conn.send(str(e) or type(e).__name__)
