@@ -5,6 +5,20 @@ system C++ compiler; C++ loads it with ``torch::inductor::AOTIModelPackageLoader
 (scripts/cpp_inference), Python with ``torch._inductor.aoti_load_package``.  It runs on the device
 type it was compiled for (``manifest["aoti_device"]``, CPU when absent) and, like the program,
 returns ``(scores, logits)``: the program's input contract applies unchanged.
+
+What the compile changes against the program (:data:`INDUCTOR_CONFIG`, :func:`fused_pair_dots`), each
+measured in ``benchmarks/export.md``:
+
+* the pairwise dots of the dot interaction, ``bmm(T, T^T)`` ``[B, n, n]`` then the strict upper
+  triangle's ``index_select`` (the program's form: two fast ATen kernels), become one generated
+  loop of dot products over the selected pairs only (``T[:, I] * T[:, J]`` summed over the width):
+  about half the multiply-adds, no ``[B, n, n]`` buffer, and none of Inductor's element-by-element
+  gather, which made the program's form slower compiled than run by ATen;
+* no bounds check in the generated loops' indirect loads (``assert_indirect_indexing``): every
+  index they read is a buffer of the program or was checked by the program's own assertions,
+  which run before them (ids, lengths);
+* the generated loops use the thread count of the process that runs them
+  (``torch.set_num_threads``), not the exporting process's (``cpp.dynamic_threads``).
 """
 
 from __future__ import annotations
@@ -20,7 +34,10 @@ from dlrmctl.inference.artifact import AOTI_FILE, ExportError
 from dlrmctl.inference.formats.base import Format
 from dlrmctl.inference.formats.pt2 import ProgramFormat
 
-__all__ = ["AotiFormat"]
+__all__ = ["AotiFormat", "INDUCTOR_CONFIG", "fused_pair_dots"]
+
+#: Inductor options of the compile (module doc)
+INDUCTOR_CONFIG = {"assert_indirect_indexing": False, "cpp.dynamic_threads": True}
 
 
 class AotiFormat(ProgramFormat):
@@ -53,12 +70,17 @@ class AotiFormat(ProgramFormat):
         if shutil.which("c++") is None and shutil.which("g++") is None:
             raise ExportError("--aot compiles C++ with the system compiler; none found (install g++), or export "
                               "without --aot")
+        import copy
+
         import torch._inductor
 
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+                program = copy.deepcopy(program)  # the caller's program stays as saved
+                fused_pair_dots(program.graph_module)
+                torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                         inductor_configs=dict(INDUCTOR_CONFIG))
         except OSError:
             raise
         except Exception as e:
@@ -73,3 +95,49 @@ class AotiFormat(ProgramFormat):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch._inductor.aoti_load_package(str(path))
+
+
+def fused_pair_dots(gm: torch.fx.GraphModule) -> int:
+    """Rewrite, in place, each ``index_select(flatten(bmm(t, t.transpose(1, 2)), 1), 1, flat)`` of
+    ``gm`` (ATen graph; ``t`` ``[B, n, d]`` float, ``n`` static, ``flat`` ``[P]`` int64 positions in
+    the row-major ``[n, n]`` products) as ``(t[:, I] * t[:, J]).sum(-1)`` with ``I = flat // n``,
+    ``J = flat % n``: the same ``[B, P]`` dot products, each summed over ``d`` in another order
+    (float32 rounding), without the ``[B, n, n]`` product.  Compiled by Inductor into one loop over
+    ``(b, p)``; run eagerly it would materialise two ``[B, P, d]`` gathers, so the saved program
+    keeps its own form.  Returns the number of rewrites."""
+    aten = torch.ops.aten
+    graph, done = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target != aten.index_select.default or node.args[1] != 1:
+            continue
+        flat_node, positions = node.args[0], node.args[2]
+        if (not isinstance(flat_node, torch.fx.Node) or flat_node.target != aten.flatten.using_ints
+                or tuple(flat_node.args[1:]) not in ((1,), (1, -1), (1, 2)) or len(flat_node.users) != 1):
+            continue
+        prod = flat_node.args[0]
+        if not isinstance(prod, torch.fx.Node) or prod.target != aten.bmm.default or len(prod.users) != 1:
+            continue
+        t, tt = prod.args
+        if (not isinstance(tt, torch.fx.Node) or tt.target != aten.transpose.int or tt.args[0] is not t
+                or sorted(int(a) % 3 for a in tt.args[1:]) != [1, 2]):
+            continue
+        val = t.meta.get("val") if isinstance(t, torch.fx.Node) else None
+        if val is None or val.dim() != 3 or not isinstance(val.shape[1], int):
+            continue
+        n = int(val.shape[1])
+        with graph.inserting_before(node):
+            rows = graph.call_function(aten.div.Scalar_mode, (positions, n), {"rounding_mode": "floor"})
+            cols = graph.call_function(aten.remainder.Scalar, (positions, n))
+            left = graph.call_function(aten.index_select.default, (t, 1, rows))
+            right = graph.call_function(aten.index_select.default, (t, 1, cols))
+            dots = graph.call_function(aten.sum.dim_IntList, (graph.call_function(aten.mul.Tensor, (left, right)), [-1]))
+        node.replace_all_uses_with(dots)
+        for dead in (node, flat_node, prod):
+            graph.erase_node(dead)
+        if not tt.users:
+            graph.erase_node(tt)
+        done += 1
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
