@@ -51,7 +51,10 @@ class ColumnAssembly:
 
 class AssembleColumns(torch.autograd.Function):
     """Forward: one ``cat`` of column slices; backward: one ``cat`` per input
-    (cheaper than ``index_select`` + its ``index_add`` backward)."""
+    (cheaper than ``index_select`` + its ``index_add`` backward), or, for an input that is one
+    column block, a strided view of the gradient (no copy: every consumer copies it once anyway,
+    the pooled all-to-all into its send buffer, the reduce-scatter and the lookups by their own
+    ``contiguous()``)."""
 
     @staticmethod
     def forward(ctx, plan: ColumnAssembly, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -67,7 +70,7 @@ class AssembleColumns(torch.autograd.Function):
             if not parts:  # a zero-width block (a rank holding nothing of a group)
                 grads.append(grad.new_zeros(grad.shape[0], 0))
             else:
-                grads.append(parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1))
+                grads.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         return (None, *grads)
 
 
