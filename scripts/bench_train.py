@@ -32,6 +32,10 @@ multiply-add = 2 FLOPs; embedding pooling and element-wise ops are not counted):
 For the bench model: bottom 13-512-256-64, top (64 + 26*27/2 = 415)-512-256-1, N = 27, d = 64:
 about 3.16 MFLOP per sample.
 
+Samples/s come from the run's ``metrics.jsonl`` records at step ``--warmup`` and at the last
+step; the run writes a train record every ``gcd(--warmup, --steps)`` steps (each one a loss
+all-reduce and host read, as ``train.log_every`` does), not every step.
+
 ``--emb-optimizer`` picks ``optimizer.embedding.type`` (default ``exact_rowwise_adagrad``,
 fused in FBGEMM's CPU TBE; the Adam family runs on the ``dense`` kernel on CPU) and
 ``--emb-lr`` its lr (default 0.05 for the Adagrads / SGD, 0.001 for the Adam family).
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -170,6 +175,9 @@ def main() -> None:
 
         generate_synthetic(data, rows=a.rows, seed=0, num_embeddings=[100_000] * 26)
         cfg = os.path.join(tmp, "bench.yaml")
+        # a train record (a loss all-reduce and host read) only at the steps steady() reads, not every
+        # step: the real default is every 50, and TorchRec's side reads no loss while it is timed
+        log_every = math.gcd(a.warmup, a.steps)
         with open(cfg, "w") as f:
             f.write(f"""name: bench
 data: {{path: {data}, batch_size: {batch}, eval_batch_size: 16384, num_samples: {a.steps * batch + batch}}}
@@ -180,7 +188,7 @@ model:
 optimizer:
   embedding: {{type: {a.emb_optimizer}, lr: {emb_lr}}}
   dense: {{type: adagrad, lr: 0.05}}
-train: {{epochs: 1, log_every: 1, progress: false}}
+train: {{epochs: 1, log_every: {log_every}, progress: false}}
 """)
         rows = []
         for w in [int(x) for x in a.worlds.split(",")]:
