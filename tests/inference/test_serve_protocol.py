@@ -339,3 +339,49 @@ def test_long_float_inputs_decode_to_what_json_loads_gives_in_any_spacing(style,
     assert rows_out.dense.dtype == np.float32
     np.testing.assert_array_equal(rows_out.dense, want)
     assert len(arrow) == (0 if style == "newlines" else 1) and all(a is not None for a in arrow)
+
+
+def test_cut_out_arrays_put_back_give_what_json_loads_gives_for_random_bodies():
+    """Random valid bodies (flat and nested arrays, short and long, numbers, strings holding
+    ``"data": [...]``, any spacing): the JSON left after the cut, each placeholder replaced by its
+    array's ``json.loads``, equals ``json.loads`` of the body."""
+    import random
+
+    from dlrmctl.inference.serve.json_tensors import SPAN_KEY, cut_numeric_arrays
+
+    rnd = random.Random(0)
+
+    def value(depth=0):
+        k = rnd.random()
+        if k < 0.3 and depth < 3:
+            return [value(depth + 1) for _ in range(rnd.randint(0, 30))]
+        if k < 0.5:
+            return rnd.randint(-10**6, 10**6)
+        if k < 0.6:
+            return rnd.random() * 10 ** rnd.randint(-8, 8)
+        return rnd.choice([True, None, "x", 'a "data": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]', "]["])
+
+    def data():
+        k = rnd.random()
+        if k < 0.4:
+            return [rnd.randint(-10**5, 10**5) for _ in range(rnd.randint(0, 80))]
+        if k < 0.6:
+            return [[rnd.random() for _ in range(rnd.randint(0, 6))] for _ in range(rnd.randint(0, 15))]
+        return value()
+
+    def put_back(x, arrays):
+        if isinstance(x, dict):
+            if set(x) == {SPAN_KEY}:
+                return json.loads(arrays[x[SPAN_KEY]])
+            return {k: put_back(v, arrays) for k, v in x.items()}
+        return [put_back(v, arrays) for v in x] if isinstance(x, list) else x
+
+    cut = 0
+    for _ in range(1000):
+        obj = {"inputs": [{"name": f"x{j}", "data": data(), rnd.choice(["shape", "data2", 'da"ta']): value()}
+                          for j in range(rnd.randint(1, 4))]}
+        body = json.dumps(obj, **rnd.choice([{}, {"separators": (",", ":")}, {"indent": rnd.randint(0, 2)}])).encode()
+        text, arrays = cut_numeric_arrays(body)
+        assert put_back(json.loads(text), arrays) == json.loads(body)
+        cut += len(arrays)
+    assert cut > 500  # the bodies did have arrays to cut

@@ -22,6 +22,12 @@ _DATA = re.compile(rb'"data"\s*:\s*(\[[-+0-9.eE,\s\[\]]*\])')
 #: the whitespace a cut-out array may hold (``\s`` of :data:`_DATA`: JSON's four and ``\f``, ``\v``);
 #: an empty element, ``1, ,2``, is two commas with only these between (NumPy reads 0, JSON refuses it)
 _WHITESPACE = (b" ", b"\t", b"\n", b"\r", b"\f", b"\v")
+#: after a ``"data"`` key: the colon and an array's opening bracket
+_KEY_TAIL = re.compile(rb"\s*:\s*\[")
+#: what a flat numeric array holds between its brackets (:data:`_DATA`'s characters but the brackets)
+_FLAT = b"-+0123456789.eE," + b"".join(_WHITESPACE)
+#: the longest flat array checked by ``bytes.translate`` (a copy of the text while it runs)
+_TRANSLATE_BYTES = 1 << 16
 _UNBRACKET = bytes.maketrans(b"[]", b"  ")
 #: the placeholder key of a cut-out array: ``{"\u0000": k}`` (no valid tensor data is an object)
 SPAN_KEY = "\x00"
@@ -53,6 +59,27 @@ def _balanced(span: bytes) -> bool:
     return bool(depth[-1] == 0 and (depth[:-1] > 0).all())
 
 
+def _array_at(body: bytes, key: int) -> tuple[int, int, bytes] | None:
+    """``(start, end, text)`` of the numeric array that is the value of the ``"data"`` key at ``key``
+    (as :data:`_DATA` matches it there; the text copied once), or None.  A flat array (the common case) is found by a search
+    for its ``]`` and its text checked by one ``bytes.translate``, not the regex's character loop
+    (up to :data:`_TRANSLATE_BYTES`: ``translate`` holds a second copy while it runs); a longer or
+    nested one by the regex, its brackets balanced (:func:`_balanced`)."""
+    m = _KEY_TAIL.match(body, key + 6)
+    if m is None:
+        return None
+    a = m.end() - 1
+    b = body.find(b"]", a) + 1
+    if 0 < b - a <= _TRANSLATE_BYTES and body.find(b"[", a + 1, b) < 0:  # flat: numbers, signs, commas, spaces
+        span = body[a:b]
+        return None if span.translate(None, _FLAT) != b"[]" else (a, b, span)
+    m = _DATA.match(body, key)
+    if m is None:
+        return None
+    span = m.group(1)
+    return (m.start(1), m.end(1), span) if _balanced(span) else None
+
+
 def cut_numeric_arrays(body: bytes) -> tuple[bytes, list[bytes]]:
     """``(json text, arrays)``: each numeric ``"data"`` array of ``body`` (at least :data:`MIN_BYTES`
     long) replaced by ``{"\\u0000": k}``, ``arrays[k]`` its text (brackets included).
@@ -61,18 +88,20 @@ def cut_numeric_arrays(body: bytes) -> tuple[bytes, list[bytes]]:
     followed by ``:`` is an object key), and only a balanced array; anything else is left to ``json.loads``.
     """
     pieces, arrays, pos = [], [], 0
-    for m in _DATA.finditer(body):
-        a, b = m.span(1)
-        if b - a < MIN_BYTES:
-            continue
-        q, slashes = m.start(), 0
-        while q - slashes > 0 and body[q - slashes - 1] == 92:  # backslashes before the key's quote
-            slashes += 1
-        if slashes % 2 or not _balanced(body[a:b]):
-            continue
-        pieces += [body[pos:a], b'{"\\u0000":%d}' % len(arrays)]
-        arrays.append(body[a:b])
-        pos = b
+    key = body.find(b'"data"')
+    while key >= 0:
+        nxt = key + 6
+        span = _array_at(body, key)
+        if span is not None and len(span[2]) >= MIN_BYTES:
+            a, b, text = span
+            slashes = 0
+            while key - slashes > 0 and body[key - slashes - 1] == 92:  # backslashes before the key's quote
+                slashes += 1
+            if not slashes % 2:
+                pieces += [body[pos:a], b'{"\\u0000":%d}' % len(arrays)]
+                arrays.append(text)
+                pos = nxt = b
+        key = body.find(b'"data"', nxt)
     if not arrays:
         return body, []
     pieces.append(body[pos:])
