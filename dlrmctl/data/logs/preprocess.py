@@ -67,6 +67,10 @@ from dlrmctl.data.logs.vocab_rules import drop_outside, finish_vocabs
 
 __all__ = ["LogOptions", "preprocess_logs"]
 
+# A feature's counts of later blocks are summed into its first table once they hold this many rows
+# (2 MiB) or as many as that table, whichever is more (:func:`_count_block`).
+FOLD_ROWS = 1 << 17
+
 
 @dataclasses.dataclass
 class LogTask:
@@ -160,7 +164,12 @@ def count_task(task: LogTask) -> dict:
 
 
 def _count_block(task: LogTask, d, counted: list[int], acc: list[list[pa.Table]], sums: dict) -> None:
-    """Fold one decoded block's train rows into the per-feature counts ``acc`` and dense ``sums``."""
+    """Fold one decoded block's train rows into the per-feature counts ``acc`` and dense ``sums``.
+
+    A feature's later blocks' counts are summed into its first table once they hold ``FOLD_ROWS``
+    rows or as many as that table: memory stays within about twice the distinct values so far, and
+    summing costs at most twice the rows counted (summing every few blocks summed a file's distinct
+    values again every few blocks)."""
     train = _split_codes(task, d) == 0
     for spec, x in zip(task.schema.dense, d.dense):
         if spec.name in sums:
@@ -174,8 +183,11 @@ def _count_block(task: LogTask, d, counted: list[int], acc: list[list[pa.Table]]
         v = d.categorical[f]
         vc = pc.value_counts(pa.array(v.keys[v.present & (train if v.lengths is None else np.repeat(train, v.lengths))]))
         acc[j].append(pa.table({"value": vc.field("values"), "count": vc.field("counts")}))
-        if len(acc[j]) >= 8:  # memory: 8 blocks' counts and the distinct values so far
+        first, rest = acc[j][0], acc[j][1:]
+        if sum(t.num_rows for t in rest) >= max(FOLD_ROWS, first.num_rows):
             acc[j] = [_vocab.merge_counts(acc[j])]
+        elif len(rest) >= 64:  # many blocks of few values: their counts summed among themselves
+            acc[j] = [first, _vocab.merge_counts(rest)]
 
 
 # ----------------------------------------------------------------------------- pass 2
@@ -247,8 +259,8 @@ def write_task(task: LogTask) -> dict:
                     continue
                 cols: dict[str, Any] = {}
                 if s.label is not None:
-                    cols[LABEL_COLUMN] = d.label[sel]
-                    stats["positives"][split] += int(d.label[sel].sum())
+                    cols[LABEL_COLUMN] = lab = d.label[sel]
+                    stats["positives"][split] += int(lab.sum())
                 for name, x in zip(dense_names, dense):
                     cols[name] = x[sel]
                 for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):

@@ -16,6 +16,7 @@ import contextlib
 import csv
 import dataclasses
 import io
+import math
 import os
 import re
 import threading
@@ -339,15 +340,62 @@ def _jsonl(path: str | os.PathLike, used: list[str], on_bad_line: str, block_siz
         raise DataError(f"cannot be read as JSON lines: {e}", path=path) from None
 
 
+def _shared_columns(schema: LogSchema) -> set[str]:
+    """Columns read by a second role besides their feature: the split's group and tiebreak and the
+    join keys (the schema allows one role otherwise)."""
+    return {c for c in ((schema.split.group, schema.split.tiebreak) if schema.split else ()) if c} | \
+        {j.key for j in schema.join}
+
+
 def _hex_columns(schema: LogSchema) -> set[str]:
     """The one-hot ``parse: hex`` categorical columns that no other role reads: read as bytes."""
-    hexed = {c.name for c in schema.categorical if c.parse == "hex" and not c.multi}
-    used = schema.used_columns()
-    return {c for c in hexed if used.count(c) == 1}
+    shared = _shared_columns(schema)
+    return {c.name for c in schema.categorical if c.parse == "hex" and not c.multi and c.name not in shared}
+
+
+def _number_columns(schema: LogSchema) -> set[str]:
+    """The dense columns that no other role reads: the CSV reader converts them to float64 itself
+    (a missing value: null), instead of handing on text that is then cast."""
+    shared = _shared_columns(schema) | {d.extract[0] for d in schema.dense if d.extract}  # (text to search)
+    read = set(schema.used_columns())  # (not the columns a side table brings)
+    return {d.name for d in schema.dense if not d.derived and d.name not in shared and d.name in read}
+
+
+def _finite(col: pa.Array) -> bool:
+    """Whether every value of a float64 column is finite: False for NaN or inf, and also where the
+    values' sum passes 1.8e308 or a null's slot holds a non-finite number (harmless: the file is
+    then read as text, which decides exactly)."""
+    x = np.frombuffer(col.buffers()[1], np.float64, count=len(col), offset=col.offset * 8)
+    return math.isfinite(float(np.add.reduce(x)))
+
+
+class _AsText(Exception):
+    """Internal: a column read as numbers holds a value that does not parse, NaN or inf: the file
+    is read again with every column as text, so the bad value is named (or its row dropped) as
+    text is."""
 
 
 def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on_bad_line: str, block_size: int,
          data: bytes | None) -> Iterator[RowBatch]:
+    """The rows of a CSV / TSV input.  The dense columns are read as float64 by the parser
+    (:func:`_number_columns`); a block where one does not parse or is NaN or inf makes the rest of
+    the file be read as text, from that block on (the rows before it are not given twice): a
+    value is then accepted, refused or named exactly as it is in text."""
+    done = 0  # the last physical line of the batches given (rows and dropped lines)
+    try:
+        for b in _csv_pass(path, schema, fmt, cols, used, on_bad_line, block_size, data, _number_columns(schema), 0):
+            yield b
+            if b.num_rows:
+                done = int(b.keys[-1])
+    except _AsText:
+        yield from _csv_pass(path, schema, fmt, cols, used, on_bad_line, block_size, data, set(), done)
+
+
+def _csv_pass(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on_bad_line: str,
+              block_size: int, data: bytes | None, numbers: set[str], after: int) -> Iterator[RowBatch]:
+    """One read of a CSV / TSV input: ``numbers`` read as float64 (raises :class:`_AsText` where
+    one does not parse or is not finite), the rest as text; rows and dropped lines up to physical
+    line ``after`` are not given (given by an earlier pass)."""
     import pyarrow.csv as pa_csv
 
     skipped: list[int] = []
@@ -372,7 +420,11 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
             ln, msg = first_error[0]
             raise DataError(msg, path=path, line=ln)
 
+    def dropped(lo: int, hi: int) -> int:  # lines the parser dropped in skipped[lo:hi] not given before
+        return sum(1 for ln in skipped[lo:hi] if ln > after) if after else hi - lo
+
     types = {c: pa.binary() for c in _hex_columns(schema)}  # read without a UTF-8 check: checked as hex digits
+    types.update({c: pa.float64() for c in numbers})
     gate = _Gate()
     try:
         try:
@@ -389,6 +441,8 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
                         strings_can_be_null=True, null_values=[""], quoted_strings_can_be_null=True,
                         check_utf8=True))
         except (pa.ArrowInvalid, OSError, EOFError) as e:
+            if numbers and isinstance(e, pa.ArrowInvalid):
+                raise _AsText() from None
             raise_first()
             if "Empty CSV file" in str(e):
                 return
@@ -402,17 +456,27 @@ def _csv(path, schema: LogSchema, fmt: str, cols: list[str], used: list[str], on
             except StopIteration:
                 break
             except (pa.ArrowInvalid, OSError, EOFError) as e:
+                if numbers and isinstance(e, pa.ArrowInvalid):
+                    raise _AsText() from None
                 raise_first()
                 raise DataError(f"cannot be read as {fmt.upper()} after line {next_line - 1}: {e}", path=path) from None
+            if numbers and not all(_finite(rb.column(c)) for c in numbers):
+                raise _AsText()  # NaN or inf: named, or dropped, as text
             raise_first()
             n = rb.num_rows
             lines, next_line, bad, pos = block_lines(skipped, pos, next_line, n)
+            if after and n and lines[-1] <= after:
+                continue
+            if after and n and lines[0] <= after:
+                keep = int(np.searchsorted(lines, after, side="right"))
+                rb, lines = rb.slice(keep), lines[keep:]
+                n = rb.num_rows
+            bad = dropped(pos - bad, pos)
             if n or bad:
                 yield RowBatch({c: rb.column(c) for c in used}, lines, os.fspath(path), bad_skipped=bad)
     finally:
         gate.close()
     raise_first()  # a bad row in a block that had no good one (a request of one short line)
-    if len(skipped) > pos:
+    if dropped(pos, len(skipped)):
         yield RowBatch({c: pa.array([], pa.string()) for c in used}, np.zeros(0, np.int64), os.fspath(path),
-                       bad_skipped=len(skipped) - pos)
-
+                       bad_skipped=dropped(pos, len(skipped)))

@@ -2,8 +2,9 @@
 
 * label: the column read as a number and required to be 0 or 1, or the rule ``op value`` applied
   (``rating >= 4``); a missing or unparseable label is a bad row.
-* dense: a number (text is parsed; NaN / inf are refused, an empty field or string is missing); a missing
-  value takes ``fill``; ``log1p``: ``log(max(x, 0) + 1)`` (DLRM reference ``data_utils.py``);
+* dense: a number (text is parsed, spaces and tabs around it ignored; NaN / inf are refused, an empty
+  field or string is missing); a missing value takes ``fill``; ``log1p``: ``log(max(x, 0) + 1)``
+  (DLRM reference ``data_utils.py``);
   ``standardize``: ``(x - mean) / std`` with the train split's mean and standard deviation
   (``std`` 0 -> 1); ``none``: ``x``.  float32.
 * categorical: each value becomes a 63-bit key: its raw id (:func:`dlrmctl.data.ids.raw_ids` of its
@@ -124,9 +125,10 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
         except pa.ArrowInvalid:  # an empty string (e.g. in Parquet, or a split text bag) is a missing value
             empty = pc.fill_null(pc.equal(col, ""), False).to_numpy(zero_copy_only=False)
             missing = missing | empty
-            ok = pc.fill_null(pc.match_substring_regex(col, _NUMBER), True).to_numpy(zero_copy_only=False) | empty
+            text = pc.utf8_trim(col, " \t")  # spaces and tabs around a number, as the CSV reader's numbers
+            ok = pc.fill_null(pc.match_substring_regex(text, _NUMBER), True).to_numpy(zero_copy_only=False) | empty
             drop |= _bad(batch, ~ok & ~drop, name, what, col, on_bad_line)
-            x = pc.cast(pc.if_else(pa.array(ok & ~empty), col, pa.scalar("0")), pa.float64())
+            x = pc.cast(pc.if_else(pa.array(ok & ~empty), text, pa.scalar("0")), pa.float64())
     elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t):
         x = pc.cast(col, pa.float64())
     else:
@@ -135,6 +137,30 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
     finite = np.isfinite(v)
     drop |= _bad(batch, ~finite & ~missing & ~drop, name, what + non_finite_hint(missing_ok), col, on_bad_line)
     return np.where(finite, v, 0.0), missing
+
+
+def _filled_numbers(batch: RowBatch, name: str, fill: float) -> np.ndarray | None:
+    """A numeric column as ``[n]`` float64 with ``fill`` for a missing value when every present
+    value is a finite number (a number column, or text that Arrow casts whole), else None (the
+    caller then takes :func:`_numbers`'s way, which names or drops the bad rows): the common case
+    in two passes over the block instead of one per check."""
+    col = batch.columns[name]
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    t = col.type
+    if not (pa.types.is_floating(t) or pa.types.is_integer(t) or pa.types.is_string(t)
+            or pa.types.is_large_string(t)):
+        return None
+    try:
+        x = pc.cast(col, pa.float64())
+    except pa.ArrowInvalid:
+        return None
+    if x.null_count:
+        x = pc.fill_null(x, pa.scalar(float(fill), pa.float64()))
+    v = x.to_numpy(zero_copy_only=False)
+    if not np.isfinite(v).all():
+        return None
+    return v
 
 
 def _label(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str) -> np.ndarray:
@@ -384,13 +410,16 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
     time = _time(batch, schema.time, drop, on_bad_line) if schema.time else None
     dense = []
     for d in schema.dense:
-        if d.derived:  # (count_of, years_since: set by derived.finish_dense in pass 2)
-            x, missing = extracted(batch, d) if d.extract else (np.zeros(n), np.zeros(n, bool))
-        else:
-            x, missing = _numbers(batch, d.name, drop, on_bad_line)
-        x = np.where(missing, np.nan if d.fill == "mean" else d.fill, x)
+        x = None if d.derived or d.fill == "mean" else _filled_numbers(batch, d.name, d.fill)
+        if x is None:  # derived, or a value that does not parse, NaN or inf: found and named (or its row dropped)
+            if d.derived:  # (count_of, years_since: set by derived.finish_dense in pass 2)
+                x, missing = extracted(batch, d) if d.extract else (np.zeros(n), np.zeros(n, bool))
+            else:
+                x, missing = _numbers(batch, d.name, drop, on_bad_line)
+            x = np.where(missing, np.nan if d.fill == "mean" else d.fill, x)
         if d.transform == "log1p":
-            x = np.log1p(np.maximum(x, 0.0))
+            x = np.maximum(x, 0.0)
+            np.log1p(x, out=x)
         dense.append(x)
     cats = [_categorical(batch, c, drop, on_bad_line) for c in schema.categorical]
     nbad = int(drop.sum())
