@@ -19,7 +19,7 @@ from dlrmctl.errors import UserError, interrupt_exit_code
 
 def export_command(
     run_dir: Path = typer.Argument(..., help="training run directory (runs/<name>)"),
-    int8: bool = typer.Option(False, "--int8", help="row-wise int8 embeddings (fp16 scale + bias per row)"),
+    int8: bool = typer.Option(False, "--int8", help="row-wise int8 embeddings (fp16 scale + bias per row); the default"),
     int4: bool = typer.Option(False, "--int4", help="row-wise int4 embeddings (fp16 scale + bias per row)"),
     fp16: bool = typer.Option(False, "--fp16", help="fp16 embeddings"),
     fp32: bool = typer.Option(False, "--fp32", help="fp32 embeddings (reference artifact)"),
@@ -35,10 +35,11 @@ def export_command(
                                                   "(AOTIModelPackageLoader); compiles for tens of seconds"),
     parity_split: str = typer.Option("val", "--parity-split", help="split of --data for the parity report"),
 ) -> None:
-    """Export a checkpoint of RUN_DIR (the best by default) as a torch.export program (model.pt2) + manifest.json."""
-    chosen = [n for n, f in (("int8", int8), ("int4", int4), ("fp16", fp16), ("fp32", fp32)) if f]
+    """Export a checkpoint of RUN_DIR (the best by default) as a torch.export program (model.pt2) + manifest.json,
+    with int8 embeddings unless --int4, --fp16 or --fp32 says otherwise."""
+    chosen = [n for n, f in (("int8", int8), ("int4", int4), ("fp16", fp16), ("fp32", fp32)) if f] or ["int8"]
     if len(chosen) != 1:
-        fail("choose exactly one of --int8, --int4, --fp16, --fp32")
+        fail(f"choose one of --int8 (the default), --int4, --fp16, --fp32; got {', '.join('--' + c for c in chosen)}")
     if aot and torchscript:
         fail("--aot compiles the torch.export program; drop --torchscript (or --aot)")
     if quantize_dense and not torchscript:  # before the first line: options alone decide it
@@ -169,6 +170,8 @@ def predict_command(
             raise
         fail(str(e))
     typer.echo(f"scored {rep.rows} lines" + ("" if err else f" -> {rep.output}"), err=err)
+    for line in rep.oov_warnings():
+        typer.echo(f"warning: {line}", err=True)
     if rep.metrics:
         for k in ("auc", "logloss", "ne"):
             v = rep.metrics[k]

@@ -34,7 +34,10 @@ from dlrmctl.inference.export import ExportError, ExportedModel, load_exported, 
 
 __all__ = [
     "RAW_TRANSFORMS",
+    "OOV_WARN_SHARE",
     "PredictReport",
+    "count_oov",
+    "oov_ids",
     "predict_file",
     "raw_transformer",
     "raw_weighted_features",
@@ -130,6 +133,10 @@ def read_cpp_output(path: str | os.PathLike) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- raw logs
+#: ``predict`` warns about a feature when more than this share of its ids is out of vocabulary
+OOV_WARN_SHARE = 0.5
+
+
 class PredictReport:
     """Summary of :func:`predict_file`.
 
@@ -138,10 +145,46 @@ class PredictReport:
         labelled: the input had a label column (then ``metrics`` holds AUC/logloss/NE).
         metrics: :func:`dlrmctl.metrics.compute_metrics_from_logits` output or None.
         output: where scores went (path or ``"-"``).
+        oov: per feature with a vocabulary (meta.json ``oov_id``: ids rarer than the frequency
+            threshold in the training split, or never seen there, share that row), ``(ids on its
+            out-of-vocabulary row, ids)`` over the scored rows.
     """
 
-    def __init__(self, rows: int, labelled: bool, metrics: dict | None, output: str) -> None:
+    def __init__(self, rows: int, labelled: bool, metrics: dict | None, output: str,
+                 oov: dict[str, list[int]] | None = None) -> None:
         self.rows, self.labelled, self.metrics, self.output = rows, labelled, metrics, output
+        self.oov = dict(oov or {})
+
+    def oov_warnings(self, threshold: float = OOV_WARN_SHARE) -> list[str]:
+        """One line per feature whose out-of-vocabulary share exceeds ``threshold`` (a fraction),
+        without the ``warning:`` prefix, in feature order."""
+        return [f"feature '{f}': {n / total:.1%} of its {total:,} ids are out of the training vocabulary (above "
+                f"{threshold:.0%}), so they all score as one row; check that the input is the data the model was "
+                "trained for, or train on newer data"
+                for f, (n, total) in self.oov.items() if total and n / total > threshold]
+
+
+def oov_ids(model: ExportedModel) -> list[int | None]:
+    """Per input feature of ``model`` (``model.feature_names`` order), its out-of-vocabulary id
+    from the manifest's preprocessing (None: no vocabulary, e.g. hashed or raw ids)."""
+    pre = model.manifest.get("preprocessing")
+    sparse = (pre.get("sparse") if isinstance(pre, dict) else None) or []
+    by_name = {sf.get("name"): sf.get("oov_id") for sf in sparse if isinstance(sf, dict)}
+    return [by_name.get(f) if isinstance(by_name.get(f), int) else None for f in model.feature_names]
+
+
+def count_oov(counts: dict[str, list[int]], names: list[str], oov: list[int | None], values: torch.Tensor,
+              lengths: torch.Tensor, batch: int) -> None:
+    """Add one batch's ids to ``counts`` (feature -> ``[ids on its OOV row, ids]``): ``values [N]``
+    int64 key-major with ``lengths [F*batch]`` int64, ``oov`` per feature (None: not counted)."""
+    if not any(o is not None for o in oov):
+        return
+    per = lengths.view(len(names), batch).sum(1).tolist()
+    for f, (name, o, part) in enumerate(zip(names, oov, torch.split(values, per))):
+        if o is not None:
+            c = counts.setdefault(name, [0, 0])
+            c[0] += int((part == o).sum())
+            c[1] += int(per[f])
 
 
 def raw_transformer(model: ExportedModel) -> tuple[object, list[str]]:
@@ -327,8 +370,8 @@ def predict_file(
     once loaded, before any line is scored.
 
     Returns:
-        :class:`PredictReport` (with AUC/logloss/NE when labelled, computed from the logits as
-        :func:`dlrmctl.metrics.compute_metrics_from_logits`).
+        :class:`PredictReport`: its out-of-vocabulary counts per feature, and AUC/logloss/NE when
+        labelled (computed from the logits as :func:`dlrmctl.metrics.compute_metrics_from_logits`).
 
     Raises:
         ExportError, DataError: see :func:`iter_scores`; an empty input file or a directory;
@@ -362,7 +405,10 @@ def predict_file(
         else:  # a temporary sibling renamed over --output only when complete, and only over a scores CSV of ours
             f = stack.enter_context(outputs.atomic_file(output, recheck=lambda: outputs.check_file_replaceable(
                 output, "scores CSV", outputs.is_scores_csv, force=force, option="--output", inputs=(input_path,))))
-        for z, labels in iter_scores(model, input_path, batch_rows, logits=True):
+        oov, names, oov_counts = oov_ids(model), list(model.feature_names), {}
+        for d, v, ln, w, labels in iter_model_inputs(model, input_path, batch_rows):
+            count_oov(oov_counts, names, oov, v, ln, d.size(0))
+            z = to_host(model.logits(d, v, ln, w))
             scores = torch.sigmoid(torch.from_numpy(z)).numpy()  # the module's forward: sigmoid(logits)
             if labelled is None:
                 labelled = labels is not None
@@ -377,4 +423,4 @@ def predict_file(
         if labelled is None:
             f.write("row,score\n")
     metrics = compute_metrics_from_logits(np.concatenate(all_s), np.concatenate(all_l)) if labelled and rows else None
-    return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output))
+    return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output), oov_counts)

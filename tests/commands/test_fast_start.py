@@ -102,7 +102,10 @@ def test_export_to_an_existing_directory_fails_in_one_line_before_torch(tmp_path
     (run / "config.yaml").write_text("name: run\n")  # a run directory (a missing one: test_run_dir_checks)
     (tmp_path / "mine").mkdir()
     for args, what in (([str(run), "--int8"], f"{run / 'export-int8'} already exists; pass --force"),
-                       ([str(run), "--fp16", "--out", str(tmp_path / "mine")], f"{tmp_path / 'mine'} already exists")):
+                       ([str(run)], f"{run / 'export-int8'} already exists; pass --force"),  # int8: the default
+                       ([str(run), "--fp16", "--out", str(tmp_path / "mine")], f"{tmp_path / 'mine'} already exists"),
+                       ([str(run), "--int8", "--fp32"], "choose one of --int8 (the default), --int4, --fp16, --fp32; "
+                                                        "got --int8, --fp32")):
         p = _run("export", *args)
         assert "EXIT 2 HEAVY -" in p.stderr, (args, p.stderr[-2000:])
         assert p.stderr.startswith("error: ") and what in p.stderr, p.stderr

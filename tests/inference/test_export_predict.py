@@ -128,7 +128,7 @@ def _one(kjt, i):
 def test_export_cli_errors(run, tmp_path):
     _, _, run_dir = run
     r = _cli("export", run_dir, "--int8", "--int4")
-    assert r.exit_code == 2 and "exactly one of" in r.output
+    assert r.exit_code == 2 and "choose one of --int8 (the default)" in r.output
     r = _cli("export", tmp_path / "nope", "--int8")
     assert r.exit_code == 2 and "error:" in r.output
     r = _cli("predict", tmp_path, "--input", RAW)
@@ -145,6 +145,43 @@ def test_predict_rejects_a_malformed_line_naming_file_and_line(run, tmp_path):
     r = _cli("predict", tmp_path / "m", "--input", bad, "--output", tmp_path / "s.csv")
     assert r.exit_code == 2 and "bad.tsv:5" in r.output
     assert not (tmp_path / "s.csv").exists()
+
+
+def test_predict_warns_per_feature_whose_ids_are_mostly_out_of_vocabulary(run, tmp_path):
+    """Raw rows whose C5 values were never seen in training: one warning line for C5 (its share and
+    the threshold); the unchanged lines give none for C5."""
+    from dlrmctl.inference.predict import OOV_WARN_SHARE
+
+    _, _, run_dir = run
+    assert _cli("export", run_dir, "--out", tmp_path / "m").exit_code == 0  # int8, the default
+    lines = [ln.split("\t") for ln in RAW.read_text().splitlines()]
+    for i, f in enumerate(lines):
+        f[1 + 13 + 4] = f"{0xdead0000 + i:08x}"  # C5: 100 values absent from the training vocabulary
+    unseen = tmp_path / "unseen.tsv"
+    unseen.write_text("".join("\t".join(f) + "\n" for f in lines))
+    r = _cli("predict", tmp_path / "m", "--input", unseen, "--output", tmp_path / "s.csv")
+    assert r.exit_code == 0, r.output
+    assert f"warning: feature 'C5': 100.0% of its 100 ids are out of the training vocabulary (above " \
+           f"{OOV_WARN_SHARE:.0%})" in r.output, r.output
+    # the unchanged lines: C5 is then in vocabulary for the rows it was counted on
+    r = _cli("predict", tmp_path / "m", "--input", RAW, "--output", tmp_path / "s2.csv")
+    assert r.exit_code == 0 and "feature 'C5'" not in r.output, r.output
+
+
+def test_oov_counts_and_warnings_follow_the_key_major_layout():
+    import torch
+
+    from dlrmctl.inference.predict import PredictReport, count_oov
+
+    counts = {}
+    # 2 features, batch 3: f0 bags [7], [9, 7], []; f1 (no vocabulary) [1], [2], [3]
+    count_oov(counts, ["f0", "f1"], [7, None], torch.tensor([7, 9, 7, 1, 2, 3]), torch.tensor([1, 2, 0, 1, 1, 1]), 3)
+    count_oov(counts, ["f0", "f1"], [7, None], torch.tensor([5, 1]), torch.tensor([1, 1]), 1)
+    assert counts == {"f0": [2, 4]}
+    rep = PredictReport(4, False, None, "-", counts)
+    assert rep.oov_warnings(0.5) == [] and len(rep.oov_warnings(0.4)) == 1
+    assert rep.oov_warnings(0.4)[0].startswith("feature 'f0': 50.0% of its 4 ids are out of the training vocabulary "
+                                               "(above 40%)")
 
 
 def _old_path_model(run_dir, checkpoint=None):
