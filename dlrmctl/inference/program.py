@@ -74,8 +74,9 @@ class InferenceProgram(nn.Module):
         multi_hot: per input feature ``(rows, offsets [1024, size-1] int64)`` of its on-the-fly
             multi-hot expansion, or None (absent: no expansion).
         remap: the raw id -> row step of managed-collision features
-            (:class:`~dlrmctl.inference.raw_id_remap.RawIdRemap`), run before everything else;
-            their ``values`` are raw ids.
+            (:class:`~dlrmctl.inference.raw_id_remap.RawIdRemap`), run on the ids after the
+            multi-hot expansion (as in training: the loader expands, the model remaps); their
+            ``values`` are raw ids.
     """
 
     def __init__(
@@ -159,9 +160,7 @@ class InferenceProgram(nn.Module):
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor,
                 weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         B = dense.size(0)
-        if self.remap is not None:
-            values = self.remap(values, lengths, B)
-        blocks = self.pooled_blocks(values, lengths, weights, B)
+        blocks = self.pooled_blocks(values, lengths, weights, B, remap=True)
         if self.head is not None:
             logits = self.head(dense, blocks)
         else:
@@ -174,8 +173,10 @@ class InferenceProgram(nn.Module):
         return self.lookups.columns(self.pooled_blocks(values, lengths, weights, B), B)
 
     def pooled_blocks(self, values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor],
-                      B: int) -> list[torch.Tensor]:
+                      B: int, remap: bool = False) -> list[torch.Tensor]:
         """Pooled (sum, or mean) embeddings per block of :class:`FusedLookups`, each ``[F, B, W_g]``.
+        ``remap``: the managed-collision features' raw ids -> rows (``self.remap``), after the
+        multi-hot expansion, as training's loader expands the ids before the model's remapper.
 
         Per-feature values reach the ids by ``repeat_interleave`` over each feature's id count
         (the ids are key-major), not by indexing with a per-id feature vector: one op each."""
@@ -208,6 +209,8 @@ class InferenceProgram(nn.Module):
                     if lim is not None:
                         _fail_unless(n_oh[f] == 0, f"feature '{self.feature_names[f]}': a one-hot id is out of range "
                                                    f"of its multi-hot expansion; expected 0 <= id < {lim}")
+        if remap and self.remap is not None:
+            ids = self.remap.rows(ids, per_id(self.f_index))
         oks = self.checked_ids(ids, valid, per_id)
         blocks = self.lookups(ids, oks, starts, w, bags, per_id, B)
         if self.any_mean:

@@ -40,6 +40,11 @@ class RawIdRemap(nn.Module):
         feat = torch.repeat_interleave(torch.arange(self.num_features * batch, dtype=torch.int64,
                                                     device=values.device), lengths,
                                        output_size=values.size(0)) // batch
+        return self.rows(values, feat)
+
+    def rows(self, values: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """``values [N]`` int64 with ``feat [N]`` int64 (each id's input feature index) -> ``[N]``
+        int64: the managed features' ids replaced by their rows, the others unchanged."""
         out = values
         for m in self.per_feature:
             out = m(values, feat, out)
