@@ -20,7 +20,8 @@ The package:
   (:func:`load_config`, :func:`config_from_dict`, :func:`to_dict`);
 * :mod:`~dlrmctl.config.tables`: the data's meta.json and the tables a config resolves to
   (:func:`read_data_meta`, :func:`resolve_tables`, :func:`auto_embedding_dim`,
-  :func:`weighted_features`, :func:`check_tables_against_meta`).
+  :func:`weighted_features`, :func:`recorded_weighted_features`, :func:`meta_as_trained`,
+  :func:`check_tables_against_meta`).
 
 Every public name is importable from ``dlrmctl.config``.  Nothing here imports torch at import
 time (``dlrmctl --help`` and config errors answer without it).
@@ -48,7 +49,9 @@ from dlrmctl.config.tables import (
     check_managed_collision_sharding,
     check_tables_against_meta,
     managed_collision_tables,
+    meta_as_trained,
     read_data_meta,
+    recorded_weighted_features,
     resolve_tables,
     weighted_features,
 )
@@ -86,4 +89,6 @@ __all__ = [
     "type_name",
     "validate",
     "weighted_features",
+    "meta_as_trained",
+    "recorded_weighted_features",
 ]

@@ -28,6 +28,26 @@ def weighted_features(cfg: ExperimentConfig, meta: dict | None = None) -> list[s
     return out
 
 
+def recorded_weighted_features(cfg: ExperimentConfig, recorded: list[str] | None) -> list[str]:
+    """The weighted features of a trained run: ``recorded`` (the ``weighted_features`` list its
+    checkpoint's meta.json holds) when it is there; else, for a checkpoint written before that list
+    was recorded, the resolution of that time: the features of ``model.tables``' ``weighted: true``
+    tables, none for tables derived from the data (meta.json's ``"weighted"`` marks were not read
+    then, so such a run trained unweighted).
+    """
+    return list(recorded) if recorded is not None else weighted_features(cfg, None)
+
+
+def meta_as_trained(meta: dict, weighted: list[str]) -> dict:
+    """A copy of meta.json in which exactly the sparse features in ``weighted`` are marked
+    ``"weighted": true``, so :func:`weighted_features` over tables derived from the data gives a
+    run's recorded list (:func:`recorded_weighted_features`).  Only the marks change: the copy is
+    for building a run's model and loaders, never for fingerprints."""
+    out = dict(meta)
+    out["sparse_features"] = [{**f, "weighted": f["name"] in weighted} for f in meta.get("sparse_features", [])]
+    return out
+
+
 def check_tables_against_meta(cfg: ExperimentConfig, meta: dict) -> list[str]:
     """Hand-written ``model.tables`` against the data's meta.json, before training: the warnings
     to print (one line each, without the ``warning:`` prefix).

@@ -356,7 +356,6 @@ def export_run(
     """
     wanted = ExportOptions(embedding_dtype, artifact=artifact, aot=aot, quantize_dense=quantize_dense, force=force)
     wanted.format()  # its refusals (and FBGEMM for --torchscript) before the run is read
-    from dlrmctl.config import weighted_features
     from dlrmctl.data.fingerprint import check_run_data, data_fingerprint
     from dlrmctl.train.checkpoint import read_checkpoint
     from dlrmctl.train.data import multi_hot_kwargs
@@ -403,7 +402,7 @@ def export_run(
                                  vocab_dir if parity_split else None, parity_split or "val", source["multi_hot"])
 
         return export_model(model, out, replace(
-            wanted, data_meta=meta, data_dir=vocab_dir, source=source, weighted_features=weighted_features(cfg, meta),
+            wanted, data_meta=meta, data_dir=vocab_dir, source=source, weighted_features=cmeta["weighted_features"],
             data_record=data_record, load_table=lambda t: load_table_weight(ckpt_path, t, cmeta, dcp_md),
             multi_hot=source["multi_hot"], parity=parity))
 

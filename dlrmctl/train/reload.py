@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlrmctl.config import ExperimentConfig, resolve_tables
+from dlrmctl.config import ExperimentConfig, meta_as_trained, recorded_weighted_features, resolve_tables
 from dlrmctl.console import Progress, show_path, stage
 from dlrmctl.modules.embedding_configs import DataType
 from dlrmctl.train import checkpoint as ckpt
@@ -48,8 +48,9 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
     Returns:
         ``(cfg, model, meta, checkpoint_meta, metadata)``: the resolved config, a DLRM with all
         tables assembled from the saved shards (float32, also from an fp16-table run), the
-        training data's meta.json, and the checkpoint's verified meta.json and DCP ``.metadata``
-        (read once: :func:`load_table_weight` takes them).
+        training data's meta.json, and the checkpoint's verified meta.json (its
+        ``weighted_features`` always set: :func:`dlrmctl.config.recorded_weighted_features`) and
+        DCP ``.metadata`` (read once: :func:`load_table_weight` takes them).
 
     Raises:
         CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``; tables that
@@ -64,12 +65,14 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
     with open(mpath) as f:
         meta = json.load(f)
     path, _ = ckpt.resolve_checkpoint(run_dir, checkpoint)
+    cmeta = ckpt.load_checkpoint_meta(path)
+    # the weighted features the run trained with (absent from older checkpoints: their resolution then)
+    cmeta["weighted_features"] = recorded_weighted_features(cfg, cmeta.get("weighted_features"))
     # the fp32 view of the tables whatever model.embedding_precision trained them in (fp16 weights
     # widen exactly): what evaluation, prediction and export (which quantizes from fp32) start from
     tables = [dataclasses.replace(t, data_type=DataType.FP32) for t in resolve_tables(cfg, meta)]
     model = build_model(cfg, tables, len(meta["dense_features"]), device="meta", compute_kernel=compute_kernel,
-                        meta=meta)
-    cmeta = ckpt.load_checkpoint_meta(path)
+                        is_weighted=bool(cmeta["weighted_features"]), meta=meta)
     check_tables(cmeta, tables, path)
     req: dict[str, Any] = {}
     finish = None
@@ -167,9 +170,10 @@ def run_logits(run_dir: str, split: str = "val", data_dir: str | None = None, ba
                         + ("" if any_split else "; --any-split accepts other rows with the same schema and vocabularies"))
     rows = split_rows(read_meta_json(os.path.join(data, "meta.json")), data, split)
     stage(f"reading the checkpoint {show_path(checkpoint)}" if checkpoint else "reading the checkpoint")
-    cfg, model, meta = load_trained_model(run_dir, checkpoint=checkpoint)
+    cfg, model, meta, cmeta, _ = load_trained_model_with_checkpoint(run_dir, checkpoint=checkpoint)
     # each input feature once; no rank slice and no id check in the loader (the model applies on_invalid_id)
-    loader = make_loader(cfg, meta, split, data_dir=data, batch_size=batch_size)
+    loader = make_loader(cfg, meta_as_trained(meta, cmeta["weighted_features"]), split, data_dir=data,
+                         batch_size=batch_size)
     stage(f"scoring {rows:,} rows of split '{split}' in {len(loader):,} batch(es)")
     logits, labels = [], []
     with Progress(len(loader), f"eval {split}", "batch", enabled=progress, every_s=cfg.train.progress_every_s,

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from dlrmctl import _fbgemm
-from dlrmctl.config import ExperimentConfig, read_data_meta, resolve_tables, weighted_features
+from dlrmctl.config import (ExperimentConfig, meta_as_trained, read_data_meta, recorded_weighted_features,
+                            resolve_tables, weighted_features)
 from dlrmctl.console import echo
 from dlrmctl.data.batch import Batch
 from dlrmctl.distributed.env import RunEnv, apply_matmul_precision
@@ -35,7 +36,7 @@ from dlrmctl.distributed.model_parallel import TrainModel
 from dlrmctl.fileio import write_text_atomic
 from dlrmctl.modules.mlp import apply_cpu_linear
 from dlrmctl.train.amp import MixedPrecision
-from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, resolve_resume
+from dlrmctl.train.checkpoint import Checkpointer, check_shared_checkpoint_dir, load_checkpoint_meta, resolve_resume
 from dlrmctl.train.data import aligned_epoch, aligned_num_batches, loader_features, make_loader
 from dlrmctl.train.evaluator import Evaluator, undefined_best_note
 from dlrmctl.train.factory import attach_eviction_optimizer, build_model, init_from_train_split
@@ -107,6 +108,11 @@ class Trainer:
                 f"data.path {cfg.data.path!r} has no meta.json: run `dlrmctl preprocess ... --out {cfg.data.path}` first"
             )
         check_train_splits(cfg, self.meta)
+        # the checkpoint a resume restores, resolved once (LATEST may move meanwhile: a run writing beside it)
+        resume_from = resolve_resume(run_dir, checkpoint) if resume else None
+        if resume_from is not None:  # the weighted features the run trained with, not today's resolution
+            self.meta = meta_as_trained(self.meta, recorded_weighted_features(
+                cfg, load_checkpoint_meta(resume_from.path).get("weighted_features")))
         self.tables = resolve_tables(cfg, self.meta)
         self.num_dense = len(self.meta["dense_features"])
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)
@@ -116,8 +122,6 @@ class Trainer:
             cpu_linear_line = apply_cpu_linear(self.model, cfg.train.cpu_linear, self.device, cfg.train.precision)
         except ValueError as e:
             raise TrainError(str(e)) from None
-        # the checkpoint a resume restores, resolved once (LATEST may move meanwhile: a run writing beside it)
-        resume_from = resolve_resume(run_dir, checkpoint) if resume else None
         if resume_from is None:
             # a resumed run's checkpoint holds these values: no pass over the train split for nothing
             init_from_train_split(self.model, cfg, self.meta)
@@ -143,13 +147,14 @@ class Trainer:
                 f"({self.train_loader.num_rows} rows, data.batch_size {cfg.data.batch_size}, "
                 f"data.drop_last {cfg.data.drop_last})"
             )
-        self.weighted = bool(weighted_features(cfg, self.meta))  # the KJTs carry per-id weights
+        self.weighted_features = weighted_features(cfg, self.meta)
+        self.weighted = bool(self.weighted_features)  # the KJTs carry per-id weights
         self.loss_window = LossWindow(env)
         self.metrics_log = MetricsLog(run_dir, env.is_main, cfg.train.log_every, cfg.train.tensorboard)
         self.evaluator = Evaluator(cfg, env, self.meta, self.tables, self.num_dense, self.weighted, self.model,
                                    lambda batch: self.logits(batch, None, autocast=False), self.metrics_log)
         self.checkpointer = Checkpointer(cfg, env, run_dir, self.model, self.optimizers, self.plan, self.state_dict,
-                                         after_save=finish_replacement)
+                                         after_save=finish_replacement, weighted_features=self.weighted_features)
         self.step = 0
         self.epoch = 0
         self._batches_done = 0  # batches of the current epoch trained

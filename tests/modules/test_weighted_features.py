@@ -574,3 +574,50 @@ def test_cpp_input_file_carries_the_weights(tmp_path):
     assert (tmp_path / "p.bin").read_bytes()[:8] == b"DLRMIN01" and len(raw) == (tmp_path / "p.bin").stat().st_size + 8
     with pytest.raises(ValueError, match="one entry per value"):
         write_cpp_input(tmp_path / "x.bin", dense, values, lengths, weights[:1])
+
+
+def test_a_run_from_before_the_weighted_record_reloads_resumes_and_exports_as_it_trained(data, tmp_path):
+    """Each checkpoint's meta.json records the resolved weighted features.  A checkpoint written
+    before that record, of tables derived from the data, trained unweighted (meta.json's marks were
+    not read then) although meta.json marks f0 weighted: evaluate, export and resume build it
+    unweighted (the weighted model would pool f0's bags with their weights: other scores)."""
+    import glob
+    import json
+
+    import yaml
+
+    from dlrmctl.inference.export import export_run
+    from dlrmctl.train.checkpoint import load_checkpoint_meta
+    from dlrmctl.train.reload import evaluate_run
+
+    runs = str(tmp_path)
+    derived = _cfg_dict(data, runs, "d", max_steps=3)
+    derived["model"]["tables"], derived["model"]["embedding_dim"] = [], 4  # t_f0 (meta.json: weighted), t_f1
+    _trainer(None, derived).train()
+    assert [load_checkpoint_meta(p)["weighted_features"] for p in glob.glob(f"{runs}/d/checkpoints/step_*")] == [["f0"]]
+
+    # an old run: the tables derivation gave (t_f0 4 x 4, t_f1 3 x 4), unweighted
+    raw = _cfg_dict(data, runs, "old", max_steps=6)
+    raw["model"]["tables"] = [{"name": "t_f0", "num_embeddings": 4, "embedding_dim": 4, "feature_names": ["f0"]},
+                              {"name": "t_f1", "num_embeddings": 3, "embedding_dim": 4, "feature_names": ["f1"]}]
+    _trainer(None, raw).train()
+    run = f"{runs}/old"
+    want = evaluate_run(run, "val")
+    ckpts = glob.glob(f"{run}/checkpoints/step_*/meta.json")
+    assert ckpts
+    for p in ckpts:  # as written before the record
+        m = json.load(open(p))
+        assert m.pop("weighted_features") == []
+        json.dump(m, open(p, "w"))
+    cfg = yaml.safe_load(open(f"{run}/config.yaml"))
+    cfg["model"]["tables"], cfg["model"]["embedding_dim"] = [], 4  # as derived from the data
+    yaml.safe_dump(cfg, open(f"{run}/config.yaml", "w"))
+
+    got = evaluate_run(run, "val")
+    assert got["logloss"] == want["logloss"] and got["auc"] == want["auc"]
+    assert export_run(run, "fp32", tmp_path / "m").manifest["weighted_features"] == []
+    old = dict(derived, name="old", train=dict(derived["train"], max_steps=8))
+    t = _trainer(None, old, resume=True)
+    assert t.step == 6 and not t.weighted and not t.model.sparse_arch.is_weighted()
+    t.train()
+    assert load_checkpoint_meta(f"{run}/checkpoints/step_00000008")["weighted_features"] == []

@@ -60,6 +60,8 @@ class Checkpointer:
         after_save: called on rank 0 with the run directory after each complete save (the trainer
             passes :func:`dlrmctl.train.run_dir.finish_replacement`: an ``--overwrite``'s old run
             goes once the new one has a checkpoint).
+        weighted_features: the features whose per-id weights the model uses, resolved
+            (:func:`dlrmctl.config.weighted_features`); recorded in each checkpoint's meta.json.
 
     Attributes:
         saved_step / saved_path: the newest checkpoint this run wrote or resumed from
@@ -68,8 +70,10 @@ class Checkpointer:
 
     def __init__(self, cfg: "ExperimentConfig", env: "RunEnv", run_dir: str, model: TrainModel,
                  optimizers: "TrainOptimizers", plan: Any, trainer_state: Callable[[], dict[str, Any]],
-                 after_save: Callable[[str], Any] | None = None) -> None:
+                 after_save: Callable[[str], Any] | None = None, weighted_features: list[str] | None = None) -> None:
         self.cfg = cfg
+        #: the run's resolved weighted features, recorded in every checkpoint's meta.json
+        self.weighted_features = list(weighted_features or [])
         self.env = env
         self.run_dir = run_dir
         self.model = model
@@ -96,6 +100,8 @@ class Checkpointer:
         of this step).  Returns the checkpoint directory."""
         best = self.keeps(new_best)
         extra = checkpoint_meta(self.model, self.plan, self.optimizers)
+        # what a reload builds the model with (dlrmctl.config.recorded_weighted_features: none recorded, none derived)
+        extra["weighted_features"] = self.weighted_features
         # what the run trained in (a resume may change any of them: tables are cast on load)
         extra["precision"] = {"train": self.cfg.train.precision, "embedding": self.cfg.model.embedding_precision,
                               "comm": self.cfg.sharding.comm_precision}
