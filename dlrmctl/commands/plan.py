@@ -2,9 +2,10 @@
 
 Planning is arithmetic only (no GPU, no tensors of table size): it prints which
 hardware preset it plans for, the report, and
-writes ``plan.yaml`` (:meth:`ShardingPlan.save`) and the report next to it
+writes the plan (:meth:`ShardingPlan.save`; ``--out``, by default
+``<train.run_dir>/<name>_plan.yaml`` beside the run it plans) and the report next to it
 (``<plan name>_report.txt``: ``plan_report.txt`` for ``plan.yaml``); an existing plan
-file is replaced only with ``--force``.
+file is replaced only with ``--force``, and only when dlrmctl wrote it.
 ``--gpus N`` without ``--device`` / ``--topology`` plans the config's ``sharding.device``
 (or ``sharding.topology_file``); when that is the ``cpu`` preset it is refused (``--gpus``
 means GPUs: ask for ``--device cpu`` to plan CPU processes).  A plan that does not fit then
@@ -122,8 +123,8 @@ def plan_command(
     weights_precision: Optional[str] = typer.Option(
         None, "--weights-precision", help="fp32 | fp16 (default: the config's model.embedding_precision)"),
     out: Optional[Path] = typer.Option(
-        None, "--out", metavar="PATH", help="where to write the plan (default plan.yaml; with --calibrate: "
-                                            "topology.yaml)"
+        None, "--out", metavar="PATH", help="where to write the plan (default <train.run_dir>/<name>_plan.yaml, "
+                                            "e.g. runs/demo_plan.yaml; with --calibrate: topology.yaml)"
     ),
     report: Optional[Path] = typer.Option(None, "--report", help="report file (default: <plan name>_report.txt next to --out, e.g. plan_report.txt)"),
     force: bool = typer.Option(False, "--force", help="replace an existing plan file"),
@@ -155,10 +156,6 @@ def plan_command(
         fail("plan needs a config file (or --calibrate)")
     if gpus is None:
         fail("plan needs --gpus N (ranks in the job)")
-    out = out or Path("plan.yaml")
-    # the report is named after the plan (plan.yaml -> plan_report.txt, tw.yaml -> tw_report.txt):
-    # two plans written to one directory keep their own reports
-    rpath = report or Path(os.path.abspath(out)).with_name(f"{Path(out).stem}_report.txt")
     defaulted = device is None and topology is None  # the hardware comes from the config
     preset = topo_file = None
     try:
@@ -169,6 +166,11 @@ def plan_command(
         if weights_precision is not None and weights_precision not in ("fp32", "fp16"):
             raise ValueError(f"--weights-precision must be fp32 or fp16, got {weights_precision!r}")
         cfg = load_config(config, set_ or [])
+        # by default next to the run it plans (train.run_dir/<name>_plan.yaml), not in the working directory
+        out = out or Path(cfg.train.run_dir) / f"{cfg.name}_plan.yaml"
+        # the report is named after the plan (plan.yaml -> plan_report.txt, tw.yaml -> tw_report.txt):
+        # two plans written to one directory keep their own reports
+        rpath = report or Path(os.path.abspath(out)).with_name(f"{Path(out).stem}_report.txt")
         meta = read_data_meta(cfg)
         resolve_tables(cfg, meta)  # the data's errors (no meta.json, a feature missing) before the hardware's
         lws = _lws(gpus, hosts, gpus_per_host, cfg.sharding.local_world_size)
@@ -268,7 +270,8 @@ def plan_command(
         write_text_atomic(rpath, text)
     except OSError as e:
         fail(f"wrote {show_path(out)}, but not the report --report {show_path(rpath)}: {e.strerror or e}")
-    echo(f"wrote {show_path(out)} and {show_path(rpath)}")
+    echo(f"wrote {show_path(out)} and {show_path(rpath)}; train with it: dlrmctl train {show_path(config)} "
+         f"--nproc {gpus} --plan {show_path(out)}")
 
 
 def _training_gpu(cfg, config: Path) -> Optional[tuple[str, float, str]]:

@@ -124,18 +124,23 @@ def test_plan_does_not_overwrite_without_force_and_prints_paths_one_way(tmp_path
     args = [str(cfg_path), "--gpus", "2", "--device", "cpu", "--ddr-gb", "8"]
     r = _plan(args)
     assert r.exit_code == 0, r.output
-    assert r.output.strip().splitlines()[-1] == "wrote plan.yaml and plan_report.txt"  # both relative to the cwd
-    before = (tmp_path / "plan.yaml").read_text()
+    # by default beside the run (train.run_dir/<name>_plan.yaml), both paths relative to the cwd
+    assert r.output.strip().splitlines()[-1] == ("wrote runs/plan-cli_plan.yaml and runs/plan-cli_plan_report.txt; "
+                                                 "train with it: dlrmctl train exp.yaml --nproc 2 --plan "
+                                                 "runs/plan-cli_plan.yaml")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp.yaml", "runs"]  # nothing in the working directory
+    plan = tmp_path / "runs" / "plan-cli_plan.yaml"
+    before = plan.read_text()
     r = _plan(args + ["--batch-size", "64"])
-    assert r.exit_code == 2 and "plan.yaml: exists; pass --force" in r.output
-    assert (tmp_path / "plan.yaml").read_text() == before
+    assert r.exit_code == 2 and "plan-cli_plan.yaml: exists; pass --force" in r.output
+    assert plan.read_text() == before
     r = _plan(args + ["--batch-size", "64", "--ddr-gb", "9", "--force"])
-    assert r.exit_code == 0 and (tmp_path / "plan.yaml").is_file()  # a plan dlrmctl wrote is replaced
+    assert r.exit_code == 0 and plan.is_file()  # a plan dlrmctl wrote is replaced
     # --force replaces only a plan / topology file dlrmctl wrote: never the config it reads, or a user's file
-    (tmp_path / "plan.yaml").write_text("# my notes\n")
+    plan.write_text("# my notes\n")
     r = _plan(args + ["--batch-size", "64", "--force"])
     assert r.exit_code == 2 and "is not a plan or topology file dlrmctl wrote" in r.output, r.output
-    assert (tmp_path / "plan.yaml").read_text() == "# my notes\n"
+    assert plan.read_text() == "# my notes\n"
     cfg_text = cfg_path.read_text()
     r = _plan(args + ["--out", str(cfg_path), "--force"])
     assert r.exit_code == 2 and "is an input of this command" in r.output, r.output
@@ -361,7 +366,7 @@ def test_a_calibrated_topology_is_named_as_one_and_a_missing_file_is_one_line(tm
     assert r.output.splitlines()[0] == "Topology (sharding.topology_file in exp.yaml): cal.yaml"
     assert "on 2 ranks = 1 host(s) x 2, topology cal.yaml (calibrated cpu); per rank" in r.output
     assert r.output.count("; per rank ") == 1
-    assert "on 2 ranks = 1 host(s) x 2, topology cal.yaml (calibrated cpu);" in (tmp_path / "plan_report.txt").read_text()
+    assert "on 2 ranks = 1 host(s) x 2, topology cal.yaml (calibrated cpu);" in (tmp_path / "runs" / "plan-cli_plan_report.txt").read_text()
     assert "device cal.yaml" not in r.output
     for missing in (tmp_path / "nope.yaml", tmp_path):  # no such file; a directory
         r = _plan([str(cfg_path), "--gpus", "2", "--topology", str(missing),
