@@ -15,7 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from dlrmctl.errors import (EXIT_FAILED, EXIT_USER, CommandError, ProcessFailure, command_of, find_in_chain,
-                            interrupt_exit_code, interrupt_of, interruptible, interrupted_message, out_option,
+                            interrupt_exit_code, interrupt_of, interruptible, interrupted_message,
                             user_error_message)
 
 
@@ -130,20 +130,16 @@ def main() -> None:
 
     Started by another dlrmctl process (a ``sweep`` point: ``$DLRMCTL_LAUNCHER`` names it), this
     one ends (SIGTERM) when that one does."""
-    import signal
-
-    from dlrmctl.procs import die_with_launcher
-
-    die_with_launcher(signal.SIGTERM)
     try:
+        from dlrmctl.procs import die_with_launcher
+
+        die_with_launcher(signal.SIGTERM)
         app()
     except KeyboardInterrupt as e:  # before a verb runs (Typer building the command line): the same one line
-        args = sys.argv[1:]
-        words = args[:2] if args[:1] in (["preprocess"], ["checkpoint"], ["jobs"]) else args[:1]
-        command = "dlrmctl " + " ".join(words) if words and not any(w.startswith("-") for w in words) else None
-        print(f"error: {interrupted_message(e, command, out_option(args))}", file=sys.stderr, flush=True)
-        sys.exit(interrupt_exit_code(e))
+        from dlrmctl.entry import report_early_interrupt
+
+        sys.exit(report_early_interrupt(e, sys.argv[1:]))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m dlrmctl.cli (python -m dlrmctl also guards the imports: dlrmctl.entry)
     main()
