@@ -49,15 +49,21 @@ def is_better(m: dict[str, float], best: dict[str, float], keep_best: str) -> bo
 
 def undefined_best_note(best: dict[str, Any], keep_best: str, split: str) -> str | None:
     """What the end-of-run line says when the run's best ``keep_best`` score is undefined (every
-    evaluation so far had NaN, or a ``split`` of one class only, whose AUC 0.5 is a convention):
+    evaluation so far had NaN, or a ``split`` of one class only, whose AUC 0.5 is a convention and
+    whose NE divides by the zero log loss of its CTR):
     why, and that no checkpoint was kept as ``best`` (an undefined score never wins,
     :func:`is_better`).  None when the score is defined."""
     if is_defined(best, keep_best):
         return None
     ctr = best.get("ctr")
-    if keep_best != "ne" and isinstance(ctr, float) and ctr in (0.0, 1.0):
+    one_class = isinstance(ctr, float) and ctr in (0.0, 1.0)
+    if keep_best != "ne" and one_class:
         why = (f"every {split} row has label {int(ctr)}, and AUC needs both classes (0.5 is reported "
                "by convention)")
+    elif one_class:  # NE = logloss / the CTR prior's log loss, which is 0 on one class
+        why = (f"every {split} row has label {int(ctr)}, so the log loss of predicting its CTR ({ctr:g}) is 0 "
+               "and NE, the log loss divided by it, has no value; a split with both labels gives one "
+               "(or train.keep_best: auc | none)")
     else:
         why = f"the {keep_best.upper() if keep_best != 'none' else 'AUC'} of {split} is NaN"
     return (f" (undefined: {why}; no evaluation of this run had a defined score, so no checkpoint is kept "

@@ -191,6 +191,11 @@ def test_a_run_whose_every_score_is_undefined_says_why_no_best_is_kept(data, tmp
     note = evaluator.undefined_best_note({"auc": float("nan"), "ne": float("nan"), "ctr": 0.3}, "ne", "val")
     assert note is not None and note.startswith(" (undefined: the NE of val is NaN;")
     assert evaluator.undefined_best_note({"auc": 0.7, "ne": 0.9, "ctr": 0.2}, "auc", "val") is None
+    # NE on a split of one class: its denominator, the CTR prior's log loss, is 0 (not "NE is NaN")
+    note = evaluator.undefined_best_note({"auc": 0.5, "ne": float("nan"), "ctr": 1.0}, "ne", "val")
+    assert note is not None and note.startswith(
+        " (undefined: every val row has label 1, so the log loss of predicting its CTR (1) is 0 and NE, the log "
+        "loss divided by it, has no value; a split with both labels gives one (or train.keep_best: auc | none);"), note
 
 
 def test_checkpoint_paths_of_another_run_and_odd_steps_are_refused(tmp_path):
