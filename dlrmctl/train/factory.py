@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Sequence
 
 import torch
@@ -110,7 +111,8 @@ def build_model(
         sparse_placeholder: build ``sparse_arch`` as a weightless
             :class:`~dlrmctl.distributed.model_parallel.TableConfigs` (to be sharded by
             DistributedModelParallel), so no rank ever allocates a whole table.
-        meta: the data's meta.json (default: read from ``data.path`` when there): which tables are
+        meta: the data's meta.json (default: read from ``data.path``; needed there, unless
+            ``is_weighted`` is given, when ``model.tables`` is empty): which tables are
             managed-collision tables (:func:`dlrmctl.config.managed_collision_tables`); their
             collection runs a :class:`~dlrmctl.modules.managed_collision.ManagedCollisionCollection`.
         device: where the model lives.  ``meta``: the tables are built on the meta device
@@ -131,6 +133,8 @@ def build_model(
     until the trainer sets the train split's statistics).
 
     Raises:
+        ConfigError: tables derived from the data (``model.tables`` empty) with neither ``meta``
+            nor ``is_weighted`` and no ``data.path/meta.json`` (naming that file).
         ValueError: the dot interaction with tables of different dims (not ``auto``).
         ConfigError: the tables do not fit the memory of ``device`` (:func:`check_tables_fit`).
     """
@@ -148,6 +152,11 @@ def build_model(
             from dlrmctl.config import read_data_meta
 
             meta = read_data_meta(cfg)
+            if meta is None:  # not "unweighted" by default: the file that decides it is missing
+                raise ConfigError(
+                    f"{os.path.join(cfg.data.path, 'meta.json')}: not found; model.tables is empty (tables derived "
+                    "from the data), and the data's meta.json says which features are weighted: preprocess into "
+                    "data.path first (or pass meta / is_weighted)")
         is_weighted = bool(weighted_features(cfg, meta))
     if sparse_placeholder:
         from dlrmctl.distributed.model_parallel import TableConfigs

@@ -317,7 +317,7 @@ def test_trainer_feeds_the_weights_in_training_and_eval(data, tmp_path):
 
 
 def test_tables_derived_from_the_data_are_weighted_where_meta_json_marks_the_feature(data, tmp_path):
-    from dlrmctl.config import config_from_dict, read_data_meta, resolve_tables, weighted_features
+    from dlrmctl.config import ConfigError, config_from_dict, read_data_meta, resolve_tables, weighted_features
     from dlrmctl.train.factory import build_model
 
     raw = _cfg_dict(data, str(tmp_path), "derived")
@@ -327,6 +327,10 @@ def test_tables_derived_from_the_data_are_weighted_where_meta_json_marks_the_fea
     meta = read_data_meta(cfg)
     assert weighted_features(cfg) == [] and weighted_features(cfg, meta) == ["f0"]
     assert build_model(cfg, resolve_tables(cfg, meta), 1).sparse_arch.is_weighted()  # meta read from data.path
+    # without meta.json there: the file named, not an unweighted model by default
+    gone = config_from_dict(dict(raw, data=dict(raw["data"], path=str(tmp_path / "nodata"))))
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'nodata' / 'meta.json'}: not found; model.tables is empty"):
+        build_model(gone, resolve_tables(cfg, meta), 1)
     t = _trainer(None, raw)
     assert t.weighted and t.model.sparse_arch.is_weighted()
     sa = t.model.sparse_arch
