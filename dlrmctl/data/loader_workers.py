@@ -14,14 +14,18 @@ batches' positions (the row range of a block it needs: close to the whole window
 grow with ``N`` while the gathers are divided by it).
 
 Transport: each worker writes a finished batch into a free slot of a shared anonymous mapping
-(``MAP_SHARED | MAP_NORESERVE``: pages are committed when written, nothing appears in
+(``MAP_SHARED | MAP_NORESERVE``: pages are committed when written, nothing stays in
 ``/dev/shm``, nothing outlives the processes) and sends its layout (a few numbers) over a socket
 pair.  The consumer's tensors view the slot (no copy), which goes back to the worker once they
 are all gone (a finalizer); on CUDA they are copied into pinned memory and the slot goes back at
-once.  A worker runs at most ``depth`` batches ahead (the consumer counts the batches it took, and
-marks the slots free, in a header of the mapping: it makes no system call per batch but the
-socket's read); a batch larger than a slot, or made while the consumer still holds every slot of its
-worker, travels pickled over the socket instead.
+once.  A worker runs at most ``depth`` batches ahead: it takes a credit of its counting semaphore
+for each batch it sends, and blocks on it (no polling) while it has none; the consumer gives one
+back for each batch it receives.  Each slot has a binary semaphore, posted when the slot is free
+again and taken (without waiting) by its worker to write into it.  POSIX semaphores synchronise
+memory (``sem_post`` / ``sem_wait``, IEEE Std 1003.1 XBD 4.12), so what the consumer read from a
+slot precedes the worker's next writes on any processor, not only x86's ordered stores; neither
+side makes a system call for them unless the worker waits.  A batch larger than a slot, or made
+while the consumer still holds every slot of its worker, travels pickled over the socket instead.
 
 Failures: an exception in a worker reaches the consumer as that exception (its traceback noted),
 naming the worker; a worker that dies (killed, out of memory) is an error naming the worker, its
@@ -39,6 +43,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import mmap
+import multiprocessing
 import os
 import pickle
 import signal
@@ -47,7 +52,7 @@ import traceback
 import warnings
 import weakref
 from multiprocessing import connection
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
@@ -74,8 +79,6 @@ _ALIGN = 64
 #: slots per worker beyond its batches ahead: batches the consumer may still hold (a pipeline's
 #: in-flight batches) before the worker's next batches travel pickled instead
 _SPARE_SLOTS = 4
-#: seconds a worker sleeps between looks at the header while it is as far ahead as allowed
-_WAIT_S = 0.0005
 #: mmap.MAP_NORESERVE (Python < 3.12 lacks it: Linux's value on x86-64 and arm64, where it is 0x4000;
 #: none elsewhere, where the flag has other values: a shared anonymous mapping takes memory only as
 #: its pages are written either way)
@@ -132,39 +135,31 @@ def _describe(b: Batch) -> tuple:
 
 
 def _worker_main(loader: "BatchLoader", k: int, n: int, start: int, conn: connection.Connection,
-                 ring: mmap.mmap, slot: int, depth: int, slots: int) -> None:
+                 ring: mmap.mmap, slot: int, credits: Any, free: list[Any], first: int) -> None:
     """Body of worker ``k`` of ``n`` (in the forked child): make batches ``i >= start`` with
-    ``i % n == k``, at most ``depth`` ahead of the consumer, into its free slots
-    ``[k * slots, (k + 1) * slots)`` of ``ring`` (pickled over ``conn`` when none is free or
-    the batch is larger than a slot); never returns.  The consumer says what it took in the
-    ring's header (:class:`_Header`), so it makes no system call to hand anything back."""
+    ``i % n == k`` and send each once it holds one of ``credits`` (a semaphore: at most its
+    initial value, the depth, ahead of the consumer; blocking while it has none), into a slot of
+    ``ring`` whose semaphore in ``free`` (slots ``first, first + 1, ...``) it could take (pickled
+    over ``conn`` when none is free or the batch is larger than a slot); never returns."""
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         torch.set_num_threads(1)
         parent = os.getppid()
         loader.pin_memory = False  # pinned in the consumer (this process never touches CUDA)
-        head = _Header(ring, n, slots)
-        mine = range(k * slots, (k + 1) * slots)
-        head.released[mine] = 1  # every slot free
-        made, checked = 0, time.monotonic()
         for i, b in loader._part(start, k, n):
-            while made - int(head.taken[k]) >= depth:  # as far ahead as allowed: wait for the consumer
-                time.sleep(_WAIT_S)
-                if time.monotonic() - checked > _POLL_S:
-                    if os.getppid() != parent:
-                        return
-                    checked = time.monotonic()
-            made += 1
+            while not credits.acquire(timeout=_POLL_S):  # as far ahead as allowed: wait for the consumer
+                if os.getppid() != parent:
+                    return
             arrays = _arrays(b)
             sizes = [0 if a is None else -(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
-            free = [j for j in mine if head.released[j]]
-            if sum(sizes) > slot or not free:  # pickled over the socket (the consumer holds every slot)
+            s = None
+            if sum(sizes) <= slot:
+                s = next((first + j for j, sem in enumerate(free) if sem.acquire(False)), None)
+            if s is None:  # pickled over the socket (the consumer holds every slot, or it does not fit)
                 conn.send(("inline", i, None, arrays, _describe(b)))
                 continue
-            s = free[0]
-            head.released[s] = 0
-            at, layout = head.bytes + s * slot, []
+            at, layout = s * slot, []
             for a, size in zip(arrays, sizes):
                 if a is None:
                     layout.append(None)
@@ -190,21 +185,6 @@ def _worker_main(loader: "BatchLoader", k: int, n: int, start: int, conn: connec
         os._exit(code)
 
 
-class _Header:
-    """The first page(s) of the ring: ``taken [n] int64`` (batches the consumer has received from
-    each worker) and ``released [n * slots] int64`` (1: the slot is free for its worker), written
-    by the consumer, read by the workers."""
-
-    def __init__(self, ring: mmap.mmap, n: int, slots: int) -> None:
-        words = np.frombuffer(ring, np.int64, n + n * slots, 0)
-        self.taken, self.released = words[:n], words[n:]
-        self.bytes = _Header.size(n, slots)
-
-    @staticmethod
-    def size(n: int, slots: int) -> int:
-        return -(-8 * (n + n * slots) // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
 class _Workers:
     """The ``n`` forked workers of one iteration over ``loader`` from global batch ``start``."""
 
@@ -218,9 +198,12 @@ class _Workers:
             raise CommandError(str(e)) from None
         self._stopped_since: dict[int, float] = {}  # worker -> when first seen stopped
         self._states_at = 0.0  # when the workers' states were last read
-        self.ring = mmap.mmap(-1, _Header.size(n, self.slots) + n * self.slots * self.slot,
-                              flags=mmap.MAP_SHARED | _MAP_NORESERVE)
-        self.head = _Header(self.ring, n, self.slots)
+        self.ring = mmap.mmap(-1, n * self.slots * self.slot, flags=mmap.MAP_SHARED | _MAP_NORESERVE)
+        fork = multiprocessing.get_context("fork")  # inherited by the forked workers
+        #: per worker, the batches it may still send before the consumer receives one
+        self.credits = [fork.Semaphore(depth) for _ in range(n)]
+        #: per slot (worker k owns ``k * slots ...``), posted while it is free
+        self.free = [fork.BoundedSemaphore(1) for _ in range(n * self.slots)]
         self.conns: list[connection.Connection] = []
         self.pids: list[int] = []
         _LIVE.add(self)
@@ -232,7 +215,9 @@ class _Workers:
                     pid = os.fork()
                 if pid == 0:
                     mine.close()
-                    _worker_main(loader, k, n, start, theirs, self.ring, self.slot, depth, self.slots)
+                    mine_at = k * self.slots
+                    _worker_main(loader, k, n, start, theirs, self.ring, self.slot, self.credits[k],
+                                 self.free[mine_at:mine_at + self.slots], mine_at)
                 theirs.close()
                 self.conns.append(mine)
                 self.pids.append(pid)
@@ -319,7 +304,7 @@ class _Workers:
             tensors = [None if a is None else torch.from_numpy(a) for a in payload]
         else:
             tensors = self._slot_tensors(s, payload)
-        self.head.taken[k] += 1  # worker k may make one more
+        self.credits[k].release()  # worker k may send one more
         dense, labels, values, lengths, weights = tensors
         keys, stride, lpk = desc
         kjt = KeyedJaggedTensor(keys, values, lengths=lengths, weights=weights, stride=stride, validate=False,
@@ -330,17 +315,18 @@ class _Workers:
         """The arrays of slot ``s`` as tensors.  Pinning: copies in pinned memory, and the slot is
         free at once.  Else tensors that view the slot (no copy), which is free again once every
         one of them, and every view of them, is gone: they all view one ``ctypes`` array of the
-        slot, whose finalizer marks it in the header (a store, from whichever thread drops it)."""
-        base = self.head.bytes + s * self.slot
+        slot, whose finalizer posts the slot's semaphore (from whichever thread drops it; a post
+        never blocks, also after the workers are gone)."""
+        base = s * self.slot
         view = (ctypes.c_char * self.slot).from_buffer(self.ring, base)
         out = [None if p is None else torch.from_numpy(
             np.frombuffer(view, np.dtype(p[1]), int(np.prod(p[2])), p[0] - base).reshape(p[2])) for p in layout]
         if self.pin:
             out = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t) for t in out]
             del view
-            self.head.released[s] = 1
+            self.free[s].release()
             return out
-        fin = weakref.finalize(view, self.head.released.__setitem__, s, 1)
+        fin = weakref.finalize(view, self.free[s].release)
         fin.atexit = False
         return out
 

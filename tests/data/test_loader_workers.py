@@ -61,7 +61,7 @@ def no_leftovers():
         time.sleep(0.05)
     assert child_pids() - before_pids == set()
     if os.path.isdir("/dev/shm"):
-        assert not {f for f in set(os.listdir("/dev/shm")) - shm if f.startswith(("torch_", "psm_", "wnsm_"))}
+        assert not {f for f in set(os.listdir("/dev/shm")) - shm if f.startswith(("torch_", "psm_", "wnsm_", "sem."))}
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -88,6 +88,28 @@ def test_batches_held_by_the_consumer_are_never_overwritten(tmp_path, no_leftove
     kw = dict(batch_size=3, shuffle=True, seed=5, shuffle_window_rows=16, shuffle_block_rows=4)
     held = list(BatchLoader(d, "train", workers=2, **kw))
     assert len(held) == 30 and [digest(b) for b in held] == epoch_digests(d, **kw)
+
+
+def test_a_worker_as_far_ahead_as_allowed_blocks_instead_of_polling(tmp_path, no_leftovers):
+    """While the consumer holds off, a worker with its batches ahead sleeps on its semaphore (a
+    wake-up per parent check, 10 a second) instead of polling the ring every half millisecond:
+    counted by its voluntary context switches over a second (the rate, not a time, is asserted)."""
+    d = make_dataset(tmp_path, n=200, files=2, chunks=2)
+    it = iter(BatchLoader(d, "train", batch_size=4, workers=1, prefetch=2))
+    next(it)
+    workers = sorted(child_pids())
+    assert len(workers) == 1
+
+    def switches() -> int:
+        status = Path(f"/proc/{workers[0]}/status").read_text()
+        return int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("voluntary_ctxt_switches")))
+
+    time.sleep(0.5)  # it fills its depth
+    before = switches()
+    time.sleep(1.0)
+    assert switches() - before < 100  # polling every 0.5 ms: hundreds to 2,000 a second
+    rest = list(it)
+    assert len(rest) == 49
 
 
 def test_epochs_and_resume_positions_match_the_thread_path(tmp_path, no_leftovers):
