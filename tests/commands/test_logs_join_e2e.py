@@ -54,3 +54,7 @@ def test_movielens_schema_preprocess_train_export_predict_joins_raw_rows_from_th
     last = r.output.strip().splitlines()[-1]  # after predict's line saying which program runs
     assert r.exit_code == 2 and "Traceback" not in r.output and last.startswith("error: "), r.output
     assert all(w in last for w in ("bad.csv:3", "movieId", "movies.csv", "99999999")), last
+    # advice for a key newer than the model's copy of the side table: what happens and how to refresh it
+    assert "'99999999' is not a key of the side table movies.csv as this model holds it" in last, last
+    assert "add them to movies.csv, then preprocess logs, train and export again" in last, last
+    assert "`missing: empty` such rows would get missing values: an empty bag, the missing id, the fill" in last

@@ -184,7 +184,8 @@ def _table(path: str) -> tuple[np.ndarray, pa.Table]:
     return _TABLES[key]
 
 
-def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str) -> RowBatch:
+def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str,
+                 scoring: bool = False) -> RowBatch:
     """``batch`` with the columns of the schema's side tables added (module docstring).
 
     Args:
@@ -192,6 +193,8 @@ def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_li
         schema: a schema whose joins have their ``table`` (:func:`prepare_joins`, :func:`with_tables`).
         drop: ``[n]`` bool rows already bad; rows whose key the side table lacks are added
             (``missing: error`` with ``on_bad_line='skip'``).
+        scoring: raw rows scored by a model (``predict`` / ``serve``, whose side tables are the
+            copies its export carries): the error says so and how to score new keys.
 
     Raises:
         DataError: a key the side table lacks (``missing: error``, ``on_bad_line='error'``), naming
@@ -213,6 +216,13 @@ def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_li
                 i = int(np.flatnonzero(bad)[0])
                 v = on[i].as_py()
                 shown = "an empty field" if v is None or v == "" else quoted(str(v))
+                if scoring:  # the side table as it was at preprocessing, in the model's export
+                    raise batch.error(i, j.key, (
+                        f"{shown} is not a key of the side table {j.path} as this model holds it (the copy made "
+                        f"when its data was preprocessed; the schema's `join` has `missing: error`, so such a "
+                        f"row is refused rather than scored without {', '.join(j.columns)}); to score new keys, "
+                        f"add them to {j.path}, then preprocess logs, train and export again (with `missing: "
+                        f"empty` such rows would get missing values: an empty bag, the missing id, the fill)"))
                 raise batch.error(i, j.key, f"expected a key of the side table {j.path}, got {shown} (or set "
                                            f"`missing: empty` in its `join`)")
             drop |= bad

@@ -81,7 +81,7 @@ class RawTransformer:
 
     def _chunks(self, batches: Iterator[RowBatch], schema: LogSchema, batch_rows: int) -> Iterator[Chunk]:
         for b in batches:
-            d = drop_outside(schema, decode(b, schema, "error"), self.vocabs, b.path, "error")
+            d = drop_outside(schema, decode(b, schema, "error", scoring=True), self.vocabs, b.path, "error")
             finish_dense(d, schema, self.stats, self.counts)
             n = len(d.keys)
             if n == 0:

@@ -392,8 +392,9 @@ def _as_list(batch: RowBatch, col, delimiter: str | None, name: str) -> pa.Array
                       f"got Arrow type {t}" + ("" if delimiter else " and no delimiter"))
 
 
-def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
-    """Parse a block: label, dense (before ``standardize``), time, categorical keys.
+def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str, scoring: bool = False) -> Decoded:
+    """Parse a block: label, dense (before ``standardize``), time, categorical keys.  ``scoring``:
+    raw rows scored by a model (:func:`dlrmctl.data.logs.join.join_columns`' messages).
 
     Raises:
         DataError: a bad value (``on_bad_line='error'``), naming ``file:line`` (or Parquet row group
@@ -402,7 +403,7 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str) -> Decoded:
     n = batch.num_rows
     drop = np.zeros(n, dtype=bool)
     if schema.join:  # the side tables' columns
-        batch = join_columns(batch, schema, drop, on_bad_line)
+        batch = join_columns(batch, schema, drop, on_bad_line, scoring)
     group = order = None
     if schema.split is not None and schema.split.group:  # a per-group split's keys
         group, order = split_keys(batch, schema.split, drop, on_bad_line)
