@@ -21,10 +21,11 @@ from Python through ``load_exported(..., artifact="aoti")``) and the TorchScript
 IntNBit TBE (``--torchscript``).  Prints max |Δlogit| of each against the pt2 program on
 DATA_DIR's split (and the float model's, from the parity report), the peak RSS of a fresh
 process that loads the artifact and scores batches of 4096, p50 latency and rows/s at batch 1 /
-64 / 4096 (:func:`dlrmctl.inference.parity.latency`: one id per feature, one call timed, on the
-process's CPU time and on wall time; the median over ``--rounds`` rounds that alternate the
-artifacts, so a shared machine's drifting load falls on all of them), each artifact's rows/s over
-TorchScript's, file bytes, the machine, threads and load average.
+64 / 4096 (:func:`interleaved`: one id per feature, one call timed, on the process's CPU time and
+on wall time; the median over ``--rounds`` rounds, the artifacts' calls interleaved one by one
+within each, so a shared machine's load falls on all of them alike), each artifact's rows/s over
+TorchScript's and the AOTInductor package's over the program's (with the range over the rounds),
+file bytes, the machine, threads and load average.
 
     python scripts/bench_export.py --artifacts RUN_DIR DATA_DIR [--dtype int8] [--split val] [--threads N] [--reuse DIR] [--rounds 5]
 
@@ -116,16 +117,6 @@ def peak_rss(rows: int, dim: int, dtype: str, work: str | None) -> int:
     return 0
 
 
-class _Scorer:
-    """What :func:`dlrmctl.inference.parity.latency` needs of a model: the pt2 artifact's input
-    description and a ``logits(dense, values, lengths, weights=None)``."""
-
-    def __init__(self, like, logits) -> None:
-        self.manifest, self.feature_names = like.manifest, like.feature_names
-        self.num_dense, self.weighted_features = like.num_dense, like.weighted_features
-        self.logits = logits
-
-
 _RSS_CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]))
@@ -158,6 +149,43 @@ def _peak_rss(model_dir: Path, artifact: str) -> int:
     return int(json.loads(r.stdout.strip().splitlines()[-1])["peak_rss"])
 
 
+def interleaved(like, fns: list, rounds: int, clocks: dict, budget_s: float = 1.0, max_calls: int = 60) -> dict:
+    """Per clock, per artifact, per batch size (:data:`~dlrmctl.inference.parity.LATENCY_BATCHES`)
+    the p50 milliseconds of each round: one call of each artifact in turn (``fns``: ``(name,
+    logits)``), up to ``max_calls`` each or ``budget_s`` seconds per round and batch (at least 5),
+    after 3 warm-up calls each; inputs as :func:`dlrmctl.inference.parity.latency`'s (one id per
+    feature, ``like``'s tables)."""
+    import numpy as np
+    import torch
+
+    from dlrmctl.inference.parity import LATENCY_BATCHES, _synthetic
+
+    out = {c: {name: {str(b): [] for b in LATENCY_BATCHES} for name, _ in fns} for c in clocks}
+    g = torch.Generator().manual_seed(0)
+    inputs = {b: _synthetic(like, b, g)[:3] for b in LATENCY_BATCHES}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for b in LATENCY_BATCHES:
+                for _, fn in fns:
+                    for _ in range(3):
+                        fn(*inputs[b])
+                ts = {c: {name: [] for name, _ in fns} for c in clocks}
+                t_end = time.perf_counter() + budget_s
+                n = 0
+                while n < max_calls and (n < 5 or time.perf_counter() < t_end):
+                    for name, fn in fns:
+                        t0 = {c: clock() for c, clock in clocks.items()}
+                        fn(*inputs[b])
+                        t1 = {c: clock() for c, clock in clocks.items()}
+                        for c in clocks:
+                            ts[c][name].append((t1[c] - t0[c]) * 1e3)
+                    n += 1
+                for c in clocks:
+                    for name, _ in fns:
+                        out[c][name][str(b)].append(float(np.percentile(ts[c][name], 50)))
+    return out
+
+
 def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | None = None,
               rounds: int = 5) -> int:
     """``--artifacts``: parity and latency of every artifact of ``dtype`` (module doc)."""
@@ -170,7 +198,7 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | 
 
     from dlrmctl.data.loader import BatchLoader
     from dlrmctl.inference.export import export_run, load_exported
-    from dlrmctl.inference.parity import LATENCY_BATCHES, latency
+    from dlrmctl.inference.parity import LATENCY_BATCHES
 
     t0 = time.perf_counter()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
@@ -215,16 +243,12 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | 
               + " | ".join(f"B={b} CPU p50 ms (rows/s)" for b in LATENCY_BATCHES) + " | "
               + " | ".join(f"B={b} wall p50 ms" for b in LATENCY_BATCHES) + " |")
         print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in 2 * LATENCY_BATCHES) + " |")
-        # rounds, the artifacts alternated in each: a shared machine's load drifts between rounds,
-        # not between the artifacts of one round; p50 = median over the rounds of each round's p50,
-        # on this process's CPU time (other processes' load does not inflate it) and on wall time
+        # rounds; in each, per batch size, the artifacts' calls interleaved one by one (A B C A B C ...):
+        # a shared machine's load (another process on the sibling hyperthread, drifting load) falls
+        # on every artifact alike; p50 = median over the rounds of each round's p50, on this
+        # process's CPU time (other processes' load does not inflate it) and on wall time
         clocks = {"cpu": time.process_time, "wall": time.perf_counter}
-        p50s = {c: {name: {str(b): [] for b in LATENCY_BATCHES} for name, *_ in variants} for c in clocks}
-        for _ in range(rounds):
-            for name, fn, _, _ in variants:
-                for c, clock in clocks.items():
-                    for b, v in latency(_Scorer(p2, fn), budget_s=0.3, clock=clock).items():
-                        p50s[c][name][b].append(v["p50"])
+        p50s = interleaved(p2, [(name, fn) for name, fn, _, _ in variants], rounds, clocks)
         p50 = {c: {name: {b: float(np.median(v)) for b, v in per.items()} for name, per in by.items()}
                for c, by in p50s.items()}
         for name, fn, nbytes, (mdir, fmt) in variants:
@@ -234,12 +258,15 @@ def artifacts(run_dir: str, data_dir: str, dtype: str, split: str, reuse: str | 
                   + " | ".join(f"{p50['cpu'][name][str(b)]:.3f} ({b / p50['cpu'][name][str(b)] * 1e3:,.0f})"
                                for b in LATENCY_BATCHES) + " | "
                   + " | ".join(f"{p50['wall'][name][str(b)]:.3f}" for b in LATENCY_BATCHES) + " |")
-        ts_name = variants[-1][0]
+        ts_name, pt2_name = variants[-1][0], variants[0][0]
         for c in clocks:
-            for name, *_ in variants[:-1]:
-                print(f"  {name} rows/s / TorchScript's ({c} time): " + ", ".join(
-                    f"B={b} {p50[c][ts_name][str(b)] / p50[c][name][str(b)]:.2f}x" for b in LATENCY_BATCHES)
-                    + f" (median of {rounds} alternated rounds)")
+            for name, ref_name in [(v[0], ts_name) for v in variants[:-1]] + [(variants[1][0], pt2_name)]:
+                per_round = {b: [r / x for r, x in zip(p50s[c][ref_name][str(b)], p50s[c][name][str(b)])]
+                             for b in LATENCY_BATCHES}
+                print(f"  {name} rows/s / {ref_name.split(' ')[0]}'s ({c} time): " + ", ".join(
+                    f"B={b} {p50[c][ref_name][str(b)] / p50[c][name][str(b)]:.2f}x "
+                    f"(rounds {min(per_round[b]):.2f}-{max(per_round[b]):.2f})" for b in LATENCY_BATCHES)
+                    + f" (median of {rounds} interleaved rounds)")
     print(f"\n{time.perf_counter() - t0:.0f} s; load average after {os.getloadavg()[0]:.2f} "
           f"{os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     return 0
@@ -258,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
         ap.add_argument("--reuse", help="keep the exports in this directory (pt2/ with --aot, ts/) and reuse them "
                                         "when present (default: a temporary directory)")
-        ap.add_argument("--rounds", type=int, default=5, help="latency rounds, the artifacts alternated in each "
+        ap.add_argument("--rounds", type=int, default=5, help="latency rounds, the artifacts' calls interleaved in each "
                                                               "(p50: median over the rounds)")
         a = ap.parse_args(argv)
         if a.threads:
