@@ -90,6 +90,20 @@ def _positive(v: Any, path: str, allow_zero: bool = False) -> None:
         raise ConfigError(f"{path}: must be {'>= 0' if allow_zero else '> 0'}, got {v}")
 
 
+def _check_section(section: Any, path: str, positive: tuple[str, ...] = (), at_least_zero: tuple[str, ...] = ()) -> None:
+    """The checks every section starts with: :func:`check_bounds` of the whole section, then each key
+    of ``positive`` > 0 and each key of ``at_least_zero`` >= 0 (a key set to None is unset, accepted).
+
+    Raises:
+        ConfigError: naming ``path.<key>``.
+    """
+    check_bounds(section, path)
+    for key in positive:
+        _positive(getattr(section, key), f"{path}.{key}")
+    for key in at_least_zero:
+        _positive(getattr(section, key), f"{path}.{key}", allow_zero=True)
+
+
 def _validate_rates(o: Any, path: str) -> None:
     """An optimizer's ``lr`` and ``weight_decay`` finite and >= 0, ``eps`` finite and > 0.
 
@@ -142,13 +156,9 @@ def validate_data(d: schema.DataConfig, path: str = "data") -> None:
     Raises:
         ConfigError: naming the key under ``path``.
     """
-    check_bounds(d, path)
-    _positive(d.batch_size, f"{path}.batch_size")
-    _positive(d.eval_batch_size, f"{path}.eval_batch_size")
-    _positive(d.num_samples, f"{path}.num_samples")
-    _positive(d.prefetch, f"{path}.prefetch", allow_zero=True)  # 0: no background thread
-    if d.workers != "auto":
-        _positive(d.workers, f"{path}.workers", allow_zero=True)  # 0: a thread of the rank
+    # prefetch 0: no background thread; workers 0: a thread of the rank
+    _check_section(d, path, positive=("batch_size", "eval_batch_size", "num_samples"),
+                   at_least_zero=("prefetch",) if d.workers == "auto" else ("prefetch", "workers"))
     for key in ("shuffle_window_rows", "shuffle_block_rows"):  # ints already (config_from_dict's type check)
         if getattr(d, key) < 1:
             raise ConfigError(f"{path}.{key}: must be an integer >= 1 (rows), got {getattr(d, key)!r}")
@@ -329,17 +339,11 @@ def validate_train(t: schema.TrainConfig, path: str = "train") -> None:
     Raises:
         ConfigError: naming the key under ``path``.
     """
-    check_bounds(t, path)
-    _positive(t.early_stopping_patience, f"{path}.early_stopping_patience", allow_zero=True)
+    _check_section(t, path, positive=("epochs", "max_steps", "keep_last_checkpoints"),
+                   at_least_zero=("early_stopping_patience", "eval_every", "checkpoint_every", "progress_every_s"))
     if t.early_stopping_patience and t.keep_best == "none":
         raise ConfigError(f"{path}.early_stopping_patience: stops on the keep_best metric, but {path}.keep_best "
                           f"is 'none'; set {path}.keep_best to auc or ne")
-    _positive(t.epochs, f"{path}.epochs")
-    _positive(t.max_steps, f"{path}.max_steps")
-    _positive(t.eval_every, f"{path}.eval_every", allow_zero=True)
-    _positive(t.checkpoint_every, f"{path}.checkpoint_every", allow_zero=True)
-    _positive(t.keep_last_checkpoints, f"{path}.keep_last_checkpoints")
-    _positive(t.progress_every_s, f"{path}.progress_every_s", allow_zero=True)
     if t.precision == "fp16" and t.device == "cpu":
         raise ConfigError(f"{path}.precision: fp16 autocast needs CUDA (a GradScaler on a GPU); on the CPU use bf16")
 
@@ -363,10 +367,7 @@ def validate_sharding(s: schema.ShardingConfig, path: str = "sharding") -> None:
     Raises:
         ConfigError: naming the key under ``path``.
     """
-    check_bounds(s, path)
-    _positive(s.hbm_gb, f"{path}.hbm_gb")
-    _positive(s.ddr_gb, f"{path}.ddr_gb")
-    _positive(s.local_world_size, f"{path}.local_world_size")
+    _check_section(s, path, positive=("hbm_gb", "ddr_gb", "local_world_size"))
     for name, ts in s.tables.items():
         validate_table_sharding(ts, f"{path}.tables.{name}")
 
