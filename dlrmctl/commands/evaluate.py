@@ -13,6 +13,7 @@ from typing import Optional
 
 import typer
 
+from dlrmctl.commands._options import CheckpointChoice
 from dlrmctl.commands._common import (check_number, checkpoint_choice, echo, fail, print_metrics, require_run_dir,
                                      setup_logging, show_path)
 from dlrmctl.console import stage, stages
@@ -24,8 +25,7 @@ def evaluate(
     split: str = typer.Option("val", "--split", help="val | test | train"),
     data: Optional[str] = typer.Option(None, "--data", help="preprocessed data directory (default: the run's; "
                                                              "required for an exported model)"),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> | <name> (default: best when "
-                                                                         "the run kept one, else last)"),
+    checkpoint: CheckpointChoice = None,
     any_split: bool = typer.Option(False, "--any-split", help="accept data whose split differs from the training "
                                                               "data's (same schema and vocabularies)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="samples per evaluation batch (default: the "

@@ -14,6 +14,7 @@ from typing import Optional
 import typer
 
 from dlrmctl.commands._common import fail, require_run_dir
+from dlrmctl.commands._options import CheckpointChoice
 from dlrmctl.errors import UserError, interrupt_exit_code
 
 
@@ -27,8 +28,7 @@ def export_command(
     out: Optional[Path] = typer.Option(None, "--out", help="artifact directory (default: RUN_DIR/export-<dtype>)"),
     data: Optional[Path] = typer.Option(None, "--data", help="preprocessed data dir holding the vocabularies (default: the run's data.path)"),
     force: bool = typer.Option(False, "--force", help="replace an existing artifact directory"),
-    checkpoint: Optional[str] = typer.Option(None, "--checkpoint", help="best | last | <step> | <name> (default: best when "
-                                                                         "the run kept one, else last)"),
+    checkpoint: CheckpointChoice = None,
     torchscript: bool = typer.Option(False, "--torchscript", help="legacy TorchScript model.pt on FBGEMM's IntNBit TBE "
                                                                   "instead of the torch.export model.pt2"),
     aot: bool = typer.Option(False, "--aot", help="also an AOTInductor package (model_aoti.pt2) for C++ "

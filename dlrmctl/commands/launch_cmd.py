@@ -7,6 +7,8 @@ from typing import List, Optional
 
 import typer
 
+from dlrmctl.commands._options import Resume
+
 
 def _parse_scheduler_cfg(items: list[str]) -> dict[str, str]:
     """``--scheduler-arg KEY=VALUE`` items as a dict (one ``error:`` line, exit 2, for an item without ``=``)."""
@@ -88,7 +90,7 @@ def register(app: typer.Typer) -> None:
                                             "by kubernetes, aws_batch and the other container schedulers)"),
         scheduler_arg: List[str] = typer.Option([], "--scheduler-arg", help="scheduler run option KEY=VALUE, e.g. queue=default"),
         set_: List[str] = typer.Option([], "--set", help="config override passed to every rank"),
-        resume: bool = typer.Option(False, "--resume", help="continue the run from its newest checkpoint"),
+        resume: Resume = False,
         dry_run: bool = typer.Option(False, "--dry-run", help="print the AppDef and the scheduler's request; submit nothing"),
         wait: bool = typer.Option(False, "--wait", help="cluster schedulers: stream rank 0's output until the job "
                                   "ends (exit 0 only when it succeeded); default: print the job's handle and return"),

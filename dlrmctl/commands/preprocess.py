@@ -14,10 +14,11 @@ from typing import List, Optional
 import typer
 
 from dlrmctl.commands._common import fail, show_path
+from dlrmctl.commands._options import DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers
 from dlrmctl.errors import UserError, check_output_dir
 
-__all__ = ["build_dataset", "build_interruptible", "dataset_target_or_fail", "print_summary", "say_already_complete",
-           "stat_inputs"]
+__all__ = ["build_dataset", "build_interruptible", "build_unless_complete", "dataset_target_or_fail", "print_summary",
+           "say_already_complete", "stat_inputs"]
 
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
@@ -90,6 +91,24 @@ def build_interruptible(target, out: Path, fn):
              "processes ended; run the same command again to resume it", code=e.exit_code)
 
 
+def build_unless_complete(out: Path, recipe: dict, force: bool, fn, interruptible: bool = False):
+    """The build of every ``preprocess`` verb: the target directory for ``recipe``
+    (:func:`dataset_target_or_fail`); when a dataset made from the same recipe is already complete
+    there, :func:`say_already_complete` and return None; else run ``fn(build_dir)`` and commit it
+    (:func:`build_interruptible` with ``interruptible``, for a build that runs worker processes; else
+    :func:`build_dataset`) and return what ``fn`` returned (its report).
+
+    Raises:
+        CommandError: ``out`` cannot be created or replaced, or (``interruptible``) a signal ended the
+            build; whatever ``fn`` raises.
+    """
+    target = dataset_target_or_fail(out, recipe, force)
+    if target.state == "complete":
+        say_already_complete(out)
+        return None
+    return build_interruptible(target, out, fn) if interruptible else build_dataset(target, fn)
+
+
 def _committed(target) -> bool:
     """``target``'s build is complete at ``target.out``: its marker says complete with this build's
     recipe and meta.json is there (what a re-run checks before saying ``already complete``)."""
@@ -141,7 +160,7 @@ def print_summary(rep, out: Path) -> None:
 def criteo(
     input: List[str] = typer.Option(..., "--input", "-i", help="train.txt / day_N file(s), plain or .gz; a file, "
                                     "a directory or a glob (repeatable)"),
-    out: Path = typer.Option(..., "--out", "-o", help="output directory (re-running it resumes)"),
+    out: DatasetOut = ...,
     num_embeddings: Optional[str] = typer.Option(
         None, help="hashing: id = hex mod N (one N, or 26 comma-separated); tables get N+1 rows "
         "(last = missing). Default: a vocabulary (see --frequency-threshold)"),
@@ -160,10 +179,9 @@ def criteo(
     multi_hot_sizes: Optional[str] = typer.Option(None, help="26 comma-separated bag sizes: materialise "
                                                   "MLPerf-DLRMv2 multi-hot bags"),
     multi_hot_distribution: str = typer.Option("uniform", help="'uniform' or 'pareto' multi-hot offsets"),
-    workers: int = typer.Option(1, min=1, help="worker processes (parallel across input files)"),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
-    force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/options "
-                               "(built beside it, swapped in when complete)"),
+    workers: Workers = 1,
+    quiet: Quiet = False,
+    force: ReplaceDataset = False,
 ) -> None:
     """Criteo Kaggle / 1TB click logs (40 tab-separated fields) -> columnar shards + meta.json."""
     from dlrmctl.data.criteo.parse import CriteoOptions
@@ -187,13 +205,10 @@ def criteo(
     recipe = {"dataset": "criteo", "inputs": inputs,
               "options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "workers"}}
     recipe["legacy_same"] = _legacy_criteo_same(out, inputs)
-    target = dataset_target_or_fail(out, recipe, force)
-    if target.state == "complete":
-        say_already_complete(out)
-        return
-    rep = build_interruptible(target, out, lambda d: preprocess_criteo(input if len(input) > 1 else input[0], d,
-                                                                       opts, progress=not quiet))
-    print_summary(rep, out)
+    rep = build_unless_complete(out, recipe, force, lambda d: preprocess_criteo(
+        input if len(input) > 1 else input[0], d, opts, progress=not quiet), interruptible=True)
+    if rep is not None:
+        print_summary(rep, out)
 
 
 def _legacy_criteo_same(out: Path, inputs: list[dict]) -> bool:
@@ -216,8 +231,8 @@ def synthetic(
     out: Path = typer.Option(..., "--out", "-o", help="output directory"),
     rows: int = typer.Option(300_000, help="rows over all splits"),
     seed: int = typer.Option(0, help="seed of every parameter and row"),
-    val_ratio: float = typer.Option(0.1, help="fraction of rows for validation"),
-    test_ratio: float = typer.Option(0.1, help="fraction of rows for test"),
+    val_ratio: ValRatio = 0.1,
+    test_ratio: TestRatio = 0.1,
     num_embeddings: Optional[str] = typer.Option(None, help="table sizes: one N or 26 comma-separated "
                                                  "(default: 10..10000, signal tables C1..C8 small)"),
     zipf_alpha: float = typer.Option(1.05, help="Zipf exponent of id frequencies"),
@@ -252,20 +267,20 @@ def synthetic(
             check_interaction_options(inf, interaction_dim, interaction_std)
         except ValueError as e:
             raise typer.BadParameter(str(e)) from None
-    target = dataset_target_or_fail(out, recipe, force)
-    if target.state == "complete":
-        say_already_complete(out)
+    def generate(d: Path):
+        try:
+            return generate_synthetic(d, rows=rows, seed=seed, val_ratio=val_ratio, test_ratio=test_ratio,
+                                      num_embeddings=cards, zipf_alpha=zipf_alpha, weighted_features=wf,
+                                      interaction_features=inf, interaction_dim=interaction_dim,
+                                      interaction_std=interaction_std)
+        except ValueError as e:
+            if isinstance(e, UserError):  # e.g. DataError of a full disk: one line (dlrmctl.cli), not a usage error
+                raise
+            raise typer.BadParameter(str(e)) from None
+
+    rep = build_unless_complete(out, recipe, force, generate)
+    if rep is None:
         return
-    try:
-        rep = build_dataset(target, lambda d: generate_synthetic(d, rows=rows, seed=seed, val_ratio=val_ratio,
-                                                          test_ratio=test_ratio, num_embeddings=cards,
-                                                          zipf_alpha=zipf_alpha, weighted_features=wf,
-                                                          interaction_features=inf, interaction_dim=interaction_dim,
-                                                          interaction_std=interaction_std))
-    except ValueError as e:
-        if isinstance(e, UserError):  # e.g. DataError of a full disk: one line (dlrmctl.cli), not a usage error
-            raise
-        raise typer.BadParameter(str(e)) from None
     print_summary(rep, out)
     import json
 
@@ -302,11 +317,9 @@ def synthetic_drift(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     recipe = {"dataset": "synthetic-drift", "day": day, **vars(o)}
-    target = dataset_target_or_fail(out, recipe, force)
-    if target.state == "complete":
-        say_already_complete(out)
+    rep = build_unless_complete(out, recipe, force, lambda d: generate_drifting_day(d, day, o, progress=True))
+    if rep is None:
         return
-    rep = build_dataset(target, lambda d: generate_drifting_day(d, day, o, progress=True))
     print_summary(rep, out)
     import json
 

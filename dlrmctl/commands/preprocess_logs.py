@@ -11,6 +11,8 @@ from typing import List
 
 import typer
 
+from dlrmctl.commands._options import DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers
+
 
 def register(preprocess_app: typer.Typer) -> None:
     """Add the ``logs`` command to the ``preprocess`` sub-app."""
@@ -21,25 +23,23 @@ def register(preprocess_app: typer.Typer) -> None:
                                     "and categorical features; docs/data.md)"),
         input: List[str] = typer.Option(..., "--input", "-i", help="CSV / TSV / Parquet / JSON-lines file(s), "
                                         "plain or compressed; a file, a directory or a glob (repeatable)"),
-        out: Path = typer.Option(..., "--out", "-o", help="output directory (re-running it resumes)"),
-        val_ratio: float = typer.Option(0.0, help="fraction of rows for validation"),
-        test_ratio: float = typer.Option(0.0, help="fraction of rows for test"),
+        out: DatasetOut = ...,
+        val_ratio: ValRatio = 0.0,
+        test_ratio: TestRatio = 0.0,
         seed: int = typer.Option(0, help="seed of the row-hash split"),
         split_by: str = typer.Option(None, help="'row' (hash of file and line) or 'time' (the latest slices of "
                                      "the schema's time column are test, the ones before them val; per group with "
                                      "the schema's split.group); default: the schema's split.by, else row"),
         on_bad_line: str = typer.Option("error", help="'error' (stop, naming file:line and column) or 'skip' "
                                         "(count)"),
-        workers: int = typer.Option(1, min=1, help="worker processes (parallel across input files)"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress line"),
-        force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/"
-                                   "options (built beside it, swapped in when complete)"),
+        workers: Workers = 1,
+        quiet: Quiet = False,
+        force: ReplaceDataset = False,
     ) -> None:
         """Any click log (CSV / TSV / Parquet / JSON lines) described by a schema -> columnar shards +
         meta.json."""
         from dlrmctl.commands._common import fail
-        from dlrmctl.commands.preprocess import (say_already_complete, stat_inputs, print_summary, dataset_target_or_fail,
-                                                 build_interruptible)
+        from dlrmctl.commands.preprocess import build_unless_complete, print_summary, stat_inputs
         from dlrmctl.data.logs import LogOptions, load_schema, preprocess_logs
         from dlrmctl.data.logs.split import split_mode
         from dlrmctl.errors import check_output_dir
@@ -67,10 +67,7 @@ def register(preprocess_app: typer.Typer) -> None:
             inputs = inputs + stat_inputs([str(side_path(j, [Path(i["path"]) for i in inputs])) for j in sch.join])
         recipe = {"dataset": "logs", "schema": sch.to_dict(), "inputs": inputs,
                   "options": {k: v for k, v in vars(opts).items() if k != "workers"}}
-        target = dataset_target_or_fail(out, recipe, force)
-        if target.state == "complete":
-            say_already_complete(out)
-            return
-        rep = build_interruptible(target, out, lambda d: preprocess_logs(sch, input if len(input) > 1 else input[0],
-                                                                         d, opts, progress=not quiet))
-        print_summary(rep, out)
+        rep = build_unless_complete(out, recipe, force, lambda d: preprocess_logs(
+            sch, input if len(input) > 1 else input[0], d, opts, progress=not quiet), interruptible=True)
+        if rep is not None:
+            print_summary(rep, out)

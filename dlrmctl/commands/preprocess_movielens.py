@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 from dlrmctl.commands._common import fail
+from dlrmctl.commands._options import ReplaceDataset
 
 
 def register(preprocess_app: typer.Typer) -> None:
@@ -31,8 +32,7 @@ def register(preprocess_app: typer.Typer) -> None:
         min_tag_count: int = typer.Option(2, "--min-tag-count", help="tags seen fewer times are dropped"),
         max_tags_per_item: int = typer.Option(16, "--max-tags-per-item", help="cap of a movie's tag bag"),
         zip_prefix_len: int = typer.Option(3, "--zip-prefix-len", help="zip code characters kept (user feature)"),
-        force: bool = typer.Option(False, "--force", help="replace an existing dataset made from other inputs/"
-                                   "options (built beside it, swapped in when complete)"),
+        force: ReplaceDataset = False,
     ) -> None:
         """MovieLens ratings -> click-style label (rating >= threshold), per-user time-ordered split."""
         from dlrmctl.data.movielens import MovieLensOptions, preprocess_movielens
@@ -47,21 +47,19 @@ def register(preprocess_app: typer.Typer) -> None:
         import os
         from pathlib import Path
 
-        from dlrmctl.commands.preprocess import say_already_complete, build_dataset, dataset_target_or_fail
+        from dlrmctl.commands.preprocess import build_unless_complete
 
         check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
         if not os.path.isdir(input):  # the input's own error comes before any question about --out
             fail(f"{input}: not a directory (expected an unpacked MovieLens release)")
-        target = dataset_target_or_fail(Path(out), {"dataset": "movielens", "input": os.path.abspath(input),
-                                     "options": dataclasses.asdict(opts)}, force)
-        if target.state == "complete":
-            say_already_complete(Path(out))
-            return
+        recipe = {"dataset": "movielens", "input": os.path.abspath(input), "options": dataclasses.asdict(opts)}
         try:
-            rep = build_dataset(target, lambda d: preprocess_movielens(input, d, opts,
-                                                                progress=lambda msg: echo(msg, err=True)))
+            rep = build_unless_complete(Path(out), recipe, force, lambda d: preprocess_movielens(
+                input, d, opts, progress=lambda msg: echo(msg, err=True)))
         except (ValueError, OSError) as e:  # (a DataError, a ValueError too, is the same line)
             fail(str(e))
+        if rep is None:
+            return
         typer.echo(f"{rep.release} -> {out} in {rep.seconds:.1f}s")
         for split in ("train", "val", "test"):
             c = rep.ctr.get(split)

@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 
 from dlrmctl.commands._common import echo, fail, setup_logging, show_path
+from dlrmctl.commands._options import Resume
 
 
 def train(
@@ -21,7 +22,7 @@ def train(
     nproc: int = typer.Option(1, "--nproc", min=1, help="processes (ranks) per node; > 1 shards the tables"),
     nnodes: int = typer.Option(1, "--nnodes", min=1, help="nodes (torchx dist.ddp -j NNODESxNPROC)"),
     plan: Optional[str] = typer.Option(None, "--plan", help="sharding plan file written by `dlrmctl plan`"),
-    resume: bool = typer.Option(False, "--resume", help="continue the run from its newest checkpoint"),
+    resume: Resume = False,
     checkpoint: Optional[str] = typer.Option(None, "--checkpoint",
                                              help="with --resume: the checkpoint to continue from, best | last | "
                                                   "<step> | <name> (default last)"),
