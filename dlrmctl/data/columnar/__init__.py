@@ -55,6 +55,7 @@ File paths inside meta are relative to DIR.
 
 The package: :mod:`~dlrmctl.data.columnar.format` (names, :class:`DataError`, the schema,
 meta.json), :mod:`~dlrmctl.data.columnar.writer` (:class:`ShardWriter`),
+:mod:`~dlrmctl.data.columnar.parts` (a preprocess's per-input-file parts, built and resumed),
 :mod:`~dlrmctl.data.columnar.mapped` (:class:`MappedShard`), :mod:`~dlrmctl.data.columnar.split`
 (:class:`SplitData`, :func:`open_split`, row checks, dense statistics); every public name is
 importable from ``dlrmctl.data.columnar``.
@@ -80,6 +81,16 @@ from dlrmctl.data.columnar.format import (
 from dlrmctl.data.columnar.writer import (
     ShardWriter,
     write_split_shard,
+)
+from dlrmctl.data.columnar.parts import (
+    DONE_FILE,
+    PartBuild,
+    file_identity,
+    finished_part,
+    fingerprint,
+    part_fingerprint,
+    parts_meta,
+    split_rows,
 )
 from dlrmctl.data.columnar.mapped import (
     MappedShard,
@@ -111,6 +122,14 @@ __all__ = [
     "write_meta",
     "ShardWriter",
     "write_split_shard",
+    "DONE_FILE",
+    "PartBuild",
+    "file_identity",
+    "finished_part",
+    "fingerprint",
+    "part_fingerprint",
+    "parts_meta",
+    "split_rows",
     "MappedShard",
     "jagged_gather",
     "DENSE_STATS_MAX_ROWS",

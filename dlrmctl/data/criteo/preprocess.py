@@ -19,10 +19,7 @@ its counts or its decoded rows are stale or missing and its part still has to be
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -31,17 +28,17 @@ import numpy as np
 import pyarrow as pa
 
 from dlrmctl.data.columnar import (
-    FORMAT_VERSION,
     IDS_KEY,
     IDS_RAW,
     LABEL_COLUMN,
     SPLITS,
     DataError,
-    ShardWriter,
     shard_schema,
-    write_json_atomic,
     write_meta,
 )
+from dlrmctl.data.checksums import sha256_file
+from dlrmctl.data.columnar.parts import (DONE_FILE, PartBuild, finished_part, fingerprint, part_fingerprint, parts_meta,
+                                         split_rows)
 from dlrmctl.data.criteo import decoded as _decoded
 from dlrmctl.data.criteo import vocab as _vocab
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
@@ -104,28 +101,15 @@ def process_file(task: FileTask) -> dict:
     """
     t0 = time.perf_counter()
     o = task.opts
-    parts = Path(task.out_dir) / "parts"
-    final = parts / task.part
-    tmp = parts / (task.part + ".tmp")
     vocabs = _vocab.VocabSet.of_dir(task.vocab_dir) if o.mode == "vocab" else None  # loaded lazily
     mh = o.multi_hot_sizes or [1] * NUM_SPARSE
     schema = shard_schema(DENSE_FEATURES, SPARSE_FEATURES, [s > 1 for s in mh], labelled=task.labelled)
-
-    def fresh():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        return {s: ShardWriter(tmp / f"{s}.arrow", schema) for s in SPLITS}
-
-    writers: dict[str, ShardWriter] = {}
     stats = _new_stats()
     source = _decoded_batches(task) if o.mode == "vocab" else _parsed_batches(task)
-    try:  # (from the temp directory's creation on: any failure or Ctrl-C removes it)
-        writers = fresh()
+    with PartBuild(task.out_dir, task.part, schema) as build:  # any failure or Ctrl-C removes the temp part
         for blk, bad in source:
             if blk is None:  # restart in careful mode
-                for w in writers.values():
-                    w.abort()
-                writers = fresh()
+                build.restart()
                 stats = _new_stats()
                 continue
             stats["bad_lines"] += bad
@@ -159,25 +143,11 @@ def process_file(task: FileTask) -> dict:
                         cols[name] = pa.ListArray.from_arrays(pa.array(offs), pa.array(vals))
                     else:
                         cols[name] = x
-                writers[split].write(cols)
+                build.writers[split].write(cols)
                 stats["rows"][split] += k
             report_rows(nrows)
-        for w in writers.values():
-            w.close()
-        stats["seconds"] = time.perf_counter() - t0
-        stats["fingerprint"] = task.fingerprint
-        stats["input"] = task.path
-        write_json_atomic(tmp / "done.json", stats)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    except BaseException:
-        for w in writers.values():
-            try:
-                w.abort()
-            except Exception:
-                pass
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        stats.update(seconds=time.perf_counter() - t0, fingerprint=task.fingerprint, input=task.path)
+        build.commit(stats)
     _decoded.remove_decoded(task.out_dir, task.part)  # the part is in place: pass 1's rows are spent
     return stats
 
@@ -209,11 +179,6 @@ class PreprocessReport:
     files_skipped: int
     seconds: float
     rows_per_s: float
-
-
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
 
 
 def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike,
@@ -290,14 +255,10 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     else:
         table_sizes = None  # vocab: from the vocabulary; raw: distinct train ids, once written
 
-    def fp_common() -> dict:
-        return {"format_version": FORMAT_VERSION, "seed": o.seed, "val_ratio": o.val_ratio,
-                "test_ratio": o.test_ratio, "split_by_day": o.split_by_day, "on_bad_line": o.on_bad_line}
-
-    def file_id(f: Path) -> dict:
-        st = f.stat()
-        return {"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                "role": roles[f], "valtest_first": valtest_first.get(f, 0)}
+    def file_fingerprint(f: Path, fields: dict) -> str:  # the options and the file's role, then the pass's fields
+        return part_fingerprint(f, {"seed": o.seed, "val_ratio": o.val_ratio, "test_ratio": o.test_ratio,
+                                    "split_by_day": o.split_by_day, "on_bad_line": o.on_bad_line, "role": roles[f],
+                                    "valtest_first": valtest_first.get(f, 0), **fields})
 
     rows_read = 0
     vocab_info = None
@@ -307,9 +268,8 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
     if o.mode == "vocab":
         for f in files:
             count_tasks[f] = FileTask(str(f), f.name, roles[f], labelled, str(out), o,
-                                      _fingerprint({**fp_common(), **file_id(f), "pass": "count",
-                                                    "counts_format": _vocab.COUNTS_FORMAT,
-                                                    "decoded_format": _decoded.DECODED_FORMAT}),
+                                      file_fingerprint(f, {"pass": "count", "counts_format": _vocab.COUNTS_FORMAT,
+                                                           "decoded_format": _decoded.DECODED_FORMAT}),
                                       valtest_first=valtest_first.get(f, 0))
             # fresh counts but no decoded rows, and a finished part: parse again only if that part
             # turns out stale once the vocabulary is known (a resumed pass 2 deletes spent rows)
@@ -318,7 +278,7 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
             done_txt = counts.with_suffix(".done")
             if (done_txt.is_file() and done_txt.read_text() == t.fingerprint and counts.is_file()
                     and _decoded.read_marker(out, f.name, t.fingerprint) is None
-                    and (out / "parts" / f.name / "done.json").is_file()):
+                    and (out / "parts" / f.name / DONE_FILE).is_file()):
                 deferred.add(f)
         first = [count_tasks[f] for f in files if f not in deferred]
         prog = Progress("criteo pass 1 (parse, count)", len(first), progress)
@@ -328,27 +288,21 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
         count_files = [str(out / ".counts" / f"{f.name}.arrow") for f in files]
         vocab_info = _vocab.build_vocab(count_files, vocab_dir, o.threshold)
         table_sizes = [v["size"] + 2 for v in vocab_info]
-        vocab_fp = _fingerprint([_sha_file(vocab_dir / f"{n}.arrow") for n in SPARSE_FEATURES])
+        vocab_fp = fingerprint([sha256_file(vocab_dir / f"{n}.arrow")[:16] for n in SPARSE_FEATURES])
     else:
         vocab_fp = None
 
     mh = o.multi_hot_sizes or [1] * NUM_SPARSE
     tasks, skipped, done_stats = [], [], {}
     for f in files:
-        fp = _fingerprint({**fp_common(), **file_id(f), "mode": o.mode, "num_embeddings": o.num_embeddings,
-                           "vocab": vocab_fp, "multi_hot": mh, "dist": o.multi_hot_distribution,
-                           "table_sizes": table_sizes})
-        done = out / "parts" / f.name / "done.json"
-        if done.is_file():
-            try:
-                st = json.loads(done.read_text())
-            except json.JSONDecodeError:
-                st = {}
-            if st.get("fingerprint") == fp:
-                skipped.append(f)
-                done_stats[f] = st
-                _decoded.remove_decoded(out, f.name)  # left over if a run stopped right after the part
-                continue
+        fp = file_fingerprint(f, {"mode": o.mode, "num_embeddings": o.num_embeddings, "vocab": vocab_fp, "multi_hot": mh,
+                                  "dist": o.multi_hot_distribution, "table_sizes": table_sizes})
+        st = finished_part(out, f.name, fp)
+        if st is not None:
+            skipped.append(f)
+            done_stats[f] = st
+            _decoded.remove_decoded(out, f.name)  # left over if a run stopped right after the part
+            continue
         tasks.append(FileTask(str(f), f.name, roles[f], labelled, str(out), o, fp,
                                vocab_dir=str(vocab_dir) if o.mode == "vocab" else None,
                                table_sizes=table_sizes, valtest_first=valtest_first.get(f, 0),
@@ -374,10 +328,8 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
         done_stats[Path(t.path)] = st
 
     # ---- meta
-    rows = {s: sum(done_stats[f]["rows"][s] for f in files) for s in SPLITS}
-    pos = {s: sum(done_stats[f]["positives"][s] for f in files) for s in SPLITS}
+    rows = split_rows(files, done_stats)
     missing = [sum(done_stats[f]["missing"][i] for f in files) for i in range(NUM_SPARSE)]
-    bad_lines = sum(done_stats[f]["bad_lines"] for f in files)
     total = sum(rows.values())
     if o.mode == "raw":
         table_sizes = _distinct_train_ids(out, files)
@@ -424,23 +376,13 @@ def preprocess_criteo(inputs: str | os.PathLike | Sequence[str | os.PathLike], o
         "on_bad_line": o.on_bad_line,
     }
     elapsed = time.perf_counter() - t0
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "dataset": "criteo",
-        "dense_features": DENSE_FEATURES,
-        "sparse_features": sparse_meta,
-        "label": LABEL_COLUMN if labelled else None,
-        "splits": {s: {"rows": rows[s], "files": [f"parts/{f.name}/{s}.arrow" for f in files]}
-                   for s in SPLITS},
-        "ctr": {s: (pos[s] / rows[s] if rows[s] and labelled else None) for s in SPLITS},
-        "transforms": transforms,
-        "vocab_files": ({n: f"vocab/{n}.arrow" for n in SPARSE_FEATURES} if o.mode == "vocab" else {}),
-        "inputs": [str(f) for f in files],
-        "bad_lines_skipped": bad_lines,
-        "rows_per_s": rows_read / elapsed if elapsed > 0 else None,
-    }
+    meta = parts_meta(files, done_stats, labelled,
+                      {"dataset": "criteo", "dense_features": DENSE_FEATURES, "sparse_features": sparse_meta},
+                      {"transforms": transforms,
+                       "vocab_files": ({n: f"vocab/{n}.arrow" for n in SPARSE_FEATURES} if o.mode == "vocab" else {})})
+    meta["rows_per_s"] = rows_read / elapsed if elapsed > 0 else None
     write_meta(out, meta)
-    return PreprocessReport(out, rows, bad_lines, len(tasks), len(skipped), elapsed,
+    return PreprocessReport(out, rows, meta["bad_lines_skipped"], len(tasks), len(skipped), elapsed,
                             rows_read / elapsed if elapsed > 0 else 0.0)
 
 
@@ -460,12 +402,3 @@ def _distinct_train_ids(out: Path, files: Sequence[Path]) -> list[int]:
         cols = [t.column(name).to_numpy() for t in tables]
         counts.append(int(np.unique(np.concatenate(cols)).size) if cols else 0)
     return [max(1, c) for c in counts]
-
-
-def _sha_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-

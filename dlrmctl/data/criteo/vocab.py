@@ -34,6 +34,7 @@ import pyarrow.ipc as ipc
 from dlrmctl.data.criteo import decoded as _decoded
 from dlrmctl.data.criteo.parallel import report_rows
 from dlrmctl.data.criteo.parse import NUM_SPARSE, SPARSE_FEATURES, FileTask, read_blocks, split_of_block
+from dlrmctl.data.file_cache import FileCache
 
 __all__ = ["COUNTS_FORMAT", "HashLookup", "VocabSet", "build_vocab", "clear_cache", "count_file", "merge_counts",
            "write_count_file"]
@@ -141,37 +142,27 @@ class HashLookup:
         return out
 
 
-_CACHE: dict[tuple[str, int, int], "HashLookup"] = {}
+def _read_vocab(path: Path) -> HashLookup:
+    from dlrmctl.data.columnar import DataError
+
+    try:
+        values = ipc.open_file(pa.memory_map(str(path))).read_all().column("value").to_numpy()
+    except (OSError, pa.ArrowInvalid, KeyError) as e:
+        raise DataError(f"cannot read vocabulary (expected an Arrow file with an int64 'value' "
+                        f"column): {e}", path=path) from None
+    try:
+        return HashLookup(values)
+    except ValueError as e:  # a damaged vocabulary: a value outside 32 bits or listed twice
+        raise DataError(f"not a vocabulary: {e}", path=path) from None
+
+
+#: the vocabularies this process has loaded, by file version; those of one data directory at a time
+_CACHE: FileCache[HashLookup] = FileCache(_read_vocab, one_dir=True)
 
 
 def clear_cache() -> None:
     """Drop the vocabularies this process has loaded (they are reloaded on the next use)."""
     _CACHE.clear()
-
-
-def _load(path: Path) -> HashLookup:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    lk = _CACHE.get(key)
-    if lk is None:
-        stale = [k for k in _CACHE if Path(k[0]).parent != Path(key[0]).parent]
-        for k in stale:  # a vocabulary of another data directory: not needed any more
-            del _CACHE[k]
-        try:
-            values = ipc.open_file(pa.memory_map(str(path))).read_all().column("value").to_numpy()
-        except (OSError, pa.ArrowInvalid, KeyError) as e:
-            from dlrmctl.data.columnar import DataError
-
-            raise DataError(f"cannot read vocabulary (expected an Arrow file with an int64 'value' "
-                            f"column): {e}", path=path) from None
-        try:
-            lk = HashLookup(values)
-        except ValueError as e:  # a damaged vocabulary: a value outside 32 bits or listed twice
-            from dlrmctl.data.columnar import DataError
-
-            raise DataError(f"not a vocabulary: {e}", path=path) from None
-        _CACHE[key] = lk
-    return lk
 
 
 class VocabSet:
@@ -201,7 +192,7 @@ class VocabSet:
     def __getitem__(self, f: int) -> HashLookup:
         t = self._tables[f]
         if t is None:
-            t = self._tables[f] = _load(self.paths[f])
+            t = self._tables[f] = _CACHE.get(self.paths[f])
         return t
 
 

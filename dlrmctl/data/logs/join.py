@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
+from dlrmctl.data.file_cache import FileCache
 from dlrmctl.data.ids import raw_ids
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import JoinSpec, LogSchema
@@ -167,21 +168,20 @@ def recorded(schema: LogSchema) -> LogSchema:
         dataclasses.replace(j, table=f"vocab/{Path(j.table).name}" if j.table else None) for j in schema.join))
 
 
-_TABLES: dict[str, tuple[np.ndarray, pa.Table]] = {}
+def _read_table(path: Path) -> tuple[np.ndarray, pa.Table]:
+    t = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+    return t.column(KEY).to_numpy(), t
+
+
+#: the side tables this process has read (sorted keys, table), by file version
+_TABLES: FileCache[tuple[np.ndarray, pa.Table]] = FileCache(_read_table, limit=64)
 
 
 def _table(path: str) -> tuple[np.ndarray, pa.Table]:
     try:
-        st = os.stat(path)
-        key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in _TABLES:
-            if len(_TABLES) > 64:
-                _TABLES.clear()
-            t = pa.ipc.open_file(pa.memory_map(path)).read_all()
-            _TABLES[key] = (t.column(KEY).to_numpy(), t)
+        return _TABLES.get(path)
     except (OSError, pa.ArrowInvalid, KeyError) as e:
         raise DataError(f"cannot read the joined side table (preprocess the data again): {e}", path=path) from None
-    return _TABLES[key]
 
 
 def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: str,

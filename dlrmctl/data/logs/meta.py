@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dlrmctl.data.columnar import FORMAT_VERSION, IDS_KEY, IDS_RAW, LABEL_COLUMN, SPLITS
+from dlrmctl.data.columnar import IDS_KEY, IDS_RAW
+from dlrmctl.data.columnar.parts import parts_meta, split_rows
 from dlrmctl.data.logs.derived import count_paths
 from dlrmctl.data.logs.options import LogOptions
 from dlrmctl.data.logs.schema import LogSchema
@@ -28,8 +29,7 @@ def dataset_meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, 
         dense_stats: ``{name: (mean, std)}`` of ``standardize`` columns; ``cutoffs``: the time
             split's ``(val_from, test_from)`` or ``(None, None)``.
     """
-    rows = {s: sum(st[f]["rows"][s] for f in files) for s in SPLITS}
-    pos = {s: sum(st[f]["positives"][s] for f in files) for s in SPLITS}
+    rows = split_rows(files, st)
     total = sum(rows.values())
     labelled = schema.label is not None
     sparse, tr_sparse = [], {}
@@ -74,16 +74,9 @@ def dataset_meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, 
              {"mode": "ratio", "val_ratio": o.val_ratio, "test_ratio": o.test_ratio, "seed": o.seed,
               "rule": "u = splitmix64(blake2b(seed:file) ^ line*0xD1B54A32D192ED03)/2^64; "
                       "val if u < val_ratio, test if u < val_ratio+test_ratio"})
-    return {
-        "format_version": FORMAT_VERSION,
-        "dataset": "logs",
-        "schema_name": schema.name,
-        "schema": schema.to_dict(),
-        "dense_features": [d.name for d in schema.dense],
-        "sparse_features": sparse,
-        "label": LABEL_COLUMN if labelled else None,
-        "splits": {s: {"rows": rows[s], "files": [f"parts/{f.name}/{s}.arrow" for f in files]} for s in SPLITS},
-        "ctr": {s: (pos[s] / rows[s] if rows[s] and labelled else None) for s in SPLITS},
+    head = {"dataset": "logs", "schema_name": schema.name, "schema": schema.to_dict(),
+            "dense_features": [d.name for d in schema.dense], "sparse_features": sparse}
+    return parts_meta(files, st, labelled, head, {
         "transforms": {
             "label": schema.label.describe() if labelled else None,
             "dense": {d.name: {"transform": d.transform, "fill": d.fill, "dtype": "float32",
@@ -95,9 +88,7 @@ def dataset_meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, 
         },
         "vocab_files": {**{c.name: f"vocab/{c.name}.arrow" for c in schema.categorical if c.mode == "vocab"},
                         **{f"count:{n}": p for n, p in count_paths(schema).items()}},
-        "inputs": [str(f) for f in files],
-        "bad_lines_skipped": sum(st[f]["bad_lines"] for f in files),
-    }
+    })
 
 
 

@@ -26,7 +26,6 @@ base name and the physical line, or Parquet's 1-based row).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -39,17 +38,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dlrmctl.data.columnar import (
-    FORMAT_VERSION,
     LABEL_COLUMN,
     SPLITS,
     DataError,
-    ShardWriter,
     shard_schema,
     write_json_atomic,
     write_meta,
 )
 from dlrmctl.data.checksums import sha256_file
+from dlrmctl.data.columnar.parts import DONE_FILE, PartBuild, finished_part, fingerprint, part_fingerprint
 from dlrmctl.data.criteo import vocab as _vocab
+from dlrmctl.data.file_cache import FileCache
 from dlrmctl.data.criteo.parallel import Progress, report_rows, run_tasks
 from dlrmctl.data.criteo.parse import expand_inputs, row_split_codes
 from dlrmctl.data.criteo.preprocess import PreprocessReport
@@ -191,17 +190,8 @@ def _count_block(task: LogTask, d, counted: list[int], acc: list[list[pa.Table]]
 
 
 # ----------------------------------------------------------------------------- pass 2
-_LOOKUPS: dict[str, VocabLookup] = {}
-
-
-def _lookup(path: Path) -> VocabLookup:
-    st = path.stat()
-    key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-    if key not in _LOOKUPS:
-        if len(_LOOKUPS) > 256:
-            _LOOKUPS.clear()
-        _LOOKUPS[key] = VocabLookup.read(path)
-    return _LOOKUPS[key]
+#: the vocabularies a pass-2 worker has read, by file version (a worker writes parts of one dataset)
+_LOOKUPS: FileCache[VocabLookup] = FileCache(VocabLookup.read, limit=256)
 
 
 def _bag_array(ids: np.ndarray, lengths: np.ndarray, dtype) -> pa.Array:
@@ -222,24 +212,17 @@ def write_task(task: LogTask) -> dict:
     """
     t0 = time.perf_counter()
     s = task.schema
-    parts = Path(task.out_dir) / "parts"
-    final, tmp = parts / task.part, parts / (task.part + ".tmp")
     dense_names = [d.name for d in s.dense]
     names = [c.name for c in s.categorical]
     schema = shard_schema(dense_names, names, [c.multi for c in s.categorical], labelled=s.label is not None,
                           weighted=[c.weights is not None for c in s.categorical])
-    vocabs = [_lookup(vocab_path(task.out_dir, c.name)) if c.mode == "vocab" else None for c in s.categorical]
+    vocabs = [_LOOKUPS.get(vocab_path(task.out_dir, c.name)) if c.mode == "vocab" else None for c in s.categorical]
     counts = {n: CountTable(Path(task.out_dir) / p) for n, p in count_paths(s).items()}
-    writers: dict[str, ShardWriter] = {}
     k = len(names)
     stats: dict[str, Any] = {"rows": {sp: 0 for sp in SPLITS}, "positives": {sp: 0 for sp in SPLITS},
                              "missing": [0] * k, "train_values": [0] * k, "max_len": [0] * k, "bad_lines": 0}
     cached = read_cache(task.out_dir, task.part, task.cache_fingerprint, s) if task.cache_fingerprint else None
-    try:  # (from the temp directory's creation on: any failure or Ctrl-C removes it)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for sp in SPLITS:
-            writers[sp] = ShardWriter(tmp / f"{sp}.arrow", schema)
+    with PartBuild(task.out_dir, task.part, schema) as build:  # any failure or Ctrl-C removes the temp part
         for d in cached if cached is not None else _blocks(task):
             d = drop_outside(s, d, vocabs, task.path, task.opts.on_bad_line)
             stats["bad_lines"] += d.bad
@@ -277,20 +260,11 @@ def write_task(task: LogTask) -> dict:
                         cols[spec.name] = all_ids[f][sel]
                         if spec.weights:
                             cols[spec.name + "__weight"] = v.weights[sel]
-                writers[split].write(cols)
+                build.writers[split].write(cols)
                 stats["rows"][split] += m
-        for w in writers.values():
-            w.close()
         stats.update(seconds=time.perf_counter() - t0, fingerprint=task.fingerprint, input=task.path)
-        write_json_atomic(tmp / "done.json", stats)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        remove_cache(task.out_dir, task.part)
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        build.commit(stats)
+    remove_cache(task.out_dir, task.part)  # the part is in place: pass 1's decoded blocks are spent
     return stats
 
 
@@ -300,10 +274,6 @@ def _run(fn, label: str, tasks: list[LogTask], workers: int, progress: bool) -> 
     got = run_tasks(fn, tasks, workers, prog)
     prog.show(final=True)
     return got
-
-
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str | os.PathLike],
@@ -336,13 +306,9 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     out = Path(out_dir)
     (out / "parts").mkdir(parents=True, exist_ok=True)
     schema, joins = prepare_joins(schema, files, out) if schema.join else (schema, [])
-    common = {"format_version": FORMAT_VERSION, "schema": recorded(schema).to_dict(), "opts": {
+    common = {"schema": recorded(schema).to_dict(), "opts": {
         k: v for k, v in dataclasses.asdict(o).items() if k not in ("workers",)},
         **({"joins": [sha256_file(out / j["file"]) for j in joins]} if joins else {})}
-
-    def fid(f: Path) -> dict:
-        st = f.stat()
-        return {"name": f.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
     def task(f: Path, **kw) -> LogTask:
         return LogTask(str(f), f.name, schema, o, str(out), **kw)
@@ -376,7 +342,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     dense_stats: dict[str, tuple[float, float]] = {}
     vocab_info: dict[int, dict] = {}
     if counted or any(_stat(d) for d in schema.dense):
-        fp1 = {f: _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "pass": 1}) for f in files}
+        fp1 = {f: part_fingerprint(f, {**common, "cutoffs": cutoffs, "pass": 1}) for f in files}
         tasks = [task(f, cutoffs=cutoffs, groups=groups, fingerprint=fp1[f]) for f in files]
         prog = Progress("logs pass 1 (count)", len(tasks), progress)
         sums = run_tasks(count_task, tasks, o.workers, prog)
@@ -397,21 +363,16 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             write_count_tables(schema, counted, [str(out / ".counts" / f"{f.name}.arrow") for f in files], out)
     sizes = [table_rows(c, vocab_info.get(i, {}).get("size"), vocab_info.get(i, {}).get("distinct_train_values"))
              for i, c in enumerate(schema.categorical)]
-    vocab_fp = _fingerprint([sha256_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"]
-                            + [sha256_file(out / p) for p in count_paths(schema).values()])
+    vocab_fp = fingerprint([sha256_file(vocab_path(out, c.name)) for c in schema.categorical if c.mode == "vocab"]
+                           + [sha256_file(out / p) for p in count_paths(schema).values()])
     tasks, done_stats, skipped = [], {}, 0
     for f in files:
-        fp = _fingerprint({**common, **fid(f), "cutoffs": cutoffs, "vocab": vocab_fp, "dense": dense_stats,
+        fp = part_fingerprint(f, {**common, "cutoffs": cutoffs, "vocab": vocab_fp, "dense": dense_stats,
                            "pass": 2})
-        done = out / "parts" / f.name / "done.json"
-        if done.is_file():
-            try:
-                st = json.loads(done.read_text())
-            except json.JSONDecodeError:
-                st = {}
-            if st.get("fingerprint") == fp:
-                done_stats[f], skipped = st, skipped + 1
-                continue
+        st = finished_part(out, f.name, fp)
+        if st is not None:
+            done_stats[f], skipped = st, skipped + 1
+            continue
         tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, groups=groups, dense_stats=dense_stats,
                           table_sizes=sizes, cache_fingerprint=fp1.get(f, "")))
     prog = Progress("logs", len(tasks), progress)
@@ -420,7 +381,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     prog.show(final=True)
     rows_read += prog.rows
     shutil.rmtree(out / ".counts", ignore_errors=True) if all(
-        (out / "parts" / f.name / "done.json").is_file() for f in files) else None
+        (out / "parts" / f.name / DONE_FILE).is_file() for f in files) else None
     meta = dataset_meta(recorded(schema), o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs or (None, None))
     if joins:
         meta["joins"] = joins
