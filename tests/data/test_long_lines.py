@@ -51,3 +51,28 @@ def test_the_replacement_may_raise():
 
     with pytest.raises(ValueError, match="line 3"):
         LineLimit(lambda: io.BytesIO(b"a\nb\n" + b"c" * 100), 10, refuse).read()
+
+
+@pytest.mark.parametrize("last_newline", [True, False])
+def test_json_lines_of_a_block_or_more_are_named_by_line_or_skipped_wherever_they_stand(last_newline):
+    import json
+
+    import pyarrow as pa
+
+    from dlrmctl.data.columnar import DataError
+    from dlrmctl.data.logs.read_json import iter_json_lines
+
+    block = 64
+    rows = [{"k": i, "s": "x" * (block if i in (3, 4, 17, 29) else i % 7)} for i in range(30)]
+    text = "\n".join(json.dumps(r) for r in rows).encode() + (b"\n" if last_newline else b"")
+
+    def read(on_bad_line):
+        got = list(iter_json_lines("t.jsonl", ["k", "s"], on_bad_line, block, lambda: pa.BufferReader(text),
+                                   lambda cols, keys, bad: (cols["k"].to_pylist(), keys.tolist(), bad)))
+        return [k for g in got for k in g[0]], [k for g in got for k in g[1]], sum(g[2] for g in got)
+
+    values, lines, skipped = read("skip")
+    assert values == [i for i in range(30) if i not in (3, 4, 17, 29)] and skipped == 4
+    assert lines == [v + 1 for v in values]  # each row keeps its physical line number
+    with pytest.raises(DataError, match=r"t.jsonl:4: a line of 64 bytes or more"):
+        read("error")

@@ -333,9 +333,9 @@ def _jsonl(path: str | os.PathLike, used: list[str], on_bad_line: str, block_siz
         return RowBatch(cols, keys, os.fspath(path), bad_skipped=bad)
 
     try:
-        with (pa.BufferReader(data) if data is not None else
-              pa.input_stream(os.fspath(path), compression="detect")) as f:
-            yield from iter_json_lines(path, used, on_bad_line, block_size, f, row_batch)
+        yield from iter_json_lines(path, used, on_bad_line, block_size, lambda: (
+            pa.BufferReader(data) if data is not None else pa.input_stream(os.fspath(path), compression="detect")),
+            row_batch)
     except (OSError, EOFError) as e:
         raise DataError(f"cannot be read as JSON lines: {e}", path=path) from None
 

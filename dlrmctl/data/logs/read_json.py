@@ -11,8 +11,9 @@ errors and ``--on-bad-line skip`` for every kind of bad line.
   were, a number where lists were, a number with a fraction where integers were), or is of
   ``block_size`` bytes or more.  A bad line raises one error naming ``file:line`` and the key
   (``on_bad_line='error'``) or is skipped and counted (``'skip'``).
-* Blocks: the input is read ``block_size`` bytes at a time and cut after its last line break, so
-  memory holds about two blocks; Arrow parses a block whole (the fast path); when it refuses one,
+* Blocks: the input is read through :class:`~dlrmctl.data.long_lines.LineLimit` (a line of
+  ``block_size`` bytes or more reaches this reader as a blank line, numbered, and is bad),
+  ``block_size`` bytes at a time, cut after its last line break, so memory holds about two blocks; Arrow parses a block whole (the fast path); when it refuses one,
   the block's lines are checked one by one in Python to find the bad ones, and the good ones are
   parsed again by Arrow with the types fixed so far.  Blank lines are skipped (and numbered).
 """
@@ -21,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
-from dlrmctl.data.long_lines import long_line_message
+from dlrmctl.data.long_lines import LineLimit, long_line_message
 
 __all__ = ["iter_json_lines"]
 
@@ -85,36 +86,27 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def _chunks(f, block_size: int, long_line) -> Iterator[tuple[bytes, int]]:
-    """``(bytes of whole lines, the 1-based number of its first line)`` of a binary stream; a line
-    of ``block_size`` bytes or more is passed to ``long_line(number)`` and dropped."""
+def _chunks(open_stream: Callable[[], object], block_size: int,
+            long_line: Callable[[int], bytes]) -> Iterator[tuple[bytes, int]]:
+    """``(bytes of whole lines, the 1-based number of its first line)`` of the input ``open_stream()``
+    opens, read ``block_size`` bytes at a time through a :class:`~dlrmctl.data.long_lines.LineLimit`:
+    a line of ``block_size`` bytes or more is replaced by ``long_line(its number)``."""
     buf = b""
     line = 1
-    dropping = False
-    while True:
-        data = f.read(block_size)
-        if not data:
-            break
-        if dropping:  # inside a long line: drop up to its line break
-            j = data.find(b"\n")
-            if j < 0:
-                continue
-            data, dropping, line = data[j + 1:], False, line + 1
-        buf += data
-        cut = buf.rfind(b"\n")
-        if cut >= 0:
-            chunk, buf = buf[:cut + 1], buf[cut + 1:]
-            yield chunk, line
-            line += chunk.count(b"\n")
-        if len(buf) >= block_size:
-            long_line(line)
-            buf, dropping = b"", True
-    if buf and not dropping:
+    with LineLimit(open_stream, block_size, long_line) as f:
+        while data := f.read(block_size):
+            buf += data
+            cut = buf.rfind(b"\n")
+            if cut >= 0:
+                chunk, buf = buf[:cut + 1], buf[cut + 1:]
+                yield chunk, line
+                line += chunk.count(b"\n")
+    if buf:
         yield buf + b"\n", line
 
 
 def iter_json_lines(path: str | os.PathLike, used: list[str], on_bad_line: str, block_size: int,
-                    stream, row_batch) -> Iterator:
+                    open_stream: Callable[[], object], row_batch) -> Iterator:
     """The rows of a JSON-lines input as ``row_batch(columns, keys, bad_skipped)`` (module docstring).
 
     Args:
@@ -122,7 +114,8 @@ def iter_json_lines(path: str | os.PathLike, used: list[str], on_bad_line: str, 
         used: the columns the schema uses.
         on_bad_line: ``'error'`` or ``'skip'``.
         block_size: bytes read at a time; a line of this many bytes or more is bad.
-        stream: the input's (decompressed) binary stream, with ``read(n)``.
+        open_stream: opens the input's (decompressed) binary stream, with ``read(n)`` and ``close()``
+            (called once to read, and again to number a long line).
         row_batch: builds a batch: ``(columns {name: pa.Array}, keys [n] int64 lines, bad_skipped)``.
 
     Raises:
@@ -134,6 +127,11 @@ def iter_json_lines(path: str | os.PathLike, used: list[str], on_bad_line: str, 
     fixed: dict[str, pa.DataType] = {}  # a used column's type, once a block held a non-null value
     seen: set[str] = set()
     state = {"long": 0, "rows": 0}
+    long_lines: set[int] = set()  # the numbers of lines of block_size bytes or more: blank lines here
+
+    def mark_long(line: int) -> bytes:
+        long_lines.add(line)
+        return b""
 
     def bad(line: int, key: str | None, what: str) -> None:
         if on_bad_line == "error":
@@ -150,15 +148,14 @@ def iter_json_lines(path: str | os.PathLike, used: list[str], on_bad_line: str, 
                                                                                  block_size=max(len(chunk), 1 << 16) + 1),
                             parse_options=opts)
 
-    for chunk, first in _chunks(stream, block_size, long_line):
+    for chunk, first in _chunks(open_stream, block_size, mark_long):
         if first == 1 and chunk.startswith(_BOM):
             chunk = chunk[len(_BOM):]
         lines = chunk.split(b"\n")[:-1]
         keep = [i for i, ln in enumerate(lines) if ln.strip()]
-        if len(chunk) > block_size:  # lines of block_size bytes or more that fit the buffer
-            for i in [i for i in keep if len(lines[i]) >= block_size]:
-                long_line(first + i)
-                keep.remove(i)
+        for i in (i for i, ln in enumerate(lines) if not ln and first + i in long_lines):
+            long_lines.discard(first + i)
+            long_line(first + i)
         if len(keep) != len(lines):
             chunk = b"".join(lines[i] + b"\n" for i in keep)
         keys = first + np.array(keep, dtype=np.int64)
@@ -228,6 +225,8 @@ def iter_json_lines(path: str | os.PathLike, used: list[str], on_bad_line: str, 
                     else pa.nulls(n)) for c in used}
         if n or skipped:
             yield row_batch(cols, keys[:n] if n else np.zeros(0, np.int64), skipped)
+    for line in sorted(long_lines):  # the last line, without a line break after it
+        long_line(line)
     if state["long"]:
         yield row_batch({c: pa.nulls(0) for c in used}, np.zeros(0, np.int64), state["long"])
     absent = [c for c in used if c not in seen]
