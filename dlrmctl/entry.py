@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["main", "report_early_interrupt"]
+__all__ = ["SUB_GROUPS", "main", "report_early_interrupt"]
+
+#: the verbs that hold sub-verbs, whose command line names ``dlrmctl <group> <sub-verb>``: needed
+#: before :mod:`dlrmctl.cli` is imported; :data:`dlrmctl.cli.SUB_GROUPS` (what the app registers)
+#: must equal it (tests/test_errors.py)
+SUB_GROUPS = frozenset({"preprocess", "checkpoint", "jobs"})
 
 
 def report_early_interrupt(e: BaseException, argv: list[str]) -> int:
@@ -17,7 +22,7 @@ def report_early_interrupt(e: BaseException, argv: list[str]) -> int:
     code (130 for SIGINT)."""
     from dlrmctl.errors import interrupt_exit_code, interrupted_message, out_option
 
-    words = argv[:2] if argv[:1] in (["preprocess"], ["checkpoint"], ["jobs"]) else argv[:1]
+    words = argv[:2] if argv[:1] and argv[0] in SUB_GROUPS else argv[:1]
     command = "dlrmctl " + " ".join(words) if words and not any(w.startswith("-") for w in words) else None
     print(f"error: {interrupted_message(e, command, out_option(argv))}", file=sys.stderr, flush=True)
     return interrupt_exit_code(e)

@@ -129,21 +129,25 @@ def test_an_interrupt_before_a_verb_handles_it_is_one_error_line_naming_the_comm
     assert not out.exists()
 
 
-def test_an_interrupt_while_typer_builds_the_command_line_is_the_same_one_line(monkeypatch, capsys):
+@pytest.mark.parametrize("argv,command", [(["export", "runs/r"], "dlrmctl export"),
+                                          (["checkpoint", "reshard", "runs/r"], "dlrmctl checkpoint reshard"),
+                                          (["preprocess", "criteo", "-i", "x"], "dlrmctl preprocess criteo")])
+def test_an_interrupt_while_typer_builds_the_command_line_is_the_same_one_line(monkeypatch, capsys, argv, command):
     """A Ctrl-C in the first fraction of a second (Typer reading the verbs' signatures, before any
-    verb runs) ended with a traceback."""
-    import pytest
-
+    verb runs) ended with a traceback.  A verb with sub-verbs is named with its sub-verb."""
     import dlrmctl.cli as cli
 
     def ctrl_c():
         raise KeyboardInterrupt
 
+    from dlrmctl import entry
+
+    assert cli.SUB_GROUPS == entry.SUB_GROUPS == {"preprocess", "checkpoint", "jobs"}  # registered = named early
     monkeypatch.delenv("DLRMCTL_LAUNCHER", raising=False)
     monkeypatch.setattr(cli, "app", ctrl_c)
-    monkeypatch.setattr("sys.argv", ["dlrmctl", "export", "runs/r", "--out", "m.pt2"])
+    monkeypatch.setattr("sys.argv", ["dlrmctl", *argv, "--out", "m.pt2"])
     with pytest.raises(SystemExit) as e:
         cli.main()
     assert e.value.code == 130
-    assert capsys.readouterr().err.startswith("error: interrupted (SIGINT): `dlrmctl export` (--out m.pt2) stopped;")
+    assert capsys.readouterr().err.startswith(f"error: interrupted (SIGINT): `{command}` (--out m.pt2) stopped;")
 

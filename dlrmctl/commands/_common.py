@@ -9,6 +9,7 @@ from typing import NoReturn
 
 from dlrmctl.errors import EXIT_USER, CommandError
 from dlrmctl.console import echo, setup_logging, show_path  # noqa: F401  (re-exported for the commands)
+from dlrmctl.train.checkpoint_names import BEST, CKPT_DIR, LATEST
 
 
 def fail(msg: str, code: int = EXIT_USER) -> NoReturn:
@@ -58,13 +59,13 @@ def checkpoint_choice(run_dir: str | os.PathLike, checkpoint: str | None) -> str
     checkpoint read): ``checkpoint`` itself when given; else ``best`` when the run has a
     ``checkpoints/BEST`` marker, ``last (the run kept no best)`` when it has ``checkpoints/LATEST``
     alone, else ``best (last when the run kept no best)`` (the verb then says what it lacks).
-    The names are those of :mod:`dlrmctl.train.checkpoint.format` (not imported: it imports torch)."""
+    The names are :mod:`dlrmctl.train.checkpoint_names` (torch-free)."""
     if checkpoint:
         return checkpoint
-    root = os.path.join(os.fspath(run_dir), "checkpoints")
-    if os.path.isfile(os.path.join(root, "BEST")):
+    root = os.path.join(os.fspath(run_dir), CKPT_DIR)
+    if os.path.isfile(os.path.join(root, BEST)):
         return "best"
-    if os.path.isfile(os.path.join(root, "LATEST")):
+    if os.path.isfile(os.path.join(root, LATEST)):
         return "last (the run kept no best)"
     return "best (last when the run kept no best)"
 
@@ -79,7 +80,7 @@ def require_run_dir(run_dir: str | os.PathLike) -> None:
         CommandError: ``run_dir`` is missing, not a directory, or holds no ``config.yaml``.
     """
     path = os.fspath(run_dir)
-    if os.path.isfile(os.path.join(path, "config.yaml")) or os.path.isdir(os.path.join(path, "checkpoints")):
+    if os.path.isfile(os.path.join(path, "config.yaml")) or os.path.isdir(os.path.join(path, CKPT_DIR)):
         return  # (a run's checkpoints alone, e.g. copied without their config: the verb says what it lacks)
     parent = os.path.dirname(os.path.normpath(path)) or "."
     try:

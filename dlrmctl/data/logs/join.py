@@ -30,6 +30,7 @@ import pyarrow as pa
 
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.file_cache import FileCache
+from dlrmctl.data.logs.bad_rows import bad_rows, shown_value
 from dlrmctl.data.ids import raw_ids
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import JoinSpec, LogSchema
@@ -212,20 +213,16 @@ def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_li
         hit = (keys_sorted[pos] == keys) & (keys != 0) if len(keys_sorted) else np.zeros(len(keys), bool)
         if j.missing == "error":
             bad = ~hit & ~drop
-            if on_bad_line == "error" and bad.any():
+            if scoring and on_bad_line == "error" and bad.any():  # the side table as it was at preprocessing
                 i = int(np.flatnonzero(bad)[0])
-                v = on[i].as_py()
-                shown = "an empty field" if v is None or v == "" else quoted(str(v))
-                if scoring:  # the side table as it was at preprocessing, in the model's export
-                    raise batch.error(i, j.key, (
-                        f"{shown} is not a key of the side table {j.path} as this model holds it (the copy made "
-                        f"when its data was preprocessed; the schema's `join` has `missing: error`, so such a "
-                        f"row is refused rather than scored without {', '.join(j.columns)}); to score new keys, "
-                        f"add them to {j.path}, then preprocess logs, train and export again (with `missing: "
-                        f"empty` such rows would get missing values: an empty bag, the missing id, the fill)"))
-                raise batch.error(i, j.key, f"expected a key of the side table {j.path}, got {shown} (or set "
-                                           f"`missing: empty` in its `join`)")
-            drop |= bad
+                raise batch.error(i, j.key, (
+                    f"{shown_value(on, i)} is not a key of the side table {j.path} as this model holds it (the copy "
+                    f"made when its data was preprocessed; the schema's `join` has `missing: error`, so such a "
+                    f"row is refused rather than scored without {', '.join(j.columns)}); to score new keys, "
+                    f"add them to {j.path}, then preprocess logs, train and export again (with `missing: "
+                    f"empty` such rows would get missing values: an empty bag, the missing id, the fill)"))
+            drop |= bad_rows(batch, bad, j.key, f"a key of the side table {j.path}", on, on_bad_line,
+                             hint=" (or set `missing: empty` in its `join`)")
         idx = pa.array(pos, pa.int64(), mask=~hit)
         for c in j.columns:
             cols[c] = t.column(c).take(idx).combine_chunks()

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.ids import raw_ids
+from dlrmctl.data.logs.bad_rows import bad_rows
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import SplitSpec
 
@@ -55,13 +56,6 @@ def split_mode(split_by: str | None, schema) -> str:
     return split_by or (schema.split.by if schema.split is not None else "row")
 
 
-def _missing(batch: RowBatch, name: str, missing: np.ndarray, drop: np.ndarray, on_bad_line: str, what: str) -> None:
-    bad = missing & ~drop
-    if on_bad_line == "error" and bad.any():
-        raise batch.error(int(np.flatnonzero(bad)[0]), name, f"expected {what}, got an empty field")
-    drop |= bad
-
-
 def split_keys(batch: RowBatch, spec: SplitSpec, drop: np.ndarray, on_bad_line: str) -> tuple[np.ndarray, np.ndarray]:
     """The group keys and tiebreak values of a block's rows.
 
@@ -82,7 +76,7 @@ def split_keys(batch: RowBatch, spec: SplitSpec, drop: np.ndarray, on_bad_line: 
         group = raw_ids(col)
     except TypeError as e:
         raise batch.error(0, spec.group, f"expected strings or integers (the split's group): {e}") from None
-    _missing(batch, spec.group, group == 0, drop, on_bad_line, "a value (the split's group)")
+    drop |= bad_rows(batch, (group == 0) & ~drop, spec.group, "a value (the split's group)", None, on_bad_line)
     if spec.tiebreak is None:
         return group, np.zeros(len(group), np.int64)
     t = batch.columns[spec.tiebreak]
@@ -97,7 +91,7 @@ def split_keys(batch: RowBatch, spec: SplitSpec, drop: np.ndarray, on_bad_line: 
             t = pa.array(raw_ids(t))
     elif not pa.types.is_integer(t.type):
         raise batch.error(0, spec.tiebreak, f"expected integers or text (the split's tiebreak), got Arrow type {t.type}")
-    _missing(batch, spec.tiebreak, missing, drop, on_bad_line, "a value (the split's tiebreak)")
+    drop |= bad_rows(batch, missing & ~drop, spec.tiebreak, "a value (the split's tiebreak)", None, on_bad_line)
     order = pc.fill_null(pc.cast(t, pa.int64()), 0).to_numpy(zero_copy_only=False)
     return group, np.where(missing, 0, order).astype(np.int64)
 

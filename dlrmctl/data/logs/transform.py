@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import non_finite_hint
 from dlrmctl.data.ids import hash_buckets, raw_ids
-from dlrmctl.errors import quoted
+from dlrmctl.data.logs.bad_rows import bad_rows
 from dlrmctl.data.logs.derived import extracted
 from dlrmctl.data.logs.join import join_columns
 from dlrmctl.data.logs.read import RowBatch
@@ -99,17 +99,6 @@ class Decoded:
     order: np.ndarray | None = None
 
 
-def _bad(batch: RowBatch, mask: np.ndarray, column: str, what: str, col: pa.Array, on_bad_line: str) -> np.ndarray:
-    """Rows ``mask`` are bad in ``column``: raise naming the first (error mode) or return the mask."""
-    if on_bad_line == "error" and mask.any():
-        i = int(np.flatnonzero(mask)[0])
-        v = col[i].as_py() if i < len(col) else None
-        v = v.decode("utf-8", "replace") if isinstance(v, bytes) else v
-        shown = "an empty field" if v is None or v == "" else quoted(v)
-        raise batch.error(i, column, f"expected {what}, got {shown}")
-    return mask
-
-
 def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, what: str = "a number",
              missing_ok: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """A column as ``([n] float64, [n] bool missing)``; unparseable / non-finite values are bad
@@ -127,7 +116,7 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
             missing = missing | empty
             text = pc.utf8_trim(col, " \t")  # spaces and tabs around a number, as the CSV reader's numbers
             ok = pc.fill_null(pc.match_substring_regex(text, _NUMBER), True).to_numpy(zero_copy_only=False) | empty
-            drop |= _bad(batch, ~ok & ~drop, name, what, col, on_bad_line)
+            drop |= bad_rows(batch, ~ok & ~drop, name, what, col, on_bad_line)
             x = pc.cast(pc.if_else(pa.array(ok & ~empty), text, pa.scalar("0")), pa.float64())
     elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t):
         x = pc.cast(col, pa.float64())
@@ -135,7 +124,7 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
         raise batch.error(0, name, f"expected {what}, got a column of Arrow type {t}")
     v = x.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)  # (a null: NaN, missing)
     finite = np.isfinite(v)
-    drop |= _bad(batch, ~finite & ~missing & ~drop, name, what + non_finite_hint(missing_ok), col, on_bad_line)
+    drop |= bad_rows(batch, ~finite & ~missing & ~drop, name, what + non_finite_hint(missing_ok), col, on_bad_line)
     return np.where(finite, v, 0.0), missing
 
 
@@ -169,9 +158,9 @@ def _label(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_line: st
     col = batch.columns[spec.column]
     if spec.op is None:
         bad = ((x != 0) & (x != 1)) | missing
-        drop |= _bad(batch, bad & ~drop, spec.column, "0 or 1 (the label)", col, on_bad_line)
+        drop |= bad_rows(batch, bad & ~drop, spec.column, "0 or 1 (the label)", col, on_bad_line)
         return x.astype(np.float32)
-    drop |= _bad(batch, missing & ~drop, spec.column, f"a number (the label is {spec.describe()})", col, on_bad_line)
+    drop |= bad_rows(batch, missing & ~drop, spec.column, f"a number (the label is {spec.describe()})", col, on_bad_line)
     ops = {">=": np.greater_equal, ">": np.greater, "<=": np.less_equal, "<": np.less, "==": np.equal,
            "!=": np.not_equal}
     return ops[spec.op](x, spec.value).astype(np.float32)
@@ -196,7 +185,7 @@ def _time(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str) -> np.
     elif not pa.types.is_integer(t):
         raise batch.error(0, name, f"expected integers or timestamps (the time column), got Arrow type {t}")
     missing = col.is_null().to_numpy(zero_copy_only=False)
-    drop |= _bad(batch, missing & ~drop, name, "a time (the time column)", batch.columns[name], on_bad_line)
+    drop |= bad_rows(batch, missing & ~drop, name, "a time (the time column)", batch.columns[name], on_bad_line)
     return pc.fill_null(pc.cast(col, pa.int64()), 0).to_numpy(zero_copy_only=False)
 
 
@@ -260,7 +249,7 @@ def _text_times(batch: RowBatch, name: str, col: pa.Array, drop: np.ndarray, on_
                     f"an ISO 8601 time {like} (the time column holds one kind of time)")
         else:
             what = "an integer or an ISO 8601 time (the time column)"
-        drop |= _bad(batch, bad, name, what, col, on_bad_line)
+        drop |= bad_rows(batch, bad, name, what, col, on_bad_line)
     return pa.array(secs, pa.int64(), mask=~present)
 
 
@@ -299,7 +288,7 @@ def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.
                 raise DataError(f"field {column}: expected 8 hex digits in every element of a multi-valued column",
                                 path=batch.path)
             if not spec.multi:
-                drop |= _bad(batch, bad & ~drop, column, "8 hex digits", values, on_bad_line)
+                drop |= bad_rows(batch, bad & ~drop, column, "8 hex digits", values, on_bad_line)
         if spec.mode == "raw":  # raw ids: the raw id of the text itself
             return raw_ids(values), present
         return h.astype(np.int64), present  # vocab and hash: the integer (Criteo's keys)
@@ -313,7 +302,7 @@ def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.
         if badv.any():
             mask = np.zeros(batch.num_rows, bool)
             mask[badv.nonzero()[0] if rows is None else rows[badv]] = True
-            drop |= _bad(batch, mask & ~drop, column, "a string or an integer (an id), not a number with a fraction",
+            drop |= bad_rows(batch, mask & ~drop, column, "a string or an integer (an id), not a number with a fraction",
                          batch.columns[column], on_bad_line)
         values = pa.array(np.where(whole, x, 0).astype(np.int64), pa.int64(), mask=~(valid & whole))
     try:
@@ -335,7 +324,7 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         w = None
         if spec.weights:
             w, wmiss = _numbers(batch, spec.weights, drop, on_bad_line, "a weight", missing_ok=False)
-            drop |= _bad(batch, wmiss & present & ~drop, spec.weights, f"a weight (the value of {spec.name} is "
+            drop |= bad_rows(batch, wmiss & present & ~drop, spec.weights, f"a weight (the value of {spec.name} is "
                          "present)", batch.columns[spec.weights], on_bad_line)
             w = w.astype(np.float32)
         return CategoricalValues(keys, present, None, w)
@@ -350,7 +339,7 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         wlen = pc.fill_null(pc.list_value_length(wl), 0).to_numpy(zero_copy_only=False).astype(np.int64)
         wflat = pc.list_flatten(wl)
         match = wlen == lengths
-        drop |= _bad(batch, ~match & ~drop, spec.weights, f"one weight per value of {spec.name}",
+        drop |= bad_rows(batch, ~match & ~drop, spec.weights, f"one weight per value of {spec.name}",
                      batch.columns[spec.weights], on_bad_line)
         wflat = wflat.filter(pa.array(np.repeat(match, wlen)))
         wtab = RowBatch({spec.weights: wflat}, np.repeat(batch.keys[match], lengths[match]), batch.path,
@@ -358,7 +347,7 @@ def _categorical(batch: RowBatch, spec: CategoricalSpec, drop: np.ndarray, on_ba
         ebad = np.zeros(len(wflat), bool)  # per weight: does not parse, NaN / inf (set by _numbers when skipping)
         wv, wmiss = _numbers(wtab, spec.weights, ebad, on_bad_line, "a weight", missing_ok=False)
         # an empty element's weight may be empty too (an empty bag written as "" with weights "")
-        ebad |= _bad(wtab, wmiss & present[np.repeat(match, lengths)], spec.weights, "a weight", wflat, on_bad_line)
+        ebad |= bad_rows(wtab, wmiss & present[np.repeat(match, lengths)], spec.weights, "a weight", wflat, on_bad_line)
         if ebad.any():  # --on-bad-line skip: a row with a bad weight is dropped whole
             rows = np.zeros(n, bool)
             rows[np.repeat(np.flatnonzero(match), lengths[match])[ebad]] = True

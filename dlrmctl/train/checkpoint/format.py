@@ -8,9 +8,8 @@ The tunables (``BLOCK_BYTES``, ``READ_SLAB_BYTES``) are read through the package
 from __future__ import annotations
 
 from dlrmctl.errors import UserError
+from dlrmctl.train.checkpoint_names import BEST, CKPT_DIR, LATEST  # noqa: F401  (the names, torch-free)
 
-
-CKPT_DIR = "checkpoints"
 FORMAT = "dcp-v2"
 #: formats this dlrmctl refuses, with what changed (shown in the error)
 OLD_FORMATS = {
@@ -24,8 +23,6 @@ OLD_FORMATS = {
 BLOCK_BYTES = 1 << 20
 MIN_BLOCK_BYTES = 4096
 BLOCKS_PER_FILE = 4096
-LATEST = "LATEST"
-BEST = "BEST"
 
 
 class CheckpointError(RuntimeError, UserError):
