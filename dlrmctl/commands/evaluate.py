@@ -9,12 +9,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from dlrmctl.commands._options import CheckpointChoice
-from dlrmctl.commands._common import (check_number, checkpoint_choice, echo, fail, print_metrics, require_run_dir,
+from dlrmctl.commands._options import CheckpointChoice, check_numbers, number_option
+from dlrmctl.commands._common import (checkpoint_choice, echo, fail, print_metrics, require_run_dir,
                                      setup_logging, show_path)
 from dlrmctl.console import stage, stages
 from dlrmctl.yaml_file import read_yaml
@@ -28,9 +28,9 @@ def evaluate(
     checkpoint: CheckpointChoice = None,
     any_split: bool = typer.Option(False, "--any-split", help="accept data whose split differs from the training "
                                                               "data's (same schema and vocabularies)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="samples per evaluation batch (default: the "
-                                                                         "run's data.eval_batch_size; 8192 for an "
-                                                                         "exported model)"),
+    batch_size: Annotated[Optional[int], number_option(
+        "--batch-size", help="samples per evaluation batch (default: the run's data.eval_batch_size; 8192 for an "
+        "exported model)", what="samples per batch", int_limit="eval_batch_size")] = None,
     output_json: bool = typer.Option(False, "--json", help="print the metrics as JSON"),
     artifact: Optional[str] = typer.Option(None, "--artifact", help="exported model: aoti | pt2 | torchscript "
                                                                      "(default: the fastest it holds for --device "
@@ -39,9 +39,7 @@ def evaluate(
     device: Optional[str] = typer.Option(None, "--device", help="exported model: cpu | cuda[:i] | auto (default cpu)"),
 ) -> None:
     """Metrics (AUC, logloss, NE, calibration, accuracy) of a trained or exported model."""
-    from dlrmctl.config import INT_LIMITS
-
-    check_number("--batch-size", batch_size, maximum=INT_LIMITS["eval_batch_size"][0], what="samples per batch")
+    check_numbers(evaluate, locals())
     setup_logging()
     exported = os.path.exists(os.path.join(run_dir, "manifest.json"))
     if exported and data is None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
+
+from dlrmctl.commands._options import check_numbers, number_option
 
 app = typer.Typer(help="Status, logs and cancel of a job `dlrmctl launch` submitted", no_args_is_help=True)
 
@@ -132,15 +134,15 @@ def logs(
 @app.command("cancel", short_help="Cancel the job and wait until it has ended")
 def cancel(
     handle: str = typer.Argument(..., help="the job's handle, as `dlrmctl launch` printed it"),
-    timeout: Optional[float] = typer.Option(60.0, "--timeout", help="seconds to wait for the job to end"),
+    timeout: Annotated[Optional[float], number_option("--timeout", help="seconds to wait for the job to end",
+                                                      what="seconds")] = 60.0,
 ) -> None:
     """Cancel the job and wait until the scheduler says it ended (its run directory keeps what it wrote)."""
     import time
 
-    from dlrmctl.commands._common import check_number
     from dlrmctl.launch import LaunchError, get_runner, scheduler_client
 
-    check_number("--timeout", timeout, what="seconds")
+    check_numbers(cancel, locals())
     h = parse_handle(handle)
     runner = get_runner()
     st = _status(runner, h)

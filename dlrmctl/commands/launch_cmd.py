@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
-from dlrmctl.commands._options import Resume
+from dlrmctl.commands._options import Resume, check_numbers, number_option
 
 
 def _parse_scheduler_cfg(items: list[str]) -> dict[str, str]:
@@ -79,10 +79,13 @@ def register(app: typer.Typer) -> None:
         scheduler: str = typer.Option("local_cwd", "--scheduler", "-s",
                                       help="torchx scheduler: local_cwd | slurm | kubernetes | aws_batch | ..."),
         nproc: int = typer.Option(1, "--nproc", min=1, help="processes per node"),
-        nnodes: int = typer.Option(1, "--nnodes", min=1, help="nodes"),
-        gpus_per_proc: Optional[int] = typer.Option(None, "--gpus-per-proc",
-                                                    help="GPUs per process (default: 1 unless train.device is cpu)"),
-        cpus_per_proc: int = typer.Option(1, "--cpus-per-proc", help="CPUs per process (OMP_NUM_THREADS of each rank)"),
+        nnodes: Annotated[int, number_option("--nnodes", min=1, help="nodes", what="nodes", int_limit="ranks")] = 1,
+        gpus_per_proc: Annotated[Optional[int], number_option(
+            "--gpus-per-proc", help="GPUs per process (default: 1 unless train.device is cpu)", what="GPUs per process",
+            positive=False, maximum=64)] = None,
+        cpus_per_proc: Annotated[int, number_option(
+            "--cpus-per-proc", help="CPUs per process (OMP_NUM_THREADS of each rank)", what="CPUs per process",
+            maximum=4096)] = 1,
         mem: Optional[str] = typer.Option(None, "--mem", help="memory per process, MB or with a unit (e.g. 4000, 6G); "
                                           "default: none asked on slurm (the partition's default), 4096 MB on "
                                           "container schedulers"),
@@ -99,14 +102,11 @@ def register(app: typer.Typer) -> None:
 
         On a cluster scheduler the job's handle (e.g. slurm://dlrmctl/42) is printed on stdout; follow
         it with `dlrmctl jobs status|logs|cancel HANDLE`."""
-        from dlrmctl.commands._common import check_number, fail
-        from dlrmctl.config import INT_LIMITS
+        check_numbers(launch, locals())
+        from dlrmctl.commands._common import fail
         from dlrmctl.console import echo
-        from dlrmctl.launch import build_appdef, check_image, launch, parse_mem
+        from dlrmctl.launch import build_appdef, check_image, launch as submit, parse_mem
 
-        check_number("--nnodes", nnodes, maximum=INT_LIMITS["ranks"][0], what="nodes")
-        check_number("--gpus-per-proc", gpus_per_proc, positive=False, maximum=64, what="GPUs per process")
-        check_number("--cpus-per-proc", cpus_per_proc, maximum=4096, what="CPUs per process")
         mem_mb = parse_mem(mem) if mem is not None else None
         check_scheduler(scheduler)
         if dry_run or os.path.exists(config):
@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
         try:
             app = build_appdef(config, set_, nproc, nnodes, resume=resume, image=image, gpu_per_proc=gpus_per_proc,
                                cpu_per_proc=cpus_per_proc, mem_mb_per_proc=mem_mb, scheduler=scheduler)
-            rc = launch(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run, wait=wait)
+            rc = submit(app, scheduler=scheduler, scheduler_cfg=cfg, dry_run=dry_run, wait=wait)
         except ImportError as e:  # a torchx scheduler whose client library (an extra) is not installed
             fail(f"cannot launch on {scheduler}: its client library is missing ({e}); install "
                  "dlrmctl's `cluster` extra: pip install 'dlrmctl[cluster]'")

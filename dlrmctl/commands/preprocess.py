@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
 from dlrmctl.commands._common import fail, show_path
-from dlrmctl.commands._options import DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers
+from dlrmctl.commands._options import (DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers,
+                                      int_list_option)
 from dlrmctl.errors import UserError, check_output_dir
 
 __all__ = ["build_dataset", "build_interruptible", "build_unless_complete", "dataset_target_or_fail", "print_summary",
@@ -22,23 +23,6 @@ __all__ = ["build_dataset", "build_interruptible", "build_unless_complete", "dat
 
 app = typer.Typer(help="Preprocess raw datasets into columnar shards (Arrow IPC) + meta.json for training.",
                   no_args_is_help=True)
-
-
-def _int_list(value: Optional[str], name: str, n: int) -> Optional[list[int]]:
-    """'3' -> [3]*n; '1,2,...' (n ints) -> list; None -> None. Raises typer.BadParameter."""
-    if value is None:
-        return None
-    try:
-        xs = [int(x) for x in value.split(",") if x.strip() != ""]
-    except ValueError:
-        raise typer.BadParameter(f"expected integers separated by commas, got {value!r}", param_hint=name) from None
-    if len(xs) == 1:
-        xs = xs * n
-    if len(xs) != n:
-        raise typer.BadParameter(f"expected 1 or {n} comma-separated integers, got {len(xs)}", param_hint=name)
-    if min(xs) < 1:
-        raise typer.BadParameter(f"values must be >= 1, got {value!r}", param_hint=name)
-    return xs
 
 
 def dataset_target_or_fail(out: Path, recipe: dict, force: bool):
@@ -161,9 +145,9 @@ def criteo(
     input: List[str] = typer.Option(..., "--input", "-i", help="train.txt / day_N file(s), plain or .gz; a file, "
                                     "a directory or a glob (repeatable)"),
     out: DatasetOut = ...,
-    num_embeddings: Optional[str] = typer.Option(
-        None, help="hashing: id = hex mod N (one N, or 26 comma-separated); tables get N+1 rows "
-        "(last = missing). Default: a vocabulary (see --frequency-threshold)"),
+    num_embeddings: Annotated[Optional[str], int_list_option(
+        "--num-embeddings", n=26, help="hashing: id = hex mod N (one N, or 26 comma-separated); tables get N+1 rows "
+        "(last = missing). Default: a vocabulary (see --frequency-threshold)")] = None,
     frequency_threshold: Optional[int] = typer.Option(
         None, help="vocabulary: values seen >= T times in train get their own row, rarer ones share one "
         "(default 3 when --num-embeddings is not given; best on small data)"),
@@ -176,8 +160,8 @@ def criteo(
     split_by_day: bool = typer.Option(False, "--split-by-day", help="1TB layout: day_0..day_22 train, the last "
                                       "day split into validation (first half) and test (second half)"),
     on_bad_line: str = typer.Option("error", help="'error' (stop, naming file:line and field) or 'skip' (count)"),
-    multi_hot_sizes: Optional[str] = typer.Option(None, help="26 comma-separated bag sizes: materialise "
-                                                  "MLPerf-DLRMv2 multi-hot bags"),
+    multi_hot_sizes: Annotated[Optional[str], int_list_option(
+        "--multi-hot-sizes", n=26, help="26 comma-separated bag sizes: materialise MLPerf-DLRMv2 multi-hot bags")] = None,
     multi_hot_distribution: str = typer.Option("uniform", help="'uniform' or 'pareto' multi-hot offsets"),
     workers: Workers = 1,
     quiet: Quiet = False,
@@ -189,10 +173,10 @@ def criteo(
     from dlrmctl.procs import check_local_fanout
 
     opts = CriteoOptions(
-        num_embeddings=_int_list(num_embeddings, "--num-embeddings", 26),
+        num_embeddings=num_embeddings,
         frequency_threshold=frequency_threshold, val_ratio=val_ratio, test_ratio=test_ratio, seed=seed,
         split_by_day=split_by_day, on_bad_line=on_bad_line,
-        multi_hot_sizes=_int_list(multi_hot_sizes, "--multi-hot-sizes", 26),
+        multi_hot_sizes=multi_hot_sizes,
         multi_hot_distribution=multi_hot_distribution, workers=workers, raw_ids=raw_ids,
     )
     try:
@@ -233,8 +217,9 @@ def synthetic(
     seed: int = typer.Option(0, help="seed of every parameter and row"),
     val_ratio: ValRatio = 0.1,
     test_ratio: TestRatio = 0.1,
-    num_embeddings: Optional[str] = typer.Option(None, help="table sizes: one N or 26 comma-separated "
-                                                 "(default: 10..10000, signal tables C1..C8 small)"),
+    num_embeddings: Annotated[Optional[str], int_list_option(
+        "--num-embeddings", n=26, help="table sizes: one N or 26 comma-separated (default: 10..10000, signal tables "
+        "C1..C8 small)")] = None,
     zipf_alpha: float = typer.Option(1.05, help="Zipf exponent of id frequencies"),
     weighted_features: Optional[str] = typer.Option(
         None, help="comma-separated features (e.g. C1,C2) that get per-id weights U(0.5, 2) in a <feature>__weight "
@@ -253,7 +238,7 @@ def synthetic(
     from dlrmctl.data.synthetic import generate_synthetic
 
     check_output_dir(out, "--out")  # a file, under a file, read-only: one line before any work
-    cards = _int_list(num_embeddings, "--num-embeddings", 26)
+    cards = num_embeddings  # (a list: int_list_option)
     wf = [f.strip() for f in (weighted_features or "").split(",") if f.strip()]
     inf = [f.strip() for f in (interaction_features or "").split(",") if f.strip()]
     recipe = {"dataset": "synthetic", "rows": rows, "seed": seed, "val_ratio": val_ratio,

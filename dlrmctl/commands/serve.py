@@ -5,39 +5,46 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
-from dlrmctl.commands._common import check_number, echo, fail, show_path
+from dlrmctl.commands._common import echo, fail, show_path
+from dlrmctl.commands._options import check_numbers, number_option
 
 
 def serve_command(
     model_dir: Path = typer.Argument(..., help="exported model directory (dlrmctl export)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface)"),
-    port: int = typer.Option(8080, "--port", help="TCP port (0: any free port, printed)"),
-    max_batch_rows: int = typer.Option(4096, "--max-batch-rows", help="rows merged into one forward at most "
-                                                                       "(1: no dynamic batching)"),
-    max_delay_ms: float = typer.Option(2.0, "--max-delay-ms", help="longest wait of the oldest queued request for "
-                                                                   "others to join its batch (it waits only while "
-                                                                   "more requests are arriving)"),
-    min_delay_ms: float = typer.Option(0.0, "--min-delay-ms", help="wait of the oldest queued request for others even "
-                                                                   "when none is arriving (larger batches, more "
-                                                                   "latency; = --max-delay-ms: a fixed delay)"),
-    max_queue_rows: int = typer.Option(65536, "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After"),
-    max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="largest infer request body in MiB; "
-                                                                         "beyond, 413"),
-    max_ids_per_row: int = typer.Option(1024, "--max-ids-per-row", help="ids a request may carry per row, all features "
-                                                                        "together (checked before its data is read); "
-                                                                        "beyond, 400"),
-    workers: int = typer.Option(1, "--workers", help="forward threads per process (each takes the next batch; the "
-                                                     "intra-op threads are divided among them)"),
-    processes: int = typer.Option(1, "--processes", help="server processes sharing the port (SO_REUSEPORT), each with "
-                                                         "the model, its own queue and metrics; the kernel spreads "
-                                                         "connections over them"),
-    max_restarts: int = typer.Option(3, "--max-restarts", help="with --processes: times a server process that exits "
-                                                               "is started again, all together; beyond, the server "
-                                                               "stops with an error (0: at the first exit)"),
+    port: Annotated[int, number_option("--port", help="TCP port (0: any free port, printed)", what="TCP port",
+                                       maximum=65535, positive=False)] = 8080,
+    max_batch_rows: Annotated[int, number_option(
+        "--max-batch-rows", help="rows merged into one forward at most (1: no dynamic batching)", what="rows")] = 4096,
+    max_delay_ms: Annotated[float, number_option(
+        "--max-delay-ms", help="longest wait of the oldest queued request for others to join its batch (it waits "
+        "only while more requests are arriving)", what="milliseconds", maximum=60000.0, positive=False)] = 2.0,
+    min_delay_ms: Annotated[float, number_option(
+        "--min-delay-ms", help="wait of the oldest queued request for others even when none is arriving (larger "
+        "batches, more latency; = --max-delay-ms: a fixed delay)", what="milliseconds (at most --max-delay-ms)",
+        at_most="max_delay_ms", positive=False)] = 0.0,
+    max_queue_rows: Annotated[int, number_option(
+        "--max-queue-rows", help="rows waiting at most; beyond, 503 + Retry-After", what="rows")] = 65536,
+    max_request_mb: Annotated[float, number_option(
+        "--max-request-mb", help="largest infer request body in MiB; beyond, 413", what="MiB",
+        maximum=65536.0)] = 64.0,
+    max_ids_per_row: Annotated[int, number_option(
+        "--max-ids-per-row", help="ids a request may carry per row, all features together (checked before its data "
+        "is read); beyond, 400", what="ids", maximum=1 << 24)] = 1024,
+    workers: Annotated[int, number_option(
+        "--workers", help="forward threads per process (each takes the next batch; the intra-op threads are divided "
+        "among them)", what="forward threads", maximum=256)] = 1,
+    processes: Annotated[int, number_option(
+        "--processes", help="server processes sharing the port (SO_REUSEPORT), each with the model, its own queue "
+        "and metrics; the kernel spreads connections over them", what="server processes", maximum=256)] = 1,
+    max_restarts: Annotated[int, number_option(
+        "--max-restarts", help="with --processes: times a server process that exits is started again, all "
+        "together; beyond, the server stops with an error (0: at the first exit)", what="restarts", maximum=1000,
+        positive=False)] = 3,
     device: str = typer.Option("cpu", "--device", help="where the model runs: cpu, cuda[:i], or auto (cuda where "
                                                        "a GPU is visible, else cpu); requests are decoded on the "
                                                        "host, each batch moved once"),
@@ -47,17 +54,7 @@ def serve_command(
                                                                    "--device: aoti, else pt2, else torchscript)"),
 ) -> None:
     """Serve an exported model over the Open Inference Protocol (KServe v2 REST) with dynamic batching, until SIGTERM or Ctrl-C."""
-    check_number("--port", port, minimum=0, maximum=65535, positive=False, what="TCP port")
-    check_number("--max-batch-rows", max_batch_rows, what="rows")
-    check_number("--max-delay-ms", max_delay_ms, minimum=0, maximum=60000.0, positive=False, what="milliseconds")
-    check_number("--min-delay-ms", min_delay_ms, minimum=0, maximum=max_delay_ms, positive=False,
-                 what="milliseconds (at most --max-delay-ms)")
-    check_number("--max-queue-rows", max_queue_rows, what="rows")
-    check_number("--max-request-mb", max_request_mb, maximum=65536.0, what="MiB")
-    check_number("--max-ids-per-row", max_ids_per_row, maximum=1 << 24, what="ids")
-    check_number("--workers", workers, maximum=256, what="forward threads")
-    check_number("--processes", processes, maximum=256, what="server processes")
-    check_number("--max-restarts", max_restarts, maximum=1000, positive=False, what="restarts")
+    check_numbers(serve_command, locals())  # each number option's range, as declared above
     if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
         fail(f"--device must be cpu, cuda, cuda:N or auto, got {device!r}")
     if name is not None:

@@ -33,12 +33,13 @@ import time
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any, List, Optional
+from typing import Annotated, Any, List, Optional
 
 import typer
 
 from dlrmctl import outputs
-from dlrmctl.commands._common import check_number, echo, fail, show_path
+from dlrmctl.commands._common import echo, fail, show_path
+from dlrmctl.commands._options import check_numbers, number_option
 from dlrmctl.errors import interruptible
 from dlrmctl.fileio import write_text_atomic
 
@@ -233,7 +234,8 @@ def sweep(
     grid: List[str] = typer.Option(..., "--grid", help="KEY=V1,V2,...: values of one config key (repeatable; "
                                                          "the grid is their product), e.g. --grid model.dropout=0,0.1"),
     set_: List[str] = typer.Option([], "--set", help="override a config key for every point"),
-    jobs: int = typer.Option(1, "--jobs", min=1, help="points trained at once"),
+    jobs: Annotated[int, number_option("--jobs", min=1, help="points trained at once", what="points trained at once",
+                                       maximum=1024)] = 1,
     name: Optional[str] = typer.Option(None, "--name", help="sweep directory under train.run_dir (default: "
                                                              "<config name>_sweep, apart from the config's own run)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace the points' existing run directories"),
@@ -241,7 +243,7 @@ def sweep(
     """Train every point of a --grid of config values; rank the points on validation (never test)."""
     from dlrmctl.config import ConfigError, load_config
 
-    check_number("--jobs", jobs, maximum=1024, what="points trained at once")
+    check_numbers(sweep, locals())
     from dlrmctl.procs import LAUNCHER_ENV, check_local_fanout, intra_op_threads, process_token
 
     if name is not None and (not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name):
