@@ -13,6 +13,7 @@ from typing import Any
 
 from dlrmctl.errors import OutputError
 from dlrmctl.fileio import write_text_atomic
+from dlrmctl.train.checkpoint_names import CKPT_DIR
 
 
 MARKER_NAME = ".dlrmctl"
@@ -71,7 +72,7 @@ def kind_of(directory: str | os.PathLike) -> str | None:
         return "dataset"
     if (d / "parts").is_dir() and set(os.listdir(d)) <= {"parts", "vocab", ".counts", ".decoded", "meta.json"}:
         return "dataset"  # an unfinished criteo preprocess of an older dlrmctl
-    if (d / "config.yaml").is_file() and ((d / "checkpoints").is_dir() or (d / ".dlrmctl_attempt").exists()
+    if (d / "config.yaml").is_file() and ((d / CKPT_DIR).is_dir() or (d / ".dlrmctl_attempt").exists()
                                           or (d / "summary.json").is_file()):
         return "run"
     if (d / "sweep.csv").is_file() and (d / "logs").is_dir():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dlrmctl.train.checkpoint import CheckpointError, load_checkpoint_meta, resolve_checkpoint
+from dlrmctl.train.checkpoint import CKPT_DIR, CheckpointError, load_checkpoint_meta, resolve_checkpoint
 
 __all__ = ["INIT_FROM_FILE", "resolve_init_from", "restore_init_from"]
 
@@ -31,12 +31,12 @@ def resolve_init_from(spec: str) -> str:
     if os.path.isfile(os.path.join(spec, "manifest.json")):  # an export holds no optimizer state or step
         raise CheckpointError(f"--init-from {spec}: an exported model (manifest.json), not a checkpoint; give the "
                               "run it was exported from (RUN, RUN/best, RUN/last or RUN/<step>)")
-    if os.path.isfile(os.path.join(spec, "meta.json")) and os.path.basename(os.path.dirname(spec)) == "checkpoints":
+    if os.path.isfile(os.path.join(spec, "meta.json")) and os.path.basename(os.path.dirname(spec)) == CKPT_DIR:
         return resolve_checkpoint(os.path.dirname(os.path.dirname(spec)), spec)[0]
-    if os.path.isdir(os.path.join(spec, "checkpoints")):
+    if os.path.isdir(os.path.join(spec, CKPT_DIR)):
         return resolve_checkpoint(spec, "last")[0]
     parent, which = os.path.dirname(spec), os.path.basename(spec)
-    if parent and os.path.isdir(os.path.join(parent, "checkpoints")):
+    if parent and os.path.isdir(os.path.join(parent, CKPT_DIR)):
         return resolve_checkpoint(parent, which)[0]
     raise CheckpointError(f"--init-from {spec}: not a run directory (no checkpoints/ in it) nor a checkpoint "
                           "of one; expected RUN, RUN/best, RUN/last, RUN/<step> or RUN/checkpoints/step_N")

@@ -208,7 +208,7 @@ def read_checkpoint(run_dir: str, which: str | None, read: Callable[[str, str], 
                 raise
             if attempt == 0 and moving:
                 log.warning("checkpoint %s (%s) was removed by the run's pruning while it was being read; "
-                            "reading the one %s names now", label, path, "LATEST" if "last" in label else "BEST")
+                            "reading the one %s names now", label, path, LATEST if "last" in label else BEST)
                 continue
             how = ("; choose a newer one (--checkpoint last)" if not moving
                    else ": the run is saving checkpoints faster than this read; retry")
