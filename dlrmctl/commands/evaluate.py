@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dlrmctl.commands._options import CheckpointChoice, check_numbers, number_option
+from dlrmctl.commands.options import CheckpointChoice, check_numbers, number_option
 from dlrmctl.commands._common import (checkpoint_choice, echo, fail, print_metrics, require_run_dir,
                                      setup_logging, show_path)
 from dlrmctl.console import stage, stages

@@ -14,7 +14,7 @@ from typing import Optional
 import typer
 
 from dlrmctl.commands._common import fail, require_run_dir
-from dlrmctl.commands._options import CheckpointChoice
+from dlrmctl.commands.options import CheckpointChoice
 from dlrmctl.errors import UserError, interrupt_exit_code
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from dlrmctl.commands._options import check_numbers, number_option
+from dlrmctl.commands.options import check_numbers, number_option
 
 app = typer.Typer(help="Status, logs and cancel of a job `dlrmctl launch` submitted", no_args_is_help=True)
 

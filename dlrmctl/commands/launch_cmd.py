@@ -7,7 +7,7 @@ from typing import Annotated, List, Optional
 
 import typer
 
-from dlrmctl.commands._options import Resume, check_numbers, number_option
+from dlrmctl.commands.options import Resume, check_numbers, number_option
 
 
 def _parse_scheduler_cfg(items: list[str]) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from dlrmctl.commands._common import fail, show_path
-from dlrmctl.commands._options import (DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers,
+from dlrmctl.commands.options import (DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers,
                                       int_list_option)
 from dlrmctl.errors import UserError, check_output_dir
 

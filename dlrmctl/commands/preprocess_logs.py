@@ -11,7 +11,7 @@ from typing import List
 
 import typer
 
-from dlrmctl.commands._options import DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers
+from dlrmctl.commands.options import DatasetOut, Quiet, ReplaceDataset, TestRatio, ValRatio, Workers
 
 
 def register(preprocess_app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import typer
 
 from dlrmctl.commands._common import fail
-from dlrmctl.commands._options import ReplaceDataset
+from dlrmctl.commands.options import ReplaceDataset
 
 
 def register(preprocess_app: typer.Typer) -> None:

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from dlrmctl.commands._common import echo, fail, show_path
-from dlrmctl.commands._options import check_numbers, number_option
+from dlrmctl.commands.options import check_numbers, number_option
 
 
 def serve_command(

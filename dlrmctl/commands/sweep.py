@@ -39,7 +39,7 @@ import typer
 
 from dlrmctl import outputs
 from dlrmctl.commands._common import echo, fail, show_path
-from dlrmctl.commands._options import check_numbers, number_option
+from dlrmctl.commands.options import check_numbers, number_option
 from dlrmctl.errors import interruptible
 from dlrmctl.fileio import write_text_atomic
 

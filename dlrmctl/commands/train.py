@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from dlrmctl.commands._common import echo, fail, setup_logging, show_path
-from dlrmctl.commands._options import Resume
+from dlrmctl.commands.options import Resume
 
 
 def train(

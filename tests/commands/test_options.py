@@ -1,4 +1,4 @@
-"""dlrmctl.commands._options: a number option's range is checked where it is declared, in the
+"""dlrmctl.commands.options: a number option's range is checked where it is declared, in the
 order declared; a comma-separated integer option parses once for every verb that has it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from dlrmctl.commands._options import check_numbers, int_list_option, number_option
+from dlrmctl.commands.options import check_numbers, int_list_option, number_option
 from dlrmctl.config import INT_LIMITS
 from dlrmctl.errors import CommandError
 
