@@ -29,7 +29,7 @@ import pyarrow as pa
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import block_lines, paced_input
 from dlrmctl.data.logs.schema import LogSchema
-from dlrmctl.data.long_lines import LineLimit, long_line_message
+from dlrmctl.data.long_lines import FullReads, LineLimit, long_line_message
 from dlrmctl.errors import delimiter_hint, quoted
 
 __all__ = ["RowBatch", "check_columns", "file_columns", "first_line", "iter_batches"]
@@ -126,15 +126,31 @@ class _Gate:
 
 
 class _Gated(io.RawIOBase):
-    """A readable binary file: ``inner``'s reads, each after :meth:`_Gate.before_read`."""
+    """A readable binary file: ``inner``'s bytes, each read after :meth:`_Gate.before_read`.
 
-    def __init__(self, inner: io.RawIOBase, gate: _Gate) -> None:
+    ``read(n)`` (what Arrow calls) joins ``inner``'s pieces once: the default ``RawIOBase.read``
+    would zero a new buffer, copy the pieces into it and copy it again into the bytes it returns."""
+
+    def __init__(self, inner: FullReads, gate: _Gate) -> None:
         super().__init__()
         self._inner = inner
         self._gate = gate
 
     def readable(self) -> bool:
         return True
+
+    def read(self, n: int = -1) -> bytes:
+        self._gate.before_read()
+        if n is None or n < 0:
+            return self._inner.read()
+        pieces, got = [], 0
+        while got < n:
+            p = self._inner.read_some(n - got)
+            if not p:
+                break
+            pieces.append(p)
+            got += len(p)
+        return pieces[0] if len(pieces) == 1 and isinstance(pieces[0], bytes) else b"".join(pieces)
 
     def readinto(self, b) -> int:
         self._gate.before_read()
