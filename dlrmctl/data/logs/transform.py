@@ -291,7 +291,7 @@ def _keys_of(batch: RowBatch, spec: CategoricalSpec, values: pa.Array, drop: np.
                 drop |= bad_rows(batch, bad & ~drop, column, "8 hex digits", values, on_bad_line)
         if spec.mode == "raw":  # raw ids: the raw id of the text itself
             return raw_ids(values), present
-        return h.astype(np.int64), present  # vocab and hash: the integer (Criteo's keys)
+        return h.view(np.int64), present  # vocab and hash: the integer (Criteo's keys; < 2^32: the same bits)
     t = values.type
     if pa.types.is_floating(t):
         x = pc.fill_null(values, 0.0).to_numpy(zero_copy_only=False)
