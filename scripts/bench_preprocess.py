@@ -28,14 +28,18 @@ the transform pass, the peak RSS of the main process and the largest peak RSS of
 ``getrusage`` ``ru_maxrss``; workers: ``ru_maxrss`` of the children).
 Goals (issue 13): >= 300k rows/s per core with vocabulary; hashing >= 650k rows/s per core.
 
+With ``--rounds R`` the modes run in turn R times on the same input (vocab, logs-vocab, hash,
+logs-hash, vocab, ...), each round printing its ratios and the load, then the range over the rounds.
+
 Usage: python scripts/bench_preprocess.py [--rows N | --input PATH] [--files F] [--workers W]
-       [--modes vocab,hash] [--threshold T] [--workdir DIR]
+       [--modes vocab,hash] [--threshold T] [--workdir DIR] [--rounds R]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -141,6 +145,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=int, default=3, help="vocabulary frequency threshold")
     ap.add_argument("--num-embeddings", type=int, default=100_000, help="hashing modulus")
     ap.add_argument("--workdir", help="directory for generated input and outputs (default: a temp dir)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the modes in turn this many times (A/B/A/B) and print each round's ratios and their range")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,32 +167,47 @@ def main() -> None:
             print(f"generated {args.rows:,} lines in {args.files} file(s), {size / 1e6:.0f} MB, "
                   f"in {time.perf_counter() - t0:.1f} s")
             inp = str(gen)
-        per_cpu = {}
-        for mode in args.modes.split(","):
-            out = td / f"out_{mode}"
-            cmd = [sys.executable, __file__, "--one", mode, "--input", inp, "--out", str(out),
-                   "--workers", str(args.workers), "--threshold", str(args.threshold),
-                   "--num-embeddings", str(args.num_embeddings)]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                sys.exit(f"{mode}: failed\n{res.stderr}")
-            r = json.loads(res.stdout.strip().splitlines()[-1])
-            label = (mode.removesuffix("vocab").removesuffix("hash") +
-                     (f"vocab T={args.threshold}" if mode.endswith("vocab") else f"hash N={args.num_embeddings}"))
-            extra = (f"; largest table {max(r['vocab']):,} rows" if mode.endswith("vocab") else "")
-            per_cpu[mode] = r["rows"] / r["cpu"]
-            print(f"{label:>14}, {r['procs']} worker process(es): {r['rows']:,} rows in {r['wall']:.2f} s -> "
-                  f"{r['rows'] / r['wall']:,.0f} rows/s end to end, {r['rows'] / r['wall'] / r['procs']:,.0f} "
-                  f"rows/s per core, {r['rows'] / r['cpu']:,.0f} rows per CPU second (user + sys, all "
-                  f"processes); transform pass inside workers {r['rows'] / r['inner']:,.0f} rows/s; "
-                  f"peak RSS main {r['rss_main'] / 2**20:,.0f} MiB, largest worker "
-                  f"{r['rss_worker'] / 2**20:,.0f} MiB{extra}")
-            shutil.rmtree(out, ignore_errors=True)
-        for m in ("vocab", "hash"):
-            if m in per_cpu and f"logs-{m}" in per_cpu:
-                print(f"preprocess logs / preprocess criteo, {m}: {per_cpu[f'logs-{m}'] / per_cpu[m]:.2f}x rows per "
-                      "CPU second")
+        ratios: dict[str, list[float]] = {}
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"round {rnd + 1} of {args.rounds}, load {_load()}")
+            per_cpu = {}
+            for mode in args.modes.split(","):
+                out = td / f"out_{mode}"
+                cmd = [sys.executable, __file__, "--one", mode, "--input", inp, "--out", str(out),
+                       "--workers", str(args.workers), "--threshold", str(args.threshold),
+                       "--num-embeddings", str(args.num_embeddings)]
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode != 0:
+                    sys.exit(f"{mode}: failed\n{res.stderr}")
+                r = json.loads(res.stdout.strip().splitlines()[-1])
+                label = (mode.removesuffix("vocab").removesuffix("hash") +
+                         (f"vocab T={args.threshold}" if mode.endswith("vocab") else f"hash N={args.num_embeddings}"))
+                extra = (f"; largest table {max(r['vocab']):,} rows" if mode.endswith("vocab") else "")
+                per_cpu[mode] = r["rows"] / r["cpu"]
+                print(f"{label:>14}, {r['procs']} worker process(es): {r['rows']:,} rows in {r['wall']:.2f} s -> "
+                      f"{r['rows'] / r['wall']:,.0f} rows/s end to end, {r['rows'] / r['wall'] / r['procs']:,.0f} "
+                      f"rows/s per core, {r['rows'] / r['cpu']:,.0f} rows per CPU second (user + sys, all "
+                      f"processes); transform pass inside workers {r['rows'] / r['inner']:,.0f} rows/s; "
+                      f"peak RSS main {r['rss_main'] / 2**20:,.0f} MiB, largest worker "
+                      f"{r['rss_worker'] / 2**20:,.0f} MiB{extra}")
+                shutil.rmtree(out, ignore_errors=True)
+            for m in ("vocab", "hash"):
+                if m in per_cpu and f"logs-{m}" in per_cpu:
+                    ratios.setdefault(m, []).append(per_cpu[f"logs-{m}"] / per_cpu[m])
+                    print(f"preprocess logs / preprocess criteo, {m}: {ratios[m][-1]:.2f}x rows per CPU second")
+        if args.rounds > 1:
+            for m, rs in ratios.items():
+                print(f"preprocess logs / preprocess criteo, {m}, {len(rs)} rounds: {min(rs):.2f}-{max(rs):.2f}x "
+                      f"({', '.join(f'{x:.2f}' for x in rs)}); load now {_load()}")
 
+
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (``os.getloadavg``), or "?" where there are none."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 if __name__ == "__main__":
     main()
