@@ -14,9 +14,6 @@ measured in ``benchmarks/export.md``:
   loop of dot products over the selected pairs only (``T[:, I] * T[:, J]`` summed over the width):
   about half the multiply-adds, no ``[B, n, n]`` buffer, and none of Inductor's element-by-element
   gather, which made the program's form slower compiled than run by ATen;
-* no bounds check in the generated loops' indirect loads (``assert_indirect_indexing``): every
-  index they read is a buffer of the program or was checked by the program's own assertions,
-  which run before them (ids, lengths);
 * the generated loops use the thread count of the process that runs them
   (``torch.set_num_threads``), not the exporting process's (``cpp.dynamic_threads``).
 """
@@ -37,7 +34,9 @@ from dlrmctl.inference.formats.pt2 import ProgramFormat
 __all__ = ["AotiFormat", "INDUCTOR_CONFIG", "fused_pair_dots"]
 
 #: Inductor options of the compile (module doc)
-INDUCTOR_CONFIG = {"assert_indirect_indexing": False, "cpp.dynamic_threads": True}
+#: (the bounds checks of indirect loads stay on: nothing orders a generated gather of user ids, e.g. the fp16
+#: lookup, after the program's own id assertion)
+INDUCTOR_CONFIG = {"cpp.dynamic_threads": True}
 
 
 class AotiFormat(ProgramFormat):
