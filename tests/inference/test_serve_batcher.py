@@ -108,7 +108,7 @@ def test_min_delay_holds_a_released_request_and_the_cap_bounds_an_unreleased_one
 def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_scored():
     """``release(inline=True)`` (the producer holds no other request) scores the queued requests on
     the calling thread before it returns; while a forward thread scores a batch, they are queued for
-    it as with a plain release, and run once it is free."""
+    it as with a plain release, and run once it is free; more than INLINE_ROWS rows always go to it."""
     clock = FrozenClock()
     gate, entered = threading.Event(), threading.Event()
     threads: list[str] = []
@@ -120,7 +120,8 @@ def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_
             assert gate.wait(30)
         return dense[:, 0].clone()
 
-    b = batcher(fwd, clock)
+    b = Batcher(fwd, 1, False, max_batch_rows=64, max_delay_ms=60_000.0, max_queue_rows=4096, workers=1,
+                metrics=Metrics(64), clock=clock)
     try:
         fut = b.submit(one_row(1.0))
         b.release(inline=True)
@@ -135,6 +136,11 @@ def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_
         gate.set()
         assert float(held.result(30)[1][0]) == 9.0 and float(fut.result(30)[1][0]) == 2.0
         assert threads[1:] == ["dlrmctl-serve-0", "dlrmctl-serve-0"]
+        # more rows than INLINE_ROWS: a forward thread scores them, the caller (the event loop) is not held
+        n = b.INLINE_ROWS + 1
+        fut = b.submit(Rows(np.full((n, 1), 3.0, np.float32), np.zeros(n, np.int64), np.ones((1, n), np.int64), None))
+        b.release(inline=True)
+        assert float(fut.result(30)[1][-1]) == 3.0 and threads[3:] == ["dlrmctl-serve-0"]
     finally:
         gate.set()
         b.stop()

@@ -109,6 +109,9 @@ class Batcher:
         clock: seconds, monotonic (``time.monotonic``; a test's fake clock).
     """
 
+    #: the most rows :meth:`release` scores on its calling thread (a forward of about 10 ms on one CPU core)
+    INLINE_ROWS = 1024
+
     def __init__(self, forward: Callable[..., torch.Tensor], features: int, weighted: bool, max_batch_rows: int,
                  max_delay_ms: float, max_queue_rows: int, workers: int, metrics: Metrics,
                  min_delay_ms: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -159,16 +162,18 @@ class Batcher:
         """Every request submitted so far may run without waiting for others (after ``min_delay_ms``):
         the producer (the app's event loop) has no other request arriving.
 
-        ``inline``: the producer holds no other request either; then, when no batch is being scored
-        and ``min_delay_ms`` is 0, the queued requests are scored here, on the calling thread, before
-        this returns (their futures done): a lone request skips the two thread hand-offs (wake a
-        forward thread, wake the event loop with its answer), each a wait for a CPU on a busy machine.
+        ``inline``: the producer holds no other request either; then, when no batch is being scored,
+        ``min_delay_ms`` is 0 and at most :attr:`INLINE_ROWS` rows are queued, they are scored here,
+        on the calling thread, before this returns (their futures done): a lone request skips the two
+        thread hand-offs (wake a forward thread, wake the event loop with its answer), each a wait for
+        a CPU on a busy machine.  More rows go to a forward thread, so that the event loop is not held
+        for a long forward (health checks are answered meanwhile).
         """
         with self._cond:
             self._released = self._seq
             if not self._q:
                 return
-            if not inline or self._busy or self.min_delay > 0 or self._stop:
+            if not inline or self._busy or self.min_delay > 0 or self._stop or self._queued > self.INLINE_ROWS:
                 self._cond.notify()
                 return
             batch = self._pop()
