@@ -79,7 +79,8 @@ def read_program(path: str | Path) -> ProgramParts:
     try:
         with zipfile.ZipFile(path) as zf:
             return _read(zf)
-    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+        # (RuntimeError: torch refusing a view or a graph the archive describes; torch.export.load decides)
         raise NotReadable(f"{type(e).__name__}: {e}") from None
 
 
