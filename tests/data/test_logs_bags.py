@@ -90,3 +90,23 @@ def test_from_join_on_a_column_neither_a_key_nor_a_bag_is_refused():
     with pytest.raises(SchemaError, match=r"categorical\[1\] \(tag\).vocab.from: 'tag' is not the key"):
         parse_schema({"label": "y", "join": [{"path": "t.csv", "key": "item", "columns": ["tag"]}],
                       "categorical": ["item", {"name": "tag", "vocab": {"from": "join"}, "multi": True}]})
+
+
+@pytest.mark.parametrize("split,split_by", [("split: {by: time}\n", None), ("", "time")])
+def test_bags_with_one_global_time_cut_split_by_time(tmp_path, split, split_by):
+    # 8 rows at times 1..8: --val-ratio 0.25 --test-ratio 0.25 cuts at time 5 (val) and 7 (test)
+    (tmp_path / "log.csv").write_text("user,item,ts,click\n" + "".join(
+        f"{t % 2},{10 + t % 3},{t},{t % 2}\n" for t in range(1, 9)))
+    (tmp_path / "tags.csv").write_text("item,tag\n10,a\n11,b\n10,c\n")
+    (tmp_path / "s.yaml").write_text("label: click\ntime: ts\n" + split + (
+        "join:\n  - {path: tags.csv, key: item, columns: [tag], many: {normalize: true}}\n"
+        "categorical:\n  - {name: user, vocab: {min_count: 1}}\n  - {name: item, vocab: {min_count: 1}}\n"
+        "  - {name: tag, vocab: {from: join}, multi: true}\n"))
+    out = tmp_path / "o"
+    preprocess_logs(load_schema(tmp_path / "s.yaml"), tmp_path / "log.csv", out,
+                    LogOptions(split_by=split_by, val_ratio=0.25, test_ratio=0.25), progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert {s: meta["splits"][s]["rows"] for s in ("train", "val", "test")} == {"train": 4, "val": 2, "test": 2}
+    assert meta["transforms"]["split"]["val_from"] == 5 and meta["transforms"]["split"]["test_from"] == 7
+    t = ipc.open_file(pa.memory_map(str(out / meta["splits"]["train"]["files"][0]))).read_all()
+    assert sorted(len(b) for b in t.column("tag").to_pylist()) == [0, 1, 1, 2]  # items 11, 12, 10, 11

@@ -327,16 +327,17 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             raise DataError(f"the per-group time split leaves no rows to train on with --val-ratio {o.val_ratio} "
                             f"--test-ratio {o.test_ratio} (too few rows per group)", path=str(inputs))
         common["groups"] = groups.digest()
+    elif o.split_by == "time":  # one global cut (the bags do not exist yet: read without them)
+        prog = Progress("logs pass 0 (time)", len(files), progress)
+        tables = run_tasks(time_counts, [dataclasses.replace(task(f), schema=without_bags(schema)) for f in files],
+                           o.workers, prog)
+        prog.show(final=True)
+        rows_read += prog.rows
+        cutoffs = time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
     if any(j.many for j in schema.join):  # side tables aggregated into bags: after the split
         schema, bag_info = prepare_bags(schema, files, out, latest_train_times(groups, *keys0) if groups else None)
         joins += bag_info
         common["joins"] = [sha256_file(out / j["file"]) for j in joins]
-    elif o.split_by == "time":
-        prog = Progress("logs pass 0 (time)", len(files), progress)
-        tables = run_tasks(time_counts, [task(f) for f in files], o.workers, prog)
-        prog.show(final=True)
-        rows_read += prog.rows
-        cutoffs = time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
     counted = _counted(schema)
     fp1: dict[Path, str] = {}
     dense_stats: dict[str, tuple[float, float]] = {}
