@@ -103,3 +103,26 @@ def test_a_derived_feature_is_not_a_column_of_the_file_and_round_trips_through_m
     assert type(s).from_dict(s.to_dict()).dense == s.dense
     plain = parse_schema({"label": "y", "dense": ["a"]}).to_dict()["dense"][0]
     assert set(plain) == {"name", "transform", "fill"}  # what a schema without the new keys recorded before
+
+
+@pytest.mark.parametrize("extra,path", [
+    ({"dense": [{"name": "pop", "count_of": "item"}], "categorical": ["item", "count_pop"]},
+     r"categorical\[1\] \(count_pop\): its table vocab/count_pop.arrow is also the table of dense\[0\] \(pop\).count_of"),
+    ({"dense": [{"name": "pop", "count_of": "item"}], "categorical": ["item", "Count_Pop"]},
+     r"categorical\[1\] \(Count_Pop\): its table vocab/Count_Pop.arrow is also the table of dense\[0\] \(pop\)"),
+    ({"join": [{"path": "t.csv", "key": "item", "columns": ["tag"], "many": {}}],
+      "categorical": ["item", {"name": "tag", "multi": True}, "join_0_values"]},
+     r"categorical\[2\] \(join_0_values\): its table vocab/join_0_values.arrow is also the table of join\[0\] "
+     r"\(t.csv\).many"),
+    ({"join": [{"path": "t.csv", "key": "item", "columns": ["kind"]}], "categorical": ["item", "kind", "join_0"]},
+     r"categorical\[2\] \(join_0\): its table vocab/join_0.arrow is also the table of join\[0\] \(t.csv\)"),
+])
+def test_two_keys_writing_the_same_table_file_are_refused_naming_both(extra, path):
+    with pytest.raises(SchemaError, match="schema key " + path):
+        parse_schema({"label": "y", **extra})
+
+
+def test_a_hashed_categorical_named_like_a_derived_table_writes_no_file_and_is_kept():
+    s = parse_schema({"label": "y", "dense": [{"name": "pop", "count_of": "item"}],
+                      "categorical": ["item", {"name": "count_pop", "hash": 10}]})
+    assert [c.name for c in s.categorical] == ["item", "count_pop"]

@@ -42,7 +42,7 @@ import os
 import re
 from typing import Any
 
-from dlrmctl.data.logs.schema_keys import KeyChecker, SchemaError, kind_of, many_keys, split_kwargs
+from dlrmctl.data.logs.schema_keys import KeyChecker, SchemaError, kind_of, many_keys, one_writer_per_file, split_kwargs
 
 __all__ = ["CategoricalSpec", "DenseSpec", "JoinSpec", "LabelSpec", "LogSchema", "SchemaError", "SplitSpec", "load_schema",
            "parse_schema"]
@@ -479,6 +479,7 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
             raise v.fail(f"categorical[{i}] ({c.name}).vocab.from", f"'{c.name}' is not the key of a `join` side "
                          f"table (keys: {', '.join(keys) or 'none'}) nor the multi-valued column of a `many` one: "
                          "`from: join` takes the vocabulary from one")
+    one_writer_per_file(v, s)
     if columns is not None:
         missing = [c for c in s.named_columns() if c not in columns]
         if missing:

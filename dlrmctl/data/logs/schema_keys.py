@@ -7,7 +7,7 @@ from typing import Any
 
 from dlrmctl.errors import UserError
 
-__all__ = ["KeyChecker", "SchemaError", "kind_of", "many_keys", "split_kwargs"]
+__all__ = ["KeyChecker", "SchemaError", "kind_of", "many_keys", "one_writer_per_file", "split_kwargs"]
 
 
 class SchemaError(ValueError, UserError):
@@ -115,3 +115,27 @@ def split_kwargs(v: KeyChecker, x: Any) -> dict:
     if tiebreak and not group:
         raise v.fail("split.tiebreak", "orders a group's rows of equal time: needs `split.group`")
     return {"by": by, "group": group, "tiebreak": tiebreak}
+
+
+
+def one_writer_per_file(v: KeyChecker, s: Any) -> None:
+    """Refuse two keys of the schema ``s`` (a ``LogSchema``) whose tables would be the same file
+    of the data directory: ``vocab/<categorical>.arrow`` (``vocab`` mode),
+    ``vocab/count_<dense>.arrow`` (``count_of``), ``vocab/join_<i>.arrow`` and
+    ``vocab/join_<i>_values.arrow`` (``many``), compared case-blind (a case-insensitive file
+    system holds one of two names differing in case only).
+
+    Raises:
+        SchemaError: names the later key, the file and the earlier key.
+    """
+    files = [(f"join[{i}] ({j.path})", f"vocab/join_{i}.arrow") for i, j in enumerate(s.join)]
+    files += [(f"join[{i}] ({j.path}).many", f"vocab/join_{i}_values.arrow") for i, j in enumerate(s.join) if j.many]
+    files += [(f"dense[{i}] ({x.name}).count_of", f"vocab/count_{x.name}.arrow")
+              for i, x in enumerate(s.dense) if x.count_of]
+    files += [(f"categorical[{i}] ({c.name})", f"vocab/{c.name}.arrow")
+              for i, c in enumerate(s.categorical) if c.mode == "vocab"]
+    seen: dict[str, str] = {}
+    for path, f in files:
+        if f.casefold() in seen:
+            raise v.fail(path, f"its table {f} is also the table of {seen[f.casefold()]}; rename one of them")
+        seen[f.casefold()] = path
