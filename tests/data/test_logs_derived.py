@@ -126,3 +126,13 @@ def test_a_hashed_categorical_named_like_a_derived_table_writes_no_file_and_is_k
     s = parse_schema({"label": "y", "dense": [{"name": "pop", "count_of": "item"}],
                       "categorical": ["item", {"name": "count_pop", "hash": 10}]})
     assert [c.name for c in s.categorical] == ["item", "count_pop"]
+
+
+
+@pytest.mark.parametrize("year", [{"transform": "log1p"}, {"transform": "log1p", "fill": "mean"},
+                                  {"extract": {"column": "title", "pattern": "(\\d+)"}, "transform": "log1p"}])
+def test_years_since_a_log1p_feature_is_refused(year):
+    with pytest.raises(SchemaError, match=r"schema key dense\[1\] \(age\).years_since: 'year' \(dense\[0\]\) has "
+                                          r"transform: log1p"):
+        parse_schema({"label": "y", "time": "t", "dense": [{"name": "year", **year}, {"name": "age", "years_since": "year"}],
+                      "categorical": ["u"]})

@@ -10,7 +10,8 @@
   exports, and looked up in pass 2, ``predict`` and ``serve``.
 * ``years_since: FEATURE``: the UTC calendar year of the row's ``time`` (Unix seconds, or an ISO
   8601 time) minus the value of the dense feature ``FEATURE`` (a year) after its ``fill`` and
-  before its ``standardize``, e.g. a film's age when it was rated.
+  before its ``standardize`` (the schema refuses one whose ``transform`` is ``log1p``), e.g. a
+  film's age when it was rated.
 
 ``fill: mean`` (any dense feature read or extracted): a missing value takes the mean of the train
 split's present values (after ``log1p`` when that is the transform); with ``standardize`` it

@@ -42,7 +42,8 @@ import os
 import re
 from typing import Any
 
-from dlrmctl.data.logs.schema_keys import KeyChecker, SchemaError, kind_of, many_keys, one_writer_per_file, split_kwargs
+from dlrmctl.data.logs.schema_keys import (KeyChecker, SchemaError, derived_sources, kind_of, many_keys,
+                                           one_writer_per_file, split_kwargs)
 
 __all__ = ["CategoricalSpec", "DenseSpec", "JoinSpec", "LabelSpec", "LogSchema", "SchemaError", "SplitSpec", "load_schema",
            "parse_schema"]
@@ -458,16 +459,7 @@ def parse_schema(raw: Any, source: str = "<schema>") -> LogSchema:
         if j.key in s.joined_columns():
             raise v.fail(f"join[{i}] ({j.path}).key", f"'{j.key}' is a column another side table brings; join on a "
                                                      "column of the input")
-    by_name = {c.name: c for c in cats}
-    for i, x in enumerate(dense):
-        p = f"dense[{i}] ({x.name})"
-        c = by_name.get(x.count_of) if x.count_of else None
-        if x.count_of and (c is None or c.mode == "hash" or c.multi):
-            raise v.fail(f"{p}.count_of", f"'{x.count_of}' is not a one-valued categorical with `vocab` or `ids: raw` "
-                         "(the columns whose train values are counted)")
-        if x.years_since and (not s.time or x.years_since not in [y.name for y in dense[:i] if y.extract or not y.derived]):
-            raise v.fail(f"{p}.years_since", f"expected a dense feature read or extracted before this one (a year), and "
-                         f"the `time:` column; got '{x.years_since}'" + ("" if s.time else " and no `time:`"))
+    derived_sources(v, s)
     for i, j in enumerate(s.join):
         if j.many and j.many["group"] and (not s.split or j.many["group"] != s.split.group):
             raise v.fail(f"join[{i}] ({j.path}).many.group", f"expected the split's group "

@@ -7,7 +7,7 @@ from typing import Any
 
 from dlrmctl.errors import UserError
 
-__all__ = ["KeyChecker", "SchemaError", "kind_of", "many_keys", "one_writer_per_file", "split_kwargs"]
+__all__ = ["KeyChecker", "SchemaError", "derived_sources", "kind_of", "many_keys", "one_writer_per_file", "split_kwargs"]
 
 
 class SchemaError(ValueError, UserError):
@@ -139,3 +139,30 @@ def one_writer_per_file(v: KeyChecker, s: Any) -> None:
         if f.casefold() in seen:
             raise v.fail(path, f"its table {f} is also the table of {seen[f.casefold()]}; rename one of them")
         seen[f.casefold()] = path
+
+
+def derived_sources(v: KeyChecker, s: Any) -> None:
+    """Check what the derived dense features of the schema ``s`` (a ``LogSchema``) read:
+    ``count_of`` a one-valued ``vocab`` / ``ids: raw`` categorical; ``years_since`` an earlier
+    dense feature read or extracted (a year) whose transform is not ``log1p`` (the year is taken
+    after its ``fill``, and a ``fill: mean`` of a ``log1p`` feature is a mean of logs), and the
+    ``time:`` column.
+
+    Raises:
+        SchemaError: names ``dense[i] (name).count_of`` / ``.years_since``.
+    """
+    by_name = {c.name: c for c in s.categorical}
+    for i, x in enumerate(s.dense):
+        p = f"dense[{i}] ({x.name})"
+        c = by_name.get(x.count_of) if x.count_of else None
+        if x.count_of and (c is None or c.mode == "hash" or c.multi):
+            raise v.fail(f"{p}.count_of", f"'{x.count_of}' is not a one-valued categorical with `vocab` or `ids: raw` "
+                         "(the columns whose train values are counted)")
+        src = {y.name: (k, y) for k, y in enumerate(s.dense[:i]) if y.extract or not y.derived}.get(x.years_since)
+        if x.years_since and (not s.time or src is None):
+            raise v.fail(f"{p}.years_since", f"expected a dense feature read or extracted before this one (a year), and "
+                         f"the `time:` column; got '{x.years_since}'" + ("" if s.time else " and no `time:`"))
+        if x.years_since and src[1].transform == "log1p":
+            raise v.fail(f"{p}.years_since", f"'{x.years_since}' (dense[{src[0]}]) has transform: log1p, so it holds "
+                         "log(year + 1), not a year; give it transform: none or standardize (the year is taken before "
+                         "standardize)")
