@@ -136,3 +136,17 @@ def test_years_since_a_log1p_feature_is_refused(year):
                                           r"transform: log1p"):
         parse_schema({"label": "y", "time": "t", "dense": [{"name": "year", **year}, {"name": "age", "years_since": "year"}],
                       "categorical": ["u"]})
+
+
+def test_a_hex_categorical_that_is_also_an_extract_column_is_read_as_text_for_both(tmp_path):
+    (tmp_path / "log.csv").write_text("y,c\n" + "".join(f"{k % 2},{v}\n" for k, v in enumerate(
+        ["0000001a", "00000022", "0000003f", "", "00000100"] * 4)))
+    (tmp_path / "s.yaml").write_text("label: y\ndense:\n  - {name: n, extract: {column: c, pattern: '^([0-9]+)'}}\n"
+                                     "categorical:\n  - {name: c, parse: hex, hash: 1000}\n")
+    out = tmp_path / "o"
+    preprocess_logs(load_schema(tmp_path / "s.yaml"), tmp_path / "log.csv", out, LogOptions(), progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert sum(meta["splits"][s]["rows"] for s in ("train", "val", "test")) == 20
+    dense, got, _labels = next(RawTransformer(meta, out).file(tmp_path / "log.csv"))
+    assert np.asarray(dense)[:5, 0].tolist() == [1.0, 22.0, 3.0, 0.0, 100.0]
+    assert np.asarray(got)[:5, 0].tolist() == [0x1a % 999, 0x22 % 999, 0x3f % 999, 999, 0x100 % 999]

@@ -357,10 +357,10 @@ def _jsonl(path: str | os.PathLike, used: list[str], on_bad_line: str, block_siz
 
 
 def _shared_columns(schema: LogSchema) -> set[str]:
-    """Columns read by a second role besides their feature: the split's group and tiebreak and the
-    join keys (the schema allows one role otherwise)."""
+    """Columns read by a second role besides their feature: the split's group and tiebreak, the
+    join keys and the text columns of ``extract`` features (the schema allows one role otherwise)."""
     return {c for c in ((schema.split.group, schema.split.tiebreak) if schema.split else ()) if c} | \
-        {j.key for j in schema.join}
+        {j.key for j in schema.join} | {d.extract[0] for d in schema.dense if d.extract}
 
 
 def _hex_columns(schema: LogSchema) -> set[str]:
@@ -372,7 +372,7 @@ def _hex_columns(schema: LogSchema) -> set[str]:
 def _number_columns(schema: LogSchema) -> set[str]:
     """The dense columns that no other role reads: the CSV reader converts them to float64 itself
     (a missing value: null), instead of handing on text that is then cast."""
-    shared = _shared_columns(schema) | {d.extract[0] for d in schema.dense if d.extract}  # (text to search)
+    shared = _shared_columns(schema)
     read = set(schema.used_columns())  # (not the columns a side table brings)
     return {d.name for d in schema.dense if not d.derived and d.name not in shared and d.name in read}
 
