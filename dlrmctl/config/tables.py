@@ -28,14 +28,42 @@ def weighted_features(cfg: ExperimentConfig, meta: dict | None = None) -> list[s
     return out
 
 
-def recorded_weighted_features(cfg: ExperimentConfig, recorded: list[str] | None) -> list[str]:
-    """The weighted features of a trained run: ``recorded`` (the ``weighted_features`` list its
-    checkpoint's meta.json holds) when it is there; else, for a checkpoint written before that list
-    was recorded, the resolution of that time: the features of ``model.tables``' ``weighted: true``
-    tables, none for tables derived from the data (meta.json's ``"weighted"`` marks were not read
-    then, so such a run trained unweighted).
+def recorded_weighted_features(cfg: ExperimentConfig, recorded: list[str] | None, meta: dict | None = None,
+                               source: str = "the checkpoint's meta.json") -> list[str]:
+    """The weighted features of a trained run, in order (empty: it trained unweighted).
+
+    * ``recorded`` (the ``weighted_features`` list its checkpoint's meta.json holds) when it is
+      there: that list.
+    * No record (checkpoints written before it was kept), hand-written ``model.tables``: the
+      features of its ``weighted: true`` tables (that key was always read).
+    * No record, tables derived from the data, ``meta`` (the run's data meta.json) marking no
+      sparse feature ``"weighted": true``: none.
+    * No record, tables derived from the data, ``meta`` marking features weighted: ambiguous.
+      Such runs were trained unweighted by the versions that ignored meta.json's marks and
+      weighted by the later ones that read them before the record was written; nothing else in a
+      checkpoint tells the two apart, so this refuses rather than guess.
+
+    Args:
+        source: the checkpoint meta.json's path, named in the error.
+
+    Raises:
+        ConfigError: the ambiguous case; names ``source``, the marked features and the two
+            records to add (``docs/checkpoints.md#weighted-features-of-older-checkpoints``).
     """
-    return list(recorded) if recorded is not None else weighted_features(cfg, None)
+    if recorded is not None:
+        return list(recorded)
+    if cfg.model.tables:
+        return weighted_features(cfg, None)
+    marked = weighted_features(cfg, meta)
+    if not marked:
+        return []
+    names = ", ".join(f'"{n}"' for n in marked)
+    raise ConfigError(
+        f"{source}: no \"weighted_features\" record, the tables are derived from the data and its meta.json "
+        f"marks {names} weighted: the checkpoint does not say whether the run trained with their per-id weights; "
+        f"add \"weighted_features\": [{names}] (trained weighted) or \"weighted_features\": [] (unweighted) "
+        "to that file (see docs/checkpoints.md, 'Weighted features of older checkpoints')"
+    )
 
 
 def meta_as_trained(meta: dict, weighted: list[str]) -> dict:

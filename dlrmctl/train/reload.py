@@ -55,6 +55,8 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
     Raises:
         CheckpointError / TrainError: no config, meta or checkpoint in ``run_dir``; tables that
             differ from the checkpoint's.
+        ConfigError: a checkpoint without a ``weighted_features`` record whose weighting cannot
+            be told (:func:`dlrmctl.config.recorded_weighted_features`).
     """
     from dlrmctl.train.factory import materialize_model
 
@@ -66,8 +68,9 @@ def load_trained_model_with_checkpoint(run_dir: str, device: str = "cpu", comput
         meta = json.load(f)
     path, _ = ckpt.resolve_checkpoint(run_dir, checkpoint)
     cmeta = ckpt.load_checkpoint_meta(path)
-    # the weighted features the run trained with (absent from older checkpoints: their resolution then)
-    cmeta["weighted_features"] = recorded_weighted_features(cfg, cmeta.get("weighted_features"))
+    # the weighted features the run trained with (older checkpoints lack the record: refused where ambiguous)
+    cmeta["weighted_features"] = recorded_weighted_features(cfg, cmeta.get("weighted_features"), meta,
+                                                            os.path.join(path, "meta.json"))
     # the fp32 view of the tables whatever model.embedding_precision trained them in (fp16 weights
     # widen exactly): what evaluation, prediction and export (which quantizes from fp32) start from
     tables = [dataclasses.replace(t, data_type=DataType.FP32) for t in resolve_tables(cfg, meta)]

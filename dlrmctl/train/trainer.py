@@ -89,6 +89,8 @@ class Trainer:
 
     Raises:
         TrainError: missing data (names the path and the command to create it).
+        ConfigError: resuming a checkpoint without a ``weighted_features`` record whose weighting
+            cannot be told (:func:`dlrmctl.config.recorded_weighted_features`).
     """
 
     def __init__(self, cfg: ExperimentConfig, env: RunEnv, run_dir: str, resume: bool = False, plan: Any = None,
@@ -112,7 +114,8 @@ class Trainer:
         resume_from = resolve_resume(run_dir, checkpoint) if resume else None
         if resume_from is not None:  # the weighted features the run trained with, not today's resolution
             self.meta = meta_as_trained(self.meta, recorded_weighted_features(
-                cfg, load_checkpoint_meta(resume_from.path).get("weighted_features")))
+                cfg, load_checkpoint_meta(resume_from.path).get("weighted_features"), self.meta,
+                os.path.join(resume_from.path, "meta.json")))
         self.tables = resolve_tables(cfg, self.meta)
         self.num_dense = len(self.meta["dense_features"])
         # ids are range-checked by the loader on the CPU batch (no device reads in the step)

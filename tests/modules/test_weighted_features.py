@@ -580,16 +580,19 @@ def test_cpp_input_file_carries_the_weights(tmp_path):
         write_cpp_input(tmp_path / "x.bin", dense, values, lengths, weights[:1])
 
 
-def test_a_run_from_before_the_weighted_record_reloads_resumes_and_exports_as_it_trained(data, tmp_path):
+def test_a_run_from_before_the_weighted_record_is_refused_until_the_record_says_how_it_trained(data, tmp_path):
     """Each checkpoint's meta.json records the resolved weighted features.  A checkpoint written
-    before that record, of tables derived from the data, trained unweighted (meta.json's marks were
-    not read then) although meta.json marks f0 weighted: evaluate, export and resume build it
-    unweighted (the weighted model would pool f0's bags with their weights: other scores)."""
+    before that record, of tables derived from the data while meta.json marks f0 weighted, may have
+    trained either way (older versions ignored the mark, later ones read it): evaluate, export and
+    resume refuse it, naming the file and f0.  With the record added by hand they build the model
+    it names: ``[]`` unweighted (the weighted model would pool f0's bags with their weights: other
+    scores), ``["f0"]`` weighted."""
     import glob
     import json
 
     import yaml
 
+    from dlrmctl.config import ConfigError
     from dlrmctl.inference.export import export_run
     from dlrmctl.train.checkpoint import load_checkpoint_meta
     from dlrmctl.train.reload import evaluate_run
@@ -599,6 +602,7 @@ def test_a_run_from_before_the_weighted_record_reloads_resumes_and_exports_as_it
     derived["model"]["tables"], derived["model"]["embedding_dim"] = [], 4  # t_f0 (meta.json: weighted), t_f1
     _trainer(None, derived).train()
     assert [load_checkpoint_meta(p)["weighted_features"] for p in glob.glob(f"{runs}/d/checkpoints/step_*")] == [["f0"]]
+    want_weighted = evaluate_run(f"{runs}/d", "val")
 
     # an old run: the tables derivation gave (t_f0 4 x 4, t_f1 3 x 4), unweighted
     raw = _cfg_dict(data, runs, "old", max_steps=6)
@@ -607,21 +611,39 @@ def test_a_run_from_before_the_weighted_record_reloads_resumes_and_exports_as_it
     _trainer(None, raw).train()
     run = f"{runs}/old"
     want = evaluate_run(run, "val")
-    ckpts = glob.glob(f"{run}/checkpoints/step_*/meta.json")
-    assert ckpts
-    for p in ckpts:  # as written before the record
-        m = json.load(open(p))
-        assert m.pop("weighted_features") == []
-        json.dump(m, open(p, "w"))
+
+    def set_record(run_dir, record):  # as written before the record (None), or with the record a user adds
+        ps = glob.glob(f"{run_dir}/checkpoints/step_*/meta.json")
+        assert ps
+        for p in ps:
+            m = json.load(open(p))
+            m.pop("weighted_features", None)
+            json.dump(m if record is None else dict(m, weighted_features=record), open(p, "w"))
+        return ps
+
+    set_record(run, None)
     cfg = yaml.safe_load(open(f"{run}/config.yaml"))
     cfg["model"]["tables"], cfg["model"]["embedding_dim"] = [], 4  # as derived from the data
     yaml.safe_dump(cfg, open(f"{run}/config.yaml", "w"))
 
+    old = dict(derived, name="old", train=dict(derived["train"], max_steps=8))
+    for refused in (lambda: evaluate_run(run, "val"), lambda: export_run(run, "fp32", tmp_path / "x"),
+                    lambda: _trainer(None, old, resume=True)):
+        with pytest.raises(ConfigError, match=rf'^{run}/checkpoints/step_\d+/meta.json: no "weighted_features" record.*marks "f0" weighted'):
+            refused()
+    assert not (tmp_path / "x").exists()
+
+    set_record(run, [])  # "trained unweighted"
     got = evaluate_run(run, "val")
     assert got["logloss"] == want["logloss"] and got["auc"] == want["auc"]
     assert export_run(run, "fp32", tmp_path / "m").manifest["weighted_features"] == []
-    old = dict(derived, name="old", train=dict(derived["train"], max_steps=8))
     t = _trainer(None, old, resume=True)
     assert t.step == 6 and not t.weighted and not t.model.sparse_arch.is_weighted()
     t.train()
     assert load_checkpoint_meta(f"{run}/checkpoints/step_00000008")["weighted_features"] == []
+
+    set_record(f"{runs}/d", None)  # the weighted run without its record: refused, then read as "f0"
+    with pytest.raises(ConfigError, match='marks "f0" weighted'):
+        evaluate_run(f"{runs}/d", "val")
+    set_record(f"{runs}/d", ["f0"])
+    assert evaluate_run(f"{runs}/d", "val") == want_weighted

@@ -100,7 +100,7 @@ class Checkpointer:
         of this step).  Returns the checkpoint directory."""
         best = self.keeps(new_best)
         extra = checkpoint_meta(self.model, self.plan, self.optimizers)
-        # what a reload builds the model with (dlrmctl.config.recorded_weighted_features: none recorded, none derived)
+        # what a reload builds the model with (read by dlrmctl.config.recorded_weighted_features)
         extra["weighted_features"] = self.weighted_features
         # what the run trained in (a resume may change any of them: tables are cast on load)
         extra["precision"] = {"train": self.cfg.train.precision, "embedding": self.cfg.model.embedding_precision,
