@@ -150,3 +150,20 @@ def test_a_hex_categorical_that_is_also_an_extract_column_is_read_as_text_for_bo
     dense, got, _labels = next(RawTransformer(meta, out).file(tmp_path / "log.csv"))
     assert np.asarray(dense)[:5, 0].tolist() == [1.0, 22.0, 3.0, 0.0, 100.0]
     assert np.asarray(got)[:5, 0].tolist() == [0x1a % 999, 0x22 % 999, 0x3f % 999, 999, 0x100 % 999]
+
+
+def test_an_extract_match_that_is_not_a_number_is_a_bad_row_named_by_its_line_or_skipped(tmp_path):
+    from tests.conftest import one_error_line
+
+    rows = [f"{k % 2},v{k}.5" for k in range(30)]
+    rows[23] = "1,vab"  # line 25 of the file (after the header)
+    rows[5] = "0,w7"  # no match: a missing value
+    (tmp_path / "s.yaml").write_text("label: y\ndense:\n  - {name: n, extract: {column: x, pattern: '^v(.*)$'}}\n"
+                                     "categorical:\n  - {name: c, hash: 10}\n")
+    (tmp_path / "log.csv").write_text("y,x,c\n" + "\n".join(r + ",a" for r in rows) + "\n")
+    one_error_line(["preprocess", "logs", "--schema", tmp_path / "s.yaml", "--input", tmp_path / "log.csv",
+                    "--out", tmp_path / "o"], "log.csv:25", "x", "expected a number matched by the first group of "
+                   "extract.pattern of 'n', got 'ab'")
+    rep = preprocess_logs(load_schema(tmp_path / "s.yaml"), tmp_path / "log.csv", tmp_path / "s",
+                          LogOptions(on_bad_line="skip"), progress=False)
+    assert rep.bad_lines == 1 and sum(rep.rows.values()) == 29

@@ -1,8 +1,9 @@
 """Dense features a schema derives instead of reading a number column (``dense[]`` keys):
 
 * ``extract: {column, pattern}``: the number matched by the regex's first group in a text column
-  (e.g. a film's year at the end of its title: ``'\\((\\d{4})\\)\\s*$'``); no match, or a missing
-  value, is a missing value (``fill``).  Computed per row, in every pass.
+  (e.g. a film's year at the end of its title: ``'\\((\\d{4})\\)\\s*$'``); no match, an empty
+  match or a missing value is a missing value (``fill``); a match that is not a number is a bad
+  row (named by its ``file:line``, or skipped and counted).  Computed per row, in every pass.
 * ``count_of: COLUMN``: the number of TRAIN rows whose one-valued ``vocab`` / ``ids: raw``
   categorical ``COLUMN`` has this row's value (0 for a value without one), e.g. an item's
   popularity (NVTabular's ``JoinGroupby`` count on the train split).  Pass 1's train counts are
@@ -30,17 +31,30 @@ import pyarrow.ipc as ipc
 
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.vocab import merge_counts
+from dlrmctl.data.logs.bad_rows import bad_rows
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import DenseSpec, LogSchema
 
-__all__ = ["CountTable", "count_paths", "extracted", "finish_dense", "write_count_tables"]
+__all__ = ["NUMBER", "CountTable", "count_paths", "extracted", "finish_dense", "write_count_tables"]
 
 
-def extracted(batch: RowBatch, spec: DenseSpec) -> tuple[np.ndarray, np.ndarray]:
+#: a number as text (spaces and tabs around it are trimmed first): what a dense field and an
+#: ``extract`` group must hold
+NUMBER = r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$"
+
+
+def extracted(batch: RowBatch, spec: DenseSpec, drop: np.ndarray, on_bad_line: str) -> tuple[np.ndarray, np.ndarray]:
     """``([n] float64 numbers, [n] bool missing)`` of an ``extract`` feature of one block.
 
+    Args:
+        batch: the block; ``spec``: the feature.
+        drop: ``[n]`` bool, rows already bad; rows whose match is not a number are added
+            (``on_bad_line='skip'``, :func:`dlrmctl.data.logs.bad_rows.bad_rows`).
+
     Raises:
-        DataError: the column is not text (names the first row and the column).
+        DataError: the column is not text (names the first row and the column); a match that is
+            not a number (:data:`NUMBER`) with ``on_bad_line='error'`` (names its ``file:line``,
+            the column and the matched text).
     """
     column, pattern = spec.extract
     col = batch.columns[column]
@@ -64,13 +78,17 @@ def extracted(batch: RowBatch, spec: DenseSpec) -> tuple[np.ndarray, np.ndarray]
         texts = col.to_pylist()
         nums = [(m.group(1) if m else None) for m in (rx.search(t) if t is not None else None for t in texts)]
         got = pa.array(nums, pa.string())
-    try:
-        x = pc.cast(got, pa.float64()) if len(got) else pa.array([], pa.float64())
-    except pa.ArrowInvalid as e:
-        raise batch.error(0, column, f"the first group of extract.pattern of '{spec.name}' must match a number: "
-                                     f"{e}") from None
+    if not len(got):
+        return np.zeros(0), np.zeros(0, bool)
+    text = pc.utf8_trim(got, " \t")
+    empty = pc.fill_null(pc.equal(text, ""), False).to_numpy(zero_copy_only=False)  # (an empty group: missing)
+    ok = pc.fill_null(pc.match_substring_regex(text, NUMBER), True).to_numpy(zero_copy_only=False) | empty
+    drop |= bad_rows(batch, ~ok & ~drop, column, f"a number matched by the first group of extract.pattern of "
+                     f"'{spec.name}'", got, on_bad_line)
+    x = pc.cast(pc.if_else(pa.array(ok & ~empty), text, pa.scalar(None, pa.string())), pa.float64())
     missing = x.is_null().to_numpy(zero_copy_only=False)
-    return pc.fill_null(x, 0.0).to_numpy(zero_copy_only=False).astype(np.float64), missing
+    v = pc.fill_null(x, 0.0).to_numpy(zero_copy_only=False).astype(np.float64)
+    return np.where(np.isfinite(v), v, 0.0), missing  # (a number of over 308 digits: inf; kept finite)
 
 
 def _named_first_group(pattern: str) -> str | None:

@@ -35,7 +35,7 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parse import non_finite_hint
 from dlrmctl.data.ids import hash_buckets, raw_ids
 from dlrmctl.data.logs.bad_rows import bad_rows
-from dlrmctl.data.logs.derived import extracted
+from dlrmctl.data.logs.derived import NUMBER, extracted
 from dlrmctl.data.logs.join import join_columns
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
@@ -43,9 +43,6 @@ from dlrmctl.data.logs.vocab_lookup import VocabLookup
 from dlrmctl.data.logs.split import split_keys
 
 __all__ = ["CategoricalValues", "Decoded", "VocabLookup", "decode", "dense_values", "ids_of"]
-
-_NUMBER = r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$"
-
 
 @dataclasses.dataclass
 class CategoricalValues:
@@ -115,7 +112,7 @@ def _numbers(batch: RowBatch, name: str, drop: np.ndarray, on_bad_line: str, wha
             empty = pc.fill_null(pc.equal(col, ""), False).to_numpy(zero_copy_only=False)
             missing = missing | empty
             text = pc.utf8_trim(col, " \t")  # spaces and tabs around a number, as the CSV reader's numbers
-            ok = pc.fill_null(pc.match_substring_regex(text, _NUMBER), True).to_numpy(zero_copy_only=False) | empty
+            ok = pc.fill_null(pc.match_substring_regex(text, NUMBER), True).to_numpy(zero_copy_only=False) | empty
             drop |= bad_rows(batch, ~ok & ~drop, name, what, col, on_bad_line)
             x = pc.cast(pc.if_else(pa.array(ok & ~empty), text, pa.scalar("0")), pa.float64())
     elif pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t) or pa.types.is_null(t):
@@ -403,7 +400,7 @@ def decode(batch: RowBatch, schema: LogSchema, on_bad_line: str, scoring: bool =
         x = None if d.derived or d.fill == "mean" else _filled_numbers(batch, d.name, d.fill)
         if x is None:  # derived, or a value that does not parse, NaN or inf: found and named (or its row dropped)
             if d.derived:  # (count_of, years_since: set by derived.finish_dense in pass 2)
-                x, missing = extracted(batch, d) if d.extract else (np.zeros(n), np.zeros(n, bool))
+                x, missing = extracted(batch, d, drop, on_bad_line) if d.extract else (np.zeros(n), np.zeros(n, bool))
             else:
                 x, missing = _numbers(batch, d.name, drop, on_bad_line)
             x = np.where(missing, np.nan if d.fill == "mean" else d.fill, x)
