@@ -1,12 +1,11 @@
 """The AOTInductor package (``export --aot``): the compile's rewrite of the pairwise dots keeps the
-program's scores, and the compiled package scores as the ``.pt2`` program at every precision."""
-
-import copy
+program's scores on a copy sharing the program's tensors, and the compiled package scores as the
+``.pt2`` program at every precision."""
 
 import pytest
 import torch
 
-from dlrmctl.inference.formats.aoti import fused_pair_dots
+from dlrmctl.inference.formats.aoti import copy_sharing_tensors, fused_pair_dots
 from tests.inference.test_export_pt2 import QUANT_LOGIT_BOUND, example_inputs, example_model, mixed_inputs, mixed_model
 
 
@@ -26,10 +25,18 @@ def _bmm_of_own_transpose(gm):
 def test_the_pair_dots_rewrite_drops_the_square_product_and_keeps_the_scores(tmp_path, weighted):
     """Mixed widths, two width groups, a feature in two tables, mean pooling, the first-order
     term: the rewritten graph has no ``bmm(T, T^T)`` and scores as the saved program (1e-6,
-    float32 summation order), at B = 1 and 64; the saved program is left as it was."""
+    float32 summation order), at B = 1 and 64; the saved program is left as it was.  The compile's
+    copy shares every weight of the program (no table copied), the graph alone is its own."""
     ep = _program(tmp_path, mixed_model(weighted), wf=["f0", "f3"] if weighted else None)
     assert len(_bmm_of_own_transpose(ep.graph_module)) == 1
-    rewritten = copy.deepcopy(ep)
+    rewritten = copy_sharing_tensors(ep)
+    assert rewritten.graph_module is not ep.graph_module and rewritten.graph is not ep.graph
+    for mine, theirs in ((ep.state_dict, rewritten.state_dict), (ep.constants, rewritten.constants)):
+        tensors = {k: v for k, v in mine.items() if isinstance(v, torch.Tensor)}
+        assert tensors.keys() == {k for k, v in theirs.items() if isinstance(v, torch.Tensor)}
+        assert all(theirs[k].data_ptr() == v.data_ptr() and theirs[k] is v for k, v in tensors.items())
+    assert sum(v.numel() for v in ep.state_dict.values()) + sum(
+        v.numel() for v in ep.constants.values() if isinstance(v, torch.Tensor)) > 0  # there is something to share
     assert fused_pair_dots(rewritten.graph_module) == 1
     assert _bmm_of_own_transpose(rewritten.graph_module) == [] and len(_bmm_of_own_transpose(ep.graph_module)) == 1
     assert fused_pair_dots(rewritten.graph_module) == 0  # nothing left to rewrite

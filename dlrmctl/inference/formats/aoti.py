@@ -69,14 +69,12 @@ class AotiFormat(ProgramFormat):
         if shutil.which("c++") is None and shutil.which("g++") is None:
             raise ExportError("--aot compiles C++ with the system compiler; none found (install g++), or export "
                               "without --aot")
-        import copy
-
         import torch._inductor
 
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                program = copy.deepcopy(program)  # the caller's program stays as saved
+                program = copy_sharing_tensors(program)  # the caller's graph stays as saved; no weight copied
                 fused_pair_dots(program.graph_module)
                 torch._inductor.aoti_compile_and_package(program, package_path=str(path),
                                                          inductor_configs=dict(INDUCTOR_CONFIG))
@@ -94,6 +92,21 @@ class AotiFormat(ProgramFormat):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return torch._inductor.aoti_load_package(str(path))
+
+
+def copy_sharing_tensors(program: Any) -> Any:
+    """A deep copy of the ExportedProgram ``program`` whose graph can be rewritten without touching
+    ``program``'s, sharing its tensors: every tensor of ``state_dict`` and ``constants`` and every
+    parameter, buffer or tensor attribute of its ``graph_module`` is the same object in the copy
+    (same storage; a plain ``copy.deepcopy`` duplicates each table, doubling an export's peak
+    memory).  The copy must not write to them; the compile only reads them."""
+    import copy
+
+    gm = program.graph_module
+    shared = [*program.state_dict.values(), *program.constants.values(), *gm.parameters(), *gm.buffers(),
+              *(v for v in vars(gm).values() if isinstance(v, torch.Tensor))]
+    memo = {id(v): v for v in shared}
+    return copy.deepcopy(program, memo)
 
 
 def fused_pair_dots(gm: torch.fx.GraphModule) -> int:
