@@ -143,3 +143,30 @@ def test_a_schema_without_the_new_keys_records_what_it_recorded_before():
     assert "order" not in d["categorical"][0] and "oov" not in d["categorical"][0]
     assert d["categorical"][1]["order"] == "value"
     assert type(s).from_dict(d).categorical == s.categorical
+
+
+@pytest.mark.parametrize("vocab,multi,want,not_want", [
+    ({"min_count": 2}, False, ["min_count", "descending train count", "oov_id = V"], ["sorted values", "bad row"]),
+    ({"order": "value"}, False, ["min_count", "sorted values", "oov_id = V"], ["descending"]),
+    ({"oov": "error"}, False, ["descending train count", "bad row"], ["oov_id = V", "V + 1"]),
+    ({"from": "join"}, False, ["every key of the joined side table", "descending train rows", "oov_id = V"],
+     ["min_count"]),
+    ({"from": "join", "order": "value", "oov": "error"}, False, ["every key", "sorted values", "bad row"],
+     ["min_count", "descending", "oov_id = V", "V + 1"]),
+    ({"from": "join", "oov": "error"}, True, ["kept", "descending counted events", "bad row"],
+     ["min_count", "train count", "oov_id = V"]),
+])
+def test_the_vocabulary_formula_in_meta_is_built_from_the_column_s_rules(vocab, multi, want, not_want):
+    from dlrmctl.data.logs.vocab_rules import describe
+
+    join = {"path": "t.csv", "key": "item", "columns": ["tag"], **({"many": {}} if multi else {})}
+    s = parse_schema({"label": "y", "join": [join], "categorical": [
+        {"name": "item", **({} if multi else {"vocab": vocab})},
+        {"name": "tag", "multi": True, **({"vocab": vocab} if multi else {})}]})
+    d = describe(s.categorical[1 if multi else 0])
+    text = " ".join(f"{k}: {v}" for k, v in d.items())
+    assert d["mode"] == "vocab" and ("min_count" in d) == (vocab.get("from") != "join")
+    for w in want:
+        assert w in text, (w, d)
+    for w in not_want:
+        assert w not in text, (w, d)

@@ -59,12 +59,10 @@ def dataset_meta(schema: LogSchema, o: LogOptions, files: list[Path], st: dict, 
             e["weighted"] = True
         sparse.append(e)
         tr_sparse[c.name] = {
-            "vocab": {"mode": "vocab", "min_count": c.min_count, "built_on": "train split",
-                      "formula": "id = rank by descending train count (ties by key) for count >= min_count; "
-                                 "rarer/unseen -> oov_id = V; missing -> V + 1"},
+            "vocab": describe(c) if c.mode == "vocab" else {},
             "hash": {"mode": "hash", "buckets": c.buckets, "formula": "id = raw_id mod buckets (missing -> 0)"},
             "raw": {"mode": "raw", "formula": "id = raw_id (missing -> 0)"},
-        }[c.mode] | (describe(c) if c.mode == "vocab" else {}) | {"key": "int(s, 16) of 8 hex digits" if c.parse == "hex" else
+        }[c.mode] | {"key": "int(s, 16) of 8 hex digits" if c.parse == "hex" else
                      "raw_id = FNV-1a-64 of the UTF-8 text & (2^63 - 1) (dlrmctl.data.ids)"}
     split = ({"mode": "unlabelled", "test": "all rows"} if not labelled else
              {"mode": "time", "column": schema.time, "val_ratio": o.val_ratio, "test_ratio": o.test_ratio,

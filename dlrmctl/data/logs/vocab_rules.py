@@ -223,12 +223,27 @@ def outside_vocabulary(spec: CategoricalSpec, ids: np.ndarray, lengths: np.ndarr
 
 
 def describe(spec: CategoricalSpec) -> dict:
-    """meta.json's words for a ``vocab`` column's ``order`` / ``from`` / ``oov`` (only those set)."""
-    out: dict[str, Any] = {}
+    """meta.json's words for a ``vocab`` column (``transforms.sparse[name]``), built from its
+    rules: where the values come from (``min_count`` only for the train split's), the id order, and
+    what an out-of-vocabulary or missing value becomes; ``from`` / ``order`` / ``oov`` repeat the
+    rules that differ from the defaults."""
+    bag = spec.vocab_from == "join" and spec.multi  # (schema: a `from: join` bag is multi, a key is not)
+    out: dict[str, Any] = {"mode": "vocab"}
     if spec.vocab_from == "join":
-        out["from"] = "every key of the joined side table (count: its train rows)"
+        out["built_on"] = "the values the `many` side table kept" if bag else "every key of the joined side table"
+        values, count = out["built_on"], "counted events" if bag else "train rows"
+    else:
+        out.update(min_count=spec.min_count, built_on="train split")
+        values, count = "the values with train count >= min_count", "train count"
+    order = ("rank of the value among the sorted values (integers numerically, else by text)" if spec.order == "value"
+             else f"rank by descending {count} (ties by key)")
+    fate = ("a value outside it, or missing, is a bad row (no oov_id or missing_id)" if spec.oov == "error" else
+            "any other value -> oov_id = V; missing -> V + 1")
+    out["formula"] = f"over {values} (V of them): id = {order}; {fate}"
+    if spec.vocab_from == "join":
+        out["from"] = out["built_on"] + f" (count: its {count})"
     if spec.order == "value":
-        out["order"] = "id = rank of the value among the sorted values (integers numerically, else by text)"
+        out["order"] = f"id = {order}"
     if spec.oov == "error":
         out["oov"] = "no out-of-vocabulary or missing row: such a value is a bad row"
     return out
