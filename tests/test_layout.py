@@ -185,6 +185,41 @@ def test_docs_layout_names_every_module_of_the_package():
     assert not missing, f"docs/layout.md does not name: {missing}"
 
 
+def named_but_missing(text: str, root: Path) -> list[str]:
+    """``"row: name"`` for each module docs/layout.md's ``text`` names that is not there: a row
+    ``dlrmctl/...`` whose path does not exist, or a ``x.py`` (``sub/x.py``) in the row of a
+    directory with no such file in it or in its subpackages."""
+    base = root.parent
+    bad = []
+    for head, row in layout_rows(text).items():
+        if not head.startswith(root.name + "/"):
+            continue
+        d = base / head
+        if not d.exists():
+            bad.append(f"{head}: the row's own path")
+            continue
+        for name in re.findall(r"`([\w./]+\.py)`", row) if d.is_dir() else []:
+            if not ((d / name).is_file() or (base / name).is_file() or any(d.rglob(name.split("/")[-1]))):
+                bad.append(f"{head}: {name}")
+    return bad
+
+
+def test_docs_layout_names_no_module_that_is_not_there():
+    bad = named_but_missing((REPO / "docs" / "layout.md").read_text(), REPO / "dlrmctl")
+    assert not bad, f"docs/layout.md names modules that do not exist: {bad}"
+
+
+def test_the_layout_check_finds_a_listed_module_that_is_not_there(tmp_path):
+    pkg = tmp_path / "dlrmctl"
+    (pkg / "a" / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "x.py", "a/__init__.py", "a/one.py", "a/sub/__init__.py", "a/sub/deep.py", "b.py"):
+        (pkg / f).write_text("")
+    text = ("| `dlrmctl/x.py` | x |\n| `dlrmctl/gone.py` | g |\n"
+            "| `dlrmctl/a/` | `one.py` one; `b.py` elsewhere; `sub/` (`deep.py`, `sub/deep.py`, `shallow.py`) |\n")
+    assert named_but_missing(text, pkg) == ["dlrmctl/gone.py: the row's own path", "dlrmctl/a/: b.py",
+                                            "dlrmctl/a/: shallow.py"]
+
+
 def test_docs_layout_names_every_verb():
     import typer.main
 
