@@ -78,6 +78,7 @@ def test_many_rows_per_key_become_one_bag_of_train_visible_frequent_values(tmp_p
     ({"columns": ["tag"], "many": {"min_count": 0}}, r"join\[0\] \(t.csv\).many.min_count"),
     ({"columns": ["tag"], "many": {"cap": 3}}, r"join\[0\] \(t.csv\).many.cap: unknown key"),
     ({"columns": ["tag"], "many": {"time": "at", "group": "item"}}, r"join\[0\] \(t.csv\).many.group: expected the split's"),
+    ({"columns": ["tag"], "many": {}, "missing": "error"}, r"join\[0\] \(t.csv\).missing: a `many` side table gives"),
 ])
 def test_many_keys_are_validated_by_their_path(join, path):
     with pytest.raises(SchemaError, match="schema key " + path):
@@ -110,3 +111,11 @@ def test_bags_with_one_global_time_cut_split_by_time(tmp_path, split, split_by):
     assert meta["transforms"]["split"]["val_from"] == 5 and meta["transforms"]["split"]["test_from"] == 7
     t = ipc.open_file(pa.memory_map(str(out / meta["splits"]["train"]["files"][0]))).read_all()
     assert sorted(len(b) for b in t.column("tag").to_pylist()) == [0, 1, 1, 2]  # items 11, 12, 10, 11
+
+
+
+@pytest.mark.parametrize("missing", [{}, {"missing": "empty"}])
+def test_a_many_join_without_missing_error_gives_keys_without_events_an_empty_bag(missing):
+    s = parse_schema({"label": "y", "join": [{"path": "t.csv", "key": "item", "columns": ["tag"], "many": {}, **missing}],
+                      "categorical": ["item", {"name": "tag", "multi": True}]})
+    assert s.join[0].missing == "empty"

@@ -390,6 +390,9 @@ def _joins(v: KeyChecker, x: Any) -> tuple[JoinSpec, ...]:
             raise v.fail(f"{p}.delimiter", f"expected one character, got {delim!r}")
         missing = v.choice(d.get("missing", "error"), f"{p}.missing", ("error", "empty"))
         many = many_keys(v, d["many"], f"{p}.many", cols) if d.get("many") is not None else None
+        if many is not None and missing == "error" and d.get("missing") is not None:
+            raise v.fail(f"{p}.missing", "a `many` side table gives a key without events an empty bag (missing: "
+                         "empty); drop `missing: error` or `many`")
         out.append(JoinSpec(path, on, cols, fmt, delim, "empty" if many else missing, many=many))
     return tuple(out)
 
