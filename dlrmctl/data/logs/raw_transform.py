@@ -179,8 +179,17 @@ class RawTransformer:
     def records(self, rows: list[dict], name: str = "<records>") -> Chunk:
         """Rows as dicts keyed by column name (e.g. a JSON request) -> one chunk of ``len(rows)`` rows.
 
+        Each column's values are converted by the column's role in the schema, so one column may
+        mix JSON kinds across rows: a categorical's integer is its decimal text (the key a CSV
+        input or a JSON-lines input gives it; a whole float ``12.0`` as ``12``), a dense, label or
+        time value given as text is parsed as the CSV reader parses it, and a multi-valued column
+        takes a one-id scalar as a one-element bag.  A key absent from every row is a missing value
+        (its ``fill`` / the missing id) unless the column is required at scoring: the time when a
+        ``years_since`` feature reads it and the join keys.
+
         Raises:
-            DataError: no rows, a row that is not an object, a bad value (``name:row``, column).
+            DataError: no rows, a row that is not an object, all the required columns absent (one
+                message naming each), a value that cannot be converted (``name:row``, column).
         """
         if not rows:
             raise DataError("no rows", path=name)
@@ -189,17 +198,102 @@ class RawTransformer:
                 raise DataError(f"expected an object keyed by column name, got {type(r).__name__}", path=name,
                                 line=i + 1)
         cols = list(dict.fromkeys(k for r in rows for k in r))
-        try:
-            tab = pa.Table.from_pylist(rows)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            raise DataError(f"the rows' values do not form columns: {e}", path=name) from None
         schema = self._scoring_schema(cols)
+        have = set(cols)
+        required = [c for c in schema.used_columns() if c not in have and c in _required_columns(schema)]
+        if required:
+            raise DataError(f"column(s) {', '.join(repr(c) for c in required)} named by the schema "
+                            f"{schema.source} are needed to score a row and are in no row", path=name)
+        absent = [c for c in schema.used_columns() if c not in have]  # missing values
         from dlrmctl.data.logs.read import check_columns
 
-        check_columns(name, schema, cols, scoring=True)
-        batch = RowBatch({c: tab.column(c).combine_chunks() for c in schema.used_columns()},
+        check_columns(name, schema, cols + absent, scoring=True)
+        kinds = _column_kinds(schema)
+        batch = RowBatch({c: _record_column(rows, c, kinds.get(c, "text"), name) for c in schema.used_columns()},
                          np.arange(1, len(rows) + 1, dtype=np.int64), name)
         return self._one(list(self._chunks(iter([batch]), schema, len(rows))), len(rows), name)
+
+
+def _required_columns(schema: LogSchema) -> set[str]:
+    """Columns a scored row cannot go without: the time a ``years_since`` feature reads, the join keys."""
+    out = {j.key for j in schema.join}
+    if schema.time and any(d.years_since for d in schema.dense):
+        out.add(schema.time)
+    return out
+
+
+def _column_kinds(schema: LogSchema) -> dict[str, str]:
+    """Column -> ``"id"`` (one-valued categorical), ``"ids"`` (multi-valued: ``"ids|<delimiter>"``
+    for delimited text), ``"number"`` (dense, label, weights) or ``"time"``; others are text."""
+    out: dict[str, str] = {}
+    for d in schema.dense:
+        if not (d.count_of or d.years_since or d.extract):
+            out[d.name] = "number"
+    for c in schema.categorical:
+        out[c.name] = ("ids|" + c.delimiter if c.delimiter else "ids") if c.multi else "id"
+        if c.weights:
+            out[c.weights] = "numbers|" + c.delimiter if c.delimiter else "numbers"
+    if schema.label:
+        out[schema.label.column] = "number"
+    if schema.time:
+        out[schema.time] = "time"
+    return out
+
+
+def _scalar_text(v, kind: str, name: str, row: int, column: str) -> str:
+    """A JSON number as the text a CSV input would hold for it (ids and times: whole numbers)."""
+    if isinstance(v, float) and kind in ("id", "ids", "time"):
+        if not (v == v and abs(v) < 2.0**63 and v == int(v)):
+            raise DataError(f"expected a string or an integer, got {v!r}", path=name, line=row + 1, field=column)
+        return str(int(v))
+    return str(v) if isinstance(v, int) else repr(v)
+
+
+def _record_column(rows: list[dict], column: str, kind: str, name: str) -> pa.Array:
+    """The ``[n]`` Arrow column ``column`` of JSON ``rows`` (absent or ``null``: null), its values
+    converted by ``kind`` (:func:`_column_kinds`) when the rows mix JSON kinds.
+
+    Raises:
+        DataError: a value of no convertible kind (an object, a boolean among other kinds, a list
+            in a one-valued column), naming its row and the column.
+    """
+    base, _, delim = kind.partition("|")
+    delim = delim if _ else None
+    values = [r.get(column) for r in rows]
+
+    def what(v) -> str:
+        if v is None:
+            return "null"
+        if isinstance(v, bool):
+            return "bool"
+        if isinstance(v, (int, float)):
+            return "number"
+        return {str: "text", list: "list"}.get(type(v), type(v).__name__)
+
+    seen = {what(v) for v in values} - {"null"}
+    for i, v in enumerate(values):
+        w = what(v)
+        if w not in ("null", "bool", "number", "text", "list") or (w == "list" and base not in ("ids", "numbers")) \
+                or (w == "bool" and len(seen) > 1):
+            raise DataError(f"expected {'a list, ' if base in ('ids', 'numbers') else ''}a string or a number, got "
+                            f"{'an object' if isinstance(v, dict) else repr(v) if w != 'list' else 'a list'}",
+                            path=name, line=i + 1, field=column)
+    if len(seen) > 1 or (base in ("ids", "numbers") and "list" in seen):
+        out = []
+        for i, v in enumerate(values):
+            if v is None or isinstance(v, str):
+                out.append(v if delim is not None or base not in ("ids", "numbers") or v is None else [v])
+            elif isinstance(v, list):
+                el = [x if isinstance(x, str) or x is None else _scalar_text(x, base, name, i, column) for x in v]
+                out.append(delim.join("" if x is None else x for x in el) if delim is not None else el)
+            else:
+                t = _scalar_text(v, base, name, i, column)
+                out.append(t if delim is not None or base not in ("ids", "numbers") else [t])
+        values = out
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:
+        raise DataError(f"the values do not form one column: {e}", path=name, field=column) from None
 
 
 def _json_objects(lines: list[bytes], name: str) -> list[dict]:
