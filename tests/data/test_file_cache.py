@@ -79,3 +79,80 @@ def test_a_failed_load_or_a_missing_file_keeps_nothing(tmp_path):
     assert len(cache) == 0
     with pytest.raises(ValueError, match="limit"):
         FileCache(load, limit=0)
+
+
+def test_threads_asking_for_one_file_together_load_it_once_and_share_the_value(tmp_path):
+    import threading
+    import time
+
+    f = tmp_path / "v.txt"
+    f.write_text("one")
+    loads, started = [], threading.Event()
+
+    def load(path):
+        loads.append(path.name)
+        started.set()
+        time.sleep(0.2)  # (widens the window in which the others ask: not a timing assertion)
+        return [path.read_text()]
+
+    cache = FileCache(load)
+    got, errors = [], []
+
+    def ask():
+        try:
+            got.append(cache.get(f))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    first = threading.Thread(target=ask)
+    first.start()
+    started.wait()
+    others = [threading.Thread(target=ask) for _ in range(8)]
+    for t in others:
+        t.start()
+    for t in [first, *others]:
+        t.join()
+    assert not errors and loads == ["v.txt"] and len(got) == 9 and all(g is got[0] for g in got)
+
+
+def test_threads_over_many_files_keep_the_limit_and_lose_no_value(tmp_path):
+    import threading
+
+    files = []
+    for k in range(12):
+        files.append(tmp_path / f"{k}.txt")
+        files[-1].write_text(str(k))
+    cache = FileCache(lambda p: p.read_text(), limit=3)
+    errors = []
+
+    def ask(seed):
+        try:
+            for i in range(200):
+                f = files[(seed * 7 + i) % len(files)]
+                assert cache.get(f) == f.read_text()
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=ask, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(cache) <= 3
+
+
+def test_a_failed_load_is_kept_by_no_thread_and_tried_again(tmp_path):
+    f = tmp_path / "v.txt"
+    f.write_text("one")
+    calls = []
+
+    def load(path):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("disk")
+        return path.read_text()
+
+    cache = FileCache(load)
+    with pytest.raises(OSError, match="disk"):
+        cache.get(f)
+    assert cache.get(f) == "one" and len(calls) == 2 and len(cache) == 1
