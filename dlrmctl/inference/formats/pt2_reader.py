@@ -13,8 +13,10 @@ and the same tensors (dtype, shape, strides, storage offset, bytes).
 It reads only what dlrmctl's programs use: ATen / ``quantized`` operator calls with one tensor,
 int or no output; tensors, scalars, lists, devices and dtypes as arguments; raw (unpickled) CPU
 weights and tensor constants; inputs that are parameters, buffers, tensor constants or user
-inputs; outputs that are user outputs.  Anything else (an archive of another schema major, a
-higher-order operator, a pickled tensor, a buffer mutation, ...) raises :class:`NotReadable` and
+inputs; outputs that are user outputs.  Anything else (an archive of another schema major or of
+a newer minor than the one tested, a node or tensor record with a key it does not know, a
+higher-order operator, a pickled tensor, a buffer mutation, entries of two dtypes in one stored
+file, ...) raises :class:`NotReadable`, as does any error while reading (a damaged archive), and
 the caller falls back to ``torch.export.load``.  ``tests/inference/test_pt2_reader.py`` checks the
 graph and tensors against ``torch.export.load``'s, and the scores bit for bit.
 """
@@ -36,8 +38,18 @@ __all__ = ["NotReadable", "ProgramParts", "read_program"]
 #: The ``torch.export`` serialization schema major this reader follows (``model.json``'s
 #: ``schema_version.major``; torch 2.13 writes 8.20).  Another major is read by torch.
 SCHEMA_MAJOR = 8
+#: The newest minor of :data:`SCHEMA_MAJOR` the reader was tested against (torch 2.13's).  A newer
+#: minor may add a field with a meaning: read by torch.  Older minors are read (their records hold
+#: a subset of these keys; an unknown key is refused wherever it appears below).
+SCHEMA_MINOR = 20
+#: The keys of a graph node, a weights-config entry and its ``tensor_meta`` at minor 20: any other
+#: key is a field this reader does not know the meaning of.
+_NODE_KEYS = frozenset({"target", "inputs", "outputs", "metadata", "is_hop_single_tensor_return", "name"})
+_ENTRY_KEYS = frozenset({"path_name", "is_param", "use_pickle", "tensor_meta"})
+_TENSOR_META_KEYS = frozenset({"dtype", "sizes", "requires_grad", "device", "strides", "storage_offset", "layout"})
 
-#: ``ScalarType`` codes of ``torch._export.serde.schema`` (c10's numbering) -> dtype.
+#: ``ScalarType`` codes of ``torch._export.serde.schema`` -> dtype (the serde schema's own
+#: enumeration, which is not c10's ``ScalarType`` numbering: 7 is FLOAT there, 6 in c10).
 _DTYPES = {1: torch.uint8, 2: torch.int8, 3: torch.int16, 4: torch.int32, 5: torch.int64, 6: torch.float16,
            7: torch.float32, 8: torch.float64, 12: torch.bool, 13: torch.bfloat16}
 #: ``Layout`` and ``MemoryFormat`` codes of the same schema that dlrmctl's programs can hold.
@@ -74,13 +86,17 @@ def read_program(path: str | Path) -> ProgramParts:
 
     Raises:
         NotReadable: the archive holds something this reader does not read (then load it with
-            ``torch.export.load``), or is not such an archive at all.
+            ``torch.export.load``), is not such an archive at all, or reading it failed in any way
+            (``zlib.error``, ``EOFError``, ``OSError``, ``RuntimeError`` of torch refusing a view,
+            ...: every ``Exception``, with its type in the message), so that ``torch.export.load``
+            decides what the file is and which error to give.
     """
     try:
         with zipfile.ZipFile(path) as zf:
             return _read(zf)
-    except (zipfile.BadZipFile, KeyError, ValueError, TypeError, AttributeError, IndexError, RuntimeError) as e:
-        # (RuntimeError: torch refusing a view or a graph the archive describes; torch.export.load decides)
+    except NotReadable:
+        raise
+    except Exception as e:
         raise NotReadable(f"{type(e).__name__}: {e}") from None
 
 
@@ -93,8 +109,10 @@ def _read(zf: zipfile.ZipFile) -> ProgramParts:
     if models != [root + "models/model.json"]:
         raise NotReadable(f"models {models}: one program named 'model' expected")
     prog = json.loads(zf.read(models[0]))
-    if int(prog["schema_version"]["major"]) != SCHEMA_MAJOR:
-        raise NotReadable(f"schema {prog['schema_version']}")
+    version = prog["schema_version"]
+    if int(version["major"]) != SCHEMA_MAJOR or int(version["minor"]) > SCHEMA_MINOR:
+        raise NotReadable(f"schema {version['major']}.{version['minor']} (read: {SCHEMA_MAJOR}.0 to "
+                          f"{SCHEMA_MAJOR}.{SCHEMA_MINOR})")
     weights = _payloads(zf, root + "data/weights/", "model_weights_config.json")
     constants = _payloads(zf, root + "data/constants/", "model_constants_config.json")
     gm = prog["graph_module"]
@@ -127,6 +145,8 @@ def _payloads(zf: zipfile.ZipFile, folder: str, config: str) -> dict[str, torch.
     out = {}
     for fqn, meta in entries.items():
         tm = meta["tensor_meta"]
+        _known_keys(meta, _ENTRY_KEYS, f"{fqn}: entry")
+        _known_keys(tm, _TENSOR_META_KEYS, f"{fqn}: tensor_meta")
         if meta["use_pickle"] or tm["device"]["type"] != "cpu" or tm.get("layout", 7) != 7:
             raise NotReadable(f"{fqn}: a pickled, non-CPU or non-strided tensor")
         dtype = _DTYPES.get(tm["dtype"])
@@ -143,8 +163,17 @@ def _payloads(zf: zipfile.ZipFile, folder: str, config: str) -> dict[str, torch.
                 base = base.view(dtype)
             flat[meta["path_name"]] = base
         base = flat[meta["path_name"]]
+        if base.dtype != dtype:  # torch.export.load reads each entry with its own dtype: not a view of one base
+            raise NotReadable(f"{fqn}: {dtype} in {meta['path_name']}, stored by another entry as {base.dtype}")
         out[fqn] = torch.as_strided(base, sizes, [_int(s) for s in tm["strides"]], _int(tm["storage_offset"]))
     return out
+
+
+def _known_keys(record: dict, known: frozenset, what: str) -> None:
+    """Refuse a record of ``model.json`` or a weights config with a key outside ``known``."""
+    unknown = set(record) - known
+    if unknown:
+        raise NotReadable(f"{what} has keys {sorted(unknown)} this reader does not know")
 
 
 def _read_into(zf: zipfile.ZipFile, name: str, dest: memoryview, chunk: int = 1 << 24) -> None:
@@ -213,6 +242,9 @@ class _Builder:
 
     def node(self, n: dict) -> None:
         """A ``call_function`` node of an ATen / quantized overload or a size operator."""
+        _known_keys(n, _NODE_KEYS, f"node {n.get('name')!r}")
+        if n.get("is_hop_single_tensor_return"):
+            raise NotReadable(f"node {n.get('name')!r}: a higher-order operator's return")
         target_name, outputs = n["target"], n["outputs"]
         if target_name.startswith("_operator.") and target_name.split(".", 1)[1] in _SYM_OPS:
             target: Any = getattr(operator, target_name.split(".", 1)[1])
