@@ -209,11 +209,18 @@ def test_docs_layout_names_no_module_that_is_not_there():
     assert not bad, f"docs/layout.md names modules that do not exist: {bad}"
 
 
-def test_the_layout_check_finds_a_listed_module_that_is_not_there(tmp_path):
-    pkg = tmp_path / "dlrmctl"
-    (pkg / "a" / "sub").mkdir(parents=True)
-    for f in ("__init__.py", "x.py", "a/__init__.py", "a/one.py", "a/sub/__init__.py", "a/sub/deep.py", "b.py"):
+def tiny_package(root: Path, files: tuple[str, ...]) -> Path:
+    """``root/dlrmctl`` holding the empty ``files`` (paths relative to it)."""
+    pkg = root / "dlrmctl"
+    for f in files:
+        (pkg / f).parent.mkdir(parents=True, exist_ok=True)
         (pkg / f).write_text("")
+    return pkg
+
+
+def test_the_layout_check_finds_a_listed_module_that_is_not_there(tmp_path):
+    pkg = tiny_package(tmp_path, ("__init__.py", "x.py", "a/__init__.py", "a/one.py", "a/sub/__init__.py",
+                                  "a/sub/deep.py", "b.py"))
     text = ("| `dlrmctl/x.py` | x |\n| `dlrmctl/gone.py` | g |\n"
             "| `dlrmctl/a/` | `one.py` one; `b.py` elsewhere; `sub/` (`deep.py`, `sub/deep.py`, `shallow.py`) |\n")
     assert named_but_missing(text, pkg) == ["dlrmctl/gone.py: the row's own path", "dlrmctl/a/: b.py",
@@ -239,9 +246,7 @@ def test_docs_layout_names_every_verb():
 
 
 def test_the_layout_check_finds_a_module_missing_from_its_row(tmp_path):
-    pkg = tmp_path / "dlrmctl"
-    (pkg / "a" / "sub").mkdir(parents=True)
-    for f in ("__init__.py", "x.py", "a/__init__.py", "a/one.py", "a/two.py", "a/sub/__init__.py", "a/sub/deep.py"):
-        (pkg / f).write_text("")
+    pkg = tiny_package(tmp_path, ("__init__.py", "x.py", "a/__init__.py", "a/one.py", "a/two.py", "a/sub/__init__.py",
+                                  "a/sub/deep.py"))
     text = ("| `dlrmctl/x.py` | x |\n| `dlrmctl/a/` | `one.py` one; two, not as a file; `sub/` (`deep.py`) |\n")
     assert unnamed_modules(text, pkg) == ["dlrmctl/__init__.py", "dlrmctl/a/two.py"]
