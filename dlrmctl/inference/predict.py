@@ -266,15 +266,24 @@ def iter_model_inputs(
 
 @torch.no_grad()
 def iter_scores(
-    model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536, logits: bool = False
+    model: ExportedModel, input_path: str | os.PathLike, batch_rows: int = 65536, logits: bool = False,
+    on_inputs: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None] | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
-    """Scores of raw lines in file order: yields ``(scores [n] float32, labels [n] float32 | None)``;
-    with ``logits=True`` the logits ``[n]`` float32 instead of the scores (``sigmoid(logits)``).
+    """Scores of raw lines in file order (``predict``'s loop): yields ``(scores [n] float32, labels
+    [n] float32 | None)`` per batch of at most ``batch_rows`` lines; with ``logits=True`` the logits
+    ``[n]`` float32 instead of the scores (``sigmoid(logits)``).
+
+    Args:
+        on_inputs: called with each batch's model inputs ``(dense [n, D] float32, values [N] int64,
+            lengths [F*n] int64, weights [N] float32 | None)`` before its forward (predict counts
+            out-of-vocabulary ids there: :func:`count_oov`).
 
     Raises:
         ExportError, DataError: see :func:`iter_model_inputs`.
     """
     for d, v, ln, w, labels in iter_model_inputs(model, input_path, batch_rows):
+        if on_inputs is not None:
+            on_inputs(d, v, ln, w)
         yield to_host(model.logits(d, v, ln, w) if logits else model.score(d, v, ln, w)), labels
 
 
@@ -374,7 +383,9 @@ def predict_file(
         labelled (computed from the logits as :func:`dlrmctl.metrics.compute_metrics_from_logits`).
 
     Raises:
-        ExportError, DataError: see :func:`iter_scores`; an empty input file or a directory;
+        ExportError, DataError: see :func:`iter_model_inputs` (no preprocessing in the manifest, a
+            model with weighted features whose raw rows carry no weights, a malformed line); an
+            empty input file or a directory;
         DataMismatchError: a vocabulary file differs from the one exported; FileNotFoundError: no input.
         OutputError: ``output`` exists and may not be replaced.
         ValueError: ``batch_rows`` < 1.
@@ -406,9 +417,11 @@ def predict_file(
             f = stack.enter_context(outputs.atomic_file(output, recheck=lambda: outputs.check_file_replaceable(
                 output, "scores CSV", outputs.is_scores_csv, force=force, option="--output", inputs=(input_path,))))
         oov, names, oov_counts = oov_ids(model), list(model.feature_names), {}
-        for d, v, ln, w, labels in iter_model_inputs(model, input_path, batch_rows):
+
+        def count(d: torch.Tensor, v: torch.Tensor, ln: torch.Tensor, w: torch.Tensor | None) -> None:
             count_oov(oov_counts, names, oov, v, ln, d.size(0))
-            z = to_host(model.logits(d, v, ln, w))
+
+        for z, labels in iter_scores(model, input_path, batch_rows, logits=True, on_inputs=count):
             scores = torch.sigmoid(torch.from_numpy(z)).numpy()  # the module's forward: sigmoid(logits)
             if labelled is None:
                 labelled = labels is not None

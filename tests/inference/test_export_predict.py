@@ -322,3 +322,35 @@ def test_quantize_dense_needs_torchscript_one_line(run, tmp_path):
     assert not (tmp_path / "dq").exists()
     r = _cli("export", run_dir, "--int8", "--quantize-dense", "--torchscript", "--out", tmp_path / "dq")
     assert r.exit_code == 0 and "dynamic_int8" in r.output, r.output
+
+
+def test_predict_scores_through_iter_scores_with_its_oov_hook(run, tmp_path, monkeypatch):
+    """``predict_file`` has no scoring loop of its own: it runs :func:`iter_scores` (one call,
+    logits) and counts out-of-vocabulary ids in its ``on_inputs`` hook, once per batch; its CSV
+    scores are ``iter_scores``' scores and its counts :func:`count_oov` over the same inputs."""
+    from dlrmctl.inference import predict
+    from dlrmctl.inference.export import load_exported
+
+    _, _, run_dir = run
+    assert _cli("export", run_dir, "--out", tmp_path / "m").exit_code == 0
+    calls, batches = [], []
+    real = predict.iter_scores
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("logits"))
+        hook = kwargs["on_inputs"]
+        kwargs["on_inputs"] = lambda d, v, ln, w: (batches.append(d.size(0)), hook(d, v, ln, w))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(predict, "iter_scores", spy)
+    rep = predict.predict_file(tmp_path / "m", RAW, tmp_path / "s.csv", batch_rows=32)
+    assert calls == [True] and batches == [32, 32, 32, 4] and rep.rows == 100
+    m = load_exported(tmp_path / "m", bulk=True)
+    want = np.concatenate([s for s, _ in real(m, RAW, 32)])
+    got = np.array([float(r["score"]) for r in csv.DictReader(open(tmp_path / "s.csv"))], dtype=np.float32)
+    assert np.allclose(got, want, rtol=1e-7, atol=0)  # the CSV's 8 significant digits
+    counts: dict = {}
+    oov, names = predict.oov_ids(m), list(m.feature_names)
+    for d, v, ln, _, _ in predict.iter_model_inputs(m, RAW, 32):
+        predict.count_oov(counts, names, oov, v, ln, d.size(0))
+    assert rep.oov == counts and counts
