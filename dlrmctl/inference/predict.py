@@ -148,20 +148,30 @@ class PredictReport:
         oov: per feature with a vocabulary (meta.json ``oov_id``: ids rarer than the frequency
             threshold in the training split, or never seen there, share that row), ``(ids on its
             out-of-vocabulary row, ids)`` over the scored rows.
+        train_oov: per feature, the share of the train split's own ids on that row
+            (:func:`dlrmctl.inference.train_oov.train_oov_shares`); absent: taken as 0.
     """
 
     def __init__(self, rows: int, labelled: bool, metrics: dict | None, output: str,
-                 oov: dict[str, list[int]] | None = None) -> None:
+                 oov: dict[str, list[int]] | None = None, train_oov: dict[str, float] | None = None) -> None:
         self.rows, self.labelled, self.metrics, self.output = rows, labelled, metrics, output
         self.oov = dict(oov or {})
+        self.train_oov = dict(train_oov or {})
 
     def oov_warnings(self, threshold: float = OOV_WARN_SHARE) -> list[str]:
-        """One line per feature whose out-of-vocabulary share exceeds ``threshold`` (a fraction),
-        without the ``warning:`` prefix, in feature order."""
-        return [f"feature '{f}': {n / total:.1%} of its {total:,} ids are out of the training vocabulary (above "
-                f"{threshold:.0%}), so they all score as one row; check that the input is the data the model was "
-                "trained for, or train on newer data"
-                for f, (n, total) in self.oov.items() if total and n / total > threshold]
+        """One line per feature whose out-of-vocabulary share is well above the train split's own
+        share ``t``: above ``t + (1 - t) * threshold`` (``threshold`` a fraction: the share of the
+        ids the train split maps in vocabulary that are out of it here), without the ``warning:``
+        prefix, in feature order."""
+        out = []
+        for f, (n, total) in self.oov.items():
+            t = self.train_oov.get(f, 0.0)
+            limit = t + (1 - t) * threshold
+            if total and n / total > limit:
+                out.append(f"feature '{f}': {n / total:.1%} of its {total:,} ids are out of the training vocabulary "
+                           f"(the train split's own ids: {t:.1%}; warned above {limit:.0%}), so they all score as one "
+                           "row; check that the input is the data the model was trained for, or train on newer data")
+        return out
 
 
 def oov_ids(model: ExportedModel) -> list[int | None]:
@@ -436,4 +446,7 @@ def predict_file(
         if labelled is None:
             f.write("row,score\n")
     metrics = compute_metrics_from_logits(np.concatenate(all_s), np.concatenate(all_l)) if labelled and rows else None
-    return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output), oov_counts)
+    from dlrmctl.inference.train_oov import train_oov_shares
+
+    return PredictReport(rows, bool(labelled), metrics, "-" if to_stdout else str(output), oov_counts,
+                         train_oov_shares(model.manifest, model.model_dir) if oov_counts else None)
