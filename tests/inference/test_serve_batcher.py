@@ -108,7 +108,8 @@ def test_min_delay_holds_a_released_request_and_the_cap_bounds_an_unreleased_one
 def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_scored():
     """``release(inline=True)`` (the producer holds no other request) scores the queued requests on
     the calling thread before it returns; while a forward thread scores a batch, they are queued for
-    it as with a plain release, and run once it is free; more than INLINE_ROWS rows always go to it."""
+    it as with a plain release, and run once it is free; before any forward was timed, more than
+    INLINE_ROWS rows go to it."""
     clock = FrozenClock()
     gate, entered = threading.Event(), threading.Event()
     threads: list[str] = []
@@ -123,6 +124,14 @@ def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_
     b = Batcher(fwd, 1, False, max_batch_rows=64, max_delay_ms=60_000.0, max_queue_rows=4096, workers=1,
                 metrics=Metrics(64), clock=clock)
     try:
+        # more rows than INLINE_ROWS, nothing timed yet: a forward thread scores them, the caller (the
+        # event loop) is not held
+        n = b.INLINE_ROWS + 1
+        assert b.inline_rows() == b.INLINE_ROWS
+        fut = b.submit(Rows(np.full((n, 1), 3.0, np.float32), np.zeros(n, np.int64), np.ones((1, n), np.int64), None))
+        b.release(inline=True)
+        assert float(fut.result(30)[1][-1]) == 3.0 and threads == ["dlrmctl-serve-0"]
+        threads.clear()
         fut = b.submit(one_row(1.0))
         b.release(inline=True)
         assert fut.done() and float(fut.result()[1][0]) == 1.0  # done before release returned
@@ -136,13 +145,59 @@ def test_an_inline_release_scores_on_the_calling_thread_unless_a_batch_is_being_
         gate.set()
         assert float(held.result(30)[1][0]) == 9.0 and float(fut.result(30)[1][0]) == 2.0
         assert threads[1:] == ["dlrmctl-serve-0", "dlrmctl-serve-0"]
-        # more rows than INLINE_ROWS: a forward thread scores them, the caller (the event loop) is not held
-        n = b.INLINE_ROWS + 1
-        fut = b.submit(Rows(np.full((n, 1), 3.0, np.float32), np.zeros(n, np.int64), np.ones((1, n), np.int64), None))
-        b.release(inline=True)
-        assert float(fut.result(30)[1][-1]) == 3.0 and threads[3:] == ["dlrmctl-serve-0"]
     finally:
         gate.set()
+        b.stop()
+
+
+def rows_of(n: int, value: float) -> Rows:
+    return Rows(np.full((n, 1), value, np.float32), np.zeros(n, np.int64), np.ones((1, n), np.int64), None)
+
+
+def test_the_inline_cap_follows_the_measured_forward_time_per_row():
+    """The rows ``release(inline=True)`` scores on the event loop are those expected to take at most
+    INLINE_SECONDS at the running forward time per row (on the batcher's clock, which the fake
+    forward moves): 20 us per row gives 500 rows (400 inline, 600 to a forward thread); a wide
+    model whose one row takes 30 ms never holds the event loop, even for a lone one-row request."""
+    clock = FrozenClock()
+    threads: list[str] = []
+    per_row = [20e-6]
+
+    def fwd(dense, values, lengths, weights):
+        threads.append(threading.current_thread().name)
+        clock.t += per_row[0] * dense.shape[0]  # the forward's time, as the batcher's clock sees it
+        return dense[:, 0].clone()
+
+    b = Batcher(fwd, 1, False, max_batch_rows=4096, max_delay_ms=60_000.0, max_queue_rows=8192, workers=1,
+                metrics=Metrics(4096), clock=clock)
+    me = threading.current_thread().name
+    try:
+        fut = b.submit(rows_of(1000, 1.0))  # untimed: 1000 <= INLINE_ROWS rows run inline
+        b.release(inline=True)
+        assert fut.done() and threads == [me]
+        assert b.inline_rows() == pytest.approx(500, abs=1)  # 10 ms / 20 us
+        fut = b.submit(rows_of(400, 2.0))
+        b.release(inline=True)
+        assert fut.done() and threads == [me, me]
+        fut = b.submit(rows_of(600, 3.0))
+        b.release(inline=True)
+        assert float(fut.result(30)[1][-1]) == 3.0 and threads[2:] == ["dlrmctl-serve-0"]
+    finally:
+        b.stop()
+    per_row[0] = 0.030  # a wide model: 30 ms for one row
+    b = Batcher(fwd, 1, False, max_batch_rows=4096, max_delay_ms=60_000.0, max_queue_rows=8192, workers=1,
+                metrics=Metrics(4096), clock=clock)
+    try:
+        threads.clear()
+        fut = b.submit(rows_of(1, 4.0))  # untimed: inline (the first forward is what measures it)
+        b.release(inline=True)
+        assert fut.done() and threads == [me] and b.inline_rows() == 0
+        for v in (5.0, 6.0):  # then every lone row goes to a forward thread
+            fut = b.submit(rows_of(1, v))
+            b.release(inline=True)
+            assert float(fut.result(30)[1][0]) == v
+        assert threads[1:] == ["dlrmctl-serve-0", "dlrmctl-serve-0"] and b.inline_rows() == 0
+    finally:
         b.stop()
 
 

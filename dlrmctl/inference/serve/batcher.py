@@ -109,8 +109,14 @@ class Batcher:
         clock: seconds, monotonic (``time.monotonic``; a test's fake clock).
     """
 
-    #: the most rows :meth:`release` scores on its calling thread (a forward of about 10 ms on one CPU core)
+    #: the longest forward :meth:`release` runs on its calling thread (the event loop), in seconds,
+    #: as expected from the forwards timed so far (:meth:`inline_rows`)
+    INLINE_SECONDS = 0.010
+    #: the most rows :meth:`release` scores on its calling thread before any forward has been timed
+    #: (a forward of about 10 ms on one CPU core for the models of benchmarks/serve.md)
     INLINE_ROWS = 1024
+    #: the weight of the earlier forwards in the running time per row (each new one weighs 1)
+    TIME_DECAY = 0.9
 
     def __init__(self, forward: Callable[..., torch.Tensor], features: int, weighted: bool, max_batch_rows: int,
                  max_delay_ms: float, max_queue_rows: int, workers: int, metrics: Metrics,
@@ -124,6 +130,7 @@ class Batcher:
         self._seq = 0  # requests submitted so far
         self._released = 0  # requests 1.._released may go without waiting for more (release())
         self._busy = 0  # batches being scored now (forward threads, and release(inline=True))
+        self._timed_s = self._timed_rows = 0.0  # decayed sums of forward seconds and rows (inline_rows)
         self._cond = threading.Condition()
         self._stop = False
         self._threads = [threading.Thread(target=self._run, name=f"dlrmctl-serve-{i}", daemon=True) for i in range(workers)]
@@ -163,17 +170,18 @@ class Batcher:
         the producer (the app's event loop) has no other request arriving.
 
         ``inline``: the producer holds no other request either; then, when no batch is being scored,
-        ``min_delay_ms`` is 0 and at most :attr:`INLINE_ROWS` rows are queued, they are scored here,
+        ``min_delay_ms`` is 0 and at most :meth:`inline_rows` rows are queued, they are scored here,
         on the calling thread, before this returns (their futures done): a lone request skips the two
         thread hand-offs (wake a forward thread, wake the event loop with its answer), each a wait for
         a CPU on a busy machine.  More rows go to a forward thread, so that the event loop is not held
-        for a long forward (health checks are answered meanwhile).
+        for a long forward (health checks are answered meanwhile): with a wide model, where one row
+        takes longer than :attr:`INLINE_SECONDS`, every request does.
         """
         with self._cond:
             self._released = self._seq
             if not self._q:
                 return
-            if not inline or self._busy or self.min_delay > 0 or self._stop or self._queued > self.INLINE_ROWS:
+            if not inline or self._busy or self.min_delay > 0 or self._stop or self._queued > self._inline_rows():
                 self._cond.notify()
                 return
             batch = self._pop()
@@ -185,6 +193,23 @@ class Batcher:
                 self._busy -= 1
                 if self._q:
                     self._cond.notify()
+
+    def inline_rows(self) -> int:
+        """The most rows :meth:`release` scores on its calling thread: those whose forward is expected
+        to take at most :attr:`INLINE_SECONDS` at the running time per row (forward seconds over
+        rows of the batches scored so far, each earlier batch weighed :attr:`TIME_DECAY` times less,
+        timed on ``clock``); :attr:`INLINE_ROWS` until a batch has been timed.  The mean counts each
+        batch's fixed cost over its rows, so small batches raise it: a lone small request is
+        expected to cost no less than it did."""
+        with self._cond:
+            return self._inline_rows()
+
+    def _inline_rows(self) -> int:
+        if self._timed_rows == 0:
+            return self.INLINE_ROWS
+        if self._timed_s <= 0:  # a clock that did not move: no forward took measurable time
+            return self.max_queue_rows
+        return int(self.INLINE_SECONDS * self._timed_rows / self._timed_s)
 
     def stop(self) -> None:
         """Score everything queued, then end the forward threads."""
@@ -240,7 +265,7 @@ class Batcher:
                         self._busy -= 1
 
     def _score(self, batch: list[_Item]) -> None:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.clock()
         try:
             z = self.forward(*merge([b.rows for b in batch], self.features, self.weighted)).cpu().numpy().astype(np.float32, copy=False)
         except Exception as e:  # noqa: BLE001 - isolate the culprit: each request on its own
@@ -251,6 +276,9 @@ class Batcher:
                 self._score([b])
             return
         p = torch.sigmoid(torch.from_numpy(z)).numpy()  # once per batch; as dlrmctl predict
+        with self._cond:  # the running time per row of inline_rows (a failed forward is not timed)
+            self._timed_s = self.TIME_DECAY * self._timed_s + max(self.clock() - c0, 0.0)
+            self._timed_rows = self.TIME_DECAY * self._timed_rows + len(z)
         self.metrics.forward.observe(time.perf_counter() - t0)
         self.metrics.batch_rows.observe(len(z))
         s = 0
