@@ -93,7 +93,8 @@ def test_export_says_each_step_with_its_elapsed_seconds_before_its_summary(small
              f"{tmp_path / 'm'}", f"checking the files export reads from {small_data} (SHA-256)",
              f"reading the checkpoint {tmp_path / 'x' / 'checkpoints'}", "reading and quantizing 26 tables to fp32",
              "tracing the program", "writing model.pt2",
-             "parity report: latency, then the artifact against the float model", "done"]
+             "parity report: latency, then the artifact against the float model",
+             "latency at batch 1", "latency at batch 64", "latency at batch 4,096", "done"]
     assert len(staged) == len(steps) and all(m[2].startswith(w) for m, w in zip(staged, steps)), lines
     secs = [float(m[1]) for m in staged]
     assert secs == sorted(secs), secs
