@@ -113,6 +113,7 @@ def say_already_complete(out: Path) -> None:
     meta = json.loads((out / "meta.json").read_text())
     rows = ", ".join(f"{s} {v.get('rows', 0):,}" for s, v in (meta.get("splits") or {}).items())
     typer.echo(f"{out}: already complete ({rows} rows), nothing to do; --force rebuilds it")
+    _warn_empty_splits({s: v.get("rows", 0) for s, v in (meta.get("splits") or {}).items()}, out)
 
 
 def stat_inputs(input: List[str]) -> list[dict]:
@@ -129,15 +130,33 @@ def stat_inputs(input: List[str]) -> list[dict]:
 
 
 def print_summary(rep, out: Path) -> None:
+    """The preprocess's last lines: the rows per split written (or found complete), then a
+    ``warning:`` line (stderr) when the val or test split is empty, saying how to get one."""
     if not rep.files_processed and rep.files_skipped:
         rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
         typer.echo(f"{out}: already complete ({rows} rows), nothing to do"
                    + (f"; {rep.bad_lines:,} bad lines skipped" if rep.bad_lines else ""))
+        _warn_empty_splits(rep.rows, out)
         return
     rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
     typer.echo(f"wrote {out}: {rows} rows; {rep.rows_per_s:,.0f} rows/s over {rep.seconds:.1f} s"
                + (f"; {rep.bad_lines:,} bad lines skipped" if rep.bad_lines else "")
                + (f"; {rep.files_skipped} input file(s) already done (resumed)" if rep.files_skipped else ""))
+    _warn_empty_splits(rep.rows, out)
+
+
+def _warn_empty_splits(rows: dict, out: Path) -> None:
+    """A ``warning:`` line naming the empty val / test split(s) of ``rows`` (split -> rows):
+    ``train`` evaluates on val."""
+    empty = [s for s in ("val", "test") if not rows.get(s)]
+    if not empty or not rows.get("train"):
+        return
+    how = " and ".join(f"--{s}-ratio 0.1" for s in empty)
+    typer.echo(f"warning: {out} has no {' or '.join(empty)} split (0 rows"
+               + (", the default --val-ratio and --test-ratio are 0" if len(empty) == 2 else "") + "): "
+               + ("`train` evaluates on the val split and keeps its best checkpoint by it; " if "val" in empty else "")
+               + f"preprocess again with {how} (fractions of the rows) to get "
+               + ("them" if len(empty) == 2 else "one"), err=True)
 
 
 @app.command("criteo", short_help="Criteo Kaggle / 1TB click logs -> shards + meta.json")
