@@ -9,21 +9,10 @@ import pytest
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.logs import load_schema, preprocess_logs
 from dlrmctl.data.logs.raw_transform import RawTransformer
+from tests.data.test_logs import SCHEMA as LOGS_SCHEMA
 
-SCHEMA = """
-name: toy
-label: click
-time: ts
-ignore: [id]
-dense:
-  - {name: price, transform: log1p, fill: 0}
-  - {name: age, transform: standardize, fill: 30}
-categorical:
-  - {name: user, vocab: {min_count: 1}}
-  - {name: site, hash: 97}
-  - {name: item, ids: raw}
-  - {name: tags, multi: {delimiter: "|", max_len: 3}, vocab: {min_count: 1}}
-"""
+SCHEMA = LOGS_SCHEMA + """  - {name: tags, multi: {delimiter: "|", max_len: 3}, vocab: {min_count: 1}}
+"""  # and a multi-valued column
 
 
 def _transformer(tmp_path, text=SCHEMA, header="id,click,ts,price,age,user,site,item,tags", row=None):
