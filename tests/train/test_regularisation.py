@@ -66,7 +66,7 @@ def _cfg(**model):
 def test_model_dropout_reaches_both_mlps_and_eval_is_deterministic():
     cfg = _cfg(embedding_dim=32, dropout=0.3)
     meta = _meta([10, 20])
-    model = build_model(cfg, resolve_tables(cfg, meta), 2)
+    model = build_model(cfg, resolve_tables(cfg, meta), 2, meta=meta)
     assert model.dense_arch.model.dropout == 0.3 and model.over_arch.model.dropout == 0.3
     from dlrmctl.sparse import KeyedJaggedTensor
 
@@ -89,8 +89,8 @@ def test_first_order_adds_a_zero_initialised_linear_term_of_dense_and_pooled_emb
     kjt = KeyedJaggedTensor.from_lengths_sync(["C1", "C2"], torch.tensor([1, 2, 3, 4, 5, 6]),
                                               torch.tensor([1, 1, 1, 1, 1, 1]))
     cfg = _cfg(embedding_dim="auto", embedding_dim_factor=1.0, first_order=True)
-    model = build_model(cfg, resolve_tables(cfg, meta), 2).eval()
-    plain = build_model(_cfg(embedding_dim="auto", embedding_dim_factor=1.0), resolve_tables(cfg, meta), 2).eval()
+    model = build_model(cfg, resolve_tables(cfg, meta), 2, meta=meta).eval()
+    plain = build_model(_cfg(embedding_dim="auto", embedding_dim_factor=1.0), resolve_tables(cfg, meta), 2, meta=meta).eval()
     assert plain.first_order is None
     widths = [t.embedding_dim for t in resolve_tables(cfg, meta)]
     fo = model.first_order
@@ -135,7 +135,7 @@ def test_auto_gives_the_documented_table_dims_and_projects_the_narrow_ones():
     meta = _meta([5, 100, 685, 10 ** 6])
     tables = resolve_tables(cfg, meta)
     assert [t.embedding_dim for t in tables] == [12, 20, 32, 32]  # 12, 20, 32, 192 capped at d = 32
-    model = build_model(cfg, tables, 2)
+    model = build_model(cfg, tables, 2, meta=meta)
     inter = model.inter_arch
     assert isinstance(inter, ProjectedInteraction)
     # one bias-free Linear(dim, 32) per table narrower than 32
@@ -163,7 +163,7 @@ def test_auto_plans_a_sharded_run_counting_the_projections():
                      dict(embedding_dim="auto", interaction="dcn")):
         cfg = _cfg(**model_kw)
         tables = resolve_tables(cfg, meta)
-        model = build_model(cfg, tables, 2, device="meta")
+        model = build_model(cfg, tables, 2, device="meta", meta=meta)
         dense = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("sparse_arch"))
         assert count_dense_params(cfg, len(tables), 2, [t.embedding_dim for t in tables]) == dense
         plan = plan_for_config(cfg, 2, meta=meta)
