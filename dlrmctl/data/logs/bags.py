@@ -29,11 +29,10 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.ids import raw_ids
-from dlrmctl.data.logs.join import KEY, read_side_columns, side_path
+from dlrmctl.data.logs.join import KEY, find_sorted, read_side_columns, side_path, write_table
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.split import GroupCutoffs
 
@@ -77,13 +76,6 @@ def _normalized(values: list) -> list[str]:
     return [" ".join(str(v).lower().split()) if v is not None else "" for v in values]
 
 
-def _write(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, table.schema) as w:
-        w.write_table(table)
-    os.replace(tmp, path)
-
-
 def prepare_bags(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLike,
                  latest: tuple[np.ndarray, np.ndarray] | None) -> tuple[LogSchema, list[dict]]:
     """Aggregate each ``many`` side table into bags (module docstring) and write them.
@@ -119,9 +111,8 @@ def prepare_bags(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLi
                                 path=path) from None
             g = raw_ids(t.column(m["group"]))
             lg, lt = latest
-            pos = np.minimum(np.searchsorted(lg, g), max(len(lg) - 1, 0))
-            has = (lg[pos] == g) if len(lg) else np.zeros(len(g), bool)
-            use &= has & (ts <= np.where(has, lt[pos], 0))
+            pos, has = find_sorted(lg, g)
+            use &= has & (ts <= np.where(has, lt[pos] if len(lt) else 0, 0))
         counts: dict[str, int] = {}
         events: dict[tuple[int, str], int] = {}
         for k, v in zip(keys[use].tolist(), [v for v, u in zip(vals, use.tolist()) if u]):
@@ -138,8 +129,8 @@ def prepare_bags(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLi
         rel = f"vocab/join_{i}.arrow"
         out = Path(out_dir) / rel
         out.parent.mkdir(parents=True, exist_ok=True)
-        _write(out, pa.table({KEY: pa.array(bag_keys, pa.int64()), col: pa.array(bags, pa.list_(pa.string()))}))
-        _write(Path(out_dir) / values_file(i), pa.table({"value": pa.array(kept, pa.string()),
+        write_table(out, pa.table({KEY: pa.array(bag_keys, pa.int64()), col: pa.array(bags, pa.list_(pa.string()))}))
+        write_table(Path(out_dir) / values_file(i), pa.table({"value": pa.array(kept, pa.string()),
                                                         "count": pa.array([counts[v] for v in kept], pa.int64())}))
         specs[i] = dataclasses.replace(j, table=str(out))
         info.append({"source": str(path), "file": rel, "rows": int(t.num_rows), "key": j.key, "columns": [col],

@@ -32,6 +32,7 @@ import pyarrow.ipc as ipc
 from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.vocab import merge_counts
 from dlrmctl.data.logs.bad_rows import bad_rows
+from dlrmctl.data.logs.join import find_sorted, write_table
 from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import DenseSpec, LogSchema
 
@@ -137,11 +138,7 @@ def write_count_tables(schema: LogSchema, counted: list[int], count_files: list[
         j = counted.index(names.index(d.count_of))
         t = merge_counts([pa.Table.from_batches([ipc.open_file(pa.memory_map(f)).get_batch(j)]) for f in count_files])
         t = t.sort_by("value")
-        out = Path(out_dir) / paths[d.name]
-        tmp = out.with_name(out.name + ".tmp")
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, t.schema) as w:
-            w.write_table(t)
-        os.replace(tmp, out)
+        write_table(Path(out_dir) / paths[d.name], t)
     return paths
 
 
@@ -165,9 +162,8 @@ class CountTable:
         """``[n]`` float64 train counts of ``keys`` (``[n]`` int64); 0 where absent or not ``present``."""
         if not len(self.keys):
             return np.zeros(len(keys))
-        pos = np.minimum(np.searchsorted(self.keys, keys), len(self.keys) - 1)
-        hit = (self.keys[pos] == keys) & present
-        return np.where(hit, self.counts[pos], 0).astype(np.float64)
+        pos, hit = find_sorted(self.keys, keys)
+        return np.where(hit & present, self.counts[pos], 0).astype(np.float64)
 
 
 def finish_dense(d, schema: LogSchema, stats: dict, counts: dict[str, CountTable]) -> None:

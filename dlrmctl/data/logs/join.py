@@ -36,9 +36,28 @@ from dlrmctl.data.logs.read import RowBatch
 from dlrmctl.data.logs.schema import JoinSpec, LogSchema
 from dlrmctl.errors import quoted
 
-__all__ = ["KEY", "join_columns", "prepare_joins", "read_side_columns", "read_side_keys", "recorded", "side_path", "with_tables"]
+__all__ = ["KEY", "find_sorted", "join_columns", "prepare_joins", "read_side_columns", "read_side_keys", "recorded",
+           "side_path", "with_tables", "write_table"]
 
 KEY = "key"
+
+
+def write_table(path: Path, table: pa.Table) -> None:
+    """Write ``table`` to the Arrow IPC file ``path`` atomically (a temp file, then a rename): the
+    data directory's side tables, bags, train counts and rewritten vocabularies."""
+    tmp = path.with_name(path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    os.replace(tmp, path)
+
+
+def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(pos, hit)``: per value of ``keys``, its position in ``sorted_keys`` (ascending; clamped to
+    a valid index, 0 when empty) and whether it is there (``sorted_keys[pos] == keys``)."""
+    if not len(sorted_keys):
+        return np.zeros(len(keys), np.int64), np.zeros(len(keys), bool)
+    pos = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return pos, sorted_keys[pos] == keys
 
 
 def side_path(spec: JoinSpec, inputs: list[Path]) -> Path:
@@ -144,10 +163,7 @@ def prepare_joins(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathL
         out = Path(out_dir) / rel
         out.parent.mkdir(parents=True, exist_ok=True)
         sorted_t = t.take(pa.array(order)).select(list(j.columns)).add_column(0, KEY, pa.array(ks, pa.int64()))
-        tmp = out.with_name(out.name + ".tmp")
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, sorted_t.schema) as w:
-            w.write_table(sorted_t)
-        os.replace(tmp, out)
+        write_table(out, sorted_t)
         specs.append(dataclasses.replace(j, table=str(out)))
         info.append({"source": str(path), "file": rel, "rows": int(t.num_rows), "key": j.key, "columns": list(j.columns)})
     return dataclasses.replace(schema, join=tuple(specs)), info
@@ -209,8 +225,8 @@ def join_columns(batch: RowBatch, schema: LogSchema, drop: np.ndarray, on_bad_li
             keys = raw_ids(on)
         except TypeError as e:
             raise batch.error(0, j.key, f"expected strings or integers (the key of `join`): {e}") from None
-        pos = np.minimum(np.searchsorted(keys_sorted, keys), max(len(keys_sorted) - 1, 0))
-        hit = (keys_sorted[pos] == keys) & (keys != 0) if len(keys_sorted) else np.zeros(len(keys), bool)
+        pos, hit = find_sorted(keys_sorted, keys)
+        hit &= keys != 0
         if j.missing == "error":
             bad = ~hit & ~drop
             if scoring and on_bad_line == "error" and bad.any():  # the side table as it was at preprocessing

@@ -33,7 +33,7 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.criteo.parallel import report_rows
 from dlrmctl.data.ids import raw_ids
 from dlrmctl.data.logs.bags import values_file
-from dlrmctl.data.logs.join import join_columns, read_side_keys
+from dlrmctl.data.logs.join import find_sorted, join_columns, read_side_keys, write_table
 from dlrmctl.data.logs.read import iter_batches
 from dlrmctl.data.logs.schema import CategoricalSpec, LogSchema
 from dlrmctl.data.logs.transform import Decoded, VocabLookup, ids_of
@@ -122,11 +122,7 @@ def value_order(values: pa.Array) -> np.ndarray:
 
 
 def _write_vocab(path: Path, keys: np.ndarray, counts: np.ndarray) -> None:
-    vt = pa.table({"value": pa.array(keys, pa.int64()), "count": pa.array(counts, pa.int64())})
-    tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, vt.schema) as w:
-        w.write_table(vt)
-    os.replace(tmp, path)
+    write_table(path, pa.table({"value": pa.array(keys, pa.int64()), "count": pa.array(counts, pa.int64())}))
 
 
 def finish_vocabs(schema: LogSchema, files: list[Path], out_dir: str | os.PathLike, vocab_info: dict[int, dict],
@@ -174,8 +170,7 @@ def finish_vocabs(schema: LogSchema, files: list[Path], out_dir: str | os.PathLi
             cat_counts = np.zeros(len(side_keys), np.int64)
             srt = np.argsort(side_keys, kind="stable")
             sk = side_keys[srt]
-            pos = np.minimum(np.searchsorted(sk, keys), max(len(sk) - 1, 0))
-            hit = sk[pos] == keys if len(sk) else np.zeros(len(keys), bool)
+            pos, hit = find_sorted(sk, keys)
             cat_counts[srt[pos[hit]]] = counts[hit]
             keys, counts, values = side_keys, cat_counts, side
         elif spec.order == "value" and spec.parse != "hex":
