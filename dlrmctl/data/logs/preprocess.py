@@ -269,13 +269,6 @@ def write_task(task: LogTask) -> dict:
 
 
 # ----------------------------------------------------------------------------- driver
-def _run(fn, label: str, tasks: list[LogTask], workers: int, progress: bool) -> list:
-    prog = Progress(label, len(tasks), progress)
-    got = run_tasks(fn, tasks, workers, prog)
-    prog.show(final=True)
-    return got
-
-
 def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str | os.PathLike],
                     out_dir: str | os.PathLike, options: LogOptions | None = None,
                     progress: bool = True) -> PreprocessReport:
@@ -314,26 +307,26 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
         return LogTask(str(f), f.name, schema, o, str(out), **kw)
 
     rows_read = 0
-    cutoffs = groups = None
-    if o.split_by == "time" and schema.split is not None and schema.split.group:
-        prog = Progress("logs pass 0 (groups)", len(files), progress)
-        got = run_tasks(group_rows, [dataclasses.replace(task(f), schema=without_bags(schema)) for f in files],
-                        o.workers, prog)
+
+    def run(fn, label: str, tasks: list[LogTask]) -> list:  # one pass over the worker pool
+        nonlocal rows_read
+        prog = Progress(label, len(tasks), progress)
+        got = run_tasks(fn, tasks, o.workers, prog)
         prog.show(final=True)
         rows_read += prog.rows
-        keys0 = concat_keys(got)
+        return got
+
+    cutoffs = groups = None
+    pass0 = [dataclasses.replace(task(f), schema=without_bags(schema)) for f in files]  # (before the bags exist)
+    if o.split_by == "time" and schema.split is not None and schema.split.group:
+        keys0 = concat_keys(run(group_rows, "logs pass 0 (groups)", pass0))
         groups = group_cutoffs(*keys0, o.val_ratio, o.test_ratio)
         if not groups.train_rows and len(groups.groups):  # (an empty input is said below)
             raise DataError(f"the per-group time split leaves no rows to train on with --val-ratio {o.val_ratio} "
                             f"--test-ratio {o.test_ratio} (too few rows per group)", path=str(inputs))
         common["groups"] = groups.digest()
-    elif o.split_by == "time":  # one global cut (the bags do not exist yet: read without them)
-        prog = Progress("logs pass 0 (time)", len(files), progress)
-        tables = run_tasks(time_counts, [dataclasses.replace(task(f), schema=without_bags(schema)) for f in files],
-                           o.workers, prog)
-        prog.show(final=True)
-        rows_read += prog.rows
-        cutoffs = time_cutoffs(_vocab.merge_counts(tables), o, str(inputs))
+    elif o.split_by == "time":  # one global cut
+        cutoffs = time_cutoffs(_vocab.merge_counts(run(time_counts, "logs pass 0 (time)", pass0)), o, str(inputs))
     if any(j.many for j in schema.join):  # side tables aggregated into bags: after the split
         schema, bag_info = prepare_bags(schema, files, out, latest_train_times(groups, *keys0) if groups else None)
         joins += bag_info
@@ -345,10 +338,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
     if counted or any(_stat(d) for d in schema.dense):
         fp1 = {f: part_fingerprint(f, {**common, "cutoffs": cutoffs, "pass": 1}) for f in files}
         tasks = [task(f, cutoffs=cutoffs, groups=groups, fingerprint=fp1[f]) for f in files]
-        prog = Progress("logs pass 1 (count)", len(tasks), progress)
-        sums = run_tasks(count_task, tasks, o.workers, prog)
-        prog.show(final=True)
-        rows_read += prog.rows
+        sums = run(count_task, "logs pass 1 (count)", tasks)
         for d in schema.dense:
             if _stat(d):
                 n = sum(s[d.name][0] for s in sums)
@@ -360,7 +350,7 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
                                       [schema.categorical[i].min_count if schema.categorical[i].mode == "vocab"
                                        else None for i in counted], [schema.categorical[i].name for i in counted])
             vocab_info = finish_vocabs(schema, files, out, dict(zip(counted, info)),
-                                       lambda fn, label: _run(fn, label, [task(f) for f in files], o.workers, progress))
+                                       lambda fn, label: run(fn, label, [task(f) for f in files]))
             write_count_tables(schema, counted, [str(out / ".counts" / f"{f.name}.arrow") for f in files], out)
     sizes = [table_rows(c, vocab_info.get(i, {}).get("size"), vocab_info.get(i, {}).get("distinct_train_values"))
              for i, c in enumerate(schema.categorical)]
@@ -376,11 +366,8 @@ def preprocess_logs(schema: LogSchema, inputs: str | os.PathLike | Sequence[str 
             continue
         tasks.append(task(f, fingerprint=fp, cutoffs=cutoffs, groups=groups, dense_stats=dense_stats,
                           table_sizes=sizes, cache_fingerprint=fp1.get(f, "")))
-    prog = Progress("logs", len(tasks), progress)
-    for t, st in zip(tasks, run_tasks(write_task, tasks, o.workers, prog)):
+    for t, st in zip(tasks, run(write_task, "logs", tasks)):
         done_stats[Path(t.path)] = st
-    prog.show(final=True)
-    rows_read += prog.rows
     shutil.rmtree(out / ".counts", ignore_errors=True) if all(
         (out / "parts" / f.name / DONE_FILE).is_file() for f in files) else None
     meta = dataset_meta(recorded(schema), o, files, done_stats, sizes, vocab_info, dense_stats, cutoffs or (None, None))
