@@ -61,7 +61,7 @@ from dlrmctl.data.logs.options import LogOptions
 from dlrmctl.data.logs.read import file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.split import GroupCutoffs, concat_keys, group_cutoffs, split_mode, time_cutoffs
-from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of, table_rows, vocab_path
+from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, table_rows, vocab_path
 from dlrmctl.data.logs.vocab_rules import drop_outside, finish_vocabs
 
 __all__ = ["LogOptions", "preprocess_logs"]
@@ -224,7 +224,7 @@ def write_task(task: LogTask) -> dict:
     cached = read_cache(task.out_dir, task.part, task.cache_fingerprint, s) if task.cache_fingerprint else None
     with PartBuild(task.out_dir, task.part, schema) as build:  # any failure or Ctrl-C removes the temp part
         for d in cached if cached is not None else _blocks(task):
-            d = drop_outside(s, d, vocabs, task.path, task.opts.on_bad_line)
+            d, all_ids = drop_outside(s, d, vocabs, task.path, task.opts.on_bad_line)
             stats["bad_lines"] += d.bad
             n = len(d.keys)
             if n == 0:
@@ -232,7 +232,6 @@ def write_task(task: LogTask) -> dict:
             codes = _split_codes(task, d)
             finish_dense(d, s, task.dense_stats or {}, counts)
             dense = dense_values(d, s, task.dense_stats or {})
-            all_ids = [ids_of(spec, v, vocabs[f]) for f, (spec, v) in enumerate(zip(s.categorical, d.categorical))]
             for f, (spec, v) in enumerate(zip(s.categorical, d.categorical)):
                 stats["missing"][f] += int((v.lengths == 0).sum() if spec.multi else (~v.present).sum())
             for si, split in enumerate(SPLITS):

@@ -26,7 +26,7 @@ from dlrmctl.data.columnar import DataError
 from dlrmctl.data.logs.join import with_tables
 from dlrmctl.data.logs.read import RowBatch, file_columns, iter_batches
 from dlrmctl.data.logs.schema import LogSchema
-from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values, ids_of
+from dlrmctl.data.logs.transform import VocabLookup, decode, dense_values
 from dlrmctl.data.logs.derived import CountTable, count_paths, finish_dense
 from dlrmctl.data.logs.vocab_rules import drop_outside
 from dlrmctl.data.raw_rows import Bags
@@ -81,13 +81,12 @@ class RawTransformer:
 
     def _chunks(self, batches: Iterator[RowBatch], schema: LogSchema, batch_rows: int) -> Iterator[Chunk]:
         for b in batches:
-            d = drop_outside(schema, decode(b, schema, "error", scoring=True), self.vocabs, b.path, "error")
+            d, per = drop_outside(schema, decode(b, schema, "error", scoring=True), self.vocabs, b.path, "error")
             finish_dense(d, schema, self.stats, self.counts)
             n = len(d.keys)
             if n == 0:
                 continue
             dense = np.stack(dense_values(d, schema, self.stats), axis=1) if schema.dense else np.zeros((n, 0), np.float32)
-            per = [ids_of(c, v, voc) for c, v, voc in zip(schema.categorical, d.categorical, self.vocabs)]
             if self.bags:
                 ids = Bags(per, np.stack([v.lengths if v.lengths is not None else np.ones(n, np.int64)
                                           for v in d.categorical]).reshape(len(per), n),

@@ -245,22 +245,27 @@ def describe(spec: CategoricalSpec) -> dict:
 
 
 def drop_outside(schema: LogSchema, d: Decoded, vocabs: list[VocabLookup | None], path: str,
-                 on_bad_line: str) -> Decoded:
-    """``d`` without the rows an ``oov: error`` column refuses (:func:`outside_vocabulary`).
+                 on_bad_line: str) -> tuple[Decoded, list[np.ndarray]]:
+    """``d`` without the rows an ``oov: error`` column refuses (:func:`outside_vocabulary`), and
+    the ids of its categoricals (:func:`dlrmctl.data.logs.transform.ids_of`, once per block).
 
     Args:
         schema: the schema; ``vocabs``: per categorical its vocabulary (None but in ``vocab`` mode).
         d: a decoded block; ``path``: its file (in the message).
         on_bad_line: ``error``: raise naming the first such row; ``skip``: drop and count them.
 
+    Returns:
+        ``(d without the refused rows, [per categorical: ids of the rows kept])``.
+
     Raises:
         DataError: ``path:line`` (Parquet: ``path: row R``), the column, the value's fate.
     """
+    ids = [ids_of(spec, v, voc) for spec, v, voc in zip(schema.categorical, d.categorical, vocabs)]
     bad = np.zeros(len(d.keys), bool)
-    for spec, v, voc in zip(schema.categorical, d.categorical, vocabs):
+    for spec, v, voc, x in zip(schema.categorical, d.categorical, vocabs, ids):
         if spec.mode != "vocab" or spec.oov != "error":
             continue
-        rows = outside_vocabulary(spec, ids_of(spec, v, voc), v.lengths, voc.size)
+        rows = outside_vocabulary(spec, x, v.lengths, voc.size)
         if on_bad_line == "error" and rows.any():
             r = int(np.flatnonzero(rows)[0])
             key = int(d.keys[r])
@@ -269,10 +274,11 @@ def drop_outside(schema: LogSchema, d: Decoded, vocabs: list[VocabLookup | None]
                             "out-of-vocabulary or missing row), got an unknown or missing value", field=spec.name, **where)
         bad |= rows
     if not bad.any():
-        return d
+        return d, ids
     keep = ~bad
+    ids = [x[keep] if v.lengths is None else x[np.repeat(keep, v.lengths)] for x, v in zip(ids, d.categorical)]
     return dataclasses.replace(
         d, keys=d.keys[keep], label=None if d.label is None else d.label[keep], dense=[x[keep] for x in d.dense],
         time=None if d.time is None else d.time[keep], categorical=[c.select(keep) for c in d.categorical],
         bad=d.bad + int(bad.sum()), group=None if d.group is None else d.group[keep],
-        order=None if d.order is None else d.order[keep])
+        order=None if d.order is None else d.order[keep]), ids
