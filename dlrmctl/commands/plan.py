@@ -270,8 +270,10 @@ def plan_command(
         write_text_atomic(rpath, text)
     except OSError as e:
         fail(f"wrote {show_path(out)}, but not the report --report {show_path(rpath)}: {e.strerror or e}")
+    hosts = res.plan.world_size // res.plan.local_world_size  # --nproc is ranks per node, as train takes it
+    ranks = f"--nproc {res.plan.local_world_size} --nnodes {hosts}" if hosts > 1 else f"--nproc {gpus}"
     echo(f"wrote {show_path(out)} and {show_path(rpath)}; train with it: dlrmctl train {show_path(config)} "
-         f"--nproc {gpus} --plan {show_path(out)}")
+         f"{ranks} --plan {show_path(out)}")
 
 
 def _training_gpu(cfg, config: Path) -> Optional[tuple[str, float, str]]:

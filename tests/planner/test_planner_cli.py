@@ -47,6 +47,8 @@ def test_plan_command_writes_a_plan_that_loads_and_validates(tmp_path):
                                           "--ddr-gb", "8", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "Rank | HBM (GB) | DDR (GB) | Perf (ms) | Input (MB) | Output (MB) | Shards" in r.output
+    # the train command it suggests asks for the plan's ranks: --nproc is per node
+    assert f"train with it: dlrmctl train {cfg_path} --nproc 2 --nnodes 2 --plan {out}" in r.output, r.output
     plan = ShardingPlan.load(out)
     assert (plan.world_size, plan.local_world_size) == (4, 2)
     cfg = load_config(cfg_path)
