@@ -268,8 +268,18 @@ def test_evaluate_run_on_a_materialized_meta_model_equals_the_full_model(run, mo
     sd_new, sd_old = new_model.state_dict(), old_model.state_dict()
     assert sd_new.keys() == sd_old.keys()
     assert all(torch.equal(sd_new[k], sd_old[k]) for k in sd_new)
-    monkeypatch.setattr(reload, "load_trained_model", lambda run_dir, checkpoint=None: _old_path_model(run_dir, checkpoint))
+    from dlrmctl.config import weighted_features
+
+    calls = []
+
+    def old_path(run_dir, checkpoint=None):  # what run_logits loads, through the old path
+        calls.append(run_dir)
+        cfg, model, meta = _old_path_model(run_dir, checkpoint)
+        return cfg, model, meta, {"weighted_features": weighted_features(cfg, meta)}, None
+
+    monkeypatch.setattr(reload, "load_trained_model_with_checkpoint", old_path)
     assert reload.evaluate_run(str(run_dir), "val", str(data)) == new
+    assert calls == [str(run_dir)]  # evaluate_run scored the old path's model
 
 
 def test_export_predict_evaluate_read_device_outputs_through_to_host(run, tmp_path, monkeypatch):
