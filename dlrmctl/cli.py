@@ -124,12 +124,6 @@ def _register() -> None:
 
 _register()
 
-#: the verbs that hold sub-verbs (``preprocess``, ``checkpoint``, ``jobs``), as registered on :data:`app`:
-#: their command line names ``dlrmctl <group> <sub-verb>`` (the click tree that
-#: :func:`dlrmctl.errors.command_of` walks is built from the same registrations; the interrupt line
-#: of :mod:`dlrmctl.entry`, printed before this module is imported, reads its copy, checked equal)
-SUB_GROUPS = frozenset(g.name for g in app.registered_groups if g.name)
-
 
 def main() -> None:
     """Console-script entry point (``dlrmctl``).

@@ -11,8 +11,8 @@ import sys
 __all__ = ["SUB_GROUPS", "main", "report_early_interrupt"]
 
 #: the verbs that hold sub-verbs, whose command line names ``dlrmctl <group> <sub-verb>``: needed
-#: before :mod:`dlrmctl.cli` is imported; :data:`dlrmctl.cli.SUB_GROUPS` (what the app registers)
-#: must equal it (tests/test_errors.py)
+#: before :mod:`dlrmctl.cli` is imported; the groups ``dlrmctl.cli.app`` registers must be these
+#: (tests/test_errors.py)
 SUB_GROUPS = frozenset({"preprocess", "checkpoint", "jobs"})
 
 
