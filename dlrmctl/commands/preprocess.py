@@ -75,12 +75,22 @@ def build_interruptible(target, out: Path, fn):
              "processes ended; run the same command again to resume it", code=e.exit_code)
 
 
-def build_unless_complete(out: Path, recipe: dict, force: bool, fn, interruptible: bool = False):
+#: the ``--val-ratio`` / ``--test-ratio`` options of ``preprocess criteo`` and ``logs``: split ->
+#: the option's default (what an empty split's warning may advise, :func:`print_summary`)
+ZERO_RATIOS = {"val": 0.0, "test": 0.0}
+#: those of ``preprocess synthetic``
+SYNTHETIC_RATIOS = {"val": 0.1, "test": 0.1}
+#: that of ``preprocess synthetic-drift`` (a day has no test split: the next day is its test)
+DRIFT_RATIOS = {"val": 0.1}
+
+
+def build_unless_complete(out: Path, recipe: dict, force: bool, fn, interruptible: bool = False,
+                          ratios: dict[str, float] = ZERO_RATIOS):
     """The build of every ``preprocess`` verb: the target directory for ``recipe``
     (:func:`dataset_target_or_fail`); when a dataset made from the same recipe is already complete
-    there, :func:`say_already_complete` and return None; else run ``fn(build_dir)`` and commit it
-    (:func:`build_interruptible` with ``interruptible``, for a build that runs worker processes; else
-    :func:`build_dataset`) and return what ``fn`` returned (its report).
+    there, :func:`say_already_complete` (with the verb's ``ratios``) and return None; else run
+    ``fn(build_dir)`` and commit it (:func:`build_interruptible` with ``interruptible``, for a build
+    that runs worker processes; else :func:`build_dataset`) and return what ``fn`` returned (its report).
 
     Raises:
         CommandError: ``out`` cannot be created or replaced, or (``interruptible``) a signal ended the
@@ -88,7 +98,7 @@ def build_unless_complete(out: Path, recipe: dict, force: bool, fn, interruptibl
     """
     target = dataset_target_or_fail(out, recipe, force)
     if target.state == "complete":
-        say_already_complete(out)
+        say_already_complete(out, ratios)
         return None
     return build_interruptible(target, out, fn) if interruptible else build_dataset(target, fn)
 
@@ -103,8 +113,9 @@ def _committed(target) -> bool:
                 and (target.out / "meta.json").is_file())
 
 
-def say_already_complete(out: Path) -> None:
-    """The message of a re-run of the same inputs and options on a finished dataset."""
+def say_already_complete(out: Path, ratios: dict[str, float] = ZERO_RATIOS) -> None:
+    """The message of a re-run of the same inputs and options on a finished dataset (and the
+    empty-split warning of :func:`print_summary`, ``ratios`` as there)."""
     import json
 
     from dlrmctl import outputs
@@ -113,7 +124,7 @@ def say_already_complete(out: Path) -> None:
     meta = json.loads((out / "meta.json").read_text())
     rows = ", ".join(f"{s} {v.get('rows', 0):,}" for s, v in (meta.get("splits") or {}).items())
     typer.echo(f"{out}: already complete ({rows} rows), nothing to do; --force rebuilds it")
-    _warn_empty_splits({s: v.get("rows", 0) for s, v in (meta.get("splits") or {}).items()}, out)
+    _warn_empty_splits({s: v.get("rows", 0) for s, v in (meta.get("splits") or {}).items()}, out, ratios)
 
 
 def stat_inputs(input: List[str]) -> list[dict]:
@@ -129,31 +140,33 @@ def stat_inputs(input: List[str]) -> list[dict]:
     return out
 
 
-def print_summary(rep, out: Path) -> None:
+def print_summary(rep, out: Path, ratios: dict[str, float] = ZERO_RATIOS) -> None:
     """The preprocess's last lines: the rows per split written (or found complete), then a
-    ``warning:`` line (stderr) when the val or test split is empty, saying how to get one."""
+    ``warning:`` line (stderr) when the val or test split is empty, saying how to get one: only a
+    split the verb has a ratio option for (``ratios``: split -> the option's default)."""
     if not rep.files_processed and rep.files_skipped:
         rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
         typer.echo(f"{out}: already complete ({rows} rows), nothing to do"
                    + (f"; {rep.bad_lines:,} bad lines skipped" if rep.bad_lines else ""))
-        _warn_empty_splits(rep.rows, out)
+        _warn_empty_splits(rep.rows, out, ratios)
         return
     rows = ", ".join(f"{s} {n:,}" for s, n in rep.rows.items())
     typer.echo(f"wrote {out}: {rows} rows; {rep.rows_per_s:,.0f} rows/s over {rep.seconds:.1f} s"
                + (f"; {rep.bad_lines:,} bad lines skipped" if rep.bad_lines else "")
                + (f"; {rep.files_skipped} input file(s) already done (resumed)" if rep.files_skipped else ""))
-    _warn_empty_splits(rep.rows, out)
+    _warn_empty_splits(rep.rows, out, ratios)
 
 
-def _warn_empty_splits(rows: dict, out: Path) -> None:
-    """A ``warning:`` line naming the empty val / test split(s) of ``rows`` (split -> rows):
-    ``train`` evaluates on val."""
-    empty = [s for s in ("val", "test") if not rows.get(s)]
+def _warn_empty_splits(rows: dict, out: Path, ratios: dict[str, float]) -> None:
+    """A ``warning:`` line naming the empty val / test split(s) of ``rows`` (split -> rows) that the
+    verb's ratio options make (``ratios``: split -> the option's default): ``train`` evaluates on val."""
+    empty = [s for s in ("val", "test") if s in ratios and not rows.get(s)]
     if not empty or not rows.get("train"):
         return
     how = " and ".join(f"--{s}-ratio 0.1" for s in empty)
+    zero = len(empty) == 2 and not any(ratios.values())
     typer.echo(f"warning: {out} has no {' or '.join(empty)} split (0 rows"
-               + (", the default --val-ratio and --test-ratio are 0" if len(empty) == 2 else "") + "): "
+               + (", the default --val-ratio and --test-ratio are 0" if zero else "") + "): "
                + ("`train` evaluates on the val split and keeps its best checkpoint by it; " if "val" in empty else "")
                + f"preprocess again with {how} (fractions of the rows) to get "
                + ("them" if len(empty) == 2 else "one"), err=True)
@@ -234,8 +247,8 @@ def synthetic(
     out: Path = typer.Option(..., "--out", "-o", help="output directory"),
     rows: int = typer.Option(300_000, help="rows over all splits"),
     seed: int = typer.Option(0, help="seed of every parameter and row"),
-    val_ratio: ValRatio = 0.1,
-    test_ratio: TestRatio = 0.1,
+    val_ratio: ValRatio = SYNTHETIC_RATIOS["val"],
+    test_ratio: TestRatio = SYNTHETIC_RATIOS["test"],
     num_embeddings: Annotated[Optional[str], int_list_option(
         "--num-embeddings", n=26, help="table sizes: one N or 26 comma-separated (default: 10..10000, signal tables "
         "C1..C8 small)")] = None,
@@ -282,10 +295,10 @@ def synthetic(
                 raise
             raise typer.BadParameter(str(e)) from None
 
-    rep = build_unless_complete(out, recipe, force, generate)
+    rep = build_unless_complete(out, recipe, force, generate, ratios=SYNTHETIC_RATIOS)
     if rep is None:
         return
-    print_summary(rep, out)
+    print_summary(rep, out, SYNTHETIC_RATIOS)
     import json
 
     typer.echo(f"bayes_auc (val) = {json.loads((out / 'meta.json').read_text())['bayes_auc']:.4f}")
@@ -304,7 +317,7 @@ def synthetic_drift(
     drift: float = typer.Option(0.5, help="std of the daily step of each id's log-popularity"),
     zipf_alpha: float = typer.Option(1.05, help="Zipf exponent of the popularity"),
     effect_std: float = typer.Option(0.8, help="std of the per-id effects on the logit"),
-    val_ratio: float = typer.Option(0.1, help="fraction of the day's rows for validation"),
+    val_ratio: float = typer.Option(DRIFT_RATIOS["val"], help="fraction of the day's rows for validation"),
     seed: int = typer.Option(0, help="seed of the whole log (the same for every day)"),
     modulo: Optional[int] = typer.Option(None, help="store raw_id %% N index ids (a modulo-hashing baseline) "
                                          "instead of raw ids"),
@@ -321,10 +334,11 @@ def synthetic_drift(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     recipe = {"dataset": "synthetic-drift", "day": day, **vars(o)}
-    rep = build_unless_complete(out, recipe, force, lambda d: generate_drifting_day(d, day, o, progress=True))
+    rep = build_unless_complete(out, recipe, force, lambda d: generate_drifting_day(d, day, o, progress=True),
+                                ratios=DRIFT_RATIOS)
     if rep is None:
         return
-    print_summary(rep, out)
+    print_summary(rep, out, DRIFT_RATIOS)
     import json
 
     m = json.loads((out / "meta.json").read_text())

@@ -10,6 +10,9 @@ import typer
 from dlrmctl.commands._common import fail
 from dlrmctl.commands.options import ReplaceDataset
 
+#: ``--val-ratio`` / ``--test-ratio``: split -> the option's default
+RATIOS = {"val": 0.1, "test": 0.1}
+
 
 def register(preprocess_app: typer.Typer) -> None:
     """Add the ``movielens`` command to the ``preprocess`` sub-app.
@@ -25,9 +28,9 @@ def register(preprocess_app: typer.Typer) -> None:
         out: str = typer.Option(..., "--out", help="output directory (columnar shards + meta.json)"),
         positive_threshold: float = typer.Option(4.0, "--positive-threshold",
                                                  help="ratings >= this many stars are positives (label 1)"),
-        val_ratio: float = typer.Option(0.1, "--val-ratio", help="fraction of each user's most recent ratings "
+        val_ratio: float = typer.Option(RATIOS["val"], "--val-ratio", help="fraction of each user's most recent ratings "
                                                                  "(before the test ones) for validation"),
-        test_ratio: float = typer.Option(0.1, "--test-ratio", help="fraction of each user's most recent ratings "
+        test_ratio: float = typer.Option(RATIOS["test"], "--test-ratio", help="fraction of each user's most recent ratings "
                                                                    "for test"),
         min_tag_count: int = typer.Option(2, "--min-tag-count", help="tags seen fewer times are dropped"),
         max_tags_per_item: int = typer.Option(16, "--max-tags-per-item", help="cap of a movie's tag bag"),
@@ -55,7 +58,7 @@ def register(preprocess_app: typer.Typer) -> None:
         recipe = {"dataset": "movielens", "input": os.path.abspath(input), "options": dataclasses.asdict(opts)}
         try:
             rep = build_unless_complete(Path(out), recipe, force, lambda d: preprocess_movielens(
-                input, d, opts, progress=lambda msg: echo(msg, err=True)))
+                input, d, opts, progress=lambda msg: echo(msg, err=True)), ratios=RATIOS)
         except (ValueError, OSError) as e:  # (a DataError, a ValueError too, is the same line)
             fail(str(e))
         if rep is None:
