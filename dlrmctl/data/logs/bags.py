@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +37,7 @@ from dlrmctl.data.logs.join import KEY, find_sorted, read_side_columns, side_pat
 from dlrmctl.data.logs.schema import LogSchema
 from dlrmctl.data.logs.split import GroupCutoffs
 
-__all__ = ["latest_train_times", "prepare_bags", "values_file", "without_bags"]
+__all__ = ["bags_of", "latest_train_times", "normalized", "prepare_bags", "values_file", "without_bags"]
 
 
 def values_file(i: int) -> str:
@@ -72,8 +73,32 @@ def latest_train_times(groups: GroupCutoffs, group: np.ndarray, time: np.ndarray
     return g[last], t[last]
 
 
-def _normalized(values: list) -> list[str]:
-    return [" ".join(str(v).lower().split()) if v is not None else "" for v in values]
+def normalized(value: str) -> str:
+    """``normalize: true``: lower case, runs of whitespace collapsed to one space (ends stripped)."""
+    return " ".join(value.lower().split())
+
+
+def bags_of(events: Iterable[tuple[int, str]], min_count: int, max_len: int
+            ) -> tuple[list[str], dict[str, int], dict[int, list[str]]]:
+    """The rules of the module docstring over the counted ``(key, value)`` events.
+
+    Returns:
+        ``(kept values sorted, {value: counted events}, {key: its bag})``: a value is kept when in
+        ``min_count`` events or more; a key's bag is its ``max_len`` most frequent kept values
+        (ties by value), in value order; a key without a kept value has no entry.
+    """
+    counts: dict[str, int] = {}
+    per: dict[tuple[int, str], int] = {}
+    for k, v in events:
+        counts[v] = counts.get(v, 0) + 1
+        per[(k, v)] = per.get((k, v), 0) + 1
+    kept = sorted(v for v, c in counts.items() if c >= min_count)
+    keep = set(kept)
+    per_key: dict[int, list[tuple[int, str]]] = {}
+    for (k, v), c in per.items():
+        if v in keep:
+            per_key.setdefault(k, []).append((-c, v))
+    return kept, counts, {k: sorted(v for _, v in sorted(p)[:max_len]) for k, p in per_key.items()}
 
 
 def prepare_bags(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLike,
@@ -101,7 +126,7 @@ def prepare_bags(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLi
         t = read_side_columns(j, inputs, schema, extra)
         keys = raw_ids(t.column(j.key))
         vals = t.column(col).to_pylist()
-        vals = _normalized(vals) if m["normalize"] else ["" if v is None else str(v) for v in vals]
+        vals = ["" if v is None else normalized(str(v)) if m["normalize"] else str(v) for v in vals]
         use = (keys != 0) & np.fromiter((v != "" for v in vals), bool, count=len(vals))
         if m["time"]:
             try:
@@ -113,19 +138,10 @@ def prepare_bags(schema: LogSchema, inputs: list[Path], out_dir: str | os.PathLi
             lg, lt = latest
             pos, has = find_sorted(lg, g)
             use &= has & (ts <= np.where(has, lt[pos] if len(lt) else 0, 0))
-        counts: dict[str, int] = {}
-        events: dict[tuple[int, str], int] = {}
-        for k, v in zip(keys[use].tolist(), [v for v, u in zip(vals, use.tolist()) if u]):
-            counts[v] = counts.get(v, 0) + 1
-            events[(k, v)] = events.get((k, v), 0) + 1
-        kept = sorted(v for v, c in counts.items() if c >= m["min_count"])
-        keep = set(kept)
-        per_key: dict[int, list[tuple[int, str]]] = {}
-        for (k, v), c in events.items():
-            if v in keep:
-                per_key.setdefault(k, []).append((-c, v))
+        kept, counts, per_key = bags_of(zip(keys[use].tolist(), [v for v, u in zip(vals, use.tolist()) if u]),
+                                        m["min_count"], m["max_len"])
         bag_keys = np.asarray(sorted(per_key), np.int64)
-        bags = [sorted(v for _, v in sorted(per_key[k])[: m["max_len"]]) for k in bag_keys.tolist()]
+        bags = [per_key[k] for k in bag_keys.tolist()]
         rel = f"vocab/join_{i}.arrow"
         out = Path(out_dir) / rel
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from dlrmctl.data.columnar import (
     shard_schema,
     write_meta,
 )
+from dlrmctl.data.logs.bags import bags_of, normalized
 from dlrmctl.data.logs.split import group_cutoffs
 from dlrmctl.data.movielens.read import MovieLensData, read_movielens
 from dlrmctl.data.movielens.side_files import NO_GENRES
@@ -140,33 +141,22 @@ def _gather_bags(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray) -> p
     return pa.ListArray.from_arrays(pa.array(out_off, type=pa.int32()), pa.array(vals, type=pa.int64()))
 
 
-def _norm_tag(t: str) -> str:
-    return " ".join(t.lower().split())
-
-
 def _tag_bags(data: MovieLensData, item_ids: dict[int, int], user_cutoff: dict[int, int], o: MovieLensOptions
               ) -> tuple[list[str], list[list[int]], dict[str, Any]]:
     """Train-visible tags -> (vocabulary, per-item bags of tag ids, stats)."""
     tu, ti, tt, tts = data.tags  # type: ignore[misc]
-    events: dict[tuple[int, str], int] = {}
-    counts: dict[str, int] = {}
+    used: list[tuple[int, str]] = []
     dropped = 0
     for u, m, tag, t in zip(tu.tolist(), ti.tolist(), tt, tts.tolist()):
         cut = user_cutoff.get(u)
-        tag = _norm_tag(tag)
+        tag = normalized(tag)
         if cut is None or t > cut or m not in item_ids or not tag:
             dropped += 1
             continue
-        counts[tag] = counts.get(tag, 0) + 1
-        key = (item_ids[m], tag)
-        events[key] = events.get(key, 0) + 1
-    vocab_list = sorted(t for t, c in counts.items() if c >= o.min_tag_count)
+        used.append((item_ids[m], tag))
+    vocab_list, counts, per_item = bags_of(used, o.min_tag_count, o.max_tags_per_item)  # (the schema's `many` rules)
     vocab = {t: i for i, t in enumerate(vocab_list)}
-    per_item: list[list[tuple[int, str]]] = [[] for _ in range(len(item_ids))]
-    for (iid, tag), c in events.items():
-        if tag in vocab:
-            per_item[iid].append((-c, tag))
-    bags = [sorted(vocab[t] for _, t in sorted(lst)[: o.max_tags_per_item]) for lst in per_item]
+    bags = [[vocab[t] for t in per_item.get(i, ())] for i in range(len(item_ids))]
     stats = {"events": len(tu), "train_visible_events": len(tu) - dropped, "distinct_tags": len(counts),
              "vocabulary": len(vocab_list), "items_with_tags": sum(1 for b in bags if b)}
     return vocab_list, bags, stats
