@@ -111,9 +111,7 @@ def read_side_keys(spec: JoinSpec, inputs: list[Path], schema: LogSchema) -> pa.
     Raises:
         DataError: an unreadable side file or a missing column.
     """
-    path = side_path(spec, inputs)
-    t = _read_side(spec, path, schema.format_of(path) if spec.format is None else spec.format)
-    return t.column(spec.key).combine_chunks()
+    return read_side_columns(spec, inputs, schema, []).column(spec.key).combine_chunks()
 
 
 def read_side_columns(spec: JoinSpec, inputs: list[Path], schema: LogSchema, extra: list[str]) -> pa.Table:
